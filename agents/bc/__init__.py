@@ -1,0 +1,1 @@
+"""rl_tformers.agents.bc package."""

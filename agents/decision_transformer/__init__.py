@@ -1,0 +1,1 @@
+"""rl_tformers.agents.decision_transformer package."""

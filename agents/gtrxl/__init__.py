@@ -1,0 +1,1 @@
+"""rl_tformers.agents.gtrxl package."""

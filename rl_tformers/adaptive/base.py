@@ -1,0 +1,82 @@
+"""Interface of depth schemes: who owns the blocks and runs the loop over them.
+
+A depth kind is a registered config whose ``build(ctx)`` returns a :class:`DepthModule`
+that builds its blocks (N distinct ones for ``fixed``; one shared block for ``universal``)
+and runs them::
+
+    forward(x (B, T, D), ctx: AttnContext, layer_states: list[LayerState] | None,
+            need_hidden: bool, **kw) -> DepthOutput
+
+Adaptive kinds put their extra losses (ponder cost) in ``aux`` and their decisions (ponder
+steps, exit layer) in ``metrics``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+from rl_tformers.config import SlotConfig
+from rl_tformers.types import AttnContext, LayerState, merge_into
+
+
+@dataclass(frozen=True)
+class DepthConfig(SlotConfig):
+    """Base class of depth configs (``build(ctx) -> DepthModule``)."""
+
+    def build(self, ctx) -> DepthModule:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+@dataclass
+class DepthOutput:
+    """Result of a depth module.
+
+    Attributes:
+        hidden: (B, T, D) output of the last layer (before the backbone's final norm).
+        layer_inputs: per layer, (B, T, D) input it received (what memories store).
+        caches: per layer, updated incremental cache (or None).
+        weights: per layer, attention probabilities when computed (or None).
+        aux, metrics: merged from all layers plus the scheme's own.
+        hidden_states: per-layer outputs when ``need_hidden``.
+        extras: per layer, memory-specific returns (kNN keys/values...).
+    """
+
+    hidden: Tensor
+    layer_inputs: list[Tensor]
+    caches: list[Any]
+    weights: list[Tensor | None]
+    aux: dict[str, Tensor] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    hidden_states: tuple[Tensor, ...] | None = None
+    extras: list[Any] = field(default_factory=list)
+
+
+class DepthModule(nn.Module):
+    """Base depth module: ``self.blocks`` is the ModuleList of blocks it runs."""
+
+    blocks: nn.ModuleList
+
+    def run_layer(
+        self,
+        i: int,
+        block: nn.Module,
+        x: Tensor,
+        ctx: AttnContext,
+        layer_states: list[LayerState] | None,
+        out: DepthOutput,
+    ) -> Tensor:
+        """Run block ``i`` on x (B, T, D), recording its input, cache, weights, aux, metrics."""
+        ctx.layer_idx = i
+        x = block.attn.position.embed(x, ctx.pos_q)
+        out.layer_inputs.append(x)
+        st = None if layer_states is None else layer_states[i]
+        bo = block(x, ctx, st)
+        out.caches.append(bo.cache)
+        out.weights.append(bo.weights)
+        out.extras.append(getattr(bo, "extra", None))
+        merge_into(out.aux, bo.aux)
+        merge_into(out.metrics, bo.metrics, prefix=f"layer{i}/")
+        return bo.hidden

@@ -1,0 +1,57 @@
+"""Depth kind ``fixed``: N distinct blocks applied once each (the standard stack)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from rl_tformers.adaptive.base import DepthConfig, DepthModule, DepthOutput
+from rl_tformers.registry import DEPTH, Capabilities
+from rl_tformers.types import AttnContext, LayerState
+
+
+def build_blocks(ctx, n: int) -> nn.ModuleList:
+    """N blocks from the backbone config, each with its own positional module."""
+    cfg = ctx.config
+    blocks = []
+    for i in range(n):
+        lctx = ctx.at_layer(i)
+        blocks.append(cfg.block.build(lctx, cfg.position.build(lctx)))
+    return nn.ModuleList(blocks)
+
+
+class FixedDepth(DepthModule):
+    def __init__(self, ctx) -> None:
+        super().__init__()
+        self.blocks = build_blocks(ctx, ctx.n_layers)
+
+    def forward(
+        self, x: Tensor, ctx: AttnContext, layer_states: list[LayerState] | None, need_hidden: bool = False, **kw
+    ) -> DepthOutput:
+        if kw:
+            raise TypeError(f"depth kind 'fixed' takes no extra arguments, got {sorted(kw)}")
+        first = self.blocks[0]
+        if getattr(first, "reversible", False):
+            return first.run_stack(self.blocks, x, ctx, layer_states, need_hidden)
+        out = DepthOutput(hidden=x, layer_inputs=[], caches=[], weights=[])
+        hidden = []
+        for i, block in enumerate(self.blocks):
+            x = self.run_layer(i, block, x, ctx, layer_states, out)
+            if need_hidden:
+                hidden.append(x)
+        out.hidden = x
+        out.hidden_states = tuple(hidden) if need_hidden else None
+        return out
+
+
+@DEPTH.register(
+    "fixed",
+    description="A stack of N distinct blocks, each applied once",
+    paper="Vaswani et al. 2017, Attention Is All You Need",
+    capabilities=Capabilities(memory=True, incremental=True, exact_chunking=True),
+)
+@dataclass(frozen=True)
+class FixedDepthConfig(DepthConfig):
+    def build(self, ctx) -> DepthModule:
+        return FixedDepth(ctx)

@@ -1,0 +1,194 @@
+"""Interface of attention kernels, the reference kernel and shared helpers.
+
+An attention kind is a registered config whose ``build(ctx, position)`` returns an
+:class:`AttentionModule`: the projections, the kernel, and whatever parameters the variant
+needs (Linformer's E/F, Performer's features...). The forward signature is the same for all::
+
+    forward(x_q (B, T, D), x_kv (B, S, D), ctx: AttnContext, cache=None) -> AttnOutput
+
+``x_kv`` is ``x_q`` for plain self-attention, ``[memory; x_q]`` with Transformer-XL memory
+(queries are the last T keys), and the encoder output for cross-attention. With an
+incremental-decoding ``cache`` the keys are ``[cached; new]`` and ``ctx`` describes all of
+them (the backbone builds it from the state's bookkeeping).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rl_tformers.config import SlotConfig
+from rl_tformers.position.base import PositionModule
+from rl_tformers.types import AttnContext, AttnOutput, neg_inf
+
+
+@dataclass(frozen=True)
+class AttentionConfig(SlotConfig):
+    """Base class of attention configs (``build(ctx, position) -> AttentionModule``)."""
+
+    def build(self, ctx, position: PositionModule) -> AttentionModule:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+@dataclass
+class KVCache:
+    """Dense incremental-decoding cache: keys and values of every past token of a layer.
+
+    Attributes:
+        k: (B, H, P, Dh) keys after positional rotation.
+        v: (B, H, P, Dh) values.
+    """
+
+    k: Tensor
+    v: Tensor
+
+
+class AttentionModule(nn.Module):
+    """Multi-head attention base: Q/K/V/O projections and head reshaping.
+
+    Subclasses implement :meth:`attend` (the kernel on projected heads) and may override
+    :meth:`forward` when their structure differs (shared-QK LSH, recurrent linear attention).
+
+    Args:
+        ctx: build context (model width D, heads H, dropout, layer index).
+        position: this layer's positional-encoding module.
+        shared_qk: use one projection for queries and keys (Reformer).
+    """
+
+    def __init__(self, ctx, position: PositionModule, shared_qk: bool = False) -> None:
+        super().__init__()
+        cfg = ctx.config
+        self.d_model, self.n_heads, self.head_dim = cfg.d_model, cfg.n_heads, cfg.head_dim
+        self.layer_idx = ctx.layer_idx
+        self.position = position
+        self.shared_qk = shared_qk
+        self.q_proj = nn.Linear(self.d_model, self.d_model)
+        self.k_proj = None if shared_qk else nn.Linear(self.d_model, self.d_model)
+        self.v_proj = nn.Linear(self.d_model, self.d_model)
+        self.o_proj = nn.Linear(self.d_model, self.d_model)
+        self.attn_dropout = cfg.attn_dropout
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+
+    # -- reshaping ---------------------------------------------------------------------------
+    def split_heads(self, x: Tensor) -> Tensor:
+        """(B, L, D) -> (B, H, L, Dh)."""
+        b, n, _ = x.shape
+        return x.view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
+
+    def merge_heads(self, x: Tensor) -> Tensor:
+        """(B, H, L, Dh) -> (B, L, D)."""
+        b, _, n, _ = x.shape
+        return x.transpose(1, 2).reshape(b, n, self.d_model)
+
+    def project(self, x_q: Tensor, x_kv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Project to heads: q (B, H, T, Dh), k (B, H, S, Dh), v (B, H, S, Dh)."""
+        q = self.split_heads(self.q_proj(x_q))
+        k_lin = self.q_proj if self.k_proj is None else self.k_proj
+        k = self.split_heads(k_lin(x_kv))
+        v = self.split_heads(self.v_proj(x_kv))
+        return q, k, v
+
+    # -- incremental decoding --------------------------------------------------------------------
+    def init_cache(self, batch: int, device: torch.device, dtype: torch.dtype):
+        """Empty cache for step-by-step decoding; raises if the kernel has no incremental form."""
+        raise NotImplementedError(f"attention kind {type(self).__name__} has no incremental (cached) form")
+
+    @property
+    def dropout_p(self) -> float:
+        return self.attn_dropout if self.training else 0.0
+
+
+def attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    allowed: Tensor | None,
+    *,
+    scale: float,
+    bias: Tensor | None = None,
+    transform=None,
+    value_term=None,
+    dropout_p: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """Plain masked softmax attention, the ground truth of the test suite.
+
+    softmax(q k^T * scale + bias, masked) v  (Vaswani et al. 2017, eq. 1).
+
+    Args:
+        q: (B, H, ..., T, Dh); k, v: (B, H, ..., S, Dh).
+        allowed: bool mask broadcastable to (B, H, ..., T, S), True = may attend; None = all.
+        scale: score scale (1/sqrt(Dh) usually).
+        bias: additive score term broadcastable to the scores, or None.
+        transform: ``scores -> scores`` applied after the bias and before masking (DA).
+        value_term: ``probs -> (B, H, ..., T, Dh)`` added to the output (Shaw values).
+        dropout_p: dropout on probabilities.
+    Returns:
+        out (B, H, ..., T, Dh) and probabilities (B, H, ..., T, S). A query row with no allowed
+        key returns zeros (and zero probabilities), never NaN.
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias
+    if transform is not None:
+        scores = transform(scores)
+    scores = scores.float()
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, neg_inf(scores.dtype))
+    probs = torch.softmax(scores, dim=-1)
+    if allowed is not None:
+        probs = probs * allowed.any(dim=-1, keepdim=True)  # rows with no key -> 0
+    probs = probs.to(q.dtype)
+    p = F.dropout(probs, dropout_p) if dropout_p > 0 else probs
+    out = torch.matmul(p, v)
+    if value_term is not None:
+        extra = value_term(p)
+        if extra is not None:
+            out = out + extra
+    return out, probs
+
+
+def attention_sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    allowed: Tensor | None,
+    *,
+    scale: float,
+    bias: Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Masked attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Same semantics as :func:`attention_reference` (True = may attend; a row with no allowed
+    key returns zeros) but fused. Shapes: q (B, H, T, Dh), k/v (B, H, S, Dh), allowed
+    broadcastable to (B, H, T, S). ``is_causal`` may only be set when T == S and there is no
+    other mask or bias (top-left aligned causal mask).
+    """
+    if is_causal:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+    row_ok = None
+    mask = None
+    if allowed is not None:
+        row_ok = allowed.any(dim=-1, keepdim=True)  # (B|1, 1|H, T, 1)
+        allowed = allowed | ~row_ok  # let empty rows attend everything, zero them below
+        mask = allowed
+    if bias is not None:
+        fill = neg_inf(q.dtype)
+        mask = bias.to(q.dtype) if mask is None else bias.to(q.dtype).masked_fill(~mask, fill)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    if row_ok is not None:
+        out = out * row_ok.to(out.dtype)
+    return out
+
+
+def attention_entropy(probs: Tensor) -> Tensor:
+    """Mean entropy (nats) of attention rows: probs (B, H, T, S) -> 0-d tensor (empty rows skipped)."""
+    p = probs.float()
+    ent = -(p * torch.log(p.clamp_min(1e-12))).sum(-1)  # (B, H, T)
+    live = p.sum(-1) > 0
+    return (ent * live).sum() / live.sum().clamp_min(1)

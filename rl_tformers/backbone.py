@@ -1,0 +1,202 @@
+"""The backbone: embeddings in, hidden states out, any registered variant in each slot."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rl_tformers.config import BackboneConfig, BuildContext
+from rl_tformers.memory.base import SegmentRecord
+from rl_tformers.registry import REGISTRIES
+from rl_tformers.types import AttnContext, BackboneOutput, BackboneState, merge_into
+
+
+class IncompatibleConfig(ValueError):
+    """Raised at construction when two slots cannot work together (the message names both)."""
+
+
+def check_compatible(cfg: BackboneConfig) -> None:
+    """Refuse combinations a component declares it cannot do, naming the option at fault.
+
+    Raises:
+        IncompatibleConfig: e.g. a kernel without a causal form used causally, a memory kind
+            with a kernel that takes no prefix keys, a positional kind a kernel cannot apply.
+    """
+    att = REGISTRIES["attention"].get(cfg.attention.kind).capabilities
+    mem = REGISTRIES["memory"].get(cfg.memory.kind).capabilities
+    blk = REGISTRIES["block"].get(cfg.block.kind).capabilities
+    dep = REGISTRIES["depth"].get(cfg.depth.kind).capabilities
+    a = cfg.attention.kind
+    if cfg.causal and not att.causal:
+        raise IncompatibleConfig(
+            f"backbone.attention.kind={a!r} has no causal form; set backbone.causal=false "
+            f"(for the Decision Transformer: agent.mode=last_action, which predicts only the last action)"
+        )
+    if not cfg.causal and not att.bidirectional:
+        raise IncompatibleConfig(f"backbone.attention.kind={a!r} is causal-only; set backbone.causal=true")
+    if mem.stateful and not att.memory:
+        raise IncompatibleConfig(
+            f"backbone.memory.kind={cfg.memory.kind!r} needs an attention kernel that accepts memory keys; "
+            f"backbone.attention.kind={a!r} does not"
+        )
+    if mem.stateful and not (blk.memory and dep.memory):
+        bad = "block" if not blk.memory else "depth"
+        raise IncompatibleConfig(
+            f"backbone.memory.kind={cfg.memory.kind!r} is not supported by "
+            f"backbone.{bad}.kind={getattr(cfg, bad).kind!r}"
+        )
+    if att.positions is not None and cfg.position.kind not in att.positions:
+        raise IncompatibleConfig(
+            f"backbone.position.kind={cfg.position.kind!r} cannot be used with backbone.attention.kind={a!r}; "
+            f"it supports: {', '.join(att.positions)}"
+        )
+    hook = getattr(cfg.attention, "check", None)
+    if hook is not None:
+        hook(cfg)
+
+
+class Backbone(nn.Module):
+    """A Transformer stack assembled from the five slots of a :class:`BackboneConfig`.
+
+    ``forward(x, positions, mask, state) -> BackboneOutput(hidden, state, aux, metrics)``.
+
+    Args:
+        config: a :class:`BackboneConfig` or a dict accepted by ``BackboneConfig.from_dict``.
+
+    Raises:
+        IncompatibleConfig: for combinations a component declares unsupported.
+        RegistryError: for unknown kinds or fields.
+    """
+
+    def __init__(self, config: BackboneConfig | Mapping[str, Any]) -> None:
+        super().__init__()
+        cfg = config if isinstance(config, BackboneConfig) else BackboneConfig.from_dict(config)
+        check_compatible(cfg)
+        self.config = cfg
+        ctx = BuildContext(cfg)
+        self.depth = cfg.depth.build(ctx)
+        self.memory = cfg.memory.build(ctx)
+        self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.final_norm else nn.Identity()
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.depth.blocks
+
+    # -- state ---------------------------------------------------------------------------------
+    def initial_state(self, batch: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> BackboneState:
+        """Empty state for ``batch`` streams: every memory slot invalid, episode ids 0.
+
+        With memory kind ``none`` this is an incremental-decoding cache (raises
+        NotImplementedError if the attention kernel has no incremental form).
+        """
+        p = next(self.parameters())
+        device = torch.device(device) if device is not None else p.device
+        return self.memory.initial_state(self.blocks, batch, device, dtype or p.dtype)
+
+    def reset_state(self, state: BackboneState, episode_start: Tensor) -> BackboneState:
+        """Clear the rows whose episode starts now. episode_start: (B,) bool."""
+        return self.memory.reset(state, episode_start)
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor | None = None,
+        mask: Tensor | None = None,
+        state: BackboneState | None = None,
+        episode_start: Tensor | None = None,
+        *,
+        need_weights: bool = False,
+        output_hidden_states: bool = False,
+        **depth_kwargs: Any,
+    ) -> BackboneOutput:
+        """Run the stack.
+
+        Args:
+            x: (B, T, D) input embeddings.
+            positions: (B, T) long positions in the caller's units (token index, environment
+                step...). Default: ``state.next_pos + arange(T)`` or ``arange(T)``.
+            mask: (B, T) bool, True = real token, False = padding. Padded tokens are never
+                attended to; their outputs are unspecified. Default: all real.
+            state: :class:`BackboneState` from :meth:`initial_state` or a previous call.
+            episode_start: (B, T) bool, True where a token begins a new episode: it and later
+                tokens never attend to anything before it (segment or memory).
+            need_weights: ask kernels for attention probabilities (slower path).
+            output_hidden_states: return every layer's output.
+            depth_kwargs: passed to the depth module (e.g. an exit head for early exit).
+
+        Returns:
+            :class:`BackboneOutput`; ``state`` is the next state when one was given.
+
+        Raises:
+            ValueError: on shape mismatches (the message names the argument).
+        """
+        if x.dim() != 3 or x.shape[-1] != self.config.d_model:
+            raise ValueError(f"backbone: x must be (B, T, {self.config.d_model}), got {tuple(x.shape)}")
+        b, t, _ = x.shape
+        dev = x.device
+        if positions is None:
+            base = state.next_pos[:, None] if state is not None else torch.zeros(b, 1, dtype=torch.long, device=dev)
+            positions = base + torch.arange(t, device=dev)
+        elif positions.shape != (b, t):
+            raise ValueError(f"backbone: positions must be ({b}, {t}), got {tuple(positions.shape)}")
+        positions = positions.long()
+        if mask is not None and mask.shape != (b, t):
+            raise ValueError(f"backbone: mask must be ({b}, {t}), got {tuple(mask.shape)}")
+        if episode_start is not None and episode_start.shape != (b, t):
+            raise ValueError(f"backbone: episode_start must be ({b}, {t}), got {tuple(episode_start.shape)}")
+
+        seg_q = None
+        if episode_start is not None or state is not None:
+            starts = torch.zeros(b, t, dtype=torch.long, device=dev) if episode_start is None else episode_start.long()
+            base_ep = state.episode[:, None] if state is not None else torch.zeros(b, 1, dtype=torch.long, device=dev)
+            seg_q = base_ep + starts.cumsum(1)  # (B, T)
+        valid_q = mask.bool() if mask is not None else None
+
+        if state is not None:
+            if state.batch_size != b:
+                raise ValueError(f"backbone: state is for batch {state.batch_size}, x has batch {b}")
+            vq = valid_q if valid_q is not None else torch.ones(b, t, dtype=torch.bool, device=dev)
+            ctx = AttnContext(
+                pos_q=positions,
+                pos_k=torch.cat([state.pos, positions], 1),
+                key_valid=torch.cat([state.valid, vq], 1),
+                seg_q=seg_q,
+                seg_k=torch.cat([state.seg, seg_q], 1),
+                causal=self.config.causal,
+                need_weights=need_weights,
+            )
+        else:
+            ctx = AttnContext(
+                pos_q=positions, pos_k=positions, key_valid=valid_q, seg_q=seg_q, seg_k=seg_q,
+                causal=self.config.causal, need_weights=need_weights,
+            )
+
+        dout = self.depth(x, ctx, None if state is None else state.layers, output_hidden_states, **depth_kwargs)
+        aux, metrics = dict(dout.aux), dict(dout.metrics)
+        new_state = None
+        if state is not None:
+            rec = SegmentRecord(
+                layer_inputs=dout.layer_inputs,
+                pos=positions,
+                valid=valid_q if valid_q is not None else torch.ones(b, t, dtype=torch.bool, device=dev),
+                seg=seg_q,
+                caches=dout.caches,
+                weights=dout.weights,
+                extras=dout.extras,
+            )
+            new_state, m_aux, m_metrics = self.memory.update(state, rec)
+            new_state.episode = seg_q[:, -1] if t > 0 else state.episode
+            new_state.next_pos = positions[:, -1] + 1 if t > 0 else state.next_pos
+            merge_into(aux, m_aux)
+            merge_into(metrics, m_metrics)
+        return BackboneOutput(
+            hidden=self.final_norm(dout.hidden),
+            state=new_state,
+            aux=aux,
+            metrics=metrics,
+            hidden_states=dout.hidden_states,
+        )

@@ -1,0 +1,86 @@
+"""Interface of blocks, and the position-wise feed-forward network they share.
+
+A block kind is a registered config whose ``build(ctx, position)`` returns a
+:class:`BlockModule` holding one attention (built from ``ctx.config.attention``), a
+feed-forward network and its residual/normalisation scheme::
+
+    forward(x (B, T, D), ctx: AttnContext, state: LayerState | None) -> BlockOutput
+
+``state.memory`` (B, M, D), when present, is prepended to the keys/values (Transformer-XL);
+``state.cache`` is the kernel's incremental-decoding cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rl_tformers.config import SlotConfig
+from rl_tformers.types import AttnContext, BlockOutput, LayerState
+
+
+@dataclass(frozen=True)
+class BlockConfig(SlotConfig):
+    """Base class of block configs (``build(ctx, position) -> BlockModule``)."""
+
+    def build(self, ctx, position) -> BlockModule:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+_ACT = {"gelu": F.gelu, "relu": F.relu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward: W2 act(W1 x + b1) + b2 (Vaswani et al. 2017, eq. 2).
+
+    With ``chunks > 1`` the sequence axis is processed in that many chunks (Reformer's chunked
+    feed-forward, Kitaev et al. 2020, sec. 3): identical output, peak activation memory of
+    the hidden layer divided by ``chunks``. Shapes: (B, T, D) -> (B, T, D).
+    """
+
+    def __init__(self, d_model: int, d_ff: int, activation: str, dropout: float, chunks: int = 1) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_ff)
+        self.fc2 = nn.Linear(d_ff, d_model)
+        self.act = _ACT[activation]
+        self.dropout = nn.Dropout(dropout)
+        self.chunks = chunks
+
+    def _ff(self, x: Tensor) -> Tensor:
+        return self.fc2(self.dropout(self.act(self.fc1(x))))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.chunks == 1 or x.shape[1] <= 1:
+            return self._ff(x)
+        return torch.cat([self._ff(c) for c in x.chunk(self.chunks, dim=1)], dim=1)
+
+
+def build_ffn(ctx) -> FeedForward:
+    cfg = ctx.config
+    return FeedForward(cfg.d_model, cfg.ff_dim, cfg.activation, cfg.dropout, cfg.ffn_chunks)
+
+
+class BlockModule(nn.Module):
+    """Base block: owns ``self.attn`` and ``self.ffn``; subclasses define the residual scheme."""
+
+    #: True for blocks whose stack must be run by a special runner (reversible layers).
+    reversible = False
+
+    def __init__(self, ctx, position) -> None:
+        super().__init__()
+        self.layer_idx = ctx.layer_idx
+        self.attn = ctx.config.attention.build(ctx, position)
+        self.ffn = build_ffn(ctx)
+        self.dropout = nn.Dropout(ctx.config.dropout)
+
+    def attend(self, h: Tensor, mem: Tensor | None, ctx: AttnContext, state: LayerState | None):
+        """Run attention with queries ``h`` (B, T, D) and keys ``[mem; h]`` (B, M + T, D)."""
+        kv = h if mem is None else torch.cat([mem, h], dim=1)
+        cache = None if state is None else state.cache
+        return self.attn(h, kv, ctx, cache)
+
+    def forward(self, x: Tensor, ctx: AttnContext, state: LayerState | None = None) -> BlockOutput:  # pragma: no cover
+        raise NotImplementedError

@@ -1,0 +1,172 @@
+"""Typed, frozen configs for the backbone and its five slots.
+
+A backbone config has scalar fields (model width, depth, heads, dropout...) and five slots
+(``attention``, ``position``, ``memory``, ``block``, ``depth``); each slot holds one registered
+config whose kind is its tag in YAML::
+
+    backbone:
+      d_model: 128
+      n_layers: 3
+      n_heads: 1
+      attention: {kind: sdpa}
+      position: {kind: rotary}
+      block: {kind: gated, gate: gru}
+
+:meth:`BackboneConfig.from_dict` / :meth:`BackboneConfig.to_dict` round-trip through plain
+dicts (and so through YAML/OmegaConf). Unknown fields raise with the dotted path at fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError, config_to_dict
+
+
+@dataclass(frozen=True)
+class SlotConfig:
+    """Base of every slot config. Subclasses are frozen dataclasses registered per slot."""
+
+    kind = "?"  # set by Registry.register
+    slot = "?"
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a slot config needs to build its module for one layer.
+
+    Attributes:
+        config: the whole backbone config (read-only).
+        layer_idx: index of the layer being built (0-based); -1 for backbone-level modules.
+    """
+
+    config: BackboneConfig
+    layer_idx: int = -1
+
+    @property
+    def d_model(self) -> int:
+        return self.config.d_model
+
+    @property
+    def n_heads(self) -> int:
+        return self.config.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.d_model // self.config.n_heads
+
+    @property
+    def n_layers(self) -> int:
+        return self.config.n_layers
+
+    def at_layer(self, i: int) -> BuildContext:
+        return dataclasses.replace(self, layer_idx=i)
+
+
+def _default(slot: str, kind: str) -> Any:
+    def make() -> Any:
+        import rl_tformers  # noqa: F401  (registers the components)
+
+        return REGISTRIES[slot].get(kind).config_cls()
+
+    return field(default_factory=make)
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    """Configuration of a :class:`rl_tformers.backbone.Backbone`.
+
+    Attributes:
+        d_model: model width D.
+        n_layers: number of blocks N.
+        n_heads: attention heads H (``d_model`` must be divisible by it).
+        d_ff: feed-forward width (default 4 * d_model).
+        dropout: residual/feed-forward dropout probability.
+        attn_dropout: dropout on attention probabilities.
+        activation: feed-forward activation, one of ``gelu``, ``relu``, ``gelu_tanh``.
+        ffn_chunks: number of chunks along T for the chunked feed-forward (Reformer, Kitaev
+            et al. 2020, section 3); 1 = no chunking. Same result, lower peak memory.
+        causal: causal self-attention (query t sees keys <= t).
+        max_position: largest position index learned tables must cover (positions are
+            caller units, e.g. token index); larger positions raise.
+        final_norm: apply a LayerNorm to the output (pre-norm/gated stacks).
+        attention, position, memory, block, depth: the five slots.
+    """
+
+    d_model: int = 128
+    n_layers: int = 3
+    n_heads: int = 1
+    d_ff: int | None = None
+    dropout: float = 0.1
+    attn_dropout: float = 0.1
+    activation: str = "gelu"
+    ffn_chunks: int = 1
+    causal: bool = True
+    max_position: int = 4096
+    final_norm: bool = True
+    attention: Any = _default("attention", "sdpa")
+    position: Any = _default("position", "none")
+    memory: Any = _default("memory", "none")
+    block: Any = _default("block", "pre_norm")
+    depth: Any = _default("depth", "fixed")
+
+    def __post_init__(self) -> None:
+        if self.d_model <= 0 or self.n_layers <= 0 or self.n_heads <= 0:
+            raise ValueError(
+                f"backbone: d_model, n_layers and n_heads must be positive, got "
+                f"{self.d_model}, {self.n_layers}, {self.n_heads}"
+            )
+        if self.d_model % self.n_heads:
+            raise ValueError(f"backbone.d_model={self.d_model} is not divisible by backbone.n_heads={self.n_heads}")
+        if self.activation not in ("gelu", "relu", "gelu_tanh"):
+            raise ValueError(f"backbone.activation={self.activation!r}; use gelu, relu or gelu_tanh")
+        if self.ffn_chunks < 1:
+            raise ValueError(f"backbone.ffn_chunks must be >= 1, got {self.ffn_chunks}")
+        for slot in SLOTS:
+            value = getattr(self, slot)
+            if isinstance(value, Mapping):
+                object.__setattr__(self, slot, REGISTRIES[slot].from_dict(value, where=f"backbone.{slot}"))
+            elif getattr(value, "slot", None) != slot:
+                raise RegistryError(f"backbone.{slot}: expected a {slot} config, got {value!r}")
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (slot configs as ``{kind: ..., ...}``); inverse of :meth:`from_dict`."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = config_to_dict(v) if f.name in SLOTS else v
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, where: str = "backbone") -> BackboneConfig:
+        """Build from a (possibly partial) dict; missing fields take their defaults.
+
+        Raises:
+            RegistryError / ValueError naming the dotted path of an unknown or bad field.
+        """
+        data = dict(data or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise RegistryError(f"{where}.{unknown[0]}: unknown backbone field; fields: {', '.join(sorted(names))}")
+        for slot in SLOTS:
+            if slot in data:
+                data[slot] = REGISTRIES[slot].from_dict(data[slot], where=f"{where}.{slot}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> BackboneConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,104 @@
+"""Absolute positional encodings added to the input: ``none``, ``sinusoidal``, ``learned``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from rl_tformers.position.base import PositionConfig, PositionModule, check_positions
+from rl_tformers.registry import POSITION, Capabilities
+
+
+@POSITION.register(
+    "none",
+    description="No positional encoding (the caller adds its own, e.g. DT's timestep embedding)",
+    paper="-",
+    capabilities=Capabilities(),
+)
+@dataclass(frozen=True)
+class NoPositionConfig(PositionConfig):
+    def build(self, ctx) -> PositionModule:
+        return PositionModule()
+
+
+def sinusoid(pos: Tensor, dim: int, base: float = 10000.0) -> Tensor:
+    """Sinusoidal table (Vaswani et al. 2017, section 3.5) at arbitrary positions.
+
+    PE(i, 2k) = sin(i / base^(2k/d)), PE(i, 2k+1) = cos(i / base^(2k/d)).
+
+    Args:
+        pos: (...) positions (any numeric dtype).
+        dim: D, even.
+    Returns:
+        (..., D) float32.
+    """
+    if dim % 2:
+        raise ValueError(f"sinusoidal encoding needs an even dimension, got {dim}")
+    inv = torch.exp(torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) * (-math.log(base) / dim))
+    ang = pos.to(torch.float32)[..., None] * inv  # (..., D/2)
+    out = torch.stack((ang.sin(), ang.cos()), dim=-1)  # (..., D/2, 2): interleave sin/cos
+    return out.flatten(-2)
+
+
+class SinusoidalPosition(PositionModule):
+    absolute = True
+
+    def __init__(self, dim: int, base: float, active: bool) -> None:
+        super().__init__()
+        self.dim, self.base, self.active = dim, base, active
+
+    def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        if not self.active:
+            return x
+        return x + sinusoid(pos, self.dim, self.base).to(x.dtype)
+
+
+@POSITION.register(
+    "sinusoidal",
+    description="Fixed sinusoidal absolute encoding added to the input",
+    paper="Vaswani et al. 2017, Attention Is All You Need (sec. 3.5)",
+)
+@dataclass(frozen=True)
+class SinusoidalConfig(PositionConfig):
+    """``base``: wavelength base (10000 in the paper)."""
+
+    base: float = 10000.0
+
+    def build(self, ctx) -> PositionModule:
+        return SinusoidalPosition(ctx.d_model, self.base, active=ctx.layer_idx == 0)
+
+
+class LearnedPosition(PositionModule):
+    absolute = True
+
+    def __init__(self, dim: int, max_position: int, active: bool) -> None:
+        super().__init__()
+        self.max_position = max_position
+        self.table = nn.Embedding(max_position, dim) if active else None
+        if self.table is not None:
+            nn.init.normal_(self.table.weight, std=0.02)
+
+    def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        if self.table is None:
+            return x
+        check_positions(pos, self.max_position, "position.learned")
+        return x + self.table(pos.long())
+
+
+@POSITION.register(
+    "learned",
+    description="Learned absolute position table; optionally one table per layer",
+    paper="Gehring et al. 2017 (learned); Al-Rfou et al. 2018 (per layer)",
+)
+@dataclass(frozen=True)
+class LearnedConfig(PositionConfig):
+    """``per_layer``: a separate table added at every layer's input (Al-Rfou et al. 2018)."""
+
+    per_layer: bool = False
+
+    def build(self, ctx) -> PositionModule:
+        active = self.per_layer or ctx.layer_idx == 0
+        return LearnedPosition(ctx.d_model, ctx.config.max_position, active)

@@ -1,0 +1,97 @@
+"""Interface of positional encodings.
+
+A positional encoding is built once per layer (``build(ctx)`` with ``ctx.layer_idx``) and
+offers hooks that attention kernels call; positions always come from the caller (DT passes
+token indices built from environment timesteps, GTrXL absolute steps), never from
+``arange`` inside the module, so memory and cache offsets stay right.
+
+Hooks (each a no-op in the base class; a kind overrides those it needs and sets the flag):
+
+- ``embed(x, pos)``: absolute encodings added to the layer input (``absolute``).
+- ``score_bias(q, pos_q, pos_k)``: additive score term (ALiBi, Shaw keys, XL's (b)+(d)).
+- ``content_query(q)``: query used for the content term (XL: q + u).
+- ``rotate(x, pos)``: rotate queries or keys by their positions (RoPE).
+- ``transform_scores(scores, pos_q, pos_k)``: re-weight raw scores (DA-Transformer).
+- ``value_term(probs, pos_q, pos_k)``: extra value term from probabilities (Shaw values).
+
+Kernels that never materialise scores (linear attention) accept only positions that do not
+need scores (``absolute``, ``rotary``, ``none``); others are refused at construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from rl_tformers.config import SlotConfig
+
+
+@dataclass(frozen=True)
+class PositionConfig(SlotConfig):
+    """Base class of positional-encoding configs (``build(ctx) -> PositionModule``)."""
+
+    def build(self, ctx) -> PositionModule:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class PositionModule(nn.Module):
+    """Per-layer positional hooks. Shapes: q (B, H, ..., T, Dh), pos_q (B, ..., T), pos_k (B, ..., S).
+
+    The ``...`` lets block-sparse kernels pass gathered blocks: any leading dims between the
+    batch and the token axis are carried through.
+    """
+
+    absolute = False  # embed() adds to the layer input
+    additive_bias = False  # score_bias() returns a term
+    rotates = False  # rotate() changes q, k
+    transforms_scores = False  # transform_scores() changes scores (needs explicit scores)
+    value_bias = False  # value_term() adds to the output (needs probabilities)
+
+    @property
+    def needs_scores(self) -> bool:
+        """True if this encoding needs the score matrix (cannot run inside linear attention)."""
+        return self.additive_bias or self.transforms_scores or self.value_bias
+
+    @property
+    def needs_probs(self) -> bool:
+        return self.transforms_scores or self.value_bias
+
+    def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        """x: (B, T, D), pos: (B, T) -> (B, T, D)."""
+        return x
+
+    def score_bias(self, q: Tensor, pos_q: Tensor, pos_k: Tensor) -> Tensor | None:
+        """q: (B, H, ..., T, Dh) -> additive bias (B, H, ..., T, S) or None."""
+        return None
+
+    def content_query(self, q: Tensor) -> Tensor:
+        return q
+
+    def rotate(self, x: Tensor, pos: Tensor) -> Tensor:
+        """Rotate queries or keys (B, H, ..., L, Dh) by their positions (B, ..., L) (RoPE); identity here."""
+        return x
+
+    def transform_scores(self, scores: Tensor, pos_q: Tensor, pos_k: Tensor) -> Tensor:
+        return scores
+
+    def value_term(self, probs: Tensor, pos_q: Tensor, pos_k: Tensor) -> Tensor | None:
+        """probs: (B, H, ..., T, S) -> (B, H, ..., T, Dh) to add to the attention output, or None."""
+        return None
+
+
+def rel_distance(pos_q: Tensor, pos_k: Tensor) -> Tensor:
+    """Signed distances i - j: (B, ..., T) and (B, ..., S) -> (B, 1, ..., T, S) long (head axis added)."""
+    return (pos_q[..., :, None] - pos_k[..., None, :]).unsqueeze(1)
+
+
+def check_positions(pos: Tensor, limit: int, who: str) -> None:
+    """Raise ValueError naming ``who`` if any position is outside [0, limit)."""
+    if pos.numel() == 0:
+        return
+    lo, hi = int(pos.min()), int(pos.max())
+    if lo < 0 or hi >= limit:
+        raise ValueError(
+            f"{who}: positions must lie in [0, {limit}) but got [{lo}, {hi}]; "
+            f"raise backbone.max_position or pass smaller positions"
+        )

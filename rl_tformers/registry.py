@@ -1,0 +1,222 @@
+"""Registries of backbone components, one per slot.
+
+Every attention kernel, positional encoding, memory, block type and depth scheme registers
+its *config class* under a ``kind`` string in the registry of its slot. The config class is a
+frozen dataclass whose ``build(...)`` makes the module, so the kind string appears in the
+class decorator and in YAML, nowhere else (d3rlpy-style tagged factories, timm-style registry).
+
+Capabilities are declared at registration and drive the contract suite in
+``tests/contracts/`` (a new variant is tested the moment it registers) and the construction
+checks in :class:`rl_tformers.backbone.Backbone` (an unsupported combination is refused with an
+error that names both sides).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+SLOTS = ("attention", "position", "memory", "block", "depth")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a registered component supports; the contract suite selects tests by these flags.
+
+    Attributes:
+        causal: can be used with a causal mask (query i sees keys j <= i only).
+        bidirectional: can be used without a causal mask.
+        key_padding: honours a key-padding mask (padded keys never change a valid output).
+        memory: accepts extra prefix keys/values (Transformer-XL style memory, KV caches).
+        incremental: step-by-step decoding with a cache equals the full forward pass.
+        stateful: carries state between calls (memory kinds, caches).
+        exact: equals dense masked softmax attention restricted to its pattern.
+        approximate: approximates dense attention; converges as its budget grows.
+        subquadratic: never materialises an L x L score matrix.
+        exact_chunking: a long sequence in segments with carried state equals one pass.
+        positions: positional kinds this component works with (``None`` = all).
+    """
+
+    causal: bool = True
+    bidirectional: bool = True
+    key_padding: bool = True
+    memory: bool = False
+    incremental: bool = False
+    stateful: bool = False
+    exact: bool = True
+    approximate: bool = False
+    subquadratic: bool = False
+    exact_chunking: bool = False
+    positions: tuple[str, ...] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def flags(self) -> list[str]:
+        """Names of the true boolean flags, for listings."""
+        return [k for k, v in dataclasses.asdict(self).items() if v is True]
+
+
+@dataclass(frozen=True)
+class Entry(Generic[T]):
+    """One registered component: its slot, kind, config class and documentation."""
+
+    slot: str
+    kind: str
+    config_cls: type[T]
+    description: str
+    paper: str
+    capabilities: Capabilities = field(default_factory=Capabilities)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "slot": self.slot,
+            "kind": self.kind,
+            "description": self.description,
+            "paper": self.paper,
+            "capabilities": self.capabilities.as_dict(),
+        }
+
+
+class RegistryError(KeyError):
+    """Raised for an unknown kind, a duplicate registration or a malformed slot config."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class Registry(Generic[T]):
+    """Kind -> config class for one slot (``attention``, ``position``, ...).
+
+    Registering the same kind twice raises :class:`RegistryError`; so does asking for an
+    unknown kind (the message lists the registered ones).
+    """
+
+    def __init__(self, slot: str) -> None:
+        if slot not in SLOTS:
+            raise ValueError(f"unknown slot {slot!r}; slots are {SLOTS}")
+        self.slot = slot
+        self._entries: dict[str, Entry[T]] = {}
+
+    def register(
+        self,
+        kind: str,
+        *,
+        description: str,
+        paper: str,
+        capabilities: Capabilities | None = None,
+    ) -> Callable[[type[T]], type[T]]:
+        """Class decorator: register a frozen config dataclass under ``kind``.
+
+        The decorated class gets ``kind`` and ``slot`` class attributes and
+        ``capabilities``. Raises :class:`RegistryError` when ``kind`` is taken.
+        """
+
+        def deco(cls: type[T]) -> type[T]:
+            if kind in self._entries:
+                prev = self._entries[kind].config_cls
+                raise RegistryError(
+                    f"{self.slot} kind {kind!r} is already registered by {prev.__module__}.{prev.__qualname__}"
+                )
+            caps = capabilities or Capabilities()
+            cls.kind = kind  # type: ignore[attr-defined]
+            cls.slot = self.slot  # type: ignore[attr-defined]
+            cls.capabilities = caps  # type: ignore[attr-defined]
+            self._entries[kind] = Entry(self.slot, kind, cls, description, paper, caps)
+            return cls
+
+        return deco
+
+    def get(self, kind: str) -> Entry[T]:
+        """Entry for ``kind``; :class:`RegistryError` naming the known kinds otherwise."""
+        try:
+            return self._entries[kind]
+        except KeyError:
+            raise RegistryError(
+                f"unknown {self.slot} kind {kind!r}; registered kinds: {', '.join(sorted(self._entries))}"
+            ) from None
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in self._entries
+
+    def __iter__(self) -> Iterator[Entry[T]]:
+        return iter(sorted(self._entries.values(), key=lambda e: e.kind))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def kinds(self) -> list[str]:
+        return sorted(self._entries)
+
+    def from_dict(self, data: Mapping[str, Any] | T, where: str | None = None) -> T:
+        """Build the config of one slot from ``{"kind": ..., **fields}``.
+
+        Args:
+            data: a mapping with a ``kind`` key, or an already-built config (returned as is).
+            where: dotted path used in error messages (default: the slot name).
+
+        Raises:
+            RegistryError: no ``kind``, unknown kind, or a field the kind does not have
+                (the message names the dotted path and the valid fields).
+        """
+        where = where or self.slot
+        if dataclasses.is_dataclass(data) and not isinstance(data, type):
+            if getattr(data, "slot", None) != self.slot:
+                raise RegistryError(f"{where}: expected a {self.slot} config, got {type(data).__name__}")
+            return data  # type: ignore[return-value]
+        if not isinstance(data, Mapping):
+            raise RegistryError(f"{where}: expected a mapping with a 'kind' key, got {type(data).__name__}")
+        if "kind" not in data:
+            raise RegistryError(f"{where}: missing 'kind'; registered kinds: {', '.join(self.kinds())}")
+        entry = self.get(str(data["kind"]))
+        cls = entry.config_cls
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        kwargs = {k: v for k, v in data.items() if k != "kind"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise RegistryError(
+                f"{where}.{unknown[0]}: {self.slot} kind {entry.kind!r} has no field {unknown[0]!r}; "
+                f"fields: {', '.join(sorted(names)) or '(none)'}"
+            )
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.name in kwargs and isinstance(kwargs[f.name], list):
+                kwargs[f.name] = tuple(kwargs[f.name])  # frozen configs hold tuples, YAML gives lists
+        try:
+            return cls(**kwargs)  # type: ignore[return-value]
+        except (TypeError, ValueError) as exc:
+            raise RegistryError(f"{where}: {exc}") from exc
+
+
+ATTENTION: Registry[Any] = Registry("attention")
+POSITION: Registry[Any] = Registry("position")
+MEMORY: Registry[Any] = Registry("memory")
+BLOCK: Registry[Any] = Registry("block")
+DEPTH: Registry[Any] = Registry("depth")
+
+REGISTRIES: dict[str, Registry[Any]] = {
+    "attention": ATTENTION,
+    "position": POSITION,
+    "memory": MEMORY,
+    "block": BLOCK,
+    "depth": DEPTH,
+}
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """A slot config as a plain dict with its ``kind`` first (tuples become lists)."""
+    out: dict[str, Any] = {"kind": cfg.kind}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        out[f.name] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def all_entries() -> list[Entry[Any]]:
+    """Every registered component of every slot (imports all component modules first)."""
+    import rl_tformers  # noqa: F401  (registers everything)
+
+    return [e for slot in SLOTS for e in REGISTRIES[slot]]

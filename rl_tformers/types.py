@@ -1,0 +1,258 @@
+"""Shared data types of the backbone library.
+
+Axis names used in every docstring: B batch, T tokens of the current segment (queries),
+M memory/prefix slots, S = M + T keys, H heads, Dh head dim, D model dim.
+
+Mask polarity is one and the same everywhere: **True = may attend** (or: is a real token).
+Fill values for disallowed scores come from ``torch.finfo(dtype).min``, never a literal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def neg_inf(dtype: torch.dtype) -> float:
+    """Most negative finite value of ``dtype``: the fill for disallowed attention scores."""
+    return torch.finfo(dtype).min
+
+
+@dataclass
+class AttnContext:
+    """Everything an attention kernel needs for one call, besides its inputs.
+
+    Self-attention layout: the T queries are the *last* T of the S keys (keys are
+    ``[prefix (M); segment (T)]``), so query i sits at key index ``M + i``.
+
+    Attributes:
+        pos_q: (B, T) positions of the queries (caller's units: steps or token indices).
+        pos_k: (B, S) positions of the keys.
+        key_valid: (B, S) bool, True = real key, False = padding/unfilled memory. ``None``: all real.
+        seg_q: (B, T) long episode id of each query, or ``None`` (one episode).
+        seg_k: (B, S) long episode id of each key; a query attends only to keys of its episode.
+        causal: query i may attend key j only if ``j <= M + i``.
+        need_weights: kernels that can return attention probabilities put them in the output
+            (used for metrics such as attention entropy and by most-used compression).
+        layer_idx: index of the layer being run (for per-layer patterns).
+    """
+
+    pos_q: Tensor
+    pos_k: Tensor
+    key_valid: Tensor | None = None
+    seg_q: Tensor | None = None
+    seg_k: Tensor | None = None
+    causal: bool = True
+    need_weights: bool = False
+    layer_idx: int = 0
+    _allowed: Tensor | None = field(default=None, repr=False)
+
+    @property
+    def q_len(self) -> int:
+        return self.pos_q.shape[1]
+
+    @property
+    def k_len(self) -> int:
+        return self.pos_k.shape[1]
+
+    @property
+    def prefix_len(self) -> int:
+        """M: number of keys before the first query's own key."""
+        return self.k_len - self.q_len
+
+    @property
+    def is_plain_causal(self) -> bool:
+        """True when the mask is exactly the lower-triangular causal mask (fast SDPA path)."""
+        return self.causal and self.key_valid is None and self.seg_q is None and self.prefix_len == 0
+
+    @property
+    def has_mask(self) -> bool:
+        """False when every query may attend every key (no causality, padding or episodes)."""
+        return self.causal or self.key_valid is not None or self.seg_q is not None
+
+    def allowed(self) -> Tensor:
+        """Dense (B, 1, T, S) bool mask, True = query may attend key (cached per context).
+
+        Combines causality (with the prefix offset), key padding and episode ids.
+        """
+        if self._allowed is None:
+            self._allowed = build_allowed(
+                self.q_len, self.k_len, self.key_valid, self.seg_q, self.seg_k, self.causal,
+                device=self.pos_q.device, batch=self.pos_q.shape[0],
+            )
+        return self._allowed
+
+    def with_keys(self, pos_k: Tensor, key_valid: Tensor | None, seg_k: Tensor | None) -> AttnContext:
+        """Copy of this context with other keys (e.g. a KV cache or memory in front)."""
+        return dataclasses.replace(self, pos_k=pos_k, key_valid=key_valid, seg_k=seg_k, _allowed=None)
+
+    def select(self, start: int, end: int) -> AttnContext:
+        """Context restricted to queries ``start:end`` (keys unchanged)."""
+        return dataclasses.replace(
+            self,
+            pos_q=self.pos_q[:, start:end],
+            seg_q=None if self.seg_q is None else self.seg_q[:, start:end],
+            _allowed=None if self._allowed is None else self._allowed[:, :, start:end],
+        )
+
+
+def build_allowed(
+    t: int,
+    s: int,
+    key_valid: Tensor | None,
+    seg_q: Tensor | None,
+    seg_k: Tensor | None,
+    causal: bool,
+    *,
+    device: torch.device,
+    batch: int,
+) -> Tensor:
+    """(B or 1, 1, T, S) bool: True = may attend. See :class:`AttnContext` for the layout."""
+    allowed = torch.ones(1, 1, t, s, dtype=torch.bool, device=device)
+    if causal:
+        q_idx = torch.arange(t, device=device)[:, None] + (s - t)
+        k_idx = torch.arange(s, device=device)[None, :]
+        allowed = allowed & (k_idx <= q_idx)[None, None]
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, None, :]
+    if seg_q is not None and seg_k is not None:
+        allowed = allowed & (seg_q[:, None, :, None] == seg_k[:, None, None, :])
+    return allowed
+
+
+@dataclass
+class AttnOutput:
+    """Result of one attention call.
+
+    Attributes:
+        out: (B, T, D) attended values after the output projection.
+        cache: updated incremental-decoding cache (kernel-specific) or ``None``.
+        aux: weighted scalar losses the agent adds to its loss (e.g. span L1 penalty).
+        metrics: values to log (floats or 0-d tensors), e.g. span, entropy.
+        weights: (B, H, T, S) attention probabilities when requested and available.
+    """
+
+    out: Tensor
+    cache: Any = None
+    aux: dict[str, Tensor] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    weights: Tensor | None = None
+
+
+@dataclass
+class LayerState:
+    """Per-layer state carried between calls; owned by the caller, never by the module.
+
+    Attributes:
+        memory: (B, M, D) hidden states prepended to the layer's keys/values
+            (Transformer-XL memory; compressive memory puts ``[compressed; fifo]`` here).
+        cache: kernel-specific incremental-decoding cache (dense: keys/values; linear
+            attention: running sums), used when the memory kind is ``none``.
+        extra: memory-kind specific content (compressive FIFO parts, kNN store, ...).
+    """
+
+    memory: Tensor | None = None
+    cache: Any = None
+    extra: Any = None
+
+
+@dataclass
+class BackboneState:
+    """State of a whole backbone for a batch of B independent streams (episodes/envs).
+
+    The prefix bookkeeping (positions, validity, episode id of each slot) is shared by all
+    layers; the content is per layer in ``layers``.
+
+    Attributes:
+        layers: one :class:`LayerState` per layer.
+        pos: (B, P) long positions of the prefix slots.
+        valid: (B, P) bool, False for unfilled slots and slots cleared by a reset.
+        seg: (B, P) long episode id of each prefix slot.
+        episode: (B,) long current episode id of each row (incremented by resets).
+        next_pos: (B,) long default position of the next token.
+    """
+
+    layers: list[LayerState]
+    pos: Tensor
+    valid: Tensor
+    seg: Tensor
+    episode: Tensor
+    next_pos: Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.episode.shape[0]
+
+    def map_tensors(self, fn) -> BackboneState:
+        """Apply ``fn`` to every tensor (detach, to(device), index_select...)."""
+        return _map(self, fn)
+
+    def detach(self) -> BackboneState:
+        return self.map_tensors(lambda t: t.detach())
+
+
+def _map(obj: Any, fn) -> Any:
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _map(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, list):
+        return [_map(o, fn) for o in obj]
+    if isinstance(obj, tuple):
+        return tuple(_map(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _map(v, fn) for k, v in obj.items()}
+    return obj
+
+
+@dataclass
+class BlockOutput:
+    """Result of one block: new hidden (B, T, D), cache, aux losses, metrics, weights."""
+
+    hidden: Tensor
+    cache: Any = None
+    aux: dict[str, Tensor] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    weights: Tensor | None = None
+
+
+@dataclass
+class BackboneOutput:
+    """Result of :meth:`rl_tformers.backbone.Backbone.forward`.
+
+    Attributes:
+        hidden: (B, T, D) final hidden states (after the final norm, if any).
+        state: updated :class:`BackboneState` (``None`` when called without state).
+        aux: weighted scalar losses to add to the agent's loss (ponder cost, span penalty,
+            compression losses...). Sum them with :func:`sum_aux`.
+        metrics: values to log: floats or 0-d tensors (ponder steps, exit layer, gates...).
+        hidden_states: per-layer outputs, tuple of (B, T, D), when requested.
+    """
+
+    hidden: Tensor
+    state: BackboneState | None = None
+    aux: dict[str, Tensor] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    hidden_states: tuple[Tensor, ...] | None = None
+
+
+def sum_aux(aux: dict[str, Tensor]) -> Tensor | float:
+    """Sum of the weighted auxiliary losses (0.0 when there are none)."""
+    total: Tensor | float = 0.0
+    for v in aux.values():
+        total = total + v
+    return total
+
+
+def merge_into(dst: dict[str, Any], src: dict[str, Any], prefix: str = "") -> None:
+    """Add ``src`` into ``dst`` (summing tensors/floats under the same key)."""
+    for k, v in src.items():
+        key = prefix + k
+        if key in dst and isinstance(v, (Tensor, float, int)) and isinstance(dst[key], (Tensor, float, int)):
+            dst[key] = dst[key] + v
+        else:
+            dst[key] = v
