@@ -35,6 +35,11 @@ COMMAND_MODULES = (
 )
 
 
+@app.callback()
+def _root() -> None:
+    """Offline RL with Transformers: Decision Transformer and GTrXL on a swappable backbone library."""
+
+
 def _register_all() -> None:
     for name in COMMAND_MODULES:
         try:

@@ -1,0 +1,35 @@
+"""``rl-tformers backbones``: list every registered component with its paper and capabilities."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+
+def backbones(
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON list instead of a table."),
+    slot: str = typer.Option(None, "--slot", help="Only this slot: attention, position, memory, block, depth."),
+) -> None:
+    """List registered backbone components: slot, kind, description, paper, capabilities."""
+    from rl_tformers.registry import SLOTS, all_entries
+
+    if slot is not None and slot not in SLOTS:
+        raise typer.BadParameter(f"unknown slot {slot!r}; slots: {', '.join(SLOTS)}", param_hint="--slot")
+    entries = [e for e in all_entries() if slot is None or e.slot == slot]
+    if as_json:
+        typer.echo(json.dumps([e.as_dict() for e in entries], indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="rl-tformers backbone components")
+    for col in ("slot", "kind", "description", "paper", "capabilities"):
+        table.add_column(col, overflow="fold")
+    for e in entries:
+        table.add_row(e.slot, e.kind, e.description, e.paper, ", ".join(e.capabilities.flags()))
+    Console(width=200).print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("backbones")(backbones)
