@@ -1,0 +1,41 @@
+"""Shared test fixtures: deterministic seeds, ../shared/ discovery, CUDA skipping."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("RL_TFORMERS_SHARED", REPO.parent / "shared"))
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything():
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture
+def shared_dir() -> Path:
+    """../shared/ (pretrained policies); tests using it skip with a reason when it is absent."""
+    if not (SHARED / "policies").is_dir():
+        pytest.skip(f"needs ../shared/policies (not found at {SHARED}); set RL_TFORMERS_SHARED to point at it")
+    return SHARED
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
