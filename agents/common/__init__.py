@@ -1,0 +1,1 @@
+"""Pieces shared by the agents: the policy protocol used by evaluation, heads, utilities."""
