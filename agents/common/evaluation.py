@@ -1,0 +1,289 @@
+"""Evaluation of any :class:`~rl_tformers.agents.common.policy.Policy` in gymnasium vector envs.
+
+One loop serves every agent (Decision Transformer, GTrXL, BC): per environment step it makes
+**one** ``policy.act`` call for all N environments (one batched forward pass), so the cost of
+the model is paid once per step, not once per environment.
+
+Counting without bias. Taking "the first ``episodes`` episodes that finish" over-represents
+short episodes (they finish first). Instead episode ``j`` (0 <= j < episodes) is assigned in
+advance to environment ``j % N`` and reset with seed ``seed + j``; an environment that has
+finished its quota keeps stepping (its results are discarded) until the others are done. The
+result is the same set of (seed, episode) pairs whatever the episode lengths, and the same
+seeds are used for every target return, so targets are compared on the same initial states.
+
+Raw returns. The reward reported is the one the *innermost* environment returns: a wrapper
+(:class:`RawRewardInfo`) is inserted directly above the unwrapped environment and writes it into
+``info["raw_reward"]``, so reward-scaling or normalising wrappers stacked by ``make_env`` do not
+change reported returns. The same raw reward is passed to ``policy.act`` as ``last_reward``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from rl_tformers.agents.common.policy import Policy
+
+RAW_REWARD_KEY = "raw_reward"
+
+EnvFactory = Callable[[], gym.Env]
+
+
+class RawRewardInfo(gym.Wrapper):
+    """Writes the reward of the wrapped (innermost) environment into ``info["raw_reward"]``."""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        info = dict(info)
+        info[RAW_REWARD_KEY] = float(reward)
+        return obs, reward, terminated, truncated, info
+
+
+def with_raw_reward(env: gym.Env) -> gym.Env:
+    """Insert :class:`RawRewardInfo` directly above the unwrapped environment of ``env``.
+
+    Wrappers above it (reward scaling, normalisation, time limits) keep working; only the
+    innermost link of the chain changes. Returns the (outermost) environment.
+    """
+    if not isinstance(env, gym.Wrapper):
+        return RawRewardInfo(env)
+    w = env
+    while isinstance(w.env, gym.Wrapper):
+        w = w.env
+    w.env = RawRewardInfo(w.env)
+    return env
+
+
+def make_env_factory(env_id: str, **kwargs: Any) -> EnvFactory:
+    """``gym.make(env_id, **kwargs)`` as a zero-argument factory."""
+
+    def make() -> gym.Env:
+        return gym.make(env_id, **kwargs)
+
+    return make
+
+
+def max_episode_steps(make_env: EnvFactory) -> int | None:
+    """The time limit of the environment ``make_env`` builds (``None`` when it has none)."""
+    env = make_env()
+    try:
+        spec = env.spec
+        return None if spec is None else spec.max_episode_steps
+    finally:
+        env.close()
+
+
+@dataclass
+class TargetResult:
+    """Episodes of one target return.
+
+    Attributes:
+        target_return: the conditioning return (raw units) or ``None`` for unconditioned agents.
+        returns: (episodes,) raw undiscounted returns, in episode order j = 0..episodes-1.
+        lengths: (episodes,) episode lengths in steps.
+        seeds: (episodes,) reset seed of each episode.
+        normalized: (episodes,) D4RL-normalised scores (100 * (R - random) / (expert - random))
+            or ``None`` when the environment has no reference returns.
+        rewards: per-episode raw reward sequences (only when recorded), for the RTG traces.
+    """
+
+    target_return: float | None
+    returns: list[float]
+    lengths: list[int]
+    seeds: list[int]
+    normalized: list[float] | None = None
+    rewards: list[list[float]] | None = None
+
+    @property
+    def return_mean(self) -> float:
+        return float(np.mean(self.returns))
+
+    @property
+    def return_std(self) -> float:
+        return float(np.std(self.returns))
+
+    @property
+    def normalized_score(self) -> float | None:
+        return None if self.normalized is None else float(np.mean(self.normalized))
+
+    def to_dict(self, with_rewards: bool = False) -> dict[str, Any]:
+        """JSON-ready dict with ``target_return, returns, return_mean, return_std, normalized_score``."""
+        out = {
+            "target_return": self.target_return,
+            "returns": [float(r) for r in self.returns],
+            "return_mean": self.return_mean,
+            "return_std": self.return_std,
+            "normalized_score": self.normalized_score,
+            "normalized_score_std": None if self.normalized is None else float(np.std(self.normalized)),
+            "lengths": [int(n) for n in self.lengths],
+            "seeds": [int(s) for s in self.seeds],
+        }
+        if with_rewards and self.rewards is not None:
+            out["rewards"] = self.rewards
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TargetResult:
+        return cls(
+            target_return=d["target_return"], returns=list(d["returns"]), lengths=list(d.get("lengths", [])),
+            seeds=list(d.get("seeds", [])), normalized=None, rewards=d.get("rewards"),
+        )
+
+
+@dataclass
+class EvalReport:
+    """All targets of one evaluation call, plus its settings and wall time."""
+
+    results: list[TargetResult]
+    env_id: str | None = None
+    episodes: int = 0
+    n_envs: int = 0
+    seed: int = 0
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self, with_rewards: bool = False) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "results"}
+        d["results"] = [r.to_dict(with_rewards) for r in self.results]
+        return d
+
+
+def evaluate(
+    policy: Policy,
+    make_env: EnvFactory,
+    targets: Sequence[float | None] = (None,),
+    *,
+    episodes: int = 10,
+    n_envs: int = 10,
+    seed: int = 0,
+    record_rewards: bool = False,
+    normalize: Callable[[np.ndarray], np.ndarray | None] | None = None,
+    env_id: str | None = None,
+) -> EvalReport:
+    """Run ``episodes`` episodes per target with N = min(n_envs, episodes) vector environments.
+
+    Args:
+        policy: any :class:`Policy`; ``initial_state(N, target)`` is called once per target.
+        make_env: zero-argument factory of one (possibly wrapped) environment.
+        targets: target returns in raw reward units (``None`` for unconditioned agents).
+        episodes: exact number of episodes per target (episode j uses env j % N, seed seed + j).
+        n_envs: number of parallel environments.
+        seed: base reset seed.
+        record_rewards: keep each episode's raw reward sequence (for RTG traces).
+        normalize: maps raw returns (E,) to normalised scores, or returns ``None``.
+        env_id: recorded in the report.
+
+    Returns:
+        :class:`EvalReport` with one :class:`TargetResult` per target, in the given order.
+
+    Raises:
+        ValueError: ``episodes`` or ``n_envs`` < 1, or no target given.
+        RuntimeError: the raw reward is missing from ``info`` (a wrapper dropped it).
+    """
+    if episodes < 1 or n_envs < 1:
+        raise ValueError(f"evaluate: episodes and n_envs must be >= 1, got {episodes}, {n_envs}")
+    if len(targets) == 0:
+        raise ValueError("evaluate: give at least one target return (None for unconditioned agents)")
+    t0 = time.perf_counter()
+    n = min(n_envs, episodes)
+    envs = gym.vector.SyncVectorEnv(
+        [lambda: with_raw_reward(make_env()) for _ in range(n)],
+        autoreset_mode=gym.vector.AutoresetMode.DISABLED,
+    )
+    try:
+        results = [_run_target(policy, envs, target, episodes, seed, record_rewards) for target in targets]
+    finally:
+        envs.close()
+    if normalize is not None:
+        for r in results:
+            scores = normalize(np.asarray(r.returns, dtype=np.float64))
+            r.normalized = None if scores is None else [float(s) for s in scores]
+    return EvalReport(results, env_id=env_id, episodes=episodes, n_envs=n, seed=seed, seconds=time.perf_counter() - t0)
+
+
+def _run_target(
+    policy: Policy, envs: gym.vector.VectorEnv, target: float | None, episodes: int, seed: int, record: bool
+) -> TargetResult:
+    """Episodes of one target on ``envs`` (N envs); see :func:`evaluate`."""
+    n = envs.num_envs
+    rows = np.arange(n)
+    # quota: episode j -> env j % n; job[i] is the index j of the episode env i is running
+    job = rows.copy()
+    active = job < episodes
+    returns = np.zeros(episodes, dtype=np.float64)
+    lengths = np.zeros(episodes, dtype=np.int64)
+    rewards: list[list[float]] | None = [[] for _ in range(episodes)] if record else None
+    ep_ret = np.zeros(n, dtype=np.float64)
+    ep_len = np.zeros(n, dtype=np.int64)
+    cap = 1024
+    rew_buf = np.zeros((n, cap), dtype=np.float64) if record else None  # (N, cap) rewards of running episodes
+
+    obs, _ = envs.reset(seed=[int(seed + j) for j in job])
+    state = policy.initial_state(n, target)
+    episode_start = np.ones(n, dtype=bool)
+    last_reward: np.ndarray | None = None
+    remaining = episodes
+    while remaining > 0:
+        actions, state = policy.act(obs, state, episode_start, last_reward)
+        obs, _, terminated, truncated, info = envs.step(actions)
+        if RAW_REWARD_KEY not in info:
+            raise RuntimeError(
+                f"evaluate: info has no {RAW_REWARD_KEY!r}: a wrapper of the environment drops info keys"
+            )
+        raw = np.asarray(info[RAW_REWARD_KEY], dtype=np.float64)  # (N,)
+        if record:
+            if int(ep_len.max()) >= rew_buf.shape[1]:
+                rew_buf = np.concatenate([rew_buf, np.zeros_like(rew_buf)], axis=1)
+            rew_buf[rows, ep_len] = raw
+        ep_ret += raw
+        ep_len += 1
+        last_reward = raw
+        done = terminated | truncated
+        episode_start = done
+        if not done.any():
+            continue
+        finished = np.flatnonzero(done & active)  # per finished episode, not per step
+        for i in finished:
+            j = job[i]
+            returns[j], lengths[j] = ep_ret[i], ep_len[i]
+            if record:
+                rewards[j] = rew_buf[i, : ep_len[i]].tolist()
+        remaining -= len(finished)
+        job[done] += n
+        active = job < episodes
+        ep_ret[done] = 0.0
+        ep_len[done] = 0
+        if remaining > 0:
+            # envs past their quota are reset too (a disabled-autoreset vector env must be)
+            seeds = [int(seed + job[i]) if done[i] and active[i] else None for i in range(n)]
+            new_obs, _ = envs.reset(seed=seeds, options={"reset_mask": done.copy()})
+            obs = np.where(done.reshape((n,) + (1,) * (np.ndim(obs) - 1)), new_obs, obs)
+    return TargetResult(
+        target_return=None if target is None else float(target),
+        returns=returns.tolist(),
+        lengths=lengths.tolist(),
+        seeds=[int(seed + j) for j in range(episodes)],
+        rewards=rewards,
+    )
+
+
+def parse_targets(text: str | None) -> list[float] | None:
+    """``"3600,1800"`` -> ``[3600.0, 1800.0]``; ``None`` or ``""`` -> ``None``.
+
+    Raises:
+        ValueError: a value that is not a number (the message quotes it).
+    """
+    if text is None or not text.strip():
+        return None
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            out.append(float(part))
+        except ValueError:
+            raise ValueError(f"--targets: {part!r} is not a number (expected e.g. 3600,1800)") from None
+    return out

@@ -1,0 +1,140 @@
+"""Return-conditioned rollout plots (matplotlib, Agg backend; no display needed).
+
+:func:`plot_return_conditioning` draws the Decision Transformer paper's figure 4 (Chen et al.
+2021): achieved return against target return over a sweep of targets, with the y = x line,
+the best and mean episode return of the training dataset, each episode as a dot and the
+mean +- std over episodes. A second panel shows, per episode, the remaining return-to-go the
+agent was conditioned on (target minus reward collected so far) and the cumulative reward, both
+against the environment step: a return-following agent has the two curves meet at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from rl_tformers.agents.common.evaluation import TargetResult  # noqa: E402
+
+
+def plot_return_conditioning(
+    results: Sequence[TargetResult],
+    *,
+    dataset_max: float | None = None,
+    dataset_mean: float | None = None,
+    title: str = "",
+    max_traces_per_target: int = 2,
+):
+    """Figure with (left) achieved vs target return and (right) RTG / cumulative-reward traces.
+
+    Args:
+        results: one :class:`TargetResult` per target (targets must not be ``None``); the traces
+            panel needs ``rewards`` (``evaluate(..., record_rewards=True)``) and is left with a
+            note when they are missing.
+        dataset_max, dataset_mean: best and mean episode return of the training data (raw units).
+        title: figure title.
+        max_traces_per_target: episodes drawn per target in the traces panel.
+
+    Returns:
+        ``matplotlib.figure.Figure`` (close it with ``plt.close(fig)``).
+
+    Raises:
+        ValueError: no results, or a result without a target return.
+    """
+    if not results:
+        raise ValueError("plot: no evaluation results to plot")
+    if any(r.target_return is None for r in results):
+        raise ValueError("plot: every result needs a target return (the agent must be return-conditioned)")
+    res = sorted(results, key=lambda r: r.target_return)
+    targets = np.array([r.target_return for r in res], dtype=np.float64)
+    means = np.array([r.return_mean for r in res])
+    stds = np.array([r.return_std for r in res])
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    lo = min(targets.min(), min(min(r.returns) for r in res), 0.0)
+    hi = max(targets.max(), max(max(r.returns) for r in res))
+    if dataset_max is not None:
+        hi = max(hi, dataset_max)
+    ax.plot([lo, hi], [lo, hi], color="0.5", linestyle=":", label="y = x (oracle)")
+    for r in res:
+        ax.scatter(np.full(len(r.returns), r.target_return), r.returns, s=10, color="C0", alpha=0.35, linewidths=0)
+    ax.plot(targets, means, color="C0", marker="o", label="achieved (mean)")
+    ax.fill_between(targets, means - stds, means + stds, color="C0", alpha=0.2, label="+- std over episodes")
+    if dataset_max is not None:
+        ax.axhline(dataset_max, color="C3", linestyle="--", label=f"dataset best ({dataset_max:.0f})")
+    if dataset_mean is not None:
+        ax.axhline(dataset_mean, color="C2", linestyle="--", label=f"dataset mean ({dataset_mean:.0f})")
+    ax.set_xlabel("target return")
+    ax.set_ylabel("achieved return")
+    ax.set_title("return conditioning")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+
+    has_traces = any(r.rewards for r in res)
+    if has_traces:
+        cmap = plt.get_cmap("viridis")
+        for k, r in enumerate(res):
+            color = cmap(k / max(1, len(res) - 1))
+            for ep in (r.rewards or [])[:max_traces_per_target]:
+                cum = np.concatenate([[0.0], np.cumsum(ep)])  # (L+1,) reward collected before step t
+                steps = np.arange(len(cum))
+                ax2.plot(steps, r.target_return - cum, color=color, linestyle="--", linewidth=1)
+                ax2.plot(steps, cum, color=color, linewidth=1)
+            ax2.plot([], [], color=color, label=f"target {r.target_return:.0f}")
+        ax2.plot([], [], color="k", linestyle="--", label="remaining RTG")
+        ax2.plot([], [], color="k", label="cumulative reward")
+        ax2.legend(fontsize=7, loc="best")
+    else:
+        ax2.text(0.5, 0.5, "no per-step rewards recorded", ha="center", va="center", transform=ax2.transAxes)
+    ax2.set_xlabel("environment step")
+    ax2.set_ylabel("return (raw units)")
+    ax2.set_title("remaining return-to-go vs cumulative reward")
+    ax2.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def save_figure(fig, out: str | Path, dpi: int = 110) -> Path:
+    """Write ``fig`` to ``out`` (PNG by extension), create parent dirs, close the figure."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
+
+
+def log_figure(log_dir: str | Path, tag: str, fig, step: int = 0) -> None:
+    """Add ``fig`` as an image to the TensorBoard event files in ``log_dir`` (does not close it)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(log_dir))
+    try:
+        writer.add_figure(tag, fig, global_step=step, close=False)
+    finally:
+        writer.close()
+
+
+def default_sweep(dataset_max: float, dataset_mean: float | None = None, n: int = 6) -> list[float]:
+    """Targets for the figure: ``n`` evenly spaced values from ~dataset mean / 2 to 1.2 x dataset best."""
+    lo = 0.5 * (dataset_mean if dataset_mean is not None else 0.5 * dataset_max)
+    return [float(round(x)) if abs(dataset_max) >= 20 else float(x) for x in np.linspace(lo, 1.2 * dataset_max, n)]
+
+
+def summary_lines(results: Sequence[TargetResult]) -> list[str]:
+    """One human-readable line per target: target, mean +- std, normalised score."""
+    out: list[str] = []
+    for r in results:
+        t = "-" if r.target_return is None else f"{r.target_return:g}"
+        line = f"target {t:>8}: return {r.return_mean:9.2f} +- {r.return_std:8.2f} over {len(r.returns)} episodes"
+        if r.normalized_score is not None:
+            line += f", normalised score {r.normalized_score:6.1f}"
+        out.append(line)
+    return out
+

@@ -1,0 +1,302 @@
+"""Decision Transformer model (Chen et al. 2021, "Decision Transformer: Reinforcement Learning via
+Sequence Modeling", section 2.2 and figure 1): a pure ``nn.Module``, no data handling.
+
+A trajectory window of K environment steps becomes 3K tokens, interleaved per step::
+
+    (R_0, s_0, a_0, R_1, s_1, a_1, ..., R_{K-1}, s_{K-1}, a_{K-1})
+
+Each modality has its own linear embedding; a learned *timestep* embedding (the episode step,
+not the token index) is added to all three tokens of a step. Padding uses timestep index 0
+and real step ``t`` uses index ``t + 1``, so padding never shares an embedding with a real
+step (the official code and CORL pad with real indices). The sequence goes through any
+registered :class:`~rl_tformers.backbone.Backbone`; the backbone receives the *token index*
+inside the window (0 .. 3K-1) as positions, so relative and rotary encodings see the right
+distances. The action a_i is predicted from the hidden state of the state token s_i.
+
+Two modes (``mode``):
+
+- ``causal`` (the paper): causal attention, every step's action is predicted and trained.
+  Needs a kernel with a causal form (``Capabilities.causal``) and ``backbone.causal=true``.
+- ``last_action``: for kernels without a causal form (Linformer, ETC, Big Bird-style global
+  tokens...): the window holds the past only and ends with the current state token (3K-1
+  tokens, no action token for the current step), attention is bidirectional inside it
+  (``backbone.causal=false``), and only the last action is predicted. Train on windows that end
+  at a real step (the sampler's ``align="end"``).
+
+Heads (``head``): ``deterministic`` (tanh, the paper; trained with MSE), ``gaussian``
+(tanh-squashed Gaussian with a learned entropy temperature, Online DT, Zheng et al. 2022,
+section 3), and, for discrete action spaces, a linear ``categorical`` head (cross-entropy).
+Continuous actions are handled in normalised units ``[-1, 1]``; the agent maps them to the
+environment's box (see :func:`to_env_action` / :func:`from_env_action`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rl_tformers.backbone import Backbone
+from rl_tformers.config import BackboneConfig
+
+MODES = ("causal", "last_action")
+HEADS = ("deterministic", "gaussian", "categorical")
+
+
+def paper_backbone() -> BackboneConfig:
+    """The paper's GPT-style backbone: 3 pre-norm layers, 1 head, 128 dims, ReLU, dropout 0.1.
+
+    No positional encoding in the backbone: the timestep embedding carries position (the
+    official implementation removes GPT-2's position table).
+    """
+    return BackboneConfig(d_model=128, n_layers=3, n_heads=1, dropout=0.1, attn_dropout=0.1, activation="relu")
+
+
+@dataclass(frozen=True)
+class DTConfig:
+    """Configuration of :class:`DecisionTransformer`.
+
+    Attributes:
+        obs_dim: observation size (flat).
+        act_dim: action size (continuous) or number of actions (discrete).
+        discrete: discrete action space (categorical head, cross-entropy loss).
+        context_len: K, number of environment steps in a window (paper: 20).
+        max_ep_len: largest episode length; timesteps must lie in ``[0, max_ep_len)``.
+        mode: ``causal`` or ``last_action`` (see the module docstring).
+        head: ``deterministic`` or ``gaussian`` (continuous); forced to ``categorical`` when discrete.
+        embed_dropout: dropout after the embedding LayerNorm (official code: same as the backbone).
+        log_std_min, log_std_max: bounds of the Gaussian head's log standard deviation.
+        init_temperature: initial entropy temperature of the Gaussian head (Online DT: 0.1).
+        target_entropy: entropy target of the temperature loss; ``None`` = -act_dim (Online DT).
+        backbone: any backbone configuration (default :func:`paper_backbone`).
+
+    Raises:
+        ValueError: unknown mode/head; ``causal`` mode with a non-causal backbone (future action
+            tokens would leak into the prediction).
+    """
+
+    obs_dim: int
+    act_dim: int
+    discrete: bool = False
+    context_len: int = 20
+    max_ep_len: int = 1000
+    mode: str = "causal"
+    head: str = "deterministic"
+    embed_dropout: float = 0.1
+    log_std_min: float = -5.0
+    log_std_max: float = 2.0
+    init_temperature: float = 0.1
+    target_entropy: float | None = None
+    backbone: BackboneConfig = field(default_factory=paper_backbone)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.backbone, Mapping):
+            object.__setattr__(self, "backbone", BackboneConfig.from_dict(self.backbone))
+        if self.mode not in MODES:
+            raise ValueError(f"agent.mode={self.mode!r}; use one of {', '.join(MODES)}")
+        if self.discrete and self.head != "categorical":
+            object.__setattr__(self, "head", "categorical")
+        if self.head not in HEADS or (not self.discrete and self.head == "categorical"):
+            raise ValueError(f"agent.head={self.head!r}; use deterministic or gaussian for continuous actions")
+        if self.mode == "causal" and not self.backbone.causal:
+            raise ValueError(
+                "agent.mode=causal needs backbone.causal=true (with bidirectional attention the "
+                "action tokens a_t, a_t+1... would leak into the prediction of a_t); for kernels "
+                "without a causal form use agent.mode=last_action"
+            )
+        if self.context_len < 1 or self.max_ep_len < 1:
+            raise ValueError(f"agent.context_len and agent.max_ep_len must be >= 1, got {self.context_len}, {self.max_ep_len}")
+        if 3 * self.context_len > self.backbone.max_position:
+            raise ValueError(
+                f"agent.context_len={self.context_len} needs {3 * self.context_len} token positions; "
+                f"backbone.max_position={self.backbone.max_position}"
+            )
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens per window: 3K (causal) or 3K - 1 (last_action: no current action token)."""
+        return 3 * self.context_len - (self.mode == "last_action")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["backbone"] = self.backbone.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DTConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"agent.{unknown[0]}: unknown Decision Transformer field; fields: {', '.join(sorted(names))}")
+        return cls(**dict(data))
+
+
+@dataclass
+class DTOutput:
+    """Result of :meth:`DecisionTransformer.forward`. P = K (causal) or 1 (last_action).
+
+    Attributes:
+        action: (B, P, A) normalised action in [-1, 1] (continuous: tanh of the mean) or
+            (B, P) long argmax (discrete).
+        logits: (B, P, n_actions) for discrete actions, else ``None``.
+        mean: (B, P, A) pre-tanh mean (continuous heads).
+        log_std: (B, P, A) log standard deviation (gaussian head), else ``None``.
+        aux: the backbone's weighted auxiliary losses; metrics: its logged values.
+    """
+
+    action: Tensor
+    logits: Tensor | None = None
+    mean: Tensor | None = None
+    log_std: Tensor | None = None
+    aux: dict[str, Tensor] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class DecisionTransformer(nn.Module):
+    """Return-conditioned sequence model over (R, s, a) tokens.
+
+    Args:
+        cfg: :class:`DTConfig`.
+    """
+
+    def __init__(self, cfg: DTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.backbone.d_model
+        self.embed_timestep = nn.Embedding(cfg.max_ep_len + 1, d)  # index 0 = padding, t -> t + 1
+        self.embed_return = nn.Linear(1, d)
+        self.embed_state = nn.Linear(cfg.obs_dim, d)
+        self.embed_action = nn.Embedding(cfg.act_dim, d) if cfg.discrete else nn.Linear(cfg.act_dim, d)
+        self.embed_ln = nn.LayerNorm(d)
+        self.embed_drop = nn.Dropout(cfg.embed_dropout)
+        out = 2 * cfg.act_dim if cfg.head == "gaussian" else cfg.act_dim
+        self.head = nn.Linear(d, out)
+        for m in (self.embed_timestep, self.embed_return, self.embed_state, self.embed_action, self.head):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        self.backbone = Backbone(cfg.backbone)
+        if cfg.head == "gaussian":
+            self.log_temperature = nn.Parameter(torch.tensor(math.log(cfg.init_temperature)))
+        # token index inside a window (B-independent), given to the backbone as positions
+        self.register_buffer("token_pos", torch.arange(cfg.n_tokens), persistent=False)
+
+    @property
+    def target_entropy(self) -> float:
+        return -float(self.cfg.act_dim) if self.cfg.target_entropy is None else self.cfg.target_entropy
+
+    def timestep_index(self, timesteps: Tensor, mask: Tensor) -> Tensor:
+        """Embedding index of each step: ``t + 1`` for real steps, 0 for padding.
+
+        Args:
+            timesteps: (B, K) long episode steps (0-based); padded entries may hold anything.
+            mask: (B, K) bool, True = real step.
+        Returns:
+            (B, K) long.
+        Raises:
+            ValueError: a real timestep outside ``[0, max_ep_len)`` (names ``agent.max_ep_len``).
+        """
+        t = torch.where(mask, timesteps.long(), torch.zeros_like(timesteps, dtype=torch.long))
+        hi, lo = int(t.max()), int(t.min())
+        if hi >= self.cfg.max_ep_len or lo < 0:
+            raise ValueError(
+                f"Decision Transformer: timestep {hi if hi >= self.cfg.max_ep_len else lo} is outside "
+                f"[0, agent.max_ep_len={self.cfg.max_ep_len}); raise agent.max_ep_len (it must cover the "
+                f"longest episode) or evaluate with timestep_overflow='clamp'"
+            )
+        return torch.where(mask, t + 1, t.new_zeros(()))
+
+    def forward(self, obs: Tensor, actions: Tensor, rtg: Tensor, timesteps: Tensor, mask: Tensor) -> DTOutput:
+        """Predict actions from a window of K steps.
+
+        Args:
+            obs: (B, K, obs_dim) normalised observations.
+            actions: (B, K, A) normalised continuous actions in [-1, 1], or (B, K) long discrete
+                actions. In ``causal`` mode a_t is never seen by the prediction of a_t (pass
+                anything, e.g. zeros, for the step being decided); in ``last_action`` mode the
+                last step's action is dropped from the input.
+            rtg: (B, K) or (B, K, 1) returns-to-go, already multiplied by the reward scale.
+            timesteps: (B, K) long episode steps (0-based).
+            mask: (B, K) bool, True = real step, False = padding (any place in the window).
+
+        Returns:
+            :class:`DTOutput` with predictions for every step (causal) or the last one.
+
+        Raises:
+            ValueError: wrong shapes or a timestep outside ``[0, max_ep_len)``.
+        """
+        cfg = self.cfg
+        b, k = obs.shape[:2]
+        if obs.shape != (b, k, cfg.obs_dim):
+            raise ValueError(f"DT: obs must be (B, K, {cfg.obs_dim}), got {tuple(obs.shape)}")
+        if k > cfg.context_len:
+            raise ValueError(f"DT: window of {k} steps exceeds agent.context_len={cfg.context_len}")
+        if mask.shape != (b, k) or timesteps.shape != (b, k):
+            raise ValueError(f"DT: mask and timesteps must be ({b}, {k}), got {tuple(mask.shape)}, {tuple(timesteps.shape)}")
+        mask = mask.bool()
+        rtg = rtg.reshape(b, k, 1).to(obs.dtype)
+        time_emb = self.embed_timestep(self.timestep_index(timesteps, mask))  # (B, K, D)
+        act_emb = self.embed_action(actions.long() if cfg.discrete else actions.to(obs.dtype))  # (B, K, D)
+        tokens = torch.stack(
+            (self.embed_return(rtg) + time_emb, self.embed_state(obs) + time_emb, act_emb + time_emb), dim=2
+        )  # (B, K, 3, D)
+        d = tokens.shape[-1]
+        tokens = tokens.reshape(b, 3 * k, d)  # (B, 3K, D): R_0, s_0, a_0, R_1, ...
+        tok_mask = mask.repeat_interleave(3, dim=1)  # (B, 3K)
+        if cfg.mode == "last_action":
+            tokens, tok_mask = tokens[:, :-1], tok_mask[:, :-1]  # (B, 3K-1, D): ends with s_{K-1}
+        x = self.embed_drop(self.embed_ln(tokens))
+        n = x.shape[1]
+        pos = self.token_pos[:n].expand(b, n)  # (B, n) token index inside the window
+        out = self.backbone(x, positions=pos, mask=tok_mask)
+        h = out.hidden
+        h = h[:, 1::3] if cfg.mode == "causal" else h[:, -1:]  # (B, P, D) state tokens
+        y = self.head(h)  # (B, P, A) or (B, P, 2A)
+        if cfg.discrete:
+            return DTOutput(action=y.argmax(-1), logits=y, aux=out.aux, metrics=out.metrics)
+        if cfg.head == "gaussian":
+            mean, log_std = y.chunk(2, dim=-1)  # (B, P, A) each
+            lo, hi = cfg.log_std_min, cfg.log_std_max
+            log_std = lo + 0.5 * (hi - lo) * (torch.tanh(log_std) + 1.0)
+            return DTOutput(action=torch.tanh(mean), mean=mean, log_std=log_std, aux=out.aux, metrics=out.metrics)
+        return DTOutput(action=torch.tanh(y), mean=y, aux=out.aux, metrics=out.metrics)
+
+
+# -- action-space mapping (continuous) ----------------------------------------------------------
+
+def to_env_action(a: Tensor, low: Tensor, high: Tensor) -> Tensor:
+    """Normalised action in [-1, 1] -> environment box ``[low, high]``; shapes broadcast (..., A)."""
+    return low + 0.5 * (a + 1.0) * (high - low)
+
+
+def from_env_action(a: Tensor, low: Tensor, high: Tensor) -> Tensor:
+    """Environment action -> normalised [-1, 1] (clipped); inverse of :func:`to_env_action`."""
+    return (2.0 * (a - low) / (high - low) - 1.0).clamp(-1.0, 1.0)
+
+
+def squashed_gaussian_log_prob(mean: Tensor, log_std: Tensor, action: Tensor, eps: float = 1e-6) -> Tensor:
+    """log pi(a) of a tanh-squashed Gaussian at normalised action ``a`` in (-1, 1).
+
+    log pi(a) = log N(atanh(a); mean, std) - sum log(1 - a^2)  (change of variables; Haarnoja
+    et al. 2018, appendix C). Shapes: (..., A) -> (...).
+    """
+    a = action.clamp(-1.0 + eps, 1.0 - eps)
+    u = torch.atanh(a)
+    normal = torch.distributions.Normal(mean, log_std.exp())
+    return (normal.log_prob(u) - torch.log1p(-a.pow(2) + eps)).sum(-1)
+
+
+def squashed_gaussian_sample(mean: Tensor, log_std: Tensor) -> Tensor:
+    """Reparameterised sample tanh(mean + std * eps), (..., A)."""
+    return torch.tanh(mean + log_std.exp() * torch.randn_like(mean))
+
+
+def discrete_ce(logits: Tensor, target: Tensor) -> Tensor:
+    """Per-step cross-entropy: logits (..., n), target (...) long -> (...)."""
+    return F.cross_entropy(logits.flatten(0, -2), target.flatten().long(), reduction="none").view(target.shape)

@@ -1,0 +1,197 @@
+"""Decision Transformer inference: the :class:`~rl_tformers.agents.common.policy.Policy` of a DT.
+
+N environments are served by one batched forward pass per step. The context of each
+environment lives in preallocated (N, K, ...) buffers held in a :class:`DTState` (owned by the
+caller, never by the policy):
+
+- ``causal`` mode (window aligned at its *start*, like the sampler's ``align="start"``): step t
+  of an episode is written at slot ``min(t, K-1)``; once the window is full, the row is shifted
+  left by one slot before writing, so the window always holds the last K steps, starting at slot
+  0, exactly like a training window that starts at ``t - K + 1``.
+- ``last_action`` mode (window aligned at its *end*, ``align="end"``): every step shifts the row
+  left by one and writes at slot K-1; earlier slots stay padding at the start of an episode.
+
+Return-to-go (Chen et al. 2021, algorithm 1): the first step of an episode is conditioned on the
+target return, and after each reward ``R_{t+1} = R_t - r_t``, in raw units (float64); the model
+sees ``R_t * reward_scale``, the same scale as the training windows, whose RTG is the suffix sum
+``sum_{t' >= t} r_{t'}`` (:func:`rl_tformers.envs` ``returns_to_go``). Replaying a dataset
+trajectory with target = its return therefore feeds exactly its training-time RTG (tested).
+
+Timesteps past ``max_ep_len`` (the size of the timestep embedding): ``timestep_overflow="error"``
+(default) raises a ValueError naming the option; ``"clamp"`` reuses the last timestep index
+``max_ep_len - 1`` for all later steps (documented, tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rl_tformers.agents.decision_transformer.model import DecisionTransformer, to_env_action
+
+OVERFLOW_POLICIES = ("error", "clamp")
+
+
+@dataclass
+class DTState:
+    """Context buffers of N environments (updated in place by :meth:`DTPolicy.act` and returned).
+
+    Attributes:
+        obs: (N, K, obs_dim) normalised observations.
+        actions: (N, K, A) normalised actions in [-1, 1] (continuous) or (N, K) long (discrete).
+        rtg: (N, K) scaled returns-to-go fed to the model.
+        timesteps: (N, K) long episode steps.
+        mask: (N, K) bool, True = real step.
+        t: (N,) int64 step of the current observation in its episode (-1 before the first).
+        rtg_raw: (N,) float64 remaining return in raw reward units.
+        target: (N,) float64 target return of each row (raw units).
+    """
+
+    obs: Tensor
+    actions: Tensor
+    rtg: Tensor
+    timesteps: Tensor
+    mask: Tensor
+    t: np.ndarray
+    rtg_raw: np.ndarray
+    target: np.ndarray
+
+
+class DTPolicy:
+    """Acts with a trained :class:`DecisionTransformer` in N environments at once.
+
+    Args:
+        model: the model (put in eval mode here).
+        obs_mean, obs_std: (obs_dim,) observation statistics used in training.
+        reward_scale: multiplier of returns-to-go (paper: 1/1000 for MuJoCo).
+        action_low, action_high: (A,) bounds of a continuous action space (ignored when discrete).
+        default_target: target return used when ``initial_state`` gets none.
+        timestep_overflow: ``error`` or ``clamp`` (see the module docstring).
+        device: where the model runs (default: the model's device).
+    """
+
+    def __init__(
+        self,
+        model: DecisionTransformer,
+        obs_mean: np.ndarray,
+        obs_std: np.ndarray,
+        reward_scale: float,
+        action_low: np.ndarray | None = None,
+        action_high: np.ndarray | None = None,
+        default_target: float | None = None,
+        timestep_overflow: str = "error",
+        device: torch.device | str | None = None,
+    ) -> None:
+        if timestep_overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"timestep_overflow={timestep_overflow!r}; use one of {', '.join(OVERFLOW_POLICIES)}")
+        self.model = model.eval()
+        self.cfg = model.cfg
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self.obs_mean = torch.as_tensor(np.asarray(obs_mean, dtype=np.float32), **f32)
+        self.obs_std = torch.as_tensor(np.asarray(obs_std, dtype=np.float32), **f32)
+        self.reward_scale = float(reward_scale)
+        self.default_target = default_target
+        self.timestep_overflow = timestep_overflow
+        if not self.cfg.discrete:
+            if action_low is None or action_high is None:
+                raise ValueError("DTPolicy: a continuous action space needs action_low and action_high")
+            self.low = torch.as_tensor(np.asarray(action_low, dtype=np.float32), **f32)
+            self.high = torch.as_tensor(np.asarray(action_high, dtype=np.float32), **f32)
+
+    def initial_state(self, n_envs: int, target_return: float | None = None) -> DTState:
+        """Empty context for ``n_envs`` episodes conditioned on ``target_return`` (raw units).
+
+        Raises:
+            ValueError: no target given and no default target stored with the agent.
+        """
+        target = self.default_target if target_return is None else target_return
+        if target is None:
+            raise ValueError("Decision Transformer needs a target return: pass --targets (raw reward units)")
+        cfg, dev, n, k = self.cfg, self.device, n_envs, self.cfg.context_len
+        act_shape = (n, k) if cfg.discrete else (n, k, cfg.act_dim)
+        return DTState(
+            obs=torch.zeros(n, k, cfg.obs_dim, device=dev),
+            actions=torch.zeros(act_shape, device=dev, dtype=torch.long if cfg.discrete else torch.float32),
+            rtg=torch.zeros(n, k, device=dev),
+            timesteps=torch.zeros(n, k, dtype=torch.long, device=dev),
+            mask=torch.zeros(n, k, dtype=torch.bool, device=dev),
+            t=np.full(n, -1, dtype=np.int64),
+            rtg_raw=np.full(n, float(target), dtype=np.float64),
+            target=np.full(n, float(target), dtype=np.float64),
+        )
+
+    @torch.no_grad()
+    def act(
+        self,
+        obs: np.ndarray,
+        state: DTState,
+        episode_start: np.ndarray,
+        last_reward: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, DTState]:
+        """Actions for one step of N environments (one forward pass); see the module docstring.
+
+        Args:
+            obs: (N, obs_dim) raw observations.
+            state: from :meth:`initial_state` or the previous call (updated in place).
+            episode_start: (N,) bool; those rows are cleared and conditioned on their target.
+            last_reward: (N,) raw rewards of the previous step (ignored where a row starts).
+
+        Returns:
+            actions (N, A) float32 in the action box, or (N,) int64 for discrete spaces; the state.
+
+        Raises:
+            ValueError: a step at or past ``max_ep_len`` with ``timestep_overflow="error"``, or a
+                row that has never started an episode.
+        """
+        cfg, k = self.cfg, self.cfg.context_len
+        start = np.asarray(episode_start, dtype=bool)
+        n = start.shape[0]
+        cont = ~start
+        if (cont & (state.t < 0)).any():
+            raise ValueError("DTPolicy.act: a row continues an episode that never started (episode_start must be True first)")
+        if last_reward is not None:
+            state.rtg_raw[cont] -= np.asarray(last_reward, dtype=np.float64)[cont]  # R_{t+1} = R_t - r_t
+        state.rtg_raw[start] = state.target[start]
+        state.t = np.where(start, 0, state.t + 1)
+        t = state.t
+        if int(t.max()) >= cfg.max_ep_len:
+            if self.timestep_overflow == "error":
+                raise ValueError(
+                    f"Decision Transformer: episode step {int(t.max())} >= agent.max_ep_len={cfg.max_ep_len} "
+                    f"(the timestep embedding has no entry for it); evaluate on episodes of at most "
+                    f"{cfg.max_ep_len} steps, train with a larger agent.max_ep_len, or set "
+                    f"timestep_overflow='clamp' to reuse the last timestep index"
+                )
+        dev = self.device
+        # shift rows whose window is full (causal) or that continue (last_action) one slot left
+        shift_np = (t >= k) if cfg.mode == "causal" else cont
+        shift = torch.as_tensor(shift_np, device=dev)
+        st = torch.as_tensor(start, device=dev)
+        for name in ("obs", "actions", "rtg", "timesteps", "mask"):
+            buf = getattr(state, name)
+            sh = shift.view((n,) + (1,) * (buf.dim() - 1))
+            new = torch.where(sh, buf.roll(-1, dims=1), buf)
+            new = torch.where(st.view_as(sh), torch.zeros_like(new), new)  # clear starting rows
+            setattr(state, name, new)
+        slot_np = np.minimum(t, k - 1) if cfg.mode == "causal" else np.full(n, k - 1)
+        rows = torch.arange(n, device=dev)
+        slot = torch.as_tensor(slot_np, device=dev)
+        obs_t = torch.as_tensor(np.asarray(obs, dtype=np.float32), device=dev).reshape(n, cfg.obs_dim)
+        state.obs[rows, slot] = (obs_t - self.obs_mean) / self.obs_std
+        state.rtg[rows, slot] = torch.as_tensor(state.rtg_raw * self.reward_scale, dtype=torch.float32, device=dev)
+        state.timesteps[rows, slot] = torch.as_tensor(np.minimum(t, cfg.max_ep_len - 1), device=dev)
+        state.mask[rows, slot] = True
+        state.actions[rows, slot] = 0
+        out = self.model(state.obs, state.actions, state.rtg, state.timesteps, state.mask)
+        if cfg.mode == "causal":
+            a = out.action[rows, slot]  # (N, A) or (N,)
+        else:
+            a = out.action[:, -1]
+        state.actions[rows, slot] = a
+        if cfg.discrete:
+            return a.cpu().numpy().astype(np.int64), state
+        return to_env_action(a, self.low, self.high).cpu().numpy().astype(np.float32), state

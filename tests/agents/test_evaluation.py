@@ -1,0 +1,142 @@
+"""The shared evaluation loop: unbiased episode counting, raw returns, fixed seeds, batching."""
+
+from __future__ import annotations
+
+import itertools
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+from rl_tformers.agents.common.evaluation import evaluate, parse_targets, with_raw_reward
+
+
+class FixedLengthEnv(gym.Env):
+    """Episodes of exactly ``length`` steps, reward 1 per step except the first (reward 0).
+
+    length 1 -> return 0; length 10 -> return 9 + ``bonus`` on the last step (so 10 with bonus 1).
+    """
+
+    metadata: dict = {"render_modes": []}
+
+    def __init__(self, length: int = 1, bonus: float = 1.0):
+        self.length, self.bonus = length, bonus
+        self.observation_space = spaces.Box(-np.inf, np.inf, (2,), np.float32)
+        self.action_space = spaces.Box(-1.0, 1.0, (1,), np.float32)
+        self.t = 0
+        self.seeds: list[int | None] = []
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.seeds.append(seed)
+        self.t = 0
+        return np.array([0.0, float(self.length)], np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        done = self.t >= self.length
+        reward = 0.0 if self.t == 1 else 1.0
+        if done and self.length > 1:
+            reward += self.bonus
+        return np.array([self.t, self.length], np.float32), reward, done, False, {}
+
+
+ENV_ID = "RLTformersTest/FixedLength-v0"
+if ENV_ID not in gym.registry:
+    gym.register(ENV_ID, entry_point=FixedLengthEnv)
+
+
+class CountingPolicy:
+    """Zero actions; counts ``act`` calls and checks the batch shape (one call per step for all envs)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.n = None
+        self.rewards_seen: list[np.ndarray] = []
+
+    def initial_state(self, n_envs, target_return=None):
+        self.n = n_envs
+        return None
+
+    def act(self, obs, state, episode_start, last_reward=None):
+        assert obs.shape == (self.n, 2) and episode_start.shape == (self.n,)
+        self.calls += 1
+        if last_reward is not None:
+            self.rewards_seen.append(np.asarray(last_reward).copy())
+        return np.zeros((self.n, 1), np.float32), state
+
+
+def _alternating_factory(lengths=(1, 10), scale=None):
+    counter = itertools.count()
+
+    def make():
+        env = gym.make(ENV_ID, length=lengths[next(counter) % len(lengths)])
+        if scale is not None:
+            env = gym.wrappers.TransformReward(env, lambda r: scale * r)
+        return env
+
+    return make
+
+
+def test_short_and_long_env_episodes_counted_without_bias():
+    pol = CountingPolicy()
+    rep = evaluate(pol, _alternating_factory(), [None], episodes=4, n_envs=2, seed=0)
+    (res,) = rep.results
+    assert res.returns == [0.0, 10.0, 0.0, 10.0]
+    assert res.return_mean == 5.0
+    assert res.lengths == [1, 10, 1, 10]
+    assert res.seeds == [0, 1, 2, 3]
+    # the loop ran until the long env finished its 2 episodes: 20 steps, one act call each
+    assert pol.calls == 20
+
+
+def test_reward_scaling_wrapper_does_not_change_reported_return():
+    pol = CountingPolicy()
+    rep = evaluate(pol, _alternating_factory(lengths=(10,), scale=0.001), [None], episodes=3, n_envs=2, seed=5)
+    assert rep.results[0].returns == [10.0, 10.0, 10.0]
+    # the policy receives raw rewards too
+    assert max(float(r.max()) for r in pol.rewards_seen) == 2.0
+
+
+def test_with_raw_reward_sits_above_the_unwrapped_env():
+    env = with_raw_reward(gym.wrappers.TransformReward(gym.make(ENV_ID, length=3), lambda r: 0.5 * r))
+    env.reset(seed=0)
+    env.step(np.zeros(1, np.float32))
+    _, r, _, _, info = env.step(np.zeros(1, np.float32))
+    assert (r, info["raw_reward"]) == (0.5, 1.0)
+
+
+def test_episode_seeds_are_fixed_and_shared_across_targets():
+    made = []
+
+    def make():
+        env = gym.make(ENV_ID, length=2)
+        made.append(env.unwrapped)
+        return env
+
+    rep = evaluate(CountingPolicy(), make, [1.0, 2.0], episodes=5, n_envs=2, seed=100)
+    assert [r.seeds for r in rep.results] == [[100, 101, 102, 103, 104]] * 2
+    # env 0 runs episodes 0, 2, 4; env 1 runs 1, 3 (then keeps going, unseeded, until env 0 is done)
+    assert [s for s in made[0].seeds if s is not None] == [100, 102, 104, 100, 102, 104]
+    assert [s for s in made[1].seeds if s is not None] == [101, 103, 101, 103]
+
+
+def test_records_reward_sequences_and_normalises():
+    rep = evaluate(
+        CountingPolicy(), _alternating_factory(lengths=(3,)), [7.0], episodes=2, n_envs=2, seed=0,
+        record_rewards=True, normalize=lambda r: 100 * r / 4.0,
+    )
+    res = rep.results[0]
+    assert res.rewards == [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
+    d = res.to_dict()
+    assert d["target_return"] == 7.0 and d["returns"] == [3.0, 3.0]
+    assert d["normalized_score"] == 75.0
+    assert set(rep.to_dict()["results"][0]) >= {"target_return", "returns", "return_mean", "return_std", "normalized_score"}
+
+
+def test_parse_targets():
+    assert parse_targets("3600, 1800") == [3600.0, 1800.0]
+    assert parse_targets(None) is None
+    with pytest.raises(ValueError, match="'abc' is not a number"):
+        parse_targets("3600,abc")
