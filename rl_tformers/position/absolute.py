@@ -16,7 +16,7 @@ from rl_tformers.registry import POSITION, Capabilities
     "none",
     description="No positional encoding (the caller adds its own, e.g. DT's timestep embedding)",
     paper="-",
-    capabilities=Capabilities(),
+    capabilities=Capabilities(incremental=True, exact_chunking=True),
 )
 @dataclass(frozen=True)
 class NoPositionConfig(PositionConfig):
@@ -44,6 +44,8 @@ def sinusoid(pos: Tensor, dim: int, base: float = 10000.0) -> Tensor:
 
 
 class SinusoidalPosition(PositionModule):
+    """Adds PE(pos) (:func:`sinusoid`) to the input of the first layer only. x (B, T, D), pos (B, T)."""
+
     absolute = True
 
     def __init__(self, dim: int, base: float, active: bool) -> None:
@@ -60,6 +62,7 @@ class SinusoidalPosition(PositionModule):
     "sinusoidal",
     description="Fixed sinusoidal absolute encoding added to the input",
     paper="Vaswani et al. 2017, Attention Is All You Need (sec. 3.5)",
+    capabilities=Capabilities(incremental=True, exact_chunking=True),
 )
 @dataclass(frozen=True)
 class SinusoidalConfig(PositionConfig):
@@ -72,6 +75,9 @@ class SinusoidalConfig(PositionConfig):
 
 
 class LearnedPosition(PositionModule):
+    """Adds a learned row per position to the layer input (first layer, or every layer with
+    ``per_layer``). x (B, T, D), pos (B, T) in [0, max_position) (else ValueError)."""
+
     absolute = True
 
     def __init__(self, dim: int, max_position: int, active: bool) -> None:
@@ -92,6 +98,7 @@ class LearnedPosition(PositionModule):
     "learned",
     description="Learned absolute position table; optionally one table per layer",
     paper="Gehring et al. 2017 (learned); Al-Rfou et al. 2018 (per layer)",
+    capabilities=Capabilities(incremental=True, exact_chunking=True),
 )
 @dataclass(frozen=True)
 class LearnedConfig(PositionConfig):

@@ -8,7 +8,9 @@ token indices built from environment timesteps, GTrXL absolute steps), never fro
 Hooks (each a no-op in the base class; a kind overrides those it needs and sets the flag):
 
 - ``embed(x, pos)``: absolute encodings added to the layer input (``absolute``).
-- ``score_bias(q, pos_q, pos_k)``: additive score term (ALiBi, Shaw keys, XL's (b)+(d)).
+- ``score_bias(q, pos_q, pos_k)``: additive score term (ALiBi, Shaw keys, XL's (b)+(d)). Kernels
+  add it to the *already scaled* scores ``q.k / sqrt(Dh)``: a kind whose paper scales its term
+  (Shaw, XL) scales it itself.
 - ``content_query(q)``: query used for the content term (XL: q + u).
 - ``rotate(x, pos)``: rotate queries or keys by their positions (RoPE).
 - ``transform_scores(scores, pos_q, pos_k)``: re-weight raw scores (DA-Transformer).
@@ -66,6 +68,7 @@ class PositionModule(nn.Module):
         return None
 
     def content_query(self, q: Tensor) -> Tensor:
+        """Query (B, H, ..., T, Dh) used for the content score q.k (XL: q + u); identity here."""
         return q
 
     def rotate(self, x: Tensor, pos: Tensor) -> Tensor:
@@ -73,6 +76,7 @@ class PositionModule(nn.Module):
         return x
 
     def transform_scores(self, scores: Tensor, pos_q: Tensor, pos_k: Tensor) -> Tensor:
+        """Scaled scores (B, H, ..., T, S) (bias added, before masking) -> re-weighted scores."""
         return scores
 
     def value_term(self, probs: Tensor, pos_q: Tensor, pos_k: Tensor) -> Tensor | None:
@@ -83,6 +87,21 @@ class PositionModule(nn.Module):
 def rel_distance(pos_q: Tensor, pos_k: Tensor) -> Tensor:
     """Signed distances i - j: (B, ..., T) and (B, ..., S) -> (B, 1, ..., T, S) long (head axis added)."""
     return (pos_q[..., :, None] - pos_k[..., None, :]).unsqueeze(1)
+
+
+def per_head(param: Tensor, ndim: int) -> Tensor:
+    """Broadcast a per-head tensor against a (B, H, ..., T, S)-shaped score tensor.
+
+    Args:
+        param: (H,) or (H, Dh) per-head values.
+        ndim: number of dims of the tensor it will meet (4 for (B, H, T, S), more with ``...``).
+    Returns:
+        (1, H, 1, ..., 1) for (H,) input, or (1, H, 1, ..., 1, Dh) for (H, Dh) input, with
+        ``ndim`` dims in total.
+    """
+    if param.dim() == 1:
+        return param.view(1, -1, *([1] * (ndim - 2)))  # (1, H, 1.., 1)
+    return param.view(1, param.shape[0], *([1] * (ndim - 3)), param.shape[1])  # (1, H, 1.., Dh)
 
 
 def check_positions(pos: Tensor, limit: int, who: str) -> None:

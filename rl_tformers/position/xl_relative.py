@@ -1,0 +1,86 @@
+"""Transformer-XL relative positional encoding (``xl_relative``; Dai et al. 2019, sec. 3.3)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from rl_tformers.position.absolute import sinusoid
+from rl_tformers.position.base import PositionConfig, PositionModule, per_head, rel_distance
+from rl_tformers.registry import POSITION, Capabilities
+
+
+class XLRelativePosition(PositionModule):
+    """Relative scores of Transformer-XL with sinusoidal r_{i-j} and global biases u, v.
+
+    Dai et al. 2019, "Transformer-XL", sec. 3.3, eq. for A^rel_{i,j}::
+
+        A^rel_ij = q_i^T k_j                 (a) content
+                 + q_i^T W_kR r_{i-j}        (b) content-dependent position
+                 + u^T   k_j                 (c) global content bias
+                 + v^T   W_kR r_{i-j}        (d) global position bias
+
+    with q_i = W_q E_xi, k_j = W_kE E_xj (the kernel's own projections) and a separate,
+    bias-free W_kR (D -> D) for the fixed sinusoids r (no learned position table).
+    This module supplies ``content_query(q) = q + u`` for (a)+(c) and
+    ``score_bias = (q + v)^T W_kR r_{i-j} / sqrt(Dh)`` for (b)+(d) (kernels scale q.k by
+    1/sqrt(Dh) but add the bias unscaled, so the bias is scaled here as in the paper's code).
+
+    Distances i - j come from the caller's positions, so keys from memory or a KV cache are
+    automatically at the right offset. u, v are learned **per layer** here (the paper shares
+    one pair across layers); each is (H, Dh), initialised to zero.
+
+    Efficiency: the sinusoids of the distinct distance range [min(i-j), max(i-j)] of the call
+    (R values) are projected once, (R, D) -> (R, H, Dh); (q + v) meets them in one matmul
+    (B, H, ..., T, R) and the result is gathered to (B, H, ..., T, S). No (T, S, D) tensor is
+    built. With contiguous positions R = T + S - 1.
+    """
+
+    additive_bias = True
+
+    def __init__(self, d_model: int, n_heads: int, base: float) -> None:
+        super().__init__()
+        self.d_model, self.n_heads, self.base = d_model, n_heads, base
+        self.head_dim = d_model // n_heads
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.r_proj = nn.Linear(d_model, d_model, bias=False)  # W_kR
+        self.u = nn.Parameter(torch.zeros(n_heads, self.head_dim))
+        self.v = nn.Parameter(torch.zeros(n_heads, self.head_dim))
+
+    def content_query(self, q: Tensor) -> Tensor:
+        """q (B, H, ..., T, Dh) -> q + u (terms (a) + (c))."""
+        return q + per_head(self.u, q.dim()).to(q.dtype)
+
+    def score_bias(self, q: Tensor, pos_q: Tensor, pos_k: Tensor) -> Tensor:
+        """Terms (b) + (d), scaled: q (B, H, ..., T, Dh) -> (B, H, ..., T, S)."""
+        dist = rel_distance(pos_q, pos_k)  # (B, 1, ..., T, S) long
+        lo, hi = int(dist.min()), int(dist.max())
+        grid = torch.arange(lo, hi + 1, device=q.device)  # (R,) the distinct distances
+        r = self.r_proj(sinusoid(grid, self.d_model, self.base).to(self.r_proj.weight.dtype))  # (R, D)
+        r = r.view(-1, self.n_heads, self.head_dim).transpose(0, 1).to(q.dtype)  # (H, R, Dh)
+        r = r.view(1, self.n_heads, *([1] * (q.dim() - 4)), *r.shape[1:])  # (1, H, 1.., R, Dh)
+        qv = q + per_head(self.v, q.dim()).to(q.dtype)  # (B, H, ..., T, Dh)
+        bd = torch.matmul(qv, r.transpose(-1, -2))  # (B, H, ..., T, R)
+        idx = (dist - lo).expand(*bd.shape[:-1], dist.shape[-1])  # (B, H, ..., T, S)
+        return torch.gather(bd, -1, idx) * self.scale
+
+
+@POSITION.register(
+    "xl_relative",
+    description="Transformer-XL relative encoding: sinusoidal r_{i-j}, separate W_k,R, content/position biases u, v",
+    paper="Dai et al. 2019, Transformer-XL (sec. 3.3)",
+    capabilities=Capabilities(incremental=True, exact_chunking=True),
+)
+@dataclass(frozen=True)
+class XLRelativeConfig(PositionConfig):
+    """``base``: wavelength base of the sinusoids r (10000 as in the paper)."""
+
+    base: float = 10000.0
+
+    def build(self, ctx) -> PositionModule:
+        if ctx.d_model % 2:
+            raise ValueError(f"position.kind='xl_relative' needs an even backbone.d_model, got {ctx.d_model}")
+        return XLRelativePosition(ctx.d_model, ctx.n_heads, self.base)
