@@ -8,14 +8,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rl_tformers.config import BackboneConfig, BuildContext
+from rl_tformers.config import BackboneConfig, BuildContext, IncompatibleConfig
 from rl_tformers.memory.base import SegmentRecord
-from rl_tformers.registry import REGISTRIES
+from rl_tformers.registry import REGISTRIES, SLOTS
 from rl_tformers.types import AttnContext, BackboneOutput, BackboneState, merge_into
-
-
-class IncompatibleConfig(ValueError):
-    """Raised at construction when two slots cannot work together (the message names both)."""
 
 
 def check_compatible(cfg: BackboneConfig) -> None:
@@ -23,7 +19,9 @@ def check_compatible(cfg: BackboneConfig) -> None:
 
     Raises:
         IncompatibleConfig: e.g. a kernel without a causal form used causally, a memory kind
-            with a kernel that takes no prefix keys, a positional kind a kernel cannot apply.
+            with a kernel that takes no prefix keys, a positional kind a kernel cannot apply, or
+            whatever a slot config's own ``check(backbone_cfg)`` hook refuses (every slot's
+            hook is called, attention first).
     """
     att = REGISTRIES["attention"].get(cfg.attention.kind).capabilities
     mem = REGISTRIES["memory"].get(cfg.memory.kind).capabilities
@@ -53,9 +51,10 @@ def check_compatible(cfg: BackboneConfig) -> None:
             f"backbone.position.kind={cfg.position.kind!r} cannot be used with backbone.attention.kind={a!r}; "
             f"it supports: {', '.join(att.positions)}"
         )
-    hook = getattr(cfg.attention, "check", None)
-    if hook is not None:
-        hook(cfg)
+    for slot in SLOTS:  # each slot config may refuse combinations itself: check(backbone_cfg)
+        hook = getattr(getattr(cfg, slot), "check", None)
+        if hook is not None:
+            hook(cfg)
 
 
 class Backbone(nn.Module):

@@ -26,6 +26,14 @@ from typing import Any
 from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError, config_to_dict
 
 
+class IncompatibleConfig(ValueError):
+    """Raised at construction when two slots cannot work together (the message names both).
+
+    Also importable as ``rl_tformers.backbone.IncompatibleConfig``; it lives here so that slot
+    configs' ``check(backbone_cfg)`` hooks can raise it without importing the backbone.
+    """
+
+
 @dataclass(frozen=True)
 class SlotConfig:
     """Base of every slot config. Subclasses are frozen dataclasses registered per slot."""

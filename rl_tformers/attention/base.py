@@ -92,6 +92,45 @@ class AttentionModule(nn.Module):
         v = self.split_heads(self.v_proj(x_kv))
         return q, k, v
 
+    # -- ground truth for the contract suite ---------------------------------------------------
+    def pattern(self, ctx: AttnContext) -> Tensor | None:
+        """Dense bool (B|1, H|1, T, S) of the (query, key) pairs this kernel's sparsity pattern
+        admits (True = may attend), or ``None`` when every key is admitted (dense kernels).
+
+        Only for tests at small lengths: the contract suite checks every ``exact`` kind
+        against :meth:`reference_forward`, i.e. dense attention restricted to
+        ``ctx.allowed() & pattern(ctx)``. Sparse kernels (local, strided, blockwise...)
+        override it; content-based patterns (LSH, routing) may depend on the inputs only
+        through what the module stores from its last forward, so they usually declare
+        ``exact=False`` instead.
+        """
+        return None
+
+    def reference_forward(self, x_q: Tensor, x_kv: Tensor, ctx: AttnContext) -> AttnOutput:
+        """Dense masked softmax attention with this module's projections, positional hooks and
+        :meth:`pattern`: the ground truth an ``exact`` kind must match (and an ``approximate``
+        kind converge to). No cache, no dropout.
+
+        Shapes: x_q (B, T, D), x_kv (B, S, D) -> AttnOutput(out (B, T, D), weights (B, H, T, S)).
+        Kernels whose score differs from q.k/sqrt(Dh) by design (e.g. shared-QK LSH with
+        normalised keys) override this to state what they are exact to.
+        """
+        q, k, v = self.project(x_q, x_kv)  # (B, H, T, Dh), (B, H, S, Dh), (B, H, S, Dh)
+        pos = self.position
+        bias = pos.score_bias(q, ctx.pos_q, ctx.pos_k) if pos.additive_bias else None
+        q_c = pos.rotate(pos.content_query(q), ctx.pos_q)
+        k = pos.rotate(k, ctx.pos_k)
+        allowed = ctx.allowed()  # (B|1, 1, T, S)
+        pat = self.pattern(ctx)
+        if pat is not None:
+            allowed = allowed & pat
+        out, probs = attention_reference(
+            q_c, k, v, allowed, scale=self.scale, bias=bias,
+            transform=(lambda s: pos.transform_scores(s, ctx.pos_q, ctx.pos_k)) if pos.transforms_scores else None,
+            value_term=(lambda p: pos.value_term(p, ctx.pos_q, ctx.pos_k)) if pos.value_bias else None,
+        )
+        return AttnOutput(self.o_proj(self.merge_heads(out)), weights=probs)
+
     # -- incremental decoding --------------------------------------------------------------------
     def init_cache(self, batch: int, device: torch.device, dtype: torch.dtype):
         """Empty cache for step-by-step decoding; raises if the kernel has no incremental form."""
