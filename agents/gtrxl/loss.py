@@ -1,0 +1,216 @@
+"""Offline objectives of the GTrXL agent: BC, return-conditioned BC and IQL, with burn-in.
+
+Every loss is a pure function of (model, batch[, target]) and returns ``(loss, metrics)``.
+
+Segments and burn-in (R2D2, Kapturowski et al. 2019, sec. 3): a batch row holds
+``burn_in + T`` consecutive steps of the dataset stream. The first ``burn_in`` steps are run
+through the encoder *with the current weights and without gradient* to rebuild the memory;
+the last ``T`` steps are the gradient window, which attends to that memory (and to its own
+earlier steps). A row may cross episode boundaries: ``episode_start`` masks everything before
+a new episode, exactly as at acting time.
+
+Objectives (``agent.objective``):
+
+- ``bc``: behaviour cloning. Continuous: MSE between the tanh-mean action and the data action
+  (both in [-1, 1]); discrete: cross-entropy.
+- ``rcbc``: the same loss with the return-to-go as an input (return-conditioned BC; the model
+  must be built with ``rtg_input``), as the Decision Transformer conditions on it.
+- ``iql``: Implicit Q-Learning (Kostrikov et al. 2021, eqs. 5-7) on GTrXL features:
+  L_V = E[L2^tau(Q_target(s, a) - V(s))] (expectile tau), L_Q = E[(r + gamma (1 - d) V(s') -
+  Q_i(s, a))^2] for twin Q, and advantage-weighted regression for the actor,
+  L_pi = -E[min(exp(beta (Q_target - V)), w_max) log pi(a | s)]. Q_target is the minimum of the
+  Polyak-averaged target twin Q (target encoder included). s' is the next step's token of the
+  same row; pairs whose next step is not in the row (end of the window, truncated episode
+  end, padding) are masked unless the step is terminal (then the target is r).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from rl_tformers.agents.gtrxl.model import EncoderOutput, GTrXLEncoder, GTrXLModel
+from torch import Tensor, nn
+
+
+@dataclass
+class SegmentBatch:
+    """A batch of B rows of L = burn_in + T consecutive dataset steps (normalised units).
+
+    Attributes:
+        obs: (B, L, O) float, normalised observations.
+        actions: (B, L, A) float in [-1, 1] (continuous) or (B, L) long (discrete).
+        rewards: (B, L) float, scaled rewards r_t.
+        rtg: (B, L) float, scaled return-to-go from step t (inclusive).
+        prev_action: (B, L, A) float or (B, L) long, a_{t-1}; zeros at an episode start.
+        prev_reward: (B, L) float, scaled r_{t-1}; zero at an episode start.
+        terminals: (B, L) bool, the episode terminated after step t (not a time-limit cut).
+        episode_start: (B, L) bool, step t is the first of its episode.
+        timesteps: (B, L) long, step index within the episode (the backbone positions).
+        mask: (B, L) bool, False for padding beyond the ends of the dataset stream.
+        burn_in: number of leading steps used only to rebuild the memory.
+    """
+
+    obs: Tensor
+    actions: Tensor
+    rewards: Tensor
+    rtg: Tensor
+    prev_action: Tensor
+    prev_reward: Tensor
+    terminals: Tensor
+    episode_start: Tensor
+    timesteps: Tensor
+    mask: Tensor
+    burn_in: int = 0
+
+    def to(self, device: torch.device | str) -> SegmentBatch:
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        return SegmentBatch(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in kw.items()})
+
+    def window(self) -> SegmentBatch:
+        """The gradient window only (the last T steps), burn_in = 0."""
+        k = self.burn_in
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        return SegmentBatch(**{n: v[:, k:] if isinstance(v, Tensor) else v for n, v in kw.items()} | {"burn_in": 0})
+
+
+def encode_segment(encoder: GTrXLEncoder | nn.Module, batch: SegmentBatch, *, need_weights: bool = False) -> EncoderOutput:
+    """Burn-in without gradient, then the gradient window (R2D2-style stored-state recovery).
+
+    Args:
+        encoder: a :class:`GTrXLEncoder` (or its Polyak target copy).
+        batch: rows of ``burn_in + T`` steps.
+        need_weights: request attention probabilities on the gradient window.
+
+    Returns:
+        :class:`EncoderOutput` of the gradient window: features (B, T, D) and the memory after it.
+    """
+    x = encoder.inputs(batch.obs, batch.rtg, batch.prev_action, batch.prev_reward)  # (B, L, input_dim)
+    state = encoder.initial_state(x.shape[0], x.device)
+    k = batch.burn_in
+    if k > 0:
+        with torch.no_grad():
+            warm = encoder(
+                x[:, :k], batch.timesteps[:, :k], state=state,
+                episode_start=batch.episode_start[:, :k], mask=batch.mask[:, :k],
+            )
+        state = warm.state.detach()
+    return encoder(
+        x[:, k:], batch.timesteps[:, k:], state=state,
+        episode_start=batch.episode_start[:, k:], mask=batch.mask[:, k:], need_weights=need_weights,
+    )
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of x over True entries of mask (same shape); 0 when the mask is empty."""
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp_min(1.0)
+
+
+def bc_loss(model: GTrXLModel, batch: SegmentBatch) -> tuple[Tensor, dict[str, float]]:
+    """Behaviour cloning on the gradient window (``bc`` and ``rcbc``).
+
+    Continuous: mean over real steps and action dims of (tanh mean - a)^2.
+    Discrete: mean cross-entropy over real steps.
+
+    Returns:
+        (scalar loss, metrics) with ``loss/bc`` and, for discrete actions, ``train/accuracy``.
+    """
+    out = encode_segment(model.encoder, batch)
+    w = batch.window()
+    pred = model.actor(out.features)  # (B, T, A): tanh mean or logits
+    metrics: dict[str, float] = {}
+    if model.cfg.discrete:
+        ce = F.cross_entropy(pred.flatten(0, 1), w.actions.long().flatten(), reduction="none").view_as(w.mask.float())
+        loss = _masked_mean(ce, w.mask)
+        metrics["train/accuracy"] = float(_masked_mean((pred.argmax(-1) == w.actions).float(), w.mask))
+    else:
+        se = (pred - w.actions).pow(2).mean(-1)  # (B, T)
+        loss = _masked_mean(se, w.mask)
+    aux = sum(out.aux.values()) if out.aux else 0.0
+    metrics["loss/bc"] = float(loss)
+    return loss + aux, metrics
+
+
+def expectile_loss(diff: Tensor, expectile: float) -> Tensor:
+    """Asymmetric L2 of Kostrikov et al. 2021, eq. 5: |tau - 1(u < 0)| u^2, elementwise."""
+    weight = torch.where(diff > 0, expectile, 1.0 - expectile)
+    return weight * diff.pow(2)
+
+
+@torch.no_grad()
+def polyak_update(target: nn.Module, source: nn.Module, tau: float) -> None:
+    """target <- (1 - tau) target + tau source, parameter by parameter (same structure)."""
+    for pt, ps in zip(target.parameters(), source.parameters()):
+        pt.lerp_(ps.detach(), tau)
+
+
+def iql_loss(
+    model: GTrXLModel,
+    target: nn.ModuleDict,
+    batch: SegmentBatch,
+    *,
+    gamma: float = 0.99,
+    expectile: float = 0.7,
+    beta: float = 3.0,
+    max_weight: float = 100.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """IQL on GTrXL features (see the module docstring for the equations).
+
+    Args:
+        model: a :class:`GTrXLModel` built with ``critic="iql"``.
+        target: :meth:`GTrXLModel.make_target` copy (``encoder``, ``q``), Polyak-updated by the caller.
+        batch: rows of ``burn_in + T`` steps; rewards scaled as the agent stores them.
+        gamma: discount.
+        expectile: tau of the value expectile regression (0.5 = mean; IQL uses 0.7-0.9).
+        beta: inverse temperature of the advantage weights.
+        max_weight: clip of exp(beta * advantage) (100 in the paper's code).
+
+    Returns:
+        (L_V + L_Q + L_pi, metrics) with each term and mean V, Q, advantage.
+    """
+    w = batch.window()
+    critic = encode_segment(model.critic_net, batch)
+    hc = critic.features  # (B, T, D)
+    with torch.no_grad():
+        ht = encode_segment(target["encoder"], batch).features  # (B, T, D)
+        tq1, tq2 = target["q"](ht, w.actions)
+        q_target = torch.minimum(tq1, tq2)  # (B, T)
+
+    v = model.state_value(hc)  # (B, T)
+    adv = q_target - v
+    v_loss = _masked_mean(expectile_loss(adv, expectile), w.mask)
+
+    # TD pairs (t, t+1) inside the window
+    done = w.terminals[:, :-1]
+    nxt_ok = w.mask[:, 1:] & ~w.episode_start[:, 1:]
+    pair_ok = w.mask[:, :-1] & (done | nxt_ok)  # (B, T-1)
+    td_target = w.rewards[:, :-1] + gamma * (~done).to(v.dtype) * v[:, 1:].detach() * nxt_ok.to(v.dtype)
+    q1, q2 = model.q(hc, w.actions)  # (B, T) each
+    q_loss = 0.5 * (
+        _masked_mean((q1[:, :-1] - td_target).pow(2), pair_ok) + _masked_mean((q2[:, :-1] - td_target).pow(2), pair_ok)
+    )
+
+    if model.critic_encoder is None:
+        ha = hc  # shared encoder
+        aux = critic.aux
+    else:
+        actor_out = encode_segment(model.encoder, batch)
+        ha = actor_out.features
+        aux = {**critic.aux, **{f"actor/{k}": v for k, v in actor_out.aux.items()}}
+    weight = torch.exp(beta * adv.detach()).clamp(max=max_weight)  # (B, T)
+    logp = model.actor.log_prob(ha, w.actions)  # (B, T)
+    pi_loss = _masked_mean(-weight * logp, w.mask)
+
+    loss = v_loss + q_loss + pi_loss + (sum(aux.values()) if aux else 0.0)
+    metrics = {
+        "loss/value": float(v_loss),
+        "loss/q": float(q_loss),
+        "loss/actor": float(pi_loss),
+        "iql/v_mean": float(_masked_mean(v.detach(), w.mask)),
+        "iql/q_mean": float(_masked_mean(q_target, w.mask)),
+        "iql/adv_mean": float(_masked_mean(adv.detach(), w.mask)),
+        "iql/weight_mean": float(_masked_mean(weight, w.mask)),
+    }
+    return loss, metrics

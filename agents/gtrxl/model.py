@@ -1,0 +1,383 @@
+"""GTrXL policy and value networks on the shared backbone (Parisotto et al. 2019).
+
+One token per environment step. The token is a linear embedding of the step's inputs
+``[obs_t ; rtg_t ; a_{t-1} ; r_{t-1}]`` (the last three optional), run through a
+:class:`~rl_tformers.backbone.Backbone` configured as a gated Transformer-XL:
+
+    backbone:
+      block:    {kind: gated, gate: gru, gate_bias: 2}   # GTrXL gating, identity at init
+      position: {kind: xl_relative}                      # Dai et al. 2019 relative positions
+      memory:   {kind: xl, mem_len: M, detach: true}     # stop-gradient memory of M steps
+
+Axis names: B batch (environments or sampled segments), T steps of the segment,
+M memory slots per layer, D model width, O observation size, A action size (number of
+actions when discrete).
+
+Memory is an explicit :class:`~rl_tformers.types.BackboneState` that the caller owns: the
+module keeps nothing between calls. Feeding one step at a time with the returned state costs
+O(M) per step (one query over M + 1 keys per layer), never a re-encoding of the history.
+Positions are absolute environment steps of each token; with relative encodings only their
+differences matter, so memory offsets stay exact across segment boundaries. Rows of a batch
+are independent streams; ``episode_start`` (B, T) makes a token (and the ones after it) blind
+to everything before it, so a segment may cross an episode boundary without leaking, and
+:meth:`GTrXLEncoder.reset_state` clears exactly the rows whose episode ended.
+
+Heads: a deterministic/Gaussian actor (tanh mean in [-1, 1]) or a categorical actor; a
+state-value head (PPO, IQL's V); twin Q heads (IQL). Actions are in the normalised space
+[-1, 1]^A for continuous control; the agent maps them to the environment's bounds.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributions import Categorical, Distribution, Normal
+
+from rl_tformers.backbone import Backbone, IncompatibleConfig
+from rl_tformers.config import BackboneConfig
+from rl_tformers.registry import REGISTRIES
+from rl_tformers.types import BackboneState
+
+LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
+
+
+def gtrxl_backbone(
+    *,
+    d_model: int = 128,
+    n_layers: int = 3,
+    n_heads: int = 4,
+    mem_len: int = 32,
+    gate: str = "gru",
+    gate_bias: float = 2.0,
+    dropout: float = 0.0,
+) -> dict[str, Any]:
+    """The GTrXL backbone of Parisotto et al. 2019 as a plain config dict.
+
+    Gated blocks (``gate``: gru, input, output, highway or sigmoid_tanh; bias b_g), Transformer-XL
+    relative positions, XL memory of ``mem_len`` detached slots, dense attention, final
+    layer norm, no dropout (the usual setting in RL).
+    """
+    return {
+        "d_model": d_model,
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+        "dropout": dropout,
+        "attn_dropout": dropout,
+        "causal": True,
+        "attention": {"kind": "sdpa"},
+        "position": {"kind": "xl_relative"},
+        "memory": {"kind": "xl", "mem_len": mem_len, "detach": True},
+        "block": {"kind": "gated", "gate": gate, "gate_bias": gate_bias},
+        "final_norm": True,
+    }
+
+
+@dataclass(frozen=True)
+class GTrXLConfig:
+    """Hyper-parameters of :class:`GTrXLModel`.
+
+    Attributes:
+        obs_dim: O, flat observation size.
+        act_dim: A, action dimension (continuous) or number of actions (discrete).
+        discrete: categorical actor (True) or tanh-Gaussian/deterministic actor (False).
+        backbone: backbone config dict (default :func:`gtrxl_backbone`); its memory kind must
+            be stateful (``xl``, ...), else the agent has no memory across segments.
+        rtg_input: feed the (scaled) return-to-go as an input (return-conditioned BC, as DT).
+        prev_action_input: feed a_{t-1} (one-hot when discrete; zeros at an episode start).
+        prev_reward_input: feed r_{t-1} (scaled; zero at an episode start).
+        head_hidden: hidden width of the actor/value MLP heads (0 = linear head).
+        critic: ``"none"`` (BC), ``"value"`` (PPO: V head on the shared encoder) or
+            ``"iql"`` (V and twin Q heads on a critic encoder).
+        critic_hidden: hidden width of the IQL critic heads.
+        share_critic_encoder: IQL critics on the actor's encoder (True) or on their own
+            GTrXL encoder (False, the default: the separate networks of Kostrikov et al. 2021).
+        log_std_init: initial log standard deviation of the Gaussian actor.
+    """
+
+    obs_dim: int
+    act_dim: int
+    discrete: bool = False
+    backbone: Mapping[str, Any] = field(default_factory=gtrxl_backbone)
+    rtg_input: bool = False
+    prev_action_input: bool = False
+    prev_reward_input: bool = False
+    head_hidden: int = 0
+    critic: str = "none"
+    critic_hidden: int = 256
+    share_critic_encoder: bool = False
+    log_std_init: float = -0.5
+
+    def __post_init__(self) -> None:
+        if self.obs_dim < 1 or self.act_dim < 1:
+            raise ValueError(f"gtrxl: obs_dim and act_dim must be >= 1, got {self.obs_dim}, {self.act_dim}")
+        if self.critic not in ("none", "value", "iql"):
+            raise ValueError(f"agent.critic={self.critic!r}; use none, value or iql")
+
+    @property
+    def input_dim(self) -> int:
+        """Size of the per-step input vector fed to the token embedding."""
+        return (
+            self.obs_dim
+            + int(self.rtg_input)
+            + (self.act_dim if self.prev_action_input else 0)
+            + int(self.prev_reward_input)
+        )
+
+
+def build_backbone(cfg: Mapping[str, Any] | BackboneConfig) -> Backbone:
+    """Build the backbone, re-raising configuration errors with the agent's option names.
+
+    Raises:
+        IncompatibleConfig: e.g. ``backbone.attention.kind=X`` cannot take memory keys (the
+            message says which kernels can), or a non-stateful memory kind.
+        RegistryError: unknown kinds or fields (dotted path in the message).
+    """
+    bb_cfg = cfg if isinstance(cfg, BackboneConfig) else BackboneConfig.from_dict(cfg, where="backbone")
+    mem = REGISTRIES["memory"].get(bb_cfg.memory.kind).capabilities
+    if not mem.stateful:
+        raise IncompatibleConfig(
+            f"gtrxl: backbone.memory.kind={bb_cfg.memory.kind!r} keeps no memory between steps; "
+            f"GTrXL needs a stateful memory such as 'xl'"
+        )
+    try:
+        return Backbone(bb_cfg)
+    except IncompatibleConfig as exc:
+        ok = [e.kind for e in REGISTRIES["attention"] if e.capabilities.memory]
+        raise IncompatibleConfig(
+            f"gtrxl: {exc}. GTrXL attends over its memory, so backbone.attention.kind must be a kernel "
+            f"that accepts memory keys: {', '.join(ok)}"
+        ) from exc
+
+
+@dataclass
+class EncoderOutput:
+    """Result of :meth:`GTrXLEncoder.forward`.
+
+    Attributes:
+        features: (B, T, D) per-step features for the heads.
+        state: next :class:`BackboneState` (``None`` when called without a state).
+        metrics: backbone metrics (gate values, ...), floats or 0-d tensors.
+        aux: weighted auxiliary losses from the backbone (usually empty for GTrXL).
+    """
+
+    features: Tensor
+    state: BackboneState | None
+    metrics: dict[str, Any]
+    aux: dict[str, Tensor]
+
+
+class GTrXLEncoder(nn.Module):
+    """Per-step token embedding + gated Transformer-XL backbone.
+
+    Args:
+        cfg: model config (input flags and backbone).
+    """
+
+    def __init__(self, cfg: GTrXLConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = build_backbone(cfg.backbone)
+        d = self.backbone.config.d_model
+        self.embed = nn.Linear(cfg.input_dim, d)
+
+    @property
+    def d_model(self) -> int:
+        return self.backbone.config.d_model
+
+    @property
+    def mem_len(self) -> int:
+        return int(getattr(self.backbone.config.memory, "mem_len", 0))
+
+    def initial_state(self, batch: int, device: torch.device | str | None = None) -> BackboneState:
+        """Empty memory for ``batch`` streams (every slot invalid)."""
+        return self.backbone.initial_state(batch, device)
+
+    def reset_state(self, state: BackboneState, episode_start: Tensor) -> BackboneState:
+        """Clear the rows where ``episode_start`` (B,) bool is True; other rows unchanged, bit for bit."""
+        return self.backbone.reset_state(state, episode_start)
+
+    def inputs(
+        self,
+        obs: Tensor,
+        rtg: Tensor | None = None,
+        prev_action: Tensor | None = None,
+        prev_reward: Tensor | None = None,
+    ) -> Tensor:
+        """Concatenate the configured inputs: (B, T, O), (B, T), (B, T, A) or (B, T) long, (B, T) -> (B, T, input_dim).
+
+        Raises:
+            ValueError: when a configured input is missing.
+        """
+        parts = [obs]
+        if self.cfg.rtg_input:
+            if rtg is None:
+                raise ValueError("gtrxl: the model is return-conditioned (rtg_input) but no rtg was given")
+            parts.append(rtg.unsqueeze(-1).to(obs.dtype))
+        if self.cfg.prev_action_input:
+            if prev_action is None:
+                raise ValueError("gtrxl: prev_action_input is set but no prev_action was given")
+            if self.cfg.discrete and prev_action.dim() == obs.dim() - 1:
+                prev_action = F.one_hot(prev_action.long().clamp_min(0), self.cfg.act_dim)  # (B, T, A)
+            parts.append(prev_action.to(obs.dtype))
+        if self.cfg.prev_reward_input:
+            if prev_reward is None:
+                raise ValueError("gtrxl: prev_reward_input is set but no prev_reward was given")
+            parts.append(prev_reward.unsqueeze(-1).to(obs.dtype))
+        return torch.cat(parts, dim=-1)
+
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        *,
+        state: BackboneState | None = None,
+        episode_start: Tensor | None = None,
+        mask: Tensor | None = None,
+        need_weights: bool = False,
+    ) -> EncoderOutput:
+        """Encode a segment of steps.
+
+        Args:
+            x: (B, T, input_dim) from :meth:`inputs`.
+            positions: (B, T) long, environment step of each token within its episode.
+            state: memory from :meth:`initial_state` or a previous call (``None``: no memory,
+                one segment on its own).
+            episode_start: (B, T) bool, True where a token starts a new episode.
+            mask: (B, T) bool, False for padding.
+            need_weights: compute attention probabilities (for attention-entropy logging).
+
+        Returns:
+            :class:`EncoderOutput` with features (B, T, D) and the next state.
+        """
+        out = self.backbone(
+            self.embed(x), positions, mask=mask, state=state, episode_start=episode_start, need_weights=need_weights
+        )
+        return EncoderOutput(out.hidden, out.state, out.metrics, out.aux)
+
+
+def _mlp(d_in: int, hidden: int, d_out: int) -> nn.Module:
+    if hidden <= 0:
+        return nn.Linear(d_in, d_out)
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, d_out))
+
+
+class Actor(nn.Module):
+    """Policy head: features (..., D) -> action distribution.
+
+    Continuous: mean = tanh(f(h)) in [-1, 1]^A and a state-independent log std (clamped to
+    [-5, 2]), i.e. a Gaussian whose mode is the deterministic action (the tanh-mean Gaussian
+    of CORL's IQL). Discrete: categorical logits (..., A).
+    """
+
+    def __init__(self, d_model: int, act_dim: int, discrete: bool, hidden: int, log_std_init: float) -> None:
+        super().__init__()
+        self.discrete = discrete
+        self.net = _mlp(d_model, hidden, act_dim)
+        self.log_std = None if discrete else nn.Parameter(torch.full((act_dim,), float(log_std_init)))
+
+    def forward(self, h: Tensor) -> Tensor:
+        """(..., D) -> (..., A): tanh mean (continuous) or logits (discrete)."""
+        out = self.net(h)
+        return out if self.discrete else torch.tanh(out)
+
+    def dist(self, h: Tensor) -> Distribution:
+        """Action distribution at features (..., D); Normal's log_prob must be summed over A."""
+        out = self(h)
+        if self.discrete:
+            return Categorical(logits=out)
+        std = self.log_std.clamp(LOG_STD_MIN, LOG_STD_MAX).exp().expand_as(out)
+        return Normal(out, std)
+
+    def log_prob(self, h: Tensor, action: Tensor) -> Tensor:
+        """log pi(a | h): h (..., D), action (..., A) float or (...) long -> (...)."""
+        d = self.dist(h)
+        return d.log_prob(action.long()) if self.discrete else d.log_prob(action).sum(-1)
+
+    def entropy(self, h: Tensor) -> Tensor:
+        """Entropy of pi(. | h): (..., D) -> (...)."""
+        d = self.dist(h)
+        return d.entropy() if self.discrete else d.entropy().sum(-1)
+
+    def mode(self, h: Tensor) -> Tensor:
+        """Deterministic action: argmax (..., ) long or the tanh mean (..., A)."""
+        out = self(h)
+        return out.argmax(-1) if self.discrete else out
+
+
+class TwinQ(nn.Module):
+    """Two Q heads. Continuous: (h (..., D), a (..., A)) -> two (...) values.
+    Discrete: h -> two (..., A) tables, gathered at ``a`` (...) long when given."""
+
+    def __init__(self, d_model: int, act_dim: int, discrete: bool, hidden: int) -> None:
+        super().__init__()
+        self.discrete = discrete
+        d_in = d_model if discrete else d_model + act_dim
+        d_out = act_dim if discrete else 1
+        self.q1 = _mlp(d_in, hidden, d_out)
+        self.q2 = _mlp(d_in, hidden, d_out)
+
+    def forward(self, h: Tensor, action: Tensor) -> tuple[Tensor, Tensor]:
+        if self.discrete:
+            idx = action.long().unsqueeze(-1)  # (..., 1)
+            return self.q1(h).gather(-1, idx).squeeze(-1), self.q2(h).gather(-1, idx).squeeze(-1)
+        x = torch.cat([h, action.to(h.dtype)], dim=-1)  # (..., D + A)
+        return self.q1(x).squeeze(-1), self.q2(x).squeeze(-1)
+
+
+class GTrXLModel(nn.Module):
+    """Encoder + actor (+ value head for PPO, or IQL's critic encoder, V and twin Q).
+
+    Attributes:
+        encoder: :class:`GTrXLEncoder` of the actor.
+        actor: :class:`Actor`.
+        value: V head on ``encoder`` (``critic="value"``) or on ``critic_encoder`` (``"iql"``).
+        critic_encoder: IQL's critic encoder (the actor's when ``share_critic_encoder``).
+        q: :class:`TwinQ` (IQL only).
+    """
+
+    def __init__(self, cfg: GTrXLConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = GTrXLEncoder(cfg)
+        d = self.encoder.d_model
+        self.actor = Actor(d, cfg.act_dim, cfg.discrete, cfg.head_hidden, cfg.log_std_init)
+        self.value: nn.Module | None = None
+        self.critic_encoder: GTrXLEncoder | None = None
+        self.q: TwinQ | None = None
+        if cfg.critic == "value":
+            self.value = _mlp(d, cfg.head_hidden, 1)
+        elif cfg.critic == "iql":
+            if not cfg.share_critic_encoder:
+                self.critic_encoder = GTrXLEncoder(cfg)
+            self.value = _mlp(d, cfg.critic_hidden, 1)
+            self.q = TwinQ(d, cfg.act_dim, cfg.discrete, cfg.critic_hidden)
+
+    @property
+    def critic_net(self) -> GTrXLEncoder:
+        """The encoder under the IQL critics (the actor's when shared)."""
+        return self.critic_encoder if self.critic_encoder is not None else self.encoder
+
+    def critic_target_modules(self) -> nn.ModuleDict:
+        """The modules IQL keeps a Polyak-averaged target copy of (critic encoder and twin Q)."""
+        if self.q is None:
+            raise ValueError("gtrxl: the model has no Q heads (critic must be 'iql')")
+        return nn.ModuleDict({"encoder": self.critic_net, "q": self.q})
+
+    def make_target(self) -> nn.ModuleDict:
+        """Frozen deep copy of :meth:`critic_target_modules` (requires_grad off)."""
+        tgt = copy.deepcopy(self.critic_target_modules())
+        for p in tgt.parameters():
+            p.requires_grad_(False)
+        return tgt
+
+    def state_value(self, h: Tensor) -> Tensor:
+        """V(h): (..., D) -> (...)."""
+        if self.value is None:
+            raise ValueError("gtrxl: the model has no value head (critic must be 'value' or 'iql')")
+        return self.value(h).squeeze(-1)

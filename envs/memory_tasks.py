@@ -1,0 +1,271 @@
+"""Memory tasks: partially observed control and a recall task whose memory length is a knob.
+
+Registered gymnasium ids (importing this module registers them; ``gym.make`` also accepts the
+``"rl_tformers.envs.memory_tasks:<id>"`` form, which imports the module first):
+
+==================================  ==========================================================
+``rl_tformers/PositionOnlyCartPole-v1``  CartPole-v1 with the velocities hidden: obs (x, theta)
+``rl_tformers/PositionOnlyPendulum-v1``  Pendulum-v1 without the angular velocity: obs (cos, sin)
+``rl_tformers/PositionOnlyHopper-v5``    Hopper-v5 with qvel hidden: obs qpos[1:] (5 values)
+``rl_tformers/Recall-v0``                repeat the symbol shown ``delay`` steps ago
+==================================  ==========================================================
+
+A memoryless policy cannot solve any of them: velocities must be inferred from successive
+positions (the "velocity-masked" tasks of Parisotto et al. 2019 / POPGym, Morad et al. 2023),
+and the recall answer is independent of the current observation.
+
+The position-only wrappers use the data layer's observation mask
+(:mod:`rl_tformers.envs.pomdp`) when it is installed, so offline datasets recorded with
+``rl-tformers collect --pomdp positions`` and these evaluation environments hide exactly the
+same entries; otherwise a local :class:`ObservationMask` with the same indices is used.
+
+:func:`scripted_action` gives behaviour policies for building offline datasets of the recall
+task (an oracle mixed with random actions) and of CartPole (a linear controller on the full
+state, recorded through the position-only mask); :func:`collect_episodes` rolls them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+#: Indices of the observation entries kept by the position-only variants (the rest are
+#: velocities). CartPole-v1: (x, x_dot, theta, theta_dot); Pendulum-v1: (cos, sin, theta_dot);
+#: Hopper-v5: qpos[1:] (5) then qvel (6).
+POSITION_INDICES: dict[str, tuple[int, ...]] = {
+    "CartPole-v1": (0, 2),
+    "Pendulum-v1": (0, 1),
+    "Hopper-v5": (0, 1, 2, 3, 4),
+}
+
+
+class ObservationMask(gym.ObservationWrapper):
+    """Keep only the observation entries ``keep`` of a flat Box observation.
+
+    Args:
+        env: environment with a 1-D ``Box`` observation space.
+        keep: indices to keep, in order.
+
+    Raises:
+        ValueError: if the space is not a 1-D Box or an index is out of range.
+    """
+
+    def __init__(self, env: gym.Env, keep: Sequence[int]) -> None:
+        super().__init__(env)
+        space = env.observation_space
+        if not isinstance(space, spaces.Box) or len(space.shape) != 1:
+            raise ValueError(f"ObservationMask needs a 1-D Box observation space, got {space}")
+        idx = np.asarray(list(keep), dtype=np.int64)
+        if idx.size == 0 or idx.min() < 0 or idx.max() >= space.shape[0]:
+            raise ValueError(f"ObservationMask: indices {list(keep)} out of range for {space.shape[0]} entries")
+        self.keep = idx
+        self.observation_space = spaces.Box(space.low[idx], space.high[idx], dtype=space.dtype)
+
+    def observation(self, observation: np.ndarray) -> np.ndarray:
+        return observation[self.keep]
+
+
+def position_only(env: gym.Env, base_id: str) -> gym.Env:
+    """Wrap ``env`` (made from ``base_id``) so only its position entries are observed.
+
+    Uses the data layer's ``rl_tformers.envs.pomdp`` wrapper when present, else
+    :class:`ObservationMask` with :data:`POSITION_INDICES`.
+
+    Raises:
+        KeyError: if ``base_id`` has no known position indices.
+    """
+    if base_id not in POSITION_INDICES:
+        raise KeyError(f"no position-only mask for {base_id!r}; known: {', '.join(sorted(POSITION_INDICES))}")
+    return ObservationMask(env, POSITION_INDICES[base_id])
+
+
+def _make_position_only(base_id: str, **kwargs: Any) -> gym.Env:
+    return position_only(gym.make(base_id, **kwargs), base_id)
+
+
+class RecallEnv(gym.Env):
+    """Repeat the symbol observed ``delay`` steps ago.
+
+    Each step shows a uniformly random symbol s_t in {0..K-1} as a one-hot vector (K,).
+    From step ``delay`` on, the action (Discrete(K)) is scored: reward 1 if a_t == s_{t-delay},
+    else 0. Actions before ``delay`` are not scored. The episode terminates after ``length``
+    steps, so the best return is ``length - delay`` and a memoryless policy earns
+    ``(length - delay) / K`` in expectation (s_{t-delay} is independent of s_t).
+
+    The required memory length is exactly ``delay`` steps. ``info["target"]`` holds the
+    answer for the current step (-1 before ``delay``), used by the scripted behaviour policy.
+
+    Args:
+        delay: d >= 1, how many steps back to recall.
+        n_symbols: K >= 2.
+        length: episode length (> delay).
+
+    Raises:
+        ValueError: for out-of-range arguments.
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, delay: int = 4, n_symbols: int = 4, length: int = 32) -> None:
+        if delay < 1 or n_symbols < 2 or length <= delay:
+            raise ValueError(
+                f"Recall: need delay >= 1, n_symbols >= 2, length > delay; got {delay}, {n_symbols}, {length}"
+            )
+        self.delay, self.n_symbols, self.length = delay, n_symbols, length
+        self.observation_space = spaces.Box(0.0, 1.0, (n_symbols,), dtype=np.float32)
+        self.action_space = spaces.Discrete(n_symbols)
+        self._symbols = np.zeros(length, dtype=np.int64)
+        self._t = 0
+
+    def _obs(self) -> np.ndarray:
+        o = np.zeros(self.n_symbols, dtype=np.float32)
+        o[self._symbols[self._t]] = 1.0
+        return o
+
+    def _target(self) -> int:
+        return int(self._symbols[self._t - self.delay]) if self._t >= self.delay else -1
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self._symbols = self.np_random.integers(0, self.n_symbols, size=self.length)
+        self._t = 0
+        return self._obs(), {"target": self._target()}
+
+    def step(self, action):
+        target = self._target()
+        reward = float(target >= 0 and int(action) == target)
+        self._t += 1
+        terminated = self._t >= self.length
+        if terminated:
+            return np.zeros(self.n_symbols, dtype=np.float32), reward, True, False, {"target": -1}
+        return self._obs(), reward, False, False, {"target": self._target()}
+
+
+RECALL_ID = "rl_tformers/Recall-v0"
+TASK_IDS = {
+    "rl_tformers/PositionOnlyCartPole-v1": "CartPole-v1",
+    "rl_tformers/PositionOnlyPendulum-v1": "Pendulum-v1",
+    "rl_tformers/PositionOnlyHopper-v5": "Hopper-v5",
+}
+
+
+def register_all() -> None:
+    """Register the memory tasks with gymnasium (idempotent)."""
+    for env_id, base in TASK_IDS.items():
+        if env_id not in gym.registry:
+            gym.register(env_id, entry_point=_make_position_only, kwargs={"base_id": base})
+    if RECALL_ID not in gym.registry:
+        gym.register(RECALL_ID, entry_point=RecallEnv)
+
+
+register_all()
+
+
+# -- scripted behaviour policies and rollouts ---------------------------------------------------
+def cartpole_controller(state: np.ndarray) -> np.ndarray:
+    """Linear state-feedback controller for CartPole-v1 on the *full* state (N, 4) -> actions (N,).
+
+    Pushes right when ``theta + 0.5 * theta_dot + 0.05 * x + 0.1 * x_dot > 0``; it balances
+    the pole for the full 500 steps from the standard initial states.
+    """
+    s = np.asarray(state, dtype=np.float64)
+    u = s[:, 2] + 0.5 * s[:, 3] + 0.05 * s[:, 0] + 0.1 * s[:, 1]
+    return (u > 0).astype(np.int64)
+
+
+def scripted_action(
+    task: str, full_obs: np.ndarray, info: dict[str, Any], rng: np.random.Generator, epsilon: float
+) -> np.ndarray:
+    """Actions of the scripted behaviour policy of ``task`` for N environments.
+
+    Args:
+        task: ``"recall"`` (oracle answer from ``info["target"]``) or ``"cartpole"``
+            (:func:`cartpole_controller` on the unmasked state).
+        full_obs: (N, obs_dim) unmasked observation (unused for recall).
+        info: the vector environment's info dict (recall needs ``target`` (N,)).
+        rng: random generator for the epsilon mixing.
+        epsilon: probability of a uniformly random action, per environment and step.
+
+    Returns:
+        (N,) int64 actions.
+
+    Raises:
+        ValueError: for an unknown task.
+    """
+    if task == "recall":
+        target = np.asarray(info["target"], dtype=np.int64)
+        n_sym = full_obs.shape[1]
+        best = np.where(target >= 0, target, 0)
+    elif task == "cartpole":
+        best = cartpole_controller(full_obs)
+        n_sym = 2
+    else:
+        raise ValueError(f"unknown scripted task {task!r}; use 'recall' or 'cartpole'")
+    random_a = rng.integers(0, n_sym, size=best.shape[0])
+    return np.where(rng.random(best.shape[0]) < epsilon, random_a, best)
+
+
+def collect_episodes(
+    task: str,
+    n_episodes: int,
+    *,
+    epsilon: float = 0.2,
+    seed: int = 0,
+    n_envs: int = 8,
+    env_kwargs: dict[str, Any] | None = None,
+) -> list[dict[str, np.ndarray]]:
+    """Roll out a scripted behaviour policy and return exactly ``n_episodes`` episodes.
+
+    The environments are unmasked (``CartPole-v1`` / :class:`RecallEnv`); for CartPole the
+    stored observations are the position-only ones (indices :data:`POSITION_INDICES`), i.e.
+    the dataset of ``rl_tformers/PositionOnlyCartPole-v1``.
+
+    Episodes are taken in order of completion across the ``n_envs`` vector environments
+    (autoreset "next step" mode); once ``n_episodes`` have finished the rest are dropped.
+
+    Returns:
+        list of dicts with ``observations`` (L, obs_dim) float32, ``actions`` (L,) int64,
+        ``rewards`` (L,) float32, ``terminations`` (L,) bool, ``truncations`` (L,) bool.
+    """
+    kwargs = env_kwargs or {}
+    if task == "recall":
+        fns = [lambda: RecallEnv(**kwargs) for _ in range(n_envs)]
+        keep = None
+    elif task == "cartpole":
+        fns = [lambda: gym.make("CartPole-v1", **kwargs) for _ in range(n_envs)]
+        keep = np.asarray(POSITION_INDICES["CartPole-v1"])
+    else:
+        raise ValueError(f"unknown scripted task {task!r}; use 'recall' or 'cartpole'")
+    env = gym.vector.SyncVectorEnv(fns, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
+    rng = np.random.default_rng(seed)
+    obs, info = env.reset(seed=seed)
+    bufs: list[dict[str, list]] = [{k: [] for k in ("o", "a", "r", "te", "tr")} for _ in range(n_envs)]
+    skip = np.zeros(n_envs, dtype=bool)  # the step after a done is the autoreset step
+    episodes: list[dict[str, np.ndarray]] = []
+    while len(episodes) < n_episodes:
+        act = scripted_action(task, obs, info, rng, epsilon)
+        nobs, rew, term, trunc, ninfo = env.step(act)
+        for i in np.flatnonzero(~skip):  # bookkeeping only: per-env Python lists (not a hot path)
+            b = bufs[i]
+            b["o"].append(obs[i] if keep is None else obs[i, keep])
+            b["a"].append(act[i])
+            b["r"].append(rew[i])
+            b["te"].append(term[i])
+            b["tr"].append(trunc[i])
+            if term[i] or trunc[i]:
+                episodes.append({
+                    "observations": np.asarray(b["o"], dtype=np.float32),
+                    "actions": np.asarray(b["a"], dtype=np.int64),
+                    "rewards": np.asarray(b["r"], dtype=np.float32),
+                    "terminations": np.asarray(b["te"], dtype=bool),
+                    "truncations": np.asarray(b["tr"], dtype=bool),
+                })
+                bufs[i] = {k: [] for k in b}
+        skip = term | trunc
+        obs, info = nobs, ninfo
+    env.close()
+    return episodes[:n_episodes]
