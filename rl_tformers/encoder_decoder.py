@@ -1,0 +1,250 @@
+"""The vanilla Transformer encoder-decoder (Vaswani et al. 2017) built from backbone configs.
+
+The encoder is a :class:`~rl_tformers.backbone.Backbone` (any registered kinds, usually
+bidirectional). Each decoder layer has masked self-attention, cross-attention over the encoder
+output and a feed-forward network (Vaswani et al. 2017, sec. 3.1, fig. 1)::
+
+    post_norm:  y = LN(y + SelfAttn(y));  y = LN(y + CrossAttn(y, enc));  y = LN(y + FFN(y))
+    pre_norm:   y = y + SelfAttn(LN(y));  y = y + CrossAttn(LN(y), enc);  y = y + FFN(LN(y))
+
+Config (dict/YAML)::
+
+    encoder: {d_model: 64, n_layers: 2, n_heads: 4, causal: false, block: {kind: post_norm}, ...}
+    decoder: {d_model: 64, n_layers: 2, n_heads: 4, causal: true, block: {kind: post_norm}, ...}
+    cross_attention: {kind: sdpa}
+
+Partial ``encoder``/``decoder`` dicts are merged over the vanilla defaults (post-norm,
+sinusoidal positions, ReLU, no final norm; encoder bidirectional, decoder causal).
+The decoder's self-attention kind and positional kind come from ``decoder``; cross-attention
+uses ``cross_attention`` (a kernel that accepts S != T keys without a causal mask, e.g. ``sdpa``)
+with no positional term (positions of source and target live in different sequences).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rl_tformers.backbone import Backbone
+from rl_tformers.blocks.base import build_ffn
+from rl_tformers.config import BackboneConfig, BuildContext, IncompatibleConfig
+from rl_tformers.position.base import PositionModule
+from rl_tformers.registry import ATTENTION, REGISTRIES, config_to_dict
+from rl_tformers.types import AttnContext, BackboneOutput, merge_into
+
+_VANILLA = {
+    "block": {"kind": "post_norm"},
+    "position": {"kind": "sinusoidal"},
+    "activation": "relu",
+    "final_norm": False,
+}
+
+
+def _vanilla(causal: bool, overrides: Mapping[str, Any] | None = None) -> BackboneConfig:
+    data = {**_VANILLA, "causal": causal, **dict(overrides or {})}
+    return BackboneConfig.from_dict(data)
+
+
+@dataclass(frozen=True)
+class EncoderDecoderConfig:
+    """Configuration of :class:`EncoderDecoder`.
+
+    Attributes:
+        encoder: :class:`BackboneConfig` of the encoder (default: vanilla, bidirectional).
+        decoder: :class:`BackboneConfig` of the decoder stack (default: vanilla, causal). Its
+            ``block.kind`` must be ``post_norm`` or ``pre_norm``, ``memory.kind`` ``none`` and
+            ``depth.kind`` ``fixed``.
+        cross_attention: attention config of the cross-attention (default ``sdpa``).
+
+    Raises:
+        IncompatibleConfig: mismatched widths, an unsupported decoder block/memory/depth kind,
+            or a causal-only cross-attention kind (each message names the option).
+    """
+
+    encoder: BackboneConfig = field(default_factory=lambda: _vanilla(False))
+    decoder: BackboneConfig = field(default_factory=lambda: _vanilla(True))
+    cross_attention: Any = field(default_factory=lambda: ATTENTION.get("sdpa").config_cls())
+
+    def __post_init__(self) -> None:
+        enc, dec = self.encoder, self.decoder
+        if enc.d_model != dec.d_model:
+            raise IncompatibleConfig(
+                f"encoder.d_model={enc.d_model} and decoder.d_model={dec.d_model} must be equal"
+            )
+        if dec.block.kind not in ("post_norm", "pre_norm"):
+            raise IncompatibleConfig(f"decoder.block.kind={dec.block.kind!r}; the decoder supports post_norm, pre_norm")
+        if dec.memory.kind != "none" or dec.depth.kind != "fixed":
+            raise IncompatibleConfig(
+                f"decoder.memory.kind={dec.memory.kind!r}, decoder.depth.kind={dec.depth.kind!r}: "
+                f"the decoder supports memory none and depth fixed"
+            )
+        if not REGISTRIES["attention"].get(self.cross_attention.kind).capabilities.bidirectional:
+            raise IncompatibleConfig(
+                f"cross_attention.kind={self.cross_attention.kind!r} is causal-only; cross-attention sees every source key"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "encoder": self.encoder.to_dict(),
+            "decoder": self.decoder.to_dict(),
+            "cross_attention": config_to_dict(self.cross_attention),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> EncoderDecoderConfig:
+        """Build from a (partial) dict; ``encoder``/``decoder`` merge over the vanilla defaults."""
+        data = dict(data or {})
+        unknown = sorted(set(data) - {"encoder", "decoder", "cross_attention"})
+        if unknown:
+            raise IncompatibleConfig(f"encoder_decoder.{unknown[0]}: unknown field; fields: cross_attention, decoder, encoder")
+        kw: dict[str, Any] = {}
+        if "encoder" in data:
+            kw["encoder"] = _vanilla(False, data["encoder"])
+        if "decoder" in data:
+            kw["decoder"] = _vanilla(True, data["decoder"])
+        if "cross_attention" in data:
+            kw["cross_attention"] = ATTENTION.from_dict(data["cross_attention"], where="cross_attention")
+        return cls(**kw)
+
+    def replace(self, **changes: Any) -> EncoderDecoderConfig:
+        return dataclasses.replace(self, **changes)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention over the encoder output, feed-forward.
+
+    Shapes: y (B, T, D) target stream, enc (B, S, D) encoder output -> (B, T, D).
+    """
+
+    def __init__(self, ctx: BuildContext, position: PositionModule, cross_cfg, pre_norm: bool) -> None:
+        super().__init__()
+        d = ctx.d_model
+        self.self_attn = ctx.config.attention.build(ctx, position)
+        self.cross_attn = cross_cfg.build(ctx, PositionModule())
+        self.ffn = build_ffn(ctx)
+        self.norm1, self.norm2, self.norm3 = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
+        self.dropout = nn.Dropout(ctx.config.dropout)
+        self.pre_norm = pre_norm
+
+    def forward(self, y: Tensor, enc: Tensor, self_ctx: AttnContext, cross_ctx: AttnContext):
+        """Returns (y (B, T, D), aux, metrics)."""
+        aux: dict[str, Tensor] = {}
+        metrics: dict[str, Any] = {}
+        if self.pre_norm:
+            h = self.norm1(y)
+            a = self.self_attn(h, h, self_ctx)
+            y = y + self.dropout(a.out)
+            c = self.cross_attn(self.norm2(y), enc, cross_ctx)
+            y = y + self.dropout(c.out)
+            y = y + self.dropout(self.ffn(self.norm3(y)))
+        else:
+            a = self.self_attn(y, y, self_ctx)
+            y = self.norm1(y + self.dropout(a.out))
+            c = self.cross_attn(y, enc, cross_ctx)
+            y = self.norm2(y + self.dropout(c.out))
+            y = self.norm3(y + self.dropout(self.ffn(y)))
+        for prefix, o in (("self/", a), ("cross/", c)):
+            merge_into(aux, o.aux)
+            merge_into(metrics, o.metrics, prefix=prefix)
+        return y, aux, metrics
+
+
+@dataclass
+class EncoderDecoderOutput:
+    """hidden (B, T, D) decoder output; memory (B, S, D) encoder output; aux losses; metrics."""
+
+    hidden: Tensor
+    memory: Tensor
+    aux: dict[str, Tensor] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def _default_pos(x: Tensor) -> Tensor:
+    b, n, _ = x.shape
+    return torch.arange(n, device=x.device).expand(b, n)  # (B, L)
+
+
+class EncoderDecoder(nn.Module):
+    """Vanilla Transformer encoder-decoder (Vaswani et al. 2017) on the backbone library.
+
+    ``forward(src (B, S, D), tgt (B, T, D), src_pos, tgt_pos, src_mask, tgt_mask)`` returns
+    :class:`EncoderDecoderOutput`. Positions are (B, S)/(B, T) long in the caller's units
+    (default arange); masks are (B, S)/(B, T) bool, True = real token. Target query t sees
+    target keys <= t (when ``decoder.causal``) and every real source key.
+    No incremental decoding: re-run :meth:`decode` on the growing target prefix.
+
+    Args:
+        config: :class:`EncoderDecoderConfig` or a dict for :meth:`EncoderDecoderConfig.from_dict`.
+    """
+
+    def __init__(self, config: EncoderDecoderConfig | Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        if config is None or isinstance(config, Mapping):
+            config = EncoderDecoderConfig.from_dict(config)
+        self.config = config
+        self.encoder = Backbone(config.encoder)
+        dec = config.decoder
+        ctx = BuildContext(dec)
+        pre = dec.block.kind == "pre_norm"
+        layers = []
+        for i in range(dec.n_layers):
+            lctx = ctx.at_layer(i)
+            layers.append(DecoderLayer(lctx, dec.position.build(lctx), config.cross_attention, pre))
+        self.layers = nn.ModuleList(layers)
+        self.final_norm = nn.LayerNorm(dec.d_model) if dec.final_norm else nn.Identity()
+
+    def encode(self, src: Tensor, src_pos: Tensor | None = None, src_mask: Tensor | None = None) -> BackboneOutput:
+        """Encoder pass: src (B, S, D) -> BackboneOutput with hidden (B, S, D)."""
+        return self.encoder(src, positions=src_pos, mask=src_mask)
+
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        tgt_pos: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
+        src_pos: Tensor | None = None,
+        src_mask: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor], dict[str, Any]]:
+        """Decoder pass: tgt (B, T, D) over encoder output memory (B, S, D) -> (hidden (B, T, D), aux, metrics)."""
+        if tgt.dim() != 3 or tgt.shape[-1] != self.config.decoder.d_model:
+            raise ValueError(f"encoder_decoder: tgt must be (B, T, {self.config.decoder.d_model}), got {tuple(tgt.shape)}")
+        tgt_pos = _default_pos(tgt) if tgt_pos is None else tgt_pos.long()
+        src_pos = _default_pos(memory) if src_pos is None else src_pos.long()
+        self_ctx = AttnContext(
+            pos_q=tgt_pos, pos_k=tgt_pos, key_valid=None if tgt_mask is None else tgt_mask.bool(),
+            causal=self.config.decoder.causal,
+        )
+        cross_ctx = AttnContext(
+            pos_q=tgt_pos, pos_k=src_pos, key_valid=None if src_mask is None else src_mask.bool(), causal=False
+        )
+        aux: dict[str, Tensor] = {}
+        metrics: dict[str, Any] = {}
+        y = tgt
+        for i, layer in enumerate(self.layers):
+            self_ctx.layer_idx = cross_ctx.layer_idx = i
+            y = layer.self_attn.position.embed(y, tgt_pos)
+            y, a, m = layer(y, memory, self_ctx, cross_ctx)
+            merge_into(aux, a)
+            merge_into(metrics, m, prefix=f"decoder/layer{i}/")
+        return self.final_norm(y), aux, metrics
+
+    def forward(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        src_pos: Tensor | None = None,
+        tgt_pos: Tensor | None = None,
+        src_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
+    ) -> EncoderDecoderOutput:
+        enc = self.encode(src, src_pos, src_mask)
+        hidden, aux, metrics = self.decode(tgt, enc.hidden, tgt_pos, tgt_mask, src_pos, src_mask)
+        merge_into(aux, enc.aux)
+        merge_into(metrics, enc.metrics, prefix="encoder/")
+        return EncoderDecoderOutput(hidden=hidden, memory=enc.hidden, aux=aux, metrics=metrics)
