@@ -1,0 +1,368 @@
+"""Kernelised (linear) attention engine shared by RFA (``rfa``) and Performer (``performer``).
+
+Linear attention replaces ``exp(q . k)`` by a feature inner product ``phi(q) . phi(k)``
+(Katharopoulos et al. 2020, eq. 4-6; Peng et al. 2021, eq. 5; Choromanski et al. 2021, eq. 5),
+so that::
+
+    out_t = phi(q_t)^T S_t / phi(q_t)^T z_t,   S_t = sum_j phi(k_j) v_j^T,  z_t = sum_j phi(k_j)
+
+costs O(L m Dh) instead of O(L^2 Dh) (m = number of features). Here ``S`` and ``z`` travel
+together as one state of width E = Dh + 1 (values augmented with a column of ones), and every
+sum is accumulated in **float32**, whatever the input dtype (also under bf16 autocast).
+
+The general recurrence this module evaluates is the gated one of RFA (Peng et al. 2021,
+sec. 3.2, eq. 7) with episode resets::
+
+    S_j = a_j S_{j-1} + phi(k_j) [v_j, 1]^T,   a_j = lambda_j * [key j does not start a new episode]
+
+(``lambda_j = 1`` for plain causal attention, ``g_j`` for gated RFA, whose ``(1 - g_j)`` factor is
+folded into ``phi(k_j)`` by the caller). A query at key index t reads ``phi(q_t)^T S_t``.
+
+Causal form without a Python loop over tokens (:func:`causal_linear`): the sequence is cut into
+chunks of C tokens. Inside a chunk the contribution is a masked C x C product (quadratic in C
+only); across chunks, each chunk's summed contribution U_c (m x E) and total decay D_c are
+combined by a prefix sum (``cumsum`` when there are neither decays nor resets) or by a
+log-depth associative scan (Hillis & Steele 1986) over the n = L / C chunks. Peak memory is
+O(L C + (L / C) m E) per head: never L x L.
+
+Masks (see :class:`~rl_tformers.types.AttnContext`): key padding zeroes ``phi(k_j)``; episode
+ids are honoured as *runs*: a key whose episode id differs from its predecessor's starts a new
+run and resets the state. This is exact when every episode occupies one contiguous run of key
+indices, which is how the backbone lays out keys (``[memory; segment]``, ids non-decreasing);
+other layouts raise ``ValueError``. Causality uses key indices (query i sits at key M + i);
+``ctx.allowed()`` is never called. A query with no allowed key returns zeros.
+
+What linear attention cannot do: positional encodings that need the score matrix (ALiBi, Shaw,
+Transformer-XL relative, DA-Transformer) are refused at construction; attention dropout and
+``need_weights`` are not available (there are no probabilities to drop or return).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rl_tformers.attention.base import AttentionModule
+from rl_tformers.config import IncompatibleConfig
+from rl_tformers.position.base import PositionModule
+from rl_tformers.types import AttnContext, AttnOutput
+
+#: positional kinds usable inside linear kernels (no score matrix needed).
+LINEAR_POSITIONS = ("none", "sinusoidal", "learned", "rotary")
+
+
+@dataclass
+class LinearCache:
+    """Incremental-decoding cache of a linear-attention layer.
+
+    Attributes:
+        state: (B, H, m, Dh + 1) float32: ``[S | z]``, the running sums of ``phi(k_j) v_j^T`` and
+            ``phi(k_j)`` over the current episode's keys (decayed for gated RFA). Its size does
+            not grow with the number of decoded tokens.
+    """
+
+    state: Tensor
+
+
+# ------------------------------------------------------------------------------------------------
+# Scans
+# ------------------------------------------------------------------------------------------------
+def segsum(x: Tensor) -> Tensor:
+    """Pairwise segment sums inside a chunk: x (..., C) -> (..., C, C) with
+    ``out[..., t, j] = sum_{l=j+1}^{t} x_l`` for j <= t (0 on the diagonal) and -inf for j > t.
+
+    Computed by a masked cumulative sum, not as ``cumsum_t - cumsum_j`` (which would lose
+    precision and turn ``-inf - -inf`` into NaN at episode resets).
+    """
+    c = x.shape[-1]
+    xr = x.unsqueeze(-1).expand(*x.shape, c)  # (..., C_l, C_j): xr[..., l, j] = x_l
+    lower = torch.ones(c, c, dtype=torch.bool, device=x.device).tril(-1)  # l > j
+    out = xr.masked_fill(~lower, 0.0).cumsum(dim=-2)  # (..., C_t, C_j) = sum_{j < l <= t} x_l
+    return out.masked_fill(~torch.ones(c, c, dtype=torch.bool, device=x.device).tril(), float("-inf"))
+
+
+def decayed_scan(decay: Tensor, value: Tensor) -> Tensor:
+    """Inclusive scan of ``s_c = decay_c * s_{c-1} + value_c`` along axis 2 (s_{-1} = 0).
+
+    Log-depth associative scan (Hillis & Steele 1986) over pairs (decay, value) with
+    ``(d1, v1) o (d2, v2) = (d1 d2, d2 v1 + v2)``: ceil(log2 n) vectorised steps, no loop over
+    the n elements. Shapes: decay (B, H, n), value (B, H, n, m, E) -> (B, H, n, m, E).
+    """
+    n = decay.shape[2]
+    offset = 1
+    while offset < n:
+        prev_v = F.pad(value[:, :, :-offset], (0, 0, 0, 0, offset, 0))  # (B, H, n, m, E) shifted right
+        prev_d = F.pad(decay[:, :, :-offset], (offset, 0), value=1.0)  # (B, H, n)
+        value = value + decay[..., None, None] * prev_v
+        decay = decay * prev_d
+        offset *= 2
+    return value
+
+
+def causal_linear(
+    fq: Tensor,
+    fk: Tensor,
+    v: Tensor,
+    *,
+    log_decay: Tensor | None = None,
+    reset: Tensor | None = None,
+    state0: Tensor | None = None,
+    chunk: int = 64,
+    strict: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Chunked causal linear attention (numerators and normaliser together), float32.
+
+    Evaluates ``S_t = a_t S_{t-1} + fk_t v_t^T`` and ``out_t = fq_t^T S_t`` (``strict``:
+    ``fq_t^T a_t S_{t-1}``, i.e. key t itself excluded) for all t without a loop over tokens; see
+    the module docstring. ``a_t = exp(log_decay_t)`` and ``a_t = 0`` where ``reset_t``.
+
+    Args:
+        fq: (B, H, L, m) query features (zero rows for positions that are not queries).
+        fk: (B, H, L, m) key features (already multiplied by key validity / key weights).
+        v: (B, H, L, E) values (usually ``[v, 1]``).
+        log_decay: (B, H, L) log a_t <= 0, or None (no decay).
+        reset: (B, L) bool, True where key t starts a new run (state before t dropped), or None.
+        state0: (B, H, m, E) state before position 0 (incremental decoding), or None (zeros).
+        chunk: chunk length C.
+        strict: exclude each position's own key.
+    Returns:
+        out (B, H, L, E) and the final state (B, H, m, E), both float32.
+    """
+    b, h, n_tok, m = fq.shape
+    e = v.shape[-1]
+    c = max(1, min(chunk, n_tok))
+    pad = (-n_tok) % c
+    if pad:
+        fq, fk, v = (F.pad(t, (0, 0, 0, pad)) for t in (fq, fk, v))
+        if log_decay is not None:
+            log_decay = F.pad(log_decay, (0, pad))
+        if reset is not None:
+            reset = F.pad(reset, (0, pad), value=False)
+    n = (n_tok + pad) // c
+    fq = fq.reshape(b, h, n, c, m)  # (B, H, n, C, m)
+    fk = fk.reshape(b, h, n, c, m)  # (B, H, n, C, m)
+    v = v.reshape(b, h, n, c, e)  # (B, H, n, C, E)
+    scores = fq @ fk.transpose(-1, -2)  # (B, H, n, C, C)
+    if state0 is None:
+        state0 = fq.new_zeros(b, h, m, e)
+
+    if log_decay is None and reset is None:
+        keep = torch.ones(c, c, dtype=torch.bool, device=fq.device).tril(-1 if strict else 0)
+        intra = scores.masked_fill(~keep, 0.0) @ v  # (B, H, n, C, E)
+        u = fk.transpose(-1, -2) @ v  # (B, H, n, m, E): each chunk's own sum
+        s_end = u.cumsum(dim=2) + state0[:, :, None]  # (B, H, n, m, E): state after chunk c
+        s_prev = torch.cat([state0[:, :, None], s_end[:, :, :-1]], dim=2)  # state before chunk c
+        inter = fq @ s_prev  # (B, H, n, C, E)
+    else:
+        x = fq.new_zeros(b, h, n * c) if log_decay is None else log_decay.float()
+        if reset is not None:
+            x = x.masked_fill(reset[:, None, :], float("-inf"))
+        x = x.reshape(b, h, n, c)  # (B, H, n, C) log a_t
+        a_in = x.cumsum(dim=-1)  # (B, H, n, C): log decay from the chunk start through t
+        w = segsum(x).exp()  # (B, H, n, C, C): prod_{j<l<=t} a_l, 0 above the diagonal
+        if strict:
+            w = w * (1.0 - torch.eye(c, device=w.device, dtype=w.dtype))
+        intra = (scores * w) @ v  # (B, H, n, C, E)
+        tail = F.pad(x.flip(-1).cumsum(-1)[..., :-1], (1, 0)).flip(-1)  # sum_{l>j} x_l in the chunk
+        u = (fk * tail.exp()[..., None]).transpose(-1, -2) @ v  # (B, H, n, m, E)
+        d = a_in[..., -1].exp()  # (B, H, n): decay across a whole chunk
+        s_end = decayed_scan(d, u) + d.cumprod(dim=2)[..., None, None] * state0[:, :, None]
+        s_prev = torch.cat([state0[:, :, None], s_end[:, :, :-1]], dim=2)  # (B, H, n, m, E)
+        inter = (fq * a_in.exp()[..., None]) @ s_prev  # (B, H, n, C, E)
+    out = (intra + inter).reshape(b, h, n * c, e)[:, :, :n_tok]  # (B, H, L, E)
+    return out, s_end[:, :, -1]
+
+
+def run_starts(seg: Tensor, prev: Tensor | None = None) -> Tensor:
+    """(B, L) bool: True where ``seg[:, t]`` differs from the id before it.
+
+    ``prev`` (B,) is the id of the key just before position 0 (cached keys); without it,
+    position 0 never starts a run (there is nothing before it).
+    Raises ValueError if ids decrease along the keys (an episode split over two runs).
+    """
+    if seg.shape[1] > 1 and bool((seg[:, 1:] < seg[:, :-1]).any()):
+        raise ValueError(
+            "linear attention: episode ids (ctx.seg_k) must be non-decreasing along the keys "
+            "(each episode one contiguous run), as the backbone lays them out"
+        )
+    first = torch.zeros_like(seg[:, :1], dtype=torch.bool) if prev is None else (seg[:, :1] != prev[:, None])
+    return torch.cat([first, seg[:, 1:] != seg[:, :-1]], dim=1)
+
+
+def safe_divide(num: Tensor, den: Tensor, eps: float) -> Tensor:
+    """num / den with |den| clamped to >= eps (sign kept; 0 / 0 -> 0). num (..., E), den (..., 1)."""
+    den = torch.where(den >= 0, den.clamp_min(eps), den.clamp_max(-eps))
+    return num / den
+
+
+# ------------------------------------------------------------------------------------------------
+# Module base
+# ------------------------------------------------------------------------------------------------
+class KernelAttention(AttentionModule):
+    """Base of the linear-attention kernels: projections, positions, masks, both directions, cache.
+
+    Subclasses implement :meth:`features` (the random feature map) and may override
+    :meth:`key_decay` (gated RFA). Forward contract as :class:`AttentionModule`:
+    x_q (B, T, D), x_kv (B, S_new, D) with ``ctx`` describing all S = P + S_new keys, P of which
+    live in ``cache`` (incremental decoding, causal only).
+
+    Args:
+        ctx: build context. position: positional module (must not need scores).
+        chunk_size: chunk length C of the causal form.
+        eps: smallest |normaliser| (rows with no allowed key give 0 / eps = 0).
+    """
+
+    #: the random buffers redrawn by :meth:`redraw`; subclasses set this.
+    random_buffers: tuple[str, ...] = ()
+
+    def __init__(self, ctx, position: PositionModule, chunk_size: int, eps: float, redraw_every: int = 0) -> None:
+        super().__init__(ctx, position)
+        if position.needs_scores:
+            raise IncompatibleConfig(
+                f"backbone.position.kind={ctx.config.position.kind!r} needs the score matrix, which "
+                f"backbone.attention.kind={ctx.config.attention.kind!r} never forms; use one of "
+                f"{', '.join(LINEAR_POSITIONS)}"
+            )
+        self.causal = ctx.config.causal
+        self.chunk_size = chunk_size
+        self.eps = eps
+        self.redraw_every = redraw_every
+
+    # -- to implement ---------------------------------------------------------------------------
+    def features(self, x: Tensor, is_query: bool, valid: Tensor | None) -> Tensor:  # pragma: no cover
+        """x (B, H, L, Dh) -> (B, H, L, m) float32 features; ``valid`` (B, L) marks real keys."""
+        raise NotImplementedError
+
+    def key_decay(self, x_kv: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """(log a_j (B, H, S_new) or None, key weight (B, H, S_new) or None). Default: neither."""
+        return None, None
+
+    def redraw(self, generator: torch.Generator | None = None) -> None:  # pragma: no cover
+        """Draw new random features (explicit call only; never inside forward)."""
+        raise NotImplementedError
+
+    # -- cache -------------------------------------------------------------------------------------
+    def init_cache(self, batch: int, device: torch.device, dtype: torch.dtype) -> LinearCache:
+        """Zero running sums (B, H, m, Dh + 1) float32; causal only."""
+        if not self.causal:
+            raise NotImplementedError(f"{type(self).__name__}: incremental decoding needs backbone.causal=true")
+        return LinearCache(torch.zeros(batch, self.n_heads, self.n_features, self.head_dim + 1, device=device))
+
+    @property
+    def n_features(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # -- forward -----------------------------------------------------------------------------------
+    def forward(self, x_q: Tensor, x_kv: Tensor, ctx: AttnContext, cache: LinearCache | None = None) -> AttnOutput:
+        q, k, v = self.project(x_q, x_kv)  # (B, H, T, Dh), (B, H, S_new, Dh) x2
+        b, _, t, _ = q.shape
+        s_new = k.shape[2]
+        p = ctx.k_len - s_new  # keys summarised by the cache
+        if p < 0 or (p > 0 and cache is None):
+            raise ValueError(f"attention: {s_new} keys given but the context describes {ctx.k_len} and there is no cache")
+        if cache is not None and not ctx.causal:
+            raise ValueError("linear attention: a cache (incremental decoding) needs a causal context")
+        m_new = s_new - t  # prefix keys among the given ones (memory)
+        pos = self.position
+        q = pos.rotate(pos.content_query(q), ctx.pos_q)
+        k = pos.rotate(k, ctx.pos_k[:, p:])
+        valid = None if ctx.key_valid is None else ctx.key_valid[:, p:]  # (B, S_new)
+        fq = self.features(q, True, None)  # (B, H, T, m) float32
+        fk = self.features(k, False, valid)  # (B, H, S_new, m) float32
+        if valid is not None:
+            fk = fk * valid[:, None, :, None].to(fk.dtype)
+        log_decay, weight = self.key_decay(x_kv)
+        if weight is not None:
+            fk = fk * weight[..., None]
+        ones = torch.ones(*v.shape[:-1], 1, device=v.device, dtype=torch.float32)
+        v_aug = torch.cat([v.float(), ones], dim=-1)  # (B, H, S_new, Dh + 1)
+        reset = None
+        if ctx.seg_k is not None:
+            prev = ctx.seg_k[:, p - 1] if p > 0 else None
+            reset = run_starts(ctx.seg_k[:, p:], prev)  # (B, S_new)
+            if not bool(reset.any()):
+                reset = None
+        new_cache = None
+        if ctx.causal:
+            fq_full = F.pad(fq, (0, 0, m_new, 0))  # (B, H, S_new, m): no queries at the prefix
+            state0 = None if cache is None else cache.state
+            out, final = causal_linear(
+                fq_full, fk, v_aug, log_decay=log_decay, reset=reset, state0=state0, chunk=self.chunk_size
+            )
+            out = out[:, :, m_new:]  # (B, H, T, E)
+            if cache is not None:
+                new_cache = LinearCache(final)
+        else:
+            if log_decay is not None:
+                raise ValueError(f"{type(self).__name__}: the gated form is causal only")
+            if reset is None:
+                kv = fk.transpose(-1, -2) @ v_aug  # (B, H, m, E)
+                out = fq @ kv  # (B, H, T, E)
+            else:  # every key of the query's run: causal part (j <= i) + reversed strict part (j > i)
+                fq_full = F.pad(fq, (0, 0, m_new, 0))  # (B, H, S, m)
+                fwd, _ = causal_linear(fq_full, fk, v_aug, reset=reset, chunk=self.chunk_size)
+                rev_reset = run_starts(ctx.seg_k[:, p:].flip(1).neg())  # runs seen right to left
+                bwd, _ = causal_linear(
+                    fq_full.flip(2), fk.flip(2), v_aug.flip(2), reset=rev_reset, chunk=self.chunk_size, strict=True
+                )
+                out = (fwd + bwd.flip(2))[:, :, m_new:]  # (B, H, T, E)
+        y = safe_divide(out[..., :-1], out[..., -1:], self.eps).to(q.dtype)  # (B, H, T, Dh)
+        return AttnOutput(self.o_proj(self.merge_heads(y)), cache=new_cache)
+
+
+def orthogonal_gaussian(rows: int, dim: int, generator: torch.Generator | None = None, device=None) -> Tensor:
+    """(rows, dim) random matrix with orthogonal rows in blocks of ``dim`` and Gaussian row norms.
+
+    Choromanski et al. 2021, sec. 2.4 (orthogonal random features): stack Q factors of QR
+    decompositions of Gaussian (dim x dim) matrices and rescale each row by the norm of an
+    independent N(0, I_dim) vector, so every row is marginally N(0, I_dim) while rows inside a
+    block are exactly orthogonal (lower estimator variance, their Theorem 2).
+    """
+    blocks = []
+    for _ in range(-(-rows // dim)):  # ceil(rows / dim) blocks: loop over blocks, not tokens
+        g = torch.randn(dim, dim, generator=generator, device=device)
+        qmat, _ = torch.linalg.qr(g)
+        blocks.append(qmat.T)  # rows orthonormal
+    mat = torch.cat(blocks, 0)[:rows]  # (rows, dim)
+    norms = torch.randn(rows, dim, generator=generator, device=device).norm(dim=1, keepdim=True)
+    return mat * norms
+
+
+def _random_feature_modules(model: nn.Module) -> Iterator[KernelAttention | nn.Module]:
+    for mod in model.modules():
+        if callable(getattr(mod, "redraw", None)) and getattr(mod, "random_buffers", ()):
+            yield mod
+
+
+def redraw_random_features(model: nn.Module, generator: torch.Generator | None = None) -> int:
+    """Redraw the random features/rotations of every kernel in ``model`` that has some.
+
+    The redraw policy of this library: random features are **buffers** (saved in checkpoints)
+    and change only through this explicit call (or :func:`maybe_redraw_random_features` on the
+    trainer's schedule), never inside ``forward``; so a rollout and the update that uses its data
+    see the same function. Returns the number of modules redrawn.
+    """
+    n = 0
+    for mod in _random_feature_modules(model):
+        mod.redraw(generator)
+        n += 1
+    return n
+
+
+def maybe_redraw_random_features(model: nn.Module, update_step: int, generator: torch.Generator | None = None) -> int:
+    """Redraw the kernels whose ``redraw_every`` divides ``update_step`` (> 0); call between updates.
+
+    The schedule of Choromanski et al. 2021 (feature redrawing, sec. 4.2) driven by the trainer.
+    Returns the number of modules redrawn.
+    """
+    n = 0
+    for mod in _random_feature_modules(model):
+        every = getattr(mod, "redraw_every", 0)
+        if every and update_step > 0 and update_step % every == 0:
+            mod.redraw(generator)
+            n += 1
+    return n
