@@ -186,6 +186,7 @@ class Backbone(nn.Module):
                 caches=dout.caches,
                 weights=dout.weights,
                 extras=dout.extras,
+                blocks=list(self.blocks),
             )
             new_state, m_aux, m_metrics = self.memory.update(state, rec)
             new_state.episode = seg_q[:, -1] if t > 0 else state.episode

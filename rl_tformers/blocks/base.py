@@ -73,6 +73,11 @@ class BlockModule(nn.Module):
         super().__init__()
         self.layer_idx = ctx.layer_idx
         self.attn = ctx.config.attention.build(ctx, position)
+        # A memory kind may wrap one layer's attention (memory kind ``knn``: the kNN-augmented
+        # layer of the Memorizing Transformer); ``wrap_attention(ctx, attn) -> AttentionModule``.
+        wrap = getattr(ctx.config.memory, "wrap_attention", None)
+        if wrap is not None:
+            self.attn = wrap(ctx, self.attn)
         self.ffn = build_ffn(ctx)
         self.dropout = nn.Dropout(ctx.config.dropout)
 

@@ -45,6 +45,8 @@ class SegmentRecord:
         caches: per layer, the attention kernel's updated incremental cache (or None).
         weights: per layer, attention probabilities (B, H, T, S) when they were computed.
         extras: per layer, anything a layer returned for its memory (kNN keys/values...).
+        blocks: per layer, the block modules that ran (read-only: for memory losses that reuse
+            a layer's projections, e.g. the compressive attention-reconstruction loss).
     """
 
     layer_inputs: list[Tensor]
@@ -54,6 +56,7 @@ class SegmentRecord:
     caches: list[Any]
     weights: list[Tensor | None] = field(default_factory=list)
     extras: list[Any] = field(default_factory=list)
+    blocks: list[nn.Module] = field(default_factory=list)
 
 
 class MemoryModule(nn.Module):

@@ -1,0 +1,452 @@
+"""Compressive Transformer memory (memory kind ``compressive``).
+
+Rae et al. 2019, "Compressive Transformers for Long-Range Sequence Modelling" (sec. 3,
+Algorithm 1). Each layer keeps
+
+- a FIFO memory ``m_m`` of the most recent hidden states that entered the layer (as
+  Transformer-XL, sec. 3.2 of Dai et al. 2019), and
+- a compressed memory ``m_cm``: when activations leave the FIFO they are compressed at rate
+  ``c`` (``c`` old slots -> 1 compressed slot) by ``f_c`` (sec. 3.1) and pushed into a second
+  FIFO of ``compressed_len`` slots.
+
+The layer attends over ``[compressed; fifo; segment]`` (``state.layers[i].memory`` is
+``[compressed (m_cm); fifo (F)]``), so its temporal range is ``(m_m + c * m_cm) * N`` tokens
+for N layers, at an attention cost of ``O(T (m_m + m_cm + T))`` (sec. 3).
+
+Layout and bookkeeping
+----------------------
+- The compressed part always has ``compressed_len`` slots (unfilled ones invalid). The FIFO
+  starts empty and holds between ``mem_len`` and ``mem_len + c - 1`` slots once filled: after a
+  segment of T tokens the oldest ``floor((F + T - mem_len) / c) * c`` activations are evicted,
+  so the groups of ``c`` compressed together are consecutive activations whatever the segment
+  lengths (T = 1 in environment rollouts compresses every ``c`` steps, exactly like one pass
+  of longer segments would group them).
+- A compressed slot summarises one group of ``c`` consecutive activations. Its *position* is
+  the position of the newest valid activation of the group (relative encodings see it at the
+  distance of that activation; at most ``c - 1`` steps too close for the older ones), its
+  *episode id* that activation's, and it is valid iff the group has a valid member. Members
+  that are invalid (padding, cleared by a reset) or belong to an earlier episode than the
+  newest member are excluded from the compression (masked out of the pooling, zeroed for
+  the convolutions), so no information crosses an episode boundary.
+- Memories are stored detached (the paper's stop-gradient): the main loss never reaches
+  them, and the compressor is trained only by its own losses.
+
+Compression functions ``f_c`` (sec. 3.1; ``compression``):
+``max`` / ``mean`` pooling with kernel and stride c; ``conv``: a 1D convolution with kernel and
+stride c (initialised to mean pooling); ``dilated_conv``: a stack of kernel-2 convolutions with
+dilations 1, 2, 4, ... (WaveNet-style, linear, initialised to averaging) read out at the
+newest slot of each group, receptive field ``2^L >= c`` inside the group; ``most_used``: keep
+the member of each group that received the most attention on average while it sat in the FIFO
+(the paper sorts the whole evicted block by usage; selecting per group keeps one bookkeeping for
+all layers). Usage comes from the attention probabilities the kernel returned
+(``Backbone.forward(..., need_weights=True)``, exact); without them it is recomputed as
+content-based attention with the layer's projections (no positional terms; documented
+approximation).
+
+Losses (sec. 3.2), only for the learned compressors (``conv``, ``dilated_conv``), in ``aux``
+already weighted by ``loss_weight`` and summed over layers:
+
+- attention reconstruction: ``|| attn(h, old_mem) - attn(h, f_c(old_mem)) ||^2`` with ``h``
+  the segment's layer inputs as queries and content-based multi-head attention through the
+  layer's own Q/K/V projections;
+- auto-encoding: ``|| old_mem - g(f_c(old_mem)) ||^2`` with a learned decoder ``g`` (a
+  transposed convolution, kernel and stride c).
+
+Both see only detached activations and detached attention weights, so their gradients reach
+only the compressor (and the decoder): "we stop gradients from the compression losses into the
+main network" (sec. 3.2). With parameter-free compressors nothing can be trained; the
+reconstruction errors are then reported in ``metrics`` only.
+
+The attention-reconstruction loss applies the layer's projections to the raw layer inputs; a
+pre-norm block applies its LayerNorm first, so for pre-norm blocks the loss reconstructs
+attention read through un-normalised inputs (a faithful objective for "keep what attention
+reads", not the exact attention of the block).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rl_tformers.attention.base import attention_reference
+from rl_tformers.memory.base import MemoryConfig, MemoryModule, SegmentRecord, empty_prefix
+from rl_tformers.registry import MEMORY, Capabilities
+from rl_tformers.types import BackboneState, LayerState, build_allowed
+
+COMPRESSIONS = ("max", "mean", "conv", "dilated_conv", "most_used")
+LOSSES = ("attention", "autoencoding", "both", "none")
+
+
+@dataclass
+class FifoUsage:
+    """Attention received by the FIFO slots of one layer (compression ``most_used`` only).
+
+    Attributes:
+        usage: (B, F) attention probability mass received, summed over heads and queries.
+        seen: (B, F) number of valid queries that came after the slot (the average usage is
+            ``usage / (H * seen)``).
+    """
+
+    usage: Tensor
+    seen: Tensor
+
+
+def group_bookkeeping(pos: Tensor, valid: Tensor, seg: Tensor, rate: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Bookkeeping of compressed slots made from groups of ``rate`` consecutive slots.
+
+    Args:
+        pos, valid, seg: (B, G * c) positions, validity and episode ids of the evicted slots.
+        rate: c.
+    Returns:
+        pos (B, G), valid (B, G), seg (B, G) of the compressed slots and ``include`` (B, G, c)
+        bool: the members that enter the compression (valid and in the episode of the group's
+        newest valid member, the "anchor"). A group without valid members is invalid, with
+        position 0 and episode id -1.
+    """
+    b, n = pos.shape
+    g = n // rate
+    vg = valid.view(b, g, rate)  # (B, G, c)
+    idx = torch.arange(rate, device=pos.device)
+    anchor = torch.where(vg, idx, -1).amax(-1)  # (B, G) index of the newest valid member, -1 if none
+    has = anchor >= 0
+    a = anchor.clamp_min(0)[..., None]  # (B, G, 1)
+    gpos = pos.view(b, g, rate).gather(-1, a)[..., 0]
+    gseg = seg.view(b, g, rate).gather(-1, a)[..., 0]
+    include = vg & (seg.view(b, g, rate) == gseg[..., None]) & has[..., None]
+    return gpos * has, has, torch.where(has, gseg, torch.full_like(gseg, -1)), include
+
+
+class Compressor(nn.Module):
+    """The compression function ``f_c`` of one layer (Rae et al. 2019, sec. 3.1) and, for the
+    auto-encoding loss, its decoder ``g``.
+
+    ``forward(x (B, G, c, D), include (B, G, c) bool, usage (B, G, c) | None) -> (B, G, D)``:
+    one compressed slot per group of ``c`` consecutive activations (oldest first). Excluded
+    members never influence the result. A group with no included member gives zeros.
+    """
+
+    def __init__(self, kind: str, d_model: int, rate: int, decoder: bool) -> None:
+        super().__init__()
+        if kind not in COMPRESSIONS:
+            raise ValueError(f"memory.compression={kind!r}; choose one of {', '.join(COMPRESSIONS)}")
+        self.kind, self.d, self.rate = kind, d_model, rate
+        if kind == "conv":
+            # Conv1d(D, D, kernel=c, stride=c) written as a Linear over a flattened group.
+            self.conv = nn.Linear(rate * d_model, d_model)
+            with torch.no_grad():  # start as mean pooling
+                self.conv.weight.copy_(torch.eye(d_model).repeat(1, rate) / rate)
+                self.conv.bias.zero_()
+        elif kind == "dilated_conv":
+            n_layers = max(1, math.ceil(math.log2(rate)))
+            self.dilations = [2**i for i in range(n_layers)]
+            self.taps = nn.ParameterList()
+            self.biases = nn.ParameterList()
+            for _ in self.dilations:  # taps (2, D_out, D_in): [older, newer], start as averaging
+                self.taps.append(nn.Parameter(torch.eye(d_model).repeat(2, 1, 1) / 2))
+                self.biases.append(nn.Parameter(torch.zeros(d_model)))
+        self.decoder = nn.Linear(d_model, rate * d_model) if decoder and self.learned else None
+
+    @property
+    def learned(self) -> bool:
+        return self.kind in ("conv", "dilated_conv")
+
+    def forward(self, x: Tensor, include: Tensor, usage: Tensor | None = None) -> Tensor:
+        b, g, c, d = x.shape
+        inc = include[..., None]  # (B, G, c, 1)
+        has = include.any(-1, keepdim=True)  # (B, G, 1)
+        if self.kind == "max":
+            out = x.masked_fill(~inc, torch.finfo(x.dtype).min).amax(2)
+        elif self.kind == "mean":
+            out = (x * inc).sum(2) / include.sum(-1, keepdim=True).clamp_min(1).to(x.dtype)
+        elif self.kind == "most_used":
+            if usage is None:
+                raise ValueError("compression 'most_used' needs the usage of every member")
+            pick = usage.masked_fill(~include, float("-inf")).argmax(-1)  # (B, G)
+            out = x.gather(2, pick[:, :, None, None].expand(b, g, 1, d))[:, :, 0]
+        elif self.kind == "conv":
+            out = self.conv((x * inc).reshape(b, g, c * d))  # (B, G, c*D) -> (B, G, D)
+        else:
+            out = self._dilated((x * inc).reshape(b * g, c, d)).view(b, g, d)
+        return out * has.to(out.dtype)
+
+    def _dilated(self, h: Tensor) -> Tensor:
+        """(N, c, D) -> (N, D): causal dilated stack, read out at the newest slot."""
+        for dil, taps, bias in zip(self.dilations, self.taps, self.biases):
+            older = F.pad(h, (0, 0, dil, 0))[:, : h.shape[1]]  # (N, c, D): h shifted by `dil` (zeros before)
+            h = older @ taps[0].t() + h @ taps[1].t() + bias
+        return h[:, -1]
+
+    def decode(self, z: Tensor) -> Tensor:
+        """g: (B, G, D) -> (B, G, c, D) reconstruction of the members (auto-encoding loss)."""
+        b, g, d = z.shape
+        return self.decoder(z).view(b, g, self.rate, d)
+
+
+def _linear(lin: nn.Linear, x: Tensor) -> Tensor:
+    """``lin(x)`` with detached parameters: gradients reach x only."""
+    return F.linear(x, lin.weight.detach(), None if lin.bias is None else lin.bias.detach())
+
+
+def content_attention(attn: nn.Module, h: Tensor, mem: Tensor, mem_valid: Tensor, allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Content-based multi-head attention of queries ``h`` over ``mem`` with the projections of
+    a layer's attention module, its parameters detached (Rae et al. 2019, sec. 3.2).
+
+    Args:
+        attn: an :class:`~rl_tformers.attention.base.AttentionModule` (q/k/v projections).
+        h: (B, T, D) queries (layer inputs).
+        mem: (B, M, D) memories (keys and values).
+        mem_valid: (B, M) bool.
+        allowed: optional (B, 1, T, M) bool mask replacing the key-validity mask.
+    Returns:
+        out (B, H, T, Dh) and probabilities (B, H, T, M); rows with no valid key are zeros.
+    """
+    base = getattr(attn, "base", attn)  # kNN-wrapped layers keep their projections on .base
+    k_lin = base.q_proj if base.k_proj is None else base.k_proj
+    q = base.split_heads(_linear(base.q_proj, h))  # (B, H, T, Dh)
+    k = base.split_heads(_linear(k_lin, mem))  # (B, H, M, Dh)
+    v = base.split_heads(_linear(base.v_proj, mem))
+    mask = mem_valid[:, None, None, :] if allowed is None else allowed
+    return attention_reference(q, k, v, mask, scale=base.scale)
+
+
+class CompressiveMemory(MemoryModule):
+    """Per layer: ``[compressed (m_cm); FIFO (>= m_m)]`` memory; see the module docstring.
+
+    Args:
+        mem_len: m_m, FIFO length.
+        compressed_len: m_cm, compressed-memory length.
+        rate: c, compression rate (old slots per compressed slot).
+        compression: one of ``max``, ``mean``, ``conv``, ``dilated_conv``, ``most_used``.
+        loss: ``attention`` (the paper's best), ``autoencoding``, ``both`` or ``none``.
+        loss_weight: weight of the compression losses in ``aux``.
+        d_model, n_layers, causal: from the backbone config.
+    """
+
+    def __init__(
+        self, mem_len: int, compressed_len: int, rate: int, compression: str, loss: str,
+        loss_weight: float, d_model: int, n_layers: int, causal: bool,
+    ) -> None:
+        super().__init__()
+        self.m_m, self.m_cm, self.rate = mem_len, compressed_len, rate
+        self.compression, self.loss, self.loss_weight = compression, loss, loss_weight
+        self.d_model, self.n_layers, self.causal = d_model, n_layers, causal
+        ae = loss in ("autoencoding", "both")
+        self.compressors = nn.ModuleList(Compressor(compression, d_model, rate, ae) for _ in range(n_layers))
+
+    @property
+    def temporal_range(self) -> int:
+        """(m_m + c * m_cm) * N: the furthest token any output can depend on (sec. 3)."""
+        return (self.m_m + self.rate * self.m_cm) * self.n_layers
+
+    # -- state -----------------------------------------------------------------------------------
+    def initial_state(self, blocks, batch, device, dtype) -> BackboneState:
+        n = len(blocks)
+        layers = [
+            LayerState(
+                memory=torch.zeros(batch, self.m_cm, self.d_model, device=device, dtype=dtype),
+                extra=self._empty_usage(batch, 0, device) if self.compression == "most_used" else None,
+            )
+            for _ in range(n)
+        ]
+        pos, valid, seg = empty_prefix(batch, self.m_cm, device)
+        zeros = torch.zeros(batch, dtype=torch.long, device=device)
+        return BackboneState(layers=layers, pos=pos, valid=valid, seg=seg, episode=zeros, next_pos=zeros.clone())
+
+    @staticmethod
+    def _empty_usage(batch: int, n: int, device) -> FifoUsage:
+        z = torch.zeros(batch, n, device=device)
+        return FifoUsage(z, z.clone())
+
+    def compressed_count(self, state: BackboneState) -> Tensor:
+        """(B,) number of valid compressed slots per row."""
+        return state.valid[:, : self.m_cm].sum(1)
+
+    def fifo_count(self, state: BackboneState) -> Tensor:
+        """(B,) number of valid FIFO slots per row."""
+        return state.valid[:, self.m_cm :].sum(1)
+
+    # -- update ----------------------------------------------------------------------------------
+    def update(self, state: BackboneState, rec: SegmentRecord):
+        """Append the segment to each layer's FIFO, compress what leaves it (Algorithm 1).
+
+        Returns (next state, aux {"compressive/attention_reconstruction",
+        "compressive/autoencoding"} weighted and summed over layers when computed, metrics).
+        """
+        mc, c = self.m_cm, self.rate
+        b, t = rec.pos.shape
+        f_len = state.pos.shape[1] - mc
+        n_ev = max(0, f_len + t - self.m_m) // c * c  # evicted activations (a multiple of c)
+        g = n_ev // c  # new compressed slots
+        fpos = torch.cat([state.pos[:, mc:], rec.pos], 1)  # (B, F + T)
+        fval = torch.cat([state.valid[:, mc:], rec.valid], 1)
+        fseg = torch.cat([state.seg[:, mc:], rec.seg], 1)
+        cpos, cval, cseg = state.pos[:, :mc], state.valid[:, :mc], state.seg[:, :mc]
+        include = None
+        if g:
+            gpos, gval, gseg, include = group_bookkeeping(fpos[:, :n_ev], fval[:, :n_ev], fseg[:, :n_ev], c)
+            cpos = torch.cat([cpos, gpos], 1)[:, -mc:]
+            cval = torch.cat([cval, gval], 1)[:, -mc:]
+            cseg = torch.cat([cseg, gseg], 1)[:, -mc:]
+
+        aux_ar: list[Tensor] = []
+        aux_ae: list[Tensor] = []
+        layers = []
+        for i, (ls, h) in enumerate(zip(state.layers, rec.layer_inputs)):
+            h = h.detach()  # (B, T, D)
+            mem = ls.memory.to(h.dtype)
+            cm, fifo = mem[:, :mc], mem[:, mc:]
+            allf = torch.cat([fifo, h], 1)  # (B, F + T, D)
+            usage = None
+            if self.compression == "most_used":
+                usage = self._accumulate_usage(i, ls, state, rec, h)
+            if g:
+                old = allf[:, :n_ev].reshape(b, g, c, self.d_model)  # (B, G, c, D)
+                avg = None if usage is None else (usage.usage / usage.seen.clamp_min(1))[:, :n_ev].view(b, g, c)
+                comp = self.compressors[i]
+                new = comp(old, include, avg)  # (B, G, D)
+                ar, ae = self._losses(comp, rec.blocks[i] if rec.blocks else None, h, rec.valid, old, include, new, gval)
+                aux_ar += [ar] if ar is not None else []
+                aux_ae += [ae] if ae is not None else []
+                cm = torch.cat([cm, new.detach().to(cm.dtype)], 1)[:, -mc:]
+            extra = None
+            if usage is not None:
+                extra = FifoUsage(usage.usage[:, n_ev:], usage.seen[:, n_ev:])
+            layers.append(LayerState(memory=torch.cat([cm, allf[:, n_ev:]], 1), extra=extra))
+
+        new_state = BackboneState(
+            layers=layers,
+            pos=torch.cat([cpos, fpos[:, n_ev:]], 1),
+            valid=torch.cat([cval, fval[:, n_ev:]], 1),
+            seg=torch.cat([cseg, fseg[:, n_ev:]], 1),
+            episode=state.episode,
+            next_pos=state.next_pos,
+        )
+        aux: dict[str, Tensor] = {}
+        metrics: dict[str, object] = {
+            "memory/temporal_range": float(self.temporal_range),
+            "memory/compressed_fill": cval.float().mean().detach(),
+        }
+        learned = self.compressors[0].learned
+        for name, vals in (("attention_reconstruction", aux_ar), ("autoencoding", aux_ae)):
+            if vals:
+                total = torch.stack(vals).sum()
+                metrics[f"memory/{name}"] = total.detach()
+                if learned:
+                    aux[f"compressive/{name}"] = self.loss_weight * total
+        return new_state, aux, metrics
+
+    def _losses(self, comp: Compressor, block, h, h_valid, old, include, new, new_valid):
+        """Attention-reconstruction and auto-encoding losses of one layer (sec. 3.2).
+
+        old (B, G, c, D) detached, include (B, G, c), new (B, G, D) = f_c(old), new_valid (B, G).
+        Returns (attention loss or None, auto-encoding loss or None), unweighted.
+        """
+        b, g, c, d = old.shape
+        ar = ae = None
+        if self.loss in ("attention", "both") and block is not None:
+            a_old, _ = content_attention(block.attn, h, old.reshape(b, g * c, d), include.reshape(b, g * c))
+            a_new, _ = content_attention(block.attn, h, new, new_valid)
+            qv = h_valid[:, None, :, None].to(a_old.dtype)  # (B, 1, T, 1): valid queries only
+            n = (qv.sum() * a_old.shape[1] * a_old.shape[-1]).clamp_min(1)
+            ar = (((a_old - a_new) ** 2) * qv).sum() / n
+        if self.loss in ("autoencoding", "both") and comp.decoder is not None:
+            rec = comp.decode(new)  # (B, G, c, D)
+            m = include[..., None].to(rec.dtype)
+            ae = (((rec - old) ** 2) * m).sum() / (m.sum() * d).clamp_min(1)
+        elif self.loss in ("autoencoding", "both") and not comp.learned:
+            rec = new[:, :, None].expand_as(old)  # parameter-free: report how much was lost
+            m = include[..., None].to(rec.dtype)
+            ae = (((rec - old) ** 2) * m).sum() / (m.sum() * d).clamp_min(1)
+        return ar, ae
+
+    def _accumulate_usage(self, i: int, ls: LayerState, state: BackboneState, rec: SegmentRecord, h: Tensor) -> FifoUsage:
+        """Usage of the FIFO slots and the segment's tokens after this segment's attention.
+
+        Returns FifoUsage over the (B, F + T) slots of ``[fifo; segment]``.
+        """
+        mc = self.m_cm
+        b, t = rec.pos.shape
+        prev = ls.extra if isinstance(ls.extra, FifoUsage) else self._empty_usage(b, state.pos.shape[1] - mc, h.device)
+        w = rec.weights[i] if i < len(rec.weights) else None
+        if w is None:  # recompute content-based probabilities with the layer's projections
+            keys = torch.cat([ls.memory.to(h.dtype), h], 1)  # (B, S, D)
+            allowed = build_allowed(
+                t, keys.shape[1], torch.cat([state.valid, rec.valid], 1), rec.seg,
+                torch.cat([state.seg, rec.seg], 1), self.causal, device=h.device, batch=b,
+            )
+            with torch.no_grad():
+                _, w = content_attention(rec.blocks[i].attn, h, keys, torch.ones_like(keys[..., 0], dtype=torch.bool), allowed)
+        w = w.detach().float()[..., mc:]  # (B, H, T, F + T): mass received by fifo and segment slots
+        w = w * rec.valid[:, None, :, None]
+        got = w.sum((1, 2))  # (B, F + T)
+        nq = rec.valid.sum(1, keepdim=True).float()  # (B, 1)
+        if self.causal:  # segment token j is seen by the valid queries at j and after
+            after = rec.valid.flip(1).float().cumsum(1).flip(1)  # (B, T)
+        else:
+            after = nq.expand(b, t)
+        seen_add = torch.cat([nq.expand(b, prev.seen.shape[1]), after], 1) * w.shape[1]
+        usage = torch.cat([prev.usage, torch.zeros(b, t, device=h.device)], 1) + got
+        seen = torch.cat([prev.seen, torch.zeros(b, t, device=h.device)], 1) + seen_add
+        return FifoUsage(usage, seen)
+
+
+@MEMORY.register(
+    "compressive",
+    description="Transformer-XL FIFO memory plus a compressed memory of older activations (rate c)",
+    paper="Rae et al. 2019, Compressive Transformers for Long-Range Sequence Modelling (sec. 3, Alg. 1)",
+    capabilities=Capabilities(stateful=True, memory=True),
+)
+@dataclass(frozen=True)
+class CompressiveMemoryConfig(MemoryConfig):
+    """Compressive memory.
+
+    Attributes:
+        mem_len: m_m, FIFO slots per layer (the Transformer-XL part).
+        compressed_len: m_cm, compressed slots per layer.
+        rate: c, activations per compressed slot.
+        compression: ``max``, ``mean``, ``conv`` (default; best in the paper with ``dilated_conv``),
+            ``dilated_conv`` or ``most_used``.
+        loss: compression losses: ``attention`` (attention reconstruction, the paper's best),
+            ``autoencoding``, ``both`` or ``none``.
+        loss_weight: weight of the compression losses in ``aux``.
+    """
+
+    mem_len: int = 32
+    compressed_len: int = 32
+    rate: int = 3
+    compression: str = "conv"
+    loss: str = "attention"
+    loss_weight: float = 1.0
+
+    #: compressor parameters are trained only by the compression losses (and only after an
+    #: eviction), so a single forward pass may leave them without a gradient.
+    contract_no_grad = ("memory.compressors.*",)
+
+    def __post_init__(self) -> None:
+        if self.mem_len < 1 or self.compressed_len < 1:
+            raise ValueError(
+                f"memory.mem_len and memory.compressed_len must be >= 1, got {self.mem_len}, {self.compressed_len}"
+            )
+        if self.rate < 1:
+            raise ValueError(f"memory.rate must be >= 1, got {self.rate}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"memory.compression={self.compression!r}; choose one of {', '.join(COMPRESSIONS)}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"memory.loss={self.loss!r}; choose one of {', '.join(LOSSES)}")
+        if self.loss_weight < 0:
+            raise ValueError(f"memory.loss_weight must be >= 0, got {self.loss_weight}")
+
+    @classmethod
+    def contract_config(cls, seq_len: int) -> dict:
+        return {"mem_len": max(2, seq_len // 2), "compressed_len": 4, "rate": 2}
+
+    def build(self, ctx) -> MemoryModule:
+        cfg = ctx.config
+        return CompressiveMemory(
+            self.mem_len, self.compressed_len, self.rate, self.compression, self.loss,
+            self.loss_weight, cfg.d_model, cfg.n_layers, cfg.causal,
+        )
