@@ -14,10 +14,11 @@ A memoryless policy cannot solve any of them: velocities must be inferred from s
 positions (the "velocity-masked" tasks of Parisotto et al. 2019 / POPGym, Morad et al. 2023),
 and the recall answer is independent of the current observation.
 
-The position-only wrappers use the data layer's observation mask
-(:mod:`rl_tformers.envs.pomdp`) when it is installed, so offline datasets recorded with
-``rl-tformers collect --pomdp positions`` and these evaluation environments hide exactly the
-same entries; otherwise a local :class:`ObservationMask` with the same indices is used.
+The position-only wrappers are the data layer's observation mask
+(:class:`rl_tformers.envs.pomdp.ObservationMaskWrapper`) with the indices of
+:data:`POSITION_INDICES`; for Hopper they equal :func:`rl_tformers.envs.pomdp.position_indices`
+(tested), so datasets recorded with ``rl-tformers collect --pomdp positions`` and these
+evaluation environments hide exactly the same entries.
 
 :func:`scripted_action` gives behaviour policies for building offline datasets of the recall
 task (an oracle mixed with random actions) and of CartPole (a linear controller on the full
@@ -26,12 +27,12 @@ state, recorded through the position-only mask); :func:`collect_episodes` rolls 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
+from rl_tformers.envs.pomdp import ObservationMaskWrapper
 
 #: Indices of the observation entries kept by the position-only variants (the rest are
 #: velocities). CartPole-v1: (x, x_dot, theta, theta_dot); Pendulum-v1: (cos, sin, theta_dot);
@@ -43,44 +44,20 @@ POSITION_INDICES: dict[str, tuple[int, ...]] = {
 }
 
 
-class ObservationMask(gym.ObservationWrapper):
-    """Keep only the observation entries ``keep`` of a flat Box observation.
-
-    Args:
-        env: environment with a 1-D ``Box`` observation space.
-        keep: indices to keep, in order.
-
-    Raises:
-        ValueError: if the space is not a 1-D Box or an index is out of range.
-    """
-
-    def __init__(self, env: gym.Env, keep: Sequence[int]) -> None:
-        super().__init__(env)
-        space = env.observation_space
-        if not isinstance(space, spaces.Box) or len(space.shape) != 1:
-            raise ValueError(f"ObservationMask needs a 1-D Box observation space, got {space}")
-        idx = np.asarray(list(keep), dtype=np.int64)
-        if idx.size == 0 or idx.min() < 0 or idx.max() >= space.shape[0]:
-            raise ValueError(f"ObservationMask: indices {list(keep)} out of range for {space.shape[0]} entries")
-        self.keep = idx
-        self.observation_space = spaces.Box(space.low[idx], space.high[idx], dtype=space.dtype)
-
-    def observation(self, observation: np.ndarray) -> np.ndarray:
-        return observation[self.keep]
-
-
 def position_only(env: gym.Env, base_id: str) -> gym.Env:
     """Wrap ``env`` (made from ``base_id``) so only its position entries are observed.
 
-    Uses the data layer's ``rl_tformers.envs.pomdp`` wrapper when present, else
-    :class:`ObservationMask` with :data:`POSITION_INDICES`.
+    Uses the data layer's :class:`~rl_tformers.envs.pomdp.ObservationMaskWrapper`; for MuJoCo
+    tasks the indices are the data layer's :func:`~rl_tformers.envs.pomdp.position_indices`
+    (what ``rl-tformers collect --pomdp positions`` records), checked against
+    :data:`POSITION_INDICES`.
 
     Raises:
         KeyError: if ``base_id`` has no known position indices.
     """
     if base_id not in POSITION_INDICES:
         raise KeyError(f"no position-only mask for {base_id!r}; known: {', '.join(sorted(POSITION_INDICES))}")
-    return ObservationMask(env, POSITION_INDICES[base_id])
+    return ObservationMaskWrapper(env, POSITION_INDICES[base_id])
 
 
 def _make_position_only(base_id: str, **kwargs: Any) -> gym.Env:
@@ -228,7 +205,8 @@ def collect_episodes(
     (autoreset "next step" mode); once ``n_episodes`` have finished the rest are dropped.
 
     Returns:
-        list of dicts with ``observations`` (L, obs_dim) float32, ``actions`` (L,) int64,
+        Minari-style episodes (:meth:`EpisodeDataset.from_episodes` reads them): dicts with
+        ``observations`` (L + 1, obs_dim) float32 (the last is the final observation), ``actions`` (L,) int64,
         ``rewards`` (L,) float32, ``terminations`` (L,) bool, ``truncations`` (L,) bool.
     """
     kwargs = env_kwargs or {}
@@ -257,8 +235,9 @@ def collect_episodes(
             b["te"].append(term[i])
             b["tr"].append(trunc[i])
             if term[i] or trunc[i]:
+                final = nobs[i] if keep is None else nobs[i, keep]  # next-step autoreset: nobs is final
                 episodes.append({
-                    "observations": np.asarray(b["o"], dtype=np.float32),
+                    "observations": np.asarray(b["o"] + [final], dtype=np.float32),
                     "actions": np.asarray(b["a"], dtype=np.int64),
                     "rewards": np.asarray(b["r"], dtype=np.float32),
                     "terminations": np.asarray(b["te"], dtype=bool),
@@ -269,3 +248,37 @@ def collect_episodes(
         obs, info = nobs, ninfo
     env.close()
     return episodes[:n_episodes]
+
+
+def scripted_dataset(
+    task: str,
+    n_episodes: int,
+    *,
+    epsilon: float = 0.2,
+    seed: int = 0,
+    env_kwargs: dict[str, Any] | None = None,
+):
+    """An :class:`~rl_tformers.envs.dataset.EpisodeDataset` from :func:`collect_episodes`.
+
+    The metadata names the evaluation environment: ``rl_tformers/Recall-v0`` (with
+    ``env_kwargs`` in ``metadata.extra["env_kwargs"]``) or
+    ``rl_tformers/PositionOnlyCartPole-v1``; the behaviour policy is described in
+    ``metadata.extra["behaviour"]``. Deterministic for a given ``seed``.
+    """
+    from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
+
+    kwargs = dict(env_kwargs or {})
+    eps = collect_episodes(task, n_episodes, epsilon=epsilon, seed=seed, env_kwargs=kwargs)
+    if task == "recall":
+        probe = RecallEnv(**kwargs)
+        env_id, obs_space, act_space = RECALL_ID, probe.observation_space, probe.action_space
+        behaviour = f"oracle answer, epsilon={epsilon} random actions"
+    else:
+        env_id = "rl_tformers/PositionOnlyCartPole-v1"
+        obs_space = spaces.Box(-np.inf, np.inf, (len(POSITION_INDICES["CartPole-v1"]),), dtype=np.float32)
+        act_space = spaces.Discrete(2)
+        behaviour = f"linear controller on the full state, epsilon={epsilon} random actions"
+    meta = DatasetMetadata(
+        env_id=env_id, source="memory", extra={"env_kwargs": kwargs, "behaviour": behaviour, "seed": seed}
+    )
+    return EpisodeDataset.from_episodes(eps, observation_space=obs_space, action_space=act_space, metadata=meta)

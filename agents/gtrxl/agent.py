@@ -1,154 +1,133 @@
 """GTrXL agent: offline training (BC, return-conditioned BC, IQL) and step-wise acting.
 
-Pieces, in reading order:
+``rl-tformers train --config gtrxl/<name>`` builds :class:`GTrXLAgent` (``agent.kind=gtrxl``)
+and the shared trainer drives it. Pieces, in reading order:
 
-- :class:`StepStream`: an :class:`~rl_tformers.envs.dataset.EpisodeDataset` laid out as one
-  stream of steps in dataset order, in model units (normalised observations and actions,
-  scaled rewards/returns-to-go, previous action/reward, episode-start flags, step index).
-  :meth:`StepStream.sample` cuts B windows of ``burn_in + T`` consecutive steps from it,
-  vectorised (one gather per field). Windows may cross episode boundaries; the flags make the
-  backbone keep episodes apart, exactly as at acting time.
+- :func:`segment_batch`: the data layer's :class:`~rl_tformers.envs.samplers.SegmentSampler`
+  batch (runs of consecutive dataset steps with ``episode_start`` flags, crossing episode
+  boundaries) turned into a :class:`~rl_tformers.agents.gtrxl.loss.SegmentBatch` in model units:
+  actions in [-1, 1], a_{t-1} / r_{t-1} inputs. The sampler is asked for one extra leading
+  step so that the previous action and reward of every step are exact; that step is dropped.
 - :class:`GTrXLState` and :class:`GTrXLPolicy`: the recurrent inference API of
   :class:`~rl_tformers.agents.common.policy.Policy`. One call = one token per environment
   through the backbone with its memory (O(M) per step); rows whose episode starts are reset
   first, other rows are untouched.
-- :class:`GTrXLAgent`: builds the model from a config and a dataset, runs the loss of the
-  configured objective, keeps IQL's target network, and saves/loads everything a policy
-  needs (normalisation statistics, scales, action bounds) in the checkpoint.
+- :class:`GTrXLAgent`: the :class:`~rl_tformers.runtime.agents.Trainable`: builds the model
+  from the run config and the dataset, computes the objective's loss on each batch, keeps
+  IQL's target network (Polyak update at the start of each ``loss`` call, i.e. after the
+  previous optimiser step), evaluates in gymnasium vector environments, and checkpoints what a
+  policy needs (normalisation statistics, scales, action bounds) as ``extra_state``.
+
+Datasets (``dataset:`` section): ``path`` (a Minari id/folder or a D4RL-layout HDF5 file,
+loaded by :func:`rl_tformers.envs.loaders.load_dataset`), or ``scripted`` (``{task: recall |
+cartpole, episodes, epsilon, seed, env_kwargs}``) for the memory tasks of
+:mod:`rl_tformers.envs.memory_tasks`, built in memory from a scripted behaviour policy.
+The evaluation environment is the dataset's ``env_id``, masked like its ``pomdp`` record, or
+``agent.env_id`` when given.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import gymnasium as gym
 import numpy as np
+import rl_tformers.envs.memory_tasks  # noqa: F401  (registers the memory tasks with gymnasium)
 import torch
-from rl_tformers.agents.gtrxl.loss import SegmentBatch
-from rl_tformers.agents.gtrxl.model import GTrXLModel
+from rl_tformers.agents.gtrxl.loss import SegmentBatch, bc_loss, iql_loss, polyak_update
+from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone
 from rl_tformers.envs.dataset import EpisodeDataset
-from rl_tformers.envs.trajectory import dataset_returns_to_go
 from torch import Tensor
 
+from rl_tformers.runtime.agents import register_agent
 from rl_tformers.types import BackboneState
 
+OBJECTIVES = ("bc", "rcbc", "iql")
+
+GTRXL_DEFAULTS: dict[str, Any] = {
+    "agent": {
+        "objective": "bc",  # bc | rcbc (return-conditioned BC) | iql
+        "seq_len": 32,  # T, gradient window (steps)
+        "burn_in": 32,  # steps that rebuild the memory without gradient before the window
+        "prev_action": False,  # feed a_{t-1} as an input
+        "prev_reward": False,  # feed r_{t-1} as an input
+        "head_hidden": 0,  # actor head MLP width (0 = linear)
+        "deterministic": True,  # evaluate with the mode of the actor
+        "target_return": None,  # rcbc: evaluation target in raw units (null: best dataset return)
+        "env_id": None,  # evaluation env (null: the dataset's, masked like its pomdp record)
+        "env_kwargs": {},  # keyword arguments of gym.make for evaluation
+        # IQL (Kostrikov et al. 2021; CORL's locomotion settings)
+        "gamma": 0.99,
+        "expectile": 0.7,
+        "beta": 3.0,
+        "max_weight": 100.0,
+        "tau": 0.005,  # Polyak rate of the target critic
+        "critic_hidden": 256,
+        "share_critic_encoder": False,
+        "iql_reward_norm": True,  # rewards * 1000 / (max return - min return), as IQL does
+    },
+    "backbone": gtrxl_backbone(d_model=128, n_layers=3, n_heads=4, mem_len=32),
+    "train": {"lr": 3.0e-4, "weight_decay": 1.0e-4, "grad_clip": 1.0, "batch_size": 64, "warmup_steps": 100},
+}
+
 
 # ---------------------------------------------------------------------------------------------
-# dataset stream and segment sampling
+# batches
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class StepStream:
-    """Every step of a dataset, in dataset order, in model units (arrays of length N).
+def normalize_actions(a: Tensor, low: Tensor, high: Tensor) -> Tensor:
+    """Environment Box action (..., A) -> [-1, 1] (clipped)."""
+    return (2.0 * (a - low) / (high - low) - 1.0).clamp(-1.0, 1.0)
 
-    Attributes:
-        obs: (N, O) float32 normalised observations.
-        actions: (N, A) float32 in [-1, 1] (continuous) or (N,) int64 (discrete).
-        rewards: (N,) float32, raw reward times ``reward_mult``.
-        rtg: (N,) float32, undiscounted return-to-go divided by ``rtg_scale``.
-        prev_action: like ``actions``, a_{t-1} (zeros at an episode's first step).
-        prev_reward: (N,) float32, ``rewards`` shifted by one step (0 at a first step).
-        terminals: (N,) bool, the episode terminated after this step.
-        episode_start: (N,) bool.
-        timesteps: (N,) int64, step index within the episode.
+
+def segment_batch(
+    batch: Mapping[str, Tensor],
+    *,
+    burn_in: int,
+    discrete: bool,
+    action_low: Tensor | None = None,
+    action_high: Tensor | None = None,
+    reward_factor: float = 1.0,
+) -> SegmentBatch:
+    """Sampler batch of ``1 + burn_in + T`` steps -> :class:`SegmentBatch` of ``burn_in + T``.
+
+    Args:
+        batch: from :class:`~rl_tformers.envs.samplers.SegmentSampler` built with
+            ``burn_in + 1``: ``observations (B, L+1, O)`` (normalised), ``actions``,
+            ``rewards``/``returns_to_go`` (divided by the RTG scale), ``timesteps``, ``mask``,
+            ``episode_start``, ``terminations``.
+        burn_in: the agent's burn-in (the extra leading step is not counted).
+        discrete: integer actions.
+        action_low, action_high: (A,) Box bounds (continuous).
+        reward_factor: multiplies the batch rewards (sampler units) into the agent's reward
+            units (IQL targets and the r_{t-1} input).
     """
-
-    obs: np.ndarray
-    actions: np.ndarray
-    rewards: np.ndarray
-    rtg: np.ndarray
-    prev_action: np.ndarray
-    prev_reward: np.ndarray
-    terminals: np.ndarray
-    episode_start: np.ndarray
-    timesteps: np.ndarray
-
-    @property
-    def num_steps(self) -> int:
-        return int(self.rewards.shape[0])
-
-    @classmethod
-    def from_dataset(
-        cls,
-        dataset: EpisodeDataset,
-        *,
-        obs_mean: np.ndarray,
-        obs_std: np.ndarray,
-        action_low: np.ndarray | None,
-        action_high: np.ndarray | None,
-        rtg_scale: float,
-        reward_mult: float,
-    ) -> StepStream:
-        """Lay ``dataset`` out as a stream (reads lazy arrays once).
-
-        Args:
-            obs_mean, obs_std: (O,) normalisation statistics.
-            action_low, action_high: (A,) Box bounds (``None`` for discrete actions).
-            rtg_scale: divisor of the return-to-go input (DT convention, e.g. 1000).
-            reward_mult: multiplier of rewards for the IQL targets and the r_{t-1} input.
-        """
-        flat = dataset.flat_indices()  # (N,) flat index of each step in dataset order
-        obs = (np.asarray(dataset.observations[flat], np.float32).reshape(len(flat), -1) - obs_mean) / obs_std
-        act = np.asarray(dataset.actions[flat])
-        if dataset.discrete_actions:
-            act = act.astype(np.int64).reshape(-1)
-        else:
-            act = act.astype(np.float32).reshape(len(flat), -1)
-            act = np.clip(2.0 * (act - action_low) / (action_high - action_low) - 1.0, -1.0, 1.0).astype(np.float32)
-        rew = dataset.rewards[flat]
-        rtg = dataset_returns_to_go(dataset)[flat]  # the data layer's one definition of RTG
-        start = np.zeros(len(flat), dtype=bool)
-        start[dataset.cum_lengths[:-1]] = True
-        ep = np.cumsum(start) - 1  # (N,) episode of each step
-        timesteps = np.arange(len(flat)) - dataset.cum_lengths[:-1][ep]
-        prev_act = np.roll(act, 1, axis=0)
-        prev_act[start] = 0
-        prev_rew = np.roll(rew, 1)
-        prev_rew[start] = 0.0
-        return cls(
-            obs=obs.astype(np.float32),
-            actions=act,
-            rewards=(rew * reward_mult).astype(np.float32),
-            rtg=(rtg / rtg_scale).astype(np.float32),
-            prev_action=prev_act,
-            prev_reward=(prev_rew * reward_mult).astype(np.float32),
-            terminals=dataset.terminations[flat].copy(),
-            episode_start=start,
-            timesteps=timesteps.astype(np.int64),
-        )
-
-    def sample(self, rng: np.random.Generator, batch_size: int, seq_len: int, burn_in: int) -> SegmentBatch:
-        """B windows of ``burn_in + seq_len`` consecutive steps.
-
-        The first gradient step of each window is uniform over the stream; the burn-in steps
-        precede it. Steps outside ``[0, N)`` are padding (mask False, zeros). The first real
-        step of a window is flagged as an episode start when it is one.
-
-        Returns:
-            :class:`SegmentBatch` of CPU tensors, rows of length L = burn_in + seq_len.
-        """
-        n = self.num_steps
-        first = rng.integers(0, n, size=batch_size)  # (B,) first gradient step
-        idx = first[:, None] - burn_in + np.arange(burn_in + seq_len)  # (B, L)
-        mask = (idx >= 0) & (idx < n)
-        idx = np.clip(idx, 0, n - 1)
-
-        def take(a: np.ndarray) -> Tensor:
-            out = a[idx]  # (B, L, ...)
-            out = np.where(mask.reshape(mask.shape + (1,) * (out.ndim - 2)), out, np.zeros((), out.dtype))
-            return torch.from_numpy(np.ascontiguousarray(out))
-
-        return SegmentBatch(
-            obs=take(self.obs),
-            actions=take(self.actions),
-            rewards=take(self.rewards),
-            rtg=take(self.rtg),
-            prev_action=take(self.prev_action),
-            prev_reward=take(self.prev_reward),
-            terminals=take(self.terminals),
-            episode_start=take(self.episode_start),
-            timesteps=take(self.timesteps),
-            mask=torch.from_numpy(mask),
-            burn_in=burn_in,
-        )
+    mask = batch["mask"].bool()
+    start = batch["episode_start"].bool()
+    act = batch["actions"]
+    if discrete:
+        act = act.long() * mask
+    else:
+        act = normalize_actions(act.float(), action_low.to(act.device), action_high.to(act.device))
+        act = act * mask.unsqueeze(-1)
+    rew = batch["rewards"].float() * reward_factor * mask
+    keep = (~start[:, 1:]).to(rew.dtype)  # (B, L): previous step belongs to the same episode
+    prev_a = act[:, :-1] * (keep.long() if discrete else keep.unsqueeze(-1))
+    return SegmentBatch(
+        obs=batch["observations"][:, 1:].float(),
+        actions=act[:, 1:],
+        rewards=rew[:, 1:],
+        rtg=batch["returns_to_go"][:, 1:].float(),
+        prev_action=prev_a,
+        prev_reward=rew[:, :-1] * keep,
+        terminals=batch["terminations"][:, 1:].bool(),
+        episode_start=start[:, 1:],
+        timesteps=batch["timesteps"][:, 1:].long(),
+        mask=mask[:, 1:],
+        burn_in=burn_in,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,9 +158,9 @@ class GTrXLPolicy:
     Args:
         model: a trained :class:`GTrXLModel` (put in eval mode here).
         obs_mean, obs_std: (O,) observation normalisation.
-        action_low, action_high: (A,) Box bounds, or ``None`` for discrete actions.
-        rtg_scale: divisor of the return-to-go input.
-        reward_mult: multiplier of the r_{t-1} input.
+        action_low, action_high: (A,) finite Box bounds, or ``None`` for discrete actions.
+        rtg_scale: divisor of the return-to-go input (raw units / rtg_scale).
+        reward_mult: multiplier of the r_{t-1} input (raw units * reward_mult).
         deterministic: act with the mode (True) or sample from the actor.
         device: where the model runs.
     """
@@ -197,13 +176,15 @@ class GTrXLPolicy:
         rtg_scale: float = 1.0,
         reward_mult: float = 1.0,
         deterministic: bool = True,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
     ) -> None:
         self.model = model.eval()
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.obs_mean = torch.as_tensor(np.asarray(obs_mean, np.float32), device=self.device)
         self.obs_std = torch.as_tensor(np.asarray(obs_std, np.float32), device=self.device)
         self.discrete = model.cfg.discrete
+        if not self.discrete and (action_low is None or action_high is None):
+            raise ValueError("gtrxl: a continuous-action policy needs action_low and action_high")
         self.low = None if action_low is None else torch.as_tensor(np.asarray(action_low, np.float32), device=self.device)
         self.high = None if action_high is None else torch.as_tensor(np.asarray(action_high, np.float32), device=self.device)
         self.rtg_scale, self.reward_mult = float(rtg_scale), float(reward_mult)
@@ -216,7 +197,7 @@ class GTrXLPolicy:
             ValueError: a return-conditioned model without a target return.
         """
         if self.model.cfg.rtg_input and target_return is None:
-            raise ValueError("gtrxl: this model is return-conditioned; pass a target return (eval --targets)")
+            raise ValueError("gtrxl: this model is return-conditioned (objective rcbc); pass a target return")
         enc = self.model.encoder
         a_shape = (n_envs,) if self.discrete else (n_envs, self.model.cfg.act_dim)
         return GTrXLState(
@@ -244,7 +225,7 @@ class GTrXLPolicy:
             last_reward: (N,) raw reward of the previous step (ignored where ``episode_start``).
 
         Returns:
-            actions (N, A) float in the environment's bounds or (N,) int64, and the next state.
+            actions (N, A) float32 within the Box bounds, or (N,) int64; and the next state.
         """
         dev = self.device
         n = state.t.shape[0]
@@ -257,14 +238,14 @@ class GTrXLPolicy:
         target = float(state.target or 0.0)
         rtg = torch.where(start, torch.full_like(state.rtg, target), state.rtg - r)  # R_t = R_{t-1} - r_{t-1}
         t = torch.where(start, torch.zeros_like(state.t), state.t)
-        prev_a = torch.where(start.view(-1, *([1] * (state.prev_action.dim() - 1))),
-                             torch.zeros_like(state.prev_action), state.prev_action)
+        keep = (~start).view(-1, *([1] * (state.prev_action.dim() - 1)))
+        prev_a = state.prev_action * keep.to(state.prev_action.dtype)
         o = (torch.as_tensor(np.asarray(obs, np.float32), device=dev).reshape(n, -1) - self.obs_mean) / self.obs_std
         x = enc.inputs(
             o[:, None],  # (N, 1, O)
             (rtg / self.rtg_scale).float()[:, None],  # (N, 1)
-            prev_a[:, None],
-            (r * self.reward_mult).float()[:, None],
+            prev_a[:, None],  # (N, 1, A) or (N, 1)
+            (r * self.reward_mult).float()[:, None],  # (N, 1)
         )
         out = enc(x, t[:, None], state=memory)
         h = out.features[:, 0]  # (N, D)
@@ -275,3 +256,228 @@ class GTrXLPolicy:
             a = a.clamp(-1.0, 1.0)
             env_a = (self.low + 0.5 * (a + 1.0) * (self.high - self.low)).cpu().numpy()
         return env_a, GTrXLState(memory=out.state, prev_action=a, rtg=rtg, t=t + 1, target=state.target)
+
+
+# ---------------------------------------------------------------------------------------------
+# datasets and evaluation environments
+# ---------------------------------------------------------------------------------------------
+def load_gtrxl_dataset(spec: Mapping[str, Any], seed: int) -> EpisodeDataset:
+    """The run's dataset from its ``dataset:`` section (see the module docstring).
+
+    Raises:
+        ValueError: neither ``path`` nor ``scripted`` is given.
+    """
+    spec = dict(spec or {})
+    if spec.get("scripted"):
+        from rl_tformers.envs.memory_tasks import scripted_dataset
+
+        s = dict(spec["scripted"])
+        return scripted_dataset(
+            str(s.get("task", "recall")), int(s.get("episodes", 1000)), epsilon=float(s.get("epsilon", 0.2)),
+            seed=int(s.get("seed", seed)), env_kwargs=dict(s.get("env_kwargs") or {}),
+        )
+    if spec.get("path"):
+        from rl_tformers.envs.loaders import load_dataset
+
+        return load_dataset(str(spec["path"]), download=bool(spec.get("download", False)))
+    raise ValueError("dataset: give dataset.path (Minari id/folder or .hdf5) or dataset.scripted ({task: recall|cartpole})")
+
+
+def eval_env_factory(env_id: str, pomdp: Mapping[str, Any] | None = None, env_kwargs: Mapping[str, Any] | None = None):
+    """Zero-argument factory of the evaluation environment (masked like the dataset's ``pomdp``)."""
+    from rl_tformers.envs.pomdp import make_env
+
+    kwargs = dict(env_kwargs or {})
+    pom = dict(pomdp) if pomdp else None
+
+    def make() -> gym.Env:
+        return make_env(env_id, pom, **kwargs)
+
+    return make
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainable agent
+# ---------------------------------------------------------------------------------------------
+def _plain(x: Any) -> Any:
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    return OmegaConf.to_container(x, resolve=True) if isinstance(x, (DictConfig, ListConfig)) else x
+
+
+class GTrXLAgent:
+    """Offline GTrXL agent (the runtime's ``Trainable``); see the module docstring.
+
+    Args:
+        cfg: resolved run config (``agent``, ``backbone``, ``dataset``, ``train``, ``eval``, ``seed``).
+        run_dir: the run directory.
+        device: training device.
+        dataset: an already loaded dataset (tests); default: from ``cfg.dataset``.
+
+    Raises:
+        ValueError: unknown objective, unbounded Box actions, or a bad dataset spec.
+    """
+
+    def __init__(self, cfg: Any, run_dir: Path | None, device: torch.device, dataset: EpisodeDataset | None = None) -> None:
+        from rl_tformers.envs.trajectory import observation_stats, reward_scale
+
+        a = cfg.agent
+        self.cfg = cfg
+        self.objective = str(a.objective)
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"agent.objective={self.objective!r}; use one of {', '.join(OBJECTIVES)}")
+        self.seed = int(cfg.seed)
+        self.device = torch.device(device)
+        self.seq_len, self.burn_in = int(a.seq_len), int(a.burn_in)
+        self.dataset = dataset if dataset is not None else load_gtrxl_dataset(_plain(cfg.dataset), self.seed)
+        ds = self.dataset
+        discrete = ds.discrete_actions
+        if discrete:
+            act_dim, low, high = int(ds.action_space.n), None, None
+        else:
+            low = np.asarray(ds.action_space.low, np.float32).reshape(-1)
+            high = np.asarray(ds.action_space.high, np.float32).reshape(-1)
+            if not (np.isfinite(low).all() and np.isfinite(high).all()):
+                raise ValueError(f"gtrxl: continuous actions need a bounded Box, got {ds.action_space}")
+            act_dim = low.size
+        stats = observation_stats(ds)
+        returns = ds.episode_returns
+        self.rtg_scale = reward_scale(ds)  # divisor of returns-to-go (1000 on MuJoCo)
+        if self.objective == "iql" and bool(a.iql_reward_norm):
+            spread = float(returns.max() - returns.min())
+            self.reward_mult = 1000.0 / spread if spread > 0 else 1.0
+        else:
+            self.reward_mult = 1.0 / self.rtg_scale
+        self.extra: dict[str, Any] = {
+            "obs_mean": torch.as_tensor(stats.mean.reshape(-1)),
+            "obs_std": torch.as_tensor(stats.std.reshape(-1)),
+            "action_low": None if low is None else torch.as_tensor(low),
+            "action_high": None if high is None else torch.as_tensor(high),
+            "rtg_scale": float(self.rtg_scale),
+            "reward_mult": float(self.reward_mult),
+            "dataset_return_max": float(returns.max()),
+            "dataset_return_mean": float(returns.mean()),
+            "env_id": str(a.env_id) if a.env_id else ds.metadata.env_id,
+            "pomdp": None if a.env_id else _plain(ds.metadata.pomdp),
+            "env_kwargs": _plain(a.env_kwargs) or dict(ds.metadata.extra.get("env_kwargs") or {}),
+        }
+        self.model_cfg = GTrXLConfig(
+            obs_dim=int(np.prod(ds.observation_shape)),
+            act_dim=act_dim,
+            discrete=discrete,
+            backbone=_plain(cfg.backbone),
+            rtg_input=self.objective == "rcbc",
+            prev_action_input=bool(a.prev_action),
+            prev_reward_input=bool(a.prev_reward),
+            head_hidden=int(a.head_hidden),
+            critic="iql" if self.objective == "iql" else "none",
+            critic_hidden=int(a.critic_hidden),
+            share_critic_encoder=bool(a.share_critic_encoder),
+        )
+        self.model = GTrXLModel(self.model_cfg).to(self.device)
+        self.stats = stats
+
+    # -- Trainable ---------------------------------------------------------------------------
+    def batches(self, start_step: int):
+        """Step-indexed dataset: batch ``s`` drawn from ``default_rng([seed, s])`` (resume-exact)."""
+        from rl_tformers.envs.samplers import SegmentSampler
+        from rl_tformers.envs.torch_data import StepBatchDataset
+
+        sampler = SegmentSampler(
+            self.dataset, self.seq_len, burn_in=self.burn_in + 1, reward_scale=self.rtg_scale, obs_stats=self.stats
+        )
+        return StepBatchDataset(sampler, int(self.cfg.train.batch_size), seed=self.seed, num_steps=int(self.cfg.train.steps))
+
+    def to_segments(self, batch: Mapping[str, Tensor]) -> SegmentBatch:
+        """Sampler batch -> :class:`SegmentBatch` on the model's device."""
+        dev = next(self.model.parameters()).device
+        ex = self.extra
+        seg = segment_batch(
+            {k: v.to(dev) for k, v in batch.items()},
+            burn_in=self.burn_in,
+            discrete=self.model_cfg.discrete,
+            action_low=None if ex["action_low"] is None else torch.as_tensor(ex["action_low"]),
+            action_high=None if ex["action_high"] is None else torch.as_tensor(ex["action_high"]),
+            reward_factor=float(ex["rtg_scale"]) * float(ex["reward_mult"]),
+        )
+        return seg
+
+    def loss(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
+        """The objective's loss on one batch (IQL: Polyak-update the target first)."""
+        seg = self.to_segments(batch)
+        if self.objective == "iql":
+            a = self.cfg.agent
+            polyak_update(self.model.target, self.model.critic_target_modules(), float(a.tau))
+            return iql_loss(
+                self.model, self.model.target, seg, gamma=float(a.gamma), expectile=float(a.expectile),
+                beta=float(a.beta), max_weight=float(a.max_weight),
+            )
+        return bc_loss(self.model, seg)
+
+    def policy(self, deterministic: bool | None = None) -> GTrXLPolicy:
+        """The :class:`GTrXLPolicy` of the current weights."""
+        ex = self.extra
+        det = bool(self.cfg.agent.deterministic) if deterministic is None else deterministic
+        return GTrXLPolicy(
+            self.model,
+            obs_mean=np.asarray(ex["obs_mean"]),
+            obs_std=np.asarray(ex["obs_std"]),
+            action_low=None if ex["action_low"] is None else np.asarray(ex["action_low"]),
+            action_high=None if ex["action_high"] is None else np.asarray(ex["action_high"]),
+            rtg_scale=float(ex["rtg_scale"]),
+            reward_mult=float(ex["reward_mult"]),
+            deterministic=det,
+        )
+
+    def make_env(self):
+        """Factory of the evaluation environment.
+
+        Raises:
+            ValueError: the dataset names no environment and ``agent.env_id`` is not set.
+        """
+        ex = self.extra
+        if not ex["env_id"]:
+            raise ValueError("gtrxl: the dataset names no environment; set agent.env_id for evaluation")
+        return eval_env_factory(ex["env_id"], ex["pomdp"], ex["env_kwargs"])
+
+    def default_targets(self) -> list[float | None]:
+        """Evaluation targets: ``agent.target_return`` or the best dataset return (rcbc); [None] otherwise."""
+        if not self.model_cfg.rtg_input:
+            return [None]
+        t = self.cfg.agent.target_return
+        return [float(t) if t is not None else float(self.extra["dataset_return_max"])]
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Mean/std return (and D4RL-normalised score when references exist) over ``eval.episodes``."""
+        from rl_tformers.agents.common.evaluation import evaluate
+        from rl_tformers.envs.scores import normalized_score
+
+        from rl_tformers.runtime.seeding import derive_seed
+
+        env_id = self.extra["env_id"]
+        report = evaluate(
+            self.policy(), self.make_env(), self.default_targets(), episodes=int(self.cfg.eval.episodes),
+            n_envs=int(self.cfg.eval.n_envs), seed=derive_seed(self.seed, "eval", step) % (2**31),
+            normalize=lambda r: normalized_score(env_id, r), env_id=env_id,
+        )
+        r = report.results[0]
+        out = {"return_mean": r.return_mean, "return_std": r.return_std}
+        if r.normalized_score is not None:
+            out["normalized_score"] = float(r.normalized_score)
+        return out
+
+    def extra_state(self) -> dict[str, Any]:
+        return dict(self.extra)
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        self.extra.update(dict(state))
+
+
+@register_agent(
+    "gtrxl",
+    description="GTrXL (Parisotto et al. 2019) trained offline: BC, return-conditioned BC or IQL, with burn-in",
+    defaults=GTRXL_DEFAULTS,
+)
+def build_gtrxl(cfg: Any, run_dir: Path, device: torch.device) -> GTrXLAgent:
+    """Builder of ``agent.kind=gtrxl``."""
+    return GTrXLAgent(cfg, run_dir, device)

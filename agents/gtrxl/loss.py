@@ -115,7 +115,7 @@ def bc_loss(model: GTrXLModel, batch: SegmentBatch) -> tuple[Tensor, dict[str, f
     Discrete: mean cross-entropy over real steps.
 
     Returns:
-        (scalar loss, metrics) with ``loss/bc`` and, for discrete actions, ``train/accuracy``.
+        (scalar loss, metrics) with ``loss_bc`` and, for discrete actions, ``accuracy``.
     """
     out = encode_segment(model.encoder, batch)
     w = batch.window()
@@ -124,12 +124,12 @@ def bc_loss(model: GTrXLModel, batch: SegmentBatch) -> tuple[Tensor, dict[str, f
     if model.cfg.discrete:
         ce = F.cross_entropy(pred.flatten(0, 1), w.actions.long().flatten(), reduction="none").view_as(w.mask.float())
         loss = _masked_mean(ce, w.mask)
-        metrics["train/accuracy"] = float(_masked_mean((pred.argmax(-1) == w.actions).float(), w.mask))
+        metrics["accuracy"] = float(_masked_mean((pred.argmax(-1) == w.actions).float(), w.mask))
     else:
         se = (pred - w.actions).pow(2).mean(-1)  # (B, T)
         loss = _masked_mean(se, w.mask)
     aux = sum(out.aux.values()) if out.aux else 0.0
-    metrics["loss/bc"] = float(loss)
+    metrics["loss_bc"] = float(loss.detach())
     return loss + aux, metrics
 
 
@@ -144,6 +144,26 @@ def polyak_update(target: nn.Module, source: nn.Module, tau: float) -> None:
     """target <- (1 - tau) target + tau source, parameter by parameter (same structure)."""
     for pt, ps in zip(target.parameters(), source.parameters()):
         pt.lerp_(ps.detach(), tau)
+
+
+def td_targets(w: SegmentBatch, v: Tensor, gamma: float) -> tuple[Tensor, Tensor]:
+    """One-step targets y_t = r_t + gamma (1 - d_t) V(s_{t+1}) for the pairs (t, t+1) of a window.
+
+    Args:
+        w: the gradient window (burn_in = 0), T steps.
+        v: (B, T) V(s_t) (detached).
+        gamma: discount.
+
+    Returns:
+        targets (B, T-1) and a bool mask (B, T-1) of usable pairs: step t is real and either
+        terminal (target r_t) or followed by a real step of the same episode. A time-limit end,
+        the last step of a window and padding give no target.
+    """
+    done = w.terminals[:, :-1]
+    nxt_ok = w.mask[:, 1:] & ~w.episode_start[:, 1:]
+    pair_ok = w.mask[:, :-1] & (done | nxt_ok)
+    target = w.rewards[:, :-1] + gamma * ((~done) & nxt_ok).to(v.dtype) * v[:, 1:]
+    return target, pair_ok
 
 
 def iql_loss(
@@ -182,11 +202,7 @@ def iql_loss(
     adv = q_target - v
     v_loss = _masked_mean(expectile_loss(adv, expectile), w.mask)
 
-    # TD pairs (t, t+1) inside the window
-    done = w.terminals[:, :-1]
-    nxt_ok = w.mask[:, 1:] & ~w.episode_start[:, 1:]
-    pair_ok = w.mask[:, :-1] & (done | nxt_ok)  # (B, T-1)
-    td_target = w.rewards[:, :-1] + gamma * (~done).to(v.dtype) * v[:, 1:].detach() * nxt_ok.to(v.dtype)
+    td_target, pair_ok = td_targets(w, v.detach(), gamma)  # (B, T-1) each
     q1, q2 = model.q(hc, w.actions)  # (B, T) each
     q_loss = 0.5 * (
         _masked_mean((q1[:, :-1] - td_target).pow(2), pair_ok) + _masked_mean((q2[:, :-1] - td_target).pow(2), pair_ok)
@@ -205,9 +221,9 @@ def iql_loss(
 
     loss = v_loss + q_loss + pi_loss + (sum(aux.values()) if aux else 0.0)
     metrics = {
-        "loss/value": float(v_loss),
-        "loss/q": float(q_loss),
-        "loss/actor": float(pi_loss),
+        "loss_value": float(v_loss.detach()),
+        "loss_q": float(q_loss.detach()),
+        "loss_actor": float(pi_loss.detach()),
         "iql/v_mean": float(_masked_mean(v.detach(), w.mask)),
         "iql/q_mean": float(_masked_mean(q_target, w.mask)),
         "iql/adv_mean": float(_masked_mean(adv.detach(), w.mask)),

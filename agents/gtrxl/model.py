@@ -339,6 +339,7 @@ class GTrXLModel(nn.Module):
         value: V head on ``encoder`` (``critic="value"``) or on ``critic_encoder`` (``"iql"``).
         critic_encoder: IQL's critic encoder (the actor's when ``share_critic_encoder``).
         q: :class:`TwinQ` (IQL only).
+        target: frozen Polyak copy of ``{"encoder": critic encoder, "q": twin Q}`` (IQL only).
     """
 
     def __init__(self, cfg: GTrXLConfig) -> None:
@@ -357,6 +358,8 @@ class GTrXLModel(nn.Module):
                 self.critic_encoder = GTrXLEncoder(cfg)
             self.value = _mlp(d, cfg.critic_hidden, 1)
             self.q = TwinQ(d, cfg.act_dim, cfg.discrete, cfg.critic_hidden)
+        # IQL's Polyak-averaged target (critic encoder + twin Q), frozen; part of the state_dict
+        self.target: nn.ModuleDict | None = self.make_target() if cfg.critic == "iql" else None
 
     @property
     def critic_net(self) -> GTrXLEncoder:
@@ -381,3 +384,35 @@ class GTrXLModel(nn.Module):
         if self.value is None:
             raise ValueError("gtrxl: the model has no value head (critic must be 'value' or 'iql')")
         return self.value(h).squeeze(-1)
+
+
+class record_attention:
+    """Context manager collecting each layer's attention probabilities (B, H, T, S) from the
+    forward calls made with ``need_weights=True`` inside it (forward hooks on the attention
+    modules, removed on exit). Used to log attention entropy without changing the backbone.
+
+    Example::
+
+        with record_attention(encoder) as weights:
+            encoder(x, positions, state=s, need_weights=True)
+        entropies = [attention_entropy(w) for w in weights]
+    """
+
+    def __init__(self, encoder: GTrXLEncoder) -> None:
+        self.encoder = encoder
+        self.store: list[Tensor] = []
+        self.handles: list[Any] = []
+
+    def _hook(self, _module: nn.Module, _inputs: Any, out: Any) -> None:
+        if getattr(out, "weights", None) is not None:
+            self.store.append(out.weights)
+
+    def __enter__(self) -> list[Tensor]:
+        self.store = []
+        self.handles = [blk.attn.register_forward_hook(self._hook) for blk in self.encoder.backbone.blocks]
+        return self.store
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []

@@ -1,0 +1,475 @@
+"""Online PPO with the GTrXL model in gymnasium vector environments (``agent.kind=gtrxl_ppo``).
+
+The setting of Parisotto et al. 2019 (there with V-MPO/IMPALA; PPO as in CleanRL's TrXL-PPO
+and RLlib's attention nets): N vector environments step together, one token per environment
+and step goes through the backbone with its memory, and the policy is trained with the clipped
+surrogate of Schulman et al. 2017 plus a value loss and an entropy bonus on the same encoder.
+
+Memory during updates: **stored per rollout step**. At every step the collector records the
+backbone state each environment acted with (per layer (N, M, D) memory plus slot positions,
+validity and episode ids, after the reset of finished rows). The update recomputes each sample
+as one query over exactly that memory, so at the first epoch the recomputed log-probabilities
+equal the rollout's (tested); the memory content itself is the rollout's (detached, from the
+weights at collection time), as in CleanRL's TrXL-PPO. A segment-based recompute (re-running
+whole rollout segments with the new weights) would change the attention pattern between acting
+(one token over M slots) and learning (a segment over M + T slots), so the importance ratio
+would not start at 1; we do not do it. Cost per sample: O(M) keys per layer; storage
+S x N x layers x M x D floats per rollout.
+
+Rows whose episode ended are reset before the next step (the backbone state of only those rows
+is cleared). Time-limit truncations are bootstrapped with V(final observation), computed with
+the memory of the finished episode; terminations are not.
+
+Trainer integration: ``batches()`` is an iterable that collects a rollout with the live model,
+then yields ``n_epochs x n_minibatches`` minibatches; one trainer update = one minibatch. So
+``train.steps = rollouts x n_epochs x n_minibatches`` and the environment steps are
+``rollouts x n_envs x n_steps``. Resuming restarts fresh environments from the checkpointed
+weights and observation statistics (online data cannot be replayed bit-exactly).
+
+Logged (``train/...``): PPO losses, approximate KL, clip fraction, entropy, mean gate values per
+layer (``gate/layer{i}_attn|ffn``), attention entropy per layer (nats, at the rollout's last
+step), episodic return/length (mean of the episodes finished in the latest rollouts) and
+environment steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import rl_tformers.envs.memory_tasks  # noqa: F401  (registers the memory tasks with gymnasium)
+import torch
+from rl_tformers.agents.gtrxl.agent import GTrXLPolicy, _plain
+from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone, record_attention
+from torch import Tensor
+
+from rl_tformers.attention.base import attention_entropy
+from rl_tformers.runtime.agents import register_agent
+from rl_tformers.types import BackboneState, LayerState
+
+PPO_DEFAULTS: dict[str, Any] = {
+    "agent": {
+        "env_id": "rl_tformers/PositionOnlyCartPole-v1",
+        "env_kwargs": {},
+        "n_envs": 16,  # N vector environments
+        "n_steps": 128,  # S steps per environment and rollout
+        "n_epochs": 4,
+        "n_minibatches": 4,
+        "gamma": 0.99,
+        "gae_lambda": 0.95,
+        "clip_coef": 0.2,
+        "ent_coef": 0.01,
+        "vf_coef": 0.5,
+        "norm_adv": True,
+        "reward_scale": 1.0,  # rewards are multiplied by it for learning
+        "obs_norm": True,  # running mean/std of observations (frozen within a rollout)
+        "prev_action": False,
+        "prev_reward": False,
+        "head_hidden": 64,
+        "deterministic": True,  # evaluation acts with the mode
+        "init_checkpoint": None,  # fine-tune: an offline gtrxl run directory or checkpoint file
+    },
+    "backbone": gtrxl_backbone(d_model=64, n_layers=2, n_heads=4, mem_len=16),
+    "train": {
+        "lr": 3.0e-4, "weight_decay": 0.0, "grad_clip": 0.5, "warmup_steps": 0, "schedule": "constant",
+        "eps": 1.0e-5, "steps": 1600, "log_every": 16,
+    },
+    "eval": {"every": 0, "episodes": 10, "n_envs": 10},
+}
+
+
+class RunningMeanStd:
+    """Mean/variance of a stream of (K, O) batches (parallel Welford; Chan et al. 1979)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.mean = np.zeros(shape, np.float64)
+        self.var = np.ones(shape, np.float64)
+        self.count = 1e-4
+
+    def update(self, x: np.ndarray) -> None:
+        x = np.asarray(x, np.float64).reshape(-1, *self.mean.shape)
+        b_mean, b_var, b_n = x.mean(0), x.var(0), x.shape[0]
+        delta = b_mean - self.mean
+        tot = self.count + b_n
+        self.mean = self.mean + delta * b_n / tot
+        self.var = (self.var * self.count + b_var * b_n + delta**2 * self.count * b_n / tot) / tot
+        self.count = tot
+
+    @property
+    def std(self) -> np.ndarray:
+        return np.sqrt(self.var + 1e-8)
+
+
+def compute_gae(
+    rewards: Tensor, values: Tensor, dones: Tensor, last_value: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16).
+
+    Args:
+        rewards: (S, N) reward of step t (truncation bootstraps already added).
+        values: (S, N) V(s_t) at collection.
+        dones: (S, N) bool, the episode ended after step t (s_{t+1} starts a new one).
+        last_value: (N,) V(s_S) of the observation after the rollout.
+        gamma, lam: discount and GAE lambda.
+
+    Returns:
+        advantages (S, N) and returns = advantages + values (S, N).
+    """
+    s = rewards.shape[0]
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros_like(last_value)
+    nonterm = (~dones).to(rewards.dtype)
+    for t in reversed(range(s)):  # the recursion over rollout steps is inherent
+        next_v = last_value if t == s - 1 else values[t + 1]
+        delta = rewards[t] + gamma * next_v * nonterm[t] - values[t]
+        last = delta + gamma * lam * nonterm[t] * last
+        adv[t] = last
+    return adv, adv + values
+
+
+def state_from_rows(mem: Tensor, pos: Tensor, valid: Tensor, seg: Tensor, episode: Tensor, next_pos: Tensor) -> BackboneState:
+    """Rebuild a :class:`BackboneState` from stored per-sample tensors.
+
+    Args:
+        mem: (B, L, M, D) per-layer memory; pos, valid, seg: (B, M); episode, next_pos: (B,).
+    """
+    return BackboneState(
+        layers=[LayerState(memory=m) for m in mem.unbind(1)],
+        pos=pos, valid=valid, seg=seg, episode=episode, next_pos=next_pos,
+    )
+
+
+def ppo_loss(
+    model: GTrXLModel, mb: Mapping[str, Tensor], *, clip_coef: float, ent_coef: float, vf_coef: float, norm_adv: bool
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped-surrogate PPO loss on a minibatch of single steps, each with its stored memory.
+
+    Args:
+        model: :class:`GTrXLModel` with ``critic="value"``.
+        mb: ``x (B, input_dim)``, ``pos (B,)``, ``mem (B, L, M, D)``, ``mem_pos/mem_valid/mem_seg
+            (B, M)``, ``episode (B,)``, ``actions (B, A) or (B,)``, ``logp (B,)``, ``adv (B,)``,
+            ``returns (B,)``.
+
+    Returns:
+        (loss, logs): L = L_clip - ent_coef * H + vf_coef * 0.5 (V - R)^2 (Schulman et al. 2017, eq. 9).
+    """
+    enc = model.encoder
+    state = state_from_rows(mb["mem"], mb["mem_pos"], mb["mem_valid"], mb["mem_seg"], mb["episode"], mb["pos"])
+    out = enc(mb["x"][:, None], mb["pos"][:, None], state=state)
+    h = out.features[:, 0]  # (B, D)
+    logp = model.actor.log_prob(h, mb["actions"])
+    entropy = model.actor.entropy(h).mean()
+    value = model.state_value(h)
+    log_ratio = logp - mb["logp"]
+    ratio = log_ratio.exp()
+    adv = mb["adv"]
+    if norm_adv and adv.numel() > 1:
+        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_coef, 1.0 + clip_coef)).mean()
+    v_loss = 0.5 * (value - mb["returns"]).pow(2).mean()
+    loss = pg - ent_coef * entropy + vf_coef * v_loss + sum(out.aux.values(), torch.zeros((), device=h.device))
+    with torch.no_grad():
+        logs = {
+            "loss_policy": float(pg),
+            "loss_value": float(v_loss),
+            "entropy": float(entropy),
+            "approx_kl": float(((ratio - 1) - log_ratio).mean()),
+            "clipfrac": float(((ratio - 1.0).abs() > clip_coef).float().mean()),
+        }
+        for k, v in out.metrics.items():
+            if k.startswith("layer") and "/gate_" in k:
+                layer, gate = k.split("/gate_")
+                logs[f"gate/{layer}_{gate}"] = float(v)
+    return loss, logs
+
+
+class GTrXLPPO:
+    """PPO-GTrXL (the runtime's ``Trainable``); see the module docstring.
+
+    Args:
+        cfg: resolved run config (``agent`` as in :data:`PPO_DEFAULTS`, ``backbone``, ``train``, ``eval``, ``seed``).
+        run_dir: run directory (unused).
+        device: training device.
+
+    Raises:
+        ValueError: unsupported spaces (Box observations and Discrete or bounded Box actions only).
+    """
+
+    def __init__(self, cfg: Any, run_dir: Path | None, device: torch.device) -> None:
+        a = cfg.agent
+        self.cfg, self.a = cfg, a
+        self.seed = int(cfg.seed)
+        self.device = torch.device(device)
+        self.env_id, self.env_kwargs = str(a.env_id), dict(_plain(a.env_kwargs) or {})
+        probe = gym.make(self.env_id, **self.env_kwargs)
+        obs_space, act_space = probe.observation_space, probe.action_space
+        probe.close()
+        if not isinstance(obs_space, gym.spaces.Box):
+            raise ValueError(f"gtrxl_ppo: needs a Box observation space, {self.env_id} has {obs_space}")
+        self.discrete = isinstance(act_space, gym.spaces.Discrete)
+        if self.discrete:
+            act_dim, self.low, self.high = int(act_space.n), None, None
+        elif isinstance(act_space, gym.spaces.Box) and np.isfinite(act_space.low).all() and np.isfinite(act_space.high).all():
+            act_dim = int(np.prod(act_space.shape))
+            self.low = np.asarray(act_space.low, np.float32).reshape(-1)
+            self.high = np.asarray(act_space.high, np.float32).reshape(-1)
+        else:
+            raise ValueError(f"gtrxl_ppo: needs Discrete or bounded Box actions, {self.env_id} has {act_space}")
+        obs_dim = int(np.prod(obs_space.shape))
+        self.obs_rms = RunningMeanStd((obs_dim,))
+        self.update_obs_stats = bool(a.obs_norm)
+        backbone = _plain(cfg.backbone)
+        inputs = {"prev_action_input": bool(a.prev_action), "prev_reward_input": bool(a.prev_reward),
+                  "head_hidden": int(a.head_hidden)}
+        init_state = None
+        if a.init_checkpoint:
+            init_state, backbone, inputs = self._read_offline(str(a.init_checkpoint))
+        self.model_cfg = GTrXLConfig(obs_dim=obs_dim, act_dim=act_dim, discrete=self.discrete, backbone=backbone,
+                                     critic="value", **inputs)
+        self.model = GTrXLModel(self.model_cfg).to(self.device)
+        if init_state is not None:
+            self._load_offline(init_state)
+        self.reward_scale = float(a.reward_scale)
+        self.n_envs, self.n_steps = int(a.n_envs), int(a.n_steps)
+        self.envs: gym.vector.VectorEnv | None = None
+        self.returns_window: deque[float] = deque(maxlen=20)
+        self.lengths_window: deque[float] = deque(maxlen=20)
+        self.env_steps = 0
+        self.rollouts = 0
+
+    # -- fine-tuning from an offline run ------------------------------------------------------
+    def _read_offline(self, path: str) -> tuple[dict, dict, dict]:
+        """Checkpoint state, backbone config and input flags of an offline ``gtrxl`` run."""
+        import yaml
+
+        from rl_tformers.runtime.checkpoint import find_latest_valid, load_checkpoint
+
+        p = Path(path)
+        state = find_latest_valid(p).state if p.is_dir() else load_checkpoint(p)
+        saved = yaml.safe_load(state["config"])
+        sa = saved.get("agent", {})
+        if sa.get("kind") != "gtrxl" or sa.get("objective") == "rcbc":
+            raise ValueError(f"agent.init_checkpoint={path}: needs an offline gtrxl run with objective bc or iql, "
+                             f"got kind={sa.get('kind')!r} objective={sa.get('objective')!r}")
+        inputs = {"prev_action_input": bool(sa.get("prev_action")), "prev_reward_input": bool(sa.get("prev_reward")),
+                  "head_hidden": int(sa.get("head_hidden", 0))}
+        return state, saved["backbone"], inputs
+
+    def _load_offline(self, state: Mapping[str, Any]) -> None:
+        """Copy the offline encoder and actor; keep the fresh value head; use its obs statistics."""
+        own = self.model.state_dict()
+        take = {k: v for k, v in state["model"].items()
+                if (k.startswith("encoder.") or k.startswith("actor.")) and k in own and own[k].shape == v.shape}
+        missing = [k for k in own if (k.startswith("encoder.") or k.startswith("actor.")) and k not in take]
+        if missing:
+            raise ValueError(f"agent.init_checkpoint: the offline model does not match here; missing {missing[:5]}")
+        self.model.load_state_dict(take, strict=False)
+        ex = state["extra"]
+        self.obs_rms.mean = np.asarray(ex["obs_mean"], np.float64)
+        self.obs_rms.var = np.asarray(ex["obs_std"], np.float64) ** 2 - 1e-8
+        self.update_obs_stats = False  # keep the statistics the encoder was trained with
+
+    # -- rollouts -------------------------------------------------------------------------------
+    def _make_envs(self) -> None:
+        self.envs = gym.vector.SyncVectorEnv(
+            [lambda: gym.make(self.env_id, **self.env_kwargs) for _ in range(self.n_envs)],
+            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+        )
+        obs, _ = self.envs.reset(seed=[self.seed * 10_000 + i for i in range(self.n_envs)])
+        dev, enc = self.device, self.model.encoder
+        self.obs = obs
+        self.memory = enc.initial_state(self.n_envs, dev)
+        a_shape = (self.n_envs,) if self.discrete else (self.n_envs, self.model_cfg.act_dim)
+        self.prev_a = torch.zeros(a_shape, dtype=torch.long if self.discrete else torch.float32, device=dev)
+        self.prev_r = torch.zeros(self.n_envs, device=dev)
+        self.t = torch.zeros(self.n_envs, dtype=torch.long, device=dev)
+        self.start = torch.ones(self.n_envs, dtype=torch.bool, device=dev)
+        self.ep_ret = np.zeros(self.n_envs)
+        self.ep_len = np.zeros(self.n_envs, dtype=np.int64)
+
+    def _norm_obs(self, obs: np.ndarray) -> Tensor:
+        o = (np.asarray(obs, np.float64).reshape(len(obs), -1) - self.obs_rms.mean) / self.obs_rms.std
+        return torch.as_tensor(np.clip(o, -10.0, 10.0), dtype=torch.float32, device=self.device)
+
+    def _to_env(self, a: Tensor) -> np.ndarray:
+        if self.discrete:
+            return a.cpu().numpy().astype(np.int64)
+        a = a.clamp(-1.0, 1.0).cpu().numpy()
+        return (self.low + 0.5 * (a + 1.0) * (self.high - self.low)).astype(np.float32)
+
+    def _step_inputs(self, obs: np.ndarray, prev_a: Tensor, prev_r: Tensor) -> Tensor:
+        return self.model.encoder.inputs(self._norm_obs(obs)[:, None], None, prev_a[:, None], prev_r[:, None])[:, 0]
+
+    @torch.no_grad()
+    def collect(self) -> dict[str, Tensor]:
+        """One rollout of S steps in N environments with the current weights.
+
+        Returns:
+            dict of (S, N, ...) tensors (``x``, ``pos``, ``mem`` (S, N, L, M, D), ``mem_pos``,
+            ``mem_valid``, ``mem_seg``, ``episode``, ``actions``, ``logp``, ``values``,
+            ``rewards``, ``dones``) plus ``adv``/``returns`` from :func:`compute_gae` and
+            ``stats`` (floats for logging).
+        """
+        if self.envs is None:
+            self._make_envs()
+        model, enc, dev = self.model, self.model.encoder, self.device
+        s_len, n = self.n_steps, self.n_envs
+        buf: dict[str, list[Tensor]] = {k: [] for k in (
+            "x", "pos", "mem", "mem_pos", "mem_valid", "mem_seg", "episode", "actions", "logp", "values", "rewards",
+            "dones")}
+        raw_obs = []
+        for _ in range(s_len):  # one batched forward per step for all N environments
+            start = self.start
+            memory = enc.reset_state(self.memory, start)
+            keep = (~start).view(-1, *([1] * (self.prev_a.dim() - 1)))
+            prev_a = self.prev_a * keep.to(self.prev_a.dtype)
+            prev_r = self.prev_r * (~start)
+            t = self.t * (~start)
+            x = self._step_inputs(self.obs, prev_a, prev_r)  # (N, input_dim)
+            out = enc(x[:, None], t[:, None], state=memory)
+            h = out.features[:, 0]
+            dist = model.actor.dist(h)
+            action = dist.sample()
+            logp = dist.log_prob(action) if self.discrete else dist.log_prob(action).sum(-1)
+            value = model.state_value(h)
+            raw_obs.append(self.obs)
+            obs, reward, term, trunc, info = self.envs.step(self._to_env(action))
+            r = torch.as_tensor(reward, dtype=torch.float32, device=dev) * self.reward_scale
+            trunc_t = torch.as_tensor(trunc & ~term, device=dev)
+            if trunc_t.any():  # bootstrap time-limit cuts with V(final obs) and the episode's memory
+                final = obs.copy()
+                idx = np.flatnonzero(info["_final_obs"])
+                final[idx] = np.stack(info["final_obs"][idx])
+                a_in = action.view(n, *self.prev_a.shape[1:]).to(self.prev_a.dtype)
+                xf = self._step_inputs(final, a_in, r)
+                hf = enc(xf[:, None], (t + 1)[:, None], state=out.state).features[:, 0]
+                r = r + self.cfg.agent.gamma * model.state_value(hf) * trunc_t
+            done = torch.as_tensor(term | trunc, device=dev)
+            buf["x"].append(x)
+            buf["pos"].append(t)
+            buf["mem"].append(torch.stack([ls.memory for ls in memory.layers], 1))  # (N, L, M, D)
+            buf["mem_pos"].append(memory.pos)
+            buf["mem_valid"].append(memory.valid)
+            buf["mem_seg"].append(memory.seg)
+            buf["episode"].append(memory.episode)
+            buf["actions"].append(action)
+            buf["logp"].append(logp)
+            buf["values"].append(value)
+            buf["rewards"].append(r)
+            buf["dones"].append(done)
+            # episode bookkeeping (numpy, vectorised over environments)
+            self.ep_ret += reward
+            self.ep_len += 1
+            d = np.asarray(term | trunc)
+            self.returns_window.extend(self.ep_ret[d].tolist())
+            self.lengths_window.extend(self.ep_len[d].astype(float).tolist())
+            self.ep_ret[d] = 0.0
+            self.ep_len[d] = 0
+            self.memory, self.prev_a, self.prev_r, self.t, self.start = out.state, action, r, t + 1, done
+            self.obs = obs
+        # bootstrap value of the observation after the rollout
+        memory = enc.reset_state(self.memory, self.start)
+        keep = (~self.start).view(-1, *([1] * (self.prev_a.dim() - 1)))
+        x = self._step_inputs(self.obs, self.prev_a * keep.to(self.prev_a.dtype), self.prev_r * (~self.start))
+        with record_attention(enc) as weights:
+            last = enc(x[:, None], (self.t * (~self.start))[:, None], state=memory, need_weights=True)
+        last_value = model.state_value(last.features[:, 0])
+        ro = {k: torch.stack(v) for k, v in buf.items()}
+        ro["adv"], ro["returns"] = compute_gae(
+            ro["rewards"], ro["values"], ro["dones"], last_value, float(self.a.gamma), float(self.a.gae_lambda))
+        self.env_steps += s_len * n
+        self.rollouts += 1
+        stats = {"env_steps": float(self.env_steps)}
+        if self.returns_window:
+            stats["episodic_return"] = float(np.mean(self.returns_window))
+            stats["episodic_length"] = float(np.mean(self.lengths_window))
+        for i, w in enumerate(weights):
+            stats[f"attention_entropy/layer{i}"] = float(attention_entropy(w))
+        ro["stats"] = stats
+        if self.update_obs_stats:
+            self.obs_rms.update(np.concatenate(raw_obs, 0))
+        return ro
+
+    def minibatches(self, ro: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+        """``n_epochs`` passes over the rollout's S x N samples in ``n_minibatches`` random minibatches."""
+        total = self.n_steps * self.n_envs
+        flat = {k: v.flatten(0, 1) for k, v in ro.items() if isinstance(v, Tensor)}  # (S * N, ...)
+        n_mb = int(self.a.n_minibatches)
+        for epoch in range(int(self.a.n_epochs)):
+            perm = np.random.default_rng([self.seed, self.rollouts, epoch]).permutation(total)
+            for idx in np.array_split(perm, n_mb):
+                ix = torch.as_tensor(idx, device=self.device)
+                mb = {k: v[ix] for k, v in flat.items()}
+                mb["stats"] = ro["stats"]
+                yield mb
+
+    # -- Trainable -----------------------------------------------------------------------------
+    def batches(self, start_step: int) -> Iterator[dict[str, Any]]:
+        """Endless stream of minibatches; a new rollout every ``n_epochs x n_minibatches`` updates."""
+
+        def stream() -> Iterator[dict[str, Any]]:
+            while True:
+                yield from self.minibatches(self.collect())
+
+        return stream()
+
+    def loss(self, batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, float]]:
+        """PPO loss of one minibatch (:func:`ppo_loss`) and the latest rollout statistics."""
+        mb = {k: v.to(self.device) for k, v in batch.items() if isinstance(v, Tensor)}
+        a = self.a
+        loss, logs = ppo_loss(self.model, mb, clip_coef=float(a.clip_coef), ent_coef=float(a.ent_coef),
+                              vf_coef=float(a.vf_coef), norm_adv=bool(a.norm_adv))
+        logs.update(batch.get("stats", {}))
+        return loss, logs
+
+    def policy(self, deterministic: bool | None = None) -> GTrXLPolicy:
+        det = bool(self.a.deterministic) if deterministic is None else deterministic
+        return GTrXLPolicy(
+            self.model, obs_mean=self.obs_rms.mean, obs_std=self.obs_rms.std, action_low=self.low,
+            action_high=self.high, reward_mult=self.reward_scale, deterministic=det,
+        )
+
+    def make_env(self):
+        env_id, kwargs = self.env_id, self.env_kwargs
+        return lambda: gym.make(env_id, **kwargs)
+
+    def default_targets(self) -> list[float | None]:
+        return [None]
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Mean/std return of the deterministic policy over ``eval.episodes`` episodes."""
+        from rl_tformers.agents.common.evaluation import evaluate
+
+        from rl_tformers.runtime.seeding import derive_seed
+
+        report = evaluate(self.policy(), self.make_env(), [None], episodes=int(self.cfg.eval.episodes),
+                          n_envs=int(self.cfg.eval.n_envs), seed=derive_seed(self.seed, "eval", step) % (2**31),
+                          env_id=self.env_id)
+        r = report.results[0]
+        return {"return_mean": r.return_mean, "return_std": r.return_std}
+
+    def extra_state(self) -> dict[str, Any]:
+        return {
+            "obs_mean": torch.as_tensor(self.obs_rms.mean), "obs_var": torch.as_tensor(self.obs_rms.var),
+            "obs_count": float(self.obs_rms.count), "env_steps": int(self.env_steps), "rollouts": int(self.rollouts),
+        }
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        self.obs_rms.mean = np.asarray(state["obs_mean"], np.float64)
+        self.obs_rms.var = np.asarray(state["obs_var"], np.float64)
+        self.obs_rms.count = float(state["obs_count"])
+        self.env_steps, self.rollouts = int(state["env_steps"]), int(state["rollouts"])
+
+
+@register_agent(
+    "gtrxl_ppo",
+    description="GTrXL trained online with PPO in gymnasium vector envs (from scratch or from an offline gtrxl run)",
+    defaults=PPO_DEFAULTS,
+)
+def build_gtrxl_ppo(cfg: Any, run_dir: Path, device: torch.device) -> GTrXLPPO:
+    """Builder of ``agent.kind=gtrxl_ppo``."""
+    return GTrXLPPO(cfg, run_dir, device)

@@ -1,0 +1,290 @@
+"""GTrXL agent: segment batches, burn-in, BC/IQL losses, PPO rollouts and memory tasks."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from rl_tformers.agents.gtrxl.agent import GTRXL_DEFAULTS, GTrXLAgent, segment_batch
+from rl_tformers.agents.gtrxl.loss import (
+    SegmentBatch,
+    bc_loss,
+    encode_segment,
+    expectile_loss,
+    iql_loss,
+    polyak_update,
+    td_targets,
+)
+from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone
+from rl_tformers.agents.gtrxl.ppo import PPO_DEFAULTS, GTrXLPPO, compute_gae, ppo_loss
+from rl_tformers.envs.dataset import EpisodeDataset
+from rl_tformers.envs.memory_tasks import POSITION_INDICES, RecallEnv, scripted_dataset
+from rl_tformers.envs.samplers import SegmentSampler
+
+TINY = gtrxl_backbone(d_model=32, n_layers=2, n_heads=2, mem_len=8)
+
+
+def tiny_dataset() -> EpisodeDataset:
+    """Two episodes (lengths 3 and 4) with actions = 10 * step id and rewards = step id."""
+    obs = np.arange(7, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)
+    act = (np.arange(7, dtype=np.float32)[:, None] * 0.1).repeat(2, 1) - 0.3  # inside [-1, 1]
+    rew = np.arange(7, dtype=np.float64)
+    term = np.array([0, 0, 1, 0, 0, 0, 0], bool)
+    trunc = np.array([0, 0, 0, 0, 0, 0, 1], bool)
+    return EpisodeDataset(obs, act, rew, term, trunc, np.array([0, 3]), np.array([3, 4]),
+                          action_space=gym.spaces.Box(-1.0, 1.0, (2,), np.float32))
+
+
+def test_segment_batch_gives_exact_previous_action_and_reward_across_episode_boundaries():
+    ds = tiny_dataset()
+    sampler = SegmentSampler(ds, seq_len=4, burn_in=1 + 1)  # agent burn-in 1, plus the extra leading step
+    raw = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sampler.sample(32, np.random.default_rng(0)).items()}
+    seg = segment_batch(raw, burn_in=1, discrete=False, action_low=-torch.ones(2), action_high=torch.ones(2))
+    assert seg.obs.shape == (32, 5, 2) and seg.burn_in == 1
+    for b in range(32):
+        for j in range(5):
+            if not seg.mask[b, j]:
+                continue
+            step = int(seg.obs[b, j, 0])  # observation = flat step index
+            first = step in (0, 3)
+            assert bool(seg.episode_start[b, j]) == first
+            assert seg.timesteps[b, j] == (step if step < 3 else step - 3)
+            assert seg.rewards[b, j] == step
+            assert seg.prev_reward[b, j] == (0.0 if first else step - 1)
+            expected_prev = torch.zeros(2) if first else torch.full((2,), (step - 1) * 0.1 - 0.3)
+            torch.testing.assert_close(seg.prev_action[b, j], expected_prev)
+            assert bool(seg.terminals[b, j]) == (step == 2)
+
+
+def _random_batch(b=3, length=10, burn_in=4, obs_dim=3, act_dim=2, seed=0) -> SegmentBatch:
+    g = torch.Generator().manual_seed(seed)
+    start = torch.zeros(b, length, dtype=torch.bool)
+    start[0, 0] = True
+    start[1, 6] = True
+    ts = torch.arange(length).expand(b, length).clone()
+    ts[1, 6:] = torch.arange(length - 6)
+    return SegmentBatch(
+        obs=torch.randn(b, length, obs_dim, generator=g), actions=torch.rand(b, length, act_dim, generator=g) * 2 - 1,
+        rewards=torch.randn(b, length, generator=g), rtg=torch.randn(b, length, generator=g),
+        prev_action=torch.zeros(b, length, act_dim), prev_reward=torch.zeros(b, length),
+        terminals=torch.zeros(b, length, dtype=torch.bool), episode_start=start, timesteps=ts,
+        mask=torch.ones(b, length, dtype=torch.bool), burn_in=burn_in,
+    )
+
+
+def test_burn_in_rebuilds_memory_without_gradient_then_matches_a_continued_run():
+    torch.manual_seed(0)
+    model = GTrXLModel(GTrXLConfig(obs_dim=3, act_dim=2, backbone=TINY))
+    batch = _random_batch()
+    batch.obs.requires_grad_(True)
+    out = encode_segment(model.encoder, batch)
+    assert out.features.shape == (3, 6, 32)
+    out.features.sum().backward()
+    assert batch.obs.grad[:, :4].abs().sum() == 0  # burn-in steps: no gradient
+    assert batch.obs.grad[:, 4:].abs().sum() > 0
+    # equals: first segment (the burn-in) then the window with the carried memory
+    enc = model.encoder
+    x = enc.inputs(batch.obs.detach())
+    with torch.no_grad():
+        a = enc(x[:, :4], batch.timesteps[:, :4], state=enc.initial_state(3), episode_start=batch.episode_start[:, :4])
+        b = enc(x[:, 4:], batch.timesteps[:, 4:], state=a.state, episode_start=batch.episode_start[:, 4:])
+    torch.testing.assert_close(out.features.detach(), b.features, atol=1e-6, rtol=0)
+
+
+def test_expectile_loss_and_polyak_exact_values():
+    diff = torch.tensor([-2.0, -1.0, 0.0, 1.0, 3.0])
+    assert expectile_loss(diff, 0.7).tolist() == pytest.approx([0.3 * 4, 0.3 * 1, 0.0, 0.7 * 1, 0.7 * 9])
+    tgt, src = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        tgt.weight.fill_(1.0)
+        src.weight.fill_(3.0)
+    polyak_update(tgt, src, 0.25)
+    assert torch.equal(tgt.weight, torch.full((2, 2), 1.5))
+
+
+def test_td_targets_mask_time_limits_and_bootstrap_only_inside_an_episode():
+    w = SegmentBatch(
+        obs=torch.zeros(1, 5, 1), actions=torch.zeros(1, 5, 1),
+        rewards=torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]]), rtg=torch.zeros(1, 5),
+        prev_action=torch.zeros(1, 5, 1), prev_reward=torch.zeros(1, 5),
+        terminals=torch.tensor([[False, True, False, False, False]]),
+        episode_start=torch.tensor([[False, False, True, False, False]]),
+        timesteps=torch.tensor([[5, 6, 0, 1, 2]]),
+        mask=torch.tensor([[True, True, True, True, False]]),
+    )
+    v = torch.tensor([[10.0, 20.0, 30.0, 40.0, 50.0]])
+    target, ok = td_targets(w, v, 0.5)
+    # t=0: 1 + 0.5*20; t=1 terminal: 2; t=2: 3 + 0.5*40; t=3: next step is padding -> unusable
+    assert ok.tolist() == [[True, True, True, False]]
+    assert target[ok].tolist() == [11.0, 2.0, 23.0]
+
+
+@pytest.mark.parametrize("discrete", [False, True])
+@pytest.mark.parametrize("share", [False, True])
+def test_iql_loss_trains_actor_and_critics_but_never_the_target(discrete, share):
+    torch.manual_seed(1)
+    cfg = GTrXLConfig(obs_dim=3, act_dim=2, discrete=discrete, backbone=TINY, critic="iql", critic_hidden=16,
+                      share_critic_encoder=share)
+    model = GTrXLModel(cfg)
+    batch = _random_batch()
+    if discrete:
+        batch.actions = (batch.actions[..., 0] > 0).long()
+        batch.prev_action = torch.zeros(3, 10, dtype=torch.long)
+    before = {k: v.clone() for k, v in model.target.state_dict().items()}
+    loss, logs = iql_loss(model, model.target, batch)
+    loss.backward()
+    assert set(logs) >= {"loss_value", "loss_q", "loss_actor", "iql/adv_mean"}
+    assert model.value[0].weight.grad.abs().sum() > 0
+    assert model.q.q1[0].weight.grad.abs().sum() > 0 and model.q.q2[0].weight.grad.abs().sum() > 0
+    assert model.actor.net.weight.grad.abs().sum() > 0
+    assert model.critic_net.embed.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in model.target.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.target.state_dict().items())
+
+
+def test_bc_loss_discrete_is_cross_entropy_over_real_window_steps():
+    torch.manual_seed(2)
+    model = GTrXLModel(GTrXLConfig(obs_dim=3, act_dim=4, discrete=True, backbone=TINY))
+    batch = _random_batch(burn_in=2)
+    batch.actions = torch.randint(0, 4, (3, 10))
+    batch.prev_action = torch.zeros(3, 10, dtype=torch.long)
+    batch.mask[2, 7:] = False
+    loss, logs = bc_loss(model, batch)
+    logits = model.actor(encode_segment(model.encoder, batch).features)
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 4), batch.actions[:, 2:].reshape(-1), reduction="none")
+    expected = ce[batch.mask[:, 2:].reshape(-1)].mean()
+    torch.testing.assert_close(loss, expected)
+    assert 0.0 <= logs["accuracy"] <= 1.0
+
+
+def _agent_cfg(**agent):
+    return OmegaConf.create({
+        "seed": 0,
+        "agent": {**GTRXL_DEFAULTS["agent"], "seq_len": 8, "burn_in": 4, **agent},
+        "backbone": TINY,
+        "dataset": {"scripted": {"task": "recall", "episodes": 40, "env_kwargs": {"delay": 2, "length": 10}}},
+        "train": {"batch_size": 8, "steps": 4},
+        "eval": {"episodes": 3, "n_envs": 3},
+    })
+
+
+@pytest.mark.parametrize("objective", ["bc", "rcbc", "iql"])
+def test_agent_trains_and_evaluates_every_objective(objective):
+    agent = GTrXLAgent(_agent_cfg(objective=objective, iql_reward_norm=False, prev_action=True), None, torch.device("cpu"))
+    data = agent.batches(0)
+    b0, b0_again = data[0], data[0]
+    assert all(torch.equal(b0[k], b0_again[k]) for k in b0)  # batch s is a pure function of (seed, s)
+    opt = torch.optim.Adam([p for p in agent.model.parameters() if p.requires_grad], 1e-3)
+    for s in range(3):
+        loss, _ = agent.loss(data[s])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        result = agent.evaluate(0)
+    assert 0.0 <= result["return_mean"] <= 8.0  # 10 steps, delay 2: at most 8 scored answers
+    assert agent.extra_state()["env_id"] == "rl_tformers/Recall-v0"
+
+
+# -- PPO --------------------------------------------------------------------------------------------
+def test_gae_matches_a_hand_computed_example():
+    rewards = torch.tensor([[1.0], [1.0], [1.0]])
+    values = torch.tensor([[0.5], [0.5], [0.5]])
+    dones = torch.tensor([[False], [True], [False]])
+    adv, ret = compute_gae(rewards, values, dones, torch.tensor([2.0]), gamma=0.5, lam=0.5)
+    d2 = 1.0 + 0.5 * 2.0 - 0.5  # last step bootstraps from last_value
+    d1 = 1.0 - 0.5  # episode ends after step 1
+    d0 = 1.0 + 0.5 * 0.5 - 0.5
+    assert adv[:, 0].tolist() == pytest.approx([d0 + 0.25 * d1, d1, d2])
+    torch.testing.assert_close(ret, adv + values)
+
+
+def _ppo(**agent):
+    cfg = OmegaConf.create({"seed": 0, **PPO_DEFAULTS})
+    cfg.agent.update({"n_envs": 3, "n_steps": 40, "n_minibatches": 2, **agent})
+    cfg.backbone = gtrxl_backbone(d_model=16, n_layers=1, n_heads=2, mem_len=4)
+    return GTrXLPPO(cfg, None, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("env_id", ["rl_tformers/PositionOnlyCartPole-v1", "rl_tformers/PositionOnlyPendulum-v1"])
+def test_ppo_update_recomputes_exactly_the_rollout_with_stored_memory(env_id):
+    torch.manual_seed(3)
+    ppo = _ppo(env_id=env_id, prev_action=True)
+    ro = ppo.collect()
+    assert ro["mem"].shape == (40, 3, 1, 4, 16)  # (S, N, layers, M, D): memory stored per step
+    if env_id.endswith("CartPole-v1"):
+        assert ro["dones"].any()  # CartPole episodes under a random policy end within 40 steps
+    mb = next(ppo.minibatches(ro))
+    loss, logs = ppo.loss(mb)
+    assert abs(logs["approx_kl"]) < 1e-6 and logs["clipfrac"] == 0.0
+    flat = {k: v.flatten(0, 1) for k, v in ro.items() if isinstance(v, torch.Tensor)}
+    from rl_tformers.agents.gtrxl.ppo import state_from_rows
+
+    with torch.no_grad():
+        st = state_from_rows(flat["mem"], flat["mem_pos"], flat["mem_valid"], flat["mem_seg"], flat["episode"], flat["pos"])
+        h = ppo.model.encoder(flat["x"][:, None], flat["pos"][:, None], state=st).features[:, 0]
+        logp = ppo.model.actor.log_prob(h, flat["actions"])
+    torch.testing.assert_close(logp, flat["logp"], atol=1e-5, rtol=0)
+    loss.backward()
+    assert any(k.startswith("gate/layer0_") for k in logs) and "attention_entropy/layer0" in mb["stats"]
+
+
+def test_ppo_rollout_resets_only_finished_environments():
+    torch.manual_seed(4)
+    ppo = _ppo()
+    ro = ppo.collect()
+    dones = ro["dones"]  # (S, N): the episode ended after step t
+    for t in range(1, 40):
+        for i in range(3):
+            fresh = not ro["mem_valid"][t, i].any()
+            if dones[t - 1, i]:
+                assert fresh and ro["pos"][t, i] == 0  # reset: no valid slot, episode step 0
+            else:
+                assert ro["pos"][t, i] == ro["pos"][t - 1, i] + 1 and ro["mem_valid"][t, i].any()
+
+
+def test_ppo_loss_gradient_is_finite():
+    torch.manual_seed(5)
+    ppo = _ppo()
+    mb = next(ppo.minibatches(ppo.collect()))
+    loss, _ = ppo_loss(ppo.model, mb, clip_coef=0.2, ent_coef=0.01, vf_coef=0.5, norm_adv=True)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in ppo.model.parameters() if p.grad is not None)
+
+
+# -- memory tasks -------------------------------------------------------------------------------------
+def test_recall_env_scores_the_symbol_from_delay_steps_ago():
+    env = RecallEnv(delay=2, n_symbols=3, length=6)
+    obs, info = env.reset(seed=0)
+    seen, total = [int(obs.argmax())], 0.0
+    for t in range(6):
+        target = seen[t - 2] if t >= 2 else -1
+        assert info["target"] == target
+        obs, r, term, trunc, info = env.step(target if target >= 0 else 0)
+        total += r
+        seen.append(int(obs.argmax()))
+    assert term and not trunc and total == 4.0  # steps 2..5 answered correctly, 0..1 not scored
+
+
+def test_position_only_tasks_hide_velocities():
+    cart = gym.make("rl_tformers/PositionOnlyCartPole-v1")
+    full = gym.make("CartPole-v1")
+    o, _ = cart.reset(seed=3)
+    f, _ = full.reset(seed=3)
+    assert np.array_equal(o, f[[0, 2]])
+    assert gym.make("rl_tformers/PositionOnlyPendulum-v1").observation_space.shape == (2,)
+    from rl_tformers.envs.pomdp import position_indices
+
+    assert list(POSITION_INDICES["Hopper-v5"]) == position_indices("Hopper-v5")
+    assert gym.make("rl_tformers/PositionOnlyHopper-v5").observation_space.shape == (5,)
+
+
+def test_scripted_datasets_are_deterministic_and_named():
+    a = scripted_dataset("recall", 5, seed=1, env_kwargs={"delay": 3})
+    b = scripted_dataset("recall", 5, seed=1, env_kwargs={"delay": 3})
+    assert np.array_equal(a.observations, b.observations) and np.array_equal(a.actions, b.actions)
+    assert a.metadata.env_id == "rl_tformers/Recall-v0" and a.num_steps == 5 * 32
+    c = scripted_dataset("cartpole", 2, epsilon=0.0)
+    assert c.observation_shape == (2,) and c.episode_returns.tolist() == [500.0, 500.0]
