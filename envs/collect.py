@@ -1,0 +1,294 @@
+"""Building datasets: roll out behaviour policies and write Minari datasets (``minari.DataCollector``).
+
+One dataset may hold several *behaviours* in sequence (a D4RL medium-expert set is a medium
+shard followed by an expert shard). Every episode starts from ``env.reset(seed=s)`` with ``s``
+drawn from ``numpy.random.default_rng([seed, 0])``, and each behaviour's noise uses its own
+generator, so a build is a pure function of its arguments and ``seed``.
+
+Partially observed datasets (``pomdp``): the behaviour policy acts on the full observation and
+the collector records the masked one (a ``StepDataCallback``), with the masked space as the
+dataset's observation space and the masked environment as its evaluation environment
+(``MinariDataset.recover_environment(eval_env=True)`` rebuilds it).
+
+Sizes: a behaviour with ``steps=N`` runs whole episodes until it has at least N steps (the last
+episode is finished, not cut), so datasets hold complete episodes only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from rl_tformers.envs.loaders import META_KEY, data_root, load_minari, minari_root, save_d4rl_hdf5
+from rl_tformers.envs.pomdp import ObservationMaskWrapper, masked_step_callback
+from rl_tformers.envs.scores import D4RL_REF_SCORES, task_family
+
+
+@dataclass
+class Behaviour:
+    """One shard of a dataset: a policy run for ``steps`` (whole episodes) or ``episodes``.
+
+    Attributes:
+        policy: ``policy(obs) -> action`` with ``reset()`` (see :mod:`rl_tformers.envs.policies`).
+        steps: run until at least this many steps (complete episodes); or
+        episodes: run exactly this many episodes.
+        label: description stored in the dataset metadata.
+        info: extra JSON-serialisable facts stored with it (policy file, noise, ...).
+    """
+
+    policy: Any
+    steps: int | None = None
+    episodes: int | None = None
+    label: str = ""
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if (self.steps is None) == (self.episodes is None):
+            raise ValueError("give exactly one of steps / episodes")
+        if (self.steps if self.steps is not None else self.episodes) < 0:
+            raise ValueError("steps / episodes must be >= 0")
+
+
+@dataclass
+class CollectResult:
+    """What a collection produced. ``episode_returns``/``episode_lengths`` are what the rollout
+    saw, in dataset order; ``behaviour_slices[i]`` is the episode range of behaviour ``i``."""
+
+    dataset_id: str
+    path: Path
+    episode_returns: np.ndarray
+    episode_lengths: np.ndarray
+    behaviour_slices: list[tuple[int, int]]
+    hdf5_path: Path | None = None
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.episode_lengths.sum())
+
+    @property
+    def num_episodes(self) -> int:
+        return int(self.episode_lengths.size)
+
+    def summary(self) -> dict:
+        r = self.episode_returns
+        return {"dataset_id": self.dataset_id, "path": str(self.path), "episodes": self.num_episodes,
+                "steps": self.num_steps, "return_mean": float(r.mean()) if r.size else None,
+                "return_std": float(r.std()) if r.size else None,
+                "hdf5": None if self.hdf5_path is None else str(self.hdf5_path)}
+
+
+class SeededResets(gym.Wrapper):
+    """Give every ``reset()`` without a seed the next seed of ``numpy.random.default_rng(seed)``.
+
+    ``minari.DataCollector`` draws a random seed from the OS when none is given; training loops
+    (SB3's VecEnv auto-reset) reset without one. Putting this wrapper outside the collector
+    makes recorded training data reproducible.
+    """
+
+    def __init__(self, env: gym.Env, seed: int):
+        super().__init__(env)
+        self._rng = np.random.default_rng([int(seed), 7])
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        if seed is None:
+            seed = int(self._rng.integers(2**31 - 1))
+        return self.env.reset(seed=seed, options=options)
+
+
+def dataset_folder(dataset_id: str, root: str | Path | None = None) -> Path:
+    """Folder of a Minari dataset id under the data root (``<root>/<id>``)."""
+    return data_root(root) / dataset_id
+
+
+def _prepare_target(dataset_id: str, root: Path, overwrite: bool) -> None:
+    from minari.dataset.minari_dataset import parse_dataset_id
+
+    parse_dataset_id(dataset_id)  # raises ValueError on a malformed id
+    target = root / dataset_id
+    if target.exists():
+        if not overwrite:
+            raise FileExistsError(f"dataset {dataset_id!r} already exists at {target}; pass overwrite=True "
+                                  "(CLI: --overwrite) or choose another --dataset-id")
+        shutil.rmtree(target)
+
+
+def _make_collector(env: gym.Env, pomdp: dict | None):
+    import minari
+
+    if pomdp is None:
+        return minari.DataCollector(env, record_infos=False)
+    masked_space = ObservationMaskWrapper(gym.make(env.spec.id), pomdp["indices"]).observation_space
+    return minari.DataCollector(env, step_data_callback=masked_step_callback(pomdp["indices"]),
+                                observation_space=masked_space, record_infos=False)
+
+
+def _eval_env(env_id: str, pomdp: dict | None):
+    if pomdp is None:
+        return env_id
+    return ObservationMaskWrapper(gym.make(env_id), pomdp["indices"]).spec
+
+
+def _create(collector, dataset_id: str, env_id: str, pomdp: dict | None, description: str, record: dict):
+    fam = task_family(env_id)
+    refs = D4RL_REF_SCORES.get(fam) if fam else None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*is set to None.*", category=UserWarning)
+        md = collector.create_dataset(
+            dataset_id=dataset_id, eval_env=_eval_env(env_id, pomdp), algorithm_name=record.get("algorithm", "rl-tformers collect"),
+            author="rl-tformers", description=description,
+            ref_min_score=None if refs is None else refs[0], ref_max_score=None if refs is None else refs[1],
+            num_episodes_average_score=0)
+    md.storage.update_metadata({META_KEY: {**record, "pomdp": pomdp}})
+    return md
+
+
+def collect(
+    env_id: str,
+    behaviours: Sequence[Behaviour],
+    *,
+    dataset_id: str,
+    seed: int = 0,
+    pomdp: dict | None = None,
+    root: str | Path | None = None,
+    hdf5: str | Path | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    description: str = "",
+    record: dict | None = None,
+    env_kwargs: dict | None = None,
+) -> CollectResult:
+    """Roll out ``behaviours`` in ``gym.make(env_id)`` and write Minari dataset ``dataset_id``.
+
+    Args:
+        env_id: gymnasium id (e.g. ``"Hopper-v5"``).
+        behaviours: shards run in order into one dataset.
+        dataset_id: Minari id ``namespace/name-vN``; written to ``<root>/<dataset_id>``.
+        seed: episode reset seeds come from ``default_rng([seed, 0])``.
+        pomdp: a :func:`~rl_tformers.envs.pomdp.pomdp_record` to store masked observations.
+        root: data root (default :func:`~rl_tformers.envs.loaders.data_root`).
+        hdf5: also write a D4RL-layout HDF5 file there.
+        overwrite: replace an existing dataset of that id.
+        progress: tqdm progress bar.
+        description: stored in the Minari metadata.
+        record: extra JSON facts for the metadata (recipe name, policies...).
+        env_kwargs: passed to ``gym.make``.
+
+    Returns:
+        :class:`CollectResult` with the returns and lengths the rollout saw.
+
+    Raises:
+        FileExistsError: the dataset exists and ``overwrite`` is False.
+        ValueError: malformed ``dataset_id``.
+    """
+    from tqdm.auto import tqdm
+
+    root_path = data_root(root)
+    _prepare_target(dataset_id, root_path, overwrite)
+    seeds = np.random.default_rng([int(seed), 0])
+    returns: list[float] = []
+    lengths: list[int] = []
+    slices: list[tuple[int, int]] = []
+    total = sum(b.steps or 0 for b in behaviours)
+    with minari_root(root_path):
+        env = gym.make(env_id, **(env_kwargs or {}))
+        collector = _make_collector(env, pomdp)
+        bar = tqdm(total=total or None, unit="step", disable=not progress, desc=dataset_id)
+        try:
+            for b in behaviours:
+                first = len(returns)
+                done_steps = done_eps = 0
+                while (b.steps is not None and done_steps < b.steps) or (b.episodes is not None and done_eps < b.episodes):
+                    obs, _ = collector.reset(seed=int(seeds.integers(2**31 - 1)))
+                    b.policy.reset()
+                    ep_rewards: list[float] = []
+                    while True:
+                        obs, rew, terminated, truncated, _ = collector.step(b.policy(obs))
+                        ep_rewards.append(float(rew))
+                        bar.update(1)
+                        if terminated or truncated:
+                            break
+                    ep_ret, ep_len = math.fsum(ep_rewards), len(ep_rewards)
+                    returns.append(ep_ret)
+                    lengths.append(ep_len)
+                    done_steps += ep_len
+                    done_eps += 1
+                    bar.set_postfix(episodes=len(returns), ret=f"{ep_ret:.0f}")
+                slices.append((first, len(returns)))
+            rec = {"env_id": env_id, "seed": int(seed), **(record or {}),
+                   "behaviours": [{"label": b.label, **b.info, "episodes": [s, e],
+                                   "return_mean": float(np.mean(returns[s:e])) if e > s else None}
+                                  for b, (s, e) in zip(behaviours, slices)]}
+            _create(collector, dataset_id, env_id, pomdp, description, rec)
+        finally:
+            bar.close()
+            collector.close()
+    result = CollectResult(dataset_id, root_path / dataset_id, np.asarray(returns), np.asarray(lengths, np.int64),
+                           slices)
+    if hdf5 is not None:
+        result.hdf5_path = save_d4rl_hdf5(load_minari(result.path), hdf5)
+    return result
+
+
+def train_and_record(
+    algo: str,
+    env_id: str,
+    steps: int,
+    *,
+    seed: int = 0,
+    replay_dataset_id: str | None = None,
+    pomdp: dict | None = None,
+    root: str | Path | None = None,
+    hdf5: str | Path | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    description: str = "",
+):
+    """Train an SB3 agent for ``steps`` environment steps; optionally record its training data.
+
+    With ``replay_dataset_id`` the training environment is wrapped in ``minari.DataCollector``,
+    so the dataset holds every transition the agent experienced while learning, in order:
+    for SAC this is exactly its replay buffer (buffer size 1M >= steps), i.e. a D4RL-style
+    *medium-replay* set. The episode running when training stops is kept, marked truncated.
+
+    Returns:
+        ``(policy, replay_result)``: the trained agent as a deterministic
+        :class:`~rl_tformers.envs.policies.SB3Policy` and a :class:`CollectResult` (or ``None``).
+    """
+    from rl_tformers.envs.policies import SB3Policy, train_sb3
+
+    root_path = data_root(root)
+    result = None
+    if replay_dataset_id is None:
+        env = SeededResets(gym.make(env_id), seed)
+        model = train_sb3(algo, env, steps, seed=seed, progress=progress)
+        return SB3Policy(model, None, name=f"{algo}-trained-{steps}"), None
+    _prepare_target(replay_dataset_id, root_path, overwrite)
+    with minari_root(root_path):
+        collector = _make_collector(gym.make(env_id), pomdp)
+        try:
+            model = train_sb3(algo, SeededResets(collector, seed), steps, seed=seed, progress=progress)
+            rec = {"env_id": env_id, "seed": int(seed), "algorithm": f"{algo} training ({steps} steps)",
+                   "behaviours": [{"label": f"{algo} training replay", "train_steps": int(steps)}]}
+            _create(collector, replay_dataset_id, env_id, pomdp, description or
+                    f"{algo.upper()} training replay data ({steps} steps) on {env_id}", rec)
+        finally:
+            collector.close()
+    ds = load_minari(root_path / replay_dataset_id)
+    result = CollectResult(replay_dataset_id, root_path / replay_dataset_id, ds.episode_returns, ds.lengths.copy(),
+                           [(0, ds.num_episodes)])
+    if hdf5 is not None:
+        result.hdf5_path = save_d4rl_hdf5(ds, hdf5)
+    return SB3Policy(model, None, name=f"{algo}-trained-{steps}"), result
+
+
+def write_record(result: CollectResult, path: str | Path) -> None:
+    """Write ``result.summary()`` as JSON (used by the recipe scripts)."""
+    Path(path).write_text(json.dumps(result.summary(), indent=2))

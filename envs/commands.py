@@ -1,0 +1,202 @@
+"""Command line of the data layer: ``rl-tformers collect`` and ``rl-tformers dataset info``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+dataset_app = typer.Typer(help="Inspect offline datasets (Minari ids, Minari folders, D4RL .hdf5 files).",
+                          no_args_is_help=True)
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(1)
+
+
+def _parse_indices(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint="--obs-indices") from None
+
+
+def collect(
+    env: str = typer.Option(None, "--env", help="gymnasium id, e.g. Hopper-v5 (not needed with --recipe)."),
+    policy: str = typer.Option("random", "--policy", help="'random' or an SB3/sb3-contrib save file (model.zip)."),
+    algo: str = typer.Option(None, "--algo", help="Algorithm of --policy (sac, ppo, ars, ...); detected when omitted."),
+    obs_norm: str = typer.Option("auto", "--obs-norm",
+                                 help="'auto' (obs_norm.npz next to the zip if present), 'none', or a .npz path."),
+    train: str = typer.Option(None, "--train", help="Train an SB3 agent on the spot (sac, ppo, ...) and roll it out."),
+    train_steps: int = typer.Option(100_000, "--train-steps", help="Environment steps of --train."),
+    replay_dataset_id: str = typer.Option(None, "--replay-dataset-id",
+                                          help="With --train: also write every training transition (SAC: its "
+                                               "replay buffer) as this Minari dataset (a medium-replay set)."),
+    steps: int = typer.Option(None, "--steps", help="Collect whole episodes until at least this many steps."),
+    episodes: int = typer.Option(None, "--episodes", help="Collect exactly this many episodes."),
+    noise: float = typer.Option(0.0, "--noise", help="Gaussian action noise std (units of half the action range), clipped to the space."),
+    epsilon: float = typer.Option(0.0, "--epsilon", help="Probability of a uniform random action at each step."),
+    pomdp: str = typer.Option("none", "--pomdp", help="Record partial observations: none, positions (MuJoCo qpos only)."),
+    obs_indices: str = typer.Option(None, "--obs-indices", help="Record only these observation indices (e.g. '0,1,2')."),
+    seed: int = typer.Option(0, "--seed", help="Seed of episode resets, noise and random actions."),
+    dataset_id: str = typer.Option(None, "--dataset-id", help="Minari id to write (default rlt/<env>/<policy>-v0)."),
+    root: Path = typer.Option(None, "--root", help="Data root (default $RL_TFORMERS_DATA or ./data/minari)."),
+    hdf5: Path = typer.Option(None, "--hdf5", help="Also write a D4RL-layout HDF5 file (a folder with --recipe)."),
+    recipe: list[str] = typer.Option(None, "--recipe", help="Build recipe(s) by name or glob (hopper-medium, 'hopper-*')."),
+    recipe_steps: int = typer.Option(None, "--recipe-steps", help="Override the recipes' base size (default 100000)."),
+    policies: Path = typer.Option(None, "--policies", help="Folder of pretrained policies for recipes (default ../shared/policies)."),
+    list_recipes: bool = typer.Option(False, "--list-recipes", help="List the recipes and exit."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing dataset of the same id."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Roll out a behaviour policy and write a Minari dataset (minari.DataCollector).
+
+    \b
+    Examples:
+      rl-tformers collect --env Hopper-v5 --policy random --steps 10000
+      rl-tformers collect --env Hopper-v5 --policy ../shared/policies/sac/Hopper-v3/model.zip --episodes 10 --noise 0.1
+      rl-tformers collect --env Hopper-v5 --train sac --train-steps 50000 --steps 10000 --replay-dataset-id rlt/hopper-v5/sac-replay-v0
+      rl-tformers collect --recipe 'hopper-*'
+    """
+    from rl_tformers.envs import recipes as R
+
+    if list_recipes:
+        for r in R.all_recipes(recipe_steps or R.DEFAULT_STEPS).values():
+            typer.echo(f"{r.name:32s} {r.dataset_id:44s} {r.describe()}")
+        return
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one small MLP per step: threads only add overhead (and nondeterminism)
+    try:
+        _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise,
+                     epsilon, pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe, recipe_steps, policies,
+                     overwrite, progress, as_json)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
+                 pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe, recipe_steps, policies, overwrite, progress,
+                 as_json) -> None:
+    from rl_tformers.envs import recipes as R
+    from rl_tformers.envs.dataset import DatasetError
+
+    def report(res) -> None:
+        s = res.summary()
+        if as_json:
+            typer.echo(json.dumps(s))
+        else:
+            typer.echo(f"{s['dataset_id']}: {s['episodes']} episodes, {s['steps']} steps, return "
+                       f"{s['return_mean']:.1f} ± {s['return_std']:.1f} -> {s['path']}"
+                       + (f" (+ {s['hdf5']})" if s["hdf5"] else ""))
+
+    try:
+        if recipe:
+            for r in R.match_recipes(list(recipe), recipe_steps or R.DEFAULT_STEPS):
+                h = None if hdf5 is None else Path(hdf5) / f"{r.name}.hdf5"
+                report(R.build_recipe(r, seed=seed, root=root, policies=policies, hdf5=h, overwrite=overwrite,
+                                      progress=progress))
+        else:
+            for res in _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes,
+                                    noise, epsilon, pomdp, obs_indices, seed, dataset_id, root, hdf5, overwrite,
+                                    progress):
+                report(res)
+    except (DatasetError, FileExistsError, FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+
+
+def _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
+                 pomdp, obs_indices, seed, dataset_id, root, hdf5, overwrite, progress):
+    import gymnasium as gym
+    from rl_tformers.envs.collect import Behaviour, collect, train_and_record
+    from rl_tformers.envs.policies import NoisyPolicy, RandomPolicy, load_sb3_policy
+    from rl_tformers.envs.pomdp import pomdp_record
+
+    if env is None:
+        raise typer.BadParameter("give --env (or --recipe)", param_hint="--env")
+    if steps is not None and episodes is not None:
+        raise typer.BadParameter("give --steps or --episodes, not both", param_hint="--steps")
+    if steps is None and episodes is None:
+        steps = 0 if (train and replay_dataset_id) else 10_000
+    if replay_dataset_id and not train:
+        raise typer.BadParameter("--replay-dataset-id needs --train", param_hint="--replay-dataset-id")
+    genv = gym.make(env)
+    record = None
+    if obs_indices is not None:
+        if pomdp not in ("none", "mask"):
+            raise typer.BadParameter("--obs-indices and --pomdp positions exclude each other", param_hint="--obs-indices")
+        record = pomdp_record(genv, "mask", _parse_indices(obs_indices))
+    elif pomdp == "positions":
+        record = pomdp_record(genv, "positions")
+    elif pomdp != "none":
+        raise typer.BadParameter(f"unknown --pomdp {pomdp!r}; choose none or positions (or use --obs-indices)",
+                                 param_hint="--pomdp")
+    results = []
+    info: dict = {"noise": noise, "epsilon": epsilon}
+    if train:
+        pol, replay = train_and_record(train, env, train_steps, seed=seed, replay_dataset_id=replay_dataset_id,
+                                       pomdp=record, root=root, overwrite=overwrite, progress=progress,
+                                       hdf5=None if (hdf5 is None or not replay_dataset_id) else
+                                       Path(hdf5).with_name(Path(hdf5).stem + "-replay.hdf5"))
+        if replay is not None:
+            results.append(replay)
+        label = f"{train}-trained"
+        info["policy"] = f"{train} trained {train_steps} steps"
+    elif policy == "random":
+        pol, label = RandomPolicy(genv.action_space, seed=seed), "random"
+        info["policy"] = "random"
+    else:
+        norm = None if obs_norm.lower() in ("none", "false", "off") else obs_norm
+        pol = load_sb3_policy(policy, genv, algo=algo, obs_norm=norm)
+        label = pol.name.split(":", 1)[0]
+        info["policy"] = str(policy)
+    if noise > 0 or epsilon > 0:
+        pol = NoisyPolicy(pol, genv.action_space, noise_std=noise, epsilon=epsilon, seed=seed + 1)
+    if (steps or 0) == 0 and (episodes or 0) == 0:
+        return results  # only the training replay was asked for
+    suffix = "" if record is None else f"-{record['kind'] if record['kind'] == 'positions' else 'masked'}"
+    dataset_id = dataset_id or f"rlt/{env.lower()}/{label}{suffix}-v0"
+    results.append(collect(env, [Behaviour(pol, steps=steps, episodes=episodes, label=info["policy"], info=info)],
+                           dataset_id=dataset_id, seed=seed, pomdp=record, root=root, hdf5=hdf5, overwrite=overwrite,
+                           progress=progress, description=f"rl-tformers collect: {info['policy']} on {env}",
+                           record={"algorithm": info["policy"]}))
+    return results
+
+
+@dataset_app.command("info")
+def info(
+    dataset: str = typer.Argument(..., help="Minari id, Minari dataset folder or D4RL .hdf5 file."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    download: bool = typer.Option(False, "--download", help="Download a Minari id that is not found locally."),
+    flatten_observations: bool = typer.Option(False, "--flatten-observations",
+                                              help="Flatten Dict/Tuple observations (gymnasium flatten_space)."),
+    root: Path = typer.Option(None, "--root", help="Data root searched first for Minari ids."),
+    max_ep_len: int = typer.Option(None, "--max-ep-len", help="Also refuse episodes longer than this."),
+) -> None:
+    """Validate a dataset and print its statistics (exit 1 with the validation error on stderr if it is bad)."""
+    from rl_tformers.envs.dataset import DatasetError
+    from rl_tformers.envs.loaders import load_dataset
+
+    try:
+        ds = load_dataset(dataset, download=download, flatten_observations=flatten_observations, root=root,
+                          max_ep_len=max_ep_len, lazy=True)
+    except (DatasetError, FileNotFoundError, RuntimeError) as exc:
+        _fail(str(exc))
+    s = ds.summary()
+    if as_json:
+        typer.echo(json.dumps(s))
+        return
+    width = max(len(k) for k in s)
+    for k, v in s.items():
+        if isinstance(v, float):
+            v = f"{v:.4f}"
+        typer.echo(f"{k:<{width}}  {v}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("collect")(collect)
+    app.add_typer(dataset_app, name="dataset")

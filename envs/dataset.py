@@ -1,0 +1,672 @@
+"""The in-memory episode representation shared by every loader, sampler and agent.
+
+Layout (chosen so that random access stays O(batch) at 1M+ steps):
+
+* flat step arrays, one row per environment step ``t`` (the step *before* acting):
+  ``observations (N, *obs_shape)``, ``actions (N, *act_shape)`` (``(N,)`` int64 for
+  ``Discrete``), ``rewards (N,)`` float64, ``terminations (N,)`` bool, ``truncations (N,)`` bool;
+* an episode table: ``starts (E,)`` and ``lengths (E,)`` (int64) into the flat arrays, plus
+  ``final_observations (E, *obs_shape)``: the observation reached after the last action of each
+  episode (Minari stores ``len(actions) + 1`` observations; that extra one lives here). ``None``
+  when the source does not have it (a D4RL file without ``next_observations``);
+* ``observation_space`` / ``action_space`` (gymnasium) and :class:`DatasetMetadata`.
+
+Selecting episodes (``select``, ``top_fraction`` in :mod:`rl_tformers.envs.trajectory`) only
+rewrites the episode table: the flat arrays are shared, never copied, so a filtered view of an
+HDF5-backed dataset stays lazy. Episodes are therefore not required to be contiguous or in flat
+order; the *dataset order* is the order of the episode table and ``cum_lengths`` maps a
+"virtual" step ``v`` in ``[0, num_steps)`` of that order to its episode by ``searchsorted``.
+
+The flat ``observations`` / ``actions`` may be numpy arrays or :class:`LazyH5Array` (an HDF5
+dataset opened lazily in each process, see :mod:`rl_tformers.envs.loaders`); rewards, flags and
+the episode table are always numpy arrays in memory (a few MB per million steps).
+
+Validation (:meth:`EpisodeDataset.validate`, run by every loader) raises :class:`DatasetError`
+naming the field, the episode and the step of the first problem. Nothing is ever fixed silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import gymnasium as gym
+import numpy as np
+
+ArrayLike = Any  # np.ndarray or LazyH5Array (indexable, has .shape/.dtype)
+
+#: Steps per chunk when scanning lazy (HDF5-backed) arrays during validation and statistics.
+SCAN_CHUNK = 1 << 16
+
+
+class DatasetError(ValueError):
+    """A dataset is malformed. The message names the field, the episode and the step.
+
+    Attributes:
+        field: array at fault (``"rewards"``, ``"observations"``, ...) or ``None``.
+        episode: episode index (position in the episode table) or ``None``.
+        step: step index inside that episode (0-based) or ``None``.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, episode: int | None = None,
+                 step: int | None = None):
+        super().__init__(message)
+        self.field = field
+        self.episode = episode
+        self.step = step
+
+
+@dataclass(frozen=True)
+class DatasetMetadata:
+    """Where a dataset came from and what it is about.
+
+    Attributes:
+        env_id: gymnasium id of the environment (``"Hopper-v5"``), or ``None`` when unknown.
+        source: ``"minari"``, ``"minari-path"``, ``"d4rl-hdf5"`` or ``"memory"``.
+        location: Minari id or filesystem path the data was read from (``None`` in memory).
+        dataset_id: Minari dataset id when there is one.
+        ref_min_score: dataset's own reference minimum return (Minari metadata), raw units.
+        ref_max_score: dataset's own reference maximum return (Minari metadata), raw units.
+        pomdp: ``{"kind": "positions" | "mask", "indices": [...], "source_shape": [...]}`` when
+            observations were masked at collection time (see :mod:`rl_tformers.envs.pomdp`).
+        extra: anything else worth keeping (algorithm, description, notes from the loader).
+    """
+
+    env_id: str | None = None
+    source: str = "memory"
+    location: str | None = None
+    dataset_id: str | None = None
+    ref_min_score: float | None = None
+    ref_max_score: float | None = None
+    pomdp: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+    def replace(self, **changes: Any) -> DatasetMetadata:
+        return dataclasses.replace(self, **changes)
+
+
+class Episode(NamedTuple):
+    """Views of one episode (numpy views for in-memory data; read on access for lazy data).
+
+    observations (L, *obs_shape), actions (L, *act_shape), rewards (L,), terminations (L,),
+    truncations (L,), final_observation (*obs_shape) or ``None``.
+    """
+
+    observations: np.ndarray
+    actions: np.ndarray
+    rewards: np.ndarray
+    terminations: np.ndarray
+    truncations: np.ndarray
+    final_observation: np.ndarray | None
+
+
+class LazyH5Array:
+    """Read-only array view of one HDF5 dataset, opened lazily once per process.
+
+    No h5py handle is ever pickled: ``__getstate__`` drops it, and a handle inherited through
+    ``fork`` is detected by its process id and replaced, so the object is safe in
+    ``torch.utils.data.DataLoader`` workers (``num_workers > 0``).
+
+    Indexing: ``a[i]``, ``a[i:j]`` and ``a[idx]`` with an integer array ``idx`` of any shape
+    (result shape ``idx.shape + a.shape[1:]``). Integer arrays are served by reading each
+    contiguous run of the sorted unique indices with one slice, which is what window samplers
+    produce (B runs of K consecutive steps).
+    """
+
+    def __init__(self, path: str | os.PathLike, key: str):
+        import h5py
+
+        self.path = os.fspath(path)
+        self.key = key
+        with h5py.File(self.path, "r") as f:
+            if key not in f:
+                raise DatasetError(f"{self.path}: HDF5 file has no dataset {key!r}", field=key)
+            d = f[key]
+            self.shape: tuple[int, ...] = tuple(d.shape)
+            self.dtype = np.dtype(d.dtype)
+        self._h5 = None
+        self._pid: int | None = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _dataset(self):
+        if self._h5 is None or self._pid != os.getpid():
+            import h5py
+
+            self._h5 = h5py.File(self.path, "r")
+            self._pid = os.getpid()
+        return self._h5[self.key]
+
+    def close(self) -> None:
+        """Close this process's handle (it reopens on the next access)."""
+        if self._h5 is not None and self._pid == os.getpid():
+            self._h5.close()
+        self._h5 = None
+        self._pid = None
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_h5"] = None
+        state["_pid"] = None
+        return state
+
+    def __array__(self, dtype=None, copy=None):
+        out = self._dataset()[()]
+        return out if dtype is None else out.astype(dtype)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, (int, np.integer, slice)):
+            return self._dataset()[idx]
+        idx = np.asarray(idx)
+        if idx.dtype == bool or not np.issubdtype(idx.dtype, np.integer):
+            raise TypeError(f"LazyH5Array supports int, slice or integer-array indices, got {idx.dtype}")
+        flat = idx.reshape(-1)
+        if flat.size == 0:
+            return np.empty(idx.shape + self.shape[1:], dtype=self.dtype)
+        uniq, inverse = np.unique(flat, return_inverse=True)
+        if uniq[0] < 0 or uniq[-1] >= self.shape[0]:
+            raise IndexError(f"index out of range for {self.key} with {self.shape[0]} rows")
+        breaks = np.flatnonzero(np.diff(uniq) != 1) + 1  # run boundaries in uniq
+        run_starts = np.concatenate(([0], breaks))
+        run_ends = np.concatenate((breaks, [uniq.size]))
+        d = self._dataset()
+        parts = [d[int(uniq[a]): int(uniq[b - 1]) + 1] for a, b in zip(run_starts, run_ends)]
+        rows = np.concatenate(parts, axis=0)  # (U, *row_shape) rows of uniq in order
+        return rows[inverse].reshape(idx.shape + self.shape[1:])
+
+    def __repr__(self) -> str:
+        return f"LazyH5Array({self.path!r}, {self.key!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def iter_chunks(arr: ArrayLike, chunk: int = SCAN_CHUNK) -> Iterator[tuple[int, np.ndarray]]:
+    """Yield ``(offset, arr[offset:offset+chunk])`` over the first axis (numpy or lazy array)."""
+    n = arr.shape[0]
+    for off in range(0, n, chunk):
+        yield off, np.asarray(arr[off: min(off + chunk, n)])
+
+
+def space_to_str(space: gym.Space) -> str:
+    """Short description of a space for messages and ``dataset info``."""
+    return repr(space)
+
+
+class EpisodeDataset:
+    """Offline episodes as flat step arrays plus an episode table (see the module docstring).
+
+    Args:
+        observations: (N, *obs_shape) observation at each step, before the action.
+        actions: (N, *act_shape) float for ``Box``; (N,) integer for ``Discrete``.
+        rewards: (N,) reward after each action (raw units; stored as float64).
+        terminations: (N,) bool, True at the last step of an episode that reached a terminal
+            state. Only an episode's last step may carry a flag.
+        truncations: (N,) bool, True at the last step of an episode cut by a time limit (or by
+            the end of data collection).
+        starts: (E,) flat index of each episode's first step.
+        lengths: (E,) number of steps (actions) per episode, all > 0.
+        final_observations: (E, *obs_shape) observation after the last action, or ``None``.
+        observation_space: a ``gym.spaces.Box`` (Dict/Tuple are flattened by the loaders).
+        action_space: ``gym.spaces.Box`` or ``gym.spaces.Discrete``.
+        metadata: :class:`DatasetMetadata`.
+        validate: run :meth:`validate` now (loaders do; views created by ``select`` skip it).
+
+    Raises:
+        DatasetError: on inconsistent shapes, or (``validate=True``) any problem listed in
+            :meth:`validate`.
+    """
+
+    def __init__(
+        self,
+        observations: ArrayLike,
+        actions: ArrayLike,
+        rewards: np.ndarray,
+        terminations: np.ndarray,
+        truncations: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        *,
+        final_observations: np.ndarray | None = None,
+        observation_space: gym.Space | None = None,
+        action_space: gym.Space | None = None,
+        metadata: DatasetMetadata | None = None,
+        validate: bool = True,
+    ):
+        self.observations = observations
+        self.actions = actions
+        self.rewards = np.asarray(rewards, dtype=np.float64).reshape(-1)
+        self.terminations = np.asarray(terminations).astype(bool, copy=False).reshape(-1)
+        self.truncations = np.asarray(truncations).astype(bool, copy=False).reshape(-1)
+        self.starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        self.final_observations = None if final_observations is None else np.asarray(final_observations)
+        self.metadata = metadata if metadata is not None else DatasetMetadata()
+        n = self.rewards.shape[0]
+        for name, arr in (("observations", observations), ("actions", actions),
+                          ("terminations", self.terminations), ("truncations", self.truncations)):
+            if arr.shape[0] != n:
+                raise DatasetError(f"{name}: {arr.shape[0]} rows but rewards has {n}", field=name)
+        if self.starts.shape != self.lengths.shape:
+            raise DatasetError(f"episode table: {self.starts.size} starts but {self.lengths.size} lengths",
+                               field="lengths")
+        if self.final_observations is not None and self.final_observations.shape[0] != self.starts.size:
+            raise DatasetError(
+                f"final_observations: {self.final_observations.shape[0]} rows for {self.starts.size} episodes",
+                field="final_observations")
+        self.observation_space = observation_space if observation_space is not None else gym.spaces.Box(
+            -np.inf, np.inf, shape=tuple(observations.shape[1:]), dtype=np.dtype(observations.dtype))
+        if action_space is None:
+            raise DatasetError("action_space is required", field="actions")
+        self.action_space = action_space
+        self.cum_lengths = np.concatenate(([0], np.cumsum(self.lengths))).astype(np.int64)  # (E+1,)
+        self._returns: np.ndarray | None = None
+        if validate:
+            self.validate()
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def from_flags(
+        cls,
+        observations: ArrayLike,
+        actions: ArrayLike,
+        rewards: np.ndarray,
+        terminals: np.ndarray,
+        timeouts: np.ndarray | None = None,
+        *,
+        next_observations: ArrayLike | None = None,
+        observation_space: gym.Space | None = None,
+        action_space: gym.Space | None = None,
+        metadata: DatasetMetadata | None = None,
+        validate: bool = True,
+    ) -> EpisodeDataset:
+        """Split D4RL-style flat data into episodes: an episode ends where ``terminals OR timeouts``.
+
+        A last episode with neither flag (data stopped mid-episode) is kept and its last step
+        is marked truncated; ``metadata.extra["unfinished_last_episode"]`` records it.
+
+        Args:
+            observations: (N, *obs_shape); actions: (N, *act_shape); rewards: (N,).
+            terminals: (N,) 0/1 or bool; timeouts: (N,) 0/1 or bool, or ``None`` (all False).
+            next_observations: (N, *obs_shape) or ``None``; when given, the final observation
+                of each episode is ``next_observations[last step]``.
+
+        Example: terminals ``[0,1,1,0,0,1]`` gives 3 episodes of lengths 2, 1, 3.
+        """
+        rewards = np.asarray(rewards).reshape(-1)
+        n = rewards.shape[0]
+        terminals = np.asarray(terminals).reshape(-1).astype(bool)
+        timeouts = np.zeros(n, bool) if timeouts is None else np.asarray(timeouts).reshape(-1).astype(bool)
+        if terminals.shape[0] != n or timeouts.shape[0] != n:
+            raise DatasetError(f"terminals/timeouts have {terminals.shape[0]}/{timeouts.shape[0]} rows, rewards {n}",
+                               field="terminals")
+        ends = np.flatnonzero(terminals | timeouts)  # last step of each finished episode
+        truncations = timeouts.copy()
+        meta = metadata if metadata is not None else DatasetMetadata()
+        if n > 0 and (ends.size == 0 or ends[-1] != n - 1):
+            ends = np.append(ends, n - 1)
+            truncations[n - 1] = True
+            meta = meta.replace(extra={**meta.extra, "unfinished_last_episode": True})
+        starts = np.concatenate(([0], ends[:-1] + 1)).astype(np.int64) if ends.size else np.zeros(0, np.int64)
+        lengths = (ends + 1 - starts).astype(np.int64)
+        final = None
+        if next_observations is not None:
+            final = np.asarray(next_observations[ends]) if ends.size else None
+        if action_space is None:
+            action_space = infer_action_space(actions)
+        return cls(observations, actions, rewards, terminals, truncations, starts, lengths,
+                   final_observations=final, observation_space=observation_space,
+                   action_space=action_space, metadata=meta, validate=validate)
+
+    @classmethod
+    def from_episodes(
+        cls,
+        episodes: list[dict],
+        *,
+        observation_space: gym.Space | None = None,
+        action_space: gym.Space | None = None,
+        metadata: DatasetMetadata | None = None,
+        validate: bool = True,
+    ) -> EpisodeDataset:
+        """Build from Minari-style episodes: dicts with ``observations`` (L+1, ...), ``actions``
+        (L, ...), ``rewards`` (L,), ``terminations`` (L,), ``truncations`` (L,).
+
+        Raises:
+            DatasetError: an episode whose observation count is not its action count + 1
+                (the message names the episode and both counts), or whose per-step arrays
+                disagree in length.
+        """
+        obs_parts, act_parts, rew_parts, term_parts, trunc_parts, finals, lengths = [], [], [], [], [], [], []
+        for i, ep in enumerate(episodes):
+            obs = np.asarray(ep["observations"])
+            act = np.asarray(ep["actions"])
+            n_obs, n_act = obs.shape[0], act.shape[0]
+            if n_obs != n_act + 1:
+                raise DatasetError(
+                    f"episode {i}: observations has {n_obs} entries and actions has {n_act}; a Minari "
+                    f"episode must have len(observations) == len(actions) + 1 (the final observation)",
+                    field="observations", episode=i)
+            for key in ("rewards", "terminations", "truncations"):
+                k = np.asarray(ep[key]).shape[0]
+                if k != n_act:
+                    raise DatasetError(f"episode {i}: {key} has {k} entries and actions has {n_act}",
+                                       field=key, episode=i)
+            obs_parts.append(obs[:-1])
+            finals.append(obs[-1])
+            act_parts.append(act)
+            rew_parts.append(np.asarray(ep["rewards"], dtype=np.float64).reshape(-1))
+            term_parts.append(np.asarray(ep["terminations"], dtype=bool).reshape(-1))
+            trunc_parts.append(np.asarray(ep["truncations"], dtype=bool).reshape(-1))
+            lengths.append(n_act)
+        if not obs_parts:
+            raise DatasetError("dataset has no episodes", field="episodes")
+        lengths_arr = np.asarray(lengths, dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(lengths_arr)[:-1])).astype(np.int64)
+        actions = np.concatenate(act_parts, axis=0)
+        if action_space is None:
+            action_space = infer_action_space(actions)
+        return cls(np.concatenate(obs_parts, axis=0), actions, np.concatenate(rew_parts),
+                   np.concatenate(term_parts), np.concatenate(trunc_parts), starts, lengths_arr,
+                   final_observations=np.stack(finals, axis=0), observation_space=observation_space,
+                   action_space=action_space, metadata=metadata, validate=validate)
+
+    # ------------------------------------------------------------------ basic properties
+    @property
+    def num_episodes(self) -> int:
+        """E, number of episodes."""
+        return int(self.starts.size)
+
+    @property
+    def num_steps(self) -> int:
+        """Total steps (actions) over the episodes of the table."""
+        return int(self.cum_lengths[-1])
+
+    def __len__(self) -> int:
+        return self.num_episodes
+
+    @property
+    def observation_shape(self) -> tuple[int, ...]:
+        return tuple(self.observations.shape[1:])
+
+    @property
+    def action_shape(self) -> tuple[int, ...]:
+        return tuple(self.actions.shape[1:])
+
+    @property
+    def discrete_actions(self) -> bool:
+        return isinstance(self.action_space, gym.spaces.Discrete)
+
+    @property
+    def is_lazy(self) -> bool:
+        return not (isinstance(self.observations, np.ndarray) and isinstance(self.actions, np.ndarray))
+
+    @property
+    def episode_returns(self) -> np.ndarray:
+        """(E,) undiscounted return of each episode (raw reward units, float64; cached).
+
+        Each sum is exactly rounded (``math.fsum``), so it does not depend on summation order:
+        the returns a rollout accumulated with ``math.fsum`` are reproduced bit for bit.
+        """
+        if self._returns is None:
+            r = self.rewards.tolist()
+            self._returns = np.array([math.fsum(r[s:s + n]) for s, n in zip(self.starts.tolist(), self.lengths.tolist())],
+                                     dtype=np.float64)
+        return self._returns
+
+    def is_contiguous(self) -> bool:
+        """True when episodes tile ``[starts[0], starts[0] + num_steps)`` in flat order."""
+        return bool(self.num_episodes > 0 and np.array_equal(self.starts[1:], self.starts[:-1] + self.lengths[:-1]))
+
+    def episode(self, i: int) -> Episode:
+        """Views of episode ``i`` (position in the episode table)."""
+        if not -self.num_episodes <= i < self.num_episodes:
+            raise IndexError(f"episode {i} out of range for {self.num_episodes} episodes")
+        i = i % self.num_episodes
+        s, n = int(self.starts[i]), int(self.lengths[i])
+        return Episode(
+            np.asarray(self.observations[s:s + n]), np.asarray(self.actions[s:s + n]), self.rewards[s:s + n],
+            self.terminations[s:s + n], self.truncations[s:s + n],
+            None if self.final_observations is None else self.final_observations[i])
+
+    def __iter__(self) -> Iterator[Episode]:
+        for i in range(self.num_episodes):
+            yield self.episode(i)
+
+    def flat_indices(self) -> np.ndarray:
+        """(N,) flat index of every step in dataset order (episode table order)."""
+        if self.is_contiguous():
+            return np.arange(self.starts[0], self.starts[0] + self.num_steps, dtype=np.int64)
+        ep = np.repeat(np.arange(self.num_episodes), self.lengths)
+        return self.starts[ep] + (np.arange(self.num_steps) - self.cum_lengths[ep])
+
+    def locate(self, virtual_steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Map virtual steps ``v`` (any shape, 0 <= v < num_steps) to ``(episode, step_in_episode)``.
+
+        O(log E) per entry (``searchsorted`` on the cumulative lengths); never touches the data.
+        """
+        v = np.asarray(virtual_steps, dtype=np.int64)
+        ep = np.searchsorted(self.cum_lengths, v, side="right") - 1
+        return ep, v - self.cum_lengths[ep]
+
+    def select(self, episodes: np.ndarray) -> EpisodeDataset:
+        """A dataset holding the given episodes (indices or bool mask), sharing the flat arrays."""
+        idx = np.asarray(episodes)
+        if idx.dtype == bool:
+            idx = np.flatnonzero(idx)
+        idx = idx.astype(np.int64)
+        out = EpisodeDataset(
+            self.observations, self.actions, self.rewards, self.terminations, self.truncations,
+            self.starts[idx], self.lengths[idx],
+            final_observations=None if self.final_observations is None else self.final_observations[idx],
+            observation_space=self.observation_space, action_space=self.action_space,
+            metadata=self.metadata, validate=False)
+        if self._returns is not None:
+            out._returns = self._returns[idx]
+        return out
+
+    def materialize(self) -> EpisodeDataset:
+        """An in-memory, contiguous copy (reads lazy arrays)."""
+        flat = self.flat_indices()
+        obs = np.asarray(self.observations[flat])
+        act = np.asarray(self.actions[flat])
+        starts = self.cum_lengths[:-1].copy()
+        out = EpisodeDataset(obs, act, self.rewards[flat], self.terminations[flat], self.truncations[flat],
+                             starts, self.lengths.copy(), final_observations=self.final_observations,
+                             observation_space=self.observation_space, action_space=self.action_space,
+                             metadata=self.metadata, validate=False)
+        return out
+
+    # ------------------------------------------------------------------ validation
+    def _where(self, flat_index: int) -> tuple[int, int]:
+        """(episode, step) of a flat index (searches the episode table)."""
+        hit = np.flatnonzero((self.starts <= flat_index) & (flat_index < self.starts + self.lengths))
+        if hit.size == 0:
+            return -1, -1
+        e = int(hit[0])
+        return e, int(flat_index - self.starts[e])
+
+    def _fail(self, fieldname: str, flat_index: int, what: str) -> DatasetError:
+        e, s = self._where(flat_index)
+        return DatasetError(f"{fieldname}: episode {e}, step {s} (dataset row {flat_index}): {what}",
+                            field=fieldname, episode=e, step=s)
+
+    def validate(self, *, max_ep_len: int | None = None) -> None:
+        """Check everything a sampler or agent relies on; raise on the first problem.
+
+        Checks, in order: supported spaces; no empty episode; episodes inside the flat arrays;
+        finite observations, actions, rewards and final observations (no NaN/inf); flags only on
+        an episode's last step and every last step flagged (terminated or truncated);
+        observation shape matches the observation space; actions inside the action space
+        (``Box`` bounds inclusive; ``Discrete`` integers in ``[start, start + n)``); episode
+        length <= ``max_ep_len`` when given.
+
+        Raises:
+            DatasetError: naming the field, the episode and the step (0-based inside the episode).
+        """
+        if not isinstance(self.action_space, (gym.spaces.Box, gym.spaces.Discrete)):
+            raise DatasetError(f"actions: unsupported action space {self.action_space!r}; "
+                               "supported: Box, Discrete", field="actions")
+        if not isinstance(self.observation_space, gym.spaces.Box):
+            raise DatasetError(f"observations: unsupported observation space {self.observation_space!r}; "
+                               "flatten it with flatten_observations=True", field="observations")
+        n = self.rewards.shape[0]
+        empty = np.flatnonzero(self.lengths <= 0)
+        if empty.size:
+            e = int(empty[0])
+            raise DatasetError(f"episode {e}: empty episode (length {int(self.lengths[e])})", field="lengths", episode=e)
+        bad = np.flatnonzero((self.starts < 0) | (self.starts + self.lengths > n))
+        if bad.size:
+            e = int(bad[0])
+            raise DatasetError(f"episode {e}: steps [{self.starts[e]}, {self.starts[e] + self.lengths[e]}) "
+                               f"outside the {n} rows of data", field="lengths", episode=e)
+        if tuple(self.observations.shape[1:]) != tuple(self.observation_space.shape):
+            raise DatasetError(f"observations: shape {tuple(self.observations.shape[1:])} per step does not match "
+                               f"the observation space {self.observation_space!r}", field="observations")
+        self._check_finite("observations", self.observations)
+        self._check_finite("actions", self.actions)
+        self._check_finite("rewards", self.rewards)
+        if self.final_observations is not None:
+            fin = self.final_observations.reshape(self.final_observations.shape[0], -1)
+            rows = np.flatnonzero(~np.isfinite(fin).all(axis=1))
+            if rows.size:
+                e = int(rows[0])
+                raise DatasetError(f"final_observations: episode {e}, step {int(self.lengths[e])} (the observation "
+                                   "after the last action) is not finite", field="final_observations",
+                                   episode=e, step=int(self.lengths[e]))
+        last = self.starts + self.lengths - 1  # (E,) flat index of each episode's last step
+        is_last = np.zeros(n, bool)
+        is_last[last] = True
+        edges = np.zeros(n + 1, np.int64)  # +1 at each episode start, -1 one past its end
+        np.add.at(edges, self.starts, 1)
+        np.add.at(edges, self.starts + self.lengths, -1)
+        covered = np.cumsum(edges)[:n] > 0  # (N,) row belongs to an episode of the table
+        for name, flags in (("terminations", self.terminations), ("truncations", self.truncations)):
+            mid = np.flatnonzero(flags & ~is_last & covered)
+            if mid.size:
+                raise self._fail(name, int(mid[0]), "flag set before the episode's last step")
+        unflagged = np.flatnonzero(~(self.terminations[last] | self.truncations[last]))
+        if unflagged.size:
+            e = int(unflagged[0])
+            raise DatasetError(f"terminations/truncations: episode {e}, step {int(self.lengths[e]) - 1} "
+                               "(its last step) is neither terminated nor truncated", field="terminations",
+                               episode=e, step=int(self.lengths[e]) - 1)
+        self._check_actions()
+        if max_ep_len is not None:
+            self.check_max_ep_len(max_ep_len)
+
+    def _check_finite(self, name: str, arr: ArrayLike) -> None:
+        if not np.issubdtype(np.dtype(arr.dtype), np.floating):
+            return
+        for off, chunk in iter_chunks(arr):
+            ok = np.isfinite(chunk.reshape(chunk.shape[0], -1)).all(axis=1)
+            if not ok.all():
+                row = off + int(np.flatnonzero(~ok)[0])
+                value = np.asarray(arr[row]).reshape(-1)
+                raise self._fail(name, row, f"value {value[~np.isfinite(value)][0]} is not finite")
+
+    def _check_actions(self) -> None:
+        space = self.action_space
+        if isinstance(space, gym.spaces.Discrete):
+            if self.actions.ndim != 1:
+                raise DatasetError(f"actions: Discrete actions must have shape (N,), got {self.actions.shape}",
+                                   field="actions")
+            lo, hi = int(space.start), int(space.start + space.n)
+            for off, chunk in iter_chunks(self.actions):
+                bad = (chunk != np.round(chunk)) | (chunk < lo) | (chunk >= hi)
+                if bad.any():
+                    row = off + int(np.flatnonzero(bad)[0])
+                    raise self._fail("actions", row, f"action {chunk[row - off]} outside {space!r}")
+            return
+        if tuple(self.actions.shape[1:]) != tuple(space.shape):
+            raise DatasetError(f"actions: shape {tuple(self.actions.shape[1:])} per step does not match "
+                               f"the action space {space!r}", field="actions")
+        low = np.asarray(space.low, np.float64).reshape(-1)
+        high = np.asarray(space.high, np.float64).reshape(-1)
+        for off, chunk in iter_chunks(self.actions):
+            c = chunk.reshape(chunk.shape[0], -1).astype(np.float64)
+            bad = ((c < low) | (c > high)).any(axis=1)
+            if bad.any():
+                row = off + int(np.flatnonzero(bad)[0])
+                a = c[row - off]
+                j = int(np.flatnonzero((a < low) | (a > high))[0])
+                raise self._fail("actions", row, f"component {j} = {float(a[j])!r} outside the action space bounds "
+                                 f"[{float(low[j])!r}, {float(high[j])!r}]")
+
+    def check_max_ep_len(self, max_ep_len: int) -> None:
+        """Refuse episodes longer than a model's ``max_ep_len`` (timestep embedding size).
+
+        Raises:
+            DatasetError: naming the first episode with ``length > max_ep_len`` and its length.
+        """
+        too_long = np.flatnonzero(self.lengths > max_ep_len)
+        if too_long.size:
+            e = int(too_long[0])
+            raise DatasetError(
+                f"lengths: episode {e} has {int(self.lengths[e])} steps, more than the model's max_ep_len="
+                f"{max_ep_len} (step {max_ep_len} has no timestep embedding); raise max_ep_len",
+                field="lengths", episode=e, step=max_ep_len)
+
+    # ------------------------------------------------------------------ summaries
+    def summary(self) -> dict:
+        """The ``rl-tformers dataset info`` record (JSON-serialisable)."""
+        from rl_tformers.envs.scores import normalized_score, reference_scores
+
+        ret = self.episode_returns
+        out = {
+            "dataset": self.metadata.location,
+            "source": self.metadata.source,
+            "dataset_id": self.metadata.dataset_id,
+            "env_id": self.metadata.env_id,
+            "episodes": self.num_episodes,
+            "steps": self.num_steps,
+            "return_mean": float(ret.mean()),
+            "return_std": float(ret.std()),
+            "return_min": float(ret.min()),
+            "return_max": float(ret.max()),
+            "length_min": int(self.lengths.min()),
+            "length_max": int(self.lengths.max()),
+            "length_mean": float(self.lengths.mean()),
+            "terminations": int(self.terminations[self.starts + self.lengths - 1].sum()),
+            "truncations": int(self.truncations[self.starts + self.lengths - 1].sum()),
+            "observation_shape": list(self.observation_shape),
+            "observation_dtype": str(np.dtype(self.observations.dtype)),
+            "observation_space": space_to_str(self.observation_space),
+            "action_shape": list(self.action_shape),
+            "action_space": space_to_str(self.action_space),
+            "has_final_observations": self.final_observations is not None,
+            "normalized_return_mean": None,
+            "ref_min_score": None,
+            "ref_max_score": None,
+            "pomdp": self.metadata.pomdp,
+        }
+        refs = reference_scores(self)
+        if refs is not None:
+            out["ref_min_score"], out["ref_max_score"] = float(refs[0]), float(refs[1])
+            out["normalized_return_mean"] = float(normalized_score(self, float(ret.mean())))
+        return out
+
+    def __repr__(self) -> str:
+        return (f"EpisodeDataset({self.metadata.location or 'in memory'}: {self.num_episodes} episodes, "
+                f"{self.num_steps} steps, obs {self.observation_shape}, actions {self.action_space!r})")
+
+
+def infer_action_space(actions: ArrayLike) -> gym.Space:
+    """Action space when the source stores none: ``Discrete(max + 1)`` for integer (N,) actions,
+    an unbounded ``Box`` for float actions (the bounds check is then a no-op; pass the real
+    space to the loader when you know it)."""
+    dtype = np.dtype(actions.dtype)
+    if np.issubdtype(dtype, np.integer):
+        if len(actions.shape) != 1:
+            raise DatasetError(f"actions: integer actions must have shape (N,), got {actions.shape}", field="actions")
+        a = np.asarray(actions)
+        if a.size and a.min() < 0:
+            raise DatasetError(f"actions: negative integer action {a.min()}; pass action_space explicitly",
+                               field="actions")
+        return gym.spaces.Discrete(int(a.max()) + 1 if a.size else 1)
+    return gym.spaces.Box(-np.inf, np.inf, shape=tuple(actions.shape[1:]), dtype=dtype)

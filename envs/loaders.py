@@ -1,0 +1,415 @@
+"""Loading offline data into :class:`~rl_tformers.envs.dataset.EpisodeDataset`.
+
+Sources:
+
+* **Minari** datasets by id (``"rlt/hopper-v5/medium-v0"``, ``"mujoco/hopper/medium-v0"``) or by
+  folder, read with ``minari.MinariDataset``. An id is looked up in the project's data root
+  (:func:`data_root`) and then in Minari's own root (``$MINARI_DATASETS_PATH`` or
+  ``~/.minari/datasets``). Nothing is downloaded unless ``download=True`` is passed.
+* **D4RL HDF5** files (``observations``, ``actions``, ``rewards``, ``terminals``, ``timeouts``,
+  optional ``next_observations``), read with h5py. The ``d4rl`` package itself is not needed
+  (and cannot be installed on current Python: it pins ``gym<0.25`` and ``mujoco-py``); its file
+  layout and reference scores are supported instead. ``lazy=True`` keeps observations and
+  actions on disk (:class:`~rl_tformers.envs.dataset.LazyH5Array`, opened per process).
+
+Every loader validates the data (:meth:`EpisodeDataset.validate`) and raises
+:class:`~rl_tformers.envs.dataset.DatasetError` on the first problem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+from rl_tformers.envs.dataset import DatasetError, DatasetMetadata, EpisodeDataset, LazyH5Array
+
+#: Environment variable overriding the project's data root.
+DATA_ROOT_ENV = "RL_TFORMERS_DATA"
+#: Default data root, relative to the current directory (``data/`` is gitignored).
+DEFAULT_DATA_ROOT = Path("data") / "minari"
+#: Key of the project's own record inside a Minari dataset's metadata.json.
+META_KEY = "rl_tformers"
+#: gymnasium ids used for D4RL files of each task family (same observation/action shapes).
+D4RL_ENV_IDS = {"hopper": "Hopper-v5", "halfcheetah": "HalfCheetah-v5", "walker2d": "Walker2d-v5"}
+
+HDF5_SUFFIXES = (".hdf5", ".h5", ".hdf")
+
+
+def data_root(root: str | os.PathLike | None = None) -> Path:
+    """The folder where ``rl-tformers collect`` writes Minari datasets.
+
+    ``root`` if given, else ``$RL_TFORMERS_DATA``, else ``./data/minari``.
+    """
+    if root is not None:
+        return Path(root).expanduser()
+    env = os.environ.get(DATA_ROOT_ENV)
+    return Path(env).expanduser() if env else DEFAULT_DATA_ROOT
+
+
+def minari_default_root() -> Path:
+    """Minari's own dataset root: ``$MINARI_DATASETS_PATH`` or ``~/.minari/datasets``."""
+    env = os.environ.get("MINARI_DATASETS_PATH")
+    return Path(env).expanduser() if env else Path.home() / ".minari" / "datasets"
+
+
+@contextlib.contextmanager
+def minari_root(root: str | os.PathLike) -> Iterator[Path]:
+    """Point Minari (``MINARI_DATASETS_PATH``) at ``root`` inside the block, then restore it."""
+    old = os.environ.get("MINARI_DATASETS_PATH")
+    path = Path(root).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["MINARI_DATASETS_PATH"] = str(path)
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop("MINARI_DATASETS_PATH", None)
+        else:
+            os.environ["MINARI_DATASETS_PATH"] = old
+
+
+# ---------------------------------------------------------------------------------------- spaces
+def flatten_batch(space: gym.Space, x) -> np.ndarray:
+    """Batched ``gymnasium.spaces.flatten``: (L, ...) leaves -> (L, flatdim(space)).
+
+    Same layout and values as calling ``gymnasium.spaces.flatten(space, x_t)`` for each step
+    (tested): Box/MultiBinary reshaped, Discrete/MultiDiscrete one-hot, Dict in the space's key
+    order, Tuple in order. Output dtype is ``flatten_space(space).dtype``.
+
+    Raises:
+        DatasetError: a leaf space other than Box, Discrete, MultiBinary, MultiDiscrete.
+    """
+    out = _flatten_batch(space, x)
+    return out.astype(gym.spaces.flatten_space(space).dtype, copy=False)
+
+
+def _flatten_batch(space: gym.Space, x) -> np.ndarray:
+    if isinstance(space, gym.spaces.Dict):
+        return np.concatenate([_flatten_batch(s, x[k]) for k, s in space.spaces.items()], axis=1)
+    if isinstance(space, gym.spaces.Tuple):
+        return np.concatenate([_flatten_batch(s, xi) for s, xi in zip(space.spaces, x)], axis=1)
+    a = np.asarray(x)
+    if isinstance(space, (gym.spaces.Box, gym.spaces.MultiBinary)):
+        return a.reshape(a.shape[0], -1)  # (L, prod(shape))
+    if isinstance(space, gym.spaces.Discrete):
+        out = np.zeros((a.shape[0], int(space.n)), dtype=space.dtype)
+        out[np.arange(a.shape[0]), a.reshape(-1) - int(space.start)] = 1
+        return out
+    if isinstance(space, gym.spaces.MultiDiscrete):
+        nvec = np.asarray(space.nvec).reshape(-1)
+        offsets = np.concatenate(([0], np.cumsum(nvec)[:-1]))
+        rel = a.reshape(a.shape[0], -1) - np.asarray(space.start).reshape(-1)  # (L, n_components)
+        out = np.zeros((a.shape[0], int(nvec.sum())), dtype=space.dtype)
+        rows = np.repeat(np.arange(a.shape[0]), nvec.size)
+        out[rows, (offsets[None, :] + rel).reshape(-1)] = 1
+        return out
+    raise DatasetError(f"observations: cannot flatten sub-space {space!r}", field="observations")
+
+
+def _check_spaces(obs_space: gym.Space, act_space: gym.Space, flatten_observations: bool) -> gym.Space:
+    """Observation space after optional flattening; refuses unsupported spaces by name."""
+    if not isinstance(act_space, (gym.spaces.Box, gym.spaces.Discrete)):
+        raise DatasetError(f"actions: unsupported action space {act_space!r}; supported: Box, Discrete",
+                           field="actions")
+    if isinstance(obs_space, gym.spaces.Box):
+        return obs_space
+    if not flatten_observations:
+        raise DatasetError(
+            f"observations: observation space {obs_space!r} is not a Box; pass flatten_observations=True "
+            "(CLI: --flatten-observations) to flatten it with gymnasium.spaces.flatten_space",
+            field="observations")
+    return gym.spaces.flatten_space(obs_space)
+
+
+# ---------------------------------------------------------------------------------------- Minari
+def resolve_minari(spec: str | os.PathLike, root: str | os.PathLike | None = None) -> Path | None:
+    """Data folder (the one holding ``metadata.json``) of a Minari id or folder, or ``None``."""
+    p = Path(spec).expanduser()
+    for cand in (p, p / "data"):
+        if (cand / "metadata.json").is_file():
+            return cand
+    if isinstance(spec, str) and not p.is_absolute():
+        for base in (data_root(root), minari_default_root()):
+            cand = base / spec / "data"
+            if (cand / "metadata.json").is_file():
+                return cand
+    return None
+
+
+def load_minari(
+    spec: str | os.PathLike,
+    *,
+    download: bool = False,
+    flatten_observations: bool = False,
+    root: str | os.PathLike | None = None,
+    max_ep_len: int | None = None,
+    validate: bool = True,
+) -> EpisodeDataset:
+    """Load a Minari dataset (by id or folder) into memory.
+
+    Args:
+        spec: Minari id (``"namespace/name-vN"``) or a dataset folder (its ``data/`` subfolder or
+            the folder containing it).
+        download: fetch the id from the Minari server into Minari's root when it is not
+            found locally (needs network). Never done implicitly.
+        flatten_observations: flatten Dict/Tuple (or Discrete) observations with
+            ``gymnasium.spaces.flatten_space``; without it such spaces are refused.
+        root: project data root to search first (default :func:`data_root`).
+        max_ep_len: refuse episodes longer than this (a model's timestep-embedding size).
+        validate: run :meth:`EpisodeDataset.validate` (default True).
+
+    Returns:
+        An :class:`EpisodeDataset` with ``final_observations`` set (Minari stores them) and the
+        dataset's ``ref_min_score``/``ref_max_score`` when its metadata has them.
+
+    Raises:
+        FileNotFoundError: id not found locally and ``download`` is False (the message says
+            where it looked and how to download or build it).
+        RuntimeError: ``download=True`` but the download failed (e.g. no network).
+        DatasetError: malformed data (see :meth:`EpisodeDataset.validate`), or an episode whose
+            observation count is not its action count + 1.
+    """
+    import minari
+
+    path = resolve_minari(spec, root)
+    source = "minari-path" if Path(spec).expanduser().exists() else "minari"
+    if path is None:
+        if Path(spec).expanduser().exists():
+            raise DatasetError(f"{spec}: not a Minari dataset folder (no metadata.json in it or in its data/)")
+        if not download:
+            raise FileNotFoundError(
+                f"Minari dataset {str(spec)!r} not found in {data_root(root)} nor in Minari's root "
+                f"{minari_default_root()}; build it (`rl-tformers collect --recipe ...`), pass a folder or "
+                "an .hdf5 file, or pass download=True (CLI: --download) to fetch it from the Minari server")
+        try:
+            md = minari.load_dataset(str(spec), download=True)
+        except Exception as exc:  # network errors, unknown remote ids
+            raise RuntimeError(f"could not download Minari dataset {str(spec)!r}: {exc}") from exc
+        path = Path(md.spec.data_path)
+    else:
+        md = minari.MinariDataset(path)
+    meta = md.storage.metadata
+    obs_space = md.observation_space
+    act_space = md.action_space
+    flat_space = _check_spaces(obs_space, act_space, flatten_observations)
+    needs_flatten = flat_space is not obs_space
+
+    def episodes():
+        for ep in md.iterate_episodes():
+            obs = flatten_batch(obs_space, ep.observations) if needs_flatten else ep.observations
+            yield {"observations": obs, "actions": ep.actions, "rewards": ep.rewards,
+                   "terminations": ep.terminations, "truncations": ep.truncations}
+
+    own = meta.get(META_KEY) or {}
+    if isinstance(own, str):
+        own = json.loads(own)
+    env_spec = md.env_spec
+    metadata = DatasetMetadata(
+        env_id=getattr(env_spec, "id", None),
+        source=source,
+        location=str(spec),
+        dataset_id=md.spec.dataset_id,
+        ref_min_score=_opt_float(meta.get("ref_min_score")),
+        ref_max_score=_opt_float(meta.get("ref_max_score")),
+        pomdp=own.get("pomdp"),
+        extra={k: meta[k] for k in ("algorithm_name", "description") if k in meta} | {
+            k: v for k, v in own.items() if k != "pomdp"},
+    )
+    ds = EpisodeDataset.from_episodes(list(episodes()), observation_space=flat_space, action_space=act_space,
+                                      metadata=metadata, validate=False)
+    if validate:
+        ds.validate(max_ep_len=max_ep_len)
+    return ds
+
+
+def _opt_float(v) -> float | None:
+    return None if v is None else float(v)
+
+
+# ---------------------------------------------------------------------------------------- D4RL
+def load_d4rl_hdf5(
+    path: str | os.PathLike,
+    *,
+    lazy: bool = False,
+    env_id: str | None = None,
+    observation_space: gym.Space | None = None,
+    action_space: gym.Space | None = None,
+    max_ep_len: int | None = None,
+    validate: bool = True,
+) -> EpisodeDataset:
+    """Load a D4RL-layout HDF5 file.
+
+    Episodes end where ``terminals OR timeouts`` is set; a last episode with neither flag is
+    kept and marked truncated (``metadata.extra["unfinished_last_episode"] = True``). A file
+    without ``timeouts`` (old D4RL versions) is read with all timeouts False.
+
+    Spaces: taken from the file's attributes when it was written by :func:`save_d4rl_hdf5`;
+    else the action space comes from ``env_id`` (argument, file attribute, or the file name's
+    task family, e.g. ``hopper-medium-v2.hdf5`` -> ``Hopper-v5``) when its shape matches, else
+    it is inferred (:func:`~rl_tformers.envs.dataset.infer_action_space`: unbounded Box or
+    Discrete). The observation space is an unbounded Box of the data's shape and dtype.
+
+    Args:
+        path: the .hdf5 file.
+        lazy: keep ``observations``/``actions`` on disk (per-process h5py handles); rewards,
+            flags and final observations are read into memory. Validation streams in chunks.
+        env_id, observation_space, action_space: override what the file says.
+        max_ep_len: refuse episodes longer than this.
+        validate: run :meth:`EpisodeDataset.validate`.
+
+    Raises:
+        FileNotFoundError: no such file.
+        DatasetError: a required key is missing, arrays disagree in length, or validation fails.
+    """
+    import h5py
+    from rl_tformers.envs.scores import task_family
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"no such HDF5 file: {path}")
+    with h5py.File(path, "r") as f:
+        for key in ("observations", "actions", "rewards", "terminals"):
+            if key not in f:
+                raise DatasetError(f"{path}: missing dataset {key!r} (D4RL layout needs observations, actions, "
+                                   "rewards, terminals, timeouts)", field=key)
+        rewards = np.asarray(f["rewards"][()], dtype=np.float64).reshape(-1)
+        n = rewards.shape[0]
+        terminals = np.asarray(f["terminals"][()]).reshape(-1)
+        timeouts = np.asarray(f["timeouts"][()]).reshape(-1) if "timeouts" in f else None
+        for key in ("observations", "actions", "terminals", "timeouts", "next_observations"):
+            if key in f and f[key].shape[0] != n:
+                raise DatasetError(f"{key}: {f[key].shape[0]} rows but rewards has {n}", field=key)
+        attrs = dict(f.attrs)
+        has_next = "next_observations" in f
+        if lazy:
+            obs = LazyH5Array(path, "observations")
+            act = LazyH5Array(path, "actions")
+            nxt = LazyH5Array(path, "next_observations") if has_next else None
+        else:
+            obs = f["observations"][()]
+            act = f["actions"][()]
+            nxt = f["next_observations"][()] if has_next else None
+    from minari.serialization import deserialize_space
+
+    own = json.loads(attrs["rl_tformers_metadata"]) if "rl_tformers_metadata" in attrs else {}
+    if observation_space is None and "observation_space" in attrs:
+        observation_space = deserialize_space(_attr_str(attrs["observation_space"]))
+    if action_space is None and "action_space" in attrs:
+        action_space = deserialize_space(_attr_str(attrs["action_space"]))
+    env_id = env_id or (_attr_str(attrs["env_id"]) if "env_id" in attrs else None)
+    if env_id is None:
+        fam = task_family(path.stem)
+        env_id = D4RL_ENV_IDS.get(fam) if fam else None
+    if action_space is None and env_id is not None:
+        action_space = _env_action_space(env_id, act)
+    if observation_space is None:
+        observation_space = gym.spaces.Box(-np.inf, np.inf, shape=tuple(obs.shape[1:]), dtype=np.dtype(obs.dtype))
+    metadata = DatasetMetadata(
+        env_id=env_id, source="d4rl-hdf5", location=str(path), dataset_id=own.get("dataset_id"),
+        ref_min_score=_opt_float(own.get("ref_min_score")), ref_max_score=_opt_float(own.get("ref_max_score")),
+        pomdp=own.get("pomdp"), extra={k: v for k, v in own.items() if k not in (
+            "dataset_id", "ref_min_score", "ref_max_score", "pomdp")})
+    ds = EpisodeDataset.from_flags(obs, act, rewards, terminals, timeouts, next_observations=nxt,
+                                   observation_space=observation_space, action_space=action_space,
+                                   metadata=metadata, validate=False)
+    if validate:
+        ds.validate(max_ep_len=max_ep_len)
+    for arr in (obs, act, nxt):
+        if isinstance(arr, LazyH5Array):
+            arr.close()  # no open handle is left to be inherited by forked workers
+    return ds
+
+
+def _attr_str(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _env_action_space(env_id: str, actions) -> gym.Space | None:
+    """The action space of ``env_id`` if it can be built and matches the data's shape."""
+    try:
+        env = gym.make(env_id)
+    except Exception:
+        return None
+    space = env.action_space
+    env.close()
+    if isinstance(space, gym.spaces.Box) and tuple(space.shape) == tuple(actions.shape[1:]):
+        return space
+    if isinstance(space, gym.spaces.Discrete) and len(actions.shape) == 1:
+        return space
+    return None
+
+
+def save_d4rl_hdf5(dataset: EpisodeDataset, path: str | os.PathLike, *, compression: str | None = None) -> Path:
+    """Write ``dataset`` in the D4RL layout (readable by :func:`load_d4rl_hdf5` and D4RL tools).
+
+    Datasets: ``observations (N, *obs)``, ``actions``, ``rewards (N,)`` float64 (D4RL's own
+    files use float32; float64 keeps collected rewards exact), ``terminals (N,)`` and ``timeouts (N,)``
+    bool (from terminations / truncations), ``next_observations`` when final observations are
+    known. Attributes: ``env_id``, serialised ``observation_space``/``action_space`` (Minari's
+    serialisation) and ``rl_tformers_metadata`` (JSON: dataset id, reference scores, POMDP mask).
+    """
+    import h5py
+    from minari.serialization import serialize_space
+
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ds = dataset if (dataset.is_contiguous() and not dataset.is_lazy) else dataset.materialize()
+    s0, n = int(ds.starts[0]), ds.num_steps
+    obs = np.asarray(ds.observations[s0:s0 + n])
+    with h5py.File(path, "w") as f:
+        f.create_dataset("observations", data=obs, compression=compression)
+        f.create_dataset("actions", data=np.asarray(ds.actions[s0:s0 + n]), compression=compression)
+        f.create_dataset("rewards", data=ds.rewards[s0:s0 + n])
+        f.create_dataset("terminals", data=ds.terminations[s0:s0 + n])
+        f.create_dataset("timeouts", data=ds.truncations[s0:s0 + n])
+        if ds.final_observations is not None:
+            nxt = np.empty_like(obs)
+            nxt[:-1] = obs[1:]
+            ends = ds.starts - s0 + ds.lengths - 1  # (E,) last step of each episode
+            nxt[ends] = ds.final_observations
+            f.create_dataset("next_observations", data=nxt, compression=compression)
+        m = ds.metadata
+        if m.env_id:
+            f.attrs["env_id"] = m.env_id
+        f.attrs["observation_space"] = serialize_space(ds.observation_space)
+        f.attrs["action_space"] = serialize_space(ds.action_space)
+        f.attrs["rl_tformers_metadata"] = json.dumps({
+            "dataset_id": m.dataset_id, "ref_min_score": m.ref_min_score, "ref_max_score": m.ref_max_score,
+            "pomdp": m.pomdp, **{k: v for k, v in m.extra.items() if _jsonable(v)}})
+    return path
+
+
+def _jsonable(v) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except TypeError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------- dispatch
+def load_dataset(
+    spec: str | os.PathLike,
+    *,
+    download: bool = False,
+    flatten_observations: bool = False,
+    lazy: bool = False,
+    root: str | os.PathLike | None = None,
+    max_ep_len: int | None = None,
+    validate: bool = True,
+) -> EpisodeDataset:
+    """Load a Minari id, a Minari dataset folder or a D4RL .hdf5 file (chosen by what ``spec`` is).
+
+    ``lazy`` applies to HDF5 files (Minari data is read into memory). See :func:`load_minari`
+    and :func:`load_d4rl_hdf5` for the other arguments and the errors raised.
+    """
+    p = Path(spec).expanduser()
+    if p.suffix.lower() in HDF5_SUFFIXES or p.is_file():
+        return load_d4rl_hdf5(p, lazy=lazy, max_ep_len=max_ep_len, validate=validate)
+    return load_minari(spec, download=download, flatten_observations=flatten_observations, root=root,
+                       max_ep_len=max_ep_len, validate=validate)

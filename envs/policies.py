@@ -1,0 +1,251 @@
+"""Behaviour policies for building datasets: random, saved SB3 agents, noisy versions, on-the-spot training.
+
+A behaviour policy is a callable ``policy(obs) -> action`` on single (unbatched) observations of
+the *full* environment observation, with ``reset()`` called at the start of every episode
+(recurrent SB3 policies keep their LSTM state between calls).
+
+Saved agents: any Stable-Baselines3 or sb3-contrib save file (``model.zip``). The algorithm is
+read from the file's policy class (or given explicitly); spaces come from the environment and
+schedules are replaced by constants through ``custom_objects``, so zips pickled with the old
+``gym`` package load on gymnasium. An ``obs_norm.npz`` next to the zip (arrays ``mean``, ``var``,
+``clip_obs``, ``epsilon``, as saved by SB3's ``VecNormalize``) is applied as
+``clip((obs - mean) / sqrt(var + epsilon), -clip_obs, clip_obs)``.
+
+SB3 save files contain pickled Python objects: load only files you trust.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+#: algorithm name -> (module, class) for SB3 and sb3-contrib.
+ALGORITHMS: dict[str, tuple[str, str]] = {
+    "a2c": ("stable_baselines3", "A2C"),
+    "ddpg": ("stable_baselines3", "DDPG"),
+    "dqn": ("stable_baselines3", "DQN"),
+    "ppo": ("stable_baselines3", "PPO"),
+    "sac": ("stable_baselines3", "SAC"),
+    "td3": ("stable_baselines3", "TD3"),
+    "ars": ("sb3_contrib", "ARS"),
+    "crossq": ("sb3_contrib", "CrossQ"),
+    "qrdqn": ("sb3_contrib", "QRDQN"),
+    "tqc": ("sb3_contrib", "TQC"),
+    "trpo": ("sb3_contrib", "TRPO"),
+    "maskableppo": ("sb3_contrib", "MaskablePPO"),
+    "recurrentppo": ("sb3_contrib", "RecurrentPPO"),
+}
+#: policy-class module folder -> algorithm (``stable_baselines3.sac.policies`` -> sac).
+_MODULE_TO_ALGO = {"sac": "sac", "td3": "td3", "dqn": "dqn", "ars": "ars", "crossq": "crossq",
+                   "qrdqn": "qrdqn", "tqc": "tqc", "ppo_mask": "maskableppo", "ppo_recurrent": "recurrentppo"}
+#: entries of the saved ``data`` replaced by constants when loading (training-only schedules).
+_SCHEDULE_KEYS = ("learning_rate", "lr_schedule", "clip_range", "clip_range_vf", "exploration_schedule",
+                  "delta_std_schedule")
+
+
+def algorithm_class(name: str):
+    """The SB3 / sb3-contrib class of an algorithm name (case-insensitive)."""
+    import importlib
+
+    key = name.lower().replace("-", "").replace("_", "")
+    if key not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; known: {', '.join(sorted(ALGORITHMS))}")
+    module, cls = ALGORITHMS[key]
+    return getattr(importlib.import_module(module), cls)
+
+
+def _saved_data(path: Path) -> dict:
+    with zipfile.ZipFile(path) as z:
+        return json.loads(z.read("data"))
+
+
+def detect_algorithm(path: str | Path) -> str:
+    """Algorithm of an SB3 save file, from its policy class (and, for the shared actor-critic
+    policy, from the hyper-parameters it saved: ``cg_max_steps`` -> trpo, ``clip_range`` -> ppo,
+    else a2c; all three load the same policy for inference).
+
+    Raises:
+        ValueError: the file's policy class does not identify an algorithm (pass ``algo``).
+    """
+    path = Path(path)
+    data = _saved_data(path)
+    module = str(data.get("policy_class", {}).get("__module__", ""))
+    parts = module.split(".")
+    if len(parts) >= 2 and parts[1] in _MODULE_TO_ALGO:
+        return _MODULE_TO_ALGO[parts[1]]
+    if module == "stable_baselines3.common.policies":
+        if "cg_max_steps" in data:
+            return "trpo"
+        return "ppo" if "clip_range" in data else "a2c"
+    if len(parts) >= 2 and parts[1] in ALGORITHMS:
+        return parts[1]
+    raise ValueError(f"{path}: cannot tell the algorithm from policy module {module!r}; pass algo=... (CLI: --algo)")
+
+
+class RandomPolicy:
+    """Uniform random actions from a copy of the action space, seeded for reproducibility."""
+
+    def __init__(self, action_space: gym.Space, seed: int = 0):
+        self.space = copy.deepcopy(action_space)
+        self.space.seed(int(seed))
+        self.name = "random"
+
+    def reset(self) -> None:
+        pass
+
+    def __call__(self, obs: np.ndarray) -> Any:
+        return self.space.sample()
+
+
+class SB3Policy:
+    """Deterministic actions of a loaded SB3 model, with optional observation normalisation.
+
+    Args:
+        model: a loaded SB3 / sb3-contrib ``BaseAlgorithm``.
+        obs_norm: ``{"mean", "var", "clip_obs", "epsilon"}`` or ``None``.
+        name: label stored in dataset metadata.
+    """
+
+    def __init__(self, model, obs_norm: dict | None = None, name: str = "sb3"):
+        self.model = model
+        self.obs_norm = obs_norm
+        self.name = name
+        self._state = None
+        self._start = True
+
+    def reset(self) -> None:
+        self._state = None
+        self._start = True
+
+    def normalize(self, obs: np.ndarray) -> np.ndarray:
+        if self.obs_norm is None:
+            return obs
+        n = self.obs_norm
+        return np.clip((obs - n["mean"]) / np.sqrt(n["var"] + n["epsilon"]), -n["clip_obs"], n["clip_obs"])
+
+    def __call__(self, obs: np.ndarray) -> Any:
+        action, self._state = self.model.predict(self.normalize(np.asarray(obs)), state=self._state,
+                                                 episode_start=np.array([self._start]), deterministic=True)
+        self._start = False
+        return action
+
+
+def load_obs_norm(path: str | Path) -> dict:
+    """Read an ``obs_norm.npz`` (arrays ``mean``, ``var``, ``clip_obs``, ``epsilon``)."""
+    with np.load(path) as z:
+        missing = {"mean", "var", "clip_obs", "epsilon"} - set(z.files)
+        if missing:
+            raise ValueError(f"{path}: missing arrays {sorted(missing)}")
+        return {k: np.asarray(z[k], dtype=np.float64) for k in ("mean", "var", "clip_obs", "epsilon")}
+
+
+def load_sb3_policy(
+    path: str | Path,
+    env: gym.Env,
+    *,
+    algo: str | None = None,
+    obs_norm: str | Path | bool | None = "auto",
+    device: str = "cpu",
+) -> SB3Policy:
+    """Load an SB3 / sb3-contrib save file as a deterministic behaviour policy for ``env``.
+
+    Args:
+        path: the ``model.zip`` (a folder holding one is accepted).
+        env: the (full-observation) environment; its spaces replace the pickled ones.
+        algo: algorithm name (see :data:`ALGORITHMS`); detected from the file when ``None``.
+        obs_norm: ``"auto"`` uses ``obs_norm.npz`` next to the zip when present; a path uses
+            that file; ``None``/``False`` disables normalisation.
+        device: torch device for the policy network.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: unknown algorithm or unreadable file.
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / "model.zip"
+    if not path.is_file():
+        raise FileNotFoundError(f"no SB3 save file at {path}")
+    name = algo or detect_algorithm(path)
+    cls = algorithm_class(name)
+    data = _saved_data(path)
+    custom: dict[str, Any] = {"observation_space": env.observation_space, "action_space": env.action_space}
+    for key in _SCHEDULE_KEYS:
+        if key in data:
+            custom[key] = 0.0 if key == "learning_rate" else _zero_schedule
+    model = cls.load(path, device=device, custom_objects=custom)
+    norm = None
+    if obs_norm == "auto":
+        cand = path.parent / "obs_norm.npz"
+        norm = load_obs_norm(cand) if cand.is_file() else None
+    elif obs_norm:
+        norm = load_obs_norm(obs_norm)
+    return SB3Policy(model, norm, name=f"{name}:{path}")
+
+
+def _zero_schedule(_progress: float) -> float:
+    return 0.0
+
+
+class NoisyPolicy:
+    """Weaken a policy: with probability ``epsilon`` take a uniform random action, otherwise the
+    policy's action plus Gaussian noise clipped to the action space.
+
+    ``noise_std`` is in units of half the action range, ``(high - low) / 2`` (so 0.1 means 0.1
+    for the usual [-1, 1] MuJoCo actions). Both draws use a generator seeded with ``seed``.
+
+    Raises:
+        ValueError: noise on a non-Box space, epsilon outside [0, 1], or epsilon on a Box
+            with infinite bounds.
+    """
+
+    def __init__(self, policy, action_space: gym.Space, *, noise_std: float = 0.0, epsilon: float = 0.0,
+                 seed: int = 0):
+        if not 0.0 <= epsilon <= 1.0:
+            raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
+        if noise_std < 0:
+            raise ValueError(f"noise std must be >= 0, got {noise_std}")
+        box = isinstance(action_space, gym.spaces.Box)
+        if noise_std > 0 and not box:
+            raise ValueError(f"--noise needs a Box action space, got {action_space!r}; use --epsilon")
+        if epsilon > 0 and box and not (np.all(np.isfinite(action_space.low)) and np.all(np.isfinite(action_space.high))):
+            raise ValueError(f"--epsilon needs a bounded action space, got {action_space!r}")
+        self.policy = policy
+        self.space = action_space
+        self.noise_std = float(noise_std)
+        self.epsilon = float(epsilon)
+        self.rng = np.random.default_rng(seed)
+        self.random = RandomPolicy(action_space, seed=int(self.rng.integers(2**31 - 1)))
+        self.name = getattr(policy, "name", "policy")
+
+    def reset(self) -> None:
+        self.policy.reset()
+
+    def __call__(self, obs: np.ndarray) -> Any:
+        action = self.policy(obs)  # always query: keeps recurrent state and rng streams aligned
+        if self.epsilon > 0 and self.rng.random() < self.epsilon:
+            return self.random(obs)
+        if self.noise_std > 0:
+            half = (self.space.high - self.space.low) / 2.0
+            noisy = np.asarray(action, np.float64) + self.rng.normal(0.0, self.noise_std, size=self.space.shape) * half
+            return np.clip(noisy, self.space.low, self.space.high).astype(self.space.dtype)
+        return action
+
+
+def train_sb3(algo: str, env: gym.Env, steps: int, *, seed: int = 0, device: str = "cpu", progress: bool = False,
+              **kwargs):
+    """Train an SB3 agent (``"sac"``, ``"ppo"``, ... with ``MlpPolicy`` and SB3 defaults) on ``env``.
+
+    Every transition the agent experiences passes through ``env``; wrap it in a
+    ``minari.DataCollector`` to record the replay data (what SAC's replay buffer holds).
+    Returns the trained model.
+    """
+    cls = algorithm_class(algo)
+    model = cls("MlpPolicy", env, seed=seed, device=device, verbose=0, **kwargs)
+    model.learn(total_timesteps=int(steps), progress_bar=progress)
+    return model

@@ -1,0 +1,94 @@
+"""Normalised scores: ``100 * (R - ref_min) / (ref_max - ref_min)`` (D4RL, Fu et al. 2020).
+
+Reference returns, in order of precedence:
+
+1. the dataset's own Minari metadata ``ref_min_score`` / ``ref_max_score`` (when both exist);
+2. the D4RL reference returns of the task family (random / expert policy returns of the D4RL
+   paper's MuJoCo tasks), matched from an env id or dataset id: ``Hopper-v5``, ``Hopper-v3``,
+   ``hopper-medium-v2``, ``mujoco/hopper/medium-v0`` and ``rlt/hopper-v5/medium-v0`` all map to
+   ``hopper``;
+3. nothing: :func:`reference_scores` returns ``None`` and :func:`normalized_score` returns
+   ``None`` instead of inventing a number.
+
+Note the scale: Minari's own ``get_normalized_score`` returns fractions (0..1); this module
+returns D4RL's percentages (0..100), the unit every offline-RL table reports.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+#: D4RL reference returns (random policy, expert policy), raw reward units, per task family.
+#: Source: D4RL ``infos.py`` (REF_MIN_SCORE / REF_MAX_SCORE), as listed in ../shared/policies/README.md.
+D4RL_REF_SCORES: dict[str, tuple[float, float]] = {
+    "hopper": (-20.272305, 3234.3),
+    "halfcheetah": (-280.178953, 12135.0),
+    "walker2d": (1.629008, 4592.3),
+}
+
+
+def task_family(name: str | None) -> str | None:
+    """D4RL task family of an env id or dataset id, or ``None``.
+
+    Matches a path component or the leading word of the last component: ``"Hopper-v5"`` ->
+    ``"hopper"``, ``"halfcheetah-medium-expert-v2"`` -> ``"halfcheetah"``,
+    ``"mujoco/walker2d/expert-v0"`` -> ``"walker2d"``, ``"CartPole-v1"`` -> ``None``.
+    """
+    if not name:
+        return None
+    for part in re.split(r"[/\\]", str(name).lower()):
+        head = re.split(r"[-_.:]", part, maxsplit=1)[0]
+        if head in D4RL_REF_SCORES:
+            return head
+    return None
+
+
+def reference_scores(x: Any) -> tuple[float, float] | None:
+    """``(ref_min, ref_max)`` for an env id / dataset id string, an :class:`EpisodeDataset` or a
+    ``minari.MinariDataset``; ``None`` when neither the dataset nor D4RL has references."""
+    from rl_tformers.envs.dataset import EpisodeDataset
+
+    names: list[str | None] = []
+    if isinstance(x, EpisodeDataset):
+        m = x.metadata
+        if m.ref_min_score is not None and m.ref_max_score is not None:
+            return float(m.ref_min_score), float(m.ref_max_score)
+        names = [m.env_id, m.dataset_id, m.location]
+    elif hasattr(x, "storage") and hasattr(x, "spec"):  # minari.MinariDataset
+        meta = x.storage.metadata
+        if meta.get("ref_min_score") is not None and meta.get("ref_max_score") is not None:
+            return float(meta["ref_min_score"]), float(meta["ref_max_score"])
+        env_spec = x.env_spec
+        names = [getattr(env_spec, "id", None), x.spec.dataset_id]
+    elif isinstance(x, str):
+        names = [x]
+    else:
+        raise TypeError(f"expected an env id, dataset id, EpisodeDataset or MinariDataset, got {type(x).__name__}")
+    for name in names:
+        fam = task_family(name)
+        if fam is not None:
+            return D4RL_REF_SCORES[fam]
+    return None
+
+
+def normalized_score(x: Any, returns: float | np.ndarray) -> float | np.ndarray | None:
+    """D4RL normalised score in percent: ``100 * (R - ref_min) / (ref_max - ref_min)``.
+
+    Args:
+        x: env id, dataset id, :class:`EpisodeDataset` or ``minari.MinariDataset`` (see
+            :func:`reference_scores` for the lookup order).
+        returns: undiscounted episode return(s) in raw reward units; scalar or array.
+
+    Returns:
+        Same shape as ``returns`` (a Python float for a scalar), or ``None`` when no reference
+        returns exist for ``x``.
+    """
+    refs = reference_scores(x)
+    if refs is None:
+        return None
+    lo, hi = refs
+    out = 100.0 * (np.asarray(returns, dtype=np.float64) - lo) / (hi - lo)
+    return float(out) if out.ndim == 0 else out

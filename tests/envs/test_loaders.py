@@ -1,0 +1,203 @@
+"""Loading Minari datasets (id, folder), D4RL HDF5 files (eager, lazy), flattening, errors."""
+
+from __future__ import annotations
+
+import warnings
+
+import gymnasium as gym
+import h5py
+import minari
+import numpy as np
+import pytest
+from minari.data_collector import EpisodeBuffer
+from rl_tformers.envs.dataset import DatasetError, EpisodeDataset
+from rl_tformers.envs.loaders import (
+    flatten_batch,
+    load_d4rl_hdf5,
+    load_dataset,
+    load_minari,
+    minari_root,
+    save_d4rl_hdf5,
+)
+
+OBS = gym.spaces.Box(-np.inf, np.inf, (3,), np.float64)
+ACT = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+
+def buffers(lengths, seed=0, obs_extra=1):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        out.append(EpisodeBuffer(
+            id=i, observations=rng.normal(size=(n + obs_extra, 3)), actions=rng.uniform(-1, 1, (n, 2)).astype(np.float32),
+            rewards=list(rng.normal(size=n)), terminations=[False] * (n - 1) + [i % 2 == 0],
+            truncations=[False] * (n - 1) + [i % 2 == 1]))
+    return out
+
+
+def make_minari(root, dataset_id, bufs, obs_space=OBS, act_space=ACT):
+    with minari_root(root), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # no env / eval env: fine for these tests
+        return minari.create_dataset_from_buffers(dataset_id, bufs, observation_space=obs_space, action_space=act_space,
+                                                  algorithm_name="test", author="t", author_email="t",
+                                                  code_permalink="t", description="t")
+
+
+def test_minari_by_id_and_by_folder_keeps_every_array(tmp_path):
+    bufs = buffers([4, 2, 5])
+    md = make_minari(tmp_path, "test/tiny-v0", bufs)
+    for spec in ("test/tiny-v0", tmp_path / "test/tiny-v0", md.spec.data_path):
+        ds = load_dataset(spec, root=tmp_path)
+        assert ds.lengths.tolist() == [4, 2, 5]
+        assert ds.metadata.dataset_id == "test/tiny-v0"
+        for i, b in enumerate(bufs):
+            ep = ds.episode(i)
+            np.testing.assert_array_equal(ep.observations, b.observations[:-1])
+            np.testing.assert_array_equal(ep.final_observation, b.observations[-1])
+            np.testing.assert_array_equal(ep.actions, b.actions)
+            np.testing.assert_array_equal(ep.rewards, b.rewards)
+        assert ds.terminations[ds.starts + ds.lengths - 1].tolist() == [True, False, True]
+        assert ds.truncations[ds.starts + ds.lengths - 1].tolist() == [False, True, False]
+    assert load_dataset("test/tiny-v0", root=tmp_path).metadata.source == "minari"
+
+
+def test_minari_reference_scores_are_read(tmp_path):
+    md = make_minari(tmp_path, "test/refs-v0", buffers([3]))
+    md.storage.update_metadata({"ref_min_score": -1.0, "ref_max_score": 9.0})
+    ds = load_minari("test/refs-v0", root=tmp_path)
+    assert (ds.metadata.ref_min_score, ds.metadata.ref_max_score) == (-1.0, 9.0)
+
+
+def test_minari_episode_with_as_many_observations_as_actions_is_refused(tmp_path):
+    make_minari(tmp_path, "test/bad-v0", buffers([3, 10], obs_extra=0))
+    with pytest.raises(DatasetError) as err:
+        load_minari("test/bad-v0", root=tmp_path)
+    assert "episode 0" in str(err.value) and "observations has 3" in str(err.value) and "actions has 3" in str(err.value)
+
+
+def test_unknown_minari_id_is_not_downloaded_unless_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari_home"))
+    called = []
+    monkeypatch.setattr(minari, "load_dataset", lambda *a, **k: called.append(a) or (_ for _ in ()).throw(OSError("offline")))
+    with pytest.raises(FileNotFoundError, match=r"not found .* download=True \(CLI: --download\)"):
+        load_dataset("nobody/nothing-v0", root=tmp_path)
+    assert called == []
+    with pytest.raises(RuntimeError, match="could not download Minari dataset 'nobody/nothing-v0': offline"):
+        load_dataset("nobody/nothing-v0", root=tmp_path, download=True)
+    assert called == [("nobody/nothing-v0",)]
+
+
+def dict_space():
+    return gym.spaces.Dict({"pos": gym.spaces.Box(-1, 1, (2,), np.float32), "flag": gym.spaces.Discrete(3),
+                            "pair": gym.spaces.Tuple((gym.spaces.MultiBinary(2), gym.spaces.MultiDiscrete([2, 3])))})
+
+
+def test_flatten_batch_equals_gymnasium_flatten_per_step():
+    space = dict_space()
+    space.seed(0)
+    steps = [space.sample() for _ in range(6)]
+    batch = {"pos": np.stack([s["pos"] for s in steps]), "flag": np.array([s["flag"] for s in steps]),
+             "pair": (np.stack([s["pair"][0] for s in steps]), np.stack([s["pair"][1] for s in steps]))}
+    want = np.stack([gym.spaces.flatten(space, s) for s in steps])
+    got = flatten_batch(space, batch)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
+def test_dict_observations_are_refused_by_name_or_flattened_on_request(tmp_path):
+    space = gym.spaces.Dict({"a": gym.spaces.Box(-1, 1, (2,), np.float32), "b": gym.spaces.Discrete(4)})
+    n = 3
+    buf = EpisodeBuffer(id=0, observations={"a": np.zeros((n + 1, 2), np.float32), "b": np.array([0, 1, 2, 3])},
+                        actions=np.zeros((n, 2), np.float32), rewards=[1.0] * n, terminations=[False, False, True],
+                        truncations=[False] * n)
+    make_minari(tmp_path, "test/dict-v0", [buf], obs_space=space)
+    with pytest.raises(DatasetError, match=r"observation space Dict\(.*\) is not a Box; pass flatten_observations=True"):
+        load_minari("test/dict-v0", root=tmp_path)
+    ds = load_minari("test/dict-v0", root=tmp_path, flatten_observations=True)
+    assert ds.observation_shape == (6,)
+    np.testing.assert_array_equal(ds.observations[:, 2:], np.eye(4)[:3])
+    np.testing.assert_array_equal(ds.final_observations[0], [0, 0, 0, 0, 0, 1])
+
+
+def test_discrete_actions_from_minari(tmp_path):
+    buf = EpisodeBuffer(id=0, observations=np.zeros((4, 3)), actions=np.array([0, 2, 1]), rewards=[1.0, 1.0, 1.0],
+                        terminations=[False, False, True], truncations=[False] * 3)
+    make_minari(tmp_path, "test/disc-v0", [buf], act_space=gym.spaces.Discrete(3))
+    ds = load_minari("test/disc-v0", root=tmp_path)
+    assert ds.discrete_actions and ds.actions.tolist() == [0, 2, 1]
+
+
+def write_d4rl(path, n=3000, **extra):
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        f["observations"] = rng.normal(size=(n, 11)).astype(np.float32)
+        f["actions"] = rng.uniform(-1, 1, size=(n, 3)).astype(np.float32)
+        f["rewards"] = rng.normal(size=n).astype(np.float32)
+        for k, v in extra.items():
+            f[k] = v
+    return path
+
+
+def test_d4rl_hdf5_timeouts_and_inferred_env(tmp_path):
+    timeouts = np.zeros(3000, bool)
+    timeouts[[999, 1999, 2999]] = True
+    path = write_d4rl(tmp_path / "hopper-medium-v2.hdf5", terminals=np.zeros(3000, bool), timeouts=timeouts)
+    ds = load_dataset(path)
+    assert ds.lengths.tolist() == [1000, 1000, 1000]
+    assert ds.metadata.env_id == "Hopper-v5" and ds.metadata.source == "d4rl-hdf5"
+    assert ds.action_space == gym.make("Hopper-v5").action_space
+    assert ds.final_observations is None
+
+
+def test_d4rl_hdf5_unfinished_last_episode_and_next_observations(tmp_path):
+    term = np.zeros(3000, bool)
+    term[[9, 19]] = True
+    path = write_d4rl(tmp_path / "x.hdf5", terminals=term, timeouts=np.zeros(3000, bool),
+                      next_observations=np.ones((3000, 11), np.float32))
+    ds = load_d4rl_hdf5(path, action_space=ACT.__class__(-1, 1, (3,), np.float32))
+    assert ds.lengths.tolist() == [10, 10, 2980]
+    assert ds.truncations[-1] and ds.metadata.extra["unfinished_last_episode"]
+    assert ds.final_observations.shape == (3, 11)
+
+
+def test_d4rl_missing_key_and_nan_are_refused(tmp_path):
+    with pytest.raises(DatasetError, match="missing dataset 'terminals'"):
+        load_d4rl_hdf5(write_d4rl(tmp_path / "a.hdf5"))
+    rew = np.zeros(3000, np.float32)
+    rew[1] = np.nan
+    path = tmp_path / "b.hdf5"
+    write_d4rl(path, terminals=np.r_[np.zeros(2999), 1])
+    with h5py.File(path, "a") as f:
+        f["rewards"][...] = rew
+    with pytest.raises(DatasetError, match=r"rewards: episode 0, step 1 "):
+        load_d4rl_hdf5(path)
+
+
+def test_hdf5_round_trip_eager_and_lazy(tmp_path):
+    md = make_minari(tmp_path, "test/rt-v0", buffers([4, 2, 5]))
+    src = load_minari(md.spec.data_path)
+    path = save_d4rl_hdf5(src, tmp_path / "rt.hdf5")
+    for lazy in (False, True):
+        ds = load_d4rl_hdf5(path, lazy=lazy)
+        assert ds.is_lazy == lazy
+        assert ds.lengths.tolist() == src.lengths.tolist()
+        np.testing.assert_array_equal(np.asarray(ds.observations[0:11]), src.observations)
+        np.testing.assert_array_equal(np.asarray(ds.actions[0:11]), src.actions)
+        np.testing.assert_array_equal(ds.rewards, src.rewards)
+        np.testing.assert_array_equal(ds.final_observations, src.final_observations)
+        assert ds.observation_space == src.observation_space and ds.action_space == src.action_space
+        assert ds.metadata.dataset_id == "test/rt-v0"
+    bad = tmp_path / "bad.hdf5"
+    save_d4rl_hdf5(src, bad)
+    with h5py.File(bad, "a") as f:
+        f["actions"][3, 0] = 2.0
+    with pytest.raises(DatasetError, match=r"actions: episode 0, step 3 .*component 0 = 2.0"):
+        load_d4rl_hdf5(bad, lazy=True)
+
+
+def test_episode_dataset_round_trip_from_flags_to_hdf5(tmp_path):
+    obs = np.arange(12, dtype=np.float32).reshape(6, 2)
+    ds = EpisodeDataset.from_flags(obs, np.zeros((6, 1), np.float32), np.ones(6), [0, 1, 1, 0, 0, 1],
+                                   action_space=gym.spaces.Box(-1, 1, (1,), np.float32))
+    back = load_d4rl_hdf5(save_d4rl_hdf5(ds, tmp_path / "f.hdf5"))
+    assert back.lengths.tolist() == [2, 1, 3] and back.final_observations is None

@@ -1,0 +1,48 @@
+"""Normalised scores: D4RL references by task family, dataset references first, None otherwise."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
+from rl_tformers.envs.scores import normalized_score, reference_scores, task_family
+
+
+@pytest.mark.parametrize("name,family", [
+    ("Hopper-v5", "hopper"), ("Hopper-v3", "hopper"), ("hopper-medium-replay-v2", "hopper"),
+    ("mujoco/halfcheetah/expert-v0", "halfcheetah"), ("rlt/walker2d-v5/medium-positions-v0", "walker2d"),
+    ("HalfCheetah-v5", "halfcheetah"), ("CartPole-v1", None), ("mujoco/ant/medium-v0", None), (None, None),
+])
+def test_task_family(name, family):
+    assert task_family(name) == family
+
+
+def test_d4rl_normalised_scores_in_percent():
+    assert normalized_score("Hopper-v5", 3234.3) == pytest.approx(100.0)
+    assert normalized_score("Hopper-v5", -20.272305) == pytest.approx(0.0)
+    assert normalized_score("Walker2d-v5", 4592.3) == pytest.approx(100.0)
+    assert normalized_score("HalfCheetah-v5", (12135.0 - 280.178953) / 2) == pytest.approx(50.0)
+    out = normalized_score("hopper-medium-v2", np.array([-20.272305, 3234.3]))
+    np.testing.assert_allclose(out, [0.0, 100.0])
+
+
+def test_unknown_task_gives_none():
+    assert reference_scores("CartPole-v1") is None
+    assert normalized_score("CartPole-v1", 100.0) is None
+
+
+def tiny(meta):
+    return EpisodeDataset.from_flags(np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32), [1.0, 2.0], [0, 1],
+                                     action_space=gym.spaces.Box(-1, 1, (1,), np.float32), metadata=meta)
+
+
+def test_dataset_references_take_precedence_over_d4rl():
+    own = tiny(DatasetMetadata(env_id="Hopper-v5", ref_min_score=0.0, ref_max_score=10.0))
+    assert normalized_score(own, 5.0) == 50.0
+    d4rl = tiny(DatasetMetadata(env_id="Hopper-v5"))
+    assert reference_scores(d4rl) == (-20.272305, 3234.3)
+    by_id = tiny(DatasetMetadata(dataset_id="mujoco/walker2d/medium-v0"))
+    assert reference_scores(by_id) == (1.629008, 4592.3)
+    assert normalized_score(tiny(DatasetMetadata(env_id="Pendulum-v1")), 1.0) is None
+    assert tiny(DatasetMetadata(env_id="Pendulum-v1")).summary()["normalized_return_mean"] is None

@@ -1,0 +1,104 @@
+"""Return-to-go (training and evaluation forms), observation stats, reward scale, top-fraction filter."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from rl_tformers.envs.dataset import EpisodeDataset
+from rl_tformers.envs.trajectory import (
+    ObsStats,
+    dataset_returns_to_go,
+    next_return_to_go,
+    observation_stats,
+    returns_to_go,
+    reward_scale,
+    top_fraction,
+)
+
+BOX1 = gym.spaces.Box(-1.0, 1.0, shape=(1,), dtype=np.float32)
+
+
+def make(rewards_per_episode, obs=None):
+    rewards = np.concatenate([np.asarray(r, float) for r in rewards_per_episode])
+    n = rewards.size
+    term = np.zeros(n)
+    term[np.cumsum([len(r) for r in rewards_per_episode]) - 1] = 1
+    if obs is None:
+        obs = np.arange(n, dtype=np.float32)[:, None]
+    return EpisodeDataset.from_flags(obs, np.zeros((n, 1), np.float32), rewards, term, action_space=BOX1)
+
+
+def test_undiscounted_rtg_of_1_to_5():
+    assert returns_to_go([1, 2, 3, 4, 5]).tolist() == [15.0, 14.0, 12.0, 9.0, 5.0]
+
+
+def test_evaluation_time_rtg_updates_reproduce_training_rtg():
+    rewards = [1, 2, 3, 4, 5]
+    rtg, seen = 15.0, []
+    for r in rewards:
+        seen.append(rtg)
+        rtg = next_return_to_go(rtg, r)
+    assert seen == returns_to_go(rewards).tolist() == [15.0, 14.0, 12.0, 9.0, 5.0]
+    assert rtg == 0.0
+
+
+def test_discounted_rtg_and_its_update():
+    assert returns_to_go([1, 1, 1], gamma=0.5).tolist() == [1.75, 1.5, 1.0]
+    rtg, seen = 1.75, []
+    for r in [1, 1, 1]:
+        seen.append(rtg)
+        rtg = next_return_to_go(rtg, r, gamma=0.5)
+    assert seen == [1.75, 1.5, 1.0]
+
+
+def test_rtg_update_is_elementwise_over_environments():
+    out = next_return_to_go(np.array([10.0, 3.0]), np.array([1.0, 3.0]))
+    assert out.tolist() == [9.0, 0.0]
+
+
+def test_rtg_rejects_bad_gamma():
+    with pytest.raises(ValueError, match="gamma"):
+        returns_to_go([1.0], gamma=0.0)
+
+
+def test_dataset_rtg_is_per_episode():
+    ds = make([[1, 2], [3], [1, 1, 1]])
+    assert dataset_returns_to_go(ds).tolist() == [3, 2, 3, 3, 2, 1]
+    assert dataset_returns_to_go(ds, gamma=0.5).tolist() == [2, 2, 3, 1.75, 1.5, 1.0]
+
+
+def test_top_fraction_is_inclusive():
+    ds = make([[4, 6], [20]])  # returns 10 and 20
+    assert ds.episode_returns.tolist() == [10.0, 20.0]
+    assert top_fraction(ds, 1.0).episode_returns.tolist() == [10.0, 20.0]
+    kept = top_fraction(ds, 0.5)
+    assert kept.num_episodes == 1 and kept.episode_returns.tolist() == [20.0]
+    assert kept.episode(0).rewards.tolist() == [20.0]
+
+
+def test_top_fraction_keeps_ties_and_order():
+    ds = make([[5], [9], [5], [1]])
+    assert top_fraction(ds, 0.5).episode_returns.tolist() == [5.0, 9.0, 5.0]
+    assert top_fraction(ds, 0.25).episode_returns.tolist() == [9.0]
+    with pytest.raises(ValueError):
+        top_fraction(ds, 0.0)
+
+
+def test_observation_stats_match_numpy_and_floor_std():
+    obs = np.stack([np.arange(6.0), np.full(6, 2.0)], axis=1).astype(np.float32)
+    ds = make([[1, 1], [1, 1, 1, 1]], obs=obs)
+    st = observation_stats(ds)
+    np.testing.assert_allclose(st.mean, [2.5, 2.0])
+    np.testing.assert_allclose(st.std, [np.std(np.arange(6.0)), 1e-6], rtol=1e-6)
+    # a non-contiguous selection streams over the covered rows only
+    sub = ds.select([1])
+    np.testing.assert_allclose(observation_stats(sub).mean, [3.5, 2.0])
+    np.testing.assert_allclose(st.normalize(obs)[:, 0], (np.arange(6.0) - 2.5) / np.std(np.arange(6.0)), rtol=1e-6)
+    assert ObsStats.from_dict(st.to_dict()).mean.tolist() == st.mean.tolist()
+
+
+def test_reward_scale_is_power_of_ten_below_largest_return():
+    assert reward_scale(make([[3000.0, 289.0], [10.0]])) == 1000.0
+    assert reward_scale(make([[-0.5]])) == 0.1
+    assert reward_scale(make([[0.0]])) == 1.0
