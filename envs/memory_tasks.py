@@ -7,7 +7,8 @@ Registered gymnasium ids (importing this module registers them; ``gym.make`` als
 ``rl_tformers/PositionOnlyCartPole-v1``  CartPole-v1 with the velocities hidden: obs (x, theta)
 ``rl_tformers/PositionOnlyPendulum-v1``  Pendulum-v1 without the angular velocity: obs (cos, sin)
 ``rl_tformers/PositionOnlyHopper-v5``    Hopper-v5 with qvel hidden: obs qpos[1:] (5 values)
-``rl_tformers/Recall-v0``                repeat the symbol shown ``delay`` steps ago
+``rl_tformers/Recall-v0``                repeat the symbol shown ``delay`` steps ago (kwargs)
+``rl_tformers/Recall-d{d}-v0``           the same with d in 1, 2, 4, ..., 64, 4 symbols, d + 32 steps
 ==================================  ==========================================================
 
 A memoryless policy cannot solve any of them: velocities must be inferred from successive
@@ -22,15 +23,21 @@ evaluation environments hide exactly the same entries.
 
 :func:`scripted_action` gives behaviour policies for building offline datasets of the recall
 task (an oracle mixed with random actions) and of CartPole (a linear controller on the full
-state, recorded through the position-only mask); :func:`collect_episodes` rolls them out.
+state, recorded through the position-only mask); :func:`collect_episodes` rolls them out and
+:func:`scripted_dataset` makes a dataset of them. Command line (D4RL-layout HDF5 that every
+agent's ``dataset.path`` accepts)::
+
+    python -m rl_tformers.envs.memory_tasks recall --delay 8 --episodes 2000 --out data/recall-d8.hdf5
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import typer
 from gymnasium import spaces
 from rl_tformers.envs.pomdp import ObservationMaskWrapper
 
@@ -123,6 +130,25 @@ class RecallEnv(gym.Env):
 
 
 RECALL_ID = "rl_tformers/Recall-v0"
+#: Registered recall variants ``rl_tformers/Recall-d{d}-v0``: delay d, 4 symbols, d + 32 steps
+#: (32 scored answers: chance return 8, best 32), so a dataset's ``env_id`` alone names its task.
+RECALL_DELAYS = (1, 2, 4, 8, 16, 32, 64)
+#: Prefix that makes ``gym.make`` import this module first (gymnasium's ``"module:id"`` form).
+MODULE_PREFIX = "rl_tformers.envs.memory_tasks:"
+
+
+def recall_id(delay: int) -> str:
+    """Gymnasium id of the registered recall variant with this delay.
+
+    Raises:
+        ValueError: ``delay`` is not one of :data:`RECALL_DELAYS` (use ``Recall-v0`` with kwargs).
+    """
+    if delay not in RECALL_DELAYS:
+        raise ValueError(f"no registered recall variant with delay {delay}; registered: {RECALL_DELAYS} "
+                         f"(or gym.make({RECALL_ID!r}, delay=...))")
+    return f"rl_tformers/Recall-d{delay}-v0"
+
+
 TASK_IDS = {
     "rl_tformers/PositionOnlyCartPole-v1": "CartPole-v1",
     "rl_tformers/PositionOnlyPendulum-v1": "Pendulum-v1",
@@ -137,6 +163,9 @@ def register_all() -> None:
             gym.register(env_id, entry_point=_make_position_only, kwargs={"base_id": base})
     if RECALL_ID not in gym.registry:
         gym.register(RECALL_ID, entry_point=RecallEnv)
+    for d in RECALL_DELAYS:
+        if recall_id(d) not in gym.registry:
+            gym.register(recall_id(d), entry_point=RecallEnv, kwargs={"delay": d, "n_symbols": 4, "length": d + 32})
 
 
 register_all()
@@ -256,29 +285,63 @@ def scripted_dataset(
     *,
     epsilon: float = 0.2,
     seed: int = 0,
-    env_kwargs: dict[str, Any] | None = None,
+    delay: int = 8,
 ):
     """An :class:`~rl_tformers.envs.dataset.EpisodeDataset` from :func:`collect_episodes`.
 
-    The metadata names the evaluation environment: ``rl_tformers/Recall-v0`` (with
-    ``env_kwargs`` in ``metadata.extra["env_kwargs"]``) or
-    ``rl_tformers/PositionOnlyCartPole-v1``; the behaviour policy is described in
-    ``metadata.extra["behaviour"]``. Deterministic for a given ``seed``.
+    Args:
+        task: ``"recall"`` (the registered ``Recall-d{delay}-v0``) or ``"cartpole"``
+            (``PositionOnlyCartPole-v1``).
+        n_episodes: episodes to collect.
+        epsilon: random-action probability of the scripted behaviour policy.
+        seed: collection seed (deterministic).
+        delay: recall delay d (one of :data:`RECALL_DELAYS`).
+
+    The metadata's ``env_id`` is the evaluation environment in gymnasium's ``"module:id"``
+    form (``gym.make`` imports this module first, so any agent's evaluation finds it); the
+    behaviour policy is described in ``metadata.extra["behaviour"]``.
     """
     from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
 
-    kwargs = dict(env_kwargs or {})
-    eps = collect_episodes(task, n_episodes, epsilon=epsilon, seed=seed, env_kwargs=kwargs)
     if task == "recall":
-        probe = RecallEnv(**kwargs)
-        env_id, obs_space, act_space = RECALL_ID, probe.observation_space, probe.action_space
+        env_id = recall_id(delay)
+        probe = gym.make(env_id).unwrapped
+        kwargs = {"delay": probe.delay, "n_symbols": probe.n_symbols, "length": probe.length}
+        eps = collect_episodes(task, n_episodes, epsilon=epsilon, seed=seed, env_kwargs=kwargs)
+        obs_space, act_space = probe.observation_space, probe.action_space
         behaviour = f"oracle answer, epsilon={epsilon} random actions"
-    else:
+    elif task == "cartpole":
         env_id = "rl_tformers/PositionOnlyCartPole-v1"
-        obs_space = spaces.Box(-np.inf, np.inf, (len(POSITION_INDICES["CartPole-v1"]),), dtype=np.float32)
+        eps = collect_episodes(task, n_episodes, epsilon=epsilon, seed=seed)
+        obs_space = gym.make(env_id).observation_space
         act_space = spaces.Discrete(2)
         behaviour = f"linear controller on the full state, epsilon={epsilon} random actions"
+    else:
+        raise ValueError(f"unknown scripted task {task!r}; use 'recall' or 'cartpole'")
     meta = DatasetMetadata(
-        env_id=env_id, source="memory", extra={"env_kwargs": kwargs, "behaviour": behaviour, "seed": seed}
+        env_id=MODULE_PREFIX + env_id, source="memory", dataset_id=f"{env_id.split('/')[1]}-scripted",
+        extra={"behaviour": behaviour, "seed": seed, "epsilon": epsilon},
     )
     return EpisodeDataset.from_episodes(eps, observation_space=obs_space, action_space=act_space, metadata=meta)
+
+
+def main(
+    task: str = typer.Argument(..., help="recall or cartpole"),
+    out: Path = typer.Option(..., "--out", help="D4RL-layout .hdf5 file to write"),
+    episodes: int = typer.Option(2000, help="episodes to collect"),
+    epsilon: float = typer.Option(0.2, help="probability of a random action"),
+    delay: int = typer.Option(8, help="recall delay d (1, 2, 4, 8, 16, 32 or 64)"),
+    seed: int = typer.Option(0, help="collection seed"),
+) -> None:
+    """Write an offline dataset of a memory task (scripted behaviour policy) as D4RL HDF5."""
+    from rl_tformers.envs.loaders import save_d4rl_hdf5
+
+    ds = scripted_dataset(task, episodes, epsilon=epsilon, seed=seed, delay=delay)
+    path = save_d4rl_hdf5(ds, out)
+    r = ds.episode_returns
+    typer.echo(f"{path}: {ds.num_episodes} episodes, {ds.num_steps} steps, return {r.mean():.2f} +- {r.std():.2f}, "
+               f"env {ds.metadata.env_id}")
+
+
+if __name__ == "__main__":
+    typer.run(main)

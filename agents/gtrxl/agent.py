@@ -20,7 +20,7 @@ and the shared trainer drives it. Pieces, in reading order:
 
 Datasets (``dataset:`` section): ``path`` (a Minari id/folder or a D4RL-layout HDF5 file,
 loaded by :func:`rl_tformers.envs.loaders.load_dataset`), or ``scripted`` (``{task: recall |
-cartpole, episodes, epsilon, seed, env_kwargs}``) for the memory tasks of
+cartpole, episodes, epsilon, seed, delay}``) for the memory tasks of
 :mod:`rl_tformers.envs.memory_tasks`, built in memory from a scripted behaviour policy.
 The evaluation environment is the dataset's ``env_id``, masked like its ``pomdp`` record, or
 ``agent.env_id`` when given.
@@ -274,7 +274,7 @@ def load_gtrxl_dataset(spec: Mapping[str, Any], seed: int) -> EpisodeDataset:
         s = dict(spec["scripted"])
         return scripted_dataset(
             str(s.get("task", "recall")), int(s.get("episodes", 1000)), epsilon=float(s.get("epsilon", 0.2)),
-            seed=int(s.get("seed", seed)), env_kwargs=dict(s.get("env_kwargs") or {}),
+            seed=int(s.get("seed", seed)), delay=int(s.get("delay", 8)),
         )
     if spec.get("path"):
         from rl_tformers.envs.loaders import load_dataset
@@ -359,7 +359,7 @@ class GTrXLAgent:
             "dataset_return_mean": float(returns.mean()),
             "env_id": str(a.env_id) if a.env_id else ds.metadata.env_id,
             "pomdp": None if a.env_id else _plain(ds.metadata.pomdp),
-            "env_kwargs": _plain(a.env_kwargs) or dict(ds.metadata.extra.get("env_kwargs") or {}),
+            "env_kwargs": _plain(a.env_kwargs) or {},
         }
         self.model_cfg = GTrXLConfig(
             obs_dim=int(np.prod(ds.observation_shape)),

@@ -164,7 +164,7 @@ def _agent_cfg(**agent):
         "seed": 0,
         "agent": {**GTRXL_DEFAULTS["agent"], "seq_len": 8, "burn_in": 4, **agent},
         "backbone": TINY,
-        "dataset": {"scripted": {"task": "recall", "episodes": 40, "env_kwargs": {"delay": 2, "length": 10}}},
+        "dataset": {"scripted": {"task": "recall", "episodes": 40, "delay": 2}},
         "train": {"batch_size": 8, "steps": 4},
         "eval": {"episodes": 3, "n_envs": 3},
     })
@@ -184,8 +184,8 @@ def test_agent_trains_and_evaluates_every_objective(objective):
         opt.step()
     with torch.no_grad():
         result = agent.evaluate(0)
-    assert 0.0 <= result["return_mean"] <= 8.0  # 10 steps, delay 2: at most 8 scored answers
-    assert agent.extra_state()["env_id"] == "rl_tformers/Recall-v0"
+    assert 0.0 <= result["return_mean"] <= 32.0  # 32 scored answers per episode
+    assert agent.extra_state()["env_id"] == "rl_tformers.envs.memory_tasks:rl_tformers/Recall-d2-v0"
 
 
 # -- PPO --------------------------------------------------------------------------------------------
@@ -282,9 +282,10 @@ def test_position_only_tasks_hide_velocities():
 
 
 def test_scripted_datasets_are_deterministic_and_named():
-    a = scripted_dataset("recall", 5, seed=1, env_kwargs={"delay": 3})
-    b = scripted_dataset("recall", 5, seed=1, env_kwargs={"delay": 3})
+    a = scripted_dataset("recall", 5, seed=1, delay=4)
+    b = scripted_dataset("recall", 5, seed=1, delay=4)
     assert np.array_equal(a.observations, b.observations) and np.array_equal(a.actions, b.actions)
-    assert a.metadata.env_id == "rl_tformers/Recall-v0" and a.num_steps == 5 * 32
+    assert a.metadata.env_id == "rl_tformers.envs.memory_tasks:rl_tformers/Recall-d4-v0" and a.num_steps == 5 * 36
+    assert gym.make(a.metadata.env_id).unwrapped.delay == 4
     c = scripted_dataset("cartpole", 2, epsilon=0.0)
     assert c.observation_shape == (2,) and c.episode_returns.tolist() == [500.0, 500.0]
