@@ -270,47 +270,48 @@ class KernelAttention(AttentionModule):
         pos = self.position
         q = pos.rotate(pos.content_query(q), ctx.pos_q)
         k = pos.rotate(k, ctx.pos_k[:, p:])
-        valid = None if ctx.key_valid is None else ctx.key_valid[:, p:]  # (B, S_new)
-        fq = self.features(q, True, None)  # (B, H, T, m) float32
-        fk = self.features(k, False, valid)  # (B, H, S_new, m) float32
-        if valid is not None:
-            fk = fk * valid[:, None, :, None].to(fk.dtype)
-        log_decay, weight = self.key_decay(x_kv)
-        if weight is not None:
-            fk = fk * weight[..., None]
-        ones = torch.ones(*v.shape[:-1], 1, device=v.device, dtype=torch.float32)
-        v_aug = torch.cat([v.float(), ones], dim=-1)  # (B, H, S_new, Dh + 1)
-        reset = None
-        if ctx.seg_k is not None:
-            prev = ctx.seg_k[:, p - 1] if p > 0 else None
-            reset = run_starts(ctx.seg_k[:, p:], prev)  # (B, S_new)
-            if not bool(reset.any()):
-                reset = None
-        new_cache = None
-        if ctx.causal:
-            fq_full = F.pad(fq, (0, 0, m_new, 0))  # (B, H, S_new, m): no queries at the prefix
-            state0 = None if cache is None else cache.state
-            out, final = causal_linear(
-                fq_full, fk, v_aug, log_decay=log_decay, reset=reset, state0=state0, chunk=self.chunk_size
-            )
-            out = out[:, :, m_new:]  # (B, H, T, E)
-            if cache is not None:
-                new_cache = LinearCache(final)
-        else:
-            if log_decay is not None:
-                raise ValueError(f"{type(self).__name__}: the gated form is causal only")
-            if reset is None:
-                kv = fk.transpose(-1, -2) @ v_aug  # (B, H, m, E)
-                out = fq @ kv  # (B, H, T, E)
-            else:  # every key of the query's run: causal part (j <= i) + reversed strict part (j > i)
-                fq_full = F.pad(fq, (0, 0, m_new, 0))  # (B, H, S, m)
-                fwd, _ = causal_linear(fq_full, fk, v_aug, reset=reset, chunk=self.chunk_size)
-                rev_reset = run_starts(ctx.seg_k[:, p:].flip(1).neg())  # runs seen right to left
-                bwd, _ = causal_linear(
-                    fq_full.flip(2), fk.flip(2), v_aug.flip(2), reset=rev_reset, chunk=self.chunk_size, strict=True
+        with torch.autocast(q.device.type, enabled=False):  # float32 features and sums (bf16 autocast too)
+            valid = None if ctx.key_valid is None else ctx.key_valid[:, p:]  # (B, S_new)
+            fq = self.features(q, True, None)  # (B, H, T, m) float32
+            fk = self.features(k, False, valid)  # (B, H, S_new, m) float32
+            if valid is not None:
+                fk = fk * valid[:, None, :, None].to(fk.dtype)
+            log_decay, weight = self.key_decay(x_kv)
+            if weight is not None:
+                fk = fk * weight[..., None]
+            ones = torch.ones(*v.shape[:-1], 1, device=v.device, dtype=torch.float32)
+            v_aug = torch.cat([v.float(), ones], dim=-1)  # (B, H, S_new, Dh + 1)
+            reset = None
+            if ctx.seg_k is not None:
+                prev = ctx.seg_k[:, p - 1] if p > 0 else None
+                reset = run_starts(ctx.seg_k[:, p:], prev)  # (B, S_new)
+                if not bool(reset.any()):
+                    reset = None
+            new_cache = None
+            if ctx.causal:
+                fq_full = F.pad(fq, (0, 0, m_new, 0))  # (B, H, S_new, m): no queries at the prefix
+                state0 = None if cache is None else cache.state
+                out, final = causal_linear(
+                    fq_full, fk, v_aug, log_decay=log_decay, reset=reset, state0=state0, chunk=self.chunk_size
                 )
-                out = (fwd + bwd.flip(2))[:, :, m_new:]  # (B, H, T, E)
-        y = safe_divide(out[..., :-1], out[..., -1:], self.eps).to(q.dtype)  # (B, H, T, Dh)
+                out = out[:, :, m_new:]  # (B, H, T, E)
+                if cache is not None:
+                    new_cache = LinearCache(final)
+            else:
+                if log_decay is not None:
+                    raise ValueError(f"{type(self).__name__}: the gated form is causal only")
+                if reset is None:
+                    kv = fk.transpose(-1, -2) @ v_aug  # (B, H, m, E)
+                    out = fq @ kv  # (B, H, T, E)
+                else:  # every key of the query's run: causal part (j <= i) + reversed strict part (j > i)
+                    fq_full = F.pad(fq, (0, 0, m_new, 0))  # (B, H, S, m)
+                    fwd, _ = causal_linear(fq_full, fk, v_aug, reset=reset, chunk=self.chunk_size)
+                    rev_reset = run_starts(ctx.seg_k[:, p:].flip(1).neg())  # runs seen right to left
+                    bwd, _ = causal_linear(
+                        fq_full.flip(2), fk.flip(2), v_aug.flip(2), reset=rev_reset, chunk=self.chunk_size, strict=True
+                    )
+                    out = (fwd + bwd.flip(2))[:, :, m_new:]  # (B, H, T, E)
+            y = safe_divide(out[..., :-1], out[..., -1:], self.eps).to(q.dtype)  # (B, H, T, Dh)
         return AttnOutput(self.o_proj(self.merge_heads(y)), cache=new_cache)
 
 

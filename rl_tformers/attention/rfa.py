@@ -88,7 +88,7 @@ class RFAAttention(KernelAttention):
         """Gated form: log g_j (B, H, S) and key weight 1 - g_j (B, H, S); (None, None) ungated."""
         if self.gate is None:
             return None, None
-        z = self.gate(x_kv).float().transpose(1, 2)  # (B, H, S)
+        z = self.gate(x_kv.to(self.gate.weight.dtype)).float().transpose(1, 2)  # (B, H, S)
         return F.logsigmoid(z), torch.sigmoid(-z)
 
     def reference_forward(self, x_q: Tensor, x_kv: Tensor, ctx: AttnContext) -> AttnOutput:

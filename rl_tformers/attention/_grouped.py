@@ -1,0 +1,134 @@
+"""Gathered group attention for content-based sparse kernels (``lsh``, ``routing``).
+
+Content-based kernels choose, per batch row and head, which keys each query sees (hash
+buckets, clusters). After that choice, every kernel here reduces to the same computation:
+queries gathered into G groups of ``n`` slots, each group with its own ``K`` gathered keys::
+
+    q_g (B, H, ..., G, n, Dh),  k_g, v_g (B, H, ..., G, K, Dh),  allowed (B, H, ..., G, n, K)
+    out_g = softmax(q_g k_g^T * scale | allowed) v_g,   lse_g = logsumexp of the allowed scores
+
+costing O(G n K Dh) instead of O(T S Dh). The log-sum-exp lets a query that sits in several
+groups (several hash rounds, several clusters) combine its partial results exactly into one
+softmax over the union of its key sets (:func:`merge_lse`, :func:`scatter_merge`).
+
+Scores and softmax are float32 (also under bf16 autocast); a slot with no allowed key gets a
+zero output and ``lse = -inf``, never NaN. Indices are key indices in ``[0, S)`` (query i
+sits at key index M + i); ``ctx.allowed()`` is never called.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rl_tformers.config import IncompatibleConfig
+from rl_tformers.position.base import PositionModule
+
+#: positional kinds usable with per-head gathered keys (no score hooks on gathered blocks).
+GATHERED_POSITIONS = ("none", "sinusoidal", "learned", "rotary")
+
+
+def require_scoreless_position(ctx, position: PositionModule, why: str) -> None:
+    """Raise :class:`IncompatibleConfig` if ``position`` needs scores/probabilities (``why`` says why not)."""
+    if position.needs_scores:
+        raise IncompatibleConfig(
+            f"backbone.position.kind={ctx.config.position.kind!r} cannot be used with "
+            f"backbone.attention.kind={ctx.config.attention.kind!r} ({why}); use one of "
+            f"{', '.join(GATHERED_POSITIONS)}"
+        )
+
+
+def gather_rows(x: Tensor, idx: Tensor) -> Tensor:
+    """Gather along the token axis per (batch, head).
+
+    Args:
+        x: (B, H | 1, L, F) or (B, H | 1, L) (ids, flags).
+        idx: (B, H, *G) long indices into [0, L).
+    Returns:
+        (B, H, *G, F) or (B, H, *G).
+    """
+    b, h = idx.shape[:2]
+    flat = idx.reshape(b, h, -1)  # (B, H, N)
+    if x.dim() == 3:
+        return x.expand(b, h, -1).gather(2, flat).view(idx.shape)
+    f = x.shape[-1]
+    out = x.expand(b, h, -1, f).gather(2, flat[..., None].expand(-1, -1, -1, f))  # (B, H, N, F)
+    return out.view(*idx.shape, f)
+
+
+def group_attention(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, *, scale: float, bias: Tensor | None = None, dropout_p: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """Masked softmax attention inside each group.
+
+    Args:
+        q: (..., n, Dh); k, v: (..., K, Dh); allowed: (..., n, K) bool (True = may attend).
+        bias: optional (..., n, K) float added to the scaled scores (e.g. -log duplicate counts).
+    Returns:
+        out (..., n, Dh) in float32 and lse (..., n) float32 (-inf for rows with no allowed key).
+    """
+    with torch.autocast(q.device.type, enabled=False):  # float32 scores even under bf16 autocast
+        scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (..., n, K)
+        if bias is not None:
+            scores = scores + bias.float()
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # (..., n)
+        live = torch.isfinite(lse)
+        probs = torch.exp(scores - torch.where(live, lse, torch.zeros_like(lse))[..., None])  # 0 where masked
+        if dropout_p > 0:
+            probs = F.dropout(probs, dropout_p)
+        return probs @ v.float(), lse
+
+
+def float32(fn):
+    """Run ``fn`` with autocast disabled (its inputs are cast to float32 by the caller)."""
+
+    def wrapped(*args, **kwargs):
+        dev = next((a.device.type for a in args if isinstance(a, Tensor)), "cpu")
+        with torch.autocast(dev, enabled=False):
+            return fn(*args, **kwargs)
+
+    wrapped.__doc__, wrapped.__name__ = fn.__doc__, fn.__name__
+    return wrapped
+
+
+@float32
+def merge_lse(out: Tensor, lse: Tensor, dim: int) -> Tensor:
+    """Combine partial softmax results along ``dim`` into one softmax over the union of keys.
+
+    out (..., R, ..., Dh) and lse (..., R, ...) with R at ``dim`` (counted on ``lse``):
+    ``sum_r exp(lse_r - logsumexp_r lse) out_r``; all -inf -> 0.
+    """
+    total = torch.logsumexp(lse, dim=dim, keepdim=True)
+    w = torch.exp(lse - torch.where(torch.isfinite(total), total, torch.zeros_like(total)))  # (..., R, ...)
+    w = torch.where(torch.isfinite(lse), w, torch.zeros_like(w))
+    return (w.unsqueeze(-1) * out).sum(dim=dim)
+
+
+@float32
+def scatter_merge(out: Tensor, lse: Tensor, idx: Tensor, live: Tensor, length: int) -> Tensor:
+    """Scatter group results back to tokens, merging a token's several groups by their lse.
+
+    Args:
+        out: (B, H, G, n, Dh) float32 group outputs; lse: (B, H, G, n).
+        idx: (B, H, G, n) token index of each slot; live: (B, H, G, n) bool (False = empty slot).
+        length: number of tokens L.
+    Returns:
+        (B, H, L, Dh) float32; tokens in no live group with an allowed key get zeros.
+    """
+    b, h = out.shape[:2]
+    dh = out.shape[-1]
+    lse = torch.where(live, lse, torch.full_like(lse, float("-inf")))
+    flat_idx = idx.reshape(b, h, -1)  # (B, H, N)
+    flat_lse = lse.reshape(b, h, -1)
+    top = torch.full((b, h, length), float("-inf"), device=out.device).scatter_reduce(
+        2, flat_idx, flat_lse, reduce="amax", include_self=True
+    )  # (B, H, L) max lse per token
+    ref = top.gather(2, flat_idx)  # (B, H, N)
+    w = torch.where(torch.isfinite(flat_lse), torch.exp(flat_lse - torch.where(torch.isfinite(ref), ref, 0.0)), 0.0)
+    num = torch.zeros(b, h, length, dh, device=out.device).scatter_add(
+        2, flat_idx[..., None].expand(-1, -1, -1, dh), w[..., None] * out.reshape(b, h, -1, dh)
+    )  # (B, H, L, Dh)
+    den = torch.zeros(b, h, length, device=out.device).scatter_add(2, flat_idx, w)  # (B, H, L)
+    return num / den.clamp_min(torch.finfo(torch.float32).tiny)[..., None]

@@ -1,0 +1,191 @@
+"""Linformer attention (``linformer``; Wang et al. 2020, "Linformer: Self-Attention with Linear
+Complexity", arXiv:2006.04768)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rl_tformers.attention.base import AttentionConfig, AttentionModule
+from rl_tformers.config import IncompatibleConfig
+from rl_tformers.registry import ATTENTION, Capabilities
+from rl_tformers.types import AttnContext, AttnOutput
+
+SHARING = ("none", "headwise", "kv", "layerwise")
+
+
+class LinformerAttention(AttentionModule):
+    """Low-rank attention: keys and values projected along the sequence to k rows.
+
+    Wang et al. 2020, sec. 4, eq. 7::
+
+        head_i = softmax( Q W_i^Q (E_i K W_i^K)^T / sqrt(Dh) ) (F_i V W_i^V),   E_i, F_i in R^{k x n}
+
+    so the score matrix is (T x k) instead of (T x S): O(S k Dh) time and memory.
+
+    Projections (``projection``):
+
+    * ``linear`` (the paper's): learned E, F (k x ``max_len``), initialised N(0, 1/k) (a
+      Johnson-Lindenstrauss projection, their Theorem 1). Sequences shorter than ``max_len``
+      use the first S columns (the same as zero-padding to ``max_len``, as the paper does);
+      longer ones raise. **Needs a fixed maximum length.** Sharing (sec. 4, "parameter
+      sharing"): ``none`` (E_i, F_i per head), ``headwise`` (one E, one F per layer), ``kv``
+      (E = F, one per layer), ``layerwise`` (a single matrix for all layers, heads, keys and
+      values; needs one k for all layers).
+    * ``pool``: the paper's pooling alternative (sec. 4, "mean/max pooling"): mean of k
+      contiguous segments of the valid keys and values, weighted by segment size (a log-count
+      score term), so that with k = S it *is* dense attention; no parameters, any length.
+
+    ``k`` may differ per layer (a tuple, one entry per layer: the paper uses smaller k higher
+    up, sec. 4). Padded keys are zeroed before projection (``linear``) or excluded from the
+    segment means (``pool``), so padding content never matters; a query whose row has no valid
+    key returns zeros.
+
+    Cannot: causal attention (E mixes future keys into every projected key: declared
+    ``causal=False``; the backbone refuses it causally and points at DT's last-action mode),
+    several episodes in one row (the projection mixes them: raises), memory or incremental
+    decoding, score-based positions, ``need_weights``.
+    """
+
+    def __init__(self, ctx, position, cfg: LinformerConfig) -> None:
+        super().__init__(ctx, position)
+        if position.needs_scores:
+            raise IncompatibleConfig(
+                f"backbone.position.kind={ctx.config.position.kind!r} needs (T, S) scores; "
+                f"backbone.attention.kind='linformer' only forms (T, k) ones; use none, sinusoidal, learned or rotary"
+            )
+        self.cfg = cfg
+        self.k = cfg.k_at(max(ctx.layer_idx, 0))
+        self.e_proj: nn.Parameter | None = None
+        self.f_proj: nn.Parameter | None = None
+        if cfg.projection == "linear":
+            shape = (self.n_heads, self.k, cfg.max_len) if cfg.sharing == "none" else (self.k, cfg.max_len)
+            if cfg.sharing == "layerwise":
+                store = ctx.shared  # one dict per backbone build: the same Parameter in every layer
+                key = ("linformer.E", self.k, cfg.max_len)
+                if key not in store:
+                    store[key] = nn.Parameter(torch.randn(shape) / self.k**0.5)
+                self.e_proj = store[key]
+            else:
+                self.e_proj = nn.Parameter(torch.randn(shape) / self.k**0.5)
+                if cfg.sharing in ("none", "headwise"):
+                    self.f_proj = nn.Parameter(torch.randn(shape) / self.k**0.5)
+
+    def _project_linear(self, x: Tensor, mat: Tensor) -> Tensor:
+        """x (B, H, S, Dh) -> (B, H, k, Dh) with E[:, :S] (per head or shared)."""
+        s = x.shape[2]
+        e = mat[..., :s]  # (H, k, S) or (k, S)
+        if e.dim() == 3:
+            return torch.einsum("hks,bhsd->bhkd", e, x)
+        return torch.einsum("ks,bhsd->bhkd", e, x)
+
+    def _segments(self, s: int, valid: Tensor) -> tuple[Tensor, Tensor]:
+        """Pooling matrix (B, k, S) of segment means over valid keys, and log segment sizes (B, k)."""
+        kk = min(self.k, s)
+        seg = torch.arange(s, device=valid.device) * kk // s  # (S,) segment of each key
+        onehot = F.one_hot(seg, kk).T.float()[None] * valid[:, None, :].float()  # (B, k, S)
+        size = onehot.sum(-1)  # (B, k)
+        return onehot / size.clamp_min(1)[..., None], torch.log(size)  # log 0 = -inf: empty segment
+
+    def forward(self, x_q: Tensor, x_kv: Tensor, ctx: AttnContext, cache=None) -> AttnOutput:
+        if cache is not None:
+            raise NotImplementedError("attention kind 'linformer' has no incremental (cached) form")
+        if ctx.causal:
+            raise ValueError("attention kind 'linformer' has no causal form (backbone.causal must be false)")
+        q, k, v = self.project(x_q, x_kv)  # (B, H, T, Dh), (B, H, S, Dh) x2
+        b, _, t, _ = q.shape
+        s = k.shape[2]
+        if s != ctx.k_len:
+            raise ValueError(f"attention: {s} keys but the context describes {ctx.k_len}")
+        if ctx.seg_k is not None and s > 1:
+            sk = ctx.seg_k if ctx.key_valid is None else ctx.seg_k.masked_fill(~ctx.key_valid, -(2**62))
+            lo = sk.masked_fill(sk == -(2**62), 2**62).amin(1)
+            if bool((sk.amax(1) > lo).any()):
+                raise ValueError(
+                    "attention kind 'linformer' projects all keys together and cannot keep several episodes "
+                    "of one row apart; feed one episode per row"
+                )
+        q = self.position.rotate(q, ctx.pos_q)
+        k = self.position.rotate(k, ctx.pos_k)
+        valid = torch.ones(b, s, dtype=torch.bool, device=q.device) if ctx.key_valid is None else ctx.key_valid
+        bias = None
+        if self.cfg.projection == "linear":
+            if s > self.cfg.max_len:
+                raise ValueError(
+                    f"attention kind 'linformer': {s} keys exceed attention.max_len={self.cfg.max_len} "
+                    f"(E and F have a fixed length)"
+                )
+            vm = valid[:, None, :, None].to(k.dtype)
+            k, v = k * vm, v * vm  # padding contributes nothing
+            pk = self._project_linear(k, self.e_proj)  # (B, H, k, Dh)
+            pv = self._project_linear(v, self.e_proj if self.f_proj is None else self.f_proj)
+        else:
+            pool, log_size = self._segments(s, valid)  # (B, k, S), (B, k)
+            pk = torch.einsum("bks,bhsd->bhkd", pool.to(k.dtype), k)
+            pv = torch.einsum("bks,bhsd->bhkd", pool.to(v.dtype), v)
+            bias = log_size[:, None, None, :]  # (B, 1, 1, k): segment sizes (and -inf for empty ones)
+        with torch.autocast(q.device.type, enabled=False):  # float32 scores (bf16 autocast too)
+            scores = (q.float() @ pk.float().transpose(-1, -2)) * self.scale  # (B, H, T, k)
+            if bias is not None:  # empty segments: the most negative finite score (finite gradients)
+                scores = (scores + bias).clamp_min(torch.finfo(torch.float32).min)
+            probs = torch.softmax(scores, dim=-1)
+            probs = probs * valid.any(1).view(b, 1, 1, 1)  # a row without valid keys -> 0
+            if self.dropout_p > 0:
+                probs = F.dropout(probs, self.dropout_p)
+            y = (probs @ pv.float()).to(v.dtype)  # (B, H, T, Dh)
+        return AttnOutput(self.o_proj(self.merge_heads(y)))
+
+
+@ATTENTION.register(
+    "linformer",
+    description="Linformer: keys/values projected along the sequence to k rows (E, F), sharing options, per-layer k",
+    paper="Wang et al. 2020, Linformer: Self-Attention with Linear Complexity (sec. 4, eq. 7)",
+    capabilities=Capabilities(
+        causal=False, exact=False, approximate=True, subquadratic=True,
+        positions=("none", "sinusoidal", "learned", "rotary"),
+    ),
+)
+@dataclass(frozen=True)
+class LinformerConfig(AttentionConfig):
+    """Linformer options.
+
+    Attributes:
+        k: projected length (one int, or a tuple with one entry per layer).
+        max_len: n, the fixed maximum number of keys of the ``linear`` projection.
+        projection: ``linear`` (learned E, F) or ``pool`` (segment means; exact at k = S).
+        sharing: ``none``, ``headwise``, ``kv`` or ``layerwise`` (``linear`` only).
+    """
+
+    k: int | tuple[int, ...] = 64
+    max_len: int = 512
+    projection: str = "linear"
+    sharing: str = "headwise"
+
+    def __post_init__(self) -> None:
+        ks = self.k if isinstance(self.k, tuple) else (self.k,)
+        if not ks or min(ks) < 1:
+            raise ValueError(f"attention.k must be >= 1, got {self.k}")
+        if self.projection not in ("linear", "pool"):
+            raise ValueError(f"attention.projection must be linear or pool, got {self.projection!r}")
+        if self.sharing not in SHARING:
+            raise ValueError(f"attention.sharing must be one of {', '.join(SHARING)}, got {self.sharing!r}")
+        if self.max_len < 1:
+            raise ValueError(f"attention.max_len must be >= 1, got {self.max_len}")
+        if self.sharing == "layerwise" and len(set(ks)) > 1:
+            raise ValueError("attention.sharing='layerwise' shares one E for all layers: use one k for all layers")
+
+    def k_at(self, layer: int) -> int:
+        """Projected length at ``layer``."""
+        return self.k[layer] if isinstance(self.k, tuple) else self.k
+
+    def check(self, backbone_cfg) -> None:
+        if isinstance(self.k, tuple) and len(self.k) != backbone_cfg.n_layers:
+            raise IncompatibleConfig(
+                f"backbone.attention.k has {len(self.k)} entries but backbone.n_layers={backbone_cfg.n_layers}"
+            )
+
+    def build(self, ctx, position) -> AttentionModule:
+        return LinformerAttention(ctx, position, self)

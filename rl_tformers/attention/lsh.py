@@ -1,0 +1,241 @@
+"""Reformer LSH attention (``lsh``; Kitaev et al. 2020, "Reformer: The Efficient Transformer", ICLR 2020)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rl_tformers.attention._grouped import (
+    GATHERED_POSITIONS,
+    gather_rows,
+    group_attention,
+    merge_lse,
+    require_scoreless_position,
+)
+from rl_tformers.attention.base import AttentionConfig, AttentionModule
+from rl_tformers.registry import ATTENTION, Capabilities
+from rl_tformers.types import AttnContext, AttnOutput
+
+
+class LSHAttention(AttentionModule):
+    """Locality-sensitive-hashing attention with shared queries and keys.
+
+    Kitaev et al. 2020, sec. 2 and appendix A:
+
+    * **Shared QK** (sec. 2, "shared-QK Transformer"): one projection gives the query q_j and the
+      key k_j = q_j / |q_j| of every token (so a token is as close to itself as possible, hence
+      the next rule).
+    * **Hash** (sec. 2, eq. 3-4): ``h(x) = argmax([x R; -x R])`` with a random Gaussian
+      R (Dh, b/2) per hash round; b buckets (``n_buckets``, default ~S / m as in the paper).
+    * **Sort and chunk** (sec. 2, Fig. 2): items are sorted by (bucket, position); each bucket is
+      cut into chunks of m = ``bucket_size`` consecutive items and a query attends the keys of
+      its bucket in its own chunk and the previous chunk. Chunks are aligned to the start of each
+      bucket (the paper chunks the globally sorted list): the keys a token sees then depend only
+      on its bucket's members at or before it, which makes the causal variant exactly causal and
+      padding invariant (padding goes to a bucket of its own). Cross-bucket pairs are masked as
+      in the paper's P_i.
+    * **No attention to self** (sec. 2, "causal masking for shared-QK attention"): a token does
+      not attend to itself unless it has no other allowed key.
+    * **Multi-round** (sec. 2 eq. 6, appendix A): ``n_hashes`` independent rounds, combined by
+      their log-sum-exps, with the duplicate correction ``-log N_ij`` (N_ij = number of rounds in
+      which i and j share a bucket), so the result is one softmax over the union of the rounds'
+      key sets.
+
+    Masks: causal (key index), key padding, episode ids, inside every chunk. Prefix keys
+    (Transformer-XL memory) are hashed with the segment; only the last T items are queries.
+    Queries must be the last T keys (self-attention layout); no cross-attention.
+
+    Random rotations are a buffer, drawn at construction and redrawn only by :meth:`redraw`
+    (``redraw_random_features``), never inside forward (the paper resamples per step; here a
+    rollout and its update must see the same hash).
+
+    Cost: O(n_hashes S m Dh) time and memory, plus an O(S log S) sort. Cannot: incremental
+    decoding (a new token changes the chunking), score-based positions (hooks do not take
+    per-head gathered positions), ``need_weights``.
+    """
+
+    random_buffers = ("rotations",)
+
+    def __init__(self, ctx, position, cfg: LSHConfig) -> None:
+        super().__init__(ctx, position, shared_qk=True)
+        require_scoreless_position(ctx, position, "LSH gathers keys per head and hash round")
+        self.cfg = cfg
+        self.redraw_every = cfg.redraw_every
+        gen = None
+        if cfg.seed is not None:
+            gen = torch.Generator().manual_seed(cfg.seed + 7919 * max(ctx.layer_idx, 0))
+        self.register_buffer("rotations", self._draw(gen))  # (n_hashes, Dh, max_buckets / 2)
+
+    def _draw(self, generator: torch.Generator | None) -> Tensor:
+        half = max(1, self.cfg.max_buckets // 2)
+        return torch.randn(self.cfg.n_hashes, self.head_dim, half, generator=generator)
+
+    @torch.no_grad()
+    def redraw(self, generator: torch.Generator | None = None) -> None:
+        """Draw new random rotations in place (explicit call only)."""
+        self.rotations.copy_(self._draw(generator).to(self.rotations.device))
+
+    def n_buckets_for(self, s: int) -> int:
+        """Buckets used for S keys: ``n_buckets`` or, if None, the even number nearest S / m (>= 2)."""
+        if self.cfg.n_buckets is not None:
+            return self.cfg.n_buckets
+        nb = 2 * max(1, round(s / (2 * self.cfg.bucket_size)))
+        return min(nb, self.cfg.max_buckets)
+
+    def hash(self, keys: Tensor, n_buckets: int) -> Tensor:
+        """Bucket ids h(x) = argmax([xR; -xR]): keys (B, H, S, Dh) -> (B, H, n_hashes, S) long."""
+        b, h, s, _ = keys.shape
+        if n_buckets == 1:
+            return torch.zeros(b, h, self.cfg.n_hashes, s, dtype=torch.long, device=keys.device)
+        rot = self.rotations[:, :, : n_buckets // 2].float()  # (R, Dh, b/2)
+        proj = torch.einsum("bhsd,rdk->bhrsk", keys.float(), rot)  # (B, H, R, S, b/2)
+        return torch.cat([proj, -proj], dim=-1).argmax(dim=-1)  # (B, H, R, S)
+
+    def _shared_qk(self, x_kv: Tensor, ctx: AttnContext) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries qk (B, H, S, Dh) (rotated), unit keys (B, H, S, Dh), values (B, H, S, Dh)."""
+        qk = self.position.rotate(self.split_heads(self.q_proj(x_kv)), ctx.pos_k)  # (B, H, S, Dh)
+        v = self.split_heads(self.v_proj(x_kv))
+        return qk, F.normalize(qk.float(), dim=-1).to(qk.dtype), v
+
+    def forward(self, x_q: Tensor, x_kv: Tensor, ctx: AttnContext, cache=None) -> AttnOutput:
+        if cache is not None:
+            raise NotImplementedError("attention kind 'lsh' has no incremental (cached) form")
+        b, s, _ = x_kv.shape
+        t = x_q.shape[1]
+        if s != ctx.k_len:
+            raise ValueError(f"attention: {s} keys but the context describes {ctx.k_len}")
+        qk, keys, v = self._shared_qk(x_kv, ctx)
+        h, dh, m, r = self.n_heads, self.head_dim, self.cfg.bucket_size, self.cfg.n_hashes
+        dev = x_kv.device
+        nb = self.n_buckets_for(s)
+        valid = torch.ones(b, s, dtype=torch.bool, device=dev) if ctx.key_valid is None else ctx.key_valid
+        buckets = self.hash(keys, nb)  # (B, H, R, S)
+        buckets = torch.where(valid[:, None, None, :], buckets, nb)  # padding: bucket nb of its own
+
+        # sort by (bucket, position) and lay each bucket out from a chunk boundary
+        idx = torch.arange(s, device=dev)
+        perm = torch.argsort(buckets * s + idx, dim=-1)  # (B, H, R, S) item at sorted position p
+        sorted_b = buckets.gather(-1, perm)  # (B, H, R, S)
+        counts = torch.zeros(b, h, r, nb + 1, dtype=torch.long, device=dev).scatter_add_(
+            -1, buckets, torch.ones_like(buckets)
+        )  # (B, H, R, nb + 1)
+        padded = (counts + m - 1) // m * m
+        offsets = padded.cumsum(-1) - padded  # first slot of each bucket
+        starts = counts.cumsum(-1) - counts  # first sorted position of each bucket
+        slot = offsets.gather(-1, sorted_b) + idx - starts.gather(-1, sorted_b)  # (B, H, R, S)
+        n_slots = -(-(s + (nb + 1) * (m - 1)) // m) * m  # bound on sum(padded), multiple of m
+        item_at = torch.full((b, h, r, n_slots), s, dtype=torch.long, device=dev).scatter_(-1, slot, perm)
+        slot_of_item = torch.empty_like(perm).scatter_(-1, perm, slot)  # (B, H, R, S)
+
+        # gather per slot; index s is a padding row (invalid, bucket -1)
+        def pad_row(x: Tensor, value: float = 0.0) -> Tensor:
+            return F.pad(x, (0, 0, 0, 1), value=value) if x.dim() == 4 else F.pad(x, (0, 1), value=value)
+
+        n_c = n_slots // m
+        q_s = gather_rows(pad_row(qk), item_at).view(b, h, r, n_c, m, dh)  # (B, H, R, nC, m, Dh)
+        k_s = gather_rows(pad_row(keys), item_at).view(b, h, r, n_c, m, dh)
+        v_s = gather_rows(pad_row(v), item_at).view(b, h, r, n_c, m, dh)
+        i_s = item_at.view(b, h, r, n_c, m)  # key index of each slot (s = empty)
+        bk_all = pad_row(buckets.transpose(2, 3).float(), -1.0)  # (B, H, S + 1, R)
+        bk_s = gather_rows(bk_all, item_at).view(b, h, r, n_c, m, r)  # buckets of every round
+
+        def look_back(x: Tensor, fill: float) -> Tensor:  # (B, H, R, nC, m, ...) -> (.., 2m, ..)
+            prev = F.pad(x[:, :, :, :-1], (0, 0) * (x.dim() - 4) + (1, 0), value=fill)
+            return torch.cat([prev, x], dim=4)
+
+        k_w = look_back(k_s, 0.0)  # (B, H, R, nC, 2m, Dh)
+        v_w = look_back(v_s, 0.0)
+        i_w = look_back(i_s, s)  # (B, H, R, nC, 2m)
+        bk_w = look_back(bk_s, -1.0)  # (B, H, R, nC, 2m, R)
+        rnd = torch.arange(r, device=dev).view(1, 1, r, 1, 1, 1)
+        own_b = bk_s.gather(-1, rnd.expand(b, h, r, n_c, m, 1)).squeeze(-1)  # (B, H, R, nC, m)
+        key_b = bk_w.gather(-1, rnd.expand(b, h, r, n_c, 2 * m, 1)).squeeze(-1)  # (B, H, R, nC, 2m)
+
+        key_ok = gather_rows(F.pad(valid, (0, 1), value=False)[:, None], i_w.reshape(b, h, -1)).view(i_w.shape)
+        allowed = (i_s[..., :, None] < s) & key_ok[..., None, :]  # real query slot, valid key
+        allowed &= own_b[..., :, None] == key_b[..., None, :]  # same bucket in this round
+        if ctx.causal:
+            allowed &= i_w[..., None, :] <= i_s[..., :, None]
+        if ctx.seg_k is not None:
+            seg = F.pad(ctx.seg_k, (0, 1), value=-(2**62))  # (B, S + 1)
+            seg_q = seg[:, None].expand(b, h, -1).gather(2, i_s.reshape(b, h, -1)).view(i_s.shape)
+            seg_k = seg[:, None].expand(b, h, -1).gather(2, i_w.reshape(b, h, -1)).view(i_w.shape)
+            allowed &= seg_q[..., :, None] == seg_k[..., None, :]
+        is_self = i_w[..., None, :] == i_s[..., :, None]  # (B, H, R, nC, m, 2m)
+        others = allowed & ~is_self
+        allowed = torch.where(others.any(-1, keepdim=True), others, allowed)  # self only if alone
+        bias = None
+        if r > 1:  # duplicate correction of appendix A: -log N_ij
+            n_ij = (bk_s[..., :, None, :] == bk_w[..., None, :, :]).sum(-1).clamp_min(1)  # (.., m, 2m)
+            bias = -torch.log(n_ij.float())
+        out, lse = group_attention(q_s, k_w, v_w, allowed, scale=self.scale, bias=bias, dropout_p=self.dropout_p)
+        out = out.view(b, h, r, n_slots, dh)  # (B, H, R, slots, Dh)
+        lse = lse.view(b, h, r, n_slots)
+        out_i = out.gather(3, slot_of_item[..., None].expand(-1, -1, -1, -1, dh))  # (B, H, R, S, Dh)
+        lse_i = lse.gather(3, slot_of_item)  # (B, H, R, S)
+        y = merge_lse(out_i, lse_i, dim=2)[:, :, s - t :]  # (B, H, T, Dh)
+        return AttnOutput(self.o_proj(self.merge_heads(y.to(v.dtype))))
+
+    def reference_forward(self, x_q: Tensor, x_kv: Tensor, ctx: AttnContext) -> AttnOutput:
+        """What LSH attention approximates (and equals with one bucket, one round, m >= S):
+        dense shared-QK attention ``softmax(q_i . k^_j / sqrt(Dh))`` with unit keys, masked by
+        ``ctx.allowed()`` and the no-self rule. x_q (B, T, D), x_kv (B, S, D) -> (B, T, D). Tests only.
+        """
+        b, s, _ = x_kv.shape
+        t = x_q.shape[1]
+        qk, keys, v = self._shared_qk(x_kv, ctx)
+        q = qk[:, :, s - t :].float()  # (B, H, T, Dh)
+        allowed = ctx.allowed().expand(b, 1, t, s)
+        self_mask = torch.zeros(t, s, dtype=torch.bool, device=x_kv.device)
+        self_mask[torch.arange(t), torch.arange(t) + s - t] = True
+        others = allowed & ~self_mask
+        allowed = torch.where(others.any(-1, keepdim=True), others, allowed)
+        scores = (q @ keys.float().transpose(-1, -2)) * self.scale  # (B, H, T, S)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        y = probs @ v.float()
+        return AttnOutput(self.o_proj(self.merge_heads(y.to(v.dtype))), weights=probs)
+
+
+@ATTENTION.register(
+    "lsh",
+    description="Reformer LSH attention: shared QK, angular hashing, sorted chunks, multi-round, no self-attention",
+    paper="Kitaev et al. 2020, Reformer: The Efficient Transformer (sec. 2, appendix A)",
+    capabilities=Capabilities(
+        memory=True, exact=False, approximate=True, subquadratic=True, positions=GATHERED_POSITIONS
+    ),
+)
+@dataclass(frozen=True)
+class LSHConfig(AttentionConfig):
+    """LSH options.
+
+    Attributes:
+        bucket_size: chunk length m (each query sees at most 2m keys per round).
+        n_hashes: hash rounds (more rounds = closer to dense, linear cost).
+        n_buckets: buckets per round (even, or 1 = one bucket); None = ~S / m (the paper's choice).
+        max_buckets: cap for the automatic choice; size of the rotation buffer.
+        redraw_every: redraw period in updates for ``maybe_redraw_random_features`` (0 = never).
+        seed: seed of the initial rotations (per layer: seed + 7919 * layer); None: global RNG.
+    """
+
+    bucket_size: int = 32
+    n_hashes: int = 2
+    n_buckets: int | None = None
+    max_buckets: int = 256
+    redraw_every: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.bucket_size < 1 or self.n_hashes < 1:
+            raise ValueError("attention: lsh needs bucket_size >= 1 and n_hashes >= 1")
+        if self.n_buckets is not None and (self.n_buckets < 1 or (self.n_buckets > 1 and self.n_buckets % 2)):
+            raise ValueError(f"attention.n_buckets must be 1 or even (argmax over [xR; -xR]), got {self.n_buckets}")
+        if self.n_buckets is not None and self.n_buckets > self.max_buckets:
+            raise ValueError(f"attention.n_buckets={self.n_buckets} exceeds attention.max_buckets={self.max_buckets}")
+
+    def build(self, ctx, position) -> AttentionModule:
+        return LSHAttention(ctx, position, self)
+

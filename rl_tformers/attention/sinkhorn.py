@@ -1,0 +1,184 @@
+"""Sparse Sinkhorn attention (``sinkhorn``; Tay et al. 2020, "Sparse Sinkhorn Attention", ICML 2020)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rl_tformers.attention._grouped import GATHERED_POSITIONS, group_attention, require_scoreless_position
+from rl_tformers.attention.base import AttentionConfig, AttentionModule
+from rl_tformers.registry import ATTENTION, Capabilities
+from rl_tformers.types import AttnContext, AttnOutput
+
+_NEG = -1e9  # masked log-weight inside the Sinkhorn iterations (finite: no NaN gradients)
+_EPS = 1e-9  # smallest mixed validity of a sorted key slot
+
+
+def sinkhorn(logits: Tensor, mask: Tensor, iters: int, causal: bool) -> Tensor:
+    """Sinkhorn balancing in log space (Tay et al. 2020, sec. 3.2, eq. 7-8; Mena et al. 2018).
+
+    Alternates row and column normalisation of ``exp(logits)`` restricted to ``mask``. The
+    causal variant (sec. 3.3, causal Sinkhorn balancing) normalises each entry (i, j) of a
+    column only over the rows i' <= i (a cumulative log-sum-exp), so row i of the result depends
+    on rows <= i alone; with a strictly lower-triangular mask it never looks at the future.
+
+    Args:
+        logits: (..., N, N) sorting logits (already divided by the temperature).
+        mask: bool broadcastable to logits, True = entry may be non-zero.
+        iters: number of (row, column) normalisation pairs.
+    Returns:
+        (..., N, N) float32 soft permutation, exactly 0 outside ``mask``.
+    """
+    x = torch.where(mask, logits.float(), _NEG)
+    for _ in range(iters):  # loop over iterations (a hyper-parameter), not over tokens
+        x = torch.where(mask, x - torch.logsumexp(x, dim=-1, keepdim=True), _NEG)
+        col = torch.logcumsumexp(x, dim=-2) if causal else torch.logsumexp(x, dim=-2, keepdim=True)
+        x = torch.where(mask, x - col, _NEG)
+    return x.exp() * mask
+
+
+class SinkhornAttention(AttentionModule):
+    """Block-sorted attention: each block attends its own keys and a learned soft-sorted block.
+
+    Tay et al. 2020:
+
+    * Blocks (sec. 3.1): the S keys are cut into N = S / b blocks of ``block_size`` b.
+    * SortNet (sec. 3.2): a block summary (the mean of the block's valid layer inputs; the
+      paper sums) goes through a two-layer ReLU network to N_max logits per head; the first N
+      form the sorting matrix R (N x N) (N_max = ``max_len`` / b: **a fixed maximum length**).
+    * Sinkhorn balancing (sec. 3.2) turns ``R / temperature`` into a soft permutation P
+      (``sinkhorn_iters`` iterations; Gumbel noise in training if ``gumbel_noise``).
+    * Attention (sec. 3.4, eq. 11): query block i attends its local block i and the sorted
+      block ``sum_j P_ij K_j`` (values alike): 2b keys per query, O(S b Dh + N^2 b Dh) time,
+      O(S b + N^2) memory.
+    * Causal form (sec. 3.3): block i's summary is the mean of the blocks before it, R is masked
+      to the blocks strictly before i and balanced causally (:func:`sinkhorn`), and the local
+      block is causally masked: no output depends on a future token.
+
+    Padding: padded tokens are left out of summaries, their keys/values zeroed, and a sorted
+    slot mixes only valid keys (renormalised) with weight ``log(sum_j P_ij valid_js)`` in its
+    score, which is exact masking when P is a hard permutation.
+
+    Cannot: prefix keys (memory) or incremental decoding (the sort needs whole blocks),
+    several episodes in one row (a sorted block mixes blocks of any episode: raises),
+    sequences longer than ``max_len``, score-based positions, ``need_weights``.
+    """
+
+    def __init__(self, ctx, position, cfg: SinkhornConfig) -> None:
+        super().__init__(ctx, position)
+        require_scoreless_position(ctx, position, "sinkhorn attends soft-sorted key mixtures")
+        self.cfg = cfg
+        self.n_max = -(-cfg.max_len // cfg.block_size)
+        hidden = cfg.sort_hidden or self.d_model
+        self.sort_net = nn.Sequential(
+            nn.Linear(self.d_model, hidden), nn.ReLU(), nn.Linear(hidden, self.n_heads * self.n_max)
+        )
+
+    def sort_matrix(self, x: Tensor, valid: Tensor, causal: bool) -> Tensor:
+        """Soft permutation P (B, H, N, N) of the N blocks: x (B, N*b, D), valid (B, N*b)."""
+        b_sz = self.cfg.block_size
+        bsz, s, d = x.shape
+        n = s // b_sz
+        xv = (x.float() * valid[..., None].float()).view(bsz, n, b_sz, d).sum(2)  # (B, N, D) block sums
+        cnt = valid.view(bsz, n, b_sz).sum(2).float()  # (B, N)
+        if causal:  # summary of the blocks strictly before i
+            xv, cnt_s = xv.cumsum(1) - xv, cnt.cumsum(1) - cnt
+        else:
+            cnt_s = cnt
+        summary = xv / cnt_s.clamp_min(1)[..., None]  # (B, N, D)
+        r = self.sort_net(summary.to(self.sort_net[0].weight.dtype)).view(bsz, n, self.n_heads, self.n_max)[..., :n]  # (B, N, H, N)
+        r = r.permute(0, 2, 1, 3).float() / self.cfg.temperature  # (B, H, N_i, N_j)
+        if self.training and self.cfg.gumbel_noise:
+            u = torch.rand_like(r, dtype=torch.float32).clamp(1e-9, 1 - 1e-9)
+            r = r - torch.log(-torch.log(u)).to(r.dtype)
+        mask = (cnt > 0)[:, None, None, :]  # (B, 1, 1, N_j): empty blocks are never sorted in
+        if causal:
+            mask = mask & torch.ones(n, n, dtype=torch.bool, device=x.device).tril(-1)
+        return sinkhorn(r, mask, self.cfg.sinkhorn_iters, causal)
+
+    def forward(self, x_q: Tensor, x_kv: Tensor, ctx: AttnContext, cache=None) -> AttnOutput:
+        if cache is not None:
+            raise NotImplementedError("attention kind 'sinkhorn' has no incremental (cached) form")
+        if ctx.prefix_len:
+            raise ValueError("attention kind 'sinkhorn' takes no prefix keys (memory); queries must be all keys")
+        q, k, v = self.project(x_q, x_kv)  # (B, H, S, Dh) each
+        bsz, h, s, dh = q.shape
+        b_sz = self.cfg.block_size
+        n = -(-s // b_sz)
+        if n > self.n_max:
+            raise ValueError(f"attention kind 'sinkhorn': {s} tokens exceed attention.max_len={self.cfg.max_len}")
+        valid = torch.ones(bsz, s, dtype=torch.bool, device=q.device) if ctx.key_valid is None else ctx.key_valid
+        if ctx.seg_k is not None and s > 1:
+            big = 2**62
+            lo = ctx.seg_k.masked_fill(~valid, big).amin(1)
+            hi = ctx.seg_k.masked_fill(~valid, -big).amax(1)
+            if bool((hi > lo).any()):
+                raise ValueError(
+                    "attention kind 'sinkhorn' mixes whole blocks and cannot keep several episodes of one row "
+                    "apart; feed one episode per row"
+                )
+        q = self.position.rotate(q, ctx.pos_q)
+        k = self.position.rotate(k, ctx.pos_k)
+        pad = n * b_sz - s
+        valid_p = F.pad(valid, (0, pad), value=False)  # (B, N*b)
+        with torch.autocast(q.device.type, enabled=False):  # float32 sorting and mixing
+            p_mat = self.sort_matrix(F.pad(x_kv, (0, 0, 0, pad)), valid_p, ctx.causal)  # (B, H, N, N)
+            vm = valid_p[:, None, :, None].to(k.dtype)
+            kb = (F.pad(k, (0, 0, 0, pad)) * vm).view(bsz, h, n, b_sz, dh)  # (B, H, N, b, Dh)
+            vb = (F.pad(v, (0, 0, 0, pad)) * vm).view(bsz, h, n, b_sz, dh)
+            qb = F.pad(q, (0, 0, 0, pad)).view(bsz, h, n, b_sz, dh)
+            vf = valid_p.view(bsz, n, b_sz).float()  # (B, N, b)
+            w = torch.einsum("bhij,bjs->bhis", p_mat, vf)  # (B, H, N, b) valid mass of each sorted slot
+            norm = w.clamp_min(_EPS)[..., None]
+            ks = torch.einsum("bhij,bhjsd->bhisd", p_mat, kb.float()) / norm  # (B, H, N, b, Dh)
+            vs = torch.einsum("bhij,bhjsd->bhisd", p_mat, vb.float()) / norm
+            keys = torch.cat([kb.float(), ks], dim=3)  # (B, H, N, 2b, Dh): local block, sorted block
+            vals = torch.cat([vb.float(), vs], dim=3)
+            local_ok = vf.bool()[:, None, :, None, :].expand(bsz, 1, n, b_sz, b_sz)  # (B, 1, N, b, b)
+            if ctx.causal:
+                local_ok = local_ok & torch.ones(b_sz, b_sz, dtype=torch.bool, device=q.device).tril()
+            sorted_ok = (w > _EPS)[:, :, :, None, :].expand(bsz, h, n, b_sz, b_sz)  # (B, H, N, b, b)
+            allowed = torch.cat([local_ok.expand(bsz, h, n, b_sz, b_sz), sorted_ok], dim=-1)  # (B, H, N, b, 2b)
+            bias = torch.cat(
+                [torch.zeros(bsz, h, n, 1, b_sz, device=q.device), w.clamp_min(_EPS).log()[:, :, :, None, :]], dim=-1
+            )  # (B, H, N, 1, 2b)
+        out, _ = group_attention(qb, keys, vals, allowed, scale=self.scale, bias=bias, dropout_p=self.dropout_p)
+        y = out.reshape(bsz, h, n * b_sz, dh)[:, :, :s].to(v.dtype)  # (B, H, S, Dh)
+        return AttnOutput(self.o_proj(self.merge_heads(y)))
+
+
+@ATTENTION.register(
+    "sinkhorn",
+    description="Sparse Sinkhorn attention: learned soft block sorting (Sinkhorn balancing) + local block",
+    paper="Tay et al. 2020, Sparse Sinkhorn Attention (sec. 3, causal Sinkhorn balancing sec. 3.3)",
+    capabilities=Capabilities(exact=False, subquadratic=True, positions=GATHERED_POSITIONS),
+)
+@dataclass(frozen=True)
+class SinkhornConfig(AttentionConfig):
+    """Sinkhorn options.
+
+    Attributes:
+        block_size: b tokens per block (each query sees 2b keys).
+        max_len: longest sequence (the SortNet has max_len / b outputs per head).
+        sinkhorn_iters: row/column normalisation pairs.
+        temperature: tau dividing the sorting logits (lower = closer to a hard permutation).
+        gumbel_noise: Gumbel-Sinkhorn noise in training mode (eval is deterministic).
+        sort_hidden: SortNet hidden width (None: d_model).
+    """
+
+    block_size: int = 16
+    max_len: int = 1024
+    sinkhorn_iters: int = 8
+    temperature: float = 0.75
+    gumbel_noise: bool = False
+    sort_hidden: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.max_len < 1 or self.sinkhorn_iters < 1 or self.temperature <= 0:
+            raise ValueError("attention: sinkhorn needs block_size, max_len, sinkhorn_iters >= 1 and temperature > 0")
+
+    def build(self, ctx, position) -> AttentionModule:
+        return SinkhornAttention(ctx, position, self)
