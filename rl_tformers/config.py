@@ -52,10 +52,14 @@ class BuildContext:
     Attributes:
         config: the whole backbone config (read-only).
         layer_idx: index of the layer being built (0-based); -1 for backbone-level modules.
+        shared: scratch dict shared by every layer of one backbone build (``at_layer`` keeps
+            the same dict), for parameters tied across layers (e.g. Linformer's layer-wise
+            shared projection). Not part of the configuration.
     """
 
     config: BackboneConfig
     layer_idx: int = -1
+    shared: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def d_model(self) -> int:
