@@ -120,7 +120,7 @@ class GatedBlock(BlockModule):
     "gated",
     description="GTrXL: input-stream layer norm, ReLU sub-layer outputs, gated residuals (input/output/highway/sigmoid-tanh/GRU)",
     paper="Parisotto et al. 2019, Stabilizing Transformers for Reinforcement Learning (sec. 3)",
-    capabilities=Capabilities(memory=True, incremental=True),
+    capabilities=Capabilities(memory=True, incremental=True, exact_chunking=True),
 )
 @dataclass(frozen=True)
 class GatedConfig(BlockConfig):

@@ -47,7 +47,7 @@ class PreNormBlock(BlockModule):
     "post_norm",
     description="Residual then LayerNorm after each sub-layer (the vanilla Transformer)",
     paper="Vaswani et al. 2017, Attention Is All You Need",
-    capabilities=Capabilities(memory=True, incremental=True),
+    capabilities=Capabilities(memory=True, incremental=True, exact_chunking=True),
 )
 @dataclass(frozen=True)
 class PostNormConfig(BlockConfig):
@@ -59,7 +59,7 @@ class PostNormConfig(BlockConfig):
     "pre_norm",
     description="LayerNorm before each sub-layer, identity residual path (GPT-2)",
     paper="Radford et al. 2019 (GPT-2); Xiong et al. 2020, On Layer Normalization in the Transformer",
-    capabilities=Capabilities(memory=True, incremental=True),
+    capabilities=Capabilities(memory=True, incremental=True, exact_chunking=True),
 )
 @dataclass(frozen=True)
 class PreNormConfig(BlockConfig):

@@ -187,16 +187,16 @@ class _ReversibleStackFn(torch.autograd.Function):
     def forward(fctx, x1: Tensor, x2: Tensor, stack: _Stack, *tensors: Tensor):
         y1, y2 = stack.forward_layers(x1, x2, record=True)
         fctx.stack = stack
-        fctx.n = len(tensors)
-        fctx.save_for_backward(y1, y2, *tensors)
+        fctx.tensors = tensors  # the parameter objects themselves: gradients are matched by identity
+        fctx.save_for_backward(y1, y2)
         return y1, y2
 
     @staticmethod
     def backward(fctx, dy1: Tensor | None, dy2: Tensor | None):
-        y1, y2, *tensors = fctx.saved_tensors
+        y1, y2 = fctx.saved_tensors
         dy1 = torch.zeros_like(y1) if dy1 is None else dy1
         dy2 = torch.zeros_like(y2) if dy2 is None else dy2
-        dx1, dx2, grads = fctx.stack.backward_layers(y1, y2, dy1, dy2, list(tensors))
+        dx1, dx2, grads = fctx.stack.backward_layers(y1, y2, dy1, dy2, list(fctx.tensors))
         return (dx1, dx2, None, *grads)
 
 

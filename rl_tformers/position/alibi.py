@@ -24,8 +24,7 @@ def alibi_slopes(n_heads: int) -> list[float]:
         raise ValueError(f"alibi needs at least one head, got {n_heads}")
 
     def pow2(n: int) -> list[float]:
-        start = 2.0 ** (-8.0 / n)
-        return [start ** (i + 1) for i in range(n)]
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]  # (2^(-8/n))^(i+1), exact powers
 
     p = 2 ** int(math.floor(math.log2(n_heads)))
     if p == n_heads:
