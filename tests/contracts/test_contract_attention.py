@@ -1,0 +1,178 @@
+"""Attention kernels against their ground truth (module level), and the complexity contract.
+
+- every ``exact`` kind x every positional kind it accepts equals ``reference_forward`` (dense
+  masked softmax attention restricted to the kernel's ``pattern``) within 1e-5 in float32, on
+  random inputs with causal/bidirectional masks, key padding, episode boundaries and (for kinds
+  that take memory) prefix keys;
+- every ``approximate`` kind that declares ``contract_convergence`` gets closer to dense
+  attention as its budget grows;
+- every ``subquadratic`` kind never materialises an L x L tensor (PeakNumel at L = 2048, 4096).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from contract_checks import assert_subquadratic
+from contract_variants import BASE, B, D, T, caps_of, config_cls, kind_backbone, kind_fields, position_for
+
+from rl_tformers.config import BackboneConfig, BuildContext
+from rl_tformers.registry import ATTENTION, POSITION
+from rl_tformers.types import AttnContext
+
+M = 4  # memory/prefix keys in the prefix case
+
+
+def _module(kind: str, position: str, seq_len: int = T, causal: bool = True, **fields):
+    """(attention module of layer 0, its BackboneConfig), seeded."""
+    cfg = dict(BASE)
+    cfg["attention"] = {"kind": kind, **kind_fields("attention", kind, seq_len), **fields}
+    cfg["position"] = {"kind": position}
+    cfg["causal"] = causal
+    for k, v in kind_backbone("attention", kind, seq_len).items():
+        if k != "position":
+            cfg[k] = v
+    bcfg = BackboneConfig.from_dict(cfg)
+    ctx = BuildContext(bcfg).at_layer(0)
+    torch.manual_seed(4321)
+    mod = bcfg.attention.build(ctx, bcfg.position.build(ctx))
+    return mod.eval(), bcfg
+
+
+def _accepted_positions(kind: str) -> list[str]:
+    allowed = caps_of("attention", kind).positions
+    return [p for p in POSITION.kinds() if allowed is None or p in allowed]
+
+
+def _cases(caps) -> list[str]:
+    out = []
+    if caps.causal:
+        out += ["causal", "causal_episodes"]
+        if caps.memory:
+            out.append("causal_prefix")
+    if caps.bidirectional:
+        out.append("bidirectional")
+    return out
+
+
+def _ctx_and_inputs(case: str, seq_len: int = T):
+    """(x_q (B, T, D), x_kv (B, S, D), AttnContext) for one masking case."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(B, seq_len, D, generator=g)
+    pos = torch.arange(seq_len).expand(B, seq_len) + torch.tensor([[M], [M + 5]])  # caller positions, rows differ
+    valid = torch.ones(B, seq_len, dtype=torch.bool)
+    valid[0, -3:] = False  # right padding
+    valid[1, :2] = False  # left padding
+    if case == "causal":
+        return x, x, AttnContext(pos_q=pos, pos_k=pos, key_valid=valid, causal=True)
+    if case == "bidirectional":
+        return x, x, AttnContext(pos_q=pos, pos_k=pos, key_valid=valid, causal=False)
+    if case == "causal_episodes":
+        starts = torch.zeros(B, seq_len, dtype=torch.long)
+        starts[0, seq_len // 2] = 1  # a new episode in the middle of row 0
+        seg = starts.cumsum(1)
+        return x, x, AttnContext(pos_q=pos, pos_k=pos, key_valid=valid, seg_q=seg, seg_k=seg, causal=True)
+    if case == "causal_prefix":
+        mem = torch.randn(B, M, D, generator=g)
+        pos_m = torch.arange(-M, 0).expand(B, M) + pos[:, :1]
+        valid_m = torch.ones(B, M, dtype=torch.bool)
+        valid_m[1, :2] = False  # unfilled memory slots
+        kv = torch.cat([mem, x], 1)  # (B, M + T, D)
+        ctx = AttnContext(
+            pos_q=pos, pos_k=torch.cat([pos_m, pos], 1), key_valid=torch.cat([valid_m, valid], 1), causal=True
+        )
+        return x, kv, ctx
+    raise ValueError(case)
+
+
+def _exact_params():
+    params = []
+    for e in ATTENTION:
+        if not e.capabilities.exact:
+            continue
+        for p in _accepted_positions(e.kind):
+            for case in _cases(e.capabilities):
+                params.append(pytest.param(e.kind, p, case, id=f"{e.kind}-{p}-{case}"))
+    return params
+
+
+@pytest.mark.parametrize(("kind", "position", "case"), _exact_params())
+def test_exact_kernel_equals_reference(kind: str, position: str, case: str):
+    mod, _ = _module(kind, position, causal=case != "bidirectional")
+    x_q, x_kv, ctx = _ctx_and_inputs(case)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = mod(x_q, x_kv, ctx).out
+        ref = mod.reference_forward(x_q, x_kv, ctx).out
+    valid_q = ctx.key_valid[:, ctx.k_len - ctx.q_len :]
+    torch.testing.assert_close(out[valid_q], ref[valid_q], atol=1e-5, rtol=0)
+    assert torch.isfinite(out).all()
+
+
+def test_reference_kind_is_checked_against_an_independent_computation():
+    """The ground truth itself: reference_forward equals softmax(QK^T/sqrt(d) masked) V by hand."""
+    mod, _ = _module("reference", "none")
+    x, _, ctx = _ctx_and_inputs("causal")
+    with torch.no_grad():
+        got = mod.reference_forward(x, x, ctx).out
+        q, k, v = mod.project(x, x)  # (B, H, T, Dh)
+        s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # (B, H, T, T)
+        allowed = torch.ones(T, T).tril().bool()[None, None] & ctx.key_valid[:, None, None, :]
+        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+        want = mod.o_proj((p @ v).transpose(1, 2).reshape(B, T, D))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def _approx_params():
+    return [
+        pytest.param(e.kind, id=e.kind)
+        for e in ATTENTION
+        if e.capabilities.approximate and hasattr(e.config_cls, "contract_convergence")
+    ]
+
+
+@pytest.mark.parametrize("kind", _approx_params())
+def test_approximate_kernel_converges_to_dense(kind: str):
+    caps = caps_of("attention", kind)
+    budgets = list(config_cls("attention", kind).contract_convergence(T))
+    assert len(budgets) >= 2, "contract_convergence must list at least two budgets"
+    case = "causal" if caps.causal else "bidirectional"
+    x_q, x_kv, ctx = _ctx_and_inputs(case)
+    valid_q = ctx.key_valid[:, ctx.k_len - ctx.q_len :]
+    errs = []
+    for fields in budgets:
+        mod, _ = _module(kind, position_for(caps), causal=caps.causal, **fields)
+        with torch.no_grad():
+            torch.manual_seed(0)
+            out = mod(x_q, x_kv, ctx).out
+            ref = mod.reference_forward(x_q, x_kv, ctx).out
+        errs.append((out - ref)[valid_q].abs().mean().item())
+    assert errs[-1] < 0.5 * errs[0], f"error to dense attention does not shrink with the budget: {errs}"
+
+
+def _subquadratic_params():
+    return [pytest.param(e.kind, id=e.kind) for e in ATTENTION if e.capabilities.subquadratic]
+
+
+@pytest.mark.parametrize("kind", _subquadratic_params())
+def test_subquadratic_kernel_never_materialises_l_by_l(kind: str):
+    caps = caps_of("attention", kind)
+
+    def run_at(n: int) -> None:
+        mod, _ = _module(kind, "none" if caps.positions is None or "none" in caps.positions else position_for(caps),
+                         seq_len=n, causal=caps.causal)
+        x = torch.randn(1, n, D)
+        pos = torch.arange(n)[None]
+        valid = torch.ones(1, n, dtype=torch.bool)
+        valid[0, -5:] = False
+        ctx = AttnContext(pos_q=pos, pos_k=pos, key_valid=valid, causal=caps.causal)
+        with torch.no_grad():
+            mod(x, x, ctx)
+
+    assert_subquadratic(run_at)
+
+
+def test_cases_cover_every_registered_exact_kind():
+    exact = {e.kind for e in ATTENTION if e.capabilities.exact}
+    covered = {p.values[0] for p in _exact_params()}
+    assert exact == covered and {"sdpa", "reference"} <= covered
