@@ -1,0 +1,1 @@
+"""Benchmarks (`rl-tformers bench ...`): each module measures one thing against a baseline in the same process."""

@@ -1,0 +1,67 @@
+"""``rl-tformers backbones [--json] [--slot]`` lists every registered component."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from typer.testing import CliRunner
+
+from rl_tformers.commands_backbones import register
+from rl_tformers.registry import SLOTS, all_entries
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    register(app)
+
+    @app.callback()
+    def _root() -> None:  # keep "backbones" a sub-command
+        pass
+
+    return app
+
+
+def test_json_lists_every_registered_component_with_capabilities():
+    res = CliRunner().invoke(_app(), ["backbones", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)
+    want = {(e.slot, e.kind) for e in all_entries()}
+    assert {(r["slot"], r["kind"]) for r in rows} == want and len(rows) == len(want)
+    flags = {"causal", "bidirectional", "key_padding", "memory", "incremental", "stateful", "exact",
+             "approximate", "subquadratic", "exact_chunking", "positions"}
+    for r in rows:
+        assert r["description"] and r["paper"], r
+        assert set(r["capabilities"]) == flags
+    by = {(r["slot"], r["kind"]): r for r in rows}
+    assert by[("attention", "sdpa")]["capabilities"]["incremental"] is True
+    assert by[("block", "reversible")]["capabilities"]["memory"] is False
+    assert "Parisotto" in by[("block", "gated")]["paper"]
+    for kind in ("none", "sinusoidal", "learned", "shaw", "xl_relative", "rotary", "alibi", "distance_aware"):
+        assert ("position", kind) in by
+
+
+def test_slot_filter_and_table():
+    res = CliRunner().invoke(_app(), ["backbones", "--json", "--slot", "block"])
+    assert res.exit_code == 0
+    assert {r["kind"] for r in json.loads(res.output)} >= {"post_norm", "pre_norm", "gated", "reversible"}
+    assert {r["slot"] for r in json.loads(res.output)} == {"block"}
+    table = CliRunner().invoke(_app(), ["backbones"])
+    assert table.exit_code == 0
+    for slot in SLOTS:
+        assert slot in table.output
+    assert "xl_relative" in table.output and "reversible" in table.output
+
+
+def test_unknown_slot_is_refused_with_the_choices():
+    res = CliRunner().invoke(_app(), ["backbones", "--slot", "bogus"])
+    assert res.exit_code != 0
+    assert "unknown slot 'bogus'" in res.output
+
+
+def test_the_installed_cli_has_the_command():
+    from rl_tformers.cli import app
+
+    res = CliRunner().invoke(app, ["backbones", "--json", "--slot", "position"])
+    assert res.exit_code == 0, res.output
+    assert {r["kind"] for r in json.loads(res.output)} == {e.kind for e in all_entries() if e.slot == "position"}

@@ -1,0 +1,122 @@
+"""Vanilla Transformer encoder-decoder with cross-attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rl_tformers.config import IncompatibleConfig
+from rl_tformers.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
+
+D = 16
+SMALL = {"d_model": D, "n_heads": 2, "n_layers": 2, "dropout": 0.0, "attn_dropout": 0.0}
+
+
+def _model(block="post_norm", **kw):
+    torch.manual_seed(0)
+    cfg = {"encoder": {**SMALL, "block": {"kind": block}}, "decoder": {**SMALL, "block": {"kind": block}}, **kw}
+    return EncoderDecoder(cfg).eval()
+
+
+def test_vanilla_defaults():
+    cfg = EncoderDecoderConfig()
+    for part, causal in ((cfg.encoder, False), (cfg.decoder, True)):
+        assert part.causal is causal
+        assert part.block.kind == "post_norm" and part.position.kind == "sinusoidal" and part.activation == "relu"
+    assert cfg.cross_attention.kind == "sdpa"
+    m = _model()
+    layer = m.layers[0]
+    assert {"self_attn", "cross_attn", "ffn", "norm1", "norm2", "norm3"} <= {n for n, _ in layer.named_children()}
+
+
+@pytest.mark.parametrize("block", ["post_norm", "pre_norm"])
+def test_shapes_and_decoder_causality(block):
+    m = _model(block)
+    src, tgt = torch.randn(2, 7, D), torch.randn(2, 5, D)
+    out = m(src, tgt)
+    assert out.hidden.shape == (2, 5, D) and out.memory.shape == (2, 7, D)
+    for t in range(4):
+        tgt2 = tgt.clone()
+        tgt2[:, t + 1 :] += torch.randn(2, 4 - t, D)
+        torch.testing.assert_close(m(src, tgt2).hidden[:, : t + 1], out.hidden[:, : t + 1], atol=1e-6, rtol=0)
+    tg = tgt.clone().requires_grad_(True)
+    h = m(src, tg).hidden
+    (g,) = torch.autograd.grad((h[:, 1] * torch.randn(2, D)).sum(), tg)
+    assert torch.count_nonzero(g[:, 2:]) == 0 and g[:, :2].abs().sum() > 0
+
+
+def test_every_target_position_reads_the_whole_real_source():
+    m = _model()
+    src, tgt = torch.randn(2, 7, D), torch.randn(2, 5, D)
+    src_mask = torch.ones(2, 7, dtype=torch.bool)
+    src_mask[1, 4:] = False
+    sg = src.clone().requires_grad_(True)
+    h = m(sg, tgt, src_mask=src_mask).hidden
+    (g,) = torch.autograd.grad((h[:, 0] * torch.randn(2, D)).sum(), sg)  # not a plain sum: LN outputs sum to 0
+    per_token = g.abs().sum(-1)  # (B, S)
+    assert (per_token[src_mask] > 0).all()  # not causal over the source
+    assert (per_token[~src_mask] == 0).all()  # padded source tokens are never read
+    # garbage in padded source slots changes nothing
+    src2 = src.clone()
+    src2[1, 4:] = torch.randn(3, D) * 100
+    torch.testing.assert_close(m(src2, tgt, src_mask=src_mask).hidden, h.detach(), atol=1e-6, rtol=0)
+
+
+def test_target_padding_invariance_and_bf16():
+    m = _model()
+    src, tgt = torch.randn(2, 7, D), torch.randn(2, 5, D)
+    tmask = torch.ones(2, 5, dtype=torch.bool)
+    tmask[0, 3:] = False
+    a = m(src, tgt, tgt_mask=tmask).hidden
+    tgt2 = tgt.clone()
+    tgt2[0, 3:] = 50
+    b = m(src, tgt2, tgt_mask=tmask).hidden
+    torch.testing.assert_close(b[tmask], a[tmask], atol=1e-6, rtol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        smask = torch.zeros(2, 7, dtype=torch.bool)  # no real source at all: cross rows are empty
+        out = m(src, tgt, src_mask=smask, tgt_mask=tmask).hidden
+    assert torch.isfinite(out.float()).all()
+
+
+def test_config_round_trip_and_partial_dicts():
+    m = _model("pre_norm", cross_attention={"kind": "reference"})
+    cfg = m.config
+    assert EncoderDecoderConfig.from_dict(cfg.to_dict()) == cfg
+    yaml = OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict()))
+    assert EncoderDecoderConfig.from_dict(OmegaConf.to_container(OmegaConf.create(yaml))) == cfg
+    part = EncoderDecoderConfig.from_dict({"encoder": {"d_model": 32, "n_heads": 4}, "decoder": {"d_model": 32}})
+    assert part.encoder.causal is False and part.decoder.causal is True and part.encoder.block.kind == "post_norm"
+
+
+def test_refusals_name_the_option():
+    with pytest.raises(IncompatibleConfig, match="encoder.d_model=16 and decoder.d_model=32"):
+        EncoderDecoderConfig.from_dict({"encoder": {"d_model": 16, "n_heads": 2}, "decoder": {"d_model": 32, "n_heads": 2}})
+    with pytest.raises(IncompatibleConfig, match="decoder.block.kind='gated'"):
+        EncoderDecoderConfig.from_dict({"decoder": {"block": {"kind": "gated"}}})
+    with pytest.raises(IncompatibleConfig, match="encoder_decoder.foo"):
+        EncoderDecoderConfig.from_dict({"foo": 1})
+
+
+@pytest.mark.slow
+def test_learns_to_copy_through_cross_attention():
+    """Target position t must output source token t: only cross-attention can carry it."""
+    torch.manual_seed(0)
+    m = EncoderDecoder({"encoder": {**SMALL, "d_model": 32, "n_heads": 4}, "decoder": {**SMALL, "d_model": 32, "n_heads": 4}}).train()
+    vocab, n = 8, 5
+    emb = torch.nn.Embedding(vocab + 1, 32)  # token vocab = start symbol
+    head = torch.nn.Linear(32, vocab)
+    opt = torch.optim.Adam([*m.parameters(), *emb.parameters(), *head.parameters()], lr=3e-3)
+    for _ in range(250):
+        tok = torch.randint(0, vocab, (32, n))
+        start = torch.full((32, 1), vocab)
+        logits = head(m(emb(tok), emb(torch.cat([start, tok[:, :-1]], 1))).hidden)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tok.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    m.eval()
+    tok = torch.randint(0, vocab, (64, n), generator=torch.Generator().manual_seed(3))
+    start = torch.full((64, 1), vocab)
+    acc = (head(m(emb(tok), emb(torch.cat([start, tok[:, :-1]], 1))).hidden).argmax(-1) == tok).float().mean()
+    assert acc > 0.9, f"copy accuracy {acc:.2f}"
