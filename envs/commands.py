@@ -197,6 +197,27 @@ def info(
         typer.echo(f"{k:<{width}}  {v}")
 
 
+@dataset_app.command("export")
+def export(
+    dataset: str = typer.Argument(..., help="Minari id, Minari dataset folder or D4RL .hdf5 file."),
+    out: Path = typer.Argument(..., help="D4RL-layout .hdf5 file to write."),
+    download: bool = typer.Option(False, "--download", help="Download a Minari id that is not found locally."),
+    flatten_observations: bool = typer.Option(False, "--flatten-observations",
+                                              help="Flatten Dict/Tuple observations (gymnasium flatten_space)."),
+    root: Path = typer.Option(None, "--root", help="Data root searched first for Minari ids."),
+) -> None:
+    """Validate a dataset and write it as one flat D4RL-layout HDF5 file (fast to reload, lazy-loadable)."""
+    from rl_tformers.envs.dataset import DatasetError
+    from rl_tformers.envs.loaders import load_dataset, save_d4rl_hdf5
+
+    try:
+        ds = load_dataset(dataset, download=download, flatten_observations=flatten_observations, root=root)
+    except (DatasetError, FileNotFoundError, RuntimeError) as exc:
+        _fail(str(exc))
+    path = save_d4rl_hdf5(ds, out)
+    typer.echo(f"{dataset}: {ds.num_episodes} episodes, {ds.num_steps} steps -> {path}")
+
+
 def register(app: typer.Typer) -> None:
     app.command("collect")(collect)
     app.add_typer(dataset_app, name="dataset")

@@ -34,6 +34,11 @@ def test_collect_then_dataset_info_json(tmp_path):
         assert info["ref_min_score"] == -20.272305
     r = runner.invoke(app, ["dataset", "info", "rlt/hopper-v5/random-v0", "--root", str(tmp_path)])
     assert r.exit_code == 0 and "return_mean" in r.stdout
+    r = runner.invoke(app, ["dataset", "export", "rlt/hopper-v5/random-v0", str(tmp_path / "e.hdf5"), "--root",
+                            str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["dataset", "info", str(tmp_path / "e.hdf5"), "--json"])
+    assert json.loads(r.stdout)["return_mean"] == made["return_mean"]
 
 
 def test_collect_with_observation_indices(tmp_path):

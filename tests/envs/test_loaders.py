@@ -69,10 +69,14 @@ def test_minari_reference_scores_are_read(tmp_path):
 
 
 def test_minari_episode_with_as_many_observations_as_actions_is_refused(tmp_path):
-    make_minari(tmp_path, "test/bad-v0", buffers([3, 10], obs_extra=0))
+    bufs = buffers([5])
+    bufs += [EpisodeBuffer(id=1, **{k: getattr(b, k) for k in ("actions", "rewards", "terminations", "truncations")},
+                           observations=b.observations[:-1]) for b in buffers([10], seed=1)]
+    make_minari(tmp_path, "test/bad-v0", bufs)
     with pytest.raises(DatasetError) as err:
         load_minari("test/bad-v0", root=tmp_path)
-    assert "episode 0" in str(err.value) and "observations has 3" in str(err.value) and "actions has 3" in str(err.value)
+    assert err.value.episode == 1 and err.value.field == "observations"
+    assert "episode 1" in str(err.value) and "observations has 10" in str(err.value) and "actions has 10" in str(err.value)
 
 
 def test_unknown_minari_id_is_not_downloaded_unless_asked(tmp_path, monkeypatch):

@@ -1,0 +1,56 @@
+"""Recipes: structure (fast) and reproduction of every measured line of docs/data.md (slow)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from rl_tformers.envs.recipes import LEVEL_POLICIES, all_recipes, make_recipe, match_recipes
+from typer.testing import CliRunner
+
+from rl_tformers.cli import app
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "data.md"
+
+
+def test_recipe_catalogue():
+    recipes = all_recipes()
+    assert len(recipes) == 30
+    me = make_recipe("hopper", "medium-expert")
+    assert [(s.policy, s.steps) for s in me.shards] == [("sac", 100_000), ("ars", 100_000)]
+    mr = make_recipe("walker2d", "medium-replay", positions=True)
+    assert mr.steps == 100_000 and mr.shards[0].policy == "random" and mr.positions
+    assert {s.policy for s in mr.shards[1:]} == {LEVEL_POLICIES["walker2d"][0]}
+    assert mr.dataset_id == "rlt/walker2d-v5/medium-replay-positions-v0"
+    assert [r.name for r in match_recipes(["hopper-medium", "hopper-medium*"])][:2] == [
+        "hopper-medium", "hopper-medium-positions"]
+
+
+def documented_rows():
+    """Rows of the recipe table in docs/data.md that carry measured numbers."""
+    rows = []
+    for line in DOC.read_text().splitlines():
+        m = re.match(r"\|\s*`([a-z0-9-]+)`\s*\|.*\|\s*([\d,]+)\s*\|\s*([\d,]+)\s*\|\s*(-?[\d.]+) ± ([\d.]+)\s*\|", line)
+        if m:
+            rows.append((m.group(1), int(m.group(2).replace(",", "")), int(m.group(3).replace(",", "")),
+                         float(m.group(4)), float(m.group(5))))
+    return rows
+
+
+def test_docs_have_measured_recipe_rows():
+    rows = documented_rows()
+    assert len(rows) >= 10 and {r[0] for r in rows} >= {r.name for r in match_recipes(["hopper-*"])}
+
+
+@pytest.mark.slow
+def test_every_documented_recipe_line_is_reproduced_by_its_command(shared_dir, tmp_path):
+    runner = CliRunner()
+    for name, episodes, steps, mean, std in documented_rows():
+        r = runner.invoke(app, ["collect", "--recipe", name, "--root", str(tmp_path), "--json", "--no-progress",
+                                "--policies", str(shared_dir / "policies")])
+        assert r.exit_code == 0, r.output
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        assert (got["episodes"], got["steps"]) == (episodes, steps), name
+        assert f"{got['return_mean']:.1f} ± {got['return_std']:.1f}" == f"{mean:.1f} ± {std:.1f}", name
