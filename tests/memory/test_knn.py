@@ -1,0 +1,186 @@
+"""Memorizing Transformer memory (memory kind ``knn``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rl_tformers import Backbone
+from rl_tformers.config import IncompatibleConfig
+from rl_tformers.memory._search import faiss_available
+from rl_tformers.memory.knn import KNNAugmentedAttention, KNNStore, empty_store
+from rl_tformers.types import AttnContext
+
+D, H = 16, 2
+
+
+def _bb(mem_len=4, store_size=12, top_k=3, layer=-2, n_layers=3, **kw):
+    cfg = {
+        "d_model": D, "n_layers": n_layers, "n_heads": H, "dropout": 0.0, "attn_dropout": 0.0,
+        "memory": {"kind": "knn", "mem_len": mem_len, "store_size": store_size, "top_k": top_k, "layer": layer, **kw},
+    }
+    return Backbone(cfg).eval()
+
+
+def _random_store(b=2, n=20, dh=D // H, seg=0):
+    keys = F.normalize(torch.randn(b, H, n, dh), dim=-1)
+    vals = torch.randn(b, H, n, dh)
+    valid = torch.rand(b, n) > 0.3
+    segs = torch.full((b, n), seg)
+    segs[:, :3] = seg - 1  # older episode: never retrievable
+    return KNNStore(keys, vals, torch.arange(n).expand(b, n).clone(), valid, segs)
+
+
+def test_layer_is_wrapped_near_the_top():
+    bb = _bb()
+    kinds = [type(b.attn).__name__ for b in bb.blocks]
+    assert kinds == ["DenseAttention", "KNNAugmentedAttention", "DenseAttention"]
+    assert type(_bb(layer=0).blocks[0].attn) is KNNAugmentedAttention
+    with pytest.raises(IncompatibleConfig, match="memory.layer"):
+        _bb(layer=3)
+
+
+@pytest.mark.parametrize("search", ["torch", "faiss"])
+def test_exact_search_retrieves_true_top_k(search):
+    if search == "faiss" and not faiss_available():
+        pytest.skip("faiss not installed")
+    bb = _bb(top_k=4, search=search)
+    layer: KNNAugmentedAttention = bb.blocks[1].attn
+    store = _random_store()
+    q = F.normalize(torch.randn(2, H, 5, D // H), dim=-1)
+    seg_q = torch.zeros(2, 5, dtype=torch.long)
+    seg_q[1, 3:] = 1  # row 1: a new episode starts at query 3 -> nothing retrievable there
+    vm, hit, _ = layer.retrieve(q, store, seg_q, torch.full((2, 5), 30))
+    # ground truth: brute-force cosine ranking among valid entries of the query's episode
+    allowed = (store.valid & (store.seg == 0))[:, None, None, :]  # (B, 1, 1, N)
+    sims = torch.einsum("bhtd,bhnd->bhtn", q, store.keys).masked_fill(~allowed, -2.0)
+    top = sims.topk(4, dim=-1)
+    w = torch.softmax(top.values * layer.log_scale.exp().view(1, -1, 1, 1), -1)
+    v_top = torch.stack([torch.stack([store.values[b, h][top.indices[b, h]] for h in range(H)]) for b in range(2)])
+    expected = (w[..., None] * v_top).sum(-2)  # (B, H, T, Dh)
+    assert hit[0].all() and hit[1, :, :3].all() and not hit[1, :, 3:].any()
+    torch.testing.assert_close(vm[hit], expected[hit], atol=1e-5, rtol=0)
+    assert torch.count_nonzero(vm[~hit]) == 0
+
+
+def test_topk_indices_match_brute_force():
+    bb = _bb(top_k=5)
+    layer = bb.blocks[1].attn
+    store = _random_store()
+    q = F.normalize(torch.randn(2, H, 3, D // H), dim=-1)
+    scores = torch.matmul(q, store.keys.transpose(-1, -2))
+    from rl_tformers.memory._search import masked_topk
+
+    allowed = (store.valid & (store.seg == 0))[:, None, None, :]
+    _, idx, ok = masked_topk(scores, allowed, 5)
+    brute = scores.masked_fill(~allowed, -9).argsort(-1, descending=True)[..., :5]
+    assert ok.all()
+    assert torch.equal(idx.sort(-1).values, brute.sort(-1).values)
+    if faiss_available():
+        fi, fok = layer._faiss_topk(q, store, allowed)
+        assert fok.all() and torch.equal(fi.sort(-1).values, brute.sort(-1).values)
+
+
+def test_gate_forced_to_local_equals_plain_attention():
+    bb = _bb(mem_len=4)
+    layer: KNNAugmentedAttention = bb.blocks[1].attn
+    with torch.no_grad():
+        layer.gate_logit.fill_(-1e4)  # g = sigmoid(-1e4) = 0 exactly
+    x = torch.randn(2, 6, D)
+    ctx = AttnContext(pos_q=torch.arange(6).expand(2, 6), pos_k=torch.arange(6).expand(2, 6), seg_q=torch.zeros(2, 6, dtype=torch.long), seg_k=torch.zeros(2, 6, dtype=torch.long))
+    store = _random_store(n=12, seg=0)
+    store.pos = store.pos - 20  # entries from the past
+    out = layer(x, x, ctx, store)
+    plain = layer.base(x, x, ctx, None)
+    assert torch.equal(out.out, plain.out)
+    assert out.metrics["knn/hit_rate"] == 1.0
+    # and the whole backbone equals the same stack with plain XL memory
+    xl = Backbone({**bb.config.to_dict(), "memory": {"kind": "xl", "mem_len": 4}}).eval()
+    sd = {k.replace("attn.base.", "attn."): v for k, v in bb.state_dict().items() if "gate_logit" not in k and "log_scale" not in k}
+    xl.load_state_dict(sd)
+    sa, sb = bb.initial_state(2), xl.initial_state(2)
+    for _ in range(3):
+        xs = torch.randn(2, 4, D)
+        oa, ob = bb(xs, state=sa), xl(xs, state=sb)
+        torch.testing.assert_close(oa.hidden, ob.hidden, atol=1e-6, rtol=0)
+        sa, sb = oa.state, ob.state
+
+
+def test_open_gate_uses_the_memory():
+    bb = _bb(mem_len=0)
+    with torch.no_grad():
+        bb.blocks[1].attn.gate_logit.fill_(3.0)
+    st = bb(torch.randn(2, 5, D), state=bb.initial_state(2)).state
+    x = torch.randn(2, 3, D)
+    with_mem = bb(x, state=st).hidden
+    fresh = bb(x, state=bb.initial_state(2), positions=torch.arange(5, 8).expand(2, 3)).hidden
+    assert (with_mem - fresh).abs().max() > 1e-3
+
+
+def test_store_fifo_and_reset():
+    bb = _bb(store_size=7)
+    st = bb.initial_state(3)
+    for _ in range(3):
+        st = bb(torch.randn(3, 3, D), state=st).state
+    store = bb.memory.store(st)
+    assert store.count().tolist() == [7, 7, 7]
+    assert store.pos[0].tolist() == list(range(2, 9))  # the newest 7 of 9 positions
+    assert not store.keys.requires_grad and not store.values.requires_grad
+    torch.testing.assert_close(store.keys.norm(dim=-1), torch.ones(3, H, 7))
+    new = bb.reset_state(st, torch.tensor([False, True, False]))
+    s2 = bb.memory.store(new)
+    assert s2.count().tolist() == [7, 0, 7]
+    assert torch.count_nonzero(s2.keys[1]) == 0 and torch.count_nonzero(s2.values[1]) == 0
+    assert torch.equal(s2.keys[[0, 2]], store.keys[[0, 2]])
+    # nothing is retrieved for the reset row; the others still retrieve
+    out = bb(torch.randn(3, 2, D), state=new)
+    assert 0 < out.metrics["layer1/knn/hit_rate"] < 1
+    st_all = bb.reset_state(st, torch.tensor([True, True, True]))
+    assert bb.memory.store(st_all).count().tolist() == [0, 0, 0]
+    out = bb(torch.randn(3, 2, D), state=st_all)
+    assert out.metrics["layer1/knn/hit_rate"] == 0.0
+
+
+def test_no_retrieval_across_an_episode_start_inside_a_segment():
+    bb = _bb(mem_len=0)
+    st = bb(torch.randn(1, 4, D), state=bb.initial_state(1)).state
+    start = torch.tensor([[False, False, True, False]])
+    # queries 0, 1 may read the store; 2, 3 (a new episode) may not
+    layer = bb.blocks[1].attn
+    seen = {}
+    hook = layer.register_forward_hook(lambda m, a, o: seen.update(m=o.metrics))
+    bb(torch.randn(1, 4, D), state=st, episode_start=start)
+    hook.remove()
+    assert seen["m"]["knn/hit_rate"] == 0.5
+
+
+def test_gradients_reach_gate_and_queries_not_the_store():
+    bb = _bb(mem_len=0).train()
+    st = bb(torch.randn(2, 4, D), state=bb.initial_state(2)).state
+    x = torch.randn(2, 3, D, requires_grad=True)
+    out = bb(x, state=st)
+    out.hidden.pow(2).sum().backward()
+    layer = bb.blocks[1].attn
+    assert layer.gate_logit.grad is not None and layer.gate_logit.grad.abs().sum() > 0
+    assert layer.log_scale.grad is not None and layer.log_scale.grad.abs().sum() > 0
+    assert bb.blocks[1].attn.base.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_empty_store_helper_and_state_layout():
+    s = empty_store(2, H, 5, D // H, "cpu", torch.float32)
+    assert s.count().tolist() == [0, 0] and s.capacity == 5
+    bb = _bb(mem_len=0)
+    st = bb.initial_state(2)
+    assert st.pos.shape == (2, 0)
+    assert [ls.cache is not None for ls in st.layers] == [False, True, False]
+    assert all(ls.memory is None for ls in st.layers)
+
+
+def test_without_state_the_layer_is_plain():
+    bb = _bb()
+    x = torch.randn(2, 5, D)
+    xl = Backbone({**bb.config.to_dict(), "memory": {"kind": "none"}}).eval()
+    sd = {k.replace("attn.base.", "attn."): v for k, v in bb.state_dict().items() if "gate_logit" not in k and "log_scale" not in k}
+    xl.load_state_dict(sd)
+    assert torch.equal(bb(x).hidden, xl(x).hidden)
