@@ -516,6 +516,8 @@ class EpisodeDataset:
             raise DatasetError(f"observations: unsupported observation space {self.observation_space!r}; "
                                "flatten it with flatten_observations=True", field="observations")
         n = self.rewards.shape[0]
+        if self.num_episodes == 0:
+            raise DatasetError("dataset has no episodes", field="lengths")
         empty = np.flatnonzero(self.lengths <= 0)
         if empty.size:
             e = int(empty[0])

@@ -90,6 +90,12 @@ def test_empty_episode_is_refused():
         EpisodeDataset(obs, act, rew, [0, 0, 1], [0, 0, 1], starts=[0, 2, 2], lengths=[2, 0, 1], action_space=BOX3)
 
 
+def test_dataset_without_episodes_is_refused():
+    with pytest.raises(DatasetError, match="no episodes"):
+        EpisodeDataset.from_flags(np.zeros((0, 2), np.float32), np.zeros((0, 3), np.float32), np.zeros(0), np.zeros(0),
+                                  action_space=BOX3)
+
+
 def test_action_outside_box_is_refused_with_component_and_bound():
     obs, act, rew = flat(4)
     act[2, 1] = 1.5
