@@ -1,0 +1,157 @@
+"""Universal Transformer depth (``universal``): ACT halting, coordinate embedding, fixed steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_tformers import Backbone, IncompatibleConfig
+from rl_tformers.adaptive.universal import ACTState, act_step, coordinate_embedding
+from rl_tformers.position.absolute import sinusoid
+from rl_tformers.types import AttnContext
+
+D = 16
+
+
+def _bb(**depth):
+    cfg = {"d_model": D, "n_layers": 4, "n_heads": 2, "dropout": 0.0, "attn_dropout": 0.0, "depth": {"kind": "universal", **depth}}
+    return Backbone(cfg).eval()
+
+
+def _ctx(b, t, valid=None):
+    pos = torch.arange(t).expand(b, t)
+    return AttnContext(pos_q=pos, pos_k=pos, key_valid=valid)
+
+
+def test_act_step_weights_sum_to_one():
+    torch.manual_seed(0)
+    for max_steps in (1, 3, 8):
+        p = torch.rand(max_steps, 5, 7) ** 3  # many small probabilities: some reach the limit
+        st = ACTState.start(p[0], torch.ones(5, 7, dtype=torch.bool))
+        ws = []
+        for n in range(max_steps):
+            w, st = act_step(p[n], st, 0.99, last=n == max_steps - 1)
+            ws.append(w)
+        w = torch.stack(ws)
+        torch.testing.assert_close(w.sum(0), torch.ones(5, 7))
+        assert not st.running.any()
+        # N = index of the halting step; R = 1 - sum of earlier p; weights are p before it
+        n_steps = st.n_updates.long()
+        for i in range(5):
+            for j in range(7):
+                n = n_steps[i, j].item()
+                torch.testing.assert_close(w[: n - 1, i, j], p[: n - 1, i, j])
+                torch.testing.assert_close(st.remainders[i, j], 1 - p[: n - 1, i, j].sum())
+                assert (w[n:, i, j] == 0).all()
+                if n < max_steps:  # halted by the threshold, not the limit
+                    assert p[:n, i, j].sum() >= 0.99 and p[: n - 1, i, j].sum() < 0.99
+
+
+def test_halting_weights_per_position_sum_to_one():
+    bb = _bb(max_steps=6)
+    with torch.no_grad():
+        bb.depth.halt.bias.fill_(-1.0)  # p ~ 0.27: a few steps each
+        bb.depth.halt.weight.normal_(0, 1)
+    res = bb.depth.run(torch.randn(3, 7, D), _ctx(3, 7))
+    torch.testing.assert_close(res.weights.sum(-1), torch.ones(3, 7))
+    assert res.steps > 1 and res.n_updates.min() >= 1 and res.n_updates.max() <= 6
+    assert len(set(res.n_updates.flatten().tolist())) > 1, "positions should halt at different steps"
+    # the output is the halting-weighted mean of the step states
+    mix = sum(res.weights[..., n, None] * res.states[n] for n in range(res.steps))
+    torch.testing.assert_close(res.hidden, mix, atol=1e-6, rtol=0)
+
+
+def test_halting_at_step_one_equals_one_block_application():
+    bb = _bb()
+    with torch.no_grad():
+        bb.depth.halt.weight.zero_()
+        bb.depth.halt.bias.fill_(20.0)  # p = sigmoid(20) >= 1 - eps at step 1
+    x = torch.randn(2, 5, D)
+    out = bb(x)
+    ctx = _ctx(2, 5)
+    block = bb.depth.blocks[0]
+    one = block(x + coordinate_embedding(ctx.pos_q, 1, D), ctx, None).hidden
+    torch.testing.assert_close(out.hidden, bb.final_norm(one), atol=1e-6, rtol=0)
+    assert out.metrics["act/ponder_steps"] == 1.0 and out.metrics["act/steps_run"] == 1.0
+    torch.testing.assert_close(out.aux["ponder"], torch.tensor(0.01 * 2.0))  # tau (N + R) = 0.01 (1 + 1)
+
+
+def test_without_coordinate_halting_at_step_one_is_the_plain_block():
+    bb = _bb(coordinate=False)
+    with torch.no_grad():
+        bb.depth.halt.weight.zero_()
+        bb.depth.halt.bias.fill_(20.0)
+    x = torch.randn(2, 5, D)
+    ctx = _ctx(2, 5)
+    torch.testing.assert_close(bb.depth.run(x, ctx).hidden, bb.depth.blocks[0](x, ctx, None).hidden)
+
+
+def test_ponder_cost_in_aux_and_steps_in_metrics():
+    bb = _bb(ponder_weight=0.5, max_steps=5)
+    x = torch.randn(2, 6, D)
+    out = bb(x)
+    res = bb.depth.run(x, _ctx(2, 6))
+    torch.testing.assert_close(out.aux["ponder"], 0.5 * (res.n_updates + res.remainders).mean())
+    torch.testing.assert_close(out.metrics["act/ponder_steps"], res.n_updates.mean())
+    # the ponder cost trains the halting unit
+    (g,) = torch.autograd.grad(out.aux["ponder"], bb.depth.halt.bias)
+    assert g.abs() > 0
+
+
+def test_fixed_steps_form_is_the_shared_block_applied_n_times():
+    bb = _bb(act=False, max_steps=3)
+    x = torch.randn(2, 5, D)
+    ctx = _ctx(2, 5)
+    h = x
+    for n in range(1, 4):
+        h = bb.depth.blocks[0](h + coordinate_embedding(ctx.pos_q, n, D), ctx, None).hidden
+    out = bb(x)
+    torch.testing.assert_close(out.hidden, bb.final_norm(h), atol=1e-6, rtol=0)
+    assert "ponder" not in out.aux and out.metrics["act/ponder_steps"] == 3.0
+    assert len(bb.depth.blocks) == 1 and bb.depth.halt is None
+
+
+def test_coordinate_embedding_is_position_plus_step():
+    pos = torch.tensor([[0, 3, 7]])
+    e = coordinate_embedding(pos, 2, 8)
+    torch.testing.assert_close(e, sinusoid(pos, 8) + sinusoid(torch.tensor([[2]]), 8))
+
+
+def test_padded_positions_halt_at_once_and_change_nothing():
+    bb = _bb(max_steps=6)
+    with torch.no_grad():
+        bb.depth.halt.bias.fill_(-2.0)
+    x = torch.randn(2, 6, D)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, 4:] = False
+    a = bb(x, mask=mask).hidden
+    x2 = x.clone()
+    x2[0, 4:] = 100 * torch.randn(2, D)
+    b = bb(x2, mask=mask).hidden
+    torch.testing.assert_close(a[mask], b[mask], atol=1e-5, rtol=0)
+    res = bb.depth.run(x, _ctx(2, 6, mask))
+    assert (res.n_updates[0, 4:] == 1).all()
+
+
+def test_causal():
+    bb = _bb(max_steps=4)
+    with torch.no_grad():
+        bb.depth.halt.bias.fill_(-1.0)
+        bb.depth.halt.weight.normal_(0, 1)
+    x = torch.randn(1, 6, D)
+    base = bb(x).hidden
+    x2 = x.clone()
+    x2[:, 4:] = torch.randn(1, 2, D) * 5
+    torch.testing.assert_close(bb(x2).hidden[:, :4], base[:, :4], atol=1e-6, rtol=0)
+
+
+def test_refuses_memory_and_state():
+    with pytest.raises(IncompatibleConfig, match="universal"):
+        Backbone({"d_model": D, "n_heads": 2, "depth": {"kind": "universal"}, "memory": {"kind": "xl"}})
+    bb = _bb()
+    with pytest.raises(NotImplementedError, match="universal"):
+        bb(torch.randn(1, 2, D), state=bb.initial_state(1))
+    with pytest.raises(IncompatibleConfig, match="coordinate"):
+        Backbone({"d_model": 15, "n_heads": 1, "depth": {"kind": "universal"}})
+    with pytest.raises(Exception, match="max_steps"):
+        _bb(max_steps=0)
