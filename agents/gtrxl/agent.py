@@ -29,14 +29,16 @@ The evaluation environment is the dataset's ``env_id``, masked like its ``pomdp`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import gymnasium as gym
 import numpy as np
 import rl_tformers.envs.memory_tasks  # noqa: F401  (registers the memory tasks with gymnasium)
 import torch
+from rl_tformers.agents.common.evaluation import evaluate
+from rl_tformers.agents.common.loading import register_inference_loader
+from rl_tformers.agents.common.offline import DatasetInfo, eval_seed, load_offline_dataset
 from rl_tformers.agents.gtrxl.loss import SegmentBatch, bc_loss, iql_loss, polyak_update
 from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone
 from rl_tformers.envs.dataset import EpisodeDataset
@@ -259,7 +261,7 @@ class GTrXLPolicy:
 
 
 # ---------------------------------------------------------------------------------------------
-# datasets and evaluation environments
+# datasets
 # ---------------------------------------------------------------------------------------------
 def load_gtrxl_dataset(spec: Mapping[str, Any], seed: int) -> EpisodeDataset:
     """The run's dataset from its ``dataset:`` section (see the module docstring).
@@ -276,24 +278,12 @@ def load_gtrxl_dataset(spec: Mapping[str, Any], seed: int) -> EpisodeDataset:
             str(s.get("task", "recall")), int(s.get("episodes", 1000)), epsilon=float(s.get("epsilon", 0.2)),
             seed=int(s.get("seed", seed)), delay=int(s.get("delay", 8)),
         )
-    if spec.get("path"):
-        from rl_tformers.envs.loaders import load_dataset
-
-        return load_dataset(str(spec["path"]), download=bool(spec.get("download", False)))
-    raise ValueError("dataset: give dataset.path (Minari id/folder or .hdf5) or dataset.scripted ({task: recall|cartpole})")
+    return load_offline_dataset(spec)
 
 
-def eval_env_factory(env_id: str, pomdp: Mapping[str, Any] | None = None, env_kwargs: Mapping[str, Any] | None = None):
-    """Zero-argument factory of the evaluation environment (masked like the dataset's ``pomdp``)."""
-    from rl_tformers.envs.pomdp import make_env
-
-    kwargs = dict(env_kwargs or {})
-    pom = dict(pomdp) if pomdp else None
-
-    def make() -> gym.Env:
-        return make_env(env_id, pom, **kwargs)
-
-    return make
+def model_config_dict(cfg: GTrXLConfig) -> dict[str, Any]:
+    """Checkpoint-safe dict of a :class:`GTrXLConfig` (inverse: ``GTrXLConfig(**d)``)."""
+    return {f.name: _plain(getattr(cfg, f.name)) for f in fields(cfg)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,7 +292,11 @@ def eval_env_factory(env_id: str, pomdp: Mapping[str, Any] | None = None, env_kw
 def _plain(x: Any) -> Any:
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
-    return OmegaConf.to_container(x, resolve=True) if isinstance(x, (DictConfig, ListConfig)) else x
+    if isinstance(x, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(x, resolve=True)
+    if isinstance(x, Mapping):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
 
 
 class GTrXLAgent:
@@ -310,17 +304,23 @@ class GTrXLAgent:
 
     Args:
         cfg: resolved run config (``agent``, ``backbone``, ``dataset``, ``train``, ``eval``, ``seed``).
-        run_dir: the run directory.
+        run_dir: the run directory (unused).
         device: training device.
         dataset: an already loaded dataset (tests); default: from ``cfg.dataset``.
+        extra: a checkpoint's extra state: build for inference only, without the dataset.
 
     Raises:
         ValueError: unknown objective, unbounded Box actions, or a bad dataset spec.
     """
 
-    def __init__(self, cfg: Any, run_dir: Path | None, device: torch.device, dataset: EpisodeDataset | None = None) -> None:
-        from rl_tformers.envs.trajectory import observation_stats, reward_scale
-
+    def __init__(
+        self,
+        cfg: Any,
+        run_dir: Path | None,
+        device: torch.device | str,
+        dataset: EpisodeDataset | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
         a = cfg.agent
         self.cfg = cfg
         self.objective = str(a.objective)
@@ -329,78 +329,67 @@ class GTrXLAgent:
         self.seed = int(cfg.seed)
         self.device = torch.device(device)
         self.seq_len, self.burn_in = int(a.seq_len), int(a.burn_in)
-        self.dataset = dataset if dataset is not None else load_gtrxl_dataset(_plain(cfg.dataset), self.seed)
-        ds = self.dataset
-        discrete = ds.discrete_actions
-        if discrete:
-            act_dim, low, high = int(ds.action_space.n), None, None
+        self.dataset = dataset
+        if extra is not None:  # inference: everything comes from the checkpoint
+            self.extra = dict(extra)
+            self.info = DatasetInfo.from_extra(self.extra)
+            self.model_cfg = GTrXLConfig(**self.extra["model"])
         else:
-            low = np.asarray(ds.action_space.low, np.float32).reshape(-1)
-            high = np.asarray(ds.action_space.high, np.float32).reshape(-1)
-            if not (np.isfinite(low).all() and np.isfinite(high).all()):
-                raise ValueError(f"gtrxl: continuous actions need a bounded Box, got {ds.action_space}")
-            act_dim = low.size
-        stats = observation_stats(ds)
-        returns = ds.episode_returns
-        self.rtg_scale = reward_scale(ds)  # divisor of returns-to-go (1000 on MuJoCo)
-        if self.objective == "iql" and bool(a.iql_reward_norm):
-            spread = float(returns.max() - returns.min())
-            self.reward_mult = 1000.0 / spread if spread > 0 else 1.0
-        else:
-            self.reward_mult = 1.0 / self.rtg_scale
-        self.extra: dict[str, Any] = {
-            "obs_mean": torch.as_tensor(stats.mean.reshape(-1)),
-            "obs_std": torch.as_tensor(stats.std.reshape(-1)),
-            "action_low": None if low is None else torch.as_tensor(low),
-            "action_high": None if high is None else torch.as_tensor(high),
-            "rtg_scale": float(self.rtg_scale),
-            "reward_mult": float(self.reward_mult),
-            "dataset_return_max": float(returns.max()),
-            "dataset_return_mean": float(returns.mean()),
-            "env_id": str(a.env_id) if a.env_id else ds.metadata.env_id,
-            "pomdp": None if a.env_id else _plain(ds.metadata.pomdp),
-            "env_kwargs": _plain(a.env_kwargs) or {},
-        }
-        self.model_cfg = GTrXLConfig(
-            obs_dim=int(np.prod(ds.observation_shape)),
-            act_dim=act_dim,
-            discrete=discrete,
-            backbone=_plain(cfg.backbone),
-            rtg_input=self.objective == "rcbc",
-            prev_action_input=bool(a.prev_action),
-            prev_reward_input=bool(a.prev_reward),
-            head_hidden=int(a.head_hidden),
-            critic="iql" if self.objective == "iql" else "none",
-            critic_hidden=int(a.critic_hidden),
-            share_critic_encoder=bool(a.share_critic_encoder),
-        )
+            if self.dataset is None:
+                self.dataset = load_gtrxl_dataset(_plain(cfg.dataset), self.seed)
+            info = DatasetInfo.from_dataset(
+                self.dataset, env_id=a.env_id, env_kwargs=_plain(a.env_kwargs), spec=_plain(cfg.dataset).get("path"),
+            )
+            if self.objective == "iql" and bool(a.iql_reward_norm):
+                spread = info.return_max - info.return_min
+                reward_mult = 1000.0 / spread if spread > 0 else 1.0  # IQL's locomotion normalisation
+            else:
+                reward_mult = 1.0 / info.reward_scale
+            self.model_cfg = GTrXLConfig(
+                obs_dim=info.obs_dim,
+                act_dim=info.act_dim,
+                discrete=info.discrete,
+                backbone=_plain(cfg.backbone),
+                rtg_input=self.objective == "rcbc",
+                prev_action_input=bool(a.prev_action),
+                prev_reward_input=bool(a.prev_reward),
+                head_hidden=int(a.head_hidden),
+                critic="iql" if self.objective == "iql" else "none",
+                critic_hidden=int(a.critic_hidden),
+                share_critic_encoder=bool(a.share_critic_encoder),
+            )
+            self.info = info
+            self.extra = {**info.to_extra(), "reward_mult": float(reward_mult), "model": model_config_dict(self.model_cfg)}
         self.model = GTrXLModel(self.model_cfg).to(self.device)
-        self.stats = stats
 
     # -- Trainable ---------------------------------------------------------------------------
     def batches(self, start_step: int):
         """Step-indexed dataset: batch ``s`` drawn from ``default_rng([seed, s])`` (resume-exact)."""
         from rl_tformers.envs.samplers import SegmentSampler
         from rl_tformers.envs.torch_data import StepBatchDataset
+        from rl_tformers.envs.trajectory import ObsStats
 
+        if self.dataset is None:
+            raise RuntimeError("this GTrXL agent was loaded for inference only (no dataset)")
+        shape = self.dataset.observation_shape
+        stats = ObsStats(self.info.obs_mean.reshape(shape), self.info.obs_std.reshape(shape))
         sampler = SegmentSampler(
-            self.dataset, self.seq_len, burn_in=self.burn_in + 1, reward_scale=self.rtg_scale, obs_stats=self.stats
+            self.dataset, self.seq_len, burn_in=self.burn_in + 1, reward_scale=self.info.reward_scale, obs_stats=stats
         )
         return StepBatchDataset(sampler, int(self.cfg.train.batch_size), seed=self.seed, num_steps=int(self.cfg.train.steps))
 
     def to_segments(self, batch: Mapping[str, Tensor]) -> SegmentBatch:
         """Sampler batch -> :class:`SegmentBatch` on the model's device."""
         dev = next(self.model.parameters()).device
-        ex = self.extra
-        seg = segment_batch(
+        info = self.info
+        return segment_batch(
             {k: v.to(dev) for k, v in batch.items()},
             burn_in=self.burn_in,
-            discrete=self.model_cfg.discrete,
-            action_low=None if ex["action_low"] is None else torch.as_tensor(ex["action_low"]),
-            action_high=None if ex["action_high"] is None else torch.as_tensor(ex["action_high"]),
-            reward_factor=float(ex["rtg_scale"]) * float(ex["reward_mult"]),
+            discrete=info.discrete,
+            action_low=None if info.discrete else torch.as_tensor(info.action_low),
+            action_high=None if info.discrete else torch.as_tensor(info.action_high),
+            reward_factor=info.reward_scale * float(self.extra["reward_mult"]),
         )
-        return seg
 
     def loss(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
         """The objective's loss on one batch (IQL: Polyak-update the target first)."""
@@ -416,50 +405,34 @@ class GTrXLAgent:
 
     def policy(self, deterministic: bool | None = None) -> GTrXLPolicy:
         """The :class:`GTrXLPolicy` of the current weights."""
-        ex = self.extra
+        info = self.info
         det = bool(self.cfg.agent.deterministic) if deterministic is None else deterministic
         return GTrXLPolicy(
-            self.model,
-            obs_mean=np.asarray(ex["obs_mean"]),
-            obs_std=np.asarray(ex["obs_std"]),
-            action_low=None if ex["action_low"] is None else np.asarray(ex["action_low"]),
-            action_high=None if ex["action_high"] is None else np.asarray(ex["action_high"]),
-            rtg_scale=float(ex["rtg_scale"]),
-            reward_mult=float(ex["reward_mult"]),
+            self.model, obs_mean=info.obs_mean, obs_std=info.obs_std, action_low=info.action_low,
+            action_high=info.action_high, rtg_scale=info.reward_scale, reward_mult=float(self.extra["reward_mult"]),
             deterministic=det,
         )
 
     def make_env(self):
-        """Factory of the evaluation environment.
-
-        Raises:
-            ValueError: the dataset names no environment and ``agent.env_id`` is not set.
-        """
-        ex = self.extra
-        if not ex["env_id"]:
-            raise ValueError("gtrxl: the dataset names no environment; set agent.env_id for evaluation")
-        return eval_env_factory(ex["env_id"], ex["pomdp"], ex["env_kwargs"])
+        """Factory of the evaluation environment (the dataset's, masked like its ``pomdp`` record)."""
+        return self.info.make_env()
 
     def default_targets(self) -> list[float | None]:
-        """Evaluation targets: ``agent.target_return`` or the best dataset return (rcbc); [None] otherwise."""
+        """``agent.target_return`` or the best dataset return (rcbc); ``[None]`` otherwise."""
         if not self.model_cfg.rtg_input:
             return [None]
         t = self.cfg.agent.target_return
-        return [float(t) if t is not None else float(self.extra["dataset_return_max"])]
+        return [float(t) if t is not None else float(self.info.return_max)]
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Mean/std return (and D4RL-normalised score when references exist) over ``eval.episodes``."""
-        from rl_tformers.agents.common.evaluation import evaluate
-        from rl_tformers.envs.scores import normalized_score
-
-        from rl_tformers.runtime.seeding import derive_seed
-
-        env_id = self.extra["env_id"]
+        was_training = self.model.training
         report = evaluate(
             self.policy(), self.make_env(), self.default_targets(), episodes=int(self.cfg.eval.episodes),
-            n_envs=int(self.cfg.eval.n_envs), seed=derive_seed(self.seed, "eval", step) % (2**31),
-            normalize=lambda r: normalized_score(env_id, r), env_id=env_id,
+            n_envs=int(self.cfg.eval.n_envs), seed=eval_seed(self.seed, step), normalize=self.info.normalizer(),
+            env_id=self.info.env_id,
         )
+        self.model.train(was_training)
         r = report.results[0]
         out = {"return_mean": r.return_mean, "return_std": r.return_std}
         if r.normalized_score is not None:
@@ -470,7 +443,16 @@ class GTrXLAgent:
         return dict(self.extra)
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
-        self.extra.update(dict(state))
+        self.extra = dict(state)
+        self.info = DatasetInfo.from_extra(self.extra)
+
+
+def load_for_inference(cfg: Any, state: Mapping[str, Any], device: torch.device | str = "cpu") -> GTrXLAgent:
+    """A :class:`GTrXLAgent` rebuilt from a checkpoint dict, without reading its dataset."""
+    agent = GTrXLAgent(cfg, None, device, extra=state["extra"])
+    agent.model.load_state_dict(state["model"])
+    agent.model.eval()
+    return agent
 
 
 @register_agent(
@@ -481,3 +463,9 @@ class GTrXLAgent:
 def build_gtrxl(cfg: Any, run_dir: Path, device: torch.device) -> GTrXLAgent:
     """Builder of ``agent.kind=gtrxl``."""
     return GTrXLAgent(cfg, run_dir, device)
+
+
+register_inference_loader("gtrxl")(load_for_inference)
+
+# the online PPO agent (agent.kind=gtrxl_ppo) registers on import; discovery imports only agent.py
+import rl_tformers.agents.gtrxl.ppo  # noqa: E402,F401

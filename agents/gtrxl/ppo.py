@@ -43,7 +43,8 @@ import gymnasium as gym
 import numpy as np
 import rl_tformers.envs.memory_tasks  # noqa: F401  (registers the memory tasks with gymnasium)
 import torch
-from rl_tformers.agents.gtrxl.agent import GTrXLPolicy, _plain
+from rl_tformers.agents.common.loading import register_inference_loader
+from rl_tformers.agents.gtrxl.agent import GTrXLPolicy, _plain, model_config_dict
 from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone, record_attention
 from torch import Tensor
 
@@ -199,7 +200,8 @@ class GTrXLPPO:
         ValueError: unsupported spaces (Box observations and Discrete or bounded Box actions only).
     """
 
-    def __init__(self, cfg: Any, run_dir: Path | None, device: torch.device) -> None:
+    def __init__(self, cfg: Any, run_dir: Path | None, device: torch.device | str,
+                 extra: Mapping[str, Any] | None = None) -> None:
         a = cfg.agent
         self.cfg, self.a = cfg, a
         self.seed = int(cfg.seed)
@@ -226,13 +228,18 @@ class GTrXLPPO:
         inputs = {"prev_action_input": bool(a.prev_action), "prev_reward_input": bool(a.prev_reward),
                   "head_hidden": int(a.head_hidden)}
         init_state = None
-        if a.init_checkpoint:
-            init_state, backbone, inputs = self._read_offline(str(a.init_checkpoint))
-        self.model_cfg = GTrXLConfig(obs_dim=obs_dim, act_dim=act_dim, discrete=self.discrete, backbone=backbone,
-                                     critic="value", **inputs)
+        if extra is not None:  # inference from a checkpoint: its own model config
+            self.model_cfg = GTrXLConfig(**extra["model"])
+        else:
+            if a.init_checkpoint:
+                init_state, backbone, inputs = self._read_offline(str(a.init_checkpoint))
+            self.model_cfg = GTrXLConfig(obs_dim=obs_dim, act_dim=act_dim, discrete=self.discrete, backbone=backbone,
+                                         critic="value", **inputs)
         self.model = GTrXLModel(self.model_cfg).to(self.device)
         if init_state is not None:
             self._load_offline(init_state)
+        if extra is not None:
+            self.load_extra_state(extra)
         self.reward_scale = float(a.reward_scale)
         self.n_envs, self.n_steps = int(a.n_envs), int(a.n_steps)
         self.envs: gym.vector.VectorEnv | None = None
@@ -456,6 +463,7 @@ class GTrXLPPO:
         return {
             "obs_mean": torch.as_tensor(self.obs_rms.mean), "obs_var": torch.as_tensor(self.obs_rms.var),
             "obs_count": float(self.obs_rms.count), "env_steps": int(self.env_steps), "rollouts": int(self.rollouts),
+            "env_id": self.env_id, "env_kwargs": dict(self.env_kwargs), "model": model_config_dict(self.model_cfg),
         }
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
@@ -463,6 +471,17 @@ class GTrXLPPO:
         self.obs_rms.var = np.asarray(state["obs_var"], np.float64)
         self.obs_rms.count = float(state["obs_count"])
         self.env_steps, self.rollouts = int(state["env_steps"]), int(state["rollouts"])
+
+
+def load_ppo_for_inference(cfg: Any, state: Mapping[str, Any], device: torch.device | str = "cpu") -> GTrXLPPO:
+    """A :class:`GTrXLPPO` rebuilt from a checkpoint (no offline checkpoint or rollout needed)."""
+    agent = GTrXLPPO(cfg, None, device, extra=state["extra"])
+    agent.model.load_state_dict(state["model"])
+    agent.model.eval()
+    return agent
+
+
+register_inference_loader("gtrxl_ppo")(load_ppo_for_inference)
 
 
 @register_agent(
