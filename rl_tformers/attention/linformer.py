@@ -177,6 +177,16 @@ class LinformerConfig(AttentionConfig):
         if self.sharing == "layerwise" and len(set(ks)) > 1:
             raise ValueError("attention.sharing='layerwise' shares one E for all layers: use one k for all layers")
 
+    @classmethod
+    def contract_config(cls, seq_len: int) -> dict:
+        """Contract-suite fields: E, F long enough for the test length."""
+        return {"k": 8, "max_len": max(seq_len, 64)}
+
+    @classmethod
+    def contract_convergence(cls, seq_len: int) -> list[dict]:
+        """Growing k with segment-mean projections (exact at k = S)."""
+        return [{"projection": "pool", "k": k} for k in sorted({max(1, seq_len // 6), max(1, seq_len // 3), seq_len})]
+
     def k_at(self, layer: int) -> int:
         """Projected length at ``layer``."""
         return self.k[layer] if isinstance(self.k, tuple) else self.k

@@ -236,6 +236,16 @@ class LSHConfig(AttentionConfig):
         if self.n_buckets is not None and self.n_buckets > self.max_buckets:
             raise ValueError(f"attention.n_buckets={self.n_buckets} exceeds attention.max_buckets={self.max_buckets}")
 
+    @classmethod
+    def contract_config(cls, seq_len: int) -> dict:
+        """Contract-suite fields: several chunks and buckets at test length, fixed seed."""
+        return {"bucket_size": 4, "n_buckets": 4, "seed": 0}
+
+    @classmethod
+    def contract_convergence(cls, seq_len: int) -> list[dict]:
+        """Growing numbers of hash rounds: the union of buckets approaches every key."""
+        return [{"n_hashes": r, "n_buckets": 4, "bucket_size": seq_len} for r in (1, 4, 16)]
+
     def build(self, ctx, position) -> AttentionModule:
         return LSHAttention(ctx, position, self)
 

@@ -128,5 +128,15 @@ class PerformerConfig(AttentionConfig):
         if self.chunk_size < 1 or self.redraw_every < 0:
             raise ValueError("attention.chunk_size must be >= 1 and attention.redraw_every >= 0")
 
+    @classmethod
+    def contract_config(cls, seq_len: int) -> dict:
+        """Contract-suite fields: small chunks (several chunks at test length), fixed seed."""
+        return {"chunk_size": 4, "seed": 0}
+
+    @classmethod
+    def contract_convergence(cls, seq_len: int) -> list[dict]:
+        """Growing feature budgets m: the FAVOR+ error to softmax attention shrinks."""
+        return [{"nb_features": m} for m in (16, 64, 256, 1024)]
+
     def build(self, ctx, position) -> AttentionModule:
         return PerformerAttention(ctx, position, self)

@@ -154,6 +154,16 @@ class RFAConfig(AttentionConfig):
         if self.num_features < 1 or self.sigma_init <= 0 or self.chunk_size < 1 or self.normaliser_eps <= 0:
             raise ValueError("attention: rfa needs num_features >= 1, sigma_init > 0, chunk_size >= 1, normaliser_eps > 0")
 
+    @classmethod
+    def contract_config(cls, seq_len: int) -> dict:
+        """Contract-suite fields: small chunks, fixed seed."""
+        return {"chunk_size": 4, "seed": 0}
+
+    @classmethod
+    def contract_convergence(cls, seq_len: int) -> list[dict]:
+        """Growing numbers of random directions D: the error to the Gaussian-kernel attention shrinks."""
+        return [{"num_features": d} for d in (16, 64, 256, 1024)]
+
     def check(self, backbone_cfg) -> None:
         if self.gate and not backbone_cfg.causal:
             raise IncompatibleConfig(

@@ -271,6 +271,11 @@ class RoutingConfig(AttentionConfig):
         if not 0 <= self.ema_decay <= 1 or self.commitment_weight < 0:
             raise ValueError("attention: ema_decay must lie in [0, 1] and commitment_weight be >= 0")
 
+    @classmethod
+    def contract_config(cls, seq_len: int) -> dict:
+        """Contract-suite fields: two clusters, small windows, fixed seed (one local, one routing head)."""
+        return {"n_clusters": 2, "local_window": 4, "cluster_window": 4, "seed": 0}
+
     def check(self, backbone_cfg) -> None:
         if backbone_cfg.causal and self.assignment == "topk":
             raise IncompatibleConfig(

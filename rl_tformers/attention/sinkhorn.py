@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,31 +14,41 @@ from rl_tformers.attention.base import AttentionConfig, AttentionModule
 from rl_tformers.registry import ATTENTION, Capabilities
 from rl_tformers.types import AttnContext, AttnOutput
 
-_NEG = -1e9  # masked log-weight inside the Sinkhorn iterations (finite: no NaN gradients)
+_EPS_DIV = 1e-12  # smallest row/column sum divided by (its square stays a normal float32)
 _EPS = 1e-9  # smallest mixed validity of a sorted key slot
 
 
 def sinkhorn(logits: Tensor, mask: Tensor, iters: int, causal: bool) -> Tensor:
-    """Sinkhorn balancing in log space (Tay et al. 2020, sec. 3.2, eq. 7-8; Mena et al. 2018).
+    """Sinkhorn balancing (Tay et al. 2020, sec. 3.2, eq. 7-8; Sinkhorn & Knopp 1967).
 
-    Alternates row and column normalisation of ``exp(logits)`` restricted to ``mask``. The
-    causal variant (sec. 3.3, causal Sinkhorn balancing) normalises each entry (i, j) of a
-    column only over the rows i' <= i (a cumulative log-sum-exp), so row i of the result depends
-    on rows <= i alone; with a strictly lower-triangular mask it never looks at the future.
+    ``exp(logits)`` restricted to ``mask`` (a row softmax), then alternating row and column
+    normalisation. The causal variant (sec. 3.3, causal Sinkhorn balancing) normalises each
+    entry (i, j) of a column only by the rows i' <= i (a cumulative sum), so row i of the
+    result depends on rows <= i alone; with a strictly lower-triangular mask it never looks at
+    the future. The iterations run in the linear domain (a masked softmax first), which keeps
+    the causal column sums a plain ``cumsum``; entries below float32 range become 0.
 
     Args:
         logits: (..., N, N) sorting logits (already divided by the temperature).
         mask: bool broadcastable to logits, True = entry may be non-zero.
         iters: number of (row, column) normalisation pairs.
     Returns:
-        (..., N, N) float32 soft permutation, exactly 0 outside ``mask``.
+        (..., N, N) float32 soft permutation, exactly 0 outside ``mask`` (and in rows with no
+        allowed entry).
     """
-    x = torch.where(mask, logits.float(), _NEG)
+    x = logits.float().masked_fill(~mask, float("-inf"))
+    top = x.amax(dim=-1, keepdim=True).detach()  # row stabiliser (cancels in the row normalisation)
+    p = torch.exp(x - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))  # 0 where masked
     for _ in range(iters):  # loop over iterations (a hyper-parameter), not over tokens
-        x = torch.where(mask, x - torch.logsumexp(x, dim=-1, keepdim=True), _NEG)
-        col = torch.logcumsumexp(x, dim=-2) if causal else torch.logsumexp(x, dim=-2, keepdim=True)
-        x = torch.where(mask, x - col, _NEG)
-    return x.exp() * mask
+        p = _normalise(p, p.sum(dim=-1, keepdim=True))
+        p = _normalise(p, p.cumsum(dim=-2) if causal else p.sum(dim=-2, keepdim=True))
+    return p
+
+
+def _normalise(p: Tensor, den: Tensor) -> Tensor:
+    """p / den, and 0 where den <= _EPS_DIV (there p <= den is ~0); no inf/NaN in the gradient."""
+    ok = den > _EPS_DIV
+    return torch.where(ok, p / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(p))
 
 
 class SinkhornAttention(AttentionModule):
@@ -179,6 +190,11 @@ class SinkhornConfig(AttentionConfig):
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_len < 1 or self.sinkhorn_iters < 1 or self.temperature <= 0:
             raise ValueError("attention: sinkhorn needs block_size, max_len, sinkhorn_iters >= 1 and temperature > 0")
+
+    @classmethod
+    def contract_config(cls, seq_len: int) -> dict:
+        """Contract-suite fields: b ~ sqrt(S) (the memory-optimal block size, O(S) memory), a SortNet long enough."""
+        return {"block_size": max(4, math.isqrt(seq_len)), "max_len": max(seq_len, 64)}
 
     def build(self, ctx, position) -> AttentionModule:
         return SinkhornAttention(ctx, position, self)
