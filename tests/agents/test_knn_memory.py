@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from rl_tformers.agents.common.knn_memory import (
     ActionDatastore,
     KNNPolicyMemory,
@@ -15,6 +14,7 @@ from rl_tformers.agents.common.knn_memory import (
     knn_distribution,
     neighbour_weights,
 )
+
 from rl_tformers.memory._search import faiss_available
 
 BACKENDS = ["torch"] + (["faiss"] if faiss_available() else [])
