@@ -13,9 +13,11 @@ caller, never by the policy):
 
 Return-to-go (Chen et al. 2021, algorithm 1): the first step of an episode is conditioned on the
 target return, and after each reward ``R_{t+1} = R_t - r_t``, in raw units (float64); the model
-sees ``R_t * reward_scale``, the same scale as the training windows, whose RTG is the suffix sum
-``sum_{t' >= t} r_{t'}`` (:func:`rl_tformers.envs` ``returns_to_go``). Replaying a dataset
-trajectory with target = its return therefore feeds exactly its training-time RTG (tested).
+sees ``R_t / rtg_scale``, the same scale as the training windows, whose RTG is the suffix sum
+``sum_{t' >= t} r_{t'}`` (:func:`rl_tformers.envs.trajectory.returns_to_go`). The update is the
+data layer's :func:`~rl_tformers.envs.trajectory.next_return_to_go`, that recursion solved for
+``R_{t+1}``, so replaying a dataset trajectory with target = its return feeds exactly its
+training-time RTG (tested).
 
 Timesteps past ``max_ep_len`` (the size of the timestep embedding): ``timestep_overflow="error"``
 (default) raises a ValueError naming the option; ``"clamp"`` reuses the last timestep index
@@ -28,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import Tensor
-
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer, to_env_action
+from rl_tformers.envs.trajectory import next_return_to_go
+from torch import Tensor
 
 OVERFLOW_POLICIES = ("error", "clamp")
 
@@ -42,7 +44,7 @@ class DTState:
     Attributes:
         obs: (N, K, obs_dim) normalised observations.
         actions: (N, K, A) normalised actions in [-1, 1] (continuous) or (N, K) long (discrete).
-        rtg: (N, K) scaled returns-to-go fed to the model.
+        rtg: (N, K) returns-to-go fed to the model (raw / rtg_scale).
         timesteps: (N, K) long episode steps.
         mask: (N, K) bool, True = real step.
         t: (N,) int64 step of the current observation in its episode (-1 before the first).
@@ -66,7 +68,7 @@ class DTPolicy:
     Args:
         model: the model (put in eval mode here).
         obs_mean, obs_std: (obs_dim,) observation statistics used in training.
-        reward_scale: multiplier of returns-to-go (paper: 1/1000 for MuJoCo).
+        rtg_scale: divisor of returns-to-go, as in training (paper: 1000 for MuJoCo).
         action_low, action_high: (A,) bounds of a continuous action space (ignored when discrete).
         default_target: target return used when ``initial_state`` gets none.
         timestep_overflow: ``error`` or ``clamp`` (see the module docstring).
@@ -78,7 +80,7 @@ class DTPolicy:
         model: DecisionTransformer,
         obs_mean: np.ndarray,
         obs_std: np.ndarray,
-        reward_scale: float,
+        rtg_scale: float,
         action_low: np.ndarray | None = None,
         action_high: np.ndarray | None = None,
         default_target: float | None = None,
@@ -93,7 +95,9 @@ class DTPolicy:
         f32 = dict(dtype=torch.float32, device=self.device)
         self.obs_mean = torch.as_tensor(np.asarray(obs_mean, dtype=np.float32), **f32)
         self.obs_std = torch.as_tensor(np.asarray(obs_std, dtype=np.float32), **f32)
-        self.reward_scale = float(reward_scale)
+        if not rtg_scale > 0:
+            raise ValueError(f"DTPolicy: rtg_scale must be > 0, got {rtg_scale}")
+        self.rtg_scale = float(rtg_scale)
         self.default_target = default_target
         self.timestep_overflow = timestep_overflow
         if not self.cfg.discrete:
@@ -153,8 +157,9 @@ class DTPolicy:
         cont = ~start
         if (cont & (state.t < 0)).any():
             raise ValueError("DTPolicy.act: a row continues an episode that never started (episode_start must be True first)")
-        if last_reward is not None:
-            state.rtg_raw[cont] -= np.asarray(last_reward, dtype=np.float64)[cont]  # R_{t+1} = R_t - r_t
+        if last_reward is not None:  # R_{t+1} = R_t - r_t (the data layer's recursion)
+            r = np.asarray(last_reward, dtype=np.float64)
+            state.rtg_raw = np.where(cont, next_return_to_go(state.rtg_raw, r), state.rtg_raw)
         state.rtg_raw[start] = state.target[start]
         state.t = np.where(start, 0, state.t + 1)
         t = state.t
@@ -182,7 +187,7 @@ class DTPolicy:
         slot = torch.as_tensor(slot_np, device=dev)
         obs_t = torch.as_tensor(np.asarray(obs, dtype=np.float32), device=dev).reshape(n, cfg.obs_dim)
         state.obs[rows, slot] = (obs_t - self.obs_mean) / self.obs_std
-        state.rtg[rows, slot] = torch.as_tensor(state.rtg_raw * self.reward_scale, dtype=torch.float32, device=dev)
+        state.rtg[rows, slot] = torch.as_tensor(state.rtg_raw / self.rtg_scale, dtype=torch.float32, device=dev)
         state.timesteps[rows, slot] = torch.as_tensor(np.minimum(t, cfg.max_ep_len - 1), device=dev)
         state.mask[rows, slot] = True
         state.actions[rows, slot] = 0

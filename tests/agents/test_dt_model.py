@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from rl_tformers.agents.decision_transformer.loss import dt_loss
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTConfig
 

@@ -8,7 +8,6 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium import spaces
-
 from rl_tformers.agents.common.evaluation import evaluate, parse_targets, with_raw_reward
 
 

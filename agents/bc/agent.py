@@ -1,0 +1,184 @@
+"""Behaviour cloning and filtered behaviour cloning (%BC) for the shared trainer (``agent.kind=bc``).
+
+BC fits an MLP from the current observation to the dataset action (:mod:`.model`, :mod:`.loss`).
+``agent.top_fraction=0.1`` trains on the best 10% of episodes by return only: the "%BC"
+baseline of the Decision Transformer paper (Chen et al. 2021, section 5.2), which asks whether
+DT's gains come from return conditioning or merely from imitating the good episodes.
+
+Batches come from the data layer's :class:`~rl_tformers.envs.samplers.WindowSampler` with
+``K = 1`` (uniform over the steps of the kept episodes), drawn per step from
+``default_rng([seed, s])`` like every agent's, so BC, %BC and DT see comparable data streams.
+Evaluation, checkpoint state and inference loading mirror the Decision Transformer agent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rl_tformers.agents.bc.loss import bc_loss
+from rl_tformers.agents.bc.model import BCConfig, BCModel
+from rl_tformers.agents.common.evaluation import evaluate
+from rl_tformers.agents.common.loading import register_inference_loader
+from rl_tformers.agents.common.offline import DatasetInfo, eval_seed, load_offline_dataset, plain
+from rl_tformers.agents.decision_transformer.model import from_env_action, to_env_action
+from rl_tformers.envs.dataset import EpisodeDataset
+from torch import Tensor
+
+from rl_tformers.runtime.agents import register_agent
+
+BC_DEFAULTS: dict[str, Any] = {
+    "agent": {
+        "hidden": [256, 256],  # MLP hidden widths
+        "dropout": 0.1,  # dropout after each hidden layer
+        "top_fraction": 1.0,  # train on the best episodes by return only (0.1 = %BC); 1.0 = BC
+        "normalize_obs": True,  # standardise observations with the (filtered) dataset's mean/std
+        "env_id": None,  # evaluation env; null = the dataset's
+        "env_kwargs": {},
+    },
+    "train": {
+        "batch_size": 64, "lr": 1.0e-4, "weight_decay": 1.0e-4, "grad_clip": 0.25,
+        "schedule": "linear_warmup", "warmup_steps": 10000, "steps": 100000,
+    },
+    "eval": {"episodes": 10, "n_envs": 10},
+}
+
+
+class BCPolicy:
+    """Stateless :class:`~rl_tformers.agents.common.policy.Policy` of a :class:`BCModel` (N envs, one forward)."""
+
+    def __init__(self, model: BCModel, info: DatasetInfo) -> None:
+        self.model = model.eval()
+        self.info = info
+        dev = next(model.parameters()).device
+        self.mean = torch.as_tensor(info.obs_mean, device=dev)
+        self.std = torch.as_tensor(info.obs_std, device=dev)
+        if not info.discrete:
+            self.low = torch.as_tensor(info.action_low, device=dev)
+            self.high = torch.as_tensor(info.action_high, device=dev)
+        self.device = dev
+
+    def initial_state(self, n_envs: int, target_return: float | None = None) -> None:
+        return None
+
+    @torch.no_grad()
+    def act(self, obs: np.ndarray, state: None, episode_start: np.ndarray,
+            last_reward: np.ndarray | None = None) -> tuple[np.ndarray, None]:
+        """obs (N, *obs_shape) raw -> actions (N, A) in the box, or (N,) int64."""
+        n = len(episode_start)
+        x = torch.as_tensor(np.asarray(obs, np.float32), device=self.device).reshape(n, -1)
+        y = self.model((x - self.mean) / self.std)  # (N, A) or (N, n_actions)
+        if self.info.discrete:
+            return y.argmax(-1).cpu().numpy().astype(np.int64), None
+        return to_env_action(y, self.low, self.high).cpu().numpy().astype(np.float32), None
+
+
+class BCAgent:
+    """BC / %BC as a :class:`~rl_tformers.runtime.agents.Trainable` (see the module docstring).
+
+    Args:
+        cfg: resolved run config. dataset: preloaded dataset (tests). info: checkpoint statistics
+            for inference-only construction.
+
+    Raises:
+        ValueError: ``agent.top_fraction`` outside (0, 1]; unbounded actions.
+    """
+
+    def __init__(self, cfg: Any, run_dir: Path | None, device: torch.device | str,
+                 dataset: EpisodeDataset | None = None, info: DatasetInfo | None = None) -> None:
+        from rl_tformers.envs.trajectory import top_fraction
+
+        a = cfg.agent
+        self.cfg = cfg
+        self.seed = int(cfg.seed)
+        self.device = torch.device(device)
+        self.dataset = dataset
+        if info is None:
+            if self.dataset is None:
+                self.dataset = load_offline_dataset(plain(cfg.dataset))
+            frac = float(a.top_fraction)
+            if frac != 1.0:
+                self.dataset = top_fraction(self.dataset, frac)
+            info = DatasetInfo.from_dataset(
+                self.dataset, normalize_obs=bool(a.normalize_obs), env_id=a.env_id, env_kwargs=plain(a.env_kwargs),
+                spec=plain(cfg.dataset).get("path"),
+            )
+        self.info = info
+        self.model_cfg = BCConfig(obs_dim=info.obs_dim, act_dim=info.act_dim, discrete=info.discrete,
+                                  hidden=tuple(plain(a.hidden)), dropout=float(a.dropout))
+        self.model = BCModel(self.model_cfg).to(self.device)
+
+    def batches(self, start_step: int):
+        """Step-indexed dataset of single steps (WindowSampler, K = 1)."""
+        from rl_tformers.envs.samplers import WindowSampler
+        from rl_tformers.envs.torch_data import StepBatchDataset
+        from rl_tformers.envs.trajectory import ObsStats
+
+        if self.dataset is None:
+            raise RuntimeError("this BC agent was loaded for inference only (no dataset)")
+        shape = self.dataset.observation_shape
+        stats = ObsStats(self.info.obs_mean.reshape(shape), self.info.obs_std.reshape(shape))
+        sampler = WindowSampler(self.dataset, 1, obs_stats=stats)
+        return StepBatchDataset(sampler, int(self.cfg.train.batch_size), seed=self.seed, num_steps=int(self.cfg.train.steps))
+
+    def loss(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Any]]:
+        """:func:`bc_loss` on one sampler batch (windows of one step)."""
+        obs = batch["observations"][:, 0].reshape(batch["observations"].shape[0], -1).float()  # (B, obs_dim)
+        act = batch["actions"][:, 0]  # (B, A) or (B,)
+        if not self.info.discrete:
+            low = torch.as_tensor(self.info.action_low, device=act.device)
+            high = torch.as_tensor(self.info.action_high, device=act.device)
+            act = from_env_action(act.float(), low, high)
+        return bc_loss(self.model, {"obs": obs, "actions": act, "mask": batch["mask"][:, 0]})
+
+    def policy(self) -> BCPolicy:
+        return BCPolicy(self.model, self.info)
+
+    def make_env(self):
+        return self.info.make_env()
+
+    def default_targets(self) -> list[None]:
+        """BC is not return-conditioned: one unconditioned evaluation."""
+        return [None]
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Mean/std return (and D4RL-normalised score when references exist) over ``eval.episodes``."""
+        was_training = self.model.training
+        report = evaluate(
+            self.policy(), self.make_env(), [None], episodes=int(self.cfg.eval.episodes),
+            n_envs=int(self.cfg.eval.n_envs), seed=eval_seed(self.seed, step),
+            normalize=self.info.normalizer(), env_id=self.info.env_id,
+        )
+        self.model.train(was_training)
+        r = report.results[0]
+        out = {"eval/return_mean": r.return_mean, "eval/return_std": r.return_std}
+        if r.normalized_score is not None:
+            out["eval/normalized_score"] = r.normalized_score
+        return out
+
+    def extra_state(self) -> dict[str, Any]:
+        return self.info.to_extra()
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        self.info = DatasetInfo.from_extra(state)
+
+
+def load_for_inference(cfg: Any, state: Mapping[str, Any], device: torch.device | str = "cpu") -> BCAgent:
+    """A :class:`BCAgent` rebuilt from a checkpoint dict without its dataset."""
+    agent = BCAgent(cfg, None, device, info=DatasetInfo.from_extra(state["extra"]))
+    agent.model.load_state_dict(state["model"])
+    agent.model.eval()
+    return agent
+
+
+@register_agent("bc", description="Behaviour cloning MLP; agent.top_fraction=0.1 gives %BC (Chen et al. 2021)",
+                defaults=BC_DEFAULTS)
+def build_bc(cfg: Any, run_dir: Path, device: torch.device) -> BCAgent:
+    """Builder of ``agent.kind=bc``."""
+    return BCAgent(cfg, run_dir, device)
+
+
+register_inference_loader("bc")(load_for_inference)

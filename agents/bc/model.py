@@ -1,0 +1,75 @@
+"""Behaviour cloning policy network: an MLP from one observation to one action (pure nn.Module).
+
+The baseline beside every Decision Transformer number (Chen et al. 2021, table 2 "BC" and
+"%BC": the same network trained on the top X% of episodes by return). Continuous actions are
+produced in normalised units [-1, 1] (tanh) like the DT's; discrete ones as logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class BCConfig:
+    """Configuration of :class:`BCModel`.
+
+    Attributes:
+        obs_dim: observation size (flat).
+        act_dim: action size (continuous) or number of actions (discrete).
+        discrete: discrete action space (logits, cross-entropy).
+        hidden: widths of the hidden layers (default two layers of 256).
+        dropout: dropout after each hidden activation.
+    """
+
+    obs_dim: int
+    act_dim: int
+    discrete: bool = False
+    hidden: tuple[int, ...] = (256, 256)
+    dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hidden", tuple(int(h) for h in self.hidden))
+        if not self.hidden or min(self.hidden) < 1:
+            raise ValueError(f"agent.hidden must list positive widths, got {self.hidden}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"agent.dropout must be in [0, 1), got {self.dropout}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["hidden"] = list(self.hidden)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BCConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"agent.{unknown[0]}: unknown BC field; fields: {', '.join(sorted(names))}")
+        return cls(**dict(data))
+
+
+class BCModel(nn.Module):
+    """MLP policy: obs (B, obs_dim) -> normalised action (B, A) in [-1, 1] or logits (B, n)."""
+
+    def __init__(self, cfg: BCConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        layers: list[nn.Module] = []
+        width = cfg.obs_dim
+        for h in cfg.hidden:
+            layers += [nn.Linear(width, h), nn.ReLU(), nn.Dropout(cfg.dropout)]
+            width = h
+        layers.append(nn.Linear(width, cfg.act_dim))
+        if not cfg.discrete:
+            layers.append(nn.Tanh())
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, obs: Tensor) -> Tensor:
+        """obs (..., obs_dim) normalised -> (..., A) action in [-1, 1] or (..., n) logits."""
+        return self.net(obs)

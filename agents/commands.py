@@ -1,0 +1,206 @@
+"""``rl-tformers eval``, ``rl-tformers plot`` and ``rl-tformers demo``.
+
+``eval`` and ``plot`` work for any agent kind whose run directory was written by
+``rl-tformers train`` (see :mod:`rl_tformers.agents.common.loading`): DT, BC/%BC, GTrXL.
+Heavy imports happen inside the commands, so ``rl-tformers --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+EVAL_HELP = """Evaluate a trained run at one or more target returns in its environment.
+
+Gymnasium vector envs, one batched forward pass per step. Exactly --episodes episodes per target return: episode j runs in env j % N with reset seed SEED + j, the
+same seeds for every target. Returns are raw (the environment's own reward, whatever wrappers scale it),
+with the D4RL-normalised score when reference returns exist.
+
+Examples:
+
+  rl-tformers eval runs/dt-hopper --targets 3600,1800 --episodes 10
+
+  rl-tformers eval runs/bc-hopper --json
+"""
+
+PLOT_HELP = """Plot achieved vs target return over a sweep of targets (return conditioning).
+
+The Decision Transformer paper's figure 4, with y = x, the dataset's best and mean return and the spread over
+episodes, plus per-episode traces of remaining return-to-go vs cumulative reward. Also logged to the
+run's TensorBoard files as an image.
+
+Examples:
+
+  rl-tformers plot runs/dt-hopper --out hopper.png
+
+  rl-tformers plot runs/dt-hopper --out hopper.png --targets 500,1000,2000,3000,3600 --episodes 5
+"""
+
+
+def _fail(msg: str) -> typer.Exit:
+    typer.echo(f"error: {msg}", err=True)
+    return typer.Exit(2)
+
+
+def _load(run_dir: Path, device: str, checkpoint: Path | None):
+    from rl_tformers.agents.common.loading import load_run
+
+    from rl_tformers.runtime.agents import UnknownAgentError
+    from rl_tformers.runtime.checkpoint import CheckpointError
+    from rl_tformers.runtime.device import resolve_device
+
+    try:
+        return load_run(run_dir, resolve_device(device), checkpoint)
+    except (CheckpointError, UnknownAgentError, TypeError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+
+
+def _policy(run, timestep_overflow: str | None):
+    if timestep_overflow is None:
+        return run.agent.policy()
+    try:
+        return run.agent.policy(timestep_overflow=timestep_overflow)
+    except TypeError:
+        raise _fail(f"agent {run.kind!r} has no timestep_overflow option") from None
+
+
+def _normalizer(run):
+    info = getattr(run.agent, "info", None)
+    if info is not None and hasattr(info, "normalizer"):
+        return info.normalizer()
+    from rl_tformers.envs.scores import normalized_score
+
+    env_id = run.env_id
+    return (lambda r: normalized_score(env_id, r)) if env_id else None
+
+
+def eval_cmd(
+    run_dir: Path = typer.Argument(..., help="Run directory written by rl-tformers train."),
+    targets: str = typer.Option(None, "--targets", help="Comma-separated target returns, raw units (default: the run's)."),
+    episodes: int = typer.Option(10, "--episodes", min=1, help="Episodes per target."),
+    envs: int = typer.Option(10, "--envs", min=1, help="Parallel environments."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Base reset seed: episode j uses SEED + j."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    out: Path = typer.Option(None, "--out", help="Also write the JSON (with per-step rewards) to this file."),
+    device: str = typer.Option("cpu", "--device", help="auto | cpu | cuda | cuda:N | mps."),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="A specific checkpoint file (default: newest valid)."),
+    timestep_overflow: str = typer.Option(None, "--timestep-overflow",
+                                          help="DT: error | clamp for episode steps >= agent.max_ep_len."),
+) -> None:
+    from rl_tformers.agents.common.evaluation import evaluate, parse_targets
+    from rl_tformers.agents.common.plots import summary_lines
+
+    try:
+        tlist = parse_targets(targets)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--targets") from None
+    run = _load(run_dir, device, checkpoint)
+    conditioned = run.agent.default_targets() != [None]
+    if tlist is None:
+        tlist = run.agent.default_targets()
+    elif not conditioned:
+        raise _fail(f"agent {run.kind!r} is not return-conditioned; drop --targets")
+    try:
+        report = evaluate(
+            _policy(run, timestep_overflow), run.agent.make_env(), tlist, episodes=episodes, n_envs=envs,
+            seed=seed, record_rewards=out is not None, normalize=_normalizer(run), env_id=run.env_id,
+        )
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    report.extra = {"run_dir": str(run_dir), "checkpoint": str(run.checkpoint), "step": run.step, "kind": run.kind}
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report.to_dict(with_rewards=True), indent=1))
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    typer.echo(f"{run.kind} run {run_dir} (step {run.step}) on {run.env_id}: {episodes} episodes per target, "
+               f"{report.n_envs} envs, seeds {seed}..{seed + episodes - 1}, {report.seconds:.1f} s")
+    for line in summary_lines(report.results):
+        typer.echo("  " + line)
+
+
+def plot_cmd(
+    run_dir: Path = typer.Argument(..., help="Run directory written by rl-tformers train."),
+    out: Path = typer.Option(..., "--out", help="PNG file to write."),
+    targets: str = typer.Option(None, "--targets", help="Comma-separated targets (default: a sweep up to 1.2 x dataset best)."),
+    n_targets: int = typer.Option(6, "--n-targets", min=2, help="Targets in the default sweep."),
+    episodes: int = typer.Option(5, "--episodes", min=1, help="Episodes per target."),
+    envs: int = typer.Option(10, "--envs", min=1, help="Parallel environments."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Base reset seed."),
+    from_json: Path = typer.Option(None, "--from-json", help="Plot a saved `eval --out` file instead of evaluating."),
+    tensorboard: bool = typer.Option(True, "--tensorboard/--no-tensorboard", help="Also log the figure to RUN_DIR."),
+    device: str = typer.Option("cpu", "--device", help="auto | cpu | cuda | cuda:N | mps."),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="A specific checkpoint file (default: newest valid)."),
+) -> None:
+    from rl_tformers.agents.common.evaluation import TargetResult, evaluate, parse_targets
+    from rl_tformers.agents.common.plots import (
+        default_sweep,
+        log_figure,
+        plot_return_conditioning,
+        save_figure,
+        summary_lines,
+    )
+
+    run = _load(run_dir, device, checkpoint)
+    dmax, dmean = run.dataset_return_max, run.dataset_return_mean
+    if from_json is not None:
+        data = json.loads(from_json.read_text())
+        results = [TargetResult.from_dict(d) for d in data["results"]]
+    else:
+        if run.agent.default_targets() == [None]:
+            raise _fail(f"agent {run.kind!r} is not return-conditioned: there is nothing to sweep")
+        try:
+            tlist = parse_targets(targets)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--targets") from None
+        if tlist is None:
+            if dmax is None:
+                raise _fail("the run stores no dataset_return_max; give --targets")
+            tlist = default_sweep(dmax, dmean, n_targets)
+        report = evaluate(
+            run.agent.policy(), run.agent.make_env(), tlist, episodes=episodes, n_envs=envs, seed=seed,
+            record_rewards=True, normalize=_normalizer(run), env_id=run.env_id,
+        )
+        results = report.results
+        for line in summary_lines(results):
+            typer.echo("  " + line)
+    try:
+        fig = plot_return_conditioning(results, dataset_max=dmax, dataset_mean=dmean,
+                                       title=f"{run.kind} on {run.env_id} (step {run.step})")
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    if tensorboard:
+        log_figure(run_dir, "plot/return_conditioning", fig, run.step)
+    path = save_figure(fig, out)
+    typer.echo(f"wrote {path}")
+
+
+def demo_cmd(
+    out_dir: Path = typer.Option(None, "--out-dir", help="Run directory (default runs/demo-<time>)."),
+    steps: int = typer.Option(None, "--steps", min=1, help="Training updates (default: the demo config's 3000)."),
+    episodes: int = typer.Option(None, "--episodes", min=1, help="Dataset episodes (default 300)."),
+    eval_episodes: int = typer.Option(10, "--eval-episodes", min=1, help="Evaluation episodes per target."),
+    threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's choice)."),
+    device: str = typer.Option("cpu", "--device", help="auto | cpu | cuda | cuda:N | mps."),
+) -> None:
+    """Quick start: build data, train a Decision Transformer, evaluate and plot (minutes on 2 CPU cores).
+
+    Builds a Pendulum-v1 dataset with a scripted controller, trains a DT on it, evaluates it at several
+    target returns and writes the return-conditioning plot; prints where the run and the plot are.
+    """
+    from rl_tformers.agents.common.demo import run_demo
+
+    result = run_demo(out_dir=out_dir, steps=steps, n_episodes=episodes, eval_episodes=eval_episodes,
+                      threads=threads, device=device, echo=typer.echo)
+    typer.echo(f"\nrun directory: {result.run_dir}\nplot:          {result.plot}\n"
+               f"evaluation:    {result.eval_json}\ntotal time:    {result.seconds:.0f} s")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``eval``, ``plot`` and ``demo`` to the ``rl-tformers`` app."""
+    app.command("eval", help=EVAL_HELP)(eval_cmd)
+    app.command("plot", help=PLOT_HELP)(plot_cmd)
+    app.command("demo")(demo_cmd)

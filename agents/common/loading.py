@@ -1,0 +1,145 @@
+"""Load any trained run for evaluation and plotting, whatever its agent kind.
+
+``rl-tformers eval`` / ``plot`` call :func:`load_run`: it reads the newest valid checkpoint of
+``RUN_DIR`` (or a given one), takes the agent kind from the checkpoint's config and rebuilds
+the agent through the runtime's agent registry. Two ways, in order:
+
+1. an *inference loader* registered for the kind with :func:`register_inference_loader`:
+   ``loader(cfg, checkpoint_state, device) -> agent`` rebuilds the agent from the checkpoint
+   alone (DT and BC do this: no dataset is read);
+2. otherwise the kind's training builder ``builder(cfg, run_dir, device)`` (which may load the
+   dataset), then ``model.load_state_dict`` and ``load_extra_state``.
+
+The agent returned must offer the :class:`EvaluableAgent` members. Its extra state should hold
+``env_id`` (normalised scores are looked up from it), and, for the plot, ``dataset_return_max``
+and ``dataset_return_mean`` (raw units).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from rl_tformers.agents.common.policy import Policy
+from torch import nn
+
+#: kind -> loader(cfg, checkpoint state, device) -> agent
+_INFERENCE_LOADERS: dict[str, Callable[[Any, Mapping[str, Any], torch.device], Any]] = {}
+
+
+@runtime_checkable
+class EvaluableAgent(Protocol):
+    """What ``eval`` and ``plot`` need from an agent object.
+
+    Members:
+        model: the trained ``nn.Module``.
+        policy(): a :class:`~rl_tformers.agents.common.policy.Policy` of the current weights.
+        make_env(): zero-argument factory of one evaluation environment.
+        default_targets(): target returns to evaluate when none are given (``[None]`` for
+            agents that are not return-conditioned).
+    """
+
+    model: nn.Module
+
+    def policy(self) -> Policy: ...
+
+    def make_env(self) -> Callable[[], Any]: ...
+
+    def default_targets(self) -> list[float | None]: ...
+
+
+def register_inference_loader(kind: str):
+    """Decorator: ``loader(cfg, state, device) -> agent`` used by :func:`load_run` for ``kind``."""
+
+    def deco(fn):
+        _INFERENCE_LOADERS[kind] = fn
+        return fn
+
+    return deco
+
+
+@dataclass
+class LoadedRun:
+    """A run ready to evaluate.
+
+    Attributes:
+        agent: an :class:`EvaluableAgent` with the checkpoint's weights, in eval mode.
+        cfg: the run's resolved config (OmegaConf, read-only).
+        kind: ``cfg.agent.kind``.
+        step: optimiser updates of the checkpoint.
+        checkpoint: path of the checkpoint used.
+        extra: the checkpoint's extra state (``env_id``, dataset return statistics...).
+    """
+
+    agent: Any
+    cfg: Any
+    kind: str
+    step: int
+    checkpoint: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def env_id(self) -> str | None:
+        return self.extra.get("env_id")
+
+    @property
+    def dataset_return_max(self) -> float | None:
+        v = self.extra.get("dataset_return_max")
+        return None if v is None else float(v)
+
+    @property
+    def dataset_return_mean(self) -> float | None:
+        v = self.extra.get("dataset_return_mean")
+        return None if v is None else float(v)
+
+
+def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
+             checkpoint: str | os.PathLike | None = None) -> LoadedRun:
+    """Rebuild the agent of ``run_dir`` from a checkpoint (see the module docstring).
+
+    Args:
+        run_dir: a run directory written by ``rl-tformers train``.
+        device: where the model runs.
+        checkpoint: a specific checkpoint file (default: the newest valid one).
+
+    Raises:
+        CheckpointError: no valid checkpoint (message names the files).
+        UnknownAgentError: the run's agent kind is not registered here.
+        TypeError: the rebuilt agent lacks ``policy``/``make_env``/``default_targets``.
+    """
+    from omegaconf import OmegaConf
+
+    from rl_tformers.runtime import checkpoint as ckpt
+    from rl_tformers.runtime.agents import get_agent
+
+    run_dir = Path(run_dir)
+    if checkpoint is not None:
+        path = Path(checkpoint)
+        state = ckpt.load_checkpoint(path)
+    else:
+        found = ckpt.find_latest_valid(run_dir)
+        path, state = found.path, found.state
+    cfg = OmegaConf.create(state["config"])
+    OmegaConf.set_readonly(cfg, True)
+    kind = str(cfg.agent.kind)
+    entry = get_agent(kind)  # also imports every agent module (registers inference loaders)
+    dev = torch.device(device)
+    loader = _INFERENCE_LOADERS.get(kind)
+    if loader is not None:
+        agent = loader(cfg, state, dev)
+    else:
+        agent = entry.builder(cfg, run_dir, dev)
+        agent.model.load_state_dict(state["model"])
+        load_extra = getattr(agent, "load_extra_state", None)
+        if callable(load_extra):
+            load_extra(state["extra"])
+    missing = [m for m in ("policy", "make_env", "default_targets") if not callable(getattr(agent, m, None))]
+    if missing:
+        raise TypeError(f"agent {kind!r} cannot be evaluated: it lacks {', '.join(m + '()' for m in missing)}")
+    agent.model.to(dev).eval()
+    return LoadedRun(agent=agent, cfg=cfg, kind=kind, step=int(state["step"]), checkpoint=path,
+                     extra=dict(state.get("extra") or {}))

@@ -1,0 +1,214 @@
+"""What the offline agents (Decision Transformer, BC, %BC) share: the run's dataset, the statistics
+stored with every checkpoint, and the evaluation environment.
+
+``dataset:`` section of a run config (open section, read here)::
+
+    dataset:
+      path: rlt/hopper-v5/medium-expert-v0   # Minari id, Minari folder or D4RL .hdf5 (load_dataset)
+      root: null                             # data root for Minari ids (default $RL_TFORMERS_DATA or ./data/minari)
+      download: false                        # let Minari download a remote id
+      lazy: false                            # HDF5 only: read windows from disk
+
+:class:`DatasetInfo` is everything inference needs about the data (a plain dict of tensors,
+numbers and strings, so it goes into the checkpoint's ``extra`` and back): observation mean/std,
+action bounds, reward scale, dataset return statistics, and the evaluation environment. The keys
+``env_id``, ``env_kwargs``, ``pomdp``, ``dataset_return_max`` and ``dataset_return_mean`` are the
+convention :mod:`rl_tformers.agents.commands` reads from any agent's extra state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from rl_tformers.envs.dataset import EpisodeDataset
+
+
+def plain(x: Any) -> Any:
+    """OmegaConf nodes -> plain Python containers (other values unchanged)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    return OmegaConf.to_container(x, resolve=True) if isinstance(x, (DictConfig, ListConfig)) else x
+
+
+def load_offline_dataset(spec: Mapping[str, Any] | None) -> EpisodeDataset:
+    """The run's dataset from its ``dataset:`` section (see the module docstring).
+
+    Raises:
+        ValueError: no ``dataset.path``.
+        DatasetError / FileNotFoundError: from the data layer's loaders.
+    """
+    from rl_tformers.envs.loaders import load_dataset
+
+    spec = dict(spec or {})
+    if not spec.get("path"):
+        raise ValueError(
+            "dataset.path is required: a Minari id (e.g. rlt/hopper-v5/medium-v0, built by "
+            "`rl-tformers collect --recipe hopper-medium`), a Minari dataset folder or a D4RL .hdf5 file"
+        )
+    return load_dataset(
+        str(spec["path"]), download=bool(spec.get("download", False)), lazy=bool(spec.get("lazy", False)),
+        root=spec.get("root"),
+    )
+
+
+@dataclass
+class DatasetInfo:
+    """Statistics of the training data that inference needs (stored in every checkpoint).
+
+    Attributes:
+        obs_dim: flat observation size; act_dim: action size or number of discrete actions.
+        discrete: discrete action space.
+        obs_mean, obs_std: (obs_dim,) float32 normalisation (std floored at 1e-6).
+        action_low, action_high: (act_dim,) float32 bounds of a Box action space (None if discrete).
+        reward_scale: divisor of rewards and returns-to-go (DT: 1000 on MuJoCo).
+        return_max, return_mean, return_min: episode returns of the (filtered) dataset, raw units.
+        longest_episode: steps of the longest dataset episode.
+        env_id, env_kwargs, pomdp: the evaluation environment (``pomdp``: the dataset's
+            observation mask record, applied to the evaluation env too).
+        ref_min, ref_max: reference returns of the D4RL normalised score (the dataset's own
+            Minari metadata first, then D4RL's table for the task family), or None.
+        dataset: the dataset spec string, for the record.
+    """
+
+    obs_dim: int
+    act_dim: int
+    discrete: bool
+    obs_mean: np.ndarray
+    obs_std: np.ndarray
+    action_low: np.ndarray | None
+    action_high: np.ndarray | None
+    reward_scale: float
+    return_max: float
+    return_mean: float
+    return_min: float
+    longest_episode: int
+    env_id: str | None
+    env_kwargs: dict
+    pomdp: dict | None
+    ref_min: float | None = None
+    ref_max: float | None = None
+    dataset: str | None = None
+
+    @classmethod
+    def from_dataset(
+        cls, ds: EpisodeDataset, *, reward_scale: float | str = "auto", normalize_obs: bool = True,
+        env_id: str | None = None, env_kwargs: Mapping[str, Any] | None = None, spec: str | None = None,
+    ) -> DatasetInfo:
+        """Compute the statistics of ``ds``.
+
+        Args:
+            reward_scale: ``"auto"`` (the data layer's power of ten below the largest |return|)
+                or a positive number (divisor).
+            normalize_obs: False stores mean 0 and std 1.
+            env_id, env_kwargs: override the dataset's environment.
+
+        Raises:
+            ValueError: unbounded Box actions, or a non-positive reward scale.
+        """
+        from rl_tformers.envs.scores import reference_scores
+        from rl_tformers.envs.trajectory import observation_stats
+        from rl_tformers.envs.trajectory import reward_scale as auto_scale
+
+        discrete = ds.discrete_actions
+        if discrete:
+            act_dim, low, high = int(ds.action_space.n), None, None
+        else:
+            low = np.asarray(ds.action_space.low, np.float32).reshape(-1)
+            high = np.asarray(ds.action_space.high, np.float32).reshape(-1)
+            if not (np.isfinite(low).all() and np.isfinite(high).all()):
+                raise ValueError(f"continuous actions need a bounded Box action space, got {ds.action_space}")
+            act_dim = low.size
+        obs_dim = int(np.prod(ds.observation_shape))
+        if normalize_obs:
+            st = observation_stats(ds)
+            mean, std = st.mean.reshape(-1), st.std.reshape(-1)
+        else:
+            mean, std = np.zeros(obs_dim, np.float32), np.ones(obs_dim, np.float32)
+        scale = auto_scale(ds) if reward_scale == "auto" else float(reward_scale)
+        if not scale > 0:
+            raise ValueError(f"agent.reward_scale must be 'auto' or > 0, got {reward_scale}")
+        ret = ds.episode_returns
+        meta = ds.metadata
+        refs = reference_scores(ds)
+        if refs is None and env_id:
+            refs = reference_scores(env_id)
+        return cls(
+            obs_dim=obs_dim, act_dim=act_dim, discrete=discrete, obs_mean=mean, obs_std=std,
+            action_low=low, action_high=high, reward_scale=float(scale),
+            return_max=float(ret.max()), return_mean=float(ret.mean()), return_min=float(ret.min()),
+            longest_episode=int(ds.lengths.max()),
+            env_id=env_id or meta.env_id,
+            env_kwargs=dict(env_kwargs or meta.extra.get("env_kwargs") or {}),
+            pomdp=None if env_id else (dict(meta.pomdp) if meta.pomdp else None),
+            ref_min=None if refs is None else float(refs[0]), ref_max=None if refs is None else float(refs[1]),
+            dataset=spec,
+        )
+
+    def to_extra(self) -> dict[str, Any]:
+        """Checkpoint-safe dict (tensors, numbers, strings, None, dicts, lists)."""
+        t = lambda a: None if a is None else torch.as_tensor(np.asarray(a, np.float32))  # noqa: E731
+        return {
+            "obs_dim": self.obs_dim, "act_dim": self.act_dim, "discrete": self.discrete,
+            "obs_mean": t(self.obs_mean), "obs_std": t(self.obs_std),
+            "action_low": t(self.action_low), "action_high": t(self.action_high),
+            "reward_scale": self.reward_scale,
+            "dataset_return_max": self.return_max, "dataset_return_mean": self.return_mean,
+            "dataset_return_min": self.return_min, "longest_episode": self.longest_episode,
+            "env_id": self.env_id, "env_kwargs": dict(self.env_kwargs), "pomdp": self.pomdp,
+            "ref_min": self.ref_min, "ref_max": self.ref_max, "dataset": self.dataset,
+        }
+
+    @classmethod
+    def from_extra(cls, d: Mapping[str, Any]) -> DatasetInfo:
+        """Inverse of :meth:`to_extra`."""
+        a = lambda x: None if x is None else np.asarray(torch.as_tensor(x).cpu(), np.float32)  # noqa: E731
+        return cls(
+            obs_dim=int(d["obs_dim"]), act_dim=int(d["act_dim"]), discrete=bool(d["discrete"]),
+            obs_mean=a(d["obs_mean"]), obs_std=a(d["obs_std"]),
+            action_low=a(d["action_low"]), action_high=a(d["action_high"]),
+            reward_scale=float(d["reward_scale"]),
+            return_max=float(d["dataset_return_max"]), return_mean=float(d["dataset_return_mean"]),
+            return_min=float(d["dataset_return_min"]), longest_episode=int(d["longest_episode"]),
+            env_id=d.get("env_id"), env_kwargs=dict(d.get("env_kwargs") or {}), pomdp=d.get("pomdp"),
+            ref_min=d.get("ref_min"), ref_max=d.get("ref_max"), dataset=d.get("dataset"),
+        )
+
+    def make_env(self):
+        """Zero-argument factory of the evaluation environment.
+
+        Raises:
+            ValueError: the dataset names no environment (set ``agent.env_id``).
+        """
+        if not self.env_id:
+            raise ValueError("the dataset names no environment; set agent.env_id for evaluation")
+        from rl_tformers.envs.pomdp import make_env
+
+        env_id, pomdp, kwargs = self.env_id, (dict(self.pomdp) if self.pomdp else None), dict(self.env_kwargs)
+
+        def make() -> gym.Env:
+            return make_env(env_id, pomdp, **kwargs)
+
+        return make
+
+    def normalizer(self):
+        """``returns (E,) -> 100 * (R - ref_min) / (ref_max - ref_min)`` (E,), or ``None`` without references."""
+        lo, hi = self.ref_min, self.ref_max
+
+        def norm(r: np.ndarray):
+            if lo is None or hi is None:
+                return None
+            return 100.0 * (np.asarray(r, np.float64) - lo) / (hi - lo)
+
+        return norm
+
+
+def eval_seed(seed: int, step: int) -> int:
+    """Seed of the evaluation episodes at training step ``step`` (31 bits, for gymnasium)."""
+    from rl_tformers.runtime.seeding import derive_seed
+
+    return derive_seed(seed, "eval", step) % (2**31)

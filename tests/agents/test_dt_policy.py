@@ -1,0 +1,177 @@
+"""DT inference: RTG bookkeeping equals training, context layout equals training windows, batching,
+timestep overflow policy."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from gymnasium import spaces
+from rl_tformers.agents.common.evaluation import evaluate
+from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTConfig, from_env_action
+from rl_tformers.agents.decision_transformer.policy import DTPolicy
+from rl_tformers.envs.dataset import EpisodeDataset
+from rl_tformers.envs.trajectory import ObsStats, dataset_returns_to_go, returns_to_go
+
+K, LEN = 4, 11
+SCALE = 8.0
+
+
+class RewardSeqEnv(gym.Env):
+    """Episodes of ``length`` steps; reward at step t is (t % 3) + 1 whatever the action (integers)."""
+
+    def __init__(self, length: int = LEN):
+        self.length = length
+        self.observation_space = spaces.Box(-np.inf, np.inf, (3,), np.float32)
+        self.action_space = spaces.Box(-2.0, 2.0, (2,), np.float32)
+        self.t = 0
+
+    def _obs(self):
+        return np.array([self.t, np.sin(self.t), self.np_random.uniform()], np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        r = float(self.t % 3 + 1)
+        self.t += 1
+        return self._obs(), r, self.t >= self.length, False, {}
+
+
+ENV_ID = "RLTformersTest/RewardSeq-v0"
+if ENV_ID not in gym.registry:
+    gym.register(ENV_ID, entry_point=RewardSeqEnv)
+
+
+def _model(mode="causal", max_ep_len=50):
+    bb = {"d_model": 16, "n_layers": 2, "n_heads": 2, "dropout": 0.0, "attn_dropout": 0.0, "causal": mode == "causal"}
+    cfg = DTConfig(obs_dim=3, act_dim=2, context_len=K, max_ep_len=max_ep_len, mode=mode, embed_dropout=0.0, backbone=bb)
+    return DecisionTransformer(cfg).eval()
+
+
+STATS = ObsStats(np.array([5.0, 0.0, 0.5], np.float32), np.array([3.0, 0.7, 0.3], np.float32))
+LOW, HIGH = np.full(2, -2.0, np.float32), np.full(2, 2.0, np.float32)
+
+
+class Recorder:
+    """Wraps a DTPolicy and records the raw obs, actions, rewards and the context it fed the model."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.obs, self.actions, self.rewards, self.rtg_fed, self.ts_fed, self.obs_fed = [], [], [], [], [], []
+
+    def initial_state(self, n, target=None):
+        return self.policy.initial_state(n, target)
+
+    def act(self, obs, state, episode_start, last_reward=None):
+        if last_reward is not None and not episode_start[0]:
+            self.rewards.append(float(last_reward[0]))
+        a, state = self.policy.act(obs, state, episode_start, last_reward)
+        slot = min(int(state.t[0]), K - 1)
+        self.obs.append(obs[0].copy())
+        self.actions.append(a[0].copy())
+        self.rtg_fed.append(state.rtg[0, : slot + 1].clone())
+        self.ts_fed.append(state.timesteps[0, : slot + 1].clone())
+        self.obs_fed.append(state.obs[0, : slot + 1].clone())
+        return a, state
+
+
+def _rollout(mode="causal"):
+    model = _model(mode)
+    pol = DTPolicy(model, STATS.mean, STATS.std, SCALE, LOW, HIGH)
+    rec = Recorder(pol)
+    target = float(returns_to_go(np.array([t % 3 + 1 for t in range(LEN)], float))[0])  # the episode's return: 21
+    rep = evaluate(rec, lambda: gym.make(ENV_ID), [target], episodes=1, n_envs=1, seed=3, record_rewards=True)
+    rec.rewards = rep.results[0].rewards[0]
+    ds = EpisodeDataset.from_episodes([{
+        "observations": np.concatenate([np.stack(rec.obs), np.zeros((1, 3), np.float32)]),
+        "actions": np.stack(rec.actions), "rewards": np.asarray(rec.rewards),
+        "terminations": np.eye(1, LEN, LEN - 1, dtype=bool)[0], "truncations": np.zeros(LEN, bool),
+    }], action_space=spaces.Box(-2.0, 2.0, (2,), np.float32))
+    return model, rec, ds, target
+
+
+def test_eval_rtg_equals_training_rtg_of_the_same_trajectory():
+    _, rec, ds, target = _rollout()
+    assert target == 21.0 and sum(rec.rewards) == 21.0
+    train_rtg = (dataset_returns_to_go(ds) / SCALE).astype(np.float32)  # what the WindowSampler feeds, (L,)
+    for t in range(LEN):
+        lo = max(0, t - K + 1)
+        fed = rec.rtg_fed[t].numpy()
+        assert fed.dtype == np.float32
+        np.testing.assert_array_equal(fed, train_rtg[lo: t + 1])  # bit-exact
+        np.testing.assert_array_equal(rec.ts_fed[t].numpy(), np.arange(lo, t + 1))
+        np.testing.assert_array_equal(rec.obs_fed[t].numpy(), STATS.normalize(np.stack(rec.obs[lo: t + 1])))
+
+
+@pytest.mark.parametrize("mode", ["causal", "last_action"])
+def test_policy_actions_equal_model_on_training_layout_windows(mode):
+    """Every action taken equals the model's prediction on the window the sampler would build."""
+    model, rec, ds, _ = _rollout(mode)
+    rtg = torch.as_tensor((dataset_returns_to_go(ds) / SCALE).astype(np.float32))
+    obs = torch.as_tensor(STATS.normalize(np.asarray(ds.observations)))
+    act = from_env_action(torch.as_tensor(np.asarray(ds.actions)), torch.as_tensor(LOW), torch.as_tensor(HIGH))
+    for t in range(LEN):
+        if mode == "causal":  # align="start": window [s, s + K) with s = max(0, t - K + 1); predict slot t - s
+            s = max(0, t - K + 1)
+            idx, pad, slot = torch.arange(s, s + K), 0, t - s
+        else:  # align="end": window ends at t, left-padded
+            n = min(t + 1, K)
+            idx, pad, slot = torch.arange(t - n + 1, t + 1), K - n, -1
+        mask = torch.zeros(1, K, dtype=torch.bool)
+        mask[0, pad:] = True
+        def put(x, _pad=pad):
+            out = torch.zeros((1, K) + x.shape[1:], dtype=x.dtype)
+            out[0, _pad:] = x
+            return out
+        with torch.no_grad():
+            out = model(put(obs[idx]), put(act[idx]), put(rtg[idx]), put(idx), mask).action  # (1, P, 2)
+        pred = (LOW + (out[0, slot].numpy() + 1) * 0.5 * (HIGH - LOW)).astype(np.float32)
+        np.testing.assert_allclose(rec.actions[t], pred, atol=1e-5, rtol=0)
+
+
+def test_one_forward_pass_per_step_for_all_envs():
+    model = _model()
+    calls = []
+    model.register_forward_hook(lambda m, inp, out: calls.append(inp[0].shape[0]))
+    pol = DTPolicy(model, STATS.mean, STATS.std, SCALE, LOW, HIGH)
+    rep = evaluate(pol, lambda: gym.make(ENV_ID), [21.0, 5.0], episodes=6, n_envs=3, seed=0)
+    assert [r.returns for r in rep.results] == [[21.0] * 6] * 2
+    # 2 targets x 2 episodes per env x 11 steps, each one call with all 3 envs
+    assert calls == [3] * (2 * 2 * LEN)
+
+
+def test_episode_start_resets_one_row_only():
+    model = _model()
+    pol = DTPolicy(model, STATS.mean, STATS.std, SCALE, LOW, HIGH)
+    st = pol.initial_state(2, 10.0)
+    obs = np.ones((2, 3), np.float32)
+    for _ in range(6):
+        _, st = pol.act(obs, st, np.array([False, False]) if st.t[0] >= 0 else np.array([True, True]), np.array([1.0, 2.0]))
+    assert st.t.tolist() == [5, 5] and st.rtg_raw.tolist() == [5.0, 0.0]
+    _, st = pol.act(obs, st, np.array([True, False]), np.array([1.0, 2.0]))
+    assert st.t.tolist() == [0, 6] and st.rtg_raw.tolist() == [10.0, -2.0]
+    assert st.mask[0].tolist() == [True, False, False, False] and st.mask[1].all()
+
+
+def test_timestep_past_max_ep_len_error_and_clamp_policy():
+    model = _model(max_ep_len=5)  # the env runs 11 steps
+    pol = DTPolicy(model, STATS.mean, STATS.std, SCALE, LOW, HIGH)
+    with pytest.raises(ValueError, match=r"episode step 5 >= agent.max_ep_len=5.*timestep_overflow='clamp'"):
+        evaluate(pol, lambda: gym.make(ENV_ID), [21.0], episodes=1, n_envs=1)
+    clamp = DTPolicy(model, STATS.mean, STATS.std, SCALE, LOW, HIGH, timestep_overflow="clamp")
+    seen = []
+    model.register_forward_hook(lambda m, inp, out: seen.append(int(inp[3][inp[4]].max())))
+    rep = evaluate(clamp, lambda: gym.make(ENV_ID), [21.0], episodes=1, n_envs=1)
+    assert rep.results[0].lengths == [LEN]
+    assert seen == [0, 1, 2, 3, 4, 4, 4, 4, 4, 4, 4]  # steps >= 5 reuse the last timestep index 4
+
+
+def test_act_before_episode_start_is_a_clear_error():
+    pol = DTPolicy(_model(), STATS.mean, STATS.std, SCALE, LOW, HIGH)
+    st = pol.initial_state(1, 1.0)
+    with pytest.raises(ValueError, match="never started"):
+        pol.act(np.zeros((1, 3), np.float32), st, np.array([False]))
