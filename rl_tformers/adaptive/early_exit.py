@@ -351,7 +351,7 @@ def oracle_depth(score: Tensor, mask: Tensor, penalty: float = 0.0, sigma: float
         d = torch.arange(t, device=score.device, dtype=torch.float32)
         kern = torch.exp(-((d[:, None] - d[None, :]) ** 2) / sigma)  # (T, T') kappa(t, t')
         s = torch.einsum("nbs,ts->nbt", s, kern)
-    layers = torch.arange(1, n + 1, device=score.device, dtype=torch.float32).view(n, 1, 1)
+    layers = torch.arange(1, n + 1, device=score.device, dtype=torch.float32).view(n, 1, 1)  # (N, 1, 1)
     return (s - penalty * layers).argmax(0)
 
 

@@ -114,9 +114,9 @@ def group_bookkeeping(pos: Tensor, valid: Tensor, seg: Tensor, rate: int) -> tup
     anchor = torch.where(vg, idx, -1).amax(-1)  # (B, G) index of the newest valid member, -1 if none
     has = anchor >= 0
     a = anchor.clamp_min(0)[..., None]  # (B, G, 1)
-    gpos = pos.view(b, g, rate).gather(-1, a)[..., 0]
-    gseg = seg.view(b, g, rate).gather(-1, a)[..., 0]
-    include = vg & (seg.view(b, g, rate) == gseg[..., None]) & has[..., None]
+    gpos = pos.view(b, g, rate).gather(-1, a)[..., 0]  # (B, G, c) -> (B, G)
+    gseg = seg.view(b, g, rate).gather(-1, a)[..., 0]  # (B, G, c) -> (B, G)
+    include = vg & (seg.view(b, g, rate) == gseg[..., None]) & has[..., None]  # (B, G, c)
     return gpos * has, has, torch.where(has, gseg, torch.full_like(gseg, -1)), include
 
 
@@ -170,7 +170,7 @@ class Compressor(nn.Module):
         elif self.kind == "conv":
             out = self.conv((x * inc).reshape(b, g, c * d))  # (B, G, c*D) -> (B, G, D)
         else:
-            out = self._dilated((x * inc).reshape(b * g, c, d)).view(b, g, d)
+            out = self._dilated((x * inc).reshape(b * g, c, d)).view(b, g, d)  # (B*G, c, D) -> (B, G, D)
         return out * has.to(out.dtype)
 
     def _dilated(self, h: Tensor) -> Tensor:
@@ -183,7 +183,7 @@ class Compressor(nn.Module):
     def decode(self, z: Tensor) -> Tensor:
         """g: (B, G, D) -> (B, G, c, D) reconstruction of the members (auto-encoding loss)."""
         b, g, d = z.shape
-        return self.decoder(z).view(b, g, self.rate, d)
+        return self.decoder(z).view(b, g, self.rate, d)  # (B, G, c*D) -> (B, G, c, D)
 
 
 def _linear(lin: nn.Linear, x: Tensor) -> Tensor:
@@ -305,7 +305,7 @@ class CompressiveMemory(MemoryModule):
                 usage = self._accumulate_usage(i, ls, state, rec, h)
             if g:
                 old = allf[:, :n_ev].reshape(b, g, c, self.d_model)  # (B, G, c, D)
-                avg = None if usage is None else (usage.usage / usage.seen.clamp_min(1))[:, :n_ev].view(b, g, c)
+                avg = None if usage is None else (usage.usage / usage.seen.clamp_min(1))[:, :n_ev].view(b, g, c)  # (B, G, c)
                 comp = self.compressors[i]
                 new = comp(old, include, avg)  # (B, G, D)
                 ar, ae = self._losses(comp, rec.blocks[i] if rec.blocks else None, h, rec.valid, old, include, new, gval)
@@ -348,7 +348,7 @@ class CompressiveMemory(MemoryModule):
         b, g, c, d = old.shape
         ar = ae = None
         if self.loss in ("attention", "both") and block is not None:
-            a_old, _ = content_attention(block.attn, h, old.reshape(b, g * c, d), include.reshape(b, g * c))
+            a_old, _ = content_attention(block.attn, h, old.reshape(b, g * c, d), include.reshape(b, g * c))  # (B, G*c, D)
             a_new, _ = content_attention(block.attn, h, new, new_valid)
             qv = h_valid[:, None, :, None].to(a_old.dtype)  # (B, 1, T, 1): valid queries only
             n = (qv.sum() * a_old.shape[1] * a_old.shape[-1]).clamp_min(1)

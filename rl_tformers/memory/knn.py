@@ -220,7 +220,7 @@ class KNNAugmentedAttention(nn.Module):
         else:
             scores = torch.matmul(q, store.keys.to(q.dtype).transpose(-1, -2))  # (B, H, T, N)
             sims, idx, ok = masked_topk(scores, allowed, self.top_k)
-        scale = self.log_scale.exp().to(q.dtype).view(1, -1, 1, 1)
+        scale = self.log_scale.exp().to(q.dtype).view(1, -1, 1, 1)  # (1, H, 1, 1)
         logits = torch.where(ok, sims * scale, torch.full_like(sims, neg_inf(sims.dtype)))
         p = torch.softmax(logits.float(), dim=-1).to(q.dtype) * ok  # (B, H, T, k)
         v_top = _gather_rows(store.values, idx).to(q.dtype)  # (B, H, T, k, Dh)
@@ -261,7 +261,7 @@ def _gather_rows(x: Tensor, idx: Tensor) -> Tensor:
     """x (B, H, N, Dh) at idx (B, H, T, k) -> (B, H, T, k, Dh)."""
     b, h, t, k = idx.shape
     flat = idx.reshape(b, h, t * k, 1).expand(-1, -1, -1, x.shape[-1])  # (B, H, T*k, Dh)
-    return x.gather(2, flat).view(b, h, t, k, x.shape[-1])
+    return x.gather(2, flat).view(b, h, t, k, x.shape[-1])  # (B, H, T*k, Dh) -> (B, H, T, k, Dh)
 
 
 class KNNMemory(MemoryModule):
