@@ -250,33 +250,38 @@ def collect_episodes(
     env = gym.vector.SyncVectorEnv(fns, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
     rng = np.random.default_rng(seed)
     obs, info = env.reset(seed=seed)
-    bufs: list[dict[str, list]] = [{k: [] for k in ("o", "a", "r", "te", "tr")} for _ in range(n_envs)]
-    skip = np.zeros(n_envs, dtype=bool)  # the step after a done is the autoreset step
-    episodes: list[dict[str, np.ndarray]] = []
-    while len(episodes) < n_episodes:
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("o", "a", "r", "te", "tr", "final", "real")}
+    skip = np.zeros(n_envs, dtype=bool)  # the step after a done is the autoreset step (no data)
+    finished = 0
+    while finished < n_episodes:
         act = scripted_action(task, obs, info, rng, epsilon)
         nobs, rew, term, trunc, ninfo = env.step(act)
-        for i in np.flatnonzero(~skip):  # bookkeeping only: per-env Python lists (not a hot path)
-            b = bufs[i]
-            b["o"].append(obs[i] if keep is None else obs[i, keep])
-            b["a"].append(act[i])
-            b["r"].append(rew[i])
-            b["te"].append(term[i])
-            b["tr"].append(trunc[i])
-            if term[i] or trunc[i]:
-                final = nobs[i] if keep is None else nobs[i, keep]  # next-step autoreset: nobs is final
-                episodes.append({
-                    "observations": np.asarray(b["o"] + [final], dtype=np.float32),
-                    "actions": np.asarray(b["a"], dtype=np.int64),
-                    "rewards": np.asarray(b["r"], dtype=np.float32),
-                    "terminations": np.asarray(b["te"], dtype=bool),
-                    "truncations": np.asarray(b["tr"], dtype=bool),
-                })
-                bufs[i] = {k: [] for k in b}
+        for k, v in (("o", obs), ("a", act), ("r", rew), ("te", term), ("tr", trunc), ("final", nobs), ("real", ~skip)):
+            cols[k].append(np.asarray(v))
+        finished += int(((term | trunc) & ~skip).sum())
         skip = term | trunc
         obs, info = nobs, ninfo
     env.close()
-    return episodes[:n_episodes]
+    c = {k: np.stack(v) for k, v in cols.items()}  # (S, N, ...) per field
+    if keep is not None:
+        c["o"], c["final"] = c["o"][..., keep], c["final"][..., keep]  # next-step autoreset: nobs is final
+    done = (c["te"] | c["tr"]) & c["real"]  # (S, N)
+    # episodes in order of completion (step, then environment), each a run of real steps of one env
+    ends_t, ends_i = np.nonzero(done)
+    episodes: list[dict[str, np.ndarray]] = []
+    first = np.zeros(n_envs, dtype=np.int64)  # next unread step of each env
+    for t, i in zip(ends_t[:n_episodes], ends_i[:n_episodes]):  # one iteration per episode
+        steps = np.arange(first[i], t + 1)
+        steps = steps[c["real"][steps, i]]
+        first[i] = t + 1
+        episodes.append({
+            "observations": np.concatenate([c["o"][steps, i], c["final"][t, i][None]]).astype(np.float32),
+            "actions": c["a"][steps, i].astype(np.int64),
+            "rewards": c["r"][steps, i].astype(np.float32),
+            "terminations": c["te"][steps, i].astype(bool),
+            "truncations": c["tr"][steps, i].astype(bool),
+        })
+    return episodes
 
 
 def scripted_dataset(
