@@ -130,12 +130,24 @@ class GTrXLConfig:
         )
 
 
+def memory_kernels(position: str | None = None) -> list[str]:
+    """Attention kinds that can serve GTrXL: causal, accept memory keys, and (when given) apply
+    the positional kind ``position``."""
+    out = []
+    for e in REGISTRIES["attention"]:
+        c = e.capabilities
+        if c.memory and c.causal and (position is None or c.positions is None or position in c.positions):
+            out.append(e.kind)
+    return out
+
+
 def build_backbone(cfg: Mapping[str, Any] | BackboneConfig) -> Backbone:
-    """Build the backbone, re-raising configuration errors with the agent's option names.
+    """Build the backbone, refusing what GTrXL cannot use with messages naming the option.
 
     Raises:
-        IncompatibleConfig: e.g. ``backbone.attention.kind=X`` cannot take memory keys (the
-            message says which kernels can), or a non-stateful memory kind.
+        IncompatibleConfig: a memory kind that keeps nothing between calls; an attention kind
+            that takes no memory keys (the message lists the kernels that do); or whatever
+            :func:`rl_tformers.backbone.check_compatible` refuses (causal form, positions...).
         RegistryError: unknown kinds or fields (dotted path in the message).
     """
     bb_cfg = cfg if isinstance(cfg, BackboneConfig) else BackboneConfig.from_dict(cfg, where="backbone")
@@ -145,14 +157,17 @@ def build_backbone(cfg: Mapping[str, Any] | BackboneConfig) -> Backbone:
             f"gtrxl: backbone.memory.kind={bb_cfg.memory.kind!r} keeps no memory between steps; "
             f"GTrXL needs a stateful memory such as 'xl'"
         )
+    att = REGISTRIES["attention"].get(bb_cfg.attention.kind).capabilities
+    if not att.memory:
+        raise IncompatibleConfig(
+            f"gtrxl: backbone.attention.kind={bb_cfg.attention.kind!r} takes no memory keys, but GTrXL attends "
+            f"over its memory; kernels that can (with backbone.position.kind={bb_cfg.position.kind!r}): "
+            f"{', '.join(memory_kernels(bb_cfg.position.kind))}"
+        )
     try:
         return Backbone(bb_cfg)
     except IncompatibleConfig as exc:
-        ok = [e.kind for e in REGISTRIES["attention"] if e.capabilities.memory]
-        raise IncompatibleConfig(
-            f"gtrxl: {exc}. GTrXL attends over its memory, so backbone.attention.kind must be a kernel "
-            f"that accepts memory keys: {', '.join(ok)}"
-        ) from exc
+        raise IncompatibleConfig(f"gtrxl: {exc}") from exc
 
 
 @dataclass

@@ -237,7 +237,7 @@ def test_attention_without_memory_support_is_refused_with_a_clear_message(monkey
     monkeypatch.setitem(ATTENTION._entries, "test_no_memory", entry)
     bb = gtrxl_backbone(d_model=32, n_layers=1, n_heads=2, mem_len=4)
     bb["attention"] = {"kind": "test_no_memory"}
-    with pytest.raises(IncompatibleConfig, match=r"backbone\.attention\.kind='test_no_memory'.*accepts memory keys: .*sdpa"):
+    with pytest.raises(IncompatibleConfig, match=r"backbone\.attention\.kind='test_no_memory' takes no memory keys.*: .*sdpa"):
         GTrXLModel(GTrXLConfig(obs_dim=3, act_dim=2, backbone=bb))
 
 
@@ -246,3 +246,24 @@ def test_memoryless_backbone_is_refused():
     bb["memory"] = {"kind": "none"}
     with pytest.raises(IncompatibleConfig, match=r"backbone\.memory\.kind='none'"):
         GTrXLModel(GTrXLConfig(obs_dim=3, act_dim=2, backbone=bb))
+
+
+@pytest.mark.parametrize("kind", ATTENTION.kinds())
+def test_every_registered_attention_kernel_either_runs_with_memory_or_is_refused_by_name(kind):
+    bb = gtrxl_backbone(d_model=32, n_layers=1, n_heads=2, mem_len=4)
+    bb["attention"] = {"kind": kind}
+    caps = ATTENTION.get(kind).capabilities
+    if not (caps.memory and caps.causal):
+        with pytest.raises(IncompatibleConfig, match=rf"gtrxl: backbone\.attention\.kind='{kind}'"):
+            GTrXLModel(GTrXLConfig(obs_dim=3, act_dim=2, backbone=bb))
+        return
+    if caps.positions is not None and "xl_relative" not in caps.positions:
+        with pytest.raises(IncompatibleConfig, match=r"backbone\.position\.kind='xl_relative'"):
+            GTrXLModel(GTrXLConfig(obs_dim=3, act_dim=2, backbone=bb))
+        bb["position"] = {"kind": caps.positions[-1]}  # e.g. rotary for the linear-attention kernels
+    pol = policy_for(GTrXLModel(GTrXLConfig(obs_dim=3, act_dim=2, backbone=bb)))
+    state = pol.initial_state(2)
+    for t in range(7):  # fills the memory (4 slots), then one row starts a new episode
+        actions, state = pol.act(np.ones((2, 3), np.float32) * t, state, np.array([t == 0, t in (0, 5)]))
+        assert actions.shape == (2, 2) and np.isfinite(actions).all()
+    assert state.memory.valid[0].all() and state.memory.valid[1].sum() == 2
