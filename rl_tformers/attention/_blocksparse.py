@@ -112,15 +112,21 @@ class Heads:
 
 @dataclass
 class HeadGroup:
-    """Pieces evaluated (and LSE-merged) on a subset of heads.
+    """Pieces evaluated on a subset of heads and combined into one softmax per query.
+
+    Pieces that share their query tiling (the same ``q_idx`` tensor object) are fused into one
+    piece by concatenating their key sets; the remaining pieces are LSE-merged, or simply added
+    when ``disjoint`` (each query is live in at most one of them, e.g. global rows vs the rest).
 
     Attributes:
         heads: (h,) long head indices, or ``None`` for all heads.
         pieces: the pattern components for these heads (disjoint key sets per query).
+        disjoint: the pieces, after fusion, cover disjoint sets of queries.
     """
 
     heads: Tensor | None
     pieces: list[Piece]
+    disjoint: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,12 +361,19 @@ def run_piece(
     pq = pk = None
     plain = not position.needs_scores and piece.bias is None and not need_lse
     if plain:
-        # fused SDPA on the gathered blocks; rows with no allowed key attend everything and
-        # are zeroed below (SDPA would return NaN for them)
+        # fused SDPA on the gathered blocks, laid out as a batch of B * N blocks of 4-D
+        # attention (the fused CPU kernels take 4-D input); rows with no allowed key attend
+        # everything and are zeroed below (SDPA would return NaN for them)
+        hh = qg.shape[1]
+        mask = (allowed | ~row_ok[..., None]).expand(b, -1, n, bq, kk)  # (B, 1|h, N, bq, K)
         out = F.scaled_dot_product_attention(
-            qg, kg.expand(-1, -1, n, -1, -1), vg.expand(-1, -1, n, -1, -1),
-            attn_mask=allowed | ~row_ok[..., None], dropout_p=dropout_p, scale=scale,
-        )  # (B, h, N, bq, Dh)
+            qg.transpose(1, 2).reshape(b * n, hh, bq, dh),  # (B N, h, bq, Dh)
+            kg.expand(-1, -1, n, -1, -1).transpose(1, 2).reshape(b * n, hh, kk, dh),  # (B N, h, K, Dh)
+            vg.expand(-1, -1, n, -1, -1).transpose(1, 2).reshape(b * n, hh, kk, dh),
+            attn_mask=mask.transpose(1, 2).reshape(b * n, mask.shape[1], bq, kk),  # (B N, 1|h, bq, K)
+            dropout_p=dropout_p, scale=scale,
+        )
+        out = out.view(b, n, hh, bq, dh).transpose(1, 2)  # (B, h, N, bq, Dh)
         lse = None
     else:
         scores = torch.matmul(qg * scale, kg.transpose(-1, -2)).float()  # (B, h, N, bq, K)
@@ -432,6 +445,43 @@ def merge(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> Tensor:
     return acc.to(outs[0].dtype)
 
 
+def fuse(pieces: Sequence[Piece]) -> list[Piece]:
+    """Fuse pieces with the same query tiling (same ``q_idx`` object and ``q_ok``) into one.
+
+    Key indices, key liveness, ``keep`` and ``bias`` are concatenated along the key axis, so the
+    fused piece is one softmax over the union of the (disjoint) key sets: the same result as an
+    LSE merge, in one fused SDPA call. Pieces with a per-batch/per-head ``keep`` or a ``bias``
+    are left alone.
+    """
+    out: list[Piece] = []
+    groups: dict[tuple[int, int], list[Piece]] = {}
+    for p in pieces:
+        simple = p.bias is None and (p.keep is None or p.keep.dim() <= 3)
+        key = (id(p.q_idx), id(p.q_ok))
+        if simple and key in groups:
+            groups[key].append(p)
+        elif simple:
+            groups[key] = [p]
+            out.append(p)
+        else:
+            out.append(p)
+    for i, p in enumerate(out):
+        same = groups.get((id(p.q_idx), id(p.q_ok)))
+        if not same or len(same) == 1 or same[0] is not p:
+            continue
+        n, bq = p.q_idx.shape
+        ks, oks, keeps = [], [], []
+        for piece in same:
+            kk = piece.k_idx.shape[1]
+            ks.append(piece.k_idx.expand(n, kk))  # (N, K_p)
+            ok = piece.k_ok if piece.k_ok is not None else torch.ones_like(piece.k_idx, dtype=torch.bool)
+            oks.append(ok.expand(n, kk))
+            keep = piece.keep if piece.keep is not None else torch.ones(1, 1, kk, dtype=torch.bool, device=ok.device)
+            keeps.append(keep.expand(n, bq, kk))  # (N, bq, K_p)
+        out[i] = Piece(p.q_idx, torch.cat(ks, 1), q_ok=p.q_ok, k_ok=torch.cat(oks, 1), keep=torch.cat(keeps, 2))
+    return out
+
+
 def attend_groups(
     h: Heads, groups: Sequence[HeadGroup], position: PositionModule, *, scale: float, dropout_p: float
 ) -> Tensor:
@@ -441,11 +491,16 @@ def attend_groups(
     """
     outs, order = [], []
     for g in groups:
-        many = len(g.pieces) > 1
+        pieces = fuse(g.pieces)
+        need_lse = len(pieces) > 1 and not g.disjoint
         parts = [
-            run_piece(h, p, position, scale=scale, dropout_p=dropout_p, heads=g.heads, need_lse=many) for p in g.pieces
+            run_piece(h, p, position, scale=scale, dropout_p=dropout_p, heads=g.heads, need_lse=need_lse)
+            for p in pieces
         ]
-        outs.append(merge([o for o, _ in parts], [lse for _, lse in parts]))
+        if need_lse:
+            outs.append(merge([o for o, _ in parts], [lse for _, lse in parts]))
+        else:  # one piece, or pieces over disjoint queries (each is zero where it is not live)
+            outs.append(sum(o for o, _ in parts[1:]) + parts[0][0] if len(parts) > 1 else parts[0][0])
         if g.heads is not None:
             order.append(g.heads)
     if len(groups) == 1 and groups[0].heads is None:

@@ -116,7 +116,9 @@ class BigBirdAttention(BlockSparseAttention):
         k_ok = ok[:, :, None].expand(-1, -1, b).reshape(blocks.shape[0], -1)  # (N, r b)
         rand = Piece(q_idx, k_rand, k_ok=k_ok)
         g_abs = segment_indices(self.global_tokens, h.n_q, h.q0, h.q.device)
-        return [HeadGroup(None, with_globals(h, [window, rand], g_abs))]
+        # window, random and global columns share the query tiling (one softmax); the global
+        # rows cover only the global queries, which the others exclude
+        return [HeadGroup(None, with_globals(h, [window, rand], g_abs), disjoint=True)]
 
     def pattern(self, ctx: AttnContext) -> Tensor:
         dev = ctx.pos_q.device

@@ -90,15 +90,18 @@ class ETCAttention(BlockSparseAttention):
         q_long = ~member(table, l2l.q_idx)  # (N, bq)
         l2l.keep = l2l.keep & q_long[:, :, None] & ~member(table, l2l.k_idx)[:, None, :]
         l2g = Piece(l2l.q_idx, g[None, :], keep=q_long[:, :, None])  # (N, bq) x (1, G)
-        g2g = Piece(g[None, :], g[None, :])  # (1, G) x (1, G)
+        gq = g[None, :]  # (1, G): one tiling object, so g2g and a full g2l fuse into one softmax
+        g2g = Piece(gq, gq)  # (1, G) x (1, G)
         if self.g2l == "full":
             keys = torch.arange(h.k0, h.n_k, device=dev)[None, :]  # (1, S - k0)
-            g2l = Piece(g[None, :], keys, keep=~member(table, keys)[:, None, :])
+            g2l = Piece(gq, keys, keep=~member(table, keys)[:, None, :])
         else:  # the long tokens of the global token's own segment: [g + 1, g + every)
             e = self.global_every
             g2l = Piece(g[:, None], g[:, None] + torch.arange(1, e, device=dev))  # (G, 1) x (G, every - 1)
             g2l.keep = ~member(table, g2l.k_idx)[:, None, :]
-        return [HeadGroup(None, [l2l, l2g, g2g, g2l])]
+        # l2l + l2g share the long queries' tiling, g2g + g2l (full) the global queries': two
+        # fused softmaxes over disjoint queries; segment g2l is LSE-merged with g2g
+        return [HeadGroup(None, [l2l, l2g, g2g, g2l], disjoint=self.g2l == "full")]
 
     def pattern(self, ctx: AttnContext) -> Tensor:
         dev, q0 = ctx.pos_q.device, ctx.prefix_len

@@ -104,7 +104,7 @@ class SlidingWindowAttention(BlockSparseAttention):
         out = []
         for d, heads in by_d:
             pieces = with_globals(h, [band_piece(h.q0, h.n_k, lo, hi, d, bq, h.q.device)], g_abs)
-            out.append(HeadGroup(None if len(by_d) == 1 else heads, pieces))
+            out.append(HeadGroup(None if len(by_d) == 1 else heads, pieces, disjoint=True))  # see with_globals
         return out
 
     def pattern(self, ctx: AttnContext) -> Tensor:
