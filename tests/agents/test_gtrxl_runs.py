@@ -98,3 +98,11 @@ def test_ppo_fine_tunes_an_offline_checkpoint(tmp_path, recall_file):
         assert torch.equal(own[k], v), k  # encoder and actor copied
     assert ppo.model.value is not None and not ppo.update_obs_stats
     np.testing.assert_allclose(ppo.obs_rms.std, offline.extra["obs_std"].numpy(), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_benchmark_ppo_gtrxl_solves_position_only_cartpole(tmp_path):
+    """The docs/gtrxl.md benchmark: 320 updates = 20 rollouts = 40,960 env steps (~3 min on 2 CPU cores)."""
+    cfg = compose("gtrxl/ppo_cartpole", ["train.steps=320", "eval.every=0", "train.progress=false", "device=cpu"])
+    result = train(cfg, tmp_path / "ppo")
+    assert result.last_eval["eval/return_mean"] >= 475.0
