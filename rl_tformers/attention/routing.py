@@ -3,6 +3,7 @@ Attention with Routing Transformers", TACL 2021)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -270,6 +271,11 @@ class RoutingConfig(AttentionConfig):
             raise ValueError("attention: n_clusters, local_window and cluster_window must be >= 1")
         if not 0 <= self.ema_decay <= 1 or self.commitment_weight < 0:
             raise ValueError("attention: ema_decay must lie in [0, 1] and commitment_weight be >= 0")
+
+    @classmethod
+    def bench_config(cls, seq_len: int) -> dict:
+        """Benchmark fields at length L: K ~ sqrt(L) clusters (the paper's O(L^1.5) setting)."""
+        return {"n_clusters": max(4, math.isqrt(seq_len))}
 
     @classmethod
     def contract_config(cls, seq_len: int) -> dict:

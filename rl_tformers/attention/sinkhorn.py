@@ -196,5 +196,10 @@ class SinkhornConfig(AttentionConfig):
         """Contract-suite fields: b ~ sqrt(S) (the memory-optimal block size, O(S) memory), a SortNet long enough."""
         return {"block_size": max(4, math.isqrt(seq_len)), "max_len": max(seq_len, 64)}
 
+    @classmethod
+    def bench_config(cls, seq_len: int) -> dict:
+        """Benchmark fields at length L: b ~ sqrt(L) (O(L) memory) and a SortNet for L tokens."""
+        return {"block_size": max(16, math.isqrt(seq_len)), "max_len": seq_len}
+
     def build(self, ctx, position) -> AttentionModule:
         return SinkhornAttention(ctx, position, self)

@@ -1,0 +1,467 @@
+"""Content-based, low-rank and kernel attention kinds: lsh, routing, linformer, rfa, performer, sinkhorn.
+
+Exactness in the limits the papers give (1e-5), convergence to dense attention as the budget
+grows, causality/padding/finiteness, incremental decoding, the float32 linear-attention scan
+against a token loop, explicit-only random-feature redraws, routing's EMA step, use inside the
+backbone (DT-like and GTrXL-like), and the complexity contract at L = 16384.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rl_tformers import Backbone
+from rl_tformers.attention._linear import causal_linear, maybe_redraw_random_features, redraw_random_features
+from rl_tformers.config import BackboneConfig, BuildContext, IncompatibleConfig
+from rl_tformers.registry import ATTENTION
+from rl_tformers.types import AttnContext
+from tests.contracts.contract_checks import assert_causal, assert_finite_grads, assert_padding_invariant, peak_numel
+
+KINDS = ("lsh", "routing", "linformer", "rfa", "performer", "sinkhorn")
+D, H = 16, 2
+SMALL = {
+    "lsh": {"bucket_size": 4, "n_buckets": 4, "seed": 0},
+    "routing": {"n_clusters": 3, "local_window": 4, "cluster_window": 4, "seed": 0},
+    "linformer": {"k": 8, "max_len": 64},
+    "rfa": {"chunk_size": 4, "seed": 0},
+    "performer": {"chunk_size": 4, "seed": 0},
+    "sinkhorn": {"block_size": 4, "max_len": 64},
+}
+
+
+def attn_module(kind: str, causal: bool = True, position: str = "none", torch_seed: int = 0, **fields):
+    """Layer-0 attention module of a small backbone config (eval mode, seeded)."""
+    cfg = BackboneConfig.from_dict(
+        {"d_model": D, "n_layers": 1, "n_heads": H, "dropout": 0.0, "attn_dropout": 0.0, "causal": causal,
+         "position": {"kind": position}, "attention": {"kind": kind, **fields}}
+    )
+    ctx = BuildContext(cfg).at_layer(0)
+    torch.manual_seed(torch_seed)
+    return cfg.attention.build(ctx, cfg.position.build(ctx)).eval()
+
+
+def backbone(kind: str, causal: bool = True, **over) -> Backbone:
+    cfg = {"d_model": D, "n_layers": 2, "n_heads": H, "dropout": 0.0, "attn_dropout": 0.0, "causal": causal,
+           "attention": {"kind": kind, **SMALL[kind]}}
+    cfg.update(over)
+    torch.manual_seed(0)
+    return Backbone(cfg)
+
+
+def contexts(t: int = 23, causal: bool = True, prefix: int = 0):
+    """(x_q, x_kv, ctx) cases: plain; padding + two episodes; prefix keys (memory)."""
+    g = torch.Generator().manual_seed(3)
+    s = t + prefix
+    x = torch.randn(2, s, D, generator=g)
+    pos = torch.arange(s).expand(2, s) + 3
+    valid = torch.ones(2, s, dtype=torch.bool)
+    valid[1, :4] = False
+    seg = torch.zeros(2, s, dtype=torch.long)
+    seg[0, s // 2 :] = 1
+    return [
+        (x[:, prefix:], x, AttnContext(pos_q=pos[:, prefix:], pos_k=pos, causal=causal)),
+        (x[:, prefix:], x, AttnContext(pos_q=pos[:, prefix:], pos_k=pos, key_valid=valid, seg_q=seg[:, prefix:],
+                                       seg_k=seg, causal=causal)),
+    ]
+
+
+def valid_queries(ctx: AttnContext) -> torch.Tensor:
+    if ctx.key_valid is None:
+        return torch.ones(ctx.pos_q.shape, dtype=torch.bool)
+    return ctx.key_valid[:, ctx.k_len - ctx.q_len :]
+
+
+# -- registration --------------------------------------------------------------------------------
+def test_kinds_are_registered_with_honest_capabilities():
+    caps = {k: ATTENTION.get(k).capabilities for k in KINDS}
+    assert not caps["linformer"].causal and caps["linformer"].bidirectional
+    assert all(caps[k].causal for k in KINDS if k != "linformer")
+    assert {k for k in KINDS if caps[k].incremental} == {"rfa", "performer"}
+    assert {k for k in KINDS if caps[k].memory} == {"lsh", "routing", "rfa", "performer"}
+    assert {k for k in KINDS if caps[k].approximate} == {"lsh", "linformer", "rfa", "performer"}
+    assert all(caps[k].subquadratic and not caps[k].exact for k in KINDS)
+    assert all(caps[k].positions is not None and "alibi" not in caps[k].positions for k in KINDS)
+    for k in KINDS:
+        assert ATTENTION.get(k).paper and ATTENTION.get(k).description
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_score_based_positions_are_refused(kind):
+    with pytest.raises(IncompatibleConfig, match="position"):
+        Backbone({"d_model": D, "n_heads": H, "causal": kind != "linformer", "position": {"kind": "alibi"},
+                  "attention": {"kind": kind}})
+
+
+def test_causal_refusals_name_the_option():
+    with pytest.raises(IncompatibleConfig, match="last_action"):
+        Backbone({"d_model": D, "n_heads": H, "causal": True, "attention": {"kind": "linformer"}})
+    with pytest.raises(IncompatibleConfig, match="gate"):
+        Backbone({"d_model": D, "n_heads": H, "causal": False, "attention": {"kind": "rfa", "gate": True}})
+    with pytest.raises(IncompatibleConfig, match="assignment"):
+        Backbone({"d_model": D, "n_heads": H, "causal": True, "attention": {"kind": "routing", "assignment": "topk"}})
+
+
+# -- exact limits ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("prefix", [0, 6])
+def test_lsh_one_bucket_one_round_equals_dense_with_the_no_self_rule(causal, prefix):
+    mod = attn_module("lsh", causal, position="rotary", n_buckets=1, n_hashes=1, bucket_size=64)
+    for x_q, x_kv, ctx in contexts(causal=causal, prefix=prefix):
+        with torch.no_grad():
+            out, ref = mod(x_q, x_kv, ctx).out, mod.reference_forward(x_q, x_kv, ctx).out
+        vq = valid_queries(ctx)
+        torch.testing.assert_close(out[vq], ref[vq], atol=1e-5, rtol=0)
+
+
+def test_lsh_attends_itself_only_when_alone():
+    """Causal, first token: its only allowed key is itself, so it attends to it (value of token 0)."""
+    mod = attn_module("lsh", True, n_buckets=1, n_hashes=1, bucket_size=8)
+    x = torch.randn(1, 5, D)
+    pos = torch.arange(5)[None]
+    ctx = AttnContext(pos_q=pos, pos_k=pos, causal=True)
+    with torch.no_grad():
+        out = mod(x, x, ctx).out
+        v0 = mod.o_proj(mod.v_proj(x[:, :1]))  # softmax over one key = its value
+        ref = mod.reference_forward(x, x, ctx)
+    torch.testing.assert_close(out[:, 0], v0[:, 0], atol=1e-6, rtol=0)
+    assert (ref.weights[0].diagonal(dim1=-2, dim2=-1)[:, 1:] == 0).all()  # token i > 0 skips itself
+
+
+@pytest.mark.parametrize(("causal", "fields"), [
+    (True, {"assignment": "argmax", "cluster_window": 64}),
+    (False, {"assignment": "topk"}),
+    (False, {"assignment": "argmax", "cluster_window": 128}),
+])
+@pytest.mark.parametrize("prefix", [0, 6])
+def test_routing_one_cluster_equals_dense(causal, fields, prefix):
+    mod = attn_module("routing", causal, position="rotary", n_clusters=1, local_heads=0, **fields)
+    for x_q, x_kv, ctx in contexts(causal=causal, prefix=prefix):
+        with torch.no_grad():
+            out, ref = mod(x_q, x_kv, ctx).out, mod.reference_forward(x_q, x_kv, ctx).out
+        vq = valid_queries(ctx)
+        torch.testing.assert_close(out[vq], ref[vq], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_routing_local_heads_with_a_window_covering_everything_equal_dense(causal):
+    mod = attn_module("routing", causal, n_clusters=1, local_heads=H, local_window=64)
+    for x_q, x_kv, ctx in contexts(causal=causal, prefix=5):
+        with torch.no_grad():
+            out, ref = mod(x_q, x_kv, ctx).out, mod.reference_forward(x_q, x_kv, ctx).out
+        vq = valid_queries(ctx)
+        torch.testing.assert_close(out[vq], ref[vq], atol=1e-5, rtol=0)
+
+
+def test_linformer_is_exact_at_full_rank():
+    x_q, x_kv, ctx = contexts(t=16, causal=False)[0]
+    pool = attn_module("linformer", False, projection="pool", k=16)
+    lin = attn_module("linformer", False, projection="linear", k=16, max_len=16, sharing="kv")
+    with torch.no_grad():
+        lin.e_proj.copy_(torch.eye(16))  # E = F = I
+        for mod in (pool, lin):
+            torch.testing.assert_close(mod(x_q, x_kv, ctx).out, mod.reference_forward(x_q, x_kv, ctx).out,
+                                       atol=1e-5, rtol=0)
+    # key padding: pooling over valid keys only, still exact at k = S
+    valid = torch.ones(2, 16, dtype=torch.bool)
+    valid[1, :3] = False
+    ctx2 = AttnContext(pos_q=ctx.pos_q, pos_k=ctx.pos_k, key_valid=valid, causal=False)
+    with torch.no_grad():
+        torch.testing.assert_close(pool(x_q, x_kv, ctx2).out, pool.reference_forward(x_q, x_kv, ctx2).out,
+                                   atol=1e-5, rtol=0)
+
+
+def test_linformer_sharing_options_and_per_layer_k():
+    def n_params(sharing):
+        bb = Backbone({"d_model": D, "n_layers": 3, "n_heads": H, "causal": False,
+                       "attention": {"kind": "linformer", "k": 8, "max_len": 32, "sharing": sharing}})
+        return bb, sum(p.numel() for p in bb.parameters())
+
+    sizes = {s: n_params(s)[1] for s in ("none", "headwise", "kv", "layerwise")}
+    e = 8 * 32
+    base = sizes["kv"] - 3 * e
+    assert sizes == {"none": base + 3 * 2 * H * e, "headwise": base + 3 * 2 * e, "kv": base + 3 * e, "layerwise": base + e}
+    bb, _ = n_params("layerwise")
+    assert bb.blocks[0].attn.e_proj is bb.blocks[2].attn.e_proj
+    bb = Backbone({"d_model": D, "n_layers": 3, "n_heads": H, "causal": False,
+                   "attention": {"kind": "linformer", "k": [8, 4, 2], "max_len": 32}})
+    assert [b.attn.k for b in bb.blocks] == [8, 4, 2]
+    with pytest.raises(IncompatibleConfig, match="n_layers"):
+        Backbone({"d_model": D, "n_layers": 2, "n_heads": H, "causal": False,
+                  "attention": {"kind": "linformer", "k": [8, 4, 2]}})
+    x = torch.randn(1, 40, D)
+    with pytest.raises(ValueError, match="max_len"):
+        bb(x)
+
+
+# -- convergence ---------------------------------------------------------------------------------
+def _mean_error(kind: str, causal: bool, budgets: list[dict], seeds=(0, 1, 2), smooth: bool = False) -> list[float]:
+    errs = []
+    for fields in budgets:
+        e = 0.0
+        for seed in seeds:
+            seeded = {"seed": seed} if kind in ("performer", "rfa", "lsh") else {}
+            mod = attn_module(kind, causal, torch_seed=seed, **fields, **seeded)
+            g = torch.Generator().manual_seed(100 + seed)
+            x = torch.randn(2, 48, D, generator=g)
+            if smooth:
+                x = (x * 0.3).cumsum(1)
+            pos = torch.arange(48).expand(2, 48)
+            ctx = AttnContext(pos_q=pos, pos_k=pos, causal=causal)
+            with torch.no_grad():
+                e += (mod(x, x, ctx).out - mod.reference_forward(x, x, ctx).out).abs().mean().item() / len(seeds)
+        errs.append(e)
+    return errs
+
+
+def _decreasing(errs: list[float]) -> bool:
+    return all(b < a for a, b in zip(errs, errs[1:]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_performer_error_decreases_with_features(causal):
+    errs = _mean_error("performer", causal, [{"nb_features": m} for m in (16, 64, 256, 1024)], seeds=range(6))
+    assert _decreasing(errs) and errs[-1] < 0.5 * errs[0], errs
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_rfa_error_decreases_with_features(causal):
+    errs = _mean_error("rfa", causal, [{"num_features": d} for d in (16, 64, 256, 1024)], seeds=range(6))
+    assert _decreasing(errs) and errs[-1] < 0.5 * errs[0], errs
+
+
+def test_lsh_error_decreases_with_hash_rounds():
+    errs = _mean_error("lsh", True, [{"n_hashes": r, "n_buckets": 4, "bucket_size": 8} for r in (1, 2, 4, 8)])
+    assert _decreasing(errs) and errs[-1] < 0.5 * errs[0], errs
+
+
+def test_linformer_error_decreases_with_rank():
+    errs = _mean_error("linformer", False, [{"projection": "pool", "k": k} for k in (6, 12, 24, 48)], smooth=True)
+    assert _decreasing(errs) and errs[-1] < 1e-5, errs
+
+
+# -- contract properties (beyond the shared contract suite: more lengths, all our modes) ----------
+MODES = [(k, c) for k in KINDS for c in (True, False) if not (k == "linformer" and c)]
+
+
+@pytest.mark.parametrize(("kind", "causal"), [m for m in MODES if m[1]])
+def test_causal_jacobian_to_the_future_is_zero(kind, causal):
+    bb = backbone(kind, True, n_layers=1).eval()
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, :3] = False
+    x = torch.randn(2, 10, D, generator=torch.Generator().manual_seed(1))
+    assert_causal(lambda z: bb(z, mask=mask).hidden * mask[..., None], x)
+
+
+@pytest.mark.parametrize(("kind", "causal"), MODES)
+def test_padding_invariance_and_fully_masked_rows(kind, causal):
+    bb = backbone(kind, causal).eval()
+    x = torch.randn(2, 17, D, generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 17, dtype=torch.bool)
+    mask[0, :5] = False
+    mask[1, 13:] = False
+    assert_padding_invariant(lambda z, m: bb(z, mask=m).hidden, x, mask)
+    bb.train()
+    mask[1] = False  # every key of row 1 masked
+    xg = x.clone().requires_grad_(True)
+    out = bb(xg, mask=mask).hidden
+    assert torch.isfinite(out).all()
+    out.sum().backward()
+    assert torch.isfinite(xg.grad).all()
+    assert_finite_grads(bb, allow_none=("*",))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = bb(x, mask=mask).hidden
+    assert torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("kind", ["rfa", "performer"])
+def test_linear_normalisers_accumulate_in_float32_under_bf16(kind):
+    mod = attn_module(kind, True)
+    x = torch.randn(1, 300, D)
+    pos = torch.arange(300)[None]
+    ctx = AttnContext(pos_q=pos, pos_k=pos, causal=True)
+    with torch.no_grad():
+        ref = mod(x, x, ctx).out
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = mod(x, x, ctx).out
+    # only the bf16 projections differ: a bf16 running sum over 300 keys would be far worse
+    assert (out.float() - ref).abs().max() < 0.05
+
+
+# -- linear attention engine and incremental decoding ---------------------------------------------
+def _naive(fq, fk, v, log_decay, reset, state0, strict):
+    b, h, n, m = fq.shape
+    st = torch.zeros(b, h, m, v.shape[-1]) if state0 is None else state0.clone()
+    outs = []
+    for t in range(n):  # the recurrence token by token (test oracle only)
+        a = torch.ones(b, h) if log_decay is None else log_decay[:, :, t].exp()
+        if reset is not None:
+            a = a * (~reset[:, t]).float()[:, None]
+        st = a[..., None, None] * st
+        if strict:
+            outs.append(torch.einsum("bhm,bhme->bhe", fq[:, :, t], st))
+        st = st + fk[:, :, t, :, None] * v[:, :, t, None, :]
+        if not strict:
+            outs.append(torch.einsum("bhm,bhme->bhe", fq[:, :, t], st))
+    return torch.stack(outs, 2), st
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 64])
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("parts", ["plain", "decay", "reset", "all"])
+def test_chunked_scan_equals_the_token_recurrence(chunk, strict, parts):
+    g = torch.Generator().manual_seed(0)
+    b, h, n, m, e = 2, 3, 29, 5, 4
+    fq, fk = torch.rand(b, h, n, m, generator=g), torch.rand(b, h, n, m, generator=g)
+    v = torch.randn(b, h, n, e, generator=g)
+    log_decay = F.logsigmoid(torch.randn(b, h, n, generator=g) * 2) if parts in ("decay", "all") else None
+    reset = (torch.rand(b, n, generator=g) < 0.15) if parts in ("reset", "all") else None
+    state0 = torch.randn(b, h, m, e, generator=g) if parts == "all" else None
+    out, final = causal_linear(fq, fk, v, log_decay=log_decay, reset=reset, state0=state0, chunk=chunk, strict=strict)
+    want, want_final = _naive(fq, fk, v, log_decay, reset, state0, strict)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, want_final, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("att", [{"kind": "performer"}, {"kind": "rfa"}, {"kind": "rfa", "gate": True}])
+@pytest.mark.parametrize("position", ["rotary", "learned"])
+def test_incremental_decoding_carries_the_state_and_equals_the_full_pass(att, position):
+    torch.manual_seed(0)
+    bb = Backbone({"d_model": D, "n_layers": 2, "n_heads": H, "dropout": 0.0, "attn_dropout": 0.0,
+                   "position": {"kind": position}, "attention": {**att, "chunk_size": 4}}).eval()
+    x = torch.randn(3, 11, D)
+    full = bb(x).hidden
+    st = bb.initial_state(3)
+    size0 = st.layers[0].cache.state.shape
+    outs = []
+    for lo, hi in ((0, 1), (1, 2), (2, 6), (6, 7), (7, 11)):
+        o = bb(x[:, lo:hi], state=st)
+        st = o.state
+        outs.append(o.hidden)
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=0)
+    assert st.layers[0].cache.state.shape == size0  # (S, z) does not grow with decoded tokens
+    assert st.layers[0].cache.state.dtype == torch.float32
+    reset = bb.reset_state(st, torch.tensor([False, True, False]))
+    o = bb(x[:, :4], state=reset)
+    torch.testing.assert_close(o.hidden[1], bb(x[1:2, :4]).hidden[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["lsh", "routing", "rfa", "performer"])
+def test_memory_kinds_train_with_xl_memory(kind):
+    bb = backbone(kind, True, memory={"kind": "xl", "mem_len": 8}).train()
+    x = torch.randn(2, 10, D)
+    st = bb.initial_state(2)
+    for _ in range(2):
+        out = bb(x, state=st)
+        st = out.state.detach()
+    out.hidden.square().mean().backward()
+    assert_finite_grads(bb)
+
+
+def test_rfa_and_performer_segments_with_xl_memory_equal_one_pass():
+    for kind in ("rfa", "performer"):
+        bb = backbone(kind, True, memory={"kind": "xl", "mem_len": 16}).eval()
+        x = torch.randn(2, 16, D)
+        o1 = bb(x[:, :7], state=bb.initial_state(2))
+        o2 = bb(x[:, 7:], state=o1.state)
+        torch.testing.assert_close(torch.cat([o1.hidden, o2.hidden], 1), bb(x).hidden, atol=1e-5, rtol=0)
+
+
+# -- state is explicit: random features, routing centroids -------------------------------------------
+@pytest.mark.parametrize("kind", ["performer", "rfa", "lsh"])
+def test_random_features_change_only_by_explicit_redraw(kind):
+    bb = backbone(kind, True).train()
+    buf = {k: v.clone() for k, v in bb.state_dict().items() if k.endswith(("omega", "eps_dirs", "rotations"))}
+    assert buf
+    x = torch.randn(2, 9, D)
+    a = bb.eval()(x).hidden
+    bb.train()(x).hidden.sum().backward()
+    for k, v in bb.state_dict().items():
+        if k in buf:
+            assert torch.equal(v, buf[k]), f"{k} changed in forward"
+    torch.testing.assert_close(bb.eval()(x).hidden, a, atol=0, rtol=0)
+    assert maybe_redraw_random_features(bb, 5) == 0  # redraw_every = 0: never on a schedule
+    assert redraw_random_features(bb, torch.Generator().manual_seed(9)) == 2
+    assert any(not torch.equal(bb.state_dict()[k], v) for k, v in buf.items())
+    assert (bb(x).hidden - a).abs().max() > 1e-6
+    sched = backbone(kind, True, attention={"kind": kind, **SMALL[kind], "redraw_every": 3})
+    assert [maybe_redraw_random_features(sched, s) for s in range(7)] == [0, 0, 0, 2, 0, 0, 2]
+
+
+def test_routing_centroids_update_only_in_training_forwards_with_autograd():
+    bb = backbone("routing", True, attention={"kind": "routing", **SMALL["routing"], "ema_decay": 0.5})
+    mu = bb.blocks[0].attn.centroids.clone()
+    x = torch.randn(2, 12, D)
+    out = bb.eval()(x)
+    assert torch.equal(bb.blocks[0].attn.centroids, mu)  # rollouts never change the module
+    assert {"layer0/routing_commitment", "layer0/routing_cluster_entropy", "layer0/routing_coverage"} <= set(out.metrics)
+    with torch.no_grad():
+        bb.train()(x)
+    assert torch.equal(bb.blocks[0].attn.centroids, mu)
+    bb.train()(x).hidden.sum().backward()
+    new = bb.blocks[0].attn.centroids
+    assert not torch.equal(new, mu)
+    torch.testing.assert_close(new.norm(dim=-1), torch.ones(new.shape[:-1]), atol=1e-5, rtol=0)
+
+
+def test_routing_commitment_loss_is_in_aux_only_when_weighted():
+    x = torch.randn(2, 12, D)
+    assert not backbone("routing", True)(x).aux
+    bb = backbone("routing", True, attention={"kind": "routing", **SMALL["routing"], "commitment_weight": 0.1})
+    aux = bb(x).aux
+    assert set(aux) == {"routing_commitment"} and aux["routing_commitment"].dim() == 0
+
+
+def test_single_episode_kinds_refuse_several_episodes_in_a_row():
+    for kind in ("linformer", "sinkhorn"):
+        bb = backbone(kind, kind != "linformer")
+        starts = torch.zeros(2, 12, dtype=torch.bool)
+        starts[0, 6] = True
+        with pytest.raises(ValueError, match="episode"):
+            bb(torch.randn(2, 12, D), episode_start=starts)
+
+
+# -- inside the agents' backbones ----------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_dt_like_backbone_trains_at_t60(kind):
+    """DT: T = 60 tokens (K = 20 steps x 3), causal (Linformer: last-action mode, bidirectional)."""
+    bb = Backbone({"d_model": 32, "n_layers": 2, "n_heads": 2, "causal": kind != "linformer",
+                   "position": {"kind": "none"}, "attention": {"kind": kind}}).train()
+    x = torch.randn(4, 60, 32)
+    mask = torch.ones(4, 60, dtype=torch.bool)
+    mask[0, :21] = False  # a window at an episode start: left padding
+    out = bb(x, mask=mask)
+    (out.hidden[mask].square().mean() + sum(out.aux.values(), torch.zeros(()))).backward()
+    assert torch.isfinite(out.hidden).all()
+    assert_finite_grads(bb)
+
+
+@pytest.mark.parametrize("kind", ["lsh", "routing", "rfa", "performer"])
+def test_gtrxl_like_backbone_with_gated_blocks_and_memory(kind):
+    bb = Backbone({"d_model": 32, "n_layers": 1, "n_heads": 2, "block": {"kind": "gated"},
+                   "memory": {"kind": "xl", "mem_len": 20}, "attention": {"kind": kind}}).train()
+    x = torch.randn(3, 60, 32)
+    st = bb.initial_state(3)
+    out = bb(x, state=st, episode_start=torch.zeros(3, 60, dtype=torch.bool))
+    out = bb(x, state=out.state.detach())
+    out.hidden.square().mean().backward()
+    assert torch.isfinite(out.hidden).all()
+
+
+# -- complexity ------------------------------------------------------------------------------------
+def test_no_kernel_materialises_l_by_l_at_16384():
+    """L = 16384 would need 2^28 scores per head (1 GiB in float32): every kind stays far below."""
+    n = 16384
+    fields = {"linformer": {"max_len": n}, "sinkhorn": {"max_len": n, "block_size": 128}, "routing": {"n_clusters": 128}}
+    for kind in KINDS:
+        causal = kind != "linformer"
+        mod = attn_module(kind, causal, **fields.get(kind, {}))
+        x = torch.randn(1, n, D)
+        pos = torch.arange(n)[None]
+        valid = torch.ones(1, n, dtype=torch.bool)
+        valid[0, :7] = False
+        ctx = AttnContext(pos_q=pos, pos_k=pos, key_valid=valid, causal=causal)
+        with torch.no_grad():
+            peak, op = peak_numel(lambda m=mod, c=ctx: m(x, x, c))
+        assert peak <= n * n // 16, f"{kind}: largest tensor {peak} elements ({op}) at L={n}"
