@@ -17,7 +17,12 @@ from rl_tformers.attention._linear import causal_linear, maybe_redraw_random_fea
 from rl_tformers.config import BackboneConfig, BuildContext, IncompatibleConfig
 from rl_tformers.registry import ATTENTION
 from rl_tformers.types import AttnContext
-from tests.contracts.contract_checks import assert_causal, assert_finite_grads, assert_padding_invariant, peak_numel
+from tests.contracts.contract_checks import (
+    assert_causal,
+    assert_finite_grads,
+    assert_padding_invariant,
+    peak_numel,
+)
 
 KINDS = ("lsh", "routing", "linformer", "rfa", "performer", "sinkhorn")
 D, H = 16, 2
@@ -463,5 +468,5 @@ def test_no_kernel_materialises_l_by_l_at_16384():
         valid[0, :7] = False
         ctx = AttnContext(pos_q=pos, pos_k=pos, key_valid=valid, causal=causal)
         with torch.no_grad():
-            peak, op = peak_numel(lambda m=mod, c=ctx: m(x, x, c))
+            peak, op = peak_numel(lambda m=mod, c=ctx, z=x: m(z, z, c))
         assert peak <= n * n // 16, f"{kind}: largest tensor {peak} elements ({op}) at L={n}"
