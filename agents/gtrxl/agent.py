@@ -42,6 +42,7 @@ from rl_tformers.agents.common.offline import DatasetInfo, eval_seed, load_offli
 from rl_tformers.agents.gtrxl.loss import SegmentBatch, bc_loss, iql_loss, polyak_update
 from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone
 from rl_tformers.envs.dataset import EpisodeDataset
+from rl_tformers.envs.trajectory import next_return_to_go
 from torch import Tensor
 
 from rl_tformers.runtime.agents import register_agent
@@ -142,14 +143,15 @@ class GTrXLState:
     Attributes:
         memory: the backbone's :class:`BackboneState` (per layer (N, M, D) plus bookkeeping).
         prev_action: (N, A) float in [-1, 1] or (N,) long: the last action taken.
-        rtg: (N,) float64, remaining return in raw reward units (return-conditioned agents).
+        rtg: (N,) numpy float64, remaining return in raw reward units (return-conditioned agents;
+            kept on the host in float64, which not every device supports).
         t: (N,) long, step index of the next observation within its episode.
         target: target return in raw units (``None`` for unconditioned agents).
     """
 
     memory: BackboneState
     prev_action: Tensor
-    rtg: Tensor
+    rtg: np.ndarray
     t: Tensor
     target: float | None
 
@@ -205,7 +207,7 @@ class GTrXLPolicy:
         return GTrXLState(
             memory=enc.initial_state(n_envs, self.device),
             prev_action=torch.zeros(a_shape, dtype=torch.long if self.discrete else torch.float32, device=self.device),
-            rtg=torch.full((n_envs,), float(target_return or 0.0), dtype=torch.float64, device=self.device),
+            rtg=np.full(n_envs, float(target_return or 0.0), dtype=np.float64),
             t=torch.zeros(n_envs, dtype=torch.long, device=self.device),
             target=target_return,
         )
@@ -231,23 +233,24 @@ class GTrXLPolicy:
         """
         dev = self.device
         n = state.t.shape[0]
-        start = torch.as_tensor(np.asarray(episode_start, dtype=bool).reshape(n), device=dev)
-        r = torch.zeros(n, dtype=torch.float64, device=dev) if last_reward is None else (
-            torch.as_tensor(np.asarray(last_reward, np.float64).reshape(n), device=dev))
-        r = torch.where(start, torch.zeros_like(r), r)
+        start_np = np.asarray(episode_start, dtype=bool).reshape(n)
+        r_np = np.zeros(n) if last_reward is None else np.asarray(last_reward, np.float64).reshape(n)
+        r_np = np.where(start_np, 0.0, r_np)
+        # R_t = R_{t-1} - r_{t-1}: the data layer's evaluation-time inverse of returns_to_go
+        rtg = np.where(start_np, float(state.target or 0.0), next_return_to_go(state.rtg, r_np))
+        start = torch.as_tensor(start_np, device=dev)
+        r = torch.as_tensor(r_np, dtype=torch.float32, device=dev)
         enc = self.model.encoder
         memory = enc.reset_state(state.memory, start)
-        target = float(state.target or 0.0)
-        rtg = torch.where(start, torch.full_like(state.rtg, target), state.rtg - r)  # R_t = R_{t-1} - r_{t-1}
         t = torch.where(start, torch.zeros_like(state.t), state.t)
         keep = (~start).view(-1, *([1] * (state.prev_action.dim() - 1)))
         prev_a = state.prev_action * keep.to(state.prev_action.dtype)
         o = (torch.as_tensor(np.asarray(obs, np.float32), device=dev).reshape(n, -1) - self.obs_mean) / self.obs_std
         x = enc.inputs(
             o[:, None],  # (N, 1, O)
-            (rtg / self.rtg_scale).float()[:, None],  # (N, 1)
+            torch.as_tensor(rtg / self.rtg_scale, dtype=torch.float32, device=dev)[:, None],  # (N, 1)
             prev_a[:, None],  # (N, 1, A) or (N, 1)
-            (r * self.reward_mult).float()[:, None],  # (N, 1)
+            (r * self.reward_mult)[:, None],  # (N, 1)
         )
         out = enc(x, t[:, None], state=memory)
         h = out.features[:, 0]  # (N, D)

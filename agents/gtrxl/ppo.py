@@ -453,9 +453,11 @@ class GTrXLPPO:
 
         from rl_tformers.runtime.seeding import derive_seed
 
+        was_training = self.model.training
         report = evaluate(self.policy(), self.make_env(), [None], episodes=int(self.cfg.eval.episodes),
                           n_envs=int(self.cfg.eval.n_envs), seed=derive_seed(self.seed, "eval", step) % (2**31),
                           env_id=self.env_id)
+        self.model.train(was_training)
         r = report.results[0]
         return {"return_mean": r.return_mean, "return_std": r.return_std}
 
