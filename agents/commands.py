@@ -57,6 +57,13 @@ def _load(run_dir: Path, device: str, checkpoint: Path | None):
         raise _fail(str(exc)) from None
 
 
+def _threads(n: int | None) -> None:
+    if n is not None:
+        import torch
+
+        torch.set_num_threads(n)
+
+
 def _policy(run, timestep_overflow: str | None):
     if timestep_overflow is None:
         return run.agent.policy()
@@ -88,6 +95,7 @@ def eval_cmd(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="A specific checkpoint file (default: newest valid)."),
     timestep_overflow: str = typer.Option(None, "--timestep-overflow",
                                           help="DT: error | clamp for episode steps >= agent.max_ep_len."),
+    threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's choice)."),
 ) -> None:
     from rl_tformers.agents.common.evaluation import evaluate, parse_targets
     from rl_tformers.agents.common.plots import summary_lines
@@ -96,6 +104,7 @@ def eval_cmd(
         tlist = parse_targets(targets)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--targets") from None
+    _threads(threads)
     run = _load(run_dir, device, checkpoint)
     conditioned = run.agent.default_targets() != [None]
     if tlist is None:
@@ -134,6 +143,7 @@ def plot_cmd(
     tensorboard: bool = typer.Option(True, "--tensorboard/--no-tensorboard", help="Also log the figure to RUN_DIR."),
     device: str = typer.Option("cpu", "--device", help="auto | cpu | cuda | cuda:N | mps."),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="A specific checkpoint file (default: newest valid)."),
+    threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's choice)."),
 ) -> None:
     from rl_tformers.agents.common.evaluation import TargetResult, evaluate, parse_targets
     from rl_tformers.agents.common.plots import (
@@ -144,6 +154,7 @@ def plot_cmd(
         summary_lines,
     )
 
+    _threads(threads)
     run = _load(run_dir, device, checkpoint)
     dmax, dmean = run.dataset_return_max, run.dataset_return_mean
     if from_json is not None:

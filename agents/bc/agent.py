@@ -37,7 +37,7 @@ BC_DEFAULTS: dict[str, Any] = {
         "top_fraction": 1.0,  # train on the best episodes by return only (0.1 = %BC); 1.0 = BC
         "normalize_obs": True,  # standardise observations with the (filtered) dataset's mean/std
         "env_id": None,  # evaluation env; null = the dataset's
-        "env_kwargs": {},
+        "env_kwargs": None,  # gym.make keyword arguments of the evaluation env (a mapping)
     },
     "train": {
         "batch_size": 64, "lr": 1.0e-4, "weight_decay": 1.0e-4, "grad_clip": 0.25,

@@ -62,7 +62,7 @@ DT_DEFAULTS: dict[str, Any] = {
         "targets": None,  # evaluation target returns, raw units; null = [dataset best]
         "timestep_overflow": "error",  # error | clamp: episode steps >= max_ep_len at evaluation
         "env_id": None,  # evaluation env; null = the dataset's
-        "env_kwargs": {},  # gym.make keyword arguments of the evaluation env
+        "env_kwargs": None,  # gym.make keyword arguments of the evaluation env (a mapping)
         "eval_figure": True,  # log the return-conditioning figure at each evaluation
     },
     "backbone": {

@@ -18,6 +18,15 @@ K, LEN = 4, 11
 SCALE = 8.0
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small per-step forward passes: one intra-op thread is as fast on an idle machine and far
+    faster on a busy one (no waiting for a descheduled OpenMP worker)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 class RewardSeqEnv(gym.Env):
     """Episodes of ``length`` steps; reward at step t is (t % 3) + 1 whatever the action (integers)."""
 
