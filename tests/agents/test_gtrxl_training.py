@@ -289,3 +289,19 @@ def test_scripted_datasets_are_deterministic_and_named():
     assert gym.make(a.metadata.env_id).unwrapped.delay == 4
     c = scripted_dataset("cartpole", 2, epsilon=0.0)
     assert c.observation_shape == (2,) and c.episode_returns.tolist() == [500.0, 500.0]
+
+
+def test_rcbc_evaluation_feeds_the_training_time_return_to_go():
+    from rl_tformers.envs.trajectory import returns_to_go
+
+    agent = GTrXLAgent(_agent_cfg(objective="rcbc"), None, torch.device("cpu"))
+    ep = agent.dataset.episode(3)
+    policy = agent.policy()
+    ret = float(ep.rewards.sum())
+    state = policy.initial_state(1, target_return=ret)
+    seen = []
+    for t in range(len(ep.rewards)):
+        _, state = policy.act(ep.observations[t][None], state, np.array([t == 0]),
+                              None if t == 0 else ep.rewards[t - 1][None])
+        seen.append(state.rtg[0])
+    assert np.array_equal(np.asarray(seen), returns_to_go(ep.rewards))
