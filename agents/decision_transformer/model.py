@@ -203,7 +203,7 @@ class DecisionTransformer(nn.Module):
             ValueError: a real timestep outside ``[0, max_ep_len)`` (names ``agent.max_ep_len``).
         """
         t = torch.where(mask, timesteps.long(), torch.zeros_like(timesteps, dtype=torch.long))
-        hi, lo = int(t.max()), int(t.min())
+        hi, lo = torch.stack((t.max(), t.min())).tolist()  # one device sync
         if hi >= self.cfg.max_ep_len or lo < 0:
             raise ValueError(
                 f"Decision Transformer: timestep {hi if hi >= self.cfg.max_ep_len else lo} is outside "

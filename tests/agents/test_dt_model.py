@@ -183,3 +183,25 @@ def test_every_parameter_gets_a_gradient():
     loss.backward()
     missing = [n for n, p in m.named_parameters() if p.grad is None]
     assert missing == []
+
+
+def _kinds(causal: bool) -> list[str]:
+    from rl_tformers.registry import all_entries
+
+    return [e.kind for e in all_entries() if e.slot == "attention" and e.capabilities.causal == causal]
+
+
+@pytest.mark.parametrize("kind", _kinds(causal=False))
+def test_kernels_without_causal_form_train_in_last_action_mode(kind):
+    """Every registered kind without a causal form is refused in causal mode and trains in last_action mode."""
+    from rl_tformers.backbone import IncompatibleConfig
+
+    with pytest.raises(IncompatibleConfig, match="agent.mode=last_action"):
+        _model(backbone={"attention": {"kind": kind}})
+    m = _model(mode="last_action", backbone={"attention": {"kind": kind}, "causal": False}).train()
+    batch = _batch()
+    batch["mask"][:, :2] = False  # align="end" windows: padding on the left
+    loss, _ = dt_loss(m, batch)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters() if p.requires_grad)

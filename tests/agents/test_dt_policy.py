@@ -184,3 +184,17 @@ def test_act_before_episode_start_is_a_clear_error():
     st = pol.initial_state(1, 1.0)
     with pytest.raises(ValueError, match="never started"):
         pol.act(np.zeros((1, 3), np.float32), st, np.array([False]))
+
+
+def test_discrete_actions_cartpole_one_batched_step_per_env_step():
+    bb = {"d_model": 16, "n_layers": 1, "n_heads": 1, "dropout": 0.0, "attn_dropout": 0.0}
+    model = DecisionTransformer(DTConfig(obs_dim=4, act_dim=2, discrete=True, context_len=K, max_ep_len=500,
+                                         embed_dropout=0.0, backbone=bb)).eval()
+    pol = DTPolicy(model, np.zeros(4, np.float32), np.ones(4, np.float32), 100.0)
+    st = pol.initial_state(3, 200.0)
+    assert st.actions.dtype == torch.long and st.actions.shape == (3, K)
+    rep = evaluate(pol, lambda: gym.make("CartPole-v1"), [200.0], episodes=3, n_envs=3, seed=0)
+    res = rep.results[0]
+    assert res.lengths == [int(x) for x in res.returns]  # CartPole: reward 1 per step
+    a, st = pol.act(np.zeros((3, 4), np.float32), st, np.ones(3, bool))
+    assert a.dtype == np.int64 and set(a.tolist()) <= {0, 1}
