@@ -402,14 +402,19 @@ def load_dataset(
     root: str | os.PathLike | None = None,
     max_ep_len: int | None = None,
     validate: bool = True,
+    env_id: str | None = None,
+    action_space: gym.Space | None = None,
 ) -> EpisodeDataset:
     """Load a Minari id, a Minari dataset folder or a D4RL .hdf5 file (chosen by what ``spec`` is).
 
-    ``lazy`` applies to HDF5 files (Minari data is read into memory). See :func:`load_minari`
-    and :func:`load_d4rl_hdf5` for the other arguments and the errors raised.
+    ``lazy``, ``env_id`` and ``action_space`` apply to HDF5 files (Minari data is read into
+    memory and carries its own spaces); an explicit ``action_space`` replaces the one the
+    bounds check would use. See :func:`load_minari` and :func:`load_d4rl_hdf5` for the other
+    arguments and the errors raised.
     """
     p = Path(spec).expanduser()
     if p.suffix.lower() in HDF5_SUFFIXES or p.is_file():
-        return load_d4rl_hdf5(p, lazy=lazy, max_ep_len=max_ep_len, validate=validate)
+        return load_d4rl_hdf5(p, lazy=lazy, max_ep_len=max_ep_len, validate=validate, env_id=env_id,
+                              action_space=action_space)
     return load_minari(spec, download=download, flatten_observations=flatten_observations, root=root,
                        max_ep_len=max_ep_len, validate=validate)
