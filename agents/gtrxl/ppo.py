@@ -16,6 +16,9 @@ whole rollout segments with the new weights) would change the attention pattern 
 would not start at 1; we do not do it. Cost per sample: O(M) keys per layer; storage
 S x N x layers x M x D floats per rollout.
 
+Memory kind: ``xl`` only (a fixed-size FIFO, so the stored per-step memories stack); the
+offline agent takes any stateful kind.
+
 Rows whose episode ended are reset before the next step (the backbone state of only those rows
 is cleared). Time-limit truncations are bootstrapped with V(final observation), computed with
 the memory of the finished episode; terminations are not.
@@ -227,6 +230,12 @@ class GTrXLPPO:
         backbone = _plain(cfg.backbone)
         inputs = {"prev_action_input": bool(a.prev_action), "prev_reward_input": bool(a.prev_reward),
                   "head_hidden": int(a.head_hidden)}
+        mem_kind = dict(backbone.get("memory") or {}).get("kind", "none")
+        if extra is None and not a.init_checkpoint and mem_kind != "xl":
+            raise ValueError(
+                f"gtrxl_ppo: backbone.memory.kind={mem_kind!r}; PPO stores the memory of every rollout step and "
+                f"needs the fixed-size 'xl' memory (offline agent.kind=gtrxl takes any stateful memory kind)"
+            )
         init_state = None
         if extra is not None:  # inference from a checkpoint: its own model config
             self.model_cfg = GTrXLConfig(**extra["model"])

@@ -305,3 +305,28 @@ def test_rcbc_evaluation_feeds_the_training_time_return_to_go():
                               None if t == 0 else ep.rewards[t - 1][None])
         seen.append(state.rtg[0])
     assert np.array_equal(np.asarray(seen), returns_to_go(ep.rewards))
+
+
+@pytest.mark.parametrize("memory", ["xl", "compressive", "knn"])
+def test_offline_loss_and_acting_work_with_every_stateful_memory_kind(memory):
+    from rl_tformers.agents.gtrxl.agent import GTrXLPolicy
+
+    torch.manual_seed(6)
+    bb = gtrxl_backbone(d_model=32, n_layers=2, n_heads=2, mem_len=4)
+    bb["memory"] = {"kind": memory}
+    model = GTrXLModel(GTrXLConfig(obs_dim=3, act_dim=2, backbone=bb))
+    loss, _ = bc_loss(model, _random_batch())
+    loss.backward()
+    assert torch.isfinite(loss) and model.encoder.embed.weight.grad.abs().sum() > 0
+    pol = GTrXLPolicy(model, obs_mean=np.zeros(3), obs_std=np.ones(3), action_low=-np.ones(2), action_high=np.ones(2))
+    state = pol.initial_state(2)
+    for t in range(9):
+        actions, state = pol.act(np.full((2, 3), t, np.float32), state, np.array([t == 0, t in (0, 5)]))
+        assert np.isfinite(actions).all()
+
+
+def test_ppo_refuses_memory_kinds_it_cannot_store_per_step():
+    cfg = OmegaConf.create({"seed": 0, **PPO_DEFAULTS})
+    cfg.backbone.memory = {"kind": "compressive"}
+    with pytest.raises(ValueError, match=r"backbone\.memory\.kind='compressive'"):
+        GTrXLPPO(cfg, None, torch.device("cpu"))
