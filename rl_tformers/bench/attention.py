@@ -351,17 +351,23 @@ def plot(res: Result, path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     keys = dict.fromkeys((r["kind"], r["mode"]) for r in res.rows)
-    for kind, mode in keys:
+    colors = plt.get_cmap("tab20").colors
+    markers = "osD^v<>ph*"
+    for i, (kind, mode) in enumerate(keys):
         rs = sorted((r for r in res.rows if r["kind"] == kind and r["mode"] == mode and r["status"] == "ok"),
                     key=lambda r: r["length"])
         if not rs:
             continue
         label = kind if mode == ("causal" if res.settings.causal else "bidirectional") else f"{kind} ({mode})"
-        style = {"linewidth": 2.5, "color": "black"} if kind == BASELINE else {"linewidth": 1.2}
-        axes[0].plot([r["length"] for r in rs], [r["seconds"] for r in rs], marker="o", label=label, **style)
+        style = (
+            {"linewidth": 2.5, "color": "black", "marker": "o"}
+            if kind == BASELINE
+            else {"linewidth": 1.2, "color": colors[i % len(colors)], "marker": markers[i % len(markers)]}
+        )
+        axes[0].plot([r["length"] for r in rs], [r["seconds"] for r in rs], label=label, **style)
         mem = [(r["length"], r["peak_mib"]) for r in rs if r["peak_mib"] is not None]
         if mem:
-            axes[1].plot(*zip(*mem), marker="o", label=label, **style)
+            axes[1].plot(*zip(*mem), label=label, **style)
     for ax, title, unit in ((axes[0], "forward+backward time", "seconds"), (axes[1], "peak memory", "MiB")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -376,6 +382,15 @@ def plot(res: Result, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def replot(json_path: str, path: str) -> None:
+    """Redraw the plot of a saved ``--out`` JSON file."""
+    with open(json_path) as fh:
+        data = json.load(fh)
+    st = data["settings"]
+    st["lengths"] = tuple(st["lengths"])
+    plot(Result(settings=Settings(**st), rows=data["rows"]), path)
 
 
 def parse_list(text: str | None, cast=str) -> list:
