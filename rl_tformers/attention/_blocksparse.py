@@ -161,7 +161,8 @@ def band_piece(q0: int, s: int, lo: int, hi: int, dilation: int, bq: int, device
     contiguous m-range ``[m_start - hi, m_start + bq - lo)``: K = bq + hi - lo gathered keys
     per block, O(S (bq + hi - lo)) in total, no (T, S) tensor.
 
-    Returns a piece with N = d * n_blocks groups: q_idx (N, bq), k_idx (N, K), keep (N, bq, K).
+    Returns a piece with N = d * n_blocks groups: q_idx (N, bq), k_idx (N, K) and the band
+    keep (1, bq, K) (a - j depends only on the slot offsets, not on the group).
     """
     d = dilation
     m_first, m_last = q0 // d, (s - 1) // d  # m-range of the queries (any residue)
@@ -170,13 +171,13 @@ def band_piece(q0: int, s: int, lo: int, hi: int, dilation: int, bq: int, device
     q_idx = r + d * (starts[None, :, None] + torch.arange(bq, device=device))  # (d, nb, bq)
     k_off = torch.arange(-hi, bq - lo, device=device)  # (K,) m-offsets of the gathered keys
     k_idx = r + d * (starts[None, :, None] + k_off)  # (d, nb, K)
-    diff = q_idx[..., :, None] - k_idx[..., None, :]  # (d, nb, bq, K), multiples of d
-    keep = (diff >= lo * d) & (diff <= hi * d)
+    steps = torch.arange(bq, device=device)[:, None] - k_off[None, :]  # (bq, K): (a - j) / d, the same in every block
+    keep = (steps >= lo) & (steps <= hi)
     n = q_idx.shape[0] * q_idx.shape[1]
     return Piece(
         q_idx=q_idx.reshape(n, bq),  # (d * nb, bq)
         k_idx=k_idx.reshape(n, -1),  # (d * nb, K)
-        keep=keep.reshape(n, bq, -1),  # (d * nb, bq, K)
+        keep=keep[None],  # (1, bq, K), broadcast over the groups
     )
 
 

@@ -165,6 +165,11 @@ class BigBirdConfig(AttentionConfig):
             raise ValueError(f"attention.window_blocks must be a positive odd number, got {self.window_blocks}")
 
     @classmethod
+    def bench_config(cls, length: int) -> dict:
+        """Benchmark values: the paper's blocks of 64, 3 window and 3 random blocks, one global token."""
+        return {"block": 64, "window_blocks": 3, "random_blocks": 3, "global_tokens": (0,)}
+
+    @classmethod
     def contract_config(cls, seq_len: int) -> dict:
         """Test values: blocks of 2 with one random block (sparse at the suite's 12 tokens)."""
         return {"block": 2 if seq_len < 64 else 16, "random_blocks": 1}

@@ -134,6 +134,12 @@ class BlockwiseConfig(AttentionConfig):
             )
 
     @classmethod
+    def bench_config(cls, length: int) -> dict:
+        """Benchmark values: blocks of 128 keys (n = L / 128; with the paper's n = 2 the cost
+        stays quadratic, L^2 / 2)."""
+        return {"n_blocks": 2, "block": 128}
+
+    @classmethod
     def contract_config(cls, seq_len: int) -> dict:
         """Test values: 3 blocks at the suite's short length, blocks of 64 at long ones (O(L b))."""
         return {"n_blocks": 3} if seq_len < 256 else {"n_blocks": 2, "block": 64}

@@ -156,6 +156,11 @@ class ETCConfig(AttentionConfig):
             )
 
     @classmethod
+    def bench_config(cls, length: int) -> dict:
+        """Benchmark values: radius 64 (129 long keys) and one global token."""
+        return {"radius": 64, "global_tokens": (0,)}
+
+    @classmethod
     def contract_config(cls, seq_len: int) -> dict:
         """Test values: radius 2 and the first token global."""
         return {"radius": 2 if seq_len < 256 else 32, "global_tokens": (0,)}

@@ -99,6 +99,11 @@ class LocalConfig(AttentionConfig):
             raise ValueError(f"attention.block must be >= 1 and attention.memory >= 0, got {self.block}, {self.memory}")
 
     @classmethod
+    def bench_config(cls, length: int) -> dict:
+        """Benchmark values: query blocks of 64 with a 64-key flange (128 keys per query)."""
+        return {"block": 64, "memory": 64}
+
+    @classmethod
     def contract_config(cls, seq_len: int) -> dict:
         """Test values: several blocks at the suite's length."""
         return {"block": 4, "memory": 3} if seq_len < 256 else {"block": 64, "memory": 64}
@@ -193,6 +198,11 @@ class Local2DConfig(AttentionConfig):
             raise ValueError(f"attention.query_shape must be two positive ints, got {self.query_shape}")
         if len(self.flange) != 2 or min(self.flange) < 0:
             raise ValueError(f"attention.flange must be two ints >= 0, got {self.flange}")
+
+    @classmethod
+    def bench_config(cls, length: int) -> dict:
+        """Benchmark values: a ~sqrt(L)-wide grid (an image), 8 x 8 query blocks, flange 4 x 8."""
+        return {"width": max(8, 2 ** round(math.log2(max(length, 1)) / 2)), "query_shape": (8, 8), "flange": (4, 8)}
 
     @classmethod
     def contract_config(cls, seq_len: int) -> dict:

@@ -177,6 +177,11 @@ class _WindowFields(AttentionConfig):
 @dataclass(frozen=True)
 class SlidingWindowConfig(_WindowFields):
     @classmethod
+    def bench_config(cls, length: int) -> dict:
+        """Benchmark values: a window of 128 keys."""
+        return {"window": 128}
+
+    @classmethod
     def contract_config(cls, seq_len: int) -> dict:
         """Test values: windows per layer, one dilated head (the suite's backbones have 2 layers)."""
         if seq_len < 256:
@@ -203,6 +208,11 @@ class LongformerConfig(_WindowFields):
     last-action mode predicts, global). Indices beyond a short segment are ignored."""
 
     global_tokens: tuple[int, ...] = (0,)
+
+    @classmethod
+    def bench_config(cls, length: int) -> dict:
+        """Benchmark values: a window of 128 keys and one global token."""
+        return {"window": 128, "global_tokens": (0,)}
 
     @classmethod
     def contract_config(cls, seq_len: int) -> dict:

@@ -203,6 +203,11 @@ class _FactorisedFields(AttentionConfig):
             )
 
     @classmethod
+    def bench_config(cls, length: int) -> dict:
+        """Benchmark values: the paper's stride l ~ sqrt(n)."""
+        return {"stride": max(2, math.isqrt(length))}
+
+    @classmethod
     def contract_config(cls, seq_len: int) -> dict:
         """Test values: the paper's stride l ~ sqrt(n) (cost O(n^1.5))."""
         return {"stride": max(2, math.isqrt(seq_len))}
@@ -244,6 +249,12 @@ class FixedConfig(_FactorisedFields):
         super().__post_init__()
         if not 1 <= self.summary <= self.stride:
             raise ValueError(f"attention.summary must lie in [1, stride={self.stride}], got {self.summary}")
+
+    @classmethod
+    def bench_config(cls, length: int) -> dict:
+        """Benchmark values: l ~ sqrt(n) and c = l / 16 (the paper: c in {8..32} for l in {128, 256})."""
+        stride = max(2, math.isqrt(length))
+        return {"stride": stride, "summary": max(1, stride // 16)}
 
     @classmethod
     def contract_config(cls, seq_len: int) -> dict:
