@@ -15,8 +15,9 @@ computation (``recompute=false``) and, for reference, as a ``pre_norm`` stack. R
 - ``time_ratio``: forward+backward time relative to ``pre_norm`` at the same depth (same
   process; the reversible backward recomputes every layer, about 1.3-2x expected).
 
-Command: ``python -m rl_tformers.bench.reversible [--depths 2,4,8,16] [--device cuda]`` or
-``rl-tformers bench reversible`` once the bench command group hooks :func:`register`.
+Command: ``rl-tformers bench reversible [--depths 2,4,8,16] [--device cuda] [--json]`` (the bench
+group picks up :func:`register`), ``python -m rl_tformers.bench.reversible`` or
+``python scripts/bench_reversible.py`` with the same options.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def register(bench_app) -> None:
         seq_len: int = typer.Option(256),
         d_model: int = typer.Option(128),
         n_heads: int = typer.Option(4),
-        device: str = typer.Option("cpu", help="cpu or cuda (cuda adds true peak memory)."),
+        device: str = typer.Option("cpu", help="cpu or cuda (peak memory from the profiler on CPU, the allocator on CUDA)."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON rows."),
     ) -> None:
         """Activation memory vs depth of reversible layers (Reformer) against ordinary residual stacks."""
