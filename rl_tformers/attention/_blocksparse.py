@@ -14,10 +14,13 @@ O(T * S)::
     allowed = keep & causal(k_idx <= q_idx) & key_valid[k_idx] & (seg_q[q_idx] == seg_k[k_idx])
 
 Pieces over the same heads combine **exactly** into one softmax over the union of their key
-sets by merging log-sum-exps (the merge of blockwise/flash attention; Rabe & Staats 2021,
-Dao et al. 2022): ``lse = logsumexp_p lse_p``, ``out = sum_p exp(lse_p - lse) out_p``. Each
-piece must therefore own a disjoint set of keys per query (a piece's ``keep`` excludes keys
-owned by another); a query that a piece does not tile gets ``lse = -inf`` there.
+sets. Pieces that share a query tiling are fused by concatenating their key sets (one fused
+SDPA call on (B * N, h, bq, K) blocks when no score hook needs explicit scores); pieces with
+different tilings merge their log-sum-exps (the merge of blockwise/flash attention; Rabe &
+Staats 2021, Dao et al. 2022): ``lse = logsumexp_p lse_p``, ``out = sum_p exp(lse_p - lse)
+out_p``, or are simply added when they cover disjoint queries. Each piece must therefore own a
+disjoint set of keys per query (a piece's ``keep`` excludes keys owned by another); a query
+that a piece does not tile gets ``lse = -inf`` (and a zero output) there.
 
 Indices are **absolute key indices**: keys are ``[prefix (M); segment (T)]`` with
 S = M + T = ``ctx.k_len`` and query i sits at key index M + i (see
@@ -501,7 +504,10 @@ def attend_groups(
         if need_lse:
             outs.append(merge([o for o, _ in parts], [lse for _, lse in parts]))
         else:  # one piece, or pieces over disjoint queries (each is zero where it is not live)
-            outs.append(sum(o for o, _ in parts[1:]) + parts[0][0] if len(parts) > 1 else parts[0][0])
+            total = parts[0][0]
+            for o, _ in parts[1:]:
+                total = total + o
+            outs.append(total)
         if g.heads is not None:
             order.append(g.heads)
     if len(groups) == 1 and groups[0].heads is None:
