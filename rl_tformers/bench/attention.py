@@ -10,8 +10,9 @@ random (B, L, D) input. Reported per (kind, L):
 - ``time_ratio`` / ``mem_ratio``: the same divided by dense ``sdpa`` measured in the same
   run, at the same length and in the same masking mode (kinds without a causal form run
   bidirectionally, against bidirectional ``sdpa``);
-- ``status``: ``ok``, ``skipped: ...`` (dense-like kinds whose L x L scores would exceed the
-  memory budget; kinds that already exceeded the time budget at a shorter length) or
+- ``status``: ``ok``, ``skipped: ...`` (dense-like kinds whose estimated peak, extrapolated
+  quadratically from the previous length, would exceed the memory budget; kinds that already
+  exceeded the time budget at a shorter length) or
   ``error: ...`` (the kind cannot run at that length, e.g. a fixed maximum length).
 
 A crossover summary gives, per kind, the shortest measured length from which it is faster
@@ -132,15 +133,24 @@ def mode_for(kind: str, causal: bool) -> bool | None:
     return None
 
 
-def dense_bytes_estimate(kind: str, length: int, s: Settings) -> int:
-    """Bytes of the (B, H, L, L) float32 scores and probabilities of a kind that is not
-    sub-quadratic: the guard that skips dense-like kinds. 0 for sub-quadratic kinds, and for
-    ``sdpa`` without a padding mask (PyTorch's fused kernels then keep O(L) memory; only the
-    time budget bounds it)."""
+def dense_bytes_estimate(kind: str, length: int, s: Settings, prev: tuple[int, float] | None = None) -> int:
+    """Estimated peak bytes of a kind that is not sub-quadratic at length L (0 for sub-quadratic
+    kinds): the guard that skips dense-like kinds before they exhaust memory.
+
+    With a measurement at a shorter length ``prev = (L0, peak bytes)`` the peak is extrapolated
+    quadratically, peak * (L / L0)^2 (an upper bound: PyTorch's fused SDPA kernels grow only
+    linearly without a mask, and with a mask by the (B, 1, L, L) bool mask). Without one:
+    ``sdpa`` unmasked 0 (fused kernels, O(L)), ``sdpa`` masked the bool mask B L^2, others the
+    (B, H, L, L) float32 scores and probabilities.
+    """
     from rl_tformers.registry import ATTENTION
 
-    if ATTENTION.get(kind).capabilities.subquadratic or (kind == BASELINE and not s.padded):
+    if ATTENTION.get(kind).capabilities.subquadratic:
         return 0
+    if prev is not None and prev[1]:
+        return int(prev[1] * (length / prev[0]) ** 2)
+    if kind == BASELINE:
+        return s.batch * length * length if s.padded else 0
     return 2 * s.batch * s.n_heads * length * length * 4
 
 
@@ -219,13 +229,13 @@ def run(kinds: Sequence[str] | None = None, settings: Settings | None = None, lo
         if modes[k] is None:
             res.notes.append(f"{k}: no usable masking mode")
     for kind, causal in jobs:
-        slow_at = None
+        slow_at, prev = None, None
         for length in s.lengths:
             base = {"kind": kind, "length": length, "mode": "causal" if causal else "bidirectional",
                     "seconds": None, "peak_mib": None}
-            est = dense_bytes_estimate(kind, length, s)
+            est = dense_bytes_estimate(kind, length, s, prev)
             if est > budget:
-                row = {**base, "status": f"skipped: L x L scores need ~{est / 2**30:.1f} GiB > budget {s.memory_budget_gb} GiB"}
+                row = {**base, "status": f"skipped: estimated peak ~{est / 2**30:.1f} GiB > budget {s.memory_budget_gb} GiB"}
             elif slow_at is not None:
                 row = {**base, "status": f"skipped: over the time budget ({s.time_budget_s:.0f} s) at L={slow_at}"}
             else:
@@ -235,6 +245,8 @@ def run(kinds: Sequence[str] | None = None, settings: Settings | None = None, lo
                     row = {**base, "status": f"error: {type(exc).__name__}: {exc}"}
                 if row.get("seconds") is not None and row["seconds"] > s.time_budget_s:
                     slow_at = length
+                if row.get("peak_mib"):
+                    prev = (length, row["peak_mib"] * 2**20)
             res.rows.append(row)
             if log is not None:
                 log(_row_line(row))

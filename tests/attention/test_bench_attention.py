@@ -106,3 +106,12 @@ def test_rl_scale_hook(monkeypatch):
 def test_bench_group_is_assembled_from_modules():
     assert "rl_tformers.bench.attention" in bench_modules()
     assert "rl_tformers.bench.commands" not in bench_modules()
+
+
+def test_dense_estimate_extrapolates_the_measured_peak_quadratically():
+    s = ba.Settings(**TINY, padded=True)
+    assert ba.dense_bytes_estimate("performer", 4096, s, (1024, 1e6)) == 0  # sub-quadratic: never skipped
+    assert ba.dense_bytes_estimate("sdpa", 4096, s, (1024, 1e6)) == 16_000_000
+    assert ba.dense_bytes_estimate("sdpa", 4096, s) == 4096 * 4096  # first length: the bool mask
+    assert ba.dense_bytes_estimate("sdpa", 4096, ba.Settings(**TINY)) == 0  # fused, unmasked: O(L)
+    assert ba.dense_bytes_estimate("reference", 64, s) == 2 * 1 * 2 * 64 * 64 * 4
