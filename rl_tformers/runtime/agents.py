@@ -1,0 +1,249 @@
+"""The agent registry and the :class:`Trainable` protocol the trainer drives.
+
+An agent kind registers a *builder*; the trainer calls it once per run::
+
+    from rl_tformers.runtime.agents import register_agent
+
+    @register_agent("dt", description="Decision Transformer (Chen et al. 2021)",
+                    defaults={"agent": {"context_len": 20}, "train": {"lr": 1e-4}})
+    def build(cfg: DictConfig, run_dir: Path, device: torch.device) -> DTAgent:
+        ...
+
+``cfg`` is the full, resolved, read-only run config (``cfg.agent``, ``cfg.backbone``,
+``cfg.dataset``, ``cfg.train.batch_size``, ``cfg.seed``...); ``run_dir`` is where the run writes
+(the agent may put files there, e.g. evaluation videos); ``device`` is the training device.
+``defaults`` (optional) is a partial config merged under the user's config: its ``agent``
+section also declares the agent's keys, so an unknown ``agent.x`` becomes an error.
+
+Registration happens on import. :func:`discover_agents` imports the built-in ``toy`` agent
+and, for every sub-package ``rl_tformers.agents.<name>``, the package and its ``agent``
+module if present: put ``@register_agent`` in ``agents/<name>/agent.py``.
+
+The protocol (required)
+-----------------------
+``model: torch.nn.Module``
+    Everything the optimiser trains. The trainer moves it to the device, switches
+    ``train()``/``eval()``, checkpoints ``model.state_dict()`` and may compile it in place.
+``loss(batch) -> (loss, logs)``
+    ``loss``: 0-dim float tensor to minimise (mean over the batch, auxiliary losses
+    included). ``logs``: ``Mapping[str, float | 0-dim Tensor]`` of extra scalars, averaged over
+    the logging window and written as ``train/<key>``. Runs under autocast when
+    ``train.amp=bf16``; must not call ``backward`` or step anything.
+``batches(start_step) -> Dataset | Iterable``
+    The batches for updates ``start_step, start_step + 1, ...``. Either
+
+    - a step-indexed ``torch.utils.data.Dataset`` (preferred): ``ds[s]`` returns the whole
+      batch for update ``s`` (tensors/arrays in dicts, lists or tuples, on CPU), drawn from its
+      own generator such as ``np.random.default_rng([cfg.seed, s])``. The trainer reads it
+      with a DataLoader (``train.num_workers`` workers, ``batch_size=None``); or
+    - an iterable whose first item is the batch for ``start_step``.
+
+    Either way the batch for step ``s`` must be a pure function of ``(cfg.seed, s)``: this is
+    what makes ``--resume`` and ``num_workers > 0`` give identical batches. Never draw batches
+    from the global RNGs (those drive dropout and are restored on resume).
+
+The protocol (optional methods, detected with ``getattr``)
+----------------------------------------------------------
+``param_groups() -> list[dict]``
+    AdamW groups: ``{"params": [...], "weight_decay": float?, "lr_scale": float?, "name": str?}``.
+    Default: :func:`rl_tformers.runtime.optim.default_param_groups` (no decay on biases,
+    norms, embeddings).
+``evaluate(step) -> Mapping[str, float | Tensor | matplotlib Figure]``
+    Called every ``eval.every`` updates and at the end, with the model in ``eval()`` mode,
+    under ``torch.no_grad()`` and with the global RNGs isolated (evaluation never changes the
+    training trajectory). Scalars go to TensorBoard as ``eval/<key>`` (a key containing ``/``
+    is used as is), figures as images. Seed environments with
+    ``rl_tformers.runtime.seeding.derive_seed(cfg.seed, "eval", step)``.
+``extra_state() -> dict`` / ``load_extra_state(state: dict) -> None``
+    Non-parameter state to checkpoint (observation mean/std, reward scale, ...): tensors,
+    numbers, strings, ``None`` and lists/tuples/dicts of them only (anything else is refused
+    at save time, because checkpoints are loaded with ``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from rl_tformers.runtime.config import ConfigError
+
+
+@runtime_checkable
+class Trainable(Protocol):
+    """What a registered builder returns (see the module docstring for the full contract)."""
+
+    model: nn.Module
+
+    def loss(self, batch: Any) -> tuple[Tensor, Mapping[str, float | Tensor]]:
+        """Loss to minimise (0-dim tensor) and extra scalars to log."""
+        ...
+
+    def batches(self, start_step: int) -> torch.utils.data.Dataset | Iterable[Any]:
+        """Step-indexed dataset or iterable of batches starting at ``start_step``."""
+        ...
+
+
+#: builder(cfg, run_dir, device) -> Trainable
+AgentBuilder = Callable[[Any, Path, torch.device], Trainable]
+
+
+class UnknownAgentError(ConfigError):
+    """``agent.kind`` names no registered agent; the message lists the registered kinds."""
+
+
+@dataclass(frozen=True)
+class AgentEntry:
+    """One registered agent kind.
+
+    Attributes:
+        kind: the ``agent.kind`` string.
+        builder: ``builder(cfg, run_dir, device) -> Trainable``.
+        description: one line for listings.
+        defaults: partial config merged under the user's config (may be empty).
+    """
+
+    kind: str
+    builder: AgentBuilder
+    description: str = ""
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
+_AGENTS: dict[str, AgentEntry] = {}
+_IMPORT_FAILURES: dict[str, str] = {}
+_discovered = False
+
+
+def register_agent(
+    kind: str, *, description: str = "", defaults: Mapping[str, Any] | None = None
+) -> Callable[[AgentBuilder], AgentBuilder]:
+    """Decorator registering ``builder`` under ``kind``.
+
+    Args:
+        kind: the ``agent.kind`` value (non-empty, no spaces).
+        description: one line shown by ``rl-tformers train --help``/error messages.
+        defaults: partial run config (``{"agent": {...}, "train": {...}, ...}``) applied under
+            the user's config; its ``agent`` keys become the closed set of valid ``agent.*``.
+
+    Raises:
+        ValueError: for an empty kind, a defaults section that is not a mapping, or a kind
+            already registered by another builder.
+    """
+    if not kind or any(c.isspace() for c in kind):
+        raise ValueError(f"agent kind must be a non-empty word, got {kind!r}")
+    defaults = dict(defaults or {})
+    for section, value in defaults.items():
+        if section in ("agent", "backbone", "dataset", "train", "eval") and not isinstance(value, Mapping):
+            raise ValueError(f"register_agent({kind!r}): defaults[{section!r}] must be a mapping")
+    if "agent" in defaults and defaults["agent"].get("kind", kind) != kind:
+        raise ValueError(f"register_agent({kind!r}): defaults.agent.kind must be {kind!r}")
+
+    def deco(builder: AgentBuilder) -> AgentBuilder:
+        old = _AGENTS.get(kind)
+        same = old is not None and getattr(old.builder, "__qualname__", None) == getattr(builder, "__qualname__", 0) \
+            and getattr(old.builder, "__module__", None) == getattr(builder, "__module__", 0)
+        if old is not None and not same:
+            raise ValueError(f"agent kind {kind!r} is already registered by {old.builder.__module__}")
+        agent_defaults = {**defaults}
+        if "agent" in agent_defaults:
+            agent_defaults["agent"] = {"kind": kind, **agent_defaults["agent"]}
+        _AGENTS[kind] = AgentEntry(kind=kind, builder=builder, description=description, defaults=agent_defaults)
+        return builder
+
+    return deco
+
+
+def discover_agents() -> None:
+    """Import the built-in toy agent and every ``rl_tformers.agents.<name>[.agent]`` module once.
+
+    A module that fails to import is remembered (see :func:`import_failures`) rather than
+    raised, so a broken agent does not stop the others; asking for its kind then reports the
+    import error.
+    """
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    importlib.import_module("rl_tformers.runtime.toy")
+    try:
+        pkg = importlib.import_module("rl_tformers.agents")
+    except ModuleNotFoundError:  # pragma: no cover - the agents package is part of the install
+        return
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
+        if info.name.startswith("_") or not info.ispkg:
+            continue
+        for name in (f"rl_tformers.agents.{info.name}", f"rl_tformers.agents.{info.name}.agent"):
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError as exc:
+                if exc.name == name:
+                    continue  # no agent.py in this package (yet)
+                _IMPORT_FAILURES[name] = _short_trace(exc)
+            except Exception as exc:  # noqa: BLE001 - report any import-time failure by module
+                _IMPORT_FAILURES[name] = _short_trace(exc)
+
+
+def _short_trace(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def import_failures() -> dict[str, str]:
+    """Agent modules that failed to import during discovery: ``{module: "Error: message (file:line)"}``."""
+    discover_agents()
+    return dict(_IMPORT_FAILURES)
+
+
+def available_agents() -> list[str]:
+    """Registered agent kinds, sorted."""
+    discover_agents()
+    return sorted(_AGENTS)
+
+
+def get_agent(kind: str) -> AgentEntry:
+    """The entry registered under ``kind``.
+
+    Raises:
+        UnknownAgentError: listing the registered kinds (and agent modules that failed to
+            import, which may be why ``kind`` is missing).
+    """
+    discover_agents()
+    if kind in _AGENTS:
+        return _AGENTS[kind]
+    msg = f"agent.kind={kind!r} is not registered; registered kinds: {', '.join(sorted(_AGENTS)) or '(none)'}"
+    if _IMPORT_FAILURES:
+        msg += "\nagent modules that failed to import:\n" + "\n".join(f"  {m}: {e}" for m, e in _IMPORT_FAILURES.items())
+    raise UnknownAgentError(msg)
+
+
+def check_trainable(obj: Any, kind: str) -> Trainable:
+    """Verify a builder's result has the required members.
+
+    Raises:
+        TypeError: naming the agent kind and every missing or wrongly typed member.
+    """
+    problems = []
+    if not isinstance(getattr(obj, "model", None), nn.Module):
+        problems.append("model (a torch.nn.Module)")
+    for name in ("loss", "batches"):
+        if not callable(getattr(obj, name, None)):
+            problems.append(f"{name}() method")
+    if callable(getattr(obj, "extra_state", None)) != callable(getattr(obj, "load_extra_state", None)):
+        problems.append("extra_state() and load_extra_state() must be defined together")
+    if problems:
+        raise TypeError(f"agent {kind!r}: the builder returned {type(obj).__name__}, which lacks: {'; '.join(problems)}")
+    return obj
+
+
+def build_agent(cfg: Any, run_dir: Path, device: torch.device) -> Trainable:
+    """Build the agent named by ``cfg.agent.kind`` and check it implements :class:`Trainable`."""
+    kind = str(cfg.agent.kind)
+    return check_trainable(get_agent(kind).builder(cfg, Path(run_dir), device), kind)

@@ -1,0 +1,315 @@
+"""Checkpoints that never lose a run: atomic, verified, safe to load, pruned to the last N.
+
+Layout: ``RUN_DIR/checkpoints/step_000001000.pt`` (9-digit step, so names sort by step). There
+is no ``latest`` pointer file to keep in sync: the latest checkpoint is found by scanning names
+and taking the highest step that loads and verifies (a pointer could itself be stale or point
+at a damaged file).
+
+A checkpoint is a plain ``torch.save`` dict (``torch.load(path, weights_only=True)`` opens it
+anywhere) holding only tensors, numbers, strings, ``None``, lists, tuples and dicts:
+
+=============  ==================================================================
+``format``     ``"rl-tformers-checkpoint"``; ``version``: :data:`FORMAT_VERSION`
+``step``       optimiser updates completed; the next batch drawn is batch ``step``
+               (batches are a pure function of (seed, step): this *is* the sampler
+               position)
+``model``      ``model.state_dict()`` (CPU tensors)
+``optimizer``  ``optimizer.state_dict()``
+``scheduler``  update counters of the lr scheduler
+``rng``        :func:`rl_tformers.runtime.seeding.capture_rng_state`
+``extra``      the agent's ``extra_state()`` (obs statistics, reward scale...)
+``trainer``    trainer bookkeeping (partial logging window, elapsed time)
+``config``     the fully resolved config, as YAML text
+``sha256``     digest of everything above (see :func:`content_digest`)
+=============  ==================================================================
+
+Safety and integrity:
+
+- Writes go to a temporary file in the same directory, are flushed and fsynced, then renamed
+  over the final name with ``os.replace`` (atomic on POSIX and Windows): a crash leaves either
+  the old state or the new checkpoint, never a half-written file under a checkpoint name.
+- Loading uses ``torch.load(weights_only=True)``: unpickling can build tensors and plain
+  containers only, never call arbitrary code.
+- A truncated file fails to open (the zip directory sits at its end). A flipped byte inside
+  tensor data would load silently, so every checkpoint carries a SHA-256 over its decoded
+  content, recomputed and compared on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import re
+import struct
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+FORMAT = "rl-tformers-checkpoint"
+FORMAT_VERSION = 1
+CHECKPOINT_DIR = "checkpoints"
+_NAME = re.compile(r"^step_(\d{9,})\.pt$")
+_REQUIRED = ("format", "version", "step", "model", "optimizer", "scheduler", "rng", "extra", "trainer", "config")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (unreadable, truncated, corrupt, or not ours); names the file."""
+
+
+def checkpoint_name(step: int) -> str:
+    """File name of the checkpoint at ``step``: ``step_000000100.pt``."""
+    return f"step_{step:09d}.pt"
+
+
+def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every checkpoint file in ``RUN_DIR/checkpoints``, newest (highest step) first."""
+    d = checkpoint_dir(run_dir)
+    if not d.is_dir():
+        return []
+    found = []
+    for p in d.iterdir():
+        m = _NAME.match(p.name)
+        if m and p.is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found, key=lambda sp: sp[0], reverse=True)
+
+
+# -- integrity -------------------------------------------------------------------------------------
+
+def _feed(h: Any, obj: Any, path: str) -> None:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if t.layout != torch.strided:
+            raise TypeError(f"checkpoint value at {path}: only dense tensors are supported, got {t.layout}")
+        t = t.cpu().contiguous()
+        h.update(b"T" + str(t.dtype).encode() + repr(tuple(t.shape)).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, Mapping):
+        items = sorted(obj.items(), key=lambda kv: (type(kv[0]).__name__, repr(kv[0])))
+        h.update(b"D" + struct.pack("<q", len(items)))
+        for k, v in items:
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise TypeError(f"checkpoint key at {path}: keys must be str or int, got {k!r}")
+            h.update(b"K" + type(k).__name__.encode() + repr(k).encode())
+            _feed(h, v, f"{path}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        h.update((b"L" if isinstance(obj, list) else b"U") + struct.pack("<q", len(obj)))
+        for i, v in enumerate(obj):
+            _feed(h, v, f"{path}[{i}]")
+    elif obj is None or isinstance(obj, (bool, int, float, str)):
+        h.update(b"S" + type(obj).__name__.encode() + b":" + repr(obj).encode() + b";")
+    elif isinstance(obj, (torch.dtype, torch.device, torch.Size)):
+        h.update(b"O" + type(obj).__name__.encode() + repr(obj).encode())
+    else:
+        raise TypeError(
+            f"checkpoint value at {path} has type {type(obj).__name__}; checkpoints hold only tensors, "
+            f"numbers, strings, None, lists, tuples and dicts (convert NumPy arrays with torch.as_tensor)"
+        )
+
+
+def content_digest(state: Mapping[str, Any]) -> str:
+    """SHA-256 (hex) over a checkpoint dict's decoded content, ignoring its ``sha256`` key.
+
+    Canonical over containers (dict keys sorted), exact for floats (``repr`` round-trips) and
+    tensors (dtype, shape and raw bytes). Raises TypeError naming the dotted path of a value that
+    ``torch.load(weights_only=True)`` could not load back.
+    """
+    h = hashlib.sha256()
+    _feed(h, {k: v for k, v in state.items() if k != "sha256"}, "checkpoint")
+    return h.hexdigest()
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, Mapping):
+        moved = {k: _to_cpu(v) for k, v in obj.items()}
+        return type(obj)(moved) if isinstance(obj, dict) else moved
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_cpu(v) for v in obj)
+    return obj
+
+
+# -- save / load -----------------------------------------------------------------------------------
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # e.g. Windows: directories cannot be opened
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
+    """Create or replace ``path`` atomically.
+
+    ``write(f)`` fills a temporary file in the same directory, which is flushed, fsynced and
+    renamed over ``path`` with ``os.replace``; readers see the old file or the complete new one.
+    If ``write`` raises, the temporary file is removed and ``path`` is untouched.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
+
+
+def save_checkpoint(run_dir: str | os.PathLike, state: Mapping[str, Any], keep_last: int | None = None) -> Path:
+    """Write ``state`` as ``RUN_DIR/checkpoints/step_<step>.pt`` atomically, then prune.
+
+    Args:
+        run_dir: the run directory.
+        state: dict with at least the keys of the module docstring table except ``format``,
+            ``version`` and ``sha256``, which are added here. Tensors are copied to CPU.
+        keep_last: keep this many newest checkpoints (by step) and delete older ones;
+            ``None`` or 0 keeps all.
+
+    Returns:
+        The path written.
+
+    Raises:
+        TypeError: a value that cannot be loaded with ``weights_only=True`` (the message names
+            its dotted path), raised before anything is written.
+        OSError: the disk refused the write; an older checkpoint is untouched.
+    """
+    d = checkpoint_dir(run_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    payload = _to_cpu({**state, "format": FORMAT, "version": FORMAT_VERSION})
+    payload.pop("sha256", None)
+    payload["sha256"] = content_digest(payload)
+    step = int(payload["step"])
+    path = d / checkpoint_name(step)
+    atomic_write(path, lambda f: torch.save(payload, f))
+    if keep_last:
+        prune_checkpoints(run_dir, keep_last)
+    return path
+
+
+def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the ``keep_last`` newest checkpoints; returns the deleted paths."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    removed = []
+    for _, p in list_checkpoints(run_dir)[keep_last:]:
+        p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
+    """Delete temporary files left by a save that was killed (``.<name>.tmp-<pid>``)."""
+    d = checkpoint_dir(run_dir)
+    if not d.is_dir():
+        return []
+    stale = [p for p in d.iterdir() if p.name.startswith(".") and ".tmp-" in p.name]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Load and verify one checkpoint on CPU.
+
+    Raises:
+        CheckpointError: naming ``path``, if the file cannot be opened (missing, truncated, not a
+            torch file, or holding objects other than tensors and plain containers), lacks a
+            field, was written by another program or format version, or its content does
+            not match its SHA-256.
+    """
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"{path}: cannot be loaded safely (not a torch file, or it holds objects other than tensors and "
+            f"plain containers, which weights_only loading refuses)"
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 - every failure mode here means "unusable file"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: cannot be loaded ({type(exc).__name__}: {first})") from exc
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not an rl-tformers checkpoint")
+    if state.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {state.get('version')}, expected {FORMAT_VERSION}")
+    missing = [k for k in (*_REQUIRED, "sha256") if k not in state]
+    if missing:
+        raise CheckpointError(f"{path}: missing field(s) {', '.join(missing)}")
+    try:
+        digest = content_digest(state)
+    except TypeError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+    if digest != state["sha256"]:
+        raise CheckpointError(f"{path}: content does not match its SHA-256 (the file is corrupt)")
+    return state
+
+
+@dataclass
+class FoundCheckpoint:
+    """Result of :func:`find_latest_valid`.
+
+    Attributes:
+        path: the checkpoint used.
+        state: its verified content.
+        skipped: newer checkpoints that failed to load, with the reason (already warned).
+    """
+
+    path: Path
+    state: dict[str, Any]
+    skipped: list[tuple[Path, str]]
+
+
+def find_latest_valid(run_dir: str | os.PathLike, quarantine: bool = False) -> FoundCheckpoint:
+    """The newest checkpoint of ``run_dir`` that loads and verifies.
+
+    Every newer file that fails is named in a ``UserWarning`` and, with ``quarantine`` (what
+    ``--resume`` does), renamed to ``<name>.corrupt`` so it is kept for inspection but never
+    tried, counted or pruned again. Without it (the default: reading another run) nothing is
+    changed on disk.
+
+    Raises:
+        CheckpointError: if ``RUN_DIR/checkpoints`` holds no checkpoint, or none is valid (the
+            message lists each file with its reason).
+    """
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise CheckpointError(f"no checkpoint in {checkpoint_dir(run_dir)} (expected files named step_<9 digits>.pt)")
+    skipped: list[tuple[Path, str]] = []
+    for _, path in found:
+        try:
+            state = load_checkpoint(path)
+        except CheckpointError as exc:
+            reason = str(exc)
+            skipped.append((path, reason))
+            msg = f"skipping unusable checkpoint {reason}"
+            if quarantine:
+                bad = path.with_name(path.name + ".corrupt")
+                os.replace(path, bad)
+                msg += f" (moved to {bad.name})"
+            warnings.warn(msg, UserWarning, stacklevel=2)
+            continue
+        return FoundCheckpoint(path=path, state=state, skipped=skipped)
+    listing = "\n".join(f"  {p}: {r}" for p, r in skipped)
+    raise CheckpointError(f"no valid checkpoint in {checkpoint_dir(run_dir)}:\n{listing}")

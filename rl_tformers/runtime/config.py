@@ -1,0 +1,495 @@
+"""Run configuration: a typed schema, YAML files, dotted overrides, one resolved result.
+
+A run is described by one config tree (OmegaConf ``DictConfig``)::
+
+    seed: 0                    # seeds python/numpy/torch; environments derive theirs from it
+    device: auto               # auto | cpu | cuda | cuda:N | mps
+    run_dir: null              # null: runs/<config name>-<YYYYmmdd-HHMMSS>
+    agent: {kind: dt, ...}     # registered agent kind + its own options
+    backbone: {...}            # rl_tformers.config.BackboneConfig fields and slots
+    dataset: {...}             # read by the agent / data layer
+    train: {...}               # TrainConfig below: optimiser, schedule, logging, checkpoints
+    eval: {...}                # EvalConfig below
+
+Layers, later ones win:
+
+1. the schema (:class:`RunConfig`, typed: a wrong type or an unknown key is an error naming
+   its dotted path);
+2. ``configs/defaults.yaml`` (the same values, with comments: the place to read them);
+3. the defaults the agent kind registered (``register_agent(kind, defaults=...)``);
+4. the config file given with ``--config`` (a path, or a name inside the ``rl_tformers.configs``
+   package such as ``dt/hopper_medium``), after the files its ``_base_`` key lists;
+5. ``key=value`` overrides from the command line (values parsed as YAML: ``train.lr=3e-4``,
+   ``train.betas=[0.9,0.95]``, ``run_dir=null``).
+
+Open sections: ``dataset`` accepts any keys (its consumer validates them); ``agent`` is
+closed when the agent kind registered defaults for it (then an unknown ``agent.x`` is an
+error), open otherwise; ``backbone`` is checked by ``BackboneConfig.from_dict`` and
+``rl_tformers.backbone.check_compatible``. ``${...}`` interpolations are resolved once, at
+the end, so the run directory's ``config.yaml`` holds plain values only.
+
+Why OmegaConf (and Typer for the command line): OmegaConf merges YAML layers with dotted
+overrides, checks them against a typed dataclass schema and resolves interpolations, in one
+small, widely used library; Hydra adds a launcher and a working-directory policy we do not
+want, tyro/jsonargparse put the schema in function signatures, which fits poorly with
+agent-specific sections that register themselves.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.resources
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+BASE_KEY = "_base_"
+DEFAULTS_NAME = "defaults.yaml"
+
+
+class ConfigError(ValueError):
+    """A config cannot be used; the message names the dotted key or the file at fault."""
+
+
+class Schedule(str, Enum):
+    """Learning-rate schedules (see :mod:`rl_tformers.runtime.optim`)."""
+
+    constant = "constant"
+    linear_warmup = "linear_warmup"
+    warmup_cosine = "warmup_cosine"
+
+
+class Amp(str, Enum):
+    """Mixed precision: ``none`` (float32) or ``bf16`` (bfloat16 autocast)."""
+
+    none = "none"
+    bf16 = "bf16"
+
+
+@dataclass
+class TrainConfig:
+    """``train:`` section.
+
+    Attributes:
+        steps: optimiser updates in the run (N).
+        batch_size: samples per update (agents read it to build their batches).
+        lr: peak learning rate.
+        weight_decay: AdamW decoupled weight decay of the decayed group (weight matrices).
+        betas: AdamW (beta1, beta2).
+        eps: AdamW epsilon.
+        grad_clip: max global L2 norm of the gradients; ``null`` or 0 disables clipping
+            (the norm is still measured and logged).
+        schedule: ``constant`` | ``linear_warmup`` | ``warmup_cosine``.
+        warmup_steps: linear warmup length W, in updates.
+        min_lr_ratio: final lr / peak lr of ``warmup_cosine``.
+        amp: ``none`` | ``bf16`` (autocast of forward and loss).
+        compile: ``torch.compile`` the model (in place; checkpoints are unaffected).
+        deterministic: ask torch for deterministic kernels (slower on GPU).
+        num_workers: DataLoader worker processes for step-indexed datasets (0: main process).
+        log_every: write scalars (means over the window) every this many updates.
+        checkpoint_every: save a checkpoint every this many updates (0: only at the end and on
+            interruption).
+        keep_last: keep this many newest checkpoints.
+        progress: show a progress bar with ETA (on a terminal; a plain line every 30 s otherwise).
+    """
+
+    steps: int = 1000
+    batch_size: int = 64
+    lr: float = 1.0e-4
+    weight_decay: float = 1.0e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1.0e-8
+    grad_clip: float | None = 0.25
+    schedule: Schedule = Schedule.warmup_cosine
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    amp: Amp = Amp.none
+    compile: bool = False
+    deterministic: bool = False
+    num_workers: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 1000
+    keep_last: int = 3
+    progress: bool = True
+
+
+@dataclass
+class EvalConfig:
+    """``eval:`` section (the trainer reads ``every`` and ``at_end``; agents read the rest).
+
+    Attributes:
+        every: call the agent's ``evaluate`` every this many updates (0: never during training).
+        at_end: also evaluate after the last update.
+        episodes: evaluation episodes per call.
+        n_envs: parallel environments (gymnasium vector env) for evaluation.
+    """
+
+    every: int = 0
+    at_end: bool = True
+    episodes: int = 10
+    n_envs: int = 5
+
+
+@dataclass
+class RunConfig:
+    """The whole config tree (see the module docstring)."""
+
+    seed: int = 0
+    device: str = "auto"
+    run_dir: str | None = None
+    agent: dict[str, Any] = field(default_factory=lambda: {"kind": "???"})
+    backbone: dict[str, Any] = field(default_factory=dict)
+    dataset: dict[str, Any] = field(default_factory=dict)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+#: Keys that may change when a run is resumed (prefix match). Everything else must stay as it
+#: was, or the resumed run would not continue the same trajectory.
+RESUMABLE_KEYS = (
+    "train.steps",
+    "train.log_every",
+    "train.checkpoint_every",
+    "train.keep_last",
+    "train.progress",
+    "train.num_workers",
+    "train.compile",
+    "eval",
+    "device",
+    "run_dir",
+)
+
+
+# -- finding config files ---------------------------------------------------------------------------
+
+def configs_root() -> Path:
+    """Directory of the ``rl_tformers.configs`` package (the repository's ``configs/``)."""
+    return Path(str(importlib.resources.files("rl_tformers.configs")))
+
+
+def available_configs() -> list[str]:
+    """Names accepted by ``--config`` (paths relative to the configs package, without ``.yaml``)."""
+    root = configs_root()
+    names = [p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.yaml")]
+    return sorted(n for n in names if n != Path(DEFAULTS_NAME).stem)
+
+
+def resolve_config_path(name: str | os.PathLike, relative_to: Path | None = None) -> Path:
+    """Find a config file.
+
+    Tried in order: ``name`` relative to ``relative_to`` (for ``_base_`` entries), ``name`` as a
+    path (also with ``.yaml`` appended), then ``name`` inside the configs package.
+
+    Raises:
+        ConfigError: if nothing matches; the message suggests close names.
+    """
+    raw = str(name)
+    candidates: list[Path] = []
+    for base in ([relative_to] if relative_to is not None else []) + [None]:
+        p = Path(raw) if base is None else base / raw
+        candidates += [p, p.with_name(p.name + ".yaml")]
+    root = configs_root()
+    candidates += [root / raw, root / f"{raw}.yaml"]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    known = available_configs()
+    close = difflib.get_close_matches(raw.removesuffix(".yaml"), known, n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ConfigError(
+        f"config {raw!r} not found (not a file, and not a name in {root}){hint}\n"
+        f"available: {', '.join(known) if known else '(none)'}"
+    )
+
+
+def config_display_name(path: Path) -> str:
+    """``dt/hopper_medium`` for a packaged config, the file stem otherwise."""
+    try:
+        return path.resolve().relative_to(configs_root()).with_suffix("").as_posix()
+    except ValueError:
+        return path.stem
+
+
+def load_yaml(path: Path, _stack: tuple[Path, ...] = ()) -> DictConfig:
+    """Load one YAML config file, merged over the files its ``_base_`` key names (recursively).
+
+    ``_base_`` is a name or a list of names resolved like ``--config`` but first relative to
+    the including file's directory; later bases win over earlier ones, the file over all.
+
+    Raises:
+        ConfigError: naming the file for a YAML error, a non-mapping file, a bad ``_base_`` or
+            a cycle of bases.
+    """
+    path = path.resolve()
+    if path in _stack:
+        chain = " -> ".join(str(p) for p in (*_stack, path))
+        raise ConfigError(f"{path}: _base_ cycle: {chain}")
+    try:
+        node = OmegaConf.load(path)
+    except Exception as exc:  # noqa: BLE001 - YAML scanner/parser errors have many types
+        raise ConfigError(f"{path}: cannot parse YAML: {exc}") from exc
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path}: a config file must be a mapping at the top level")
+    bases = node.pop(BASE_KEY, None)
+    if bases is None:
+        return node
+    if isinstance(bases, str):
+        bases = [bases]
+    elif not isinstance(bases, ListConfig) or not all(isinstance(b, str) for b in bases):
+        raise ConfigError(f"{path}: {BASE_KEY} must be a config name or a list of names")
+    layers = [load_yaml(resolve_config_path(b, relative_to=path.parent), (*_stack, path)) for b in bases]
+    return OmegaConf.merge(*layers, node)
+
+
+def parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    """``["train.lr=3e-4", "backbone.attention.kind=performer"]`` -> a nested DictConfig.
+
+    Raises:
+        ConfigError: for an item without ``=`` or with an empty key.
+    """
+    items = list(overrides or ())
+    for item in items:
+        key = item.split("=", 1)[0].strip()
+        if "=" not in item or not key:
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. train.steps=1000)")
+    try:
+        return OmegaConf.from_dotlist(items)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"bad override: {exc}") from exc
+
+
+# -- composing -------------------------------------------------------------------------------------
+
+def _defaults_layer() -> DictConfig:
+    path = configs_root() / DEFAULTS_NAME
+    return load_yaml(path) if path.is_file() else OmegaConf.create({})
+
+
+def _keys_at(schema: DictConfig, dotted: str) -> list[str]:
+    node: Any = schema
+    for part in [p for p in dotted.split(".") if p]:
+        if not isinstance(node, DictConfig) or part not in node:
+            return []
+        node = node[part]
+    return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+
+
+def _translate(exc: OmegaConfBaseException, schema: DictConfig, source: str) -> ConfigError:
+    full = str(getattr(exc, "full_key", "") or "")
+    msg = (getattr(exc, "msg", None) or str(exc)).strip().splitlines()[0]
+    if isinstance(exc, ConfigKeyError) and full:
+        parent, _, leaf = full.rpartition(".")
+        keys = _keys_at(schema, parent)
+        close = difflib.get_close_matches(leaf, keys, n=1)
+        hint = f"; did you mean {(parent + '.' if parent else '') + close[0]}?" if close else ""
+        where = f"{parent}" if parent else "the top level"
+        return ConfigError(f"{full}: unknown key{hint} (keys of {where}: {', '.join(keys)}) [{source}]")
+    return ConfigError(f"{full or '<config>'}: {msg} [{source}]")
+
+
+def _merge_checked(base: DictConfig, layer: Any, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, layer)
+    except OmegaConfBaseException as exc:
+        raise _translate(exc, base, source) from exc
+
+
+def _agent_kind(user: DictConfig) -> str:
+    from rl_tformers.runtime.agents import available_agents
+
+    agent = user.get("agent")
+    kind = agent.get("kind") if isinstance(agent, DictConfig) and not OmegaConf.is_missing(agent, "kind") else None
+    if kind is None or not isinstance(kind, str):
+        raise ConfigError(
+            f"agent.kind is required (set it in the config file or as agent.kind=...); "
+            f"registered kinds: {', '.join(available_agents())}"
+        )
+    return kind
+
+
+def compose(
+    config: str | os.PathLike | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    start: Mapping[str, Any] | DictConfig | None = None,
+) -> DictConfig:
+    """Build the full, validated, resolved run config (layers in the module docstring).
+
+    Args:
+        config: a YAML path or a packaged config name (``dt/hopper_medium``), or None.
+        overrides: dotted ``key=value`` strings.
+        start: a complete config (e.g. a checkpoint's) used instead of ``config`` as layer 4.
+
+    Returns:
+        A read-only DictConfig. ``cfg.train.schedule`` and ``cfg.train.amp`` are :class:`Enum`
+        members (``.value`` is the string); everything else is plain YAML data.
+
+    Raises:
+        ConfigError: unknown key or wrong type (naming the dotted path), missing
+            ``agent.kind``, unknown agent kind (listing the registered ones), invalid backbone
+            (naming the backbone field), unresolvable interpolation, file not found.
+    """
+    from rl_tformers.runtime.agents import get_agent
+
+    if config is not None and start is not None:
+        raise ConfigError("give either a config file or a starting config, not both")
+    user_layers: list[tuple[Any, str]] = []
+    if config is not None:
+        path = resolve_config_path(config)
+        user_layers.append((load_yaml(path), str(path)))
+    elif start is not None:
+        user_layers.append((OmegaConf.create(start if isinstance(start, DictConfig) else dict(start)), "saved config"))
+    if overrides:
+        user_layers.append((parse_overrides(overrides), "command line"))
+    user = OmegaConf.merge(*(layer for layer, _ in user_layers)) if user_layers else OmegaConf.create({})
+
+    kind = _agent_kind(user)
+    entry = get_agent(kind)  # raises UnknownAgentError (a ConfigError) listing registered kinds
+
+    cfg = OmegaConf.structured(RunConfig)
+    cfg = _merge_checked(cfg, _defaults_layer(), str(configs_root() / DEFAULTS_NAME))
+    if entry.defaults:
+        cfg = _merge_checked(cfg, OmegaConf.create(dict(entry.defaults)), f"defaults of agent {kind!r}")
+    agent_closed = bool(entry.defaults and "agent" in entry.defaults)
+    OmegaConf.set_struct(cfg.agent, agent_closed)
+    OmegaConf.set_struct(cfg.dataset, False)
+    OmegaConf.set_struct(cfg.backbone, False)
+    for layer, source in user_layers:
+        cfg = _merge_checked(cfg, layer, source)
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as exc:
+        raise _translate(exc, cfg, "interpolation") from exc
+    _validate_values(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def _validate_values(cfg: DictConfig) -> None:
+    from rl_tformers.backbone import check_compatible
+    from rl_tformers.config import BackboneConfig
+    from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError
+    from rl_tformers.runtime.device import resolve_device
+
+    t = cfg.train
+    positive = {"train.steps": t.steps, "train.batch_size": t.batch_size, "train.log_every": t.log_every,
+                "train.keep_last": t.keep_last}
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    non_negative = {"train.checkpoint_every": t.checkpoint_every, "train.warmup_steps": t.warmup_steps,
+                    "train.num_workers": t.num_workers, "eval.every": cfg.eval.every, "seed": cfg.seed}
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    if not (t.lr > 0):
+        raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+    if t.weight_decay < 0:
+        raise ConfigError(f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):
+        raise ConfigError(f"train.betas must be two numbers in [0, 1), got {list(t.betas)}")
+    if t.grad_clip is not None and t.grad_clip < 0:
+        raise ConfigError(f"train.grad_clip must be >= 0 or null, got {t.grad_clip}")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    try:
+        resolve_device(cfg.device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    backbone = OmegaConf.to_container(cfg.backbone, resolve=True)
+    for slot in SLOTS:
+        value = backbone.get(slot)
+        if isinstance(value, Mapping) and "kind" in value and str(value["kind"]) not in REGISTRIES[slot].kinds():
+            close = difflib.get_close_matches(str(value["kind"]), REGISTRIES[slot].kinds(), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"backbone.{slot}.kind={value['kind']!r}: unknown {slot} kind{hint} "
+                              f"(registered: {', '.join(REGISTRIES[slot].kinds())}; see rl-tformers backbones)")
+    try:
+        bb = BackboneConfig.from_dict(backbone)
+        check_compatible(bb)
+    except (RegistryError, ValueError, TypeError) as exc:
+        msg = str(exc)
+        raise ConfigError(msg if msg.startswith("backbone") else f"backbone: {msg}") from exc
+
+
+def check_resume_changes(saved: DictConfig, new: DictConfig) -> list[str]:
+    """Differences between a run's saved config and the config it is resumed with.
+
+    Returns:
+        ``["train.steps: 1000 -> 2000", ...]`` for keys in :data:`RESUMABLE_KEYS`.
+
+    Raises:
+        ConfigError: if any other key differs (the run would not continue the same trajectory);
+            the message names every such key.
+    """
+    a, b = flatten(to_container(saved)), flatten(to_container(new))
+    changes, refused = [], []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key, "<unset>") == b.get(key, "<unset>"):
+            continue
+        line = f"{key}: {a.get(key, '<unset>')} -> {b.get(key, '<unset>')}"
+        if any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS):
+            changes.append(line)
+        else:
+            refused.append(line)
+    if refused:
+        raise ConfigError(
+            "these keys cannot change when resuming (the run would no longer continue exactly; start a new "
+            "run instead):\n  " + "\n  ".join(refused) + f"\nkeys that may change: {', '.join(RESUMABLE_KEYS)}"
+        )
+    return changes
+
+
+# -- output ------------------------------------------------------------------------------------------
+
+def to_container(cfg: DictConfig) -> dict[str, Any]:
+    """Plain, resolved dict (enums as their string values)."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    """The resolved config as YAML text (what ``config.yaml`` and checkpoints store)."""
+    return OmegaConf.to_yaml(OmegaConf.create(to_container(cfg)))
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"lr": 1e-4}}`` -> ``{"train.lr": 1e-4}``; lists stay values, empty dicts vanish."""
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def default_run_dir(cfg: DictConfig, config_name: str | None = None, root: str | os.PathLike = "runs") -> Path:
+    """``runs/<config name or agent kind>-<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``... if taken)."""
+    stem = (config_name or str(cfg.agent.kind)).replace("/", "-")
+    base = Path(root) / f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    path, i = base, 1
+    while path.exists():
+        i += 1
+        path = base.with_name(f"{base.name}-{i}")
+    return path
+
+
+def schema_defaults() -> dict[str, Any]:
+    """The schema's default values as a plain dict (``configs/defaults.yaml`` mirrors it)."""
+    return to_container(OmegaConf.structured(RunConfig))
+
+
+__all__ = [
+    "Amp", "ConfigError", "EvalConfig", "RESUMABLE_KEYS", "RunConfig", "Schedule", "TrainConfig",
+    "available_configs", "check_resume_changes", "compose", "config_display_name", "configs_root",
+    "default_run_dir", "flatten", "load_yaml", "parse_overrides", "resolve_config_path", "schema_defaults",
+    "to_container", "to_yaml",
+]

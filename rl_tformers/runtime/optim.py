@@ -1,0 +1,163 @@
+"""AdamW with decay / no-decay parameter groups, and learning-rate schedules.
+
+Weight decay applies to the weight matrices of linear/attention/convolution layers only;
+biases, normalisation parameters (LayerNorm, RMSNorm, GroupNorm, BatchNorm), embedding tables
+and every parameter with fewer than two dimensions are not decayed (as in minGPT and the
+Decision Transformer reference code; decaying LayerNorm gains towards zero is harmful).
+
+Schedules (``train.schedule``), as a factor on ``train.lr`` for the update with index ``s``
+(0-based; update ``s`` is the ``s + 1``-th optimiser step), ``W = train.warmup_steps``,
+``N = train.steps``, ``m = train.min_lr_ratio``:
+
+- ``constant``: 1.
+- ``linear_warmup``: ``(s + 1) / W`` for ``s < W``, then 1 (the Decision Transformer's schedule).
+- ``warmup_cosine``: linear warmup, then ``m + (1 - m) * (1 + cos(pi * p)) / 2`` with
+  ``p = (s - W) / (N - W)`` clipped to [0, 1] (Loshchilov & Hutter 2017, SGDR, without restarts).
+
+The learning rate is a pure function of the step and the config, so a resumed run gets exactly
+the learning rates of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+SCHEDULES = ("constant", "linear_warmup", "warmup_cosine")
+
+#: Module types whose parameters are never weight-decayed.
+NO_DECAY_MODULES: tuple[type[nn.Module], ...] = (
+    nn.LayerNorm,
+    nn.Embedding,
+    nn.EmbeddingBag,
+    nn.GroupNorm,
+    nn.modules.batchnorm._BatchNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
+
+
+def default_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Split trainable parameters into a decayed and a non-decayed group.
+
+    Args:
+        model: the module to optimise. Shared parameters are listed once.
+        weight_decay: decoupled weight decay of the ``decay`` group (AdamW's lambda).
+
+    Returns:
+        ``[{"name": "decay", "params": [...], "weight_decay": weight_decay},
+        {"name": "no_decay", "params": [...], "weight_decay": 0.0}]`` (empty groups dropped).
+    """
+    no_decay_ids: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, NO_DECAY_MODULES):
+            no_decay_ids.update(id(p) for p in module.parameters(recurse=False))
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or id(p) in no_decay_ids else decay).append(p)
+    groups = [
+        {"name": "decay", "params": decay, "weight_decay": weight_decay},
+        {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(
+    groups: Iterable[Mapping[str, Any]],
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> torch.optim.AdamW:
+    """AdamW over ``groups`` (Loshchilov & Hutter 2019, decoupled weight decay).
+
+    Each group is a dict with ``params`` and optionally ``weight_decay``, ``lr_scale``
+    (multiplies ``lr``) and ``name``; missing ``weight_decay`` takes ``weight_decay``.
+
+    Raises:
+        ValueError: if there is no trainable parameter, or a parameter appears in two groups.
+    """
+    out: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    for i, g in enumerate(groups):
+        params = [p for p in g["params"] if p.requires_grad]
+        for p in params:
+            if id(p) in seen:
+                raise ValueError(f"param_groups: a parameter appears in more than one group (group {i})")
+            seen.add(id(p))
+        if not params:
+            continue
+        group = dict(g)
+        group["params"] = params
+        group.setdefault("weight_decay", weight_decay)
+        group.setdefault("name", f"group{i}")
+        group["lr"] = lr * float(group.pop("lr_scale", 1.0))
+        out.append(group)
+    if not out:
+        raise ValueError("the model has no trainable parameters")
+    return torch.optim.AdamW(out, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+
+
+class LRSchedule:
+    """Learning-rate factor as a function of the update index (see the module docstring).
+
+    Args:
+        kind: one of :data:`SCHEDULES`.
+        total_steps: N, the run length in optimiser updates.
+        warmup_steps: W >= 0.
+        min_lr_ratio: m in [0, 1], the final factor of ``warmup_cosine``.
+
+    Raises:
+        ValueError: for an unknown kind or out-of-range numbers.
+    """
+
+    def __init__(self, kind: str, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0) -> None:
+        if kind not in SCHEDULES:
+            raise ValueError(f"train.schedule={kind!r}; use one of {', '.join(SCHEDULES)}")
+        if warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps must be >= 0, got {warmup_steps}")
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+        self.kind = kind
+        self.total_steps = int(total_steps)
+        self.warmup_steps = int(warmup_steps)
+        self.min_lr_ratio = float(min_lr_ratio)
+
+    def __call__(self, step: int) -> float:
+        if self.kind != "constant" and step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.kind == "warmup_cosine":
+            span = max(1, self.total_steps - self.warmup_steps)
+            progress = min(1.0, max(0.0, (step - self.warmup_steps) / span))
+            return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, schedule: LRSchedule) -> LambdaLR:
+    """A ``LambdaLR`` applying ``schedule`` to every group (each group keeps its own base lr)."""
+    return LambdaLR(optimizer, [schedule] * len(optimizer.param_groups))
+
+
+def scheduler_state(scheduler: LambdaLR) -> dict[str, Any]:
+    """The part of the scheduler state that a checkpoint needs: the update counters."""
+    return {"last_epoch": int(scheduler.last_epoch), "_step_count": int(scheduler._step_count)}
+
+
+def restore_scheduler(scheduler: LambdaLR, state: Mapping[str, Any]) -> None:
+    """Restore the counters and set every group's lr from the schedule at that step.
+
+    The schedule itself comes from the current config, so extending ``train.steps`` on resume
+    stretches a cosine schedule instead of keeping the old end point.
+    """
+    scheduler.last_epoch = int(state["last_epoch"])
+    scheduler._step_count = int(state["_step_count"])
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs

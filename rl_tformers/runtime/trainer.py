@@ -1,0 +1,541 @@
+"""The training loop shared by every agent: one :class:`Trainer` per run.
+
+Per update ``s`` (0-based; ``step`` below is the number of updates completed, ``s + 1``)::
+
+    batch = stream[s]                           # pure function of (seed, s): see agents.py
+    with autocast(train.amp): loss, logs = agent.loss(batch)
+    zero_grad; loss.backward()
+    grad_norm = clip_grad_norm_(params, train.grad_clip)   # measured even without clipping
+    optimizer.step(); scheduler.step()
+    every train.log_every:        scalars (window means) -> TensorBoard + metrics.jsonl
+    every eval.every (and at end): agent.evaluate(step) with isolated RNGs
+    every train.checkpoint_every (and at end, and on SIGINT/SIGTERM): checkpoint
+
+Exact resume: a checkpoint at ``step`` holds everything the rest of the run depends on
+(weights, AdamW moments, scheduler counters, global RNG states, the agent's extra state, the
+partial logging window); batches are re-derived from ``(seed, step)``. So N updates in one
+run and N/2 + resume + N/2 give bit-identical weights and logs on CPU (on GPU, as identical as
+the kernels are deterministic: see ``train.deterministic``).
+
+Rank awareness: :attr:`Trainer.is_main` (``RANK`` environment variable, 0 when unset) gates
+every write (logs, config.yaml, checkpoints); distributed data parallelism plugs in there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor
+
+from rl_tformers.runtime import checkpoint as ckpt
+from rl_tformers.runtime.agents import Trainable, build_agent
+from rl_tformers.runtime.config import (
+    ConfigError,
+    check_resume_changes,
+    compose,
+    default_run_dir,
+    flatten,
+    to_container,
+    to_yaml,
+)
+from rl_tformers.runtime.data import batch_stream
+from rl_tformers.runtime.device import autocast, batch_size_of, move_to, resolve_device
+from rl_tformers.runtime.optim import (
+    LRSchedule,
+    build_optimizer,
+    build_scheduler,
+    default_param_groups,
+    restore_scheduler,
+    scheduler_state,
+)
+from rl_tformers.runtime.seeding import capture_rng_state, isolated_rng, restore_rng_state, seed_everything
+from rl_tformers.runtime.tracking import METRICS_FILE, RunLogger, event_files, truncate_run_logs
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.yaml"
+
+
+class RunDirError(FileExistsError):
+    """The run directory already holds another run (use ``--resume`` or another ``--run-dir``)."""
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or gradient norm became NaN/inf; nothing after the last finite window is saved."""
+
+
+@dataclass
+class TrainResult:
+    """What :meth:`Trainer.fit` returns.
+
+    Attributes:
+        run_dir: the run directory.
+        step: updates completed.
+        interrupted: the signal number (``signal.SIGINT``/``SIGTERM``) that stopped the run
+            early, or None when it ran to ``train.steps``.
+        checkpoint: the last checkpoint written by this process (None on non-main ranks).
+        last_train: the last logged training scalars.
+        last_eval: the last evaluation scalars.
+        total_steps: ``train.steps`` of the run; ``step < total_steps`` after an interruption
+            or ``stop_at``.
+    """
+
+    run_dir: Path
+    step: int
+    interrupted: int | None = None
+    checkpoint: Path | None = None
+    last_train: dict[str, float] = field(default_factory=dict)
+    last_eval: dict[str, float] = field(default_factory=dict)
+    total_steps: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.step >= self.total_steps
+
+
+class MetricWindow:
+    """Sums of the per-update scalars since the last log, kept on the device (no sync per step).
+
+    Its state is part of each checkpoint, so the first window after a resume averages exactly
+    the same updates as in an uninterrupted run.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.samples = 0
+        self.sums: dict[str, Tensor | float] = {}
+
+    def add(self, values: Mapping[str, Tensor | float], samples: int) -> None:
+        self.count += 1
+        self.samples += samples
+        for k, v in values.items():
+            v = v.detach().float().reshape(()) if isinstance(v, Tensor) else float(v)
+            self.sums[k] = v if k not in self.sums else self.sums[k] + v
+
+    def means(self) -> dict[str, float]:
+        """Window means as Python floats (synchronises the device once)."""
+        if not self.count:
+            return {}
+        return {k: float(v) / self.count for k, v in self.sums.items()}
+
+    def non_finite(self) -> list[str]:
+        """Names whose sum is NaN/inf (some update in the window produced a non-finite value)."""
+        return [k for k, v in self.means().items() if not math.isfinite(v)]
+
+    def reset(self) -> None:
+        self.count, self.samples, self.sums = 0, 0, {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "samples": self.samples,
+                "sums": {k: v.cpu() if isinstance(v, Tensor) else v for k, v in self.sums.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any], device: torch.device) -> None:
+        self.count, self.samples = int(state["count"]), int(state["samples"])
+        self.sums = {k: v.to(device) if isinstance(v, Tensor) else float(v) for k, v in state["sums"].items()}
+
+
+class GracefulInterrupt:
+    """While active, SIGINT/SIGTERM only set :attr:`signum`; the loop saves and stops at the next
+    update boundary. A second SIGINT raises ``KeyboardInterrupt`` at once (checkpoints are
+    atomic, so even that loses at most the updates since the last one).
+
+    Installs handlers only in the main thread (signals cannot be caught elsewhere).
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        log.warning("received %s: finishing the current update, saving a checkpoint, then stopping "
+                    "(press Ctrl-C again to abort at once)", signal.Signals(signum).name)
+
+    def __enter__(self) -> GracefulInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous.clear()
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+class Trainer:
+    """Runs one training run of any registered agent.
+
+    Args:
+        cfg: a resolved config from :func:`rl_tformers.runtime.config.compose`.
+        run_dir: the run directory (created if needed).
+        resume_from: a verified checkpoint of this run to continue from (see :func:`resume`).
+
+    Raises:
+        ConfigError / ValueError: bad device or schedule values (before anything is written).
+        TypeError: the agent's builder returned something that is not a Trainable.
+    """
+
+    def __init__(self, cfg: DictConfig, run_dir: str | os.PathLike, *, resume_from: ckpt.FoundCheckpoint | None = None):
+        self.cfg = cfg
+        self.config_yaml = to_yaml(cfg)  # the config is read-only: serialise it once
+        self.run_dir = Path(run_dir)
+        self.rank = _env_int("RANK", 0)
+        self.world_size = _env_int("WORLD_SIZE", 1)
+        t = cfg.train
+        self.total_steps = int(t.steps)
+        self.device = resolve_device(cfg.device)
+        self.amp = str(t.amp.value if hasattr(t.amp, "value") else t.amp)
+        autocast(self.device, self.amp)  # validates amp
+        seed_everything(int(cfg.seed), deterministic=bool(t.deterministic))
+
+        self.agent: Trainable = build_agent(cfg, self.run_dir, self.device)
+        self.model = self.agent.model.to(self.device)
+        groups_fn = getattr(self.agent, "param_groups", None)
+        groups = groups_fn() if callable(groups_fn) else default_param_groups(self.model, float(t.weight_decay))
+        self.optimizer = build_optimizer(groups, lr=float(t.lr), weight_decay=float(t.weight_decay),
+                                         betas=tuple(t.betas), eps=float(t.eps))
+        schedule = str(t.schedule.value if hasattr(t.schedule, "value") else t.schedule)
+        self.scheduler = build_scheduler(
+            self.optimizer, LRSchedule(schedule, self.total_steps, int(t.warmup_steps), float(t.min_lr_ratio))
+        )
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.window = MetricWindow()
+        self.step = 0
+        self.elapsed_s = 0.0
+        self._rng_to_restore: dict[str, Any] | None = None
+        self._resumed_from: Path | None = None
+        if resume_from is not None:
+            self._load(resume_from)
+
+    # -- rank awareness -------------------------------------------------------------------------
+    @property
+    def is_main(self) -> bool:
+        """True on the process that logs and checkpoints (rank 0; always True without DDP)."""
+        return self.rank == 0
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint content at the current step (see :mod:`rl_tformers.runtime.checkpoint`)."""
+        extra_fn = getattr(self.agent, "extra_state", None)
+        return {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": scheduler_state(self.scheduler),
+            "rng": capture_rng_state(),
+            "extra": dict(extra_fn()) if callable(extra_fn) else {},
+            "trainer": {"window": self.window.state_dict(), "elapsed_s": self.elapsed_s},
+            "config": self.config_yaml,
+        }
+
+    def save(self) -> Path | None:
+        """Write a checkpoint at the current step (main rank only); prunes to ``train.keep_last``.
+
+        Raises:
+            NonFiniteLossError: if the current logging window saw a NaN/inf loss or gradient
+                norm (a checkpoint must never hold diverged weights).
+        """
+        bad = self.window.non_finite()
+        if bad:
+            raise NonFiniteLossError(
+                f"non-finite {', '.join(bad)} at or before step {self.step}; not saving a checkpoint "
+                f"(try a lower train.lr, train.grad_clip, or train.amp=none)"
+            )
+        if not self.is_main:
+            return None
+        return ckpt.save_checkpoint(self.run_dir, self.state_dict(), keep_last=int(self.cfg.train.keep_last))
+
+    def _load(self, found: ckpt.FoundCheckpoint) -> None:
+        state = found.state
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        restore_scheduler(self.scheduler, state["scheduler"])
+        load_extra = getattr(self.agent, "load_extra_state", None)
+        if callable(load_extra):
+            load_extra(state["extra"])
+        self.window.load_state_dict(state["trainer"]["window"], self.device)
+        self.elapsed_s = float(state["trainer"]["elapsed_s"])
+        self.step = int(state["step"])
+        self._rng_to_restore = state["rng"]  # restored last, right before the first update
+        self._resumed_from = found.path
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def evaluate(self, logger: RunLogger) -> dict[str, float]:
+        """Run the agent's ``evaluate(step)`` (if any) and log its scalars and figures."""
+        fn = getattr(self.agent, "evaluate", None)
+        if not callable(fn):
+            return {}
+        was_training = self.model.training
+        self.model.eval()
+        t0 = time.perf_counter()
+        try:
+            with isolated_rng(), torch.no_grad():
+                out = fn(self.step) or {}
+        finally:
+            self.model.train(was_training)
+        scalars: dict[str, float] = {}
+        for key, value in out.items():
+            tag = key if "/" in key else f"eval/{key}"
+            if hasattr(value, "savefig"):
+                logger.figure(tag, value, self.step)
+            elif isinstance(value, Tensor) and value.numel() == 1 or isinstance(value, (int, float)):
+                scalars[tag] = float(value)
+            else:
+                log.warning("evaluate() returned %s=%r: not a scalar or figure, not logged", key, type(value).__name__)
+        scalars["eval/time_s"] = time.perf_counter() - t0
+        logger.scalars(self.step, scalars)
+        return scalars
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _prepare_run_dir(self, logger: RunLogger) -> None:
+        yaml_text = self.config_yaml
+        ckpt.atomic_write(self.run_dir / CONFIG_FILE, lambda f: f.write(yaml_text.encode()))
+        if self._resumed_from is None:
+            logger.config(yaml_text, flatten(to_container(self.cfg)))
+        else:
+            logger.text("resume", f"resumed at step {self.step} from `{self._resumed_from.name}`", self.step)
+
+    def fit(self, stop_at: int | None = None) -> TrainResult:
+        """Train from the current step to ``train.steps``; stops early (after saving) on SIGINT/SIGTERM.
+
+        Args:
+            stop_at: stop after this many updates (with a checkpoint) even if ``train.steps``
+                is larger; ``--resume`` continues exactly as if the run had never stopped
+                (for time-limited jobs). None: run to ``train.steps``.
+
+        Raises:
+            NonFiniteLossError: the loss or gradient norm became NaN/inf (no checkpoint of it).
+        """
+        t = self.cfg.train
+        result = TrainResult(run_dir=self.run_dir, step=self.step, total_steps=self.total_steps)
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self._resumed_from is not None:
+                truncate_run_logs(self.run_dir, self.step)
+        logger = RunLogger(self.run_dir, enabled=self.is_main)
+        stream: Any = None
+        bar = None
+        try:
+            if self.is_main:
+                self._prepare_run_dir(logger)
+            n_params = sum(p.numel() for p in self.params)
+            log.info("run %s | agent %s | %d trainable parameters | device %s | steps %d -> %d",
+                     self.run_dir, self.cfg.agent.kind, n_params, self.device, self.step, self.total_steps)
+            if t.compile:
+                self.model.compile()
+            source = self.agent.batches(self.step)
+            stream = batch_stream(source, self.step, self.total_steps, int(t.num_workers),
+                                  pin_memory=self.device.type == "cuda")
+            if self._rng_to_restore is not None:
+                restore_rng_state(self._rng_to_restore)
+                self._rng_to_restore = None
+            bar = _progress(self.step, self.total_steps, enabled=bool(t.progress) and self.is_main)
+            with GracefulInterrupt() as interrupt, _log_above_bar(bar):
+                result = self._loop(iter(stream), logger, bar, interrupt, result, stop_at)
+        finally:
+            if bar is not None:
+                bar.close()
+            stream = None  # shuts DataLoader workers down
+            logger.close()
+        return result
+
+    def _loop(self, batches: Iterator[Any], logger: RunLogger, bar: Any, interrupt: GracefulInterrupt,
+              result: TrainResult, stop_at: int | None) -> TrainResult:
+        t, ev = self.cfg.train, self.cfg.eval
+        clip = float(t.grad_clip) if t.grad_clip else math.inf
+        log_every, ckpt_every, eval_every = int(t.log_every), int(t.checkpoint_every), int(ev.every)
+        last_saved = self.step if self._resumed_from is not None else -1
+        self.model.train()
+        window_t0 = time.perf_counter()
+        end = self.total_steps if stop_at is None else min(int(stop_at), self.total_steps)
+        while self.step < end and interrupt.signum is None:
+            t0 = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                raise RuntimeError(
+                    f"agent {self.cfg.agent.kind!r}: batches() ran out at step {self.step} of {self.total_steps}"
+                ) from None
+            batch = move_to(batch, self.device)
+            with autocast(self.device, self.amp):
+                loss, logs = self.agent.loss(batch)
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise TypeError(f"agent {self.cfg.agent.kind!r}: loss() must return a 0-dim tensor first, got {loss!r}")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            self.window.add({"train/loss": loss, "train/grad_norm": grad_norm,
+                             **{(k if "/" in k else f"train/{k}"): v for k, v in dict(logs).items()}},
+                            samples=batch_size_of(batch) or 0)
+            self.elapsed_s += time.perf_counter() - t0
+            if bar is not None:
+                bar.update(1)
+
+            if self.step % log_every == 0 or self.step == self.total_steps:
+                bad = self.window.non_finite()
+                if bad:
+                    raise NonFiniteLossError(
+                        f"non-finite {', '.join(bad)} in updates {self.step - self.window.count + 1}..{self.step} "
+                        f"(try a lower train.lr, train.grad_clip, or train.amp=none)"
+                    )
+                scalars = self.window.means()
+                scalars["train/lr"] = lr  # of the last update
+                dt = max(time.perf_counter() - window_t0, 1e-9)
+                scalars["perf/steps_per_s"] = self.window.count / dt
+                scalars["perf/samples_per_s"] = self.window.samples / dt
+                logger.scalars(self.step, scalars)
+                result.last_train = scalars
+                if bar is not None:
+                    bar.set_postfix(loss=f"{scalars['train/loss']:.4g}", lr=f"{lr:.2e}", refresh=False)
+                self.window.reset()
+                window_t0 = time.perf_counter()
+            if (eval_every and self.step % eval_every == 0) or (self.step == self.total_steps and ev.at_end):
+                result.last_eval = self.evaluate(logger)
+                window_t0 = time.perf_counter()
+            if (ckpt_every and self.step % ckpt_every == 0) or self.step == self.total_steps:
+                result.checkpoint = self.save()
+                last_saved = self.step
+                window_t0 = time.perf_counter()
+
+        stopped_by = interrupt.signum if self.step < end else None  # a signal during the final save is moot
+        if last_saved != self.step and (stopped_by is not None or self.step == end):
+            result.checkpoint = self.save()
+        if stopped_by is not None:
+            log.warning("stopped at step %d by %s; checkpoint %s; continue with: rl-tformers train --resume %s",
+                        self.step, signal.Signals(stopped_by).name, result.checkpoint, self.run_dir)
+        result.step = self.step
+        result.interrupted = stopped_by
+        logger.flush()
+        return result
+
+
+def _log_above_bar(bar: Any) -> Any:
+    """While a progress bar is shown, route ``rl_tformers`` console log lines through ``tqdm.write``."""
+    if bar is None or bar.disable:
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm(loggers=[logging.getLogger("rl_tformers")])
+
+
+def _progress(start: int, total: int, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, disable=not enabled,
+                mininterval=0.5 if tty else 30.0, smoothing=0.05, file=sys.stderr)
+
+
+# -- entry points --------------------------------------------------------------------------------
+
+def _with_run_dir(cfg: DictConfig, run_dir: Path) -> DictConfig:
+    out = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(out, False)
+    out.run_dir = str(run_dir)
+    OmegaConf.set_readonly(out, True)
+    return out
+
+
+def holds_run(run_dir: Path) -> bool:
+    """True if ``run_dir`` already has checkpoints, metrics or event files."""
+    return bool(ckpt.list_checkpoints(run_dir) or (run_dir / METRICS_FILE).exists() or event_files(run_dir))
+
+
+def train(cfg: DictConfig, run_dir: str | os.PathLike | None = None, config_name: str | None = None,
+          stop_at: int | None = None) -> TrainResult:
+    """Start a new run.
+
+    Args:
+        cfg: resolved config (:func:`rl_tformers.runtime.config.compose`).
+        run_dir: where to write; default ``cfg.run_dir``, else ``runs/<config_name>-<timestamp>``.
+        config_name: used for the default run directory name.
+        stop_at: stop (with a checkpoint) after this many updates; see :meth:`Trainer.fit`.
+
+    Raises:
+        RunDirError: ``run_dir`` already holds a run.
+    """
+    path = Path(run_dir) if run_dir is not None else (
+        Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg, config_name)
+    )
+    if holds_run(path):
+        if ckpt.list_checkpoints(path):
+            raise RunDirError(f"{path} already holds a run; continue it with --resume {path}, or pick another --run-dir")
+        raise RunDirError(f"{path} already holds the logs of a run that stopped before its first checkpoint; "
+                          f"delete it or pick another --run-dir")
+    return Trainer(_with_run_dir(cfg, path), path).fit(stop_at)
+
+
+def load_resume_config(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = ()) -> tuple[
+    DictConfig, ckpt.FoundCheckpoint, list[str]
+]:
+    """The config a run resumes with, the checkpoint it resumes from and the changed keys.
+
+    Raises:
+        CheckpointError: no valid checkpoint in ``RUN_DIR/checkpoints``.
+        ConfigError: an override touches a key outside ``RESUMABLE_KEYS``.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ckpt.CheckpointError(f"{run_dir} is not a directory")
+    ckpt.remove_stale_temporaries(run_dir)
+    found = ckpt.find_latest_valid(run_dir, quarantine=True)
+    saved = OmegaConf.create(found.state["config"])  # resolved plain values, as written
+    new = _with_run_dir(compose(start=saved, overrides=list(overrides)), run_dir)
+    changes = check_resume_changes(saved, new)
+    return new, found, changes
+
+
+def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = (),
+           stop_at: int | None = None) -> TrainResult:
+    """Continue a run from its newest valid checkpoint (damaged newer ones are warned about and skipped).
+
+    ``overrides`` may change only :data:`rl_tformers.runtime.config.RESUMABLE_KEYS` (e.g.
+    ``train.steps=20000`` to train longer). Log records written after the checkpoint (by a
+    crash) are dropped first, so no step appears twice in TensorBoard or metrics.jsonl.
+    """
+    cfg, found, changes = load_resume_config(run_dir, overrides)
+    for line in changes:
+        if not line.startswith("run_dir:"):
+            log.info("resume: %s", line)
+    if found.state["step"] >= int(cfg.train.steps):
+        log.info("%s is complete (step %d of train.steps=%d); pass train.steps=N to train longer",
+                 run_dir, found.state["step"], cfg.train.steps)
+        return TrainResult(run_dir=Path(run_dir), step=int(found.state["step"]), checkpoint=found.path,
+                           total_steps=int(cfg.train.steps))
+    return Trainer(cfg, run_dir, resume_from=found).fit(stop_at)
+
+
+__all__ = [
+    "ConfigError", "GracefulInterrupt", "MetricWindow", "NonFiniteLossError", "RunDirError", "TrainResult",
+    "Trainer", "holds_run", "load_resume_config", "resume", "train",
+]

@@ -1,0 +1,145 @@
+"""Checkpoint files: atomic writes, integrity, safe loading, pruning, fallback to an older one."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rl_tformers.runtime.checkpoint import (
+    CheckpointError,
+    atomic_write,
+    content_digest,
+    find_latest_valid,
+    list_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+    remove_stale_temporaries,
+    save_checkpoint,
+)
+
+
+def state(step: int, **extra) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "step": step,
+        "model": {"w": torch.randn(64, 64, generator=g), "b": torch.zeros(3, dtype=torch.bfloat16)},
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "scheduler": {"last_epoch": step, "_step_count": step + 1},
+        "rng": {"python": (3, tuple(range(5)), None)},
+        "extra": dict(extra),
+        "trainer": {"window": {"count": 0}},
+        "config": "seed: 0\n",
+    }
+
+
+def test_round_trip_with_weights_only(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, state(7, obs_mean=torch.ones(3), scale=2.5))
+    assert path == tmp_path / "checkpoints" / "step_000000007.pt"
+    raw = torch.load(path, weights_only=True)  # a plain torch file: loadable without our code
+    assert raw["format"] == "rl-tformers-checkpoint" and raw["sha256"] == content_digest(raw)
+    loaded = load_checkpoint(path)
+    assert loaded["step"] == 7 and loaded["extra"]["scale"] == 2.5
+    assert torch.equal(loaded["model"]["w"], state(7)["model"]["w"])
+    assert loaded["model"]["b"].dtype == torch.bfloat16
+    assert loaded["rng"]["python"] == (3, (0, 1, 2, 3, 4), None)
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]  # no temp left
+
+
+def test_flipped_byte_is_detected(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, state(1))
+    data = bytearray(path.read_bytes())
+    w = state(1)["model"]["w"].numpy().tobytes()
+    offset = bytes(data).find(w[:64])  # inside the tensor payload, which torch itself never checks
+    assert offset > 0
+    data[offset + 1000] ^= 0x01
+    path.write_bytes(bytes(data))
+    torch.load(path, weights_only=True)  # torch alone does not notice ...
+    with pytest.raises(CheckpointError, match=r"step_000000001\.pt: content does not match its SHA-256"):
+        load_checkpoint(path)  # ... the digest does
+
+
+def test_truncated_file_is_detected(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, state(1))
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"step_000000001\.pt: cannot be loaded"):
+        load_checkpoint(path)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch EXPLOITED",))
+
+
+def test_loading_cannot_run_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    torch.save({"format": "rl-tformers-checkpoint", "payload": _Exploit()}, d / "step_000000005.pt")
+    with pytest.raises(CheckpointError, match="cannot be loaded safely"):
+        load_checkpoint(d / "step_000000005.pt")
+    assert not (tmp_path / "EXPLOITED").exists()
+
+
+def test_values_that_cannot_be_loaded_are_refused_at_save(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"checkpoint\.extra\.obs_mean has type ndarray"):
+        save_checkpoint(tmp_path, state(1, obs_mean=np.zeros(3)))
+    assert list_checkpoints(tmp_path) == []
+
+
+def test_prune_keeps_the_newest(tmp_path: Path) -> None:
+    for s in (5, 10, 15, 20):
+        save_checkpoint(tmp_path, state(s), keep_last=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [20, 15]
+    assert [p.name for p in prune_checkpoints(tmp_path, 1)] == ["step_000000015.pt"]
+
+
+def test_atomic_write_keeps_old_file_on_failure(tmp_path: Path) -> None:
+    target = tmp_path / "f.bin"
+    target.write_bytes(b"old")
+
+    def fail(f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(target, fail)
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]
+
+
+def test_find_latest_valid_skips_and_names_bad_files(tmp_path: Path) -> None:
+    for s in (10, 20, 30):
+        save_checkpoint(tmp_path, state(s))
+    p30 = tmp_path / "checkpoints" / "step_000000030.pt"
+    p20 = tmp_path / "checkpoints" / "step_000000020.pt"
+    p30.write_bytes(p30.read_bytes()[: p30.stat().st_size // 2])
+    p20.write_bytes(b"garbage")
+    (tmp_path / "checkpoints" / ".step_000000040.pt.tmp-123").write_bytes(b"half a save")
+    with pytest.warns(UserWarning) as rec:
+        found = find_latest_valid(tmp_path)  # default: read-only
+    assert found.state["step"] == 10 and [p for p, _ in found.skipped] == [p30, p20]
+    assert "step_000000030.pt" in str(rec[0].message) and "step_000000020.pt" in str(rec[1].message)
+    assert p30.exists()
+    with pytest.warns(UserWarning) as rec:
+        find_latest_valid(tmp_path, quarantine=True)
+    assert [str(w.message).endswith(f"(moved to step_0000000{s}.pt.corrupt)") for w, s in zip(rec, (30, 20))] == [
+        True, True]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [10]
+    assert [p.name for p in remove_stale_temporaries(tmp_path)] == [".step_000000040.pt.tmp-123"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert find_latest_valid(tmp_path).path.name == "step_000000010.pt"
+
+
+def test_no_valid_checkpoint_lists_reasons(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        find_latest_valid(tmp_path)
+    save_checkpoint(tmp_path, state(3))
+    p = tmp_path / "checkpoints" / "step_000000003.pt"
+    p.write_bytes(b"x")
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match=r"(?s)no valid checkpoint.*step_000000003\.pt"):
+        find_latest_valid(tmp_path)

@@ -1,0 +1,131 @@
+"""Config composition: layers, typed schema, error messages naming the dotted key, _base_ files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from rl_tformers.runtime.agents import UnknownAgentError
+from rl_tformers.runtime.config import (
+    ConfigError,
+    available_configs,
+    check_resume_changes,
+    compose,
+    configs_root,
+    flatten,
+    parse_overrides,
+    resolve_config_path,
+    schema_defaults,
+    to_container,
+    to_yaml,
+)
+
+
+def test_defaults_yaml_mirrors_the_schema() -> None:
+    on_disk = to_container(OmegaConf.load(configs_root() / "defaults.yaml"))
+    assert on_disk == schema_defaults()
+
+
+def test_layers_in_order(tmp_path: Path) -> None:
+    cfg = compose(None, ["agent.kind=toy"])
+    assert cfg.train.steps == 1000  # defaults.yaml
+    assert cfg.train.batch_size == 16 and cfg.backbone.d_model == 16  # toy's registered defaults
+    f = tmp_path / "c.yaml"
+    f.write_text("agent: {kind: toy}\ntrain: {batch_size: 7, steps: 3}\n")
+    cfg = compose(f, ["train.steps=5", "train.betas=[0.8,0.9]", "dataset.anything.goes=1"])
+    assert (cfg.train.batch_size, cfg.train.steps, list(cfg.train.betas)) == (7, 5, [0.8, 0.9])
+    assert cfg.dataset.anything.goes == 1  # dataset is an open section
+    assert cfg.train.schedule.value == "warmup_cosine" and cfg.train.amp.value == "none"
+    with pytest.raises(Exception):  # noqa: B017 - omegaconf's ReadonlyConfigError
+        cfg.train.steps = 1
+
+
+def test_packaged_config_by_name() -> None:
+    assert "toy" in available_configs() and "defaults" not in available_configs()
+    assert resolve_config_path("toy") == (configs_root() / "toy.yaml").resolve()
+    cfg = compose("toy")
+    assert cfg.agent.kind == "toy" and cfg.train.steps == 300
+    with pytest.raises(ConfigError, match=r"config 'toyy' not found.*did you mean toy\?"):
+        compose("toyy")
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        ("train.lrr=1", r"train\.lrr: unknown key; did you mean train\.lr\?"),
+        ("trian.steps=1", r"trian: unknown key; did you mean train\?"),
+        ("train.steps=abc", r"train\.steps: Value 'abc'.*Integer"),
+        ("train.amp=fp16", r"train\.amp: Invalid value 'fp16', expected one of \[none, bf16\]"),
+        ("train.schedule=step", r"train\.schedule: Invalid value 'step'"),
+        ("agent.bogus=1", r"agent\.bogus: unknown key"),  # toy declares its agent keys
+        ("backbone.attention.kind=nope", r"backbone\.attention"),
+        ("backbone.widht=3", r"backbone\.widht"),
+        ("train.steps=0", r"train\.steps must be >= 1"),
+        ("train.betas=[0.9]", r"train\.betas must be two numbers"),
+        ("device=tpu", r"device='tpu'"),
+        ("eval.every=-1", r"eval\.every must be >= 0"),
+    ],
+)
+def test_bad_overrides_name_the_dotted_key(override: str, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        compose(None, ["agent.kind=toy", override])
+
+
+def test_unknown_key_in_a_file_names_key_and_file(tmp_path: Path) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text("agent: {kind: toy}\ntrain:\n  warmup: 3\n")
+    with pytest.raises(ConfigError, match=r"train\.warmup: unknown key; did you mean train\.warmup_steps\?.*bad\.yaml"):
+        compose(f)
+
+
+def test_unknown_agent_lists_registered_kinds() -> None:
+    with pytest.raises(UnknownAgentError, match=r"agent\.kind='nope' is not registered; registered kinds: .*toy"):
+        compose(None, ["agent.kind=nope"])
+    with pytest.raises(ConfigError, match=r"agent\.kind is required.*toy"):
+        compose(None, ["train.steps=3"])
+
+
+def test_override_syntax() -> None:
+    with pytest.raises(ConfigError, match="not KEY=VALUE"):
+        parse_overrides(["train.steps"])
+    assert parse_overrides(["a.b=null", "c=[1,2]"]) == {"a": {"b": None}, "c": [1, 2]}
+
+
+def test_interpolation_is_resolved() -> None:
+    cfg = compose(None, ["agent.kind=toy", "train.warmup_steps=${train.log_every}", "train.log_every=7"])
+    assert cfg.train.warmup_steps == 7
+    assert "${" not in to_yaml(cfg)
+    with pytest.raises(ConfigError, match="interpolation"):
+        compose(None, ["agent.kind=toy", "train.warmup_steps=${train.nothing}"])
+
+
+def test_base_files(tmp_path: Path) -> None:
+    (tmp_path / "common.yaml").write_text("agent: {kind: toy}\ntrain: {steps: 11, lr: 0.5}\n")
+    (tmp_path / "child.yaml").write_text("_base_: common\ntrain: {lr: 0.25}\n")
+    cfg = compose(tmp_path / "child.yaml")
+    assert (cfg.train.steps, cfg.train.lr) == (11, 0.25)
+    (tmp_path / "a.yaml").write_text("_base_: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("_base_: a.yaml\n")
+    with pytest.raises(ConfigError, match="_base_ cycle"):
+        compose(tmp_path / "a.yaml")
+
+
+def test_yaml_round_trip() -> None:
+    cfg = compose("toy", ["train.grad_clip=null"])
+    again = compose(start=OmegaConf.create(to_yaml(cfg)))
+    assert to_container(again) == to_container(cfg)
+
+
+def test_resume_changes_whitelist() -> None:
+    a = compose(None, ["agent.kind=toy"])
+    b = compose(None, ["agent.kind=toy", "train.steps=2000", "eval.every=5", "device=cpu"])
+    assert check_resume_changes(a, b) == ["device: auto -> cpu", "eval.every: 0 -> 5", "train.steps: 1000 -> 2000"]
+    c = compose(None, ["agent.kind=toy", "backbone.n_layers=2", "train.lr=1"])
+    with pytest.raises(ConfigError, match=r"(?s)backbone\.n_layers: 1 -> 2.*train\.lr: 0\.0001 -> 1"):
+        check_resume_changes(a, c)
+
+
+def test_flatten() -> None:
+    assert flatten({"a": {"b": 1, "c": [1, 2]}, "d": None, "e": {}}) == {"a.b": 1, "a.c": [1, 2], "d": None}

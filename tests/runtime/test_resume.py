@@ -1,0 +1,191 @@
+"""Exact resume, crash recovery, damaged checkpoints and signals (issue 2, "must show")."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import assert_same_weights, model_state, scalar_steps, toy_cfg
+
+from rl_tformers.runtime import trainer as trainer_mod
+from rl_tformers.runtime.checkpoint import list_checkpoints, load_checkpoint
+from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.trainer import Trainer, resume, train
+
+TRAIN_KEYS = ("train/loss", "train/grad_norm", "train/lr", "train/mae")
+
+
+def train_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: r[k] for k in ("step", *TRAIN_KEYS)} for r in rows if "train/loss" in r]
+
+
+def test_split_run_is_bit_identical(tmp_path: Path) -> None:
+    """N updates in one run == N/2 + resume + N/2: identical weights and logged training scalars.
+
+    The split (23) is not a multiple of log_every (5) or checkpoint_every (10), so the partial
+    logging window and the RNG state must both come back from the checkpoint; dropout is on.
+    """
+    cfg = toy_cfg()
+    assert cfg.backbone.dropout > 0 and cfg.train.schedule.value == "warmup_cosine"
+    full, split = tmp_path / "full", tmp_path / "split"
+    r_full = train(cfg, full)
+    r_half = train(cfg, split, stop_at=23)
+    assert (r_half.step, r_half.complete) == (23, False)
+    assert list_checkpoints(split)[0][0] == 23
+    r_rest = resume(split)
+    assert r_full.step == r_rest.step == 40 and r_rest.complete
+    assert_same_weights(model_state(full, 40), model_state(split, 40))
+    a, b = load_checkpoint(full / "checkpoints/step_000000040.pt"), load_checkpoint(split / "checkpoints/step_000000040.pt")
+    assert a["optimizer"]["state"][0]["exp_avg_sq"].equal(b["optimizer"]["state"][0]["exp_avg_sq"])
+    assert a["rng"]["torch"].equal(b["rng"]["torch"])
+    assert train_rows(full) == train_rows(split)  # exact floats, every logged step
+    assert [r["step"] for r in train_rows(split)] == list(range(5, 41, 5))
+
+
+def test_resume_without_rng_restore_would_differ(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control for the test above: dropout makes the RNG state matter, so skipping it changes the weights."""
+    cfg = toy_cfg()
+    train(cfg, tmp_path / "full")
+    train(cfg, tmp_path / "split", stop_at=23)
+    monkeypatch.setattr(trainer_mod, "restore_rng_state", lambda state: None)
+    resume(tmp_path / "split")
+    a, b = model_state(tmp_path / "full", 40), model_state(tmp_path / "split", 40)
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_after_crash_never_goes_backwards(run_dir: Path) -> None:
+    """A crash after logging up to step 150 with the last checkpoint at 100: resume drops steps > 100."""
+    cfg = toy_cfg("train.steps=200", "train.checkpoint_every=100", "train.log_every=10", "eval.every=50",
+                  "train.batch_size=2", "agent.seq_len=4")
+    train(cfg, run_dir, stop_at=150)
+    (run_dir / "checkpoints" / "step_000000150.pt").unlink()  # the crash happened before this save
+    before = scalar_steps(run_dir)
+    assert max(s for _, s in before) == 150  # the files really hold steps after the checkpoint
+
+    result = resume(run_dir)
+    assert result.step == 200
+    after = scalar_steps(run_dir)
+    steps = [s for _, s in after]
+    assert steps == sorted(steps), "a step goes backwards in the event files"
+    first_new = next(i for i, (_, s) in enumerate(after) if s > 100)
+    assert all(s <= 100 for _, s in after[:first_new])
+    assert after[first_new][1] == 110  # the next scalar after resuming from 100
+    per_tag: dict[str, list[int]] = {}
+    for tag, s in after:
+        per_tag.setdefault(tag, []).append(s)
+    assert per_tag["train/loss"] == list(range(10, 201, 10))  # each step exactly once
+    assert per_tag["eval/mse"] == [50, 100, 150, 200]
+    jsonl_steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert jsonl_steps == sorted(jsonl_steps)
+    assert [s for s in jsonl_steps if s == 110] == [110]
+
+
+def test_truncated_latest_checkpoint_falls_back(tmp_path: Path) -> None:
+    """A half-truncated latest checkpoint beside a valid older one: warn naming it, resume from the older."""
+    cfg = toy_cfg()
+    train(cfg, tmp_path / "full")
+    run = tmp_path / "run"
+    train(cfg, run, stop_at=23)  # checkpoints at 10, 20, 23
+    bad = run / "checkpoints" / "step_000000023.pt"
+    data = bad.read_bytes()
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.warns(UserWarning, match=r"step_000000023\.pt") as record:
+        result = resume(run)
+    assert any("skipping unusable checkpoint" in str(w.message) for w in record)
+    assert result.step == 40
+    assert (run / "checkpoints" / "step_000000023.pt.corrupt").exists()  # kept for inspection
+    assert_same_weights(model_state(tmp_path / "full", 40), model_state(run, 40))  # resumed from 20, exactly
+
+
+def test_sigterm_in_process_saves_at_the_interrupted_step(run_dir: Path) -> None:
+    cfg = toy_cfg("train.checkpoint_every=0")
+    trainer = Trainer(trainer_mod._with_run_dir(cfg, run_dir), run_dir)
+    loss = trainer.agent.loss
+    calls = {"n": 0}
+
+    def loss_then_signal(batch):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss(batch)
+
+    trainer.agent.loss = loss_then_signal
+    result = trainer.fit()
+    assert result.interrupted == signal.SIGTERM and result.step == 7
+    assert [s for s, _ in list_checkpoints(run_dir)] == [7]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler removed again
+    assert resume(run_dir).step == 40
+
+
+def test_sigint_subprocess_checkpoint_and_resume(tmp_path: Path) -> None:
+    """Ctrl-C on the real command: checkpoint at the interrupted step, exit 130, resume finishes exactly."""
+    run = tmp_path / "run"
+    common = ["agent.kind=toy", "device=cpu", "train.batch_size=4", "train.log_every=5", "train.schedule=constant",
+              "train.checkpoint_every=1000000", "train.progress=false", "eval.at_end=false"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rl_tformers.cli", "train", *common, "train.steps=1000000", "--run-dir", str(run)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    (step, path), = list_checkpoints(run)
+    assert step >= 10 and load_checkpoint(path)["step"] == step
+    assert f"stopped at step {step}" in err and "--resume" in err
+
+    result = resume(run, [f"train.steps={step + 12}"])
+    assert result.complete and result.step == step + 12
+    reference = train(compose(None, [*common, f"train.steps={step + 12}"]), tmp_path / "ref")
+    assert reference.step == step + 12
+    assert_same_weights(model_state(tmp_path / "ref", step + 12), model_state(run, step + 12))
+
+
+def test_resume_refuses_trajectory_changes(tmp_path: Path) -> None:
+    from rl_tformers.runtime.config import ConfigError
+
+    run = tmp_path / "run"
+    train(toy_cfg(), run, stop_at=10)
+    with pytest.raises(ConfigError, match=r"train\.lr: 0\.003 -> 0\.1"):
+        resume(run, ["train.lr=0.1"])
+    assert resume(run, ["train.steps=20", "train.log_every=2"]).step == 20
+
+
+def test_fresh_run_refuses_existing_run_dir(run_dir: Path) -> None:
+    train(toy_cfg("train.steps=5"), run_dir)
+    with pytest.raises(trainer_mod.RunDirError, match="--resume"):
+        train(toy_cfg("train.steps=5"), run_dir)
+
+
+def test_resume_of_finished_run_is_a_no_op(run_dir: Path) -> None:
+    train(toy_cfg("train.steps=10"), run_dir)
+    n = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    result = resume(run_dir)
+    assert result.complete and result.step == 10
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == n
+
+
+def test_run_dir_with_logs_but_no_checkpoint(run_dir: Path) -> None:
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 5, "train/loss": 1.0}\n')
+    with pytest.raises(trainer_mod.RunDirError, match="stopped before its first checkpoint"):
+        train(toy_cfg(), run_dir)
+    from rl_tformers.runtime.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        resume(run_dir)

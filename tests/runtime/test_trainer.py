@@ -1,0 +1,168 @@
+"""Trainer behaviour: run directory, logging, evaluation isolation, workers, amp, protocol errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import assert_same_weights, model_state, read_events, toy_cfg
+
+from rl_tformers.runtime import agents as agents_mod
+from rl_tformers.runtime import toy
+from rl_tformers.runtime.agents import register_agent
+from rl_tformers.runtime.checkpoint import list_checkpoints, load_checkpoint
+from rl_tformers.runtime.config import compose, to_yaml
+from rl_tformers.runtime.trainer import NonFiniteLossError, Trainer, _with_run_dir, resume, train
+
+
+def test_run_directory_layout(run_dir: Path) -> None:
+    cfg = toy_cfg("train.steps=10", "train.checkpoint_every=5", "train.keep_last=1", "eval.every=5")
+    result = train(cfg, run_dir)
+    assert result.complete and result.checkpoint == run_dir / "checkpoints" / "step_000000010.pt"
+    names = sorted(p.name for p in run_dir.iterdir())
+    assert names[:3] == ["checkpoints", "config.yaml", names[2]] and names[2].startswith("events.out.tfevents")
+    assert names[3:] == ["metrics.jsonl"]
+    assert [s for s, _ in list_checkpoints(run_dir)] == [10]  # keep_last=1
+    saved = (run_dir / "config.yaml").read_text()
+    assert saved == to_yaml(_with_run_dir(cfg, run_dir)) == load_checkpoint(result.checkpoint)["config"]
+    assert compose(start=__import__("omegaconf").OmegaConf.create(saved)).run_dir == str(run_dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in train_rows] == [5, 10]
+    assert {"train/loss", "train/grad_norm", "train/lr", "train/mae", "perf/steps_per_s", "perf/samples_per_s"} <= set(
+        train_rows[0])
+    assert [r["step"] for r in rows if "eval/mse" in r] == [5, 10]
+    tags = {v.tag for ev in read_events(run_dir) for v in ev.summary.value}
+    assert {"train/loss", "train/lr", "eval/mse", "eval/return", "config/text_summary", "_hparams_/experiment"} <= tags
+    assert result.last_eval["eval/mse"] == rows[-1]["eval/mse"]
+
+
+def test_evaluation_does_not_change_training(tmp_path: Path) -> None:
+    train(toy_cfg("train.steps=12"), tmp_path / "a")
+    train(toy_cfg("train.steps=12", "eval.every=3", "agent.eval_figure=true"), tmp_path / "b")
+    assert_same_weights(model_state(tmp_path / "a", 10), model_state(tmp_path / "b", 10))
+    images = [v.tag for ev in read_events(tmp_path / "b") for v in ev.summary.value
+              if v.metadata.plugin_data.plugin_name == "images"]
+    assert images == ["eval/predictions"] * 4
+
+
+def test_dataloader_workers_give_identical_batches(tmp_path: Path) -> None:
+    train(toy_cfg("train.steps=10"), tmp_path / "w0")
+    train(toy_cfg("train.steps=10", "train.num_workers=2"), tmp_path / "w2")
+    assert_same_weights(model_state(tmp_path / "w0", 10), model_state(tmp_path / "w2", 10))
+
+
+def test_extra_state_is_checkpointed_and_restored(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    train(toy_cfg(), run_dir, stop_at=10)
+    extra = load_checkpoint(run_dir / "checkpoints" / "step_000000010.pt")["extra"]
+    assert set(extra) == {"x_mean", "x_std"} and extra["x_std"].shape == (3,)
+    seen = []
+    original = toy.ToyAgent.load_extra_state
+    monkeypatch.setattr(toy.ToyAgent, "load_extra_state", lambda self, s: (seen.append(s), original(self, s)))
+    resume(run_dir, ["train.steps=12"])
+    assert len(seen) == 2  # once in the builder, once from the checkpoint
+    assert torch.equal(seen[1]["x_mean"], extra["x_mean"])
+
+
+def test_non_finite_loss_stops_without_checkpoint(run_dir: Path) -> None:
+    cfg = _with_run_dir(toy_cfg("train.checkpoint_every=2"), run_dir)
+    trainer = Trainer(cfg, run_dir)
+    loss, calls = trainer.agent.loss, {"n": 0}
+
+    def nan_at_3(batch):
+        calls["n"] += 1
+        out, logs = loss(batch)
+        return (out * float("nan") if calls["n"] == 3 else out), logs
+
+    trainer.agent.loss = nan_at_3
+    with pytest.raises(NonFiniteLossError, match="non-finite train/loss, train/grad_norm"):
+        trainer.fit()
+    assert [s for s, _ in list_checkpoints(run_dir)] == [2]
+
+
+def test_bf16_autocast_on_cpu(run_dir: Path) -> None:
+    result = train(toy_cfg("train.steps=5", "train.amp=bf16", "train.checkpoint_every=0"), run_dir)
+    assert result.complete and torch.isfinite(torch.tensor(result.last_train["train/loss"]))
+
+
+class _ListAgent:
+    """Iterable batches, custom parameter groups, no evaluate/extra state."""
+
+    def __init__(self, cfg, n_batches: int) -> None:
+        self.model = torch.nn.Linear(2, 1)
+        self.n_batches = n_batches
+        self.seed = int(cfg.seed)
+
+    def param_groups(self):
+        return [{"name": "all", "params": list(self.model.parameters()), "weight_decay": 0.0}]
+
+    def batches(self, start_step):
+        for s in range(start_step, self.n_batches):
+            g = torch.Generator().manual_seed(self.seed * 100003 + s)
+            yield torch.randn(4, 2, generator=g)
+
+    def loss(self, batch):
+        return self.model(batch).pow(2).mean(), {"custom/norm": batch.norm()}
+
+
+@pytest.fixture
+def test_agents():
+    """Register three throw-away agent kinds for one test, then remove them from the registry."""
+    builders = {
+        "test_iterable": lambda cfg, run_dir, device: _ListAgent(cfg, n_batches=10**9),
+        "test_short": lambda cfg, run_dir, device: _ListAgent(cfg, n_batches=3),
+        "test_broken": lambda cfg, run_dir, device: object(),
+    }
+    for kind, builder in builders.items():
+        register_agent(kind)(builder)
+    yield
+    for kind in builders:
+        agents_mod._AGENTS.pop(kind, None)
+
+
+@pytest.mark.usefixtures("test_agents")
+def test_iterable_batches_and_param_groups(tmp_path: Path) -> None:
+    base = ["device=cpu", "train.progress=false", "train.steps=8", "train.log_every=2", "eval.at_end=false"]
+    full = train(compose(None, ["agent.kind=test_iterable", *base]), tmp_path / "full")
+    assert "custom/norm" in full.last_train
+    train(compose(None, ["agent.kind=test_iterable", *base]), tmp_path / "split", stop_at=3)
+    resume(tmp_path / "split")
+    assert_same_weights(model_state(tmp_path / "full", 8), model_state(tmp_path / "split", 8))
+    groups = load_checkpoint(tmp_path / "full" / "checkpoints" / "step_000000008.pt")["optimizer"]["param_groups"]
+    assert [g["name"] for g in groups] == ["all"]
+    with pytest.raises(RuntimeError, match=r"batches\(\) ran out at step 3 of 8"):
+        train(compose(None, ["agent.kind=test_short", *base]), tmp_path / "short")
+
+
+@pytest.mark.usefixtures("test_agents")
+def test_builder_must_return_a_trainable(run_dir: Path) -> None:
+    with pytest.raises(TypeError, match=r"agent 'test_broken'.*lacks: model .*loss\(\) method; batches\(\) method"):
+        train(compose(None, ["agent.kind=test_broken", "device=cpu"]), run_dir)
+
+
+def test_register_agent_refuses_duplicates() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        register_agent("toy")(lambda cfg, run_dir, device: None)
+
+
+@pytest.mark.slow
+def test_compile(run_dir: Path) -> None:
+    result = train(toy_cfg("train.steps=4", "train.compile=true", "train.checkpoint_every=0"), run_dir)
+    assert result.complete
+    assert not [k for k in model_state(run_dir, 4) if "_orig_mod" in k]  # checkpoints unaffected by compile
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_resume(tmp_path: Path) -> None:
+    """On CUDA: bf16 autocast, RNG (CUDA generator) restore, pinned batches; resume matches closely."""
+    cfg = toy_cfg("device=cuda", "train.amp=bf16", "train.deterministic=true", "train.num_workers=1")
+    full = train(cfg, tmp_path / "full")
+    train(cfg, tmp_path / "split", stop_at=23)
+    assert load_checkpoint(tmp_path / "split" / "checkpoints" / "step_000000023.pt")["rng"]["cuda"] is not None
+    resume(tmp_path / "split")
+    a, b = model_state(tmp_path / "full", 40), model_state(tmp_path / "split", 40)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    assert torch.isfinite(torch.tensor(full.last_train["train/loss"]))
