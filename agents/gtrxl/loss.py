@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
-from rl_tformers.agents.gtrxl.model import EncoderOutput, GTrXLEncoder, GTrXLModel
+from rl_tformers.agents.gtrxl.model import EncoderOutput, GTrXLEncoder, GTrXLModel, gate_logs
 from torch import Tensor, nn
 
 
@@ -115,7 +115,8 @@ def bc_loss(model: GTrXLModel, batch: SegmentBatch) -> tuple[Tensor, dict[str, f
     Discrete: mean cross-entropy over real steps.
 
     Returns:
-        (scalar loss, metrics) with ``loss_bc`` and, for discrete actions, ``accuracy``.
+        (scalar loss, metrics) with ``loss_bc``, mean gate values ``gate/layer{i}_{attn|ffn}`` and,
+        for discrete actions, ``accuracy``.
     """
     out = encode_segment(model.encoder, batch)
     w = batch.window()
@@ -130,6 +131,7 @@ def bc_loss(model: GTrXLModel, batch: SegmentBatch) -> tuple[Tensor, dict[str, f
         loss = _masked_mean(se, w.mask)
     aux = sum(out.aux.values()) if out.aux else 0.0
     metrics["loss_bc"] = float(loss.detach())
+    metrics.update(gate_logs(out.metrics))
     return loss + aux, metrics
 
 
@@ -228,5 +230,6 @@ def iql_loss(
         "iql/q_mean": float(_masked_mean(q_target, w.mask)),
         "iql/adv_mean": float(_masked_mean(adv.detach(), w.mask)),
         "iql/weight_mean": float(_masked_mean(weight, w.mask)),
+        **gate_logs(critic.metrics),
     }
     return loss, metrics

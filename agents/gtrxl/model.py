@@ -431,3 +431,13 @@ class record_attention:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+def gate_logs(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Backbone metrics ``layer{i}/gate_{attn|ffn}`` (mean gate values) as ``gate/layer{i}_{attn|ffn}`` floats."""
+    out = {}
+    for k, v in metrics.items():
+        if k.startswith("layer") and "/gate_" in k:
+            layer, gate = k.split("/gate_")
+            out[f"gate/{layer}_{gate}"] = float(v)
+    return out

@@ -48,7 +48,13 @@ import rl_tformers.envs.memory_tasks  # noqa: F401  (registers the memory tasks 
 import torch
 from rl_tformers.agents.common.loading import register_inference_loader
 from rl_tformers.agents.gtrxl.agent import GTrXLPolicy, _plain, model_config_dict
-from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone, record_attention
+from rl_tformers.agents.gtrxl.model import (
+    GTrXLConfig,
+    GTrXLModel,
+    gate_logs,
+    gtrxl_backbone,
+    record_attention,
+)
 from torch import Tensor
 
 from rl_tformers.attention.base import attention_entropy
@@ -184,10 +190,7 @@ def ppo_loss(
             "approx_kl": float(((ratio - 1) - log_ratio).mean()),
             "clipfrac": float(((ratio - 1.0).abs() > clip_coef).float().mean()),
         }
-        for k, v in out.metrics.items():
-            if k.startswith("layer") and "/gate_" in k:
-                layer, gate = k.split("/gate_")
-                logs[f"gate/{layer}_{gate}"] = float(v)
+        logs.update(gate_logs(out.metrics))
     return loss, logs
 
 
