@@ -167,6 +167,8 @@ class GTrXLPolicy:
         reward_mult: multiplier of the r_{t-1} input (raw units * reward_mult).
         deterministic: act with the mode (True) or sample from the actor.
         device: where the model runs.
+        obs_clip: clip normalised observations to [-obs_clip, obs_clip] (PPO's running
+            normalisation does; ``None``: no clipping).
     """
 
     def __init__(
@@ -181,8 +183,10 @@ class GTrXLPolicy:
         reward_mult: float = 1.0,
         deterministic: bool = True,
         device: torch.device | str | None = None,
+        obs_clip: float | None = None,
     ) -> None:
         self.model = model.eval()
+        self.obs_clip = obs_clip
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.obs_mean = torch.as_tensor(np.asarray(obs_mean, np.float32), device=self.device)
         self.obs_std = torch.as_tensor(np.asarray(obs_std, np.float32), device=self.device)
@@ -246,6 +250,8 @@ class GTrXLPolicy:
         keep = (~start).view(-1, *([1] * (state.prev_action.dim() - 1)))
         prev_a = state.prev_action * keep.to(state.prev_action.dtype)
         o = (torch.as_tensor(np.asarray(obs, np.float32), device=dev).reshape(n, -1) - self.obs_mean) / self.obs_std
+        if self.obs_clip is not None:
+            o = o.clamp(-self.obs_clip, self.obs_clip)
         x = enc.inputs(
             o[:, None],  # (N, 1, O)
             torch.as_tensor(rtg / self.rtg_scale, dtype=torch.float32, device=dev)[:, None],  # (N, 1)

@@ -61,6 +61,8 @@ from rl_tformers.attention.base import attention_entropy
 from rl_tformers.runtime.agents import register_agent
 from rl_tformers.types import BackboneState, LayerState
 
+OBS_CLIP = 10.0  # normalised observations are clipped to [-10, 10] (as SB3's VecNormalize)
+
 PPO_DEFAULTS: dict[str, Any] = {
     "agent": {
         "env_id": "rl_tformers/PositionOnlyCartPole-v1",
@@ -312,7 +314,7 @@ class GTrXLPPO:
 
     def _norm_obs(self, obs: np.ndarray) -> Tensor:
         o = (np.asarray(obs, np.float64).reshape(len(obs), -1) - self.obs_rms.mean) / self.obs_rms.std
-        return torch.as_tensor(np.clip(o, -10.0, 10.0), dtype=torch.float32, device=self.device)
+        return torch.as_tensor(np.clip(o, -OBS_CLIP, OBS_CLIP), dtype=torch.float32, device=self.device)
 
     def _to_env(self, a: Tensor) -> np.ndarray:
         if self.discrete:
@@ -449,7 +451,7 @@ class GTrXLPPO:
         det = bool(self.a.deterministic) if deterministic is None else deterministic
         return GTrXLPolicy(
             self.model, obs_mean=self.obs_rms.mean, obs_std=self.obs_rms.std, action_low=self.low,
-            action_high=self.high, reward_mult=self.reward_scale, deterministic=det,
+            action_high=self.high, reward_mult=self.reward_scale, deterministic=det, obs_clip=OBS_CLIP,
         )
 
     def make_env(self):
