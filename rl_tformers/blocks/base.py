@@ -60,7 +60,8 @@ class FeedForward(nn.Module):
 
 def build_ffn(ctx) -> FeedForward:
     cfg = ctx.config
-    return FeedForward(cfg.d_model, cfg.ff_dim, cfg.activation, cfg.dropout, cfg.ffn_chunks)
+    hidden_dropout = cfg.dropout if cfg.ffn_dropout is None else cfg.ffn_dropout
+    return FeedForward(cfg.d_model, cfg.ff_dim, cfg.activation, hidden_dropout, cfg.ffn_chunks)
 
 
 class BlockModule(nn.Module):
