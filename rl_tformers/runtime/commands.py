@@ -1,4 +1,5 @@
-"""``rl-tformers train``: start or resume a run. (``sweep`` joins here: see ``register``.)
+"""``rl-tformers train``: start or resume a run (one process, or N data-parallel processes with
+``--nproc``); ``rl-tformers sweep``: many runs over a grid (:mod:`rl_tformers.runtime.sweep`).
 
 Heavy imports (torch, tensorboard, agents) happen inside the command, so ``rl-tformers --help``
 stays fast.
@@ -7,6 +8,7 @@ stays fast.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +35,12 @@ Continue a run exactly where it stopped, optionally for longer:
   rl-tformers train --resume runs/try1 train.steps=5000
 
 Ctrl-C (SIGINT) or SIGTERM saves a checkpoint at the current step and exits with code 130/143; --resume continues from it. Exit code 2: bad config, checkpoint or run directory.
+
+Data-parallel training on N processes (DistributedDataParallel; gloo on CPU, NCCL with one GPU per process; train.batch_size is the global batch, split across the processes; logs and checkpoints come from rank 0; --resume works the same):
+
+  rl-tformers train --nproc 2 -c dt/hopper_medium
+
+  torchrun --standalone --nproc-per-node 2 -m rl_tformers.cli train -c dt/hopper_medium --run-dir runs/dt-ddp   (the same, by hand)
 """
 
 
@@ -83,6 +91,10 @@ def train(
         None, "--stop-at", metavar="STEP", min=0,
         help="Stop after STEP updates with a checkpoint (for time-limited jobs); --resume continues.",
     ),
+    nproc: int = typer.Option(
+        1, "--nproc", min=1, metavar="N",
+        help="Data-parallel processes on this machine (torchrun + DistributedDataParallel; gloo on CPU, NCCL on GPUs).",
+    ),
     print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config and exit."),
     list_agents: bool = typer.Option(False, "--list-agents", help="List the registered agent kinds and exit."),
 ) -> None:
@@ -110,6 +122,8 @@ def train(
     overrides = list(overrides or [])
     if device is not None:
         overrides.append(f"device={device}")
+    if nproc > 1 and not print_config and "WORLD_SIZE" not in os.environ:
+        raise typer.Exit(_launch_torchrun(nproc, overrides, config, resume, run_dir, stop_at))
     try:
         if resume is not None:
             if config is not None or run_dir is not None:
@@ -131,6 +145,8 @@ def train(
         raise _fail(str(exc)) from None
     if result.interrupted is not None:
         raise typer.Exit(128 + int(result.interrupted))
+    if os.environ.get("RANK", "0") != "0":
+        return  # under torchrun, rank 0 reports
     if result.complete:
         typer.echo(f"done: {result.step} steps in {result.run_dir} (view: tensorboard --logdir {result.run_dir})",
                    err=True)
@@ -139,6 +155,67 @@ def train(
                    f"rl-tformers train --resume {result.run_dir}", err=True)
 
 
+def _launch_torchrun(nproc: int, overrides: list[str], config: str | None, resume: Path | None,
+                     run_dir: Path | None, stop_at: int | None) -> int:
+    """Run this command again under torchrun on ``nproc`` processes; returns torchrun's exit code.
+
+    A new run's directory is decided here (so every rank writes to the same place); SIGINT /
+    SIGTERM reach torchrun, which forwards them once to every rank (each saves and stops).
+    """
+    import signal
+    import subprocess
+
+    from rl_tformers.runtime.config import (
+        ConfigError,
+        compose,
+        config_display_name,
+        default_run_dir,
+        resolve_config_path,
+    )
+    from rl_tformers.runtime.distributed import torchrun_command
+
+    args: list[str] = []
+    if resume is not None:
+        if config is not None or run_dir is not None:
+            raise _fail("--resume takes its config and run directory from RUN_DIR; drop --config/--run-dir")
+        args += ["--resume", str(resume)]
+    else:
+        if run_dir is None:
+            try:
+                cfg = compose(config, overrides)
+                name = config_display_name(resolve_config_path(config)) if config is not None else None
+            except ConfigError as exc:
+                raise _fail(str(exc)) from None
+            run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg, name)
+        if config is not None:
+            args += ["--config", config]
+        args += ["--run-dir", str(run_dir)]
+    if stop_at is not None:
+        args += ["--stop-at", str(stop_at)]
+    cmd = torchrun_command(nproc, [*args, *overrides])
+    typer.echo(f"launching {nproc} processes: {' '.join(cmd[2:])}", err=True)
+    # own session: a terminal's Ctrl-C reaches this process only, which forwards it exactly once
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    received: list[int] = []
+
+    def forward(signum, frame):  # torchrun forwards it to every rank; each saves and stops
+        received.append(signum)
+        proc.send_signal(signum)
+
+    for s in previous:
+        signal.signal(s, forward)
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 128 + received[0] if received and rc != 0 else rc
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``train`` to the ``rl-tformers`` app. (Issue 9 adds ``sweep`` here, from ``runtime/sweep.py``.)"""
+    """Add ``train`` and ``sweep`` to the ``rl-tformers`` app."""
     app.command("train", help=TRAIN_HELP, no_args_is_help=False)(train)
+    from rl_tformers.runtime.sweep import register as register_sweep
+
+    register_sweep(app)

@@ -98,6 +98,9 @@ class TrainConfig:
             interruption).
         keep_last: keep this many newest checkpoints.
         progress: show a progress bar with ETA (on a terminal; a plain line every 30 s otherwise).
+        ddp_find_unused: multi-process runs only: let DistributedDataParallel look for
+            parameters without a gradient in each update (needed when some parameters are unused
+            in some updates; costs a graph traversal per update).
     """
 
     steps: int = 1000
@@ -118,6 +121,7 @@ class TrainConfig:
     checkpoint_every: int = 1000
     keep_last: int = 3
     progress: bool = True
+    ddp_find_unused: bool = False
 
 
 @dataclass
@@ -161,6 +165,7 @@ RESUMABLE_KEYS = (
     "train.progress",
     "train.num_workers",
     "train.compile",
+    "train.ddp_find_unused",
     "eval",
     "device",
     "run_dir",

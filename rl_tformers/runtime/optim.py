@@ -68,6 +68,25 @@ def default_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str
     return [g for g in groups if g["params"]]
 
 
+#: Device types with PyTorch's fused (single-kernel, multi-tensor) AdamW.
+FUSED_DEVICES = ("cpu", "cuda")
+
+
+def adamw_implementation(params: Iterable[torch.Tensor]) -> dict[str, bool]:
+    """Keyword arguments choosing AdamW's implementation for ``params``.
+
+    ``{"fused": True}`` when every parameter is a dense floating-point tensor on a device in
+    :data:`FUSED_DEVICES` (one kernel updates all parameters: measured 10% more DT training steps
+    per second on CPU than the default per-parameter loop, see docs/performance.md);
+    otherwise ``{}`` (PyTorch's default: ``foreach`` where supported). Same update rule either way.
+    """
+    params = list(params)
+    ok = bool(params) and all(
+        p.is_floating_point() and p.layout == torch.strided and p.device.type in FUSED_DEVICES for p in params
+    )
+    return {"fused": True} if ok else {}
+
+
 def build_optimizer(
     groups: Iterable[Mapping[str, Any]],
     lr: float,
@@ -78,7 +97,8 @@ def build_optimizer(
     """AdamW over ``groups`` (Loshchilov & Hutter 2019, decoupled weight decay).
 
     Each group is a dict with ``params`` and optionally ``weight_decay``, ``lr_scale``
-    (multiplies ``lr``) and ``name``; missing ``weight_decay`` takes ``weight_decay``.
+    (multiplies ``lr``) and ``name``; missing ``weight_decay`` takes ``weight_decay``. The
+    fused implementation is used where available (:func:`adamw_implementation`).
 
     Raises:
         ValueError: if there is no trainable parameter, or a parameter appears in two groups.
@@ -101,7 +121,8 @@ def build_optimizer(
         out.append(group)
     if not out:
         raise ValueError("the model has no trainable parameters")
-    return torch.optim.AdamW(out, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    impl = adamw_implementation(p for g in out for p in g["params"])
+    return torch.optim.AdamW(out, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **impl)
 
 
 class LRSchedule:

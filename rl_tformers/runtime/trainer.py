@@ -17,8 +17,10 @@ partial logging window); batches are re-derived from ``(seed, step)``. So N upda
 run and N/2 + resume + N/2 give bit-identical weights and logs on CPU (on GPU, as identical as
 the kernels are deterministic: see ``train.deterministic``).
 
-Rank awareness: :attr:`Trainer.is_main` (``RANK`` environment variable, 0 when unset) gates
-every write (logs, config.yaml, checkpoints); distributed data parallelism plugs in there.
+Multi-process training (``torchrun``, ``rl-tformers train --nproc N``): the same loop in each
+process, with the agent's loss wrapped in DistributedDataParallel, batches split across ranks
+and every write (logs, config.yaml, checkpoints) from rank 0 only; see
+:mod:`rl_tformers.runtime.distributed`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from rl_tformers.runtime import checkpoint as ckpt
+from rl_tformers.runtime import distributed as dist_rt
 from rl_tformers.runtime.agents import Trainable, build_agent
 from rl_tformers.runtime.config import (
     ConfigError,
@@ -62,7 +65,13 @@ from rl_tformers.runtime.optim import (
     restore_scheduler,
     scheduler_state,
 )
-from rl_tformers.runtime.seeding import capture_rng_state, isolated_rng, restore_rng_state, seed_everything
+from rl_tformers.runtime.seeding import (
+    capture_rng_state,
+    derive_seed,
+    isolated_rng,
+    restore_rng_state,
+    seed_everything,
+)
 from rl_tformers.runtime.tracking import METRICS_FILE, RunLogger, event_files, truncate_run_logs
 
 log = logging.getLogger(__name__)
@@ -136,6 +145,20 @@ class MetricWindow:
         """Names whose sum is NaN/inf (some update in the window produced a non-finite value)."""
         return [k for k, v in self.means().items() if not math.isfinite(v)]
 
+    def sync(self, device: torch.device) -> None:
+        """Replace every sum (and ``samples``) by its mean over the ranks of the process group
+        (one all-reduce; a no-op outside one). Every rank then holds the same window, so the
+        logged means are those of the global batch and every rank takes the same decisions
+        (non-finite checks). Syncing again later is correct: the mean over ranks of
+        (synced part + local part) is the synced part + the mean of the local parts.
+        """
+        if not dist_rt.is_active() or not self.count:
+            return
+        keys = list(self.sums)
+        values = dist_rt.all_mean_([*(self.sums[k] for k in keys), float(self.samples)], device)
+        self.sums = {k: torch.tensor(v, device=device) for k, v in zip(keys, values[:-1])}
+        self.samples = values[-1]
+
     def reset(self) -> None:
         self.count, self.samples, self.sums = 0, 0, {}
 
@@ -181,13 +204,6 @@ class GracefulInterrupt:
         self._previous.clear()
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
 class Trainer:
     """Runs one training run of any registered agent.
 
@@ -205,11 +221,16 @@ class Trainer:
         self.cfg = cfg
         self.config_yaml = to_yaml(cfg)  # the config is read-only: serialise it once
         self.run_dir = Path(run_dir)
-        self.rank = _env_int("RANK", 0)
-        self.world_size = _env_int("WORLD_SIZE", 1)
+        self.dist = dist_rt.dist_info()
+        self.rank, self.world_size = self.dist.rank, self.dist.world_size
         t = cfg.train
         self.total_steps = int(t.steps)
-        self.device = resolve_device(cfg.device)
+        self.device = dist_rt.rank_device(resolve_device(cfg.device), self.dist)
+        if self.world_size > 1 and int(t.batch_size) % self.world_size:
+            raise ConfigError(
+                f"train.batch_size={t.batch_size} is the global batch and must be divisible by the "
+                f"{self.world_size} processes"
+            )
         self.amp = str(t.amp.value if hasattr(t.amp, "value") else t.amp)
         autocast(self.device, self.amp)  # validates amp
         seed_everything(int(cfg.seed), deterministic=bool(t.deterministic))
@@ -230,8 +251,14 @@ class Trainer:
         self.elapsed_s = 0.0
         self._rng_to_restore: dict[str, Any] | None = None
         self._resumed_from: Path | None = None
+        if self.rank > 0:  # different dropout masks on different shards (checkpoints keep each rank's RNG)
+            seed_everything(derive_seed(int(cfg.seed), "rank", self.rank), deterministic=bool(t.deterministic))
         if resume_from is not None:
             self._load(resume_from)
+        #: DistributedDataParallel around the agent's loss (multi-process runs), else None
+        self.ddp: torch.nn.Module | None = None
+        if self.dist.distributed and dist_rt.is_active():
+            self.ddp = dist_rt.wrap_ddp(self.agent, self.device, bool(t.get("ddp_find_unused", False)))
 
     # -- rank awareness -------------------------------------------------------------------------
     @property
@@ -257,10 +284,17 @@ class Trainer:
     def save(self) -> Path | None:
         """Write a checkpoint at the current step (main rank only); prunes to ``train.keep_last``.
 
+        Under DDP every rank must call it (the logging window is synced and every rank's RNG
+        state gathered into the checkpoint); only rank 0 writes.
+
         Raises:
             NonFiniteLossError: if the current logging window saw a NaN/inf loss or gradient
                 norm (a checkpoint must never hold diverged weights).
         """
+        rng_ranks = None
+        if dist_rt.is_active():
+            self.window.sync(self.device)
+            rng_ranks = dist_rt.gather_objects(capture_rng_state())
         bad = self.window.non_finite()
         if bad:
             raise NonFiniteLossError(
@@ -269,7 +303,10 @@ class Trainer:
             )
         if not self.is_main:
             return None
-        return ckpt.save_checkpoint(self.run_dir, self.state_dict(), keep_last=int(self.cfg.train.keep_last))
+        state = self.state_dict()
+        if rng_ranks is not None:
+            state["trainer"]["rng_ranks"] = rng_ranks
+        return ckpt.save_checkpoint(self.run_dir, state, keep_last=int(self.cfg.train.keep_last))
 
     def _load(self, found: ckpt.FoundCheckpoint) -> None:
         state = found.state
@@ -283,13 +320,24 @@ class Trainer:
         self.elapsed_s = float(state["trainer"]["elapsed_s"])
         self.step = int(state["step"])
         self._rng_to_restore = state["rng"]  # restored last, right before the first update
+        ranks = state["trainer"].get("rng_ranks")
+        if self.world_size > 1 or ranks is not None:
+            if ranks is not None and len(ranks) == self.world_size:
+                self._rng_to_restore = ranks[self.rank]
+            else:
+                saved = 1 if ranks is None else len(ranks)
+                log.warning("resuming a %d-process run with %d processes: the data and weights continue exactly, "
+                            "the dropout random streams do not", saved, self.world_size)
+                if self.rank > 0:
+                    seed_everything(derive_seed(int(self.cfg.seed), "rank", self.rank, self.step))
+                    self._rng_to_restore = capture_rng_state()
         self._resumed_from = found.path
 
     # -- evaluation -----------------------------------------------------------------------------
     def evaluate(self, logger: RunLogger) -> dict[str, float]:
-        """Run the agent's ``evaluate(step)`` (if any) and log its scalars and figures."""
+        """Run the agent's ``evaluate(step)`` (if any; rank 0 only) and log its scalars and figures."""
         fn = getattr(self.agent, "evaluate", None)
-        if not callable(fn):
+        if not callable(fn) or not self.is_main:
             return {}
         was_training = self.model.training
         self.model.eval()
@@ -345,11 +393,13 @@ class Trainer:
             if self.is_main:
                 self._prepare_run_dir(logger)
             n_params = sum(p.numel() for p in self.params)
-            log.info("run %s | agent %s | %d trainable parameters | device %s | steps %d -> %d",
-                     self.run_dir, self.cfg.agent.kind, n_params, self.device, self.step, self.total_steps)
+            if self.is_main:
+                procs = f" x {self.world_size} processes" if self.world_size > 1 else ""
+                log.info("run %s | agent %s | %d trainable parameters | device %s%s | steps %d -> %d",
+                         self.run_dir, self.cfg.agent.kind, n_params, self.device, procs, self.step, self.total_steps)
             if t.compile:
                 self.model.compile()
-            source = self.agent.batches(self.step)
+            source = dist_rt.shard_source(self.agent.batches(self.step), self.rank, self.world_size)
             stream = batch_stream(source, self.step, self.total_steps, int(t.num_workers),
                                   pin_memory=self.device.type == "cuda")
             if self._rng_to_restore is not None:
@@ -365,16 +415,54 @@ class Trainer:
             logger.close()
         return result
 
+    def update(self, batch: Any) -> tuple[Tensor, Tensor, Mapping[str, Any]]:
+        """One optimiser update on ``batch`` (already on the device; this rank's shard under DDP).
+
+        autocast(train.amp) forward + loss, backward (DDP all-reduces gradients inside it),
+        global-norm clipping to ``train.grad_clip``, AdamW step, scheduler step. No host sync.
+
+        Returns:
+            (loss, grad_norm, logs): 0-dim tensors on the device and the agent's extra scalars.
+
+        Raises:
+            TypeError: the agent's ``loss`` did not return a 0-dim tensor first.
+        """
+        with autocast(self.device, self.amp):
+            loss, logs = (self.ddp if self.ddp is not None else self.agent.loss)(batch)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError(f"agent {self.cfg.agent.kind!r}: loss() must return a 0-dim tensor first, got {loss!r}")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self._clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss, grad_norm, logs
+
+    @property
+    def _clip(self) -> float:
+        return float(self.cfg.train.grad_clip) if self.cfg.train.grad_clip else math.inf
+
+    def _stop_signal(self, interrupt: GracefulInterrupt) -> int | None:
+        """The signal that stops the run after this update, agreed by every rank under DDP."""
+        if not dist_rt.is_active():
+            return interrupt.signum
+        if dist_rt.any_rank(interrupt.signum is not None, self.device):
+            return interrupt.signum if interrupt.signum is not None else signal.SIGTERM
+        return None
+
     def _loop(self, batches: Iterator[Any], logger: RunLogger, bar: Any, interrupt: GracefulInterrupt,
               result: TrainResult, stop_at: int | None) -> TrainResult:
         t, ev = self.cfg.train, self.cfg.eval
-        clip = float(t.grad_clip) if t.grad_clip else math.inf
         log_every, ckpt_every, eval_every = int(t.log_every), int(t.checkpoint_every), int(ev.every)
         last_saved = self.step if self._resumed_from is not None else -1
         self.model.train()
         window_t0 = time.perf_counter()
         end = self.total_steps if stop_at is None else min(int(stop_at), self.total_steps)
-        while self.step < end and interrupt.signum is None:
+        stopped_by: int | None = None
+        while self.step < end:
+            stopped_by = self._stop_signal(interrupt)
+            if stopped_by is not None:
+                break
             t0 = time.perf_counter()
             try:
                 batch = next(batches)
@@ -383,16 +471,8 @@ class Trainer:
                     f"agent {self.cfg.agent.kind!r}: batches() ran out at step {self.step} of {self.total_steps}"
                 ) from None
             batch = move_to(batch, self.device)
-            with autocast(self.device, self.amp):
-                loss, logs = self.agent.loss(batch)
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                raise TypeError(f"agent {self.cfg.agent.kind!r}: loss() must return a 0-dim tensor first, got {loss!r}")
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
-            lr = float(self.optimizer.param_groups[0]["lr"])
-            self.optimizer.step()
-            self.scheduler.step()
+            lr = float(self.optimizer.param_groups[0]["lr"])  # of this update (before the scheduler steps)
+            loss, grad_norm, logs = self.update(batch)
             self.step += 1
             self.window.add({"train/loss": loss, "train/grad_norm": grad_norm,
                              **{(k if "/" in k else f"train/{k}"): v for k, v in dict(logs).items()}},
@@ -402,6 +482,7 @@ class Trainer:
                 bar.update(1)
 
             if self.step % log_every == 0 or self.step == self.total_steps:
+                self.window.sync(self.device)
                 bad = self.window.non_finite()
                 if bad:
                     raise NonFiniteLossError(
@@ -412,7 +493,7 @@ class Trainer:
                 scalars["train/lr"] = lr  # of the last update
                 dt = max(time.perf_counter() - window_t0, 1e-9)
                 scalars["perf/steps_per_s"] = self.window.count / dt
-                scalars["perf/samples_per_s"] = self.window.samples / dt
+                scalars["perf/samples_per_s"] = self.window.samples * self.world_size / dt
                 logger.scalars(self.step, scalars)
                 result.last_train = scalars
                 if bar is not None:
@@ -427,7 +508,8 @@ class Trainer:
                 last_saved = self.step
                 window_t0 = time.perf_counter()
 
-        stopped_by = interrupt.signum if self.step < end else None  # a signal during the final save is moot
+        if self.step >= end:
+            stopped_by = None  # a signal during the final save is moot
         if last_saved != self.step and (stopped_by is not None or self.step == end):
             result.checkpoint = self.save()
         if stopped_by is not None:
@@ -481,24 +563,37 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike | None = None, config_name
         config_name: used for the default run directory name.
         stop_at: stop (with a checkpoint) after this many updates; see :meth:`Trainer.fit`.
 
+    Under torchrun (``WORLD_SIZE`` > 1) this joins the process group for the run; rank 0 picks
+    the run directory and checks it, and the other ranks follow its decision.
+
     Raises:
         RunDirError: ``run_dir`` already holds a run.
     """
-    path = Path(run_dir) if run_dir is not None else (
-        Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg, config_name)
-    )
-    if holds_run(path):
-        if ckpt.list_checkpoints(path):
-            raise RunDirError(f"{path} already holds a run; continue it with --resume {path}, or pick another --run-dir")
-        raise RunDirError(f"{path} already holds the logs of a run that stopped before its first checkpoint; "
-                          f"delete it or pick another --run-dir")
-    return Trainer(_with_run_dir(cfg, path), path).fit(stop_at)
+    with dist_rt.process_group(cfg.device) as info:
+        problem, path = None, None
+        if info.is_main:
+            path = Path(run_dir) if run_dir is not None else (
+                Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg, config_name)
+            )
+            if holds_run(path):
+                if ckpt.list_checkpoints(path):
+                    problem = f"{path} already holds a run; continue it with --resume {path}, or pick another --run-dir"
+                else:
+                    problem = (f"{path} already holds the logs of a run that stopped before its first checkpoint; "
+                               f"delete it or pick another --run-dir")
+        problem, path = dist_rt.broadcast_object((problem, path))
+        if problem is not None:
+            raise RunDirError(problem)
+        return Trainer(_with_run_dir(cfg, path), path).fit(stop_at)
 
 
-def load_resume_config(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = ()) -> tuple[
-    DictConfig, ckpt.FoundCheckpoint, list[str]
-]:
+def load_resume_config(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = (),
+                       repair: bool = True) -> tuple[DictConfig, ckpt.FoundCheckpoint, list[str]]:
     """The config a run resumes with, the checkpoint it resumes from and the changed keys.
+
+    Args:
+        repair: remove stale temporary files and quarantine damaged checkpoints (what one
+            process resuming does; under DDP only rank 0 repairs, the others only read).
 
     Raises:
         CheckpointError: no valid checkpoint in ``RUN_DIR/checkpoints``.
@@ -507,8 +602,9 @@ def load_resume_config(run_dir: str | os.PathLike, overrides: tuple[str, ...] | 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ckpt.CheckpointError(f"{run_dir} is not a directory")
-    ckpt.remove_stale_temporaries(run_dir)
-    found = ckpt.find_latest_valid(run_dir, quarantine=True)
+    if repair:
+        ckpt.remove_stale_temporaries(run_dir)
+    found = ckpt.find_latest_valid(run_dir, quarantine=repair)
     saved = OmegaConf.create(found.state["config"])  # resolved plain values, as written
     new = _with_run_dir(compose(start=saved, overrides=list(overrides)), run_dir)
     changes = check_resume_changes(saved, new)
@@ -523,16 +619,34 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
     ``train.steps=20000`` to train longer). Log records written after the checkpoint (by a
     crash) are dropped first, so no step appears twice in TensorBoard or metrics.jsonl.
     """
-    cfg, found, changes = load_resume_config(run_dir, overrides)
-    for line in changes:
-        if not line.startswith("run_dir:"):
-            log.info("resume: %s", line)
-    if found.state["step"] >= int(cfg.train.steps):
-        log.info("%s is complete (step %d of train.steps=%d); pass train.steps=N to train longer",
-                 run_dir, found.state["step"], cfg.train.steps)
-        return TrainResult(run_dir=Path(run_dir), step=int(found.state["step"]), checkpoint=found.path,
-                           total_steps=int(cfg.train.steps))
-    return Trainer(cfg, run_dir, resume_from=found).fit(stop_at)
+    with dist_rt.process_group(_resume_device_spec(run_dir, overrides)) as info:
+        if info.is_main:  # repairs the run directory before the other ranks read it
+            cfg, found, changes = load_resume_config(run_dir, overrides)
+        dist_rt.barrier()
+        if not info.is_main:
+            cfg, found, changes = load_resume_config(run_dir, overrides, repair=False)
+        for line in changes:
+            if not line.startswith("run_dir:") and info.is_main:
+                log.info("resume: %s", line)
+        if found.state["step"] >= int(cfg.train.steps):
+            log.info("%s is complete (step %d of train.steps=%d); pass train.steps=N to train longer",
+                     run_dir, found.state["step"], cfg.train.steps)
+            return TrainResult(run_dir=Path(run_dir), step=int(found.state["step"]), checkpoint=found.path,
+                               total_steps=int(cfg.train.steps))
+        return Trainer(cfg, run_dir, resume_from=found).fit(stop_at)
+
+
+def _resume_device_spec(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str]) -> str:
+    """The ``device`` a resumed run will use (a ``device=`` override, else its config.yaml's), to
+    pick the process-group backend before the checkpoint is read."""
+    for o in reversed(list(overrides)):
+        if o.startswith("device="):
+            return o.split("=", 1)[1]
+    try:
+        saved = OmegaConf.load(Path(run_dir) / CONFIG_FILE)
+        return str(saved.get("device", "auto"))
+    except (OSError, ValueError):
+        return "auto"
 
 
 __all__ = [
