@@ -1,0 +1,132 @@
+"""``rl-tformers sweep``: grid parsing and expansion, local parallel runs, skip/resume on re-run,
+results table and plot, failed runs, and the Ray launcher (through a stand-in module)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from runtime_helpers import toy_cfg
+from typer.testing import CliRunner
+
+from rl_tformers.runtime import sweep as sw
+from rl_tformers.runtime.trainer import train
+
+
+def test_grid_and_seed_parsing() -> None:
+    assert sw.split_values("a, b,[1,2],{k: 1, j: 2}") == ["a", "b", "[1,2]", "{k: 1, j: 2}"]
+    assert sw.parse_grid(["backbone.attention.kind=sdpa,performer", "train.betas=[0.9,0.95],[0.9,0.99]"]) == {
+        "backbone.attention.kind": ["sdpa", "performer"], "train.betas": ["[0.9,0.95]", "[0.9,0.99]"]}
+    assert sw.parse_seeds("0,1,2") == [0, 1, 2] and sw.parse_seeds("3-5,9") == [3, 4, 5, 9]
+    for bad in (["novalue"], ["k="], ["seed=1,2"], ["a=1", "a=2"]):
+        with pytest.raises(sw.SweepError):
+            sw.parse_grid(bad)
+    for bad in ("x", "1,1", ""):
+        with pytest.raises(sw.SweepError):
+            sw.parse_seeds(bad)
+
+
+def test_expand_is_the_cartesian_product_times_seeds(tmp_path: Path) -> None:
+    grid = {"backbone.attention.kind": ["sdpa", "performer"], "train.lr": ["1e-4", "3e-4"]}
+    runs = sw.expand(grid, [0, 1, 2], tmp_path, ["train.steps=5"])
+    assert len(runs) == 12 and len({r.run_dir for r in runs}) == 12
+    r = runs[3]  # second point (sdpa, 3e-4), first seed
+    assert r.name == "kind=sdpa__lr=3e-4/seed0" and r.run_dir == tmp_path / r.name
+    assert r.overrides == ("train.steps=5", "backbone.attention.kind=sdpa", "train.lr=3e-4", "seed=0")
+    assert r.point_label == "backbone.attention.kind=sdpa, train.lr=3e-4"
+    # keys whose last part clashes keep their full dotted name in the folder
+    clash = sw.expand({"a.kind": ["x"], "b.kind": ["y"]}, [0], tmp_path)
+    assert clash[0].name == "a.kind=x__b.kind=y/seed0"
+    assert sw.expand({}, [7], tmp_path)[0].name == "base/seed7"
+
+
+def test_run_state_and_command(tmp_path: Path) -> None:
+    run = sw.expand({"backbone.n_layers": ["1"]}, [0], tmp_path)[0]
+    assert sw.run_state(run.run_dir) == "new"
+    cmd = sw.train_command(run, "toy", "new", device="cpu")
+    assert cmd[:4] == [sys.executable, "-m", "rl_tformers.cli", "train"]
+    assert cmd[4:] == ["--run-dir", str(run.run_dir), "--config", "toy", "--device", "cpu",
+                       "backbone.n_layers=1", "seed=0", "train.progress=false"]
+    train(toy_cfg("train.steps=10"), run.run_dir, stop_at=5)
+    assert sw.run_state(run.run_dir) == "partial"
+    assert sw.train_command(run, "toy", "partial")[4:6] == ["--resume", str(run.run_dir)]
+    train(toy_cfg("train.steps=10"), tmp_path / "done")
+    assert sw.run_state(tmp_path / "done") == "complete"
+
+
+def test_local_sweep_runs_in_parallel_collects_and_skips_on_rerun(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    common = ["agent.kind=toy", "train.steps=10", "train.log_every=5", "train.checkpoint_every=0", "eval.at_end=true"]
+    messages: list[str] = []
+    res = sw.sweep(None, {"backbone.n_layers": ["1", "2"]}, [0, 1], out, common, jobs=2, threads=1,
+                   device="cpu", echo=messages.append)
+    assert [r["status"] for r in res.rows] == ["ok"] * 4
+    assert res.metric == "eval/return"  # the toy agent's evaluation scalar
+    with open(out / "results.csv") as fh:
+        table = list(csv.DictReader(fh))
+    assert [t["run"] for t in table] == ["n_layers=1/seed0", "n_layers=1/seed1", "n_layers=2/seed0", "n_layers=2/seed1"]
+    assert all(t["step"] == "10" for t in table)
+    by_point = {s["point"]: s for s in res.summary}
+    vals = [float(t["eval/return"]) for t in table[:2]]
+    assert by_point["backbone.n_layers=1"]["mean"] == pytest.approx(statistics.fmean(vals))
+    assert by_point["backbone.n_layers=1"]["std"] == pytest.approx(statistics.stdev(vals))
+    assert by_point["backbone.n_layers=2"]["n"] == 2
+    assert json.loads((out / "results.json").read_text())["summary"][0]["point"] == "backbone.n_layers=1"
+    assert "| backbone.n_layers=2 |" in (out / "results.md").read_text()
+    assert (out / "results.png").stat().st_size > 0 and (out / "logs" / "n_layers=2_seed1.log").exists()
+    again = sw.sweep(None, {"backbone.n_layers": ["1", "2"]}, [0, 1], out, common, echo=messages.append)
+    assert [r["status"] for r in again.rows] == ["skipped"] * 4
+    assert [s["mean"] for s in again.summary] == [s["mean"] for s in res.summary]
+
+
+def test_failed_runs_are_reported_with_their_log(tmp_path: Path) -> None:
+    run = sw.expand({}, [0], tmp_path)[0]
+    cmd = [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]
+    outcomes = sw.run_local([(run, cmd)], jobs=1, threads=1, log_dir=tmp_path / "logs", echo=lambda m: None)
+    o = outcomes[run.name]
+    assert (o.status, o.returncode) == ("failed", 3) and "boom" in o.log
+    res = sw.write_results(tmp_path, [run], outcomes)
+    assert res.rows[0]["status"] == "failed" and res.metric is None
+    assert json.loads((tmp_path / "results.json").read_text())["failed"][run.name]["returncode"] == 3
+
+
+def test_cli_reports_bad_grid_and_missing_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rl_tformers.cli import app
+
+    r = CliRunner().invoke(app, ["sweep", "-c", "toy", "--grid", "seed=1,2", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "--seeds" in r.output
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    r = CliRunner().invoke(app, ["sweep", "-c", "toy", "--grid", "train.lr=1e-3", "--launcher", "ray",
+                                 "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "pip install 'ray[default]'" in r.output
+    assert not any(tmp_path.iterdir())  # refused before any run started
+
+
+def test_ray_launcher_submits_one_task_per_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: dict = {"remote": [], "init": []}
+
+    class Ref:
+        def __init__(self, value):
+            self.value = value
+
+    def remote(**resources):
+        calls["remote"].append(resources)
+
+        def wrap(fn):
+            return types.SimpleNamespace(remote=lambda *a: Ref(fn(*a)))
+        return wrap
+
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=lambda **kw: calls["init"].append(kw),
+                                 remote=remote, get=lambda ref: ref.value)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    runs = sw.expand({"x": ["1", "2"]}, [0], tmp_path)
+    cmds = [(r, [sys.executable, "-c", f"print({i})"]) for i, r in enumerate(runs)]
+    out = sw.run_ray(cmds, threads=2, gpus_per_run=0.5, log_dir=tmp_path / "logs", echo=lambda m: None)
+    assert calls["init"] == [{"address": None}] and calls["remote"] == [{"num_cpus": 2, "num_gpus": 0.5}]
+    assert [o.status for o in out.values()] == ["ok", "ok"] and "1" in out[runs[1].name].log
