@@ -134,7 +134,8 @@ def eval_cmd(
 def plot_cmd(
     run_dir: Path = typer.Argument(..., help="Run directory written by rl-tformers train."),
     out: Path = typer.Option(..., "--out", help="PNG file to write."),
-    targets: str = typer.Option(None, "--targets", help="Comma-separated targets (default: a sweep up to 1.2 x dataset best)."),
+    targets: str = typer.Option(None, "--targets",
+                                help="Comma-separated targets (default: dataset worst to best + 20% of the range)."),
     n_targets: int = typer.Option(6, "--n-targets", min=2, help="Targets in the default sweep."),
     episodes: int = typer.Option(5, "--episodes", min=1, help="Episodes per target."),
     envs: int = typer.Option(10, "--envs", min=1, help="Parallel environments."),
@@ -168,9 +169,10 @@ def plot_cmd(
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--targets") from None
         if tlist is None:
-            if dmax is None:
-                raise _fail("the run stores no dataset_return_max; give --targets")
-            tlist = default_sweep(dmax, dmean, n_targets)
+            dmin = run.dataset_return_min
+            if dmax is None or dmin is None:
+                raise _fail("the run stores no dataset_return_max/min; give --targets")
+            tlist = default_sweep(dmax, dmin, n_targets)
         report = evaluate(
             run.agent.policy(), run.agent.make_env(), tlist, episodes=episodes, n_envs=envs, seed=seed,
             record_rewards=True, normalize=_normalizer(run), env_id=run.env_id,

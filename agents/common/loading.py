@@ -11,8 +11,8 @@ the agent through the runtime's agent registry. Two ways, in order:
    dataset), then ``model.load_state_dict`` and ``load_extra_state``.
 
 The agent returned must offer the :class:`EvaluableAgent` members. Its extra state should hold
-``env_id`` (normalised scores are looked up from it), and, for the plot, ``dataset_return_max``
-and ``dataset_return_mean`` (raw units).
+``env_id`` (normalised scores are looked up from it), and, for the plot, ``dataset_return_max``,
+``dataset_return_mean`` and ``dataset_return_min`` (raw units).
 """
 
 from __future__ import annotations
@@ -89,6 +89,11 @@ class LoadedRun:
     @property
     def dataset_return_max(self) -> float | None:
         v = self.extra.get("dataset_return_max")
+        return None if v is None else float(v)
+
+    @property
+    def dataset_return_min(self) -> float | None:
+        v = self.extra.get("dataset_return_min")
         return None if v is None else float(v)
 
     @property

@@ -121,10 +121,17 @@ def log_figure(log_dir: str | Path, tag: str, fig, step: int = 0) -> None:
         writer.close()
 
 
-def default_sweep(dataset_max: float, dataset_mean: float | None = None, n: int = 6) -> list[float]:
-    """Targets for the figure: ``n`` evenly spaced values from ~dataset mean / 2 to 1.2 x dataset best."""
-    lo = 0.5 * (dataset_mean if dataset_mean is not None else 0.5 * dataset_max)
-    return [float(round(x)) if abs(dataset_max) >= 20 else float(x) for x in np.linspace(lo, 1.2 * dataset_max, n)]
+def default_sweep(dataset_max: float, dataset_min: float, n: int = 6) -> list[float]:
+    """``n`` evenly spaced targets from the dataset's worst episode return to 20% of its return
+    range beyond its best (the paper's figure also asks for more than the data holds).
+
+    Rounded to integers when the range is at least 20. Raises ValueError if n < 2.
+    """
+    if n < 2:
+        raise ValueError(f"a sweep needs at least 2 targets, got {n}")
+    span = max(dataset_max - dataset_min, 1e-6)
+    xs = np.linspace(dataset_min, dataset_max + 0.2 * span, n)
+    return [float(round(x)) if span >= 20 else float(x) for x in xs]
 
 
 def summary_lines(results: Sequence[TargetResult]) -> list[str]:

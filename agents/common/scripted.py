@@ -6,11 +6,14 @@ the spot by this module (about a second on one core):
 - :func:`pendulum_expert`: energy-pumping swing-up (raise the pendulum's energy until it reaches
   the upright level, Astrom & Furuta 2000) and a PD controller near the top. Deterministic
   return about -140 on Pendulum-v1 (a strong policy; random actions score about -1200).
-- :func:`collect_delayed_expert`: each episode acts uniformly at random for a delay
-  ``D ~ U{0..200}`` steps, then hands over to the expert with Gaussian action noise. The delay
-  sets the return (correlation about -0.9), so the dataset covers returns from about -1700 to
-  -120: the spread the Decision Transformer needs to learn return conditioning (high target:
-  swing up at once; low target: wait).
+- :func:`collect_delayed_expert`: each episode first waits ``D ~ U{0..200}`` steps (zero torque
+  plus small Gaussian noise: the pendulum swings passively), then hands over to the expert with
+  Gaussian action noise. The delay sets the return (correlation about -0.8), so the dataset
+  covers returns from about -1700 to -120: the spread the Decision Transformer needs to learn
+  return conditioning (high target: swing up at once; low target: wait). Waiting with a
+  near-deterministic action (rather than uniform random torques, whose mean a regression
+  policy would reproduce as "no torque" with different returns) keeps every behaviour in the
+  data reproducible by a deterministic policy.
 """
 
 from __future__ import annotations
@@ -44,14 +47,15 @@ def pendulum_expert(obs: np.ndarray) -> np.ndarray:
 
 
 def collect_delayed_expert(
-    n_episodes: int = 300, seed: int = 0, noise: float = 0.3, n_envs: int = 50
+    n_episodes: int = 300, seed: int = 0, noise: float = 0.1, wait_noise: float = 0.1, n_envs: int = 50
 ) -> EpisodeDataset:
-    """Collect ``n_episodes`` Pendulum-v1 episodes of 200 steps (random for D steps, then expert).
+    """Collect ``n_episodes`` Pendulum-v1 episodes of 200 steps (wait for D steps, then expert).
 
     Args:
-        n_episodes: number of episodes (rounded up to a multiple of ``n_envs``).
+        n_episodes: number of episodes (the last batch of ``n_envs`` is cut to fit).
         seed: seeds the delays, the noise and the environment resets (episode j: seed + j).
-        noise: std of the Gaussian noise added to the expert's torque.
+        noise: std of the Gaussian noise added to the expert's torque (units of torque, max 2).
+        wait_noise: std of the torque while waiting (mean 0).
         n_envs: parallel environments used for collection.
 
     Returns:
@@ -70,7 +74,7 @@ def collect_delayed_expert(
             for t in range(200):
                 act = np.where(
                     (t < delay)[:, None],
-                    rng.uniform(-2.0, 2.0, (n_envs, 1)),
+                    wait_noise * rng.standard_normal((n_envs, 1)),
                     pendulum_expert(obs) + noise * rng.standard_normal((n_envs, 1)),
                 )
                 act = np.clip(act, -2.0, 2.0).astype(np.float32)
@@ -93,10 +97,10 @@ def collect_delayed_expert(
     meta = DatasetMetadata(
         env_id=PENDULUM_ID, source="memory", dataset_id="rlt/pendulum-v1/delayed-expert-v0",
         extra={"collector": "rl_tformers.agents.common.scripted.collect_delayed_expert",
-               "seed": seed, "noise": noise, "episodes": len(episodes)},
+               "seed": seed, "noise": noise, "wait_noise": wait_noise, "episodes": n_episodes},
     )
     ds = EpisodeDataset.from_episodes(
-        episodes[:n_episodes] if n_episodes % n_envs else episodes,
+        episodes[:n_episodes],
         observation_space=env.observation_space, action_space=env.action_space, metadata=meta,
     )
     env.close()

@@ -139,3 +139,12 @@ def test_parse_targets():
     assert parse_targets(None) is None
     with pytest.raises(ValueError, match="'abc' is not a number"):
         parse_targets("3600,abc")
+
+
+def test_default_sweep_spans_worst_to_beyond_best():
+    from rl_tformers.agents.common.plots import default_sweep
+
+    assert default_sweep(3559.0, 1000.0, 6) == [1000.0, 1614.0, 2228.0, 2842.0, 3457.0, 4071.0]
+    assert default_sweep(-120.0, -1820.0, 3) == [-1820.0, -800.0, 220.0]
+    with pytest.raises(ValueError, match="at least 2 targets"):
+        default_sweep(1.0, 0.0, 1)
