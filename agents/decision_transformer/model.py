@@ -203,6 +203,10 @@ class DecisionTransformer(nn.Module):
             ValueError: a real timestep outside ``[0, max_ep_len)`` (names ``agent.max_ep_len``).
         """
         t = torch.where(mask, timesteps.long(), torch.zeros_like(timesteps, dtype=torch.long))
+        if torch.compiler.is_compiling():
+            # no host sync under torch.compile (a graph break, and a recompilation for every new
+            # max timestep); the embedding lookup itself still rejects out-of-range indices
+            return torch.where(mask, t + 1, t.new_zeros(()))
         hi, lo = torch.stack((t.max(), t.min())).tolist()  # one device sync
         if hi >= self.cfg.max_ep_len or lo < 0:
             raise ValueError(
