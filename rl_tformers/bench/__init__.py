@@ -8,4 +8,7 @@ every module of this package and calls it (modules starting with ``_`` are skipp
 - :mod:`~rl_tformers.bench.attention`: every attention kind vs dense SDPA (time, peak memory,
   crossover lengths), plus registered RL-scale cases.
 - :mod:`~rl_tformers.bench.memory`: peak-memory measurement on CPU and CUDA.
+- :mod:`~rl_tformers.bench.train`: DT training updates/s vs d3rlpy and Hugging Face, MFU.
+- :mod:`~rl_tformers.bench.eval`: batched vs one-env-at-a-time evaluation; memory vs re-encoding.
+- :mod:`~rl_tformers.bench.data`: sampler samples/s vs training; loading a 1M-step HDF5 file.
 """

@@ -1,0 +1,239 @@
+"""Benchmark: the data pipeline (``rl-tformers bench data``).
+
+1. **Samplers vs training.** Samples (windows / segments) per second of the data layer's
+   :class:`~rl_tformers.envs.samplers.WindowSampler` (Decision Transformer, ``dt/hopper_medium``:
+   K = 20) and :class:`~rl_tformers.envs.samplers.SegmentSampler` (GTrXL,
+   ``gtrxl/hopper_positions_bc``: burn-in 16 + 16 steps), read exactly as training reads them
+   (the agent's ``batches()``: ``StepBatchDataset[s]``, a fresh ``default_rng([seed, s])`` per
+   batch, NumPy -> torch), against the samples per second the same agent's trainer consumes
+   (updates/s x batch size, measured in the same run on the same dataset). The headroom (sampler / training) must be >= 10x
+   so data never limits training.
+2. **Loading a 1M-step dataset.** A synthetic D4RL-layout HDF5 file (``--steps`` steps,
+   Hopper-sized: 11-dim observations and next observations, 3-dim actions, 1000-step episodes
+   with some early terminations; writing it is not timed) loaded with
+   :func:`rl_tformers.envs.loaders.load_dataset` eagerly (everything in memory, validated) and
+   lazily (observations/actions stay on disk), then the first DT batch (the sampler's
+   precomputed returns-to-go over all steps included).
+
+Command: ``rl-tformers bench data --out bench_data.json`` (``--steps 1000000``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rl_tformers.bench.train import DEFAULT_DATASET, machine_info
+
+
+@dataclass
+class Settings:
+    """Benchmark settings."""
+
+    dataset: str = DEFAULT_DATASET
+    batch_size: int = 64
+    context_len: int = 20
+    seq_len: int = 32
+    burn_in: int = 32
+    batches: int = 200
+    repeats: int = 3
+    train_steps: int = 10
+    threads: int = 1
+    steps: int = 1_000_000
+    keep: str | None = None
+    skip_training: bool = False
+    skip_load: bool = False
+    seed: int = 0
+
+
+@dataclass
+class Result:
+    settings: Settings
+    samplers: list[dict[str, Any]] = field(default_factory=list)
+    load: list[dict[str, Any]] = field(default_factory=list)
+    machine: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"settings": dataclasses.asdict(self.settings), "machine": self.machine, "samplers": self.samplers,
+                "load": self.load, "notes": self.notes}
+
+
+def sampler_rate(ds: torch.utils.data.Dataset, batches: int, repeats: int, batch_size: int) -> float:
+    """Samples per second of ``ds[s]`` (median over ``repeats`` runs of ``batches`` batches)."""
+    ds[0]  # warm-up
+    rates = []
+    for r in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        for s in range(batches):
+            ds[(r * batches + s) % len(ds)]
+        rates.append(batches * batch_size / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
+def build_trainer(config: str, overrides: list[str]):
+    """A :class:`~rl_tformers.runtime.trainer.Trainer` of ``config`` on CPU (nothing written)."""
+    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.trainer import Trainer, _with_run_dir
+
+    run_dir = Path(tempfile.mkdtemp(prefix="rlt-bench-data-"))
+    cfg = compose(config, ["device=cpu", "train.steps=1000000000", *overrides])
+    return Trainer(_with_run_dir(cfg, run_dir), run_dir)
+
+
+def training_rate(tr: Any, steps: int) -> float:
+    """Samples/s the trainer ``tr`` consumes: updates/s on pre-read batches x batch size."""
+    from rl_tformers.runtime.device import move_to
+
+    src = tr.agent.batches(0)
+    batches = [move_to(src[i], tr.device) for i in range(4)]
+    tr.model.train()
+    tr.update(batches[0])
+    t0 = time.perf_counter()
+    for i in range(steps):
+        tr.update(batches[i % 4])
+    return steps * int(tr.cfg.train.batch_size) / (time.perf_counter() - t0)
+
+
+def write_synthetic_d4rl(path: Path, steps: int, obs_dim: int = 11, act_dim: int = 3, ep_len: int = 1000,
+                         seed: int = 0) -> Path:
+    """A D4RL-layout HDF5 file of ``steps`` random steps: ``observations``, ``next_observations``
+    (float32, obs_dim), ``actions`` (float32 in [-1, 1]), ``rewards``, ``terminals`` (about one
+    in four episodes ends early), ``timeouts`` (every ``ep_len`` steps otherwise)."""
+    import h5py
+
+    rng = np.random.default_rng(seed)
+    ends = []
+    t = 0
+    while t < steps:
+        n = ep_len if rng.random() < 0.75 else int(rng.integers(20, ep_len))
+        t = min(steps, t + n)
+        ends.append((t - 1, n == ep_len))
+    terminals = np.zeros(steps, dtype=bool)
+    timeouts = np.zeros(steps, dtype=bool)
+    for end, full in ends:
+        (timeouts if full else terminals)[end] = True
+    obs = rng.standard_normal((steps, obs_dim), dtype=np.float32)
+    with h5py.File(path, "w") as f:
+        f["observations"] = obs
+        f["next_observations"] = np.roll(obs, -1, axis=0)
+        f["actions"] = rng.uniform(-1, 1, (steps, act_dim)).astype(np.float32)
+        f["rewards"] = rng.standard_normal(steps).astype(np.float32)
+        f["terminals"] = terminals
+        f["timeouts"] = timeouts
+    return path
+
+
+def load_times(path: Path, s: Settings) -> list[dict[str, Any]]:
+    """Seconds to load ``path`` eagerly and lazily, and to the first DT batch of each."""
+    from rl_tformers.envs.loaders import load_dataset
+    from rl_tformers.envs.samplers import WindowSampler
+
+    rows = []
+    for lazy in (False, True):
+        t0 = time.perf_counter()
+        ds = load_dataset(path, lazy=lazy, env_id="Hopper-v5")
+        t_load = time.perf_counter() - t0
+        sampler = WindowSampler(ds, s.context_len, reward_scale=1000.0)
+        sampler.sample(s.batch_size, np.random.default_rng(0))
+        t_first = time.perf_counter() - t0
+        rows.append({"mode": "lazy" if lazy else "eager", "steps": ds.num_steps, "episodes": ds.num_episodes,
+                     "load_s": t_load, "first_batch_s": t_first, "file_mib": path.stat().st_size / 2**20})
+    return rows
+
+
+def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
+    """Run both parts (see the module docstring)."""
+    log = log or (lambda m: None)
+    torch.set_num_threads(max(1, s.threads))
+    res = Result(settings=s, machine=machine_info(torch.device("cpu")))
+    common = [f"dataset.path={s.dataset}", f"train.batch_size={s.batch_size}", f"seed={s.seed}"]
+    for name, config in (("window (DT)", "dt/hopper_medium"), ("segment (GTrXL)", "gtrxl/hopper_positions_bc")):
+        tr = build_trainer(config, common)
+        a = tr.cfg.agent
+        shape = f"K={a.context_len}" if "context_len" in a else f"burn-in {a.burn_in} + {a.seq_len}"
+        rate = sampler_rate(tr.agent.batches(0), s.batches, s.repeats, s.batch_size)
+        row: dict[str, Any] = {"sampler": f"{name}, {shape}", "config": config, "batch_size": s.batch_size,
+                               "sampler_samples_per_s": rate}
+        if not s.skip_training:
+            train_rate = training_rate(tr, s.train_steps)
+            row.update({"training_samples_per_s": train_rate, "headroom": rate / train_rate})
+        res.samplers.append(row)
+        log(f"{row['sampler']}: {rate:.0f} samples/s" + (
+            f", training consumes {row['training_samples_per_s']:.0f}/s ({row['headroom']:.0f}x headroom)"
+            if "headroom" in row else ""))
+    if not s.skip_load:
+        folder = Path(s.keep) if s.keep else Path(tempfile.mkdtemp(prefix="rlt-bench-data-"))
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"synthetic-hopper-{s.steps}.hdf5"
+        try:
+            if not path.exists():
+                log(f"writing {path} ({s.steps} steps)")
+                write_synthetic_d4rl(path, s.steps, seed=s.seed)
+            res.load = load_times(path, s)
+            for r in res.load:
+                log(f"load {r['mode']}: {r['load_s']:.2f} s, first batch after {r['first_batch_s']:.2f} s "
+                    f"({r['steps']} steps, {r['episodes']} episodes, {r['file_mib']:.0f} MiB)")
+        finally:
+            if not s.keep:
+                shutil.rmtree(folder, ignore_errors=True)
+    return res
+
+
+def markdown(res: Result) -> str:
+    lines = ["| sampler | batch | sampler samples/s | trainer | training samples/s | headroom |",
+             "|---|---|---|---|---|---|"]
+    for r in res.samplers:
+        tr = r.get("training_samples_per_s")
+        lines.append(f"| {r['sampler']} | {r['batch_size']} | {r['sampler_samples_per_s']:.0f} | {r['config']} | "
+                     f"{'-' if tr is None else f'{tr:.0f}'} | "
+                     f"{'-' if tr is None else format(r['headroom'], '.0f') + 'x'} |")
+    if res.load:
+        lines += ["", "| load | steps | episodes | file MiB | load s | first batch s |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['mode']} | {r['steps']} | {r['episodes']} | {r['file_mib']:.0f} | {r['load_s']:.2f} | "
+                  f"{r['first_batch_s']:.2f} |" for r in res.load]
+    return "\n".join(lines)
+
+
+def register(bench_app) -> None:
+    """Add the ``data`` command to the ``bench`` Typer group."""
+    import typer
+
+    def data(
+        dataset: str = typer.Option(DEFAULT_DATASET, help="Dataset of part 1 (Minari id, folder or .hdf5)."),
+        batch_size: int = typer.Option(64, help="Batch size B."),
+        batches: int = typer.Option(200, help="Batches per timed sampler run."),
+        repeats: int = typer.Option(3, help="Timed sampler runs (median)."),
+        train_steps: int = typer.Option(10, help="Timed training updates per trainer."),
+        threads: int = typer.Option(1, help="torch intra-op threads."),
+        steps: int = typer.Option(1_000_000, help="Steps of the synthetic HDF5 file of part 2."),
+        keep: str = typer.Option(None, help="Keep the synthetic file in this folder (and reuse it)."),
+        skip_training: bool = typer.Option(False, "--skip-training", help="Do not measure the trainers."),
+        skip_load: bool = typer.Option(False, "--skip-load", help="Skip part 2."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+        out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
+    ) -> None:
+        """Sampler samples/s vs what training consumes; load time of a 1M-step D4RL HDF5 file."""
+        s = Settings(dataset=dataset, batch_size=batch_size, batches=batches, repeats=repeats, train_steps=train_steps,
+                     threads=threads, steps=steps, keep=keep, skip_training=skip_training, skip_load=skip_load)
+        res = run(s, log=lambda m: typer.echo(m, err=True))
+        out_data = res.as_dict()
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(out_data, indent=2))
+        typer.echo(json.dumps(out_data, indent=2) if as_json else markdown(res))
+        for note in res.notes:
+            typer.echo(f"note: {note}", err=True)
+
+    bench_app.command("data")(data)

@@ -1,0 +1,270 @@
+"""Benchmark: evaluation throughput (``rl-tformers bench eval``).
+
+1. **Batched vs one-environment-at-a-time.** The same policy (a checkpoint given with
+   ``--run``, or, without one, an untrained Decision Transformer built from ``dt/hopper_medium``
+   on ``--dataset``; the cost per step does not depend on the weights) plays the same episodes
+   (episode j is reset with seed ``seed + j``) twice through
+   :func:`rl_tformers.agents.common.evaluation.evaluate`: with N gymnasium vector environments
+   (one batched forward pass per step for all N) and with one environment (one forward pass
+   per environment step, which is how the reference DT code evaluates: one episode after the
+   other). Reported: environment steps per second of each and their ratio, plus the mean
+   return of each (a check that the episodes are the same).
+2. **Memory backbones: per-step cost.** For a Transformer-XL stack (pre-norm blocks) and GTrXL
+   (gated blocks), both with XL memory of M slots and relative positions, the forward cost of
+   one environment step for N environments: (a) *with memory*: one new token per environment
+   attends to itself and the M cached hidden states (what ``GTrXLPolicy.act`` does, O(M) per
+   step); (b) *re-encoding*: the last M + 1 tokens are run through the same stack without
+   memory (what a memoryless transformer must do to see the same span, O(M^2) attention and
+   O(M) feed-forward per step). Reported per M in ``--mem-lens``: milliseconds per step of
+   each and their ratio.
+
+Command: ``rl-tformers bench eval --episodes 10 --n-envs 10 --out bench_eval.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl_tformers.bench.train import DEFAULT_DATASET, machine_info
+
+
+@dataclass
+class Settings:
+    """Benchmark settings (times in seconds)."""
+
+    run: str | None = None
+    dataset: str = DEFAULT_DATASET
+    episodes: int = 10
+    n_envs: int = 10
+    max_episode_steps: int | None = None
+    seed: int = 0
+    threads: int = 1
+    device: str = "cpu"
+    memory_kinds: tuple[str, ...] = ("xl", "gtrxl")
+    mem_lens: tuple[int, ...] = (32, 128, 512)
+    mem_envs: int = 10
+    mem_steps: int = 50
+    d_model: int = 128
+    n_layers: int = 3
+    n_heads: int = 4
+    skip_rollouts: bool = False
+
+
+@dataclass
+class Result:
+    settings: Settings
+    rollouts: list[dict[str, Any]] = field(default_factory=list)
+    rollout_ratio: float | None = None
+    memory: list[dict[str, Any]] = field(default_factory=list)
+    machine: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"settings": dataclasses.asdict(self.settings), "machine": self.machine, "rollouts": self.rollouts,
+                "batched_over_sequential": self.rollout_ratio, "memory": self.memory, "notes": self.notes}
+
+
+# -- 1. batched vs sequential ---------------------------------------------------------------------
+
+def load_agent(s: Settings) -> tuple[Any, str]:
+    """The agent to evaluate and a description: ``--run`` (any agent kind) or an untrained DT."""
+    if s.run:
+        from rl_tformers.agents.common.loading import load_run
+
+        loaded = load_run(s.run, device=s.device)
+        return loaded.agent, f"{loaded.kind} checkpoint {loaded.checkpoint} (step {loaded.step})"
+    from rl_tformers.runtime.agents import build_agent
+    from rl_tformers.runtime.config import compose
+
+    cfg = compose("dt/hopper_medium", [f"dataset.path={s.dataset}", f"device={s.device}", f"seed={s.seed}"])
+    torch.manual_seed(s.seed)
+    agent = build_agent(cfg, Path(tempfile.mkdtemp(prefix="rlt-bench-eval-")), torch.device(s.device))
+    agent.model.eval()
+    return agent, f"untrained dt (dt/hopper_medium on {s.dataset}, seed {s.seed})"
+
+
+def rollout_throughput(agent: Any, s: Settings, n_envs: int) -> dict[str, Any]:
+    """Environment steps/s of the evaluation loop with ``n_envs`` vector environments.
+
+    Runs the loop of :func:`rl_tformers.agents.common.evaluation.evaluate` (its per-target
+    routine, on a vector env built the same way) and times the loop only: building and closing
+    the MuJoCo environments (~50 ms each) is left out, it is not per-step work.
+    """
+    import gymnasium as gym
+
+    from rl_tformers.agents.common import evaluation as ev
+
+    make = agent.make_env()
+    if s.max_episode_steps:
+        base = make
+
+        def make() -> gym.Env:
+            return gym.wrappers.TimeLimit(base(), s.max_episode_steps)
+
+    n = min(n_envs, s.episodes)
+    envs = gym.vector.SyncVectorEnv([lambda: ev.with_raw_reward(make()) for _ in range(n)],
+                                    autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+    try:
+        policy = agent.policy()
+        target = agent.default_targets()[0]
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            r = ev._run_target(policy, envs, target, s.episodes, s.seed, False)
+            seconds = time.perf_counter() - t0
+    finally:
+        envs.close()
+    steps = int(sum(r.lengths))
+    return {"mode": "batched" if n > 1 else "sequential", "n_envs": n, "episodes": s.episodes,
+            "env_steps": steps, "seconds": seconds, "env_steps_per_s": steps / seconds,
+            "return_mean": r.return_mean, "lengths": list(r.lengths)}
+
+
+# -- 2. memory vs re-encoding ---------------------------------------------------------------------
+
+def memory_backbone(kind: str, mem_len: int, s: Settings):
+    """A Transformer-XL (``xl``: pre-norm blocks) or GTrXL (``gtrxl``: gated blocks) stack with
+    XL memory of ``mem_len`` slots and relative positions, in eval mode on ``s.device``."""
+    from rl_tformers import Backbone
+    from rl_tformers.agents.gtrxl.model import gtrxl_backbone
+
+    cfg = gtrxl_backbone(d_model=s.d_model, n_layers=s.n_layers, n_heads=s.n_heads, mem_len=mem_len)
+    if kind == "xl":
+        cfg["block"] = {"kind": "pre_norm"}
+    elif kind != "gtrxl":
+        raise ValueError(f"memory kind {kind!r}: use xl or gtrxl")
+    cfg["max_position"] = max(4096, 4 * mem_len)
+    return Backbone(cfg).to(s.device).eval()
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+@torch.no_grad()
+def memory_step_cost(kind: str, mem_len: int, s: Settings) -> dict[str, Any]:
+    """Milliseconds per environment step (N = ``s.mem_envs``) with memory vs re-encoding M + 1 tokens."""
+    dev = torch.device(s.device)
+    torch.manual_seed(s.seed)
+    bb = memory_backbone(kind, mem_len, s)
+    n, d, steps = s.mem_envs, s.d_model, s.mem_steps
+    total = mem_len + steps
+    x = torch.randn(n, total + 1, d, device=dev)  # one embedded token per environment step
+    pos = torch.arange(total + 1, device=dev).expand(n, -1)
+    # (a) with memory: warm the memory to M slots, then time one-token steps
+    state = bb.initial_state(n, dev)
+    out = bb(x[:, :mem_len], positions=pos[:, :mem_len], state=state)
+    state = out.state
+    _sync(dev)
+    t0 = time.perf_counter()
+    for t in range(mem_len, total):
+        out = bb(x[:, t:t + 1], positions=pos[:, t:t + 1], state=state)  # (N, 1, D)
+        state = out.state
+    _sync(dev)
+    mem_ms = (time.perf_counter() - t0) / steps * 1e3
+    # (b) re-encoding the last M + 1 tokens every step, no memory
+    _sync(dev)
+    t0 = time.perf_counter()
+    for t in range(mem_len, total):
+        lo = t - mem_len
+        bb(x[:, lo:t + 1], positions=pos[:, lo:t + 1] - lo)  # (N, M + 1, D)
+    _sync(dev)
+    re_ms = (time.perf_counter() - t0) / steps * 1e3
+    return {"kind": kind, "mem_len": mem_len, "n_envs": n, "memory_ms_per_step": mem_ms,
+            "reencode_ms_per_step": re_ms, "reencode_over_memory": re_ms / mem_ms}
+
+
+# -- the benchmark --------------------------------------------------------------------------------
+
+def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
+    """Run both parts (see the module docstring)."""
+    log = log or (lambda m: None)
+    if s.device == "cpu":
+        torch.set_num_threads(max(1, s.threads))
+    res = Result(settings=s, machine=machine_info(torch.device(s.device)))
+    if not s.skip_rollouts:
+        agent, what = load_agent(s)
+        res.notes.append(f"policy: {what}")
+        for n in (s.n_envs, 1):
+            row = rollout_throughput(agent, s, n)
+            res.rollouts.append(row)
+            log(f"{row['mode']} (N={row['n_envs']}): {row['env_steps']} steps in {row['seconds']:.1f} s = "
+                f"{row['env_steps_per_s']:.0f} steps/s, return {row['return_mean']:.1f}")
+        b, q = res.rollouts
+        res.rollout_ratio = b["env_steps_per_s"] / q["env_steps_per_s"]
+        if b["env_steps"] != q["env_steps"]:
+            res.notes.append(f"the two modes played different numbers of steps ({b['env_steps']} vs {q['env_steps']}): "
+                             f"float differences between batch sizes changed some episodes")
+    for kind in s.memory_kinds:
+        for m in s.mem_lens:
+            row = memory_step_cost(kind, m, s)
+            res.memory.append(row)
+            log(f"{kind} M={m}: memory {row['memory_ms_per_step']:.2f} ms/step, re-encode "
+                f"{row['reencode_ms_per_step']:.2f} ms/step ({row['reencode_over_memory']:.1f}x)")
+    return res
+
+
+def markdown(res: Result) -> str:
+    lines = []
+    if res.rollouts:
+        lines += ["| evaluation | envs | episodes | env steps | seconds | env steps/s | mean return |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['mode']} | {r['n_envs']} | {r['episodes']} | {r['env_steps']} | {r['seconds']:.1f} | "
+                  f"{r['env_steps_per_s']:.0f} | {r['return_mean']:.1f} |" for r in res.rollouts]
+        lines += ["", f"batched / sequential: {res.rollout_ratio:.2f}x", ""]
+    if res.memory:
+        lines += ["| backbone | M | envs | with memory (ms/step) | re-encode M+1 (ms/step) | re-encode / memory |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['kind']} | {r['mem_len']} | {r['n_envs']} | {r['memory_ms_per_step']:.2f} | "
+                  f"{r['reencode_ms_per_step']:.2f} | {r['reencode_over_memory']:.1f}x |" for r in res.memory]
+    return "\n".join(lines)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def register(bench_app) -> None:
+    """Add the ``eval`` command to the ``bench`` Typer group."""
+    import typer
+
+    def eval_(
+        run_dir: str = typer.Option(None, "--run", help="Run directory of a trained agent (default: untrained DT)."),
+        dataset: str = typer.Option(DEFAULT_DATASET, help="Dataset of the untrained DT (its env and statistics)."),
+        episodes: int = typer.Option(10, min=1, help="Episodes (the same seeds in both modes)."),
+        n_envs: int = typer.Option(10, min=2, help="Vector environments of the batched mode."),
+        max_episode_steps: int = typer.Option(None, help="Cap episode length (shorter runs)."),
+        threads: int = typer.Option(1, help="torch intra-op threads (CPU)."),
+        device: str = typer.Option("cpu", help="cpu or cuda."),
+        memory_kinds: str = typer.Option("xl,gtrxl", help="Memory backbones of part 2 (empty: skip)."),
+        mem_lens: str = typer.Option("32,128,512", help="Memory lengths M of part 2."),
+        mem_envs: int = typer.Option(10, help="Environments N of part 2."),
+        mem_steps: int = typer.Option(50, help="Timed steps per (backbone, M) of part 2."),
+        skip_rollouts: bool = typer.Option(False, "--skip-rollouts", help="Only part 2."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+        out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
+    ) -> None:
+        """Env steps/s of batched vs one-env-at-a-time evaluation; memory vs re-encoding cost per step."""
+        s = Settings(run=run_dir, dataset=dataset, episodes=episodes, n_envs=n_envs,
+                     max_episode_steps=max_episode_steps, threads=threads, device=device,
+                     memory_kinds=tuple(k.strip() for k in memory_kinds.split(",") if k.strip()),
+                     mem_lens=_ints(mem_lens), mem_envs=mem_envs, mem_steps=mem_steps, skip_rollouts=skip_rollouts)
+        res = run(s, log=lambda m: typer.echo(m, err=True))
+        data = res.as_dict()
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(data, indent=2))
+        typer.echo(json.dumps(data, indent=2) if as_json else markdown(res))
+        for note in res.notes:
+            typer.echo(f"note: {note}", err=True)
+
+    bench_app.command("eval")(eval_)

@@ -1,0 +1,495 @@
+"""Benchmark: Decision Transformer training throughput against d3rlpy and Hugging Face, and model
+FLOP utilisation (``rl-tformers bench train``).
+
+Setting (the paper's, Chen et al. 2021, table 8): context K = 20 (60 tokens), 3 layers, 1 head,
+128 dims, ReLU, dropout 0.1, batch 64, AdamW (lr 1e-4, weight decay 1e-4), grad clip 0.25,
+linear warmup; the same Hopper dataset for everyone (``--dataset``, default the data layer's
+``rlt/hopper-v5/medium-v0``). Measured, in one run and interleaved round by round (so a change of
+machine load hits every implementation alike):
+
+- **ours**: :class:`~rl_tformers.runtime.trainer.Trainer` built from ``dt/hopper_medium`` and
+  driven through its own :meth:`~rl_tformers.runtime.trainer.Trainer.update` (the code
+  ``rl-tformers train`` runs). Variants: ``ours`` (the shipped config: dropout also on the
+  feed-forward hidden layer), ``ours-gpt2`` (``backbone.ffn_dropout=0``: GPT-2's dropout
+  placement, i.e. exactly the peers' model: the like-for-like row), optionally ``+bf16``
+  (``train.amp=bf16``) and ``+compile`` (``train.compile=true``).
+- **d3rlpy** 2.8 ``DecisionTransformer`` (its reproduction-script settings) and **hf**
+  ``transformers.DecisionTransformerModel`` (sdpa attention, ``torch.optim.AdamW``), each in a
+  worker process of the peers' virtual environment (``--build-peers`` makes
+  ``.bench-venvs/peers``; d3rlpy pins gymnasium 1.0.0, so it cannot share ours), same torch
+  version and thread count, fed the same data (:func:`export_peer_data`), see
+  :mod:`rl_tformers.bench._peer_dt`.
+
+Two modes: ``e2e`` = sample a batch from the dataset + one update (what each library's
+training loop does per step; Hugging Face has no offline-RL sampler, so no e2e row);
+``model`` = one update on pre-sampled batches (forward, loss, backward, clip, AdamW step).
+Reported: updates per second (median over ``--repeats`` rounds of ``--steps`` updates, after
+``--warmup`` excluded updates), ratios to each peer, and **MFU** = FLOPs of one update
+(``torch.utils.flop_counter.FlopCounterMode``: matmuls and attention of forward + backward)
+x updates/s / the matmul peak: the fastest of n x n matmuls, n in ``--matmul-sizes``
+(default 512, 1024, 2048), in the same dtype, thread count and device, measured in every round
+(on this CPU the model's own 3840 x 128 x 128..512 GEMMs run faster than a 2048^3 one, so
+the largest size alone would overstate MFU).
+
+Command: ``rl-tformers bench train --threads 1 --repeats 5 --out bench_train.json``
+(``--peer-python PATH`` to use another interpreter with d3rlpy + transformers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+PEERS = ("d3rlpy", "hf")
+MODES = ("e2e", "model")
+PEER_VENV = Path(".bench-venvs") / "peers"
+PEER_PYTHON_ENV = "RL_TFORMERS_PEER_PYTHON"
+#: pip requirements of the peers' virtual environment (torch is pinned to ours at build time)
+PEER_REQUIREMENTS = ("d3rlpy>=2.8,<2.9", "transformers>=4.40")
+CONFIG = "dt/hopper_medium"
+DEFAULT_DATASET = "rlt/hopper-v5/medium-v0"
+
+
+@dataclass
+class Settings:
+    """Benchmark settings (see the module docstring; times in seconds)."""
+
+    dataset: str = DEFAULT_DATASET
+    device: str = "cpu"
+    threads: int = 1
+    repeats: int = 5
+    steps: int = 20
+    warmup: int = 5
+    peers: tuple[str, ...] = PEERS
+    peer_python: str | None = None
+    bf16: bool = False
+    compile: bool = False
+    shipped: bool = True
+    matmul_sizes: tuple[int, ...] = (512, 1024, 2048)
+    seed: int = 0
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass
+class Result:
+    settings: Settings
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    ratios: list[dict[str, Any]] = field(default_factory=list)
+    peak_gflops: dict[str, float] = field(default_factory=dict)
+    peak_by_size: dict[str, dict[int, float]] = field(default_factory=dict)
+    machine: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"settings": dataclasses.asdict(self.settings), "machine": self.machine, "rows": self.rows,
+                "ratios": self.ratios, "peak_gflops": self.peak_gflops, "peak_gflops_by_size": self.peak_by_size,
+                "notes": self.notes}
+
+
+# -- machine / peak ---------------------------------------------------------------------------------
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    """CPU model, cores, load average, torch version and threads (and the GPU name on CUDA)."""
+    info: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+                            "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
+    with contextlib.suppress(OSError):
+        info["loadavg_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_gflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 2048, reps: int = 2) -> float:
+    """GFLOP/s of an n x n x n matmul (2 n^3 FLOPs) in ``dtype``: the best of ``reps`` after a warm-up."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    (a @ b).sum().item()
+    best = float("inf")
+    for _ in range(max(1, reps)):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+# -- ours -----------------------------------------------------------------------------------------
+
+class OursRunner:
+    """One of our variants: a Trainer from ``dt/hopper_medium`` plus overrides, driven step by step."""
+
+    def __init__(self, name: str, s: Settings, overrides: Sequence[str], run_dir: Path) -> None:
+        from rl_tformers.runtime.config import compose
+        from rl_tformers.runtime.data import batch_stream
+        from rl_tformers.runtime.device import move_to
+        from rl_tformers.runtime.trainer import Trainer, _with_run_dir
+
+        self.name = name
+        cfg = compose(CONFIG, [f"dataset.path={s.dataset}", f"device={s.device}", f"seed={s.seed}",
+                               "train.steps=1000000", *s.overrides, *overrides])
+        self.trainer = Trainer(_with_run_dir(cfg, run_dir), run_dir)
+        tr = self.trainer
+        if bool(cfg.train.compile):
+            tr.model.compile()
+        tr.model.train()
+        self.move_to = move_to
+        self.source = tr.agent.batches(0)
+        self.stream = iter(batch_stream(self.source, 0, 1_000_000, 0, pin_memory=tr.device.type == "cuda"))
+        self.presampled = [move_to(self.source[i], tr.device) for i in range(8)]
+        self.i = 0
+        self.params = sum(p.numel() for p in tr.params)
+        self.amp = tr.amp
+
+    @property
+    def device(self) -> torch.device:
+        return self.trainer.device
+
+    def step(self, mode: str) -> None:
+        tr = self.trainer
+        if mode == "e2e":  # the body of Trainer._loop: next batch, to device, update, window
+            batch = self.move_to(next(self.stream), tr.device)
+            loss, grad_norm, logs = tr.update(batch)
+            tr.window.add({"train/loss": loss, "train/grad_norm": grad_norm, **dict(logs)}, samples=64)
+        else:
+            tr.update(self.presampled[self.i % len(self.presampled)])
+            self.i += 1
+
+    def run(self, mode: str, steps: int) -> float:
+        sync(self.device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step(mode)
+        sync(self.device)
+        if mode == "e2e":
+            self.trainer.window.reset()
+        return time.perf_counter() - t0
+
+    def flops(self) -> int:
+        """FLOPs of one update (forward + backward matmuls/attention; FlopCounterMode)."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        fc = FlopCounterMode(display=False)
+        with fc:
+            self.trainer.update(self.presampled[0])
+        return int(fc.get_total_flops())
+
+    def close(self) -> None:
+        self.stream = None
+
+
+# -- peers ----------------------------------------------------------------------------------------
+
+def default_peer_python() -> str | None:
+    """``$RL_TFORMERS_PEER_PYTHON``, else ``.bench-venvs/peers/bin/python`` if it exists, else None."""
+    env = os.environ.get(PEER_PYTHON_ENV)
+    if env:
+        return env
+    p = PEER_VENV / "bin" / "python"
+    return str(p) if p.exists() else None
+
+
+def build_peer_venv(path: Path = PEER_VENV, echo: Callable[[str], None] = print) -> str:
+    """Create ``path`` with the peers (d3rlpy 2.8, transformers) and *our* torch version.
+
+    A CPU build of torch (``+cpu``) is installed from PyTorch's CPU wheel index (PyPI for the
+    rest); a CUDA build from PyPI. Returns the venv's python.
+
+    Raises:
+        RuntimeError: a step failed (the message has pip's last output lines).
+    """
+    import venv
+
+    py = path / "bin" / "python"
+    if not py.exists():
+        echo(f"creating {path}")
+        venv.EnvBuilder(with_pip=True).create(path)
+    version = torch.__version__.split("+")[0]
+    cmd = [str(py), "-m", "pip", "install", "--quiet", f"torch=={version}", *PEER_REQUIREMENTS]
+    if "+cpu" in torch.__version__:
+        cmd += ["--index-url", "https://download.pytorch.org/whl/cpu", "--extra-index-url", "https://pypi.org/simple"]
+    echo("$ " + " ".join(cmd))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pip failed ({proc.returncode}):\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-20:]))
+    check = subprocess.run([str(py), "-c", "import d3rlpy, transformers, torch; print(torch.__version__)"],
+                           capture_output=True, text=True)
+    if check.returncode != 0:
+        raise RuntimeError(f"the peer environment does not import: {check.stderr[-2000:]}")
+    echo(f"peers ready in {path} (torch {check.stdout.strip()})")
+    return str(py)
+
+
+class PeerProcess:
+    """A peer worker (:mod:`rl_tformers.bench._peer_dt`) speaking JSON lines over pipes."""
+
+    def __init__(self, impl: str, python: str, data: Path, s: Settings, log_path: Path) -> None:
+        script = Path(__file__).with_name("_peer_dt.py")
+        env = {**os.environ, "OMP_NUM_THREADS": str(s.threads), "MKL_NUM_THREADS": str(s.threads),
+               "PYTHONUNBUFFERED": "1"}
+        env.pop("PYTHONPATH", None)
+        self.log_path = log_path
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            [python, str(script), "--impl", impl, "--data", str(data), "--threads", str(s.threads),
+             "--device", s.device, "--seed", str(s.seed)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=str(data.parent),
+        )
+        self.name = impl
+        self.info = self._read()
+        if not self.info.get("ready"):
+            raise RuntimeError(f"peer {impl} did not start: {self.info}")
+
+    def _read(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            self.log.flush()
+            tail = "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-15:])
+            raise RuntimeError(f"peer {self.name} exited (code {self.proc.poll()}):\n{tail}")
+        return json.loads(line)
+
+    def ask(self, **req: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        out = self._read()
+        if "error" in out:
+            raise RuntimeError(f"peer {self.name}: {out['error']}")
+        return out
+
+    def run(self, mode: str, steps: int) -> float:
+        return float(self.ask(cmd="run", mode=mode, steps=steps)["seconds"])
+
+    def flops(self) -> int:
+        return int(self.ask(cmd="flops")["flops"])
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.proc.poll() is None and self.proc.stdin is not None:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.flush()
+            self.proc.wait(timeout=30)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.log.close()
+
+
+def export_peer_data(runner: OursRunner, path: Path, n_batches: int = 8) -> Path:
+    """Write what the peers train on to ``path`` (.npz): the flat dataset in D4RL layout and
+    ``n_batches`` batches from our sampler, already in model units (see ``_peer_dt``)."""
+    from rl_tformers.agents.decision_transformer.agent import to_model_batch
+
+    agent = runner.trainer.agent
+    d = agent.dataset
+    idx = d.flat_indices()
+    obs = np.asarray(d.observations[idx], dtype=np.float32).reshape(len(idx), -1)
+    terminals = d.terminations[idx].copy()
+    timeouts = d.truncations[idx].copy()
+    last = d.cum_lengths[1:] - 1  # every episode ends with a flag (d3rlpy splits episodes on them)
+    timeouts[last] |= ~terminals[last]
+    batches = [to_model_batch({k: v for k, v in agent.batches(0)[i].items()}, agent.info) for i in range(n_batches)]
+    mc = agent.model_cfg
+    meta = {"obs_dim": mc.obs_dim, "act_dim": mc.act_dim, "context_len": mc.context_len, "max_ep_len": mc.max_ep_len,
+            "d_model": mc.backbone.d_model, "n_layers": mc.backbone.n_layers, "n_heads": mc.backbone.n_heads,
+            "batch_size": int(runner.trainer.cfg.train.batch_size), "reward_scale": float(agent.info.reward_scale)}
+    np.savez(
+        path, observations=obs, actions=np.asarray(d.actions[idx], dtype=np.float32), rewards=d.rewards[idx].astype(np.float32),
+        terminals=terminals, timeouts=timeouts, meta=json.dumps(meta),
+        b_obs=np.stack([b["obs"].numpy() for b in batches]), b_actions=np.stack([b["actions"].numpy() for b in batches]),
+        b_rtg=np.stack([b["rtg"].numpy() for b in batches]), b_timesteps=np.stack([b["timesteps"].numpy() for b in batches]),
+        b_mask=np.stack([b["mask"].numpy() for b in batches]),
+    )
+    return path
+
+
+# -- the benchmark --------------------------------------------------------------------------------
+
+def our_variants(s: Settings) -> list[tuple[str, list[str]]]:
+    """(name, overrides) of our measured variants."""
+    out = []
+    if s.shipped:
+        out.append(("ours", []))
+    out.append(("ours-gpt2", ["backbone.ffn_dropout=0"]))
+    if s.bf16:
+        out.append(("ours-gpt2+bf16", ["backbone.ffn_dropout=0", "train.amp=bf16"]))
+    if s.compile:
+        out.append(("ours-gpt2+compile", ["backbone.ffn_dropout=0", "train.compile=true"]))
+    return out
+
+
+def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
+    """Measure every implementation (see the module docstring); never raises for a peer that
+    cannot run: it is left out with a note."""
+    log = log or (lambda m: None)
+    if s.device == "cpu":
+        torch.set_num_threads(max(1, s.threads))
+    res = Result(settings=s)
+    work = Path(tempfile.mkdtemp(prefix="rlt-bench-train-"))
+    impls: dict[str, Any] = {}
+    try:
+        for name, ov in our_variants(s):
+            log(f"building {name} ({' '.join(ov) or 'shipped config'})")
+            impls[name] = OursRunner(name, s, ov, work / name)
+        first = next(iter(impls.values()))
+        device = first.device
+        res.machine = machine_info(device)
+        peer_python = s.peer_python or default_peer_python()
+        if s.peers and peer_python is None:
+            res.notes.append("peers skipped: no peer environment (run with --build-peers, or give --peer-python)")
+        elif s.peers:
+            data = export_peer_data(first, work / "bench_data.npz")
+            for peer in s.peers:
+                log(f"starting peer {peer} ({peer_python})")
+                try:
+                    impls[peer] = PeerProcess(peer, peer_python, data, s, work / f"{peer}.log")
+                except Exception as exc:  # a peer that cannot start is reported, not fatal
+                    res.notes.append(f"peer {peer} skipped: {exc}")
+        modes = {name: ([m for m in MODES if m != "e2e"] if name == "hf" else list(MODES)) for name in impls}
+        flops = {}
+        for name, impl in impls.items():
+            try:
+                flops[name] = impl.flops()
+            except Exception as exc:
+                res.notes.append(f"{name}: FLOP count failed: {exc}")
+            for mode in modes[name]:
+                impl.run(mode, s.warmup)  # warm-up, excluded
+        times: dict[tuple[str, str], list[float]] = {(n, m): [] for n in impls for m in modes[n]}
+        dtypes = {"fp32": torch.float32, **({"bf16": torch.bfloat16} if s.bf16 else {})}
+        peaks: dict[str, dict[int, list[float]]] = {k: {n: [] for n in s.matmul_sizes} for k in dtypes}
+        for r in range(max(1, s.repeats)):
+            for k, dt in dtypes.items():
+                for n in s.matmul_sizes:
+                    peaks[k][n].append(matmul_gflops(device, dt, n))
+            for name, impl in impls.items():
+                for mode in modes[name]:
+                    times[(name, mode)].append(impl.run(mode, s.steps))
+            log(f"round {r + 1}/{s.repeats}: " + ", ".join(
+                f"{n}/{m} {s.steps / t[-1]:.2f}/s" for (n, m), t in times.items()))
+        res.peak_by_size = {k: {n: statistics.median(v) for n, v in by.items()} for k, by in peaks.items()}
+        res.peak_gflops = {k: max(by.values()) for k, by in res.peak_by_size.items()}
+        for (name, mode), ts in times.items():
+            rate = [s.steps / t for t in ts]
+            amp = "bf16" if name.endswith("+bf16") else "fp32"
+            f = flops.get(name)
+            med = statistics.median(rate)
+            info = getattr(impls[name], "info", {})
+            res.rows.append({
+                "impl": name, "mode": mode, "steps_per_s": med, "steps_per_s_all": rate,
+                "flops_per_step": f, "gflops_per_s": None if f is None else f * med / 1e9,
+                "mfu": None if f is None else f * med / 1e9 / res.peak_gflops[amp], "peak_dtype": amp,
+                "params": info.get("params", getattr(impls[name], "params", None)),
+                "versions": info.get("versions"), "attention": info.get("attn_implementation"),
+            })
+        res.ratios = ratios(res.rows)
+        res.machine["loadavg_1_5_15_end"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    finally:
+        for impl in impls.values():
+            impl.close()
+    return res
+
+
+def ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mode: each of our variants' steps/s divided by each peer's (and by ``ours``)."""
+    out = []
+    by = {(r["impl"], r["mode"]): r["steps_per_s"] for r in rows}
+    ours = [r["impl"] for r in rows if r["impl"].startswith("ours")]
+    others = [r["impl"] for r in rows if not r["impl"].startswith("ours")]
+    for mode in MODES:
+        for a in dict.fromkeys(ours):
+            for b in dict.fromkeys([*others, "ours"]):
+                if a != b and (a, mode) in by and (b, mode) in by:
+                    out.append({"mode": mode, "impl": a, "vs": b, "ratio": by[(a, mode)] / by[(b, mode)]})
+    return out
+
+
+def markdown(res: Result) -> str:
+    """Throughput/MFU table and ratio table."""
+    def fmt(v: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+        return "-" if v is None else format(v * scale, spec) + suffix
+
+    lines = ["| impl | mode | updates/s | GFLOP/update | GFLOP/s | MFU | params |", "|---|---|---|---|---|---|---|"]
+    for r in res.rows:
+        lines.append(
+            f"| {r['impl']} | {r['mode']} | {r['steps_per_s']:.2f} | {fmt(r['flops_per_step'], '.2f', 1e-9)} | "
+            f"{fmt(r['gflops_per_s'], '.1f')} | {fmt(r['mfu'], '.0f', 100, '%')} ({r['peak_dtype']}) | "
+            f"{r['params'] or '-'} |"
+        )
+    peaks = "; ".join(f"{k} {v:.1f} GFLOP/s (" + ", ".join(f"n={n}: {g:.0f}" for n, g in res.peak_by_size[k].items())
+                      + ")" for k, v in res.peak_gflops.items())
+    lines += ["", f"matmul peak (best n x n x n, {res.machine.get('threads')} threads): {peaks}", "",
+              "| mode | ours variant | vs | ratio |", "|---|---|---|---|"]
+    lines += [f"| {q['mode']} | {q['impl']} | {q['vs']} | {q['ratio']:.2f}x |" for q in res.ratios]
+    return "\n".join(lines)
+
+
+def register(bench_app) -> None:
+    """Add the ``train`` command to the ``bench`` Typer group."""
+    import typer
+
+    def train(
+        dataset: str = typer.Option(DEFAULT_DATASET, help="Dataset spec (Minari id, folder or D4RL .hdf5)."),
+        device: str = typer.Option("cpu", help="cpu or cuda."),
+        threads: int = typer.Option(1, help="Intra-op threads of every implementation (CPU)."),
+        repeats: int = typer.Option(5, help="Timed rounds (median reported)."),
+        steps: int = typer.Option(20, help="Updates per round and implementation."),
+        warmup: int = typer.Option(5, help="Updates before the rounds (excluded)."),
+        peers: str = typer.Option(",".join(PEERS), help="Peers to measure: d3rlpy,hf (empty: none)."),
+        peer_python: str = typer.Option(None, help="Python of an environment with d3rlpy 2.8 and transformers."),
+        build_peers: bool = typer.Option(False, "--build-peers", help=f"Create/update {PEER_VENV} first."),
+        bf16: bool = typer.Option(False, "--bf16", help="Also measure ours with train.amp=bf16 (MFU vs a bf16 peak)."),
+        compile_: bool = typer.Option(False, "--compile", help="Also measure ours with train.compile=true."),
+        shipped: bool = typer.Option(True, "--shipped/--no-shipped", help="Also measure the shipped config."),
+        matmul_sizes: str = typer.Option("512,1024,2048", help="Sizes n of the n x n matmuls of the peak."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+        out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
+        overrides: list[str] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Extra overrides for ours."),
+    ) -> None:
+        """DT training updates/s vs d3rlpy and Hugging Face (same data, threads, model), and MFU."""
+        peer_list = tuple(p.strip() for p in peers.split(",") if p.strip())
+        unknown = [p for p in peer_list if p not in PEERS]
+        if unknown:
+            raise typer.BadParameter(f"unknown peers {unknown}; choose from {', '.join(PEERS)}", param_hint="--peers")
+        if build_peers:
+            peer_python = build_peer_venv(echo=lambda m: typer.echo(m, err=True))
+        s = Settings(dataset=dataset, device=device, threads=threads, repeats=repeats, steps=steps, warmup=warmup,
+                     peers=peer_list, peer_python=peer_python, bf16=bf16, compile=compile_, shipped=shipped,
+                     matmul_sizes=tuple(int(x) for x in matmul_sizes.split(",") if x.strip()),
+                     overrides=tuple(overrides or ()))
+        res = run(s, log=lambda m: typer.echo(m, err=True))
+        data = res.as_dict()
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(data, indent=2))
+        if as_json:
+            typer.echo(json.dumps(data, indent=2))
+        else:
+            typer.echo(markdown(res))
+            for note in res.notes:
+                typer.echo(f"note: {note}")
+
+    bench_app.command("train")(train)

@@ -1,0 +1,46 @@
+"""``rl-tformers bench eval``: batched vs one-env-at-a-time on the same episodes, and the per-step
+cost of XL / GTrXL memory vs re-encoding the window."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from rl_tformers.bench import eval as be
+
+
+def test_batched_and_sequential_play_the_same_episodes(pendulum_hdf5):
+    s = be.Settings(dataset=str(pendulum_hdf5), episodes=3, n_envs=3, max_episode_steps=12, memory_kinds=())
+    res = be.run(s)
+    batched, seq = res.rollouts
+    assert (batched["mode"], batched["n_envs"], seq["mode"], seq["n_envs"]) == ("batched", 3, "sequential", 1)
+    assert batched["lengths"] == seq["lengths"] == [12, 12, 12]  # same seeds, same episodes
+    assert batched["return_mean"] == pytest.approx(seq["return_mean"], rel=1e-5)
+    assert res.rollout_ratio == pytest.approx(batched["env_steps_per_s"] / seq["env_steps_per_s"])
+    assert "untrained dt" in res.notes[0]
+    assert "batched / sequential" in be.markdown(res)
+
+
+def test_memory_vs_reencoding_rows():
+    s = be.Settings(skip_rollouts=True, memory_kinds=("xl", "gtrxl"), mem_lens=(4, 8), mem_envs=2, mem_steps=2,
+                    d_model=16, n_layers=1, n_heads=2)
+    res = be.run(s)
+    assert [(r["kind"], r["mem_len"]) for r in res.memory] == [("xl", 4), ("xl", 8), ("gtrxl", 4), ("gtrxl", 8)]
+    for r in res.memory:
+        assert r["memory_ms_per_step"] > 0 and r["reencode_over_memory"] == pytest.approx(
+            r["reencode_ms_per_step"] / r["memory_ms_per_step"])
+    assert be.memory_backbone("xl", 4, s).blocks[0].__class__ is not be.memory_backbone("gtrxl", 4, s).blocks[0].__class__
+    with pytest.raises(ValueError, match="xl or gtrxl"):
+        be.memory_backbone("lstm", 4, s)
+
+
+def test_cli_json(tmp_path):
+    import json
+
+    from rl_tformers.cli import app
+
+    out = tmp_path / "e.json"
+    r = CliRunner().invoke(app, ["bench", "eval", "--skip-rollouts", "--memory-kinds", "xl", "--mem-lens", "4",
+                                 "--mem-envs", "2", "--mem-steps", "1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["memory"][0]["mem_len"] == 4

@@ -1,0 +1,89 @@
+"""``rl-tformers bench train``: our variants through the Trainer, FLOP counts, MFU, ratios, the
+peer data export, a peer that cannot start, and (slow, when a peer environment exists) the peers."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from bench_helpers import TINY
+from typer.testing import CliRunner
+
+from rl_tformers.bench import train as bt
+
+
+def _settings(path, **kw):
+    base = dict(dataset=str(path), repeats=2, steps=2, warmup=1, peers=(), overrides=TINY, matmul_sizes=(64, 128))
+    return bt.Settings(**{**base, **kw})
+
+
+def test_ours_rows_flops_mfu_and_ratios(pendulum_hdf5):
+    res = bt.run(_settings(pendulum_hdf5, bf16=True))
+    rows = {(r["impl"], r["mode"]): r for r in res.rows}
+    assert set(rows) == {(v, m) for v in ("ours", "ours-gpt2", "ours-gpt2+bf16") for m in ("e2e", "model")}
+    f = {r["flops_per_step"] for r in res.rows}
+    assert len(f) == 1 and f.pop() > 0  # dropout placement and precision do not change the FLOPs
+    for r in res.rows:
+        assert len(r["steps_per_s_all"]) == 2 and r["steps_per_s"] == pytest.approx(np.median(r["steps_per_s_all"]))
+        peak = res.peak_gflops[r["peak_dtype"]]
+        assert r["mfu"] == pytest.approx(r["flops_per_step"] * r["steps_per_s"] / 1e9 / peak)
+    assert res.peak_gflops["fp32"] == max(res.peak_by_size["fp32"].values()) and set(res.peak_by_size["fp32"]) == {64, 128}
+    assert rows[("ours-gpt2+bf16", "model")]["peak_dtype"] == "bf16"
+    q = {(x["mode"], x["impl"], x["vs"]): x["ratio"] for x in res.ratios}
+    by = {k: v["steps_per_s"] for k, v in rows.items()}
+    assert q[("model", "ours-gpt2", "ours")] == pytest.approx(by[("ours-gpt2", "model")] / by[("ours", "model")])
+    assert "peers skipped" not in " ".join(res.notes)
+    md = bt.markdown(res)
+    assert "| ours-gpt2 | model |" in md and "matmul peak" in md
+
+
+def test_ratios_against_peers():
+    rows = [{"impl": "ours-gpt2", "mode": "e2e", "steps_per_s": 6.0}, {"impl": "d3rlpy", "mode": "e2e", "steps_per_s": 4.0},
+            {"impl": "ours-gpt2", "mode": "model", "steps_per_s": 9.0}, {"impl": "hf", "mode": "model", "steps_per_s": 3.0},
+            {"impl": "d3rlpy", "mode": "model", "steps_per_s": 4.5}]
+    assert bt.ratios(rows) == [
+        {"mode": "e2e", "impl": "ours-gpt2", "vs": "d3rlpy", "ratio": 1.5},
+        {"mode": "model", "impl": "ours-gpt2", "vs": "d3rlpy", "ratio": 2.0},
+        {"mode": "model", "impl": "ours-gpt2", "vs": "hf", "ratio": 3.0},
+    ]
+
+
+def test_peer_data_export(pendulum_hdf5, tmp_path):
+    runner = bt.OursRunner("ours", _settings(pendulum_hdf5), list(TINY), tmp_path / "run")
+    data = np.load(bt.export_peer_data(runner, tmp_path / "d.npz"))
+    meta = json.loads(str(data["meta"]))
+    assert meta["context_len"] == 20 and meta["batch_size"] == 64 and meta["obs_dim"] == 3 and meta["act_dim"] == 1
+    n = data["observations"].shape[0]
+    assert n == 6 * 200 and data["actions"].shape == (n, 1)
+    ends = np.flatnonzero(data["terminals"] | data["timeouts"])
+    assert list(ends) == [200 * k - 1 for k in range(1, 7)]  # every episode ends with a flag
+    assert data["b_obs"].shape == (8, 64, 20, 3) and data["b_mask"].dtype == bool
+    assert np.abs(data["b_actions"]).max() <= 1.0  # model units
+
+
+def test_a_peer_that_cannot_start_is_reported(pendulum_hdf5):
+    # this interpreter has no transformers: the hf worker exits at import, the run goes on without it
+    res = bt.run(_settings(pendulum_hdf5, repeats=1, steps=1, peers=("hf",), peer_python=sys.executable,
+                           shipped=False))
+    assert [r["impl"] for r in res.rows] == ["ours-gpt2", "ours-gpt2"]
+    assert any(n.startswith("peer hf skipped") for n in res.notes)
+
+
+def test_cli_refuses_unknown_peer():
+    from rl_tformers.cli import app
+
+    r = CliRunner().invoke(app, ["bench", "train", "--peers", "rllib"])
+    assert r.exit_code == 2 and "unknown peers" in r.output
+
+
+@pytest.mark.slow
+def test_real_peers(pendulum_hdf5):
+    python = bt.default_peer_python()
+    if python is None:
+        pytest.skip("no peer environment (rl-tformers bench train --build-peers)")
+    res = bt.run(_settings(pendulum_hdf5, repeats=1, steps=2, peers=bt.PEERS, peer_python=python, shipped=False))
+    impls = {(r["impl"], r["mode"]) for r in res.rows}
+    assert {("d3rlpy", "e2e"), ("d3rlpy", "model"), ("hf", "model")} <= impls, res.notes
+    assert all(r["flops_per_step"] and r["flops_per_step"] > 0 for r in res.rows)
