@@ -84,6 +84,7 @@ PPO_DEFAULTS: dict[str, Any] = {
         "head_hidden": 64,
         "deterministic": True,  # evaluation acts with the mode
         "init_checkpoint": None,  # fine-tune: an offline gtrxl run directory or checkpoint file
+        "critic_warmup": 0,  # first rollouts that train only the value head (fine-tuning)
     },
     "backbone": gtrxl_backbone(d_model=64, n_layers=2, n_heads=4, mem_len=16),
     "train": {
@@ -156,7 +157,14 @@ def state_from_rows(mem: Tensor, pos: Tensor, valid: Tensor, seg: Tensor, episod
 
 
 def ppo_loss(
-    model: GTrXLModel, mb: Mapping[str, Tensor], *, clip_coef: float, ent_coef: float, vf_coef: float, norm_adv: bool
+    model: GTrXLModel,
+    mb: Mapping[str, Tensor],
+    *,
+    clip_coef: float,
+    ent_coef: float,
+    vf_coef: float,
+    norm_adv: bool,
+    critic_only: bool = False,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped-surrogate PPO loss on a minibatch of single steps, each with its stored memory.
 
@@ -165,9 +173,12 @@ def ppo_loss(
         mb: ``x (B, input_dim)``, ``pos (B,)``, ``mem (B, L, M, D)``, ``mem_pos/mem_valid/mem_seg
             (B, M)``, ``episode (B,)``, ``actions (B, A) or (B,)``, ``logp (B,)``, ``adv (B,)``,
             ``returns (B,)``.
+        critic_only: train only the value head, on detached features (the critic warm-up of
+            fine-tuning: encoder and actor keep their offline weights).
 
     Returns:
-        (loss, logs): L = L_clip - ent_coef * H + vf_coef * 0.5 (V - R)^2 (Schulman et al. 2017, eq. 9).
+        (loss, logs): L = L_clip - ent_coef * H + vf_coef * 0.5 (V - R)^2 (Schulman et al. 2017,
+        eq. 9); with ``critic_only``, vf_coef * 0.5 (V - R)^2.
     """
     enc = model.encoder
     state = state_from_rows(mb["mem"], mb["mem_pos"], mb["mem_valid"], mb["mem_seg"], mb["episode"], mb["pos"])
@@ -175,7 +186,7 @@ def ppo_loss(
     h = out.features[:, 0]  # (B, D)
     logp = model.actor.log_prob(h, mb["actions"])
     entropy = model.actor.entropy(h).mean()
-    value = model.state_value(h)
+    value = model.state_value(h.detach() if critic_only else h)
     log_ratio = logp - mb["logp"]
     ratio = log_ratio.exp()
     adv = mb["adv"]
@@ -183,7 +194,10 @@ def ppo_loss(
         adv = (adv - adv.mean()) / (adv.std() + 1e-8)
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_coef, 1.0 + clip_coef)).mean()
     v_loss = 0.5 * (value - mb["returns"]).pow(2).mean()
-    loss = pg - ent_coef * entropy + vf_coef * v_loss + sum(out.aux.values(), torch.zeros((), device=h.device))
+    if critic_only:
+        loss = vf_coef * v_loss
+    else:
+        loss = pg - ent_coef * entropy + vf_coef * v_loss + sum(out.aux.values(), torch.zeros((), device=h.device))
     with torch.no_grad():
         logs = {
             "loss_policy": float(pg),
@@ -426,6 +440,7 @@ class GTrXLPPO:
                 ix = torch.as_tensor(idx, device=self.device)
                 mb = {k: v[ix] for k, v in flat.items()}
                 mb["stats"] = ro["stats"]
+                mb["critic_only"] = self.rollouts <= int(self.a.critic_warmup)
                 yield mb
 
     # -- Trainable -----------------------------------------------------------------------------
@@ -443,7 +458,8 @@ class GTrXLPPO:
         mb = {k: v.to(self.device) for k, v in batch.items() if isinstance(v, Tensor)}
         a = self.a
         loss, logs = ppo_loss(self.model, mb, clip_coef=float(a.clip_coef), ent_coef=float(a.ent_coef),
-                              vf_coef=float(a.vf_coef), norm_adv=bool(a.norm_adv))
+                              vf_coef=float(a.vf_coef), norm_adv=bool(a.norm_adv),
+                              critic_only=bool(batch.get("critic_only", False)))
         logs.update(batch.get("stats", {}))
         return loss, logs
 

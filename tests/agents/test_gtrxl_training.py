@@ -330,3 +330,17 @@ def test_ppo_refuses_memory_kinds_it_cannot_store_per_step():
     cfg.backbone.memory = {"kind": "compressive"}
     with pytest.raises(ValueError, match=r"backbone\.memory\.kind='compressive'"):
         GTrXLPPO(cfg, None, torch.device("cpu"))
+
+
+def test_ppo_critic_warmup_changes_only_the_value_head():
+    torch.manual_seed(7)
+    ppo = _ppo(critic_warmup=1)
+    mb = next(ppo.minibatches(ppo.collect()))
+    assert mb["critic_only"] is True
+    loss, _ = ppo.loss(mb)
+    loss.backward()
+    grads = {n: p.grad for n, p in ppo.model.named_parameters()}
+    assert all(g is None or g.abs().sum() == 0 for n, g in grads.items() if not n.startswith("value."))
+    assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if n.startswith("value."))
+    ppo.collect()
+    assert next(ppo.minibatches(ppo.collect()))["critic_only"] is False  # rollout 3 > warm-up
