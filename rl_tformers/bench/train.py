@@ -217,8 +217,11 @@ def default_peer_python() -> str | None:
 def build_peer_venv(path: Path = PEER_VENV, echo: Callable[[str], None] = print) -> str:
     """Create ``path`` with the peers (d3rlpy 2.8, transformers) and *our* torch version.
 
-    A CPU build of torch (``+cpu``) is installed from PyTorch's CPU wheel index (PyPI for the
-    rest); a CUDA build from PyPI. Returns the venv's python.
+    torch is installed first, on its own: from a local wheel when pip's configured find-links
+    have one (``--no-index --no-deps``, as the Makefile probes), else, for a CPU build
+    (``+cpu``), from PyTorch's CPU wheel index, else from PyPI; then the peers and torch's own
+    dependencies from PyPI (torch stays as it is).
+    Returns the venv's python.
 
     Raises:
         RuntimeError: a step failed (the message has pip's last output lines).
@@ -230,17 +233,31 @@ def build_peer_venv(path: Path = PEER_VENV, echo: Callable[[str], None] = print)
         echo(f"creating {path}")
         venv.EnvBuilder(with_pip=True).create(path)
     version = torch.__version__.split("+")[0]
-    cmd = [str(py), "-m", "pip", "install", "--quiet", f"torch=={version}", *PEER_REQUIREMENTS]
+    pip = [str(py), "-m", "pip", "install", "--quiet", "--timeout", "60"]
+
+    def attempt(cmd: list[str]) -> subprocess.CompletedProcess:
+        echo("$ " + " ".join(cmd))
+        return subprocess.run(cmd, capture_output=True, text=True)
+
+    tries = [[*pip, "--no-index", "--no-deps", f"torch=={version}"]]  # its dependencies come with the peers
     if "+cpu" in torch.__version__:
-        cmd += ["--index-url", "https://download.pytorch.org/whl/cpu", "--extra-index-url", "https://pypi.org/simple"]
-    echo("$ " + " ".join(cmd))
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+        tries.append([*pip, f"torch=={version}", "--index-url", "https://download.pytorch.org/whl/cpu"])
+    tries.append([*pip, f"torch=={version}"])
+    for cmd in tries:
+        proc = attempt(cmd)
+        if proc.returncode == 0:
+            break
+    else:
+        raise RuntimeError(f"pip could not install torch=={version}:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-20:]))
+    proc = attempt([*pip, *PEER_REQUIREMENTS])
     if proc.returncode != 0:
         raise RuntimeError(f"pip failed ({proc.returncode}):\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-20:]))
     check = subprocess.run([str(py), "-c", "import d3rlpy, transformers, torch; print(torch.__version__)"],
                            capture_output=True, text=True)
     if check.returncode != 0:
         raise RuntimeError(f"the peer environment does not import: {check.stderr[-2000:]}")
+    if check.stdout.strip().split("+")[0] != version:
+        raise RuntimeError(f"the peer environment has torch {check.stdout.strip()}, ours is {torch.__version__}")
     echo(f"peers ready in {path} (torch {check.stdout.strip()})")
     return str(py)
 
