@@ -32,11 +32,17 @@ one ``update`` each. Hugging Face has no offline-RL data pipeline, so it runs ``
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
+
+# This file's folder (rl_tformers/bench: train.py, eval.py, profile.py...) must not shadow
+# modules of the standard library or of the peers (Python puts a script's folder first).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
 
 
 def _reply(out, obj) -> None:

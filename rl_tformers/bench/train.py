@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -273,7 +274,7 @@ class PeerProcess:
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [python, str(script), "--impl", impl, "--data", str(data), "--threads", str(s.threads),
+            [os.path.abspath(python), str(script), "--impl", impl, "--data", str(data), "--threads", str(s.threads),
              "--device", s.device, "--seed", str(s.seed)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=str(data.parent),
         )
@@ -386,6 +387,7 @@ def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
                     impls[peer] = PeerProcess(peer, peer_python, data, s, work / f"{peer}.log")
                 except Exception as exc:  # a peer that cannot start is reported, not fatal
                     res.notes.append(f"peer {peer} skipped: {exc}")
+                    log(res.notes[-1])
         modes = {name: ([m for m in MODES if m != "e2e"] if name == "hf" else list(MODES)) for name in impls}
         flops = {}
         for name, impl in impls.items():
@@ -427,6 +429,7 @@ def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
     finally:
         for impl in impls.values():
             impl.close()
+        shutil.rmtree(work, ignore_errors=True)
     return res
 
 
