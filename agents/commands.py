@@ -193,7 +193,7 @@ def plot_cmd(
 
 def demo_cmd(
     out_dir: Path = typer.Option(None, "--out-dir", help="Run directory (default runs/demo-<time>)."),
-    steps: int = typer.Option(None, "--steps", min=1, help="Training updates (default: the demo config's 3000)."),
+    steps: int = typer.Option(None, "--steps", min=1, help="Training updates (default: the demo config's 2000)."),
     episodes: int = typer.Option(None, "--episodes", min=1, help="Dataset episodes (default 300)."),
     eval_episodes: int = typer.Option(10, "--eval-episodes", min=1, help="Evaluation episodes per target."),
     threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's choice)."),
@@ -201,7 +201,7 @@ def demo_cmd(
 ) -> None:
     """Quick start: build data, train a Decision Transformer, evaluate and plot (minutes on 2 CPU cores).
 
-    Builds a Pendulum-v1 dataset with a scripted controller, trains a DT on it, evaluates it at several
+    Builds a CartPole-v1 dataset with a scripted controller, trains a DT on it, evaluates it at several
     target returns and writes the return-conditioning plot; prints where the run and the plot are.
     """
     from rl_tformers.agents.common.demo import run_demo

@@ -2,10 +2,10 @@
 
 Runs on a fresh machine with nothing but this package (no pretrained policies, no downloads):
 
-1. builds a Pendulum-v1 dataset with a scripted swing-up controller that first waits a random
-   delay (:mod:`rl_tformers.agents.common.scripted`), and writes it as a D4RL-layout HDF5 file in
-   ``RUN_DIR/data/``;
-2. trains a Decision Transformer on it with the shared trainer (config ``dt/pendulum_demo``);
+1. builds a CartPole-v1 dataset with a scripted controller that balances until a random step
+   and then lets the pole fall (:mod:`rl_tformers.agents.common.scripted`), and writes it as a
+   D4RL-layout HDF5 file in ``RUN_DIR/data/``;
+2. trains a Decision Transformer on it with the shared trainer (config ``dt/cartpole_demo``);
 3. evaluates it at several target returns (``eval.json``, per-step rewards included);
 4. draws the return-conditioning figure (``return_conditioning.png``, also in TensorBoard).
 """
@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-DEMO_CONFIG = "dt/pendulum_demo"
-DATA_FILE = "pendulum-delayed-expert.hdf5"
+DEMO_CONFIG = "dt/cartpole_demo"
+DATA_FILE = "cartpole-delayed-expert.hdf5"
+#: evaluation targets of the demo (CartPole-v1 returns are episode lengths, at most 500)
+DEMO_TARGETS = [50.0, 140.0, 230.0, 320.0, 410.0, 500.0]
 
 
 @dataclass
@@ -51,9 +53,9 @@ def run_demo(
     Args:
         out_dir: run directory (default ``runs/demo-<YYYYmmdd-HHMMSS>``); must not hold a run.
         steps: training updates (default: the config's).
-        n_episodes: dataset episodes of 200 steps (default 300).
+        n_episodes: dataset episodes (default 300, about 75,000 steps).
         eval_episodes: episodes per target.
-        targets: evaluation targets (default: 5 from the dataset mean to its best return).
+        targets: evaluation targets (default :data:`DEMO_TARGETS`).
         threads: ``torch.set_num_threads`` (default: leave torch's choice).
         device: training device.
         extra_overrides: more ``key=value`` config overrides (tests use them to shrink the run).
@@ -62,7 +64,6 @@ def run_demo(
     Returns:
         :class:`DemoResult`.
     """
-    import numpy as np
     import torch
     from rl_tformers.agents.common.evaluation import evaluate
     from rl_tformers.agents.common.loading import load_run
@@ -85,7 +86,7 @@ def run_demo(
     data_path = run_dir / "data" / DATA_FILE
     n_episodes = 300 if n_episodes is None else n_episodes
 
-    echo(f"[1/4] collecting {n_episodes} Pendulum-v1 episodes with a scripted controller ...")
+    echo(f"[1/4] collecting {n_episodes} CartPole-v1 episodes with a scripted controller ...")
     ds = collect_delayed_expert(n_episodes, seed=0)
     save_d4rl_hdf5(ds, data_path)
     ret = ds.episode_returns
@@ -104,9 +105,7 @@ def run_demo(
     echo(f"      done in {time.perf_counter() - t_train:.0f} s, final training loss {loss:.4f}")
 
     run = load_run(run_dir, device)
-    if targets is None:
-        lo, hi = float(np.percentile(ret, 25)), float(ret.max())
-        targets = [float(round(x)) for x in np.linspace(lo, hi, 5)]
+    targets = list(DEMO_TARGETS if targets is None else targets)
     echo(f"[3/4] evaluating at targets {targets}, {eval_episodes} episodes each ...")
     report = evaluate(run.agent.policy(), run.agent.make_env(), targets, episodes=eval_episodes,
                       n_envs=min(10, eval_episodes), seed=1000, record_rewards=True, env_id=run.env_id)
@@ -118,7 +117,7 @@ def run_demo(
 
     echo("[4/4] plotting achieved vs target return ...")
     fig = plot_return_conditioning(report.results, dataset_max=float(ret.max()), dataset_mean=float(ret.mean()),
-                                   title=f"Decision Transformer on Pendulum-v1 ({run.step} updates)")
+                                   title=f"Decision Transformer on CartPole-v1 ({run.step} updates)")
     log_figure(run_dir, "plot/return_conditioning", fig, run.step)
     plot = save_figure(fig, run_dir / "return_conditioning.png")
     return DemoResult(run_dir=run_dir, plot=plot, eval_json=eval_json, seconds=time.perf_counter() - t0,

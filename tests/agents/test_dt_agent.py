@@ -33,30 +33,30 @@ def _one_thread():
     torch.set_num_threads(n)
 
 @pytest.fixture(scope="module")
-def pendulum_data(tmp_path_factory):
+def cartpole_data(tmp_path_factory):
     ds = collect_delayed_expert(20, seed=0, n_envs=10)
-    return ds, save_d4rl_hdf5(ds, tmp_path_factory.mktemp("data") / "pend.hdf5")
+    return ds, save_d4rl_hdf5(ds, tmp_path_factory.mktemp("data") / "cartpole.hdf5")
 
 
 @pytest.fixture(scope="module")
-def dt_run(pendulum_data, tmp_path_factory):
-    _, path = pendulum_data
+def dt_run(cartpole_data, tmp_path_factory):
+    _, path = cartpole_data
     run_dir = tmp_path_factory.mktemp("runs") / "dt"
-    cfg = compose("dt/pendulum_demo", [f"dataset.path={path}", *TINY_BB, *FAST, "agent.targets=[-150,-900]"])
+    cfg = compose("dt/cartpole_demo", [f"dataset.path={path}", *TINY_BB, *FAST, "agent.targets=[20,200]"])
     train(cfg, run_dir)
     return run_dir
 
 
-def test_checkpoint_stores_reward_scale_and_observation_stats(dt_run, pendulum_data):
-    ds, _ = pendulum_data
+def test_checkpoint_stores_reward_scale_and_observation_stats(dt_run, cartpole_data):
+    ds, _ = cartpole_data
     state = ckpt.find_latest_valid(dt_run).state
     extra = state["extra"]
     assert state["step"] == 6
-    assert extra["reward_scale"] == 1000.0  # power of ten below the largest |return| (~1700)
+    assert extra["reward_scale"] == 100.0  # power of ten below the largest |return| (<= 500)
     obs = np.asarray(ds.observations, np.float64)
     np.testing.assert_allclose(extra["obs_mean"].numpy(), obs.mean(0), rtol=0, atol=1e-5)
     np.testing.assert_allclose(extra["obs_std"].numpy(), obs.std(0), rtol=0, atol=1e-5)
-    assert extra["env_id"] == "Pendulum-v1"
+    assert extra["env_id"] == "CartPole-v1"
     assert extra["dataset_return_max"] == pytest.approx(float(ds.episode_returns.max()))
 
 
@@ -64,22 +64,23 @@ def test_periodic_evaluation_is_logged(dt_run):
     recs = [json.loads(line) for line in (dt_run / "metrics.jsonl").read_text().splitlines()]
     ev = [r for r in recs if "eval/return_mean" in r]
     assert len(ev) == 1 and ev[0]["step"] == 6
-    assert ev[0]["eval/target"] == -150.0 and ev[0]["eval/target_target1"] == -900.0
-    assert -2000 < ev[0]["eval/return_mean"] <= 0
+    assert ev[0]["eval/target"] == 20.0 and ev[0]["eval/target_target1"] == 200.0
+    assert 1 <= ev[0]["eval/return_mean"] <= 25  # evaluation episodes are cut at 25 steps
 
 
 def test_eval_command_json_is_exact_and_reproducible(dt_run):
     runner = CliRunner()
-    args = ["eval", str(dt_run), "--targets", "-150,-900", "--episodes", "3", "--envs", "2", "--seed", "7", "--json"]
+    args = ["eval", str(dt_run), "--targets", "20,200", "--episodes", "3", "--envs", "2", "--seed", "7", "--json"]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
-    assert [r["target_return"] for r in out["results"]] == [-150.0, -900.0]
+    assert [r["target_return"] for r in out["results"]] == [20.0, 200.0]
     for r in out["results"]:
         assert set(r) >= {"target_return", "returns", "return_mean", "return_std", "normalized_score"}
-        assert len(r["returns"]) == 3 and r["seeds"] == [7, 8, 9] and r["lengths"] == [25, 25, 25]
+        assert len(r["returns"]) == 3 and r["seeds"] == [7, 8, 9] and max(r["lengths"]) <= 25
+        assert r["returns"] == [float(n) for n in r["lengths"]]  # CartPole: reward 1 per step
         assert r["return_mean"] == pytest.approx(float(np.mean(r["returns"])), abs=1e-9)
-        assert r["normalized_score"] is None  # Pendulum has no D4RL reference returns
+        assert r["normalized_score"] is None  # CartPole has no D4RL reference returns
     again = json.loads(runner.invoke(app, args).output)
     assert [r["returns"] for r in again["results"]] == [r["returns"] for r in out["results"]]
 
@@ -96,7 +97,7 @@ def test_plot_command_writes_png_and_tensorboard_image(dt_run, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "plot.png"
-    res = CliRunner().invoke(app, ["plot", str(dt_run), "--out", str(out), "--targets", "-900,-150", "--episodes", "2"])
+    res = CliRunner().invoke(app, ["plot", str(dt_run), "--out", str(out), "--targets", "200,20", "--episodes", "2"])
     assert res.exit_code == 0, res.output
     assert out.stat().st_size > 10_000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     acc = EventAccumulator(str(dt_run), size_guidance={"images": 0})
@@ -105,8 +106,8 @@ def test_plot_command_writes_png_and_tensorboard_image(dt_run, tmp_path):
     assert "eval/return_conditioning" in acc.Tags()["images"]  # logged by evaluate() during training
 
 
-def test_load_run_rebuilds_the_policy_without_the_dataset(dt_run, pendulum_data):
-    _, path = pendulum_data
+def test_load_run_rebuilds_the_policy_without_the_dataset(dt_run, cartpole_data):
+    _, path = cartpole_data
     run = load_run(dt_run)
     assert run.kind == "dt" and run.step == 6 and run.agent.dataset is None
     state = ckpt.find_latest_valid(dt_run).state
@@ -114,8 +115,8 @@ def test_load_run_rebuilds_the_policy_without_the_dataset(dt_run, pendulum_data)
         torch.testing.assert_close(v, state["model"][k], rtol=0, atol=0)
 
 
-def test_bc_and_filtered_bc_train_in_the_same_trainer(pendulum_data, tmp_path):
-    ds, path = pendulum_data
+def test_bc_and_filtered_bc_train_in_the_same_trainer(cartpole_data, tmp_path):
+    ds, path = cartpole_data
     for frac in (1.0, 0.1):
         cfg = compose(None, ["agent.kind=bc", f"dataset.path={path}", f"agent.top_fraction={frac}", *FAST])
         res = train(cfg, tmp_path / f"bc{frac}")
@@ -129,9 +130,9 @@ def test_bc_and_filtered_bc_train_in_the_same_trainer(pendulum_data, tmp_path):
         assert json.loads(res.output)["results"][0]["target_return"] is None
 
 
-def test_last_action_mode_trains_on_end_aligned_windows(pendulum_data, tmp_path):
-    _, path = pendulum_data
-    cfg = compose("dt/pendulum_demo", [f"dataset.path={path}", *TINY_BB, *FAST, "agent.mode=last_action",
+def test_last_action_mode_trains_on_end_aligned_windows(cartpole_data, tmp_path):
+    _, path = cartpole_data
+    cfg = compose("dt/cartpole_demo", [f"dataset.path={path}", *TINY_BB, *FAST, "agent.mode=last_action",
                                        "backbone.causal=false", "eval.at_end=false"])
     from rl_tformers.agents.decision_transformer.agent import DTAgent
 
@@ -145,16 +146,16 @@ def res_ok(res) -> bool:
     return res.step == 6 and math.isfinite(res.last_train["train/loss"])
 
 
-def test_causal_mode_with_bidirectional_backbone_is_refused(pendulum_data, tmp_path):
-    _, path = pendulum_data
-    cfg = compose("dt/pendulum_demo", [f"dataset.path={path}", *TINY_BB, *FAST, "backbone.causal=false"])
+def test_causal_mode_with_bidirectional_backbone_is_refused(cartpole_data, tmp_path):
+    _, path = cartpole_data
+    cfg = compose("dt/cartpole_demo", [f"dataset.path={path}", *TINY_BB, *FAST, "backbone.causal=false"])
     with pytest.raises(ValueError, match="agent.mode=causal needs backbone.causal=true"):
         train(cfg, tmp_path / "bad")
 
 
-def test_swapping_the_backbone_is_one_override(pendulum_data, tmp_path):
-    _, path = pendulum_data
-    cfg = compose("dt/pendulum_demo", [f"dataset.path={path}", *TINY_BB, *FAST, "eval.at_end=false",
+def test_swapping_the_backbone_is_one_override(cartpole_data, tmp_path):
+    _, path = cartpole_data
+    cfg = compose("dt/cartpole_demo", [f"dataset.path={path}", *TINY_BB, *FAST, "eval.at_end=false",
                                        "backbone.position.kind=rotary"])
     res = train(cfg, tmp_path / "rot")
     assert res_ok(res)
@@ -165,13 +166,13 @@ def test_demo_smoke_writes_a_png(tmp_path):
     from rl_tformers.agents.common.demo import run_demo
 
     lines = []
-    res = run_demo(tmp_path / "demo", steps=4, n_episodes=10, eval_episodes=2, targets=[-150.0, -700.0],
+    res = run_demo(tmp_path / "demo", steps=4, n_episodes=10, eval_episodes=2, targets=[20.0, 200.0],
                    extra_overrides=[*TINY_BB, "train.batch_size=8", "train.warmup_steps=1",
                                     "agent.env_kwargs={max_episode_steps: 25}"], echo=lines.append)
     assert res.plot.stat().st_size > 10_000 and res.plot.read_bytes()[:4] == b"\x89PNG"
     data = json.loads(res.eval_json.read_text())
-    assert [r["target_return"] for r in data["results"]] == [-150.0, -700.0]
-    assert all(len(r["rewards"]) == 2 and len(r["rewards"][0]) == 25 for r in data["results"])
+    assert [r["target_return"] for r in data["results"]] == [20.0, 200.0]
+    assert all([len(x) for x in r["rewards"]] == r["lengths"] for r in data["results"])
     assert lines[0].startswith("[1/4]") and any(s.startswith("[4/4]") for s in lines)
 
 
