@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gymnasium as gym
 import numpy as np
-
 from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
 
 CARTPOLE_ID = "CartPole-v1"
