@@ -67,13 +67,12 @@ def set_adamw(runner: OursRunner, impl: str) -> None:
         raise ValueError(f"--adamw {impl!r}; use one of {', '.join(ADAMW)}")
     tr = runner.trainer
     old = tr.optimizer
-    groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach", "initial_lr")} for g in old.param_groups]
+    groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in old.param_groups]
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[impl]
+    for g in groups:
+        g["lr"] = g.pop("initial_lr", g["lr"])  # the peak lr; the new scheduler applies the schedule again
     tr.optimizer = torch.optim.AdamW(groups, **flags)
-    sched = tr.scheduler
-    sched.optimizer = tr.optimizer
-    for g, lr in zip(tr.optimizer.param_groups, sched.base_lrs):
-        g["initial_lr"] = lr
+    tr.scheduler = torch.optim.lr_scheduler.LambdaLR(tr.optimizer, tr.scheduler.lr_lambdas)
 
 
 def run(overrides: list[str], steps: int = 20, profile_steps: int = 5, adamw: str = "fused", threads: int = 1,

@@ -257,7 +257,12 @@ class Trainer:
             self._load(resume_from)
         #: DistributedDataParallel around the agent's loss (multi-process runs), else None
         self.ddp: torch.nn.Module | None = None
-        if self.dist.distributed and dist_rt.is_active():
+        if self.dist.distributed:
+            if not dist_rt.is_active():
+                raise RuntimeError(
+                    f"WORLD_SIZE={self.world_size} (torchrun) but no process group: start runs with "
+                    f"rl_tformers.runtime.trainer.train/resume (or `rl-tformers train`), which join it"
+                )
             self.ddp = dist_rt.wrap_ddp(self.agent, self.device, bool(t.get("ddp_find_unused", False)))
 
     # -- rank awareness -------------------------------------------------------------------------

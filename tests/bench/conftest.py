@@ -1,4 +1,4 @@
-"""Fixtures of the benchmark plumbing tests: a small Pendulum dataset on disk, one torch thread."""
+"""Fixtures of the benchmark plumbing tests: a small Hopper-shaped dataset on disk, thread count restored."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ import torch
 
 
 @pytest.fixture(scope="session")
-def pendulum_hdf5(tmp_path_factory):
-    """6 Pendulum-v1 episodes of 200 steps (scripted delayed expert) as a D4RL-layout file."""
-    from rl_tformers.agents.common.scripted import collect_delayed_expert
-    from rl_tformers.envs.loaders import save_d4rl_hdf5
+def tiny_hdf5(tmp_path_factory):
+    """3000 synthetic steps in D4RL layout named like a Hopper file (env Hopper-v5, 11-dim
+    observations, 3-dim actions in [-1, 1], 200-step episodes with some early terminations)."""
+    from rl_tformers.bench.data import write_synthetic_d4rl
 
-    ds = collect_delayed_expert(6, seed=0, n_envs=6)
-    return save_d4rl_hdf5(ds, tmp_path_factory.mktemp("data") / "pendulum.hdf5")
+    return write_synthetic_d4rl(tmp_path_factory.mktemp("data") / "hopper-synthetic.hdf5", 3000, ep_len=200)
 
 
 @pytest.fixture(autouse=True)

@@ -24,8 +24,8 @@ def test_synthetic_d4rl_file_loads_with_its_episodes(tmp_path):
         assert 0 < r["load_s"] <= r["first_batch_s"]
 
 
-def test_samplers_against_their_trainers(pendulum_hdf5):
-    s = bd.Settings(dataset=str(pendulum_hdf5), batches=3, repeats=1, train_steps=1, skip_load=True)
+def test_samplers_against_their_trainers(tiny_hdf5):
+    s = bd.Settings(dataset=str(tiny_hdf5), batches=3, repeats=1, train_steps=1, skip_load=True)
     res = bd.run(s)
     assert [r["config"] for r in res.samplers] == ["dt/hopper_medium", "gtrxl/hopper_positions_bc"]
     assert res.samplers[0]["sampler"] == "window (DT), K=20"

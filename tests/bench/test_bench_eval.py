@@ -9,12 +9,12 @@ from typer.testing import CliRunner
 from rl_tformers.bench import eval as be
 
 
-def test_batched_and_sequential_play_the_same_episodes(pendulum_hdf5):
-    s = be.Settings(dataset=str(pendulum_hdf5), episodes=3, n_envs=3, max_episode_steps=12, memory_kinds=())
+def test_batched_and_sequential_play_the_same_episodes(tiny_hdf5):
+    s = be.Settings(dataset=str(tiny_hdf5), episodes=3, n_envs=3, max_episode_steps=12, memory_kinds=())
     res = be.run(s)
     batched, seq = res.rollouts
     assert (batched["mode"], batched["n_envs"], seq["mode"], seq["n_envs"]) == ("batched", 3, "sequential", 1)
-    assert batched["lengths"] == seq["lengths"] == [12, 12, 12]  # same seeds, same episodes
+    assert batched["lengths"] == seq["lengths"] and max(seq["lengths"]) <= 12  # same seeds, same episodes
     assert batched["return_mean"] == pytest.approx(seq["return_mean"], rel=1e-5)
     assert res.rollout_ratio == pytest.approx(batched["env_steps_per_s"] / seq["env_steps_per_s"])
     assert "untrained dt" in res.notes[0]

@@ -20,8 +20,8 @@ def test_categories():
 
 
 @pytest.mark.parametrize("adamw", ["loop", "fused"])
-def test_profile_run(pendulum_hdf5, adamw):
-    res = bp.run(list(TINY), steps=2, profile_steps=2, adamw=adamw, dataset=str(pendulum_hdf5))
+def test_profile_run(tiny_hdf5, adamw):
+    res = bp.run(list(TINY), steps=2, profile_steps=2, adamw=adamw, dataset=str(tiny_hdf5))
     assert res["adamw"] == adamw and res["updates_per_s"] > 0
     shares = [c["share"] for c in res["categories"].values()]
     assert sum(shares) == pytest.approx(1.0) and res["categories"]["matmul"]["ms"] > 0
@@ -29,8 +29,8 @@ def test_profile_run(pendulum_hdf5, adamw):
     assert "| matmul |" in bp.markdown(res)
 
 
-def test_set_adamw_keeps_groups_and_schedule(pendulum_hdf5, tmp_path):
-    runner = bp.OursRunner("ours", bp.Settings(dataset=str(pendulum_hdf5)), list(TINY), tmp_path)
+def test_set_adamw_keeps_groups_and_schedule(tiny_hdf5, tmp_path):
+    runner = bp.OursRunner("ours", bp.Settings(dataset=str(tiny_hdf5)), list(TINY), tmp_path)
     before = [(g["weight_decay"], g["lr"], len(g["params"])) for g in runner.trainer.optimizer.param_groups]
     bp.set_adamw(runner, "loop")
     opt = runner.trainer.optimizer

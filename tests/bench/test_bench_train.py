@@ -19,8 +19,8 @@ def _settings(path, **kw):
     return bt.Settings(**{**base, **kw})
 
 
-def test_ours_rows_flops_mfu_and_ratios(pendulum_hdf5):
-    res = bt.run(_settings(pendulum_hdf5, bf16=True))
+def test_ours_rows_flops_mfu_and_ratios(tiny_hdf5):
+    res = bt.run(_settings(tiny_hdf5, bf16=True))
     rows = {(r["impl"], r["mode"]): r for r in res.rows}
     assert set(rows) == {(v, m) for v in ("ours", "ours-gpt2", "ours-gpt2+bf16") for m in ("e2e", "model")}
     f = {r["flops_per_step"] for r in res.rows}
@@ -50,22 +50,24 @@ def test_ratios_against_peers():
     ]
 
 
-def test_peer_data_export(pendulum_hdf5, tmp_path):
-    runner = bt.OursRunner("ours", _settings(pendulum_hdf5), list(TINY), tmp_path / "run")
+def test_peer_data_export(tiny_hdf5, tmp_path):
+    runner = bt.OursRunner("ours", _settings(tiny_hdf5), list(TINY), tmp_path / "run")
     data = np.load(bt.export_peer_data(runner, tmp_path / "d.npz"))
     meta = json.loads(str(data["meta"]))
-    assert meta["context_len"] == 20 and meta["batch_size"] == 64 and meta["obs_dim"] == 3 and meta["act_dim"] == 1
-    n = data["observations"].shape[0]
-    assert n == 6 * 200 and data["actions"].shape == (n, 1)
+    n, obs_dim = data["observations"].shape
+    assert meta["context_len"] == 20 and meta["batch_size"] == 64
+    assert meta["obs_dim"] == obs_dim == runner.trainer.agent.dataset.observation_shape[0]
+    ds = runner.trainer.agent.dataset
+    assert n == ds.num_steps and data["actions"].shape == (n, meta["act_dim"]) and meta["act_dim"] == 3
     ends = np.flatnonzero(data["terminals"] | data["timeouts"])
-    assert list(ends) == [200 * k - 1 for k in range(1, 7)]  # every episode ends with a flag
-    assert data["b_obs"].shape == (8, 64, 20, 3) and data["b_mask"].dtype == bool
+    assert list(ends) == list(np.cumsum(ds.lengths) - 1)  # every episode ends with a flag
+    assert data["b_obs"].shape == (8, 64, 20, obs_dim) and data["b_mask"].dtype == bool
     assert np.abs(data["b_actions"]).max() <= 1.0  # model units
 
 
-def test_a_peer_that_cannot_start_is_reported(pendulum_hdf5):
+def test_a_peer_that_cannot_start_is_reported(tiny_hdf5):
     # this interpreter has no transformers: the hf worker exits at import, the run goes on without it
-    res = bt.run(_settings(pendulum_hdf5, repeats=1, steps=1, peers=("hf",), peer_python=sys.executable,
+    res = bt.run(_settings(tiny_hdf5, repeats=1, steps=1, peers=("hf",), peer_python=sys.executable,
                            shipped=False))
     assert [r["impl"] for r in res.rows] == ["ours-gpt2", "ours-gpt2"]
     assert any(n.startswith("peer hf skipped") for n in res.notes)
@@ -79,11 +81,11 @@ def test_cli_refuses_unknown_peer():
 
 
 @pytest.mark.slow
-def test_real_peers(pendulum_hdf5):
+def test_real_peers(tiny_hdf5):
     python = bt.default_peer_python()
     if python is None:
         pytest.skip("no peer environment (rl-tformers bench train --build-peers)")
-    res = bt.run(_settings(pendulum_hdf5, repeats=1, steps=2, peers=bt.PEERS, peer_python=python, shipped=False))
+    res = bt.run(_settings(tiny_hdf5, repeats=1, steps=2, peers=bt.PEERS, peer_python=python, shipped=False))
     impls = {(r["impl"], r["mode"]) for r in res.rows}
     assert {("d3rlpy", "e2e"), ("d3rlpy", "model"), ("hf", "model")} <= impls, res.notes
     assert all(r["flops_per_step"] and r["flops_per_step"] > 0 for r in res.rows)

@@ -20,8 +20,8 @@ def test_fused_adamw_on_cuda():
     assert adamw_implementation([torch.zeros(3, device="cuda", requires_grad=True)]) == {"fused": True}
 
 
-def test_bench_train_on_cuda(pendulum_hdf5):
-    s = bt.Settings(dataset=str(pendulum_hdf5), device="cuda", repeats=2, steps=3, warmup=2, peers=(), bf16=True,
+def test_bench_train_on_cuda(tiny_hdf5):
+    s = bt.Settings(dataset=str(tiny_hdf5), device="cuda", repeats=2, steps=3, warmup=2, peers=(), bf16=True,
                     overrides=TINY, matmul_sizes=(1024, 4096))
     res = bt.run(s)
     assert {r["impl"] for r in res.rows} == {"ours", "ours-gpt2", "ours-gpt2+bf16"}

@@ -142,3 +142,13 @@ def test_ddp_resume_with_dropout_is_exact(tmp_path: Path) -> None:
         return [{k: v for k, v in m.items() if k == "step" or k.startswith("train/")} for m in ms]
 
     assert train_keys(_metrics(full)) == train_keys(_metrics(split))
+
+
+def test_trainer_under_torchrun_without_a_process_group_refuses(tmp_path: Path, monkeypatch) -> None:
+    from rl_tformers.runtime.trainer import Trainer, _with_run_dir
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    cfg = toy_cfg(*COMMON)
+    with pytest.raises(RuntimeError, match="no process group"):
+        Trainer(_with_run_dir(cfg, tmp_path), tmp_path)
