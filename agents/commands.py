@@ -206,8 +206,14 @@ def demo_cmd(
     """
     from rl_tformers.agents.common.demo import run_demo
 
-    result = run_demo(out_dir=out_dir, steps=steps, n_episodes=episodes, eval_episodes=eval_episodes,
-                      threads=threads, device=device, echo=typer.echo)
+    try:
+        result = run_demo(out_dir=out_dir, steps=steps, n_episodes=episodes, eval_episodes=eval_episodes,
+                          threads=threads, device=device, echo=typer.echo)
+    except InterruptedError as exc:
+        typer.echo(f"demo interrupted: {exc}", err=True)
+        raise typer.Exit(130) from None
+    except FileExistsError as exc:  # the run directory already holds a run
+        raise _fail(str(exc)) from None
     typer.echo(f"\nrun directory: {result.run_dir}\nplot:          {result.plot}\n"
                f"evaluation:    {result.eval_json}\ntotal time:    {result.seconds:.0f} s")
 

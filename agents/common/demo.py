@@ -63,6 +63,10 @@ def run_demo(
 
     Returns:
         :class:`DemoResult`.
+
+    Raises:
+        RunDirError: ``out_dir`` already holds a run (checked before anything is written).
+        InterruptedError: training was stopped by SIGINT/SIGTERM (a checkpoint was saved).
     """
     import torch
     from rl_tformers.agents.common.evaluation import evaluate
@@ -77,12 +81,14 @@ def run_demo(
     from rl_tformers.envs.loaders import save_d4rl_hdf5
 
     from rl_tformers.runtime.config import compose
-    from rl_tformers.runtime.trainer import train
+    from rl_tformers.runtime.trainer import RunDirError, holds_run, train
 
     t0 = time.perf_counter()
     if threads is not None:
         torch.set_num_threads(threads)
     run_dir = Path(out_dir) if out_dir is not None else Path("runs") / f"demo-{datetime.now():%Y%m%d-%H%M%S}"
+    if holds_run(run_dir):
+        raise RunDirError(f"{run_dir} already holds a run; pick another --out-dir")
     data_path = run_dir / "data" / DATA_FILE
     n_episodes = 300 if n_episodes is None else n_episodes
 
@@ -101,6 +107,11 @@ def run_demo(
     echo(f"[2/4] training a Decision Transformer for {cfg.train.steps} updates (config {DEMO_CONFIG}) ...")
     t_train = time.perf_counter()
     result = train(cfg, run_dir, config_name="demo")
+    if result.interrupted is not None:
+        raise InterruptedError(
+            f"training stopped by signal {result.interrupted} at update {result.step}; "
+            f"continue it with: rl-tformers train --resume {run_dir}"
+        )
     loss = result.last_train.get("train/loss", float("nan"))
     echo(f"      done in {time.perf_counter() - t_train:.0f} s, final training loss {loss:.4f}")
 

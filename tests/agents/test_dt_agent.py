@@ -187,3 +187,13 @@ def test_full_demo_within_budget(tmp_path):
     res = run_demo(tmp_path / "demo", echo=lambda s: None)
     assert time.perf_counter() - t0 < 600
     assert res.plot.stat().st_size > 10_000
+
+
+def test_demo_refuses_a_run_directory_that_holds_a_run(dt_run):
+    from rl_tformers.agents.common.demo import run_demo
+    from rl_tformers.runtime.trainer import RunDirError
+
+    before = sorted(p.name for p in dt_run.iterdir())
+    with pytest.raises(RunDirError, match="already holds a run"):
+        run_demo(dt_run, steps=1, echo=lambda s: None)
+    assert sorted(p.name for p in dt_run.iterdir()) == before  # nothing written
