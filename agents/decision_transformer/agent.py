@@ -5,7 +5,7 @@ Read top to bottom, a training run is::
 
     dataset  = load_offline_dataset(cfg.dataset)              # Minari id / folder / D4RL .hdf5
     info     = DatasetInfo.from_dataset(dataset)              # obs mean/std, reward scale, bounds
-    sampler  = WindowSampler(dataset, K, align="start"|"end") # "end" for agent.mode=last_action
+    sampler  = WindowSampler(dataset, K, align=agent.align)   # "start" (paper) or "end"
     batch s  = sampler.sample(B, default_rng([seed, s]))      # windows of K steps, RTG / scale
     loss     = dt_loss(model, to_model_batch(batch))          # MSE / CE over unpadded steps
     AdamW(lr 1e-4, wd 1e-4), linear warmup 10k, grad clip 0.25, batch 64  (the paper's table 8)
@@ -51,6 +51,7 @@ DT_DEFAULTS: dict[str, Any] = {
         "context_len": 20,  # K, steps per window
         "max_ep_len": 1000,  # timestep embedding size; episodes must not be longer
         "mode": "causal",  # causal | last_action (kernels without a causal form)
+        "align": "auto",  # training windows / eval context: auto (start if causal, else end) | start | end
         "head": "deterministic",  # deterministic (tanh, MSE) | gaussian (Online DT)
         "embed_dropout": 0.1,  # dropout after the embedding LayerNorm
         "log_std_min": -5.0,  # gaussian head bounds
@@ -145,13 +146,19 @@ class DTAgent:
             backbone=plain(cfg.backbone),
         )
         self.model = DecisionTransformer(self.model_cfg).to(self.device)
+        align = str(a.align)
+        self.align = ("start" if self.model_cfg.mode == "causal" else "end") if align == "auto" else align
+        if self.align not in ("start", "end") or (self.align == "start" and self.model_cfg.mode != "causal"):
+            raise ValueError(f"agent.align={align!r}: use auto, start (causal mode only) or end")
 
     # -- Trainable ---------------------------------------------------------------------------
     def batches(self, start_step: int):
         """Step-indexed dataset: batch ``s`` = ``WindowSampler.sample(B, default_rng([seed, s]))``.
 
-        ``align="start"`` (the paper's sampler) in ``causal`` mode, ``align="end"`` in
-        ``last_action`` mode (every window ends at a real step, whose action is the target).
+        ``agent.align``: ``start`` (the paper's sampler, the default in ``causal`` mode) or
+        ``end`` (every window ends at a uniformly drawn real step; required by ``last_action``
+        mode, whose target is that step's action; in causal mode it covers the first K steps of
+        each episode far more often, see docs/dt.md).
         """
         from rl_tformers.envs.samplers import WindowSampler
         from rl_tformers.envs.torch_data import StepBatchDataset
@@ -162,7 +169,7 @@ class DTAgent:
         stats = ObsStats(self.info.obs_mean.reshape(self.dataset.observation_shape),
                          self.info.obs_std.reshape(self.dataset.observation_shape))
         sampler = WindowSampler(
-            self.dataset, self.model_cfg.context_len, align="start" if self.model_cfg.mode == "causal" else "end",
+            self.dataset, self.model_cfg.context_len, align=self.align,
             reward_scale=self.info.reward_scale, obs_stats=stats, max_ep_len=self.model_cfg.max_ep_len,
         )
         return StepBatchDataset(sampler, int(self.cfg.train.batch_size), seed=self.seed, num_steps=int(self.cfg.train.steps))
@@ -178,7 +185,7 @@ class DTAgent:
         return DTPolicy(
             self.model, i.obs_mean, i.obs_std, i.reward_scale, i.action_low, i.action_high,
             default_target=self.default_targets()[0],
-            timestep_overflow=timestep_overflow or str(self.cfg.agent.timestep_overflow),
+            timestep_overflow=timestep_overflow or str(self.cfg.agent.timestep_overflow), align=self.align,
         )
 
     def make_env(self):

@@ -2,14 +2,16 @@
 
 N environments are served by one batched forward pass per step. The context of each
 environment lives in preallocated (N, K, ...) buffers held in a :class:`DTState` (owned by the
-caller, never by the policy):
+caller, never by the policy), laid out like the training windows (``align``):
 
-- ``causal`` mode (window aligned at its *start*, like the sampler's ``align="start"``): step t
-  of an episode is written at slot ``min(t, K-1)``; once the window is full, the row is shifted
-  left by one slot before writing, so the window always holds the last K steps, starting at slot
-  0, exactly like a training window that starts at ``t - K + 1``.
-- ``last_action`` mode (window aligned at its *end*, ``align="end"``): every step shifts the row
-  left by one and writes at slot K-1; earlier slots stay padding at the start of an episode.
+- ``align="start"`` (the paper's sampler; causal mode only): step t of an episode is written at
+  slot ``min(t, K-1)``; once the window is full, the row is shifted left by one slot before
+  writing, so the window always holds the last K steps starting at slot 0, exactly like a
+  training window that starts at ``max(0, t - K + 1)``; the prediction is read at slot
+  ``min(t, K-1)``.
+- ``align="end"`` (``last_action`` mode, or causal mode trained on end-aligned windows): every
+  step shifts the row left by one and writes at slot K-1; slots before the episode's first step
+  stay padding; the prediction is read at slot K-1.
 
 Return-to-go (Chen et al. 2021, algorithm 1): the first step of an episode is conditioned on the
 target return, and after each reward ``R_{t+1} = R_t - r_t``, in raw units (float64); the model
@@ -73,6 +75,12 @@ class DTPolicy:
         default_target: target return used when ``initial_state`` gets none.
         timestep_overflow: ``error`` or ``clamp`` (see the module docstring).
         device: where the model runs (default: the model's device).
+        align: context layout, ``start`` or ``end`` (default: ``start`` in causal mode, ``end``
+            in last_action mode); must match the training windows.
+
+    Raises:
+        ValueError: unknown option values, ``align="start"`` in last_action mode, missing
+            action bounds for a continuous space.
     """
 
     def __init__(
@@ -86,7 +94,12 @@ class DTPolicy:
         default_target: float | None = None,
         timestep_overflow: str = "error",
         device: torch.device | str | None = None,
+        align: str | None = None,
     ) -> None:
+        align = align or ("start" if model.cfg.mode == "causal" else "end")
+        if align not in ("start", "end") or (align == "start" and model.cfg.mode != "causal"):
+            raise ValueError(f"DTPolicy: align={align!r}; use 'start' (causal mode only) or 'end'")
+        self.align = align
         if timestep_overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"timestep_overflow={timestep_overflow!r}; use one of {', '.join(OVERFLOW_POLICIES)}")
         self.model = model.eval()
@@ -172,8 +185,8 @@ class DTPolicy:
                     f"timestep_overflow='clamp' to reuse the last timestep index"
                 )
         dev = self.device
-        # shift rows whose window is full (causal) or that continue (last_action) one slot left
-        shift_np = (t >= k) if cfg.mode == "causal" else cont
+        # shift rows whose window is full (align start) or that continue (align end) one slot left
+        shift_np = (t >= k) if self.align == "start" else cont
         shift = torch.as_tensor(shift_np, device=dev)
         st = torch.as_tensor(start, device=dev)
         for name in ("obs", "actions", "rtg", "timesteps", "mask"):
@@ -182,7 +195,7 @@ class DTPolicy:
             new = torch.where(sh, buf.roll(-1, dims=1), buf)
             new = torch.where(st.view_as(sh), torch.zeros_like(new), new)  # clear starting rows
             setattr(state, name, new)
-        slot_np = np.minimum(t, k - 1) if cfg.mode == "causal" else np.full(n, k - 1)
+        slot_np = np.minimum(t, k - 1) if self.align == "start" else np.full(n, k - 1)
         rows = torch.arange(n, device=dev)
         slot = torch.as_tensor(slot_np, device=dev)
         obs_t = torch.as_tensor(np.asarray(obs, dtype=np.float32), device=dev).reshape(n, cfg.obs_dim)
@@ -192,10 +205,7 @@ class DTPolicy:
         state.mask[rows, slot] = True
         state.actions[rows, slot] = 0
         out = self.model(state.obs, state.actions, state.rtg, state.timesteps, state.mask)
-        if cfg.mode == "causal":
-            a = out.action[rows, slot]  # (N, A) or (N,)
-        else:
-            a = out.action[:, -1]
+        a = out.action[rows, slot] if cfg.mode == "causal" else out.action[:, -1]  # (N, A) or (N,)
         state.actions[rows, slot] = a
         if cfg.discrete:
             return a.cpu().numpy().astype(np.int64), state

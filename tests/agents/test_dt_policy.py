@@ -79,18 +79,20 @@ class Recorder:
         if last_reward is not None and not episode_start[0]:
             self.rewards.append(float(last_reward[0]))
         a, state = self.policy.act(obs, state, episode_start, last_reward)
-        slot = min(int(state.t[0]), K - 1)
+        slot = min(int(state.t[0]), K - 1) if self.policy.align == "start" else K - 1
         self.obs.append(obs[0].copy())
         self.actions.append(a[0].copy())
-        self.rtg_fed.append(state.rtg[0, : slot + 1].clone())
-        self.ts_fed.append(state.timesteps[0, : slot + 1].clone())
-        self.obs_fed.append(state.obs[0, : slot + 1].clone())
+        real = state.mask[0]
+        self.rtg_fed.append(state.rtg[0][real].clone())
+        self.ts_fed.append(state.timesteps[0][real].clone())
+        self.obs_fed.append(state.obs[0][real].clone())
+        assert bool(real[slot])  # the current step sits at the slot the prediction is read from
         return a, state
 
 
-def _rollout(mode="causal"):
+def _rollout(mode="causal", align=None):
     model = _model(mode)
-    pol = DTPolicy(model, STATS.mean, STATS.std, SCALE, LOW, HIGH)
+    pol = DTPolicy(model, STATS.mean, STATS.std, SCALE, LOW, HIGH, align=align)
     rec = Recorder(pol)
     target = float(returns_to_go(np.array([t % 3 + 1 for t in range(LEN)], float))[0])  # the episode's return: 21
     rep = evaluate(rec, lambda: gym.make(ENV_ID), [target], episodes=1, n_envs=1, seed=3, record_rewards=True)
@@ -103,8 +105,9 @@ def _rollout(mode="causal"):
     return model, rec, ds, target
 
 
-def test_eval_rtg_equals_training_rtg_of_the_same_trajectory():
-    _, rec, ds, target = _rollout()
+@pytest.mark.parametrize("align", ["start", "end"])
+def test_eval_rtg_equals_training_rtg_of_the_same_trajectory(align):
+    _, rec, ds, target = _rollout(align=align)
     assert target == 21.0 and sum(rec.rewards) == 21.0
     train_rtg = (dataset_returns_to_go(ds) / SCALE).astype(np.float32)  # what the WindowSampler feeds, (L,)
     for t in range(LEN):
@@ -116,18 +119,18 @@ def test_eval_rtg_equals_training_rtg_of_the_same_trajectory():
         np.testing.assert_array_equal(rec.obs_fed[t].numpy(), STATS.normalize(np.stack(rec.obs[lo: t + 1])))
 
 
-@pytest.mark.parametrize("mode", ["causal", "last_action"])
-def test_policy_actions_equal_model_on_training_layout_windows(mode):
+@pytest.mark.parametrize(("mode", "align"), [("causal", "start"), ("causal", "end"), ("last_action", "end")])
+def test_policy_actions_equal_model_on_training_layout_windows(mode, align):
     """Every action taken equals the model's prediction on the window the sampler would build."""
-    model, rec, ds, _ = _rollout(mode)
+    model, rec, ds, _ = _rollout(mode, align)
     rtg = torch.as_tensor((dataset_returns_to_go(ds) / SCALE).astype(np.float32))
     obs = torch.as_tensor(STATS.normalize(np.asarray(ds.observations)))
     act = from_env_action(torch.as_tensor(np.asarray(ds.actions)), torch.as_tensor(LOW), torch.as_tensor(HIGH))
     for t in range(LEN):
-        if mode == "causal":  # align="start": window [s, s + K) with s = max(0, t - K + 1); predict slot t - s
+        if align == "start":  # window [s, s + K) with s = max(0, t - K + 1); predict slot t - s
             s = max(0, t - K + 1)
             idx, pad, slot = torch.arange(s, s + K), 0, t - s
-        else:  # align="end": window ends at t, left-padded
+        else:  # align="end": window ends at t, left-padded; predict the last slot
             n = min(t + 1, K)
             idx, pad, slot = torch.arange(t - n + 1, t + 1), K - n, -1
         mask = torch.zeros(1, K, dtype=torch.bool)
@@ -138,7 +141,7 @@ def test_policy_actions_equal_model_on_training_layout_windows(mode):
             return out
         with torch.no_grad():
             out = model(put(obs[idx]), put(act[idx]), put(rtg[idx]), put(idx), mask).action  # (1, P, 2)
-        pred = (LOW + (out[0, slot].numpy() + 1) * 0.5 * (HIGH - LOW)).astype(np.float32)
+        pred = (LOW + (out[0, slot if mode == "causal" else -1].numpy() + 1) * 0.5 * (HIGH - LOW)).astype(np.float32)
         np.testing.assert_allclose(rec.actions[t], pred, atol=1e-5, rtol=0)
 
 
@@ -164,6 +167,13 @@ def test_episode_start_resets_one_row_only():
     _, st = pol.act(obs, st, np.array([True, False]), np.array([1.0, 2.0]))
     assert st.t.tolist() == [0, 6] and st.rtg_raw.tolist() == [10.0, -2.0]
     assert st.mask[0].tolist() == [True, False, False, False] and st.mask[1].all()
+    end = DTPolicy(model, STATS.mean, STATS.std, SCALE, LOW, HIGH, align="end")
+    st = end.initial_state(1, 3.0)
+    _, st = end.act(obs[:1], st, np.array([True]))
+    _, st = end.act(obs[:1], st, np.array([False]), np.array([1.0]))
+    assert st.mask[0].tolist() == [False, False, True, True] and st.rtg[0, 2:].tolist() == [3.0 / SCALE, 2.0 / SCALE]
+    with pytest.raises(ValueError, match="align='start'"):
+        DTPolicy(_model("last_action"), STATS.mean, STATS.std, SCALE, LOW, HIGH, align="start")
 
 
 def test_timestep_past_max_ep_len_error_and_clamp_policy():
