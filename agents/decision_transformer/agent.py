@@ -146,7 +146,7 @@ class DTAgent:
             backbone=plain(cfg.backbone),
         )
         self.model = DecisionTransformer(self.model_cfg).to(self.device)
-        align = str(a.align)
+        align = str(a.get("align", "auto"))  # runs saved before the option existed: auto
         self.align = ("start" if self.model_cfg.mode == "causal" else "end") if align == "auto" else align
         if self.align not in ("start", "end") or (self.align == "start" and self.model_cfg.mode != "causal"):
             raise ValueError(f"agent.align={align!r}: use auto, start (causal mode only) or end")
