@@ -148,3 +148,29 @@ def test_default_sweep_spans_worst_to_beyond_best():
     assert default_sweep(-120.0, -1820.0, 3) == [-1820.0, -800.0, 220.0]
     with pytest.raises(ValueError, match="at least 2 targets"):
         default_sweep(1.0, 0.0, 1)
+
+
+class ConstantPolicy:
+    def __init__(self, value):
+        self.value = value
+
+    def initial_state(self, n, target=None):
+        self.n = n
+        return None
+
+    def act(self, obs, state, episode_start, last_reward=None):
+        return np.full((len(episode_start), 1), self.value, np.float32), state
+
+
+def test_imitation_report_measures_distance_to_each_reference():
+    from rl_tformers.agents.common.diagnostics import imitation_report
+
+    refs = {"zero": lambda o: np.zeros((len(o), 1)), "one": lambda o: np.ones((len(o), 1))}
+    rep = imitation_report(ConstantPolicy(0.75), lambda: gym.make(ENV_ID, length=5), refs, None,
+                           episodes=2, n_envs=2, early_steps=2)
+    assert rep["return_mean"] == 5.0  # rewards 0, 1, 1, 1, 1 + bonus 1
+    assert rep["early"]["steps"] == 4 and rep["late"]["steps"] == 6  # 2 envs x (2 + 3) steps
+    assert rep["early"]["dist"] == {"zero": 0.5625, "one": 0.0625}
+    assert rep["late"]["closest"] == {"zero": 0.0, "one": 1.0}
+    with pytest.raises(ValueError, match="at least one reference"):
+        imitation_report(ConstantPolicy(0.0), lambda: gym.make(ENV_ID), {}, None)
