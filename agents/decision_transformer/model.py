@@ -69,7 +69,8 @@ class DTConfig:
         context_len: K, number of environment steps in a window (paper: 20).
         max_ep_len: largest episode length; timesteps must lie in ``[0, max_ep_len)``.
         mode: ``causal`` or ``last_action`` (see the module docstring).
-        head: ``deterministic`` or ``gaussian`` (continuous); forced to ``categorical`` when discrete.
+        head: ``deterministic`` or ``gaussian`` (continuous); ``deterministic`` becomes
+            ``categorical`` for discrete actions (``gaussian`` with discrete actions raises).
         embed_dropout: dropout after the embedding LayerNorm (official code: same as the backbone).
         log_std_min, log_std_max: bounds of the Gaussian head's log standard deviation.
         init_temperature: initial entropy temperature of the Gaussian head (Online DT: 0.1).
@@ -77,8 +78,8 @@ class DTConfig:
         backbone: any backbone configuration (default :func:`paper_backbone`).
 
     Raises:
-        ValueError: unknown mode/head; ``causal`` mode with a non-causal backbone (future action
-            tokens would leak into the prediction).
+        ValueError: unknown mode/head, a gaussian head on discrete actions; ``causal`` mode with a
+            non-causal backbone (future action tokens would leak into the prediction).
     """
 
     obs_dim: int
@@ -100,7 +101,9 @@ class DTConfig:
             object.__setattr__(self, "backbone", BackboneConfig.from_dict(self.backbone))
         if self.mode not in MODES:
             raise ValueError(f"agent.mode={self.mode!r}; use one of {', '.join(MODES)}")
-        if self.discrete and self.head != "categorical":
+        if self.discrete and self.head == "gaussian":
+            raise ValueError("agent.head=gaussian needs continuous actions; this action space is discrete")
+        if self.discrete:
             object.__setattr__(self, "head", "categorical")
         if self.head not in HEADS or (not self.discrete and self.head == "categorical"):
             raise ValueError(f"agent.head={self.head!r}; use deterministic or gaussian for continuous actions")

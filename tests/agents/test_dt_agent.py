@@ -191,9 +191,41 @@ def test_full_demo_within_budget(tmp_path):
 
 def test_demo_refuses_a_run_directory_that_holds_a_run(dt_run):
     from rl_tformers.agents.common.demo import run_demo
+
     from rl_tformers.runtime.trainer import RunDirError
 
     before = sorted(p.name for p in dt_run.iterdir())
     with pytest.raises(RunDirError, match="already holds a run"):
         run_demo(dt_run, steps=1, echo=lambda s: None)
     assert sorted(p.name for p in dt_run.iterdir()) == before  # nothing written
+
+
+def test_gaussian_head_trains_and_evaluates_on_continuous_actions(tmp_path):
+    import gymnasium as gym
+    from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
+
+    rng = np.random.default_rng(0)
+    env = gym.make("Pendulum-v1")
+    eps = []
+    for i in range(6):  # random-action episodes of 30 steps
+        obs = [env.reset(seed=i)[0]]
+        act = rng.uniform(-2, 2, (30, 1)).astype(np.float32)
+        rew = []
+        for a in act:
+            o, r, *_ = env.step(a)
+            obs.append(o)
+            rew.append(r)
+        eps.append({"observations": np.stack(obs), "actions": act, "rewards": np.array(rew),
+                    "terminations": np.zeros(30, bool), "truncations": np.eye(1, 30, 29, dtype=bool)[0]})
+    ds = EpisodeDataset.from_episodes(eps, observation_space=env.observation_space, action_space=env.action_space,
+                                      metadata=DatasetMetadata(env_id="Pendulum-v1"))
+    path = save_d4rl_hdf5(ds, tmp_path / "pendulum.hdf5")
+    cfg = compose("dt/cartpole_demo", [f"dataset.path={path}", *TINY_BB, *FAST, "agent.head=gaussian",
+                                       "agent.max_ep_len=30", "agent.targets=[-100]"])
+    res = train(cfg, tmp_path / "gauss")
+    assert res.step == 6 and {"train/nll", "train/entropy", "train/temperature"} <= set(res.last_train)
+    assert -25 * 16.3 <= res.last_eval["eval/return_mean"] <= 0  # 25 steps, reward in [-16.3, 0]
+    with pytest.raises(ValueError, match="gaussian needs continuous actions"):
+        from rl_tformers.agents.decision_transformer.model import DTConfig
+
+        DTConfig(obs_dim=4, act_dim=2, discrete=True, head="gaussian")
