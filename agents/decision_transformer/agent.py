@@ -67,7 +67,11 @@ DT_DEFAULTS: dict[str, Any] = {
         "eval_figure": True,  # log the return-conditioning figure at each evaluation
     },
     "backbone": {
+        # GPT-2's dropout placement, as in the paper's code: residual, attention and embedding
+        # dropout 0.1, none on the feed-forward hidden layer (ffn_dropout=0; also ~20% faster
+        # per update on CPU, docs/performance.md).
         "d_model": 128, "n_layers": 3, "n_heads": 1, "dropout": 0.1, "attn_dropout": 0.1,
+        "ffn_dropout": 0.0,
         "activation": "relu", "block": {"kind": "pre_norm"}, "position": {"kind": "none"},
     },
     "train": {

@@ -229,3 +229,15 @@ def test_gaussian_head_trains_and_evaluates_on_continuous_actions(tmp_path):
         from rl_tformers.agents.decision_transformer.model import DTConfig
 
         DTConfig(obs_dim=4, act_dim=2, discrete=True, head="gaussian")
+
+
+def test_shipped_hopper_configs_are_the_papers_setting():
+    """Chen et al. 2021, table 8 (MuJoCo), with GPT-2's dropout placement (none on the FFN hidden layer)."""
+    for name in ("dt/hopper_medium", "dt/hopper_medium_replay", "dt/hopper_medium_expert"):
+        cfg = compose(name, [])
+        bb, tr, ag = cfg.backbone, cfg.train, cfg.agent
+        assert (bb.d_model, bb.n_layers, bb.n_heads, bb.activation) == (128, 3, 1, "relu"), name
+        assert (bb.dropout, bb.attn_dropout, bb.ffn_dropout, ag.embed_dropout) == (0.1, 0.1, 0.0, 0.1), name
+        assert (ag.context_len, ag.max_ep_len) == (20, 1000), name
+        assert (tr.lr, tr.weight_decay, tr.grad_clip, tr.batch_size) == (1e-4, 1e-4, 0.25, 64), name
+        assert (tr.schedule, tr.warmup_steps, tr.steps) == ("linear_warmup", 10000, 100000), name
