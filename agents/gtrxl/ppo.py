@@ -444,6 +444,12 @@ class GTrXLPPO:
                 yield mb
 
     # -- Trainable -----------------------------------------------------------------------------
+    @property
+    def updates_per_rollout(self) -> int:
+        """Updates that learn from one rollout (``n_epochs x n_minibatches``): the trainer redraws
+        random attention features (Performer/RFA/LSH ``redraw_every``) only between rollouts."""
+        return int(self.a.n_epochs) * int(self.a.n_minibatches)
+
     def batches(self, start_step: int) -> Iterator[dict[str, Any]]:
         """Endless stream of minibatches; a new rollout every ``n_epochs x n_minibatches`` updates."""
 

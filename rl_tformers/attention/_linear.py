@@ -39,7 +39,6 @@ Transformer-XL relative, DA-Transformer) are refused at construction; attention 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -333,10 +332,13 @@ def orthogonal_gaussian(rows: int, dim: int, generator: torch.Generator | None =
     return mat * norms
 
 
-def _random_feature_modules(model: nn.Module) -> Iterator[KernelAttention | nn.Module]:
-    for mod in model.modules():
-        if callable(getattr(mod, "redraw", None)) and getattr(mod, "random_buffers", ()):
-            yield mod
+def random_feature_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` with random features/rotations (a ``redraw`` method and
+    ``random_buffers``: ``performer``, ``rfa``, ``lsh``), in ``model.modules()`` order."""
+    return [mod for mod in model.modules() if callable(getattr(mod, "redraw", None)) and getattr(mod, "random_buffers", ())]
+
+
+_random_feature_modules = random_feature_modules  # the old private name
 
 
 def redraw_random_features(model: nn.Module, generator: torch.Generator | None = None) -> int:
@@ -348,22 +350,31 @@ def redraw_random_features(model: nn.Module, generator: torch.Generator | None =
     see the same function. Returns the number of modules redrawn.
     """
     n = 0
-    for mod in _random_feature_modules(model):
+    for mod in random_feature_modules(model):
         mod.redraw(generator)
         n += 1
     return n
 
 
-def maybe_redraw_random_features(model: nn.Module, update_step: int, generator: torch.Generator | None = None) -> int:
-    """Redraw the kernels whose ``redraw_every`` divides ``update_step`` (> 0); call between updates.
+def maybe_redraw_random_features(
+    model: nn.Module, update_step: int, generator: torch.Generator | None = None, *, since: int | None = None
+) -> int:
+    """Redraw the kernels whose schedule is due; call between updates, never inside one.
 
-    The schedule of Choromanski et al. 2021 (feature redrawing, sec. 4.2) driven by the trainer.
+    The schedule of Choromanski et al. 2021 (feature redrawing, sec. 4.2) driven by the trainer
+    (:class:`rl_tformers.runtime.trainer.Trainer` calls it after every optimiser step). A module
+    with ``redraw_every = n > 0`` is due when a multiple of n lies in ``(since, update_step]``
+    (``since`` defaults to ``update_step - 1``: ``update_step % n == 0``, ``update_step > 0``).
+    A caller that may only redraw at coarser boundaries (an on-policy agent, between rollouts
+    of U updates) passes ``since = update_step - U`` at those boundaries, so no scheduled redraw
+    is lost. Modules draw one after another from ``generator`` (None: the global RNG).
     Returns the number of modules redrawn.
     """
+    since = update_step - 1 if since is None else since
     n = 0
-    for mod in _random_feature_modules(model):
+    for mod in random_feature_modules(model):
         every = getattr(mod, "redraw_every", 0)
-        if every and update_step > 0 and update_step % every == 0:
+        if every and update_step > 0 and update_step // every > max(since, 0) // every:
             mod.redraw(generator)
             n += 1
     return n

@@ -54,6 +54,11 @@ The protocol (optional methods, detected with ``getattr``)
     training trajectory). Scalars go to TensorBoard as ``eval/<key>`` (a key containing ``/``
     is used as is), figures as images. Seed environments with
     ``rl_tformers.runtime.seeding.derive_seed(cfg.seed, "eval", step)``.
+``updates_per_rollout: int``
+    On-policy agents: how many consecutive updates learn from one rollout (PPO: epochs x
+    minibatches). The trainer then redraws random attention features (``redraw_every`` of
+    ``performer``/``rfa``/``lsh``) only at multiples of it, never between a rollout and its
+    updates. Default 1 (offline agents: a redraw may follow any update).
 ``extra_state() -> dict`` / ``load_extra_state(state: dict) -> None``
     Non-parameter state to checkpoint (observation mean/std, reward scale, ...): tensors,
     numbers, strings, ``None`` and lists/tuples/dicts of them only (anything else is refused

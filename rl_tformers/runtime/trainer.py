@@ -7,6 +7,7 @@ Per update ``s`` (0-based; ``step`` below is the number of updates completed, ``
     zero_grad; loss.backward()
     grad_norm = clip_grad_norm_(params, train.grad_clip)   # measured even without clipping
     optimizer.step(); scheduler.step()
+    redraw random features due at step (Performer/RFA/LSH ``redraw_every``; see _redraw_features)
     every train.log_every:        scalars (window means) -> TensorBoard + metrics.jsonl
     every eval.every (and at end): agent.evaluate(step) with isolated RNGs
     every train.checkpoint_every (and at end, and on SIGINT/SIGTERM): checkpoint
@@ -246,6 +247,10 @@ class Trainer:
             self.optimizer, LRSchedule(schedule, self.total_steps, int(t.warmup_steps), float(t.min_lr_ratio))
         )
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        from rl_tformers.attention._linear import random_feature_modules
+
+        #: attention modules with random features (Performer, RFA, LSH) redrawn on their schedule
+        self._random_feature_modules = random_feature_modules(self.model)
         self.window = MetricWindow()
         self.step = 0
         self.elapsed_s = 0.0
@@ -443,6 +448,28 @@ class Trainer:
         self.scheduler.step()
         return loss, grad_norm, logs
 
+    def _redraw_features(self) -> int:
+        """Redraw the random features that are due after update ``self.step`` (the attention
+        kinds' ``redraw_every``); returns the number of modules redrawn.
+
+        Called after the optimiser step and before the next batch is drawn, so the function
+        changes *between* updates only. An agent with an optional ``updates_per_rollout`` attribute
+        U (on-policy: one rollout feeds U updates) gets its redraws only at rollout boundaries
+        (steps that are multiples of U, catching up any schedule step since the previous one),
+        never between a rollout and the updates that learn from it. The draw comes from a
+        generator seeded with ``derive_seed(seed, "redraw", step)`` (the global RNGs are not
+        touched) and the features are buffers in the checkpoint: resuming is exact.
+        """
+        if not self._random_feature_modules:
+            return 0
+        unit = max(1, int(getattr(self.agent, "updates_per_rollout", 1) or 1))
+        if self.step % unit:
+            return 0
+        from rl_tformers.attention._linear import maybe_redraw_random_features
+
+        gen = torch.Generator().manual_seed(derive_seed(int(self.cfg.seed), "redraw", self.step))
+        return maybe_redraw_random_features(self.model, self.step, gen, since=self.step - unit)
+
     @property
     def _clip(self) -> float:
         return float(self.cfg.train.grad_clip) if self.cfg.train.grad_clip else math.inf
@@ -479,6 +506,7 @@ class Trainer:
             lr = float(self.optimizer.param_groups[0]["lr"])  # of this update (before the scheduler steps)
             loss, grad_norm, logs = self.update(batch)
             self.step += 1
+            self._redraw_features()
             self.window.add({"train/loss": loss, "train/grad_norm": grad_norm,
                              **{(k if "/" in k else f"train/{k}"): v for k, v in dict(logs).items()}},
                             samples=batch_size_of(batch) or 0)
