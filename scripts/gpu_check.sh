@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU check (issue 9): on a machine with one CUDA GPU, in under 8 minutes,
 #   1. the CUDA tests (pytest -m cuda),
-#   2. the training-throughput benchmark (rl-tformers bench train --device cuda: ours, GPT-2
-#      dropout placement, bf16 autocast, torch.compile; d3rlpy / Hugging Face too when a peer
-#      environment exists: $PEER_PYTHON or .bench-venvs/peers),
+#   2. the training-throughput benchmark (rl-tformers bench train --device cuda: ours = the
+#      shipped DT config, the peers' exact model; + bf16 autocast; + torch.compile; with dropout
+#      also on the FFN hidden layer; d3rlpy / Hugging Face too when a peer environment exists:
+#      $PEER_PYTHON or .bench-venvs/peers),
 #   3. the attention-scaling benchmark (rl-tformers bench attention --device cuda),
 # each under its own time limit, writing JSON, logs and a summary into OUT_DIR.
 #
@@ -68,7 +69,7 @@ PEER=${PEER_PYTHON:-}
 [ -z "$PEER" ] && [ -x .bench-venvs/peers/bin/python ] && PEER=.bench-venvs/peers/bin/python
 [ -n "$PEER" ] && PEER_ARGS=(--peers d3rlpy,hf --peer-python "$PEER")
 run_step bench-train 200 "$PY" -m rl_tformers.cli bench train --device cuda --dataset "$DATASET" \
-  "${PEER_ARGS[@]}" --bf16 --compile --repeats 5 --steps 50 --warmup 20 --matmul-sizes 2048,4096,8192 \
+  "${PEER_ARGS[@]}" --bf16 --compile --ffn-dropout-row --repeats 5 --steps 50 --warmup 20 --matmul-sizes 2048,4096,8192 \
   --out "$OUT/bench_train.json"
 
 # 3. attention scaling (issue 7's benchmark): dense SDPA against the efficient kernels

@@ -9,10 +9,11 @@ machine load hits every implementation alike):
 
 - **ours**: :class:`~rl_tformers.runtime.trainer.Trainer` built from ``dt/hopper_medium`` and
   driven through its own :meth:`~rl_tformers.runtime.trainer.Trainer.update` (the code
-  ``rl-tformers train`` runs). Variants: ``ours`` (the shipped config: dropout also on the
-  feed-forward hidden layer), ``ours-gpt2`` (``backbone.ffn_dropout=0``: GPT-2's dropout
-  placement, i.e. exactly the peers' model: the like-for-like row), optionally ``+bf16``
-  (``train.amp=bf16``) and ``+compile`` (``train.compile=true``).
+  ``rl-tformers train`` runs). Variants: ``ours`` (the shipped config, GPT-2's dropout
+  placement: exactly the peers' model, the like-for-like row), optionally ``ours+bf16``
+  (``train.amp=bf16``), ``ours+compile`` (``train.compile=true``) and ``ours-ffn-dropout``
+  (``backbone.ffn_dropout=0.1``: dropout also on the feed-forward hidden layer, the placement
+  the DT shipped before; ``--ffn-dropout-row``).
 - **d3rlpy** 2.8 ``DecisionTransformer`` (its reproduction-script settings) and **hf**
   ``transformers.DecisionTransformerModel`` (sdpa attention, ``torch.optim.AdamW``), each in a
   worker process of the peers' virtual environment (``--build-peers`` makes
@@ -62,6 +63,8 @@ PEER_PYTHON_ENV = "RL_TFORMERS_PEER_PYTHON"
 #: pip requirements of the peers' virtual environment (torch is pinned to ours at build time)
 PEER_REQUIREMENTS = ("d3rlpy>=2.8,<2.9", "transformers>=4.40")
 CONFIG = "dt/hopper_medium"
+#: the optional row with dropout also on the feed-forward hidden layer (the DT's former default)
+FFN_DROPOUT_ROW = "ours-ffn-dropout"
 DEFAULT_DATASET = "rlt/hopper-v5/medium-v0"
 
 
@@ -79,7 +82,7 @@ class Settings:
     peer_python: str | None = None
     bf16: bool = False
     compile: bool = False
-    shipped: bool = True
+    ffn_dropout_row: bool = False
     matmul_sizes: tuple[int, ...] = (512, 1024, 2048)
     seed: int = 0
     overrides: tuple[str, ...] = ()
@@ -349,14 +352,13 @@ def export_peer_data(runner: OursRunner, path: Path, n_batches: int = 8) -> Path
 
 def our_variants(s: Settings) -> list[tuple[str, list[str]]]:
     """(name, overrides) of our measured variants."""
-    out = []
-    if s.shipped:
-        out.append(("ours", []))
-    out.append(("ours-gpt2", ["backbone.ffn_dropout=0"]))
+    out = [("ours", [])]
     if s.bf16:
-        out.append(("ours-gpt2+bf16", ["backbone.ffn_dropout=0", "train.amp=bf16"]))
+        out.append(("ours+bf16", ["train.amp=bf16"]))
     if s.compile:
-        out.append(("ours-gpt2+compile", ["backbone.ffn_dropout=0", "train.compile=true"]))
+        out.append(("ours+compile", ["train.compile=true"]))
+    if s.ffn_dropout_row:
+        out.append((FFN_DROPOUT_ROW, ["backbone.ffn_dropout=0.1"]))
     return out
 
 
@@ -483,7 +485,8 @@ def register(bench_app) -> None:
         build_peers: bool = typer.Option(False, "--build-peers", help=f"Create/update {PEER_VENV} first."),
         bf16: bool = typer.Option(False, "--bf16", help="Also measure ours with train.amp=bf16 (MFU vs a bf16 peak)."),
         compile_: bool = typer.Option(False, "--compile", help="Also measure ours with train.compile=true."),
-        shipped: bool = typer.Option(True, "--shipped/--no-shipped", help="Also measure the shipped config."),
+        ffn_dropout_row: bool = typer.Option(
+            False, "--ffn-dropout-row", help=f"Also measure {FFN_DROPOUT_ROW} (backbone.ffn_dropout=0.1)."),
         matmul_sizes: str = typer.Option("512,1024,2048", help="Sizes n of the n x n matmuls of the peak."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
         out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
@@ -497,7 +500,7 @@ def register(bench_app) -> None:
         if build_peers:
             peer_python = build_peer_venv(echo=lambda m: typer.echo(m, err=True))
         s = Settings(dataset=dataset, device=device, threads=threads, repeats=repeats, steps=steps, warmup=warmup,
-                     peers=peer_list, peer_python=peer_python, bf16=bf16, compile=compile_, shipped=shipped,
+                     peers=peer_list, peer_python=peer_python, bf16=bf16, compile=compile_, ffn_dropout_row=ffn_dropout_row,
                      matmul_sizes=tuple(int(x) for x in matmul_sizes.split(",") if x.strip()),
                      overrides=tuple(overrides or ()))
         res = run(s, log=lambda m: typer.echo(m, err=True))

@@ -20,9 +20,10 @@ def _settings(path, **kw):
 
 
 def test_ours_rows_flops_mfu_and_ratios(tiny_hdf5):
-    res = bt.run(_settings(tiny_hdf5, bf16=True))
+    res = bt.run(_settings(tiny_hdf5, bf16=True, ffn_dropout_row=True))
     rows = {(r["impl"], r["mode"]): r for r in res.rows}
-    assert set(rows) == {(v, m) for v in ("ours", "ours-gpt2", "ours-gpt2+bf16") for m in ("e2e", "model")}
+    assert [r["impl"] for r in res.rows][::2] == ["ours", "ours+bf16", "ours-ffn-dropout"]
+    assert set(rows) == {(v, m) for v in ("ours", "ours+bf16", "ours-ffn-dropout") for m in ("e2e", "model")}
     f = {r["flops_per_step"] for r in res.rows}
     assert len(f) == 1 and f.pop() > 0  # dropout placement and precision do not change the FLOPs
     for r in res.rows:
@@ -30,23 +31,43 @@ def test_ours_rows_flops_mfu_and_ratios(tiny_hdf5):
         peak = res.peak_gflops[r["peak_dtype"]]
         assert r["mfu"] == pytest.approx(r["flops_per_step"] * r["steps_per_s"] / 1e9 / peak)
     assert res.peak_gflops["fp32"] == max(res.peak_by_size["fp32"].values()) and set(res.peak_by_size["fp32"]) == {64, 128}
-    assert rows[("ours-gpt2+bf16", "model")]["peak_dtype"] == "bf16"
+    assert rows[("ours+bf16", "model")]["peak_dtype"] == "bf16" and rows[("ours", "model")]["peak_dtype"] == "fp32"
     q = {(x["mode"], x["impl"], x["vs"]): x["ratio"] for x in res.ratios}
     by = {k: v["steps_per_s"] for k, v in rows.items()}
-    assert q[("model", "ours-gpt2", "ours")] == pytest.approx(by[("ours-gpt2", "model")] / by[("ours", "model")])
+    assert q[("model", "ours+bf16", "ours")] == pytest.approx(by[("ours+bf16", "model")] / by[("ours", "model")])
     assert "peers skipped" not in " ".join(res.notes)
     md = bt.markdown(res)
-    assert "| ours-gpt2 | model |" in md and "matmul peak" in md
+    assert "| ours | model |" in md and "| ours-ffn-dropout | e2e |" in md and "matmul peak" in md
+
+
+def test_variants_are_the_shipped_config_plus_one_override():
+    s = bt.Settings(bf16=True, compile=True, ffn_dropout_row=True)
+    assert bt.our_variants(s) == [("ours", []), ("ours+bf16", ["train.amp=bf16"]),
+                                  ("ours+compile", ["train.compile=true"]),
+                                  ("ours-ffn-dropout", ["backbone.ffn_dropout=0.1"])]
+    assert bt.our_variants(bt.Settings()) == [("ours", [])]
+
+
+def test_ours_is_the_peers_dropout_placement(tiny_hdf5, tmp_path):
+    # the shipped DT config is GPT-2's placement (the peers' model); the optional row is not
+    ours = bt.OursRunner("ours", _settings(tiny_hdf5), list(TINY), tmp_path / "a").trainer.model
+    old = bt.OursRunner("x", _settings(tiny_hdf5), [*TINY, "backbone.ffn_dropout=0.1"], tmp_path / "b").trainer.model
+    assert [b.ffn.dropout.p for b in ours.backbone.blocks] == [0.0]
+    assert [b.ffn.dropout.p for b in old.backbone.blocks] == [0.1]
+    assert [b.dropout.p for b in ours.backbone.blocks] == [b.dropout.p for b in old.backbone.blocks] == [0.1]
 
 
 def test_ratios_against_peers():
-    rows = [{"impl": "ours-gpt2", "mode": "e2e", "steps_per_s": 6.0}, {"impl": "d3rlpy", "mode": "e2e", "steps_per_s": 4.0},
-            {"impl": "ours-gpt2", "mode": "model", "steps_per_s": 9.0}, {"impl": "hf", "mode": "model", "steps_per_s": 3.0},
-            {"impl": "d3rlpy", "mode": "model", "steps_per_s": 4.5}]
+    rows = [{"impl": "ours", "mode": "e2e", "steps_per_s": 6.0}, {"impl": "d3rlpy", "mode": "e2e", "steps_per_s": 4.0},
+            {"impl": "ours", "mode": "model", "steps_per_s": 9.0}, {"impl": "ours+bf16", "mode": "model", "steps_per_s": 13.5},
+            {"impl": "hf", "mode": "model", "steps_per_s": 3.0}, {"impl": "d3rlpy", "mode": "model", "steps_per_s": 4.5}]
     assert bt.ratios(rows) == [
-        {"mode": "e2e", "impl": "ours-gpt2", "vs": "d3rlpy", "ratio": 1.5},
-        {"mode": "model", "impl": "ours-gpt2", "vs": "d3rlpy", "ratio": 2.0},
-        {"mode": "model", "impl": "ours-gpt2", "vs": "hf", "ratio": 3.0},
+        {"mode": "e2e", "impl": "ours", "vs": "d3rlpy", "ratio": 1.5},
+        {"mode": "model", "impl": "ours", "vs": "d3rlpy", "ratio": 2.0},
+        {"mode": "model", "impl": "ours", "vs": "hf", "ratio": 3.0},
+        {"mode": "model", "impl": "ours+bf16", "vs": "d3rlpy", "ratio": 3.0},
+        {"mode": "model", "impl": "ours+bf16", "vs": "hf", "ratio": 4.5},
+        {"mode": "model", "impl": "ours+bf16", "vs": "ours", "ratio": 1.5},
     ]
 
 
@@ -67,9 +88,8 @@ def test_peer_data_export(tiny_hdf5, tmp_path):
 
 def test_a_peer_that_cannot_start_is_reported(tiny_hdf5):
     # this interpreter has no transformers: the hf worker exits at import, the run goes on without it
-    res = bt.run(_settings(tiny_hdf5, repeats=1, steps=1, peers=("hf",), peer_python=sys.executable,
-                           shipped=False))
-    assert [r["impl"] for r in res.rows] == ["ours-gpt2", "ours-gpt2"]
+    res = bt.run(_settings(tiny_hdf5, repeats=1, steps=1, peers=("hf",), peer_python=sys.executable))
+    assert [r["impl"] for r in res.rows] == ["ours", "ours"]
     assert any(n.startswith("peer hf skipped") for n in res.notes)
 
 
@@ -85,7 +105,7 @@ def test_real_peers(tiny_hdf5):
     python = bt.default_peer_python()
     if python is None:
         pytest.skip("no peer environment (rl-tformers bench train --build-peers)")
-    res = bt.run(_settings(tiny_hdf5, repeats=1, steps=2, peers=bt.PEERS, peer_python=python, shipped=False))
+    res = bt.run(_settings(tiny_hdf5, repeats=1, steps=2, peers=bt.PEERS, peer_python=python))
     impls = {(r["impl"], r["mode"]) for r in res.rows}
     assert {("d3rlpy", "e2e"), ("d3rlpy", "model"), ("hf", "model")} <= impls, res.notes
     assert all(r["flops_per_step"] and r["flops_per_step"] > 0 for r in res.rows)
