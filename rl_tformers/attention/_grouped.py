@@ -72,10 +72,14 @@ def group_attention(
         scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (..., n, K)
         if bias is not None:
             scores = scores + bias.float()
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)  # (..., n)
-        live = torch.isfinite(lse)
-        probs = torch.exp(scores - torch.where(live, lse, torch.zeros_like(lse))[..., None])  # 0 where masked
+        # finite fill (project policy): exp(fill - lse) underflows to exactly 0, and no -inf - -inf
+        # reaches the forward or the backward of logsumexp on a row with no allowed key
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        live = allowed.any(dim=-1)  # (..., n) rows with at least one allowed key
+        # -inf here is not a fill but the log-sum-exp of an empty key set: merge_lse /
+        # scatter_merge give such a partial result weight exactly 0 (they test isfinite)
+        lse = torch.where(live, torch.logsumexp(scores, dim=-1), float("-inf"))  # (..., n)
+        probs = torch.exp(scores - torch.where(live, lse, 0.0)[..., None])  # exp(min - .) = 0 where masked
         if dropout_p > 0:
             probs = F.dropout(probs, dropout_p)
         return probs @ v.float(), lse
@@ -100,6 +104,7 @@ def merge_lse(out: Tensor, lse: Tensor, dim: int) -> Tensor:
     out (..., R, ..., Dh) and lse (..., R, ...) with R at ``dim`` (counted on ``lse``):
     ``sum_r exp(lse_r - logsumexp_r lse) out_r``; all -inf -> 0.
     """
+    # lse = -inf marks an empty partial result (log 0), the identity of the log-sum-exp merge
     total = torch.logsumexp(lse, dim=dim, keepdim=True)
     w = torch.exp(lse - torch.where(torch.isfinite(total), total, torch.zeros_like(total)))  # (..., R, ...)
     w = torch.where(torch.isfinite(lse), w, torch.zeros_like(w))
@@ -119,6 +124,8 @@ def scatter_merge(out: Tensor, lse: Tensor, idx: Tensor, live: Tensor, length: i
     """
     b, h = out.shape[:2]
     dh = out.shape[-1]
+    # -inf: the log-sum-exp of an empty slot (not a score fill); the scatter below starts from
+    # -inf, the identity of amax, so a token in no live slot keeps lse -inf and weight 0
     lse = torch.where(live, lse, torch.full_like(lse, float("-inf")))
     flat_idx = idx.reshape(b, h, -1)  # (B, H, N)
     flat_lse = lse.reshape(b, h, -1)

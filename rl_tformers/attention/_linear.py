@@ -81,6 +81,7 @@ def segsum(x: Tensor) -> Tensor:
     xr = x.unsqueeze(-1).expand(*x.shape, c)  # (..., C_l, C_j): xr[..., l, j] = x_l
     lower = torch.ones(c, c, dtype=torch.bool, device=x.device).tril(-1)  # l > j
     out = xr.masked_fill(~lower, 0.0).cumsum(dim=-2)  # (..., C_t, C_j) = sum_{j < l <= t} x_l
+    # -inf = log(0): a decay weight that must be exactly 0 after exp (not a score fill)
     return out.masked_fill(~torch.ones(c, c, dtype=torch.bool, device=x.device).tril(), float("-inf"))
 
 
@@ -159,7 +160,7 @@ def causal_linear(
     else:
         x = fq.new_zeros(b, h, n * c) if log_decay is None else log_decay.float()
         if reset is not None:
-            x = x.masked_fill(reset[:, None, :], float("-inf"))
+            x = x.masked_fill(reset[:, None, :], float("-inf"))  # log decay of an episode reset: log(0)
         x = x.reshape(b, h, n, c)  # (B, H, n, C) log a_t
         a_in = x.cumsum(dim=-1)  # (B, H, n, C): log decay from the chunk start through t
         w = segsum(x).exp()  # (B, H, n, C, C): prod_{j<l<=t} a_l, 0 above the diagonal

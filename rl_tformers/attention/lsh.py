@@ -194,8 +194,8 @@ class LSHAttention(AttentionModule):
         others = allowed & ~self_mask
         allowed = torch.where(others.any(-1, keepdim=True), others, allowed)
         scores = (q @ keys.float().transpose(-1, -2)) * self.scale  # (B, H, T, S)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1) * allowed.any(-1, keepdim=True)  # rows with no allowed key -> 0
         y = probs @ v.float()
         return AttnOutput(self.o_proj(self.merge_heads(y.to(v.dtype))), weights=probs)
 

@@ -89,9 +89,12 @@ class PerformerAttention(KernelAttention):
         elif self.causal:
             stab = 0.5 * (self.omega.float() ** 2).sum(-1).max()  # data-independent bound
         else:
-            masked = logits if valid is None else logits.masked_fill(~valid[:, None, :, None], float("-inf"))
-            stab = masked.amax(dim=(-1, -2), keepdim=True).detach()  # (B, H, 1, 1) over valid keys
-            stab = torch.where(torch.isfinite(stab), stab, torch.zeros_like(stab))
+            if valid is None:
+                stab = logits.amax(dim=(-1, -2), keepdim=True).detach()  # (B, H, 1, 1)
+            else:  # max over the valid keys; a row without any uses 0 (its features are never read)
+                masked = logits.masked_fill(~valid[:, None, :, None], torch.finfo(logits.dtype).min)
+                stab = masked.amax(dim=(-1, -2), keepdim=True).detach()  # (B, H, 1, 1)
+                stab = torch.where(valid.any(-1)[:, None, None, None], stab, 0.0)
         return torch.exp(logits - stab) / math.sqrt(self.m)
 
 

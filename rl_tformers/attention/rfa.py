@@ -111,8 +111,8 @@ class RFAAttention(KernelAttention):
             decay = c[:, :, m:, None] - c[:, :, None, :]  # (B, H, T, S): sum_{j<l<=M+t} log g_l
             logits = logits + decay.float().clamp_max(0) + w.log()[:, :, None, :]
         allowed = ctx.allowed()  # (B|1, 1, T, S)
-        logits = logits.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows with no allowed key -> 0
+        logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
+        probs = torch.softmax(logits, dim=-1) * allowed.any(-1, keepdim=True)  # rows with no allowed key -> 0
         out = probs @ v.float()  # (B, H, T, Dh)
         return AttnOutput(self.o_proj(self.merge_heads(out.to(v.dtype))), weights=probs)
 

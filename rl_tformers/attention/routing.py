@@ -125,6 +125,8 @@ class RoutingAttention(AttentionModule):
         s = k.shape[2]
         n_c = self.cfg.n_clusters
         wq, wk = -(-t // n_c), -(-s // n_c)
+        # -inf is a top-k selection sentinel here, not an attention-score fill: invalid tokens are
+        # picked last and recognised by isfinite below (the attention itself fills finfo.min)
         score_q = sq.masked_fill(~q_ok[:, None, :, None], float("-inf")).transpose(-1, -2)  # (B, h, K, T)
         score_k = sk.masked_fill(~k_ok[:, None, :, None], float("-inf")).transpose(-1, -2)  # (B, h, K, S)
         val_q, idx_q = score_q.topk(wq, dim=-1)  # (B, h, K, wq)

@@ -36,9 +36,11 @@ def sinkhorn(logits: Tensor, mask: Tensor, iters: int, causal: bool) -> Tensor:
         (..., N, N) float32 soft permutation, exactly 0 outside ``mask`` (and in rows with no
         allowed entry).
     """
-    x = logits.float().masked_fill(~mask, float("-inf"))
+    x = logits.float().masked_fill(~mask, torch.finfo(torch.float32).min)  # finite fill (no -inf - -inf)
+    live = mask.expand_as(x).any(dim=-1, keepdim=True)  # rows with an allowed entry
     top = x.amax(dim=-1, keepdim=True).detach()  # row stabiliser (cancels in the row normalisation)
-    p = torch.exp(x - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))  # 0 where masked
+    p = torch.exp(x - torch.where(live, top, 0.0))  # underflows to exactly 0 where masked
+    p = torch.where(live, p, 0.0)
     for _ in range(iters):  # loop over iterations (a hyper-parameter), not over tokens
         p = _normalise(p, p.sum(dim=-1, keepdim=True))
         p = _normalise(p, p.cumsum(dim=-2) if causal else p.sum(dim=-2, keepdim=True))

@@ -280,6 +280,50 @@ def test_padding_invariance_and_fully_masked_rows(kind, causal):
     assert torch.isfinite(out.float()).all()
 
 
+@pytest.mark.parametrize(("kind", "causal"), MODES)
+def test_all_padding_row_is_exactly_zero_and_finite_under_bf16(kind, causal):
+    """A row whose keys are all padding: attention output exactly 0 (the output is the o_proj
+    bias), and forward + backward finite under bf16 autocast (masked scores are filled with
+    finfo.min, never -inf, so no -inf - -inf reaches a softmax, log-sum-exp or stabiliser)."""
+    mod = attn_module(kind, causal, **SMALL[kind]).train()
+    x = torch.randn(2, 13, D, generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(13).expand(2, 13)
+    valid = torch.ones(2, 13, dtype=torch.bool)
+    valid[1] = False
+    ctx = AttnContext(pos_q=pos, pos_k=pos, key_valid=valid, causal=causal)
+    with torch.no_grad():
+        out = mod(x, x, ctx).out
+    torch.testing.assert_close(out[1], mod.o_proj.bias.expand(13, D), atol=0, rtol=0)
+    xg = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mod(xg, xg, ctx).out
+    assert torch.isfinite(out.float()).all()
+    out.float().square().sum().backward()
+    assert torch.isfinite(xg.grad).all() and xg.grad[0].abs().sum() > 0
+    assert_finite_grads(mod, allow_none=("*",))
+
+
+def test_group_attention_empty_rows_give_zero_output_minus_inf_lse_and_finite_grads():
+    from rl_tformers.attention._grouped import group_attention, merge_lse
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 4, 5, generator=g, requires_grad=True) for _ in range(3))  # (B, G, n|K, Dh)
+    allowed = torch.rand(2, 3, 4, 4, generator=g) > 0.3
+    allowed[0, 1, 2] = False  # one row with no allowed key
+    allowed[1, 2] = False  # a whole group
+    out, lse = group_attention(q, k, v, allowed, scale=0.5)
+    dead = ~allowed.any(-1)
+    assert torch.equal(out[dead], torch.zeros_like(out[dead])) and torch.isneginf(lse[dead]).all()
+    assert torch.isfinite(lse[~dead]).all()
+    ref = torch.softmax((q @ k.transpose(-1, -2) * 0.5).masked_fill(~allowed, float("-inf")), -1).nan_to_num(0) @ v
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    # merged with a second, live partial result: the empty one gets weight exactly 0
+    merged = merge_lse(torch.stack([out, out + 1]), torch.stack([lse, lse.nan_to_num(neginf=0.0)]), dim=0)
+    torch.testing.assert_close(merged[dead], out[dead] + 1, atol=0, rtol=0)
+    (merged.sum() + out.sum()).backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
 @pytest.mark.parametrize("kind", ["rfa", "performer"])
 def test_linear_normalisers_accumulate_in_float32_under_bf16(kind):
     mod = attn_module(kind, True)
