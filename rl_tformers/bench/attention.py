@@ -18,9 +18,10 @@ random (B, L, D) input. Reported per (kind, L):
 A crossover summary gives, per kind, the shortest measured length from which it is faster
 (and lighter) than dense attention. ``--plot`` draws time and memory against L.
 
-RL-scale cases (e.g. the Decision Transformer with a 500-step, 1,500-token context, dense vs
-the best efficient kernels, steps per second and normalised score) are registered by their
-owners with :func:`register_rl_scale_case` and run with ``--rl-scale``.
+RL-scale cases (the Decision Transformer with a 500-step, 1,500-token context, dense vs the
+efficient kernels, steps per second and normalised score: :mod:`rl_tformers.bench.attention_rl`)
+are registered with :func:`register_rl_scale_case` and run with ``--rl-scale`` (options
+``--rl-steps N``, ``--rl-option key=value``).
 
 Command: ``rl-tformers bench attention --kinds sdpa,performer,lsh --lengths 256,1024,4096,16384
 --json --out bench.json --plot bench.png --device cpu``.
@@ -293,8 +294,16 @@ def crossover(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def run_rl_scale(kinds: Sequence[str], device: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """Rows of every registered RL-scale case, and notes (one per case that failed or none)."""
+def run_rl_scale(kinds: Sequence[str], device: str, **options: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows of every registered RL-scale case, and notes (one per case that failed or none).
+
+    ``options`` (e.g. ``steps=200``) go to each case function that takes them (by name, or all
+    of them to a case with ``**options``). The built-in case, the Decision Transformer with a
+    500-step context, registers itself when :mod:`rl_tformers.bench.attention_rl` is imported
+    (the ``bench`` command group imports every bench module).
+    """
+    import inspect
+
     if not RL_SCALE_CASES:
         return [], [
             "no RL-scale case registered: the Decision Transformer long-context case (K = 500 steps, "
@@ -302,8 +311,11 @@ def run_rl_scale(kinds: Sequence[str], device: str) -> tuple[list[dict[str, Any]
         ]
     rows, notes = [], []
     for name, fn in RL_SCALE_CASES.items():
+        params = inspect.signature(fn).parameters
+        takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        opts = {k: v for k, v in options.items() if takes_all or k in params}
         try:
-            rows += fn(kinds=list(kinds), device=device)
+            rows += fn(kinds=list(kinds), device=device, **opts)
         except Exception as exc:
             notes.append(f"RL-scale case {name}: {type(exc).__name__}: {exc}")
     return rows, notes
@@ -405,6 +417,16 @@ def replot(json_path: str, path: str) -> None:
     plot(Result(settings=Settings(**st), rows=data["rows"]), path)
 
 
+def _parse_value(text: str) -> Any:
+    """A command-line value: int, then float, else the string."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
 def parse_list(text: str | None, cast=str) -> list:
     return [cast(t.strip()) for t in (text or "").split(",") if t.strip()]
 
@@ -430,6 +452,9 @@ def register(bench_app) -> None:
         padded: bool = typer.Option(False, "--padded", help="Left-pad 1/8 of every row (a key-padding mask)."),
         threads: int = typer.Option(1, help="torch.set_num_threads on CPU (1: stable timings on a shared machine)."),
         rl_scale: bool = typer.Option(False, "--rl-scale", help="Also run the registered RL-scale cases."),
+        rl_steps: int = typer.Option(None, "--rl-steps", help="Training updates per kind of the RL-scale cases."),
+        rl_option: list[str] = typer.Option(
+            [], "--rl-option", help="key=value option of the RL-scale cases (repeatable), e.g. batch_size=8."),
     ) -> None:
         """Forward+backward time and peak memory of attention kinds as ratios to dense SDPA."""
         if threads and device == "cpu":
@@ -452,7 +477,15 @@ def register(bench_app) -> None:
         log = None if as_json else (lambda line: typer.echo(line, err=True))
         res = run(ks, settings, log=log)
         if rl_scale:
-            rows, notes = run_rl_scale(ks or all_kinds(), device)
+            opts: dict[str, Any] = {}
+            for item in rl_option:
+                key, sep, value = item.partition("=")
+                if not sep:
+                    raise typer.BadParameter(f"expected key=value, got {item!r}", param_hint="--rl-option")
+                opts[key.strip()] = _parse_value(value.strip())
+            if rl_steps is not None:
+                opts["steps"] = rl_steps
+            rows, notes = run_rl_scale(ks or all_kinds(), device, **opts)
             res.rl_scale, res.notes = rows, res.notes + notes
         data = res.as_dict()
         if out:
@@ -464,6 +497,10 @@ def register(bench_app) -> None:
             typer.echo(json.dumps(data, indent=2))
         else:
             typer.echo(markdown_table(res))
+            if res.rl_scale:
+                from rl_tformers.bench.attention_rl import markdown_table as rl_table
+
+                typer.echo("\n" + rl_table(res.rl_scale))
             for note in res.notes:
                 typer.echo(f"note: {note}")
 

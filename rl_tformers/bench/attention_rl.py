@@ -1,0 +1,152 @@
+"""RL-scale case of ``rl-tformers bench attention --rl-scale``: the Decision Transformer with a long
+context, dense SDPA against efficient causal kernels, trained and evaluated in one run.
+
+Case ``dt_long_context`` (issue 7, requirement 5): DT with K = 500 steps (3 tokens per step:
+1,500 tokens per window) on a long-horizon dataset (default ``rlt/hopper-v5/expert-v0``: 101
+episodes of ~1,000 steps), one short training per attention kind through the shared
+:class:`~rl_tformers.runtime.trainer.Trainer` with everything else identical (seed, batches,
+model size, optimiser), then an evaluation at the dataset's best return. Per kind it reports
+
+- ``seconds_per_step`` / ``steps_per_s``: the trainer's own update time (``Trainer.elapsed_s``:
+  batch transfer, forward, backward, optimiser step; evaluation and checkpoints excluded) over
+  all ``steps`` updates, and ``speed_ratio`` = steps/s divided by dense SDPA's in the same run;
+- ``normalised_score``: the D4RL-normalised return of ``episodes`` evaluation episodes after
+  training (100 * (R - random) / (expert - random), the dataset's reference scores), with
+  ``return_mean`` and the final ``train_loss``.
+
+The kinds are those given to ``bench attention --kinds`` (SDPA first, always); kinds without a
+causal form get a ``skipped`` row (DT's causal mode needs one). Each kind runs at the
+``bench_config(1500)`` settings of the layer benchmark (local: blocks of 64 + 64 memory keys,
+sliding window 128 keys; Performer: its defaults). The training is short by design (the default,
+200 updates of batch 8 with a 2-layer, 64-wide model, is minutes per kind on one CPU thread):
+the scores compare kernels at equal compute budget in updates, not converged agents.
+
+Options (``bench attention --rl-steps N --rl-option key=value ...``): ``steps``, ``batch_size``,
+``d_model``, ``n_layers``, ``n_heads``, ``context_len``, ``lr``, ``warmup_steps``,
+``episodes``, ``dataset``, ``seed``, ``work_dir`` (keep the run directories there; default a
+temporary directory).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rl_tformers.bench.attention import BASELINE, kind_fields, register_rl_scale_case
+
+CASE = "dt_long_context"
+
+#: defaults of the case (see the module docstring)
+DEFAULTS: dict[str, Any] = {
+    "dataset": "rlt/hopper-v5/expert-v0",
+    "context_len": 500,
+    "steps": 200,
+    "batch_size": 8,
+    "d_model": 64,
+    "n_layers": 2,
+    "n_heads": 2,
+    "lr": 1e-3,
+    "warmup_steps": 20,
+    "episodes": 5,
+    "seed": 0,
+}
+
+
+def _overrides(kind: str, o: dict[str, Any]) -> list[str]:
+    tokens = 3 * int(o["context_len"])
+    ov = [
+        f"dataset.path={o['dataset']}", f"agent.context_len={o['context_len']}", "agent.eval_figure=false",
+        f"backbone.d_model={o['d_model']}", f"backbone.n_layers={o['n_layers']}", f"backbone.n_heads={o['n_heads']}",
+        "backbone.attn_dropout=0.0",  # kernels without attention dropout (Performer) get the same model
+        f"train.steps={o['steps']}", f"train.batch_size={o['batch_size']}", f"train.lr={o['lr']}",
+        f"train.warmup_steps={o['warmup_steps']}", "train.progress=false", "train.checkpoint_every=0",
+        f"train.log_every={max(1, int(o['steps']) // 4)}", "train.num_workers=0",
+        "eval.every=0", "eval.at_end=true", f"eval.episodes={o['episodes']}", f"eval.n_envs={o['episodes']}",
+        f"seed={o['seed']}", "device=cpu",
+    ]
+    ov.append(f"backbone.attention.kind={kind}")
+    for key, value in kind_fields(kind, tokens).items():
+        if isinstance(value, (tuple, list)):
+            value = "[" + ",".join(map(str, value)) + "]"
+        ov.append(f"backbone.attention.{key}={value}")
+    return ov
+
+
+def dt_long_context(kinds: list[str], device: str, **options: Any) -> list[dict[str, Any]]:
+    """Train and evaluate DT with a K-step context once per kind; rows as in the module docstring.
+
+    Raises:
+        ValueError: an unknown option.
+    """
+    from rl_tformers.registry import ATTENTION
+    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.trainer import Trainer
+
+    unknown = set(options) - set(DEFAULTS) - {"work_dir"}
+    if unknown:
+        raise ValueError(f"unknown {CASE} options {sorted(unknown)}; known: {', '.join(sorted(DEFAULTS))}, work_dir")
+    o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
+    kinds = [BASELINE] + [k for k in dict.fromkeys(kinds) if k != BASELINE]
+    base = {"case": CASE, "dataset": o["dataset"], "context_len": int(o["context_len"]),
+            "tokens": 3 * int(o["context_len"]), "steps": int(o["steps"]), "batch_size": int(o["batch_size"]),
+            "model": f"{o['n_layers']} layers x {o['d_model']} wide, {o['n_heads']} heads", "device": device}
+    rows: list[dict[str, Any]] = []
+    tmp = None
+    if o.get("work_dir"):
+        work = Path(o["work_dir"])
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="rl_scale_")
+        work = Path(tmp.name)
+    try:
+        for kind in kinds:
+            row: dict[str, Any] = {**base, "kind": kind}
+            if not ATTENTION.get(kind).capabilities.causal:
+                rows.append({**row, "status": "skipped: no causal form (DT causal mode)"})
+                continue
+            try:
+                cfg = compose("dt/hopper_base", _overrides(kind, o) + [f"device={device}"])
+                trainer = Trainer(cfg, work / kind)
+                result = trainer.fit()
+            except Exception as exc:  # reported, not fatal: the other kinds still run
+                rows.append({**row, "status": f"error: {type(exc).__name__}: {exc}"})
+                continue
+            ev = result.last_eval
+            row.update(
+                status="ok", seconds_per_step=trainer.elapsed_s / max(result.step, 1),
+                steps_per_s=result.step / max(trainer.elapsed_s, 1e-9),
+                train_loss=result.last_train.get("train/loss"),
+                normalised_score=ev.get("eval/normalized_score"), return_mean=ev.get("eval/return_mean"),
+                target_return=ev.get("eval/target"), episodes=int(o["episodes"]),
+            )
+            rows.append(row)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    dense = next((r for r in rows if r["kind"] == BASELINE and r["status"] == "ok"), None)
+    for r in rows:
+        r["speed_ratio"] = r["steps_per_s"] / dense["steps_per_s"] if dense and r["status"] == "ok" else None
+    return rows
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The case's rows as a Markdown table."""
+    head = "| kind | s / update | updates / s | speed vs dense | final train loss | return | normalised score |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['kind']} | {r['status']} | | | | | |")
+            continue
+
+        def f(v, spec):
+            return "-" if v is None else format(v, spec)
+
+        lines.append(
+            f"| {r['kind']} | {f(r['seconds_per_step'], '.2f')} | {f(r['steps_per_s'], '.3f')} | "
+            f"{f(r['speed_ratio'], '.2f')}x | {f(r['train_loss'], '.4f')} | {f(r['return_mean'], '.0f')} | "
+            f"{f(r['normalised_score'], '.1f')} |"
+        )
+    return "\n".join(lines)
+
+
+register_rl_scale_case(CASE, dt_long_context)
