@@ -306,6 +306,22 @@ def _merge_checked(base: DictConfig, layer: Any, source: str) -> DictConfig:
         raise _translate(exc, base, source) from exc
 
 
+def _drop_replaced_slots(cfg: DictConfig, layer: Any) -> None:
+    """A layer that changes a backbone slot's ``kind`` replaces the slot: the fields of the
+    previous kind (e.g. GTrXL's default ``memory: {kind: xl, detach: true}``) do not carry over
+    to the new kind, which starts from its own defaults plus the layer's fields."""
+    from rl_tformers.registry import SLOTS
+
+    bb = layer.get("backbone") if isinstance(layer, (DictConfig, Mapping)) else None
+    if not isinstance(bb, (DictConfig, Mapping)):
+        return
+    for slot in SLOTS:
+        new, old = bb.get(slot), cfg.backbone.get(slot)
+        if (isinstance(new, (DictConfig, Mapping)) and "kind" in new and isinstance(old, (DictConfig, Mapping))
+                and old.get("kind") != new.get("kind")):
+            cfg.backbone[slot] = {"kind": new["kind"]}
+
+
 def _agent_kind(user: DictConfig) -> str:
     from rl_tformers.runtime.agents import available_agents
 
@@ -367,6 +383,7 @@ def compose(
     OmegaConf.set_struct(cfg.dataset, False)
     OmegaConf.set_struct(cfg.backbone, False)
     for layer, source in user_layers:
+        _drop_replaced_slots(cfg, layer)
         cfg = _merge_checked(cfg, layer, source)
     try:
         OmegaConf.resolve(cfg)
