@@ -96,9 +96,19 @@ def eval_cmd(
     timestep_overflow: str = typer.Option(None, "--timestep-overflow",
                                           help="DT: error | clamp for episode steps >= agent.max_ep_len."),
     threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's choice)."),
+    early_exit: str = typer.Option(None, "--early-exit",
+                                   help="DT with backbone.depth.kind=early_exit: 'calibrate' (held-out episodes), "
+                                        "a threshold, or 'none' (default: agent.early_exit.threshold)."),
+    knn_lambda: float = typer.Option(None, "--knn-lambda", min=0.0, max=1.0,
+                                     help="DT: kNN-LM weight of a datastore built from the training dataset "
+                                          "(default: agent.knn.lam; 0 = off)."),
+    knn_k: int = typer.Option(None, "--knn-k", min=1, help="DT: neighbours per decision (default agent.knn.k)."),
+    knn_max_entries: int = typer.Option(None, "--knn-max-entries", min=1,
+                                        help="DT: datastore size cap (default agent.knn.max_entries)."),
 ) -> None:
     from rl_tformers.agents.common.evaluation import evaluate, parse_targets
     from rl_tformers.agents.common.plots import summary_lines
+    from rl_tformers.agents.common.timing import TimedPolicy
 
     try:
         tlist = parse_targets(targets)
@@ -111,14 +121,21 @@ def eval_cmd(
         tlist = run.agent.default_targets()
     elif not conditioned:
         raise _fail(f"agent {run.kind!r} is not return-conditioned; drop --targets")
+    options = {"early_exit": early_exit, "knn_lambda": knn_lambda, "knn_k": knn_k, "knn_max_entries": knn_max_entries}
+    setup = getattr(run.agent, "inference_setup", None)
+    if setup is None and any(v is not None for v in options.values()):
+        raise _fail(f"agent {run.kind!r} has no --early-exit / --knn-* options")
     try:
+        inference = setup(**options) if setup is not None else {}
+        policy = TimedPolicy(_policy(run, timestep_overflow))
         report = evaluate(
-            _policy(run, timestep_overflow), run.agent.make_env(), tlist, episodes=episodes, n_envs=envs,
+            policy, run.agent.make_env(), tlist, episodes=episodes, n_envs=envs,
             seed=seed, record_rewards=out is not None, normalize=_normalizer(run), env_id=run.env_id,
         )
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    report.extra = {"run_dir": str(run_dir), "checkpoint": str(run.checkpoint), "step": run.step, "kind": run.kind}
+    report.extra = {"run_dir": str(run_dir), "checkpoint": str(run.checkpoint), "step": run.step, "kind": run.kind,
+                    **policy.stats(), **inference}
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report.to_dict(with_rewards=True), indent=1))

@@ -29,10 +29,12 @@ Which mode a backbone needs (``agent.mode``):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from rl_tformers.agents.common.evaluation import evaluate
 from rl_tformers.agents.common.loading import register_inference_loader
@@ -65,6 +67,18 @@ DT_DEFAULTS: dict[str, Any] = {
         "env_id": None,  # evaluation env; null = the dataset's
         "env_kwargs": None,  # gym.make keyword arguments of the evaluation env (a mapping)
         "eval_figure": True,  # log the return-conditioning figure at each evaluation
+        # backbone.depth.kind=early_exit only (docs/memory_adaptive.md)
+        "early_exit": {
+            "scheme": "sampled",  # head trained on: sampled (one random exit per step) | weighted | uniform
+            "tol": 0.1,  # continuous: exit n agrees with the last layer when max |a^n - a^N| <= tol
+            "heldout_frac": 0.05,  # episodes kept out of training, for calibrating the threshold
+            "threshold": None,  # evaluation threshold: null = full model, a number, or "calibrate"
+            "delta": 0.1,  # calibration: tolerated inconsistency with the full model
+            "epsilon": 0.05,  # calibration: failure probability (Learn-then-Test, Hoeffding)
+            "windows": 2000,  # calibration: held-out decisions
+        },
+        # kNN-LM action memory at evaluation (agents/common/knn_memory.py); lambda 0 = off
+        "knn": {"lam": 0.0, "k": 16, "temperature": 1.0, "max_entries": 100000, "metric": "l2"},
     },
     "backbone": {
         # GPT-2's dropout placement, as in the paper's code: residual, attention and embedding
@@ -125,6 +139,11 @@ class DTAgent:
     ) -> None:
         a = cfg.agent
         self.cfg = cfg
+        # runs saved before these options existed get the defaults
+        self.early_exit_options = {**DT_DEFAULTS["agent"]["early_exit"], **(plain(a.get("early_exit")) or {})}
+        self.knn_options = {**DT_DEFAULTS["agent"]["knn"], **(plain(a.get("knn")) or {})}
+        self.knn_memory = None  # KNNPolicyMemory, set by build_knn_memory
+        self.exit_threshold: float | None = None  # set by set_exit_threshold / calibrate_early_exit
         self.seed = int(cfg.seed)
         self.device = torch.device(device)
         self.dataset = dataset
@@ -148,6 +167,7 @@ class DTAgent:
             init_temperature=float(a.init_temperature),
             target_entropy=None if a.target_entropy is None else float(a.target_entropy),
             backbone=plain(cfg.backbone),
+            exit_scheme=str(self.early_exit_options["scheme"]), exit_tol=float(self.early_exit_options["tol"]),
         )
         self.model = DecisionTransformer(self.model_cfg).to(self.device)
         align = str(a.get("align", "auto"))  # runs saved before the option existed: auto
@@ -170,10 +190,13 @@ class DTAgent:
 
         if self.dataset is None:
             raise RuntimeError("this DT agent was loaded for inference only (no dataset)")
+        data = self.dataset
+        if self.model.early_exit and self.heldout_mask(data).any():
+            data = data.select(~self.heldout_mask(data))  # calibration episodes never trained on
         stats = ObsStats(self.info.obs_mean.reshape(self.dataset.observation_shape),
                          self.info.obs_std.reshape(self.dataset.observation_shape))
         sampler = WindowSampler(
-            self.dataset, self.model_cfg.context_len, align=self.align,
+            data, self.model_cfg.context_len, align=self.align,
             reward_scale=self.info.reward_scale, obs_stats=stats, max_ep_len=self.model_cfg.max_ep_len,
         )
         return StepBatchDataset(sampler, int(self.cfg.train.batch_size), seed=self.seed, num_steps=int(self.cfg.train.steps))
@@ -190,7 +213,236 @@ class DTAgent:
             self.model, i.obs_mean, i.obs_std, i.reward_scale, i.action_low, i.action_high,
             default_target=self.default_targets()[0],
             timestep_overflow=timestep_overflow or str(self.cfg.agent.timestep_overflow), align=self.align,
+            exit_threshold=self.exit_threshold, knn=self.knn_memory,
         )
+
+    # -- inference options: early exit and kNN-LM ---------------------------------------------------
+    def heldout_mask(self, dataset: EpisodeDataset) -> np.ndarray:
+        """(episodes,) bool: the calibration episodes of an ``early_exit`` run.
+
+        Every ``round(1 / heldout_frac)``-th episode (the last of each group), so the split is
+        deterministic and spread over the dataset; none when ``heldout_frac`` is 0 or the depth
+        kind is not ``early_exit``.
+        """
+        frac = float(self.early_exit_options["heldout_frac"])
+        n = dataset.num_episodes
+        if not self.model.early_exit or frac <= 0 or n < 2:
+            return np.zeros(n, dtype=bool)
+        every = max(2, round(1.0 / frac))
+        return (np.arange(n) % every) == every - 1
+
+    def _data(self, dataset: EpisodeDataset | None) -> EpisodeDataset:
+        if dataset is not None:
+            return dataset
+        if self.dataset is None:
+            self.dataset = load_offline_dataset(plain(self.cfg.dataset))
+        return self.dataset
+
+    def _sampler(self, dataset: EpisodeDataset):
+        from rl_tformers.envs.samplers import WindowSampler
+        from rl_tformers.envs.trajectory import ObsStats
+
+        shape = dataset.observation_shape
+        stats = ObsStats(self.info.obs_mean.reshape(shape), self.info.obs_std.reshape(shape))
+        return WindowSampler(dataset, self.model_cfg.context_len, align=self.align, reward_scale=self.info.reward_scale,
+                             obs_stats=stats)
+
+    def inference_setup(
+        self, early_exit: str | float | None = None, knn_lambda: float | None = None, knn_k: int | None = None,
+        knn_max_entries: int | None = None,
+    ) -> dict[str, Any]:
+        """Evaluation options (``rl-tformers eval --early-exit / --knn-lambda``), else the config's.
+
+        Args:
+            early_exit: ``"calibrate"`` (:meth:`calibrate_early_exit`), a threshold, ``"none"``
+                (the full model), or ``None``: ``agent.early_exit.threshold``.
+            knn_lambda: kNN-LM weight; > 0 builds the datastore (:meth:`build_knn_memory`).
+                ``None``: ``agent.knn.lam``.
+            knn_k, knn_max_entries: override ``agent.knn.k`` / ``agent.knn.max_entries``.
+        Returns:
+            JSON-ready ``{"early_exit": {...}, "knn": {...}}`` for the options in use.
+        Raises:
+            ValueError: early exit without ``backbone.depth.kind=early_exit``, a bad value.
+        """
+        info: dict[str, Any] = {}
+        ee = self.early_exit_options["threshold"] if early_exit is None else early_exit
+        if isinstance(ee, str) and ee.strip().lower() == "calibrate":
+            info["early_exit"] = self.calibrate_early_exit()
+        elif ee is not None and not (isinstance(ee, str) and ee.strip().lower() in ("none", "off", "")):
+            try:
+                thr = float(ee)
+            except ValueError:
+                raise ValueError(f"early exit: {ee!r} is neither 'calibrate', 'none' nor a threshold") from None
+            self.set_exit_threshold(thr)
+            info["early_exit"] = {"threshold": thr}
+        lam = float(self.knn_options["lam"] if knn_lambda is None else knn_lambda)
+        if lam > 0 or knn_lambda is not None:
+            info["knn"] = self.build_knn_memory(lam=lam, k=knn_k, max_entries=knn_max_entries)
+        return info
+
+    def set_exit_threshold(self, threshold: float | None) -> None:
+        """Evaluate with early exit at ``threshold`` (``None``: the full model).
+
+        Raises:
+            ValueError: the backbone's depth kind is not ``early_exit``.
+        """
+        if threshold is not None and not self.model.early_exit:
+            raise ValueError("early exit needs backbone.depth.kind=early_exit in the run's config")
+        self.exit_threshold = None if threshold is None else float(threshold)
+
+    @torch.no_grad()
+    def calibrate_early_exit(
+        self, dataset: EpisodeDataset | None = None, *, delta: float | None = None, epsilon: float | None = None,
+        windows: int | None = None, candidates: Sequence[float] | None = None, seed: int = 12345,
+    ) -> dict[str, Any]:
+        """Calibrate the exit threshold on held-out windows and act with it (CALM sec. 4).
+
+        ``windows`` windows are drawn from the held-out episodes (:meth:`heldout_mask`; all
+        episodes when none are held out) with the training sampler; in each, only the last real
+        step decides, as when acting (its window holds the K steps up to it). A decision is
+        consistent when the early-exit action equals the full model's (discrete) or is within
+        ``agent.early_exit.tol`` in every dimension (continuous, normalised units).
+        :func:`~rl_tformers.adaptive.early_exit.calibrate_threshold` (Learn-then-Test with
+        Hoeffding p-values) then picks the smallest candidate whose inconsistency is <= delta
+        with probability >= 1 - epsilon.
+
+        Args:
+            dataset: the run's dataset (default: read from ``cfg.dataset``).
+            delta, epsilon, windows: default ``agent.early_exit.*``.
+            candidates: thresholds to test (default 0, 0.05, ..., 1).
+            seed: window sampling seed.
+        Returns:
+            JSON-ready dict: ``threshold`` (None when no candidate passed: full model),
+            ``delta``, ``epsilon``, ``n``, ``heldout_episodes``, ``risks`` {threshold: inconsistency}.
+        Raises:
+            ValueError: the depth kind is not ``early_exit``.
+        """
+        from rl_tformers.adaptive.early_exit import calibrate_threshold
+
+        if not self.model.early_exit:
+            raise ValueError("calibration needs backbone.depth.kind=early_exit in the run's config")
+        o = self.early_exit_options
+        delta = float(o["delta"] if delta is None else delta)
+        epsilon = float(o["epsilon"] if epsilon is None else epsilon)
+        windows = int(o["windows"] if windows is None else windows)
+        data = self._data(dataset)
+        held = self.heldout_mask(data)
+        cal_data = data.select(held) if held.any() else data
+        dev = next(self.model.parameters()).device
+        raw = self._sampler(cal_data).sample(windows, np.random.default_rng(seed))
+        batch = to_model_batch({k: torch.as_tensor(v, device=dev) for k, v in raw.items()}, self.info)
+        mask = batch["mask"]
+        k = mask.shape[1]
+        last = k - 1 - mask.flip(1).long().argmax(1)  # (W,) slot of the last real step
+        decide = torch.zeros_like(mask)
+        decide[torch.arange(mask.shape[0], device=dev), last] = True
+        was = self.model.training
+        self.model.eval()
+        args = (batch["obs"], batch["actions"], batch["rtg"], batch["timesteps"], mask)
+        discrete, tol = self.model_cfg.discrete, float(o["tol"])
+
+        chunks = [slice(i, i + 512) for i in range(0, mask.shape[0], 512)]
+
+        def run(threshold: float | None) -> Tensor:
+            return torch.cat([pick_chunk(c, threshold) for c in chunks])
+
+        def pick_chunk(c: slice, threshold: float | None) -> Tensor:
+            out = self.model(*(x[c] for x in args), exit_steps=decide[c], exit_threshold=threshold)
+            if self.model_cfg.mode == "last_action":
+                return out.action[:, -1]
+            return out.action[torch.arange(out.action.shape[0], device=dev), last[c]]  # (w, A) or (w,)
+
+        full = run(None)
+
+        def evaluate(threshold: float) -> Tensor:
+            a = run(threshold)
+            return (a == full) if discrete else ((a - full).abs().amax(-1) <= tol)
+
+        cands = [i / 20 for i in range(21)] if candidates is None else list(candidates)
+        cal = calibrate_threshold(evaluate, cands, delta=delta, epsilon=epsilon)
+        self.model.train(was)
+        thr = None if math.isinf(cal.threshold) else float(cal.threshold)
+        self.set_exit_threshold(thr)
+        return {
+            "threshold": thr, "delta": delta, "epsilon": epsilon, "n": cal.n, "tol": None if discrete else tol,
+            "heldout_episodes": int(held.sum()), "risks": {str(t): r for t, r in sorted(cal.risks.items())},
+        }
+
+    @torch.no_grad()
+    def build_knn_memory(
+        self, dataset: EpisodeDataset | None = None, *, lam: float | None = None, k: int | None = None,
+        temperature: float | None = None, max_entries: int | None = None, metric: str | None = None,
+        seed: int = 0, batch_windows: int = 256,
+    ) -> dict[str, Any]:
+        """Build the kNN-LM datastore from the training dataset and act with it.
+
+        Khandelwal et al. 2020 with next actions: key = the model's feature at the state token
+        that predicts a_t (``DTOutput.features``, what the head reads), computed on the context
+        the policy would hold at step t (``align`` start: steps ``max(0, t-K+1) .. t`` from slot
+        0; end: left-padded, ending at slot K-1), value = a_t in model units (normalised to
+        [-1, 1] when continuous), group = the episode. At most ``max_entries`` steps (a seeded
+        uniform subset of the dataset's steps). The policy then interpolates its action with
+        the neighbours' (:class:`~rl_tformers.agents.common.knn_memory.KNNPolicyMemory`):
+        probability space for discrete actions, the documented weighted form
+        ``(1 - lam) a_model + lam sum_i w_i a_i`` for continuous ones.
+
+        Args:
+            dataset: default: read from ``cfg.dataset``.
+            lam, k, temperature, max_entries, metric: default ``agent.knn.*``.
+        Returns:
+            JSON-ready summary: ``entries``, ``lam``, ``k``, ``temperature``, ``metric``, ``build_s``.
+        """
+        import time
+
+        from rl_tformers.agents.common.knn_memory import ActionDatastore, KNNPolicyMemory
+
+        o = self.knn_options
+        lam = float(o["lam"] if lam is None else lam)
+        k_nb = int(o["k"] if k is None else k)
+        temperature = float(o["temperature"] if temperature is None else temperature)
+        max_entries = int(o["max_entries"] if max_entries is None else max_entries)
+        metric = str(o["metric"] if metric is None else metric)
+        t0 = time.perf_counter()
+        data = self._data(dataset)
+        sampler = self._sampler(data)
+        K = self.model_cfg.context_len
+        lengths = np.asarray(data.lengths, dtype=np.int64)
+        ep = np.repeat(np.arange(data.num_episodes), lengths)  # (N,) episode of every step
+        t = np.concatenate([np.arange(n) for n in lengths])  # (N,) step inside its episode
+        if max_entries < ep.shape[0]:
+            keep = np.sort(np.random.default_rng(seed).choice(ep.shape[0], max_entries, replace=False))
+            ep, t = ep[keep], t[keep]
+        dev = next(self.model.parameters()).device
+        was = self.model.training
+        self.model.eval()
+        keys, acts = [], []
+        slots = np.arange(K)[None, :]  # (1, K)
+        for s in range(0, ep.shape[0], batch_windows):
+            e, tt = ep[s : s + batch_windows], t[s : s + batch_windows]
+            if self.align == "start":
+                first = np.maximum(tt - K + 1, 0)  # (W,) step at slot 0
+                slot = tt - first  # (W,) slot of step t
+                local = first[:, None] + slots  # (W, K)
+                m = slots <= slot[:, None]
+            else:
+                slot = np.full(tt.shape, K - 1)
+                local = tt[:, None] - (K - 1) + slots  # (W, K), negative = padding on the left
+                m = local >= 0
+            local = np.where(m, local, 0)
+            flat = np.asarray(data.starts)[e][:, None] + local  # (W, K) dataset rows
+            raw = sampler._gather(flat, m, local)  # the training sampler's units (obs stats, RTG / scale)
+            batch = to_model_batch({n: torch.as_tensor(v, device=dev) for n, v in raw.items()}, self.info)
+            out = self.model(batch["obs"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])
+            rows = torch.arange(len(e), device=dev)
+            sl = torch.as_tensor(slot, device=dev)
+            feats = out.features[:, -1] if self.model_cfg.mode == "last_action" else out.features[rows, sl]
+            keys.append(feats)
+            acts.append(batch["actions"][rows, sl])
+        self.model.train(was)
+        store = ActionDatastore(torch.cat(keys), torch.cat(acts), torch.as_tensor(ep), metric=metric)
+        self.knn_memory = KNNPolicyMemory(store, k=k_nb, lam=lam, temperature=temperature)
+        return {"entries": len(store), "lam": lam, "k": k_nb, "temperature": temperature, "metric": metric,
+                "build_s": time.perf_counter() - t0}
 
     def make_env(self):
         """Zero-argument factory of the evaluation environment (the dataset's, or ``agent.env_id``)."""

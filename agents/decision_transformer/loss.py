@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from rl_tformers.agents.decision_transformer.model import (
     DecisionTransformer,
     discrete_ce,
@@ -45,18 +46,26 @@ def dt_loss(model: DecisionTransformer, batch: Mapping[str, Tensor]) -> tuple[Te
         (``action_mse``/``action_ce``/``nll``, ``entropy``, ``temperature``, aux terms).
     """
     cfg = model.cfg
-    out = model(batch["obs"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])
+    early = model.early_exit
+    out = model(batch["obs"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"],
+                output_hidden_states=early)
     mask = batch["mask"].bool()
     target = batch["actions"]
     if cfg.mode == "last_action":
         mask, target = mask[:, -1:], target[:, -1:]  # (B, 1), (B, 1, A) or (B, 1)
     metrics: dict[str, Any] = {}
+    exits = _exit_terms(model, out, target, mask, metrics) if early else None
     if cfg.discrete:
         loss = masked_mean(discrete_ce(out.logits, target), mask)
         metrics["action_ce"] = loss.detach()
         metrics["action_acc"] = masked_mean((out.action == target.long()).float(), mask).detach()
+        if exits is not None:
+            loss = exits
     elif cfg.head == "gaussian":
         nll = -masked_mean(squashed_gaussian_log_prob(out.mean, out.log_std, target), mask)
+        metrics["nll_last"] = nll.detach()
+        if exits is not None:
+            nll = exits
         sample = squashed_gaussian_sample(out.mean, out.log_std)
         entropy = -masked_mean(squashed_gaussian_log_prob(out.mean, out.log_std, sample), mask)  # MC estimate
         temperature = model.log_temperature.exp()
@@ -67,6 +76,10 @@ def dt_loss(model: DecisionTransformer, batch: Mapping[str, Tensor]) -> tuple[Te
     else:
         loss = masked_mean((out.action - target).pow(2).mean(-1), mask)  # (B, P) -> scalar
         metrics["action_mse"] = loss.detach()
+        if exits is not None:
+            loss = exits
+    if early:
+        loss = loss + metrics.pop("_exit_classifier_loss")
     aux = sum_aux(out.aux)
     if isinstance(aux, Tensor):
         loss = loss + aux
@@ -75,3 +88,54 @@ def dt_loss(model: DecisionTransformer, batch: Mapping[str, Tensor]) -> tuple[Te
     metrics["loss"] = loss.detach()
     return loss, metrics
 
+
+
+def _token_loss(model: DecisionTransformer, pred, target: Tensor) -> Tensor:
+    """Per-step loss of one prediction (:class:`DTOutput`): (B, P) CE, -log pi or MSE."""
+    cfg = model.cfg
+    if cfg.discrete:
+        return discrete_ce(pred.logits, target)
+    if cfg.head == "gaussian":
+        return -squashed_gaussian_log_prob(pred.mean, pred.log_std, target)
+    return (pred.action - target).pow(2).mean(-1)
+
+
+def _exit_terms(model: DecisionTransformer, out, target: Tensor, mask: Tensor, metrics: dict[str, Any]) -> Tensor:
+    """Early-exit training (depth kind ``early_exit``): the head on every exit, the exit classifier.
+
+    Elbayad et al. 2020 (sec. 2.2, 3.3) and CALM (Schuster et al. 2022, sec. 4): the shared
+    action head is applied after every layer, ``head(final_norm(h^n))``, and the per-step
+    losses (N, B, P) are combined by ``agent.early_exit.scheme``
+    (:func:`~rl_tformers.adaptive.early_exit.exit_loss`; ``sampled``: one uniformly random
+    exit per step). The exit classifier's own loss (trained on detached states against its
+    oracle: agreement with the last layer for ``classifier``, the likelihood oracle for
+    Elbayad's classifiers) is put in ``metrics["_exit_classifier_loss"]`` for the caller to add.
+
+    Returns:
+        0-d tensor: the combined action loss (replaces the last-layer loss).
+    """
+    from rl_tformers.adaptive.early_exit import consistency_labels, exit_loss
+
+    cfg = model.cfg
+    bb = model.backbone
+    preds = [model.predict(bb.final_norm(h)) for h in out.hidden_states]  # N x DTOutput, (B, P, ...)
+    token_losses = torch.stack([_token_loss(model, p, target) for p in preds])  # (N, B, P)
+    loss = exit_loss(token_losses, mask, scheme=cfg.exit_scheme)
+    outputs = [p.logits if cfg.discrete else p.action for p in preds]
+    consistent = consistency_labels([o.detach() for o in outputs], cfg.discrete, cfg.exit_tol)  # (N, B, P)
+    correct = None
+    if bb.depth.cfg.oracle == "correctness":
+        if cfg.discrete:
+            correct = torch.stack([o.argmax(-1) == target.long() for o in outputs])
+        else:
+            correct = torch.stack([(o - target).abs().amax(-1) <= cfg.exit_tol for o in outputs])
+    clf = bb.depth.exit_classifier_loss(
+        out.hidden_states, token_loss=token_losses.detach(), mask=mask, consistent=consistent, correct=correct,
+    )
+    metrics["_exit_classifier_loss"] = clf
+    metrics["exit/classifier_loss"] = clf.detach()
+    w = mask.float()
+    for n in range(token_losses.shape[0]):
+        metrics[f"exit/loss_layer{n + 1}"] = ((token_losses[n] * w).sum() / w.sum().clamp_min(1)).detach()
+        metrics[f"exit/agree_layer{n + 1}"] = ((consistent[n].float() * w).sum() / w.sum().clamp_min(1)).detach()
+    return loss

@@ -76,6 +76,12 @@ class DTConfig:
         init_temperature: initial entropy temperature of the Gaussian head (Online DT: 0.1).
         target_entropy: entropy target of the temperature loss; ``None`` = -act_dim (Online DT).
         backbone: any backbone configuration (default :func:`paper_backbone`).
+        exit_scheme: depth kind ``early_exit`` only: how the head is trained on every exit
+            (:func:`rl_tformers.adaptive.early_exit.exit_loss`: ``sampled``, Elbayad et al.
+            2020's one random exit per token; ``weighted``, CALM's; ``uniform``).
+        exit_tol: continuous actions, early exit only: layer n "agrees" with the last layer when
+            ``max |a^n - a^N| <= exit_tol`` (normalised action units; labels of the CALM
+            classifier and the consistency used by calibration).
 
     Raises:
         ValueError: unknown mode/head, a gaussian head on discrete actions; ``causal`` mode with a
@@ -95,6 +101,8 @@ class DTConfig:
     init_temperature: float = 0.1
     target_entropy: float | None = None
     backbone: BackboneConfig = field(default_factory=paper_backbone)
+    exit_scheme: str = "sampled"
+    exit_tol: float = 0.1
 
     def __post_init__(self) -> None:
         if isinstance(self.backbone, Mapping):
@@ -113,6 +121,10 @@ class DTConfig:
                 "action tokens a_t, a_t+1... would leak into the prediction of a_t); for kernels "
                 "without a causal form use agent.mode=last_action"
             )
+        from rl_tformers.adaptive.early_exit import SCHEMES
+
+        if self.exit_scheme not in SCHEMES:
+            raise ValueError(f"agent.early_exit.scheme={self.exit_scheme!r}; use one of {', '.join(SCHEMES)}")
         if self.context_len < 1 or self.max_ep_len < 1:
             raise ValueError(f"agent.context_len and agent.max_ep_len must be >= 1, got {self.context_len}, {self.max_ep_len}")
         if 3 * self.context_len > self.backbone.max_position:
@@ -151,6 +163,10 @@ class DTOutput:
         mean: (B, P, A) pre-tanh mean (continuous heads).
         log_std: (B, P, A) log standard deviation (gaussian head), else ``None``.
         aux: the backbone's weighted auxiliary losses; metrics: its logged values.
+        features: (B, P, D) backbone output at the predicting state tokens (after the final
+            norm): what the head reads, and the context embedding of a kNN datastore.
+        hidden_states: with ``output_hidden_states=True``: N per-layer outputs (B, P, D) at
+            the predicting state tokens, before the final norm (early-exit training).
     """
 
     action: Tensor
@@ -159,6 +175,8 @@ class DTOutput:
     log_std: Tensor | None = None
     aux: dict[str, Tensor] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
+    features: Tensor | None = None
+    hidden_states: tuple[Tensor, ...] | None = None
 
 
 class DecisionTransformer(nn.Module):
@@ -219,7 +237,10 @@ class DecisionTransformer(nn.Module):
             )
         return torch.where(mask, t + 1, t.new_zeros(()))
 
-    def forward(self, obs: Tensor, actions: Tensor, rtg: Tensor, timesteps: Tensor, mask: Tensor) -> DTOutput:
+    def forward(
+        self, obs: Tensor, actions: Tensor, rtg: Tensor, timesteps: Tensor, mask: Tensor, *,
+        output_hidden_states: bool = False, exit_steps: Tensor | None = None, exit_threshold: float | None = None,
+    ) -> DTOutput:
         """Predict actions from a window of K steps.
 
         Args:
@@ -231,6 +252,13 @@ class DecisionTransformer(nn.Module):
             rtg: (B, K) or (B, K, 1) returns-to-go, already multiplied by the reward scale.
             timesteps: (B, K) long episode steps (0-based).
             mask: (B, K) bool, True = real step, False = padding (any place in the window).
+            output_hidden_states: also return every layer's output at the predicting state
+                tokens (``DTOutput.hidden_states``).
+            exit_steps: (B, K) bool, depth kind ``early_exit`` only: the steps whose state
+                token decides (the ones whose action is used, e.g. the current step when
+                acting); the exit loop stops once they all exited. ``None``: every real step.
+            exit_threshold: early-exit confidence threshold for this call (``None``: the
+                backbone's stored one, +inf unless calibrated; ``early_exit`` only).
 
         Returns:
             :class:`DTOutput` with predictions for every step (causal) or the last one.
@@ -261,18 +289,59 @@ class DecisionTransformer(nn.Module):
         x = self.embed_drop(self.embed_ln(tokens))
         n = x.shape[1]
         pos = self.token_pos[:n].expand(b, n)  # (B, n) token index inside the window
-        out = self.backbone(x, positions=pos, mask=tok_mask)
-        h = out.hidden
-        h = h[:, 1::3] if cfg.mode == "causal" else h[:, -1:]  # (B, P, D) state tokens
+        depth_kw: dict[str, Any] = {}
+        if self.early_exit:
+            from rl_tformers.adaptive.early_exit import with_final_norm
+
+            depth_kw["exit_head"] = with_final_norm(self.backbone, self.head)
+            if exit_threshold is not None:
+                depth_kw["exit_threshold"] = float(exit_threshold)
+            if exit_steps is not None:
+                em = torch.zeros(b, 3 * k, dtype=torch.bool, device=x.device)  # (B, 3K)
+                em[:, 1::3] = exit_steps.to(device=x.device, dtype=torch.bool)  # state tokens decide
+                depth_kw["exit_mask"] = em[:, :n]
+            else:
+                depth_kw["exit_mask"] = self._state_token_mask(b, k, n, x.device)
+        elif exit_steps is not None or exit_threshold is not None:
+            raise ValueError("DT: exit_steps / exit_threshold need backbone.depth.kind=early_exit")
+        out = self.backbone(x, positions=pos, mask=tok_mask, output_hidden_states=output_hidden_states, **depth_kw)
+        hs = None
+        if out.hidden_states is not None:
+            hs = tuple(self._select(hl) for hl in out.hidden_states)
+        res = self.predict(self._select(out.hidden))
+        res.aux, res.metrics, res.hidden_states = out.aux, out.metrics, hs
+        return res
+
+    @property
+    def early_exit(self) -> bool:
+        """True when the backbone's depth kind is ``early_exit`` (exit options apply)."""
+        return hasattr(self.backbone.depth, "exit_classifier_loss")
+
+    def _state_token_mask(self, b: int, k: int, n: int, device: torch.device) -> Tensor:
+        """(B, n) bool: the predicting state tokens (all in causal mode, the last in last_action)."""
+        em = torch.zeros(b, 3 * k, dtype=torch.bool, device=device)
+        if self.cfg.mode == "causal":
+            em[:, 1::3] = True
+        else:
+            em[:, n - 1] = True
+        return em[:, :n]
+
+    def _select(self, h: Tensor) -> Tensor:
+        """(B, n, D) token states -> (B, P, D) the predicting state tokens."""
+        return h[:, 1::3] if self.cfg.mode == "causal" else h[:, -1:]
+
+    def predict(self, h: Tensor) -> DTOutput:
+        """Apply the action head to normalised state-token features h (B, P, D)."""
+        cfg = self.cfg
         y = self.head(h)  # (B, P, A) or (B, P, 2A)
         if cfg.discrete:
-            return DTOutput(action=y.argmax(-1), logits=y, aux=out.aux, metrics=out.metrics)
+            return DTOutput(action=y.argmax(-1), logits=y, features=h)
         if cfg.head == "gaussian":
             mean, log_std = y.chunk(2, dim=-1)  # (B, P, A) each
             lo, hi = cfg.log_std_min, cfg.log_std_max
             log_std = lo + 0.5 * (hi - lo) * (torch.tanh(log_std) + 1.0)
-            return DTOutput(action=torch.tanh(mean), mean=mean, log_std=log_std, aux=out.aux, metrics=out.metrics)
-        return DTOutput(action=torch.tanh(y), mean=y, aux=out.aux, metrics=out.metrics)
+            return DTOutput(action=torch.tanh(mean), mean=mean, log_std=log_std, features=h)
+        return DTOutput(action=torch.tanh(y), mean=y, features=h)
 
 
 # -- action-space mapping (continuous) ----------------------------------------------------------

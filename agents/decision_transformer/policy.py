@@ -28,7 +28,9 @@ Timesteps past ``max_ep_len`` (the size of the timestep embedding): ``timestep_o
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,10 +79,22 @@ class DTPolicy:
         device: where the model runs (default: the model's device).
         align: context layout, ``start`` or ``end`` (default: ``start`` in causal mode, ``end``
             in last_action mode); must match the training windows.
+        exit_threshold: depth kind ``early_exit``: act with early exit at this confidence
+            threshold (the current step's state token decides; the layer loop stops once every
+            row's decision exited). ``None``: the backbone's stored threshold (+inf unless
+            calibrated: the full model).
+        knn: a :class:`~rl_tformers.agents.common.knn_memory.KNNPolicyMemory` whose datastore
+            was built from the training dataset (:meth:`DTAgent.build_knn_memory`): the
+            action is interpolated with the neighbours' (kNN-LM; the weighted form for
+            continuous actions) with weight ``knn.lam``.
+
+    :meth:`stats` reports, since the last :meth:`reset_stats`: forward-pass milliseconds per
+    step (one call for all N environments), mean exit layer and early-exit fraction of the
+    decisions (early exit), and the fraction of decisions with a kNN neighbour.
 
     Raises:
         ValueError: unknown option values, ``align="start"`` in last_action mode, missing
-            action bounds for a continuous space.
+            action bounds for a continuous space, early-exit options without ``early_exit``.
     """
 
     def __init__(
@@ -95,7 +109,14 @@ class DTPolicy:
         timestep_overflow: str = "error",
         device: torch.device | str | None = None,
         align: str | None = None,
+        exit_threshold: float | None = None,
+        knn: Any = None,
     ) -> None:
+        if exit_threshold is not None and not model.early_exit:
+            raise ValueError("DTPolicy: exit_threshold needs backbone.depth.kind=early_exit")
+        self.exit_threshold = exit_threshold
+        self.knn = knn
+        self.reset_stats()
         align = align or ("start" if model.cfg.mode == "causal" else "end")
         if align not in ("start", "end") or (align == "start" and model.cfg.mode != "causal"):
             raise ValueError(f"DTPolicy: align={align!r}; use 'start' (causal mode only) or 'end'")
@@ -118,6 +139,32 @@ class DTPolicy:
                 raise ValueError("DTPolicy: a continuous action space needs action_low and action_high")
             self.low = torch.as_tensor(np.asarray(action_low, dtype=np.float32), **f32)
             self.high = torch.as_tensor(np.asarray(action_high, dtype=np.float32), **f32)
+
+    def reset_stats(self) -> None:
+        """Zero the counters of :meth:`stats`."""
+        self._steps = 0
+        self._forward_s = 0.0
+        self._decisions = 0
+        self._exit_layer_sum = 0.0
+        self._early_sum = 0.0
+        self._knn_hits = 0
+
+    def stats(self) -> dict[str, float]:
+        """Counters since :meth:`reset_stats` (means over forward passes / decisions).
+
+        Keys: ``steps`` (forward passes), ``forward_ms_per_step`` (wall ms of one batched
+        forward pass incl. kNN search); with early exit ``exit_mean_layer`` (1-based) and
+        ``exit_early_frac``; with kNN ``knn_hit_frac``.
+        """
+        out: dict[str, float] = {"steps": float(self._steps)}
+        if self._steps:
+            out["forward_ms_per_step"] = 1000.0 * self._forward_s / self._steps
+        if self.model.early_exit and self._decisions:
+            out["exit_mean_layer"] = self._exit_layer_sum / self._decisions
+            out["exit_early_frac"] = self._early_sum / self._decisions
+        if self.knn is not None and self._decisions:
+            out["knn_hit_frac"] = self._knn_hits / self._decisions
+        return out
 
     def initial_state(self, n_envs: int, target_return: float | None = None) -> DTState:
         """Empty context for ``n_envs`` episodes conditioned on ``target_return`` (raw units).
@@ -204,9 +251,36 @@ class DTPolicy:
         state.timesteps[rows, slot] = torch.as_tensor(np.minimum(t, cfg.max_ep_len - 1), device=dev)
         state.mask[rows, slot] = True
         state.actions[rows, slot] = 0
-        out = self.model(state.obs, state.actions, state.rtg, state.timesteps, state.mask)
-        a = out.action[rows, slot] if cfg.mode == "causal" else out.action[:, -1]  # (N, A) or (N,)
+        t0 = time.perf_counter()
+        kw: dict[str, Any] = {}
+        if self.model.early_exit:
+            decide = torch.zeros(n, k, dtype=torch.bool, device=dev)  # (N, K): the current step decides
+            decide[rows, slot] = True
+            kw = {"exit_steps": decide, "exit_threshold": self.exit_threshold}
+        out = self.model(state.obs, state.actions, state.rtg, state.timesteps, state.mask, **kw)
+        p = (rows, slot) if cfg.mode == "causal" else (slice(None), -1)  # the deciding state token
+        a = out.action[p]  # (N, A) or (N,)
+        if self.knn is not None:
+            a = self._interpolate(out.features[p], out.logits[p] if cfg.discrete else a)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        self._forward_s += time.perf_counter() - t0
+        self._steps += 1
+        self._decisions += n
+        if self.model.early_exit:
+            self._exit_layer_sum += float(out.metrics["exit/mean_layer"]) * n
+            self._early_sum += float(out.metrics["exit/early_frac"]) * n
         state.actions[rows, slot] = a
         if cfg.discrete:
             return a.cpu().numpy().astype(np.int64), state
         return to_env_action(a, self.low, self.high).cpu().numpy().astype(np.float32), state
+
+    def _interpolate(self, features: Tensor, pred: Tensor) -> Tensor:
+        """kNN-LM at the decision: features (N, D); pred = logits (N, n_actions) or action (N, A)."""
+        from rl_tformers.agents.common.knn_memory import interpolate_continuous, interpolate_discrete
+
+        nb = self.knn.neighbours(features)
+        self._knn_hits += int(nb.valid.any(-1).sum())
+        if self.cfg.discrete:
+            return interpolate_discrete(pred, nb, self.knn.lam, self.knn.temperature).argmax(-1)
+        return interpolate_continuous(pred, nb, self.knn.lam, self.knn.temperature).clamp(-1.0, 1.0)

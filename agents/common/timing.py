@@ -1,0 +1,56 @@
+"""Per-step inference cost of any :class:`~rl_tformers.agents.common.policy.Policy`.
+
+:class:`TimedPolicy` wraps a policy and measures the wall time of every ``act`` call (one
+batched forward pass for N environments, plus the policy's own bookkeeping), so
+``rl-tformers eval`` reports the per-step inference cost of the agent measured in the same run
+as its returns (``extra.act_ms_per_step``), whatever the agent kind.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class TimedPolicy:
+    """A :class:`Policy` that times ``act``.
+
+    Args:
+        policy: the wrapped policy (any object with ``initial_state`` and ``act``).
+
+    ``stats()`` returns ``act_calls`` and ``act_ms_per_step`` (mean wall milliseconds per
+    ``act`` call, i.e. per environment step of all N environments; CUDA is synchronised before
+    the clock stops), merged with the wrapped policy's own ``stats()`` when it has one.
+    """
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self.calls = 0
+        self.seconds = 0.0
+
+    def initial_state(self, n_envs: int, target_return: float | None = None) -> Any:
+        return self.policy.initial_state(n_envs, target_return)
+
+    def act(self, obs: np.ndarray, state: Any, episode_start: np.ndarray, last_reward: np.ndarray | None = None):
+        t0 = time.perf_counter()
+        out = self.policy.act(obs, state, episode_start, last_reward)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {"act_calls": float(self.calls)}
+        if self.calls:
+            out["act_ms_per_step"] = 1000.0 * self.seconds / self.calls
+        inner = getattr(self.policy, "stats", None)
+        if callable(inner):
+            out.update(inner())
+        return out
+
+    def __getattr__(self, name: str) -> Any:  # other attributes of the wrapped policy
+        return getattr(self.policy, name)
