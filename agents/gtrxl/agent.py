@@ -53,6 +53,7 @@ OBJECTIVES = ("bc", "rcbc", "iql")
 GTRXL_DEFAULTS: dict[str, Any] = {
     "agent": {
         "objective": "bc",  # bc | rcbc (return-conditioned BC) | iql
+        "window": 0,  # W > 0: plain context window of W steps (backbone.memory.kind=none), no memory
         "seq_len": 32,  # T, gradient window (steps)
         "burn_in": 32,  # steps that rebuild the memory without gradient before the window
         "prev_action": False,  # feed a_{t-1} as an input
@@ -147,13 +148,19 @@ class GTrXLState:
             kept on the host in float64, which not every device supports).
         t: (N,) long, step index of the next observation within its episode.
         target: target return in raw units (``None`` for unconditioned agents).
+        window_x, window_pos, window_valid: plain-window mode (``agent.window`` W > 0, then
+            ``memory`` is ``None``): the last W inputs (N, W, input_dim), their episode steps
+            (N, W) long and validity (N, W) bool, newest at slot W - 1.
     """
 
-    memory: BackboneState
+    memory: BackboneState | None
     prev_action: Tensor
     rtg: np.ndarray
     t: Tensor
     target: float | None
+    window_x: Tensor | None = None
+    window_pos: Tensor | None = None
+    window_valid: Tensor | None = None
 
 
 class GTrXLPolicy:
@@ -208,12 +215,17 @@ class GTrXLPolicy:
             raise ValueError("gtrxl: this model is return-conditioned (objective rcbc); pass a target return")
         enc = self.model.encoder
         a_shape = (n_envs,) if self.discrete else (n_envs, self.model.cfg.act_dim)
+        w = self.model.cfg.window
+        dev = self.device
         return GTrXLState(
-            memory=enc.initial_state(n_envs, self.device),
-            prev_action=torch.zeros(a_shape, dtype=torch.long if self.discrete else torch.float32, device=self.device),
+            memory=enc.initial_state(n_envs, dev) if enc.stateful else None,
+            prev_action=torch.zeros(a_shape, dtype=torch.long if self.discrete else torch.float32, device=dev),
             rtg=np.full(n_envs, float(target_return or 0.0), dtype=np.float64),
-            t=torch.zeros(n_envs, dtype=torch.long, device=self.device),
+            t=torch.zeros(n_envs, dtype=torch.long, device=dev),
             target=target_return,
+            window_x=None if enc.stateful else torch.zeros(n_envs, w, self.model.cfg.input_dim, device=dev),
+            window_pos=None if enc.stateful else torch.zeros(n_envs, w, dtype=torch.long, device=dev),
+            window_valid=None if enc.stateful else torch.zeros(n_envs, w, dtype=torch.bool, device=dev),
         )
 
     @torch.no_grad()
@@ -245,7 +257,7 @@ class GTrXLPolicy:
         start = torch.as_tensor(start_np, device=dev)
         r = torch.as_tensor(r_np, dtype=torch.float32, device=dev)
         enc = self.model.encoder
-        memory = enc.reset_state(state.memory, start)
+        memory = enc.reset_state(state.memory, start) if enc.stateful else None
         t = torch.where(start, torch.zeros_like(state.t), state.t)
         keep = (~start).view(-1, *([1] * (state.prev_action.dim() - 1)))
         prev_a = state.prev_action * keep.to(state.prev_action.dtype)
@@ -258,15 +270,26 @@ class GTrXLPolicy:
             prev_a[:, None],  # (N, 1, A) or (N, 1)
             (r * self.reward_mult)[:, None],  # (N, 1)
         )
-        out = enc(x, t[:, None], state=memory)
-        h = out.features[:, 0]  # (N, D)
+        win: dict[str, Tensor] = {}
+        if enc.stateful:
+            out = enc(x, t[:, None], state=memory)
+            h = out.features[:, 0]  # (N, D)
+        else:  # plain window: shift left, write the new step at slot W-1, re-encode the W steps
+            keep_w = (~start)[:, None]  # (N, 1): a starting row forgets its window
+            win = {
+                "window_x": torch.cat([state.window_x[:, 1:], x], 1),  # (N, W, input_dim)
+                "window_pos": torch.cat([state.window_pos[:, 1:], t[:, None]], 1),  # (N, W)
+                "window_valid": torch.cat([state.window_valid[:, 1:] & keep_w, torch.ones_like(keep_w)], 1),
+            }
+            out = enc(win["window_x"], win["window_pos"], mask=win["window_valid"])
+            h = out.features[:, -1]  # (N, D)
         a = self.model.actor.mode(h) if self.deterministic else self.model.actor.dist(h).sample()
         if self.discrete:
             env_a = a.cpu().numpy().astype(np.int64)
         else:
             a = a.clamp(-1.0, 1.0)
             env_a = (self.low + 0.5 * (a + 1.0) * (self.high - self.low)).cpu().numpy()
-        return env_a, GTrXLState(memory=out.state, prev_action=a, rtg=rtg, t=t + 1, target=state.target)
+        return env_a, GTrXLState(memory=out.state, prev_action=a, rtg=rtg, t=t + 1, target=state.target, **win)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,7 +389,13 @@ class GTrXLAgent:
                 critic="iql" if self.objective == "iql" else "none",
                 critic_hidden=int(a.critic_hidden),
                 share_critic_encoder=bool(a.share_critic_encoder),
+                window=int(a.get("window", 0)),
             )
+            if self.model_cfg.window and self.burn_in:
+                raise ValueError(
+                    f"agent.window={self.model_cfg.window} keeps no memory to rebuild; set agent.burn_in=0 "
+                    f"(and agent.seq_len={self.model_cfg.window} so training sees the acting window)"
+                )
             self.info = info
             self.extra = {**info.to_extra(), "reward_mult": float(reward_mult), "model": model_config_dict(self.model_cfg)}
         self.model = GTrXLModel(self.model_cfg).to(self.device)

@@ -26,7 +26,9 @@ Objectives (``agent.objective``):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -87,8 +89,13 @@ def encode_segment(encoder: GTrXLEncoder | nn.Module, batch: SegmentBatch, *, ne
         :class:`EncoderOutput` of the gradient window: features (B, T, D) and the memory after it.
     """
     x = encoder.inputs(batch.obs, batch.rtg, batch.prev_action, batch.prev_reward)  # (B, L, input_dim)
-    state = encoder.initial_state(x.shape[0], x.device)
     k = batch.burn_in
+    if not getattr(encoder, "stateful", True):  # plain window (agent.window): no memory to rebuild
+        return encoder(
+            x[:, k:], batch.timesteps[:, k:], episode_start=batch.episode_start[:, k:], mask=batch.mask[:, k:],
+            need_weights=need_weights,
+        )
+    state = encoder.initial_state(x.shape[0], x.device)
     if k > 0:
         with torch.no_grad():
             warm = encoder(
@@ -132,7 +139,21 @@ def bc_loss(model: GTrXLModel, batch: SegmentBatch) -> tuple[Tensor, dict[str, f
     aux = sum(out.aux.values()) if out.aux else 0.0
     metrics["loss_bc"] = float(loss.detach())
     metrics.update(gate_logs(out.metrics))
+    metrics.update({f"aux/{k}": float(v.detach()) for k, v in out.aux.items()})  # weighted, already in the loss
+    metrics.update(memory_logs(out.metrics))
     return loss + aux, metrics
+
+
+def memory_logs(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Scalar backbone metrics of the memory and depth kinds (``memory/*``, ``knn/*``, ``act/*``,
+    ``exit/*``, ``layer{i}/knn/gate``...) as floats under ``backbone/``; gate values are left to
+    :func:`gate_logs`."""
+    keys = ("memory/", "knn/", "act/", "exit/", "compressive/")
+    out = {}
+    for k, v in metrics.items():
+        if any(t in k for t in keys) and (isinstance(v, (int, float)) or (isinstance(v, Tensor) and v.numel() == 1)):
+            out[f"backbone/{k}"] = float(v)
+    return out
 
 
 def expectile_loss(diff: Tensor, expectile: float) -> Tensor:

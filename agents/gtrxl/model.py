@@ -98,6 +98,11 @@ class GTrXLConfig:
         share_critic_encoder: IQL critics on the actor's encoder (True) or on their own
             GTrXL encoder (False, the default: the separate networks of Kostrikov et al. 2021).
         log_std_init: initial log standard deviation of the Gaussian actor.
+        window: W > 0 with a memory kind that keeps nothing between calls (``none``; needed by
+            depth kinds that refuse a state, e.g. ``universal``): a plain context window. The
+            policy keeps the inputs of the last W steps and re-encodes them at every step
+            (O(W) tokens per step instead of one token over the memory); train with
+            ``agent.seq_len = W`` and ``agent.burn_in = 0``. 0 (default): recurrent memory.
     """
 
     obs_dim: int
@@ -112,8 +117,11 @@ class GTrXLConfig:
     critic_hidden: int = 256
     share_critic_encoder: bool = False
     log_std_init: float = -0.5
+    window: int = 0
 
     def __post_init__(self) -> None:
+        if self.window < 0:
+            raise ValueError(f"agent.window must be >= 0, got {self.window}")
         if self.obs_dim < 1 or self.act_dim < 1:
             raise ValueError(f"gtrxl: obs_dim and act_dim must be >= 1, got {self.obs_dim}, {self.act_dim}")
         if self.critic not in ("none", "value", "iql"):
@@ -141,21 +149,37 @@ def memory_kernels(position: str | None = None) -> list[str]:
     return out
 
 
-def build_backbone(cfg: Mapping[str, Any] | BackboneConfig) -> Backbone:
+def build_backbone(cfg: Mapping[str, Any] | BackboneConfig, window: int = 0) -> Backbone:
     """Build the backbone, refusing what GTrXL cannot use with messages naming the option.
 
+    Args:
+        cfg: backbone config.
+        window: ``agent.window`` (:class:`GTrXLConfig`): > 0 selects the plain-window mode,
+            which needs a memory kind that keeps nothing between calls.
+
     Raises:
-        IncompatibleConfig: a memory kind that keeps nothing between calls; an attention kind
+        IncompatibleConfig: a memory kind that keeps nothing between calls without
+            ``agent.window``, or ``agent.window`` with a stateful memory; an attention kind
             that takes no memory keys (the message lists the kernels that do); or whatever
             :func:`rl_tformers.backbone.check_compatible` refuses (causal form, positions...).
         RegistryError: unknown kinds or fields (dotted path in the message).
     """
     bb_cfg = cfg if isinstance(cfg, BackboneConfig) else BackboneConfig.from_dict(cfg, where="backbone")
     mem = REGISTRIES["memory"].get(bb_cfg.memory.kind).capabilities
+    if window > 0:
+        if mem.stateful:
+            raise IncompatibleConfig(
+                f"gtrxl: agent.window={window} re-encodes a plain context window, but backbone.memory.kind="
+                f"{bb_cfg.memory.kind!r} carries memory; use backbone.memory.kind=none or agent.window=0"
+            )
+        try:
+            return Backbone(bb_cfg)
+        except IncompatibleConfig as exc:
+            raise IncompatibleConfig(f"gtrxl: {exc}") from exc
     if not mem.stateful:
         raise IncompatibleConfig(
             f"gtrxl: backbone.memory.kind={bb_cfg.memory.kind!r} keeps no memory between steps; "
-            f"GTrXL needs a stateful memory such as 'xl'"
+            f"GTrXL needs a stateful memory such as 'xl', or a plain context window (agent.window=W)"
         )
     att = REGISTRIES["attention"].get(bb_cfg.attention.kind).capabilities
     if not att.memory:
@@ -197,13 +221,18 @@ class GTrXLEncoder(nn.Module):
     def __init__(self, cfg: GTrXLConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.backbone = build_backbone(cfg.backbone)
+        self.backbone = build_backbone(cfg.backbone, cfg.window)
         d = self.backbone.config.d_model
         self.embed = nn.Linear(cfg.input_dim, d)
 
     @property
     def d_model(self) -> int:
         return self.backbone.config.d_model
+
+    @property
+    def stateful(self) -> bool:
+        """False in the plain-window mode (``window > 0``): no state is carried between calls."""
+        return self.cfg.window == 0
 
     @property
     def mem_len(self) -> int:
