@@ -79,6 +79,10 @@ class Backbone(nn.Module):
         self.depth = cfg.depth.build(ctx)
         self.memory = cfg.memory.build(ctx)
         self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.final_norm else nn.Identity()
+        # output_tokens can skip work in the last layer: depth, blocks and kernels all support it
+        self.query_subset = bool(getattr(self.depth, "query_subset", False)) and all(
+            getattr(b, "query_subset", False) and getattr(b.attn, "query_subset", False) for b in self.blocks
+        )
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -110,6 +114,7 @@ class Backbone(nn.Module):
         *,
         need_weights: bool = False,
         output_hidden_states: bool = False,
+        output_tokens: slice | None = None,
         **depth_kwargs: Any,
     ) -> BackboneOutput:
         """Run the stack.
@@ -125,6 +130,14 @@ class Backbone(nn.Module):
                 tokens never attend to anything before it (segment or memory).
             need_weights: ask kernels for attention probabilities (slower path).
             output_hidden_states: return every layer's output.
+            output_tokens: a slice along T (e.g. ``slice(1, None, 3)``): ``hidden`` is then
+                ``(B, T', D)``, those tokens only (``hidden_states``, the state and the
+                attention weights still cover every token). The same values as slicing the full
+                output; when nothing else needs the last layer's other outputs (no state,
+                weights, hidden states or depth arguments) and the depth kind, blocks and
+                kernel allow it (:attr:`query_subset`: fixed depth, pre/post-norm blocks, dense
+                attention), the last layer computes only those tokens' queries, feed-forward
+                and final norm: a Decision Transformer needs 1 token in 3.
             depth_kwargs: passed to the depth module (e.g. an exit head for early exit).
 
         Returns:
@@ -132,6 +145,7 @@ class Backbone(nn.Module):
 
         Raises:
             ValueError: on shape mismatches (the message names the argument).
+            TypeError: ``output_tokens`` is not a slice.
         """
         if x.dim() != 3 or x.shape[-1] != self.config.d_model:
             raise ValueError(f"backbone: x must be (B, T, {self.config.d_model}), got {tuple(x.shape)}")
@@ -145,6 +159,8 @@ class Backbone(nn.Module):
         positions = positions.long()
         if mask is not None and mask.shape != (b, t):
             raise ValueError(f"backbone: mask must be ({b}, {t}), got {tuple(mask.shape)}")
+        if output_tokens is not None and not isinstance(output_tokens, slice):
+            raise TypeError(f"backbone: output_tokens must be a slice, got {type(output_tokens).__name__}")
         if episode_start is not None and episode_start.shape != (b, t):
             raise ValueError(f"backbone: episode_start must be ({b}, {t}), got {tuple(episode_start.shape)}")
 
@@ -174,7 +190,12 @@ class Backbone(nn.Module):
                 causal=self.config.causal, need_weights=need_weights,
             )
 
+        subset = (output_tokens is not None and self.query_subset and state is None and not need_weights
+                  and not output_hidden_states and not depth_kwargs)
+        if subset:
+            depth_kwargs["queries"] = output_tokens
         dout = self.depth(x, ctx, None if state is None else state.layers, output_hidden_states, **depth_kwargs)
+        hidden = dout.hidden if subset or output_tokens is None else dout.hidden[:, output_tokens]  # (B, T', D)
         aux, metrics = dict(dout.aux), dict(dout.metrics)
         new_state = None
         if state is not None:
@@ -194,7 +215,7 @@ class Backbone(nn.Module):
             merge_into(aux, m_aux)
             merge_into(metrics, m_metrics)
         return BackboneOutput(
-            hidden=self.final_norm(dout.hidden),
+            hidden=self.final_norm(hidden),
             state=new_state,
             aux=aux,
             metrics=metrics,

@@ -99,6 +99,20 @@ class AttnContext:
             _allowed=None if self._allowed is None else self._allowed[:, :, start:end],
         )
 
+    def select_queries(self, index: slice) -> AttnContext:
+        """Context of the queries ``index`` (any slice along T, e.g. ``slice(1, None, 3)``) over
+        the same keys, carrying their rows of the dense mask: (B|1, 1, T', S).
+
+        The selected queries are no longer the last T' keys, so only kernels that read the
+        mask from :meth:`allowed` (dense attention: ``query_subset = True``) may use it.
+        """
+        return dataclasses.replace(
+            self,
+            pos_q=self.pos_q[:, index],
+            seg_q=None if self.seg_q is None else self.seg_q[:, index],
+            _allowed=self.allowed()[:, :, index],
+        )
+
 
 def build_allowed(
     t: int,

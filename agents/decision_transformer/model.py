@@ -304,11 +304,13 @@ class DecisionTransformer(nn.Module):
                 depth_kw["exit_mask"] = self._state_token_mask(b, k, n, x.device)
         elif exit_steps is not None or exit_threshold is not None:
             raise ValueError("DT: exit_steps / exit_threshold need backbone.depth.kind=early_exit")
-        out = self.backbone(x, positions=pos, mask=tok_mask, output_hidden_states=output_hidden_states, **depth_kw)
+        # only the state tokens' outputs are needed: the backbone's last layer skips the others
+        out = self.backbone(x, positions=pos, mask=tok_mask, output_hidden_states=output_hidden_states,
+                            output_tokens=self._token_slice(n), **depth_kw)
         hs = None
         if out.hidden_states is not None:
             hs = tuple(self._select(hl) for hl in out.hidden_states)
-        res = self.predict(self._select(out.hidden))
+        res = self.predict(out.hidden)  # (B, P, D) state tokens
         res.aux, res.metrics, res.hidden_states = out.aux, out.metrics, hs
         return res
 
@@ -326,9 +328,13 @@ class DecisionTransformer(nn.Module):
             em[:, n - 1] = True
         return em[:, :n]
 
+    def _token_slice(self, n: int) -> slice:
+        """The predicting state tokens among n: every third from s_0 (causal), the last (last_action)."""
+        return slice(1, None, 3) if self.cfg.mode == "causal" else slice(n - 1, n)
+
     def _select(self, h: Tensor) -> Tensor:
         """(B, n, D) token states -> (B, P, D) the predicting state tokens."""
-        return h[:, 1::3] if self.cfg.mode == "causal" else h[:, -1:]
+        return h[:, self._token_slice(h.shape[1])]
 
     def predict(self, h: Tensor) -> DTOutput:
         """Apply the action head to normalised state-token features h (B, P, D)."""

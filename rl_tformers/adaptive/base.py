@@ -58,6 +58,9 @@ class DepthModule(nn.Module):
     """Base depth module: ``self.blocks`` is the ModuleList of blocks it runs."""
 
     blocks: nn.ModuleList
+    #: True for depth kinds whose ``forward(..., queries=slice)`` runs the last layer for those
+    #: tokens only (hidden (B, T', D)); the backbone checks the blocks and kernels too.
+    query_subset = False
 
     def run_layer(
         self,
@@ -67,13 +70,15 @@ class DepthModule(nn.Module):
         ctx: AttnContext,
         layer_states: list[LayerState] | None,
         out: DepthOutput,
+        queries: slice | None = None,
     ) -> Tensor:
-        """Run block ``i`` on x (B, T, D), recording its input, cache, weights, aux, metrics."""
+        """Run block ``i`` on x (B, T, D), recording its input, cache, weights, aux, metrics.
+        With ``queries`` (a block with ``query_subset``) only those tokens' outputs (B, T', D)."""
         ctx.layer_idx = i
         x = block.attn.position.embed(x, ctx.pos_q)
         out.layer_inputs.append(x)
         st = None if layer_states is None else layer_states[i]
-        bo = block(x, ctx, st)
+        bo = block(x, ctx, st) if queries is None else block(x, ctx, st, queries=queries)
         out.caches.append(bo.cache)
         out.weights.append(bo.weights)
         out.extras.append(getattr(bo, "extra", None))

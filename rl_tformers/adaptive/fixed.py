@@ -22,12 +22,15 @@ def build_blocks(ctx, n: int) -> nn.ModuleList:
 
 
 class FixedDepth(DepthModule):
+    query_subset = True  # queries=slice: the last layer computes only those tokens
+
     def __init__(self, ctx) -> None:
         super().__init__()
         self.blocks = build_blocks(ctx, ctx.n_layers)
 
     def forward(
-        self, x: Tensor, ctx: AttnContext, layer_states: list[LayerState] | None, need_hidden: bool = False, **kw
+        self, x: Tensor, ctx: AttnContext, layer_states: list[LayerState] | None, need_hidden: bool = False,
+        queries: slice | None = None, **kw
     ) -> DepthOutput:
         if kw:
             raise TypeError(f"depth kind 'fixed' takes no extra arguments, got {sorted(kw)}")
@@ -36,8 +39,9 @@ class FixedDepth(DepthModule):
             return first.run_stack(self.blocks, x, ctx, layer_states, need_hidden)
         out = DepthOutput(hidden=x, layer_inputs=[], caches=[], weights=[])
         hidden = []
+        last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
-            x = self.run_layer(i, block, x, ctx, layer_states, out)
+            x = self.run_layer(i, block, x, ctx, layer_states, out, queries if i == last else None)
             if need_hidden:
                 hidden.append(x)
         out.hidden = x

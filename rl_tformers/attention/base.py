@@ -59,6 +59,11 @@ class AttentionModule(nn.Module):
         shared_qk: use one projection for queries and keys (Reformer).
     """
 
+    #: True for kernels that take the whole mask from ``ctx.allowed()`` and so accept queries
+    #: at any key positions (``AttnContext.select_queries``): the backbone then computes only
+    #: the requested outputs in its last layer (``Backbone.forward(output_tokens=...)``).
+    query_subset = False
+
     def __init__(self, ctx, position: PositionModule, shared_qk: bool = False) -> None:
         super().__init__()
         cfg = ctx.config

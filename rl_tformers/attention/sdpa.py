@@ -29,6 +29,8 @@ class DenseAttention(AttentionModule):
     Cost: O(T S) time and memory per head.
     """
 
+    query_subset = True  # every path masks with ctx.allowed() (or plain causal, T == S only)
+
     def __init__(self, ctx, position, force_reference: bool = False) -> None:
         super().__init__(ctx, position)
         self.force_reference = force_reference

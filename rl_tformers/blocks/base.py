@@ -69,6 +69,8 @@ class BlockModule(nn.Module):
 
     #: True for blocks whose stack must be run by a special runner (reversible layers).
     reversible = False
+    #: True for blocks whose ``forward(..., queries=slice)`` computes only those tokens' outputs.
+    query_subset = False
 
     def __init__(self, ctx, position) -> None:
         super().__init__()
@@ -82,10 +84,14 @@ class BlockModule(nn.Module):
         self.ffn = build_ffn(ctx)
         self.dropout = nn.Dropout(ctx.config.dropout)
 
-    def attend(self, h: Tensor, mem: Tensor | None, ctx: AttnContext, state: LayerState | None):
-        """Run attention with queries ``h`` (B, T, D) and keys ``[mem; h]`` (B, M + T, D)."""
+    def attend(self, h: Tensor, mem: Tensor | None, ctx: AttnContext, state: LayerState | None,
+               queries: slice | None = None):
+        """Run attention with queries ``h`` (B, T, D) and keys ``[mem; h]`` (B, M + T, D);
+        with ``queries`` only the queries ``h[:, queries]`` (B, T', D) (dense kernels only)."""
         kv = h if mem is None else torch.cat([mem, h], dim=1)
         cache = None if state is None else state.cache
+        if queries is not None:
+            return self.attn(h[:, queries], kv, ctx.select_queries(queries), cache)
         return self.attn(h, kv, ctx, cache)
 
     def forward(self, x: Tensor, ctx: AttnContext, state: LayerState | None = None) -> BlockOutput:  # pragma: no cover

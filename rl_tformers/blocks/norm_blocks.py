@@ -12,32 +12,49 @@ from rl_tformers.types import AttnContext, BlockOutput, LayerState
 
 
 class PostNormBlock(BlockModule):
-    """x = LN(x + Attn(x)); x = LN(x + FFN(x))  (Vaswani et al. 2017, sec. 3.1)."""
+    """x = LN(x + Attn(x)); x = LN(x + FFN(x))  (Vaswani et al. 2017, sec. 3.1).
+
+    ``queries``: a slice along T; only those tokens' outputs are computed (B, T', D), every
+    token still serving as a key (see :attr:`BlockModule.query_subset`).
+    """
+
+    query_subset = True
 
     def __init__(self, ctx, position) -> None:
         super().__init__(ctx, position)
         self.norm1 = nn.LayerNorm(ctx.d_model)
         self.norm2 = nn.LayerNorm(ctx.d_model)
 
-    def forward(self, x: Tensor, ctx: AttnContext, state: LayerState | None = None) -> BlockOutput:
+    def forward(self, x: Tensor, ctx: AttnContext, state: LayerState | None = None,
+                queries: slice | None = None) -> BlockOutput:
         mem = None if state is None else state.memory
-        a = self.attend(x, mem, ctx, state)
+        a = self.attend(x, mem, ctx, state, queries)
+        if queries is not None:
+            x = x[:, queries]  # (B, T', D)
         x = self.norm1(x + self.dropout(a.out))
         x = self.norm2(x + self.dropout(self.ffn(x)))
         return BlockOutput(x, a.cache, a.aux, a.metrics, a.weights)
 
 
 class PreNormBlock(BlockModule):
-    """x = x + Attn(LN(x)); x = x + FFN(LN(x))  (GPT-2; Xiong et al. 2020). Memory is normed too."""
+    """x = x + Attn(LN(x)); x = x + FFN(LN(x))  (GPT-2; Xiong et al. 2020). Memory is normed too.
+
+    ``queries``: as :class:`PostNormBlock`.
+    """
+
+    query_subset = True
 
     def __init__(self, ctx, position) -> None:
         super().__init__(ctx, position)
         self.norm1 = nn.LayerNorm(ctx.d_model)
         self.norm2 = nn.LayerNorm(ctx.d_model)
 
-    def forward(self, x: Tensor, ctx: AttnContext, state: LayerState | None = None) -> BlockOutput:
+    def forward(self, x: Tensor, ctx: AttnContext, state: LayerState | None = None,
+                queries: slice | None = None) -> BlockOutput:
         mem = None if state is None or state.memory is None else self.norm1(state.memory)
-        a = self.attend(self.norm1(x), mem, ctx, state)
+        a = self.attend(self.norm1(x), mem, ctx, state, queries)
+        if queries is not None:
+            x = x[:, queries]  # (B, T', D)
         x = x + self.dropout(a.out)
         x = x + self.dropout(self.ffn(self.norm2(x)))
         return BlockOutput(x, a.cache, a.aux, a.metrics, a.weights)
