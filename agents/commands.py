@@ -146,6 +146,14 @@ def eval_cmd(
                f"{report.n_envs} envs, seeds {seed}..{seed + episodes - 1}, {report.seconds:.1f} s")
     for line in summary_lines(report.results):
         typer.echo("  " + line)
+    x = report.extra
+    cost = f"  {x['act_ms_per_step']:.2f} ms per step (act, {report.n_envs} envs)" if "act_ms_per_step" in x else ""
+    if "exit_mean_layer" in x:
+        cost += f"; mean exit layer {x['exit_mean_layer']:.2f}"
+    if "knn" in x:
+        cost += f"; kNN-LM lambda {x['knn']['lam']} over {x['knn']['entries']} entries"
+    if cost:
+        typer.echo(cost)
 
 
 def plot_cmd(
