@@ -12,7 +12,8 @@ model size, optimiser), then an evaluation at the dataset's best return. Per kin
   all ``steps`` updates, and ``speed_ratio`` = steps/s divided by dense SDPA's in the same run;
 - ``normalised_score``: the D4RL-normalised return of ``episodes`` evaluation episodes after
   training (100 * (R - random) / (expert - random), the dataset's reference scores), with
-  ``return_mean`` and the final ``train_loss``.
+  ``return_mean``, the final ``train_loss`` and ``eval_seconds`` (the evaluation's wall time:
+  the DT policy re-encodes its K-step window at every environment step).
 
 The kinds are those given to ``bench attention --kinds`` (SDPA first, always); kinds without a
 causal form get a ``skipped`` row (DT's causal mode needs one). Each kind runs at the
@@ -21,10 +22,15 @@ sliding window 128 keys; Performer: its defaults). The training is short by desi
 200 updates of batch 8 with a 2-layer, 64-wide model, is minutes per kind on one CPU thread):
 the scores compare kernels at equal compute budget in updates, not converged agents.
 
+With ``timing_rounds`` R > 0, the trained kinds are then also timed round-robin
+(:func:`interleaved_update_seconds`: R rounds of ``timing_updates`` updates per kind, median):
+``interleaved_seconds_per_step`` and ``interleaved_speed_ratio`` (dense time / kind time), the
+ratio to trust on a shared machine whose load drifts between the sequential trainings.
+
 Options (``bench attention --rl-steps N --rl-option key=value ...``): ``steps``, ``batch_size``,
 ``d_model``, ``n_layers``, ``n_heads``, ``context_len``, ``lr``, ``warmup_steps``,
-``episodes``, ``dataset``, ``seed``, ``work_dir`` (keep the run directories there; default a
-temporary directory).
+``episodes``, ``dataset``, ``seed``, ``timing_rounds``, ``timing_updates``, ``work_dir`` (keep
+the run directories there; default a temporary directory).
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ DEFAULTS: dict[str, Any] = {
     "warmup_steps": 20,
     "episodes": 5,
     "seed": 0,
+    "timing_rounds": 0,
+    "timing_updates": 2,
 }
 
 
@@ -73,6 +81,34 @@ def _overrides(kind: str, o: dict[str, Any]) -> list[str]:
     return ov
 
 
+def interleaved_update_seconds(trainers: dict[str, Any], rounds: int, updates: int) -> dict[str, float]:
+    """Median seconds per update of each trainer, timed round-robin: ``rounds`` times, every
+    kind in turn runs ``updates`` updates (``Trainer.update`` on the run's step-indexed batches,
+    cyclically; one untimed warm-up update first). A shared machine's load then hits every kind
+    alike, unlike kinds trained one after another. The weights change (timing only)."""
+    import itertools
+    import statistics
+    import time
+
+    from rl_tformers.runtime.device import move_to
+
+    streams = {}
+    for kind, tr in trainers.items():
+        ds = tr.agent.batches(0)  # step-indexed: the run's own batches again, cyclically
+        streams[kind] = (ds[i % len(ds)] for i in itertools.count())
+        tr.model.train()
+        tr.update(move_to(next(streams[kind]), tr.device))  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in trainers}
+    for _ in range(rounds):
+        for kind, tr in trainers.items():
+            batches = [move_to(next(streams[kind]), tr.device) for _ in range(updates)]
+            t0 = time.perf_counter()
+            for b in batches:
+                tr.update(b)
+            times[kind].append((time.perf_counter() - t0) / updates)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def dt_long_context(kinds: list[str], device: str, **options: Any) -> list[dict[str, Any]]:
     """Train and evaluate DT with a K-step context once per kind; rows as in the module docstring.
 
@@ -92,6 +128,7 @@ def dt_long_context(kinds: list[str], device: str, **options: Any) -> list[dict[
             "tokens": 3 * int(o["context_len"]), "steps": int(o["steps"]), "batch_size": int(o["batch_size"]),
             "model": f"{o['n_layers']} layers x {o['d_model']} wide, {o['n_heads']} heads", "device": device}
     rows: list[dict[str, Any]] = []
+    trainers: dict[str, Any] = {}
     tmp = None
     if o.get("work_dir"):
         work = Path(o["work_dir"])
@@ -118,33 +155,44 @@ def dt_long_context(kinds: list[str], device: str, **options: Any) -> list[dict[
                 train_loss=result.last_train.get("train/loss"),
                 normalised_score=ev.get("eval/normalized_score"), return_mean=ev.get("eval/return_mean"),
                 target_return=ev.get("eval/target"), episodes=int(o["episodes"]),
+                eval_seconds=ev.get("eval/time_s"),
             )
             rows.append(row)
+            trainers[kind] = trainer
+        if int(o["timing_rounds"]) > 0 and trainers:
+            med = interleaved_update_seconds(trainers, int(o["timing_rounds"]), int(o["timing_updates"]))
+            for r in rows:
+                if r["kind"] in med:
+                    r["interleaved_seconds_per_step"] = med[r["kind"]]
     finally:
         if tmp is not None:
             tmp.cleanup()
     dense = next((r for r in rows if r["kind"] == BASELINE and r["status"] == "ok"), None)
     for r in rows:
         r["speed_ratio"] = r["steps_per_s"] / dense["steps_per_s"] if dense and r["status"] == "ok" else None
+        if dense and "interleaved_seconds_per_step" in r and "interleaved_seconds_per_step" in dense:
+            r["interleaved_speed_ratio"] = dense["interleaved_seconds_per_step"] / r["interleaved_seconds_per_step"]
     return rows
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The case's rows as a Markdown table."""
-    head = "| kind | s / update | updates / s | speed vs dense | final train loss | return | normalised score |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head = ("| kind | s / update | updates / s | speed vs dense | interleaved s / update | interleaved speed vs dense "
+            "| final train loss | return | normalised score | eval s |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(v, spec, suffix=""):
+        return "-" if v is None else format(v, spec) + suffix
+
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['kind']} | {r['status']} | | | | | |")
+            lines.append(f"| {r['kind']} | {r['status']} | | | | | | | | |")
             continue
-
-        def f(v, spec):
-            return "-" if v is None else format(v, spec)
-
         lines.append(
             f"| {r['kind']} | {f(r['seconds_per_step'], '.2f')} | {f(r['steps_per_s'], '.3f')} | "
-            f"{f(r['speed_ratio'], '.2f')}x | {f(r['train_loss'], '.4f')} | {f(r['return_mean'], '.0f')} | "
-            f"{f(r['normalised_score'], '.1f')} |"
+            f"{f(r['speed_ratio'], '.2f', 'x')} | {f(r.get('interleaved_seconds_per_step'), '.2f')} | "
+            f"{f(r.get('interleaved_speed_ratio'), '.2f', 'x')} | {f(r['train_loss'], '.4f')} | "
+            f"{f(r['return_mean'], '.0f')} | {f(r['normalised_score'], '.1f')} | {f(r.get('eval_seconds'), '.0f')} |"
         )
     return "\n".join(lines)
 

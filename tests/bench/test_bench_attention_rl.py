@@ -17,7 +17,7 @@ TINY = {"steps": 2, "context_len": 6, "batch_size": 2, "d_model": 16, "n_layers"
 def test_case_trains_each_causal_kind_and_skips_the_others(tiny_hdf5, tmp_path):
     assert ba.RL_SCALE_CASES[attention_rl.CASE] is attention_rl.dt_long_context
     rows, notes = ba.run_rl_scale(["performer", "longformer"], "cpu", dataset=str(tiny_hdf5),
-                                  work_dir=str(tmp_path), **TINY)
+                                  work_dir=str(tmp_path), timing_rounds=2, timing_updates=1, **TINY)
     assert notes == []
     by_kind = {r["kind"]: r for r in rows if r["case"] == attention_rl.CASE}
     assert list(by_kind) == ["sdpa", "performer", "longformer"]  # dense first, always
@@ -27,8 +27,12 @@ def test_case_trains_each_causal_kind_and_skips_the_others(tiny_hdf5, tmp_path):
         assert r["status"] == "ok" and r["tokens"] == 18 and r["steps"] == 2
         assert r["steps_per_s"] > 0 and math.isclose(r["seconds_per_step"] * r["steps_per_s"], 1.0)
         assert isinstance(r["normalised_score"], float) and isinstance(r["train_loss"], float)
+        assert r["eval_seconds"] > 0
         assert (tmp_path / kind / "checkpoints").is_dir()
-    assert by_kind["sdpa"]["speed_ratio"] == 1.0
+    assert by_kind["sdpa"]["speed_ratio"] == 1.0 and by_kind["sdpa"]["interleaved_speed_ratio"] == 1.0
+    p = by_kind["performer"]
+    assert p["interleaved_speed_ratio"] == by_kind["sdpa"]["interleaved_seconds_per_step"] / p["interleaved_seconds_per_step"]
+    assert "interleaved_seconds_per_step" not in by_kind["longformer"]
     assert by_kind["performer"]["speed_ratio"] == by_kind["performer"]["steps_per_s"] / by_kind["sdpa"]["steps_per_s"]
     table = attention_rl.markdown_table(rows)
     assert table.count("\n") == 4 and "| longformer | skipped" in table
