@@ -29,8 +29,10 @@ ratio to trust on a shared machine whose load drifts between the sequential trai
 
 Options (``bench attention --rl-steps N --rl-option key=value ...``): ``steps``, ``batch_size``,
 ``d_model``, ``n_layers``, ``n_heads``, ``context_len``, ``lr``, ``warmup_steps``,
-``episodes``, ``dataset``, ``seed``, ``timing_rounds``, ``timing_updates``, ``work_dir`` (keep
-the run directories there; default a temporary directory).
+``episodes``, ``dataset``, ``seed``, ``timing_rounds``, ``timing_updates``, ``dense`` (0: skip
+the SDPA baseline, to run kinds in parallel processes), ``work_dir`` (keep the run directories
+there; default a temporary directory). :func:`summarise_runs` rebuilds the rows from kept run
+directories (``python -m rl_tformers.bench.attention_rl DIR ...``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ DEFAULTS: dict[str, Any] = {
     "warmup_steps": 20,
     "episodes": 5,
     "seed": 0,
+    "dense": 1,
     "timing_rounds": 0,
     "timing_updates": 2,
 }
@@ -123,7 +126,7 @@ def dt_long_context(kinds: list[str], device: str, **options: Any) -> list[dict[
     if unknown:
         raise ValueError(f"unknown {CASE} options {sorted(unknown)}; known: {', '.join(sorted(DEFAULTS))}, work_dir")
     o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
-    kinds = [BASELINE] + [k for k in dict.fromkeys(kinds) if k != BASELINE]
+    kinds = ([BASELINE] if int(o["dense"]) else []) + [k for k in dict.fromkeys(kinds) if k != BASELINE]
     base = {"case": CASE, "dataset": o["dataset"], "context_len": int(o["context_len"]),
             "tokens": 3 * int(o["context_len"]), "steps": int(o["steps"]), "batch_size": int(o["batch_size"]),
             "model": f"{o['n_layers']} layers x {o['d_model']} wide, {o['n_heads']} heads", "device": device}
@@ -197,4 +200,45 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def summarise_runs(run_dirs: list[str]) -> list[dict[str, Any]]:
+    """Rows of finished ``work_dir`` runs (one directory per kind; several ``work_dir`` folders
+    may be given): updates/s from the final checkpoint's ``step`` and ``elapsed_s`` (the
+    trainer's update time), the final logged train loss, the evaluation at the end from
+    ``metrics.jsonl``; speed ratios against the ``sdpa`` run among them."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from rl_tformers.runtime.checkpoint import find_latest_valid
+
+    rows = []
+    for d in run_dirs:
+        d = Path(d)
+        for run in sorted(p for p in d.iterdir() if (p / "checkpoints").is_dir()):
+            state = find_latest_valid(run, quarantine=False).state
+            cfg = OmegaConf.create(state["config"])
+            recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            ev = next((r for r in reversed(recs) if "eval/normalized_score" in r), {})
+            tr = next((r for r in reversed(recs) if "train/loss" in r), {})
+            step, elapsed = int(state["step"]), float(state["trainer"]["elapsed_s"])
+            rows.append({
+                "case": CASE, "kind": str(cfg.backbone.attention.kind), "dataset": str(cfg.dataset.path),
+                "context_len": int(cfg.agent.context_len), "tokens": 3 * int(cfg.agent.context_len), "steps": step,
+                "batch_size": int(cfg.train.batch_size), "status": "ok", "seconds_per_step": elapsed / max(step, 1),
+                "steps_per_s": step / max(elapsed, 1e-9), "train_loss": tr.get("train/loss"),
+                "normalised_score": ev.get("eval/normalized_score"), "return_mean": ev.get("eval/return_mean"),
+                "target_return": ev.get("eval/target"), "eval_seconds": ev.get("eval/time_s"), "run_dir": str(run),
+            })
+    dense = next((r for r in rows if r["kind"] == BASELINE), None)
+    for r in rows:
+        r["speed_ratio"] = r["steps_per_s"] / dense["steps_per_s"] if dense else None
+    return rows
+
+
 register_rl_scale_case(CASE, dt_long_context)
+
+
+if __name__ == "__main__":  # python -m rl_tformers.bench.attention_rl WORK_DIR [WORK_DIR ...]
+    import sys
+
+    print(markdown_table(summarise_runs(sys.argv[1:])))

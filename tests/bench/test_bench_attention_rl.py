@@ -34,6 +34,11 @@ def test_case_trains_each_causal_kind_and_skips_the_others(tiny_hdf5, tmp_path):
     assert p["interleaved_speed_ratio"] == by_kind["sdpa"]["interleaved_seconds_per_step"] / p["interleaved_seconds_per_step"]
     assert "interleaved_seconds_per_step" not in by_kind["longformer"]
     assert by_kind["performer"]["speed_ratio"] == by_kind["performer"]["steps_per_s"] / by_kind["sdpa"]["steps_per_s"]
+    again = {r["kind"]: r for r in attention_rl.summarise_runs([str(tmp_path)])}  # from the kept run directories
+    assert sorted(again) == ["performer", "sdpa"]
+    for kind, r in again.items():
+        for key in ("seconds_per_step", "steps_per_s", "speed_ratio", "normalised_score", "train_loss", "eval_seconds"):
+            assert r[key] == by_kind[kind][key], (kind, key)
     table = attention_rl.markdown_table(rows)
     assert table.count("\n") == 4 and "| longformer | skipped" in table
 
