@@ -50,6 +50,9 @@ class AttnContext:
     need_weights: bool = False
     layer_idx: int = 0
     _allowed: Tensor | None = field(default=None, repr=False)
+    # masks derived from allowed() (additive_mask), per dtype; not an init field, so every
+    # dataclasses.replace (select, with_keys...) starts a fresh cache
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def q_len(self) -> int:
@@ -85,6 +88,24 @@ class AttnContext:
                 device=self.pos_q.device, batch=self.pos_q.shape[0],
             )
         return self._allowed
+
+    def additive_mask(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """:meth:`allowed` as an additive score mask, computed once per context and dtype.
+
+        Returns:
+            mask (B|1, 1, T, S) ``dtype``: 0 where the query may attend, ``finfo(dtype).min``
+            elsewhere, except in rows with no allowed key, left open (all 0) so they stay finite;
+            row_ok (B|1, 1, T, 1) ``dtype``: 1 for rows with an allowed key, 0 for the others
+            (multiply the output by it: such rows return zeros).
+        """
+        hit = self._derived.get(dtype)
+        if hit is None:
+            allowed = self.allowed()
+            row_ok = allowed.any(dim=-1, keepdim=True)  # (B|1, 1, T, 1)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            mask.masked_fill_(~(allowed | ~row_ok), neg_inf(dtype))
+            hit = self._derived[dtype] = (mask, row_ok.to(dtype))
+        return hit
 
     def with_keys(self, pos_k: Tensor, key_valid: Tensor | None, seg_k: Tensor | None) -> AttnContext:
         """Copy of this context with other keys (e.g. a KV cache or memory in front)."""

@@ -65,9 +65,11 @@ class DenseAttention(AttentionModule):
             )
         else:
             plain = ctx.is_plain_causal and bias is None
+            masked = ctx.has_mask and not plain
             out = attention_sdpa(
-                q_c, k, v, ctx.allowed() if ctx.has_mask and not plain else None,
+                q_c, k, v, ctx.allowed() if masked else None,
                 scale=self.scale, bias=bias, is_causal=plain, dropout_p=self.dropout_p,
+                additive=ctx.additive_mask(q_c.dtype) if masked and bias is None else None,
             )
         return AttnOutput(self.o_proj(self.merge_heads(out)), cache=cache, weights=weights)
 
