@@ -241,9 +241,9 @@ class EpisodeDataset:
     ):
         self.observations = observations
         self.actions = actions
-        self.rewards = np.asarray(rewards, dtype=np.float64).reshape(-1)
-        self.terminations = np.asarray(terminations).astype(bool, copy=False).reshape(-1)
-        self.truncations = np.asarray(truncations).astype(bool, copy=False).reshape(-1)
+        self.rewards = per_step_column("rewards", rewards).astype(np.float64, copy=False)
+        self.terminations = binary_flags("terminations", per_step_column("terminations", terminations))
+        self.truncations = binary_flags("truncations", per_step_column("truncations", truncations))
         self.starts = np.asarray(starts, dtype=np.int64).reshape(-1)
         self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
         self.final_observations = None if final_observations is None else np.asarray(final_observations)
@@ -298,14 +298,30 @@ class EpisodeDataset:
                 of each episode is ``next_observations[last step]``.
 
         Example: terminals ``[0,1,1,0,0,1]`` gives 3 episodes of lengths 2, 1, 3.
+
+        Raises:
+            DatasetError: ``rewards``/``terminals``/``timeouts`` not one value per step (shape
+                ``(N,)`` or ``(N, 1)``); a flag other than 0/1 (NaN, 0.5, 2: naming the field,
+                the episode and the dataset row); ``next_observations`` with another row count or
+                per-step shape than ``observations``; and everything :meth:`validate` checks.
         """
-        rewards = np.asarray(rewards).reshape(-1)
+        rewards = per_step_column("rewards", rewards)
         n = rewards.shape[0]
-        terminals = np.asarray(terminals).reshape(-1).astype(bool)
-        timeouts = np.zeros(n, bool) if timeouts is None else np.asarray(timeouts).reshape(-1).astype(bool)
+        terminals = per_step_column("terminals", terminals)
+        timeouts = np.zeros(n, bool) if timeouts is None else per_step_column("timeouts", timeouts)
         if terminals.shape[0] != n or timeouts.shape[0] != n:
             raise DatasetError(f"terminals/timeouts have {terminals.shape[0]}/{timeouts.shape[0]} rows, rewards {n}",
                                field="terminals")
+        terminals, timeouts = (binary_flags("terminals", terminals, other_ends=timeouts),
+                               binary_flags("timeouts", timeouts, other_ends=terminals))
+        if next_observations is not None:
+            nxt_shape, obs_shape = tuple(next_observations.shape), tuple(observations.shape)
+            if nxt_shape[0] != n:
+                raise DatasetError(f"next_observations: {nxt_shape[0]} rows but rewards has {n}",
+                                   field="next_observations")
+            if nxt_shape[1:] != obs_shape[1:]:
+                raise DatasetError(f"next_observations: shape {nxt_shape[1:]} per step, but observations have "
+                                   f"{obs_shape[1:]}", field="next_observations")
         ends = np.flatnonzero(terminals | timeouts)  # last step of each finished episode
         truncations = timeouts.copy()
         meta = metadata if metadata is not None else DatasetMetadata()
@@ -360,9 +376,11 @@ class EpisodeDataset:
             obs_parts.append(obs[:-1])
             finals.append(obs[-1])
             act_parts.append(act)
-            rew_parts.append(np.asarray(ep["rewards"], dtype=np.float64).reshape(-1))
-            term_parts.append(np.asarray(ep["terminations"], dtype=bool).reshape(-1))
-            trunc_parts.append(np.asarray(ep["truncations"], dtype=bool).reshape(-1))
+            rew_parts.append(per_step_column("rewards", ep["rewards"], episode=i).astype(np.float64))
+            term_parts.append(binary_flags("terminations", per_step_column("terminations", ep["terminations"], episode=i),
+                                           episode=i))
+            trunc_parts.append(binary_flags("truncations", per_step_column("truncations", ep["truncations"], episode=i),
+                                            episode=i))
             lengths.append(n_act)
         if not obs_parts:
             raise DatasetError("dataset has no episodes", field="episodes")
@@ -636,6 +654,8 @@ class EpisodeDataset:
             "length_mean": float(self.lengths.mean()),
             "terminations": int(self.terminations[self.starts + self.lengths - 1].sum()),
             "truncations": int(self.truncations[self.starts + self.lengths - 1].sum()),
+            # the data stopped mid-episode: its last episode was cut and marked truncated by the loader
+            "unfinished_last_episode": bool(self.metadata.extra.get("unfinished_last_episode", False)),
             "observation_shape": list(self.observation_shape),
             "observation_dtype": str(np.dtype(self.observations.dtype)),
             "observation_space": space_to_str(self.observation_space),
@@ -656,6 +676,61 @@ class EpisodeDataset:
     def __repr__(self) -> str:
         return (f"EpisodeDataset({self.metadata.location or 'in memory'}: {self.num_episodes} episodes, "
                 f"{self.num_steps} steps, obs {self.observation_shape}, actions {self.action_space!r})")
+
+
+def per_step_column(name: str, values: ArrayLike, *, episode: int | None = None) -> np.ndarray:
+    """``values`` as an (N,) array: one scalar per step, given as shape ``(N,)`` or ``(N, 1)``.
+
+    Raises:
+        DatasetError: any other shape (e.g. rewards of shape (N, 2)), naming ``name`` and the shape.
+    """
+    a = np.asarray(values)
+    if a.ndim == 0 or (a.ndim > 1 and int(np.prod(a.shape[1:])) != 1):
+        where = f"episode {episode}: " if episode is not None else ""
+        raise DatasetError(f"{name}: {where}shape {a.shape}, expected one value per step (shape (N,))",
+                           field=name, episode=episode)
+    return a.reshape(-1)
+
+
+def binary_flags(name: str, flags: ArrayLike, *, episode: int | None = None,
+                 other_ends: ArrayLike | None = None) -> np.ndarray:
+    """(N,) flags as bool, refusing anything but 0/1 (or bool): NaN, 0.5 or 2 are not read as True.
+
+    Args:
+        name: the field, for the message (``terminals``, ``timeouts``, ``terminations``...).
+        flags: (N,) bool or numbers.
+        episode: the episode these flags belong to (Minari episodes), or None for flat D4RL
+            columns (the message then gives the dataset row and the episode it falls in,
+            counting episodes by the flags set to 1 before it).
+        other_ends: (N,) the other end-of-episode column of flat data (``timeouts`` for
+            ``terminals`` and vice versa), so that the episode count in the message is right.
+
+    Raises:
+        DatasetError: naming the field, the episode, the step and the offending value.
+    """
+    a = np.asarray(flags).reshape(-1)
+    if a.dtype == bool:
+        return a
+    if not (np.issubdtype(a.dtype, np.number) or a.dtype == object):
+        raise DatasetError(f"{name}: dtype {a.dtype} is not boolean or numeric", field=name, episode=episode)
+    with np.errstate(invalid="ignore"):
+        ok = (a == 0) | (a == 1)
+    if not ok.all():
+        row = int(np.flatnonzero(~ok)[0])
+        if episode is not None:
+            ep, step, where = episode, row, f"episode {episode}, step {row}"
+        else:
+            end = a[:row] == 1
+            if other_ends is not None:
+                end = end | (np.asarray(other_ends).reshape(-1)[:row] == 1)
+            ends = np.flatnonzero(end)
+            ep = int(ends.size)
+            step = row - (int(ends[-1]) + 1 if ends.size else 0)
+            where = f"dataset row {row} (episode {ep}, step {step}, counting episodes by the flags before it)"
+        value = a[row].item() if isinstance(a[row], np.generic) else a[row]
+        raise DatasetError(f"{name}: {where}: value {value!r} is not 0 or 1 (flags must be binary; "
+                           f"nothing is rounded)", field=name, episode=ep, step=step)
+    return a == 1
 
 
 def infer_action_space(actions: ArrayLike) -> gym.Space:

@@ -26,7 +26,13 @@ from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
-from rl_tformers.envs.dataset import DatasetError, DatasetMetadata, EpisodeDataset, LazyH5Array
+from rl_tformers.envs.dataset import (
+    DatasetError,
+    DatasetMetadata,
+    EpisodeDataset,
+    LazyH5Array,
+    per_step_column,
+)
 
 #: Environment variable overriding the project's data root.
 DATA_ROOT_ENV = "RL_TFORMERS_DATA"
@@ -264,7 +270,9 @@ def load_d4rl_hdf5(
 
     Raises:
         FileNotFoundError: no such file.
-        DatasetError: a required key is missing, arrays disagree in length, or validation fails.
+        DatasetError: a required key is missing, arrays disagree in length, ``rewards``/``terminals``/
+            ``timeouts`` hold more than one value per step, flags are not 0/1, ``next_observations``
+            differs in per-step shape from ``observations``, or validation fails.
     """
     import h5py
     from rl_tformers.envs.scores import task_family
@@ -277,10 +285,10 @@ def load_d4rl_hdf5(
             if key not in f:
                 raise DatasetError(f"{path}: missing dataset {key!r} (D4RL layout needs observations, actions, "
                                    "rewards, terminals, timeouts)", field=key)
-        rewards = np.asarray(f["rewards"][()], dtype=np.float64).reshape(-1)
+        rewards = per_step_column("rewards", f["rewards"][()]).astype(np.float64)
         n = rewards.shape[0]
-        terminals = np.asarray(f["terminals"][()]).reshape(-1)
-        timeouts = np.asarray(f["timeouts"][()]).reshape(-1) if "timeouts" in f else None
+        terminals = per_step_column("terminals", f["terminals"][()])
+        timeouts = per_step_column("timeouts", f["timeouts"][()]) if "timeouts" in f else None
         for key in ("observations", "actions", "terminals", "timeouts", "next_observations"):
             if key in f and f[key].shape[0] != n:
                 raise DatasetError(f"{key}: {f[key].shape[0]} rows but rewards has {n}", field=key)

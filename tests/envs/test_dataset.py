@@ -167,6 +167,9 @@ def test_summary_fields():
     assert (s["return_min"], s["return_max"], s["return_mean"]) == (1.0, 12.0, 5.0)
     assert (s["terminations"], s["truncations"]) == (2, 1)
     assert s["observation_shape"] == [4] and s["normalized_return_mean"] is None
+    assert s["unfinished_last_episode"] is False
+    cut = EpisodeDataset.from_flags(obs, act, np.arange(6.0), [0, 1, 1, 0, 0, 0], action_space=BOX3).summary()
+    assert cut["unfinished_last_episode"] is True and cut["truncations"] == 1
 
 
 def test_lazy_h5_array_gathers_like_numpy_and_pickles_without_handle(tmp_path):
