@@ -54,3 +54,29 @@ class TimedPolicy:
 
     def __getattr__(self, name: str) -> Any:  # other attributes of the wrapped policy
         return getattr(self.policy, name)
+
+
+def interleaved_timing(fns: dict[str, Any], repeats: int = 50, warmup: int = 5) -> dict[str, dict[str, float]]:
+    """Wall time of zero-argument callables, measured round-robin so load changes hit all alike.
+
+    Each round calls every function once (order rotated per round); after ``warmup`` rounds,
+    ``repeats`` rounds are timed. Returns ``{name: {"median_ms", "mean_ms", "p10_ms", "p90_ms"}}``.
+    CUDA is synchronised after each call when initialised.
+    """
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + repeats):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for n in order:
+            t0 = time.perf_counter()
+            fns[n]()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            if r >= warmup:
+                times[n].append(1000.0 * (time.perf_counter() - t0))
+    out = {}
+    for n, ts in times.items():
+        a = np.asarray(ts)
+        out[n] = {"median_ms": float(np.median(a)), "mean_ms": float(a.mean()),
+                  "p10_ms": float(np.percentile(a, 10)), "p90_ms": float(np.percentile(a, 90))}
+    return out

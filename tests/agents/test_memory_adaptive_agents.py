@@ -101,6 +101,22 @@ def test_dt_early_exit_calibration_meets_delta_on_the_held_out_episodes(dt_early
         assert out["extra"]["exit_mean_layer"] == 3.0
 
 
+def test_dt_early_exit_forward_timing_reports_layers_and_consistency(dt_early_exit_run):
+    from rl_tformers.agents.common.timing import interleaved_timing
+    from rl_tformers.agents.decision_transformer.early_exit_bench import forward_timing
+
+    run = load_run(dt_early_exit_run)
+    run.agent.set_exit_threshold(0.0)
+    res = forward_timing(run.agent, [1, 4], repeats=3)
+    assert res["threshold"] == 0.0 and set(res["batches"]) == {"1", "4"}
+    for b in res["batches"].values():
+        assert b["exit_mean_layer"] == 1.0 and b["layers_run"] == 1.0  # every decision exits after layer 1
+        assert 0.0 <= b["consistent"] <= 1.0 and b["full_ms"] > 0 and b["early_ms"] > 0
+    calls = []
+    t = interleaved_timing({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"] and set(t["a"]) == {"median_ms", "mean_ms", "p10_ms", "p90_ms"}
+
+
 def test_dt_early_exit_options_are_refused_without_the_depth_kind(cartpole_path, tmp_path):
     _, path = cartpole_path
     cfg = compose("dt/cartpole_demo", [f"dataset.path={path}", *DT_TINY, *FAST, "backbone.n_layers=1"])
