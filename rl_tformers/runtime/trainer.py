@@ -9,8 +9,10 @@ Per update ``s`` (0-based; ``step`` below is the number of updates completed, ``
     optimizer.step(); scheduler.step()
     redraw random features due at step (Performer/RFA/LSH ``redraw_every``; see _redraw_features)
     every train.log_every:        scalars (window means) -> TensorBoard + metrics.jsonl
-    every eval.every (and at end): agent.evaluate(step) with isolated RNGs
     every train.checkpoint_every (and at end, and on SIGINT/SIGTERM): checkpoint
+    every eval.every (and at end): agent.evaluate(step) with isolated RNGs, after the checkpoint
+        of that step (an evaluation that raises first saves the step if it was not saved, so the
+        run stays resumable; the error is re-raised with a note saying where the model is)
 
 Exact resume: a checkpoint at ``step`` holds everything the rest of the run depends on
 (weights, AdamW moments, scheduler counters, global RNG states, the agent's extra state, the
@@ -370,6 +372,34 @@ class Trainer:
         logger.scalars(self.step, scalars)
         return scalars
 
+    def _evaluate_or_save(self, logger: RunLogger, *, saved: bool, checkpoint: Path | None) -> dict[str, float]:
+        """:meth:`evaluate`; if it raises, the run is left resumable at this step and the error says so.
+
+        A checkpoint of the current step is written first when ``saved`` is False (one process
+        only: under DDP the other ranks cannot join the save, and rely on the regular
+        checkpoints). The exception is re-raised unchanged, with a note (also logged) naming
+        the checkpoint and how to continue or evaluate the run.
+        """
+        try:
+            return self.evaluate(logger)
+        except Exception as exc:
+            if not saved and not dist_rt.is_active():
+                try:
+                    checkpoint = self.save()
+                except Exception as save_exc:  # noqa: BLE001 - report both, raise the evaluation's
+                    log.error("evaluation at step %d failed, and saving a checkpoint then failed too: %s",
+                              self.step, save_exc)
+                    raise exc from None
+            where = f"checkpoint {checkpoint}" if checkpoint is not None else "the last checkpoint"
+            if self.step >= self.total_steps:
+                then = f"the trained model is in {where}; evaluate it with: rl-tformers eval {self.run_dir}"
+            else:
+                then = f"the run is saved ({where}); continue with: rl-tformers train --resume {self.run_dir}"
+            note = f"evaluation at step {self.step} failed ({type(exc).__name__}: {exc}); {then}"
+            log.error("%s", note)
+            exc.add_note(note)
+            raise
+
     # -- the loop -------------------------------------------------------------------------------
     def _prepare_run_dir(self, logger: RunLogger) -> None:
         yaml_text = self.config_yaml
@@ -389,6 +419,8 @@ class Trainer:
 
         Raises:
             NonFiniteLossError: the loss or gradient norm became NaN/inf (no checkpoint of it).
+            Exception: whatever the agent's ``evaluate`` raises, after the step it evaluated is
+                saved (see :meth:`_evaluate_or_save`).
         """
         t = self.cfg.train
         result = TrainResult(run_dir=self.run_dir, step=self.step, total_steps=self.total_steps)
@@ -533,12 +565,15 @@ class Trainer:
                     bar.set_postfix(loss=f"{scalars['train/loss']:.4g}", lr=f"{lr:.2e}", refresh=False)
                 self.window.reset()
                 window_t0 = time.perf_counter()
-            if (eval_every and self.step % eval_every == 0) or (self.step == self.total_steps and ev.at_end):
-                result.last_eval = self.evaluate(logger)
-                window_t0 = time.perf_counter()
+            # checkpoint first, then evaluate: a failing evaluation (a broken environment, a bug in
+            # the agent's evaluate) must not cost the updates before it
             if (ckpt_every and self.step % ckpt_every == 0) or self.step == self.total_steps:
                 result.checkpoint = self.save()
                 last_saved = self.step
+                window_t0 = time.perf_counter()
+            if (eval_every and self.step % eval_every == 0) or (self.step == self.total_steps and ev.at_end):
+                result.last_eval = self._evaluate_or_save(logger, saved=last_saved == self.step,
+                                                          checkpoint=result.checkpoint)
                 window_t0 = time.perf_counter()
 
         if self.step >= end:

@@ -88,8 +88,6 @@ def test_gtrxl_memoryless_is_a_clean_error(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "backbone.memory.kind" in r.output
 
 
-@pytest.mark.xfail(strict=True, reason="a failure in the end-of-training evaluation loses the whole run: the trainer "
-                                       "evaluates before it saves the final checkpoint")
 def test_eval_failure_at_end_keeps_the_trained_checkpoint(tmp_path: Path, monkeypatch) -> None:
     from rl_tformers.runtime import toy
     from rl_tformers.runtime.config import compose
@@ -105,6 +103,35 @@ def test_eval_failure_at_end_keeps_the_trained_checkpoint(tmp_path: Path, monkey
     with pytest.raises(RuntimeError, match="evaluation environment broke"):
         train(cfg, tmp_path / "run")
     assert (tmp_path / "run" / "checkpoints" / "step_000000004.pt").is_file()
+
+
+def test_eval_failure_mid_run_saves_that_step_and_resumes_exactly(tmp_path: Path, monkeypatch) -> None:
+    import torch
+
+    from rl_tformers.runtime import toy
+    from rl_tformers.runtime.checkpoint import load_checkpoint
+    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.trainer import resume, train
+
+    over = ["agent.kind=toy", "train.steps=6", "train.batch_size=4", "backbone.n_layers=1",
+            "train.checkpoint_every=100", "train.log_every=100", "eval.every=3", "eval.at_end=false",
+            "train.progress=false", "device=cpu"]
+    train(compose(None, over), tmp_path / "straight")
+    real = toy.ToyAgent.evaluate
+
+    def boom(self, step):
+        raise RuntimeError("evaluation environment broke")
+
+    monkeypatch.setattr(toy.ToyAgent, "evaluate", boom)
+    with pytest.raises(RuntimeError, match="evaluation environment broke") as info:
+        train(compose(None, over), tmp_path / "broken")
+    assert any("--resume" in n for n in getattr(info.value, "__notes__", []))
+    assert (tmp_path / "broken" / "checkpoints" / "step_000000003.pt").is_file()  # not a scheduled checkpoint
+    monkeypatch.setattr(toy.ToyAgent, "evaluate", real)
+    assert resume(tmp_path / "broken").complete
+    a = load_checkpoint(tmp_path / "straight" / "checkpoints" / "step_000000006.pt")["model"]
+    b = load_checkpoint(tmp_path / "broken" / "checkpoints" / "step_000000006.pt")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.xfail(strict=True, reason="an unknown agent.env_id is accepted; training runs to the end, then the "
