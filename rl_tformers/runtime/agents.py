@@ -67,10 +67,11 @@ The protocol (optional methods, detected with ``getattr``)
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pkgutil
 import traceback
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -102,6 +103,38 @@ AgentBuilder = Callable[[Any, Path, torch.device], Trainable]
 
 class UnknownAgentError(ConfigError):
     """``agent.kind`` names no registered agent; the message lists the registered kinds."""
+
+
+class AgentBuildError(ConfigError):
+    """The agent cannot be built from this config and data: a bad ``agent.*`` option, a dataset
+    that is missing or malformed, a backbone the agent cannot use, an unknown environment...
+
+    Raised by :func:`build_agent` (and :func:`agent_build_errors`) in place of the
+    ``ValueError`` (which includes ``DatasetError`` and ``IncompatibleConfig``) or
+    ``FileNotFoundError`` the builder raised, with the same message (which names the option,
+    field, episode or file at fault); the original is its ``__cause__``. Being a
+    :class:`ConfigError`, the command line reports it as ``error: ...`` with exit status 2.
+    """
+
+
+#: what a builder raises for unusable input (config values, data files): ValueError covers
+#: ConfigError, DatasetError, IncompatibleConfig and the agents' option checks
+BUILD_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotADirectoryError)
+
+
+@contextlib.contextmanager
+def agent_build_errors() -> Iterator[None]:
+    """Inside the block, :data:`BUILD_ERRORS` become :class:`AgentBuildError` (same message).
+
+    Used around the agent's construction and its first ``batches()`` call: the phase where
+    the config and the data are checked, before anything is trained or written.
+    """
+    try:
+        yield
+    except AgentBuildError:
+        raise
+    except BUILD_ERRORS as exc:
+        raise AgentBuildError(str(exc)) from exc
 
 
 @dataclass(frozen=True)
@@ -249,6 +282,13 @@ def check_trainable(obj: Any, kind: str) -> Trainable:
 
 
 def build_agent(cfg: Any, run_dir: Path, device: torch.device) -> Trainable:
-    """Build the agent named by ``cfg.agent.kind`` and check it implements :class:`Trainable`."""
+    """Build the agent named by ``cfg.agent.kind`` and check it implements :class:`Trainable`.
+
+    Raises:
+        AgentBuildError: the builder refused the config or the data (see :data:`BUILD_ERRORS`).
+        TypeError: the builder's result is not a :class:`Trainable`.
+    """
     kind = str(cfg.agent.kind)
-    return check_trainable(get_agent(kind).builder(cfg, Path(run_dir), device), kind)
+    with agent_build_errors():
+        agent = get_agent(kind).builder(cfg, Path(run_dir), device)
+    return check_trainable(agent, kind)

@@ -34,7 +34,7 @@ Continue a run exactly where it stopped, optionally for longer:
 
   rl-tformers train --resume runs/try1 train.steps=5000
 
-Ctrl-C (SIGINT) or SIGTERM saves a checkpoint at the current step and exits with code 130/143; --resume continues from it. Exit code 2: bad config, checkpoint or run directory.
+Ctrl-C (SIGINT) or SIGTERM saves a checkpoint at the current step and exits with code 130/143; --resume continues from it. Exit code 2: bad config, agent option, dataset, checkpoint or run directory (one `error: ...` line names what is at fault; the agent and its data are checked before anything is trained or written).
 
 Data-parallel training on N processes (DistributedDataParallel; gloo on CPU, NCCL with one GPU per process; train.batch_size is the global batch, split across the processes; logs and checkpoints come from rank 0; --resume works the same):
 

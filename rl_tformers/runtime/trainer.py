@@ -48,7 +48,7 @@ from torch import Tensor
 
 from rl_tformers.runtime import checkpoint as ckpt
 from rl_tformers.runtime import distributed as dist_rt
-from rl_tformers.runtime.agents import Trainable, build_agent
+from rl_tformers.runtime.agents import Trainable, agent_build_errors, build_agent
 from rl_tformers.runtime.config import (
     ConfigError,
     check_resume_changes,
@@ -424,6 +424,8 @@ class Trainer:
         """
         t = self.cfg.train
         result = TrainResult(run_dir=self.run_dir, step=self.step, total_steps=self.total_steps)
+        with agent_build_errors():  # the agent's data checks, before the run directory is written
+            batches = self.agent.batches(self.step)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if self._resumed_from is not None:
@@ -441,7 +443,7 @@ class Trainer:
                          self.run_dir, self.cfg.agent.kind, n_params, self.device, procs, self.step, self.total_steps)
             if t.compile:
                 self.model.compile()
-            source = dist_rt.shard_source(self.agent.batches(self.step), self.rank, self.world_size)
+            source = dist_rt.shard_source(batches, self.rank, self.world_size)
             stream = batch_stream(source, self.step, self.total_steps, int(t.num_workers),
                                   pin_memory=self.device.type == "cuda")
             if self._rng_to_restore is not None:

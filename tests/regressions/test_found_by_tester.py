@@ -48,8 +48,6 @@ def _train(*args: str):
 
 
 # ------------------------------------------------------------------------------------------ CLI
-@pytest.mark.xfail(strict=True, reason="train lets DatasetError escape as a Python traceback (exit 1) instead of "
-                                       "'error: ...' with exit 2 like every other bad input")
 def test_train_bad_dataset_is_a_clean_error(tmp_path: Path) -> None:
     obs = (np.random.default_rng(0).normal(size=(30, 4)) * 0.05).astype(np.float32)
     obs[12, 1] = np.nan
@@ -60,15 +58,12 @@ def test_train_bad_dataset_is_a_clean_error(tmp_path: Path) -> None:
     assert "error: observations: episode 1, step 2" in r.output
 
 
-@pytest.mark.xfail(strict=True, reason="train lets FileNotFoundError (missing dataset) escape as a traceback")
 def test_train_missing_dataset_is_a_clean_error(tmp_path: Path) -> None:
     r = _train(f"dataset.path={tmp_path / 'nope.hdf5'}", "--run-dir", str(tmp_path / "run"))
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     assert r.exit_code == 2 and "nope.hdf5" in r.output
 
 
-@pytest.mark.xfail(strict=True, reason="agent-level ValueErrors (agent.max_ep_len, agent.head, agent.mode) escape "
-                                       "as tracebacks with exit 1")
 def test_train_bad_agent_option_is_a_clean_error(tmp_path: Path) -> None:
     h5 = _write_h5(tmp_path / "ok.hdf5")
     r = _train(f"dataset.path={h5}", "agent.max_ep_len=5", "--run-dir", str(tmp_path / "run"))
@@ -76,8 +71,6 @@ def test_train_bad_agent_option_is_a_clean_error(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "agent.max_ep_len" in r.output
 
 
-@pytest.mark.xfail(strict=True, reason="GTrXL with backbone.memory.kind=none raises IncompatibleConfig as a traceback "
-                                       "(exit 1), not the promised refusal with exit 2")
 def test_gtrxl_memoryless_is_a_clean_error(tmp_path: Path) -> None:
     h5 = _write_h5(tmp_path / "ok.hdf5")
     r = runner.invoke(app, ["train", "-c", "gtrxl/cartpole_positions_bc", f"dataset.path={h5}",
