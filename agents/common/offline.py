@@ -108,7 +108,8 @@ class DatasetInfo:
             env_id, env_kwargs: override the dataset's environment.
 
         Raises:
-            ValueError: unbounded Box actions, or a non-positive reward scale.
+            ValueError: unbounded Box actions, a non-positive reward scale, or an evaluation
+                environment that does not fit the data (:meth:`check_env`).
         """
         from rl_tformers.envs.scores import reference_scores
         from rl_tformers.envs.trajectory import observation_stats
@@ -137,7 +138,7 @@ class DatasetInfo:
         refs = reference_scores(ds)
         if refs is None and env_id:
             refs = reference_scores(env_id)
-        return cls(
+        info = cls(
             obs_dim=obs_dim, act_dim=act_dim, discrete=discrete, obs_mean=mean, obs_std=std,
             action_low=low, action_high=high, reward_scale=float(scale),
             return_max=float(ret.max()), return_mean=float(ret.mean()), return_min=float(ret.min()),
@@ -148,6 +149,72 @@ class DatasetInfo:
             ref_min=None if refs is None else float(refs[0]), ref_max=None if refs is None else float(refs[1]),
             dataset=spec,
         )
+        info.check_env(ds, "agent.env_id" if env_id else "the dataset's env_id")
+        return info
+
+    def check_env(self, ds: EpisodeDataset, source: str = "agent.env_id") -> None:
+        """Refuse an evaluation environment that cannot serve a model trained on ``ds``.
+
+        Checks (nothing when :attr:`env_id` is None): the id is registered with gymnasium
+        (after importing the project's own tasks, :mod:`rl_tformers.envs.memory_tasks`; a
+        ``"module:id"`` id imports ``module`` first); the environment can be made with
+        :attr:`env_kwargs` (and :attr:`pomdp`); its observation space is a Box of the dataset's
+        per-step observation shape; its action space is of the dataset's kind (Discrete or a
+        Box of the same shape). An environment whose dependencies are not installed is skipped
+        with a warning (the dataset can still be trained on; evaluation will need them).
+
+        Args:
+            ds: the training data.
+            source: where the id came from, for the message (``agent.env_id``, or the dataset's).
+
+        Raises:
+            ValueError: naming the id (and ``source``), the dataset and both shapes or spaces.
+        """
+        if not self.env_id:
+            return
+        import importlib
+        import logging
+
+        from rl_tformers.envs import memory_tasks  # noqa: F401 - registers the project's tasks
+
+        name = str(self.env_id)
+        where = f"the dataset {self.dataset or ds.metadata.location or '(in memory)'}"
+        fix = "set agent.env_id to the environment the data came from"
+        try:
+            if ":" in name:
+                module, _, name = name.partition(":")
+                importlib.import_module(module)
+            gym.spec(name)
+        except (gym.error.Error, ImportError) as exc:
+            raise ValueError(f"{source}={self.env_id!r} is not a registered gymnasium environment ({exc}); "
+                             f"{fix} (e.g. agent.env_id=Hopper-v5)") from exc
+        try:
+            env = self.make_env()()
+        except (gym.error.DependencyNotInstalled, ImportError) as exc:
+            logging.getLogger(__name__).warning(
+                "cannot make the evaluation environment %s to check it against %s (%s); evaluation will fail "
+                "until its dependencies are installed", self.env_id, where, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - any failure of the env's constructor, reported with its config
+            raise ValueError(f"{source}={self.env_id!r}: cannot make the evaluation environment with "
+                             f"agent.env_kwargs={self.env_kwargs} ({type(exc).__name__}: {exc})") from exc
+        try:
+            obs_space, act_space = env.observation_space, env.action_space
+        finally:
+            env.close()
+        shape = tuple(ds.observation_shape)
+        if not isinstance(obs_space, gym.spaces.Box) or tuple(obs_space.shape) != shape:
+            pomdp = f" (masked by the dataset's POMDP record {self.pomdp})" if self.pomdp else ""
+            env_obs = (f"observations of shape {tuple(obs_space.shape)}" if isinstance(obs_space, gym.spaces.Box)
+                       else f"observation space {obs_space}, not a Box")
+            raise ValueError(
+                f"observations: {where} has observations of shape {shape} per step, but the evaluation "
+                f"environment {self.env_id} ({source}){pomdp} has {env_obs}; {fix}")
+        if isinstance(act_space, gym.spaces.Discrete) != ds.discrete_actions or (
+                isinstance(act_space, gym.spaces.Box) and tuple(act_space.shape) != tuple(ds.action_shape)):
+            raise ValueError(
+                f"actions: {where} has actions in {ds.action_space}, but the evaluation environment "
+                f"{self.env_id} ({source}) has action space {act_space}; {fix}")
 
     def to_extra(self) -> dict[str, Any]:
         """Checkpoint-safe dict (tensors, numbers, strings, None, dicts, lists)."""

@@ -127,8 +127,6 @@ def test_eval_failure_mid_run_saves_that_step_and_resumes_exactly(tmp_path: Path
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.xfail(strict=True, reason="an unknown agent.env_id is accepted; training runs to the end, then the "
-                                       "evaluation crashes with gymnasium's NameNotFound traceback (and no checkpoint)")
 def test_unknown_env_id_refused_before_training(tmp_path: Path) -> None:
     h5 = _write_h5(tmp_path / "ok.hdf5")
     r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={h5}", "agent.env_id=NoSuchEnv-v9",
@@ -138,9 +136,6 @@ def test_unknown_env_id_refused_before_training(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="a dataset whose observation shape differs from its environment's trains, then "
-                                       "eval dies deep in torch: RuntimeError: shape '[2, 3]' is invalid for input "
-                                       "of size 8")
 def test_dataset_env_observation_mismatch_is_named(tmp_path: Path) -> None:
     h5 = _write_h5(tmp_path / "obs3.hdf5", obs_dim=3)  # CartPole observations have 4 entries
     run = tmp_path / "run"
