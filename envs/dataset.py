@@ -532,7 +532,8 @@ class EpisodeDataset:
                                "supported: Box, Discrete", field="actions")
         if not isinstance(self.observation_space, gym.spaces.Box):
             raise DatasetError(f"observations: unsupported observation space {self.observation_space!r}; "
-                               "flatten it with flatten_observations=True", field="observations")
+                               "flatten it when loading (dataset.flatten_observations=true, "
+                               "--flatten-observations, flatten_observations=True)", field="observations")
         n = self.rewards.shape[0]
         if self.num_episodes == 0:
             raise DatasetError("dataset has no episodes", field="lengths")

@@ -126,8 +126,9 @@ def _check_spaces(obs_space: gym.Space, act_space: gym.Space, flatten_observatio
         return obs_space
     if not flatten_observations:
         raise DatasetError(
-            f"observations: observation space {obs_space!r} is not a Box; pass flatten_observations=True "
-            "(CLI: --flatten-observations) to flatten it with gymnasium.spaces.flatten_space",
+            f"observations: observation space {obs_space!r} is not a Box; flatten it with "
+            "gymnasium.spaces.flatten_space: dataset.flatten_observations=true in a run config (train), "
+            "--flatten-observations for `rl-tformers dataset info/export`, flatten_observations=True in Python",
             field="observations")
     return gym.spaces.flatten_space(obs_space)
 
@@ -191,7 +192,8 @@ def load_minari(
             raise FileNotFoundError(
                 f"Minari dataset {str(spec)!r} not found in {data_root(root)} nor in Minari's root "
                 f"{minari_default_root()}; build it (`rl-tformers collect --recipe ...`), pass a folder or "
-                "an .hdf5 file, or pass download=True (CLI: --download) to fetch it from the Minari server")
+                "an .hdf5 file, or fetch it from the Minari server: dataset.download=true in a run config "
+                "(train), --download for `rl-tformers dataset info/export`, download=True in Python")
         try:
             md = minari.load_dataset(str(spec), download=True)
         except Exception as exc:  # network errors, unknown remote ids

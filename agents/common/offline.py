@@ -1,13 +1,15 @@
 """What the offline agents (Decision Transformer, BC, %BC) share: the run's dataset, the statistics
 stored with every checkpoint, and the evaluation environment.
 
-``dataset:`` section of a run config (open section, read here)::
+``dataset:`` section of a run config (read here)::
 
     dataset:
       path: rlt/hopper-v5/medium-expert-v0   # Minari id, Minari folder or D4RL .hdf5 (load_dataset)
       root: null                             # data root for Minari ids (default $RL_TFORMERS_DATA or ./data/minari)
       download: false                        # let Minari download a remote id
       lazy: false                            # HDF5 only: read windows from disk
+      flatten_observations: false            # Minari Dict/Tuple observations: flatten them
+    (checked against rl_tformers.runtime.config.DatasetConfig: a wrong key is an error)
 
 :class:`DatasetInfo` is everything inference needs about the data (a plain dict of tensors,
 numbers and strings, so it goes into the checkpoint's ``extra`` and back): observation mean/std,
@@ -52,7 +54,7 @@ def load_offline_dataset(spec: Mapping[str, Any] | None) -> EpisodeDataset:
         )
     return load_dataset(
         str(spec["path"]), download=bool(spec.get("download", False)), lazy=bool(spec.get("lazy", False)),
-        root=spec.get("root"),
+        root=spec.get("root"), flatten_observations=bool(spec.get("flatten_observations", False)),
     )
 
 

@@ -22,7 +22,8 @@ Layers, later ones win:
 5. ``key=value`` overrides from the command line (values parsed as YAML: ``train.lr=3e-4``,
    ``train.betas=[0.9,0.95]``, ``run_dir=null``).
 
-Open sections: ``dataset`` accepts any keys (its consumer validates them); ``agent`` is
+Sections: ``dataset`` is checked against :class:`DatasetConfig` (an unknown key or a wrong
+type is an error naming its dotted path; the schema's defaults are not filled in); ``agent`` is
 closed when the agent kind registered defaults for it (then an unknown ``agent.x`` is an
 error), open otherwise; ``backbone`` is checked by ``BackboneConfig.from_dict`` and
 ``rl_tformers.backbone.check_compatible``. ``${...}`` interpolations are resolved once, at
@@ -139,6 +140,54 @@ class EvalConfig:
     at_end: bool = True
     episodes: int = 10
     n_envs: int = 5
+
+
+@dataclass
+class ScriptedDatasetConfig:
+    """``dataset.scripted:`` a dataset generated on the spot by a scripted behaviour policy
+    (GTrXL memory tasks, :func:`rl_tformers.envs.memory_tasks.scripted_dataset`).
+
+    Attributes:
+        task: memory task (``recall``...). episodes: episodes to generate. epsilon: probability
+        of a random action. seed: generator seed (null: the run's ``seed``). delay: recall delay.
+    """
+
+    task: str = "recall"
+    episodes: int = 1000
+    epsilon: float = 0.2
+    seed: int | None = None
+    delay: int = 8
+
+
+@dataclass
+class DatasetConfig:
+    """``dataset:`` section, read by the offline agents (:mod:`rl_tformers.agents.common.offline`).
+
+    Used to *check* the section (unknown keys, types), not to fill it: only the keys a config
+    sets appear in the resolved config, so configs saved by older runs resume unchanged.
+
+    Attributes:
+        path: Minari id (``rlt/hopper-v5/medium-v0``), Minari dataset folder or D4RL .hdf5 file.
+        root: data root searched first for Minari ids (null: ``$RL_TFORMERS_DATA``, else
+            ``./data/minari``).
+        download: let Minari download an id that is not found locally (needs network).
+        lazy: HDF5 files only: read observation/action windows from disk.
+        flatten_observations: flatten Dict/Tuple observation spaces of Minari datasets
+            (``gymnasium.spaces.flatten_space``); without it they are refused.
+        scripted: generate the data instead (:class:`ScriptedDatasetConfig`; GTrXL agents).
+    """
+
+    path: str | None = None
+    root: str | None = None
+    download: bool = False
+    lazy: bool = False
+    flatten_observations: bool = False
+    scripted: ScriptedDatasetConfig | None = None
+
+
+@dataclass
+class _DatasetSection:
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
 
 
 @dataclass
@@ -322,6 +371,26 @@ def _drop_replaced_slots(cfg: DictConfig, layer: Any) -> None:
             cfg.backbone[slot] = {"kind": new["kind"]}
 
 
+def _check_dataset_layer(layer: Any, source: str) -> None:
+    """Check a layer's ``dataset:`` section against :class:`DatasetConfig` (unknown key with a
+    'did you mean', wrong type), naming the dotted key and ``source``.
+
+    Raises:
+        ConfigError: as :func:`_translate` words it.
+    """
+    if not isinstance(layer, DictConfig) or "dataset" not in layer:
+        return
+    section = layer.get("dataset")
+    if section is None:
+        return
+    # scripted filled in so that a message about dataset.scripted.* can list its keys
+    schema = OmegaConf.structured(_DatasetSection(DatasetConfig(scripted=ScriptedDatasetConfig())))
+    try:
+        OmegaConf.merge(schema, OmegaConf.create({"dataset": section}))
+    except OmegaConfBaseException as exc:
+        raise _translate(exc, schema, source) from exc
+
+
 def _agent_kind(user: DictConfig) -> str:
     from rl_tformers.runtime.agents import available_agents
 
@@ -383,6 +452,8 @@ def compose(
     OmegaConf.set_struct(cfg.dataset, False)
     OmegaConf.set_struct(cfg.backbone, False)
     for layer, source in user_layers:
+        if source != "saved config":  # a saved run's config was checked when the run started
+            _check_dataset_layer(layer, source)
         _drop_replaced_slots(cfg, layer)
         cfg = _merge_checked(cfg, layer, source)
     try:
@@ -510,7 +581,8 @@ def schema_defaults() -> dict[str, Any]:
 
 
 __all__ = [
-    "Amp", "ConfigError", "EvalConfig", "RESUMABLE_KEYS", "RunConfig", "Schedule", "TrainConfig",
+    "Amp", "ConfigError", "DatasetConfig", "EvalConfig", "RESUMABLE_KEYS", "RunConfig", "Schedule",
+    "ScriptedDatasetConfig", "TrainConfig",
     "available_configs", "check_resume_changes", "compose", "config_display_name", "configs_root",
     "default_run_dir", "flatten", "load_yaml", "parse_overrides", "resolve_config_path", "schema_defaults",
     "to_container", "to_yaml",

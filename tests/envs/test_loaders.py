@@ -83,7 +83,7 @@ def test_unknown_minari_id_is_not_downloaded_unless_asked(tmp_path, monkeypatch)
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari_home"))
     called = []
     monkeypatch.setattr(minari, "load_dataset", lambda *a, **k: called.append(a) or (_ for _ in ()).throw(OSError("offline")))
-    with pytest.raises(FileNotFoundError, match=r"not found .* download=True \(CLI: --download\)"):
+    with pytest.raises(FileNotFoundError, match=r"not found .* dataset\.download=true in a run config \(train\), --download"):
         load_dataset("nobody/nothing-v0", root=tmp_path)
     assert called == []
     with pytest.raises(RuntimeError, match="could not download Minari dataset 'nobody/nothing-v0': offline"):
@@ -115,7 +115,7 @@ def test_dict_observations_are_refused_by_name_or_flattened_on_request(tmp_path)
                         actions=np.zeros((n, 2), np.float32), rewards=[1.0] * n, terminations=[False, False, True],
                         truncations=[False] * n)
     make_minari(tmp_path, "test/dict-v0", [buf], obs_space=space)
-    with pytest.raises(DatasetError, match=r"observation space Dict\(.*\) is not a Box; pass flatten_observations=True"):
+    with pytest.raises(DatasetError, match=r"observation space Dict\(.*\) is not a Box; .*dataset\.flatten_observations=true"):
         load_minari("test/dict-v0", root=tmp_path)
     ds = load_minari("test/dict-v0", root=tmp_path, flatten_observations=True)
     assert ds.observation_shape == (6,)

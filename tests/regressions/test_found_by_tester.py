@@ -166,18 +166,12 @@ def test_packaged_configs_honour_the_data_root_env(name: str) -> None:
     assert cfg.dataset.get("root") in (None, "")
 
 
-@pytest.mark.xfail(strict=True, reason="the dataset: section is open: a typo (dataset.lazzy) is silently ignored, "
-                                       "although the README says a wrong key fails before anything runs")
 def test_dataset_key_typo_is_refused() -> None:
     r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", "dataset.path=x.hdf5", "dataset.lazzy=true",
                             "--print-config"])
     assert r.exit_code == 2 and "dataset.lazzy" in r.output
 
 
-@pytest.mark.xfail(strict=True, reason="Dict-observation Minari datasets cannot be trained: the loader's "
-                                       "flatten_observations is unreachable from a run config "
-                                       "(dataset.flatten_observations=true is ignored) and the error points to a "
-                                       "--flatten-observations option that train does not have")
 def test_dict_observations_can_be_flattened_from_the_run_config(tmp_path: Path, monkeypatch) -> None:
     import gymnasium as gym
     import minari
