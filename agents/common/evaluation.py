@@ -19,6 +19,7 @@ change reported returns. The same raw reward is passed to ``policy.act`` as ``la
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -181,13 +182,16 @@ def evaluate(
         :class:`EvalReport` with one :class:`TargetResult` per target, in the given order.
 
     Raises:
-        ValueError: ``episodes`` or ``n_envs`` < 1, or no target given.
+        ValueError: ``episodes`` or ``n_envs`` < 1, no target given, or a NaN/inf target.
         RuntimeError: the raw reward is missing from ``info`` (a wrapper dropped it).
     """
     if episodes < 1 or n_envs < 1:
         raise ValueError(f"evaluate: episodes and n_envs must be >= 1, got {episodes}, {n_envs}")
     if len(targets) == 0:
         raise ValueError("evaluate: give at least one target return (None for unconditioned agents)")
+    bad = [t for t in targets if t is not None and not math.isfinite(float(t))]
+    if bad:
+        raise ValueError(f"evaluate: target returns must be finite numbers, got {bad} (agent.targets / --targets)")
     t0 = time.perf_counter()
     n = min(n_envs, episodes)
     envs = gym.vector.SyncVectorEnv(
@@ -275,7 +279,7 @@ def parse_targets(text: str | None) -> list[float] | None:
     """``"3600,1800"`` -> ``[3600.0, 1800.0]``; ``None`` or ``""`` -> ``None``.
 
     Raises:
-        ValueError: a value that is not a number (the message quotes it).
+        ValueError: a value that is not a finite number (``nan``, ``inf``: the message quotes it).
     """
     if text is None or not text.strip():
         return None
@@ -283,7 +287,10 @@ def parse_targets(text: str | None) -> list[float] | None:
     for part in text.split(","):
         part = part.strip()
         try:
-            out.append(float(part))
+            value = float(part)
         except ValueError:
             raise ValueError(f"--targets: {part!r} is not a number (expected e.g. 3600,1800)") from None
+        if not math.isfinite(value):
+            raise ValueError(f"--targets: {part!r} is not a finite number (a target return, e.g. 3600,1800)")
+        out.append(value)
     return out

@@ -112,7 +112,7 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
         checkpoint: a specific checkpoint file (default: the newest valid one).
 
     Raises:
-        CheckpointError: no valid checkpoint (message names the files).
+        CheckpointError: ``run_dir`` is not a directory, or no valid checkpoint (message names the files).
         UnknownAgentError: the run's agent kind is not registered here.
         TypeError: the rebuilt agent lacks ``policy``/``make_env``/``default_targets``.
     """
@@ -122,6 +122,9 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
     from rl_tformers.runtime.agents import get_agent
 
     run_dir = Path(run_dir)
+    if checkpoint is None and not run_dir.is_dir():
+        what = "is not a directory" if run_dir.exists() else "does not exist"
+        raise ckpt.CheckpointError(f"{run_dir} {what} (expected a run directory written by rl-tformers train)")
     if checkpoint is not None:
         path = Path(checkpoint)
         state = ckpt.load_checkpoint(path)

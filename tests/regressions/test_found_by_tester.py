@@ -146,7 +146,6 @@ def test_dataset_env_observation_mismatch_is_named(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "observation" in r.output
 
 
-@pytest.mark.xfail(strict=True, reason="eval --targets accepts nan and inf and feeds them to the model")
 def test_non_finite_targets_refused() -> None:
     from rl_tformers.agents.common.evaluation import parse_targets
 
@@ -155,9 +154,6 @@ def test_non_finite_targets_refused() -> None:
             parse_targets(text)
 
 
-@pytest.mark.xfail(strict=True, reason="gtrxl/hopper_positions*_bc pin dataset.root=data/minari (relative to the cwd), "
-                                       "which overrides $RL_TFORMERS_DATA: the README's GTrXL example fails outside "
-                                       "the repository root")
 @pytest.mark.parametrize("name", ["gtrxl/hopper_positions_bc", "gtrxl/hopper_positions_mlp_bc"])
 def test_packaged_configs_honour_the_data_root_env(name: str) -> None:
     from rl_tformers.runtime.config import compose
@@ -241,3 +237,15 @@ def test_two_dimensional_rewards_blame_rewards(tmp_path: Path) -> None:
     with pytest.raises(DatasetError) as info:
         load_d4rl_hdf5(h5)
     assert info.value.field == "rewards"
+
+
+def test_eval_of_a_missing_run_directory_says_so(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["eval", str(tmp_path / "no_such_run")])
+    assert r.exit_code == 2 and "no_such_run does not exist" in r.output
+
+
+def test_non_finite_eval_targets_refused_by_evaluate() -> None:
+    from rl_tformers.agents.common.evaluation import evaluate
+
+    with pytest.raises(ValueError, match="finite"):
+        evaluate(None, lambda: None, [float("nan")], episodes=1, n_envs=1)
