@@ -106,7 +106,17 @@ def run_demo(
     cfg = compose(DEMO_CONFIG, overrides)
     echo(f"[2/4] training a Decision Transformer for {cfg.train.steps} updates (config {DEMO_CONFIG}) ...")
     t_train = time.perf_counter()
-    result = train(cfg, run_dir, config_name="demo")
+    total = int(cfg.train.steps)
+    marks = [max(1, round(total * k / 10)) for k in range(1, 10)]  # a line at each tenth (not the last)
+
+    def progress(step: int, scalars: dict[str, float]) -> None:
+        if marks and step >= marks[0]:
+            while marks and step >= marks[0]:
+                marks.pop(0)
+            echo(f"[2/4] ... update {step}/{total}, loss {scalars.get('train/loss', float('nan')):.4f}, "
+                 f"{time.perf_counter() - t_train:.0f} s")
+
+    result = train(cfg, run_dir, config_name="demo", on_log=progress)
     if result.interrupted is not None:
         raise InterruptedError(
             f"training stopped by signal {result.interrupted} at update {result.step}; "

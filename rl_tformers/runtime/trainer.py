@@ -37,7 +37,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -214,15 +214,19 @@ class Trainer:
         cfg: a resolved config from :func:`rl_tformers.runtime.config.compose`.
         run_dir: the run directory (created if needed).
         resume_from: a verified checkpoint of this run to continue from (see :func:`resume`).
+        on_log: called as ``on_log(step, scalars)`` (main rank) each time training scalars are
+            logged (every ``train.log_every`` updates), e.g. for progress lines without a terminal.
 
     Raises:
         ConfigError / ValueError: bad device or schedule values (before anything is written).
         TypeError: the agent's builder returned something that is not a Trainable.
     """
 
-    def __init__(self, cfg: DictConfig, run_dir: str | os.PathLike, *, resume_from: ckpt.FoundCheckpoint | None = None):
+    def __init__(self, cfg: DictConfig, run_dir: str | os.PathLike, *, resume_from: ckpt.FoundCheckpoint | None = None,
+                 on_log: Callable[[int, dict[str, float]], None] | None = None):
         self.cfg = cfg
         self.config_yaml = to_yaml(cfg)  # the config is read-only: serialise it once
+        self.on_log = on_log
         self.run_dir = Path(run_dir)
         self.dist = dist_rt.dist_info()
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
@@ -563,6 +567,8 @@ class Trainer:
                 scalars["perf/samples_per_s"] = self.window.samples * self.world_size / dt
                 logger.scalars(self.step, scalars)
                 result.last_train = scalars
+                if self.on_log is not None and self.is_main:
+                    self.on_log(self.step, scalars)
                 if bar is not None:
                     bar.set_postfix(loss=f"{scalars['train/loss']:.4g}", lr=f"{lr:.2e}", refresh=False)
                 self.window.reset()
@@ -624,7 +630,7 @@ def holds_run(run_dir: Path) -> bool:
 
 
 def train(cfg: DictConfig, run_dir: str | os.PathLike | None = None, config_name: str | None = None,
-          stop_at: int | None = None) -> TrainResult:
+          stop_at: int | None = None, on_log: Callable[[int, dict[str, float]], None] | None = None) -> TrainResult:
     """Start a new run.
 
     Args:
@@ -632,6 +638,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike | None = None, config_name
         run_dir: where to write; default ``cfg.run_dir``, else ``runs/<config_name>-<timestamp>``.
         config_name: used for the default run directory name.
         stop_at: stop (with a checkpoint) after this many updates; see :meth:`Trainer.fit`.
+        on_log: see :class:`Trainer`.
 
     Under torchrun (``WORLD_SIZE`` > 1) this joins the process group for the run; rank 0 picks
     the run directory and checks it, and the other ranks follow its decision.
@@ -654,7 +661,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike | None = None, config_name
         problem, path = dist_rt.broadcast_object((problem, path))
         if problem is not None:
             raise RunDirError(problem)
-        return Trainer(_with_run_dir(cfg, path), path).fit(stop_at)
+        return Trainer(_with_run_dir(cfg, path), path, on_log=on_log).fit(stop_at)
 
 
 def load_resume_config(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = (),

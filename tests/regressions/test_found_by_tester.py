@@ -249,3 +249,16 @@ def test_non_finite_eval_targets_refused_by_evaluate() -> None:
 
     with pytest.raises(ValueError, match="finite"):
         evaluate(None, lambda: None, [float("nan")], episodes=1, n_envs=1)
+
+
+def test_demo_prints_training_progress_without_a_terminal(tmp_path: Path) -> None:
+    from rl_tformers.agents.common.demo import run_demo
+
+    lines: list[str] = []
+    run_demo(tmp_path / "demo", steps=20, n_episodes=10, eval_episodes=1, targets=[20.0],
+             extra_overrides=["backbone.d_model=16", "backbone.n_layers=1", "agent.context_len=4",
+                              "train.batch_size=4", "train.warmup_steps=1", "train.log_every=2",
+                              "agent.env_kwargs={max_episode_steps: 10}"], echo=lines.append)
+    progress = [s for s in lines if s.startswith("[2/4] ... update")]
+    assert [s.split()[3].rstrip(",") for s in progress] == [f"{k}/20" for k in range(2, 20, 2)]
+    assert all(", loss " in s for s in progress)
