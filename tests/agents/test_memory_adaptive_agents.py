@@ -190,6 +190,39 @@ def test_dt_knn_lambda_one_with_one_neighbour_replays_the_dataset_action(dt_plai
     assert all(same)
 
 
+@pytest.mark.parametrize("layout", [["agent.align=end"], ["agent.mode=last_action", "backbone.causal=false"]])
+def test_dt_knn_datastore_keys_are_the_policys_contexts_for_end_aligned_windows(cartpole_path, layout):
+    ds, path = cartpole_path
+    cfg = compose("dt/cartpole_demo", [f"dataset.path={path}", *DT_TINY, *FAST, "backbone.n_layers=1", *layout])
+    agent = DTAgent(cfg, None, "cpu", dataset=ds)
+    assert agent.build_knn_memory(lam=1.0, k=1)["entries"] == ds.num_steps
+    pol = agent.policy()
+    for i in range(3):  # replaying an episode with its own return: every context is a stored key
+        ep = ds.episode(i)
+        state = pol.initial_state(1, float(ep.rewards.sum()))
+        for t in range(8):
+            r = None if t == 0 else ep.rewards[t - 1 : t]
+            a, state = pol.act(ep.observations[t : t + 1], state, np.array([t == 0]), r)
+            assert int(a[0]) == int(ep.actions[t])
+
+
+def test_dt_early_exit_in_last_action_mode(cartpole_path):
+    ds, path = cartpole_path
+    cfg = compose("dt/cartpole_demo", [f"dataset.path={path}", *DT_TINY, *FAST, "backbone.n_layers=2",
+                                       "agent.mode=last_action", "backbone.causal=false",
+                                       "backbone.depth={kind: early_exit, confidence: softmax}"])
+    agent = DTAgent(cfg, None, "cpu", dataset=ds)
+    loss, metrics = agent.loss(agent.batches(0)[0])
+    assert torch.isfinite(loss) and set(k for k in metrics if k.startswith("exit/loss")) == {
+        "exit/loss_layer1", "exit/loss_layer2"}
+    agent.set_exit_threshold(0.0)
+    pol = agent.policy()
+    state = pol.initial_state(2, 100.0)
+    for t in range(4):
+        _, state = pol.act(ds.observations[t : t + 2], state, np.array([t == 0, t == 0]), None if t == 0 else np.ones(2))
+    assert pol.stats()["exit_mean_layer"] == 1.0 and pol.stats()["steps"] == 4.0
+
+
 # -- GTrXL ------------------------------------------------------------------------------------------
 GTRXL_TINY = ["backbone.d_model=16", "backbone.n_layers=2", "backbone.n_heads=2", "agent.seq_len=8",
               "agent.burn_in=4", "dataset.scripted={task: recall, episodes: 30, delay: 2}", "dataset.path=null",
