@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from rl_tformers import Backbone
+from rl_tformers.bench.memory import cpu_peak_bytes
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "reversible": {"kind": "reversible", "recompute": True},
@@ -56,29 +57,6 @@ def saved_activation_bytes(fn: Callable[[], Any], exclude: Sequence[torch.Tensor
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return sum(seen.values()), out
-
-
-def cpu_peak_bytes(fn: Callable[[], Any]) -> int | None:
-    """Peak of (allocated - freed) CPU bytes while ``fn()`` runs, from the profiler's memory events.
-
-    Uses ``torch.profiler`` with ``profile_memory=True`` and the per-allocation events of its
-    Kineto results (not a stable public API: returns None when unavailable). Includes every
-    allocation made inside ``fn`` (activations, recomputation, gradient buffers).
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    try:
-        events = prof.profiler.kineto_results.events()
-        mem = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    except AttributeError:
-        return None
-    cur = peak = 0
-    for _, nbytes in mem:  # positive = allocation, negative = free, in time order
-        cur += nbytes
-        peak = max(peak, cur)
-    return peak
 
 
 def measure(
