@@ -142,9 +142,18 @@ def process_group(device_spec: str | torch.device = "auto") -> Iterator[DistInfo
         rank_device(torch.device("cuda"), info)
     timeout = datetime.timedelta(seconds=_env_int(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
     dist.init_process_group(backend=backend, timeout=timeout)
+    ok = False
     try:
         yield info
+        ok = True
     finally:
+        if ok:
+            # Normal exit: every rank first finishes its outstanding collectives (a barrier),
+            # then the group is destroyed while the interpreter is fully alive. Without the
+            # barrier a rank that finished early could tear gloo down while a peer's last
+            # collective was in flight, and gloo's worker threads then abort the process at
+            # exit ("terminate called without an active exception": seen once in our DDP test).
+            dist.barrier()
         dist.destroy_process_group()
 
 
