@@ -172,17 +172,12 @@ def build_backbone(cfg: Mapping[str, Any] | BackboneConfig, window: int = 0) -> 
                 f"gtrxl: agent.window={window} re-encodes a plain context window, but backbone.memory.kind="
                 f"{bb_cfg.memory.kind!r} carries memory; use backbone.memory.kind=none or agent.window=0"
             )
-        try:
-            return Backbone(bb_cfg)
-        except IncompatibleConfig as exc:
-            raise IncompatibleConfig(f"gtrxl: {exc}") from exc
-    if not mem.stateful:
+    elif not mem.stateful:
         raise IncompatibleConfig(
             f"gtrxl: backbone.memory.kind={bb_cfg.memory.kind!r} keeps no memory between steps; "
             f"GTrXL needs a stateful memory such as 'xl', or a plain context window (agent.window=W)"
         )
-    att = REGISTRIES["attention"].get(bb_cfg.attention.kind).capabilities
-    if not att.memory:
+    elif not REGISTRIES["attention"].get(bb_cfg.attention.kind).capabilities.memory:
         raise IncompatibleConfig(
             f"gtrxl: backbone.attention.kind={bb_cfg.attention.kind!r} takes no memory keys, but GTrXL attends "
             f"over its memory; kernels that can (with backbone.position.kind={bb_cfg.position.kind!r}): "

@@ -8,7 +8,11 @@ so a new benchmark is one new module and no edit here.
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -17,6 +21,25 @@ bench_app = typer.Typer(
     help="Benchmarks: each reports ratios against a baseline measured in the same run.",
     no_args_is_help=True,
 )
+
+
+def emit_result(data: Mapping[str, Any], table: str, notes: Iterable[str] = (), *, out: str | None = None,
+                as_json: bool = False) -> None:
+    """Print a benchmark's result the way every ``bench`` command does.
+
+    Args:
+        data: the JSON-serialisable result (``Result.as_dict()``).
+        table: its markdown rendering, printed unless ``as_json``.
+        notes: remarks printed to stderr as ``note: ...`` lines (peers left out, ...).
+        out: also write ``data`` as indented JSON to this path (parent folders are created).
+        as_json: print ``data`` as JSON instead of the table.
+    """
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(data, indent=2))
+    typer.echo(json.dumps(data, indent=2) if as_json else table)
+    for note in notes:
+        typer.echo(f"note: {note}", err=True)
 
 
 def bench_modules() -> list[str]:

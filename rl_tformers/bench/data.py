@@ -21,7 +21,6 @@ Command: ``rl-tformers bench data --out bench_data.json`` (``--steps 1000000``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import statistics
 import tempfile
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rl_tformers.bench.commands import emit_result
 from rl_tformers.bench.train import DEFAULT_DATASET, machine_info
 
 
@@ -228,12 +228,6 @@ def register(bench_app) -> None:
         s = Settings(dataset=dataset, batch_size=batch_size, batches=batches, repeats=repeats, train_steps=train_steps,
                      threads=threads, steps=steps, keep=keep, skip_training=skip_training, skip_load=skip_load)
         res = run(s, log=lambda m: typer.echo(m, err=True))
-        out_data = res.as_dict()
-        if out:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            Path(out).write_text(json.dumps(out_data, indent=2))
-        typer.echo(json.dumps(out_data, indent=2) if as_json else markdown(res))
-        for note in res.notes:
-            typer.echo(f"note: {note}", err=True)
+        emit_result(res.as_dict(), markdown(res), res.notes, out=out, as_json=as_json)
 
     bench_app.command("data")(data)

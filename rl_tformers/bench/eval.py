@@ -24,7 +24,6 @@ Command: ``rl-tformers bench eval --episodes 10 --n-envs 10 --out bench_eval.jso
 from __future__ import annotations
 
 import dataclasses
-import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from typing import Any
 
 import torch
 
+from rl_tformers.bench.commands import emit_result
 from rl_tformers.bench.train import DEFAULT_DATASET, machine_info
 
 
@@ -259,12 +259,6 @@ def register(bench_app) -> None:
                      memory_kinds=tuple(k.strip() for k in memory_kinds.split(",") if k.strip()),
                      mem_lens=_ints(mem_lens), mem_envs=mem_envs, mem_steps=mem_steps, skip_rollouts=skip_rollouts)
         res = run(s, log=lambda m: typer.echo(m, err=True))
-        data = res.as_dict()
-        if out:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            Path(out).write_text(json.dumps(data, indent=2))
-        typer.echo(json.dumps(data, indent=2) if as_json else markdown(res))
-        for note in res.notes:
-            typer.echo(f"note: {note}", err=True)
+        emit_result(res.as_dict(), markdown(res), res.notes, out=out, as_json=as_json)
 
     bench_app.command("eval")(eval_)

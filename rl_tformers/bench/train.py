@@ -56,6 +56,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from rl_tformers.bench.commands import emit_result
+
 PEERS = ("d3rlpy", "hf")
 MODES = ("e2e", "model")
 PEER_VENV = Path(".bench-venvs") / "peers"
@@ -504,15 +506,6 @@ def register(bench_app) -> None:
                      matmul_sizes=tuple(int(x) for x in matmul_sizes.split(",") if x.strip()),
                      overrides=tuple(overrides or ()))
         res = run(s, log=lambda m: typer.echo(m, err=True))
-        data = res.as_dict()
-        if out:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            Path(out).write_text(json.dumps(data, indent=2))
-        if as_json:
-            typer.echo(json.dumps(data, indent=2))
-        else:
-            typer.echo(markdown(res))
-            for note in res.notes:
-                typer.echo(f"note: {note}")
+        emit_result(res.as_dict(), markdown(res), res.notes, out=out, as_json=as_json)
 
     bench_app.command("train")(train)
