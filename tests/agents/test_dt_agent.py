@@ -233,13 +233,30 @@ def test_gaussian_head_trains_and_evaluates_on_continuous_actions(tmp_path):
         DTConfig(obs_dim=4, act_dim=2, discrete=True, head="gaussian")
 
 
-def test_shipped_hopper_configs_are_the_papers_setting():
+MUJOCO_LEVELS = [(t, lvl) for t in ("hopper", "walker2d", "halfcheetah")
+                 for lvl in ("medium", "medium_replay", "medium_expert")]
+
+
+def test_shipped_mujoco_configs_are_the_papers_setting():
     """Chen et al. 2021, table 8 (MuJoCo), with GPT-2's dropout placement (none on the FFN hidden layer)."""
-    for name in ("dt/hopper_medium", "dt/hopper_medium_replay", "dt/hopper_medium_expert"):
+    for task, level in MUJOCO_LEVELS:
+        name = f"dt/{task}_{level}"
         cfg = compose(name, [])
+        assert cfg.dataset.path == f"rlt/{task}-v5/{level.replace('_', '-')}-v0", name
         bb, tr, ag = cfg.backbone, cfg.train, cfg.agent
         assert (bb.d_model, bb.n_layers, bb.n_heads, bb.activation) == (128, 3, 1, "relu"), name
         assert (bb.dropout, bb.attn_dropout, bb.ffn_dropout, ag.embed_dropout) == (0.1, 0.1, 0.0, 0.1), name
         assert (ag.context_len, ag.max_ep_len) == (20, 1000), name
         assert (tr.lr, tr.weight_decay, tr.grad_clip, tr.batch_size) == (1e-4, 1e-4, 0.25, 64), name
         assert (tr.schedule, tr.warmup_steps, tr.steps) == ("linear_warmup", 10000, 100000), name
+
+
+def test_shipped_bc_configs_match_their_dt_configs():
+    """Every DT results row has its BC and %BC (best 10% of episodes) baseline on the same dataset."""
+    for task, level in MUJOCO_LEVELS:
+        dt = compose(f"dt/{task}_{level}", [])
+        bc, top = compose(f"bc/{task}_{level}", []), compose(f"bc/{task}_{level}_top10", [])
+        assert (bc.agent.kind, top.agent.kind) == ("bc", "bc")
+        assert bc.dataset.path == top.dataset.path == dt.dataset.path
+        assert (bc.agent.top_fraction, top.agent.top_fraction) == (1.0, 0.1)
+        assert (bc.train.steps, bc.train.lr, bc.train.batch_size) == (dt.train.steps, dt.train.lr, dt.train.batch_size)
