@@ -62,8 +62,10 @@ PEERS = ("d3rlpy", "hf")
 MODES = ("e2e", "model")
 PEER_VENV = Path(".bench-venvs") / "peers"
 PEER_PYTHON_ENV = "RL_TFORMERS_PEER_PYTHON"
-#: pip requirements of the peers' virtual environment (torch is pinned to ours at build time)
-PEER_REQUIREMENTS = ("d3rlpy>=2.8,<2.9", "transformers>=4.40")
+#: pip requirements of the peers' virtual environment (torch is pinned to ours at build time);
+#: MuJoCo (gymnasium 1.0.0, the version d3rlpy 2.8 pins) for the d3rlpy cross-check's Hopper-v5
+#: evaluations (:mod:`rl_tformers.bench.crosscheck`)
+PEER_REQUIREMENTS = ("d3rlpy>=2.8,<2.9", "transformers>=4.40", "gymnasium[mujoco]==1.0.0")
 CONFIG = "dt/hopper_medium"
 #: the optional row with dropout also on the feed-forward hidden layer (the DT's former default)
 FFN_DROPOUT_ROW = "ours-ffn-dropout"
@@ -258,7 +260,7 @@ def build_peer_venv(path: Path = PEER_VENV, echo: Callable[[str], None] = print)
     proc = attempt([*pip, *PEER_REQUIREMENTS])
     if proc.returncode != 0:
         raise RuntimeError(f"pip failed ({proc.returncode}):\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-20:]))
-    check = subprocess.run([str(py), "-c", "import d3rlpy, transformers, torch; print(torch.__version__)"],
+    check = subprocess.run([str(py), "-c", "import d3rlpy, transformers, torch, mujoco; print(torch.__version__)"],
                            capture_output=True, text=True)
     if check.returncode != 0:
         raise RuntimeError(f"the peer environment does not import: {check.stderr[-2000:]}")
@@ -322,27 +324,36 @@ class PeerProcess:
         self.log.close()
 
 
+def d4rl_arrays(d) -> dict[str, np.ndarray]:
+    """The flat steps of an :class:`~rl_tformers.envs.dataset.EpisodeDataset` in D4RL layout, in
+    episode-table order, as the peers read them: ``observations (N, obs)`` and ``actions``
+    float32, ``rewards (N,)`` float32, ``terminals`` / ``timeouts (N,)`` bool. Every episode ends
+    with a flag (a last step with neither becomes a timeout: d3rlpy splits episodes on them)."""
+    idx = d.flat_indices()
+    terminals = d.terminations[idx].copy()
+    timeouts = d.truncations[idx].copy()
+    last = d.cum_lengths[1:] - 1
+    timeouts[last] |= ~terminals[last]
+    return {
+        "observations": np.asarray(d.observations[idx], dtype=np.float32).reshape(len(idx), -1),
+        "actions": np.asarray(d.actions[idx], dtype=np.float32), "rewards": d.rewards[idx].astype(np.float32),
+        "terminals": terminals, "timeouts": timeouts,
+    }
+
+
 def export_peer_data(runner: OursRunner, path: Path, n_batches: int = 8) -> Path:
     """Write what the peers train on to ``path`` (.npz): the flat dataset in D4RL layout and
     ``n_batches`` batches from our sampler, already in model units (see ``_peer_dt``)."""
     from rl_tformers.agents.decision_transformer.agent import to_model_batch
 
     agent = runner.trainer.agent
-    d = agent.dataset
-    idx = d.flat_indices()
-    obs = np.asarray(d.observations[idx], dtype=np.float32).reshape(len(idx), -1)
-    terminals = d.terminations[idx].copy()
-    timeouts = d.truncations[idx].copy()
-    last = d.cum_lengths[1:] - 1  # every episode ends with a flag (d3rlpy splits episodes on them)
-    timeouts[last] |= ~terminals[last]
     batches = [to_model_batch({k: v for k, v in agent.batches(0)[i].items()}, agent.info) for i in range(n_batches)]
     mc = agent.model_cfg
     meta = {"obs_dim": mc.obs_dim, "act_dim": mc.act_dim, "context_len": mc.context_len, "max_ep_len": mc.max_ep_len,
             "d_model": mc.backbone.d_model, "n_layers": mc.backbone.n_layers, "n_heads": mc.backbone.n_heads,
             "batch_size": int(runner.trainer.cfg.train.batch_size), "reward_scale": float(agent.info.reward_scale)}
     np.savez(
-        path, observations=obs, actions=np.asarray(d.actions[idx], dtype=np.float32), rewards=d.rewards[idx].astype(np.float32),
-        terminals=terminals, timeouts=timeouts, meta=json.dumps(meta),
+        path, **d4rl_arrays(agent.dataset), meta=json.dumps(meta),
         b_obs=np.stack([b["obs"].numpy() for b in batches]), b_actions=np.stack([b["actions"].numpy() for b in batches]),
         b_rtg=np.stack([b["rtg"].numpy() for b in batches]), b_timesteps=np.stack([b["timesteps"].numpy() for b in batches]),
         b_mask=np.stack([b["mask"].numpy() for b in batches]),
