@@ -156,6 +156,38 @@ def eval_cmd(
         typer.echo(cost)
 
 
+def _read_eval_json(path: Path) -> list:
+    """The per-target results of an ``rl-tformers eval --out`` file.
+
+    Raises:
+        typer.Exit: (code 2, after an ``error: --from-json FILE: ...`` line) the file cannot be
+            read, is not JSON, or is not an object with a ``results`` list of per-target
+            results (``target_return`` and ``returns`` each).
+    """
+    from rl_tformers.agents.common.evaluation import TargetResult
+
+    expected = "expected the JSON object written by `rl-tformers eval RUN_DIR --out FILE`"
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise _fail(f"--from-json {path}: cannot read it ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _fail(f"--from-json {path}: not valid JSON ({exc}); {expected}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("results"), list):
+        got = type(data).__name__ if not isinstance(data, dict) else "an object without a 'results' list"
+        raise _fail(f"--from-json {path}: got {got}; {expected} (with a 'results' list)")
+    out = []
+    for i, d in enumerate(data["results"]):
+        try:
+            out.append(TargetResult.from_dict(d))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _fail(f"--from-json {path}: results[{i}] is not a per-target result (needs target_return "
+                        f"and returns; {type(exc).__name__}: {exc}); {expected}") from None
+    if not out:
+        raise _fail(f"--from-json {path}: 'results' is empty; {expected}")
+    return out
+
+
 def plot_cmd(
     run_dir: Path = typer.Argument(..., help="Run directory written by rl-tformers train."),
     out: Path = typer.Option(..., "--out", help="PNG file to write."),
@@ -171,7 +203,7 @@ def plot_cmd(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="A specific checkpoint file (default: newest valid)."),
     threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's choice)."),
 ) -> None:
-    from rl_tformers.agents.common.evaluation import TargetResult, evaluate, parse_targets
+    from rl_tformers.agents.common.evaluation import evaluate, parse_targets
     from rl_tformers.agents.common.plots import (
         default_sweep,
         log_figure,
@@ -180,12 +212,12 @@ def plot_cmd(
         summary_lines,
     )
 
+    saved = _read_eval_json(from_json) if from_json is not None else None  # before the run is loaded
     _threads(threads)
     run = _load(run_dir, device, checkpoint)
     dmax, dmean = run.dataset_return_max, run.dataset_return_mean
-    if from_json is not None:
-        data = json.loads(from_json.read_text())
-        results = [TargetResult.from_dict(d) for d in data["results"]]
+    if saved is not None:
+        results = saved
     else:
         if run.agent.default_targets() == [None]:
             raise _fail(f"agent {run.kind!r} is not return-conditioned: there is nothing to sweep")

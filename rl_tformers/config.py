@@ -19,6 +19,7 @@ dicts (and so through YAML/OmegaConf). Unknown fields raise with the dotted path
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,10 +180,15 @@ class BackboneConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise RegistryError(f"{where}.{unknown[0]}: unknown backbone field; fields: {', '.join(sorted(names))}")
+            close = difflib.get_close_matches(str(unknown[0]), sorted(names), n=1)
+            hint = f"; did you mean {where}.{close[0]}?" if close else ""
+            raise RegistryError(f"{where}.{unknown[0]}: unknown backbone field{hint} "
+                                f"(fields: {', '.join(sorted(names))})")
+        defaults = {f.name: f.default_factory() for f in dataclasses.fields(cls) if f.name in SLOTS}  # type: ignore[misc]
         for slot in SLOTS:
             if slot in data:
-                data[slot] = REGISTRIES[slot].from_dict(data[slot], where=f"{where}.{slot}")
+                data[slot] = REGISTRIES[slot].from_dict(data[slot], where=f"{where}.{slot}",
+                                                        default_kind=defaults[slot].kind)
         return cls(**data)
 
     def replace(self, **changes: Any) -> BackboneConfig:

@@ -14,6 +14,7 @@ error that names both sides).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -152,16 +153,20 @@ class Registry(Generic[T]):
     def kinds(self) -> list[str]:
         return sorted(self._entries)
 
-    def from_dict(self, data: Mapping[str, Any] | T, where: str | None = None) -> T:
+    def from_dict(self, data: Mapping[str, Any] | T, where: str | None = None,
+                  default_kind: str | None = None) -> T:
         """Build the config of one slot from ``{"kind": ..., **fields}``.
 
         Args:
             data: a mapping with a ``kind`` key, or an already-built config (returned as is).
             where: dotted path used in error messages (default: the slot name).
+            default_kind: the kind of a mapping without ``kind`` (e.g. the backbone's default
+                ``sdpa`` for ``backbone.attention.dropout=...``); None: ``kind`` is required.
 
         Raises:
-            RegistryError: no ``kind``, unknown kind, or a field the kind does not have
-                (the message names the dotted path and the valid fields).
+            RegistryError: no ``kind`` (and no ``default_kind``), unknown kind, or a field the
+                kind does not have (the message names the dotted path, suggests a close field
+                name, ``kind`` included, and lists the valid fields).
         """
         where = where or self.slot
         if dataclasses.is_dataclass(data) and not isinstance(data, type):
@@ -170,17 +175,26 @@ class Registry(Generic[T]):
             return data  # type: ignore[return-value]
         if not isinstance(data, Mapping):
             raise RegistryError(f"{where}: expected a mapping with a 'kind' key, got {type(data).__name__}")
-        if "kind" not in data:
-            raise RegistryError(f"{where}: missing 'kind'; registered kinds: {', '.join(self.kinds())}")
-        entry = self.get(str(data["kind"]))
+        implied = "kind" not in data
+        if implied and default_kind is None:
+            near = [k for k in data if difflib.get_close_matches(str(k), ["kind"], n=1, cutoff=0.75)]
+            hint = f" ({where}.{near[0]} is not a field; did you mean {where}.kind?)" if near else ""
+            raise RegistryError(f"{where}: missing 'kind'{hint}; registered kinds: {', '.join(self.kinds())}")
+        entry = self.get(str(default_kind if implied else data["kind"]))
         cls = entry.config_cls
         names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         kwargs = {k: v for k, v in data.items() if k != "kind"}
         unknown = sorted(set(kwargs) - names)
         if unknown:
+            close = (difflib.get_close_matches(str(unknown[0]), sorted(names), n=1)
+                     or difflib.get_close_matches(str(unknown[0]), ["kind"], n=1, cutoff=0.75))
+            hint = f"; did you mean {where}.{close[0]}?" if close else ""
+            if implied and not close:
+                hint = f"; set {where}.kind to a kind that has it (rl-tformers backbones lists them)"
+            kind = f"{entry.kind!r} (the default: {where}.kind is not set)" if implied else repr(entry.kind)
             raise RegistryError(
-                f"{where}.{unknown[0]}: {self.slot} kind {entry.kind!r} has no field {unknown[0]!r}; "
-                f"fields: {', '.join(sorted(names)) or '(none)'}"
+                f"{where}.{unknown[0]}: unknown key: {self.slot} kind {kind} has no field {unknown[0]!r}{hint} "
+                f"(fields: {', '.join(sorted(names)) or '(none)'})"
             )
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
             if f.name in kwargs and isinstance(kwargs[f.name], list):

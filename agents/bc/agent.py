@@ -96,10 +96,12 @@ class BCAgent:
         self.seed = int(cfg.seed)
         self.device = torch.device(device)
         self.dataset = dataset
+        frac = float(a.top_fraction)
+        if not 0.0 < frac <= 1.0:  # before the dataset is loaded
+            raise ValueError(f"agent.top_fraction must be in (0, 1] (0.1 = %BC, 1 = BC), got {a.top_fraction}")
         if info is None:
             if self.dataset is None:
                 self.dataset = load_offline_dataset(plain(cfg.dataset))
-            frac = float(a.top_fraction)
             if frac != 1.0:
                 self.dataset = top_fraction(self.dataset, frac)
             info = DatasetInfo.from_dataset(

@@ -276,13 +276,17 @@ def _run_target(
 
 
 def parse_targets(text: str | None) -> list[float] | None:
-    """``"3600,1800"`` -> ``[3600.0, 1800.0]``; ``None`` or ``""`` -> ``None``.
+    """``"3600,1800"`` -> ``[3600.0, 1800.0]``; ``None`` (option not given) -> ``None``.
 
     Raises:
-        ValueError: a value that is not a finite number (``nan``, ``inf``: the message quotes it).
+        ValueError: an empty or blank text (``--targets ""``), or a value that is not a finite
+            number (``nan``, ``inf``, an empty item as in ``100,``: the message quotes it).
     """
-    if text is None or not text.strip():
+    if text is None:
         return None
+    if not text.strip():
+        raise ValueError(f"--targets: {text!r} is empty; give target returns like 3600,1800 "
+                         f"(or leave the option out for the default targets)")
     out = []
     for part in text.split(","):
         part = part.strip()

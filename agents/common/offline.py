@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -40,11 +41,15 @@ def plain(x: Any) -> Any:
 def load_offline_dataset(spec: Mapping[str, Any] | None) -> EpisodeDataset:
     """The run's dataset from its ``dataset:`` section (see the module docstring).
 
+    ``dataset.env_id`` (HDF5 files only) names the task whose action space bounds the actions,
+    instead of the file's ``env_id`` attribute or the task recognised from its file name.
+
     Raises:
-        ValueError: no ``dataset.path``.
+        ValueError: no ``dataset.path``; ``dataset.env_id`` with a Minari dataset (which carries
+            its own environment spec).
         DatasetError / FileNotFoundError: from the data layer's loaders.
     """
-    from rl_tformers.envs.loaders import load_dataset
+    from rl_tformers.envs.loaders import HDF5_SUFFIXES, load_dataset
 
     spec = dict(spec or {})
     if not spec.get("path"):
@@ -52,9 +57,17 @@ def load_offline_dataset(spec: Mapping[str, Any] | None) -> EpisodeDataset:
             "dataset.path is required: a Minari id (e.g. rlt/hopper-v5/medium-v0, built by "
             "`rl-tformers collect --recipe hopper-medium`), a Minari dataset folder or a D4RL .hdf5 file"
         )
+    env_id = spec.get("env_id")
+    path = Path(str(spec["path"])).expanduser()
+    if env_id and not (path.suffix.lower() in HDF5_SUFFIXES or path.is_file()):
+        raise ValueError(
+            f"dataset.env_id={env_id!r} applies to HDF5 files only; {spec['path']} is a Minari dataset, "
+            f"which carries its own environment (set agent.env_id to evaluate in another one)"
+        )
     return load_dataset(
         str(spec["path"]), download=bool(spec.get("download", False)), lazy=bool(spec.get("lazy", False)),
         root=spec.get("root"), flatten_observations=bool(spec.get("flatten_observations", False)),
+        env_id=str(env_id) if env_id else None,
     )
 
 
@@ -124,7 +137,16 @@ class DatasetInfo:
             low = np.asarray(ds.action_space.low, np.float32).reshape(-1)
             high = np.asarray(ds.action_space.high, np.float32).reshape(-1)
             if not (np.isfinite(low).all() and np.isfinite(high).all()):
-                raise ValueError(f"continuous actions need a bounded Box action space, got {ds.action_space}")
+                hint = ""
+                if ds.metadata.source == "d4rl-hdf5":
+                    hint = (
+                        f"; {ds.metadata.location}: the action bounds come from the task the data came from "
+                        f"(env_id {ds.metadata.env_id!r}), taken from dataset.env_id, else the file's env_id "
+                        f"attribute, else guessed from the file name (e.g. hopper-medium-v2.hdf5 -> Hopper-v5); "
+                        f"set dataset.env_id=<gymnasium id> (e.g. dataset.env_id=Hopper-v5) or write an "
+                        f"env_id attribute into the file"
+                    )
+                raise ValueError(f"continuous actions need a bounded Box action space, got {ds.action_space}{hint}")
             act_dim = low.size
         obs_dim = int(np.prod(ds.observation_shape))
         if normalize_obs:

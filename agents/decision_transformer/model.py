@@ -85,7 +85,8 @@ class DTConfig:
 
     Raises:
         ValueError: unknown mode/head, a gaussian head on discrete actions; ``causal`` mode with a
-            non-causal backbone (future action tokens would leak into the prediction).
+            non-causal backbone (future action tokens would leak into the prediction); a
+            ``backbone.memory.kind`` other than ``none`` (the DT carries no memory state).
     """
 
     obs_dim: int
@@ -107,6 +108,15 @@ class DTConfig:
     def __post_init__(self) -> None:
         if isinstance(self.backbone, Mapping):
             object.__setattr__(self, "backbone", BackboneConfig.from_dict(self.backbone))
+        memory = getattr(self.backbone.memory, "kind", "none")
+        if memory != "none":
+            raise ValueError(
+                f"backbone.memory.kind={memory!r}: the Decision Transformer re-encodes its K-step window at "
+                f"every step and passes no memory state between windows, so this memory would do nothing; "
+                f"use backbone.memory.kind=none (its default), or GTrXL (agent.kind=gtrxl) for a recurrent "
+                f"memory (docs/gtrxl.md). Retrieval for the DT is the kNN-LM action memory at evaluation "
+                f"(agent.knn.*, rl-tformers eval --knn-lambda; docs/memory_adaptive.md)"
+            )
         if self.mode not in MODES:
             raise ValueError(f"agent.mode={self.mode!r}; use one of {', '.join(MODES)}")
         if self.discrete and self.head == "gaussian":

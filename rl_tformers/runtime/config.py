@@ -132,8 +132,8 @@ class EvalConfig:
     Attributes:
         every: call the agent's ``evaluate`` every this many updates (0: never during training).
         at_end: also evaluate after the last update.
-        episodes: evaluation episodes per call.
-        n_envs: parallel environments (gymnasium vector env) for evaluation.
+        episodes: evaluation episodes per call (>= 1).
+        n_envs: parallel environments (gymnasium vector env) for evaluation (>= 1).
     """
 
     every: int = 0
@@ -174,6 +174,9 @@ class DatasetConfig:
         lazy: HDF5 files only: read observation/action windows from disk.
         flatten_observations: flatten Dict/Tuple observation spaces of Minari datasets
             (``gymnasium.spaces.flatten_space``); without it they are refused.
+        env_id: HDF5 files only: the gymnasium task the data came from (e.g. ``Hopper-v5``),
+            whose action space bounds continuous actions. Null: the file's ``env_id``
+            attribute, else a task recognised from the file name (``hopper-medium-v2.hdf5``).
         scripted: generate the data instead (:class:`ScriptedDatasetConfig`; GTrXL agents).
     """
 
@@ -182,6 +185,7 @@ class DatasetConfig:
     download: bool = False
     lazy: bool = False
     flatten_observations: bool = False
+    env_id: str | None = None
     scripted: ScriptedDatasetConfig | None = None
 
 
@@ -424,7 +428,8 @@ def compose(
     Raises:
         ConfigError: unknown key or wrong type (naming the dotted path), missing
             ``agent.kind``, unknown agent kind (listing the registered ones), invalid backbone
-            (naming the backbone field), unresolvable interpolation, file not found.
+            (naming the backbone field), unresolvable interpolation, file not found, a value
+            out of range (e.g. ``train.steps``, ``eval.episodes`` or ``eval.n_envs`` < 1; named).
     """
     from rl_tformers.runtime.agents import get_agent
 
@@ -473,7 +478,7 @@ def _validate_values(cfg: DictConfig) -> None:
 
     t = cfg.train
     positive = {"train.steps": t.steps, "train.batch_size": t.batch_size, "train.log_every": t.log_every,
-                "train.keep_last": t.keep_last}
+                "train.keep_last": t.keep_last, "eval.episodes": cfg.eval.episodes, "eval.n_envs": cfg.eval.n_envs}
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")

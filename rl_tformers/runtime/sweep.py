@@ -8,7 +8,25 @@ Each grid point x seed is one ordinary ``rl-tformers train`` process with its ow
 ``OUT/<point>/seed<k>`` (checkpoints, TensorBoard, metrics.jsonl, as for any run), so every run
 can be inspected, evaluated or resumed on its own. Running the same command again skips the runs
 that are complete and resumes those that stopped (crash, Ctrl-C, time limit): a sweep is
-restartable at no extra cost. The results are read back from each run's ``metrics.jsonl``:
+restartable at no extra cost. Rerun rules (checked for every run before any starts):
+
+- every grid point's config is composed first, so a typo in a key or value fails the sweep
+  before anything trains;
+- a run directory that already holds a run must hold *this* run: its stored config (newest
+  checkpoint, else ``config.yaml``) must equal the requested one, except ``run_dir``,
+  ``device`` and ``train.progress``; otherwise the sweep is refused, naming the run and the
+  differing keys (e.g. ``train.steps: 300 -> 320``: use another ``--out``);
+- complete means trained to ``train.steps`` *and*, with ``eval.at_end=true``, a final
+  evaluation logged at that step; a run whose final evaluation failed is reported
+  ``incomplete`` (evaluate it with ``rl-tformers eval``, or delete it to train it again);
+- a run directory that another process is training (its lock, :mod:`.runlock`) is refused;
+- two grid values that map to the same run directory (``[0.9,0.95]`` and ``[0.9, 0.95]``) are
+  refused.
+
+SIGINT, SIGTERM and SIGHUP stop the sweep: each running ``train`` (in its own session) gets the
+signal once (SIGHUP as SIGTERM), saves a checkpoint and stops; no new run starts; the results are
+written and the sweep exits with 128 + the signal number. The results are read back from each
+run's ``metrics.jsonl``:
 
 - ``OUT/results.csv`` / ``results.json`` / ``results.md``: one row per run (grid values, seed,
   status, steps, wall time, last logged training and evaluation scalars) and a summary per grid
@@ -32,9 +50,11 @@ import json
 import math
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -77,7 +97,8 @@ class SweepRun:
 @dataclass
 class RunOutcome:
     """What happened to one run: ``status`` is ``ok``, ``skipped`` (already complete),
-    ``failed`` (exit code != 0; see ``log``) or ``not run``."""
+    ``failed`` (exit code != 0; see ``log``), ``stopped`` (by a signal to the sweep; resumable),
+    ``incomplete`` (trained, but its final evaluation is missing; see ``log``) or ``not run``."""
 
     status: str
     returncode: int | None = None
@@ -93,6 +114,7 @@ class SweepResult:
     summary: list[dict[str, Any]] = field(default_factory=list)
     metric: str | None = None
     files: list[str] = field(default_factory=list)
+    interrupted: int | None = None  #: the signal that stopped the sweep, if any
 
 
 # -- grid ------------------------------------------------------------------------------------------
@@ -119,7 +141,8 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
     """``["backbone.attention.kind=sdpa,performer", "train.lr=1e-4,3e-4"]`` -> ``{key: [values]}``.
 
     Raises:
-        SweepError: an item without ``=`` or values, a key given twice, or ``seed`` (use --seeds).
+        SweepError: an item without ``=`` or values, a key given twice, a value given twice for
+            one key, or ``seed`` (use --seeds).
     """
     grid: dict[str, list[str]] = {}
     for item in items:
@@ -131,7 +154,11 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
             raise SweepError("sweep seeds with --seeds 0,1,2, not --grid seed=...")
         if key in grid:
             raise SweepError(f"--grid: {key} is given twice")
-        grid[key] = split_values(values)
+        vals = split_values(values)
+        dup = next((v for i, v in enumerate(vals) if v in vals[:i]), None)
+        if dup is not None:
+            raise SweepError(f"--grid {key}: value {dup!r} is given twice")
+        grid[key] = vals
     return grid
 
 
@@ -162,14 +189,28 @@ def _slug(text: str) -> str:
 
 def expand(grid: dict[str, list[str]], seeds: Sequence[int], out_dir: str | os.PathLike,
            overrides: Sequence[str] = ()) -> list[SweepRun]:
-    """Every grid point (cartesian product, in the order given) x every seed, as :class:`SweepRun`."""
+    """Every grid point (cartesian product, in the order given) x every seed, as :class:`SweepRun`.
+
+    Raises:
+        SweepError: two grid points map to the same run directory (the same value twice, or
+            values that differ only in characters the folder name drops, e.g. ``[0.9,0.95]``
+            and ``[0.9, 0.95]``): they would train into one directory at the same time.
+    """
     out = Path(out_dir)
     keys = list(grid)
     runs = []
+    folders: dict[str, dict[str, str]] = {}
     for values in itertools.product(*(grid[k] for k in keys)):
         point = dict(zip(keys, values))
         label = "__".join(f"{k.split('.')[-1] if _unique_suffix(keys, k) else k}={v}" for k, v in point.items())
         folder = _slug(label) if point else "base"
+        if folder in folders:
+            a = ", ".join(f"{k}={v}" for k, v in folders[folder].items())
+            b = ", ".join(f"{k}={v}" for k, v in point.items())
+            raise SweepError(f"--grid: the points ({a}) and ({b}) map to the same run directory {folder!r} "
+                             f"(a duplicate value, or values differing only in punctuation or spaces); "
+                             f"give each value once")
+        folders[folder] = point
         for seed in seeds:
             name = f"{folder}/seed{seed}"
             ov = (*overrides, *(f"{k}={v}" for k, v in point.items()), f"seed={seed}")
@@ -184,8 +225,63 @@ def _unique_suffix(keys: Sequence[str], key: str) -> bool:
 
 # -- running ---------------------------------------------------------------------------------------
 
+#: Config keys that may differ between a stored run and the rerun of its sweep.
+RERUN_IGNORED_KEYS = ("run_dir", "device", "train.progress")
+
+
+def _final_eval_logged(run_dir: Path, step: int) -> bool:
+    """True if ``metrics.jsonl`` has an ``eval/...`` scalar logged at ``step``."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return False
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("step") == step and any(str(k).startswith("eval/") for k in rec):
+            return True
+    return False
+
+
+def stored_config(run_dir: Path) -> dict[str, Any] | None:
+    """The config a run in ``run_dir`` was trained with: its newest checkpoint's (what ``--resume``
+    continues), else its ``config.yaml``; None if it has neither (or they cannot be read)."""
+    from omegaconf import OmegaConf
+
+    from rl_tformers.runtime import checkpoint as ckpt
+
+    for _, path in ckpt.list_checkpoints(run_dir)[:1]:
+        try:
+            return OmegaConf.to_container(OmegaConf.create(ckpt.load_checkpoint(path)["config"]))  # type: ignore[return-value]
+        except Exception:  # noqa: BLE001 - a damaged newest checkpoint: fall back to config.yaml
+            break
+    try:
+        return OmegaConf.to_container(OmegaConf.load(Path(run_dir) / "config.yaml"))  # type: ignore[return-value]
+    except (OSError, ValueError):
+        return None
+
+
+def config_differences(stored: dict[str, Any], requested: dict[str, Any]) -> list[str]:
+    """``["train.steps: 300 (stored) -> 320 (requested)", ...]`` over every key but
+    :data:`RERUN_IGNORED_KEYS`."""
+    from rl_tformers.runtime.config import flatten
+
+    a, b = flatten(stored), flatten(requested)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key in RERUN_IGNORED_KEYS or a.get(key, "<unset>") == b.get(key, "<unset>"):
+            continue
+        out.append(f"{key}: {a.get(key, '<unset>')} (stored) -> {b.get(key, '<unset>')} (requested)")
+    return out
+
+
 def run_state(run_dir: Path) -> str:
-    """``new`` (nothing there), ``complete`` or ``partial`` (has a checkpoint, not finished)."""
+    """``new`` (nothing there), ``complete`` (trained to ``train.steps`` and, with
+    ``eval.at_end``, evaluated at that step), ``unevaluated`` (trained to the end, final
+    evaluation missing: it failed) or ``partial`` (has a checkpoint, not finished)."""
+    from omegaconf import OmegaConf
+
     from rl_tformers.runtime import checkpoint as ckpt
     from rl_tformers.runtime.trainer import holds_run
 
@@ -196,19 +292,42 @@ def run_state(run_dir: Path) -> str:
         return "partial"
     try:
         state = ckpt.load_checkpoint(found[0][1])
-        import yaml
-
-        steps = int(yaml.safe_load(state["config"])["train"]["steps"])
-        return "complete" if int(state["step"]) >= steps else "partial"
+        cfg = OmegaConf.create(state["config"])
+        steps, step = int(cfg.train.steps), int(state["step"])
+        at_end = bool(OmegaConf.select(cfg, "eval.at_end", default=True))
     except Exception:  # noqa: BLE001 - a damaged newest checkpoint: let --resume sort it out
         return "partial"
+    if step < steps:
+        return "partial"
+    return "unevaluated" if at_end and not _final_eval_logged(run_dir, step) else "complete"
+
+
+def requested_config(run: SweepRun, config: str | None, device: str | None = None) -> dict[str, Any]:
+    """The resolved config ``train_command(run, config, "new", device)`` would train (plain dict).
+
+    Raises:
+        SweepError: the config does not compose (unknown key, bad value...); the message names
+            the run and its grid point.
+    """
+    from rl_tformers.runtime.config import ConfigError, compose, to_container
+
+    extra = [f"device={device}"] if device else []
+    try:
+        cfg = compose(config, [*run.overrides, *extra, "train.progress=false"])
+    except ConfigError as exc:
+        raise SweepError(f"run {run.name} ({run.point_label}, seed {run.seed}): {exc}") from None
+    out = to_container(cfg)
+    out["run_dir"] = str(run.run_dir)
+    return out
 
 
 def train_command(run: SweepRun, config: str | None, state: str, device: str | None = None) -> list[str]:
-    """The ``rl-tformers train`` command line of ``run`` (``--resume`` when it has a checkpoint)."""
+    """The ``rl-tformers train`` command line of ``run`` (``--resume`` when it has a checkpoint;
+    the sweep resumes only runs whose stored config is the requested one, see :func:`sweep`)."""
     base = [sys.executable, "-m", "rl_tformers.cli", "train"]
     if state == "partial":
-        return [*base, "--resume", str(run.run_dir), "train.progress=false"]
+        return [*base, "--resume", str(run.run_dir), *([f"device={device}"] if device else []),
+                "train.progress=false"]
     cmd = [*base, "--run-dir", str(run.run_dir)]
     if config:
         cmd += ["--config", config]
@@ -217,14 +336,53 @@ def train_command(run: SweepRun, config: str | None, state: str, device: str | N
     return [*cmd, *run.overrides, "train.progress=false"]
 
 
-def _run_subprocess(cmd: list[str], env_updates: dict[str, str], log_path: str) -> tuple[int, float, str]:
-    """Run ``cmd`` with its output in ``log_path``; returns (exit code, seconds, last lines of the log)."""
+class _Children:
+    """The training processes this sweep process runs now, and the stop request of a signal.
+
+    A signal handler (main thread) sets :attr:`stopped` and signals every live child under
+    :attr:`lock`; a worker thread starts a child only under the same lock and only if no stop
+    was requested, so no child starts after the signal and none is missed.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.procs: set[subprocess.Popen] = set()
+        self.stopped: int | None = None
+
+    def stop(self, signum: int) -> None:
+        with self.lock:
+            self.stopped = signum
+            for proc in self.procs:  # the trainer saves on SIGINT/SIGTERM (SIGHUP would kill it)
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+
+
+_CHILDREN = _Children()
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _run_subprocess(cmd: list[str], env_updates: dict[str, str], log_path: str) -> tuple[int | None, float, str]:
+    """Run ``cmd`` with its output in ``log_path``; returns (exit code, seconds, last lines of the log).
+
+    The child runs in its own session (a terminal's Ctrl-C reaches the sweep only, which
+    forwards it once: see :func:`run_local`). Exit code None: not started, the sweep was stopped.
+    """
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log_path, "w") as fh:
         fh.write("$ " + " ".join(cmd) + "\n")
         fh.flush()
-        rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **env_updates})
+        with _CHILDREN.lock:
+            if _CHILDREN.stopped is not None:
+                return None, 0.0, ""
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **env_updates},
+                                    start_new_session=True)
+            _CHILDREN.procs.add(proc)
+        try:
+            rc = proc.wait()
+        finally:
+            with _CHILDREN.lock:
+                _CHILDREN.procs.discard(proc)
     seconds = time.perf_counter() - t0
     tail = "".join(Path(log_path).read_text(errors="replace").splitlines(keepends=True)[-15:])
     return rc, seconds, tail
@@ -236,21 +394,65 @@ def thread_env(threads: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "PYTHONUNBUFFERED": "1"}
 
 
+def _last_error_line(tail: str) -> str:
+    """The last line of a run's log that names an error (else its last non-empty line)."""
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:") or re.match(r"^[A-Za-z_.]*(Error|Exception)\b", ln)]
+    return (errors or lines or [""])[-1]
+
+
+def _outcome(rc: int | None, seconds: float, tail: str, stopped: int | None) -> RunOutcome:
+    if rc is None:
+        return RunOutcome("not run")
+    if rc == 0:
+        return RunOutcome("ok", rc, seconds, tail)
+    if stopped is not None and rc in (128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM):
+        return RunOutcome("stopped", rc, seconds, tail)
+    return RunOutcome("failed", rc, seconds, tail)
+
+
+def _echo_outcome(echo: Callable[[str], None], name: str, o: RunOutcome) -> None:
+    line = f"{o.status:7s} {name} ({o.seconds:.0f} s)"
+    if o.status in ("failed", "incomplete") and o.log:
+        line += f": {_last_error_line(o.log)}"
+    echo(line)
+
+
 def run_local(commands: Sequence[tuple[SweepRun, list[str]]], jobs: int, threads: int, log_dir: Path,
               echo: Callable[[str], None] = print) -> dict[str, RunOutcome]:
-    """Run the commands ``jobs`` at a time in local subprocesses (a thread pool waits on them)."""
+    """Run the commands ``jobs`` at a time in local subprocesses (a thread pool waits on them).
+
+    While it runs (when called from the main thread), SIGINT, SIGTERM and SIGHUP are forwarded
+    once to every running child (SIGHUP as SIGTERM: each saves a checkpoint and stops), no
+    further run starts, and this returns after the children exit; runs stopped so have status
+    ``stopped``, runs never started ``not run``. :func:`stop_signal` tells which signal it was.
+    """
     outcomes: dict[str, RunOutcome] = {}
+    _CHILDREN.stopped = None
 
     def one(item: tuple[SweepRun, list[str]]) -> tuple[str, RunOutcome]:
         run, cmd = item
         rc, seconds, tail = _run_subprocess(cmd, thread_env(threads), str(log_dir / f"{_slug(run.name)}.log"))
-        return run.name, RunOutcome("ok" if rc == 0 else "failed", rc, seconds, tail)
+        return run.name, _outcome(rc, seconds, tail, _CHILDREN.stopped)
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for name, outcome in pool.map(one, commands):
-            outcomes[name] = outcome
-            echo(f"{outcome.status:7s} {name} ({outcome.seconds:.0f} s)")
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in STOP_SIGNALS:
+            previous[s] = signal.signal(s, lambda signum, frame: _CHILDREN.stop(signum))
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            for name, outcome in pool.map(one, commands):
+                outcomes[name] = outcome
+                _echo_outcome(echo, name, outcome)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
     return outcomes
+
+
+def stop_signal() -> int | None:
+    """The signal that stopped the last :func:`run_local`, or None."""
+    return _CHILDREN.stopped
 
 
 def import_ray() -> Any:
@@ -279,8 +481,8 @@ def run_ray(commands: Sequence[tuple[SweepRun, list[str]]], threads: int, gpus_p
     outcomes: dict[str, RunOutcome] = {}
     for name, ref in refs.items():
         rc, seconds, tail = ray.get(ref)
-        outcomes[name] = RunOutcome("ok" if rc == 0 else "failed", rc, seconds, tail)
-        echo(f"{outcomes[name].status:7s} {name} ({seconds:.0f} s)")
+        outcomes[name] = _outcome(rc, seconds, tail, None)
+        _echo_outcome(echo, name, outcomes[name])
     return outcomes
 
 
@@ -354,7 +556,7 @@ def markdown(rows: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]], 
              "| grid point | mean | std | seeds |", "|---|---|---|---|"]
     lines += [f"| {s['point']} | {_fmt(s['mean'])} | {_fmt(s['std'])} | {s['n']}/{s['of']} |" for s in summary]
     cols = ["run", "seed", "status", "step", "seconds"]
-    extra = [c for c in ("train/loss", metric) if c and c not in cols]
+    extra = [c for c in dict.fromkeys(("train/loss", metric)) if c and c not in cols]
     lines += ["", "## Runs", "", "| " + " | ".join(cols + extra) + " |", "|" + "---|" * len(cols + extra)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols + extra) + " |" for r in rows]
     return "\n".join(lines) + "\n"
@@ -381,11 +583,28 @@ def plot(summary: Sequence[dict[str, Any]], metric: str, path: Path, title: str 
     plt.close(fig)
 
 
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
 def write_results(out_dir: Path, runs: Sequence[SweepRun], outcomes: dict[str, RunOutcome],
-                  metric: str | None = None) -> SweepResult:
-    """Collect every run and write ``results.{csv,json,md,png}`` into ``out_dir``."""
+                  metric: str | None = None, warn: Callable[[str], None] = _stderr) -> SweepResult:
+    """Collect every run and write ``results.{csv,json,md,png}`` into ``out_dir``.
+
+    ``warn`` (default: stderr) gets a line when ``metric`` was given but no run logged it, and
+    when no run logged an evaluation metric so the summary falls back to ``train/loss``. A
+    ``results.png`` of an earlier call is removed when there is nothing to plot.
+    """
     rows = collect(runs, outcomes)
+    requested = metric
     metric = pick_metric(rows, metric)
+    logged = sorted({k for r in rows for k in r if "/" in k})
+    if requested and not any(requested in r for r in rows):
+        warn(f"warning: --metric {requested}: no run logged it (logged: {', '.join(logged) or 'nothing'}); "
+             f"no summary values and no plot")
+    elif not requested and metric == "train/loss":
+        warn("warning: no run logged an evaluation metric (eval.at_end=false, eval.every=0, or the evaluations "
+             "failed); the summary and plot use train/loss")
     summary = summarize(runs, rows, metric)
     res = SweepResult(rows=rows, summary=summary, metric=metric)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -401,9 +620,12 @@ def write_results(out_dir: Path, runs: Sequence[SweepRun], outcomes: dict[str, R
         {"metric": metric, "summary": summary, "runs": rows, "failed": failed}, indent=2))
     (out_dir / "results.md").write_text(markdown(rows, summary, metric))
     res.files = [str(out_dir / f"results.{ext}") for ext in ("csv", "json", "md")]
+    png = out_dir / "results.png"
     if metric and any(s["mean"] is not None for s in summary):
-        plot(summary, metric, out_dir / "results.png")
-        res.files.append(str(out_dir / "results.png"))
+        plot(summary, metric, png)
+        res.files.append(str(png))
+    else:
+        png.unlink(missing_ok=True)  # a plot of an earlier metric would look like this one's
     return res
 
 
@@ -427,37 +649,74 @@ def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], 
         metric: the summary/plot metric (default: first of :data:`DEFAULT_METRICS` logged).
 
     Raises:
-        SweepError: unknown launcher, or Ray missing with ``launcher="ray"`` (before any run starts).
+        SweepError: (before any run starts) unknown launcher, Ray missing with
+            ``launcher="ray"``, duplicate run directories (:func:`expand`), a grid point whose
+            config does not compose, a run directory holding a run with another config (the
+            message names each such run and the differing keys), or one being trained by
+            another process.
     """
+    from rl_tformers.runtime.runlock import lock_holder
+
     if launcher not in LAUNCHERS:
         raise SweepError(f"--launcher {launcher!r}; use one of {', '.join(LAUNCHERS)}")
     if launcher == "ray":
         import_ray()
     out = Path(out_dir)
     runs = expand(grid, seeds, out, overrides)
+    requested = {run.name: requested_config(run, config, device) for run in runs}  # fails fast on a typo
     outcomes: dict[str, RunOutcome] = {}
-    todo = []
+    todo, problems = [], []
     for run in runs:
         state = run_state(run.run_dir)
+        pid = lock_holder(run.run_dir)
+        if pid is not None:
+            problems.append(f"{run.run_dir} is being trained by {f'pid {pid}' if pid else 'another process'}")
+            continue
+        if state != "new":
+            stored = stored_config(run.run_dir)
+            diffs = (config_differences(stored, requested[run.name]) if stored is not None
+                     else ["(no readable config.yaml or checkpoint)"])
+            if diffs:
+                problems.append(f"{run.run_dir} holds a {state} run with another config:\n    " + "\n    ".join(diffs))
+                continue
         if state == "complete":
             outcomes[run.name] = RunOutcome("skipped", 0)
             echo(f"skipped {run.name} (complete)")
+        elif state == "unevaluated":
+            outcomes[run.name] = RunOutcome(
+                "incomplete", None, 0.0,
+                f"error: {run.run_dir} trained to the end but has no final evaluation (it failed: see "
+                f"{out / 'logs' / (_slug(run.name) + '.log')}); evaluate it with `rl-tformers eval {run.run_dir}`, "
+                f"or delete the directory to train it again")
+            _echo_outcome(echo, run.name, outcomes[run.name])
         else:
             todo.append((run, train_command(run, config, state, device)))
+    if problems:
+        raise SweepError(
+            "cannot rerun the sweep in " + str(out) + ": its run directories must hold the requested runs\n  "
+            + "\n  ".join(problems) + "\nuse another --out, rerun with the values those runs were started with, "
+            "or delete those run directories")
     echo(f"sweep: {len(runs)} runs ({len(todo)} to run) over {len(runs) // max(1, len(seeds))} grid points x "
          f"{len(seeds)} seeds -> {out}")
     log_dir = out / "logs"
+    stopped = None
     if todo:
         if launcher == "local":
             outcomes.update(run_local(todo, jobs, threads, log_dir, echo))
+            stopped = stop_signal()
         else:
             outcomes.update(run_ray(todo, threads, gpus_per_run, log_dir, echo))
-    return write_results(out, runs, outcomes, metric)
+    if stopped is not None:
+        echo(f"sweep stopped by {signal.Signals(stopped).name}: the stopped runs saved a checkpoint; "
+             f"run the same command again to continue")
+    res = write_results(out, runs, outcomes, metric, warn=echo)
+    res.interrupted = stopped
+    return res
 
 
 SWEEP_HELP = """Run a grid of training runs (config values x seeds) in parallel and collect one results table and plot.
 
-Every grid point x seed is an ordinary `rl-tformers train` run in OUT/<point>/seed<k>. Running the same command again skips complete runs and resumes unfinished ones. Results: OUT/results.csv, results.json, results.md (per run and mean/std over seeds per grid point) and results.png.
+Every grid point x seed is an ordinary `rl-tformers train` run in OUT/<point>/seed<k>. Every grid point's config is checked before any run starts. Running the same command again skips complete runs (trained to train.steps and, with eval.at_end, evaluated) and resumes unfinished ones; a run directory holding a run with another config (e.g. other train.steps) is refused, naming the differing keys. SIGINT/SIGTERM/SIGHUP stop every run with a checkpoint. Results: OUT/results.csv, results.json, results.md (per run and mean/std over seeds per grid point) and results.png.
 
 Examples:
 
@@ -503,7 +762,9 @@ def register(app) -> None:
             raise typer.Exit(2) from None
         typer.echo(markdown(res.rows, res.summary, res.metric))
         typer.echo("wrote " + ", ".join(res.files), err=True)
-        if any(r["status"] == "failed" for r in res.rows):
+        if res.interrupted is not None:
+            raise typer.Exit(128 + int(res.interrupted))
+        if any(r["status"] in ("failed", "incomplete") for r in res.rows):
             raise typer.Exit(1)
 
     app.command("sweep", help=SWEEP_HELP, no_args_is_help=True)(sweep_command)

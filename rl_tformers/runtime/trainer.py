@@ -68,6 +68,7 @@ from rl_tformers.runtime.optim import (
     restore_scheduler,
     scheduler_state,
 )
+from rl_tformers.runtime.runlock import RunBusyError, hold_run
 from rl_tformers.runtime.seeding import (
     capture_rng_state,
     derive_seed,
@@ -83,7 +84,8 @@ CONFIG_FILE = "config.yaml"
 
 
 class RunDirError(FileExistsError):
-    """The run directory already holds another run (use ``--resume`` or another ``--run-dir``)."""
+    """The run directory already holds another run (use ``--resume`` or another ``--run-dir``), or
+    another process is training it (:mod:`rl_tformers.runtime.runlock`)."""
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -641,18 +643,24 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike | None = None, config_name
         on_log: see :class:`Trainer`.
 
     Under torchrun (``WORLD_SIZE`` > 1) this joins the process group for the run; rank 0 picks
-    the run directory and checks it, and the other ranks follow its decision.
+    the run directory, checks it and holds its training lock (:mod:`rl_tformers.runtime.runlock`)
+    until the run ends; the other ranks follow its decision.
 
     Raises:
-        RunDirError: ``run_dir`` already holds a run.
+        RunDirError: ``run_dir`` already holds a run, or another process is training it
+            (``... is being trained by pid N``).
     """
-    with dist_rt.process_group(cfg.device) as info:
+    with dist_rt.process_group(cfg.device) as info, contextlib.ExitStack() as lock:
         problem, path = None, None
         if info.is_main:
             path = Path(run_dir) if run_dir is not None else (
                 Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg, config_name)
             )
-            if holds_run(path):
+            try:
+                lock.enter_context(hold_run(path))
+            except RunBusyError as exc:
+                problem = str(exc)
+            if problem is None and holds_run(path):
                 if ckpt.list_checkpoints(path):
                     problem = f"{path} already holds a run; continue it with --resume {path}, or pick another --run-dir"
                 else:
@@ -695,8 +703,23 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
     ``overrides`` may change only :data:`rl_tformers.runtime.config.RESUMABLE_KEYS` (e.g.
     ``train.steps=20000`` to train longer). Log records written after the checkpoint (by a
     crash) are dropped first, so no step appears twice in TensorBoard or metrics.jsonl.
+    Rank 0 holds the run's training lock (:mod:`rl_tformers.runtime.runlock`) from before it
+    touches the directory until the run ends.
+
+    Raises:
+        RunDirError: another process is training ``run_dir`` (``... is being trained by pid N``).
+        CheckpointError / ConfigError: as :func:`load_resume_config`.
     """
-    with dist_rt.process_group(_resume_device_spec(run_dir, overrides)) as info:
+    with dist_rt.process_group(_resume_device_spec(run_dir, overrides)) as info, contextlib.ExitStack() as lock:
+        problem = None
+        if info.is_main and Path(run_dir).is_dir():  # a missing directory: load_resume_config says so
+            try:
+                lock.enter_context(hold_run(run_dir))
+            except RunBusyError as exc:
+                problem = str(exc)
+        problem = dist_rt.broadcast_object(problem)
+        if problem is not None:
+            raise RunDirError(problem)
         if info.is_main:  # repairs the run directory before the other ranks read it
             cfg, found, changes = load_resume_config(run_dir, overrides)
         dist_rt.barrier()

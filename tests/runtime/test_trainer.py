@@ -22,6 +22,8 @@ def test_run_directory_layout(run_dir: Path) -> None:
     result = train(cfg, run_dir)
     assert result.complete and result.checkpoint == run_dir / "checkpoints" / "step_000000010.pt"
     names = sorted(p.name for p in run_dir.iterdir())
+    assert names[0] == ".train.lock"  # the trainer's lock (runlock), released but kept
+    names = names[1:]
     assert names[:3] == ["checkpoints", "config.yaml", names[2]] and names[2].startswith("events.out.tfevents")
     assert names[3:] == ["metrics.jsonl"]
     assert [s for s, _ in list_checkpoints(run_dir)] == [10]  # keep_last=1
