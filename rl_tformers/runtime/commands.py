@@ -150,9 +150,34 @@ def train(
     if result.complete:
         typer.echo(f"done: {result.step} steps in {result.run_dir} (view: tensorboard --logdir {result.run_dir})",
                    err=True)
+        summary = eval_summary(result.last_eval)
+        if summary:
+            typer.echo(f"final evaluation at step {result.step}: {summary}", err=True)
     else:
         typer.echo(f"stopped at step {result.step} of {result.total_steps}; continue with: "
                    f"rl-tformers train --resume {result.run_dir}", err=True)
+
+
+def eval_summary(scalars: dict[str, float]) -> str:
+    """One line of the headline evaluation scalars, '' when there are none.
+
+    Reads ``eval/return_mean[SUFFIX]`` with its ``return_std``, ``normalized_score`` and
+    ``target`` of the same suffix (the DT logs one suffix per target: ``""``, ``"_target1"``...).
+    """
+    parts = []
+    for key, value in scalars.items():
+        if not key.startswith("eval/return_mean"):
+            continue
+        sfx = key[len("eval/return_mean"):]
+        text = f"return {value:.1f}"
+        if f"eval/return_std{sfx}" in scalars:
+            text += f" ± {scalars[f'eval/return_std{sfx}']:.1f}"
+        if f"eval/normalized_score{sfx}" in scalars:
+            text += f", normalised score {scalars[f'eval/normalized_score{sfx}']:.1f}"
+        if f"eval/target{sfx}" in scalars:
+            text = f"target {scalars[f'eval/target{sfx}']:.6g}: {text}"
+        parts.append(text)
+    return "; ".join(parts)
 
 
 def _launch_torchrun(nproc: int, overrides: list[str], config: str | None, resume: Path | None,

@@ -68,3 +68,15 @@ def test_stop_at_then_resume(tmp_path: Path) -> None:
     assert r.exit_code == 0 and f"stopped at step 4 of 6; continue with: rl-tformers train --resume {run}" in r.output
     r = invoke("--resume", str(run), "--print-config")
     assert r.exit_code == 0 and "# resuming" in r.output and "step_000000004.pt" in r.output
+
+
+def test_final_evaluation_summary_line() -> None:
+    from rl_tformers.runtime.commands import eval_summary
+
+    scalars = {"eval/return_mean": 412.86, "eval/return_std": 475.12, "eval/target": 3559.448,
+               "eval/normalized_score": 13.31, "eval/time_s": 13.2,
+               "eval/return_mean_target1": 100.0, "eval/target_target1": 500.0}
+    assert eval_summary(scalars) == ("target 3559.45: return 412.9 ± 475.1, normalised score 13.3; "
+                                     "target 500: return 100.0")
+    assert eval_summary({"eval/return_mean": 7.0}) == "return 7.0"
+    assert eval_summary({"eval/time_s": 1.0, "train/loss": 0.1}) == ""
