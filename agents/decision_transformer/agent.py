@@ -56,6 +56,7 @@ DT_DEFAULTS: dict[str, Any] = {
         "align": "auto",  # training windows / eval context: auto (start if causal, else end) | start | end
         "head": "deterministic",  # deterministic (tanh, MSE) | gaussian (Online DT)
         "embed_dropout": 0.1,  # dropout after the embedding LayerNorm
+        "embed_init": "gpt2",  # embeddings + action head init: gpt2 (N(0, 0.02), HF/d3rlpy) | paper (official code)
         "log_std_min": -5.0,  # gaussian head bounds
         "log_std_max": 2.0,
         "init_temperature": 0.1,  # gaussian head: initial entropy temperature
@@ -163,7 +164,7 @@ class DTAgent:
         self.model_cfg = DTConfig(
             obs_dim=info.obs_dim, act_dim=info.act_dim, discrete=info.discrete,
             context_len=int(a.context_len), max_ep_len=int(a.max_ep_len), mode=str(a.mode), head=str(a.head),
-            embed_dropout=float(a.embed_dropout), log_std_min=float(a.log_std_min), log_std_max=float(a.log_std_max),
+            embed_dropout=float(a.embed_dropout), embed_init=str(a.embed_init), log_std_min=float(a.log_std_min), log_std_max=float(a.log_std_max),
             init_temperature=float(a.init_temperature),
             target_entropy=None if a.target_entropy is None else float(a.target_entropy),
             backbone=plain(cfg.backbone),

@@ -47,6 +47,7 @@ from rl_tformers.config import BackboneConfig
 
 MODES = ("causal", "last_action")
 HEADS = ("deterministic", "gaussian", "categorical")
+EMBED_INITS = ("gpt2", "paper")
 
 
 def paper_backbone() -> BackboneConfig:
@@ -72,6 +73,15 @@ class DTConfig:
         head: ``deterministic`` or ``gaussian`` (continuous); ``deterministic`` becomes
             ``categorical`` for discrete actions (``gaussian`` with discrete actions raises).
         embed_dropout: dropout after the embedding LayerNorm (official code: same as the backbone).
+        embed_init: initialisation of the four embeddings and the action head. ``gpt2``: weights
+            N(0, 0.02), zero biases (Hugging Face's ``DecisionTransformerModel`` and d3rlpy);
+            ``paper``: PyTorch's defaults, as in the official code (Chen et al. 2021,
+            ``gym/decision_transformer/models/decision_transformer.py``, which initialises only
+            the GPT-2 stack): timestep embedding N(0, 1), return embedding weight and bias
+            U(-1, 1). The embedding LayerNorm is scale-invariant, so with ``gpt2`` the
+            return-to-go token LN(w R + e_t) starts out nearly independent of the size of R
+            (its direction is w's once |w R| >> |e_t|); with ``paper`` the bias and the timestep
+            embedding are as large as w R and the token's direction varies with R from the start.
         log_std_min, log_std_max: bounds of the Gaussian head's log standard deviation.
         init_temperature: initial entropy temperature of the Gaussian head (Online DT: 0.1).
         target_entropy: entropy target of the temperature loss; ``None`` = -act_dim (Online DT).
@@ -97,6 +107,7 @@ class DTConfig:
     mode: str = "causal"
     head: str = "deterministic"
     embed_dropout: float = 0.1
+    embed_init: str = "gpt2"
     log_std_min: float = -5.0
     log_std_max: float = 2.0
     init_temperature: float = 0.1
@@ -117,6 +128,8 @@ class DTConfig:
                 f"memory (docs/gtrxl.md). Retrieval for the DT is the kNN-LM action memory at evaluation "
                 f"(agent.knn.*, rl-tformers eval --knn-lambda; docs/memory_adaptive.md)"
             )
+        if self.embed_init not in EMBED_INITS:
+            raise ValueError(f"agent.embed_init={self.embed_init!r}; use one of {', '.join(EMBED_INITS)}")
         if self.mode not in MODES:
             raise ValueError(f"agent.mode={self.mode!r}; use one of {', '.join(MODES)}")
         if self.discrete and self.head == "gaussian":
@@ -208,10 +221,11 @@ class DecisionTransformer(nn.Module):
         self.embed_drop = nn.Dropout(cfg.embed_dropout)
         out = 2 * cfg.act_dim if cfg.head == "gaussian" else cfg.act_dim
         self.head = nn.Linear(d, out)
-        for m in (self.embed_timestep, self.embed_return, self.embed_state, self.embed_action, self.head):
-            nn.init.normal_(m.weight, std=0.02)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
+        if cfg.embed_init == "gpt2":  # "paper": keep PyTorch's defaults, as the official code does
+            for m in (self.embed_timestep, self.embed_return, self.embed_state, self.embed_action, self.head):
+                nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
         self.backbone = Backbone(cfg.backbone)
         if cfg.head == "gaussian":
             self.log_temperature = nn.Parameter(torch.tensor(math.log(cfg.init_temperature)))

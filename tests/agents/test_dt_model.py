@@ -205,3 +205,20 @@ def test_kernels_without_causal_form_train_in_last_action_mode(kind):
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters() if p.requires_grad)
+
+
+def test_embed_init_gpt2_or_the_official_codes_pytorch_defaults():
+    torch.manual_seed(0)
+    gpt2 = DecisionTransformer(DTConfig(obs_dim=OBS, act_dim=ACT, backbone={"d_model": 64, "n_layers": 1}))
+    torch.manual_seed(0)
+    paper = DecisionTransformer(DTConfig(obs_dim=OBS, act_dim=ACT, embed_init="paper",
+                                         backbone={"d_model": 64, "n_layers": 1}))
+    for m in (gpt2.embed_return, gpt2.embed_state, gpt2.embed_action, gpt2.head):
+        assert torch.count_nonzero(m.bias) == 0
+    assert abs(gpt2.embed_timestep.weight.std().item() - 0.02) < 0.002
+    # official code: nn.Embedding N(0, 1); nn.Linear(1, d) weight and bias U(-1, 1)
+    assert abs(paper.embed_timestep.weight.std().item() - 1.0) < 0.05
+    for p in (paper.embed_return.weight, paper.embed_return.bias):
+        assert p.abs().max().item() <= 1.0 and p.abs().max().item() > 0.9
+    with pytest.raises(ValueError, match="agent.embed_init='xavier'"):
+        DTConfig(obs_dim=OBS, act_dim=ACT, embed_init="xavier")
