@@ -164,7 +164,9 @@ class DTAgent:
         self.model_cfg = DTConfig(
             obs_dim=info.obs_dim, act_dim=info.act_dim, discrete=info.discrete,
             context_len=int(a.context_len), max_ep_len=int(a.max_ep_len), mode=str(a.mode), head=str(a.head),
-            embed_dropout=float(a.embed_dropout), embed_init=str(a.embed_init), log_std_min=float(a.log_std_min), log_std_max=float(a.log_std_max),
+            # runs saved before agent.embed_init existed were initialised the gpt2 way
+            embed_dropout=float(a.embed_dropout), embed_init=str(a.get("embed_init", "gpt2")),
+            log_std_min=float(a.log_std_min), log_std_max=float(a.log_std_max),
             init_temperature=float(a.init_temperature),
             target_entropy=None if a.target_entropy is None else float(a.target_entropy),
             backbone=plain(cfg.backbone),

@@ -260,3 +260,18 @@ def test_shipped_bc_configs_match_their_dt_configs():
         assert bc.dataset.path == top.dataset.path == dt.dataset.path
         assert (bc.agent.top_fraction, top.agent.top_fraction) == (1.0, 0.1)
         assert (bc.train.steps, bc.train.lr, bc.train.batch_size) == (dt.train.steps, dt.train.lr, dt.train.batch_size)
+
+
+def test_runs_saved_before_an_agent_option_existed_still_load(dt_run):
+    """A checkpoint whose config predates ``agent.embed_init`` (added later) loads, as gpt2."""
+    from omegaconf import OmegaConf
+
+    from rl_tformers.agents.decision_transformer.agent import load_for_inference
+
+    state = ckpt.find_latest_valid(dt_run).state
+    cfg = OmegaConf.create(state["config"])
+    del cfg.agent["embed_init"]
+    agent = load_for_inference(cfg, state)
+    assert agent.model_cfg.embed_init == "gpt2"
+    for k, v in agent.model.state_dict().items():
+        torch.testing.assert_close(v, state["model"][k], rtol=0, atol=0)
