@@ -1,6 +1,6 @@
 # rl-tformers: two commands on a fresh machine.
 #   make demo   create .venv if missing, install the package, run the main job (a small DT run)
-#   make test   create/update the same .venv and run the default test suite (CPU, no network)
+#   make test   create/update the same .venv and run the default test suite (CPU; no network beyond the package index)
 # Other targets: make test-slow (long checks), make lint, make bench, make clean.
 
 SHELL := /bin/bash

@@ -13,6 +13,7 @@ Evaluation, checkpoint state and inference loading mirror the Decision Transform
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,12 @@ class BCAgent:
             if self.dataset is None:
                 self.dataset = load_offline_dataset(plain(cfg.dataset))
             if frac != 1.0:
-                self.dataset = top_fraction(self.dataset, frac)
+                full = self.dataset
+                self.dataset = top_fraction(full, frac)
+                logging.getLogger(__name__).info(
+                    "agent.top_fraction=%g: training on %d of %d episodes (%d of %d steps), returns >= %.1f",
+                    frac, self.dataset.num_episodes, full.num_episodes, self.dataset.num_steps, full.num_steps,
+                    float(np.min(self.dataset.episode_returns)))
             info = DatasetInfo.from_dataset(
                 self.dataset, normalize_obs=bool(a.normalize_obs), env_id=a.env_id, env_kwargs=plain(a.env_kwargs),
                 spec=plain(cfg.dataset).get("path"),

@@ -93,7 +93,7 @@ def plot_return_conditioning(
         ax2.text(0.5, 0.5, "no per-step rewards recorded", ha="center", va="center", transform=ax2.transAxes)
     ax2.set_xlabel("environment step")
     ax2.set_ylabel("return (raw units)")
-    ax2.set_title("remaining return-to-go vs cumulative reward")
+    ax2.set_title("remaining return-to-go and cumulative reward by step")
     ax2.grid(alpha=0.3)
     if title:
         fig.suptitle(title)

@@ -576,7 +576,7 @@ def plot(summary: Sequence[dict[str, Any]], metric: str, path: Path, title: str 
     ax.set_xticks(range(len(pts)))
     ax.set_xticklabels([s["point"] for s in pts], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel(metric)
-    ax.set_title(title or f"{metric}: mean +- std over seeds")
+    ax.set_title(title or f"{metric}\nmean ± std over seeds", fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -447,6 +447,10 @@ class Trainer:
                 procs = f" x {self.world_size} processes" if self.world_size > 1 else ""
                 log.info("run %s | agent %s | %d trainable parameters | device %s%s | steps %d -> %d",
                          self.run_dir, self.cfg.agent.kind, n_params, self.device, procs, self.step, self.total_steps)
+                if str(getattr(t.schedule, "value", t.schedule)) != "constant" and int(t.warmup_steps) >= self.total_steps:
+                    log.warning("train.warmup_steps=%d >= train.steps=%d: the learning rate stays in its linear "
+                                "warmup and never reaches train.lr (%g); for a short run lower train.warmup_steps",
+                                int(t.warmup_steps), self.total_steps, float(t.lr))
             if t.compile:
                 self.model.compile()
             source = dist_rt.shard_source(batches, self.rank, self.world_size)

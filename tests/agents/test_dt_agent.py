@@ -265,7 +265,6 @@ def test_shipped_bc_configs_match_their_dt_configs():
 def test_runs_saved_before_an_agent_option_existed_still_load(dt_run):
     """A checkpoint whose config predates ``agent.embed_init`` (added later) loads, as gpt2."""
     from omegaconf import OmegaConf
-
     from rl_tformers.agents.decision_transformer.agent import load_for_inference
 
     state = ckpt.find_latest_valid(dt_run).state

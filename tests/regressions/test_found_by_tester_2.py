@@ -281,3 +281,37 @@ def test_bc_top_fraction_out_of_range_names_the_key(tmp_path: Path) -> None:
                             "--run-dir", str(tmp_path / "run")])
     assert r.exit_code == 2
     assert "error: agent.top_fraction must be in (0, 1] (0.1 = %BC, 1 = BC), got 0" in r.output
+
+
+def test_short_run_warns_that_warmup_never_ends_and_pctbc_says_what_it_kept(tmp_path, caplog):
+    """Fresh-user pass: a 300-step run of a 10k-warmup config learned nothing without saying why;
+    %BC did not say which episodes it kept."""
+    import logging
+
+    import numpy as np
+    from rl_tformers.agents.common.scripted import collect_delayed_expert
+    from rl_tformers.envs.loaders import save_d4rl_hdf5
+
+    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.trainer import train
+
+    ds = collect_delayed_expert(20, seed=0, n_envs=10)
+    path = save_d4rl_hdf5(ds, tmp_path / "cp.hdf5")
+    ret = np.sort(ds.episode_returns)[::-1]
+    common = [f"dataset.path={path}", "train.steps=3", "train.batch_size=4", "train.progress=false",
+              "eval.every=0", "eval.at_end=false", "device=cpu", "agent.kind=bc", "agent.top_fraction=0.1"]
+    lg = logging.getLogger("rl_tformers")  # the CLI sets propagate=False: listen on it directly
+    level = lg.level
+    lg.addHandler(caplog.handler)
+    lg.setLevel(logging.INFO)
+    try:
+        train(compose(None, [*common, "train.warmup_steps=10", "train.schedule=linear_warmup"]), tmp_path / "a")
+        text = caplog.text
+        caplog.clear()
+        train(compose(None, [*common, "train.warmup_steps=2"]), tmp_path / "b")
+    finally:
+        lg.removeHandler(caplog.handler)
+        lg.setLevel(level)
+    assert "train.warmup_steps=10 >= train.steps=3: the learning rate stays in its linear warmup" in text
+    assert "agent.top_fraction=0.1: training on 2 of 20 episodes" in text and f"returns >= {ret[1]:.1f}" in text
+    assert "warmup" not in caplog.text
