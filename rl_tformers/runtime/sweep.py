@@ -56,7 +56,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -229,19 +229,23 @@ def _unique_suffix(keys: Sequence[str], key: str) -> bool:
 RERUN_IGNORED_KEYS = ("run_dir", "device", "train.progress")
 
 
-def _final_eval_logged(run_dir: Path, step: int) -> bool:
-    """True if ``metrics.jsonl`` has an ``eval/...`` scalar logged at ``step``."""
+def metrics_records(run_dir: Path) -> Iterator[dict[str, Any]]:
+    """The records of ``run_dir/metrics.jsonl`` in order (none if it is missing); a line cut off
+    by a crash is skipped."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
-        return False
+        return
     for line in path.read_text().splitlines():
         try:
-            rec = json.loads(line)
+            yield json.loads(line)
         except json.JSONDecodeError:
             continue
-        if rec.get("step") == step and any(str(k).startswith("eval/") for k in rec):
-            return True
-    return False
+
+
+def _final_eval_logged(run_dir: Path, step: int) -> bool:
+    """True if ``metrics.jsonl`` has an ``eval/...`` scalar logged at ``step``."""
+    return any(rec.get("step") == step and any(str(k).startswith("eval/") for k in rec)
+               for rec in metrics_records(run_dir))
 
 
 def stored_config(run_dir: Path) -> dict[str, Any] | None:
@@ -490,15 +494,8 @@ def run_ray(commands: Sequence[tuple[SweepRun, list[str]]], threads: int, gpus_p
 
 def last_scalars(run_dir: Path) -> dict[str, float]:
     """The last logged value of every scalar in ``run_dir/metrics.jsonl`` (plus ``step``)."""
-    path = Path(run_dir) / "metrics.jsonl"
     out: dict[str, float] = {}
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut off by a crash
+    for rec in metrics_records(run_dir):
         for k, v in rec.items():
             if k != "time" and isinstance(v, (int, float)):
                 out[k] = float(v)
