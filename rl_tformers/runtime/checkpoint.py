@@ -19,7 +19,7 @@ anywhere) holding only tensors, numbers, strings, ``None``, lists, tuples and di
 ``rng``        :func:`rl_tformers.runtime.seeding.capture_rng_state`
 ``extra``      the agent's ``extra_state()`` (obs statistics, reward scale...)
 ``trainer``    trainer bookkeeping (partial logging window, elapsed time)
-``config``     the fully resolved config, as YAML text
+``config``     the resolved config (as ``config.yaml``), as YAML text
 ``sha256``     digest of everything above (see :func:`content_digest`)
 =============  ==================================================================
 

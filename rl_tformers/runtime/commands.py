@@ -16,7 +16,7 @@ import typer
 
 TRAIN_HELP = """Train an agent from a config file plus KEY=VALUE overrides, or resume a run.
 
-A config is a YAML path or a name under the packaged configs/ (e.g. dt/hopper_medium). Overrides use dotted keys and YAML values and are applied last. The run directory gets config.yaml (the fully resolved config), checkpoints/, TensorBoard event files and metrics.jsonl.
+A config is a YAML path or a name under the packaged configs/ (e.g. dt/hopper_medium). Overrides use dotted keys and YAML values and are applied last. The run directory gets config.yaml (the resolved config), checkpoints/, TensorBoard event files and metrics.jsonl.
 
 Examples:
 
