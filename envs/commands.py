@@ -175,7 +175,7 @@ def info(
     flatten_observations: bool = typer.Option(False, "--flatten-observations",
                                               help="Flatten Dict/Tuple observations (gymnasium flatten_space)."),
     root: Path = typer.Option(None, "--root", help="Data root searched first for Minari ids."),
-    max_ep_len: int = typer.Option(None, "--max-ep-len", help="Also refuse episodes longer than this."),
+    max_ep_len: int = typer.Option(None, "--max-ep-len", min=1, help="Also refuse episodes longer than this."),
 ) -> None:
     """Validate a dataset and print its statistics (exit 1 with the validation error on stderr if it is bad)."""
     from rl_tformers.envs.dataset import DatasetError
@@ -210,11 +210,16 @@ def export(
     from rl_tformers.envs.dataset import DatasetError
     from rl_tformers.envs.loaders import load_dataset, save_d4rl_hdf5
 
+    if out.expanduser().is_dir():  # before reading the dataset
+        _fail(f"{out} is a directory; OUT is the .hdf5 file to write (e.g. {out / 'dataset.hdf5'})")
     try:
         ds = load_dataset(dataset, download=download, flatten_observations=flatten_observations, root=root)
     except (DatasetError, FileNotFoundError, RuntimeError) as exc:
         _fail(str(exc))
-    path = save_d4rl_hdf5(ds, out)
+    try:
+        path = save_d4rl_hdf5(ds, out)
+    except OSError as exc:  # a parent that is a file, no permission, disk full...
+        _fail(f"cannot write {out}: {exc}")
     typer.echo(f"{dataset}: {ds.num_episodes} episodes, {ds.num_steps} steps -> {path}")
 
 

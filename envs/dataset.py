@@ -623,8 +623,11 @@ class EpisodeDataset:
         """Refuse episodes longer than a model's ``max_ep_len`` (timestep embedding size).
 
         Raises:
+            ValueError: ``max_ep_len`` < 1.
             DatasetError: naming the first episode with ``length > max_ep_len`` and its length.
         """
+        if max_ep_len < 1:
+            raise ValueError(f"max_ep_len must be >= 1, got {max_ep_len}")
         too_long = np.flatnonzero(self.lengths > max_ep_len)
         if too_long.size:
             e = int(too_long[0])

@@ -272,9 +272,12 @@ def load_d4rl_hdf5(
 
     Raises:
         FileNotFoundError: no such file.
-        DatasetError: a required key is missing, arrays disagree in length, ``rewards``/``terminals``/
-            ``timeouts`` hold more than one value per step, flags are not 0/1, ``next_observations``
-            differs in per-step shape from ``observations``, or validation fails.
+        DatasetError: the file is not a readable HDF5 file, a required key is missing or is a
+            group rather than a dataset, observations/actions/rewards are not integers or
+            floating point (strings, booleans), arrays disagree in length,
+            ``rewards``/``terminals``/``timeouts`` hold more than one value per step, flags are
+            not 0/1, ``next_observations`` differs in per-step shape from ``observations``, or
+            validation fails.
     """
     import h5py
     from rl_tformers.envs.scores import task_family
@@ -282,11 +285,16 @@ def load_d4rl_hdf5(
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"no such HDF5 file: {path}")
-    with h5py.File(path, "r") as f:
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:  # not HDF5 at all, truncated, unreadable
+        raise DatasetError(f"{path}: not a readable HDF5 file ({exc})") from exc
+    with f:
         for key in ("observations", "actions", "rewards", "terminals"):
             if key not in f:
                 raise DatasetError(f"{path}: missing dataset {key!r} (D4RL layout needs observations, actions, "
                                    "rewards, terminals, timeouts)", field=key)
+        _check_h5_datasets(f, path)
         rewards = per_step_column("rewards", f["rewards"][()]).astype(np.float64)
         n = rewards.shape[0]
         terminals = per_step_column("terminals", f["terminals"][()])
@@ -333,6 +341,36 @@ def load_d4rl_hdf5(
         if isinstance(arr, LazyH5Array):
             arr.close()  # no open handle is left to be inherited by forked workers
     return ds
+
+
+#: keys of a D4RL-layout file read as arrays, and whether they must hold numbers
+_H5_KEYS = {"observations": True, "actions": True, "rewards": True, "next_observations": True,
+            "terminals": False, "timeouts": False}
+
+
+def _check_h5_datasets(f, path: Path) -> None:
+    """Refuse D4RL keys that are HDF5 groups, and non-numeric observations/actions/rewards.
+
+    Observations, actions, rewards and next observations must be integers or floating point
+    (strings, booleans and compound types are refused); ``terminals``/``timeouts`` are checked
+    by :func:`~rl_tformers.envs.dataset.binary_flags` (boolean or numeric 0/1).
+
+    Raises:
+        DatasetError: naming the file and the key.
+    """
+    import h5py
+
+    for key, numeric in _H5_KEYS.items():
+        if key not in f:
+            continue
+        node = f[key]
+        if not isinstance(node, h5py.Dataset):
+            raise DatasetError(f"{path}: {key!r} is an HDF5 {type(node).__name__.lower()}, not a dataset; the D4RL "
+                               f"layout stores each of {', '.join(_H5_KEYS)} as one array (dataset)", field=key)
+        dtype = node.dtype
+        if numeric and not (np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating)):
+            raise DatasetError(f"{key}: dtype {dtype} is not numeric (integer or floating point) in {path}",
+                               field=key)
 
 
 def _attr_str(v) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,14 @@ def _default(slot: str, kind: str) -> Any:
     return field(default_factory=make)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class BackboneConfig:
     """Configuration of a :class:`rl_tformers.backbone.Backbone`.
@@ -99,9 +108,9 @@ class BackboneConfig:
         d_model: model width D.
         n_layers: number of blocks N.
         n_heads: attention heads H (``d_model`` must be divisible by it).
-        d_ff: feed-forward width (default 4 * d_model).
-        dropout: residual/feed-forward dropout probability.
-        attn_dropout: dropout on attention probabilities.
+        d_ff: feed-forward width (``None``, the default: 4 * d_model; 0 is refused).
+        dropout: residual/feed-forward dropout probability, in [0, 1).
+        attn_dropout: dropout on attention probabilities, in [0, 1).
         ffn_dropout: dropout on the feed-forward hidden layer (after the activation); ``None``
             (default) = ``dropout``. GPT-2, and so the Decision Transformer reference code,
             has none there: ``ffn_dropout=0`` reproduces that placement (and on CPU saves the
@@ -114,6 +123,13 @@ class BackboneConfig:
             caller units, e.g. token index); larger positions raise.
         final_norm: apply a LayerNorm to the output (pre-norm/gated stacks).
         attention, position, memory, block, depth: the five slots.
+
+    Raises:
+        ValueError: naming ``backbone.<field>``: ``d_model``, ``n_layers``, ``n_heads``,
+            ``d_ff``, ``ffn_chunks`` or ``max_position`` not an integer >= 1 (``16.0`` and
+            ``"2"`` included), a dropout outside [0, 1) or not a number, ``causal`` /
+            ``final_norm`` not a bool, ``d_model`` not divisible by ``n_heads``, an unknown
+            activation. RegistryError: a bad slot config.
     """
 
     d_model: int = 128
@@ -135,17 +151,27 @@ class BackboneConfig:
     depth: Any = _default("depth", "fixed")
 
     def __post_init__(self) -> None:
-        if self.d_model <= 0 or self.n_layers <= 0 or self.n_heads <= 0:
-            raise ValueError(
-                f"backbone: d_model, n_layers and n_heads must be positive, got "
-                f"{self.d_model}, {self.n_layers}, {self.n_heads}"
-            )
+        for name in ("d_model", "n_layers", "n_heads", "d_ff", "ffn_chunks", "max_position"):
+            value = getattr(self, name)
+            if name == "d_ff" and value is None:
+                continue  # the default, 4 * d_model
+            if not _is_int(value) or value < 1:
+                default = " or null (4 * d_model)" if name == "d_ff" else ""
+                raise ValueError(f"backbone.{name} must be an integer >= 1{default}, got {value!r}")
+        for name in ("dropout", "attn_dropout", "ffn_dropout"):
+            value = getattr(self, name)
+            if name == "ffn_dropout" and value is None:
+                continue  # the default, dropout
+            if not _is_real(value) or not 0.0 <= value < 1.0:
+                default = " or null (= backbone.dropout)" if name == "ffn_dropout" else ""
+                raise ValueError(f"backbone.{name} must be a probability in [0, 1){default}, got {value!r}")
+        for name in ("causal", "final_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"backbone.{name} must be true or false, got {getattr(self, name)!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"backbone.d_model={self.d_model} is not divisible by backbone.n_heads={self.n_heads}")
         if self.activation not in ("gelu", "relu", "gelu_tanh"):
             raise ValueError(f"backbone.activation={self.activation!r}; use gelu, relu or gelu_tanh")
-        if self.ffn_chunks < 1:
-            raise ValueError(f"backbone.ffn_chunks must be >= 1, got {self.ffn_chunks}")
         for slot in SLOTS:
             value = getattr(self, slot)
             if isinstance(value, Mapping):
@@ -155,7 +181,7 @@ class BackboneConfig:
 
     @property
     def ff_dim(self) -> int:
-        return self.d_ff or 4 * self.d_model
+        return 4 * self.d_model if self.d_ff is None else self.d_ff
 
     @property
     def head_dim(self) -> int:

@@ -68,12 +68,13 @@ class BCPolicy:
     @torch.no_grad()
     def act(self, obs: np.ndarray, state: None, episode_start: np.ndarray,
             last_reward: np.ndarray | None = None) -> tuple[np.ndarray, None]:
-        """obs (N, *obs_shape) raw -> actions (N, A) in the box, or (N,) int64."""
+        """obs (N, *obs_shape) raw -> actions (N, A) in the box, or (N,) int64 in
+        ``[action_start, action_start + n)``."""
         n = len(episode_start)
         x = torch.as_tensor(np.asarray(obs, np.float32), device=self.device).reshape(n, -1)
         y = self.model((x - self.mean) / self.std)  # (N, A) or (N, n_actions)
-        if self.info.discrete:
-            return y.argmax(-1).cpu().numpy().astype(np.int64), None
+        if self.info.discrete:  # class index -> environment action
+            return y.argmax(-1).cpu().numpy().astype(np.int64) + self.info.action_start, None
         return to_env_action(y, self.low, self.high).cpu().numpy().astype(np.float32), None
 
 
@@ -116,7 +117,7 @@ class BCAgent:
             )
         self.info = info
         self.model_cfg = BCConfig(obs_dim=info.obs_dim, act_dim=info.act_dim, discrete=info.discrete,
-                                  hidden=tuple(plain(a.hidden)), dropout=float(a.dropout))
+                                  hidden=plain(a.hidden), dropout=float(a.dropout))
         self.model = BCModel(self.model_cfg).to(self.device)
 
     def batches(self, start_step: int):
@@ -136,7 +137,9 @@ class BCAgent:
         """:func:`bc_loss` on one sampler batch (windows of one step)."""
         obs = batch["observations"][:, 0].reshape(batch["observations"].shape[0], -1).float()  # (B, obs_dim)
         act = batch["actions"][:, 0]  # (B, A) or (B,)
-        if not self.info.discrete:
+        if self.info.discrete:  # class indices in [0, n)
+            act = torch.where(batch["mask"][:, 0].bool(), act.long() - self.info.action_start, 0)
+        else:
             low = torch.as_tensor(self.info.action_low, device=act.device)
             high = torch.as_tensor(self.info.action_high, device=act.device)
             act = from_env_action(act.float(), low, high)

@@ -8,6 +8,7 @@ produced in normalised units [-1, 1] (tanh) like the DT's; discrete ones as logi
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,10 @@ class BCConfig:
         discrete: discrete action space (logits, cross-entropy).
         hidden: widths of the hidden layers (default two layers of 256).
         dropout: dropout after each hidden activation.
+
+    Raises:
+        ValueError: ``hidden`` not a non-empty list/tuple of integers >= 1, ``dropout`` outside
+            [0, 1) (both named as ``agent.*``).
     """
 
     obs_dim: int
@@ -34,9 +39,12 @@ class BCConfig:
     dropout: float = 0.1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "hidden", tuple(int(h) for h in self.hidden))
-        if not self.hidden or min(self.hidden) < 1:
-            raise ValueError(f"agent.hidden must list positive widths, got {self.hidden}")
+        hidden = self.hidden
+        if (not isinstance(hidden, (list, tuple)) or not hidden
+                or not all(isinstance(h, numbers.Integral) and not isinstance(h, bool) and h >= 1 for h in hidden)):
+            raise ValueError(f"agent.hidden must be a non-empty list of integer widths >= 1 (e.g. [256, 256]), "
+                             f"got {hidden!r}")
+        object.__setattr__(self, "hidden", tuple(int(h) for h in hidden))
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"agent.dropout must be in [0, 1), got {self.dropout}")
 

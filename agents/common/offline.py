@@ -88,6 +88,9 @@ class DatasetInfo:
         ref_min, ref_max: reference returns of the D4RL normalised score (the dataset's own
             Minari metadata first, then D4RL's table for the task family), or None.
         dataset: the dataset spec string, for the record.
+        action_start: ``start`` of a ``Discrete`` action space (gymnasium's ``Discrete(n,
+            start=s)`` holds ``s .. s + n - 1``); the models work with class indices
+            ``action - action_start`` in ``[0, n)`` and the policies add it back (0 for Box).
     """
 
     obs_dim: int
@@ -108,6 +111,7 @@ class DatasetInfo:
     ref_min: float | None = None
     ref_max: float | None = None
     dataset: str | None = None
+    action_start: int = 0
 
     @classmethod
     def from_dataset(
@@ -123,16 +127,21 @@ class DatasetInfo:
             env_id, env_kwargs: override the dataset's environment.
 
         Raises:
-            ValueError: unbounded Box actions, a non-positive reward scale, or an evaluation
-                environment that does not fit the data (:meth:`check_env`).
+            ValueError: unbounded Box actions, a reward scale that is not ``"auto"`` or > 0
+                (:func:`parse_reward_scale`), ``env_kwargs`` that is not a mapping, or an
+                evaluation environment that does not fit the data (:meth:`check_env`).
         """
         from rl_tformers.envs.scores import reference_scores
         from rl_tformers.envs.trajectory import observation_stats
         from rl_tformers.envs.trajectory import reward_scale as auto_scale
 
+        env_kwargs = check_env_kwargs(env_kwargs)
+        scale = parse_reward_scale(reward_scale)
         discrete = ds.discrete_actions
+        action_start = 0
         if discrete:
             act_dim, low, high = int(ds.action_space.n), None, None
+            action_start = int(ds.action_space.start)
         else:
             low = np.asarray(ds.action_space.low, np.float32).reshape(-1)
             high = np.asarray(ds.action_space.high, np.float32).reshape(-1)
@@ -154,9 +163,7 @@ class DatasetInfo:
             mean, std = st.mean.reshape(-1), st.std.reshape(-1)
         else:
             mean, std = np.zeros(obs_dim, np.float32), np.ones(obs_dim, np.float32)
-        scale = auto_scale(ds) if reward_scale == "auto" else float(reward_scale)
-        if not scale > 0:
-            raise ValueError(f"agent.reward_scale must be 'auto' or > 0, got {reward_scale}")
+        scale = auto_scale(ds) if scale == "auto" else scale
         ret = ds.episode_returns
         meta = ds.metadata
         refs = reference_scores(ds)
@@ -171,7 +178,7 @@ class DatasetInfo:
             env_kwargs=dict(env_kwargs or meta.extra.get("env_kwargs") or {}),
             pomdp=None if env_id else (dict(meta.pomdp) if meta.pomdp else None),
             ref_min=None if refs is None else float(refs[0]), ref_max=None if refs is None else float(refs[1]),
-            dataset=spec,
+            dataset=spec, action_start=action_start,
         )
         info.check_env(ds, "agent.env_id" if env_id else "the dataset's env_id")
         return info
@@ -183,9 +190,10 @@ class DatasetInfo:
         (after importing the project's own tasks, :mod:`rl_tformers.envs.memory_tasks`; a
         ``"module:id"`` id imports ``module`` first); the environment can be made with
         :attr:`env_kwargs` (and :attr:`pomdp`); its observation space is a Box of the dataset's
-        per-step observation shape; its action space is of the dataset's kind (Discrete or a
-        Box of the same shape). An environment whose dependencies are not installed is skipped
-        with a warning (the dataset can still be trained on; evaluation will need them).
+        per-step observation shape; its action space is of the dataset's kind (Discrete with
+        the same ``start``, or a Box of the same shape). An environment whose dependencies are
+        not installed is skipped with a warning (the dataset can still be trained on;
+        evaluation will need them).
 
         Args:
             ds: the training data.
@@ -235,7 +243,8 @@ class DatasetInfo:
                 f"observations: {where} has observations of shape {shape} per step, but the evaluation "
                 f"environment {self.env_id} ({source}){pomdp} has {env_obs}; {fix}")
         if isinstance(act_space, gym.spaces.Discrete) != ds.discrete_actions or (
-                isinstance(act_space, gym.spaces.Box) and tuple(act_space.shape) != tuple(ds.action_shape)):
+                isinstance(act_space, gym.spaces.Box) and tuple(act_space.shape) != tuple(ds.action_shape)) or (
+                ds.discrete_actions and int(act_space.start) != int(ds.action_space.start)):
             raise ValueError(
                 f"actions: {where} has actions in {ds.action_space}, but the evaluation environment "
                 f"{self.env_id} ({source}) has action space {act_space}; {fix}")
@@ -252,6 +261,7 @@ class DatasetInfo:
             "dataset_return_min": self.return_min, "longest_episode": self.longest_episode,
             "env_id": self.env_id, "env_kwargs": dict(self.env_kwargs), "pomdp": self.pomdp,
             "ref_min": self.ref_min, "ref_max": self.ref_max, "dataset": self.dataset,
+            "action_start": self.action_start,
         }
 
     @classmethod
@@ -267,6 +277,7 @@ class DatasetInfo:
             return_min=float(d["dataset_return_min"]), longest_episode=int(d["longest_episode"]),
             env_id=d.get("env_id"), env_kwargs=dict(d.get("env_kwargs") or {}), pomdp=d.get("pomdp"),
             ref_min=d.get("ref_min"), ref_max=d.get("ref_max"), dataset=d.get("dataset"),
+            action_start=int(d.get("action_start", 0)),  # checkpoints from before the field: 0
         )
 
     def make_env(self):
@@ -296,6 +307,37 @@ class DatasetInfo:
             return 100.0 * (np.asarray(r, np.float64) - lo) / (hi - lo)
 
         return norm
+
+
+def check_env_kwargs(value: Any) -> Mapping[str, Any] | None:
+    """``agent.env_kwargs`` (gym.make keyword arguments of the evaluation env): a mapping or None.
+
+    Raises:
+        ValueError: naming ``agent.env_kwargs`` and the value, for anything else.
+    """
+    if value is not None and not isinstance(value, Mapping):
+        raise ValueError(f"agent.env_kwargs must be a mapping of gym.make keyword arguments "
+                         f"(e.g. {{max_episode_steps: 500}}) or null, got {value!r}")
+    return value
+
+
+def parse_reward_scale(value: Any) -> float | str:
+    """``agent.reward_scale``: ``"auto"``, or a number > 0 (returned as a float).
+
+    Raises:
+        ValueError: naming ``agent.reward_scale`` and the value, for anything else.
+    """
+    if value == "auto":
+        return "auto"
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        scale = float(value)
+    except (TypeError, ValueError):
+        scale = float("nan")
+    if not scale > 0 or not np.isfinite(scale):
+        raise ValueError(f"agent.reward_scale must be 'auto' or a number > 0, got {value!r}")
+    return scale
 
 
 def eval_seed(seed: int, step: int) -> int:

@@ -38,10 +38,16 @@ import numpy as np
 import torch
 from rl_tformers.agents.common.evaluation import evaluate
 from rl_tformers.agents.common.loading import register_inference_loader
-from rl_tformers.agents.common.offline import DatasetInfo, eval_seed, load_offline_dataset, plain
+from rl_tformers.agents.common.offline import (
+    DatasetInfo,
+    eval_seed,
+    load_offline_dataset,
+    parse_reward_scale,
+    plain,
+)
 from rl_tformers.agents.decision_transformer.loss import dt_loss
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTConfig, from_env_action
-from rl_tformers.agents.decision_transformer.policy import DTPolicy
+from rl_tformers.agents.decision_transformer.policy import OVERFLOW_POLICIES, DTPolicy
 from rl_tformers.envs.dataset import EpisodeDataset
 from torch import Tensor
 
@@ -101,10 +107,13 @@ def to_model_batch(batch: Mapping[str, Tensor], info: DatasetInfo) -> dict[str, 
     """Sampler batch (:class:`rl_tformers.envs.samplers.WindowSampler` keys) -> :func:`dt_loss` inputs.
 
     Observations and returns-to-go arrive normalised / divided by the reward scale; continuous
-    actions are mapped to [-1, 1] with the action bounds. Shapes: (B, K, ...) throughout.
+    actions are mapped to [-1, 1] with the action bounds, discrete ones to class indices
+    ``action - info.action_start`` in ``[0, n)`` (0 on padding). Shapes: (B, K, ...) throughout.
     """
     actions = batch["actions"]
-    if not info.discrete:
+    if info.discrete:
+        actions = torch.where(batch["mask"].bool(), actions.long() - info.action_start, 0)
+    else:
         low = torch.as_tensor(info.action_low, device=actions.device)
         high = torch.as_tensor(info.action_high, device=actions.device)
         actions = from_env_action(actions.float(), low, high)
@@ -130,8 +139,9 @@ class DTAgent:
             (inference only: :meth:`batches` then raises).
 
     Raises:
-        ValueError: bad agent options (named), unbounded actions, episodes longer than
-            ``agent.max_ep_len``.
+        ValueError: bad agent options (named; ``agent.timestep_overflow`` and
+            ``agent.reward_scale`` before the dataset is read), unbounded actions, episodes
+            longer than ``agent.max_ep_len``.
     """
 
     def __init__(
@@ -140,6 +150,12 @@ class DTAgent:
     ) -> None:
         a = cfg.agent
         self.cfg = cfg
+        # options that only matter later (evaluation, the dataset statistics) are checked before
+        # the dataset is read and anything is trained
+        overflow = str(a.timestep_overflow)
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"agent.timestep_overflow={a.timestep_overflow!r}; use one of {', '.join(OVERFLOW_POLICIES)}")
+        reward_scale = parse_reward_scale(a.reward_scale)
         # runs saved before these options existed get the defaults
         self.early_exit_options = {**DT_DEFAULTS["agent"]["early_exit"], **(plain(a.get("early_exit")) or {})}
         self.knn_options = {**DT_DEFAULTS["agent"]["knn"], **(plain(a.get("knn")) or {})}
@@ -152,7 +168,7 @@ class DTAgent:
             if self.dataset is None:
                 self.dataset = load_offline_dataset(plain(cfg.dataset))
             info = DatasetInfo.from_dataset(
-                self.dataset, reward_scale=a.reward_scale, normalize_obs=bool(a.normalize_obs),
+                self.dataset, reward_scale=reward_scale, normalize_obs=bool(a.normalize_obs),
                 env_id=a.env_id, env_kwargs=plain(a.env_kwargs), spec=plain(cfg.dataset).get("path"),
             )
             if info.longest_episode > int(a.max_ep_len):
@@ -216,7 +232,7 @@ class DTAgent:
             self.model, i.obs_mean, i.obs_std, i.reward_scale, i.action_low, i.action_high,
             default_target=self.default_targets()[0],
             timestep_overflow=timestep_overflow or str(self.cfg.agent.timestep_overflow), align=self.align,
-            exit_threshold=self.exit_threshold, knn=self.knn_memory,
+            exit_threshold=self.exit_threshold, knn=self.knn_memory, action_start=i.action_start,
         )
 
     # -- inference options: early exit and kNN-LM ---------------------------------------------------

@@ -94,9 +94,12 @@ class DTConfig:
             classifier and the consistency used by calibration).
 
     Raises:
-        ValueError: unknown mode/head, a gaussian head on discrete actions; ``causal`` mode with a
-            non-causal backbone (future action tokens would leak into the prediction); a
-            ``backbone.memory.kind`` other than ``none`` (the DT carries no memory state).
+        ValueError: unknown mode/head (whatever the action space), a gaussian head on discrete
+            actions; ``causal`` mode with a non-causal backbone (future action tokens would leak
+            into the prediction); a ``backbone.memory.kind`` other than ``none`` (the DT carries
+            no memory state); windows of more tokens than the attention kind's fixed
+            ``backbone.attention.max_len`` (linformer's linear projection, sinkhorn);
+            ``embed_dropout`` outside [0, 1).
     """
 
     obs_dim: int
@@ -132,11 +135,15 @@ class DTConfig:
             raise ValueError(f"agent.embed_init={self.embed_init!r}; use one of {', '.join(EMBED_INITS)}")
         if self.mode not in MODES:
             raise ValueError(f"agent.mode={self.mode!r}; use one of {', '.join(MODES)}")
+        if self.head not in HEADS:  # a typo is refused whatever the action space
+            use = ("deterministic (categorical) for discrete actions" if self.discrete
+                   else "deterministic or gaussian for continuous actions")
+            raise ValueError(f"agent.head={self.head!r}; use {use}")
         if self.discrete and self.head == "gaussian":
             raise ValueError("agent.head=gaussian needs continuous actions; this action space is discrete")
         if self.discrete:
             object.__setattr__(self, "head", "categorical")
-        if self.head not in HEADS or (not self.discrete and self.head == "categorical"):
+        if not self.discrete and self.head == "categorical":
             raise ValueError(f"agent.head={self.head!r}; use deterministic or gaussian for continuous actions")
         if self.mode == "causal" and not self.backbone.causal:
             raise ValueError(
@@ -155,6 +162,17 @@ class DTConfig:
                 f"agent.context_len={self.context_len} needs {3 * self.context_len} token positions; "
                 f"backbone.max_position={self.backbone.max_position}"
             )
+        att = self.backbone.attention
+        max_keys = getattr(att, "max_keys", None)  # attention kinds with a fixed maximum length
+        if max_keys is not None and self.n_tokens > max_keys:
+            raise ValueError(
+                f"agent.context_len={self.context_len} makes windows of {self.n_tokens} tokens "
+                f"({'3K' if self.mode == 'causal' else '3K-1'} in agent.mode={self.mode}), more than attention kind "
+                f"{att.kind!r} takes: backbone.attention.max_len={att.max_len}; lower agent.context_len or raise "
+                f"backbone.attention.max_len"
+            )
+        if not 0.0 <= self.embed_dropout < 1.0:
+            raise ValueError(f"agent.embed_dropout must be in [0, 1), got {self.embed_dropout}")
 
     @property
     def n_tokens(self) -> int:

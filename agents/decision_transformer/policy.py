@@ -87,6 +87,8 @@ class DTPolicy:
             was built from the training dataset (:meth:`DTAgent.build_knn_memory`): the
             action is interpolated with the neighbours' (kNN-LM; the weighted form for
             continuous actions) with weight ``knn.lam``.
+        action_start: discrete actions: ``start`` of the environment's ``Discrete`` space,
+            added to the model's class index (``[0, n)``) to give the environment action.
 
     :meth:`stats` reports, since the last :meth:`reset_stats`: forward-pass milliseconds per
     step (one call for all N environments), mean exit layer and early-exit fraction of the
@@ -111,11 +113,13 @@ class DTPolicy:
         align: str | None = None,
         exit_threshold: float | None = None,
         knn: Any = None,
+        action_start: int = 0,
     ) -> None:
         if exit_threshold is not None and not model.early_exit:
             raise ValueError("DTPolicy: exit_threshold needs backbone.depth.kind=early_exit")
         self.exit_threshold = exit_threshold
         self.knn = knn
+        self.action_start = int(action_start)
         self.reset_stats()
         align = align or ("start" if model.cfg.mode == "causal" else "end")
         if align not in ("start", "end") or (align == "start" and model.cfg.mode != "causal"):
@@ -205,7 +209,8 @@ class DTPolicy:
             last_reward: (N,) raw rewards of the previous step (ignored where a row starts).
 
         Returns:
-            actions (N, A) float32 in the action box, or (N,) int64 for discrete spaces; the state.
+            actions (N, A) float32 in the action box, or (N,) int64 in ``[action_start,
+            action_start + n)`` for discrete spaces; the state.
 
         Raises:
             ValueError: a step at or past ``max_ep_len`` with ``timestep_overflow="error"``, or a
@@ -271,8 +276,8 @@ class DTPolicy:
             self._exit_layer_sum += float(out.metrics["exit/mean_layer"]) * n
             self._early_sum += float(out.metrics["exit/early_frac"]) * n
         state.actions[rows, slot] = a
-        if cfg.discrete:
-            return a.cpu().numpy().astype(np.int64), state
+        if cfg.discrete:  # class index -> environment action
+            return a.cpu().numpy().astype(np.int64) + self.action_start, state
         return to_env_action(a, self.low, self.high).cpu().numpy().astype(np.float32), state
 
     def _interpolate(self, features: Tensor, pred: Tensor) -> Tensor:

@@ -22,6 +22,7 @@ Continuous actions only. Command line (``--group NAME=FIRST:STOP`` episode index
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -31,6 +32,42 @@ import typer
 from rl_tformers.agents.decision_transformer.model import from_env_action
 from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.trajectory import returns_to_go
+
+
+def check_probe_options(t0s: Sequence[int], rtgs: Sequence[float]) -> None:
+    """Refuse a negative or repeated ``t0`` and a non-finite or repeated ``R`` (``--t0``, ``--rtg``).
+
+    Raises:
+        ValueError: naming the option and the value.
+    """
+    for t0 in t0s:
+        if int(t0) != t0 or t0 < 0:
+            raise ValueError(f"--t0 {t0}: an episode step, an integer >= 0")
+    if len(set(t0s)) != len(t0s):
+        raise ValueError(f"--t0 {next(t for t in t0s if list(t0s).count(t) > 1)} is given twice")
+    for r in rtgs:
+        if not math.isfinite(float(r)):
+            raise ValueError(f"--rtg {r}: the first return-to-go must be a finite number")
+    if len({float(r) for r in rtgs}) != len(rtgs):
+        raise ValueError(f"--rtg {next(r for r in rtgs if [float(x) for x in rtgs].count(float(r)) > 1)} is given twice")
+
+
+def check_dataset_fits(agent, dataset: EpisodeDataset) -> None:
+    """Refuse a dataset whose steps the run's model cannot take: other observation or action size,
+    or discrete instead of continuous actions.
+
+    Raises:
+        ValueError: naming both shapes.
+    """
+    info = agent.info
+    obs = int(np.prod(dataset.observation_shape))
+    act = int(dataset.action_space.n) if dataset.discrete_actions else int(np.prod(dataset.action_shape))
+    if dataset.discrete_actions != bool(info.discrete) or obs != int(info.obs_dim) or act != int(info.act_dim):
+        kind = lambda d: "discrete" if d else "continuous"  # noqa: E731
+        raise ValueError(
+            f"the dataset does not fit the run: it has observations of shape {tuple(dataset.observation_shape)} "
+            f"({obs} values) and {kind(dataset.discrete_actions)} actions of size {act}, but the run's model takes "
+            f"{info.obs_dim} observation values and {kind(info.discrete)} actions of size {info.act_dim}")
 
 
 def rtg_probe(
@@ -54,12 +91,35 @@ def rtg_probe(
         episode was long enough.
 
     Raises:
-        ValueError: discrete actions; an episode index outside the dataset.
+        ValueError (all before anything is computed): not a DT agent; discrete actions; a dataset
+            whose observation or action size is not the model's (:func:`check_dataset_fits`);
+            an episode index outside the dataset; a negative or repeated ``t0``, or one whose
+            window would pass ``agent.max_ep_len``, or at which no episode of any group holds a
+            window; a non-finite or repeated ``R`` (:func:`check_probe_options`).
     """
     info, model = agent.info, agent.model
+    k = getattr(getattr(model, "cfg", None), "context_len", None)
+    if k is None or not hasattr(info, "reward_scale"):
+        raise ValueError(f"rtg_probe: {type(agent).__name__} is not a Decision Transformer agent")
     if info.discrete:
         raise ValueError("rtg_probe: continuous actions only (the fit is a squared action error)")
-    k = model.cfg.context_len
+    check_dataset_fits(agent, dataset)
+    check_probe_options(t0s, rtgs)
+    for name, idx in groups.items():
+        bad = [i for i in idx if not 0 <= i < dataset.num_episodes]
+        if bad:
+            raise ValueError(f"rtg_probe: group {name!r} has episode indices {bad[:3]} outside 0..{dataset.num_episodes - 1}")
+    longest = max((int(dataset.lengths[i]) for idx in groups.values() for i in idx), default=0)
+    max_ep_len = int(model.cfg.max_ep_len)
+    for t0 in t0s:
+        if t0 + k > max_ep_len:
+            raise ValueError(f"--t0 {t0}: a window of K={k} steps from step {t0} reaches step {t0 + k - 1}, past the "
+                             f"run's agent.max_ep_len={max_ep_len} (the largest t0 is {max_ep_len - k})")
+        if t0 + k > longest:
+            most = (f"the largest useful t0 is {longest - k}" if longest >= k
+                    else "fewer than K, so none holds a window at any t0")
+            raise ValueError(f"--t0 {t0}: no episode of the groups holds a window of K={k} steps from step {t0} "
+                             f"(the longest has {longest} steps; {most})")
     dev = next(model.parameters()).device
     low, high = (torch.as_tensor(np.asarray(b, np.float32), device=dev) for b in (info.action_low, info.action_high))
     was_training = model.training
@@ -67,9 +127,6 @@ def rtg_probe(
     out = []
     try:
         for name, idx in groups.items():
-            bad = [i for i in idx if not 0 <= i < dataset.num_episodes]
-            if bad:
-                raise ValueError(f"rtg_probe: group {name!r} has episode indices {bad[:3]} outside 0..{dataset.num_episodes - 1}")
             for t0 in t0s:
                 wins = []
                 for i in idx:
@@ -99,13 +156,63 @@ def rtg_probe(
     return out
 
 
-def _range(text: str) -> tuple[str, range]:
-    name, _, span = text.partition("=")
-    first, _, stop = span.partition(":")
+def parse_groups(texts: Sequence[str]) -> dict[str, range]:
+    """``["medium=0:20", "expert=247:267"]`` -> ``{"medium": range(0, 20), ...}``.
+
+    Raises:
+        ValueError: not ``NAME=FIRST:STOP``, an empty name, ``FIRST < 0``, an empty range
+            (``STOP <= FIRST``) or a name given twice; the message names ``--group`` and the text.
+    """
+    out: dict[str, range] = {}
+    for text in texts:
+        name, eq, span = text.partition("=")
+        first, colon, stop = span.partition(":")
+        try:
+            if not (eq and colon and name.strip()):
+                raise ValueError
+            r = range(int(first), int(stop))
+        except ValueError:
+            raise ValueError(f"--group {text!r}: expected NAME=FIRST:STOP (episode indices, e.g. medium=0:20)") from None
+        if r.start < 0 or len(r) == 0:
+            raise ValueError(f"--group {text!r}: FIRST:STOP must be a non-empty range of episode indices from 0 "
+                             f"(FIRST >= 0, STOP > FIRST)")
+        if name in out:
+            raise ValueError(f"--group {name!r} is given twice ({name}={out[name].start}:{out[name].stop} and {text}); "
+                             f"give each group its own name")
+        out[name] = r
+    return out
+
+
+def _fail(msg: str) -> typer.Exit:
+    typer.echo(f"error: {msg}", err=True)
+    return typer.Exit(2)
+
+
+def _load_dt_run(run_dir: Path):
+    """The run of ``run_dir`` if it is a Decision Transformer run with continuous actions (else an
+    ``error:`` exit, before the model is built)."""
+    from omegaconf import OmegaConf
+    from rl_tformers.agents.common.loading import load_run
+
+    from rl_tformers.runtime.agents import UnknownAgentError
+    from rl_tformers.runtime.checkpoint import CheckpointError, find_latest_valid
+
+    if not run_dir.is_dir():
+        what = "is not a directory" if run_dir.exists() else "does not exist"
+        raise _fail(f"{run_dir} {what} (expected the run directory of a Decision Transformer trained by "
+                    f"rl-tformers train)")
     try:
-        return name, range(int(first), int(stop))
-    except ValueError:
-        raise typer.BadParameter(f"{text!r}: expected NAME=FIRST:STOP (episode indices)", param_hint="--group") from None
+        found = find_latest_valid(run_dir)
+        kind = OmegaConf.create(found.state["config"]).agent.kind
+        if kind != "dt":
+            raise _fail(f"{run_dir} is a {kind} run, not a Decision Transformer run")
+        run = load_run(run_dir, checkpoint=found.path)
+    except (CheckpointError, UnknownAgentError, TypeError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    if run.agent.info.discrete:
+        raise _fail(f"{run_dir} is a Decision Transformer with discrete actions; the probe takes continuous "
+                    f"actions only (the fit is a squared action error)")
+    return run
 
 
 def main(
@@ -116,13 +223,37 @@ def main(
     dataset: str = typer.Option(None, help="Dataset spec (default: the run's dataset.path)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Print the fit and return-to-go sensitivity of a trained DT on its data's windows."""
-    from rl_tformers.agents.common.loading import load_run
+    """Print the fit and return-to-go sensitivity of a trained DT on its data's windows.
+
+    Exit code 2 (one `error: ...` line): a bad option, a run that is not a continuous-action
+    Decision Transformer, or a dataset that does not fit it.
+    """
     from rl_tformers.agents.common.offline import load_offline_dataset, plain
 
-    run = load_run(run_dir)
+    try:  # the options first: nothing is loaded for a typo
+        groups = parse_groups(group)
+        check_probe_options(t0, rtg)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    run = _load_dt_run(run_dir)
     spec = plain(run.cfg.dataset) if dataset is None else {**plain(run.cfg.dataset), "path": dataset}
-    rows = rtg_probe(run.agent, load_offline_dataset(spec), dict(_range(g) for g in group), t0, rtg)
+    where = f"--dataset {dataset}" if dataset is not None else f"the run's dataset.path {spec.get('path')}"
+    if not spec.get("path"):
+        raise _fail(f"{run_dir}: the run's config has no dataset.path; give the data with --dataset")
+    try:
+        data = load_offline_dataset(spec)
+    except (OSError, ValueError) as exc:  # FileNotFoundError, DatasetError, h5py's OSError
+        raise _fail(f"{where}: {exc}") from None
+    try:
+        check_dataset_fits(run.agent, data)
+        rows = rtg_probe(run.agent, data, groups, t0, rtg)
+    except ValueError as exc:
+        msg = str(exc).removeprefix("rtg_probe: ")
+        if msg.startswith("the dataset"):
+            msg = f"{where}: {msg}"
+        elif msg.startswith("group "):
+            msg = f"--{msg} ({where} has {data.num_episodes} episodes)"
+        raise _fail(msg) from None
     if as_json:
         typer.echo(json.dumps(rows))
         return
@@ -132,5 +263,8 @@ def main(
         typer.echo(f"{r['group']:>10} t0={r['t0']:<4} episodes {r['episodes']:>3}  fit {fit}  shift {shifts}")
 
 
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app.command()(main)
+
 if __name__ == "__main__":
-    typer.run(main)
+    app()

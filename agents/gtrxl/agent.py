@@ -94,6 +94,7 @@ def segment_batch(
     action_low: Tensor | None = None,
     action_high: Tensor | None = None,
     reward_factor: float = 1.0,
+    action_start: int = 0,
 ) -> SegmentBatch:
     """Sampler batch of ``1 + burn_in + T`` steps -> :class:`SegmentBatch` of ``burn_in + T``.
 
@@ -107,12 +108,14 @@ def segment_batch(
         action_low, action_high: (A,) Box bounds (continuous).
         reward_factor: multiplies the batch rewards (sampler units) into the agent's reward
             units (IQL targets and the r_{t-1} input).
+        action_start: discrete actions: ``start`` of the ``Discrete`` space; the model sees
+            class indices ``action - action_start`` in ``[0, n)``.
     """
     mask = batch["mask"].bool()
     start = batch["episode_start"].bool()
     act = batch["actions"]
     if discrete:
-        act = act.long() * mask
+        act = (act.long() - action_start) * mask
     else:
         act = normalize_actions(act.float(), action_low.to(act.device), action_high.to(act.device))
         act = act * mask.unsqueeze(-1)
@@ -176,6 +179,8 @@ class GTrXLPolicy:
         device: where the model runs.
         obs_clip: clip normalised observations to [-obs_clip, obs_clip] (PPO's running
             normalisation does; ``None``: no clipping).
+        action_start: discrete actions: ``start`` of the environment's ``Discrete`` space,
+            added to the actor's class index to give the environment action.
     """
 
     def __init__(
@@ -191,9 +196,11 @@ class GTrXLPolicy:
         deterministic: bool = True,
         device: torch.device | str | None = None,
         obs_clip: float | None = None,
+        action_start: int = 0,
     ) -> None:
         self.model = model.eval()
         self.obs_clip = obs_clip
+        self.action_start = int(action_start)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.obs_mean = torch.as_tensor(np.asarray(obs_mean, np.float32), device=self.device)
         self.obs_std = torch.as_tensor(np.asarray(obs_std, np.float32), device=self.device)
@@ -245,7 +252,8 @@ class GTrXLPolicy:
             last_reward: (N,) raw reward of the previous step (ignored where ``episode_start``).
 
         Returns:
-            actions (N, A) float32 within the Box bounds, or (N,) int64; and the next state.
+            actions (N, A) float32 within the Box bounds, or (N,) int64 in ``[action_start,
+            action_start + n)``; and the next state (which keeps the class index).
         """
         dev = self.device
         n = state.t.shape[0]
@@ -285,7 +293,7 @@ class GTrXLPolicy:
             h = out.features[:, -1]  # (N, D)
         a = self.model.actor.mode(h) if self.deterministic else self.model.actor.dist(h).sample()
         if self.discrete:
-            env_a = a.cpu().numpy().astype(np.int64)
+            env_a = a.cpu().numpy().astype(np.int64) + self.action_start
         else:
             a = a.clamp(-1.0, 1.0)
             env_a = (self.low + 0.5 * (a + 1.0) * (self.high - self.low)).cpu().numpy()
@@ -342,7 +350,8 @@ class GTrXLAgent:
         extra: a checkpoint's extra state: build for inference only, without the dataset.
 
     Raises:
-        ValueError: unknown objective, unbounded Box actions, or a bad dataset spec.
+        ValueError: unknown objective, ``agent.seq_len`` < 1 or ``agent.burn_in`` < 0 (before
+            the dataset is read), unbounded Box actions, or a bad dataset spec.
     """
 
     def __init__(
@@ -361,6 +370,10 @@ class GTrXLAgent:
         self.seed = int(cfg.seed)
         self.device = torch.device(device)
         self.seq_len, self.burn_in = int(a.seq_len), int(a.burn_in)
+        if self.seq_len < 1:
+            raise ValueError(f"agent.seq_len must be >= 1 (steps in the gradient window), got {a.seq_len}")
+        if self.burn_in < 0:
+            raise ValueError(f"agent.burn_in must be >= 0 (steps that rebuild the memory), got {a.burn_in}")
         self.dataset = dataset
         if extra is not None:  # inference: everything comes from the checkpoint
             self.extra = dict(extra)
@@ -427,6 +440,7 @@ class GTrXLAgent:
             action_low=None if info.discrete else torch.as_tensor(info.action_low),
             action_high=None if info.discrete else torch.as_tensor(info.action_high),
             reward_factor=info.reward_scale * float(self.extra["reward_mult"]),
+            action_start=info.action_start,
         )
 
     def loss(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
@@ -448,7 +462,7 @@ class GTrXLAgent:
         return GTrXLPolicy(
             self.model, obs_mean=info.obs_mean, obs_std=info.obs_std, action_low=info.action_low,
             action_high=info.action_high, rtg_scale=info.reward_scale, reward_mult=float(self.extra["reward_mult"]),
-            deterministic=det,
+            deterministic=det, action_start=info.action_start,
         )
 
     def make_env(self):

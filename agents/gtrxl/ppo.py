@@ -47,6 +47,7 @@ import numpy as np
 import rl_tformers.envs.memory_tasks  # noqa: F401  (registers the memory tasks with gymnasium)
 import torch
 from rl_tformers.agents.common.loading import register_inference_loader
+from rl_tformers.agents.common.offline import check_env_kwargs
 from rl_tformers.agents.gtrxl.agent import GTrXLPolicy, _plain, model_config_dict
 from rl_tformers.agents.gtrxl.model import (
     GTrXLConfig,
@@ -228,13 +229,14 @@ class GTrXLPPO:
         self.cfg, self.a = cfg, a
         self.seed = int(cfg.seed)
         self.device = torch.device(device)
-        self.env_id, self.env_kwargs = str(a.env_id), dict(_plain(a.env_kwargs) or {})
+        self.env_id, self.env_kwargs = str(a.env_id), dict(check_env_kwargs(_plain(a.env_kwargs)) or {})
         probe = gym.make(self.env_id, **self.env_kwargs)
         obs_space, act_space = probe.observation_space, probe.action_space
         probe.close()
         if not isinstance(obs_space, gym.spaces.Box):
             raise ValueError(f"gtrxl_ppo: needs a Box observation space, {self.env_id} has {obs_space}")
         self.discrete = isinstance(act_space, gym.spaces.Discrete)
+        self.action_start = int(act_space.start) if self.discrete else 0  # env action = class index + start
         if self.discrete:
             act_dim, self.low, self.high = int(act_space.n), None, None
         elif isinstance(act_space, gym.spaces.Box) and np.isfinite(act_space.low).all() and np.isfinite(act_space.high).all():
@@ -332,7 +334,7 @@ class GTrXLPPO:
 
     def _to_env(self, a: Tensor) -> np.ndarray:
         if self.discrete:
-            return a.cpu().numpy().astype(np.int64)
+            return a.cpu().numpy().astype(np.int64) + self.action_start
         a = a.clamp(-1.0, 1.0).cpu().numpy()
         return (self.low + 0.5 * (a + 1.0) * (self.high - self.low)).astype(np.float32)
 
@@ -474,6 +476,7 @@ class GTrXLPPO:
         return GTrXLPolicy(
             self.model, obs_mean=self.obs_rms.mean, obs_std=self.obs_rms.std, action_low=self.low,
             action_high=self.high, reward_mult=self.reward_scale, deterministic=det, obs_clip=OBS_CLIP,
+            action_start=self.action_start,
         )
 
     def make_env(self):

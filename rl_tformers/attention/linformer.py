@@ -177,6 +177,12 @@ class LinformerConfig(AttentionConfig):
         if self.sharing == "layerwise" and len(set(ks)) > 1:
             raise ValueError("attention.sharing='layerwise' shares one E for all layers: use one k for all layers")
 
+    @property
+    def max_keys(self) -> int | None:
+        """Longest sequence this kind takes: ``max_len`` with the ``linear`` projection (E and F
+        have a fixed length), ``None`` (no limit) with ``pool``."""
+        return self.max_len if self.projection == "linear" else None
+
     @classmethod
     def contract_config(cls, seq_len: int) -> dict:
         """Contract-suite fields: E, F long enough for the test length."""

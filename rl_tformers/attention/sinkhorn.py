@@ -193,6 +193,11 @@ class SinkhornConfig(AttentionConfig):
         if self.block_size < 1 or self.max_len < 1 or self.sinkhorn_iters < 1 or self.temperature <= 0:
             raise ValueError("attention: sinkhorn needs block_size, max_len, sinkhorn_iters >= 1 and temperature > 0")
 
+    @property
+    def max_keys(self) -> int:
+        """Longest sequence this kind takes: the SortNet's ceil(max_len / b) blocks of b tokens."""
+        return -(-self.max_len // self.block_size) * self.block_size
+
     @classmethod
     def contract_config(cls, seq_len: int) -> dict:
         """Contract-suite fields: b ~ sqrt(S) (the memory-optimal block size, O(S) memory), a SortNet long enough."""

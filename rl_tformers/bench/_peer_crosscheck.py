@@ -116,7 +116,9 @@ def rollout(env, act, seed: int) -> tuple[float, int]:
     return ret, n
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's options (the driver also reads them: a per-run JSON is reused only when the
+    settings it records equal :func:`recorded_settings` of the command the driver would run)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--algo", choices=("dt", "bc"), required=True)
     ap.add_argument("--data", required=True)
@@ -140,7 +142,16 @@ def main(argv=None) -> int:
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--reward-scale", type=float, default=0.001)
     ap.add_argument("--max-timestep", type=int, default=1001, help="timesteps run 1..1000 in d3rlpy")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def recorded_settings(args: argparse.Namespace) -> dict:
+    """The settings written into the result JSON: every option but the file paths."""
+    return {k: v for k, v in vars(args).items() if k not in ("out", "data")}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     import d3rlpy
     import gymnasium as gym
@@ -204,7 +215,7 @@ def main(argv=None) -> int:
         "reset_seeds": list(range(args.episodes)), "results": results, "train_seconds": train_s,
         "eval_seconds": eval_s, "final_lr": final_lr, "n_episodes_in_dataset": len(dataset.episodes),
         "versions": {"d3rlpy": d3rlpy.__version__, "torch": torch.__version__, "gymnasium": gymnasium.__version__},
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "data")},
+        "settings": recorded_settings(args),
         "d3rlpy_config": cfg.serialize(),
     }
     with open(args.out, "w") as f:

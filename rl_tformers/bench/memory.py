@@ -11,17 +11,51 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 
+@contextlib.contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null inside the block (C++ code writes there directly)."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+@contextlib.contextmanager
+def quiet_profile(**kwargs: Any) -> Iterator[Any]:
+    """``torch.profiler.profile(**kwargs)`` without Kineto's ``USDT: ... profiler_start`` /
+    ``profiler_stop`` lines on stderr: only the profiler's own start and stop calls run with
+    stderr silenced, so messages of the profiled code still reach the terminal."""
+    from torch.profiler import profile
+
+    prof = profile(**kwargs)
+    with _stderr_silenced():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _stderr_silenced():
+            prof.stop()
+
+
 def cpu_peak_bytes(fn: Callable[[], Any]) -> int | None:
     """Peak of (allocated - freed) CPU bytes while ``fn()`` runs (profiler memory events)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     try:
         events = prof.profiler.kineto_results.events()

@@ -78,7 +78,9 @@ def set_adamw(runner: OursRunner, impl: str) -> None:
 def run(overrides: list[str], steps: int = 20, profile_steps: int = 5, adamw: str = "fused", threads: int = 1,
         device: str = "cpu", dataset: str | None = None) -> dict[str, Any]:
     """Time and profile DT updates (see the module docstring). Returns a JSON-ready dict."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    from rl_tformers.bench.memory import quiet_profile
 
     if device == "cpu":
         torch.set_num_threads(max(1, threads))
@@ -88,7 +90,7 @@ def run(overrides: list[str], steps: int = 20, profile_steps: int = 5, adamw: st
     runner.run("model", 3)  # warm-up
     rates = [steps / runner.run("model", steps) for _ in range(3)]
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    with profile(activities=acts) as prof:
+    with quiet_profile(activities=acts) as prof:
         runner.run("model", profile_steps)
     use_cuda = device.startswith("cuda")
     by_cat: dict[str, float] = defaultdict(float)

@@ -311,5 +311,5 @@ def find_latest_valid(run_dir: str | os.PathLike, quarantine: bool = False) -> F
             warnings.warn(msg, UserWarning, stacklevel=2)
             continue
         return FoundCheckpoint(path=path, state=state, skipped=skipped)
-    listing = "\n".join(f"  {p}: {r}" for p, r in skipped)
+    listing = "\n".join(f"  {r}" for _, r in skipped)  # each reason starts with its file's path
     raise CheckpointError(f"no valid checkpoint in {checkpoint_dir(run_dir)}:\n{listing}")

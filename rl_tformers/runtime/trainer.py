@@ -686,7 +686,8 @@ def load_resume_config(run_dir: str | os.PathLike, overrides: tuple[str, ...] | 
 
     Raises:
         CheckpointError: no valid checkpoint in ``RUN_DIR/checkpoints``.
-        ConfigError: an override touches a key outside ``RESUMABLE_KEYS``.
+        ConfigError: an override touches a key outside ``RESUMABLE_KEYS``; ``RUN_DIR/config.yaml``
+            differs from the checkpoint's config (:func:`check_config_file`).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -697,7 +698,72 @@ def load_resume_config(run_dir: str | os.PathLike, overrides: tuple[str, ...] | 
     saved = OmegaConf.create(found.state["config"])  # resolved plain values, as written
     new = _with_run_dir(compose(start=saved, overrides=list(overrides)), run_dir)
     changes = check_resume_changes(saved, new)
+    check_config_file(run_dir, found, new, overrides)
     return new, found, changes
+
+
+def _override_keys(overrides: tuple[str, ...] | list[str]) -> list[str]:
+    return [o.split("=", 1)[0].strip() for o in overrides]
+
+
+def check_config_file(run_dir: Path, found: ckpt.FoundCheckpoint, new: DictConfig,
+                      overrides: tuple[str, ...] | list[str] = ()) -> None:
+    """Refuse to resume when ``RUN_DIR/config.yaml`` says something the resumed run would not do.
+
+    A run resumes with its checkpoint's config (plus the command line's overrides); config.yaml
+    is only a copy, rewritten when the run continues. An edited copy would be silently undone,
+    so every key of config.yaml (composed with today's defaults, like the checkpoint's: a file
+    written before a key existed compares equal) must equal the resumed config's, except
+    ``run_dir`` and the keys the command line sets (the command line decides those). A missing
+    config.yaml is fine (it is written again).
+
+    Raises:
+        ConfigError: naming config.yaml, each differing key with both values, and what to do:
+            a key that may change when resuming is passed as an override, any other change
+            needs a new run.
+    """
+    from rl_tformers.runtime.config import RESUMABLE_KEYS
+
+    path = Path(run_dir) / CONFIG_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc}); fix or delete it (--resume takes the config from the "
+                          f"checkpoint and writes config.yaml again)") from None
+    if text == found.state["config"]:
+        return  # written with this checkpoint's config
+    undo = f"undo the edit, or delete {path} (it is written again from the checkpoint's config)"
+    try:
+        on_disk = OmegaConf.load(path)
+        if not isinstance(on_disk, DictConfig):
+            raise ValueError(f"a YAML {type(on_disk).__name__}, not a mapping of keys")
+        disk = compose(start=on_disk)
+    except ConfigError as exc:
+        raise ConfigError(f"{path} differs from the config of checkpoint {found.path.name} and does not compose "
+                          f"({exc}); --resume continues with the checkpoint's config: {undo}") from None
+    except Exception as exc:  # noqa: BLE001 - YAML syntax errors and the like, reported with the file
+        raise ConfigError(f"{path}: not a readable config ({type(exc).__name__}: {exc}); {undo}") from None
+    set_here = _override_keys(overrides)
+    covered = lambda key: key == "run_dir" or any(key == k or key.startswith(k + ".") for k in set_here)  # noqa: E731
+    a, b = flatten(to_container(new)), flatten(to_container(disk))
+    resumable, fixed = [], []
+    for key in sorted(set(a) | set(b)):
+        if covered(key) or a.get(key, "<unset>") == b.get(key, "<unset>"):
+            continue
+        line = f"{key}: {a.get(key, '<unset>')} (checkpoint) -> {b.get(key, '<unset>')} (config.yaml)"
+        if any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS):
+            resumable.append(f"{line}; to resume with it, pass {key}={b.get(key, '<unset>')} on the command line")
+        else:
+            fixed.append(f"{line}; cannot change when resuming: start a new run for it")
+    if resumable or fixed:
+        raise ConfigError(
+            f"{path} differs from the config of checkpoint {found.path.name}, which --resume continues with "
+            f"(config.yaml is a copy, not read on resume):\n  " + "\n  ".join(fixed + resumable)
+            + f"\npass changes to {', '.join(RESUMABLE_KEYS)} as KEY=VALUE overrides on the command line "
+            f"(e.g. rl-tformers train --resume {run_dir} train.steps=N); start a new run for any other change; "
+            f"else {undo}")
 
 
 def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = (),
@@ -755,5 +821,5 @@ def _resume_device_spec(run_dir: str | os.PathLike, overrides: tuple[str, ...] |
 
 __all__ = [
     "ConfigError", "GracefulInterrupt", "MetricWindow", "NonFiniteLossError", "RunDirError", "TrainResult",
-    "Trainer", "holds_run", "load_resume_config", "resume", "train",
+    "Trainer", "check_config_file", "holds_run", "load_resume_config", "resume", "train",
 ]

@@ -1,0 +1,297 @@
+"""Defects found by the breaker (third QA pass): Discrete action spaces with a ``start``, option and
+backbone checks that came late or without the key, unreadable/odd HDF5 files, CLI messages.
+
+Every test is tiny (a few rows of crafted data, a few updates of a tiny model) and runs in seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gymnasium as gym
+import h5py
+import numpy as np
+import pytest
+import torch
+from test_found_by_tester import _train, _write_h5
+from typer.testing import CliRunner
+
+from rl_tformers.cli import app
+from rl_tformers.config import BackboneConfig
+from rl_tformers.runtime.config import ConfigError, compose
+
+runner = CliRunner()
+
+SMALL = ["train.steps=2", "train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1", "eval.every=0",
+         "eval.at_end=false", "train.progress=false", "train.warmup_steps=1", "device=cpu"]
+
+
+def _clean_exit(r, code: int) -> None:
+    """The command ended with ``code`` through typer (an ``error: ...`` line), not a traceback."""
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.exit_code == code, r.output
+
+
+# ------------------------------------------------------------------- 1: Discrete(n, start != 0)
+def _discrete_start_h5(path: Path, start: int, n: int = 3) -> Path:
+    """Four 8-step episodes whose actions lie in ``Discrete(n, start=start)`` (saved with the space)."""
+    from rl_tformers.envs.dataset import EpisodeDataset
+    from rl_tformers.envs.loaders import save_d4rl_hdf5
+
+    rng = np.random.default_rng(0)
+    episodes = [{"observations": rng.normal(size=(9, 4)).astype(np.float32),
+                 "actions": rng.integers(start, start + n, 8), "rewards": np.ones(8),
+                 "terminations": [False] * 7 + [True], "truncations": [False] * 8} for _ in range(4)]
+    episodes[0]["actions"][:n] = np.arange(start, start + n)  # every action occurs, the largest included
+    ds = EpisodeDataset.from_episodes(episodes, observation_space=gym.spaces.Box(-np.inf, np.inf, (4,), np.float32),
+                                      action_space=gym.spaces.Discrete(n, start=start))
+    return save_d4rl_hdf5(ds, path)
+
+
+@pytest.mark.parametrize("kind, start", [("dt", 1), ("dt", -1), ("bc", 1), ("gtrxl", 1)])
+def test_discrete_actions_with_a_start_train_and_act_inside_the_space(tmp_path: Path, kind: str, start: int) -> None:
+    from rl_tformers.agents.common.loading import load_run
+
+    from rl_tformers.runtime.trainer import train
+
+    h5 = _discrete_start_h5(tmp_path / "d.hdf5", start)
+    extra = {"dt": ["agent.context_len=4"], "bc": ["agent.hidden=[8]"],
+             "gtrxl": ["agent.seq_len=4", "agent.burn_in=2", "backbone.n_heads=1", "agent.prev_action=true"]}[kind]
+    cfg = compose(None, [f"agent.kind={kind}", f"dataset.path={h5}", *SMALL, *extra])
+    assert train(cfg, tmp_path / "run").complete  # before: IndexError (start -1 or action n), or shifted labels
+    run = load_run(tmp_path / "run")
+    assert run.agent.info.action_start == start  # kept in the checkpoint
+    pol = run.agent.policy()
+    n_envs = 16
+    obs = np.random.default_rng(1).normal(size=(n_envs, 4)).astype(np.float32) * 3
+    state = pol.initial_state(n_envs, 1.0) if kind == "dt" else pol.initial_state(n_envs)
+    seen = []
+    for t in range(3):
+        act, state = pol.act(obs + t, state, np.full(n_envs, t == 0), np.ones(n_envs))
+        seen.append(np.asarray(act))
+    seen = np.concatenate(seen)
+    assert seen.dtype == np.int64 and seen.min() >= start and seen.max() <= start + 2, seen
+
+
+def test_discrete_start_is_subtracted_from_the_training_labels(tmp_path: Path) -> None:
+    from rl_tformers.agents.common.offline import DatasetInfo
+    from rl_tformers.agents.decision_transformer.agent import to_model_batch
+    from rl_tformers.agents.gtrxl.agent import segment_batch
+    from rl_tformers.envs.loaders import load_dataset
+
+    ds = load_dataset(_discrete_start_h5(tmp_path / "d.hdf5", 1))
+    assert ds.action_space == gym.spaces.Discrete(3, start=1)
+    info = DatasetInfo.from_dataset(ds)
+    assert info.action_start == 1 and DatasetInfo.from_extra(info.to_extra()).action_start == 1
+    raw = torch.tensor([[0, 1, 3], [2, 3, 1]])  # row 0 slot 0 is padding (value 0)
+    mask = torch.tensor([[False, True, True], [True, True, True]])
+    batch = {"observations": torch.zeros(2, 3, 4), "actions": raw, "returns_to_go": torch.zeros(2, 3),
+             "timesteps": torch.zeros(2, 3, dtype=torch.long), "mask": mask}
+    assert to_model_batch(batch, info)["actions"].tolist() == [[0, 0, 2], [1, 2, 0]]
+    seg = segment_batch({**batch, "rewards": torch.zeros(2, 3), "episode_start": torch.zeros(2, 3, dtype=torch.bool),
+                         "terminations": torch.zeros(2, 3, dtype=torch.bool)},
+                        burn_in=0, discrete=True, action_start=info.action_start)
+    assert seg.actions.tolist() == [[0, 2], [2, 0]]
+    # an evaluation environment whose Discrete space starts elsewhere would get shifted actions
+    with pytest.raises(ValueError, match=r"^actions: .* has actions in Discrete\(3, start=1\), but the evaluation "
+                                         r"environment CartPole-v1 \(agent.env_id\) has action space Discrete\(2\)"):
+        DatasetInfo.from_dataset(ds, env_id="CartPole-v1")
+
+
+# ------------------------------------------------------------------- 2, 10: DT options checked before the data
+@pytest.mark.parametrize("override, expected", [
+    ("agent.timestep_overflow=wrap", "agent.timestep_overflow='wrap'; use one of error, clamp"),
+    ("agent.reward_scale=big", "agent.reward_scale must be 'auto' or a number > 0, got 'big'"),
+    ("agent.reward_scale=0", "agent.reward_scale must be 'auto' or a number > 0, got 0"),
+])
+def test_dt_options_are_checked_before_the_dataset_is_read(tmp_path: Path, override: str, expected: str) -> None:
+    r = _train(f"dataset.path={tmp_path / 'not_read_yet.hdf5'}", override, "--run-dir", str(tmp_path / "run"))
+    _clean_exit(r, 2)
+    assert f"error: {expected}" in r.output and "not_read_yet" not in r.output
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------- 3, 4, 5: HDF5 files that are not D4RL arrays
+def _truncated(path: Path) -> Path:
+    data = _write_h5(path.with_name("whole.hdf5")).read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+@pytest.mark.parametrize("make", ["garbage", "truncated"])
+def test_an_unreadable_hdf5_file_is_a_dataset_error(tmp_path: Path, make: str) -> None:
+    from rl_tformers.envs.dataset import DatasetError
+    from rl_tformers.envs.loaders import load_dataset
+
+    path = tmp_path / f"{make}.hdf5"
+    if make == "garbage":
+        path.write_bytes(b"this is not an HDF5 file\n" * 10)
+    else:
+        _truncated(path)
+    with pytest.raises(DatasetError, match=rf"^{path}: not a readable HDF5 file \(.+\)$"):
+        load_dataset(path)
+    r = runner.invoke(app, ["dataset", "info", str(path)])
+    _clean_exit(r, 1)  # the dataset commands' exit status for a bad dataset
+    assert f"error: {path}: not a readable HDF5 file (" in r.output
+    r = _train(f"dataset.path={path}", "--run-dir", str(tmp_path / "run"))
+    _clean_exit(r, 2)
+    assert f"error: {path}: not a readable HDF5 file (" in r.output
+
+
+def test_an_hdf5_group_where_a_dataset_belongs_is_named(tmp_path: Path) -> None:
+    from rl_tformers.envs.dataset import DatasetError
+    from rl_tformers.envs.loaders import load_dataset
+
+    path = _write_h5(tmp_path / "g.hdf5")
+    with h5py.File(path, "a") as f:
+        obs = f["observations"][()]
+        del f["observations"]
+        f.create_group("observations").create_dataset("a", data=obs)
+    with pytest.raises(DatasetError, match=rf"^{path}: 'observations' is an HDF5 group, not a dataset;"):
+        load_dataset(path)
+    r = runner.invoke(app, ["dataset", "info", str(path)])
+    _clean_exit(r, 1)
+    assert "'observations' is an HDF5 group, not a dataset" in r.output
+
+
+@pytest.mark.parametrize("key, values, dtype", [
+    ("actions", np.array([b"abc"] * 30), "|S3"),
+    ("actions", np.arange(30) % 2 == 0, "bool"),
+    ("observations", np.array([[b"x"] * 4] * 30), "|S1"),
+    ("rewards", np.array([b"r"] * 30), "|S1"),
+])
+def test_non_numeric_hdf5_arrays_are_named_up_front(tmp_path: Path, key: str, values, dtype: str) -> None:
+    from rl_tformers.envs.dataset import DatasetError
+    from rl_tformers.envs.loaders import load_dataset
+
+    path = _write_h5(tmp_path / "bad.hdf5", **{key: values})
+    expected = f"{key}: dtype {dtype} is not numeric (integer or floating point) in {path}"
+    with pytest.raises(DatasetError) as info:
+        load_dataset(path)
+    assert str(info.value) == expected
+    r = runner.invoke(app, ["dataset", "info", str(path)])
+    _clean_exit(r, 1)
+    assert f"error: {expected}" in r.output
+    r = _train(f"dataset.path={path}", "--run-dir", str(tmp_path / "run"))
+    _clean_exit(r, 2)
+    assert f"error: {expected}" in r.output
+
+
+# ------------------------------------------------------------------- 6: backbone numbers
+@pytest.mark.parametrize("override, expected", [
+    ("backbone.attn_dropout=2", "backbone.attn_dropout must be a probability in [0, 1), got 2"),
+    ("backbone.dropout=1.5", "backbone.dropout must be a probability in [0, 1), got 1.5"),
+    ("backbone.ffn_dropout=-0.1", "backbone.ffn_dropout must be a probability in [0, 1) or null (= backbone.dropout), "
+                                  "got -0.1"),
+    ("backbone.d_ff=-4", "backbone.d_ff must be an integer >= 1 or null (4 * d_model), got -4"),
+    ("backbone.d_ff=0", "backbone.d_ff must be an integer >= 1 or null (4 * d_model), got 0"),
+    ("backbone.d_model=16.0", "backbone.d_model must be an integer >= 1, got 16.0"),
+    ("backbone.max_position=-1", "backbone.max_position must be an integer >= 1, got -1"),
+    ("backbone.n_heads='2'", "backbone.n_heads must be an integer >= 1, got '2'"),
+    ("backbone.causal=maybe", "backbone.causal must be true or false, got 'maybe'"),
+])
+def test_backbone_numbers_are_checked_with_their_key(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        compose(None, ["agent.kind=toy", override])
+    assert str(info.value) == expected
+
+
+def test_backbone_d_ff_default_and_dt_embed_dropout() -> None:
+    from rl_tformers.agents.decision_transformer.model import DTConfig
+
+    assert BackboneConfig(d_model=16).ff_dim == 64 and BackboneConfig(d_model=16, d_ff=8).ff_dim == 8
+    with pytest.raises(ValueError, match=r"^agent.embed_dropout must be in \[0, 1\), got 3.0$"):
+        DTConfig(obs_dim=3, act_dim=2, embed_dropout=3.0)
+
+
+# ------------------------------------------------------------------- 7: agent options of the wrong type
+@pytest.mark.parametrize("args, expected", [
+    (["agent.kind=bc", "agent.hidden=32"], "agent.hidden must be a non-empty list of integer widths >= 1 "
+                                           "(e.g. [256, 256]), got 32"),
+    (["agent.kind=bc", "agent.env_kwargs=5"], "agent.env_kwargs must be a mapping of gym.make keyword arguments "
+                                              "(e.g. {max_episode_steps: 500}) or null, got 5"),
+    (["agent.kind=dt", "agent.env_kwargs=[1]"], "agent.env_kwargs must be a mapping of gym.make keyword arguments "
+                                                "(e.g. {max_episode_steps: 500}) or null, got [1]"),
+])
+def test_wrongly_typed_agent_options_are_named(tmp_path: Path, args: list[str], expected: str) -> None:
+    h5 = _write_h5(tmp_path / "ok.hdf5")
+    r = runner.invoke(app, ["train", *args, f"dataset.path={h5}", *SMALL, "--run-dir", str(tmp_path / "run")])
+    _clean_exit(r, 2)
+    assert f"error: {expected}" in r.output
+
+
+# ------------------------------------------------------------------- 8: DT windows vs a fixed-length attention
+def test_dt_window_longer_than_linformer_max_len_is_refused_at_build() -> None:
+    from rl_tformers.agents.decision_transformer.model import DTConfig
+
+    def cfg(max_len: int, projection: str = "linear") -> DTConfig:
+        return DTConfig(obs_dim=3, act_dim=2, context_len=4, mode="last_action", backbone={
+            "d_model": 16, "n_layers": 1, "causal": False,
+            "attention": {"kind": "linformer", "k": 4, "max_len": max_len, "projection": projection}})
+
+    with pytest.raises(ValueError, match=r"^agent.context_len=4 makes windows of 11 tokens \(3K-1 in "
+                                         r"agent.mode=last_action\), more than attention kind 'linformer' takes: "
+                                         r"backbone.attention.max_len=8;"):
+        cfg(8)
+    assert cfg(11).n_tokens == 11
+    assert cfg(8, "pool").n_tokens == 11  # segment pooling has no fixed length
+
+
+# ------------------------------------------------------------------- 9: GTrXL window options
+@pytest.mark.parametrize("override, expected", [
+    ("agent.seq_len=0", "agent.seq_len must be >= 1 (steps in the gradient window), got 0"),
+    ("agent.burn_in=-3", "agent.burn_in must be >= 0 (steps that rebuild the memory), got -3"),
+])
+def test_gtrxl_seq_len_and_burn_in_are_named_with_the_typed_value(tmp_path: Path, override: str,
+                                                                  expected: str) -> None:
+    h5 = _write_h5(tmp_path / "ok.hdf5")
+    r = runner.invoke(app, ["train", "agent.kind=gtrxl", f"dataset.path={h5}", override, *SMALL,
+                            "--run-dir", str(tmp_path / "run")])
+    _clean_exit(r, 2)
+    assert f"error: {expected}" in r.output
+
+
+# ------------------------------------------------------------------- 11: export into a directory
+def test_dataset_export_to_a_directory_is_a_clean_error(tmp_path: Path) -> None:
+    h5 = _write_h5(tmp_path / "ok.hdf5")
+    (tmp_path / "out").mkdir()
+    r = runner.invoke(app, ["dataset", "export", str(h5), str(tmp_path / "out")])
+    _clean_exit(r, 1)
+    assert f"error: {tmp_path / 'out'} is a directory; OUT is the .hdf5 file to write" in r.output
+
+
+# ------------------------------------------------------------------- 12: agent.head typos
+def test_unknown_dt_head_is_refused_for_discrete_actions_too() -> None:
+    from rl_tformers.agents.decision_transformer.model import DTConfig
+
+    with pytest.raises(ValueError, match=r"^agent.head='gauss'; use deterministic \(categorical\) for discrete"):
+        DTConfig(obs_dim=3, act_dim=2, discrete=True, head="gauss")
+    with pytest.raises(ValueError, match=r"^agent.head='gauss'; use deterministic or gaussian for continuous"):
+        DTConfig(obs_dim=3, act_dim=2, head="gauss")
+    with pytest.raises(ValueError, match="agent.head=gaussian needs continuous actions"):
+        DTConfig(obs_dim=3, act_dim=2, discrete=True, head="gaussian")
+    for head in ("deterministic", "categorical"):  # valid values work as before
+        assert DTConfig(obs_dim=3, act_dim=2, discrete=True, head=head).head == "categorical"
+    assert DTConfig(obs_dim=3, act_dim=2, head="gaussian").head == "gaussian"
+
+
+# ------------------------------------------------------------------- 13: messages
+def test_dataset_info_max_ep_len_must_be_positive(tmp_path: Path) -> None:
+    h5 = _write_h5(tmp_path / "ok.hdf5")
+    r = runner.invoke(app, ["dataset", "info", str(h5), "--max-ep-len", "-5"])
+    _clean_exit(r, 2)  # a usage error naming the option
+    assert "--max-ep-len" in r.output and "max_ep_len=-5" not in r.output
+
+
+def test_all_corrupt_checkpoints_name_each_file_once(tmp_path: Path) -> None:
+    from rl_tformers.runtime.checkpoint import CheckpointError, checkpoint_dir, find_latest_valid
+
+    d = checkpoint_dir(tmp_path / "run")
+    d.mkdir(parents=True)
+    bad = d / "step_000000008.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError) as info:
+        find_latest_valid(tmp_path / "run")
+    lines = str(info.value).splitlines()
+    assert lines[0] == f"no valid checkpoint in {d}:"
+    assert lines[1].startswith(f"  {bad}: cannot be loaded") and lines[1].count(str(bad)) == 1
