@@ -150,6 +150,12 @@ def eval_cmd(
     cost = f"  {x['act_ms_per_step']:.2f} ms per step (act, {report.n_envs} envs)" if "act_ms_per_step" in x else ""
     if "exit_mean_layer" in x:
         cost += f"; mean exit layer {x['exit_mean_layer']:.2f}"
+    ee = x.get("early_exit")
+    if isinstance(ee, dict) and "threshold" in ee:
+        how = (f"calibrated (delta {ee['delta']}, epsilon {ee['epsilon']}, {ee['n']} held-out windows)"
+               if "delta" in ee else "given")
+        thr = "none passed: full model" if ee["threshold"] is None else f"{ee['threshold']:g}"
+        cost += f"; early-exit threshold {thr} ({how})"
     if "knn" in x:
         cost += f"; kNN-LM lambda {x['knn']['lam']} over {x['knn']['entries']} entries"
     if cost:

@@ -49,6 +49,8 @@ def collect(
     policies: Path = typer.Option(None, "--policies", help="Folder of pretrained policies for recipes (default ../shared/policies)."),
     list_recipes: bool = typer.Option(False, "--list-recipes", help="List the recipes and exit."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing dataset of the same id."),
+    skip_existing: bool = typer.Option(False, "--skip-existing",
+                                       help="With --recipe: build only the recipes whose dataset does not exist yet."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
@@ -60,6 +62,10 @@ def collect(
       rl-tformers collect --env Hopper-v5 --policy ../shared/policies/sac/Hopper-v3/model.zip --episodes 10 --noise 0.1
       rl-tformers collect --env Hopper-v5 --train sac --train-steps 50000 --steps 10000 --replay-dataset-id rlt/hopper-v5/sac-replay-v0
       rl-tformers collect --recipe 'hopper-*'
+      rl-tformers collect --recipe 'hopper-*' --skip-existing     (finish an interrupted suite)
+
+    With several recipes, existing datasets are checked before anything is built: without
+    --overwrite or --skip-existing the command stops at once, naming them.
     """
     from rl_tformers.envs import recipes as R
 
@@ -74,14 +80,14 @@ def collect(
     try:
         _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise,
                      epsilon, pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe, recipe_steps, policies,
-                     overwrite, progress, as_json)
+                     overwrite, skip_existing, progress, as_json)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
-                 pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe, recipe_steps, policies, overwrite, progress,
-                 as_json) -> None:
+                 pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe, recipe_steps, policies, overwrite,
+                 skip_existing, progress, as_json) -> None:
     from rl_tformers.envs import recipes as R
     from rl_tformers.envs.dataset import DatasetError
 
@@ -95,8 +101,26 @@ def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset
                        + (f" (+ {s['hdf5']})" if s["hdf5"] else ""))
 
     try:
+        if skip_existing and not recipe:
+            _fail("--skip-existing works with --recipe only")
         if recipe:
-            for r in R.match_recipes(list(recipe), recipe_steps or R.DEFAULT_STEPS):
+            from rl_tformers.envs.collect import dataset_folder
+
+            if overwrite and skip_existing:
+                _fail("--overwrite and --skip-existing exclude each other: choose one")
+            todo = R.match_recipes(list(recipe), recipe_steps or R.DEFAULT_STEPS)
+            existing = {r.name for r in todo if dataset_folder(r.dataset_id, root).exists()}
+            if existing and not (overwrite or skip_existing):
+                ids = ", ".join(r.dataset_id for r in todo if r.name in existing)
+                _fail(f"{len(existing)} of the {len(todo)} recipe datasets already exist under "
+                      f"{dataset_folder('', root)}: {ids}; nothing was built. Pass --skip-existing to build only the "
+                      f"missing ones, or --overwrite to rebuild them")
+            for r in todo:
+                if skip_existing and r.name in existing:
+                    path = dataset_folder(r.dataset_id, root)
+                    typer.echo(json.dumps({"dataset_id": r.dataset_id, "skipped": "exists", "path": str(path)})
+                               if as_json else f"{r.dataset_id}: exists at {path}, skipped")
+                    continue
                 h = None if hdf5 is None else Path(hdf5) / f"{r.name}.hdf5"
                 report(R.build_recipe(r, seed=seed, root=root, policies=policies, hdf5=h, overwrite=overwrite,
                                       progress=progress))

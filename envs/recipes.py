@@ -152,24 +152,31 @@ def match_recipes(patterns: list[str], steps: int = DEFAULT_STEPS) -> list[Recip
 def policies_dir(explicit: str | os.PathLike | None = None) -> Path:
     """Folder of the pretrained behaviour policies (``<algo>/<Env>-v3/model.zip``).
 
-    ``explicit``, else ``$RL_TFORMERS_POLICIES``, else ``../shared/policies`` next to the current
+    ``explicit``, else ``$RL_TFORMERS_POLICIES``, else ``$RL_TFORMERS_SHARED/policies`` (the
+    shared folder the tests also use), else ``../shared/policies`` next to the current
     directory or to the repository.
 
     Raises:
-        FileNotFoundError: none of those exists.
+        FileNotFoundError: none of those exists (the message lists each place looked in once).
     """
-    cands = []
+    cands: list[Path] = []
     if explicit is not None:
         cands.append(Path(explicit).expanduser())
     elif os.environ.get("RL_TFORMERS_POLICIES"):
         cands.append(Path(os.environ["RL_TFORMERS_POLICIES"]).expanduser())
+    elif os.environ.get("RL_TFORMERS_SHARED"):
+        cands.append(Path(os.environ["RL_TFORMERS_SHARED"]).expanduser() / "policies")
     else:
-        cands += [Path.cwd().parent / "shared" / "policies", Path(__file__).resolve().parents[1].parent / "shared" / "policies"]
+        for c in (Path.cwd().parent / "shared" / "policies",
+                  Path(__file__).resolve().parents[1].parent / "shared" / "policies"):
+            if c.resolve() not in [x.resolve() for x in cands]:
+                cands.append(c)
     for c in cands:
         if c.is_dir():
             return c
     raise FileNotFoundError(f"behaviour policies not found (looked in {', '.join(map(str, cands))}); "
-                            "pass --policies DIR or set RL_TFORMERS_POLICIES")
+                            "pass --policies DIR or set RL_TFORMERS_POLICIES (the policies folder) or "
+                            "RL_TFORMERS_SHARED (the shared folder holding policies/)")
 
 
 def policy_path(algo: str, env_id: str, policies: str | os.PathLike | None = None) -> Path:

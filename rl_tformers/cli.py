@@ -13,6 +13,8 @@ Modules listed in ``COMMAND_MODULES`` that are not present yet are skipped.
 from __future__ import annotations
 
 import importlib
+import os
+from pathlib import Path
 
 import typer
 
@@ -54,7 +56,33 @@ def _register_all() -> None:
 _register_all()
 
 
+def _our_dirs() -> tuple[str, ...]:
+    import rl_tformers
+    import rl_tformers.agents
+    import rl_tformers.envs
+
+    return tuple(str(Path(d).resolve()) + os.sep
+                 for m in (rl_tformers, rl_tformers.agents, rl_tformers.envs) for d in m.__path__)
+
+
+def short_warnings() -> None:
+    """Print the package's own warnings as one ``warning: MESSAGE`` line on stderr (no source
+    file, line number or source text, which only help a developer); third-party warnings keep
+    Python's format."""
+    import warnings
+
+    ours, plain = _our_dirs(), warnings.formatwarning
+
+    def fmt(message, category, filename, lineno, line=None):
+        if str(Path(filename).resolve()).startswith(ours):
+            return f"warning: {message}\n"
+        return plain(message, category, filename, lineno, line)
+
+    warnings.formatwarning = fmt
+
+
 def main() -> None:
+    short_warnings()
     app()
 
 

@@ -23,6 +23,8 @@ DEMO_CONFIG = "dt/cartpole_demo"
 DATA_FILE = "cartpole-delayed-expert.hdf5"
 #: evaluation targets of the demo (CartPole-v1 returns are episode lengths, at most 500)
 DEMO_TARGETS = [50.0, 140.0, 230.0, 320.0, 410.0, 500.0]
+#: base reset seed of the demo's evaluation (episode j: EVAL_SEED + j)
+EVAL_SEED = 1000
 
 
 @dataclass
@@ -99,7 +101,10 @@ def run_demo(
     echo(f"      {ds.num_steps} steps, episode return min {ret.min():.0f} / mean {ret.mean():.0f} / best {ret.max():.0f}"
          f" -> {data_path}")
 
-    overrides = [f"dataset.path={data_path}", f"device={device}", "train.progress=false", "eval.at_end=false"]
+    targets = list(DEMO_TARGETS if targets is None else targets)
+    # the run's own agent.targets are the demo's, so `rl-tformers eval RUN_DIR` evaluates the same ones
+    overrides = [f"dataset.path={data_path}", f"device={device}", "train.progress=false", "eval.at_end=false",
+                 f"agent.targets=[{', '.join(f'{t:g}' for t in targets)}]"]
     if steps is not None:
         overrides.append(f"train.steps={steps}")
     overrides += list(extra_overrides or [])
@@ -126,15 +131,16 @@ def run_demo(
     echo(f"      done in {time.perf_counter() - t_train:.0f} s, final training loss {loss:.4f}")
 
     run = load_run(run_dir, device)
-    targets = list(DEMO_TARGETS if targets is None else targets)
     echo(f"[3/4] evaluating at targets {targets}, {eval_episodes} episodes each ...")
+    n_envs = min(10, eval_episodes)
     report = evaluate(run.agent.policy(), run.agent.make_env(), targets, episodes=eval_episodes,
-                      n_envs=min(10, eval_episodes), seed=1000, record_rewards=True, env_id=run.env_id)
+                      n_envs=n_envs, seed=EVAL_SEED, record_rewards=True, env_id=run.env_id)
     report.extra = {"run_dir": str(run_dir), "step": run.step, "kind": run.kind}
     eval_json = run_dir / "eval.json"
     eval_json.write_text(json.dumps(report.to_dict(with_rewards=True), indent=1))
     for line in summary_lines(report.results):
         echo("      " + line)
+    echo(f"      (repeat: rl-tformers eval {run_dir} --seed {EVAL_SEED} --episodes {eval_episodes} --envs {n_envs})")
 
     echo("[4/4] plotting achieved vs target return ...")
     fig = plot_return_conditioning(report.results, dataset_max=float(ret.max()), dataset_mean=float(ret.mean()),

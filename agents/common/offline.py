@@ -47,7 +47,8 @@ def load_offline_dataset(spec: Mapping[str, Any] | None) -> EpisodeDataset:
     Raises:
         ValueError: no ``dataset.path``; ``dataset.env_id`` with a Minari dataset (which carries
             its own environment spec).
-        DatasetError / FileNotFoundError: from the data layer's loaders.
+        DatasetError / FileNotFoundError: from the data layer's loaders (a missing file's error
+            ends with ``dataset.build``, the command that makes it, when the config has one).
     """
     from rl_tformers.envs.loaders import HDF5_SUFFIXES, load_dataset
 
@@ -64,11 +65,17 @@ def load_offline_dataset(spec: Mapping[str, Any] | None) -> EpisodeDataset:
             f"dataset.env_id={env_id!r} applies to HDF5 files only; {spec['path']} is a Minari dataset, "
             f"which carries its own environment (set agent.env_id to evaluate in another one)"
         )
-    return load_dataset(
-        str(spec["path"]), download=bool(spec.get("download", False)), lazy=bool(spec.get("lazy", False)),
-        root=spec.get("root"), flatten_observations=bool(spec.get("flatten_observations", False)),
-        env_id=str(env_id) if env_id else None,
-    )
+    try:
+        return load_dataset(
+            str(spec["path"]), download=bool(spec.get("download", False)), lazy=bool(spec.get("lazy", False)),
+            root=spec.get("root"), flatten_observations=bool(spec.get("flatten_observations", False)),
+            env_id=str(env_id) if env_id else None,
+        )
+    except FileNotFoundError as exc:
+        build = spec.get("build")
+        if build and str(spec["path"]) in str(build):
+            raise FileNotFoundError(f"{exc}; build it with (dataset.build): {build}") from None
+        raise
 
 
 @dataclass

@@ -263,7 +263,8 @@ def main(
         typer.echo(f"{r['group']:>10} t0={r['t0']:<4} episodes {r['episodes']:>3}  fit {fit}  shift {shifts}")
 
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
 app.command()(main)
 
 if __name__ == "__main__":

@@ -153,9 +153,33 @@ def train(
         summary = eval_summary(result.last_eval)
         if summary:
             typer.echo(f"final evaluation at step {result.step}: {summary}", err=True)
+            again = repeat_eval_command(result.run_dir, result.step)
+            if again:
+                typer.echo(f"  (repeat it exactly: {again}; plain `rl-tformers eval {result.run_dir}` uses reset "
+                           f"seeds 0..N-1, so its numbers differ within the spread)", err=True)
     else:
         typer.echo(f"stopped at step {result.step} of {result.total_steps}; continue with: "
                    f"rl-tformers train --resume {result.run_dir}", err=True)
+
+
+def repeat_eval_command(run_dir: Path, step: int) -> str:
+    """The ``rl-tformers eval`` line that repeats the in-training evaluation at ``step``.
+
+    In-training evaluations reset episode j with seed ``eval_seed(seed, step) + j``
+    (:func:`rl_tformers.agents.common.offline.eval_seed`), ``eval.episodes`` episodes over
+    ``eval.n_envs`` environments; ``rl-tformers eval`` takes the same three as ``--seed``,
+    ``--episodes`` and ``--envs``. '' when ``RUN_DIR/config.yaml`` cannot be read.
+    """
+    from omegaconf import OmegaConf
+
+    from rl_tformers.agents.common.offline import eval_seed
+
+    try:
+        cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
+        seed, episodes, envs = int(cfg.seed), int(cfg.eval.episodes), int(cfg.eval.n_envs)
+    except Exception:  # noqa: BLE001 - a hint only; the run itself is done
+        return ""
+    return f"rl-tformers eval {run_dir} --seed {eval_seed(seed, step)} --episodes {episodes} --envs {envs}"
 
 
 def eval_summary(scalars: dict[str, float]) -> str:

@@ -178,6 +178,10 @@ class DatasetConfig:
             whose action space bounds continuous actions. Null: the file's ``env_id``
             attribute, else a task recognised from the file name (``hopper-medium-v2.hdf5``).
         scripted: generate the data instead (:class:`ScriptedDatasetConfig`; GTrXL agents).
+        build: the shell command that creates the file at ``path`` (e.g. ``python -m
+            rl_tformers.envs.memory_tasks recall ... --out data/memory/recall-d8.hdf5``); never
+            run, only shown in the error when that file is missing (and only when the command
+            names ``path``, so an overridden path does not get another file's recipe).
     """
 
     path: str | None = None
@@ -187,6 +191,7 @@ class DatasetConfig:
     flatten_observations: bool = False
     env_id: str | None = None
     scripted: ScriptedDatasetConfig | None = None
+    build: str | None = None
 
 
 @dataclass

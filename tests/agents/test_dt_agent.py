@@ -174,6 +174,15 @@ def test_demo_smoke_writes_a_png(tmp_path):
     assert [r["target_return"] for r in data["results"]] == [20.0, 200.0]
     assert all([len(x) for x in r["rewards"]] == r["lengths"] for r in data["results"])
     assert lines[0].startswith("[1/4]") and any(s.startswith("[4/4]") for s in lines)
+    # the run's own targets are the demo's, and the printed eval line repeats eval.json exactly
+    again = next(s for s in lines if "(repeat: rl-tformers eval" in s)
+    args = again.split("rl-tformers ", 1)[1].rstrip(")").split()
+    assert args[:2] == ["eval", str(res.run_dir)]
+    r = CliRunner().invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    rerun = json.loads(r.stdout[r.stdout.index("{"):])["results"]
+    assert [x["target_return"] for x in rerun] == [20.0, 200.0]
+    assert [x["returns"] for x in rerun] == [x["returns"] for x in data["results"]]
 
 
 @pytest.mark.slow

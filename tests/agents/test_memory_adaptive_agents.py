@@ -320,3 +320,11 @@ def test_changing_a_slot_kind_in_a_config_layer_drops_the_old_kinds_fields():
     assert OmegaConf.to_container(cfg.backbone.memory) == {"kind": "compressive", "rate": 4}  # no xl 'detach'
     cfg = compose("memory/recall32_compressive", ["backbone.memory.rate=2"])
     assert cfg.backbone.memory.kind == "compressive" and cfg.backbone.memory.compressed_len == 8  # same kind: merged
+
+
+def test_dt_early_exit_threshold_is_printed_in_the_text_report(dt_early_exit_run):
+    res = CliRunner().invoke(app, ["eval", str(dt_early_exit_run), "--episodes", "1", "--early-exit", "calibrate"])
+    assert res.exit_code == 0, res.output
+    assert "early-exit threshold" in res.output and "calibrated (delta 0.1" in res.output
+    res = CliRunner().invoke(app, ["eval", str(dt_early_exit_run), "--episodes", "1", "--early-exit", "0.25"])
+    assert res.exit_code == 0 and "early-exit threshold 0.25 (given)" in res.output
