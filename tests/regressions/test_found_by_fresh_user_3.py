@@ -110,21 +110,27 @@ def test_every_config_with_a_data_memory_file_says_how_to_build_it() -> None:
     assert checked >= 9
 
 
-# ------------------------------------------------------------------- 3: final evaluation vs `eval`
-def test_the_printed_eval_command_repeats_the_final_evaluation_exactly(tmp_path: Path) -> None:
-    import re
-
+def _tiny_cartpole_run(tmp_path: Path, *overrides: str):
+    """Train a tiny DT on a crafted CartPole file into ``tmp_path/run``; returns (run, CLI output)."""
     from test_found_by_tester import _write_h5
 
     h5 = _write_h5(tmp_path / "cp.hdf5")
     run = tmp_path / "run"
-    r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={h5}", "train.steps=3",
-                            "train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1", "agent.context_len=4",
-                            "agent.targets=[20]", "eval.every=0", "eval.at_end=true", "eval.episodes=3",
-                            "eval.n_envs=2", "train.progress=false", "--device", "cpu", "--run-dir", str(run)])
+    r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={h5}", "train.batch_size=4",
+                            "backbone.d_model=16", "backbone.n_layers=1", "agent.context_len=4", "eval.every=0",
+                            "train.progress=false", *overrides, "--device", "cpu", "--run-dir", str(run)])
     assert r.exit_code == 0, r.output
-    m = re.search(r"repeat it exactly: rl-tformers eval (\S+) --seed (\d+) --episodes 3 --envs 2;", r.output)
-    assert m and Path(m.group(1)) == run, r.output
+    return run, r.output
+
+
+# ------------------------------------------------------------------- 3: final evaluation vs `eval`
+def test_the_printed_eval_command_repeats_the_final_evaluation_exactly(tmp_path: Path) -> None:
+    import re
+
+    run, output = _tiny_cartpole_run(tmp_path, "train.steps=3", "agent.targets=[20]", "eval.at_end=true",
+                                     "eval.episodes=3", "eval.n_envs=2")
+    m = re.search(r"repeat it exactly: rl-tformers eval (\S+) --seed (\d+) --episodes 3 --envs 2;", output)
+    assert m and Path(m.group(1)) == run, output
     final = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     final = [x for x in final if "eval/return_mean" in x][-1]
     e = runner.invoke(app, ["eval", str(run), "--seed", m.group(2), "--episodes", "3", "--envs", "2", "--json"])
@@ -149,15 +155,7 @@ def test_package_warnings_print_as_one_line_without_source(tmp_path: Path) -> No
     import subprocess
     import sys
 
-    from test_found_by_tester import _write_h5
-
-    h5 = _write_h5(tmp_path / "cp.hdf5")
-    run = tmp_path / "run"
-    r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={h5}", "train.steps=2",
-                            "train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1", "agent.context_len=4",
-                            "eval.every=0", "eval.at_end=false", "train.progress=false", "train.checkpoint_every=1",
-                            "--device", "cpu", "--run-dir", str(run)])
-    assert r.exit_code == 0, r.output
+    run, _ = _tiny_cartpole_run(tmp_path, "train.steps=2", "eval.at_end=false", "train.checkpoint_every=1")
     newest = sorted((run / "checkpoints").glob("step_*.pt"))[-1]
     data = bytearray(newest.read_bytes())
     data[200:204] = b"\x00\x01\x02\x03"
