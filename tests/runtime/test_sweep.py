@@ -130,3 +130,24 @@ def test_ray_launcher_submits_one_task_per_run(tmp_path: Path, monkeypatch: pyte
     out = sw.run_ray(cmds, threads=2, gpus_per_run=0.5, log_dir=tmp_path / "logs", echo=lambda m: None)
     assert calls["init"] == [{"address": None}] and calls["remote"] == [{"num_cpus": 2, "num_gpus": 0.5}]
     assert [o.status for o in out.values()] == ["ok", "ok"] and "1" in out[runs[1].name].log
+
+
+@pytest.mark.slow
+def test_a_real_local_ray_sweep_gives_the_local_launcher_s_results(tmp_path: Path) -> None:
+    """With Ray installed (``pip install 'rl-tformers[ray]'``): the same sweep through a local Ray
+    (``ray.init()`` starts one) and through local processes gives identical runs."""
+    pytest.importorskip("ray")
+    import subprocess
+
+    cli = Path(sys.executable).parent / "rl-tformers"
+    got = {}
+    for launcher in ("local", "ray"):
+        out = tmp_path / launcher
+        r = subprocess.run([str(cli), "sweep", "-c", "toy", "--grid", "train.lr=1e-3,3e-3", "--seeds", "0-1",
+                            "--jobs", "2", "--launcher", launcher, "--out", str(out), "train.steps=20"],
+                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        rows = json.loads((out / "results.json").read_text())["runs"]
+        got[launcher] = {row["run"]: (row["status"], row["step"], row["train/loss"], row["eval/return"]) for row in rows}
+    assert len(got["ray"]) == 4 and all(v[0] == "ok" and v[1] == 20 for v in got["ray"].values())
+    assert got["ray"] == got["local"]
