@@ -17,6 +17,17 @@ import torch
 from torch import Tensor
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype softmax and score arithmetic run in: float32 for half types (fp16, bf16) and
+    float32 itself, float64 for float64 (so a float64 model is exact to float64 rounding)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def to_acc(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in :func:`acc_dtype` of its dtype (a no-op for float32 and float64)."""
+    return x.to(acc_dtype(x.dtype))
+
+
 def neg_inf(dtype: torch.dtype) -> float:
     """Most negative finite value of ``dtype``: the fill for disallowed attention scores."""
     return torch.finfo(dtype).min

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from rl_tformers.attention.base import AttentionModule, KVCache
 from rl_tformers.position.base import PositionModule
-from rl_tformers.types import AttnContext, AttnOutput, neg_inf
+from rl_tformers.types import AttnContext, AttnOutput, neg_inf, to_acc
 
 
 @dataclass
@@ -380,16 +380,16 @@ def run_piece(
         out = out.view(b, n, hh, bq, dh).transpose(1, 2)  # (B, h, N, bq, Dh)
         lse = None
     else:
-        scores = torch.matmul(qg * scale, kg.transpose(-1, -2)).float()  # (B, h, N, bq, K)
+        scores = to_acc(torch.matmul(qg * scale, kg.transpose(-1, -2)))  # (B, h, N, bq, K)
         if position.needs_scores:
             pq = take(ctx.pos_q, 1, q_loc)  # (B, N, bq)
             pk = take(ctx.pos_k, 1, k_abs).expand(b, n, kk)  # (B, N, K)
             if position.additive_bias:
                 bias = position.score_bias(take(h.q_raw, 2, q_loc), pq, pk)  # (B, H, N, bq, K)
                 if bias is not None:
-                    scores = scores + bias.float()
+                    scores = scores + to_acc(bias)
             if position.transforms_scores:
-                scores = position.transform_scores(scores, pq, pk).float()
+                scores = to_acc(position.transform_scores(scores, pq, pk))
         if piece.bias is not None:
             scores = scores + piece.bias
         scores = scores.masked_fill(~allowed, neg_inf(scores.dtype))
@@ -445,7 +445,7 @@ def merge(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> Tensor:
     w = torch.exp(stacked - top)  # (P, B, h, T); 0 for empty pieces
     denom = w.sum(dim=0)  # (B, h, T)
     w = w / denom.clamp_min(torch.finfo(w.dtype).tiny)
-    acc = sum(w[i][..., None] * outs[i].float() for i in range(len(outs)))  # (B, h, T, Dh)
+    acc = sum(w[i][..., None] * to_acc(outs[i]) for i in range(len(outs)))  # (B, h, T, Dh)
     return acc.to(outs[0].dtype)
 
 

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from rl_tformers.config import IncompatibleConfig
 from rl_tformers.position.base import PositionModule
+from rl_tformers.types import to_acc
 
 #: positional kinds usable with per-head gathered keys (no score hooks on gathered blocks).
 GATHERED_POSITIONS = ("none", "sinusoidal", "learned", "rotary")
@@ -66,12 +67,13 @@ def group_attention(
         q: (..., n, Dh); k, v: (..., K, Dh); allowed: (..., n, K) bool (True = may attend).
         bias: optional (..., n, K) float added to the scaled scores (e.g. -log duplicate counts).
     Returns:
-        out (..., n, Dh) in float32 and lse (..., n) float32 (-inf for rows with no allowed key).
+        out (..., n, Dh) and lse (..., n) in float32 (float64 for float64 inputs; -inf for rows
+        with no allowed key).
     """
     with torch.autocast(q.device.type, enabled=False):  # float32 scores even under bf16 autocast
-        scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (..., n, K)
+        scores = (to_acc(q) @ to_acc(k).transpose(-1, -2)) * scale  # (..., n, K)
         if bias is not None:
-            scores = scores + bias.float()
+            scores = scores + to_acc(bias)
         # finite fill (project policy): exp(fill - lse) underflows to exactly 0, and no -inf - -inf
         # reaches the forward or the backward of logsumexp on a row with no allowed key
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
@@ -82,7 +84,7 @@ def group_attention(
         probs = torch.exp(scores - torch.where(live, lse, 0.0)[..., None])  # exp(min - .) = 0 where masked
         if dropout_p > 0:
             probs = F.dropout(probs, dropout_p)
-        return probs @ v.float(), lse
+        return probs @ to_acc(v).to(probs.dtype), lse
 
 
 def float32(fn):

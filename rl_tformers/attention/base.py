@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from rl_tformers.config import SlotConfig
 from rl_tformers.position.base import PositionModule
-from rl_tformers.types import AttnContext, AttnOutput, neg_inf
+from rl_tformers.types import AttnContext, AttnOutput, neg_inf, to_acc
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ def attention_reference(
         scores = scores + bias
     if transform is not None:
         scores = transform(scores)
-    scores = scores.float()
+    scores = to_acc(scores)  # float32, or float64 for a float64 model
     if allowed is not None:
         scores = scores.masked_fill(~allowed, neg_inf(scores.dtype))
     probs = torch.softmax(scores, dim=-1)

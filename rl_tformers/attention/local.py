@@ -53,7 +53,11 @@ class Local1DAttention(BlockSparseAttention):
     O(S * (block + 2 memory)) time and memory.
 
     Cannot: return dense attention weights. Incremental decoding keeps the last
-    ``block - 1 + memory`` keys.
+    ``block - 1 + memory`` keys. Blocks are aligned to key index 0 of the sequence, not to a row's first real
+    token: the number of left-padding tokens before a trajectory, or the keys a KV cache
+    held before a ``reset_state``, shift the blocks of the tokens after them (the Decision
+    Transformer pads its training windows and its evaluation buffer alike, so its training
+    and acting see the same blocks).
     """
 
     incremental = True
@@ -126,7 +130,8 @@ class Local2DAttention(BlockSparseAttention):
     A row shorter than ``width`` (the last one) and columns beyond ``width`` are masked.
 
     Cannot: return dense attention weights. Incremental decoding keeps the last
-    ``(qh - 1 + fh) * width + qw - 1 + fw`` keys.
+    ``(qh - 1 + fh) * width + qw - 1 + fw`` keys. The grid is laid over key indices from 0:
+    left padding or a reset under a KV cache moves the tokens after them to other cells.
     """
 
     incremental = True

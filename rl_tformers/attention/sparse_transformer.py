@@ -140,7 +140,11 @@ class FixedAttention(_FactorisedAttention):
     keys of the query's own block (A1 owns them).
 
     Cannot: return dense attention weights. Incremental decoding keeps every key (A2 reaches
-    back to the start).
+    back to the start). Blocks (and so the summary positions) are aligned to key index 0 of the sequence, not to a row's first real
+    token: the number of left-padding tokens before a trajectory, or the keys a KV cache
+    held before a ``reset_state``, shift the blocks of the tokens after them (the Decision
+    Transformer pads its training windows and its evaluation buffer alike, so its training
+    and acting see the same blocks).
     """
 
     def __init__(self, ctx, position, stride: int, summary: int, plan: list[str]) -> None:

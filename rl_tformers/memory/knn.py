@@ -51,7 +51,7 @@ from rl_tformers.config import IncompatibleConfig
 from rl_tformers.memory._search import faiss_available, faiss_search, masked_topk
 from rl_tformers.memory.base import MemoryConfig, MemoryModule, SegmentRecord, empty_prefix
 from rl_tformers.registry import MEMORY, Capabilities
-from rl_tformers.types import AttnContext, AttnOutput, BackboneState, LayerState, neg_inf
+from rl_tformers.types import AttnContext, AttnOutput, BackboneState, LayerState, neg_inf, to_acc
 
 SEARCHES = ("auto", "torch", "faiss")
 
@@ -222,7 +222,7 @@ class KNNAugmentedAttention(nn.Module):
             sims, idx, ok = masked_topk(scores, allowed, self.top_k)
         scale = self.log_scale.exp().to(q.dtype).view(1, -1, 1, 1)  # (1, H, 1, 1)
         logits = torch.where(ok, sims * scale, torch.full_like(sims, neg_inf(sims.dtype)))
-        p = torch.softmax(logits.float(), dim=-1).to(q.dtype) * ok  # (B, H, T, k)
+        p = torch.softmax(to_acc(logits), dim=-1).to(q.dtype) * ok  # (B, H, T, k); fp64 stays fp64
         v_top = _gather_rows(store.values, idx).to(q.dtype)  # (B, H, T, k, Dh)
         vm = (p[..., None] * v_top).sum(-2)  # (B, H, T, Dh)
         hit = ok.any(-1)

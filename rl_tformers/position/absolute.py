@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from rl_tformers.position.base import PositionConfig, PositionModule, check_positions
 from rl_tformers.registry import POSITION, Capabilities
+from rl_tformers.types import acc_dtype
 
 
 @POSITION.register(
@@ -24,7 +25,7 @@ class NoPositionConfig(PositionConfig):
         return PositionModule()
 
 
-def sinusoid(pos: Tensor, dim: int, base: float = 10000.0) -> Tensor:
+def sinusoid(pos: Tensor, dim: int, base: float = 10000.0, dtype: torch.dtype = torch.float32) -> Tensor:
     """Sinusoidal table (Vaswani et al. 2017, section 3.5) at arbitrary positions.
 
     PE(i, 2k) = sin(i / base^(2k/d)), PE(i, 2k+1) = cos(i / base^(2k/d)).
@@ -33,12 +34,12 @@ def sinusoid(pos: Tensor, dim: int, base: float = 10000.0) -> Tensor:
         pos: (...) positions (any numeric dtype).
         dim: D, even.
     Returns:
-        (..., D) float32.
+        (..., D) in ``dtype`` (float32; float64 for a float64 model).
     """
     if dim % 2:
         raise ValueError(f"sinusoidal encoding needs an even dimension, got {dim}")
-    inv = torch.exp(torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) * (-math.log(base) / dim))
-    ang = pos.to(torch.float32)[..., None] * inv  # (..., D/2)
+    inv = torch.exp(torch.arange(0, dim, 2, device=pos.device, dtype=dtype) * (-math.log(base) / dim))
+    ang = pos.to(dtype)[..., None] * inv  # (..., D/2)
     out = torch.stack((ang.sin(), ang.cos()), dim=-1)  # (..., D/2, 2): interleave sin/cos
     return out.flatten(-2)
 
@@ -55,7 +56,7 @@ class SinusoidalPosition(PositionModule):
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
         if not self.active:
             return x
-        return x + sinusoid(pos, self.dim, self.base).to(x.dtype)
+        return x + sinusoid(pos, self.dim, self.base, acc_dtype(x.dtype)).to(x.dtype)
 
 
 @POSITION.register(

@@ -9,19 +9,20 @@ from torch import Tensor
 
 from rl_tformers.position.base import PositionConfig, PositionModule
 from rl_tformers.registry import POSITION, Capabilities
+from rl_tformers.types import acc_dtype, to_acc
 
 
-def rotary_angles(pos: Tensor, dim: int, base: float) -> Tensor:
+def rotary_angles(pos: Tensor, dim: int, base: float, dtype: torch.dtype = torch.float32) -> Tensor:
     """Angles m * theta_k for positions m and theta_k = base^(-2k/dim), k = 0 .. dim/2 - 1.
 
     Args:
         pos: (...) positions (any integer units).
         dim: rotated width (even).
     Returns:
-        (..., dim/2) float32.
+        (..., dim/2) in ``dtype`` (float32; float64 for a float64 model).
     """
-    inv = base ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim)  # (dim/2,)
-    return pos.to(torch.float32)[..., None] * inv
+    inv = base ** (-torch.arange(0, dim, 2, device=pos.device, dtype=dtype) / dim)  # (dim/2,)
+    return pos.to(dtype)[..., None] * inv
 
 
 def apply_rotary(x: Tensor, angles: Tensor) -> Tensor:
@@ -31,9 +32,9 @@ def apply_rotary(x: Tensor, angles: Tensor) -> Tensor:
         x: (..., Dh) queries or keys.
         angles: broadcastable to (..., Dh/2).
     Returns:
-        (..., Dh) in x's dtype (computed in float32).
+        (..., Dh) in x's dtype (computed in float32, or float64 for float64 x).
     """
-    pairs = x.float().unflatten(-1, (-1, 2))  # (..., Dh/2, 2)
+    pairs = to_acc(x).unflatten(-1, (-1, 2)).to(angles.dtype)  # (..., Dh/2, 2)
     x0, x1 = pairs[..., 0], pairs[..., 1]
     cos, sin = angles.cos(), angles.sin()
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (..., Dh/2, 2)
@@ -59,7 +60,7 @@ class RotaryPosition(PositionModule):
         self.head_dim, self.base = head_dim, base
 
     def rotate(self, x: Tensor, pos: Tensor) -> Tensor:
-        ang = rotary_angles(pos, self.head_dim, self.base).unsqueeze(1)  # (B, 1, ..., L, Dh/2)
+        ang = rotary_angles(pos, self.head_dim, self.base, acc_dtype(x.dtype)).unsqueeze(1)  # (B, 1, ..., L, Dh/2)
         return apply_rotary(x, ang)
 
 

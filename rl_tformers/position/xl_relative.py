@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from rl_tformers.position.absolute import sinusoid
 from rl_tformers.position.base import PositionConfig, PositionModule, per_head, rel_distance
 from rl_tformers.registry import POSITION, Capabilities
+from rl_tformers.types import acc_dtype
 
 
 class XLRelativePosition(PositionModule):
@@ -59,7 +60,8 @@ class XLRelativePosition(PositionModule):
         dist = rel_distance(pos_q, pos_k)  # (B, 1, ..., T, S) long
         lo, hi = int(dist.min()), int(dist.max())
         grid = torch.arange(lo, hi + 1, device=q.device)  # (R,) the distinct distances
-        r = self.r_proj(sinusoid(grid, self.d_model, self.base).to(self.r_proj.weight.dtype))  # (R, D)
+        w = self.r_proj.weight.dtype
+        r = self.r_proj(sinusoid(grid, self.d_model, self.base, acc_dtype(w)).to(w))  # (R, D)
         r = r.view(-1, self.n_heads, self.head_dim).transpose(0, 1).to(q.dtype)  # (H, R, Dh)
         r = r.view(1, self.n_heads, *([1] * (q.dim() - 4)), *r.shape[1:])  # (1, H, 1.., R, Dh)
         qv = q + per_head(self.v, q.dim()).to(q.dtype)  # (B, H, ..., T, Dh)
