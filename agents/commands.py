@@ -8,6 +8,7 @@ Heavy imports happen inside the commands, so ``rl-tformers --help`` stays fast.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import typer
@@ -17,6 +18,11 @@ EVAL_HELP = """Evaluate a trained run at one or more target returns in its envir
 Gymnasium vector envs, one batched forward pass per step. Exactly --episodes episodes per target return: episode j runs in env j % N with reset seed SEED + j, the
 same seeds for every target. Returns are raw (the environment's own reward, whatever wrappers scale it),
 with the D4RL-normalised score when reference returns exist.
+
+Target returns whose scaled return-to-go (target / the run's reward scale) would overflow the
+model's float32 return embedding are refused up front (the error gives the model's limit), and an
+evaluation that meets a non-finite action or reward stops with an error naming the target, episode
+and step: no NaN reaches the environment or the output. --json and --out write strict JSON (no NaN).
 
 Examples:
 
@@ -29,7 +35,9 @@ PLOT_HELP = """Plot achieved vs target return over a sweep of targets (return co
 
 The Decision Transformer paper's figure 4, with y = x, the dataset's best and mean return and the spread over
 episodes, plus per-episode traces of remaining return-to-go vs cumulative reward. Also logged to the
-run's TensorBoard files as an image.
+run's TensorBoard files as an image. --out is checked before anything is evaluated; targets beyond
+what the model's float32 return embedding takes are refused up front, and a non-finite action or
+reward stops the evaluation with an error (as in `rl-tformers eval`).
 
 Examples:
 
@@ -54,6 +62,32 @@ def _load(run_dir: Path, device: str, checkpoint: Path | None):
     try:
         return load_run(run_dir, resolve_device(device), checkpoint)
     except (CheckpointError, UnknownAgentError, TypeError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+
+
+def _check_out_file(out: Path | None, option: str = "--out") -> None:
+    """Refuse an output file that cannot be written: an existing directory, or a parent that is
+    a file (checked before any evaluation, so nothing is computed for nothing)."""
+    if out is None:
+        return
+    if out.is_dir():
+        raise _fail(f"{option} {out} is a directory; give a file name, e.g. {out / 'eval.json'}")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise _fail(f"{option} {out}: {parent} is a file, not a directory")
+            break
+
+
+def _check_targets(run, targets: list, option: str) -> None:
+    """Refuse targets the agent's policy cannot take (a DT: beyond its float32 RTG embedding),
+    naming ``option``; agents without a ``check_targets`` accept any finite target."""
+    check = getattr(run.agent.policy(), "check_targets", None)
+    if check is None:
+        return
+    try:
+        check(targets, option=option)
+    except ValueError as exc:
         raise _fail(str(exc)) from None
 
 
@@ -89,8 +123,9 @@ def eval_cmd(
     episodes: int = typer.Option(10, "--episodes", min=1, help="Episodes per target."),
     envs: int = typer.Option(10, "--envs", min=1, help="Parallel environments."),
     seed: int = typer.Option(0, "--seed", min=0, help="Base reset seed: episode j uses SEED + j."),
-    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
-    out: Path = typer.Option(None, "--out", help="Also write the JSON (with per-step rewards) to this file."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as strict JSON (no NaN tokens)."),
+    out: Path = typer.Option(None, "--out", help="Also write the JSON (with per-step rewards) to this file "
+                                                 "(not a directory)."),
     device: str = typer.Option("cpu", "--device", help="auto | cpu | cuda | cuda:N | mps."),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="A specific checkpoint file (default: newest valid)."),
     timestep_overflow: str = typer.Option(None, "--timestep-overflow",
@@ -106,7 +141,7 @@ def eval_cmd(
     knn_max_entries: int = typer.Option(None, "--knn-max-entries", min=1,
                                         help="DT: datastore size cap (default agent.knn.max_entries)."),
 ) -> None:
-    from rl_tformers.agents.common.evaluation import evaluate, parse_targets
+    from rl_tformers.agents.common.evaluation import evaluate, parse_targets, strict_json
     from rl_tformers.agents.common.plots import summary_lines
     from rl_tformers.agents.common.timing import TimedPolicy
 
@@ -114,13 +149,19 @@ def eval_cmd(
         tlist = parse_targets(targets)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--targets") from None
+    _check_out_file(out)
+    _check_early_exit(early_exit)
     _threads(threads)
     run = _load(run_dir, device, checkpoint)
     conditioned = run.agent.default_targets() != [None]
     if tlist is None:
         tlist = run.agent.default_targets()
+        if conditioned:
+            _check_targets(run, tlist, "agent.targets (the run's default targets; give --targets)")
     elif not conditioned:
         raise _fail(f"agent {run.kind!r} is not return-conditioned; drop --targets")
+    else:
+        _check_targets(run, tlist, "--targets")
     options = {"early_exit": early_exit, "knn_lambda": knn_lambda, "knn_k": knn_k, "knn_max_entries": knn_max_entries}
     setup = getattr(run.agent, "inference_setup", None)
     if setup is None and any(v is not None for v in options.values()):
@@ -138,9 +179,9 @@ def eval_cmd(
                     **policy.stats(), **inference}
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report.to_dict(with_rewards=True), indent=1))
+        out.write_text(strict_json(report.to_dict(with_rewards=True), indent=1))
     if as_json:
-        typer.echo(json.dumps(report.to_dict(), indent=2))
+        typer.echo(strict_json(report.to_dict(), indent=2))
         return
     typer.echo(f"{run.kind} run {run_dir} (step {run.step}) on {run.env_id}: {episodes} episodes per target, "
                f"{report.n_envs} envs, seeds {seed}..{seed + episodes - 1}, {report.seconds:.1f} s")
@@ -160,6 +201,19 @@ def eval_cmd(
         cost += f"; kNN-LM lambda {x['knn']['lam']} over {x['knn']['entries']} entries"
     if cost:
         typer.echo(cost)
+
+
+def _check_early_exit(value: str | None) -> None:
+    """``--early-exit`` given as a number must be finite (``none`` is the full model)."""
+    if value is None:
+        return
+    try:
+        thr = float(value)
+    except ValueError:
+        return  # 'calibrate' / 'none' / a typo: the agent's inference_setup names it
+    if not math.isfinite(thr):
+        raise _fail(f"--early-exit {value}: the threshold must be a finite number "
+                    f"(use --early-exit none for the full model)")
 
 
 def _read_eval_json(path: Path) -> list:
@@ -196,7 +250,9 @@ def _read_eval_json(path: Path) -> list:
 
 def plot_cmd(
     run_dir: Path = typer.Argument(..., help="Run directory written by rl-tformers train."),
-    out: Path = typer.Option(..., "--out", help="PNG file to write."),
+    out: Path = typer.Option(..., "--out", help="Image file to write; its extension picks the format (.png, "
+                                                 ".pdf, .svg, ...), none: .png is added (the path printed is "
+                                                 "the file written)."),
     targets: str = typer.Option(None, "--targets",
                                 help="Comma-separated targets (default: dataset worst to best + 20% of the range)."),
     n_targets: int = typer.Option(6, "--n-targets", min=2, help="Targets in the default sweep."),
@@ -212,12 +268,17 @@ def plot_cmd(
     from rl_tformers.agents.common.evaluation import evaluate, parse_targets
     from rl_tformers.agents.common.plots import (
         default_sweep,
+        figure_path,
         log_figure,
         plot_return_conditioning,
         save_figure,
         summary_lines,
     )
 
+    try:  # before anything is evaluated
+        out = figure_path(out)
+    except ValueError as exc:
+        raise _fail(f"--out {exc}") from None
     saved = _read_eval_json(from_json) if from_json is not None else None  # before the run is loaded
     _threads(threads)
     run = _load(run_dir, device, checkpoint)
@@ -236,10 +297,16 @@ def plot_cmd(
             if dmax is None or dmin is None:
                 raise _fail("the run stores no dataset_return_max/min; give --targets")
             tlist = default_sweep(dmax, dmin, n_targets)
-        report = evaluate(
-            run.agent.policy(), run.agent.make_env(), tlist, episodes=episodes, n_envs=envs, seed=seed,
-            record_rewards=True, normalize=_normalizer(run), env_id=run.env_id,
-        )
+            _check_targets(run, tlist, "the default sweep (from the run's dataset returns; give --targets)")
+        else:
+            _check_targets(run, tlist, "--targets")
+        try:
+            report = evaluate(
+                run.agent.policy(), run.agent.make_env(), tlist, episodes=episodes, n_envs=envs, seed=seed,
+                record_rewards=True, normalize=_normalizer(run), env_id=run.env_id,
+            )
+        except ValueError as exc:
+            raise _fail(str(exc)) from None
         results = report.results
         for line in summary_lines(results):
             typer.echo("  " + line)

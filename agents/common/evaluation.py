@@ -15,10 +15,18 @@ Raw returns. The reward reported is the one the *innermost* environment returns:
 (:class:`RawRewardInfo`) is inserted directly above the unwrapped environment and writes it into
 ``info["raw_reward"]``, so reward-scaling or normalising wrappers stacked by ``make_env`` do not
 change reported returns. The same raw reward is passed to ``policy.act`` as ``last_reward``.
+
+Finite numbers only. An action with a NaN or inf (a Decision Transformer conditioned on a
+target far beyond what its float32 embedding holds, a diverged model) is never sent to the
+environment: evaluation stops with a :class:`NonFiniteError` naming the target, the episode, its
+seed and the step. A non-finite reward from the environment stops it the same way. So every
+reported return is a finite number and the results serialise as strict JSON
+(:func:`strict_json`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +40,30 @@ from rl_tformers.agents.common.policy import Policy
 RAW_REWARD_KEY = "raw_reward"
 
 EnvFactory = Callable[[], gym.Env]
+
+
+class NonFiniteError(ValueError):
+    """The policy produced a non-finite action, or the environment a non-finite reward."""
+
+
+def finite_or_none(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, +-inf) replaced by ``None`` (JSON ``null``),
+    in nested dicts, lists and tuples; other values unchanged."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    if isinstance(obj, np.floating):
+        return finite_or_none(float(obj))
+    return obj
+
+
+def strict_json(obj: Any, **kwargs: Any) -> str:
+    """``json.dumps`` that never writes the non-standard ``NaN`` / ``Infinity`` tokens: non-finite
+    floats become ``null`` (:func:`finite_or_none`), then ``allow_nan=False``."""
+    return json.dumps(finite_or_none(obj), allow_nan=False, **kwargs)
 
 
 class RawRewardInfo(gym.Wrapper):
@@ -129,6 +161,16 @@ class TargetResult:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TargetResult:
+        """The inverse of :meth:`to_dict` (normalised scores are not read back).
+
+        Raises:
+            KeyError: no ``target_return`` or ``returns``.
+            ValueError: a target or return that is not a finite number (``NaN`` in an old file).
+        """
+        t = d["target_return"]
+        values = ([] if t is None else [t]) + list(d["returns"])
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+            raise ValueError(f"target_return {t!r} and returns {d['returns']!r} must be finite numbers")
         return cls(
             target_return=d["target_return"], returns=list(d["returns"]), lengths=list(d.get("lengths", [])),
             seeds=list(d.get("seeds", [])), normalized=None, rewards=d.get("rewards"),
@@ -183,6 +225,9 @@ def evaluate(
 
     Raises:
         ValueError: ``episodes`` or ``n_envs`` < 1, no target given, or a NaN/inf target.
+        NonFiniteError: (a ValueError) the policy returned a NaN/inf action (not sent to the
+            environment) or the environment a NaN/inf reward; the message names the target,
+            episode, seed and step.
         RuntimeError: the raw reward is missing from ``info`` (a wrapper dropped it).
     """
     if episodes < 1 or n_envs < 1:
@@ -233,12 +278,16 @@ def _run_target(
     remaining = episodes
     while remaining > 0:
         actions, state = policy.act(obs, state, episode_start, last_reward)
+        _check_finite(np.asarray(actions), "the policy returned a non-finite action",
+                      "it was not sent to the environment", target, job, ep_len, seed, episodes)
         obs, _, terminated, truncated, info = envs.step(actions)
         if RAW_REWARD_KEY not in info:
             raise RuntimeError(
                 f"evaluate: info has no {RAW_REWARD_KEY!r}: a wrapper of the environment drops info keys"
             )
         raw = np.asarray(info[RAW_REWARD_KEY], dtype=np.float64)  # (N,)
+        _check_finite(raw, "the environment returned a non-finite reward", "", target, job, ep_len, seed,
+                      episodes)
         if record:
             if int(ep_len.max()) >= rew_buf.shape[1]:
                 rew_buf = np.concatenate([rew_buf, np.zeros_like(rew_buf)], axis=1)
@@ -272,6 +321,28 @@ def _run_target(
         lengths=lengths.tolist(),
         seeds=[int(seed + j) for j in range(episodes)],
         rewards=rewards,
+    )
+
+
+def _check_finite(values: np.ndarray, what: str, note: str, target: float | None, job: np.ndarray,
+                  ep_len: np.ndarray, seed: int, episodes: int) -> None:
+    """Raise :class:`NonFiniteError` if a float array (N, ...) of one step holds NaN/inf.
+
+    Names the first bad row's target, episode (``job``), reset seed and step (``ep_len``: steps
+    already taken in that episode, so the 0-based index of this step). A row past its quota
+    (``job >= episodes``, an unseeded filler episode) is named as such.
+    """
+    if values.dtype.kind not in "fc" or np.isfinite(values).all():
+        return
+    bad = ~np.isfinite(values.reshape(values.shape[0], -1)).all(axis=1)
+    i = int(np.flatnonzero(bad)[0])
+    j = int(job[i])
+    tgt = "" if target is None else f" for target return {float(target):g}"
+    where = (f"episode {j} (env {i}, reset seed {seed + j})" if j < episodes
+             else f"a filler episode of env {i} (past its quota, unseeded)")
+    raise NonFiniteError(
+        f"evaluate: {what}{tgt} at step {int(ep_len[i])} of {where}: {np.asarray(values[i]).tolist()}"
+        + (f"; {note}" if note else "")
     )
 
 

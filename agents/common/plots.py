@@ -101,12 +101,56 @@ def plot_return_conditioning(
     return fig
 
 
-def save_figure(fig, out: str | Path, dpi: int = 110) -> Path:
-    """Write ``fig`` to ``out`` (PNG by extension), create parent dirs, close the figure."""
+def supported_formats() -> list[str]:
+    """File extensions matplotlib can write (``png``, ``pdf``, ``svg``, ...), sorted."""
+    from matplotlib.figure import Figure
+
+    return sorted(Figure().canvas.get_supported_filetypes())
+
+
+def figure_path(out: str | Path) -> Path:
+    """The file :func:`save_figure` writes for ``out``, checked before any work is done.
+
+    The extension picks the format (any of :func:`supported_formats`, case-insensitive); a name
+    without one gets ``.png`` appended (``plot`` -> ``plot.png``), and the returned path is that
+    real file, so callers print what was written.
+
+    Raises:
+        ValueError: ``out`` (or ``out.png``) is an existing directory, a parent is an existing
+            file, or the extension is not one matplotlib writes (the message lists them).
+    """
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=dpi)
-    plt.close(fig)
+    if out.is_dir():
+        raise ValueError(f"{out} is a directory; give a file name, e.g. {out / 'return_conditioning.png'}")
+    fmt = out.suffix[1:]
+    if not fmt:
+        out = out.with_name(out.name + ".png")
+        if out.is_dir():
+            raise ValueError(f"{out} (.png added: the name has no extension) is a directory; give a file name")
+    elif fmt.lower() not in supported_formats():
+        raise ValueError(f"{out}: matplotlib cannot write {out.suffix!r} files; use one of the extensions "
+                         f"{', '.join('.' + f for f in supported_formats())} (none: .png is added)")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{out}: {parent} is a file, not a directory")
+            break
+    return out
+
+
+def save_figure(fig, out: str | Path, dpi: int = 110) -> Path:
+    """Write ``fig`` to :func:`figure_path` ``(out)`` (format by extension, ``.png`` added when
+    there is none), create parent dirs, close the figure; returns the path written.
+
+    Raises:
+        ValueError: see :func:`figure_path` (the figure is closed all the same).
+    """
+    try:
+        out = figure_path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=dpi)
+    finally:
+        plt.close(fig)
     return out
 
 

@@ -21,6 +21,19 @@ data layer's :func:`~rl_tformers.envs.trajectory.next_return_to_go`, that recurs
 ``R_{t+1}``, so replaying a dataset trajectory with target = its return feeds exactly its
 training-time RTG (tested).
 
+Target returns too large for the model (:meth:`DTPolicy.target_limit`): the RTG token is
+``LayerNorm(w * R / rtg_scale + b + E_time[t])`` in float32; LayerNorm squares the deviations of
+its d inputs from their mean, so a huge ``R`` makes them overflow to inf and every action NaN.
+The limit is the largest ``|R|`` for which every input stays below ``M = sqrt(float32_max / d) / 4``
+(then each squared deviation is at most ``(2M)^2`` and their sum over d at most
+``float32_max / 4``, whatever the order of summation):
+``|R| <= rtg_scale * (M - max|b + E_time|) / max|w|``. It is a sufficient bound, from the
+weights, not a guess from the data; for a d = 16 model with weights of order 0.05 and
+rtg_scale 1000 it is about 3e22 (that run's actions turned NaN some 80x above it). Far below it the
+embedding already saturates (LayerNorm is scale-invariant: all huge targets look alike), but
+that is the model's answer, not a numerical failure. :meth:`DTPolicy.initial_state` refuses a
+target above the limit; :meth:`DTPolicy.check_targets` checks a list up front.
+
 Timesteps past ``max_ep_len`` (the size of the timestep embedding): ``timestep_overflow="error"``
 (default) raises a ValueError naming the option; ``"clamp"`` reuses the last timestep index
 ``max_ep_len - 1`` for all later steps (documented, tested).
@@ -28,7 +41,9 @@ Timesteps past ``max_ep_len`` (the size of the timestep embedding): ``timestep_o
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,15 +185,62 @@ class DTPolicy:
             out["knn_hit_frac"] = self._knn_hits / self._decisions
         return out
 
+    def target_limit(self) -> float:
+        """Largest ``|target return|`` (raw units) the float32 RTG embedding takes without overflow.
+
+        See the module docstring: ``rtg_scale * (M - max|b + E_time|) / max|w|`` with
+        ``M = sqrt(float32_max / d) / 4``, ``w``, ``b`` the return embedding's weight and bias and
+        ``E_time`` every row of the timestep embedding. ``inf`` when ``w`` is all zeros.
+        """
+        m = self.model
+        w = m.embed_return.weight.detach().float().reshape(-1)  # (d,)
+        c = (m.embed_return.bias.detach().float() + m.embed_timestep.weight.detach().float()).abs().max()
+        fmax = min(torch.finfo(torch.float32).max, torch.finfo(m.embed_return.weight.dtype).max)
+        big = math.sqrt(fmax / w.numel()) / 4
+        w_max = float(w.abs().max())
+        if w_max == 0.0:
+            return math.inf
+        return max(0.0, (big - float(c)) / w_max) * self.rtg_scale
+
+    def check_targets(self, targets: Sequence[float | None], option: str = "target return") -> None:
+        """Refuse targets whose scaled return-to-go would overflow the model (:meth:`target_limit`).
+
+        Args:
+            targets: raw target returns (``None``: the default target).
+            option: what to name in the message (``--targets``, ``agent.targets``).
+
+        Raises:
+            ValueError: a non-finite target, or one with ``|target| > target_limit()``; the
+                message names ``option``, the target and the limit.
+        """
+        limit = None
+        for t in targets:
+            t = self.default_target if t is None else t
+            if t is None:
+                continue
+            t = float(t)
+            if not math.isfinite(t):
+                raise ValueError(f"{option}: {t!r} is not a finite number")
+            limit = self.target_limit() if limit is None else limit
+            if abs(t) > limit:
+                raise ValueError(
+                    f"{option}: {t:g} is beyond what this model takes: |target| must be at most "
+                    f"{limit:.3g}, or the return-to-go (target / reward scale {self.rtg_scale:g}) times "
+                    f"the return embedding's weights may overflow float32 in the embedding LayerNorm "
+                    f"and give NaN actions"
+                )
+
     def initial_state(self, n_envs: int, target_return: float | None = None) -> DTState:
         """Empty context for ``n_envs`` episodes conditioned on ``target_return`` (raw units).
 
         Raises:
-            ValueError: no target given and no default target stored with the agent.
+            ValueError: no target given and no default target stored with the agent, or a
+                target beyond :meth:`target_limit` (:meth:`check_targets`).
         """
         target = self.default_target if target_return is None else target_return
         if target is None:
             raise ValueError("Decision Transformer needs a target return: pass --targets (raw reward units)")
+        self.check_targets([target])
         cfg, dev, n, k = self.cfg, self.device, n_envs, self.cfg.context_len
         act_shape = (n, k) if cfg.discrete else (n, k, cfg.act_dim)
         return DTState(
@@ -215,6 +277,7 @@ class DTPolicy:
         Raises:
             ValueError: a step at or past ``max_ep_len`` with ``timestep_overflow="error"``, or a
                 row that has never started an episode.
+            NonFiniteError: (a ValueError) the model's prediction of a row is NaN/inf.
         """
         cfg, k = self.cfg, self.cfg.context_len
         start = np.asarray(episode_start, dtype=bool)
@@ -265,6 +328,7 @@ class DTPolicy:
         out = self.model(state.obs, state.actions, state.rtg, state.timesteps, state.mask, **kw)
         p = (rows, slot) if cfg.mode == "causal" else (slice(None), -1)  # the deciding state token
         a = out.action[p]  # (N, A) or (N,)
+        self._check_finite(out.logits[p] if cfg.discrete else a, state)
         if self.knn is not None:
             a = self._interpolate(out.features[p], out.logits[p] if cfg.discrete else a)
         if dev.type == "cuda":
@@ -279,6 +343,22 @@ class DTPolicy:
         if cfg.discrete:  # class index -> environment action
             return a.cpu().numpy().astype(np.int64) + self.action_start, state
         return to_env_action(a, self.low, self.high).cpu().numpy().astype(np.float32), state
+
+    def _check_finite(self, pred: Tensor, state: DTState) -> None:
+        """Raise (:class:`~rl_tformers.agents.common.evaluation.NonFiniteError`) if the model's
+        prediction (N, ...) of some row is NaN/inf: no action (a discrete argmax of NaN logits is
+        an arbitrary class) is returned from it."""
+        bad = ~torch.isfinite(pred.reshape(pred.shape[0], -1)).all(dim=1)
+        if not bool(bad.any()):
+            return
+        from rl_tformers.agents.common.evaluation import NonFiniteError
+
+        i = int(torch.nonzero(bad)[0, 0])
+        raise NonFiniteError(
+            f"Decision Transformer: the model's prediction is not finite (NaN/inf) for target return "
+            f"{float(state.target[i]):g} at episode step {int(state.t[i])} (env {i}; return-to-go fed "
+            f"{float(state.rtg_raw[i]):g} / reward scale {self.rtg_scale:g}); no action is taken from it"
+        )
 
     def _interpolate(self, features: Tensor, pred: Tensor) -> Tensor:
         """kNN-LM at the decision: features (N, D); pred = logits (N, n_actions) or action (N, A)."""

@@ -56,6 +56,21 @@ class Settings:
     skip_load: bool = False
     seed: int = 0
 
+    def check(self) -> None:
+        """Refuse settings that cannot give a measurement, naming the CLI option.
+
+        Raises:
+            ValueError: a count below 1 (``--batch-size``, ``--batches``, ``--repeats``,
+                ``--train-steps``, ``--threads``, ``--steps``), or ``--keep`` naming a file.
+        """
+        for option, value in (("--batch-size", self.batch_size), ("--batches", self.batches),
+                              ("--repeats", self.repeats), ("--train-steps", self.train_steps),
+                              ("--threads", self.threads), ("--steps", self.steps)):
+            if int(value) < 1:
+                raise ValueError(f"{option} must be >= 1, got {value}")
+        if self.keep and Path(self.keep).exists() and not Path(self.keep).is_dir():
+            raise ValueError(f"--keep {self.keep} is a file; give a folder to keep the synthetic file in")
+
 
 @dataclass
 class Result:
@@ -71,10 +86,17 @@ class Result:
 
 
 def sampler_rate(ds: torch.utils.data.Dataset, batches: int, repeats: int, batch_size: int) -> float:
-    """Samples per second of ``ds[s]`` (median over ``repeats`` runs of ``batches`` batches)."""
+    """Samples per second of ``ds[s]`` (median over ``repeats`` runs of ``batches`` batches).
+
+    Raises:
+        ValueError: ``batches``, ``repeats`` or ``batch_size`` below 1.
+    """
+    if min(batches, repeats, batch_size) < 1:
+        raise ValueError(f"sampler_rate: batches, repeats and batch_size must be >= 1, got "
+                         f"{batches}, {repeats}, {batch_size}")
     ds[0]  # warm-up
     rates = []
-    for r in range(max(1, repeats)):
+    for r in range(repeats):
         t0 = time.perf_counter()
         for s in range(batches):
             ds[(r * batches + s) % len(ds)]
@@ -93,8 +115,15 @@ def build_trainer(config: str, overrides: list[str]):
 
 
 def training_rate(tr: Any, steps: int) -> float:
-    """Samples/s the trainer ``tr`` consumes: updates/s on pre-read batches x batch size."""
+    """Samples/s the trainer ``tr`` consumes: updates/s on pre-read batches x batch size.
+
+    Raises:
+        ValueError: ``steps`` below 1 (no timed update).
+    """
     from rl_tformers.runtime.device import move_to
+
+    if steps < 1:
+        raise ValueError(f"training_rate: steps must be >= 1, got {steps}")
 
     src = tr.agent.batches(0)
     batches = [move_to(src[i], tr.device) for i in range(4)]
@@ -154,9 +183,14 @@ def load_times(path: Path, s: Settings) -> list[dict[str, Any]]:
 
 
 def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
-    """Run both parts (see the module docstring)."""
+    """Run both parts (see the module docstring).
+
+    Raises:
+        ValueError: bad settings (:meth:`Settings.check`), before anything is measured.
+    """
+    s.check()
     log = log or (lambda m: None)
-    torch.set_num_threads(max(1, s.threads))
+    torch.set_num_threads(s.threads)
     res = Result(settings=s, machine=machine_info(torch.device("cpu")))
     common = [f"dataset.path={s.dataset}", f"train.batch_size={s.batch_size}", f"seed={s.seed}"]
     for name, config in (("window (DT)", "dt/hopper_medium"), ("segment (GTrXL)", "gtrxl/hopper_positions_bc")):
@@ -206,18 +240,40 @@ def markdown(res: Result) -> str:
     return "\n".join(lines)
 
 
+def check_out(out: str | None) -> None:
+    """``--out`` of a bench command: refuse (``error: ...``, exit 2) a directory or a path under a
+    file before anything is measured."""
+    import typer
+
+    if not out:
+        return
+    path = Path(out)
+    msg = None
+    if path.is_dir():
+        msg = f"--out {out} is a directory; give a file name, e.g. {path / 'bench.json'}"
+    else:
+        for parent in path.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    msg = f"--out {out}: {parent} is a file, not a directory"
+                break
+    if msg:
+        typer.echo(f"error: {msg}", err=True)
+        raise typer.Exit(2)
+
+
 def register(bench_app) -> None:
     """Add the ``data`` command to the ``bench`` Typer group."""
     import typer
 
     def data(
         dataset: str = typer.Option(DEFAULT_DATASET, help="Dataset of part 1 (Minari id, folder or .hdf5)."),
-        batch_size: int = typer.Option(64, help="Batch size B."),
-        batches: int = typer.Option(200, help="Batches per timed sampler run."),
-        repeats: int = typer.Option(3, help="Timed sampler runs (median)."),
-        train_steps: int = typer.Option(10, help="Timed training updates per trainer."),
-        threads: int = typer.Option(1, help="torch intra-op threads."),
-        steps: int = typer.Option(1_000_000, help="Steps of the synthetic HDF5 file of part 2."),
+        batch_size: int = typer.Option(64, min=1, help="Batch size B."),
+        batches: int = typer.Option(200, min=1, help="Batches per timed sampler run."),
+        repeats: int = typer.Option(3, min=1, help="Timed sampler runs (median)."),
+        train_steps: int = typer.Option(10, min=1, help="Timed training updates per trainer."),
+        threads: int = typer.Option(1, min=1, help="torch intra-op threads."),
+        steps: int = typer.Option(1_000_000, min=1, help="Steps of the synthetic HDF5 file of part 2."),
         keep: str = typer.Option(None, help="Keep the synthetic file in this folder (and reuse it)."),
         skip_training: bool = typer.Option(False, "--skip-training", help="Do not measure the trainers."),
         skip_load: bool = typer.Option(False, "--skip-load", help="Skip part 2."),
@@ -227,7 +283,19 @@ def register(bench_app) -> None:
         """Sampler samples/s vs what training consumes; load time of a 1M-step D4RL HDF5 file."""
         s = Settings(dataset=dataset, batch_size=batch_size, batches=batches, repeats=repeats, train_steps=train_steps,
                      threads=threads, steps=steps, keep=keep, skip_training=skip_training, skip_load=skip_load)
-        res = run(s, log=lambda m: typer.echo(m, err=True))
+        try:
+            s.check()
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        check_out(out)
+        from rl_tformers.runtime.agents import AgentBuildError
+
+        try:
+            res = run(s, log=lambda m: typer.echo(m, err=True))
+        except AgentBuildError as exc:  # the dataset (part 1 starts by building the agents on it)
+            typer.echo(f"error: --dataset {dataset}: {exc}", err=True)
+            raise typer.Exit(2) from None
         emit_result(res.as_dict(), markdown(res), res.notes, out=out, as_json=as_json)
 
     bench_app.command("data")(data)

@@ -36,6 +36,8 @@ import torch
 from rl_tformers.bench.commands import emit_result
 from rl_tformers.bench.train import DEFAULT_DATASET, machine_info
 
+MEMORY_KINDS = ("xl", "gtrxl")
+
 
 @dataclass
 class Settings:
@@ -57,6 +59,34 @@ class Settings:
     n_layers: int = 3
     n_heads: int = 4
     skip_rollouts: bool = False
+
+    def check(self) -> None:
+        """Refuse settings that cannot give a measurement, naming the CLI option.
+
+        Raises:
+            ValueError: ``--episodes``, ``--threads``, ``--mem-envs``, ``--mem-steps`` or a
+                ``--mem-lens`` entry below 1, ``--n-envs`` below 2, ``--max-episode-steps``
+                below 1 (leave it out for no cap), an unknown ``--memory-kinds`` entry, or no
+                ``--mem-lens`` while part 2 runs.
+        """
+        for option, value, lo in (("--episodes", self.episodes, 1), ("--n-envs", self.n_envs, 2),
+                                  ("--threads", self.threads, 1), ("--mem-envs", self.mem_envs, 1),
+                                  ("--mem-steps", self.mem_steps, 1)):
+            if int(value) < lo:
+                raise ValueError(f"{option} must be >= {lo}, got {value}")
+        if self.max_episode_steps is not None and int(self.max_episode_steps) < 1:
+            raise ValueError(f"--max-episode-steps must be >= 1, got {self.max_episode_steps} "
+                             f"(leave the option out to keep the environment's own limit)")
+        bad = [k for k in self.memory_kinds if k not in MEMORY_KINDS]
+        if bad:
+            raise ValueError(f"--memory-kinds: unknown kind {bad[0]!r}; use a comma-separated subset of "
+                             f"{','.join(MEMORY_KINDS)} (empty: skip part 2)")
+        if self.memory_kinds and not self.mem_lens:
+            raise ValueError("--mem-lens: give at least one memory length M (e.g. 32,128), or skip part 2 with "
+                             "--memory-kinds ''")
+        small = [m for m in self.mem_lens if int(m) < 1]
+        if small:
+            raise ValueError(f"--mem-lens: every memory length must be >= 1, got {small[0]}")
 
 
 @dataclass
@@ -104,7 +134,7 @@ def rollout_throughput(agent: Any, s: Settings, n_envs: int) -> dict[str, Any]:
     from rl_tformers.agents.common import evaluation as ev
 
     make = agent.make_env()
-    if s.max_episode_steps:
+    if s.max_episode_steps is not None:
         base = make
 
         def make() -> gym.Env:
@@ -186,10 +216,15 @@ def memory_step_cost(kind: str, mem_len: int, s: Settings) -> dict[str, Any]:
 # -- the benchmark --------------------------------------------------------------------------------
 
 def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
-    """Run both parts (see the module docstring)."""
+    """Run both parts (see the module docstring).
+
+    Raises:
+        ValueError: bad settings (:meth:`Settings.check`), before anything is measured.
+    """
+    s.check()
     log = log or (lambda m: None)
     if s.device == "cpu":
-        torch.set_num_threads(max(1, s.threads))
+        torch.set_num_threads(s.threads)
     res = Result(settings=s, machine=machine_info(torch.device(s.device)))
     if not s.skip_rollouts:
         agent, what = load_agent(s)
@@ -229,8 +264,21 @@ def markdown(res: Result) -> str:
     return "\n".join(lines)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
+def _ints(text: str, option: str = "--mem-lens") -> tuple[int, ...]:
+    """``"32,128"`` -> ``(32, 128)``; blank items are skipped.
+
+    Raises:
+        ValueError: an item that is not an integer (the message names ``option`` and the item).
+    """
+    out = []
+    for x in text.split(","):
+        if not x.strip():
+            continue
+        try:
+            out.append(int(x))
+        except ValueError:
+            raise ValueError(f"{option}: {x.strip()!r} is not an integer (expected e.g. 32,128,512)") from None
+    return tuple(out)
 
 
 def register(bench_app) -> None:
@@ -242,23 +290,42 @@ def register(bench_app) -> None:
         dataset: str = typer.Option(DEFAULT_DATASET, help="Dataset of the untrained DT (its env and statistics)."),
         episodes: int = typer.Option(10, min=1, help="Episodes (the same seeds in both modes)."),
         n_envs: int = typer.Option(10, min=2, help="Vector environments of the batched mode."),
-        max_episode_steps: int = typer.Option(None, help="Cap episode length (shorter runs)."),
-        threads: int = typer.Option(1, help="torch intra-op threads (CPU)."),
+        max_episode_steps: int = typer.Option(None, min=1, help="Cap episode length at this many steps, >= 1 "
+                                                               "(shorter runs; default: the environment's own "
+                                                               "limit)."),
+        threads: int = typer.Option(1, min=1, help="torch intra-op threads (CPU)."),
         device: str = typer.Option("cpu", help="cpu or cuda."),
-        memory_kinds: str = typer.Option("xl,gtrxl", help="Memory backbones of part 2 (empty: skip)."),
-        mem_lens: str = typer.Option("32,128,512", help="Memory lengths M of part 2."),
-        mem_envs: int = typer.Option(10, help="Environments N of part 2."),
-        mem_steps: int = typer.Option(50, help="Timed steps per (backbone, M) of part 2."),
+        memory_kinds: str = typer.Option("xl,gtrxl", help="Memory backbones of part 2, comma-separated subset of "
+                                                          "xl,gtrxl (empty: skip part 2)."),
+        mem_lens: str = typer.Option("32,128,512", help="Memory lengths M of part 2 (integers >= 1)."),
+        mem_envs: int = typer.Option(10, min=1, help="Environments N of part 2."),
+        mem_steps: int = typer.Option(50, min=1, help="Timed steps per (backbone, M) of part 2."),
         skip_rollouts: bool = typer.Option(False, "--skip-rollouts", help="Only part 2."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
         out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
     ) -> None:
         """Env steps/s of batched vs one-env-at-a-time evaluation; memory vs re-encoding cost per step."""
-        s = Settings(run=run_dir, dataset=dataset, episodes=episodes, n_envs=n_envs,
-                     max_episode_steps=max_episode_steps, threads=threads, device=device,
-                     memory_kinds=tuple(k.strip() for k in memory_kinds.split(",") if k.strip()),
-                     mem_lens=_ints(mem_lens), mem_envs=mem_envs, mem_steps=mem_steps, skip_rollouts=skip_rollouts)
-        res = run(s, log=lambda m: typer.echo(m, err=True))
+        from rl_tformers.bench.data import check_out
+
+        try:
+            s = Settings(run=run_dir, dataset=dataset, episodes=episodes, n_envs=n_envs,
+                         max_episode_steps=max_episode_steps, threads=threads, device=device,
+                         memory_kinds=tuple(k.strip() for k in memory_kinds.split(",") if k.strip()),
+                         mem_lens=_ints(mem_lens), mem_envs=mem_envs, mem_steps=mem_steps,
+                         skip_rollouts=skip_rollouts)
+            s.check()
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        check_out(out)
+        from rl_tformers.runtime.agents import AgentBuildError, UnknownAgentError
+        from rl_tformers.runtime.checkpoint import CheckpointError
+
+        try:
+            res = run(s, log=lambda m: typer.echo(m, err=True))
+        except (AgentBuildError, CheckpointError, UnknownAgentError) as exc:  # loading the policy, before timing
+            typer.echo(f"error: {'--run' if run_dir else '--dataset'} {run_dir or dataset}: {exc}", err=True)
+            raise typer.Exit(2) from None
         emit_result(res.as_dict(), markdown(res), res.notes, out=out, as_json=as_json)
 
     bench_app.command("eval")(eval_)
