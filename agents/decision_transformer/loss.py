@@ -23,9 +23,16 @@ from torch import Tensor
 from rl_tformers.types import sum_aux
 
 
-def masked_mean(x: Tensor, w: Tensor) -> Tensor:
-    """Mean of ``x`` over entries where ``w`` is 1: x, w (B, P) -> scalar (0 when w is all 0)."""
+def masked_mean(x: Tensor, w: Tensor, total: Tensor | None = None) -> Tensor:
+    """Mean of ``x`` over entries where ``w`` is 1: x, w (B, P) -> scalar (0 when w is all 0).
+
+    ``total``: divide the masked sum by it instead of by ``w.sum()`` (the DDP divisor of
+    :func:`~rl_tformers.runtime.distributed.shard_mean_total`, so that the ranks' averaged
+    gradient is that of the mean over the global batch's unpadded steps).
+    """
     w = w.to(x.dtype)
+    if total is not None:
+        return (x * w).sum() / total
     return (x * w).sum() / w.sum().clamp_min(1.0)
 
 
@@ -44,7 +51,15 @@ def dt_loss(model: DecisionTransformer, batch: Mapping[str, Tensor]) -> tuple[Te
     Returns:
         (loss, metrics): scalar loss including the backbone's auxiliary losses, and floats to log
         (``action_mse``/``action_ce``/``nll``, ``entropy``, ``temperature``, aux terms).
+
+    Under DDP (the trainer's :class:`~rl_tformers.runtime.distributed.AgentLoss`) the means over
+    unpadded steps divide by the global count / W (:func:`~rl_tformers.runtime.distributed.shard_mean_total`),
+    so W processes train like one process on the same global batch (the per-rank metrics then
+    average to the global-batch values). The early-exit terms and the backbone's auxiliary
+    losses are still per-shard means.
     """
+    from rl_tformers.runtime.distributed import shard_mean_total
+
     cfg = model.cfg
     early = model.early_exit
     out = model(batch["obs"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"],
@@ -54,27 +69,28 @@ def dt_loss(model: DecisionTransformer, batch: Mapping[str, Tensor]) -> tuple[Te
     if cfg.mode == "last_action":
         mask, target = mask[:, -1:], target[:, -1:]  # (B, 1), (B, 1, A) or (B, 1)
     metrics: dict[str, Any] = {}
+    total = shard_mean_total(mask.sum())  # None with one process: each mean divides by its own count
     exits = _exit_terms(model, out, target, mask, metrics) if early else None
     if cfg.discrete:
-        loss = masked_mean(discrete_ce(out.logits, target), mask)
+        loss = masked_mean(discrete_ce(out.logits, target), mask, total)
         metrics["action_ce"] = loss.detach()
-        metrics["action_acc"] = masked_mean((out.action == target.long()).float(), mask).detach()
+        metrics["action_acc"] = masked_mean((out.action == target.long()).float(), mask, total).detach()
         if exits is not None:
             loss = exits
     elif cfg.head == "gaussian":
-        nll = -masked_mean(squashed_gaussian_log_prob(out.mean, out.log_std, target), mask)
+        nll = -masked_mean(squashed_gaussian_log_prob(out.mean, out.log_std, target), mask, total)
         metrics["nll_last"] = nll.detach()
         if exits is not None:
             nll = exits
         sample = squashed_gaussian_sample(out.mean, out.log_std)
-        entropy = -masked_mean(squashed_gaussian_log_prob(out.mean, out.log_std, sample), mask)  # MC estimate
+        entropy = -masked_mean(squashed_gaussian_log_prob(out.mean, out.log_std, sample), mask, total)  # MC estimate
         temperature = model.log_temperature.exp()
         # policy term uses a fixed temperature; the temperature term moves it toward the target entropy
         loss = nll - temperature.detach() * entropy + temperature * (entropy.detach() - model.target_entropy)
         metrics.update(nll=nll.detach(), entropy=entropy.detach(), temperature=temperature.detach())
-        metrics["action_mse"] = masked_mean((out.action - target).pow(2).mean(-1), mask).detach()
+        metrics["action_mse"] = masked_mean((out.action - target).pow(2).mean(-1), mask, total).detach()
     else:
-        loss = masked_mean((out.action - target).pow(2).mean(-1), mask)  # (B, P) -> scalar
+        loss = masked_mean((out.action - target).pow(2).mean(-1), mask, total)  # (B, P) -> scalar
         metrics["action_mse"] = loss.detach()
         if exits is not None:
             loss = exits

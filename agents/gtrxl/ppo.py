@@ -26,8 +26,24 @@ the memory of the finished episode; terminations are not.
 Trainer integration: ``batches()`` is an iterable that collects a rollout with the live model,
 then yields ``n_epochs x n_minibatches`` minibatches; one trainer update = one minibatch. So
 ``train.steps = rollouts x n_epochs x n_minibatches`` and the environment steps are
-``rollouts x n_envs x n_steps``. Resuming restarts fresh environments from the checkpointed
-weights and observation statistics (online data cannot be replayed bit-exactly).
+``rollouts x n_envs x n_steps``.
+
+Resuming (``--resume``) is **not** bit-identical to an uninterrupted run, and says so when it
+starts (:meth:`GTrXLPPO.resume_note`): the checkpoint restores the weights, the optimiser, the
+observation statistics, the counters (``env_steps``, ``rollouts``) and the recent episode
+returns and lengths, but not the environments (their states, the rollout in progress, the
+backbone memory of the running episodes): they restart with fresh resets and a fresh rollout.
+A run stopped after update j of a rollout's U = ``n_epochs x n_minibatches`` updates continues
+with the last U - j updates of that fresh rollout's schedule, so rollouts still start at
+multiples of U (redraws of random attention features never fall inside a rollout); the
+collected rollout that was cut short stays counted in ``train/env_steps`` (those environment
+steps were taken), so after such a resume ``env_steps`` is ``n_envs x n_steps`` (x processes)
+above an uninterrupted run's at the same update.
+
+Under DDP (``--nproc W``) every process runs its own ``n_envs`` environments (rank r seeds them
+after rank r - 1's), collects its own rollout and trains on its rows of each minibatch (the
+trainer splits every minibatch across the processes, so ``n_envs x n_steps / n_minibatches``
+must be divisible by W); ``train/env_steps`` counts the steps of every process.
 
 Logged (``train/...``): PPO losses, approximate KL, clip fraction, entropy, mean gate values per
 layer (``gate/layer{i}_attn|ffn``), attention entropy per layer (nats, at the rollout's last
@@ -39,6 +55,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Mapping
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +77,7 @@ from torch import Tensor
 
 from rl_tformers.attention.base import attention_entropy
 from rl_tformers.runtime.agents import register_agent
+from rl_tformers.runtime.distributed import dist_info
 from rl_tformers.types import BackboneState, LayerState
 
 OBS_CLIP = 10.0  # normalised observations are clipped to [-10, 10] (as SB3's VecNormalize)
@@ -272,11 +290,25 @@ class GTrXLPPO:
             self.load_extra_state(extra)
         self.reward_scale = float(a.reward_scale)
         self.n_envs, self.n_steps = int(a.n_envs), int(a.n_steps)
+        info = dist_info()  # under DDP (torchrun) every process collects its own rollouts
+        self.rank, self.world_size = info.rank, info.world_size
+        if extra is None:
+            self._check_world_size()
         self.envs: gym.vector.VectorEnv | None = None
         self.returns_window: deque[float] = deque(maxlen=20)
         self.lengths_window: deque[float] = deque(maxlen=20)
-        self.env_steps = 0
+        self.env_steps = 0  # of this process (each process collects the same number)
         self.rollouts = 0
+
+    def _check_world_size(self) -> None:
+        """Under DDP every minibatch is split evenly across the W processes (each process
+        collects its own rollout and keeps its rows of each minibatch)."""
+        w = self.world_size
+        rows, n_mb = self.n_envs * self.n_steps, int(self.a.n_minibatches)
+        if w > 1 and (rows % n_mb or (rows // n_mb) % w):
+            raise ValueError(
+                f"agent.n_minibatches={n_mb}: with {w} processes each minibatch of agent.n_envs x agent.n_steps / "
+                f"agent.n_minibatches = {rows}/{n_mb} rows must be a whole number divisible by {w}")
 
     # -- fine-tuning from an offline run ------------------------------------------------------
     def _read_offline(self, path: str) -> tuple[dict, dict, dict]:
@@ -316,7 +348,9 @@ class GTrXLPPO:
             [lambda: gym.make(self.env_id, **self.env_kwargs) for _ in range(self.n_envs)],
             autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
         )
-        obs, _ = self.envs.reset(seed=[self.seed * 10_000 + i for i in range(self.n_envs)])
+        # under DDP each process runs its own N environments: rank r resets them with seeds after rank r - 1's
+        first = self.seed * 10_000 + self.rank * self.n_envs
+        obs, _ = self.envs.reset(seed=[first + i for i in range(self.n_envs)])
         dev, enc = self.device, self.model.encoder
         self.obs = obs
         self.memory = enc.initial_state(self.n_envs, dev)
@@ -420,7 +454,7 @@ class GTrXLPPO:
             ro["rewards"], ro["values"], ro["dones"], last_value, float(self.a.gamma), float(self.a.gae_lambda))
         self.env_steps += s_len * n
         self.rollouts += 1
-        stats = {"env_steps": float(self.env_steps)}
+        stats = {"env_steps": float(self.env_steps * self.world_size)}  # of every process
         if self.returns_window:
             stats["episodic_return"] = float(np.mean(self.returns_window))
             stats["episodic_length"] = float(np.mean(self.lengths_window))
@@ -453,13 +487,37 @@ class GTrXLPPO:
         return int(self.a.n_epochs) * int(self.a.n_minibatches)
 
     def batches(self, start_step: int) -> Iterator[dict[str, Any]]:
-        """Endless stream of minibatches; a new rollout every ``n_epochs x n_minibatches`` updates."""
+        """Endless stream of minibatches; a new rollout every ``n_epochs x n_minibatches`` updates.
+
+        Rollouts start at updates that are multiples of U = ``updates_per_rollout``: resuming at
+        ``start_step`` after update j = ``start_step % U`` of a rollout, the first (fresh)
+        rollout feeds only the last U - j updates of its schedule (see the module docstring).
+        """
+        skip = int(start_step) % self.updates_per_rollout
 
         def stream() -> Iterator[dict[str, Any]]:
+            first = islice(self.minibatches(self.collect()), skip, None)
+            yield from first
             while True:
                 yield from self.minibatches(self.collect())
 
         return stream()
+
+    def resume_note(self, step: int) -> str:
+        """The warning ``--resume`` prints: what a resumed run restores and what it does not."""
+        u = self.updates_per_rollout
+        note = (f"resume of gtrxl_ppo (on-policy) at step {step}: the weights, optimiser, observation statistics "
+                f"and counters (env_steps={self.env_steps * self.world_size}, rollouts={self.rollouts}) are restored, "
+                f"the environment "
+                f"state is not: the environments restart with fresh resets and a fresh rollout, so the continuation "
+                f"is not bit-identical to an uninterrupted run")
+        j = step % u
+        if j:
+            note += (f"; the run stopped after update {j} of the {u} of rollout {self.rollouts}, so updates "
+                     f"{step + 1}..{step + u - j} learn from the last {u - j} minibatches of a fresh rollout "
+                     f"and train/env_steps counts the {self.n_steps * self.n_envs * self.world_size} steps of the cut "
+                     f"rollout too")
+        return note
 
     def loss(self, batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, float]]:
         """PPO loss of one minibatch (:func:`ppo_loss`) and the latest rollout statistics."""
@@ -504,6 +562,8 @@ class GTrXLPPO:
         return {
             "obs_mean": torch.as_tensor(self.obs_rms.mean), "obs_var": torch.as_tensor(self.obs_rms.var),
             "obs_count": float(self.obs_rms.count), "env_steps": int(self.env_steps), "rollouts": int(self.rollouts),
+            "recent_returns": [float(x) for x in self.returns_window],
+            "recent_lengths": [float(x) for x in self.lengths_window],
             "env_id": self.env_id, "env_kwargs": dict(self.env_kwargs), "model": model_config_dict(self.model_cfg),
         }
 
@@ -512,6 +572,11 @@ class GTrXLPPO:
         self.obs_rms.var = np.asarray(state["obs_var"], np.float64)
         self.obs_rms.count = float(state["obs_count"])
         self.env_steps, self.rollouts = int(state["env_steps"]), int(state["rollouts"])
+        if hasattr(self, "returns_window"):  # (an inference load restores before the windows exist)
+            self.returns_window.clear()
+            self.returns_window.extend(float(x) for x in state.get("recent_returns", ()))
+            self.lengths_window.clear()
+            self.lengths_window.extend(float(x) for x in state.get("recent_lengths", ()))
 
 
 def load_ppo_for_inference(cfg: Any, state: Mapping[str, Any], device: torch.device | str = "cpu") -> GTrXLPPO:

@@ -59,6 +59,10 @@ The protocol (optional methods, detected with ``getattr``)
     minibatches). The trainer then redraws random attention features (``redraw_every`` of
     ``performer``/``rfa``/``lsh``) only at multiples of it, never between a rollout and its
     updates. Default 1 (offline agents: a redraw may follow any update).
+``resume_note(step) -> str | None``
+    Agents whose ``--resume`` is not bit-identical to an uninterrupted run (on-policy agents:
+    environment states are not checkpointed) return one line saying what is and is not
+    restored; the trainer logs it as a warning when it resumes (rank 0).
 ``extra_state() -> dict`` / ``load_extra_state(state: dict) -> None``
     Non-parameter state to checkpoint (observation mean/std, reward scale, ...): tensors,
     numbers, strings, ``None`` and lists/tuples/dicts of them only (anything else is refused

@@ -28,7 +28,7 @@ Examples:
 
   rl-tformers train -c toy --print-config   (show the resolved config)
 
-Continue a run exactly where it stopped, optionally for longer:
+Continue a run where it stopped, optionally for longer; exactly (offline agents; on-policy PPO resumes its weights, optimiser and counters but restarts its environments, and says so):
 
   rl-tformers train --resume runs/try1
 
@@ -36,9 +36,11 @@ Continue a run exactly where it stopped, optionally for longer:
 
 Ctrl-C (SIGINT) or SIGTERM saves a checkpoint at the current step and exits with code 130/143; --resume continues from it. Exit code 2: bad config, agent option, dataset, checkpoint or run directory (one `error: ...` line names what is at fault; the agent and its data are checked before anything is trained or written).
 
-Data-parallel training on N processes (DistributedDataParallel; gloo on CPU, NCCL with one GPU per process; train.batch_size is the global batch, split across the processes; logs and checkpoints come from rank 0; --resume works the same):
+Data-parallel training on N processes (DistributedDataParallel; gloo on CPU, NCCL with one GPU per process; train.batch_size is the global batch, split across the processes, so it must be divisible by N; logs and checkpoints come from rank 0; the config and run directory are checked before any process starts; --resume works the same):
 
   rl-tformers train --nproc 2 -c dt/hopper_medium
+
+  rl-tformers train --nproc 2 --resume runs/dt-ddp
 
   torchrun --standalone --nproc-per-node 2 -m rl_tformers.cli train -c dt/hopper_medium --run-dir runs/dt-ddp   (the same, by hand)
 """
@@ -142,6 +144,8 @@ def train(
                 return
             result = train_run(cfg, run_dir, config_name=name, stop_at=stop_at)
     except (ConfigError, RegistryError, CheckpointError, RunDirError) as exc:
+        if os.environ.get("RANK", "0") != "0":
+            raise typer.Exit(2) from None  # under torchrun every rank meets the same bad input: rank 0 says it
         raise _fail(str(exc)) from None
     if result.interrupted is not None:
         raise typer.Exit(128 + int(result.interrupted))
@@ -158,8 +162,11 @@ def train(
                 typer.echo(f"  (repeat it exactly: {again}; plain `rl-tformers eval {result.run_dir}` uses reset "
                            f"seeds 0..N-1, so its numbers differ within the spread)", err=True)
     else:
+        from rl_tformers.runtime.distributed import dist_info
+        from rl_tformers.runtime.trainer import resume_command
+
         typer.echo(f"stopped at step {result.step} of {result.total_steps}; continue with: "
-                   f"rl-tformers train --resume {result.run_dir}", err=True)
+                   f"{resume_command(result.run_dir, dist_info().world_size)}", err=True)
 
 
 def repeat_eval_command(run_dir: Path, step: int) -> str:
@@ -208,12 +215,19 @@ def _launch_torchrun(nproc: int, overrides: list[str], config: str | None, resum
                      run_dir: Path | None, stop_at: int | None) -> int:
     """Run this command again under torchrun on ``nproc`` processes; returns torchrun's exit code.
 
-    A new run's directory is decided here (so every rank writes to the same place); SIGINT /
-    SIGTERM reach torchrun, which forwards them once to every rank (each saves and stops).
+    Before any process starts, the command is checked as far as it can be without building the
+    agent: the config composes, ``train.batch_size`` is divisible by ``nproc``, and the run
+    directory can take a new run (:func:`~rl_tformers.runtime.trainer.new_run_problem`) or,
+    with ``--resume``, holds a valid checkpoint whose config takes the overrides and nobody
+    else is training it; a problem raises ``typer.Exit(2)`` after one ``error:`` line. A new
+    run's directory is decided here (so every rank writes to the same place); SIGINT / SIGTERM
+    reach torchrun, which forwards them once to every rank (each saves and stops).
     """
     import signal
     import subprocess
 
+    from rl_tformers.registry import RegistryError
+    from rl_tformers.runtime.checkpoint import CheckpointError
     from rl_tformers.runtime.config import (
         ConfigError,
         compose,
@@ -222,27 +236,37 @@ def _launch_torchrun(nproc: int, overrides: list[str], config: str | None, resum
         resolve_config_path,
     )
     from rl_tformers.runtime.distributed import torchrun_command
+    from rl_tformers.runtime.runlock import RunBusyError, lock_holder
+    from rl_tformers.runtime.trainer import check_world_size, load_resume_config, new_run_problem
 
     args: list[str] = []
-    if resume is not None:
-        if config is not None or run_dir is not None:
-            raise _fail("--resume takes its config and run directory from RUN_DIR; drop --config/--run-dir")
-        args += ["--resume", str(resume)]
-    else:
-        if run_dir is None:
-            try:
-                cfg = compose(config, overrides)
+    try:
+        if resume is not None:
+            if config is not None or run_dir is not None:
+                raise _fail("--resume takes its config and run directory from RUN_DIR; drop --config/--run-dir")
+            if Path(resume).is_dir() and (pid := lock_holder(resume)) is not None:
+                raise _fail(str(RunBusyError(Path(resume), pid or None)))
+            cfg, _, _ = load_resume_config(resume, overrides, repair=False)  # reads, repairs nothing
+            check_world_size(cfg, nproc)
+            args += ["--resume", str(resume)]
+        else:
+            cfg = compose(config, overrides)
+            check_world_size(cfg, nproc)
+            if run_dir is None:
                 name = config_display_name(resolve_config_path(config)) if config is not None else None
-            except ConfigError as exc:
-                raise _fail(str(exc)) from None
-            run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg, name)
-        if config is not None:
-            args += ["--config", config]
-        args += ["--run-dir", str(run_dir)]
+                run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg, name)
+            problem = new_run_problem(run_dir)
+            if problem is not None:
+                raise _fail(problem)
+            if config is not None:
+                args += ["--config", config]
+            args += ["--run-dir", str(run_dir)]
+    except (ConfigError, RegistryError, CheckpointError) as exc:
+        raise _fail(str(exc)) from None
     if stop_at is not None:
         args += ["--stop-at", str(stop_at)]
     cmd = torchrun_command(nproc, [*args, *overrides])
-    typer.echo(f"launching {nproc} processes: {' '.join(cmd[2:])}", err=True)
+    typer.echo(f"launching {nproc} processes: torchrun {' '.join(cmd[3:])}", err=True)
     # own session: a terminal's Ctrl-C reaches this process only, which forwards it exactly once
     proc = subprocess.Popen(cmd, start_new_session=True)
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -492,6 +492,11 @@ def _validate_values(cfg: DictConfig) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
+    from rl_tformers.runtime.seeding import MAX_SEED
+
+    if cfg.seed > MAX_SEED:
+        raise ConfigError(f"seed must be an integer in [0, 2**64 - 1] (the range torch.manual_seed takes), "
+                          f"got {cfg.seed}")
     if not (t.lr > 0):
         raise ConfigError(f"train.lr must be > 0, got {t.lr}")
     if t.weight_decay < 0:

@@ -22,15 +22,26 @@ What each part does:
   whose only submodule is ``agent.model``, wrapped in DDP; DDP's autograd hooks all-reduce
   (average) the gradients bucket by bucket during ``backward``. Agents need no change. With a
   loss that is a mean over equal-sized shards, the averaged gradient equals the single-process
-  gradient of the global batch (up to float summation order); losses normalised per shard by a
-  data-dependent count (DT's mean over unpadded steps) differ by the spread of that count.
+  gradient of the global batch (up to float summation order). A loss that is a mean over a
+  data-dependent number of terms per shard (DT's mean over unpadded steps) would instead give
+  the mean of the shards' means; such a loss divides by :func:`shard_mean_total` (the global
+  count / W under DDP, one small all-reduce inside the forward; the local count otherwise), so
+  the averaged gradient is again that of the global batch. The DT loss does; GTrXL's offline
+  losses (BC, IQL) still average per shard.
 - **Writes**: checkpoints, ``config.yaml``, TensorBoard and ``metrics.jsonl`` come from rank 0
-  only; logged scalars are averaged over ranks first (:meth:`MetricWindow.sync`).
+  only; logged scalars are reduced over ranks first, key by key
+  (:meth:`~rl_tformers.runtime.trainer.MetricWindow.reduce`): a scalar only some ranks log
+  is the mean over the updates that logged it.
 - **Randomness**: rank r > 0 reseeds its global generators with ``derive_seed(seed, "rank", r)``
   (different dropout masks on different shards); a checkpoint stores every rank's generator
-  state, so ``--resume`` with the same process count continues each rank exactly.
+  state and partial logging window, so ``--resume`` with the same process count continues each
+  rank exactly, logged numbers included.
 - **Stopping**: ranks agree every update on whether a SIGINT/SIGTERM arrived anywhere, so all
-  of them stop (and save) after the same update.
+  of them stop (and save) after the same update; rank 0 says so.
+- **Launching**: ``rl-tformers train --nproc N`` checks the config, the batch split and the run
+  directory before it starts torchrun (:mod:`rl_tformers.runtime.torchrun`, which exits with
+  the ranks' status instead of torchrun's tracebacks); under torchrun a bad input is reported
+  by rank 0 alone.
 """
 
 from __future__ import annotations
@@ -226,9 +237,15 @@ def shard_source(source: Dataset | Iterable[Any], rank: int, world_size: int) ->
 
 # -- the model -----------------------------------------------------------------------------------
 
+_IN_DDP_LOSS = False  # True while AgentLoss.forward runs (every rank runs it, in step)
+
+
 class AgentLoss(nn.Module):
     """``forward(batch) = agent.loss(batch)`` as a module owning ``agent.model``, so that
-    :class:`~torch.nn.parallel.DistributedDataParallel` can wrap any agent unchanged."""
+    :class:`~torch.nn.parallel.DistributedDataParallel` can wrap any agent unchanged.
+
+    While it runs, :func:`shard_mean_total` reduces counts over the ranks.
+    """
 
     def __init__(self, agent: Any) -> None:
         super().__init__()
@@ -236,7 +253,39 @@ class AgentLoss(nn.Module):
         self.agent = agent
 
     def forward(self, batch: Any) -> Any:
-        return self.agent.loss(batch)
+        global _IN_DDP_LOSS
+        previous, _IN_DDP_LOSS = _IN_DDP_LOSS, is_active()
+        try:
+            return self.agent.loss(batch)
+        finally:
+            _IN_DDP_LOSS = previous
+
+
+def shard_mean_total(count: Tensor) -> Tensor | None:
+    """The divisor that turns this shard's sum into its share of the global-batch mean.
+
+    A loss ``sum_i x_i / n`` over the ``n`` terms of this rank's shard (``n`` data-dependent,
+    e.g. unpadded steps) is, after DDP averages the gradients of the W ranks, the mean of the
+    ranks' means, not the mean over the global batch. Dividing the shard's sum by ``N / W``
+    instead, N the count over every rank, makes the average ``sum over all terms / N``: the
+    single-process loss of the global batch.
+
+    Args:
+        count: this shard's number of terms (a 0-dim tensor on the training device).
+
+    Returns:
+        ``max(N, 1) / W`` (float32, one all-reduce of ``count``) inside a DDP training
+        forward (:class:`AgentLoss` under an active process group: every rank calls it the same
+        number of times); None anywhere else (one process, evaluation, rank 0 alone), where the
+        caller divides by its own count exactly as before.
+    """
+    if not _IN_DDP_LOSS:
+        return None
+    import torch.distributed as dist
+
+    total = count.detach().to(torch.float64).reshape(1).clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return (total.clamp_min(1.0) / dist.get_world_size()).to(torch.float32).reshape(())
 
 
 def wrap_ddp(agent: Any, device: torch.device, find_unused_parameters: bool = False) -> nn.Module:
@@ -254,16 +303,6 @@ def wrap_ddp(agent: Any, device: torch.device, find_unused_parameters: bool = Fa
 
 
 # -- small collectives ---------------------------------------------------------------------------
-
-def all_mean_(values: Sequence[Tensor | float], device: torch.device) -> list[float]:
-    """Mean over ranks of each scalar (one all-reduce), as Python floats."""
-    import torch.distributed as dist
-
-    t = torch.stack([v.detach().float().reshape(()).to(device) if isinstance(v, Tensor)
-                     else torch.tensor(float(v), device=device) for v in values])
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return (t / dist.get_world_size()).tolist()
-
 
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True if ``flag`` is True on any rank (one all-reduce of one integer)."""
@@ -306,20 +345,22 @@ def barrier() -> None:
 # -- launching -----------------------------------------------------------------------------------
 
 def torchrun_command(nproc: int, train_args: Sequence[str]) -> list[str]:
-    """The command ``rl-tformers train --nproc N ...`` runs: torchrun (``torch.distributed.run``,
-    of this interpreter) starting N copies of ``rl_tformers.cli train ARGS`` on this machine.
+    """The command ``rl-tformers train --nproc N ...`` runs: torchrun (``torch.distributed.run``
+    of this interpreter, through :mod:`rl_tformers.runtime.torchrun`, which turns torchrun's
+    tracebacks into plain exit statuses) starting N copies of ``rl_tformers.cli train ARGS``
+    on this machine.
 
     Raises:
         ValueError: ``nproc < 1``.
     """
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    return [sys.executable, "-m", "rl_tformers.runtime.torchrun", "--standalone", f"--nproc-per-node={nproc}",
             "-m", "rl_tformers.cli", "train", *train_args]
 
 
 __all__ = [
-    "AgentLoss", "DistInfo", "ShardedBatches", "all_mean_", "any_rank", "backend_for", "barrier",
+    "AgentLoss", "DistInfo", "ShardedBatches", "any_rank", "backend_for", "barrier",
     "broadcast_object", "dist_info", "gather_objects", "is_active", "process_group", "rank_device",
-    "shard_batch", "shard_source", "torchrun_command", "wrap_ddp",
+    "shard_batch", "shard_mean_total", "shard_source", "torchrun_command", "wrap_ddp",
 ]

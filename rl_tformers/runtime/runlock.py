@@ -35,6 +35,20 @@ class RunBusyError(FileExistsError):
         self.run_dir, self.pid = run_dir, pid
 
 
+def directory_problem(path: str | os.PathLike, option: str = "--run-dir") -> str | None:
+    """Why ``path`` cannot be (or become) a directory, or None: it, or a folder above it, is an
+    existing file (or something else that is not a directory). Creates nothing."""
+    path = Path(path)
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink():
+            if p.is_dir():
+                return None
+            what = "is a file" if p.is_file() else "exists and is not a directory"
+            where = f"{p} {what}" if p == path else f"{p} (a folder above it) {what}"
+            return f"{option} {path}: {where}; pick another {option}"
+    return None
+
+
 def _read_pid(path: Path) -> int | None:
     try:
         return int(path.read_text().strip() or "x")
@@ -96,4 +110,4 @@ def hold_run(run_dir: str | os.PathLike) -> Iterator[Path]:
         os.close(fd)  # releases the lock
 
 
-__all__ = ["LOCK_FILE", "RunBusyError", "hold_run", "lock_holder"]
+__all__ = ["LOCK_FILE", "RunBusyError", "directory_problem", "hold_run", "lock_holder"]

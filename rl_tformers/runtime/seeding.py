@@ -26,21 +26,26 @@ from typing import Any
 import numpy as np
 import torch
 
+#: The largest run seed: ``torch.manual_seed`` takes integers up to 2**64 - 1 (and overflows above).
+MAX_SEED = 2**64 - 1
+
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
     """Seed Python ``random``, NumPy's global generator, torch CPU and all CUDA devices.
 
     Args:
-        seed: any non-negative int (NumPy takes it modulo 2**32).
+        seed: an int in ``[0, MAX_SEED]`` (NumPy takes it modulo 2**32).
         deterministic: also ask torch for deterministic kernels
             (``torch.use_deterministic_algorithms(True, warn_only=True)``, cuDNN deterministic,
             ``CUBLAS_WORKSPACE_CONFIG``). Slower on GPU; CPU training is deterministic anyway.
 
     Raises:
-        ValueError: if ``seed`` is negative.
+        ValueError: if ``seed`` is negative or above :data:`MAX_SEED`.
     """
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
+    if seed > MAX_SEED:
+        raise ValueError(f"seed must be <= 2**64 - 1 (the largest seed torch.manual_seed takes), got {seed}")
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device

@@ -162,24 +162,51 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
     return grid
 
 
+#: Most runs one ``--seeds`` may ask for (a typo such as ``0-1000000`` would otherwise compose a
+#: million configs before saying anything).
+MAX_SEEDS = 1000
+
+
 def parse_seeds(text: str) -> list[int]:
-    """``"0,1,2"`` or ``"0-4"`` (inclusive range) -> list of ints.
+    """``"0,1,2"``, ``"0-4"`` (inclusive range) or a mix (``"0-2,7"``) -> list of ints.
 
     Raises:
-        SweepError: not integers, or a repeated seed.
+        SweepError: an empty item (``0,,1``, a trailing comma), not integers, a reversed
+            range (``1-0``), a seed outside ``[0, 2**64 - 1]`` (what ``torch.manual_seed``
+            takes, :data:`~rl_tformers.runtime.seeding.MAX_SEED`), more than
+            :data:`MAX_SEEDS` seeds, or a repeated seed.
     """
+    from rl_tformers.runtime.seeding import MAX_SEED
+
     seeds: list[int] = []
-    try:
-        for part in split_values(text):
-            if re.fullmatch(r"\d+-\d+", part):
-                lo, hi = (int(x) for x in part.split("-"))
-                seeds += list(range(lo, hi + 1))
-            else:
-                seeds.append(int(part))
-    except ValueError:
-        raise SweepError(f"--seeds {text!r}: expected integers like 0,1,2 or 0-4") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise SweepError(f"--seeds {text!r}: give at least one seed, each once")
+    for raw in text.split(","):
+        part = raw.strip()
+        if not part:
+            raise SweepError(f"--seeds {text!r}: an empty item (two commas in a row, or one at an end); "
+                             f"write seeds like 0,1,2 or 0-4")
+        m = re.fullmatch(r"(\d+)\s*-\s*(\d+)", part)
+        if m:
+            lo, hi = int(m.group(1)), int(m.group(2))
+            if lo > hi:
+                raise SweepError(f"--seeds {text!r}: the range {part} is reversed (its first seed is larger than "
+                                 f"its last); write {hi}-{lo}")
+            if hi - lo + 1 > MAX_SEEDS:
+                raise SweepError(f"--seeds {text!r}: the range {part} has {hi - lo + 1} seeds; at most {MAX_SEEDS}")
+            seeds += range(lo, hi + 1)
+        elif re.fullmatch(r"[+-]?\d+", part):
+            seeds.append(int(part))
+        else:
+            raise SweepError(f"--seeds {text!r}: {part!r} is not an integer or a range; expected integers like "
+                             f"0,1,2 or 0-4")
+    for seed in seeds:
+        if not 0 <= seed <= MAX_SEED:
+            raise SweepError(f"--seeds {text!r}: seed {seed} is out of range; seeds are integers in "
+                             f"[0, 2**64 - 1] (what torch.manual_seed takes)")
+    if len(seeds) > MAX_SEEDS:
+        raise SweepError(f"--seeds {text!r}: {len(seeds)} seeds; at most {MAX_SEEDS}")
+    if len(set(seeds)) != len(seeds):
+        dup = next(x for x in seeds if seeds.count(x) > 1)
+        raise SweepError(f"--seeds {text!r}: seed {dup} is given twice; give each seed once")
     return seeds
 
 
@@ -646,19 +673,23 @@ def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], 
         metric: the summary/plot metric (default: first of :data:`DEFAULT_METRICS` logged).
 
     Raises:
-        SweepError: (before any run starts) unknown launcher, Ray missing with
+        SweepError: (before any run starts) unknown launcher, ``out_dir`` (or a folder above
+            it) is a file, Ray missing with
             ``launcher="ray"``, duplicate run directories (:func:`expand`), a grid point whose
             config does not compose, a run directory holding a run with another config (the
             message names each such run and the differing keys), or one being trained by
             another process.
     """
-    from rl_tformers.runtime.runlock import lock_holder
+    from rl_tformers.runtime.runlock import directory_problem, lock_holder
 
     if launcher not in LAUNCHERS:
         raise SweepError(f"--launcher {launcher!r}; use one of {', '.join(LAUNCHERS)}")
+    out = Path(out_dir)
+    problem = directory_problem(out, "--out")
+    if problem is not None:
+        raise SweepError(problem)
     if launcher == "ray":
         import_ray()
-    out = Path(out_dir)
     runs = expand(grid, seeds, out, overrides)
     requested = {run.name: requested_config(run, config, device) for run in runs}  # fails fast on a typo
     outcomes: dict[str, RunOutcome] = {}

@@ -37,7 +37,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,7 +68,7 @@ from rl_tformers.runtime.optim import (
     restore_scheduler,
     scheduler_state,
 )
-from rl_tformers.runtime.runlock import RunBusyError, hold_run
+from rl_tformers.runtime.runlock import RunBusyError, directory_problem, hold_run, lock_holder
 from rl_tformers.runtime.seeding import (
     capture_rng_state,
     derive_seed,
@@ -124,14 +124,19 @@ class TrainResult:
 class MetricWindow:
     """Sums of the per-update scalars since the last log, kept on the device (no sync per step).
 
-    Its state is part of each checkpoint, so the first window after a resume averages exactly
-    the same updates as in an uninterrupted run.
+    Each key has its own count (the updates that logged it), so a scalar an agent logs only in
+    some updates (PPO's episodic return, once an episode has finished) is the mean of the
+    updates that logged it. Under DDP every rank keeps its own window; :meth:`reduce` combines
+    them at a log boundary without changing them, and a checkpoint stores every rank's window
+    (:meth:`Trainer.save`), so the first window after a resume averages exactly the same
+    numbers, summed in the same order, as in an uninterrupted run.
     """
 
     def __init__(self) -> None:
         self.count = 0
-        self.samples = 0
+        self.samples: float = 0
         self.sums: dict[str, Tensor | float] = {}
+        self.counts: dict[str, float] = {}
 
     def add(self, values: Mapping[str, Tensor | float], samples: int) -> None:
         self.count += 1
@@ -139,41 +144,85 @@ class MetricWindow:
         for k, v in values.items():
             v = v.detach().float().reshape(()) if isinstance(v, Tensor) else float(v)
             self.sums[k] = v if k not in self.sums else self.sums[k] + v
+            self.counts[k] = self.counts.get(k, 0) + 1
 
     def means(self) -> dict[str, float]:
-        """Window means as Python floats (synchronises the device once)."""
+        """This process's window means as Python floats (synchronises the device once)."""
         if not self.count:
             return {}
-        return {k: float(v) / self.count for k, v in self.sums.items()}
+        return {k: float(v) / self.counts[k] for k, v in self.sums.items()}
 
     def non_finite(self) -> list[str]:
         """Names whose sum is NaN/inf (some update in the window produced a non-finite value)."""
         return [k for k, v in self.means().items() if not math.isfinite(v)]
 
-    def sync(self, device: torch.device) -> None:
-        """Replace every sum (and ``samples``) by its mean over the ranks of the process group
-        (one all-reduce; a no-op outside one). Every rank then holds the same window, so the
-        logged means are those of the global batch and every rank takes the same decisions
-        (non-finite checks). Syncing again later is correct: the mean over ranks of
-        (synced part + local part) is the synced part + the mean of the local parts.
+    def reduce(self, device: torch.device) -> tuple[dict[str, float], float]:
+        """Window means over every rank and the samples of every rank; the window is unchanged.
+
+        Outside a process group: :meth:`means` and this process's samples. Under DDP the ranks
+        first agree on the union of their keys (a key only some ranks logged, such as PPO's
+        episodic return, is summed as 0 with count 0 elsewhere), then one all-reduce (float64)
+        adds up every key's sum and count: each mean is over the (rank, update) pairs that
+        logged the key. Every rank gets the same numbers (the same decisions, e.g. on
+        non-finite values).
         """
-        if not dist_rt.is_active() or not self.count:
-            return
-        keys = list(self.sums)
-        values = dist_rt.all_mean_([*(self.sums[k] for k in keys), float(self.samples)], device)
-        self.sums = {k: torch.tensor(v, device=device) for k, v in zip(keys, values[:-1])}
-        self.samples = values[-1]
+        if not dist_rt.is_active():
+            return self.means(), float(self.samples)
+        import torch.distributed as dist
+
+        everyone = dist_rt.gather_objects(list(self.sums))
+        # the same order on every rank: rank 0's keys, then the other ranks' in sorted order
+        keys = [*everyone[0], *sorted(set().union(*map(set, everyone)) - set(everyone[0]))]
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+
+        def f64(v: Tensor | float) -> Tensor:
+            return v.detach().to(device=device, dtype=torch.float64).reshape(()) if isinstance(v, Tensor) \
+                else torch.tensor(float(v), dtype=torch.float64, device=device)
+
+        t = torch.stack([*(f64(self.sums[k]) if k in self.sums else zero for k in keys),
+                         *(f64(self.counts[k]) if k in self.counts else zero for k in keys),
+                         f64(float(self.samples))])
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        values = t.tolist()
+        n = len(keys)
+        means = {k: values[i] / values[n + i] for i, k in enumerate(keys) if values[n + i] > 0}
+        return means, values[-1]
 
     def reset(self) -> None:
-        self.count, self.samples, self.sums = 0, 0, {}
+        self.count, self.samples, self.sums, self.counts = 0, 0, {}, {}
 
     def state_dict(self) -> dict[str, Any]:
         return {"count": self.count, "samples": self.samples,
-                "sums": {k: v.cpu() if isinstance(v, Tensor) else v for k, v in self.sums.items()}}
+                "sums": {k: v.cpu() if isinstance(v, Tensor) else v for k, v in self.sums.items()},
+                "counts": dict(self.counts)}
 
     def load_state_dict(self, state: Mapping[str, Any], device: torch.device) -> None:
-        self.count, self.samples = int(state["count"]), int(state["samples"])
+        """Restore :meth:`state_dict` (a checkpoint written before per-key counts counts every
+        key in every update of the window)."""
+        self.count, self.samples = int(state["count"]), state["samples"]
         self.sums = {k: v.to(device) if isinstance(v, Tensor) else float(v) for k, v in state["sums"].items()}
+        counts = state.get("counts")
+        self.counts = {k: (counts[k] if counts is not None else self.count) for k in self.sums}
+
+    @staticmethod
+    def mean_state(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """The mean of several ranks' :meth:`state_dict` (sums, counts and samples divided by
+        the number of ranks): the window a run resumed with another number of processes starts
+        from on every rank, so that :meth:`reduce` weights the saved updates as many
+        (rank, update) pairs as the new ranks' updates."""
+        w = len(states)
+        keys = list(dict.fromkeys(k for s in states for k in s["sums"]))
+        sums: dict[str, Tensor | float] = {}
+        counts: dict[str, float] = {}
+        for k in keys:
+            parts = [s["sums"][k] for s in states if k in s["sums"]]
+            total = parts[0]
+            for p in parts[1:]:
+                total = total + p
+            sums[k] = total / w
+            counts[k] = sum(float(s.get("counts", {}).get(k, s["count"])) for s in states if k in s["sums"]) / w
+        return {"count": int(states[0]["count"]), "samples": sum(float(s["samples"]) for s in states) / w,
+                "sums": sums, "counts": counts}
 
 
 class GracefulInterrupt:
@@ -186,16 +235,18 @@ class GracefulInterrupt:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = True) -> None:
         self.signum: int | None = None
+        self.announce = announce  # log "received SIGINT..." (under DDP: rank 0 only)
         self._previous: dict[int, Any] = {}
 
     def _handler(self, signum: int, frame: Any) -> None:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
-        log.warning("received %s: finishing the current update, saving a checkpoint, then stopping "
-                    "(press Ctrl-C again to abort at once)", signal.Signals(signum).name)
+        if self.announce:
+            log.warning("received %s: finishing the current update, saving a checkpoint, then stopping "
+                        "(press Ctrl-C again to abort at once)", signal.Signals(signum).name)
 
     def __enter__(self) -> GracefulInterrupt:
         if threading.current_thread() is threading.main_thread():
@@ -235,11 +286,7 @@ class Trainer:
         t = cfg.train
         self.total_steps = int(t.steps)
         self.device = dist_rt.rank_device(resolve_device(cfg.device), self.dist)
-        if self.world_size > 1 and int(t.batch_size) % self.world_size:
-            raise ConfigError(
-                f"train.batch_size={t.batch_size} is the global batch and must be divisible by the "
-                f"{self.world_size} processes"
-            )
+        check_world_size(cfg, self.world_size)
         self.amp = str(t.amp.value if hasattr(t.amp, "value") else t.amp)
         autocast(self.device, self.amp)  # validates amp
         seed_everything(int(cfg.seed), deterministic=bool(t.deterministic))
@@ -302,18 +349,23 @@ class Trainer:
     def save(self) -> Path | None:
         """Write a checkpoint at the current step (main rank only); prunes to ``train.keep_last``.
 
-        Under DDP every rank must call it (the logging window is synced and every rank's RNG
-        state gathered into the checkpoint); only rank 0 writes.
+        Under DDP every rank must call it: every rank's RNG state and partial logging window are
+        gathered into the checkpoint (``trainer.rng_ranks``, ``trainer.window_ranks``; the live
+        windows are not changed, so where the checkpoints fall does not change any logged
+        number), and only rank 0 writes. ``trainer.window`` then holds the mean of the ranks'
+        windows, which a resume with another number of processes starts from.
 
         Raises:
-            NonFiniteLossError: if the current logging window saw a NaN/inf loss or gradient
-                norm (a checkpoint must never hold diverged weights).
+            NonFiniteLossError: if the current logging window (of any rank) saw a NaN/inf loss or
+                gradient norm (a checkpoint must never hold diverged weights).
         """
-        rng_ranks = None
+        rng_ranks = window_ranks = None
         if dist_rt.is_active():
-            self.window.sync(self.device)
-            rng_ranks = dist_rt.gather_objects(capture_rng_state())
-        bad = self.window.non_finite()
+            gathered = dist_rt.gather_objects((capture_rng_state(), self.window.state_dict()))
+            rng_ranks, window_ranks = [g[0] for g in gathered], [g[1] for g in gathered]
+            bad = sorted({k for w in window_ranks for k, v in w["sums"].items() if not math.isfinite(float(v))})
+        else:
+            bad = self.window.non_finite()
         if bad:
             raise NonFiniteLossError(
                 f"non-finite {', '.join(bad)} at or before step {self.step}; not saving a checkpoint "
@@ -322,8 +374,10 @@ class Trainer:
         if not self.is_main:
             return None
         state = self.state_dict()
-        if rng_ranks is not None:
+        if rng_ranks is not None and window_ranks is not None:
             state["trainer"]["rng_ranks"] = rng_ranks
+            state["trainer"]["window_ranks"] = window_ranks
+            state["trainer"]["window"] = MetricWindow.mean_state(window_ranks)
         return ckpt.save_checkpoint(self.run_dir, state, keep_last=int(self.cfg.train.keep_last))
 
     def _load(self, found: ckpt.FoundCheckpoint) -> None:
@@ -334,7 +388,11 @@ class Trainer:
         load_extra = getattr(self.agent, "load_extra_state", None)
         if callable(load_extra):
             load_extra(state["extra"])
-        self.window.load_state_dict(state["trainer"]["window"], self.device)
+        windows = state["trainer"].get("window_ranks")
+        if windows is not None and len(windows) == self.world_size:
+            self.window.load_state_dict(windows[self.rank], self.device)  # this rank's own: exact
+        else:  # one process, or another number of processes: the mean window (see MetricWindow.mean_state)
+            self.window.load_state_dict(state["trainer"]["window"], self.device)
         self.elapsed_s = float(state["trainer"]["elapsed_s"])
         self.step = int(state["step"])
         self._rng_to_restore = state["rng"]  # restored last, right before the first update
@@ -344,12 +402,20 @@ class Trainer:
                 self._rng_to_restore = ranks[self.rank]
             else:
                 saved = 1 if ranks is None else len(ranks)
-                log.warning("resuming a %d-process run with %d processes: the data and weights continue exactly, "
-                            "the dropout random streams do not", saved, self.world_size)
+                if self.is_main:
+                    log.warning("resuming a run of %s with %s: the weights and batches carry over exactly, but the "
+                                "dropout random streams and the float summation order of the gradients change, so "
+                                "the continuation is not bit-identical to one with %s",
+                                _processes(saved), _processes(self.world_size), _processes(saved))
                 if self.rank > 0:
                     seed_everything(derive_seed(int(self.cfg.seed), "rank", self.rank, self.step))
                     self._rng_to_restore = capture_rng_state()
         self._resumed_from = found.path
+        note = getattr(self.agent, "resume_note", None)
+        if callable(note) and self.is_main:
+            text = note(self.step)
+            if text:
+                log.warning("warning: %s", text)
 
     # -- evaluation -----------------------------------------------------------------------------
     def evaluate(self, logger: RunLogger) -> dict[str, float]:
@@ -400,7 +466,7 @@ class Trainer:
             if self.step >= self.total_steps:
                 then = f"the trained model is in {where}; evaluate it with: rl-tformers eval {self.run_dir}"
             else:
-                then = f"the run is saved ({where}); continue with: rl-tformers train --resume {self.run_dir}"
+                then = f"the run is saved ({where}); continue with: {resume_command(self.run_dir, self.world_size)}"
             note = f"evaluation at step {self.step} failed ({type(exc).__name__}: {exc}); {then}"
             log.error("%s", note)
             exc.add_note(note)
@@ -460,7 +526,7 @@ class Trainer:
                 restore_rng_state(self._rng_to_restore)
                 self._rng_to_restore = None
             bar = _progress(self.step, self.total_steps, enabled=bool(t.progress) and self.is_main)
-            with GracefulInterrupt() as interrupt, _log_above_bar(bar):
+            with GracefulInterrupt(announce=self.is_main) as interrupt, _log_above_bar(bar):
                 result = self._loop(iter(stream), logger, bar, interrupt, result, stop_at)
         finally:
             if bar is not None:
@@ -559,18 +625,17 @@ class Trainer:
                 bar.update(1)
 
             if self.step % log_every == 0 or self.step == self.total_steps:
-                self.window.sync(self.device)
-                bad = self.window.non_finite()
+                scalars, samples = self.window.reduce(self.device)
+                bad = [k for k, v in scalars.items() if not math.isfinite(v)]
                 if bad:
                     raise NonFiniteLossError(
                         f"non-finite {', '.join(bad)} in updates {self.step - self.window.count + 1}..{self.step} "
                         f"(try a lower train.lr, train.grad_clip, or train.amp=none)"
                     )
-                scalars = self.window.means()
                 scalars["train/lr"] = lr  # of the last update
                 dt = max(time.perf_counter() - window_t0, 1e-9)
                 scalars["perf/steps_per_s"] = self.window.count / dt
-                scalars["perf/samples_per_s"] = self.window.samples * self.world_size / dt
+                scalars["perf/samples_per_s"] = samples / dt
                 logger.scalars(self.step, scalars)
                 result.last_train = scalars
                 if self.on_log is not None and self.is_main:
@@ -594,13 +659,23 @@ class Trainer:
             stopped_by = None  # a signal during the final save is moot
         if last_saved != self.step and (stopped_by is not None or self.step == end):
             result.checkpoint = self.save()
-        if stopped_by is not None:
-            log.warning("stopped at step %d by %s; checkpoint %s; continue with: rl-tformers train --resume %s",
-                        self.step, signal.Signals(stopped_by).name, result.checkpoint, self.run_dir)
+        if stopped_by is not None and self.is_main:
+            log.warning("stopped at step %d by %s; checkpoint %s; continue with: %s",
+                        self.step, signal.Signals(stopped_by).name, result.checkpoint,
+                        resume_command(self.run_dir, self.world_size))
         result.step = self.step
         result.interrupted = stopped_by
         logger.flush()
         return result
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def resume_command(run_dir: str | os.PathLike, world_size: int = 1) -> str:
+    """The command that continues ``run_dir`` (with ``--nproc N`` for a run of N > 1 processes)."""
+    return f"rl-tformers train --resume {run_dir}" + (f" --nproc {world_size}" if world_size > 1 else "")
 
 
 def _log_above_bar(bar: Any) -> Any:
@@ -635,6 +710,41 @@ def holds_run(run_dir: Path) -> bool:
     return bool(ckpt.list_checkpoints(run_dir) or (run_dir / METRICS_FILE).exists() or event_files(run_dir))
 
 
+def check_world_size(cfg: DictConfig, world_size: int) -> None:
+    """Refuse a global batch that the processes cannot split evenly.
+
+    Raises:
+        ConfigError: ``train.batch_size`` is not divisible by ``world_size`` (> 1).
+    """
+    b = int(cfg.train.batch_size)
+    if world_size > 1 and b % world_size:
+        raise ConfigError(
+            f"train.batch_size={b} is the global batch and must be divisible by the {world_size} processes "
+            f"(--nproc {world_size}); pick a multiple of {world_size}"
+        )
+
+
+def _held_run_problem(path: Path) -> str:
+    if ckpt.list_checkpoints(path):
+        return f"{path} already holds a run; continue it with --resume {path}, or pick another --run-dir"
+    return (f"{path} already holds the logs of a run that stopped before its first checkpoint; "
+            f"delete it or pick another --run-dir")
+
+
+def new_run_problem(path: str | os.PathLike) -> str | None:
+    """Why a new run cannot start in ``path`` (None if it can), without creating or locking
+    anything: the path (or a folder above it) is a file, another process is training there,
+    or it already holds a run. :func:`train` checks the same again under the run's lock."""
+    path = Path(path)
+    problem = directory_problem(path, "--run-dir")
+    if problem is not None or not path.is_dir():
+        return problem
+    pid = lock_holder(path)
+    if pid is not None:
+        return str(RunBusyError(path, pid or None))
+    return _held_run_problem(path) if holds_run(path) else None
+
+
 def train(cfg: DictConfig, run_dir: str | os.PathLike | None = None, config_name: str | None = None,
           stop_at: int | None = None, on_log: Callable[[int, dict[str, float]], None] | None = None) -> TrainResult:
     """Start a new run.
@@ -651,8 +761,8 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike | None = None, config_name
     until the run ends; the other ranks follow its decision.
 
     Raises:
-        RunDirError: ``run_dir`` already holds a run, or another process is training it
-            (``... is being trained by pid N``).
+        RunDirError: ``run_dir`` (or a folder above it) is a file, already holds a run, or
+            another process is training it (``... is being trained by pid N``).
     """
     with dist_rt.process_group(cfg.device) as info, contextlib.ExitStack() as lock:
         problem, path = None, None
@@ -660,16 +770,16 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike | None = None, config_name
             path = Path(run_dir) if run_dir is not None else (
                 Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg, config_name)
             )
-            try:
-                lock.enter_context(hold_run(path))
-            except RunBusyError as exc:
-                problem = str(exc)
+            problem = directory_problem(path, "--run-dir")
+            if problem is None:
+                try:
+                    lock.enter_context(hold_run(path))
+                except RunBusyError as exc:
+                    problem = str(exc)
+                except OSError as exc:
+                    problem = f"--run-dir {path}: cannot create or lock it ({exc.strerror or exc})"
             if problem is None and holds_run(path):
-                if ckpt.list_checkpoints(path):
-                    problem = f"{path} already holds a run; continue it with --resume {path}, or pick another --run-dir"
-                else:
-                    problem = (f"{path} already holds the logs of a run that stopped before its first checkpoint; "
-                               f"delete it or pick another --run-dir")
+                problem = _held_run_problem(path)
         problem, path = dist_rt.broadcast_object((problem, path))
         if problem is not None:
             raise RunDirError(problem)
@@ -691,7 +801,9 @@ def load_resume_config(run_dir: str | os.PathLike, overrides: tuple[str, ...] | 
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise ckpt.CheckpointError(f"{run_dir} is not a directory")
+        what = "it does not exist" if not run_dir.exists() else "it is a file"
+        raise ckpt.CheckpointError(f"--resume {run_dir} is not a directory: {what} (RUN_DIR is the run directory "
+                                   f"of an earlier run)")
     if repair:
         ckpt.remove_stale_temporaries(run_dir)
     found = ckpt.find_latest_valid(run_dir, quarantine=repair)
@@ -790,9 +902,17 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
         problem = dist_rt.broadcast_object(problem)
         if problem is not None:
             raise RunDirError(problem)
+        failure: Exception | None = None
         if info.is_main:  # repairs the run directory before the other ranks read it
-            cfg, found, changes = load_resume_config(run_dir, overrides)
-        dist_rt.barrier()
+            try:
+                cfg, found, changes = load_resume_config(run_dir, overrides)
+            except (ckpt.CheckpointError, ConfigError) as exc:
+                failure = exc
+        # every rank learns of rank 0's failure (instead of waiting for it in a barrier, then dying
+        # with a traceback when rank 0 exits) and raises the same error
+        failure = dist_rt.broadcast_object(failure)
+        if failure is not None:
+            raise failure
         if not info.is_main:
             cfg, found, changes = load_resume_config(run_dir, overrides, repair=False)
         for line in changes:
@@ -821,5 +941,6 @@ def _resume_device_spec(run_dir: str | os.PathLike, overrides: tuple[str, ...] |
 
 __all__ = [
     "ConfigError", "GracefulInterrupt", "MetricWindow", "NonFiniteLossError", "RunDirError", "TrainResult",
-    "Trainer", "check_config_file", "holds_run", "load_resume_config", "resume", "train",
+    "Trainer", "check_config_file", "check_world_size", "holds_run", "load_resume_config", "new_run_problem",
+    "resume", "resume_command", "train",
 ]

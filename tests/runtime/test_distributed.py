@@ -72,7 +72,7 @@ def test_sharded_dataset_and_iterable_sources() -> None:
 
 def test_torchrun_command_and_backend() -> None:
     cmd = dist_rt.torchrun_command(2, ["--run-dir", "r", "seed=1"])
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[:3] == [sys.executable, "-m", "rl_tformers.runtime.torchrun"]  # torchrun without its tracebacks
     assert "--standalone" in cmd and "--nproc-per-node=2" in cmd
     assert cmd[-5:] == ["rl_tformers.cli", "train", "--run-dir", "r", "seed=1"]
     with pytest.raises(ValueError, match="--nproc"):
