@@ -119,9 +119,10 @@ class SweepResult:
 
 # -- grid ------------------------------------------------------------------------------------------
 
-def split_values(text: str) -> list[str]:
+def split_values(text: str, keep_empty: bool = False) -> list[str]:
     """``"a,b,[1,2],{k: v}"`` -> ``["a", "b", "[1,2]", "{k: v}"]``: commas inside brackets or
-    braces do not split (so list- and dict-valued YAML options can be swept)."""
+    braces do not split (so list- and dict-valued YAML options can be swept). Empty items
+    (``a,,b``, a trailing comma) are dropped unless ``keep_empty``."""
     out, depth, cur = [], 0, []
     for ch in text:
         if ch in "[{(":
@@ -134,15 +135,15 @@ def split_values(text: str) -> list[str]:
         else:
             cur.append(ch)
     out.append("".join(cur).strip())
-    return [v for v in out if v]
+    return out if keep_empty else [v for v in out if v]
 
 
 def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
     """``["backbone.attention.kind=sdpa,performer", "train.lr=1e-4,3e-4"]`` -> ``{key: [values]}``.
 
     Raises:
-        SweepError: an item without ``=`` or values, a key given twice, a value given twice for
-            one key, or ``seed`` (use --seeds).
+        SweepError: an item without ``=`` or values, an empty value (``a,,b``), a key given
+            twice, a value given twice for one key, or ``seed`` (use --seeds).
     """
     grid: dict[str, list[str]] = {}
     for item in items:
@@ -154,6 +155,9 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
             raise SweepError("sweep seeds with --seeds 0,1,2, not --grid seed=...")
         if key in grid:
             raise SweepError(f"--grid: {key} is given twice")
+        if "" in split_values(values, keep_empty=True):
+            raise SweepError(f"--grid {item!r}: an empty value (two commas in a row or a trailing comma); "
+                             f"for an empty string write '' (YAML)")
         vals = split_values(values)
         dup = next((v for i, v in enumerate(vals) if v in vals[:i]), None)
         if dup is not None:

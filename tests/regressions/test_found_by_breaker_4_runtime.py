@@ -344,3 +344,12 @@ def test_process_count_change_warning_once_with_the_right_plural(tmp_path: Path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("resuming a run of 1 process with 2 processes") == 1, r.stderr
     assert "1 processes" not in r.stderr
+
+
+def test_sweep_grid_with_an_empty_value_is_refused() -> None:
+    from rl_tformers.runtime.sweep import SweepError, parse_grid
+
+    for item in ("train.lr=1e-3,,3e-3", "train.lr=1e-3,"):
+        with pytest.raises(SweepError, match="empty value"):
+            parse_grid([item])
+    assert parse_grid(["agent.hidden=[64,64],[32]"]) == {"agent.hidden": ["[64,64]", "[32]"]}
