@@ -148,7 +148,7 @@ def eval_cmd(
     try:
         tlist = parse_targets(targets)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--targets") from None
+        raise typer.BadParameter(str(exc).removeprefix("--targets: "), param_hint="--targets") from None
     _check_out_file(out)
     _check_early_exit(early_exit)
     _threads(threads)
@@ -291,7 +291,7 @@ def plot_cmd(
         try:
             tlist = parse_targets(targets)
         except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--targets") from None
+            raise typer.BadParameter(str(exc).removeprefix("--targets: "), param_hint="--targets") from None
         if tlist is None:
             dmin = run.dataset_return_min
             if dmax is None or dmin is None:

@@ -112,7 +112,8 @@ def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset
             existing = {r.name for r in todo if dataset_folder(r.dataset_id, root).exists()}
             if existing and not (overwrite or skip_existing):
                 ids = ", ".join(r.dataset_id for r in todo if r.name in existing)
-                _fail(f"{len(existing)} of the {len(todo)} recipe datasets already exist under "
+                _fail(f"{len(existing)} of the {len(todo)} recipe datasets already "
+                      f"{'exists' if len(existing) == 1 else 'exist'} under "
                       f"{dataset_folder('', root)}: {ids}; nothing was built. Pass --skip-existing to build only the "
                       f"missing ones, or --overwrite to rebuild them")
             for r in todo:

@@ -12,7 +12,13 @@
 # (extra KEY=VALUE overrides go to all three runs; RLT=... chooses the rl-tformers command)
 set -euo pipefail
 
-OUT=${1:?usage: scripts/ddp_throughput.sh OUT_DIR [STEPS] [DATASET]}
+USAGE="usage: [RLT=rl-tformers] scripts/ddp_throughput.sh OUT_DIR [STEPS=600] [DATASET=rlt/hopper-v5/medium-v0] [KEY=VALUE ...]"
+case "${1:-}" in
+  -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+  "") echo "$USAGE" >&2; exit 2 ;;
+  -*) echo "unknown option $1; $USAGE" >&2; exit 2 ;;
+esac
+OUT=$1
 STEPS=${2:-600}
 DATASET=${3:-rlt/hopper-v5/medium-v0}
 shift $(( $# < 3 ? $# : 3 ))

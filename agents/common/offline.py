@@ -20,6 +20,8 @@ convention :mod:`rl_tformers.agents.commands` reads from any agent's extra state
 
 from __future__ import annotations
 
+import shlex
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +76,10 @@ def load_offline_dataset(spec: Mapping[str, Any] | None) -> EpisodeDataset:
     except FileNotFoundError as exc:
         build = spec.get("build")
         if build and str(spec["path"]) in str(build):
-            raise FileNotFoundError(f"{exc}; build it with (dataset.build): {build}") from None
+            cmd = str(build)
+            if cmd.startswith("python "):  # the interpreter that runs rl-tformers, which has the package
+                cmd = f"{shlex.quote(sys.executable)} {cmd[len('python '):]}"
+            raise FileNotFoundError(f"{exc}; build it with (dataset.build): {cmd}") from None
         raise
 
 

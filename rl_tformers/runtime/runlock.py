@@ -80,7 +80,7 @@ def hold_run(run_dir: str | os.PathLike) -> Iterator[Path]:
     """Hold the exclusive training lock of ``run_dir`` (created if needed) for the ``with`` body.
 
     A directory created here that holds nothing but the lock file when the body ends (the run
-    was refused before writing anything) is removed again.
+    was refused before writing anything) is removed again, with the empty parents created for it.
 
     Raises:
         RunBusyError: another process holds the lock; the message names its pid.
@@ -88,6 +88,8 @@ def hold_run(run_dir: str | os.PathLike) -> Iterator[Path]:
     """
     run_dir = Path(run_dir)
     created = not run_dir.exists()
+    # the parents this call creates too (e.g. runs/ on a first run), removed again with run_dir
+    new_parents = [d for d in run_dir.parents if not d.exists()] if created else []
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -106,6 +108,11 @@ def hold_run(run_dir: str | os.PathLike) -> Iterator[Path]:
             if created and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
                 path.unlink()
                 run_dir.rmdir()
+                for d in new_parents:  # innermost first; stop at one that gained other entries
+                    try:
+                        d.rmdir()
+                    except OSError:
+                        break
     finally:
         os.close(fd)  # releases the lock
 

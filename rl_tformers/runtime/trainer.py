@@ -919,8 +919,9 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
             if not line.startswith("run_dir:") and info.is_main:
                 log.info("resume: %s", line)
         if found.state["step"] >= int(cfg.train.steps):
-            log.info("%s is complete (step %d of train.steps=%d); pass train.steps=N to train longer",
-                     run_dir, found.state["step"], cfg.train.steps)
+            if info.is_main:
+                log.info("%s is complete (step %d of train.steps=%d); pass train.steps=N to train longer",
+                         run_dir, found.state["step"], cfg.train.steps)
             return TrainResult(run_dir=Path(run_dir), step=int(found.state["step"]), checkpoint=found.path,
                                total_steps=int(cfg.train.steps))
         return Trainer(cfg, run_dir, resume_from=found).fit(stop_at)

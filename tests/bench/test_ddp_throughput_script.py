@@ -33,5 +33,10 @@ def test_ddp_throughput_script_measures_three_runs(tiny_hdf5, tmp_path):
         assert max(steps) == 200, name
 
 
-def test_ddp_throughput_script_parses():
+def test_ddp_throughput_script_parses_and_explains_itself():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    for flag in ("-h", "--help"):
+        r = subprocess.run(["bash", str(SCRIPT), flag], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0 and "Usage: scripts/ddp_throughput.sh OUT_DIR" in r.stdout, r.stderr
+    r = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "usage:" in r.stderr
