@@ -193,6 +193,11 @@ class DTAgent:
         self.align = ("start" if self.model_cfg.mode == "causal" else "end") if align == "auto" else align
         if self.align not in ("start", "end") or (self.align == "start" and self.model_cfg.mode != "causal"):
             raise ValueError(f"agent.align={align!r}: use auto, start (causal mode only) or end")
+        if self.info is not None and plain(a.get("targets")) is not None:
+            # before training, not at the first evaluation: agent.targets the float32 return
+            # embedding cannot take (DTPolicy.target_limit; rechecked at every evaluation)
+            self.policy().check_targets(list(plain(a.targets)), "agent.targets")
+            self.model.train()
 
     # -- Trainable ---------------------------------------------------------------------------
     def batches(self, start_step: int):

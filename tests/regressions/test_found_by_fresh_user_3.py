@@ -167,3 +167,17 @@ def test_package_warnings_print_as_one_line_without_source(tmp_path: Path) -> No
     lines = [x for x in e.stderr.splitlines() if "skipping unusable checkpoint" in x]
     assert len(lines) == 1 and lines[0].startswith("warning: skipping unusable checkpoint"), e.stderr
     assert "UserWarning" not in e.stderr and "find_latest_valid" not in e.stderr
+
+
+# ------------------------------------------------------------------- huge agent.targets: before training
+def test_agent_targets_beyond_the_return_embedding_are_refused_before_training(tmp_path: Path) -> None:
+    from test_found_by_tester import _write_h5
+
+    h5 = _write_h5(tmp_path / "cp.hdf5")
+    r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={h5}", "train.steps=3",
+                            "train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1", "agent.context_len=4",
+                            "agent.targets=[20,1e30]", "eval.every=0", "eval.at_end=true", "train.progress=false",
+                            "--device", "cpu", "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code == 2, r.output
+    assert "agent.targets: 1e+30 is beyond what this model takes" in r.output
+    assert not list((tmp_path / "run").glob("checkpoints/*.pt"))
