@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 
@@ -40,6 +40,54 @@ def emit_result(data: Mapping[str, Any], table: str, notes: Iterable[str] = (), 
     typer.echo(json.dumps(data, indent=2) if as_json else table)
     for note in notes:
         typer.echo(f"note: {note}", err=True)
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``error: message`` to stderr and exit with status 2 (bad input)."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def check_out(out: str | None) -> None:
+    """``--out`` of a bench command: refuse (``error: ...``, exit 2) a directory or a path under a
+    file before anything is measured."""
+    if not out:
+        return
+    path = Path(out)
+    if path.is_dir():
+        fail(f"--out {out} is a directory; give a file name, e.g. {path / 'bench.json'}")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        fail(f"--out {out}: {parent} is a file, not a directory")
+
+
+def run_checked(make_settings: Callable[[], Any], run: Callable[..., Any], markdown: Callable[[Any], str], *,
+                out: str | None, as_json: bool, load_errors: tuple[type[BaseException], ...] = (),
+                source: str = "") -> None:
+    """The body of a ``bench`` command: settings, checks, run, print.
+
+    ``make_settings()`` builds the benchmark's settings and ``.check()`` validates them; a
+    ``ValueError`` from either is an ``error:`` line and exit 2, as is a bad ``--out``
+    (:func:`check_out`), all before anything is measured. ``run(settings, log=...)`` then runs
+    with progress on stderr; one of ``load_errors`` (loading the run or dataset named by
+    ``source``, e.g. ``"--dataset rlt/hopper-v5/medium-v0"``) is an ``error: SOURCE: ...`` line
+    and exit 2. The result goes through :func:`emit_result` (its ``as_dict()``, ``markdown(result)``
+    and ``notes``).
+
+    Raises:
+        typer.Exit: status 2 on bad input, as described.
+    """
+    try:
+        settings = make_settings()
+        settings.check()
+    except ValueError as exc:
+        fail(str(exc))
+    check_out(out)
+    try:
+        res = run(settings, log=lambda m: typer.echo(m, err=True))
+    except load_errors as exc:
+        fail(f"{source}: {exc}")
+    emit_result(res.as_dict(), markdown(res), res.notes, out=out, as_json=as_json)
 
 
 def bench_modules() -> list[str]:

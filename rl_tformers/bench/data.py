@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from rl_tformers.bench.commands import emit_result
 from rl_tformers.bench.train import DEFAULT_DATASET, machine_info
 
 
@@ -240,28 +239,6 @@ def markdown(res: Result) -> str:
     return "\n".join(lines)
 
 
-def check_out(out: str | None) -> None:
-    """``--out`` of a bench command: refuse (``error: ...``, exit 2) a directory or a path under a
-    file before anything is measured."""
-    import typer
-
-    if not out:
-        return
-    path = Path(out)
-    msg = None
-    if path.is_dir():
-        msg = f"--out {out} is a directory; give a file name, e.g. {path / 'bench.json'}"
-    else:
-        for parent in path.parents:
-            if parent.exists():
-                if not parent.is_dir():
-                    msg = f"--out {out}: {parent} is a file, not a directory"
-                break
-    if msg:
-        typer.echo(f"error: {msg}", err=True)
-        raise typer.Exit(2)
-
-
 def register(bench_app) -> None:
     """Add the ``data`` command to the ``bench`` Typer group."""
     import typer
@@ -281,21 +258,14 @@ def register(bench_app) -> None:
         out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
     ) -> None:
         """Sampler samples/s vs what training consumes; load time of a 1M-step D4RL HDF5 file."""
-        s = Settings(dataset=dataset, batch_size=batch_size, batches=batches, repeats=repeats, train_steps=train_steps,
-                     threads=threads, steps=steps, keep=keep, skip_training=skip_training, skip_load=skip_load)
-        try:
-            s.check()
-        except ValueError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from None
-        check_out(out)
+        from rl_tformers.bench.commands import run_checked
         from rl_tformers.runtime.agents import AgentBuildError
 
-        try:
-            res = run(s, log=lambda m: typer.echo(m, err=True))
-        except AgentBuildError as exc:  # the dataset (part 1 starts by building the agents on it)
-            typer.echo(f"error: --dataset {dataset}: {exc}", err=True)
-            raise typer.Exit(2) from None
-        emit_result(res.as_dict(), markdown(res), res.notes, out=out, as_json=as_json)
+        run_checked(lambda: Settings(dataset=dataset, batch_size=batch_size, batches=batches, repeats=repeats,
+                                     train_steps=train_steps, threads=threads, steps=steps, keep=keep,
+                                     skip_training=skip_training, skip_load=skip_load),
+                    run, markdown, out=out, as_json=as_json,
+                    # the dataset: part 1 starts by building the agents on it
+                    load_errors=(AgentBuildError,), source=f"--dataset {dataset}")
 
     bench_app.command("data")(data)

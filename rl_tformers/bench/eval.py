@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from rl_tformers.bench.commands import emit_result
 from rl_tformers.bench.train import DEFAULT_DATASET, machine_info
 
 MEMORY_KINDS = ("xl", "gtrxl")
@@ -305,27 +304,18 @@ def register(bench_app) -> None:
         out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
     ) -> None:
         """Env steps/s of batched vs one-env-at-a-time evaluation; memory vs re-encoding cost per step."""
-        from rl_tformers.bench.data import check_out
-
-        try:
-            s = Settings(run=run_dir, dataset=dataset, episodes=episodes, n_envs=n_envs,
-                         max_episode_steps=max_episode_steps, threads=threads, device=device,
-                         memory_kinds=tuple(k.strip() for k in memory_kinds.split(",") if k.strip()),
-                         mem_lens=_ints(mem_lens), mem_envs=mem_envs, mem_steps=mem_steps,
-                         skip_rollouts=skip_rollouts)
-            s.check()
-        except ValueError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from None
-        check_out(out)
+        from rl_tformers.bench.commands import run_checked
         from rl_tformers.runtime.agents import AgentBuildError, UnknownAgentError
         from rl_tformers.runtime.checkpoint import CheckpointError
 
-        try:
-            res = run(s, log=lambda m: typer.echo(m, err=True))
-        except (AgentBuildError, CheckpointError, UnknownAgentError) as exc:  # loading the policy, before timing
-            typer.echo(f"error: {'--run' if run_dir else '--dataset'} {run_dir or dataset}: {exc}", err=True)
-            raise typer.Exit(2) from None
-        emit_result(res.as_dict(), markdown(res), res.notes, out=out, as_json=as_json)
+        run_checked(lambda: Settings(run=run_dir, dataset=dataset, episodes=episodes, n_envs=n_envs,
+                                     max_episode_steps=max_episode_steps, threads=threads, device=device,
+                                     memory_kinds=tuple(k.strip() for k in memory_kinds.split(",") if k.strip()),
+                                     mem_lens=_ints(mem_lens), mem_envs=mem_envs, mem_steps=mem_steps,
+                                     skip_rollouts=skip_rollouts),
+                    run, markdown, out=out, as_json=as_json,
+                    # loading the policy, before any timing
+                    load_errors=(AgentBuildError, CheckpointError, UnknownAgentError),
+                    source=f"{'--run' if run_dir else '--dataset'} {run_dir or dataset}")
 
     bench_app.command("eval")(eval_)
