@@ -157,7 +157,8 @@ def eval_cmd(
     if tlist is None:
         tlist = run.agent.default_targets()
         if conditioned:
-            _check_targets(run, tlist, "agent.targets (the run's default targets; give --targets)")
+            key = getattr(run.agent, "targets_option", "agent.targets")
+            _check_targets(run, tlist, f"{key} (the run's default targets; give --targets)")
     elif not conditioned:
         raise _fail(f"agent {run.kind!r} is not return-conditioned; drop --targets")
     else:

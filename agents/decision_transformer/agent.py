@@ -144,6 +144,8 @@ class DTAgent:
             longer than ``agent.max_ep_len``.
     """
 
+    targets_option = "agent.targets"  # the config key of the default return targets (eval messages)
+
     def __init__(
         self, cfg: Any, run_dir: Path | None, device: torch.device | str,
         dataset: EpisodeDataset | None = None, info: DatasetInfo | None = None,

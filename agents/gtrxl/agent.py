@@ -12,6 +12,9 @@ and the shared trainer drives it. Pieces, in reading order:
   :class:`~rl_tformers.agents.common.policy.Policy`. One call = one token per environment
   through the backbone with its memory (O(M) per step); rows whose episode starts are reset
   first, other rows are untouched.
+  Return-conditioned policies refuse target returns the float32 token embedding cannot take
+  (:meth:`GTrXLPolicy.target_limit`, mirroring the Decision Transformer's
+  :meth:`~rl_tformers.agents.decision_transformer.policy.DTPolicy.target_limit`).
 - :class:`GTrXLAgent`: the :class:`~rl_tformers.runtime.agents.Trainable`: builds the model
   from the run config and the dataset, computes the objective's loss on each batch, keeps
   IQL's target network (Polyak update at the start of each ``loss`` call, i.e. after the
@@ -28,7 +31,8 @@ The evaluation environment is the dataset's ``env_id``, masked like its ``pomdp`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -169,6 +173,22 @@ class GTrXLState:
 class GTrXLPolicy:
     """Step-wise GTrXL inference for N environments (the :class:`Policy` protocol).
 
+    Target returns too large for a return-conditioned model (:meth:`target_limit`): the token is
+    ``e = W [o ; R / rtg_scale ; a_{t-1} ; r_{t-1}] + b`` in float32 and goes straight into the
+    first block's LayerNorm (and, unnormalised, along the residual stream to the final norm),
+    which squares the deviations of its d features from their mean: a huge ``R`` overflows them
+    to inf and every action is NaN. With ``M = sqrt(float32_max / d) / 4`` (then features of
+    magnitude up to 2M still square-sum below float32_max, leaving room for what the blocks add
+    to the stream), the limit is the largest ``|R|`` whose return column keeps every feature
+    within M / 2: ``|R| <= rtg_scale * (M / 2 - max|b|) / max|w_R|``, ``w_R`` the column of ``W``
+    that multiplies the return-to-go. The other M / 2 is left to the other inputs (normalised
+    observation, previous action, scaled previous reward), i.e. the bound holds whenever
+    ``sum_k |W_jk x_k|`` over them stays below M / 2 (about 5e17 for d = 16), which no
+    normalised input approaches. As for the DT, the embedding saturates long before (LayerNorm is
+    scale-invariant: all huge targets look alike), but that is the model's answer, not a
+    numerical failure. :meth:`initial_state` refuses a target beyond the limit and
+    :meth:`check_targets` checks a list up front (``rl-tformers eval/plot --targets``).
+
     Args:
         model: a trained :class:`GTrXLModel` (put in eval mode here).
         obs_mean, obs_std: (O,) observation normalisation.
@@ -212,14 +232,69 @@ class GTrXLPolicy:
         self.rtg_scale, self.reward_mult = float(rtg_scale), float(reward_mult)
         self.deterministic = deterministic
 
+    def target_limit(self) -> float:
+        """Largest ``|target return|`` (raw units) the float32 token embedding takes without overflow.
+
+        See the class docstring: ``rtg_scale * (M / 2 - max|b|) / max|w_R|`` with
+        ``M = sqrt(float32_max / d) / 4``, ``w_R`` (d,) the embedding's weight column of the
+        return-to-go input and ``b`` (d,) its bias. ``inf`` for a model without a return input
+        or with ``w_R`` all zeros.
+        """
+        enc = self.model.encoder
+        if not self.model.cfg.rtg_input:
+            return math.inf
+        weight = enc.embed.weight.detach()  # (d, input_dim): columns [obs (O) ; rtg ; a_{t-1} ; r_{t-1}]
+        w = weight[:, self.model.cfg.obs_dim].float()  # (d,)
+        bias = enc.embed.bias
+        c = 0.0 if bias is None else float(bias.detach().float().abs().max())
+        fmax = min(torch.finfo(torch.float32).max, torch.finfo(weight.dtype).max)
+        half = math.sqrt(fmax / w.numel()) / 8  # M / 2
+        w_max = float(w.abs().max())
+        if w_max == 0.0:
+            return math.inf
+        return max(0.0, (half - c) / w_max) * self.rtg_scale
+
+    def check_targets(self, targets: Sequence[float | None], option: str = "target return") -> None:
+        """Refuse targets whose scaled return-to-go would overflow the model (:meth:`target_limit`).
+
+        Args:
+            targets: raw target returns (``None``: the agent's default, not checked here).
+            option: what to name in the message (``--targets``, ``agent.target_return``).
+
+        Raises:
+            ValueError: a target that is not a finite number, or one with
+                ``|target| > target_limit()``; the message names ``option``, the target and the limit.
+        """
+        limit = None
+        for t in targets:
+            if t is None:
+                continue
+            try:
+                t = float(t)
+            except (TypeError, ValueError):
+                raise ValueError(f"{option}: {t!r} is not a number (a target return, raw units)") from None
+            if not math.isfinite(t):
+                raise ValueError(f"{option}: {t!r} is not a finite number")
+            limit = self.target_limit() if limit is None else limit
+            if abs(t) > limit:
+                raise ValueError(
+                    f"{option}: {t:g} is beyond what this model takes: |target| must be at most "
+                    f"{limit:.3g}, or the return-to-go (target / reward scale {self.rtg_scale:g}) times "
+                    f"the token embedding's weights may overflow float32 in the first layer norm "
+                    f"and give NaN actions"
+                )
+
     def initial_state(self, n_envs: int, target_return: float | None = None) -> GTrXLState:
         """Empty memory for ``n_envs`` environments; ``target_return`` in raw reward units.
 
         Raises:
-            ValueError: a return-conditioned model without a target return.
+            ValueError: a return-conditioned model without a target return, or a target beyond
+                :meth:`target_limit` (:meth:`check_targets`).
         """
         if self.model.cfg.rtg_input and target_return is None:
             raise ValueError("gtrxl: this model is return-conditioned (objective rcbc); pass a target return")
+        if self.model.cfg.rtg_input:
+            self.check_targets([target_return])
         enc = self.model.encoder
         a_shape = (n_envs,) if self.discrete else (n_envs, self.model.cfg.act_dim)
         w = self.model.cfg.window
@@ -351,8 +426,12 @@ class GTrXLAgent:
 
     Raises:
         ValueError: unknown objective, ``agent.seq_len`` < 1 or ``agent.burn_in`` < 0 (before
-            the dataset is read), unbounded Box actions, or a bad dataset spec.
+            the dataset is read), unbounded Box actions, a bad dataset spec, or (``rcbc``) an
+            ``agent.target_return`` that is not a finite number or beyond what the new model's
+            float32 token embedding takes (:meth:`GTrXLPolicy.target_limit`).
     """
+
+    targets_option = "agent.target_return"  # the config key of the default return target (eval messages)
 
     def __init__(
         self,
@@ -412,6 +491,11 @@ class GTrXLAgent:
             self.info = info
             self.extra = {**info.to_extra(), "reward_mult": float(reward_mult), "model": model_config_dict(self.model_cfg)}
         self.model = GTrXLModel(self.model_cfg).to(self.device)
+        if extra is None and self.model_cfg.rtg_input and a.get("target_return") is not None:
+            # before training, not at the first evaluation: a target the float32 token embedding
+            # cannot take (GTrXLPolicy.target_limit; rechecked at every evaluation)
+            self.policy().check_targets([a.target_return], "agent.target_return")
+            self.model.train()
 
     # -- Trainable ---------------------------------------------------------------------------
     def batches(self, start_step: int):

@@ -22,6 +22,12 @@ Objectives (``agent.objective``):
   Polyak-averaged target twin Q (target encoder included). s' is the next step's token of the
   same row; pairs whose next step is not in the row (end of the window, truncated episode
   end, padding) are masked unless the step is terminal (then the target is r).
+
+Under DDP (``--nproc W``; :mod:`rl_tformers.runtime.distributed`) every mean over real steps or
+usable pairs divides the shard's sum by the global count / W
+(:func:`~rl_tformers.runtime.distributed.shard_mean_total`), so the ranks' averaged gradient is
+that of the single-process mean over the global batch, however unevenly padding falls across
+the shards (tested against one process). With one process nothing changes, bit for bit.
 """
 
 from __future__ import annotations
@@ -109,33 +115,59 @@ def encode_segment(encoder: GTrXLEncoder | nn.Module, batch: SegmentBatch, *, ne
     )
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean of x over True entries of mask (same shape); 0 when the mask is empty."""
+def _masked_mean(x: Tensor, mask: Tensor, total: Tensor | None = None) -> Tensor:
+    """Mean of ``x`` over the True entries of ``mask``: x, mask (B, T) -> scalar (0 when the mask is empty).
+
+    ``total``: divide the masked sum by it instead of by ``mask.sum()``: the DDP divisor of
+    :func:`~rl_tformers.runtime.distributed.shard_mean_total` (the global count / W), so that the
+    ranks' averaged gradient is that of the mean over the global batch's masked entries.
+    """
     m = mask.to(x.dtype)
+    if total is not None:
+        return (x * m).sum() / total
     return (x * m).sum() / m.sum().clamp_min(1.0)
+
+
+def _global_total(mask: Tensor) -> Tensor | None:
+    """:func:`~rl_tformers.runtime.distributed.shard_mean_total` of ``mask.sum()``: the global
+    count / W inside a DDP training forward (one all-reduce), None otherwise (one process:
+    every mean divides by its own count, exactly as before)."""
+    from rl_tformers.runtime.distributed import shard_mean_total
+
+    return shard_mean_total(mask.sum())
 
 
 def bc_loss(model: GTrXLModel, batch: SegmentBatch) -> tuple[Tensor, dict[str, float]]:
     """Behaviour cloning on the gradient window (``bc`` and ``rcbc``).
 
-    Continuous: mean over real steps and action dims of (tanh mean - a)^2.
+    Continuous: mean over real steps (``mask`` True) and action dims of (tanh mean - a)^2.
     Discrete: mean cross-entropy over real steps.
+
+    Args:
+        model: a :class:`GTrXLModel`.
+        batch: B rows of ``burn_in + T`` steps; the loss is on the last T (the gradient window).
 
     Returns:
         (scalar loss, metrics) with ``loss_bc``, mean gate values ``gate/layer{i}_{attn|ffn}`` and,
         for discrete actions, ``accuracy``.
+
+    Under DDP (the trainer's :class:`~rl_tformers.runtime.distributed.AgentLoss`) the means over
+    real steps divide by the global count / W (:func:`~rl_tformers.runtime.distributed.shard_mean_total`),
+    so W processes train like one process on the same global batch (the per-rank metrics then
+    average to the global-batch values). The backbone's auxiliary losses stay per-shard means.
     """
     out = encode_segment(model.encoder, batch)
     w = batch.window()
     pred = model.actor(out.features)  # (B, T, A): tanh mean or logits
     metrics: dict[str, float] = {}
+    total = _global_total(w.mask)  # None with one process
     if model.cfg.discrete:
         ce = F.cross_entropy(pred.flatten(0, 1), w.actions.long().flatten(), reduction="none").view_as(w.mask.float())
-        loss = _masked_mean(ce, w.mask)
-        metrics["accuracy"] = float(_masked_mean((pred.argmax(-1) == w.actions).float(), w.mask))
+        loss = _masked_mean(ce, w.mask, total)
+        metrics["accuracy"] = float(_masked_mean((pred.argmax(-1) == w.actions).float(), w.mask, total))
     else:
         se = (pred - w.actions).pow(2).mean(-1)  # (B, T)
-        loss = _masked_mean(se, w.mask)
+        loss = _masked_mean(se, w.mask, total)
     aux = sum(out.aux.values()) if out.aux else 0.0
     metrics["loss_bc"] = float(loss.detach())
     metrics.update(gate_logs(out.metrics))
@@ -212,6 +244,12 @@ def iql_loss(
 
     Returns:
         (L_V + L_Q + L_pi, metrics) with each term and mean V, Q, advantage.
+
+    Under DDP the means over real steps (L_V, L_pi, the logged means) and over usable
+    (t, t + 1) pairs (L_Q) divide by the global counts / W
+    (:func:`~rl_tformers.runtime.distributed.shard_mean_total`, two all-reduces), so W processes
+    train like one process on the same global batch. The backbone's auxiliary losses stay
+    per-shard means.
     """
     w = batch.window()
     critic = encode_segment(model.critic_net, batch)
@@ -223,12 +261,15 @@ def iql_loss(
 
     v = model.state_value(hc)  # (B, T)
     adv = q_target - v
-    v_loss = _masked_mean(expectile_loss(adv, expectile), w.mask)
+    total = _global_total(w.mask)  # None with one process
+    v_loss = _masked_mean(expectile_loss(adv, expectile), w.mask, total)
 
     td_target, pair_ok = td_targets(w, v.detach(), gamma)  # (B, T-1) each
     q1, q2 = model.q(hc, w.actions)  # (B, T) each
+    pair_total = _global_total(pair_ok)
     q_loss = 0.5 * (
-        _masked_mean((q1[:, :-1] - td_target).pow(2), pair_ok) + _masked_mean((q2[:, :-1] - td_target).pow(2), pair_ok)
+        _masked_mean((q1[:, :-1] - td_target).pow(2), pair_ok, pair_total)
+        + _masked_mean((q2[:, :-1] - td_target).pow(2), pair_ok, pair_total)
     )
 
     if model.critic_encoder is None:
@@ -240,17 +281,17 @@ def iql_loss(
         aux = {**critic.aux, **{f"actor/{k}": v for k, v in actor_out.aux.items()}}
     weight = torch.exp(beta * adv.detach()).clamp(max=max_weight)  # (B, T)
     logp = model.actor.log_prob(ha, w.actions)  # (B, T)
-    pi_loss = _masked_mean(-weight * logp, w.mask)
+    pi_loss = _masked_mean(-weight * logp, w.mask, total)
 
     loss = v_loss + q_loss + pi_loss + (sum(aux.values()) if aux else 0.0)
     metrics = {
         "loss_value": float(v_loss.detach()),
         "loss_q": float(q_loss.detach()),
         "loss_actor": float(pi_loss.detach()),
-        "iql/v_mean": float(_masked_mean(v.detach(), w.mask)),
-        "iql/q_mean": float(_masked_mean(q_target, w.mask)),
-        "iql/adv_mean": float(_masked_mean(adv.detach(), w.mask)),
-        "iql/weight_mean": float(_masked_mean(weight, w.mask)),
+        "iql/v_mean": float(_masked_mean(v.detach(), w.mask, total)),
+        "iql/q_mean": float(_masked_mean(q_target, w.mask, total)),
+        "iql/adv_mean": float(_masked_mean(adv.detach(), w.mask, total)),
+        "iql/weight_mean": float(_masked_mean(weight, w.mask, total)),
         **gate_logs(critic.metrics),
     }
     return loss, metrics

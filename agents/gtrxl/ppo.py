@@ -43,7 +43,16 @@ above an uninterrupted run's at the same update.
 Under DDP (``--nproc W``) every process runs its own ``n_envs`` environments (rank r seeds them
 after rank r - 1's), collects its own rollout and trains on its rows of each minibatch (the
 trainer splits every minibatch across the processes, so ``n_envs x n_steps / n_minibatches``
-must be divisible by W); ``train/env_steps`` counts the steps of every process.
+must be divisible by W); ``train/env_steps`` counts the steps of every process. One update's
+global minibatch is therefore the union of the ranks' shards: ``n_envs x n_steps /
+n_minibatches`` rows, ``1 / W`` of them from each rank's rollout, and the gradient is exactly
+that of one process on that union: the loss terms are means over equal-sized shards (DDP's
+gradient average is the global mean) and the advantages are normalised with the mean and
+standard deviation of the whole global minibatch (:func:`normalize_advantages`, three scalar
+all-reduces; tested against one process). Limitation: each epoch a rank learns from only
+``1 / W`` of its own rollout (its rows of each minibatch; a fresh random subset every epoch),
+so W processes collect W times the environment steps of one process for the same number of
+samples per update; they do not act as one process with ``W x n_envs`` environments.
 
 Logged (``train/...``): PPO losses, approximate KL, clip fraction, entropy, mean gate values per
 layer (``gate/layer{i}_attn|ffn``), attention entropy per layer (nats, at the rollout's last
@@ -175,6 +184,41 @@ def state_from_rows(mem: Tensor, pos: Tensor, valid: Tensor, seg: Tensor, episod
     )
 
 
+def normalize_advantages(adv: Tensor, eps: float = 1e-8) -> Tensor:
+    """Advantage normalisation of a minibatch: (adv - mean) / (std + eps), (B,) -> (B,).
+
+    ``std`` is the unbiased sample standard deviation (``Tensor.std``, as CleanRL's PPO). With
+    one process (or outside a DDP training forward) the statistics are this minibatch's, exactly
+    as ``(adv - adv.mean()) / (adv.std() + eps)``; a minibatch of one row is returned unchanged.
+    Inside a DDP training forward (the trainer's
+    :class:`~rl_tformers.runtime.distributed.AgentLoss`, where every rank holds a shard of the
+    global minibatch) the mean and standard deviation are those of the global minibatch, every
+    rank's rows (float64 sums over the ranks: :func:`~rl_tformers.runtime.distributed.shard_mean_total`
+    for the count, then two all-reduces, every rank in step), so each rank normalises its rows
+    exactly as one process normalises the whole minibatch.
+    """
+    from rl_tformers.runtime.distributed import is_active, shard_mean_total
+
+    # N / W inside a DDP training forward; None otherwise (no process group: no tensor made at all)
+    total = shard_mean_total(adv.new_tensor(float(adv.numel()))) if is_active() else None
+    if total is None:
+        if adv.numel() <= 1:
+            return adv
+        return (adv - adv.mean()) / (adv.std() + eps)
+    import torch.distributed as dist
+
+    n = round(float(total) * dist.get_world_size())  # N: rows of the global minibatch
+    moments = adv.detach().to(torch.float64).sum().reshape(1)
+    dist.all_reduce(moments, op=dist.ReduceOp.SUM)
+    mean = moments / max(n, 1)
+    sq = (adv.detach().to(torch.float64) - mean).pow(2).sum().reshape(1)
+    dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+    if n <= 1:
+        return adv
+    std = (sq / (n - 1)).sqrt()
+    return (adv - mean.to(adv.dtype)) / (std.to(adv.dtype) + eps)
+
+
 def ppo_loss(
     model: GTrXLModel,
     mb: Mapping[str, Tensor],
@@ -197,7 +241,13 @@ def ppo_loss(
 
     Returns:
         (loss, logs): L = L_clip - ent_coef * H + vf_coef * 0.5 (V - R)^2 (Schulman et al. 2017,
-        eq. 9); with ``critic_only``, vf_coef * 0.5 (V - R)^2.
+        eq. 9); with ``critic_only``, vf_coef * 0.5 (V - R)^2. With ``norm_adv`` the advantages
+        are normalised first (:func:`normalize_advantages`).
+
+    Under DDP each rank holds an equal-sized shard of the global minibatch: every term is a mean
+    over the shard (so DDP's gradient average is the mean over the global minibatch) and the
+    advantages are normalised with the global minibatch's statistics, so W processes compute
+    the gradient one process computes on the whole minibatch.
     """
     enc = model.encoder
     state = state_from_rows(mb["mem"], mb["mem_pos"], mb["mem_valid"], mb["mem_seg"], mb["episode"], mb["pos"])
@@ -209,8 +259,8 @@ def ppo_loss(
     log_ratio = logp - mb["logp"]
     ratio = log_ratio.exp()
     adv = mb["adv"]
-    if norm_adv and adv.numel() > 1:
-        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    if norm_adv:
+        adv = normalize_advantages(adv)
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_coef, 1.0 + clip_coef)).mean()
     v_loss = 0.5 * (value - mb["returns"]).pow(2).mean()
     if critic_only:
