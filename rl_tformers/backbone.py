@@ -141,7 +141,8 @@ class Backbone(nn.Module):
             depth_kwargs: passed to the depth module (e.g. an exit head for early exit).
 
         Returns:
-            :class:`BackboneOutput`; ``state`` is the next state when one was given.
+            :class:`BackboneOutput`; ``state`` is the next state when one was given. An empty
+            segment (T = 0) returns ``hidden`` (B, 0, D) and the given state unchanged.
 
         Raises:
             ValueError: on shape mismatches (the message names the argument).
@@ -163,6 +164,16 @@ class Backbone(nn.Module):
             raise TypeError(f"backbone: output_tokens must be a slice, got {type(output_tokens).__name__}")
         if episode_start is not None and episode_start.shape != (b, t):
             raise ValueError(f"backbone: episode_start must be ({b}, {t}), got {tuple(episode_start.shape)}")
+
+        if t == 0:  # an empty segment: no token to compute, the state (memory, cache) is unchanged
+            if state is not None and state.batch_size != b:
+                raise ValueError(f"backbone: state is for batch {state.batch_size}, x has batch {b}")
+            hidden = x if output_tokens is None else x[:, output_tokens]  # (B, 0, D)
+            return BackboneOutput(
+                hidden=self.final_norm(hidden),
+                state=state,
+                hidden_states=tuple(x for _ in self.blocks) if output_hidden_states else None,
+            )
 
         seg_q = None
         if episode_start is not None or state is not None:

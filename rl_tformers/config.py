@@ -43,6 +43,11 @@ class SlotConfig:
     kind = "?"  # set by Registry.register
     slot = "?"
 
+    def __post_init__(self) -> None:
+        """Field checks of the kind (none here). Defined on the base so that every subclass's
+        dataclass ``__init__`` calls ``__post_init__``: ``Registry.register`` wraps it with the
+        field type check (:func:`rl_tformers.registry.check_field_types`)."""
+
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)
 

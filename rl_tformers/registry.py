@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import numbers
+import types
+import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -83,6 +87,108 @@ class Entry(Generic[T]):
         }
 
 
+class FieldError(ValueError):
+    """A slot config field has a value of the wrong type (raised by :func:`check_field_types`).
+
+    Attributes:
+        field: the field name; ``detail``: what was expected and what came, e.g.
+        ``"must be an integer, got 2.5 (float)"``.
+    """
+
+    def __init__(self, slot: str, field: str, detail: str) -> None:
+        super().__init__(f"{slot}.{field} {detail}")
+        self.field, self.detail = field, detail
+
+
+def _describe(spec: Any) -> str:
+    """Words for a field annotation: ``int | None`` -> ``an integer or null``."""
+    origin, args = typing.get_origin(spec), typing.get_args(spec)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {_describe(args[0]).split(' ', 1)[1]}s"
+        return f"a list of {len(args)} {_describe(args[0]).split(' ', 1)[1]}s"
+    return {
+        int: "an integer",
+        float: "a finite number",
+        bool: "true or false",
+        str: "a string",
+        type(None): "null",
+    }.get(spec, repr(spec))
+
+
+_NO_MATCH = object()
+
+
+def _match(spec: Any, value: Any) -> Any:
+    """``value`` (lists turned into tuples) if it fits the annotation ``spec``, else ``_NO_MATCH``.
+
+    int: an integral number, not a bool (``16.0`` and ``"2"`` do not fit); float: a finite real
+    number, not a bool (ints fit); bool: a bool; str: a string; ``tuple[X, ...]`` / ``tuple[X, Y]``:
+    a tuple or list of such items; unions: any member. Other annotations accept anything.
+    """
+    origin, args = typing.get_origin(spec), typing.get_args(spec)
+    if origin in (typing.Union, types.UnionType):
+        for a in args:
+            got = _match(a, value)
+            if got is not _NO_MATCH:
+                return got
+        return _NO_MATCH
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            return _NO_MATCH
+        items = args[:1] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
+        if len(items) != len(value):
+            return _NO_MATCH
+        out = tuple(_match(a, v) for a, v in zip(items, value))
+        return _NO_MATCH if any(o is _NO_MATCH for o in out) else out
+    if spec is type(None):
+        return value if value is None else _NO_MATCH
+    if spec is bool:
+        return value if isinstance(value, bool) else _NO_MATCH
+    if spec is int:
+        return value if isinstance(value, numbers.Integral) and not isinstance(value, bool) else _NO_MATCH
+    if spec is float:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+        return value if ok else _NO_MATCH
+    if spec is str:
+        return value if isinstance(value, str) else _NO_MATCH
+    return value
+
+
+def check_field_types(cfg: Any) -> None:
+    """Check every field of a slot config against its annotation (lists become tuples).
+
+    Run by every registered config before its own ``__post_init__`` (so its range checks see
+    values of the right type), whether it is built from YAML/dicts or in Python.
+
+    Raises:
+        FieldError: naming ``<slot>.<field>``, the expected type and the value, e.g.
+            ``attention.block_size must be an integer, got 2.5 (float)``; also for NaN or
+            infinite floats.
+    """
+    cls = type(cfg)
+    hints = cls.__dict__.get("_field_hints")
+    if hints is None:
+        hints = typing.get_type_hints(cls)
+        cls._field_hints = hints  # type: ignore[attr-defined]
+    for f in dataclasses.fields(cfg):
+        spec = hints.get(f.name)
+        if spec is None or not f.init:
+            continue
+        value = getattr(cfg, f.name)
+        got = _match(spec, value)
+        if got is _NO_MATCH:
+            raise FieldError(
+                getattr(cls, "slot", "?"),
+                f.name,
+                f"must be {_describe(spec)}, got {value!r} ({type(value).__name__})",
+            )
+        if got is not value:
+            object.__setattr__(cfg, f.name, got)  # frozen configs hold tuples
+
+
 class RegistryError(KeyError):
     """Raised for an unknown kind, a duplicate registration or a malformed slot config."""
 
@@ -114,7 +220,9 @@ class Registry(Generic[T]):
         """Class decorator: register a frozen config dataclass under ``kind``.
 
         The decorated class gets ``kind`` and ``slot`` class attributes and
-        ``capabilities``. Raises :class:`RegistryError` when ``kind`` is taken.
+        ``capabilities``, and its ``__post_init__`` first runs :func:`check_field_types`
+        (every field against its annotation: a wrong type raises :class:`FieldError` naming the
+        field). Raises :class:`RegistryError` when ``kind`` is taken.
         """
 
         def deco(cls: type[T]) -> type[T]:
@@ -124,6 +232,14 @@ class Registry(Generic[T]):
                     f"{self.slot} kind {kind!r} is already registered by {prev.__module__}.{prev.__qualname__}"
                 )
             caps = capabilities or Capabilities()
+            own_post_init = getattr(cls, "__post_init__", None)
+
+            def __post_init__(self) -> None:  # field types first, then the kind's own checks
+                check_field_types(self)
+                if own_post_init is not None:
+                    own_post_init(self)
+
+            cls.__post_init__ = __post_init__  # type: ignore[attr-defined]
             cls.kind = kind  # type: ignore[attr-defined]
             cls.slot = self.slot  # type: ignore[attr-defined]
             cls.capabilities = caps  # type: ignore[attr-defined]
@@ -164,9 +280,11 @@ class Registry(Generic[T]):
                 ``sdpa`` for ``backbone.attention.dropout=...``); None: ``kind`` is required.
 
         Raises:
-            RegistryError: no ``kind`` (and no ``default_kind``), unknown kind, or a field the
+            RegistryError: no ``kind`` (and no ``default_kind``), unknown kind, a field the
                 kind does not have (the message names the dotted path, suggests a close field
-                name, ``kind`` included, and lists the valid fields).
+                name, ``kind`` included, and lists the valid fields), or a field value of the
+                wrong type or out of range (``backbone.attention.block_size must be an integer,
+                got 2.5 (float)``).
         """
         where = where or self.slot
         if dataclasses.is_dataclass(data) and not isinstance(data, type):
@@ -201,6 +319,8 @@ class Registry(Generic[T]):
                 kwargs[f.name] = tuple(kwargs[f.name])  # frozen configs hold tuples, YAML gives lists
         try:
             return cls(**kwargs)  # type: ignore[return-value]
+        except FieldError as exc:
+            raise RegistryError(f"{where}.{exc.field} {exc.detail}") from exc
         except (TypeError, ValueError) as exc:
             raise RegistryError(f"{where}: {exc}") from exc
 

@@ -45,21 +45,22 @@ from rl_tformers.adaptive.fixed import build_blocks
 from rl_tformers.config import IncompatibleConfig
 from rl_tformers.position.absolute import sinusoid
 from rl_tformers.registry import DEPTH, Capabilities
-from rl_tformers.types import AttnContext, LayerState, merge_into
+from rl_tformers.types import AttnContext, LayerState, acc_dtype, merge_into
 
 
-def coordinate_embedding(pos: Tensor, step: int, dim: int) -> Tensor:
+def coordinate_embedding(pos: Tensor, step: int, dim: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """UT coordinate embedding P^t (Dehghani et al. 2019, sec. 2.1): sinusoid(position) + sinusoid(step).
 
     Args:
         pos: (B, T) positions.
         step: recurrence step t (1-based).
         dim: D (even).
+        dtype: table dtype (float32; float64 for a float64 model).
     Returns:
-        (B, T, D) float32.
+        (B, T, D) in ``dtype``.
     """
     t = torch.full((1, 1), step, device=pos.device)
-    return sinusoid(pos, dim) + sinusoid(t, dim)
+    return sinusoid(pos, dim, dtype=dtype) + sinusoid(t, dim, dtype=dtype)
 
 
 @dataclass
@@ -170,7 +171,8 @@ class UniversalDepth(DepthModule):
         weights, states = [], []
         act = ACTState.start(valid.to(x.dtype), torch.ones_like(valid)) if self.act else None
         for n in range(1, self.max_steps + 1):
-            s = state + coordinate_embedding(ctx.pos_q, n, self.d_model).to(state.dtype) if self.coordinate else state
+            coord = coordinate_embedding(ctx.pos_q, n, self.d_model, acc_dtype(state.dtype)) if self.coordinate else None
+            s = state + coord.to(state.dtype) if coord is not None else state
             if out is not None:
                 out.layer_inputs.append(s)
             bo = block(s, ctx, None)

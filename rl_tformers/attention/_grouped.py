@@ -118,11 +118,13 @@ def scatter_merge(out: Tensor, lse: Tensor, idx: Tensor, live: Tensor, length: i
     """Scatter group results back to tokens, merging a token's several groups by their lse.
 
     Args:
-        out: (B, H, G, n, Dh) float32 group outputs; lse: (B, H, G, n).
+        out: (B, H, G, n, Dh) group outputs (float32, float64 for a float64 model); lse: (B, H, G, n)
+            in the same dtype.
         idx: (B, H, G, n) token index of each slot; live: (B, H, G, n) bool (False = empty slot).
         length: number of tokens L.
     Returns:
-        (B, H, L, Dh) float32; tokens in no live group with an allowed key get zeros.
+        (B, H, L, Dh) in the dtype of ``out`` (float32, or float64 for a float64 model); tokens
+        in no live group with an allowed key get zeros.
     """
     b, h = out.shape[:2]
     dh = out.shape[-1]
@@ -131,13 +133,14 @@ def scatter_merge(out: Tensor, lse: Tensor, idx: Tensor, live: Tensor, length: i
     lse = torch.where(live, lse, torch.full_like(lse, float("-inf")))
     flat_idx = idx.reshape(b, h, -1)  # (B, H, N)
     flat_lse = lse.reshape(b, h, -1)
-    top = torch.full((b, h, length), float("-inf"), device=out.device).scatter_reduce(
+    acc = out.dtype
+    top = torch.full((b, h, length), float("-inf"), device=out.device, dtype=acc).scatter_reduce(
         2, flat_idx, flat_lse, reduce="amax", include_self=True
     )  # (B, H, L) max lse per token
     ref = top.gather(2, flat_idx)  # (B, H, N)
     w = torch.where(torch.isfinite(flat_lse), torch.exp(flat_lse - torch.where(torch.isfinite(ref), ref, 0.0)), 0.0)
-    num = torch.zeros(b, h, length, dh, device=out.device).scatter_add(
+    num = torch.zeros(b, h, length, dh, device=out.device, dtype=acc).scatter_add(
         2, flat_idx[..., None].expand(-1, -1, -1, dh), w[..., None] * out.reshape(b, h, -1, dh)
     )  # (B, H, L, Dh)
-    den = torch.zeros(b, h, length, device=out.device).scatter_add(2, flat_idx, w)  # (B, H, L)
-    return num / den.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    den = torch.zeros(b, h, length, device=out.device, dtype=acc).scatter_add(2, flat_idx, w)  # (B, H, L)
+    return num / den.clamp_min(torch.finfo(acc).tiny)[..., None]

@@ -39,13 +39,14 @@ from rl_tformers.attention._blocksparse import (
 )
 from rl_tformers.attention.base import AttentionConfig, AttentionModule, KVCache, attention_reference
 from rl_tformers.registry import ATTENTION, Capabilities
-from rl_tformers.types import AttnContext, AttnOutput
+from rl_tformers.types import AttnContext, AttnOutput, to_acc
 
 
 def soft_mask(dist: Tensor, z: Tensor, ramp: float) -> Tensor:
     """m_z(x) = clip((R + z - x) / R, 0, 1) (Sukhbaatar et al. 2019, sec. 3.1).
 
-    dist and z broadcast against each other (z per head or per head and query); float32.
+    dist and z broadcast against each other (z per head or per head and query); in z's dtype
+    (float32, float64 for a float64 model: :meth:`AdaptiveSpanAttention.spans`).
     """
     return ((ramp + z - dist) / ramp).clamp(0.0, 1.0)
 
@@ -87,10 +88,11 @@ class AdaptiveSpanAttention(BlockSparseAttention):
         return self.max_span - 1
 
     def spans(self, x_q: Tensor) -> Tensor:
-        """z: (H,) static, or (B, H, T) dynamic from the queries' inputs x_q (B, T, D); float32."""
+        """z: (H,) static, or (B, H, T) dynamic from the queries' inputs x_q (B, T, D); float32
+        (float64 for a float64 model, so its soft mask is exact to float64 rounding)."""
         if self.dynamic:
-            return self.max_span * torch.sigmoid(self.span_proj(x_q).float()).transpose(1, 2)  # (B, H, T)
-        return self.max_span * clamp_st(self.span.float(), 0.0, 1.0)  # (H,)
+            return self.max_span * torch.sigmoid(to_acc(self.span_proj(x_q))).transpose(1, 2)  # (B, H, T)
+        return self.max_span * clamp_st(to_acc(self.span), 0.0, 1.0)  # (H,)
 
     def width(self, z: Tensor) -> int:
         """Distances computed: min(S, ceil(max z) + R) (one host sync per call)."""
@@ -103,7 +105,7 @@ class AdaptiveSpanAttention(BlockSparseAttention):
         bq = self.block if self.block > 0 else max(16, min(128, w))
         piece = band_piece(h.q0, h.n_k, lo, hi, 1, bq, h.q.device)
         # |a - j| of a band depends only on the slot offsets: (1, bq, K) for every block
-        dist = (piece.q_idx[:1, :, None] - piece.k_idx[:1, None, :]).abs().float()  # (1, bq, K)
+        dist = (piece.q_idx[:1, :, None] - piece.k_idx[:1, None, :]).abs().to(z.dtype)  # (1, bq, K)
         if self.dynamic:
             zq = take(z, 2, (piece.q_idx - h.q0).clamp(0, max(h.n_q - 1, 0)))  # (B, H, N, bq)
             m = soft_mask(dist, zq[..., None], self.ramp)  # (B, H, N, bq, K)
@@ -138,8 +140,8 @@ class AdaptiveSpanAttention(BlockSparseAttention):
         dev = ctx.pos_q.device
         a = torch.arange(ctx.q_len, device=dev)[:, None] + ctx.prefix_len  # (T, 1)
         j = torch.arange(ctx.k_len, device=dev)[None, :]  # (1, S)
-        dist = (a - j).abs().float()  # (T, S)
         z = self.spans(x_q)
+        dist = (a - j).abs().to(z.dtype)  # (T, S)
         zz = z[..., None] if self.dynamic else z.view(1, -1, 1, 1)  # (B, H, T, 1) or (1, H, 1, 1)
         m = soft_mask(dist, zz, self.ramp)  # (B|1, H, T, S)
         support = (m > 0) & (dist < self.max_span)
@@ -172,10 +174,10 @@ class AdaptiveSpanAttention(BlockSparseAttention):
         if pos.transforms_scores:
 
             def transform(s: Tensor) -> Tensor:
-                return pos.transform_scores(s, ctx.pos_q, ctx.pos_k).float() + log_m
+                return to_acc(pos.transform_scores(s, ctx.pos_q, ctx.pos_k)) + log_m
 
         else:
-            bias = log_m if bias is None else bias.float() + log_m
+            bias = log_m if bias is None else to_acc(bias) + log_m
         out, probs = attention_reference(
             q_c, k, v, allowed, scale=self.scale, bias=bias, transform=transform,
             value_term=(lambda p: pos.value_term(p, ctx.pos_q, ctx.pos_k)) if pos.value_bias else None,

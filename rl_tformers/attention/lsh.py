@@ -35,8 +35,10 @@ class LSHAttention(AttentionModule):
       its bucket in its own chunk and the previous chunk. Chunks are aligned to the start of each
       bucket (the paper chunks the globally sorted list): the keys a token sees then depend only
       on its bucket's members at or before it, which makes the causal variant exactly causal and
-      padding invariant (padding goes to a bucket of its own). Cross-bucket pairs are masked as
-      in the paper's P_i.
+      padding invariant (padding goes to a bucket of its own). With several episodes in a row
+      (episode ids, or a Transformer-XL memory of an earlier episode) every episode has buckets
+      of its own (:meth:`groups`), so no episode's tokens change another's outputs. Cross-bucket
+      pairs are masked as in the paper's P_i.
     * **No attention to self** (sec. 2, "causal masking for shared-QK attention"): a token does
       not attend to itself unless it has no other allowed key.
     * **Multi-round** (sec. 2 eq. 6, appendix A): ``n_hashes`` independent rounds, combined by
@@ -51,6 +53,11 @@ class LSHAttention(AttentionModule):
     Random rotations are a buffer, drawn at construction and redrawn only by :meth:`redraw`
     (``redraw_random_features``), never inside forward (the paper resamples per step; here a
     rollout and its update must see the same hash).
+
+    Attention dropout (training) is drawn on the sorted, chunked layout, whose order depends on
+    every token's bucket: with the same random seed, changing a later token permutes which
+    dropout draws the earlier pairs get (their distribution, and the exact causality of the
+    attention itself, are unchanged; in eval mode outputs are exactly causal).
 
     Cost: O(n_hashes S m Dh) time and memory, plus an O(S log S) sort. Cannot: incremental
     decoding (a new token changes the chunking), score-based positions (hooks do not take
@@ -94,6 +101,34 @@ class LSHAttention(AttentionModule):
         proj = torch.einsum("bhsd,rdk->bhrsk", keys.float(), rot)  # (B, H, R, S, b/2)
         return torch.cat([proj, -proj], dim=-1).argmax(dim=-1)  # (B, H, R, S)
 
+    @staticmethod
+    def groups(buckets: Tensor, nb: int, valid: Tensor, seg_k: Tensor | None) -> tuple[Tensor, int]:
+        """Sort groups of the keys: their bucket within their episode.
+
+        Each episode (a run of keys with the same ``seg_k``, as the backbone lays episodes out)
+        gets buckets of its own, so which keys share a chunk with a token depends only on its
+        own episode's keys: tokens of another episode (before or after it in the row, or in a
+        Transformer-XL memory) never change its output. Padding keeps one group of its own.
+
+        Args:
+            buckets: (B, H, R, S) bucket ids in [0, nb], nb = padding.
+            nb: number of buckets.
+            valid: (B, S) bool.
+            seg_k: (B, S) episode ids, or None (one episode).
+        Returns:
+            group ids (B, H, R, S) (sorted in time order of the episodes, padding last) and the
+            number G of possible groups.
+        """
+        s = buckets.shape[-1]
+        if seg_k is None or s < 2:
+            return buckets, nb + 1
+        run = F.pad((seg_k[:, 1:] != seg_k[:, :-1]).long().cumsum(1), (1, 0))  # (B, S) episode run index
+        n_runs = int(run.max()) + 1  # one host sync
+        if n_runs == 1:
+            return buckets, nb + 1
+        grouped = run[:, None, None, :] * nb + buckets  # (B, H, R, S)
+        return torch.where(valid[:, None, None, :], grouped, n_runs * nb), n_runs * nb + 1
+
     def _shared_qk(self, x_kv: Tensor, ctx: AttnContext) -> tuple[Tensor, Tensor, Tensor]:
         """Queries qk (B, H, S, Dh) (rotated), unit keys (B, H, S, Dh), values (B, H, S, Dh)."""
         qk = self.position.rotate(self.split_heads(self.q_proj(x_kv)), ctx.pos_k)  # (B, H, S, Dh)
@@ -114,19 +149,18 @@ class LSHAttention(AttentionModule):
         valid = torch.ones(b, s, dtype=torch.bool, device=dev) if ctx.key_valid is None else ctx.key_valid
         buckets = self.hash(keys, nb)  # (B, H, R, S)
         buckets = torch.where(valid[:, None, None, :], buckets, nb)  # padding: bucket nb of its own
+        groups, n_groups = self.groups(buckets, nb, valid, ctx.seg_k)  # (B, H, R, S)
 
-        # sort by (bucket, position) and lay each bucket out from a chunk boundary
+        # sort by (group, position) and lay each group out from a chunk boundary
         idx = torch.arange(s, device=dev)
-        perm = torch.argsort(buckets * s + idx, dim=-1)  # (B, H, R, S) item at sorted position p
-        sorted_b = buckets.gather(-1, perm)  # (B, H, R, S)
-        counts = torch.zeros(b, h, r, nb + 1, dtype=torch.long, device=dev).scatter_add_(
-            -1, buckets, torch.ones_like(buckets)
-        )  # (B, H, R, nb + 1)
-        padded = (counts + m - 1) // m * m
-        offsets = padded.cumsum(-1) - padded  # first slot of each bucket
-        starts = counts.cumsum(-1) - counts  # first sorted position of each bucket
-        slot = offsets.gather(-1, sorted_b) + idx - starts.gather(-1, sorted_b)  # (B, H, R, S)
-        n_slots = -(-(s + (nb + 1) * (m - 1)) // m) * m  # bound on sum(padded), multiple of m
+        perm = torch.argsort(groups * s + idx, dim=-1)  # (B, H, R, S) item at sorted position p
+        sorted_g = groups.gather(-1, perm)  # (B, H, R, S)
+        first = F.pad(sorted_g[..., 1:] != sorted_g[..., :-1], (1, 0), value=True)  # a group starts at p
+        rank = idx - torch.where(first, idx, 0).cummax(-1).values  # (B, H, R, S) rank of p in its group
+        chunk = ((rank % m) == 0).long().cumsum(-1) - 1  # chunk of p: a group's every m-th item opens one
+        slot = chunk * m + rank % m  # (B, H, R, S)
+        # bound on the chunks used: sum_g ceil(count_g / m) <= (S + G (m - 1)) / m, and <= S
+        n_slots = min(s, -(-(s + min(s, n_groups) * (m - 1)) // m)) * m
         item_at = torch.full((b, h, r, n_slots), s, dtype=torch.long, device=dev).scatter_(-1, slot, perm)
         slot_of_item = torch.empty_like(perm).scatter_(-1, perm, slot)  # (B, H, R, S)
 

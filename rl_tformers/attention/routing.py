@@ -37,7 +37,9 @@ class RoutingAttention(AttentionModule):
       and the cost is O(L K Dh + L^2 Dh / K) (O(L^1.5 Dh) with K ~ sqrt(L)). A query picked by
       several clusters merges its results by log-sum-exp; a query picked by none gets zeros
       from the routing heads (the local heads still see it). A future token can push a past key
-      out of a cluster's top-w, so this assignment is **bidirectional only**.
+      out of a cluster's top-w, so this assignment is **bidirectional only**; for the same reason
+      it takes one episode per row (several episodes in a row raise, with K > 1 clusters:
+      the tokens of one episode would change which keys of another enter a cluster).
     * **Causal form** (``assignment="argmax"``, the default when the backbone is causal): each
       query/key goes to its nearest centroid and a query attends the ``cluster_window`` most
       recent keys of its cluster at or before it. Which keys a token sees then depends only on
@@ -124,6 +126,16 @@ class RoutingAttention(AttentionModule):
         b, h, t, _ = q.shape
         s = k.shape[2]
         n_c = self.cfg.n_clusters
+        if n_c > 1 and ctx.seg_k is not None and s > 1:  # clusters are balanced over the whole row
+            big = 2**62
+            lo = ctx.seg_k.masked_fill(~k_ok, big).amin(1)
+            hi = ctx.seg_k.masked_fill(~k_ok, -big).amax(1)
+            if bool((hi > lo).any()):
+                raise ValueError(
+                    "attention kind 'routing' with assignment='topk' balances its clusters over the whole row, so "
+                    "the tokens of one episode would decide which keys of another enter a cluster; feed one "
+                    "episode per row (or use assignment='argmax')"
+                )
         wq, wk = -(-t // n_c), -(-s // n_c)
         # -inf is a top-k selection sentinel here, not an attention-score fill: invalid tokens are
         # picked last and recognised by isfinite below (the attention itself fills finfo.min)

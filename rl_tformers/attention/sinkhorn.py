@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from rl_tformers.attention._grouped import GATHERED_POSITIONS, group_attention, require_scoreless_position
 from rl_tformers.attention.base import AttentionConfig, AttentionModule
 from rl_tformers.registry import ATTENTION, Capabilities
-from rl_tformers.types import AttnContext, AttnOutput
+from rl_tformers.types import AttnContext, AttnOutput, acc_dtype, to_acc
 
 _EPS_DIV = 1e-12  # smallest row/column sum divided by (its square stays a normal float32)
 _EPS = 1e-9  # smallest mixed validity of a sorted key slot
@@ -26,17 +26,19 @@ def sinkhorn(logits: Tensor, mask: Tensor, iters: int, causal: bool) -> Tensor:
     entry (i, j) of a column only by the rows i' <= i (a cumulative sum), so row i of the
     result depends on rows <= i alone; with a strictly lower-triangular mask it never looks at
     the future. The iterations run in the linear domain (a masked softmax first), which keeps
-    the causal column sums a plain ``cumsum``; entries below float32 range become 0.
+    the causal column sums a plain ``cumsum``; entries below the float range become 0.
 
     Args:
         logits: (..., N, N) sorting logits (already divided by the temperature).
         mask: bool broadcastable to logits, True = entry may be non-zero.
         iters: number of (row, column) normalisation pairs.
     Returns:
-        (..., N, N) float32 soft permutation, exactly 0 outside ``mask`` (and in rows with no
+        (..., N, N) soft permutation in float32 (float64 for float64 logits:
+        :func:`~rl_tformers.types.acc_dtype`), exactly 0 outside ``mask`` (and in rows with no
         allowed entry).
     """
-    x = logits.float().masked_fill(~mask, torch.finfo(torch.float32).min)  # finite fill (no -inf - -inf)
+    x = to_acc(logits)
+    x = x.masked_fill(~mask, torch.finfo(x.dtype).min)  # finite fill (no -inf - -inf)
     live = mask.expand_as(x).any(dim=-1, keepdim=True)  # rows with an allowed entry
     top = x.amax(dim=-1, keepdim=True).detach()  # row stabiliser (cancels in the row normalisation)
     p = torch.exp(x - torch.where(live, top, 0.0))  # underflows to exactly 0 where masked
@@ -91,21 +93,25 @@ class SinkhornAttention(AttentionModule):
         )
 
     def sort_matrix(self, x: Tensor, valid: Tensor, causal: bool) -> Tensor:
-        """Soft permutation P (B, H, N, N) of the N blocks: x (B, N*b, D), valid (B, N*b)."""
+        """Soft permutation P (B, H, N, N) of the N blocks: x (B, N*b, D), valid (B, N*b).
+
+        Computed in float32 (float64 for a float64 model, :func:`~rl_tformers.types.acc_dtype`).
+        """
         b_sz = self.cfg.block_size
         bsz, s, d = x.shape
         n = s // b_sz
-        xv = (x.float() * valid[..., None].float()).view(bsz, n, b_sz, d).sum(2)  # (B, N, D) block sums
-        cnt = valid.view(bsz, n, b_sz).sum(2).float()  # (B, N)
+        acc = acc_dtype(x.dtype)
+        xv = (x.to(acc) * valid[..., None].to(acc)).view(bsz, n, b_sz, d).sum(2)  # (B, N, D) block sums
+        cnt = valid.view(bsz, n, b_sz).sum(2).to(acc)  # (B, N)
         if causal:  # summary of the blocks strictly before i
             xv, cnt_s = xv.cumsum(1) - xv, cnt.cumsum(1) - cnt
         else:
             cnt_s = cnt
         summary = xv / cnt_s.clamp_min(1)[..., None]  # (B, N, D)
         r = self.sort_net(summary.to(self.sort_net[0].weight.dtype)).view(bsz, n, self.n_heads, self.n_max)[..., :n]  # (B, N, H, N)
-        r = r.permute(0, 2, 1, 3).float() / self.cfg.temperature  # (B, H, N_i, N_j)
+        r = r.permute(0, 2, 1, 3).to(acc) / self.cfg.temperature  # (B, H, N_i, N_j)
         if self.training and self.cfg.gumbel_noise:
-            u = torch.rand_like(r, dtype=torch.float32).clamp(1e-9, 1 - 1e-9)
+            u = torch.rand_like(r).clamp(1e-9, 1 - 1e-9)
             r = r - torch.log(-torch.log(u)).to(r.dtype)
         mask = (cnt > 0)[:, None, None, :]  # (B, 1, 1, N_j): empty blocks are never sorted in
         if causal:
@@ -137,26 +143,31 @@ class SinkhornAttention(AttentionModule):
         k = self.position.rotate(k, ctx.pos_k)
         pad = n * b_sz - s
         valid_p = F.pad(valid, (0, pad), value=False)  # (B, N*b)
-        with torch.autocast(q.device.type, enabled=False):  # float32 sorting and mixing
+        acc = acc_dtype(q.dtype)  # float32 sorting and mixing (float64 for a float64 model)
+        with torch.autocast(q.device.type, enabled=False):
             p_mat = self.sort_matrix(F.pad(x_kv, (0, 0, 0, pad)), valid_p, ctx.causal)  # (B, H, N, N)
             vm = valid_p[:, None, :, None].to(k.dtype)
             kb = (F.pad(k, (0, 0, 0, pad)) * vm).view(bsz, h, n, b_sz, dh)  # (B, H, N, b, Dh)
             vb = (F.pad(v, (0, 0, 0, pad)) * vm).view(bsz, h, n, b_sz, dh)
             qb = F.pad(q, (0, 0, 0, pad)).view(bsz, h, n, b_sz, dh)
-            vf = valid_p.view(bsz, n, b_sz).float()  # (B, N, b)
+            vf = valid_p.view(bsz, n, b_sz).to(acc)  # (B, N, b)
             w = torch.einsum("bhij,bjs->bhis", p_mat, vf)  # (B, H, N, b) valid mass of each sorted slot
             norm = w.clamp_min(_EPS)[..., None]
-            ks = torch.einsum("bhij,bhjsd->bhisd", p_mat, kb.float()) / norm  # (B, H, N, b, Dh)
-            vs = torch.einsum("bhij,bhjsd->bhisd", p_mat, vb.float()) / norm
-            keys = torch.cat([kb.float(), ks], dim=3)  # (B, H, N, 2b, Dh): local block, sorted block
-            vals = torch.cat([vb.float(), vs], dim=3)
+            ks = torch.einsum("bhij,bhjsd->bhisd", p_mat, kb.to(acc)) / norm  # (B, H, N, b, Dh)
+            vs = torch.einsum("bhij,bhjsd->bhisd", p_mat, vb.to(acc)) / norm
+            keys = torch.cat([kb.to(acc), ks], dim=3)  # (B, H, N, 2b, Dh): local block, sorted block
+            vals = torch.cat([vb.to(acc), vs], dim=3)
             local_ok = vf.bool()[:, None, :, None, :].expand(bsz, 1, n, b_sz, b_sz)  # (B, 1, N, b, b)
             if ctx.causal:
                 local_ok = local_ok & torch.ones(b_sz, b_sz, dtype=torch.bool, device=q.device).tril()
             sorted_ok = (w > _EPS)[:, :, :, None, :].expand(bsz, h, n, b_sz, b_sz)  # (B, H, N, b, b)
             allowed = torch.cat([local_ok.expand(bsz, h, n, b_sz, b_sz), sorted_ok], dim=-1)  # (B, H, N, b, 2b)
             bias = torch.cat(
-                [torch.zeros(bsz, h, n, 1, b_sz, device=q.device), w.clamp_min(_EPS).log()[:, :, :, None, :]], dim=-1
+                [
+                    torch.zeros(bsz, h, n, 1, b_sz, device=q.device, dtype=acc),
+                    w.clamp_min(_EPS).log()[:, :, :, None, :],
+                ],
+                dim=-1,
             )  # (B, H, N, 1, 2b)
         out, _ = group_attention(qb, keys, vals, allowed, scale=self.scale, bias=bias, dropout_p=self.dropout_p)
         y = out.reshape(bsz, h, n * b_sz, dh)[:, :, :s].to(v.dtype)  # (B, H, S, Dh)
@@ -192,6 +203,8 @@ class SinkhornConfig(AttentionConfig):
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_len < 1 or self.sinkhorn_iters < 1 or self.temperature <= 0:
             raise ValueError("attention: sinkhorn needs block_size, max_len, sinkhorn_iters >= 1 and temperature > 0")
+        if self.sort_hidden is not None and self.sort_hidden < 1:
+            raise ValueError(f"attention.sort_hidden must be >= 1 or null (d_model), got {self.sort_hidden}")
 
     @property
     def max_keys(self) -> int:

@@ -9,7 +9,10 @@ which is invertible: X2 = Y2 - G(Y1), X1 = Y1 - F(X2). The backward pass therefo
 the last layer's outputs: it walks the layers in reverse, reconstructs each layer's inputs and
 recomputes F and G with autograd enabled for one layer at a time (a custom
 ``torch.autograd.Function``), so activation memory does not grow with depth. Dropout masks are
-reproduced by saving and restoring the RNG state per sub-layer. The stack's output is the mean
+reproduced by saving and restoring the RNG state per sub-layer, and the recomputation runs
+under the autocast state of the forward pass (e.g. bf16 ``torch.autocast``; the backward pass
+would otherwise recompute F and G in float32, invert the layers with other values than the
+forward added and give other gradients than ``recompute=false``). The stack's output is the mean
 (Y1 + Y2) / 2 of the two streams (as in Reformer implementations that keep width D).
 
 Limitations (refused, with the option named): no memory kinds, no incremental cache, only
@@ -106,6 +109,17 @@ class _Stack:
         self.rng: list[tuple[Any, Any]] = []
         self.out = DepthOutput(hidden=None, layer_inputs=[], caches=[], weights=[])  # type: ignore[arg-type]
         self.hidden: list[Tensor] = []
+        self.autocast: dict[str, Any] | None = None  # autocast state of the forward pass (set by record)
+
+    def record_autocast(self, device: torch.device) -> None:
+        """Remember the autocast state of the forward pass, for the recomputation in backward."""
+        kind = device.type
+        self.autocast = {
+            "device_type": kind,
+            "enabled": torch.is_autocast_enabled(kind),
+            "dtype": torch.get_autocast_dtype(kind),
+            "cache_enabled": torch.is_autocast_cache_enabled(),
+        }
 
     def forward_layers(self, x1: Tensor, x2: Tensor, record: bool) -> tuple[Tensor, Tensor]:
         """Y streams after every layer; records RNG states (``record``) and metrics/weights."""
@@ -149,11 +163,12 @@ class _Stack:
                     grads[k] = g if grads[k] is None else grads[k] + g
 
         dev = y1.device
+        amp = self.autocast or {"device_type": dev.type, "enabled": False}
         for i in reversed(range(len(self.blocks))):
             blk = self.blocks[i]
             self.ctx.layer_idx = i
             rng_f, rng_g = self.rng[i]
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(**amp):
                 y1_ = y1.detach().requires_grad_(True)
                 with _restored_rng(rng_g, dev):
                     g = blk.g(y1_)
@@ -162,7 +177,7 @@ class _Stack:
             add(gp, gr[1:])
             dy1 = dy1 + gr[0]  # dL/dY1 through G as well
             x2 = y2 - g.detach()  # invert: X2 = Y2 - G(Y1)
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(**amp):
                 x2_ = x2.detach().requires_grad_(True)
                 with _restored_rng(rng_f, dev):
                     f, _ = blk.f(x2_, self.ctx)
@@ -185,6 +200,7 @@ class _ReversibleStackFn(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, x1: Tensor, x2: Tensor, stack: _Stack, *tensors: Tensor):
+        stack.record_autocast(x1.device)
         y1, y2 = stack.forward_layers(x1, x2, record=True)
         fctx.stack = stack
         fctx.tensors = tensors  # the parameter objects themselves: gradients are matched by identity

@@ -71,7 +71,14 @@ class SinusoidalConfig(PositionConfig):
 
     base: float = 10000.0
 
+    def __post_init__(self) -> None:
+        if self.base <= 0:
+            raise ValueError(f"position.base must be > 0 (the wavelength base), got {self.base}")
+
     def build(self, ctx) -> PositionModule:
+        """Raises ValueError for an odd ``backbone.d_model`` (sin/cos pairs need an even width)."""
+        if ctx.d_model % 2:
+            raise ValueError(f"position.kind='sinusoidal' needs an even backbone.d_model, got {ctx.d_model}")
         return SinusoidalPosition(ctx.d_model, self.base, active=ctx.layer_idx == 0)
 
 

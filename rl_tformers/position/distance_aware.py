@@ -10,9 +10,10 @@ from torch import Tensor, nn
 
 from rl_tformers.position.base import PositionConfig, PositionModule, per_head, rel_distance
 from rl_tformers.registry import POSITION, Capabilities
+from rl_tformers.types import to_acc
 
 
-def da_weight(dist: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
+def da_weight(dist: Tensor, alpha: Tensor, beta: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """The learnable sigmoid f of DA-Transformer on per-head weighted distances.
 
     Wu, Wu & Huang 2021, "DA-Transformer: Distance-aware Transformer", sec. 3::
@@ -27,11 +28,12 @@ def da_weight(dist: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
     Args:
         dist: (B, 1, ..., T, S) float distances |i - j|.
         alpha, beta: (H,) per-head parameters.
+        dtype: the computation dtype (float32; float64 for a float64 model).
     Returns:
-        (B, H, ..., T, S) float32 weights.
+        (B, H, ..., T, S) weights in ``dtype``.
     """
-    r = per_head(alpha.float(), dist.dim()) * dist.float()  # (B, H, ..., T, S)
-    b = per_head(beta.float(), dist.dim())  # (1, H, 1.., 1)
+    r = per_head(alpha.to(dtype), dist.dim()) * dist.to(dtype)  # (B, H, ..., T, S)
+    b = per_head(beta.to(dtype), dist.dim())  # (1, H, 1.., 1)
     return torch.exp(F.softplus(b)) * torch.sigmoid(r - b)  # softplus(b) = log(1 + e^b)
 
 
@@ -59,9 +61,11 @@ class DistanceAwarePosition(PositionModule):
         self.beta = nn.Parameter(torch.full((n_heads,), float(beta_init)))  # (H,)
 
     def transform_scores(self, scores: Tensor, pos_q: Tensor, pos_k: Tensor) -> Tensor:
-        """scores (B, H, ..., T, S) -> ReLU(scores) * f(alpha_h |i - j|; beta_h), float32."""
+        """scores (B, H, ..., T, S) -> ReLU(scores) * f(alpha_h |i - j|; beta_h), in float32
+        (float64 for float64 scores: a float64 model stays exact to float64 rounding)."""
         dist = rel_distance(pos_q, pos_k).abs()  # (B, 1, ..., T, S)
-        return F.relu(scores.float()) * da_weight(dist, self.alpha, self.beta)
+        scores = to_acc(scores)
+        return F.relu(scores) * da_weight(dist, self.alpha, self.beta, scores.dtype)
 
 
 @POSITION.register(

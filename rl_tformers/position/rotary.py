@@ -76,6 +76,10 @@ class RotaryConfig(PositionConfig):
 
     base: float = 10000.0
 
+    def __post_init__(self) -> None:
+        if self.base <= 0:
+            raise ValueError(f"position.base must be > 0 (the wavelength base), got {self.base}")
+
     def build(self, ctx) -> PositionModule:
         if ctx.head_dim % 2:
             raise ValueError(

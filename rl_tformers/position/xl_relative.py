@@ -82,6 +82,10 @@ class XLRelativeConfig(PositionConfig):
 
     base: float = 10000.0
 
+    def __post_init__(self) -> None:
+        if self.base <= 0:
+            raise ValueError(f"position.base must be > 0 (the wavelength base), got {self.base}")
+
     def build(self, ctx) -> PositionModule:
         if ctx.d_model % 2:
             raise ValueError(f"position.kind='xl_relative' needs an even backbone.d_model, got {ctx.d_model}")

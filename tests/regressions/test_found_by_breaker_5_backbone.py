@@ -1,0 +1,361 @@
+"""Defects found by the breaker (fifth pass, the backbone library used from Python): slot config
+fields without type checks, float64 models that crashed or lost precision, reversible layers
+recomputed outside autocast, LSH buckets shared across episodes, routing top-k clusters shared
+across episodes, empty segments, late or unnamed errors.
+
+Every test builds tiny backbones (D = 16, 2 layers, T <= 24) and runs in well under a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import numpy as np
+import pytest
+import torch
+
+import rl_tformers  # noqa: F401  (registers every kind)
+from rl_tformers import Backbone, BackboneConfig
+from rl_tformers.config import BuildContext
+from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError
+from rl_tformers.types import AttnContext
+
+D, H = 16, 2
+BASE = {"d_model": D, "n_heads": H, "n_layers": 2, "d_ff": 32, "dropout": 0.0, "attn_dropout": 0.0}
+
+
+def _backbone(**cfg) -> Backbone:
+    torch.manual_seed(0)
+    return Backbone({**BASE, **cfg}).eval()
+
+
+# ------------------------------------------------- 1: slot config fields are checked by type
+def _typed_fields():
+    """(slot, kind, field, bad value) for every field of every registered kind: a string where
+    the field takes no string, a number where it takes only strings."""
+    out = []
+    for slot in SLOTS:
+        for e in REGISTRIES[slot]:
+            hints = typing.get_type_hints(e.config_cls)
+            for f in dataclasses.fields(e.config_cls):
+                bad = 3 if hints[f.name] is str else "x"
+                out.append(pytest.param(slot, e.kind, f.name, bad, id=f"{slot}.{e.kind}.{f.name}"))
+    return out
+
+
+@pytest.mark.parametrize(("slot", "kind", "field", "bad"), _typed_fields())
+def test_every_slot_field_of_the_wrong_type_is_refused_naming_it(slot, kind, field, bad):
+    """Old code: wrong types got deep TypeErrors without the field ('<' not supported between
+    'str' and 'int'), were accepted and failed in forward, or were silently accepted."""
+    with pytest.raises(RegistryError, match=rf"backbone\.{slot}\.{field} must be "):
+        BackboneConfig.from_dict({slot: {"kind": kind, field: bad}})
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (
+            {"attention": {"kind": "sinkhorn", "block_size": 2.5}},
+            r"backbone\.attention\.block_size must be an integer, got 2\.5",
+        ),
+        (
+            {"attention": {"kind": "bigbird", "global_tokens": 0}},
+            r"backbone\.attention\.global_tokens must be a list of integers",
+        ),
+        (
+            {"attention": {"kind": "performer", "orthogonal": 0}},
+            r"backbone\.attention\.orthogonal must be true or false",
+        ),
+        (
+            {"attention": {"kind": "routing", "n_clusters": True}},
+            r"backbone\.attention\.n_clusters must be an integer",
+        ),
+        (
+            {"attention": {"kind": "rfa", "sigma_init": float("nan")}},
+            r"backbone\.attention\.sigma_init must be a finite number",
+        ),
+        (
+            {"position": {"kind": "distance_aware", "alpha_init": float("inf")}},
+            r"backbone\.position\.alpha_init must be a finite",
+        ),
+        ({"memory": {"kind": "knn", "top_k": 2.0}}, r"backbone\.memory\.top_k must be an integer"),
+        ({"memory": {"kind": "xl", "detach": 1}}, r"backbone\.memory\.detach must be true or false"),
+        (
+            {"depth": {"kind": "universal", "max_steps": 2.0}},
+            r"backbone\.depth\.max_steps must be an integer or null",
+        ),
+        (
+            {"attention": {"kind": "local_2d", "query_shape": [4]}},
+            r"backbone\.attention\.query_shape must be a list of 2 integers",
+        ),
+    ],
+)
+def test_wrong_types_that_old_code_accepted_or_crashed_on(cfg, message):
+    with pytest.raises(RegistryError, match=message):
+        Backbone({**BASE, "causal": False, **cfg})
+
+
+def test_configs_built_in_python_are_checked_and_lists_become_tuples():
+    from rl_tformers.attention.bigbird import BigBirdConfig
+    from rl_tformers.attention.sinkhorn import SinkhornConfig
+    from rl_tformers.registry import FieldError
+
+    with pytest.raises(FieldError, match=r"attention\.block_size must be an integer, got True"):
+        SinkhornConfig(block_size=True)
+    with pytest.raises(FieldError, match="temperature"):
+        SinkhornConfig(temperature=float("nan"))
+    cfg = BigBirdConfig(global_tokens=[0, 3])
+    assert cfg.global_tokens == (0, 3)
+    hash(cfg)  # frozen configs stay hashable
+    assert dataclasses.replace(cfg, block=4).block == 4
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        ({"position": {"kind": "sinusoidal", "base": 0.0}}, "base"),
+        ({"position": {"kind": "xl_relative", "base": -1.0}}, "base"),
+        ({"position": {"kind": "rotary", "base": 0}}, "base"),
+        ({"attention": {"kind": "sinkhorn", "sort_hidden": -1}}, "sort_hidden"),
+    ],
+)
+def test_out_of_range_values_are_refused_naming_the_field(cfg, message):
+    """Old code: a non-positive base failed in forward (math domain error), a negative SortNet
+    width in torch ('negative dimension')."""
+    with pytest.raises(RegistryError, match=message):
+        Backbone({**BASE, **cfg})
+
+
+def test_sinusoidal_with_an_odd_width_is_refused_at_construction():
+    """Old code: built, then 'sinusoidal encoding needs an even dimension' at the first forward."""
+    with pytest.raises(ValueError, match=r"backbone\.d_model"):
+        Backbone({**BASE, "d_model": 15, "n_heads": 3, "position": {"kind": "sinusoidal"}})
+
+
+# ------------------------------------------------- 2: float64 models
+@pytest.mark.parametrize(
+    ("attention", "causal"),
+    [
+        ({"kind": "sinkhorn", "block_size": 4, "max_len": 64}, True),
+        ({"kind": "sinkhorn", "block_size": 4, "max_len": 64}, False),
+        ({"kind": "routing", "n_clusters": 2, "local_window": 4, "cluster_window": 4, "seed": 0}, False),
+    ],
+)
+def test_float64_models_of_gathered_kernels_run(attention, causal):
+    """Old code: 'expected scalar type Double but found Float' (sinkhorn) and 'scatter(): Expected
+    self.dtype to be equal to src.dtype' (routing top-k) on a model moved to float64."""
+    bb = _backbone(attention=attention, position={"kind": "rotary"}, causal=causal)
+    x = torch.randn(2, 12, D, generator=torch.Generator().manual_seed(1))
+    want = bb(x).hidden
+    b64 = bb.to(torch.float64)
+    got = b64(x.double()).hidden
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=0)
+    xg = x.double().requires_grad_(True)
+    b64(xg).hidden.sum().backward()
+    assert torch.isfinite(xg.grad).all()
+
+
+def _module(kind: str, position: str, causal: bool, **fields):
+    cfg = BackboneConfig.from_dict(
+        {
+            **BASE,
+            "max_position": 64,
+            "causal": causal,
+            "attention": {"kind": kind, **fields},
+            "position": {"kind": position},
+        }
+    )
+    ctx = BuildContext(cfg).at_layer(0)
+    torch.manual_seed(3)
+    return cfg.attention.build(ctx, cfg.position.build(ctx)).eval().double()
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "position"),
+    [
+        ("adaptive_span", {"max_span": 8, "ramp": 2, "init": 0.5}, "shaw"),
+        ("adaptive_span", {"max_span": 8, "ramp": 2, "init": 0.5}, "xl_relative"),
+        ("adaptive_span", {"max_span": 8, "ramp": 2, "init": 0.5, "dynamic": True}, "distance_aware"),
+        ("local", {"block": 4, "memory": 4}, "distance_aware"),
+        ("strided", {"stride": 4}, "distance_aware"),
+    ],
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_exact_kernels_with_score_positions_in_float64_equal_their_reference(kind, fields, position, causal):
+    """Old code: adaptive span added the positional bias in float32 (1e-9 off) and DA re-weighted
+    scores in float32 (1e-8 off) in a float64 model."""
+    mod = _module(kind, position, causal, **fields)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 12, D, generator=g, dtype=torch.float64)
+    pos = torch.arange(12).expand(2, 12) + torch.tensor([[0], [7]])
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[1, :3] = False
+    ctx = AttnContext(pos_q=pos, pos_k=pos, key_valid=valid, causal=causal)
+    with torch.no_grad():
+        out = mod(x, x, ctx).out
+        ref = mod.reference_forward(x, x, ctx).out
+    assert out.dtype == ref.dtype == torch.float64
+    assert (out - ref)[valid].abs().max().item() < 1e-12
+
+
+def test_distance_aware_weights_are_float64_for_a_float64_model():
+    mod = _module("sdpa", "distance_aware", True)
+    da = mod.position
+    scores = torch.randn(1, H, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(5)[None] * 1000
+    got = da.transform_scores(scores, pos, pos)
+    dist = (pos[0, :, None] - pos[0, None, :]).abs().double()  # (T, S)
+    alpha, beta = da.alpha.detach().view(H, 1, 1), da.beta.detach().view(H, 1, 1)
+    f = (1 + torch.exp(beta)) / (1 + torch.exp(beta - alpha * dist))  # Wu et al. 2021, sec. 3
+    assert got.dtype == torch.float64
+    assert (got[0] - scores[0].clamp_min(0) * f).abs().max().item() < 1e-12
+
+
+def test_universal_coordinate_embedding_in_float64():
+    from rl_tformers.adaptive.universal import coordinate_embedding
+
+    pos = torch.tensor([[0, 3, 123457]])
+    got = coordinate_embedding(pos, 3, 8, torch.float64)
+    inv = 10000.0 ** (-np.arange(0, 8, 2) / 8)
+    want = np.stack(
+        [
+            np.sin(pos.numpy()[..., None] * inv) + np.sin(3 * inv),
+            np.cos(pos.numpy()[..., None] * inv) + np.cos(3 * inv),
+        ],
+        -1,
+    ).reshape(1, 3, 8)
+    assert got.dtype == torch.float64
+    assert np.abs(got.numpy() - want).max() < 1e-9
+
+
+# ------------------------------------------------- 3: reversible recomputation under autocast
+def test_reversible_recompute_under_bf16_autocast_equals_plain_autograd():
+    """Old code: the backward recomputed F and G without autocast (float32), so the inverted
+    inputs and every gradient differed from recompute=false by ~1% (bf16 rounding)."""
+    cfg = {**BASE, "n_layers": 4, "dropout": 0.1, "attn_dropout": 0.1, "position": {"kind": "learned"}}
+    torch.manual_seed(0)
+    a = Backbone({**cfg, "block": {"kind": "reversible", "recompute": True}}).train()
+    b = Backbone({**cfg, "block": {"kind": "reversible", "recompute": False}}).train()
+    b.load_state_dict(a.state_dict())
+    g = torch.Generator().manual_seed(1)
+    x, r = torch.randn(2, 12, D, generator=g), torch.randn(2, 12, D, generator=g)
+    grads = []
+    for m in (a, b):
+        xx = x.clone().requires_grad_(True)
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(xx).hidden
+        (out.float() * r).sum().backward()
+        grads.append([xx.grad] + [p.grad for p in m.parameters()])
+    names = ["x"] + [n for n, _ in a.named_parameters()]
+    for name, ga, gb in zip(names, *grads):
+        assert (ga is None) == (gb is None), name
+        if ga is not None:
+            tol = 1e-5 * max(1.0, gb.abs().max().item())
+            assert (ga - gb).abs().max().item() <= tol, f"{name}: {(ga - gb).abs().max().item():.3g}"
+
+
+# ------------------------------------------------- 4: episodes never change each other (LSH, routing)
+def _two_episodes(bb: Backbone, t: int = 24, start: int = 10, seed: int = 0, **kw):
+    """Max change of episode 2's outputs when episode 1's tokens change, and vice versa."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, t, D, generator=g)
+    es = torch.zeros(2, t, dtype=torch.bool)
+    es[:, start] = True
+    out = bb(x, episode_start=es, **kw).hidden
+    x1, x2 = x.clone(), x.clone()
+    x1[:, :start] = torch.randn(2, start, D, generator=g) * 3
+    x2[:, start:] = torch.randn(2, t - start, D, generator=g) * 3
+    e12 = (bb(x1, episode_start=es, **kw).hidden[:, start:] - out[:, start:]).abs().max().item()
+    e21 = (bb(x2, episode_start=es, **kw).hidden[:, :start] - out[:, :start]).abs().max().item()
+    return e12, e21
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("fields", [{"bucket_size": 2, "n_hashes": 2}, {"bucket_size": 4, "n_hashes": 1}])
+def test_lsh_tokens_of_one_episode_never_change_another(causal, fields):
+    """Old code: buckets were shared by the episodes of a row, so the tokens of the previous
+    episode decided which keys of the next one shared its chunk (changes up to 1.9; GTrXL
+    trains on rows that cross episode boundaries)."""
+    bb = _backbone(attention={"kind": "lsh", "seed": 0, **fields}, position={"kind": "rotary"}, causal=causal)
+    for seed in range(3):
+        assert _two_episodes(bb, seed=seed) == (0.0, 0.0)
+
+
+def test_lsh_memory_of_a_previous_episode_never_changes_the_new_one():
+    bb = _backbone(
+        attention={"kind": "lsh", "seed": 0, "bucket_size": 2, "n_hashes": 2},
+        memory={"kind": "xl", "mem_len": 12},
+        position={"kind": "rotary"},
+    )
+    g = torch.Generator().manual_seed(2)
+    old, new = torch.randn(2, 12, D, generator=g), torch.randn(2, 12, D, generator=g)
+    es = torch.zeros(2, 12, dtype=torch.bool)
+    es[:, 0] = True  # the second segment starts a new episode (memory kept, masked by episode id)
+    outs = []
+    for first in (old, torch.randn(2, 12, D, generator=g) * 3):
+        st = bb(first, state=bb.initial_state(2)).state
+        outs.append(bb(new, state=st, episode_start=es).hidden)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_routing_topk_refuses_several_episodes_in_a_row():
+    """Old code: top-k clusters are balanced over the whole row, so either episode's tokens
+    changed the other's outputs (up to 1.3); now refused, as linformer and sinkhorn do."""
+    bb = _backbone(
+        attention={
+            "kind": "routing",
+            "n_clusters": 3,
+            "local_window": 4,
+            "cluster_window": 4,
+            "seed": 0,
+            "local_heads": 0,
+        },
+        position={"kind": "rotary"},
+        causal=False,
+    )
+    with pytest.raises(ValueError, match="one episode per row"):
+        _two_episodes(bb)
+    x = torch.randn(2, 24, D)
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[:, :10] = False  # padding is not another episode
+    assert torch.isfinite(bb(x, mask=mask).hidden).all()
+    one = _backbone(attention={"kind": "routing", "n_clusters": 1, "local_heads": 0}, causal=False)
+    assert max(_two_episodes(one)) < 1e-5  # one cluster: every key, no competition (sum order only)
+
+
+# ------------------------------------------------- 5: empty segments
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"attention": {"kind": "adaptive_span", "max_span": 8, "ramp": 2}},
+        {"attention": {"kind": "strided", "stride": 4}},
+        {"attention": {"kind": "performer", "chunk_size": 4, "seed": 0}},
+        {"attention": {"kind": "rfa", "chunk_size": 4, "seed": 0}},
+        {"attention": {"kind": "lsh", "bucket_size": 4, "seed": 0}, "memory": {"kind": "xl", "mem_len": 6}},
+        {"attention": {"kind": "sinkhorn", "block_size": 4, "max_len": 64}, "causal": False},
+        {"position": {"kind": "xl_relative"}},
+        {"memory": {"kind": "knn", "mem_len": 6, "store_size": 24, "top_k": 4}},
+        {"depth": {"kind": "early_exit"}, "memory": {"kind": "xl", "mem_len": 6}},
+    ],
+)
+def test_an_empty_segment_returns_nothing_and_keeps_the_state(cfg):
+    """Old code: T = 0 failed inside the kernels (reshape of 0 elements, amax of an empty
+    dim, index -1 out of bounds...), with and without a state."""
+    bb = _backbone(**cfg)
+    empty = torch.zeros(2, 0, D)
+    out = bb(empty, output_hidden_states=True)
+    assert out.hidden.shape == (2, 0, D) and len(out.hidden_states) == 2
+    try:
+        st = bb.initial_state(2)
+    except NotImplementedError:  # no incremental form: nothing more to check
+        return
+    x = torch.randn(2, 5, D)
+    s1 = bb(x[:, :3], state=st).state
+    s2 = bb(empty, state=s1)
+    assert s2.hidden.shape == (2, 0, D) and s2.state is s1
+    torch.testing.assert_close(
+        bb(x[:, 3:], state=s2.state).hidden, bb(x[:, 3:], state=s1).hidden, atol=0, rtol=0
+    )
