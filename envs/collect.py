@@ -120,6 +120,27 @@ def _prepare_target(dataset_id: str, root: Path, overwrite: bool) -> None:
         shutil.rmtree(target)
 
 
+def check_hdf5_target(path: str | Path | None) -> None:
+    """Refuse an HDF5 output path that cannot be written, before anything is collected.
+
+    Called before the rollouts, so that a bad ``--hdf5`` does not fail only after the Minari
+    dataset has been written (leaving it behind, and a rerun refused as "already exists").
+
+    Raises:
+        ValueError: ``path`` is a directory, or a path component above it is an existing file.
+    """
+    if path is None:
+        return
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ValueError(f"--hdf5 {p} is a directory; give the .hdf5 file to write (e.g. {p / 'dataset.hdf5'})")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--hdf5 {p}: {parent} is a file, not a directory")
+            break
+
+
 def _make_collector(env: gym.Env, pomdp: dict | None):
     import minari
 
@@ -186,11 +207,13 @@ def collect(
 
     Raises:
         FileExistsError: the dataset exists and ``overwrite`` is False.
-        ValueError: malformed ``dataset_id``.
+        ValueError: malformed ``dataset_id``; ``hdf5`` a directory or below a file
+            (:func:`check_hdf5_target`, checked before collecting).
     """
     from tqdm.auto import tqdm
 
     root_path = data_root(root)
+    check_hdf5_target(hdf5)
     _prepare_target(dataset_id, root_path, overwrite)
     seeds = np.random.default_rng([int(seed), 0])
     returns: list[float] = []
@@ -266,6 +289,7 @@ def train_and_record(
 
     root_path = data_root(root)
     result = None
+    check_hdf5_target(hdf5)
     if replay_dataset_id is None:
         env = SeededResets(gym.make(env_id), seed)
         model = train_sb3(algo, env, steps, seed=seed, progress=progress)

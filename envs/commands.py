@@ -108,6 +108,8 @@ def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset
 
             if overwrite and skip_existing:
                 _fail("--overwrite and --skip-existing exclude each other: choose one")
+            if hdf5 is not None and Path(hdf5).expanduser().exists() and not Path(hdf5).expanduser().is_dir():
+                _fail(f"--hdf5 {hdf5} is a file; with --recipe it is the folder that receives <recipe>.hdf5")
             todo = R.match_recipes(list(recipe), recipe_steps or R.DEFAULT_STEPS)
             existing = {r.name for r in todo if dataset_folder(r.dataset_id, root).exists()}
             if existing and not (overwrite or skip_existing):
@@ -137,7 +139,7 @@ def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset
 def _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
                  pomdp, obs_indices, seed, dataset_id, root, hdf5, overwrite, progress):
     import gymnasium as gym
-    from rl_tformers.envs.collect import Behaviour, collect, train_and_record
+    from rl_tformers.envs.collect import Behaviour, check_hdf5_target, collect, train_and_record
     from rl_tformers.envs.policies import NoisyPolicy, RandomPolicy, load_sb3_policy
     from rl_tformers.envs.pomdp import pomdp_record
 
@@ -149,7 +151,15 @@ def _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset
         steps = 0 if (train and replay_dataset_id) else 10_000
     if replay_dataset_id and not train:
         raise typer.BadParameter("--replay-dataset-id needs --train", param_hint="--replay-dataset-id")
-    genv = gym.make(env)
+    if (steps or 0) == 0 and (episodes or 0) == 0 and not (train and replay_dataset_id):
+        raise typer.BadParameter(f"{'--steps' if steps is not None else '--episodes'} 0 collects nothing; give a "
+                                 "positive number (0 is meant for --train with --replay-dataset-id only)",
+                                 param_hint="--steps/--episodes")
+    check_hdf5_target(hdf5)  # before the (long) rollouts, not after them
+    try:
+        genv = gym.make(env)
+    except gym.error.Error as exc:  # unknown id, missing dependency, deprecated version
+        raise typer.BadParameter(f"cannot make environment {env!r}: {exc}", param_hint="--env") from None
     record = None
     if obs_indices is not None:
         if pomdp not in ("none", "mask"):

@@ -295,7 +295,9 @@ class EpisodeDataset:
             observations: (N, *obs_shape); actions: (N, *act_shape); rewards: (N,).
             terminals: (N,) 0/1 or bool; timeouts: (N,) 0/1 or bool, or ``None`` (all False).
             next_observations: (N, *obs_shape) or ``None``; when given, the final observation
-                of each episode is ``next_observations[last step]``.
+                of each episode is ``next_observations[last step]``, and (``validate=True``) it
+                is checked by :func:`check_next_observations`: finite everywhere and equal to
+                ``observations[t + 1]`` inside episodes.
 
         Example: terminals ``[0,1,1,0,0,1]`` gives 3 episodes of lengths 2, 1, 3.
 
@@ -303,7 +305,9 @@ class EpisodeDataset:
             DatasetError: ``rewards``/``terminals``/``timeouts`` not one value per step (shape
                 ``(N,)`` or ``(N, 1)``); a flag other than 0/1 (NaN, 0.5, 2: naming the field,
                 the episode and the dataset row); ``next_observations`` with another row count or
-                per-step shape than ``observations``; and everything :meth:`validate` checks.
+                per-step shape than ``observations``, or (``validate=True``) not finite or not
+                equal to the next observation inside an episode; and everything :meth:`validate`
+                checks.
         """
         rewards = per_step_column("rewards", rewards)
         n = rewards.shape[0]
@@ -336,9 +340,12 @@ class EpisodeDataset:
             final = np.asarray(next_observations[ends]) if ends.size else None
         if action_space is None:
             action_space = infer_action_space(actions)
-        return cls(observations, actions, rewards, terminals, truncations, starts, lengths,
-                   final_observations=final, observation_space=observation_space,
-                   action_space=action_space, metadata=meta, validate=validate)
+        ds = cls(observations, actions, rewards, terminals, truncations, starts, lengths,
+                 final_observations=final, observation_space=observation_space,
+                 action_space=action_space, metadata=meta, validate=validate)
+        if validate and next_observations is not None:
+            check_next_observations(ds, next_observations)
+        return ds
 
     @classmethod
     def from_episodes(
@@ -355,13 +362,26 @@ class EpisodeDataset:
 
         Raises:
             DatasetError: an episode whose observation count is not its action count + 1
-                (the message names the episode and both counts), or whose per-step arrays
-                disagree in length.
+                (the message names the episode and both counts), whose per-step arrays
+                disagree in length, whose observations/actions have another per-step shape than
+                episode 0's, or whose observations/actions/rewards are not integers or floating
+                point (strings, booleans, objects).
         """
         obs_parts, act_parts, rew_parts, term_parts, trunc_parts, finals, lengths = [], [], [], [], [], [], []
+        step_shapes: dict[str, tuple[int, ...]] = {}  # per-step shape of episode 0
         for i, ep in enumerate(episodes):
             obs = np.asarray(ep["observations"])
             act = np.asarray(ep["actions"])
+            for key, arr in (("observations", obs), ("actions", act), ("rewards", np.asarray(ep["rewards"]))):
+                _check_numeric(key, arr, episode=i)
+            for key, arr in (("observations", obs), ("actions", act)):
+                if arr.ndim == 0:
+                    raise DatasetError(f"{key}: episode {i}: a scalar (shape ()), expected one row per step",
+                                       field=key, episode=i)
+                first = step_shapes.setdefault(key, tuple(arr.shape[1:]))
+                if tuple(arr.shape[1:]) != first:
+                    raise DatasetError(f"{key}: episode {i} has shape {tuple(arr.shape[1:])} per step but episode 0 "
+                                       f"has {first}", field=key, episode=i)
             n_obs, n_act = obs.shape[0], act.shape[0]
             if n_obs != n_act + 1:
                 raise DatasetError(
@@ -518,11 +538,14 @@ class EpisodeDataset:
         """Check everything a sampler or agent relies on; raise on the first problem.
 
         Checks, in order: supported spaces; no empty episode; episodes inside the flat arrays;
-        finite observations, actions, rewards and final observations (no NaN/inf); flags only on
-        an episode's last step and every last step flagged (terminated or truncated);
-        observation shape matches the observation space; actions inside the action space
-        (``Box`` bounds inclusive; ``Discrete`` integers in ``[start, start + n)``); episode
-        length <= ``max_ep_len`` when given.
+        observation shape matches the observation space, with at least one value per step (a
+        scalar per step, observations of shape ``(N,)``, is refused: store ``(N, 1)``) and Box
+        actions with at least one value; finite observations, actions, rewards and final
+        observations (no NaN/inf), and no episode whose sum of ``|rewards|`` overflows float64
+        (its returns-to-go would be inf); flags only on an episode's last step and every last
+        step flagged (terminated or truncated); actions inside the action space (``Box`` bounds
+        inclusive; ``Discrete`` integers in ``[start, start + n)``); episode length <=
+        ``max_ep_len`` when given.
 
         Raises:
             DatasetError: naming the field, the episode and the step (0-based inside the episode).
@@ -549,9 +572,19 @@ class EpisodeDataset:
         if tuple(self.observations.shape[1:]) != tuple(self.observation_space.shape):
             raise DatasetError(f"observations: shape {tuple(self.observations.shape[1:])} per step does not match "
                                f"the observation space {self.observation_space!r}", field="observations")
+        if len(self.observation_space.shape) == 0:
+            raise DatasetError(
+                f"observations: one scalar per step (array of shape {tuple(self.observations.shape)}, space "
+                f"{self.observation_space!r}); agents read observations as (N, *obs_shape) vectors: store a scalar "
+                "observation as shape (N, 1)", field="observations")
+        if int(np.prod(self.observation_space.shape)) == 0:
+            raise DatasetError(f"observations: {self.observation_space!r} holds no value per step", field="observations")
+        if isinstance(self.action_space, gym.spaces.Box) and int(np.prod(self.action_space.shape)) == 0:
+            raise DatasetError(f"actions: {self.action_space!r} holds no value per step", field="actions")
         self._check_finite("observations", self.observations)
         self._check_finite("actions", self.actions)
         self._check_finite("rewards", self.rewards)
+        self._check_return_overflow()
         if self.final_observations is not None:
             fin = self.final_observations.reshape(self.final_observations.shape[0], -1)
             rows = np.flatnonzero(~np.isfinite(fin).all(axis=1))
@@ -590,6 +623,24 @@ class EpisodeDataset:
                 row = off + int(np.flatnonzero(~ok)[0])
                 value = np.asarray(arr[row]).reshape(-1)
                 raise self._fail(name, row, f"value {value[~np.isfinite(value)][0]} is not finite")
+
+    def _check_return_overflow(self) -> None:
+        """Refuse episodes whose sum of ``|rewards|`` is not finite in float64 (every reward finite).
+
+        That sum bounds every return and return-to-go (any ``gamma <= 1``), so past this check
+        none of them is ``inf`` and :attr:`episode_returns` (``math.fsum``) cannot overflow.
+        """
+        absr = np.abs(self.rewards)
+        with np.errstate(over="ignore"):
+            if np.isfinite(absr.sum()):
+                return
+            sums = np.array([absr[s:s + n].sum() for s, n in zip(self.starts.tolist(), self.lengths.tolist())])
+        bad = np.flatnonzero(~np.isfinite(sums))
+        if bad.size:
+            e = int(bad[0])
+            raise DatasetError(f"rewards: episode {e}: the sum of |rewards| over its {int(self.lengths[e])} steps "
+                               "overflows float64 (its return and returns-to-go would be inf)",
+                               field="rewards", episode=e)
 
     def _check_actions(self) -> None:
         space = self.action_space
@@ -680,6 +731,73 @@ class EpisodeDataset:
     def __repr__(self) -> str:
         return (f"EpisodeDataset({self.metadata.location or 'in memory'}: {self.num_episodes} episodes, "
                 f"{self.num_steps} steps, obs {self.observation_shape}, actions {self.action_space!r})")
+
+
+def check_next_observations(dataset: EpisodeDataset, next_observations: ArrayLike) -> None:
+    """Check a D4RL ``next_observations`` column against the episodes of ``dataset``.
+
+    ``next_observations (N, *obs_shape)`` is indexed like the flat arrays of ``dataset``
+    (``dataset.observations``). Every row must be finite, and inside an episode (each step but
+    its last) it must equal the next step's observation: ``next_observations[r] ==
+    observations[r + 1]``, exactly (in the less precise of the two float dtypes when they
+    differ). A mismatch means the flags miss an episode boundary (old D4RL files without
+    ``timeouts`` run episodes together) or the columns are misaligned. Without this check it
+    would pass unseen: the data layer reads ``observations`` inside episodes and
+    ``next_observations`` only at episode ends (:attr:`EpisodeDataset.final_observations`).
+    Streams over chunks of :data:`SCAN_CHUNK` rows (lazy arrays stay on disk).
+
+    Raises:
+        DatasetError: field ``next_observations``, with the episode, the step and the dataset row
+            of the first non-finite value or mismatch.
+    """
+    obs = dataset.observations
+    n = int(obs.shape[0])
+    if int(next_observations.shape[0]) != n:
+        raise DatasetError(f"next_observations: {next_observations.shape[0]} rows but observations has {n}",
+                           field="next_observations")
+    inside = np.zeros(n + 1, np.int64)  # +1 over the steps of an episode that have a next step in it
+    np.add.at(inside, dataset.starts, 1)
+    np.add.at(inside, dataset.starts + dataset.lengths - 1, -1)
+    inside = np.cumsum(inside)[:n] > 0  # (N,) row r is in an episode and r + 1 is in the same one
+    od, nd = np.dtype(obs.dtype), np.dtype(next_observations.dtype)
+    cmp = None
+    if od != nd and np.issubdtype(od, np.floating) and np.issubdtype(nd, np.floating):
+        cmp = od if od.itemsize <= nd.itemsize else nd
+    for off, nxt in iter_chunks(next_observations):
+        rows = nxt.shape[0]
+        flat_n = nxt.reshape(rows, -1)
+        if np.issubdtype(nd, np.floating):
+            ok = np.isfinite(flat_n).all(axis=1)
+            if not ok.all():
+                r = off + int(np.flatnonzero(~ok)[0])
+                v = flat_n[r - off]
+                raise dataset._fail("next_observations", r, f"value {v[~np.isfinite(v)][0]} is not finite")
+        check = inside[off: off + rows]
+        if not check.any():
+            continue
+        following = np.asarray(obs[off + 1: min(off + rows + 1, n)])  # observations[r + 1]
+        m = following.shape[0]  # rows - 1 at the very end of the data (its last row is never inside)
+        a, b = flat_n[:m], following.reshape(m, -1)
+        if cmp is not None:
+            a, b = a.astype(cmp), b.astype(cmp)
+        bad = check[:m] & ~(a == b).all(axis=1)
+        if bad.any():
+            j = int(np.flatnonzero(bad)[0])
+            k = int(np.flatnonzero(a[j] != b[j])[0])
+            raise dataset._fail(
+                "next_observations", off + j,
+                f"component {k} = {a[j][k].item()!r} but the next step's observation has {b[j][k].item()!r}; inside "
+                "an episode next_observations[t] must equal observations[t + 1]: the terminals/timeouts flags miss "
+                "an episode end here (old D4RL files have no timeouts), or the columns are misaligned")
+
+
+def _check_numeric(name: str, arr: np.ndarray, *, episode: int | None = None) -> None:
+    """Refuse arrays that are not integers or floating point (bool, bytes, str, object)."""
+    dtype = np.dtype(arr.dtype)
+    if not (np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating)):
+        where = f"episode {episode}: " if episode is not None else ""
+        raise DatasetError(f"{name}: {where}dtype {dtype} is not numeric (integer or floating point)",
+                           field=name, episode=episode)
 
 
 def per_step_column(name: str, values: ArrayLike, *, episode: int | None = None) -> np.ndarray:

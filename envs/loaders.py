@@ -31,6 +31,7 @@ from rl_tformers.envs.dataset import (
     DatasetMetadata,
     EpisodeDataset,
     LazyH5Array,
+    check_next_observations,
     per_step_column,
 )
 
@@ -178,8 +179,11 @@ def load_minari(
         FileNotFoundError: id not found locally and ``download`` is False (the message says
             where it looked and how to download or build it).
         RuntimeError: ``download=True`` but the download failed (e.g. no network).
-        DatasetError: malformed data (see :meth:`EpisodeDataset.validate`), or an episode whose
-            observation count is not its action count + 1.
+        DatasetError: a folder Minari cannot open (no ``main_data.hdf5``, ``metadata.json`` not
+            JSON) or whose episodes cannot be read (a missing episode group or array), malformed data (see :meth:`EpisodeDataset.validate` and
+            :meth:`EpisodeDataset.from_episodes`), an episode whose observation count is not its
+            action count + 1, or metadata ``ref_min_score``/``ref_max_score`` that are not finite
+            numbers with ``ref_max_score > ref_min_score``.
     """
     import minari
 
@@ -200,7 +204,10 @@ def load_minari(
             raise RuntimeError(f"could not download Minari dataset {str(spec)!r}: {exc}") from exc
         path = Path(md.spec.data_path)
     else:
-        md = minari.MinariDataset(path)
+        try:
+            md = minari.MinariDataset(path)
+        except Exception as exc:  # no main_data.hdf5, metadata.json not JSON, unknown space...
+            raise DatasetError(f"{path}: not a readable Minari dataset ({type(exc).__name__}: {exc})") from exc
     meta = md.storage.metadata
     obs_space = md.observation_space
     act_space = md.action_space
@@ -215,28 +222,68 @@ def load_minari(
 
     own = meta.get(META_KEY) or {}
     if isinstance(own, str):
-        own = json.loads(own)
+        try:
+            own = json.loads(own)
+        except ValueError as exc:
+            raise DatasetError(f"{path}: metadata {META_KEY!r} is not valid JSON ({exc})", field=META_KEY) from exc
+    if not isinstance(own, dict):
+        raise DatasetError(f"{path}: metadata {META_KEY!r} is a {type(own).__name__}, expected an object",
+                           field=META_KEY)
+    try:
+        eps = list(episodes())
+    except DatasetError:
+        raise
+    except Exception as exc:  # an episode group or array missing from main_data.hdf5, unreadable data
+        raise DatasetError(f"{path}: cannot read the episodes ({type(exc).__name__}: {exc})") from exc
     env_spec = md.env_spec
     metadata = DatasetMetadata(
         env_id=getattr(env_spec, "id", None),
         source=source,
         location=str(spec),
         dataset_id=md.spec.dataset_id,
-        ref_min_score=_opt_float(meta.get("ref_min_score")),
-        ref_max_score=_opt_float(meta.get("ref_max_score")),
+        **_ref_scores(meta, f"Minari metadata of {spec}"),
         pomdp=own.get("pomdp"),
         extra={k: meta[k] for k in ("algorithm_name", "description") if k in meta} | {
             k: v for k, v in own.items() if k != "pomdp"},
     )
-    ds = EpisodeDataset.from_episodes(list(episodes()), observation_space=flat_space, action_space=act_space,
+    ds = EpisodeDataset.from_episodes(eps, observation_space=flat_space, action_space=act_space,
                                       metadata=metadata, validate=False)
     if validate:
         ds.validate(max_ep_len=max_ep_len)
     return ds
 
 
-def _opt_float(v) -> float | None:
-    return None if v is None else float(v)
+def _ref_scores(meta: dict, where: str) -> dict:
+    """``{"ref_min_score": ..., "ref_max_score": ...}`` read from ``meta`` (floats or None).
+
+    Raises:
+        DatasetError: a score that is not a finite number, or both present with
+            ``ref_max_score <= ref_min_score`` (normalised scores would divide by zero or flip sign).
+    """
+    lo = _opt_float(meta.get("ref_min_score"), "ref_min_score", where)
+    hi = _opt_float(meta.get("ref_max_score"), "ref_max_score", where)
+    if lo is not None and hi is not None and not hi > lo:
+        raise DatasetError(f"ref_max_score: {hi!r} is not above ref_min_score {lo!r} in the {where}; normalised "
+                           "scores 100 * (R - ref_min) / (ref_max - ref_min) need ref_max > ref_min",
+                           field="ref_max_score")
+    return {"ref_min_score": lo, "ref_max_score": hi}
+
+
+def _opt_float(v, name: str = "value", where: str = "metadata") -> float | None:
+    """``None`` or ``float(v)``.
+
+    Raises:
+        DatasetError: ``v`` is not a number (field ``name``; ``where`` says which metadata).
+    """
+    if v is None:
+        return None
+    try:
+        out = float(v)
+    except (TypeError, ValueError):
+        raise DatasetError(f"{name}: {v!r} in the {where} is not a number", field=name) from None
+    if not np.isfinite(out):
+        raise DatasetError(f"{name}: {v!r} in the {where} is not finite", field=name)
+    return out
 
 
 # ---------------------------------------------------------------------------------------- D4RL
@@ -260,7 +307,8 @@ def load_d4rl_hdf5(
     else the action space comes from ``env_id`` (argument, file attribute, or the file name's
     task family, e.g. ``hopper-medium-v2.hdf5`` -> ``Hopper-v5``) when its shape matches, else
     it is inferred (:func:`~rl_tformers.envs.dataset.infer_action_space`: unbounded Box or
-    Discrete). The observation space is an unbounded Box of the data's shape and dtype.
+    Discrete). The observation space is an unbounded Box of the data's shape and dtype
+    (:func:`unbounded_box`: integer observations get their dtype's range).
 
     Args:
         path: the .hdf5 file.
@@ -275,9 +323,13 @@ def load_d4rl_hdf5(
         DatasetError: the file is not a readable HDF5 file, a required key is missing or is a
             group rather than a dataset, observations/actions/rewards are not integers or
             floating point (strings, booleans), arrays disagree in length,
-            ``rewards``/``terminals``/``timeouts`` hold more than one value per step, flags are
-            not 0/1, ``next_observations`` differs in per-step shape from ``observations``, or
-            validation fails.
+            ``rewards``/``terminals``/``timeouts`` hold more than one value per step, a key is a
+            scalar dataset, flags are not 0/1, ``next_observations`` differs in per-step shape
+            from ``observations`` or (``validate=True``) is not finite or differs from
+            ``observations[t + 1]`` inside an episode
+            (:func:`~rl_tformers.envs.dataset.check_next_observations`), the attributes
+            ``rl_tformers_metadata`` / ``observation_space`` / ``action_space`` cannot be read,
+            or validation fails.
     """
     import h5py
     from rl_tformers.envs.scores import task_family
@@ -312,13 +364,11 @@ def load_d4rl_hdf5(
             obs = f["observations"][()]
             act = f["actions"][()]
             nxt = f["next_observations"][()] if has_next else None
-    from minari.serialization import deserialize_space
-
-    own = json.loads(attrs["rl_tformers_metadata"]) if "rl_tformers_metadata" in attrs else {}
+    own = _own_metadata(attrs, path)
     if observation_space is None and "observation_space" in attrs:
-        observation_space = deserialize_space(_attr_str(attrs["observation_space"]))
+        observation_space = _attr_space(attrs, "observation_space", path)
     if action_space is None and "action_space" in attrs:
-        action_space = deserialize_space(_attr_str(attrs["action_space"]))
+        action_space = _attr_space(attrs, "action_space", path)
     env_id = env_id or (_attr_str(attrs["env_id"]) if "env_id" in attrs else None)
     if env_id is None:
         fam = task_family(path.stem)
@@ -326,21 +376,71 @@ def load_d4rl_hdf5(
     if action_space is None and env_id is not None:
         action_space = _env_action_space(env_id, act)
     if observation_space is None:
-        observation_space = gym.spaces.Box(-np.inf, np.inf, shape=tuple(obs.shape[1:]), dtype=np.dtype(obs.dtype))
+        observation_space = unbounded_box(tuple(obs.shape[1:]), obs.dtype)
+    where = f"{path} attribute rl_tformers_metadata"
     metadata = DatasetMetadata(
         env_id=env_id, source="d4rl-hdf5", location=str(path), dataset_id=own.get("dataset_id"),
-        ref_min_score=_opt_float(own.get("ref_min_score")), ref_max_score=_opt_float(own.get("ref_max_score")),
+        **_ref_scores(own, where),
         pomdp=own.get("pomdp"), extra={k: v for k, v in own.items() if k not in (
             "dataset_id", "ref_min_score", "ref_max_score", "pomdp")})
     ds = EpisodeDataset.from_flags(obs, act, rewards, terminals, timeouts, next_observations=nxt,
                                    observation_space=observation_space, action_space=action_space,
                                    metadata=metadata, validate=False)
-    if validate:
-        ds.validate(max_ep_len=max_ep_len)
-    for arr in (obs, act, nxt):
-        if isinstance(arr, LazyH5Array):
-            arr.close()  # no open handle is left to be inherited by forked workers
+    try:
+        if validate:
+            ds.validate(max_ep_len=max_ep_len)
+            if nxt is not None:
+                check_next_observations(ds, nxt)
+    finally:
+        for arr in (obs, act, nxt):
+            if isinstance(arr, LazyH5Array):
+                arr.close()  # no open handle is left to be inherited by forked workers
     return ds
+
+
+def unbounded_box(shape: tuple[int, ...], dtype) -> gym.spaces.Box:
+    """The widest ``Box`` of ``shape`` and ``dtype``: ``[-inf, inf]`` for floats, the dtype's
+    ``[min, max]`` for integers (``gymnasium.spaces.Box`` refuses infinite bounds for unsigned
+    integers, e.g. ``uint8`` image observations)."""
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return gym.spaces.Box(info.min, info.max, shape=shape, dtype=dtype)
+    return gym.spaces.Box(-np.inf, np.inf, shape=shape, dtype=dtype)
+
+
+def _own_metadata(attrs: dict, path: Path) -> dict:
+    """The file's ``rl_tformers_metadata`` attribute (a JSON object), or ``{}`` when absent.
+
+    Raises:
+        DatasetError: the attribute is not JSON or not a JSON object (field ``rl_tformers_metadata``).
+    """
+    if "rl_tformers_metadata" not in attrs:
+        return {}
+    try:
+        own = json.loads(_attr_str(attrs["rl_tformers_metadata"]))
+    except ValueError as exc:
+        raise DatasetError(f"{path}: attribute rl_tformers_metadata is not valid JSON ({exc}); delete the attribute "
+                           "or rewrite it", field="rl_tformers_metadata") from exc
+    if not isinstance(own, dict):
+        raise DatasetError(f"{path}: attribute rl_tformers_metadata is a JSON {type(own).__name__}, expected an "
+                           "object", field="rl_tformers_metadata")
+    return own
+
+
+def _attr_space(attrs: dict, key: str, path: Path) -> gym.Space:
+    """Deserialise the space stored in attribute ``key`` (Minari's JSON serialisation).
+
+    Raises:
+        DatasetError: the attribute cannot be read as a space (field ``key``).
+    """
+    from minari.serialization import deserialize_space
+
+    try:
+        return deserialize_space(_attr_str(attrs[key]))
+    except Exception as exc:  # json errors, unknown space types, missing fields
+        raise DatasetError(f"{path}: attribute {key} is not a serialised gymnasium space ({type(exc).__name__}: "
+                           f"{exc}); delete the attribute or pass {key}= explicitly", field=key) from exc
 
 
 #: keys of a D4RL-layout file read as arrays, and whether they must hold numbers
@@ -351,8 +451,9 @@ _H5_KEYS = {"observations": True, "actions": True, "rewards": True, "next_observ
 def _check_h5_datasets(f, path: Path) -> None:
     """Refuse D4RL keys that are HDF5 groups, and non-numeric observations/actions/rewards.
 
-    Observations, actions, rewards and next observations must be integers or floating point
-    (strings, booleans and compound types are refused); ``terminals``/``timeouts`` are checked
+    Every key must hold one row per step (a scalar dataset is refused). Observations, actions,
+    rewards and next observations must be integers or floating point (strings, booleans and
+    compound types are refused); ``terminals``/``timeouts`` are checked
     by :func:`~rl_tformers.envs.dataset.binary_flags` (boolean or numeric 0/1).
 
     Raises:
@@ -367,6 +468,9 @@ def _check_h5_datasets(f, path: Path) -> None:
         if not isinstance(node, h5py.Dataset):
             raise DatasetError(f"{path}: {key!r} is an HDF5 {type(node).__name__.lower()}, not a dataset; the D4RL "
                                f"layout stores each of {', '.join(_H5_KEYS)} as one array (dataset)", field=key)
+        if node.ndim == 0:
+            raise DatasetError(f"{key}: a scalar (shape ()) in {path}; the D4RL layout stores one row per step "
+                               "(shape (N, ...))", field=key)
         dtype = node.dtype
         if numeric and not (np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating)):
             raise DatasetError(f"{key}: dtype {dtype} is not numeric (integer or floating point) in {path}",

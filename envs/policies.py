@@ -61,8 +61,21 @@ def algorithm_class(name: str):
 
 
 def _saved_data(path: Path) -> dict:
-    with zipfile.ZipFile(path) as z:
-        return json.loads(z.read("data"))
+    """The JSON ``data`` member of an SB3 save file.
+
+    Raises:
+        ValueError: ``path`` is not a zip file, or has no readable JSON ``data`` member (not an
+            SB3 save file).
+    """
+    try:
+        with zipfile.ZipFile(path) as z:
+            data = json.loads(z.read("data"))
+    except (zipfile.BadZipFile, KeyError, ValueError, OSError) as exc:
+        raise ValueError(f"{path}: not a Stable-Baselines3 save file (a zip with a JSON 'data' member): "
+                         f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a Stable-Baselines3 save file ('data' is not a JSON object)")
+    return data
 
 
 def detect_algorithm(path: str | Path) -> str:
@@ -164,7 +177,8 @@ def load_sb3_policy(
         device: torch device for the policy network.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: unknown algorithm or unreadable file.
+        FileNotFoundError: no such file. ValueError: unknown algorithm, or a file that is not an
+            SB3 save file (not a zip, no JSON ``data`` member).
     """
     path = Path(path).expanduser()
     if path.is_dir():
@@ -243,9 +257,13 @@ def train_sb3(algo: str, env: gym.Env, steps: int, *, seed: int = 0, device: str
 
     Every transition the agent experiences passes through ``env``; wrap it in a
     ``minari.DataCollector`` to record the replay data (what SAC's replay buffer holds).
-    Returns the trained model.
+    Returns the trained model. Nothing is logged: the model gets a logger without outputs (SB3's
+    default one would create an empty ``$TMPDIR/SB3-<date>`` folder on every call).
     """
+    from stable_baselines3.common.logger import Logger
+
     cls = algorithm_class(algo)
     model = cls("MlpPolicy", env, seed=seed, device=device, verbose=0, **kwargs)
+    model.set_logger(Logger(folder=None, output_formats=[]))
     model.learn(total_timesteps=int(steps), progress_bar=progress)
     return model

@@ -31,8 +31,8 @@ class _BaseSampler:
                  obs_stats: ObsStats | None):
         if dataset.num_episodes == 0:
             raise ValueError("cannot sample from a dataset with no episodes")
-        if reward_scale <= 0:
-            raise ValueError(f"reward_scale must be > 0, got {reward_scale}")
+        if not (0 < reward_scale < float("inf")):  # NaN and inf too: they would make every batch NaN / 0
+            raise ValueError(f"reward_scale must be a finite number > 0, got {reward_scale}")
         self.dataset = dataset
         self.gamma = float(gamma)
         self.reward_scale = float(reward_scale)
@@ -90,7 +90,8 @@ class WindowSampler(_BaseSampler):
 
     Raises:
         DatasetError: an episode longer than ``max_ep_len``.
-        ValueError: bad ``context_len`` / ``align`` / ``reward_scale``.
+        ValueError: bad ``context_len`` / ``align``; ``reward_scale`` not a finite number > 0
+            (0, negative, NaN, inf); ``gamma`` outside (0, 1].
     """
 
     def __init__(self, dataset: EpisodeDataset, context_len: int, *, align: str = "start", gamma: float = 1.0,
@@ -145,6 +146,10 @@ class SegmentSampler(_BaseSampler):
         seq_len: T, steps that carry a loss.
         burn_in: steps before them used only to warm up the memory (R2D2-style burn-in).
         gamma, reward_scale, obs_stats: as in :class:`WindowSampler`.
+
+    Raises:
+        ValueError: ``seq_len < 1``, ``burn_in < 0``, or ``gamma`` / ``reward_scale`` as in
+            :class:`WindowSampler`.
     """
 
     def __init__(self, dataset: EpisodeDataset, seq_len: int, *, burn_in: int = 0, gamma: float = 1.0,

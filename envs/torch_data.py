@@ -82,7 +82,14 @@ def make_dataloader(
 
     Auto-batching is off (``batch_size=None``): each item already is a batch. Workers are
     started with one torch thread each. Batches are identical for any ``num_workers``.
+
+    Raises:
+        ValueError: ``start_step`` outside ``[0, num_steps]`` (a resume past the end would
+            otherwise yield no batch, a negative one fail at the first batch), and the
+            arguments :class:`StepBatchDataset` refuses.
     """
+    if not 0 <= start_step <= num_steps:
+        raise ValueError(f"start_step must be in [0, num_steps={num_steps}], got {start_step}")
     ds = StepBatchDataset(sampler, batch_size, seed=seed, num_steps=num_steps)
     kwargs = {}
     if num_workers > 0:

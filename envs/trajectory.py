@@ -30,11 +30,15 @@ def returns_to_go(rewards: np.ndarray, gamma: float = 1.0) -> np.ndarray:
         ``gamma=0.5 -> [1.75, 1.5, 1.0]``.
 
     Raises:
-        ValueError: ``gamma`` outside (0, 1].
+        ValueError: ``gamma`` outside (0, 1] (0, NaN and > 1 included), or ``rewards`` not of
+            shape (L,) or (L, 1) (a scalar or an (L, 2) array is not flattened silently).
     """
     if not 0.0 < gamma <= 1.0:
         raise ValueError(f"gamma must be in (0, 1], got {gamma}")
-    r = np.asarray(rewards, dtype=np.float64).reshape(-1)
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 1 and not (r.ndim == 2 and r.shape[1] == 1):
+        raise ValueError(f"rewards must have shape (L,) or (L, 1) (one episode), got {r.shape}")
+    r = r.reshape(-1)
     if gamma == 1.0:
         return np.cumsum(r[::-1])[::-1].copy()
     out = np.empty_like(r)
@@ -95,28 +99,42 @@ class ObsStats:
 def observation_stats(dataset: EpisodeDataset, eps: float = 1e-6) -> ObsStats:
     """Mean and (population) std of the observations of every step of the dataset.
 
-    Computed in float64, streaming over chunks for lazy (HDF5-backed) data; final
-    observations are not included (the DT convention). ``std`` is floored at ``eps``.
+    Computed in float64, streaming over chunks for lazy (HDF5-backed) or filtered data (a
+    numerically stable pairwise merge, so lazy and in-memory copies of the same data agree to
+    float rounding); final observations are not included (the DT convention). ``std`` is
+    floored at ``eps``.
+
+    Returns:
+        :class:`ObsStats` with ``mean`` and ``std`` of shape ``observation_shape``, float32.
     """
-    total = np.zeros(dataset.observation_shape, np.float64)
-    total_sq = np.zeros(dataset.observation_shape, np.float64)
-    n = 0
     if dataset.is_contiguous() and not dataset.is_lazy:
         s0 = int(dataset.starts[0])
         x = np.asarray(dataset.observations[s0: s0 + dataset.num_steps], np.float64)
         mean = x.mean(axis=0)
         std = x.std(axis=0)
         return ObsStats(mean.astype(np.float32), np.maximum(std, eps).astype(np.float32))
+    # Chunked: per-chunk mean and sum of squared deviations, merged with Chan et al.'s pairwise
+    # update. Same numbers as the in-memory path up to rounding; E[x^2] - E[x]^2 would cancel
+    # catastrophically for features with a large mean and a small spread.
+    mean = np.zeros(dataset.observation_shape, np.float64)
+    m2 = np.zeros(dataset.observation_shape, np.float64)
+    n = 0
     covered = np.zeros(dataset.rewards.shape[0], bool)
     covered[dataset.flat_indices()] = True
     for off, chunk in iter_chunks(dataset.observations):
         c = np.asarray(chunk, np.float64)[covered[off: off + chunk.shape[0]]]
-        total += c.sum(axis=0)
-        total_sq += (c * c).sum(axis=0)
-        n += c.shape[0]
-    mean = total / max(n, 1)
-    var = np.maximum(total_sq / max(n, 1) - mean * mean, 0.0)
-    return ObsStats(mean.astype(np.float32), np.maximum(np.sqrt(var), eps).astype(np.float32))
+        k = c.shape[0]
+        if k == 0:
+            continue
+        c_mean = c.mean(axis=0)
+        c_m2 = ((c - c_mean) ** 2).sum(axis=0)
+        delta = c_mean - mean
+        total = n + k
+        mean = mean + delta * (k / total)
+        m2 = m2 + c_m2 + delta * delta * (n * k / total)
+        n = total
+    std = np.sqrt(m2 / max(n, 1))
+    return ObsStats(mean.astype(np.float32), np.maximum(std, eps).astype(np.float32))
 
 
 def reward_scale(dataset: EpisodeDataset) -> float:

@@ -156,12 +156,16 @@ def test_d4rl_hdf5_timeouts_and_inferred_env(tmp_path):
 def test_d4rl_hdf5_unfinished_last_episode_and_next_observations(tmp_path):
     term = np.zeros(3000, bool)
     term[[9, 19]] = True
-    path = write_d4rl(tmp_path / "x.hdf5", terminals=term, timeouts=np.zeros(3000, bool),
-                      next_observations=np.ones((3000, 11), np.float32))
+    path = write_d4rl(tmp_path / "x.hdf5", terminals=term, timeouts=np.zeros(3000, bool))
+    with h5py.File(path, "a") as f:  # next_observations[t] == observations[t + 1] inside episodes (checked
+        nxt = np.roll(f["observations"][()], -1, axis=0)  # since breaker pass 5); ones after each last step
+        nxt[[9, 19, 2999]] = 1.0
+        f["next_observations"] = nxt
     ds = load_d4rl_hdf5(path, action_space=ACT.__class__(-1, 1, (3,), np.float32))
     assert ds.lengths.tolist() == [10, 10, 2980]
     assert ds.truncations[-1] and ds.metadata.extra["unfinished_last_episode"]
     assert ds.final_observations.shape == (3, 11)
+    np.testing.assert_array_equal(ds.final_observations, np.ones((3, 11), np.float32))
 
 
 def test_d4rl_missing_key_and_nan_are_refused(tmp_path):
