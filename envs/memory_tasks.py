@@ -348,5 +348,7 @@ def main(
                f"env {ds.metadata.env_id}")
 
 
-if __name__ == "__main__":
-    typer.run(main)
+if __name__ == "__main__":  # python -m rl_tformers.envs.memory_tasks TASK --out FILE
+    _app = typer.Typer(add_completion=False, context_settings={"help_option_names": ["-h", "--help"]})
+    _app.command()(main)
+    _app(prog_name="python -m rl_tformers.envs.memory_tasks")

@@ -36,9 +36,15 @@ def check_compatible(cfg: BackboneConfig) -> None:
     if not cfg.causal and not att.bidirectional:
         raise IncompatibleConfig(f"backbone.attention.kind={a!r} is causal-only; set backbone.causal=true")
     if mem.stateful and not att.memory:
+        fits = [
+            e.kind for e in REGISTRIES["attention"]
+            if e.capabilities.memory and (e.capabilities.causal if cfg.causal else e.capabilities.bidirectional)
+            and (e.capabilities.positions is None or cfg.position.kind in e.capabilities.positions)
+        ]
         raise IncompatibleConfig(
             f"backbone.memory.kind={cfg.memory.kind!r} needs an attention kernel that accepts memory keys; "
-            f"backbone.attention.kind={a!r} does not"
+            f"backbone.attention.kind={a!r} does not; kernels that do (with backbone.position.kind="
+            f"{cfg.position.kind!r}): {', '.join(fits)}"
         )
     if mem.stateful and not (blk.memory and dep.memory):
         bad = "block" if not blk.memory else "depth"

@@ -41,6 +41,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import typer
+
 from rl_tformers.bench.attention import BASELINE, kind_fields, register_rl_scale_case
 
 CASE = "dt_long_context"
@@ -204,7 +206,10 @@ def summarise_runs(run_dirs: list[str]) -> list[dict[str, Any]]:
     """Rows of finished ``work_dir`` runs (one directory per kind; several ``work_dir`` folders
     may be given): updates/s from the final checkpoint's ``step`` and ``elapsed_s`` (the
     trainer's update time), the final logged train loss, the evaluation at the end from
-    ``metrics.jsonl``; speed ratios against the ``sdpa`` run among them."""
+    ``metrics.jsonl``; speed ratios against the ``sdpa`` run among them.
+
+    Raises:
+        ValueError: a run folder inside that is not a Decision Transformer run (named)."""
     import json
 
     from omegaconf import OmegaConf
@@ -217,12 +222,15 @@ def summarise_runs(run_dirs: list[str]) -> list[dict[str, Any]]:
         for run in sorted(p for p in d.iterdir() if (p / "checkpoints").is_dir()):
             state = find_latest_valid(run, quarantine=False).state
             cfg = OmegaConf.create(state["config"])
+            if OmegaConf.select(cfg, "agent.kind") != "dt" or OmegaConf.select(cfg, "agent.context_len") is None:
+                raise ValueError(f"{run} is not a Decision Transformer run (agent.kind="
+                                 f"{OmegaConf.select(cfg, 'agent.kind')!r}); give the WORK_DIR of the RL-scale case")
             recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
             ev = next((r for r in reversed(recs) if "eval/normalized_score" in r), {})
             tr = next((r for r in reversed(recs) if "train/loss" in r), {})
             step, elapsed = int(state["step"]), float(state["trainer"]["elapsed_s"])
             rows.append({
-                "case": CASE, "kind": str(cfg.backbone.attention.kind), "dataset": str(cfg.dataset.path),
+                "case": CASE, "kind": str(OmegaConf.select(cfg, "backbone.attention.kind", default=BASELINE)), "dataset": str(cfg.dataset.path),
                 "context_len": int(cfg.agent.context_len), "tokens": 3 * int(cfg.agent.context_len), "steps": step,
                 "batch_size": int(cfg.train.batch_size), "status": "ok", "seconds_per_step": elapsed / max(step, 1),
                 "steps_per_s": step / max(elapsed, 1e-9), "train_loss": tr.get("train/loss"),
@@ -238,7 +246,27 @@ def summarise_runs(run_dirs: list[str]) -> list[dict[str, Any]]:
 register_rl_scale_case(CASE, dt_long_context)
 
 
-if __name__ == "__main__":  # python -m rl_tformers.bench.attention_rl WORK_DIR [WORK_DIR ...]
-    import sys
+def _table_main(
+    work_dirs: list[Path] = typer.Argument(..., help="WORK_DIR of `bench attention --rl-scale` runs (one "
+                                                      "run folder per kind inside); several may be given."),
+) -> None:
+    """Print the Markdown table of finished RL-scale runs (updates/s, loss, normalised score)."""
+    for d in work_dirs:
+        if not d.is_dir():
+            typer.echo(f"error: {d} is not a directory", err=True)
+            raise typer.Exit(2)
+    try:
+        rows = summarise_runs([str(d) for d in work_dirs])
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if not rows:
+        typer.echo(f"error: no finished runs (folders with checkpoints/) in {', '.join(map(str, work_dirs))}", err=True)
+        raise typer.Exit(2)
+    typer.echo(markdown_table(rows))
 
-    print(markdown_table(summarise_runs(sys.argv[1:])))
+
+if __name__ == "__main__":  # python -m rl_tformers.bench.attention_rl WORK_DIR [WORK_DIR ...]
+    _app = typer.Typer(add_completion=False, context_settings={"help_option_names": ["-h", "--help"]})
+    _app.command()(_table_main)
+    _app(prog_name="python -m rl_tformers.bench.attention_rl")

@@ -643,3 +643,46 @@ def test_performance_md_tables_equal_their_json() -> None:
     text = (REPO / "docs/performance.md").read_text()
     missing = "\n".join(claim for claim in performance_md_claims() if claim not in text)
     assert not missing, f"docs/performance.md rows not found (numbers differ from their JSON):\n{missing}"
+
+
+# --- code defects the audit found in the documented `python -m` tools ---------------------------
+
+
+@pytest.mark.parametrize("module", ["rl_tformers.bench.attention_rl", "rl_tformers.envs.memory_tasks"])
+def test_documented_python_m_tools_accept_h(module: str) -> None:
+    """``-h`` printed "No such option: -h" (memory_tasks) or a FileNotFoundError traceback for a
+    run folder named ``--help`` (attention_rl); both now show usage like ``rl-tformers -h``."""
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", module, "-h"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"Usage: python -m {module}" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_attention_rl_table_names_a_bad_work_dir_without_a_traceback(tmp_path: Path) -> None:
+    import sys
+
+    from rl_tformers.runtime.trainer import train
+
+    cmd = [sys.executable, "-m", "rl_tformers.bench.attention_rl"]
+    r = subprocess.run([*cmd, str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stderr) == (2, f"error: {tmp_path / 'missing'} is not a directory\n")
+    r = subprocess.run([*cmd, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stderr) == (2, f"error: no finished runs (folders with checkpoints/) in {tmp_path}\n")
+    train(compose(overrides=["agent.kind=toy", "train.steps=1", "train.progress=false"]), tmp_path / "toy")
+    r = subprocess.run([*cmd, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr == (f"error: {tmp_path / 'toy'} is not a Decision Transformer run (agent.kind='toy'); "
+                        "give the WORK_DIR of the RL-scale case\n")
+
+
+def test_train_refusing_a_kernel_without_memory_keys_lists_the_kernels_that_fit() -> None:
+    """The list of fitting kernels was only in the Python builder's message, which the CLI never
+    reached (the general compatibility check refused first, naming no alternative)."""
+    r = CliRunner().invoke(app, ["train", "-c", "gtrxl/recall_bc", "backbone.attention.kind=sinkhorn"])
+    assert r.exit_code == 2
+    assert r.stderr.startswith(
+        "error: backbone.memory.kind='xl' needs an attention kernel that accepts memory keys; "
+        "backbone.attention.kind='sinkhorn' does not; kernels that do (with backbone.position.kind='xl_relative'): "
+        "adaptive_span, fixed, local, local_2d, reference, sdpa, sliding_window, strided"
+    ), r.stderr
