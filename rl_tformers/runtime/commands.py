@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -34,7 +35,7 @@ Continue a run where it stopped, optionally for longer; exactly (offline agents;
 
   rl-tformers train --resume runs/try1 train.steps=5000
 
-Ctrl-C (SIGINT) or SIGTERM saves a checkpoint at the current step and exits with code 130/143; --resume continues from it. Exit code 2: bad config, agent option, dataset, checkpoint or run directory (one `error: ...` line names what is at fault; the agent and its data are checked before anything is trained or written).
+Ctrl-C (SIGINT) or SIGTERM saves a checkpoint at the current step and exits with code 130/143; --resume continues from it. Before the first update it stops at once (nothing to save); a second Ctrl-C aborts at once (the run keeps its last checkpoint). Exit code 2: bad config, agent option, dataset, checkpoint or run directory (one `error: ...` line names what is at fault; the agent and its data are checked before anything is trained or written).
 
 Data-parallel training on N processes (DistributedDataParallel; gloo on CPU, NCCL with one GPU per process; train.batch_size is the global batch, split across the processes, so it must be divisible by N; logs and checkpoints come from rank 0; the config and run directory are checked before any process starts; --resume works the same):
 
@@ -111,7 +112,8 @@ def train(
         resolve_config_path,
         to_yaml,
     )
-    from rl_tformers.runtime.trainer import RunDirError, load_resume_config
+    from rl_tformers.runtime.distributed import LAUNCHER_ENV, dist_info
+    from rl_tformers.runtime.trainer import GracefulInterrupt, Interrupted, RunDirError, load_resume_config
     from rl_tformers.runtime.trainer import resume as resume_run
     from rl_tformers.runtime.trainer import train as train_run
 
@@ -126,27 +128,48 @@ def train(
         overrides.append(f"device={device}")
     if nproc > 1 and not print_config and "WORLD_SIZE" not in os.environ:
         raise typer.Exit(_launch_torchrun(nproc, overrides, config, resume, run_dir, stop_at))
+    info = dist_info()
+    # who reports a stop by SIGINT/SIGTERM: rank 0, unless `train --nproc` started this rank (it reports)
+    report = info.is_main and not (info.distributed and LAUNCHER_ENV in os.environ)
+    # a signal before the first update ends the start-up at once: one process raises Interrupted
+    # (one line below), a rank of several ends silently even inside a collective (GracefulInterrupt)
+    stop = GracefulInterrupt(announce=report, startup="default" if info.distributed else "raise")
     try:
-        if resume is not None:
-            if config is not None or run_dir is not None:
-                raise _fail("--resume takes its config and run directory from RUN_DIR; drop --config/--run-dir")
-            if print_config:
-                cfg, found, changes = load_resume_config(resume, overrides)
-                typer.echo(f"# resuming {found.path}" + "".join(f"\n# changed: {c}" for c in changes))
-                typer.echo(to_yaml(cfg), nl=False)
-                return
-            result = resume_run(resume, overrides, stop_at=stop_at)
-        else:
-            name = config_display_name(resolve_config_path(config)) if config is not None else None
-            cfg = compose(config, overrides)
-            if print_config:
-                typer.echo(to_yaml(cfg), nl=False)
-                return
-            result = train_run(cfg, run_dir, config_name=name, stop_at=stop_at)
+        with stop:
+            if resume is not None:
+                if config is not None or run_dir is not None:
+                    raise _fail("--resume takes its config and run directory from RUN_DIR; drop --config/--run-dir")
+                if print_config:
+                    cfg, found, changes = load_resume_config(resume, overrides)
+                    typer.echo(f"# resuming {found.path}" + "".join(f"\n# changed: {c}" for c in changes))
+                    typer.echo(to_yaml(cfg), nl=False)
+                    return
+                result = resume_run(resume, overrides, stop_at=stop_at, interrupt=stop)
+            else:
+                name = config_display_name(resolve_config_path(config)) if config is not None else None
+                cfg = compose(config, overrides)
+                if print_config:
+                    typer.echo(to_yaml(cfg), nl=False)
+                    return
+                result = train_run(cfg, run_dir, config_name=name, stop_at=stop_at, interrupt=stop)
+    except typer.Exit:
+        raise
     except (ConfigError, RegistryError, CheckpointError, RunDirError) as exc:
         if os.environ.get("RANK", "0") != "0":
             raise typer.Exit(2) from None  # under torchrun every rank meets the same bad input: rank 0 says it
         raise _fail(str(exc)) from None
+    except Interrupted as exc:  # before the first update: nothing was trained or written
+        if report:
+            typer.echo(interrupted_line(exc.signum, resume, info.world_size), err=True)
+        raise typer.Exit(1 if exc.signum is None else 128 + int(exc.signum)) from None
+    except KeyboardInterrupt:  # aborted by a second signal; the trainer said where the run stands
+        raise typer.Exit(128 + int(stop.aborted or stop.signum or signal.SIGINT)) from None
+    except Exception:
+        if stop.signum is None or info.is_main:
+            raise
+        # a rank > 0 after a stop signal: the collective it was in failed because another rank
+        # stopped or was killed; rank 0 (or the launcher) reports the stop, this rank only exits
+        raise typer.Exit(128 + int(stop.signum)) from None
     if result.interrupted is not None:
         raise typer.Exit(128 + int(result.interrupted))
     if os.environ.get("RANK", "0") != "0":
@@ -162,11 +185,28 @@ def train(
                 typer.echo(f"  (repeat it exactly: {again}; plain `rl-tformers eval {result.run_dir}` uses reset "
                            f"seeds 0..N-1, so its numbers differ within the spread)", err=True)
     else:
-        from rl_tformers.runtime.distributed import dist_info
         from rl_tformers.runtime.trainer import resume_command
 
         typer.echo(f"stopped at step {result.step} of {result.total_steps}; continue with: "
-                   f"{resume_command(result.run_dir, dist_info().world_size)}", err=True)
+                   f"{resume_command(result.run_dir, info.world_size)}", err=True)
+
+
+def interrupted_line(signum: int | None, resume: Path | None, world_size: int) -> str:
+    """The line ``rl-tformers train`` prints when a signal stopped it before the first update.
+
+    Args:
+        signum: the signal (None: another process of the run stopped first).
+        resume: the run directory of ``--resume``, or None for a new run.
+        world_size: the number of processes (for the ``--nproc`` of the resume command).
+    """
+    name = signal.Signals(signum).name if signum is not None else "another process of the run"
+    if resume is None:
+        return (f"interrupted by {name} before the first update: nothing was trained or saved "
+                "(nothing to resume)")
+    from rl_tformers.runtime.trainer import resume_command
+
+    return (f"interrupted by {name} before the first update: {resume} is unchanged; continue with: "
+            f"{resume_command(resume, world_size)}")
 
 
 def repeat_eval_command(run_dir: Path, step: int) -> str:
@@ -213,19 +253,16 @@ def eval_summary(scalars: dict[str, float]) -> str:
 
 def _launch_torchrun(nproc: int, overrides: list[str], config: str | None, resume: Path | None,
                      run_dir: Path | None, stop_at: int | None) -> int:
-    """Run this command again under torchrun on ``nproc`` processes; returns torchrun's exit code.
+    """Run this command again under torchrun on ``nproc`` processes; returns the exit status.
 
     Before any process starts, the command is checked as far as it can be without building the
     agent: the config composes, ``train.batch_size`` is divisible by ``nproc``, and the run
     directory can take a new run (:func:`~rl_tformers.runtime.trainer.new_run_problem`) or,
     with ``--resume``, holds a valid checkpoint whose config takes the overrides and nobody
-    else is training it; a problem raises ``typer.Exit(2)`` after one ``error:`` line. A new
-    run's directory is decided here (so every rank writes to the same place); SIGINT / SIGTERM
-    reach torchrun, which forwards them once to every rank (each saves and stops).
+    else is training it; a problem raises ``typer.Exit(2)`` after one ``error:`` line, and a
+    Ctrl-C during the checks ``typer.Exit(130)`` after one line. A new run's directory is
+    decided here (so every rank writes to the same place). Then :func:`_run_torchrun`.
     """
-    import signal
-    import subprocess
-
     from rl_tformers.registry import RegistryError
     from rl_tformers.runtime.checkpoint import CheckpointError
     from rl_tformers.runtime.config import (
@@ -249,6 +286,7 @@ def _launch_torchrun(nproc: int, overrides: list[str], config: str | None, resum
             cfg, _, _ = load_resume_config(resume, overrides, repair=False)  # reads, repairs nothing
             check_world_size(cfg, nproc)
             args += ["--resume", str(resume)]
+            run_dir = Path(resume)
         else:
             cfg = compose(config, overrides)
             check_world_size(cfg, nproc)
@@ -263,27 +301,135 @@ def _launch_torchrun(nproc: int, overrides: list[str], config: str | None, resum
             args += ["--run-dir", str(run_dir)]
     except (ConfigError, RegistryError, CheckpointError) as exc:
         raise _fail(str(exc)) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted by SIGINT before any process started: nothing was written", err=True)
+        raise typer.Exit(128 + signal.SIGINT) from None
     if stop_at is not None:
         args += ["--stop-at", str(stop_at)]
-    cmd = torchrun_command(nproc, [*args, *overrides])
-    typer.echo(f"launching {nproc} processes: torchrun {' '.join(cmd[3:])}", err=True)
-    # own session: a terminal's Ctrl-C reaches this process only, which forwards it exactly once
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    steps = int(cfg.train.steps)
+    end = steps if stop_at is None else min(int(stop_at), steps)
+    return _run_torchrun(torchrun_command(nproc, [*args, *overrides]), nproc, Path(run_dir), steps, end,
+                         new_dir=resume is None and not Path(run_dir).exists())
+
+
+def _run_torchrun(cmd: list[str], nproc: int, run_dir: Path, total_steps: int, end: int,
+                  new_dir: bool = False) -> int:
+    """Run ``cmd`` (:func:`~rl_tformers.runtime.distributed.torchrun_command`) and report a stop.
+
+    torchrun runs in a session of its own, so a terminal's Ctrl-C reaches this process only,
+    which forwards every SIGINT/SIGTERM it receives to it (see :mod:`rl_tformers.runtime.torchrun`
+    for what torchrun then does with the ranks) and says what happens: the first signal makes
+    every rank save at its next update boundary and stop, the second aborts them at once. It
+    starts torchrun with both signals blocked (inherited), so one sent while torchrun starts
+    waits for its handler instead of being lost or raising in an import; here they are blocked
+    until torchrun runs and this process's handler is in place.
+
+    The ranks do not report a stop (:data:`~rl_tformers.runtime.distributed.LAUNCHER_ENV`):
+    once torchrun has returned, this process reports it once, from the run directory
+    (:func:`stop_report`), so the message holds whatever state the ranks left. A run directory
+    created for this run (``new_dir``) that a stop left holding nothing but the training lock
+    file (rank 0 ended at once during its start-up) is removed again.
+
+    Returns:
+        torchrun's exit status without a signal; with one: 0 if the run reached ``end`` anyway
+        (rank 0 said so), else 128 + the first signal's number.
+    """
+    import subprocess
+
+    from rl_tformers.runtime.distributed import LAUNCHER_ENV
+
     received: list[int] = []
+    proc: subprocess.Popen | None = None
 
-    def forward(signum, frame):  # torchrun forwards it to every rank; each saves and stops
+    def forward(signum: int, frame: object) -> None:
         received.append(signum)
-        proc.send_signal(signum)
+        name = signal.Signals(signum).name
+        if len(received) == 1:
+            typer.echo(f"received {name}: stopping the {nproc} processes (once training, they finish the "
+                       f"current update and save a checkpoint first; press Ctrl-C again to abort at once)", err=True)
+        elif len(received) == 2:
+            typer.echo(f"received {name} again: the processes stop at once; the run keeps its last checkpoint",
+                       err=True)
+        if proc is not None:
+            proc.send_signal(signum)
 
-    for s in previous:
-        signal.signal(s, forward)
+    stops = (signal.SIGINT, signal.SIGTERM)
+    blocking = hasattr(signal, "pthread_sigmask")
+    previous = {s: signal.signal(s, forward) for s in stops}
     try:
+        if blocking:
+            signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+        typer.echo(f"launching {nproc} processes: torchrun {' '.join(cmd[3:])}", err=True)
+        try:
+            env = {**os.environ, LAUNCHER_ENV: str(os.getpid())}
+            proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+        finally:
+            if blocking:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # forwards a signal that came meanwhile
         rc = proc.wait()
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    return 128 + received[0] if received and rc != 0 else rc
+    if not received:
+        return rc
+    if new_dir:
+        _remove_if_only_the_lock(run_dir)
+    line, status = stop_report(run_dir, nproc, received, total_steps, end)
+    if line:
+        typer.echo(line, err=True)
+    return status
+
+
+def _remove_if_only_the_lock(run_dir: Path) -> None:
+    """Remove ``run_dir`` if it holds nothing but the training lock file (nobody holds the lock)."""
+    from rl_tformers.runtime.runlock import LOCK_FILE, lock_holder
+
+    try:
+        if [p.name for p in run_dir.iterdir()] == [LOCK_FILE] and lock_holder(run_dir) is None:
+            (run_dir / LOCK_FILE).unlink()
+            run_dir.rmdir()
+    except OSError:
+        pass  # gone already, or not ours to remove: the report below says what is there
+
+
+def stop_report(run_dir: Path, nproc: int, received: list[int], total_steps: int,
+                end: int) -> tuple[str, int]:
+    """What ``rl-tformers train --nproc`` says after a stop by ``received`` signals, from what
+    ``run_dir`` holds once every rank has exited, and its exit status.
+
+    Args:
+        run_dir: the run directory.
+        nproc: the number of processes (the resume command's ``--nproc``).
+        received: the signals the launcher received, in order (not empty).
+        total_steps: ``train.steps`` of the run.
+        end: the step the run was to stop at (``--stop-at``, else ``total_steps``).
+
+    Returns:
+        ``("", 0)`` when the newest checkpoint is at ``end`` (the run got there before the
+        signal took effect, and rank 0 said so); else one line (where the run stands and the
+        exact command that continues it, or that there is nothing to resume) and 128 + the
+        first signal's number.
+    """
+    from rl_tformers.runtime.checkpoint import list_checkpoints
+    from rl_tformers.runtime.trainer import holds_run, resume_command
+
+    saved = list_checkpoints(run_dir) if run_dir.is_dir() else []  # newest first
+    if saved and saved[0][0] >= end:
+        return "", 0
+    status = 128 + int(received[0])
+    name = signal.Signals(received[0]).name
+    if not saved:
+        line = f"interrupted by {name} before the first checkpoint: nothing to resume"
+        if run_dir.is_dir() and holds_run(run_dir):
+            line += (f"; {run_dir} holds only the logs of its start: delete it, or pick another --run-dir, "
+                     f"to start again")
+        return line, status
+    step, path = saved[0]
+    cont = f"continue with: {resume_command(run_dir, nproc)}"
+    if len(received) == 1:
+        return f"stopped by {name} at step {step} of {total_steps}; checkpoint {path}; {cont}", status
+    return (f"aborted by a second signal ({signal.Signals(received[1]).name}); last checkpoint: step {step} of "
+            f"{total_steps} ({path}); {cont}"), status
 
 
 def register(app: typer.Typer) -> None:

@@ -26,8 +26,8 @@ What each part does:
   data-dependent number of terms per shard (DT's mean over unpadded steps) would instead give
   the mean of the shards' means; such a loss divides by :func:`shard_mean_total` (the global
   count / W under DDP, one small all-reduce inside the forward; the local count otherwise), so
-  the averaged gradient is again that of the global batch. The DT loss does; GTrXL's offline
-  losses (BC, IQL) still average per shard.
+  the averaged gradient is again that of the global batch. The DT loss and GTrXL's offline
+  losses (BC, rcbc, IQL) do; PPO normalises advantages over the global minibatch.
 - **Writes**: checkpoints, ``config.yaml``, TensorBoard and ``metrics.jsonl`` come from rank 0
   only; logged scalars are reduced over ranks first, key by key
   (:meth:`~rl_tformers.runtime.trainer.MetricWindow.reduce`): a scalar only some ranks log
@@ -36,8 +36,13 @@ What each part does:
   (different dropout masks on different shards); a checkpoint stores every rank's generator
   state and partial logging window, so ``--resume`` with the same process count continues each
   rank exactly, logged numbers included.
-- **Stopping**: ranks agree every update on whether a SIGINT/SIGTERM arrived anywhere, so all
-  of them stop (and save) after the same update; rank 0 says so.
+- **Stopping**: a SIGINT/SIGTERM during a rank's start-up stops it at once (nothing is trained
+  or written yet); the ranks then agree that training starts before rank 0 writes to the run
+  directory, and from there agree every update on whether a signal arrived anywhere, so all of
+  them stop (and save) after the same update (see
+  :class:`~rl_tformers.runtime.trainer.GracefulInterrupt`). Rank 0 says so, except under
+  ``rl-tformers train --nproc``, whose launcher reports the stop once, from the run directory,
+  after every rank has exited (``LAUNCHER_ENV`` tells the ranks).
 - **Launching**: ``rl-tformers train --nproc N`` checks the config, the batch split and the run
   directory before it starts torchrun (:mod:`rl_tformers.runtime.torchrun`, which exits with
   the ranks' status instead of torchrun's tracebacks); under torchrun a bad input is reported
@@ -62,6 +67,9 @@ from torch.utils.data import Dataset
 #: Seconds a collective waits for the slowest rank (rank 0 may be evaluating or saving).
 DEFAULT_TIMEOUT_S = 3600
 TIMEOUT_ENV = "RL_TFORMERS_DIST_TIMEOUT_S"
+#: Set (to its pid) by ``rl-tformers train --nproc`` for the processes it starts: the launcher
+#: reports a stop by SIGINT/SIGTERM itself, so the ranks do not.
+LAUNCHER_ENV = "RL_TFORMERS_LAUNCHER_PID"
 
 
 @dataclass(frozen=True)
@@ -306,11 +314,21 @@ def wrap_ddp(agent: Any, device: torch.device, find_unused_parameters: bool = Fa
 
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True if ``flag`` is True on any rank (one all-reduce of one integer)."""
+    return bool(max_over_ranks(int(flag), device))
+
+
+def max_over_ranks(value: int, device: torch.device) -> int:
+    """The largest of every rank's ``value`` (one all-reduce of one integer).
+
+    Raises:
+        RuntimeError: the collective failed (e.g. another rank has exited: gloo's "Connection
+            closed by peer").
+    """
     import torch.distributed as dist
 
-    t = torch.tensor([int(flag)], device=device)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return int(t.item())
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -360,7 +378,7 @@ def torchrun_command(nproc: int, train_args: Sequence[str]) -> list[str]:
 
 
 __all__ = [
-    "AgentLoss", "DistInfo", "ShardedBatches", "any_rank", "backend_for", "barrier",
-    "broadcast_object", "dist_info", "gather_objects", "is_active", "process_group", "rank_device",
-    "shard_batch", "shard_mean_total", "shard_source", "torchrun_command", "wrap_ddp",
+    "LAUNCHER_ENV", "AgentLoss", "DistInfo", "ShardedBatches", "any_rank", "backend_for", "barrier",
+    "broadcast_object", "dist_info", "gather_objects", "is_active", "max_over_ranks", "process_group",
+    "rank_device", "shard_batch", "shard_mean_total", "shard_source", "torchrun_command", "wrap_ddp",
 ]

@@ -225,33 +225,115 @@ class MetricWindow:
                 "sums": sums, "counts": counts}
 
 
-class GracefulInterrupt:
-    """While active, SIGINT/SIGTERM only set :attr:`signum`; the loop saves and stops at the next
-    update boundary. A second SIGINT raises ``KeyboardInterrupt`` at once (checkpoints are
-    atomic, so even that loses at most the updates since the last one).
+class Interrupted(KeyboardInterrupt):
+    """A stop signal (SIGINT/SIGTERM) arrived before the first update of this session: training
+    never started, nothing was trained, and the run directory was not written (a resumed run is
+    exactly as it was). Raised by :class:`GracefulInterrupt` in its ``"raise"`` start-up mode and
+    by :meth:`Trainer.fit` when the ranks agree to stop before the first update.
 
-    Installs handlers only in the main thread (signals cannot be caught elsewhere).
+    A subclass of ``KeyboardInterrupt``, so code that catches ``Exception`` (data loading,
+    agent builders) lets it through.
+
+    Attributes:
+        signum: the signal; None when another process of the run stopped before training
+            started and this one received no signal (it then stops too).
+    """
+
+    def __init__(self, signum: int | None) -> None:
+        name = signal.Signals(signum).name if signum is not None else "another process of the run"
+        super().__init__(f"interrupted by {name} before the first update")
+        self.signum = signum
+
+
+class GracefulInterrupt:
+    """SIGINT/SIGTERM handling of one training process (main thread only; elsewhere a no-op).
+
+    Until :meth:`begin_training`, a start-up mode may apply (``startup``); nothing has been
+    trained yet, so a signal then ends the start-up at once:
+
+    - ``"raise"`` (one process): the first signal raises :class:`Interrupted` wherever the
+      process is (importing, loading a dataset); ``rl-tformers train`` prints one line.
+    - ``"default"`` (a rank of a multi-process run): the signals keep their default action, so
+      the process ends at once and silently, even while it waits inside the process group's
+      rendezvous or a collective for a peer that has already gone (a Python handler would only
+      run once that wait ends: up to the collective timeout). torchrun, or the launcher of
+      ``--nproc``, reports the stop.
+
+    Then (``startup=None`` from the start) the mode is **graceful**: a signal only sets
+    :attr:`signum`; the training loop saves a checkpoint and stops at the next update boundary.
+    A second signal aborts at once (``KeyboardInterrupt``; checkpoints are atomic, so that
+    loses at most the updates since the last one) unless both are SIGTERM: a scheduler may send
+    SIGTERM to every process of a job as well as to the launcher that forwards it, and such a
+    repeat must not turn the save into an abort. A second Ctrl-C reaches torchrun's ranks as
+    SIGTERM (torchrun's second shutdown), which therefore aborts too.
+
+    Entering installs the handlers, then unblocks SIGINT/SIGTERM in this thread: the ranks of
+    ``rl-tformers train --nproc`` start with them blocked (:mod:`rl_tformers.runtime.torchrun`),
+    so a Ctrl-C during their start-up waits, pending, until this point instead of interrupting
+    ``import torch`` with a traceback. A signal already pending is handled as the ``with``
+    statement enters (``"raise"``: :class:`Interrupted` is raised from it, with the previous
+    handlers back in place). Leaving restores the previous handlers.
+
+    Args:
+        announce: log the stop (the signal's receipt, where the run stopped, an abort); under
+            DDP only rank 0 does, and no rank does when ``rl-tformers train --nproc`` reports.
+        startup: None, ``"raise"`` or ``"default"`` (above).
+
+    Raises:
+        ValueError: another ``startup``.
+
+    Attributes:
+        signum: the first signal received by the handler, or None.
+        aborted: the second signal, once it aborted the process; else None.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    STARTUP_MODES = (None, "raise", "default")
 
-    def __init__(self, announce: bool = True) -> None:
+    def __init__(self, announce: bool = True, *, startup: str | None = None) -> None:
+        if startup not in self.STARTUP_MODES:
+            raise ValueError(f"startup must be one of {self.STARTUP_MODES}, got {startup!r}")
         self.signum: int | None = None
-        self.announce = announce  # log "received SIGINT..." (under DDP: rank 0 only)
+        self.aborted: int | None = None
+        self.announce = announce
+        self._startup = startup
         self._previous: dict[int, Any] = {}
 
+    def begin_training(self) -> None:
+        """Leave the start-up mode: from now on a signal stops the run at the next update boundary."""
+        if self._startup == "default" and self._previous:  # entered in the main thread
+            for s in self.SIGNALS:
+                signal.signal(s, self._handler)
+        self._startup = None
+
     def _handler(self, signum: int, frame: Any) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
+        first = self.signum is None
+        if first:
+            self.signum = signum
+        if self._startup == "raise":
+            if first:
+                raise Interrupted(signum)
+            return  # another signal while the first one unwinds the start-up
+        if not first:
+            if self.aborted is None and (signum != signal.SIGTERM or self.signum != signal.SIGTERM):
+                self.aborted = signum
+                raise KeyboardInterrupt
+            return
         if self.announce:
             log.warning("received %s: finishing the current update, saving a checkpoint, then stopping "
                         "(press Ctrl-C again to abort at once)", signal.Signals(signum).name)
 
     def __enter__(self) -> GracefulInterrupt:
         if threading.current_thread() is threading.main_thread():
+            handler = signal.SIG_DFL if self._startup == "default" else self._handler
             for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._handler)
+                self._previous[s] = signal.signal(s, handler)
+            try:
+                if hasattr(signal, "pthread_sigmask"):
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)  # a pending signal acts now
+            except BaseException:
+                self.__exit__(None, None, None)
+                raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -481,23 +563,82 @@ class Trainer:
         else:
             logger.text("resume", f"resumed at step {self.step} from `{self._resumed_from.name}`", self.step)
 
-    def fit(self, stop_at: int | None = None) -> TrainResult:
+    def fit(self, stop_at: int | None = None, interrupt: GracefulInterrupt | None = None) -> TrainResult:
         """Train from the current step to ``train.steps``; stops early (after saving) on SIGINT/SIGTERM.
 
         Args:
             stop_at: stop after this many updates (with a checkpoint) even if ``train.steps``
                 is larger; ``--resume`` continues exactly as if the run had never stopped
                 (for time-limited jobs). None: run to ``train.steps``.
+            interrupt: this process's signal handling, already entered (``rl-tformers train``
+                runs its whole start-up under one in start-up mode, see
+                :class:`GracefulInterrupt`); None: a graceful one is installed for the call.
+
+        Before anything is written to the run directory every rank leaves start-up mode and
+        the ranks agree that training starts (:meth:`_agree_to_start`); a signal before that
+        point leaves the run directory as it was.
 
         Raises:
+            Interrupted: a signal reached this or another rank before the first update (every
+                rank raises it); nothing was trained or written.
+            KeyboardInterrupt: a second signal aborted the run (logged, with where the run
+                stands, when :attr:`GracefulInterrupt.announce`).
             NonFiniteLossError: the loss or gradient norm became NaN/inf (no checkpoint of it).
             Exception: whatever the agent's ``evaluate`` raises, after the step it evaluated is
                 saved (see :meth:`_evaluate_or_save`).
         """
+        own = interrupt is None
+        interrupt = GracefulInterrupt(announce=self.is_main) if interrupt is None else interrupt
+        with interrupt if own else contextlib.nullcontext():
+            with agent_build_errors():  # the agent's data checks, before the run directory is written
+                batches = self.agent.batches(self.step)
+            self._agree_to_start(interrupt)
+            try:
+                return self._train(batches, interrupt, stop_at)
+            except KeyboardInterrupt:
+                if interrupt.aborted is not None and interrupt.announce:
+                    log.warning("%s", self._abort_note(interrupt.aborted))
+                raise
+
+    def _agree_to_start(self, interrupt: GracefulInterrupt) -> None:
+        """Leave start-up mode, then agree with every rank that training starts.
+
+        Every rank switches to graceful stops before this vote (one all-reduce under DDP), and
+        the vote completes on no rank before all have reached it: after it, a signal stops
+        every rank at the same update boundary with a checkpoint. A rank that was still in
+        its start-up when the signal came has ended at once, so the others see the vote fail.
+
+        Raises:
+            Interrupted: a signal reached this or another rank first (every rank raises it), or
+                another rank left before the vote (this rank's signal, or None if it got none).
+            RuntimeError: the vote failed on rank 0, which received no signal (another rank
+                failed during its start-up; its error is above).
+        """
+        interrupt.begin_training()
+        try:
+            signum = self._stop_signal(interrupt)
+        except RuntimeError as exc:
+            if not dist_rt.is_active() or (self.is_main and interrupt.signum is None):
+                raise
+            raise Interrupted(interrupt.signum) from exc
+        if signum is not None:
+            raise Interrupted(signum)
+
+    def _abort_note(self, signum: int) -> str:
+        """What an abort by a second signal leaves: the last checkpoint and how to continue."""
+        what = f"aborted at once by a second signal ({signal.Signals(signum).name}) at step {self.step}"
+        saved = ckpt.list_checkpoints(self.run_dir)  # newest first
+        if not saved:
+            return f"{what}; no checkpoint was written yet, so there is nothing to resume"
+        step, path = saved[0]
+        return (f"{what}; the run continues from its last checkpoint, step {step} ({path}): "
+                f"{resume_command(self.run_dir, self.world_size)}")
+
+    def _train(self, batches: Any, interrupt: GracefulInterrupt, stop_at: int | None) -> TrainResult:
+        """The part of :meth:`fit` after the ranks agreed to start: prepare the run directory,
+        then the training loop."""
         t = self.cfg.train
         result = TrainResult(run_dir=self.run_dir, step=self.step, total_steps=self.total_steps)
-        with agent_build_errors():  # the agent's data checks, before the run directory is written
-            batches = self.agent.batches(self.step)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if self._resumed_from is not None:
@@ -526,7 +667,7 @@ class Trainer:
                 restore_rng_state(self._rng_to_restore)
                 self._rng_to_restore = None
             bar = _progress(self.step, self.total_steps, enabled=bool(t.progress) and self.is_main)
-            with GracefulInterrupt(announce=self.is_main) as interrupt, _log_above_bar(bar):
+            with _log_above_bar(bar):
                 result = self._loop(iter(stream), logger, bar, interrupt, result, stop_at)
         finally:
             if bar is not None:
@@ -585,12 +726,12 @@ class Trainer:
         return float(self.cfg.train.grad_clip) if self.cfg.train.grad_clip else math.inf
 
     def _stop_signal(self, interrupt: GracefulInterrupt) -> int | None:
-        """The signal that stops the run after this update, agreed by every rank under DDP."""
+        """The signal that stops the run after this update, or None. Under DDP every rank gets
+        the same answer (one all-reduce: the largest signal number any rank received), so all
+        of them stop, and save together, after the same update."""
         if not dist_rt.is_active():
             return interrupt.signum
-        if dist_rt.any_rank(interrupt.signum is not None, self.device):
-            return interrupt.signum if interrupt.signum is not None else signal.SIGTERM
-        return None
+        return dist_rt.max_over_ranks(interrupt.signum or 0, self.device) or None
 
     def _loop(self, batches: Iterator[Any], logger: RunLogger, bar: Any, interrupt: GracefulInterrupt,
               result: TrainResult, stop_at: int | None) -> TrainResult:
@@ -659,9 +800,10 @@ class Trainer:
             stopped_by = None  # a signal during the final save is moot
         if last_saved != self.step and (stopped_by is not None or self.step == end):
             result.checkpoint = self.save()
-        if stopped_by is not None and self.is_main:
+        if stopped_by is not None and interrupt.announce:
+            # stopped right after a resume, before any update: the checkpoint resumed from holds this step
             log.warning("stopped at step %d by %s; checkpoint %s; continue with: %s",
-                        self.step, signal.Signals(stopped_by).name, result.checkpoint,
+                        self.step, signal.Signals(stopped_by).name, result.checkpoint or self._resumed_from,
                         resume_command(self.run_dir, self.world_size))
         result.step = self.step
         result.interrupted = stopped_by
@@ -746,7 +888,8 @@ def new_run_problem(path: str | os.PathLike) -> str | None:
 
 
 def train(cfg: DictConfig, run_dir: str | os.PathLike | None = None, config_name: str | None = None,
-          stop_at: int | None = None, on_log: Callable[[int, dict[str, float]], None] | None = None) -> TrainResult:
+          stop_at: int | None = None, on_log: Callable[[int, dict[str, float]], None] | None = None,
+          interrupt: GracefulInterrupt | None = None) -> TrainResult:
     """Start a new run.
 
     Args:
@@ -755,6 +898,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike | None = None, config_name
         config_name: used for the default run directory name.
         stop_at: stop (with a checkpoint) after this many updates; see :meth:`Trainer.fit`.
         on_log: see :class:`Trainer`.
+        interrupt: the caller's signal handling, already entered; see :meth:`Trainer.fit`.
 
     Under torchrun (``WORLD_SIZE`` > 1) this joins the process group for the run; rank 0 picks
     the run directory, checks it and holds its training lock (:mod:`rl_tformers.runtime.runlock`)
@@ -763,6 +907,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike | None = None, config_name
     Raises:
         RunDirError: ``run_dir`` (or a folder above it) is a file, already holds a run, or
             another process is training it (``... is being trained by pid N``).
+        Interrupted / KeyboardInterrupt: see :meth:`Trainer.fit`.
     """
     with dist_rt.process_group(cfg.device) as info, contextlib.ExitStack() as lock:
         problem, path = None, None
@@ -783,7 +928,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike | None = None, config_name
         problem, path = dist_rt.broadcast_object((problem, path))
         if problem is not None:
             raise RunDirError(problem)
-        return Trainer(_with_run_dir(cfg, path), path, on_log=on_log).fit(stop_at)
+        return Trainer(_with_run_dir(cfg, path), path, on_log=on_log).fit(stop_at, interrupt)
 
 
 def load_resume_config(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = (),
@@ -879,7 +1024,7 @@ def check_config_file(run_dir: Path, found: ckpt.FoundCheckpoint, new: DictConfi
 
 
 def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = (),
-           stop_at: int | None = None) -> TrainResult:
+           stop_at: int | None = None, interrupt: GracefulInterrupt | None = None) -> TrainResult:
     """Continue a run from its newest valid checkpoint (damaged newer ones are warned about and skipped).
 
     ``overrides`` may change only :data:`rl_tformers.runtime.config.RESUMABLE_KEYS` (e.g.
@@ -888,9 +1033,12 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
     Rank 0 holds the run's training lock (:mod:`rl_tformers.runtime.runlock`) from before it
     touches the directory until the run ends.
 
+    ``interrupt``: the caller's signal handling, already entered; see :meth:`Trainer.fit`.
+
     Raises:
         RunDirError: another process is training ``run_dir`` (``... is being trained by pid N``).
         CheckpointError / ConfigError: as :func:`load_resume_config`.
+        Interrupted / KeyboardInterrupt: see :meth:`Trainer.fit`.
     """
     with dist_rt.process_group(_resume_device_spec(run_dir, overrides)) as info, contextlib.ExitStack() as lock:
         problem = None
@@ -924,7 +1072,7 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
                          run_dir, found.state["step"], cfg.train.steps)
             return TrainResult(run_dir=Path(run_dir), step=int(found.state["step"]), checkpoint=found.path,
                                total_steps=int(cfg.train.steps))
-        return Trainer(cfg, run_dir, resume_from=found).fit(stop_at)
+        return Trainer(cfg, run_dir, resume_from=found).fit(stop_at, interrupt)
 
 
 def _resume_device_spec(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str]) -> str:
@@ -941,7 +1089,7 @@ def _resume_device_spec(run_dir: str | os.PathLike, overrides: tuple[str, ...] |
 
 
 __all__ = [
-    "ConfigError", "GracefulInterrupt", "MetricWindow", "NonFiniteLossError", "RunDirError", "TrainResult",
-    "Trainer", "check_config_file", "check_world_size", "holds_run", "load_resume_config", "new_run_problem",
-    "resume", "resume_command", "train",
+    "ConfigError", "GracefulInterrupt", "Interrupted", "MetricWindow", "NonFiniteLossError", "RunDirError",
+    "TrainResult", "Trainer", "check_config_file", "check_world_size", "holds_run", "load_resume_config",
+    "new_run_problem", "resume", "resume_command", "train",
 ]
