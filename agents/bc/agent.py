@@ -24,7 +24,13 @@ from rl_tformers.agents.bc.loss import bc_loss
 from rl_tformers.agents.bc.model import BCConfig, BCModel
 from rl_tformers.agents.common.evaluation import evaluate
 from rl_tformers.agents.common.loading import register_inference_loader
-from rl_tformers.agents.common.offline import DatasetInfo, eval_seed, load_offline_dataset, plain
+from rl_tformers.agents.common.offline import (
+    DatasetInfo,
+    eval_seed,
+    flattens_observations,
+    load_offline_dataset,
+    plain,
+)
 from rl_tformers.agents.decision_transformer.model import from_env_action, to_env_action
 from rl_tformers.envs.dataset import EpisodeDataset
 from torch import Tensor
@@ -113,7 +119,7 @@ class BCAgent:
                     float(np.min(self.dataset.episode_returns)))
             info = DatasetInfo.from_dataset(
                 self.dataset, normalize_obs=bool(a.normalize_obs), env_id=a.env_id, env_kwargs=plain(a.env_kwargs),
-                spec=plain(cfg.dataset).get("path"),
+                spec=plain(cfg.dataset).get("path"), flatten_observations=flattens_observations(plain(cfg.dataset)),
             )
         self.info = info
         self.model_cfg = BCConfig(obs_dim=info.obs_dim, act_dim=info.act_dim, discrete=info.discrete,

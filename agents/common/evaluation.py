@@ -11,6 +11,12 @@ finished its quota keeps stepping (its results are discarded) until the others a
 result is the same set of (seed, episode) pairs whatever the episode lengths, and the same
 seeds are used for every target return, so targets are compared on the same initial states.
 
+Stochastic policies. A policy that samples its actions with torch's global random number
+generator (GTrXL with ``agent.deterministic=false``) draws them, for every target, from that
+generator seeded with ``seed``; the generator's previous state is restored afterwards (CPU and
+the initialised CUDA devices), so an evaluation inside a training run does not shift the
+training's random stream. The same ``seed``, ``episodes`` and ``n_envs`` give the same returns.
+
 Raw returns. The reward reported is the one the *innermost* environment returns: a wrapper
 (:class:`RawRewardInfo`) is inserted directly above the unwrapped environment and writes it into
 ``info["raw_reward"]``, so reward-scaling or normalising wrappers stacked by ``make_env`` do not
@@ -26,6 +32,7 @@ reported return is a finite number and the results serialise as strict JSON
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -215,7 +222,8 @@ def evaluate(
         targets: target returns in raw reward units (``None`` for unconditioned agents).
         episodes: exact number of episodes per target (episode j uses env j % N, seed seed + j).
         n_envs: number of parallel environments.
-        seed: base reset seed.
+        seed: base reset seed; also the seed of torch's global generator while each target
+            is evaluated (restored after), for policies that sample their actions.
         record_rewards: keep each episode's raw reward sequence (for RTG traces).
         normalize: maps raw returns (E,) to normalised scores, or returns ``None``.
         env_id: recorded in the report.
@@ -244,7 +252,10 @@ def evaluate(
         autoreset_mode=gym.vector.AutoresetMode.DISABLED,
     )
     try:
-        results = [_run_target(policy, envs, target, episodes, seed, record_rewards) for target in targets]
+        results = []
+        for target in targets:
+            with seeded_torch_rng(seed):  # a sampling policy's draws (see the module docstring)
+                results.append(_run_target(policy, envs, target, episodes, seed, record_rewards))
     finally:
         envs.close()
     if normalize is not None:
@@ -252,6 +263,21 @@ def evaluate(
             scores = normalize(np.asarray(r.returns, dtype=np.float64))
             r.normalized = None if scores is None else [float(s) for s in scores]
     return EvalReport(results, env_id=env_id, episodes=episodes, n_envs=n, seed=seed, seconds=time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def seeded_torch_rng(seed: int):
+    """Run the block with torch's global generators seeded with ``seed``; restore them after.
+
+    The CPU generator and those of the CUDA devices already initialised are saved and restored
+    (``torch.random.fork_rng``); other devices' generators are only seeded.
+    """
+    import torch
+
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(int(seed))
+        yield
 
 
 def _run_target(

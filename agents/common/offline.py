@@ -8,7 +8,8 @@ stored with every checkpoint, and the evaluation environment.
       root: null                             # data root for Minari ids (default $RL_TFORMERS_DATA or ./data/minari)
       download: false                        # let Minari download a remote id
       lazy: false                            # HDF5 only: read windows from disk
-      flatten_observations: false            # Minari Dict/Tuple observations: flatten them
+      flatten_observations: false            # Minari Dict/Tuple observations: flatten them (and the
+                                             # evaluation env's, with gymnasium's FlattenObservation)
     (checked against rl_tformers.runtime.config.DatasetConfig: a wrong key is an error)
 
 :class:`DatasetInfo` is everything inference needs about the data (a plain dict of tensors,
@@ -103,6 +104,10 @@ class DatasetInfo:
         action_start: ``start`` of a ``Discrete`` action space (gymnasium's ``Discrete(n,
             start=s)`` holds ``s .. s + n - 1``); the models work with class indices
             ``action - action_start`` in ``[0, n)`` and the policies add it back (0 for Box).
+        flatten_observations: the dataset was loaded with ``dataset.flatten_observations=true``;
+            an evaluation environment whose observation space is not a Box (Dict, Tuple,
+            Discrete) is then wrapped in ``gymnasium.wrappers.FlattenObservation``, which
+            flattens exactly as the loader flattened the data (``gymnasium.spaces.flatten``).
     """
 
     obs_dim: int
@@ -124,11 +129,13 @@ class DatasetInfo:
     ref_max: float | None = None
     dataset: str | None = None
     action_start: int = 0
+    flatten_observations: bool = False
 
     @classmethod
     def from_dataset(
         cls, ds: EpisodeDataset, *, reward_scale: float | str = "auto", normalize_obs: bool = True,
         env_id: str | None = None, env_kwargs: Mapping[str, Any] | None = None, spec: str | None = None,
+        flatten_observations: bool = False,
     ) -> DatasetInfo:
         """Compute the statistics of ``ds``.
 
@@ -137,6 +144,10 @@ class DatasetInfo:
                 or a positive number (divisor).
             normalize_obs: False stores mean 0 and std 1.
             env_id, env_kwargs: override the dataset's environment.
+            spec: the dataset spec string (``dataset.path``), for the record and messages.
+            flatten_observations: ``ds`` was loaded with ``dataset.flatten_observations=true``
+                (the evaluation environment's observations are flattened the same way, see
+                :attr:`flatten_observations`).
 
         Raises:
             ValueError: unbounded Box actions, a reward scale that is not ``"auto"`` or > 0
@@ -190,7 +201,7 @@ class DatasetInfo:
             env_kwargs=dict(env_kwargs or meta.extra.get("env_kwargs") or {}),
             pomdp=None if env_id else (dict(meta.pomdp) if meta.pomdp else None),
             ref_min=None if refs is None else float(refs[0]), ref_max=None if refs is None else float(refs[1]),
-            dataset=spec, action_start=action_start,
+            dataset=spec, action_start=action_start, flatten_observations=bool(flatten_observations),
         )
         info.check_env(ds, "agent.env_id" if env_id else "the dataset's env_id")
         return info
@@ -201,11 +212,11 @@ class DatasetInfo:
         Checks (nothing when :attr:`env_id` is None): the id is registered with gymnasium
         (after importing the project's own tasks, :mod:`rl_tformers.envs.memory_tasks`; a
         ``"module:id"`` id imports ``module`` first); the environment can be made with
-        :attr:`env_kwargs` (and :attr:`pomdp`); its observation space is a Box of the dataset's
-        per-step observation shape; its action space is of the dataset's kind (Discrete with
-        the same ``start``, or a Box of the same shape). An environment whose dependencies are
-        not installed is skipped with a warning (the dataset can still be trained on;
-        evaluation will need them).
+        :attr:`env_kwargs` (and :attr:`pomdp`); its observation space (flattened when
+        :attr:`flatten_observations`) is a Box of the dataset's per-step observation shape;
+        its action space is of the dataset's kind (Discrete with the same ``start``, or a Box
+        of the same shape). An environment whose dependencies are not installed is skipped
+        with a warning (the dataset can still be trained on; evaluation will need them).
 
         Args:
             ds: the training data.
@@ -273,7 +284,7 @@ class DatasetInfo:
             "dataset_return_min": self.return_min, "longest_episode": self.longest_episode,
             "env_id": self.env_id, "env_kwargs": dict(self.env_kwargs), "pomdp": self.pomdp,
             "ref_min": self.ref_min, "ref_max": self.ref_max, "dataset": self.dataset,
-            "action_start": self.action_start,
+            "action_start": self.action_start, "flatten_observations": self.flatten_observations,
         }
 
     @classmethod
@@ -290,10 +301,15 @@ class DatasetInfo:
             env_id=d.get("env_id"), env_kwargs=dict(d.get("env_kwargs") or {}), pomdp=d.get("pomdp"),
             ref_min=d.get("ref_min"), ref_max=d.get("ref_max"), dataset=d.get("dataset"),
             action_start=int(d.get("action_start", 0)),  # checkpoints from before the field: 0
+            flatten_observations=bool(d.get("flatten_observations", False)),
         )
 
     def make_env(self):
         """Zero-argument factory of the evaluation environment.
+
+        ``gym.make(env_id, **env_kwargs)``, masked like :attr:`pomdp`, and, when
+        :attr:`flatten_observations` is set and its observation space is not a Box, wrapped
+        in ``gymnasium.wrappers.FlattenObservation`` (the loader's flattening of the data).
 
         Raises:
             ValueError: the dataset names no environment (set ``agent.env_id``).
@@ -303,9 +319,13 @@ class DatasetInfo:
         from rl_tformers.envs.pomdp import make_env
 
         env_id, pomdp, kwargs = self.env_id, (dict(self.pomdp) if self.pomdp else None), dict(self.env_kwargs)
+        flatten = self.flatten_observations
 
         def make() -> gym.Env:
-            return make_env(env_id, pomdp, **kwargs)
+            env = make_env(env_id, pomdp, **kwargs)
+            if flatten and not isinstance(env.observation_space, gym.spaces.Box):
+                env = gym.wrappers.FlattenObservation(env)
+            return env
 
         return make
 
@@ -319,6 +339,11 @@ class DatasetInfo:
             return 100.0 * (np.asarray(r, np.float64) - lo) / (hi - lo)
 
         return norm
+
+
+def flattens_observations(spec: Mapping[str, Any] | None) -> bool:
+    """``dataset.flatten_observations`` of a run's ``dataset:`` section (False when absent)."""
+    return bool(dict(spec or {}).get("flatten_observations", False))
 
 
 def check_env_kwargs(value: Any) -> Mapping[str, Any] | None:

@@ -66,9 +66,9 @@ def plot_return_conditioning(
     ax.plot(targets, means, color="C0", marker="o", label="achieved (mean)")
     ax.fill_between(targets, means - stds, means + stds, color="C0", alpha=0.2, label="+- std over episodes")
     if dataset_max is not None:
-        ax.axhline(dataset_max, color="C3", linestyle="--", label=f"dataset best ({dataset_max:.0f})")
+        ax.axhline(dataset_max, color="C3", linestyle="--", label=f"dataset best ({_label(dataset_max)})")
     if dataset_mean is not None:
-        ax.axhline(dataset_mean, color="C2", linestyle="--", label=f"dataset mean ({dataset_mean:.0f})")
+        ax.axhline(dataset_mean, color="C2", linestyle="--", label=f"dataset mean ({_label(dataset_mean)})")
     ax.set_xlabel("target return")
     ax.set_ylabel("achieved return")
     ax.set_title("return conditioning")
@@ -85,7 +85,7 @@ def plot_return_conditioning(
                 steps = np.arange(len(cum))
                 ax2.plot(steps, r.target_return - cum, color=color, linestyle="--", linewidth=1)
                 ax2.plot(steps, cum, color=color, linewidth=1)
-            ax2.plot([], [], color=color, label=f"target {r.target_return:.0f}")
+            ax2.plot([], [], color=color, label=f"target {_label(r.target_return)}")
         ax2.plot([], [], color="k", linestyle="--", label="remaining RTG")
         ax2.plot([], [], color="k", label="cumulative reward")
         ax2.legend(fontsize=7, loc="best")
@@ -99,6 +99,12 @@ def plot_return_conditioning(
         fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def _label(x: float) -> str:
+    """A return for a legend: whole units from 10 to 1e7 (``3559``), 3 significant digits
+    otherwise (``0.25``, ``2e-06``, ``1.5e+13``: not ``0`` or a 14-digit number)."""
+    return f"{x:.0f}" if 10 <= abs(x) < 1e7 else f"{x:.3g}"
 
 
 def supported_formats() -> list[str]:
@@ -169,11 +175,17 @@ def default_sweep(dataset_max: float, dataset_min: float, n: int = 6) -> list[fl
     """``n`` evenly spaced targets from the dataset's worst episode return to 20% of its return
     range beyond its best (the paper's figure also asks for more than the data holds).
 
-    Rounded to integers when the range is at least 20. Raises ValueError if n < 2.
+    When every episode has the same return R (range 0), the range is taken as ``|R|`` (1 when
+    R = 0) below R: the sweep runs from ``R - |R|`` to ``R + 0.2 |R|`` (e.g. 0 .. 6 for R = 5),
+    not n copies of R. Rounded to integers when the range is at least 20. Raises ValueError if
+    n < 2.
     """
     if n < 2:
         raise ValueError(f"a sweep needs at least 2 targets, got {n}")
-    span = max(dataset_max - dataset_min, 1e-6)
+    span = dataset_max - dataset_min
+    if not span > 0:
+        span = max(abs(dataset_max), 1.0)
+        dataset_min = dataset_max - span
     xs = np.linspace(dataset_min, dataset_max + 0.2 * span, n)
     return [float(round(x)) if span >= 20 else float(x) for x in xs]
 

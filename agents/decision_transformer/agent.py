@@ -41,6 +41,7 @@ from rl_tformers.agents.common.loading import register_inference_loader
 from rl_tformers.agents.common.offline import (
     DatasetInfo,
     eval_seed,
+    flattens_observations,
     load_offline_dataset,
     parse_reward_scale,
     plain,
@@ -103,6 +104,64 @@ DT_DEFAULTS: dict[str, Any] = {
 }
 
 
+def warn_time_limit(info: DatasetInfo, max_ep_len: int) -> None:
+    """Log a warning when the evaluation environment's time limit exceeds ``max_ep_len``.
+
+    With ``agent.timestep_overflow=error`` an evaluation episode that reaches step
+    ``max_ep_len`` stops the evaluation with an error (:class:`DTPolicy`), which would otherwise
+    surface only at the first evaluation, after training. Nothing is logged when the
+    environment has no time limit or cannot be made here (:meth:`DatasetInfo.check_env` decides
+    about that).
+    """
+    import logging
+
+    from rl_tformers.agents.common.evaluation import max_episode_steps
+
+    if not info.env_id:
+        return
+    try:
+        limit = max_episode_steps(info.make_env())
+    except Exception:  # noqa: BLE001 - only a warning; check_env reported what matters
+        return
+    if limit is not None and limit > max_ep_len:
+        logging.getLogger(__name__).warning(
+            "the evaluation environment %s runs episodes of up to %d steps but agent.max_ep_len=%d: an evaluation "
+            "episode that reaches step %d will stop the evaluation (agent.timestep_overflow=error); raise "
+            "agent.max_ep_len to %d, or set agent.timestep_overflow=clamp", info.env_id, limit, max_ep_len,
+            max_ep_len, limit)
+
+
+def parse_config_targets(value: Any) -> list[float] | None:
+    """``agent.targets`` (plain value): ``None``, one target return, or a non-empty list of them.
+
+    Returns:
+        ``None`` (the dataset's best return is the default target) or the targets as floats
+        (raw reward units; a single number becomes a one-element list).
+
+    Raises:
+        ValueError: naming ``agent.targets`` and the value, for an empty list, a boolean, a
+            nested list, a string that is not a number, or anything else that is not a number
+            or a list of numbers (finiteness and size are checked by :meth:`DTPolicy.check_targets`).
+    """
+    if value is None:
+        return None
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    out = []
+    for x in items:
+        try:
+            if isinstance(x, (bool, list, tuple, dict)):
+                raise TypeError
+            out.append(float(x))  # numbers, and strings float() reads ("3600", "nan": refused later)
+        except (TypeError, ValueError):
+            out = []
+            break
+    if not out:
+        raise ValueError(f"agent.targets must be a target return or a non-empty list of them (raw reward units, "
+                         f"e.g. agent.targets=3600 or agent.targets=[3600,1800]), or null for the dataset's best "
+                         f"return; got {value!r}")
+    return out
+
+
 def to_model_batch(batch: Mapping[str, Tensor], info: DatasetInfo) -> dict[str, Tensor]:
     """Sampler batch (:class:`rl_tformers.envs.samplers.WindowSampler` keys) -> :func:`dt_loss` inputs.
 
@@ -139,9 +198,10 @@ class DTAgent:
             (inference only: :meth:`batches` then raises).
 
     Raises:
-        ValueError: bad agent options (named; ``agent.timestep_overflow`` and
-            ``agent.reward_scale`` before the dataset is read), unbounded actions, episodes
-            longer than ``agent.max_ep_len``.
+        ValueError: bad agent options (named; ``agent.timestep_overflow``,
+            ``agent.reward_scale`` and the form of ``agent.targets`` before the dataset is read,
+            targets beyond the new model's :meth:`DTPolicy.target_limit` after), unbounded
+            actions, episodes longer than ``agent.max_ep_len``.
     """
 
     targets_option = "agent.targets"  # the config key of the default return targets (eval messages)
@@ -158,6 +218,7 @@ class DTAgent:
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"agent.timestep_overflow={a.timestep_overflow!r}; use one of {', '.join(OVERFLOW_POLICIES)}")
         reward_scale = parse_reward_scale(a.reward_scale)
+        self.config_targets = parse_config_targets(plain(a.get("targets")))
         # runs saved before these options existed get the defaults
         self.early_exit_options = {**DT_DEFAULTS["agent"]["early_exit"], **(plain(a.get("early_exit")) or {})}
         self.knn_options = {**DT_DEFAULTS["agent"]["knn"], **(plain(a.get("knn")) or {})}
@@ -172,12 +233,15 @@ class DTAgent:
             info = DatasetInfo.from_dataset(
                 self.dataset, reward_scale=reward_scale, normalize_obs=bool(a.normalize_obs),
                 env_id=a.env_id, env_kwargs=plain(a.env_kwargs), spec=plain(cfg.dataset).get("path"),
+                flatten_observations=flattens_observations(plain(cfg.dataset)),
             )
             if info.longest_episode > int(a.max_ep_len):
                 raise ValueError(
                     f"agent.max_ep_len={a.max_ep_len} but the dataset has an episode of {info.longest_episode} "
                     f"steps; raise agent.max_ep_len"
                 )
+            if overflow == "error":
+                warn_time_limit(info, int(a.max_ep_len))
         self.info = info
         self.model_cfg = DTConfig(
             obs_dim=info.obs_dim, act_dim=info.act_dim, discrete=info.discrete,
@@ -195,10 +259,10 @@ class DTAgent:
         self.align = ("start" if self.model_cfg.mode == "causal" else "end") if align == "auto" else align
         if self.align not in ("start", "end") or (self.align == "start" and self.model_cfg.mode != "causal"):
             raise ValueError(f"agent.align={align!r}: use auto, start (causal mode only) or end")
-        if self.info is not None and plain(a.get("targets")) is not None:
+        if self.info is not None and self.config_targets is not None:
             # before training, not at the first evaluation: agent.targets the float32 return
             # embedding cannot take (DTPolicy.target_limit; rechecked at every evaluation)
-            self.policy().check_targets(list(plain(a.targets)), "agent.targets")
+            self.policy().check_targets(self.config_targets, "agent.targets")
             self.model.train()
 
     # -- Trainable ---------------------------------------------------------------------------
@@ -475,11 +539,10 @@ class DTAgent:
         return self.info.make_env()
 
     def default_targets(self) -> list[float]:
-        """``agent.targets`` or ``[best dataset return]`` (raw units)."""
-        t = plain(self.cfg.agent.targets)
-        if t is None:
+        """``agent.targets`` (:func:`parse_config_targets`) or ``[best dataset return]`` (raw units)."""
+        if self.config_targets is None:
             return [self.info.return_max]
-        return [float(x) for x in (t if isinstance(t, (list, tuple)) else [t])]
+        return list(self.config_targets)
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Returns at each default target over ``eval.episodes`` episodes (+ normalised score, figure)."""

@@ -395,13 +395,36 @@ class DecisionTransformer(nn.Module):
 # -- action-space mapping (continuous) ----------------------------------------------------------
 
 def to_env_action(a: Tensor, low: Tensor, high: Tensor) -> Tensor:
-    """Normalised action in [-1, 1] -> environment box ``[low, high]``; shapes broadcast (..., A)."""
-    return low + 0.5 * (a + 1.0) * (high - low)
+    """Normalised action in [-1, 1] -> environment box ``[low, high]``; shapes broadcast (..., A).
+
+    ``low + (a + 1) / 2 * (high - low)``, clamped to ``[low, high]`` so that float rounding never
+    puts an action outside the box. A dimension whose width ``high - low`` overflows (bounds
+    like ``[-3e38, 3e38]`` in float32) uses the convex combination ``(1 - a) / 2 * low +
+    (1 + a) / 2 * high`` instead (finite); a fixed dimension (``low == high``) gives ``low``.
+    """
+    span = high - low
+    x = low + 0.5 * (a + 1.0) * span
+    wide = ~torch.isfinite(span)
+    x = torch.where(wide, 0.5 * (1.0 - a) * low + 0.5 * (1.0 + a) * high, x)
+    return torch.minimum(torch.maximum(x, low), high)
 
 
 def from_env_action(a: Tensor, low: Tensor, high: Tensor) -> Tensor:
-    """Environment action -> normalised [-1, 1] (clipped); inverse of :func:`to_env_action`."""
-    return (2.0 * (a - low) / (high - low) - 1.0).clamp(-1.0, 1.0)
+    """Environment action -> normalised [-1, 1] (clipped); inverse of :func:`to_env_action`.
+
+    ``2 (a - low) / (high - low) - 1``. A fixed dimension (``low == high``, which gymnasium's
+    Box allows) maps to 0 instead of 0 / 0 = NaN (which turned the whole training loss into NaN);
+    a dimension whose width overflows uses ``(a - mid) / half`` with ``mid = low / 2 + high / 2``
+    and ``half = high / 2 - low / 2`` (finite). Shapes broadcast (..., A).
+    """
+    span = high - low
+    fixed = span == 0
+    wide = ~torch.isfinite(span)
+    safe = torch.where(fixed | wide, torch.ones_like(span), span)
+    x = 2.0 * (a - low) / safe - 1.0
+    half = torch.where(wide, 0.5 * high - 0.5 * low, torch.ones_like(span))
+    x = torch.where(wide, (a - (0.5 * low + 0.5 * high)) / half, x)
+    return torch.where(fixed, torch.zeros_like(x), x).clamp(-1.0, 1.0)
 
 
 def squashed_gaussian_log_prob(mean: Tensor, log_std: Tensor, action: Tensor, eps: float = 1e-6) -> Tensor:

@@ -297,7 +297,8 @@ class DTPolicy:
                     f"Decision Transformer: episode step {int(t.max())} >= agent.max_ep_len={cfg.max_ep_len} "
                     f"(the timestep embedding has no entry for it); evaluate on episodes of at most "
                     f"{cfg.max_ep_len} steps, train with a larger agent.max_ep_len, or set "
-                    f"timestep_overflow='clamp' to reuse the last timestep index"
+                    f"timestep_overflow='clamp' to reuse the last timestep index (agent.timestep_overflow=clamp "
+                    f"in the run config, `rl-tformers eval --timestep-overflow clamp`)"
                 )
         dev = self.device
         # shift rows whose window is full (align start) or that continue (align end) one slot left

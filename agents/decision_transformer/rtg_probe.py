@@ -5,8 +5,9 @@ medium-expert set) :func:`rtg_probe` takes the first window of K steps starting 
 ``t0`` of each episode and reports
 
 - ``fit``: the squared error between the model's actions and the data's actions with the true
-  returns-to-go, summed over action dimensions and averaged over the K steps and the episodes,
-  in normalised action units ([-1, 1]); how well the model imitates that group;
+  returns-to-go, summed over action dimensions and averaged over the K steps and the episodes
+  (``agent.mode=last_action``: over the last step of each window, the only one the model
+  predicts), in normalised action units ([-1, 1]); how well the model imitates that group;
 - ``shift[R]``: the squared change of the model's actions when the window's returns-to-go are
   shifted so that its first one equals ``R`` (scaled units, i.e. return / ``reward_scale``;
   the rest of the window keeps its differences), same units. A model that conditions on the
@@ -145,8 +146,9 @@ def rtg_probe(
                     steps = (t0 + torch.arange(k, device=dev)).expand(len(wins), k)
                     mask = torch.ones(len(wins), k, dtype=torch.bool, device=dev)
                     with torch.no_grad():
-                        base = model(obs, act, rtg, steps, mask).action
-                        row["fit"] = float(((base - act) ** 2).sum(-1).mean())
+                        base = model(obs, act, rtg, steps, mask).action  # (W, P, A), P = K or 1
+                        # P = 1 in last_action mode: the prediction is the window's last action only
+                        row["fit"] = float(((base - act[:, k - base.shape[1]:]) ** 2).sum(-1).mean())
                         for r in rtgs:
                             moved = model(obs, act, rtg - rtg[:, :1] + float(r), steps, mask).action
                             row["shift"][float(r)] = float(((moved - base) ** 2).sum(-1).mean())

@@ -42,9 +42,15 @@ import rl_tformers.envs.memory_tasks  # noqa: F401  (registers the memory tasks 
 import torch
 from rl_tformers.agents.common.evaluation import evaluate
 from rl_tformers.agents.common.loading import register_inference_loader
-from rl_tformers.agents.common.offline import DatasetInfo, eval_seed, load_offline_dataset
+from rl_tformers.agents.common.offline import (
+    DatasetInfo,
+    eval_seed,
+    flattens_observations,
+    load_offline_dataset,
+)
+from rl_tformers.agents.decision_transformer.model import from_env_action, to_env_action
 from rl_tformers.agents.gtrxl.loss import SegmentBatch, bc_loss, iql_loss, polyak_update
-from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone
+from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone, position_limit
 from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.trajectory import next_return_to_go
 from torch import Tensor
@@ -86,8 +92,10 @@ GTRXL_DEFAULTS: dict[str, Any] = {
 # batches
 # ---------------------------------------------------------------------------------------------
 def normalize_actions(a: Tensor, low: Tensor, high: Tensor) -> Tensor:
-    """Environment Box action (..., A) -> [-1, 1] (clipped)."""
-    return (2.0 * (a - low) / (high - low) - 1.0).clamp(-1.0, 1.0)
+    """Environment Box action (..., A) -> [-1, 1] (clipped): the Decision Transformer's
+    :func:`~rl_tformers.agents.decision_transformer.model.from_env_action` (a fixed dimension,
+    ``low == high``, maps to 0; no overflow for huge bounds)."""
+    return from_env_action(a, low, high)
 
 
 def segment_batch(
@@ -104,7 +112,8 @@ def segment_batch(
 
     Args:
         batch: from :class:`~rl_tformers.envs.samplers.SegmentSampler` built with
-            ``burn_in + 1``: ``observations (B, L+1, O)`` (normalised), ``actions``,
+            ``burn_in + 1``: ``observations (B, L+1, *obs_shape)`` (normalised; flattened here to
+            ``(B, L, O)``, as the policy flattens each observation), ``actions``,
             ``rewards``/``returns_to_go`` (divided by the RTG scale), ``timesteps``, ``mask``,
             ``episode_start``, ``terminations``.
         burn_in: the agent's burn-in (the extra leading step is not counted).
@@ -127,7 +136,7 @@ def segment_batch(
     keep = (~start[:, 1:]).to(rew.dtype)  # (B, L): previous step belongs to the same episode
     prev_a = act[:, :-1] * (keep.long() if discrete else keep.unsqueeze(-1))
     return SegmentBatch(
-        obs=batch["observations"][:, 1:].float(),
+        obs=batch["observations"][:, 1:].flatten(2).float(),  # (B, L, O): a (2, 3) Box step -> 6 features
         actions=act[:, 1:],
         rewards=rew[:, 1:],
         rtg=batch["returns_to_go"][:, 1:].float(),
@@ -371,7 +380,7 @@ class GTrXLPolicy:
             env_a = a.cpu().numpy().astype(np.int64) + self.action_start
         else:
             a = a.clamp(-1.0, 1.0)
-            env_a = (self.low + 0.5 * (a + 1.0) * (self.high - self.low)).cpu().numpy()
+            env_a = to_env_action(a, self.low, self.high).cpu().numpy()
         return env_a, GTrXLState(memory=out.state, prev_action=a, rtg=rtg, t=t + 1, target=state.target, **win)
 
 
@@ -414,6 +423,43 @@ def _plain(x: Any) -> Any:
     return x
 
 
+def check_iql_options(a: Any, seq_len: int) -> None:
+    """Refuse IQL settings that silently train nothing useful (``agent.objective=iql``).
+
+    Args:
+        a: the ``agent`` config section.
+        seq_len: ``agent.seq_len``.
+
+    Raises:
+        ValueError: naming the option, for ``agent.seq_len`` < 2 (the Q heads learn from
+            (t, t + 1) pairs inside the gradient window, :func:`~rl_tformers.agents.gtrxl.loss.td_targets`;
+            one step has none, so the Q loss is identically 0 and the advantages are noise),
+            ``agent.gamma`` outside [0, 1], ``agent.expectile`` outside (0, 1) (the expectile
+            weights ``tau`` and ``1 - tau`` must both be positive), ``agent.tau`` outside (0, 1]
+            (0: the target critic never moves from its random start), ``agent.beta`` < 0, or
+            ``agent.max_weight`` <= 0 (the actor loss would be 0).
+    """
+    if seq_len < 2:
+        raise ValueError(
+            f"agent.seq_len={seq_len}: IQL learns Q from (t, t+1) pairs inside the gradient window, and a "
+            f"window of one step has none (the Q loss would stay 0); use agent.seq_len >= 2")
+    checks = [
+        ("gamma", lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+        ("expectile", lambda v: 0.0 < v < 1.0, "in (0, 1)"),
+        ("tau", lambda v: 0.0 < v <= 1.0, "in (0, 1] (the Polyak rate of the target critic)"),
+        ("beta", lambda v: v >= 0.0, ">= 0 (the inverse temperature of the advantage weights)"),
+        ("max_weight", lambda v: v > 0.0, "> 0 (the clip of the advantage weights)"),
+    ]
+    for name, ok, what in checks:
+        value = a.get(name)
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            v = math.nan
+        if isinstance(value, bool) or not math.isfinite(v) or not ok(v):
+            raise ValueError(f"agent.{name} must be a number {what} for agent.objective=iql, got {value!r}")
+
+
 class GTrXLAgent:
     """Offline GTrXL agent (the runtime's ``Trainable``); see the module docstring.
 
@@ -425,8 +471,10 @@ class GTrXLAgent:
         extra: a checkpoint's extra state: build for inference only, without the dataset.
 
     Raises:
-        ValueError: unknown objective, ``agent.seq_len`` < 1 or ``agent.burn_in`` < 0 (before
-            the dataset is read), unbounded Box actions, a bad dataset spec, or (``rcbc``) an
+        ValueError: unknown objective, ``agent.seq_len`` < 1 or ``agent.burn_in`` < 0, IQL
+            options out of range (:func:`check_iql_options`; all before the dataset is read),
+            unbounded Box actions, a bad dataset spec, an episode longer than a learned
+            position table (``backbone.max_position``, :func:`position_limit`), or (``rcbc``) an
             ``agent.target_return`` that is not a finite number or beyond what the new model's
             float32 token embedding takes (:meth:`GTrXLPolicy.target_limit`).
     """
@@ -453,6 +501,8 @@ class GTrXLAgent:
             raise ValueError(f"agent.seq_len must be >= 1 (steps in the gradient window), got {a.seq_len}")
         if self.burn_in < 0:
             raise ValueError(f"agent.burn_in must be >= 0 (steps that rebuild the memory), got {a.burn_in}")
+        if extra is None and self.objective == "iql":
+            check_iql_options(a, self.seq_len)
         self.dataset = dataset
         if extra is not None:  # inference: everything comes from the checkpoint
             self.extra = dict(extra)
@@ -463,6 +513,7 @@ class GTrXLAgent:
                 self.dataset = load_gtrxl_dataset(_plain(cfg.dataset), self.seed)
             info = DatasetInfo.from_dataset(
                 self.dataset, env_id=a.env_id, env_kwargs=_plain(a.env_kwargs), spec=_plain(cfg.dataset).get("path"),
+                flatten_observations=flattens_observations(_plain(cfg.dataset)),
             )
             if self.objective == "iql" and bool(a.iql_reward_norm):
                 spread = info.return_max - info.return_min
@@ -491,6 +542,13 @@ class GTrXLAgent:
             self.info = info
             self.extra = {**info.to_extra(), "reward_mult": float(reward_mult), "model": model_config_dict(self.model_cfg)}
         self.model = GTrXLModel(self.model_cfg).to(self.device)
+        limit = position_limit(self.model)
+        if extra is None and limit is not None and self.info.longest_episode > limit:
+            raise ValueError(
+                f"backbone.max_position={limit} but the dataset has an episode of {self.info.longest_episode} "
+                f"steps: GTrXL's positions are episode steps, and backbone.position.kind=learned has no table row "
+                f"past step {limit - 1}; raise backbone.max_position (to cover the longest evaluation episode too) "
+                f"or use a relative position kind (xl_relative, the GTrXL default)")
         if extra is None and self.model_cfg.rtg_input and a.get("target_return") is not None:
             # before training, not at the first evaluation: a target the float32 token embedding
             # cannot take (GTrXLPolicy.target_limit; rechecked at every evaluation)
@@ -561,7 +619,8 @@ class GTrXLAgent:
         return [float(t) if t is not None else float(self.info.return_max)]
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Mean/std return (and D4RL-normalised score when references exist) over ``eval.episodes``."""
+        """Mean/std return (and D4RL-normalised score when references exist) over ``eval.episodes``;
+        ``rcbc`` also reports the ``target`` return it conditioned on (raw units)."""
         was_training = self.model.training
         report = evaluate(
             self.policy(), self.make_env(), self.default_targets(), episodes=int(self.cfg.eval.episodes),
@@ -571,6 +630,8 @@ class GTrXLAgent:
         self.model.train(was_training)
         r = report.results[0]
         out = {"return_mean": r.return_mean, "return_std": r.return_std}
+        if r.target_return is not None:
+            out["target"] = float(r.target_return)
         if r.normalized_score is not None:
             out["normalized_score"] = float(r.normalized_score)
         return out

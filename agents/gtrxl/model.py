@@ -425,6 +425,19 @@ class GTrXLModel(nn.Module):
         return self.value(h).squeeze(-1)
 
 
+def position_limit(module: nn.Module) -> int | None:
+    """Largest position + 1 the backbone's learned absolute position tables take, or ``None``.
+
+    GTrXL's positions are episode steps (0 at each episode start), so with
+    ``backbone.position.kind=learned`` an episode of more than ``backbone.max_position`` steps
+    has no table row for its later steps; the other position kinds have no such limit.
+    """
+    from rl_tformers.position.absolute import LearnedPosition
+
+    limits = [m.max_position for m in module.modules() if isinstance(m, LearnedPosition) and m.table is not None]
+    return min(limits) if limits else None
+
+
 class record_attention:
     """Context manager collecting each layer's attention probabilities (B, H, T, S) from the
     forward calls made with ``need_weights=True`` inside it (forward hooks on the attention

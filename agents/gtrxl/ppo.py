@@ -62,6 +62,7 @@ environment steps.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator, Mapping
 from itertools import islice
@@ -74,12 +75,14 @@ import rl_tformers.envs.memory_tasks  # noqa: F401  (registers the memory tasks 
 import torch
 from rl_tformers.agents.common.loading import register_inference_loader
 from rl_tformers.agents.common.offline import check_env_kwargs
+from rl_tformers.agents.decision_transformer.model import to_env_action
 from rl_tformers.agents.gtrxl.agent import GTrXLPolicy, _plain, model_config_dict
 from rl_tformers.agents.gtrxl.model import (
     GTrXLConfig,
     GTrXLModel,
     gate_logs,
     gtrxl_backbone,
+    position_limit,
     record_attention,
 )
 from torch import Tensor
@@ -279,6 +282,45 @@ def ppo_loss(
     return loss, logs
 
 
+def check_ppo_options(a: Any) -> None:
+    """Refuse PPO settings that crash mid-run or train nothing (the ``agent`` config section).
+
+    Raises:
+        ValueError: naming the option, for ``agent.n_envs``, ``agent.n_steps`` or
+            ``agent.n_epochs`` < 1; ``agent.n_minibatches`` < 1 or more than the
+            ``n_envs x n_steps`` samples of a rollout (an empty minibatch); ``agent.gamma`` or
+            ``agent.gae_lambda`` outside [0, 1]; ``agent.clip_coef`` <= 0; ``agent.critic_warmup``
+            < 0; non-numbers.
+    """
+    def number(name: str, integer: bool = False) -> float:
+        value = a.get(name)
+        try:
+            if isinstance(value, bool) or (integer and float(value) != int(value)):
+                raise ValueError
+            v = float(value)
+        except (TypeError, ValueError, OverflowError):
+            v = math.nan
+        if not math.isfinite(v):
+            raise ValueError(f"agent.{name} must be a{'n integer' if integer else ' number'}, got {value!r}")
+        return v
+
+    for name in ("n_envs", "n_steps", "n_epochs", "n_minibatches"):
+        if number(name, integer=True) < 1:
+            raise ValueError(f"agent.{name} must be >= 1, got {a.get(name)!r}")
+    rows = int(a.n_envs) * int(a.n_steps)
+    if int(a.n_minibatches) > rows:
+        raise ValueError(
+            f"agent.n_minibatches={a.n_minibatches} is more than the agent.n_envs x agent.n_steps = {rows} samples "
+            f"of a rollout (a minibatch would be empty); use at most {rows}")
+    for name in ("gamma", "gae_lambda"):
+        if not 0.0 <= number(name) <= 1.0:
+            raise ValueError(f"agent.{name} must be in [0, 1], got {a.get(name)!r}")
+    if number("clip_coef") <= 0.0:
+        raise ValueError(f"agent.clip_coef must be > 0 (the PPO ratio clip), got {a.get('clip_coef')!r}")
+    if number("critic_warmup", integer=True) < 0:
+        raise ValueError(f"agent.critic_warmup must be >= 0 (rollouts), got {a.get('critic_warmup')!r}")
+
+
 class GTrXLPPO:
     """PPO-GTrXL (the runtime's ``Trainable``); see the module docstring.
 
@@ -288,18 +330,24 @@ class GTrXLPPO:
         device: training device.
 
     Raises:
-        ValueError: unsupported spaces (Box observations and Discrete or bounded Box actions only).
+        ValueError: rollout or loss options out of range (:func:`check_ppo_options`, before any
+            environment is made), unsupported spaces (Box observations and Discrete or bounded
+            Box actions only), a learned position table shorter than the environment's time
+            limit (``backbone.max_position``).
     """
 
     def __init__(self, cfg: Any, run_dir: Path | None, device: torch.device | str,
                  extra: Mapping[str, Any] | None = None) -> None:
         a = cfg.agent
+        if extra is None:
+            check_ppo_options(a)
         self.cfg, self.a = cfg, a
         self.seed = int(cfg.seed)
         self.device = torch.device(device)
         self.env_id, self.env_kwargs = str(a.env_id), dict(check_env_kwargs(_plain(a.env_kwargs)) or {})
         probe = gym.make(self.env_id, **self.env_kwargs)
         obs_space, act_space = probe.observation_space, probe.action_space
+        time_limit = None if probe.spec is None else probe.spec.max_episode_steps
         probe.close()
         if not isinstance(obs_space, gym.spaces.Box):
             raise ValueError(f"gtrxl_ppo: needs a Box observation space, {self.env_id} has {obs_space}")
@@ -334,6 +382,12 @@ class GTrXLPPO:
             self.model_cfg = GTrXLConfig(obs_dim=obs_dim, act_dim=act_dim, discrete=self.discrete, backbone=backbone,
                                          critic="value", **inputs)
         self.model = GTrXLModel(self.model_cfg).to(self.device)
+        limit = position_limit(self.model)
+        if extra is None and limit is not None and time_limit is not None and time_limit > limit:
+            raise ValueError(
+                f"backbone.max_position={limit} but {self.env_id} episodes run up to {time_limit} steps: the "
+                f"positions are episode steps, and backbone.position.kind=learned has no table row past step "
+                f"{limit - 1}; raise backbone.max_position or use a relative position kind (xl_relative)")
         if init_state is not None:
             self._load_offline(init_state)
         if extra is not None:
@@ -419,8 +473,8 @@ class GTrXLPPO:
     def _to_env(self, a: Tensor) -> np.ndarray:
         if self.discrete:
             return a.cpu().numpy().astype(np.int64) + self.action_start
-        a = a.clamp(-1.0, 1.0).cpu().numpy()
-        return (self.low + 0.5 * (a + 1.0) * (self.high - self.low)).astype(np.float32)
+        low, high = (torch.as_tensor(b, device=a.device) for b in (self.low, self.high))
+        return to_env_action(a.clamp(-1.0, 1.0), low, high).cpu().numpy().astype(np.float32)
 
     def _step_inputs(self, obs: np.ndarray, prev_a: Tensor, prev_r: Tensor) -> Tensor:
         return self.model.encoder.inputs(self._norm_obs(obs)[:, None], None, prev_a[:, None], prev_r[:, None])[:, 0]
