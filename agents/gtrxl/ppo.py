@@ -40,19 +40,20 @@ collected rollout that was cut short stays counted in ``train/env_steps`` (those
 steps were taken), so after such a resume ``env_steps`` is ``n_envs x n_steps`` (x processes)
 above an uninterrupted run's at the same update.
 
-Under DDP (``--nproc W``) every process runs its own ``n_envs`` environments (rank r seeds them
-after rank r - 1's), collects its own rollout and trains on its rows of each minibatch (the
-trainer splits every minibatch across the processes, so ``n_envs x n_steps / n_minibatches``
-must be divisible by W); ``train/env_steps`` counts the steps of every process. One update's
-global minibatch is therefore the union of the ranks' shards: ``n_envs x n_steps /
-n_minibatches`` rows, ``1 / W`` of them from each rank's rollout, and the gradient is exactly
-that of one process on that union: the loss terms are means over equal-sized shards (DDP's
-gradient average is the global mean) and the advantages are normalised with the mean and
-standard deviation of the whole global minibatch (:func:`normalize_advantages`, three scalar
-all-reduces; tested against one process). Limitation: each epoch a rank learns from only
-``1 / W`` of its own rollout (its rows of each minibatch; a fresh random subset every epoch),
-so W processes collect W times the environment steps of one process for the same number of
-samples per update; they do not act as one process with ``W x n_envs`` environments.
+Under DDP (``--nproc W``) W processes act as one process with ``W x n_envs`` environments:
+every process runs its own ``n_envs`` environments (rank r seeds them after rank r - 1's, the
+seeds one process with ``W x n_envs`` environments would give them), collects its own rollout
+and trains on every row of its own minibatches (the agent sets ``local_batches``, so the
+trainer does not split them again); ``train/env_steps`` counts the steps of every process.
+One update's global minibatch is therefore the union of the ranks' minibatches, W x
+``n_envs x n_steps / n_minibatches`` rows, and the gradient is exactly that of one process on
+that union: the loss terms are means over equal-sized minibatches (every rank splits its
+rollout the same way, so DDP's gradient average is the global mean) and the advantages are
+normalised with the mean and standard deviation of the whole global minibatch
+(:func:`normalize_advantages`, three scalar all-reduces; tested against one process). The
+only difference from one process with ``W x n_envs`` environments: each rank draws its
+minibatches from its own rollout (a global minibatch takes the same number of rows from
+every rank's rollout, not a uniform draw over their union).
 
 Logged (``train/...``): PPO losses, approximate KL, clip fraction, entropy, mean gate values per
 layer (``gate/layer{i}_attn|ffn``), attention entropy per layer (nats, at the rollout's last
@@ -336,6 +337,10 @@ class GTrXLPPO:
             limit (``backbone.max_position``).
     """
 
+    #: Each rank's minibatches are its own share of the global minibatch (the trainer does not
+    #: shard them under DDP; see the module docstring).
+    local_batches = True
+
     def __init__(self, cfg: Any, run_dir: Path | None, device: torch.device | str,
                  extra: Mapping[str, Any] | None = None) -> None:
         a = cfg.agent
@@ -396,23 +401,11 @@ class GTrXLPPO:
         self.n_envs, self.n_steps = int(a.n_envs), int(a.n_steps)
         info = dist_info()  # under DDP (torchrun) every process collects its own rollouts
         self.rank, self.world_size = info.rank, info.world_size
-        if extra is None:
-            self._check_world_size()
         self.envs: gym.vector.VectorEnv | None = None
         self.returns_window: deque[float] = deque(maxlen=20)
         self.lengths_window: deque[float] = deque(maxlen=20)
         self.env_steps = 0  # of this process (each process collects the same number)
         self.rollouts = 0
-
-    def _check_world_size(self) -> None:
-        """Under DDP every minibatch is split evenly across the W processes (each process
-        collects its own rollout and keeps its rows of each minibatch)."""
-        w = self.world_size
-        rows, n_mb = self.n_envs * self.n_steps, int(self.a.n_minibatches)
-        if w > 1 and (rows % n_mb or (rows // n_mb) % w):
-            raise ValueError(
-                f"agent.n_minibatches={n_mb}: with {w} processes each minibatch of agent.n_envs x agent.n_steps / "
-                f"agent.n_minibatches = {rows}/{n_mb} rows must be a whole number divisible by {w}")
 
     # -- fine-tuning from an offline run ------------------------------------------------------
     def _read_offline(self, path: str) -> tuple[dict, dict, dict]:

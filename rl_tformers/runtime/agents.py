@@ -54,6 +54,12 @@ The protocol (optional methods, detected with ``getattr``)
     training trajectory). Scalars go to TensorBoard as ``eval/<key>`` (a key containing ``/``
     is used as is), figures as images. Seed environments with
     ``rl_tformers.runtime.seeding.derive_seed(cfg.seed, "eval", step)``.
+``local_batches: bool``
+    Under DDP the trainer normally cuts every batch into the W ranks' shards
+    (:func:`~rl_tformers.runtime.distributed.shard_source`). An agent whose ``batches`` already
+    yields this rank's own part of the global batch (on-policy agents: each rank collects its
+    own rollout, so W processes act like one with W times the environments) sets this to True
+    and the trainer feeds its batches unchanged. Default False.
 ``updates_per_rollout: int``
     On-policy agents: how many consecutive updates learn from one rollout (PPO: epochs x
     minibatches). The trainer then redraws random attention features (``redraw_every`` of

@@ -660,7 +660,10 @@ class Trainer:
                                 int(t.warmup_steps), self.total_steps, float(t.lr))
             if t.compile:
                 self.model.compile()
-            source = dist_rt.shard_source(batches, self.rank, self.world_size)
+            if getattr(self.agent, "local_batches", False):  # each rank's batches are its own share already
+                source = batches
+            else:
+                source = dist_rt.shard_source(batches, self.rank, self.world_size)
             stream = batch_stream(source, self.step, self.total_steps, int(t.num_workers),
                                   pin_memory=self.device.type == "cuda")
             if self._rng_to_restore is not None:

@@ -229,3 +229,32 @@ def test_ppo_on_two_processes_computes_the_gradient_of_one_process_on_the_whole_
     assert (outs[0]["loss"] + outs[1]["loss"]) / 2 == pytest.approx(outs[0]["one_loss"], rel=1e-6)
     for o in outs:  # every rank ends with the one-process gradient (float rounding only)
         assert o["grad_scale"] > 1e-3 and o["grad_diff"] < 1e-6 * o["grad_scale"] + 1e-8, o
+
+
+def test_ppo_on_two_processes_trains_on_every_row_of_each_ranks_minibatches(tmp_path: Path) -> None:
+    """W processes act as one with W x n_envs environments: each rank's loss sees all
+    n_envs x n_steps / n_minibatches rows of its own minibatch (the trainer used to cut it in W
+    again, so each rank learned from 1/W of its own rollout), and the ranks' rollouts differ."""
+    outs = _two_ranks(tmp_path, f"""
+        from rl_tformers.agents.gtrxl.ppo import GTrXLPPO
+        from rl_tformers.runtime.config import compose
+        from rl_tformers.runtime.trainer import train
+        torch.set_num_threads(1)
+        rows, obs = [], []
+        loss = GTrXLPPO.loss
+        def recording_loss(self, batch):
+            rows.append(int(batch["x"].shape[0]))
+            obs.append(float(batch["x"].double().sum()))
+            return loss(self, batch)
+        GTrXLPPO.loss = recording_loss
+        cfg = compose("gtrxl/ppo_cartpole", ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=2",
+                      "agent.n_envs=2", "agent.n_steps=9", "agent.n_epochs=1", "agent.n_minibatches=2",
+                      "train.steps=2", "train.log_every=1", "eval.at_end=false", "eval.every=0",
+                      "train.progress=false", "device=cpu"])
+        train(cfg, {str(tmp_path / "run")!r})
+        out = {{"rows": rows, "obs": obs}}
+    """)
+    assert [o["rows"] for o in outs] == [[9, 9], [9, 9]]  # 2 x 9 rows in 2 minibatches, none cut again
+    assert outs[0]["obs"] != outs[1]["obs"]  # each rank learns from its own rollout
+    m = _metrics(tmp_path / "run")
+    assert [x["train/env_steps"] for x in m] == [36.0, 36.0]  # 2 processes x 2 environments x 9 steps
