@@ -16,6 +16,7 @@ episode is finished, not cut), so datasets hold complete episodes only.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import shutil
@@ -120,7 +121,27 @@ def _prepare_target(dataset_id: str, root: Path, overwrite: bool) -> None:
         shutil.rmtree(target)
 
 
-def check_hdf5_target(path: str | Path | None) -> None:
+def _new_dirs(target: Path, root: Path) -> Path | None:
+    """The highest folder between ``root`` (exclusive) and ``target`` that does not exist yet."""
+    top = None
+    for p in [target, *target.parents]:
+        if p == root or root not in p.parents:
+            break
+        if not p.exists():
+            top = p
+    return top
+
+
+def _remove_partial(target: Path, created: Path | None) -> None:
+    """After a failed build: remove the half-written dataset folder ``target`` and the namespace
+    folders created for it (``created``) when they hold nothing but Minari's namespace metadata."""
+    shutil.rmtree(target, ignore_errors=True)
+    if created is not None and created.is_dir() and all(
+            f.name == "namespace_metadata.json" for f in created.rglob("*") if not f.is_dir()):
+        shutil.rmtree(created, ignore_errors=True)
+
+
+def check_hdf5_target(path: str | Path | None, overwrite: bool = False) -> None:
     """Refuse an HDF5 output path that cannot be written, before anything is collected.
 
     Called before the rollouts, so that a bad ``--hdf5`` does not fail only after the Minari
@@ -128,12 +149,16 @@ def check_hdf5_target(path: str | Path | None) -> None:
 
     Raises:
         ValueError: ``path`` is a directory, or a path component above it is an existing file.
+        FileExistsError: ``path`` is an existing file and ``overwrite`` is False.
     """
     if path is None:
         return
     p = Path(path).expanduser()
     if p.is_dir():
         raise ValueError(f"--hdf5 {p} is a directory; give the .hdf5 file to write (e.g. {p / 'dataset.hdf5'})")
+    if p.exists() and not overwrite:
+        raise FileExistsError(f"--hdf5 {p} already exists; pass overwrite=True (CLI: --overwrite) to replace it, "
+                              "or choose another file")
     for parent in p.parents:
         if parent.exists():
             if not parent.is_dir():
@@ -151,9 +176,40 @@ def _make_collector(env: gym.Env, pomdp: dict | None):
                                 observation_space=masked_space, record_infos=False)
 
 
+def registered_spec(env_id: str) -> gym.envs.registration.EnvSpec:
+    """The registered spec of ``env_id``, also for gymnasium's ``"module:EnvId"`` form.
+
+    ``gym.make`` imports ``module`` (which registers ``EnvId``) but ``gym.spec`` (what Minari
+    calls on an ``eval_env`` string) does not accept the prefix, so it is resolved here.
+    """
+    module, _, name = env_id.rpartition(":")
+    if module:
+        importlib.import_module(module)
+    return gym.spec(name)
+
+
+def check_recordable(env: gym.Env) -> None:
+    """Refuse an environment whose spec Minari cannot store as JSON, before anything is collected.
+
+    Raises:
+        ValueError: the spec is missing or holds a callable (an entry point or kwarg that is a
+            function/class object rather than a ``"module:Attr"`` string).
+    """
+    spec = env.spec
+    try:
+        if spec is None:
+            raise ValueError("it has no spec (not made by gym.make)")
+        spec.to_json()
+    except Exception as exc:  # gymnasium raises ValueError for callables, TypeError for other objects
+        name = getattr(spec, "id", None) or type(env.unwrapped).__name__
+        raise ValueError(f"environment {name!r} cannot be recorded in a Minari dataset: its spec is not "
+                         f"JSON-serialisable ({exc}); register it with a string entry point "
+                         "(gym.register(id, entry_point='module:Class')) and JSON-compatible kwargs") from None
+
+
 def _eval_env(env_id: str, pomdp: dict | None):
     if pomdp is None:
-        return env_id
+        return registered_spec(env_id)
     return ObservationMaskWrapper(gym.make(env_id), pomdp["indices"]).spec
 
 
@@ -206,15 +262,32 @@ def collect(
         :class:`CollectResult` with the returns and lengths the rollout saw.
 
     Raises:
-        FileExistsError: the dataset exists and ``overwrite`` is False.
+        FileExistsError: the dataset or the ``hdf5`` file exists and ``overwrite`` is False.
         ValueError: malformed ``dataset_id``; ``hdf5`` a directory or below a file
-            (:func:`check_hdf5_target`, checked before collecting).
+            (:func:`check_hdf5_target`, checked before collecting); an environment whose spec
+            Minari cannot store (:func:`check_recordable`).
+
+    A build that fails or is interrupted removes its half-written dataset folder.
     """
+    root_path = data_root(root)
+    check_hdf5_target(hdf5, overwrite)
+    _prepare_target(dataset_id, root_path, overwrite)
+    created = _new_dirs(root_path / dataset_id, root_path)
+    try:
+        result = _collect(env_id, behaviours, dataset_id, seed, pomdp, root_path, progress, description, record,
+                          env_kwargs)
+    except BaseException:  # never leave a half-written dataset behind (a rerun would be refused as existing)
+        _remove_partial(root_path / dataset_id, created)
+        raise
+    if hdf5 is not None:
+        result.hdf5_path = save_d4rl_hdf5(load_minari(result.path), hdf5)
+    return result
+
+
+def _collect(env_id, behaviours, dataset_id, seed, pomdp, root_path, progress, description, record,
+             env_kwargs) -> CollectResult:
     from tqdm.auto import tqdm
 
-    root_path = data_root(root)
-    check_hdf5_target(hdf5)
-    _prepare_target(dataset_id, root_path, overwrite)
     seeds = np.random.default_rng([int(seed), 0])
     returns: list[float] = []
     lengths: list[int] = []
@@ -222,7 +295,12 @@ def collect(
     total = sum(b.steps or 0 for b in behaviours)
     with minari_root(root_path):
         env = gym.make(env_id, **(env_kwargs or {}))
-        collector = _make_collector(env, pomdp)
+        try:
+            check_recordable(env)
+            collector = _make_collector(env, pomdp)
+        except BaseException:
+            env.close()
+            raise
         bar = tqdm(total=total or None, unit="step", disable=not progress, desc=dataset_id)
         try:
             for b in behaviours:
@@ -253,11 +331,8 @@ def collect(
         finally:
             bar.close()
             collector.close()
-    result = CollectResult(dataset_id, root_path / dataset_id, np.asarray(returns), np.asarray(lengths, np.int64),
-                           slices)
-    if hdf5 is not None:
-        result.hdf5_path = save_d4rl_hdf5(load_minari(result.path), hdf5)
-    return result
+    return CollectResult(dataset_id, root_path / dataset_id, np.asarray(returns), np.asarray(lengths, np.int64),
+                         slices)
 
 
 def train_and_record(
@@ -289,22 +364,29 @@ def train_and_record(
 
     root_path = data_root(root)
     result = None
-    check_hdf5_target(hdf5)
+    check_hdf5_target(hdf5, overwrite)
     if replay_dataset_id is None:
         env = SeededResets(gym.make(env_id), seed)
         model = train_sb3(algo, env, steps, seed=seed, progress=progress)
         return SB3Policy(model, None, name=f"{algo}-trained-{steps}"), None
     _prepare_target(replay_dataset_id, root_path, overwrite)
-    with minari_root(root_path):
-        collector = _make_collector(gym.make(env_id), pomdp)
-        try:
-            model = train_sb3(algo, SeededResets(collector, seed), steps, seed=seed, progress=progress)
-            rec = {"env_id": env_id, "seed": int(seed), "algorithm": f"{algo} training ({steps} steps)",
-                   "behaviours": [{"label": f"{algo} training replay", "train_steps": int(steps)}]}
-            _create(collector, replay_dataset_id, env_id, pomdp, description or
-                    f"{algo.upper()} training replay data ({steps} steps) on {env_id}", rec)
-        finally:
-            collector.close()
+    created = _new_dirs(root_path / replay_dataset_id, root_path)
+    try:
+        with minari_root(root_path):
+            env = gym.make(env_id)
+            check_recordable(env)
+            collector = _make_collector(env, pomdp)
+            try:
+                model = train_sb3(algo, SeededResets(collector, seed), steps, seed=seed, progress=progress)
+                rec = {"env_id": env_id, "seed": int(seed), "algorithm": f"{algo} training ({steps} steps)",
+                       "behaviours": [{"label": f"{algo} training replay", "train_steps": int(steps)}]}
+                _create(collector, replay_dataset_id, env_id, pomdp, description or
+                        f"{algo.upper()} training replay data ({steps} steps) on {env_id}", rec)
+            finally:
+                collector.close()
+    except BaseException:  # never leave a half-written dataset behind
+        _remove_partial(root_path / replay_dataset_id, created)
+        raise
     ds = load_minari(root_path / replay_dataset_id)
     result = CollectResult(replay_dataset_id, root_path / replay_dataset_id, ds.episode_returns, ds.lengths.copy(),
                            [(0, ds.num_episodes)])

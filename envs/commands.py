@@ -16,6 +16,11 @@ def _fail(message: str) -> None:
     raise typer.Exit(1)
 
 
+def _check_dataset_arg(dataset: str) -> None:
+    if not dataset.strip():
+        _fail("DATASET is empty; give a Minari dataset id, folder or .hdf5 file")
+
+
 def _parse_indices(text: str) -> list[int]:
     try:
         return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
@@ -48,7 +53,8 @@ def collect(
     recipe_steps: int = typer.Option(None, "--recipe-steps", help="Override the recipes' base size (default 100000)."),
     policies: Path = typer.Option(None, "--policies", help="Folder of pretrained policies for recipes (default ../shared/policies)."),
     list_recipes: bool = typer.Option(False, "--list-recipes", help="List the recipes and exit."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing dataset of the same id."),
+    overwrite: bool = typer.Option(False, "--overwrite",
+                                   help="Replace an existing dataset of the same id (and an existing --hdf5 file)."),
     skip_existing: bool = typer.Option(False, "--skip-existing",
                                        help="With --recipe: build only the recipes whose dataset does not exist yet."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
@@ -118,6 +124,14 @@ def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset
                       f"{'exists' if len(existing) == 1 else 'exist'} under "
                       f"{dataset_folder('', root)}: {ids}; nothing was built. Pass --skip-existing to build only the "
                       f"missing ones, or --overwrite to rebuild them")
+            if hdf5 is not None and not overwrite:
+                clash = [str(Path(hdf5).expanduser() / f"{r.name}.hdf5") for r in todo
+                         if not (skip_existing and r.name in existing)
+                         and (Path(hdf5).expanduser() / f"{r.name}.hdf5").exists()]
+                if clash:
+                    _fail(f"--hdf5 {hdf5}: {', '.join(clash)} already "
+                          f"{'exists' if len(clash) == 1 else 'exist'}; nothing was built. Pass --overwrite to "
+                          "replace them, or choose another --hdf5 folder")
             for r in todo:
                 if skip_existing and r.name in existing:
                     path = dataset_folder(r.dataset_id, root)
@@ -139,7 +153,13 @@ def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset
 def _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
                  pomdp, obs_indices, seed, dataset_id, root, hdf5, overwrite, progress):
     import gymnasium as gym
-    from rl_tformers.envs.collect import Behaviour, check_hdf5_target, collect, train_and_record
+    from rl_tformers.envs.collect import (
+        Behaviour,
+        check_hdf5_target,
+        check_recordable,
+        collect,
+        train_and_record,
+    )
     from rl_tformers.envs.policies import NoisyPolicy, RandomPolicy, load_sb3_policy
     from rl_tformers.envs.pomdp import pomdp_record
 
@@ -155,11 +175,17 @@ def _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset
         raise typer.BadParameter(f"{'--steps' if steps is not None else '--episodes'} 0 collects nothing; give a "
                                  "positive number (0 is meant for --train with --replay-dataset-id only)",
                                  param_hint="--steps/--episodes")
-    check_hdf5_target(hdf5)  # before the (long) rollouts, not after them
+    check_hdf5_target(hdf5, overwrite)  # before the (long) rollouts, not after them
+    if train and replay_dataset_id and hdf5 is not None:
+        check_hdf5_target(Path(hdf5).with_name(Path(hdf5).stem + "-replay.hdf5"), overwrite)
     try:
         genv = gym.make(env)
-    except gym.error.Error as exc:  # unknown id, missing dependency, deprecated version
+    except (gym.error.Error, ModuleNotFoundError) as exc:  # unknown id or module:, missing dependency, deprecated
         raise typer.BadParameter(f"cannot make environment {env!r}: {exc}", param_hint="--env") from None
+    try:
+        check_recordable(genv)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--env") from None
     record = None
     if obs_indices is not None:
         if pomdp not in ("none", "mask"):
@@ -194,7 +220,8 @@ def _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset
     if (steps or 0) == 0 and (episodes or 0) == 0:
         return results  # only the training replay was asked for
     suffix = "" if record is None else f"-{record['kind'] if record['kind'] == 'positions' else 'masked'}"
-    dataset_id = dataset_id or f"rlt/{env.lower()}/{label}{suffix}-v0"
+    # "module:EnvId" (gymnasium's form for a user's own env): ':' is not allowed in a Minari id
+    dataset_id = dataset_id or f"rlt/{env.rpartition(':')[2].lower()}/{label}{suffix}-v0"
     results.append(collect(env, [Behaviour(pol, steps=steps, episodes=episodes, label=info["policy"], info=info)],
                            dataset_id=dataset_id, seed=seed, pomdp=record, root=root, hdf5=hdf5, overwrite=overwrite,
                            progress=progress, description=f"rl-tformers collect: {info['policy']} on {env}",
@@ -216,6 +243,7 @@ def info(
     from rl_tformers.envs.dataset import DatasetError
     from rl_tformers.envs.loaders import load_dataset
 
+    _check_dataset_arg(dataset)
     try:
         ds = load_dataset(dataset, download=download, flatten_observations=flatten_observations, root=root,
                           max_ep_len=max_ep_len, lazy=True)
@@ -240,13 +268,17 @@ def export(
     flatten_observations: bool = typer.Option(False, "--flatten-observations",
                                               help="Flatten Dict/Tuple observations (gymnasium flatten_space)."),
     root: Path = typer.Option(None, "--root", help="Data root searched first for Minari ids."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
 ) -> None:
     """Validate a dataset and write it as one flat D4RL-layout HDF5 file (fast to reload, lazy-loadable)."""
     from rl_tformers.envs.dataset import DatasetError
     from rl_tformers.envs.loaders import load_dataset, save_d4rl_hdf5
 
+    _check_dataset_arg(dataset)
     if out.expanduser().is_dir():  # before reading the dataset
         _fail(f"{out} is a directory; OUT is the .hdf5 file to write (e.g. {out / 'dataset.hdf5'})")
+    if out.expanduser().exists() and not overwrite:
+        _fail(f"OUT {out} already exists; pass --overwrite to replace it, or choose another file")
     try:
         ds = load_dataset(dataset, download=download, flatten_observations=flatten_observations, root=root)
     except (DatasetError, FileNotFoundError, RuntimeError) as exc:

@@ -236,8 +236,12 @@ def load_minari(
     except Exception as exc:  # an episode group or array missing from main_data.hdf5, unreadable data
         raise DatasetError(f"{path}: cannot read the episodes ({type(exc).__name__}: {exc})") from exc
     env_spec = md.env_spec
+    env_id = getattr(env_spec, "id", None)
+    recorded = own.get("env_id")
+    if isinstance(recorded, str) and ":" in recorded and recorded.rpartition(":")[2] == env_id:
+        env_id = recorded  # gymnasium's "module:EnvId": gym.make imports the module that registers EnvId
     metadata = DatasetMetadata(
-        env_id=getattr(env_spec, "id", None),
+        env_id=env_id,
         source=source,
         location=str(spec),
         dataset_id=md.spec.dataset_id,
@@ -564,6 +568,8 @@ def load_dataset(
     bounds check would use. See :func:`load_minari` and :func:`load_d4rl_hdf5` for the other
     arguments and the errors raised.
     """
+    if not str(spec).strip():
+        raise DatasetError("the dataset spec is empty; give a Minari dataset id, folder or .hdf5 file")
     p = Path(spec).expanduser()
     if p.suffix.lower() in HDF5_SUFFIXES or p.is_file():
         return load_d4rl_hdf5(p, lazy=lazy, max_ep_len=max_ep_len, validate=validate, env_id=env_id,
