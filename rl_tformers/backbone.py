@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from rl_tformers.config import BackboneConfig, BuildContext, IncompatibleConfig
 from rl_tformers.memory.base import SegmentRecord
+from rl_tformers.position.base import check_position_dtype
 from rl_tformers.registry import REGISTRIES, SLOTS
 from rl_tformers.types import AttnContext, BackboneOutput, BackboneState, merge_into
 
@@ -127,8 +128,9 @@ class Backbone(nn.Module):
 
         Args:
             x: (B, T, D) input embeddings.
-            positions: (B, T) long positions in the caller's units (token index, environment
-                step...). Default: ``state.next_pos + arange(T)`` or ``arange(T)``.
+            positions: (B, T) integer positions (int64, or any integer dtype) in the caller's
+                units (token index, environment step...). Default: ``state.next_pos + arange(T)``
+                or ``arange(T)``.
             mask: (B, T) bool, True = real token, False = padding. Padded tokens are never
                 attended to; their outputs are unspecified. Default: all real.
             state: :class:`BackboneState` from :meth:`initial_state` or a previous call.
@@ -151,7 +153,9 @@ class Backbone(nn.Module):
             segment (T = 0) returns ``hidden`` (B, 0, D) and the given state unchanged.
 
         Raises:
-            ValueError: on shape mismatches (the message names the argument).
+            ValueError: on shape mismatches (the message names the argument); ``positions`` of a
+                float, complex or bool dtype (never truncated silently: the message names its
+                dtype and the expected integer dtype).
             TypeError: ``output_tokens`` is not a slice.
         """
         if x.dim() != 3 or x.shape[-1] != self.config.d_model:
@@ -163,7 +167,9 @@ class Backbone(nn.Module):
             positions = base + torch.arange(t, device=dev)
         elif positions.shape != (b, t):
             raise ValueError(f"backbone: positions must be ({b}, {t}), got {tuple(positions.shape)}")
-        positions = positions.long()
+        else:
+            check_position_dtype(positions, "backbone")
+        positions = positions.long()  # any integer dtype: exact
         if mask is not None and mask.shape != (b, t):
             raise ValueError(f"backbone: mask must be ({b}, {t}), got {tuple(mask.shape)}")
         if output_tokens is not None and not isinstance(output_tokens, slice):

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from rl_tformers.backbone import Backbone
 from rl_tformers.blocks.base import build_ffn
 from rl_tformers.config import BackboneConfig, BuildContext, IncompatibleConfig
-from rl_tformers.position.base import PositionModule
+from rl_tformers.position.base import PositionModule, check_position_dtype
 from rl_tformers.registry import ATTENTION, REGISTRIES, config_to_dict
 from rl_tformers.types import AttnContext, BackboneOutput, merge_into
 
@@ -211,9 +211,17 @@ class EncoderDecoder(nn.Module):
         src_pos: Tensor | None = None,
         src_mask: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor], dict[str, Any]]:
-        """Decoder pass: tgt (B, T, D) over encoder output memory (B, S, D) -> (hidden (B, T, D), aux, metrics)."""
+        """Decoder pass: tgt (B, T, D) over encoder output memory (B, S, D) -> (hidden (B, T, D), aux, metrics).
+
+        Raises:
+            ValueError: ``tgt`` not (B, T, D_decoder), or ``tgt_pos``/``src_pos`` (B, T)/(B, S) not of an
+                integer dtype (:func:`~rl_tformers.position.base.check_position_dtype`).
+        """
         if tgt.dim() != 3 or tgt.shape[-1] != self.config.decoder.d_model:
             raise ValueError(f"encoder_decoder: tgt must be (B, T, {self.config.decoder.d_model}), got {tuple(tgt.shape)}")
+        for name, pos in (("tgt_pos", tgt_pos), ("src_pos", src_pos)):
+            if pos is not None:
+                check_position_dtype(pos, "encoder_decoder", name)
         tgt_pos = _default_pos(tgt) if tgt_pos is None else tgt_pos.long()
         src_pos = _default_pos(memory) if src_pos is None else src_pos.long()
         self_ctx = AttnContext(

@@ -58,7 +58,8 @@ every rank's rollout, not a uniform draw over their union).
 Logged (``train/...``): PPO losses, approximate KL, clip fraction, entropy, mean gate values per
 layer (``gate/layer{i}_attn|ffn``), attention entropy per layer (nats, at the rollout's last
 step), episodic return/length (mean of the episodes finished in the latest rollouts) and
-environment steps.
+environment steps (``train/env_steps``: the count at the window's last update, not a mean over
+the window: the agent's ``latest_logs``).
 """
 
 from __future__ import annotations
@@ -340,6 +341,8 @@ class GTrXLPPO:
     #: Each rank's minibatches are its own share of the global minibatch (the trainer does not
     #: shard them under DDP; see the module docstring).
     local_batches = True
+    #: Counters the trainer logs at their latest value, not averaged over its logging window.
+    latest_logs = ("env_steps",)
 
     def __init__(self, cfg: Any, run_dir: Path | None, device: torch.device | str,
                  extra: Mapping[str, Any] | None = None) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from rl_tformers.config import SlotConfig
@@ -104,8 +105,28 @@ def per_head(param: Tensor, ndim: int) -> Tensor:
     return param.view(1, param.shape[0], *([1] * (ndim - 3)), param.shape[1])  # (1, H, 1.., Dh)
 
 
+def check_position_dtype(pos: Tensor, who: str, name: str = "positions") -> None:
+    """Refuse positions that are not integers (float, complex or bool tensors).
+
+    Positions index tables and phases; a float tensor is never rounded or truncated silently.
+
+    Raises:
+        ValueError: ``pos`` does not have an integer dtype; the message names ``who``, ``name``,
+            the dtype and the expected one (int64, or any integer dtype).
+    """
+    dt = pos.dtype
+    if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+        raise ValueError(
+            f"{who}: {name} must have an integer dtype (torch.int64, or any integer dtype), got {dt}; "
+            f"positions are token indices or episode steps: pass them as integers (e.g. .long() after "
+            f"rounding them yourself, if they really are whole numbers)"
+        )
+
+
 def check_positions(pos: Tensor, limit: int, who: str) -> None:
-    """Raise ValueError naming ``who`` if any position is outside [0, limit)."""
+    """Raise ValueError naming ``who`` if ``pos`` is not an integer tensor
+    (:func:`check_position_dtype`) or any position is outside [0, limit)."""
+    check_position_dtype(pos, who)
     if pos.numel() == 0:
         return
     lo, hi = int(pos.min()), int(pos.max())

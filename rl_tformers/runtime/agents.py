@@ -27,8 +27,9 @@ The protocol (required)
 ``loss(batch) -> (loss, logs)``
     ``loss``: 0-dim float tensor to minimise (mean over the batch, auxiliary losses
     included). ``logs``: ``Mapping[str, float | 0-dim Tensor]`` of extra scalars, averaged over
-    the logging window and written as ``train/<key>``. Runs under autocast when
-    ``train.amp=bf16``; must not call ``backward`` or step anything.
+    the logging window (the keys in ``latest_logs``: their latest value) and written as
+    ``train/<key>``. Runs under autocast when ``train.amp=bf16``; must not call ``backward``
+    or step anything.
 ``batches(start_step) -> Dataset | Iterable``
     The batches for updates ``start_step, start_step + 1, ...``. Either
 
@@ -65,6 +66,12 @@ The protocol (optional methods, detected with ``getattr``)
     minibatches). The trainer then redraws random attention features (``redraw_every`` of
     ``performer``/``rfa``/``lsh``) only at multiples of it, never between a rollout and its
     updates. Default 1 (offline agents: a redraw may follow any update).
+``latest_logs: Collection[str]``
+    Keys of ``loss``'s ``logs`` that are counters or running totals (PPO: ``env_steps``):
+    instead of the window's mean the trainer logs the value of the latest update that logged
+    the key (under DDP the mean over the ranks of each rank's latest value, so a counter that
+    already counts every process, as PPO's does, is logged as is). Keys are named as in
+    ``logs`` (``train/`` is added the same way). Default: none (every key is averaged).
 ``resume_note(step) -> str | None``
     Agents whose ``--resume`` is not bit-identical to an uninterrupted run (on-policy agents:
     environment states are not checkpointed) return one line saying what is and is not

@@ -113,7 +113,13 @@ def train(
         to_yaml,
     )
     from rl_tformers.runtime.distributed import LAUNCHER_ENV, dist_info
-    from rl_tformers.runtime.trainer import GracefulInterrupt, Interrupted, RunDirError, load_resume_config
+    from rl_tformers.runtime.trainer import (
+        EvaluationInputError,
+        GracefulInterrupt,
+        Interrupted,
+        RunDirError,
+        load_resume_config,
+    )
     from rl_tformers.runtime.trainer import resume as resume_run
     from rl_tformers.runtime.trainer import train as train_run
 
@@ -157,6 +163,10 @@ def train(
     except (ConfigError, RegistryError, CheckpointError, RunDirError) as exc:
         if os.environ.get("RANK", "0") != "0":
             raise typer.Exit(2) from None  # under torchrun every rank meets the same bad input: rank 0 says it
+        raise _fail(str(exc)) from None
+    except EvaluationInputError as exc:  # the run is saved; the message names the option at fault
+        if os.environ.get("RANK", "0") != "0":
+            raise typer.Exit(2) from None
         raise _fail(str(exc)) from None
     except Interrupted as exc:  # before the first update: nothing was trained or written
         if report:

@@ -37,7 +37,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +92,16 @@ class NonFiniteLossError(FloatingPointError):
     """The loss or gradient norm became NaN/inf; nothing after the last finite window is saved."""
 
 
+class EvaluationInputError(ValueError):
+    """An evaluation during training refused its input: the agent's ``evaluate`` raised a
+    ``ValueError`` (bad input by the project's convention, e.g. a DT episode longer than
+    ``agent.max_ep_len`` with ``agent.timestep_overflow=error``). The run is saved at that step
+    first; the message is one line: the agent's message (naming the option at fault), the
+    checkpoint, and what to do instead of repeating the same evaluation. The agent's exception
+    is ``__cause__``. ``rl-tformers train`` prints it as ``error: ...`` and exits with status 2.
+    """
+
+
 @dataclass
 class TrainResult:
     """What :meth:`Trainer.fit` returns.
@@ -130,9 +140,15 @@ class MetricWindow:
     them at a log boundary without changing them, and a checkpoint stores every rank's window
     (:meth:`Trainer.save`), so the first window after a resume averages exactly the same
     numbers, summed in the same order, as in an uninterrupted run.
+
+    Keys in ``latest`` (counters such as PPO's ``train/env_steps``, declared by the agent's
+    ``latest_logs``) are not averaged: the window keeps the value of the latest update that
+    logged the key (stored as a sum with count 1, so checkpoints and :meth:`reduce` need
+    nothing else).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, latest: Iterable[str] = ()) -> None:
+        self.latest = frozenset(latest)
         self.count = 0
         self.samples: float = 0
         self.sums: dict[str, Tensor | float] = {}
@@ -143,6 +159,9 @@ class MetricWindow:
         self.samples += samples
         for k, v in values.items():
             v = v.detach().float().reshape(()) if isinstance(v, Tensor) else float(v)
+            if k in self.latest:  # a counter: its latest value, not the window's mean
+                self.sums[k], self.counts[k] = v, 1
+                continue
             self.sums[k] = v if k not in self.sums else self.sums[k] + v
             self.counts[k] = self.counts.get(k, 0) + 1
 
@@ -163,8 +182,9 @@ class MetricWindow:
         first agree on the union of their keys (a key only some ranks logged, such as PPO's
         episodic return, is summed as 0 with count 0 elsewhere), then one all-reduce (float64)
         adds up every key's sum and count: each mean is over the (rank, update) pairs that
-        logged the key. Every rank gets the same numbers (the same decisions, e.g. on
-        non-finite values).
+        logged the key. A ``latest`` key is the mean over the ranks of each rank's latest value
+        (PPO's ``train/env_steps`` already counts every process, so every rank logs the same
+        total). Every rank gets the same numbers (the same decisions, e.g. on non-finite values).
         """
         if not dist_rt.is_active():
             return self.means(), float(self.samples)
@@ -388,7 +408,10 @@ class Trainer:
 
         #: attention modules with random features (Performer, RFA, LSH) redrawn on their schedule
         self._random_feature_modules = random_feature_modules(self.model)
-        self.window = MetricWindow()
+        #: logged keys that keep their latest value in a logging window (the agent's ``latest_logs``)
+        latest = getattr(self.agent, "latest_logs", ()) or ()
+        latest = (latest,) if isinstance(latest, str) else tuple(latest)
+        self.window = MetricWindow(latest=[k if "/" in k else f"train/{k}" for k in latest])
         self.step = 0
         self.elapsed_s = 0.0
         self._rng_to_restore: dict[str, Any] | None = None
@@ -531,8 +554,16 @@ class Trainer:
 
         A checkpoint of the current step is written first when ``saved`` is False (one process
         only: under DDP the other ranks cannot join the save, and rely on the regular
-        checkpoints). The exception is re-raised unchanged, with a note (also logged) naming
-        the checkpoint and how to continue or evaluate the run.
+        checkpoints).
+
+        Raises:
+            EvaluationInputError: the agent's ``evaluate`` raised a ``ValueError`` (bad input,
+                e.g. an option of the agent that the evaluation cannot run with); the message
+                repeats the agent's, names the checkpoint and suggests the fix rather than a
+                command that would fail the same way (``rl-tformers eval RUN``, or ``--resume``,
+                which evaluates again).
+            Exception: any other exception of the evaluation, re-raised unchanged with a note
+                (also logged) naming the checkpoint and how to continue or evaluate the run.
         """
         try:
             return self.evaluate(logger)
@@ -545,6 +576,16 @@ class Trainer:
                               self.step, save_exc)
                     raise exc from None
             where = f"checkpoint {checkpoint}" if checkpoint is not None else "the last checkpoint"
+            if isinstance(exc, ValueError) and not isinstance(exc, EvaluationInputError):
+                if self.step >= self.total_steps:
+                    then = (f"nothing is lost: the trained model is in {where}; `rl-tformers eval {self.run_dir}` "
+                            f"as it is would fail the same way: evaluate it with the fix named above")
+                else:
+                    then = (f"nothing is lost: the run is saved ({where}); resuming would meet the same "
+                            f"evaluation: fix the option named above, or finish training without evaluating "
+                            f"({resume_command(self.run_dir, self.world_size)} eval.every=0 eval.at_end=false) "
+                            f"and evaluate the model with the fix")
+                raise EvaluationInputError(f"evaluation at step {self.step} failed: {exc}; {then}") from exc
             if self.step >= self.total_steps:
                 then = f"the trained model is in {where}; evaluate it with: rl-tformers eval {self.run_dir}"
             else:
