@@ -41,7 +41,6 @@ Timesteps past ``max_ep_len`` (the size of the timestep embedding): ``timestep_o
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from rl_tformers.agents.common.policy import check_return_targets, embedding_target_limit
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer, to_env_action
 from rl_tformers.envs.trajectory import next_return_to_go
 from torch import Tensor
@@ -193,14 +193,8 @@ class DTPolicy:
         ``E_time`` every row of the timestep embedding. ``inf`` when ``w`` is all zeros.
         """
         m = self.model
-        w = m.embed_return.weight.detach().float().reshape(-1)  # (d,)
         c = (m.embed_return.bias.detach().float() + m.embed_timestep.weight.detach().float()).abs().max()
-        fmax = min(torch.finfo(torch.float32).max, torch.finfo(m.embed_return.weight.dtype).max)
-        big = math.sqrt(fmax / w.numel()) / 4
-        w_max = float(w.abs().max())
-        if w_max == 0.0:
-            return math.inf
-        return max(0.0, (big - float(c)) / w_max) * self.rtg_scale
+        return embedding_target_limit(m.embed_return.weight.reshape(-1), float(c), self.rtg_scale)
 
     def check_targets(self, targets: Sequence[float | None], option: str = "target return") -> None:
         """Refuse targets whose scaled return-to-go would overflow the model (:meth:`target_limit`).
@@ -210,25 +204,14 @@ class DTPolicy:
             option: what to name in the message (``--targets``, ``agent.targets``).
 
         Raises:
-            ValueError: a non-finite target, or one with ``|target| > target_limit()``; the
-                message names ``option``, the target and the limit.
+            ValueError: a target that is not a number or not finite, or one with
+                ``|target| > target_limit()``; the message names ``option``, the target and the limit
+                (:func:`~rl_tformers.agents.common.policy.check_return_targets`).
         """
-        limit = None
-        for t in targets:
-            t = self.default_target if t is None else t
-            if t is None:
-                continue
-            t = float(t)
-            if not math.isfinite(t):
-                raise ValueError(f"{option}: {t!r} is not a finite number")
-            limit = self.target_limit() if limit is None else limit
-            if abs(t) > limit:
-                raise ValueError(
-                    f"{option}: {t:g} is beyond what this model takes: |target| must be at most "
-                    f"{limit:.3g}, or the return-to-go (target / reward scale {self.rtg_scale:g}) times "
-                    f"the return embedding's weights may overflow float32 in the embedding LayerNorm "
-                    f"and give NaN actions"
-                )
+        check_return_targets(
+            [self.default_target if t is None else t for t in targets], option, self.target_limit, self.rtg_scale,
+            "the return embedding's weights may overflow float32 in the embedding LayerNorm",
+        )
 
     def initial_state(self, n_envs: int, target_return: float | None = None) -> DTState:
         """Empty context for ``n_envs`` episodes conditioned on ``target_return`` (raw units).

@@ -48,6 +48,7 @@ from rl_tformers.agents.common.offline import (
     flattens_observations,
     load_offline_dataset,
 )
+from rl_tformers.agents.common.policy import check_return_targets, embedding_target_limit
 from rl_tformers.agents.decision_transformer.model import from_env_action, to_env_action
 from rl_tformers.agents.gtrxl.loss import SegmentBatch, bc_loss, iql_loss, polyak_update
 from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone, position_limit
@@ -252,16 +253,10 @@ class GTrXLPolicy:
         enc = self.model.encoder
         if not self.model.cfg.rtg_input:
             return math.inf
-        weight = enc.embed.weight.detach()  # (d, input_dim): columns [obs (O) ; rtg ; a_{t-1} ; r_{t-1}]
-        w = weight[:, self.model.cfg.obs_dim].float()  # (d,)
+        w = enc.embed.weight[:, self.model.cfg.obs_dim]  # (d,): columns [obs (O) ; rtg ; a_{t-1} ; r_{t-1}]
         bias = enc.embed.bias
         c = 0.0 if bias is None else float(bias.detach().float().abs().max())
-        fmax = min(torch.finfo(torch.float32).max, torch.finfo(weight.dtype).max)
-        half = math.sqrt(fmax / w.numel()) / 8  # M / 2
-        w_max = float(w.abs().max())
-        if w_max == 0.0:
-            return math.inf
-        return max(0.0, (half - c) / w_max) * self.rtg_scale
+        return embedding_target_limit(w, c, self.rtg_scale, share=0.5)
 
     def check_targets(self, targets: Sequence[float | None], option: str = "target return") -> None:
         """Refuse targets whose scaled return-to-go would overflow the model (:meth:`target_limit`).
@@ -274,24 +269,10 @@ class GTrXLPolicy:
             ValueError: a target that is not a finite number, or one with
                 ``|target| > target_limit()``; the message names ``option``, the target and the limit.
         """
-        limit = None
-        for t in targets:
-            if t is None:
-                continue
-            try:
-                t = float(t)
-            except (TypeError, ValueError):
-                raise ValueError(f"{option}: {t!r} is not a number (a target return, raw units)") from None
-            if not math.isfinite(t):
-                raise ValueError(f"{option}: {t!r} is not a finite number")
-            limit = self.target_limit() if limit is None else limit
-            if abs(t) > limit:
-                raise ValueError(
-                    f"{option}: {t:g} is beyond what this model takes: |target| must be at most "
-                    f"{limit:.3g}, or the return-to-go (target / reward scale {self.rtg_scale:g}) times "
-                    f"the token embedding's weights may overflow float32 in the first layer norm "
-                    f"and give NaN actions"
-                )
+        check_return_targets(
+            targets, option, self.target_limit, self.rtg_scale,
+            "the token embedding's weights may overflow float32 in the first layer norm",
+        )
 
     def initial_state(self, n_envs: int, target_return: float | None = None) -> GTrXLState:
         """Empty memory for ``n_envs`` environments; ``target_return`` in raw reward units.
