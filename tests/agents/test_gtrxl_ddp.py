@@ -8,12 +8,6 @@ joined through ``MASTER_ADDR``/``MASTER_PORT``); each tiny run takes a few secon
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import h5py
@@ -21,65 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
-
-
-def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rl_tformers.cli", "train", *args],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=timeout,
-    )
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_ranks(tmp_path: Path, body: str) -> list[dict]:
-    """Run ``body`` in 2 processes of one gloo group (``rank``, ``out`` (a dict written as JSON) defined)."""
-    script = tmp_path / "ranks.py"
-    script.write_text(
-        "import json, sys\nimport torch\nimport torch.distributed as dist\n"
-        "torch.set_num_threads(1)\ndist.init_process_group('gloo')\nrank = dist.get_rank()\nout = {}\n"
-        + textwrap.dedent(body)
-        + "\ndist.barrier()\ndist.destroy_process_group()\n"
-        "open(sys.argv[1] + f'/{rank}.json', 'w').write(json.dumps(out))\n"
-    )
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={
-                **_env(),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-                "WORLD_SIZE": "2",
-                "RANK": str(r),
-                "LOCAL_RANK": str(r),
-            },
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=180)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+from tests.runtime.ddp_helpers import read_metrics, train_cli, two_ranks
 
 
 def _write_h5(path: Path) -> Path:
@@ -150,11 +86,11 @@ def test_gtrxl_offline_on_two_processes_equals_one_process_with_the_same_global_
     h5 = _write_h5(tmp_path / "d.hdf5")
     args = [f"agent.objective={objective}", f"dataset.path={h5}", *OFFLINE]
     one, two = tmp_path / "one", tmp_path / "two"
-    r = _cli(*args, "--run-dir", str(one))
+    r = train_cli(*args, "--run-dir", str(one))
     assert r.returncode == 0, r.stderr[-3000:]
-    r = _cli("--nproc", "2", *args, "--run-dir", str(two))
+    r = train_cli("--nproc", "2", *args, "--run-dir", str(two))
     assert r.returncode == 0, r.stderr[-3000:]
-    ma, mb = _metrics(one), _metrics(two)
+    ma, mb = read_metrics(one), read_metrics(two)
     assert [m["step"] for m in ma] == [m["step"] for m in mb] == [5, 10]
     for a, b in zip(ma, mb, strict=True):
         for key in KEYS[objective]:
@@ -171,7 +107,7 @@ def test_ppo_on_two_processes_computes_the_gradient_of_one_process_on_the_whole_
     # each rank holds half of a minibatch of 8 rows whose advantages differ in mean and spread
     # between the halves: normalising each shard with its own mean/std (before the fix) gave
     # another gradient than one process normalising all 8 rows
-    outs = _two_ranks(
+    outs = two_ranks(
         tmp_path,
         """
         from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone
@@ -235,7 +171,7 @@ def test_ppo_on_two_processes_trains_on_every_row_of_each_ranks_minibatches(tmp_
     """W processes act as one with W x n_envs environments: each rank's loss sees all
     n_envs x n_steps / n_minibatches rows of its own minibatch (the trainer used to cut it in W
     again, so each rank learned from 1/W of its own rollout), and the ranks' rollouts differ."""
-    outs = _two_ranks(tmp_path, f"""
+    outs = two_ranks(tmp_path, f"""
         from rl_tformers.agents.gtrxl.ppo import GTrXLPPO
         from rl_tformers.runtime.config import compose
         from rl_tformers.runtime.trainer import train
@@ -256,5 +192,5 @@ def test_ppo_on_two_processes_trains_on_every_row_of_each_ranks_minibatches(tmp_
     """)
     assert [o["rows"] for o in outs] == [[9, 9], [9, 9]]  # 2 x 9 rows in 2 minibatches, none cut again
     assert outs[0]["obs"] != outs[1]["obs"]  # each rank learns from its own rollout
-    m = _metrics(tmp_path / "run")
+    m = read_metrics(tmp_path / "run")
     assert [x["train/env_steps"] for x in m] == [36.0, 36.0]  # 2 processes x 2 environments x 9 steps

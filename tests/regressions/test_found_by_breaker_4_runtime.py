@@ -8,13 +8,10 @@ joined through ``MASTER_ADDR``/``MASTER_PORT``); each tiny run takes a few secon
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +24,7 @@ from rl_tformers.cli import app
 from rl_tformers.runtime import sweep as sw
 from rl_tformers.runtime.config import ConfigError, compose
 from rl_tformers.runtime.trainer import MetricWindow
+from tests.runtime.ddp_helpers import read_metrics, subprocess_env, train_cli, two_ranks
 
 runner = CliRunner()
 
@@ -38,52 +36,12 @@ PPO = ["-c", "gtrxl/ppo_cartpole", "backbone.d_model=16", "backbone.n_layers=1",
        "eval.at_end=false", "eval.every=0", "train.progress=false", "--device", "cpu"]
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
-
-
-def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rl_tformers.cli", "train", *args], capture_output=True, text=True,
-                          env=_env(), timeout=timeout)
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _train_keys(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in m.items() if k == "step" or k.startswith("train/")} for m in _metrics(run_dir)]
+    return [{k: v for k, v in m.items() if k == "step" or k.startswith("train/")} for m in read_metrics(run_dir)]
 
 
 def _error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error:")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_ranks(tmp_path: Path, body: str) -> list[dict]:
-    """Run ``body`` in 2 processes of one gloo group (``rank``, ``out`` (a dict written as JSON) defined)."""
-    script = tmp_path / "ranks.py"
-    script.write_text("import json, sys\nimport torch\nimport torch.distributed as dist\n"
-                      "dist.init_process_group('gloo')\nrank = dist.get_rank()\nout = {}\n"
-                      + textwrap.dedent(body)
-                      + "\ndist.barrier()\ndist.destroy_process_group()\n"
-                      "open(sys.argv[1] + f'/{rank}.json', 'w').write(json.dumps(out))\n")
-    port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env={**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
-                                   "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
 
 
 # ------------------------------------------------ 1: metric windows with different keys per rank
@@ -95,7 +53,7 @@ def test_window_mean_of_a_key_logged_in_some_updates_counts_only_those() -> None
 
 
 def test_ranks_logging_different_keys_reduce_key_by_key(tmp_path: Path) -> None:
-    outs = _two_ranks(tmp_path, """
+    outs = two_ranks(tmp_path, """
         from rl_tformers.runtime.trainer import MetricWindow
         w = MetricWindow()
         if rank == 0:
@@ -115,9 +73,9 @@ def test_ranks_logging_different_keys_reduce_key_by_key(tmp_path: Path) -> None:
 
 def test_gtrxl_ppo_trains_on_two_processes(tmp_path: Path) -> None:
     run = tmp_path / "ppo"
-    r = _cli("--nproc", "2", *PPO, "train.steps=8", "--run-dir", str(run))
+    r = train_cli("--nproc", "2", *PPO, "train.steps=8", "--run-dir", str(run))
     assert r.returncode == 0, r.stderr[-3000:]
-    m = _metrics(run)
+    m = read_metrics(run)
     assert [x["step"] for x in m] == [2, 4, 6, 8]
     # every process runs its own 2 environments x 16 steps per rollout (a rollout = 4 updates)
     assert [x["train/env_steps"] for x in m] == [64.0, 64.0, 128.0, 128.0]
@@ -127,13 +85,13 @@ def test_gtrxl_ppo_trains_on_two_processes(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_ddp_stop_between_log_lines_and_resume_is_bit_identical(tmp_path: Path) -> None:
     full, split = tmp_path / "full", tmp_path / "split"
-    assert _cli("--nproc", "2", *TOY, "--run-dir", str(full)).returncode == 0
-    first = _cli("--nproc", "2", *TOY, "--run-dir", str(split), "--stop-at", "7")
+    assert train_cli("--nproc", "2", *TOY, "--run-dir", str(full)).returncode == 0
+    first = train_cli("--nproc", "2", *TOY, "--run-dir", str(split), "--stop-at", "7")
     assert first.returncode == 0, first.stderr[-3000:]
     assert f"continue with: rl-tformers train --resume {split} --nproc 2" in first.stderr
     state = torch.load(split / "checkpoints" / "step_000000007.pt", weights_only=True)
     assert len(state["trainer"]["window_ranks"]) == 2 and state["trainer"]["window_ranks"][0]["count"] == 2
-    second = _cli("--nproc", "2", "--resume", str(split))
+    second = train_cli("--nproc", "2", "--resume", str(split))
     assert second.returncode == 0, second.stderr[-3000:]
     assert _train_keys(full) == _train_keys(split)  # every logged number, bit for bit
     a = torch.load(full / "checkpoints" / "step_000000020.pt", weights_only=True)["model"]
@@ -143,7 +101,7 @@ def test_ddp_stop_between_log_lines_and_resume_is_bit_identical(tmp_path: Path) 
 
 def test_ddp_resume_off_a_log_boundary_in_two_plain_processes_is_bit_identical(tmp_path: Path) -> None:
     """The same as the slow CLI test above, in one pair of processes (no torchrun start-up)."""
-    _two_ranks(tmp_path, f"""
+    two_ranks(tmp_path, f"""
         from pathlib import Path
         from rl_tformers.runtime.config import compose
         from rl_tformers.runtime.trainer import resume, train
@@ -155,7 +113,7 @@ def test_ddp_resume_off_a_log_boundary_in_two_plain_processes_is_bit_identical(t
         resume(base / "split")
     """)
     assert _train_keys(tmp_path / "full") == _train_keys(tmp_path / "split")
-    assert [m["step"] for m in _metrics(tmp_path / "split")] == [5, 10, 15, 20]
+    assert [m["step"] for m in read_metrics(tmp_path / "split")] == [5, 10, 15, 20]
 
 
 def test_window_of_another_process_count_is_the_mean_of_the_ranks() -> None:
@@ -174,16 +132,16 @@ def test_window_of_another_process_count_is_the_mean_of_the_ranks() -> None:
 # ------------------------------------------------------------------------ 3: PPO resume is honest
 def test_ppo_resume_says_it_is_not_exact_and_counts_env_steps(tmp_path: Path) -> None:
     full, split = tmp_path / "full", tmp_path / "split"
-    assert _cli(*PPO, "train.steps=12", "--run-dir", str(full)).returncode == 0
-    assert _cli(*PPO, "train.steps=12", "--run-dir", str(split), "--stop-at", "5").returncode == 0
-    r = _cli("--resume", str(split))
+    assert train_cli(*PPO, "train.steps=12", "--run-dir", str(full)).returncode == 0
+    assert train_cli(*PPO, "train.steps=12", "--run-dir", str(split), "--stop-at", "5").returncode == 0
+    r = train_cli("--resume", str(split))
     assert r.returncode == 0, r.stderr[-3000:]
     warnings = [line for line in r.stderr.splitlines() if "not bit-identical" in line]
     assert len(warnings) == 1 and warnings[0].startswith("warning: ")
     assert "environment state is not" in warnings[0] and "weights, optimiser" in warnings[0]
     assert "updates 6..8 learn from the last 3 minibatches of a fresh rollout" in warnings[0]
     assert _train_keys(full)[:2] == _train_keys(split)[:2]  # before the stop: the same
-    a, b = _metrics(full), _metrics(split)
+    a, b = read_metrics(full), read_metrics(split)
     # a rollout (2 envs x 16 steps) feeds 4 updates; the cut rollout (update 5) is counted too
     assert [m["train/env_steps"] for m in a] == [32, 32, 64, 64, 96, 96]
     # a counter logs its latest value (the agent's latest_logs), not the window's mean (64 + 96) / 2
@@ -212,7 +170,7 @@ def test_train_help_and_docs_say_ppo_resume_restarts_environments() -> None:
 def test_nproc_config_errors_are_one_line_before_any_process_starts(tmp_path: Path, args: list[str],
                                                                    says: str) -> None:
     args = [str(tmp_path / "run") if a == "RUN" else a for a in args]
-    r = _cli("--nproc", "2", "-c", "toy", "device=cpu", *args, timeout=60)
+    r = train_cli("--nproc", "2", "-c", "toy", "device=cpu", *args, timeout=60)
     assert r.returncode == 2, r.stderr[-2000:]
     assert len(_error_lines(r.stderr)) == 1 and says in _error_lines(r.stderr)[0]
     assert "launching" not in r.stderr and "Traceback" not in r.stderr
@@ -220,23 +178,23 @@ def test_nproc_config_errors_are_one_line_before_any_process_starts(tmp_path: Pa
 
 
 def test_nproc_resume_errors_are_one_line_before_any_process_starts(tmp_path: Path) -> None:
-    r = _cli("--nproc", "2", "--resume", str(tmp_path / "nonexistent"), timeout=60)
+    r = train_cli("--nproc", "2", "--resume", str(tmp_path / "nonexistent"), timeout=60)
     assert r.returncode == 2 and _error_lines(r.stderr) == [
         f"error: --resume {tmp_path / 'nonexistent'} is not a directory: it does not exist (RUN_DIR is the run "
         f"directory of an earlier run)"]
     assert "launching" not in r.stderr and "Traceback" not in r.stderr
     run = tmp_path / "run"  # a 1-process run of batch 8, resumed on 3 processes: 8 is not divisible by 3
-    assert _cli(*TOY, "train.steps=2", "--run-dir", str(run)).returncode == 0
-    r = _cli("--nproc", "3", "--resume", str(run), "train.steps=4", timeout=60)
+    assert train_cli(*TOY, "train.steps=2", "--run-dir", str(run)).returncode == 0
+    r = train_cli("--nproc", "3", "--resume", str(run), "train.steps=4", timeout=60)
     assert r.returncode == 2 and "train.batch_size=8 is the global batch and must be divisible by the 3" in r.stderr
     assert len(_error_lines(r.stderr)) == 1 and "launching" not in r.stderr
-    r = _cli("--nproc", "2", "--resume", str(run), "train.lr=1", timeout=60)  # not a resumable key
+    r = train_cli("--nproc", "2", "--resume", str(run), "train.lr=1", timeout=60)  # not a resumable key
     assert r.returncode == 2 and len(_error_lines(r.stderr)) == 1 and "train.lr" in r.stderr
     assert "launching" not in r.stderr
 
 
 def test_error_inside_the_processes_is_printed_once_without_torchrun_traceback(tmp_path: Path) -> None:
-    r = _cli("--nproc", "2", "-c", "dt/cartpole_demo", f"dataset.path={tmp_path / 'nope.hdf5'}", "--device", "cpu",
+    r = train_cli("--nproc", "2", "-c", "dt/cartpole_demo", f"dataset.path={tmp_path / 'nope.hdf5'}", "--device", "cpu",
              "--run-dir", str(tmp_path / "run"))
     assert r.returncode == 2, r.stderr[-3000:]
     assert _error_lines(r.stderr) == [f"error: no such HDF5 file: {tmp_path / 'nope.hdf5'}"]
@@ -248,7 +206,7 @@ def test_resume_failure_under_torchrun_by_hand_is_one_line_from_rank_0(tmp_path:
     the other ranks too, which exit quietly instead of dying in a barrier with a gloo traceback."""
     cmd = [sys.executable, "-m", "rl_tformers.runtime.torchrun", "--standalone", "--nproc-per-node=2",
            "-m", "rl_tformers.cli", "train", "--resume", str(tmp_path / "nonexistent")]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert r.returncode == 2, r.stderr[-3000:]
     assert len(_error_lines(r.stderr)) == 1 and "is not a directory" in r.stderr
     assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr
@@ -306,10 +264,10 @@ def test_dt_on_two_processes_equals_one_process_with_the_same_global_batch(tmp_p
             "agent.context_len=4", "agent.embed_dropout=0", "backbone.dropout=0", "backbone.attn_dropout=0",
             "eval.every=0", "eval.at_end=false", "train.progress=false", "--device", "cpu"]
     one, two = tmp_path / "one", tmp_path / "two"
-    assert _cli(*args, "--run-dir", str(one)).returncode == 0
-    r = _cli("--nproc", "2", *args, "--run-dir", str(two))
+    assert train_cli(*args, "--run-dir", str(one)).returncode == 0
+    r = train_cli("--nproc", "2", *args, "--run-dir", str(two))
     assert r.returncode == 0, r.stderr[-3000:]
-    for ma, mb in zip(_metrics(one), _metrics(two), strict=True):  # now within float rounding (~1e-7)
+    for ma, mb in zip(read_metrics(one), read_metrics(two), strict=True):  # now within float rounding (~1e-7)
         for key in ("train/loss", "train/action_acc", "train/grad_norm"):
             assert mb[key] == pytest.approx(ma[key], rel=1e-6), (ma["step"], key)
     # weights: Adam divides the float-rounding differences of near-zero gradients by their tiny
@@ -355,7 +313,7 @@ def test_ddp_sigint_is_reported_once_with_the_nproc_resume_hint(tmp_path: Path) 
     from rl_tformers.runtime.checkpoint import list_checkpoints, load_checkpoint
 
     run = tmp_path / "run"
-    proc = _launch([*TOY, "train.steps=1000000", "train.checkpoint_every=0", "--run-dir", str(run)], _env())
+    proc = _launch([*TOY, "train.steps=1000000", "train.checkpoint_every=0", "--run-dir", str(run)], subprocess_env())
     # rank 0 prints its "run ..." line after every rank has agreed to start: a signal now stops
     # every rank at the same update boundary, with a checkpoint
     lines = _lines_until(proc, lambda line: line.startswith("run "))
@@ -371,7 +329,7 @@ def test_ddp_sigint_is_reported_once_with_the_nproc_resume_hint(tmp_path: Path) 
         f"stopped by SIGINT at step {step} of 1000000; checkpoint {path}; continue with: "
         f"rl-tformers train --resume {run} --nproc 2",
     ]
-    assert all(m["step"] <= step for m in _metrics(run))  # no log line beyond the checkpoint
+    assert all(m["step"] <= step for m in read_metrics(run))  # no log line beyond the checkpoint
 
 
 # one write(2) per line: the two ranks share the pipe, and print() writes the text and the
@@ -393,7 +351,7 @@ def test_ddp_sigint_during_the_ranks_start_up_is_one_line_and_130(tmp_path: Path
     site.mkdir()
     (site / "sitecustomize.py").write_text(_WAIT_IN_STARTUP)
     run = tmp_path / "run"
-    proc = _launch([*TOY, "train.steps=1000000", "--run-dir", str(run)], {**_env(), "PYTHONPATH": str(site)})
+    proc = _launch([*TOY, "train.steps=1000000", "--run-dir", str(run)], {**subprocess_env(), "PYTHONPATH": str(site)})
     starting: set[str] = set()
     lines = _lines_until(proc, lambda line: starting.add(line.strip()) or starting >= {"rank 0 starting",
                                                                                         "rank 1 starting"})
@@ -409,8 +367,8 @@ def test_ddp_sigint_during_the_ranks_start_up_is_one_line_and_130(tmp_path: Path
 
 def test_process_count_change_warning_once_with_the_right_plural(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    assert _cli(*TOY, "train.steps=2", "--run-dir", str(run)).returncode == 0
-    r = _cli("--nproc", "2", "--resume", str(run), "train.steps=4")
+    assert train_cli(*TOY, "train.steps=2", "--run-dir", str(run)).returncode == 0
+    r = train_cli("--nproc", "2", "--resume", str(run), "train.steps=4")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("resuming a run of 1 process with 2 processes") == 1, r.stderr
     assert "1 processes" not in r.stderr
