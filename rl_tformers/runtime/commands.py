@@ -160,13 +160,10 @@ def train(
                 result = train_run(cfg, run_dir, config_name=name, stop_at=stop_at, interrupt=stop)
     except typer.Exit:
         raise
-    except (ConfigError, RegistryError, CheckpointError, RunDirError) as exc:
+    except (ConfigError, RegistryError, CheckpointError, RunDirError, EvaluationInputError) as exc:
+        # EvaluationInputError: the run is saved; the message names the option at fault
         if os.environ.get("RANK", "0") != "0":
             raise typer.Exit(2) from None  # under torchrun every rank meets the same bad input: rank 0 says it
-        raise _fail(str(exc)) from None
-    except EvaluationInputError as exc:  # the run is saved; the message names the option at fault
-        if os.environ.get("RANK", "0") != "0":
-            raise typer.Exit(2) from None
         raise _fail(str(exc)) from None
     except Interrupted as exc:  # before the first update: nothing was trained or written
         if report:

@@ -312,11 +312,6 @@ def wrap_ddp(agent: Any, device: torch.device, find_unused_parameters: bool = Fa
 
 # -- small collectives ---------------------------------------------------------------------------
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True if ``flag`` is True on any rank (one all-reduce of one integer)."""
-    return bool(max_over_ranks(int(flag), device))
-
-
 def max_over_ranks(value: int, device: torch.device) -> int:
     """The largest of every rank's ``value`` (one all-reduce of one integer).
 
@@ -378,7 +373,7 @@ def torchrun_command(nproc: int, train_args: Sequence[str]) -> list[str]:
 
 
 __all__ = [
-    "LAUNCHER_ENV", "AgentLoss", "DistInfo", "ShardedBatches", "any_rank", "backend_for", "barrier",
+    "LAUNCHER_ENV", "AgentLoss", "DistInfo", "ShardedBatches", "backend_for", "barrier",
     "broadcast_object", "dist_info", "gather_objects", "is_active", "max_over_ranks", "process_group",
     "rank_device", "shard_batch", "shard_mean_total", "shard_source", "torchrun_command", "wrap_ddp",
 ]

@@ -28,14 +28,6 @@ TINY = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # ------------------------------------------------- 1. Dict observations flattened at load time
 class DictObsEnv(gym.Env):
     """Dict observation {"flag": Discrete(3), "pos": Box(2)}; Discrete(2) actions; 6 steps."""
