@@ -39,6 +39,7 @@ Transformer-XL relative, DA-Transformer) are refused at construction; attention 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -226,6 +227,13 @@ class KernelAttention(AttentionModule):
                 f"backbone.position.kind={ctx.config.position.kind!r} needs the score matrix, which "
                 f"backbone.attention.kind={ctx.config.attention.kind!r} never forms; use one of "
                 f"{', '.join(LINEAR_POSITIONS)}"
+            )
+        if ctx.config.attn_dropout > 0 and ctx.layer_idx <= 0:  # once per backbone, not per layer
+            warnings.warn(
+                f"backbone.attention.kind={ctx.config.attention.kind!r} forms no attention probabilities, so "
+                f"backbone.attn_dropout={ctx.config.attn_dropout} is not applied (residual and feed-forward "
+                f"dropout still are); set backbone.attn_dropout=0 to say so and silence this warning",
+                UserWarning, stacklevel=2,
             )
         self.causal = ctx.config.causal
         self.chunk_size = chunk_size
