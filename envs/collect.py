@@ -20,8 +20,11 @@ import importlib
 import json
 import math
 import shutil
+import signal
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,56 @@ import numpy as np
 from rl_tformers.envs.loaders import META_KEY, data_root, load_minari, minari_root, save_d4rl_hdf5
 from rl_tformers.envs.pomdp import ObservationMaskWrapper, masked_step_callback
 from rl_tformers.envs.scores import D4RL_REF_SCORES, task_family
+
+
+class _StopRequests:
+    """The stop-signal handler of :func:`stop_signals`: records signals; a second one raises."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+        if len(self.received) > 1:  # asked twice: stop now, wherever the process is
+            raise KeyboardInterrupt
+
+
+_STOP: _StopRequests | None = None
+
+
+def check_stop() -> None:
+    """Raise ``KeyboardInterrupt`` at this safe point (between environment steps) when a stop
+    signal has arrived inside :func:`stop_signals`; otherwise do nothing."""
+    if _STOP is not None and _STOP.received:
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def stop_signals() -> Iterator[list[int]]:
+    """SIGINT, SIGTERM and SIGHUP stop a build at its next environment step (``rl-tformers collect``).
+
+    Python's defaults are unsafe here: SIGTERM/SIGHUP end the process without running ``finally``
+    blocks (leaving Minari's temporary folder ``<data root>/tmpXXXX`` behind), and the
+    ``KeyboardInterrupt`` of SIGINT can land inside a garbage-collection callback (jax's, which
+    Minari's collector imports), where Python prints and drops it: collection went on. Here a
+    signal is only recorded, and the rollout loops (:func:`collect`, :func:`train_and_record`
+    through an SB3 callback) raise ``KeyboardInterrupt`` at their next step, from where the
+    build's cleanup runs; a dataset already complete is kept. A second signal raises at once.
+    Yields the list of received signal numbers. Outside the main thread: a no-op.
+    """
+    global _STOP
+    if threading.current_thread() is not threading.main_thread() or _STOP is not None:
+        yield [] if _STOP is None else _STOP.received
+        return
+    handler = _StopRequests()
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    _STOP = handler
+    try:
+        yield handler.received
+    finally:
+        _STOP = None
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 @dataclass
@@ -271,6 +324,7 @@ def collect(
     """
     root_path = data_root(root)
     check_hdf5_target(hdf5, overwrite)
+    check_stop()  # before an existing dataset is replaced
     _prepare_target(dataset_id, root_path, overwrite)
     created = _new_dirs(root_path / dataset_id, root_path)
     try:
@@ -311,6 +365,7 @@ def _collect(env_id, behaviours, dataset_id, seed, pomdp, root_path, progress, d
                     b.policy.reset()
                     ep_rewards: list[float] = []
                     while True:
+                        check_stop()
                         obs, rew, terminated, truncated, _ = collector.step(b.policy(obs))
                         ep_rewards.append(float(rew))
                         bar.update(1)
@@ -365,6 +420,7 @@ def train_and_record(
     root_path = data_root(root)
     result = None
     check_hdf5_target(hdf5, overwrite)
+    check_stop()
     if replay_dataset_id is None:
         env = SeededResets(gym.make(env_id), seed)
         model = train_sb3(algo, env, steps, seed=seed, progress=progress)

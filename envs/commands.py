@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import typer
@@ -74,6 +75,7 @@ def collect(
     --overwrite or --skip-existing the command stops at once, naming them.
     """
     from rl_tformers.envs import recipes as R
+    from rl_tformers.envs.collect import stop_signals
 
     if list_recipes:
         for r in R.all_recipes(recipe_steps or R.DEFAULT_STEPS).values():
@@ -83,10 +85,17 @@ def collect(
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one small MLP per step: threads only add overhead (and nondeterminism)
+    received: list[int] = []
     try:
-        _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise,
-                     epsilon, pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe, recipe_steps, policies,
-                     overwrite, skip_existing, progress, as_json)
+        with stop_signals() as received:
+            _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise,
+                         epsilon, pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe, recipe_steps, policies,
+                         overwrite, skip_existing, progress, as_json)
+    except KeyboardInterrupt:
+        signum = received[0] if received else signal.SIGINT
+        typer.echo(f"interrupted ({signal.Signals(signum).name}): no half-written dataset is left (Minari's temporary "
+                   "folder removed too); datasets reported above are complete", err=True)
+        raise typer.Exit(128 + int(signum)) from None
     finally:
         torch.set_num_threads(threads)
 

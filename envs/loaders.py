@@ -509,14 +509,27 @@ def save_d4rl_hdf5(dataset: EpisodeDataset, path: str | os.PathLike, *, compress
     known. Attributes: ``env_id``, serialised ``observation_space``/``action_space`` (Minari's
     serialisation) and ``rl_tformers_metadata`` (JSON: dataset id, reference scores, POMDP mask).
     """
-    import h5py
-    from minari.serialization import serialize_space
-
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     ds = dataset if (dataset.is_contiguous() and not dataset.is_lazy) else dataset.materialize()
     s0, n = int(ds.starts[0]), ds.num_steps
     obs = np.asarray(ds.observations[s0:s0 + n])
+    # written to a temporary file beside ``path`` and renamed into place: an interrupted or
+    # failed write never leaves a truncated file under the requested name
+    tmp_name = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        _write_d4rl(tmp_name, ds, obs, s0, n, compression)
+        os.replace(tmp_name, path)
+    except BaseException:
+        tmp_name.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _write_d4rl(path: Path, ds: EpisodeDataset, obs: np.ndarray, s0: int, n: int, compression: str | None) -> None:
+    import h5py
+    from minari.serialization import serialize_space
+
     with h5py.File(path, "w") as f:
         f.create_dataset("observations", data=obs, compression=compression)
         f.create_dataset("actions", data=np.asarray(ds.actions[s0:s0 + n]), compression=compression)
@@ -537,7 +550,6 @@ def save_d4rl_hdf5(dataset: EpisodeDataset, path: str | os.PathLike, *, compress
         f.attrs["rl_tformers_metadata"] = json.dumps({
             "dataset_id": m.dataset_id, "ref_min_score": m.ref_min_score, "ref_max_score": m.ref_max_score,
             "pomdp": m.pomdp, **{k: v for k, v in m.extra.items() if _jsonable(v)}})
-    return path
 
 
 def _jsonable(v) -> bool:

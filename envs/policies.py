@@ -260,10 +260,17 @@ def train_sb3(algo: str, env: gym.Env, steps: int, *, seed: int = 0, device: str
     Returns the trained model. Nothing is logged: the model gets a logger without outputs (SB3's
     default one would create an empty ``$TMPDIR/SB3-<date>`` folder on every call).
     """
+    from rl_tformers.envs.collect import check_stop
+    from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.logger import Logger
+
+    class StopCheck(BaseCallback):  # rl-tformers collect: a stop signal ends training at the next step
+        def _on_step(self) -> bool:
+            check_stop()
+            return True
 
     cls = algorithm_class(algo)
     model = cls("MlpPolicy", env, seed=seed, device=device, verbose=0, **kwargs)
     model.set_logger(Logger(folder=None, output_formats=[]))
-    model.learn(total_timesteps=int(steps), progress_bar=progress)
+    model.learn(total_timesteps=int(steps), progress_bar=progress, callback=StopCheck())
     return model

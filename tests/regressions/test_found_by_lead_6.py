@@ -36,3 +36,65 @@ def test_linear_attention_says_once_that_attention_dropout_is_not_applied(kind):
 def test_kernels_with_probabilities_do_not_warn_about_attention_dropout():
     assert _build("sdpa", 0.1) == []
     assert _build("linformer", 0.1, causal=False) == []
+
+
+# -- save_d4rl_hdf5 wrote in place: an interrupted write left a truncated file under the name --
+def test_a_failed_hdf5_write_leaves_neither_a_partial_file_nor_a_changed_old_one(tmp_path, monkeypatch):
+    from rl_tformers.envs import loaders
+    from rl_tformers.envs.loaders import load_d4rl_hdf5, save_d4rl_hdf5
+    from rl_tformers.envs.memory_tasks import scripted_dataset
+
+    ds = scripted_dataset("recall", 6, delay=2, seed=0)
+    target = tmp_path / "data.hdf5"
+    save_d4rl_hdf5(ds, target)
+    before = target.read_bytes()
+    real = loaders._write_d4rl
+
+    def interrupted(path, *args):
+        real(path, *args)  # the temporary file is complete, the rename has not happened yet
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loaders, "_write_d4rl", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_d4rl_hdf5(scripted_dataset("recall", 9, delay=2, seed=1), target)
+    assert target.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.hdf5"]
+    with pytest.raises(KeyboardInterrupt):
+        save_d4rl_hdf5(ds, tmp_path / "new.hdf5")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.hdf5"]
+    monkeypatch.setattr(loaders, "_write_d4rl", real)
+    assert load_d4rl_hdf5(save_d4rl_hdf5(ds, tmp_path / "new.hdf5")).num_steps == ds.num_steps
+
+
+# -- collect: SIGTERM ended the process without cleanup, leaving <root>/tmpXXXX of Minari --
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_collect_stopped_by_a_signal_leaves_nothing_in_the_data_root(tmp_path, sig):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path / "root"
+    cmd = [sys.executable, "-m", "rl_tformers.cli", "collect", "--env", "CartPole-v1", "--policy", "random",
+           "--steps", "100000000", "--root", str(root), "--dataset-id", "rlt/cartpole-v1/random-v0", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.name.startswith("tmp") for p in root.glob("*")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        assert any(p.name.startswith("tmp") for p in root.glob("*")), "collection never started"
+        time.sleep(0.5)  # inside the rollout loop
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    signum = int(getattr(signal, sig))
+    assert proc.returncode == 128 + signum, err
+    assert err.strip().splitlines()[-1] == (
+        f"interrupted ({sig}): no half-written dataset is left (Minari's temporary folder removed too); "
+        "datasets reported above are complete")
+    assert [p for p in root.rglob("*") if not p.is_dir() and p.name != "namespace_metadata.json"] == []
