@@ -89,12 +89,19 @@ class RecallEnv(gym.Env):
         length: episode length (> delay).
 
     Raises:
-        ValueError: for out-of-range arguments.
+        ValueError: for out-of-range arguments, or arguments that are not integers (bools and
+            floats such as 2.0 included), naming the argument.
     """
 
     metadata = {"render_modes": []}
 
     def __init__(self, delay: int = 4, n_symbols: int = 4, length: int = 32) -> None:
+        for name, value in (("delay", delay), ("n_symbols", n_symbols), ("length", length)):
+            # an integer, never a bool or a float (2.0 from a YAML file used to crash the first
+            # scored step with numpy's "only integers ... are valid indices")
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"Recall: {name} must be an integer, got {value!r} ({type(value).__name__})")
+        delay, n_symbols, length = int(delay), int(n_symbols), int(length)
         if delay < 1 or n_symbols < 2 or length <= delay:
             raise ValueError(
                 f"Recall: need delay >= 1, n_symbols >= 2, length > delay; got {delay}, {n_symbols}, {length}"

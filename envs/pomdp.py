@@ -25,7 +25,16 @@ POMDP_KINDS = ("positions", "mask")
 
 
 def _as_index_list(indices: Sequence[int] | np.ndarray, dim: int) -> list[int]:
-    idx = [int(i) for i in np.asarray(indices).reshape(-1)]
+    arr = np.asarray(indices)
+    if arr.dtype == bool:
+        # a boolean mask is not a list of indices: [False, True] would keep entries 0 and 1
+        raise ValueError(f"observation indices must be integers, got a boolean mask {arr.tolist()}; "
+                         f"pass the kept indices (e.g. numpy.flatnonzero(mask))")
+    if arr.size and not (np.issubdtype(arr.dtype, np.integer) or (
+            np.issubdtype(arr.dtype, np.floating) and np.array_equal(arr, np.round(arr)))):
+        # 1.5 would silently become index 1
+        raise ValueError(f"observation indices must be integers, got {arr.reshape(-1).tolist()}")
+    idx = [int(i) for i in arr.reshape(-1)]
     if not idx:
         raise ValueError("observation mask keeps no index")
     bad = [i for i in idx if not 0 <= i < dim]

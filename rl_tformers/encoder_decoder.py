@@ -23,6 +23,7 @@ with no positional term (positions of source and target live in different sequen
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rl_tformers.backbone import Backbone
+from rl_tformers.backbone import Backbone, check_compatible
 from rl_tformers.blocks.base import build_ffn
 from rl_tformers.config import BackboneConfig, BuildContext, IncompatibleConfig
 from rl_tformers.position.base import PositionModule, check_position_dtype
@@ -45,9 +46,21 @@ _VANILLA = {
 }
 
 
-def _vanilla(causal: bool, overrides: Mapping[str, Any] | None = None) -> BackboneConfig:
+def _vanilla(causal: bool, overrides: Mapping[str, Any] | None = None, where: str = "backbone") -> BackboneConfig:
     data = {**_VANILLA, "causal": causal, **dict(overrides or {})}
-    return BackboneConfig.from_dict(data)
+    return BackboneConfig.from_dict(data, where=where)
+
+
+def _check_stack(cfg: BackboneConfig, name: str) -> None:
+    """:func:`~rl_tformers.backbone.check_compatible` for the ``encoder``/``decoder`` stack, its
+    messages naming ``name.`` options instead of ``backbone.`` ones (the decoder stack is no
+    :class:`Backbone`, so nothing else checks it: a kernel without a causal form would run in a
+    causal decoder)."""
+    try:
+        check_compatible(cfg)
+    except IncompatibleConfig as exc:
+        msg = re.sub(r" \(for the Decision Transformer:[^)]*\)", "", str(exc))  # a hint for another model
+        raise IncompatibleConfig(msg.replace("backbone.", f"{name}.")) from exc
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,8 @@ class EncoderDecoderConfig:
             raise IncompatibleConfig(
                 f"cross_attention.kind={self.cross_attention.kind!r} is causal-only; cross-attention sees every source key"
             )
+        _check_stack(enc, "encoder")
+        _check_stack(dec, "decoder")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -104,9 +119,9 @@ class EncoderDecoderConfig:
             raise IncompatibleConfig(f"encoder_decoder.{unknown[0]}: unknown field; fields: cross_attention, decoder, encoder")
         kw: dict[str, Any] = {}
         if "encoder" in data:
-            kw["encoder"] = _vanilla(False, data["encoder"])
+            kw["encoder"] = _vanilla(False, data["encoder"], where="encoder")
         if "decoder" in data:
-            kw["decoder"] = _vanilla(True, data["decoder"])
+            kw["decoder"] = _vanilla(True, data["decoder"], where="decoder")
         if "cross_attention" in data:
             kw["cross_attention"] = ATTENTION.from_dict(data["cross_attention"], where="cross_attention")
         return cls(**kw)
@@ -214,11 +229,26 @@ class EncoderDecoder(nn.Module):
         """Decoder pass: tgt (B, T, D) over encoder output memory (B, S, D) -> (hidden (B, T, D), aux, metrics).
 
         Raises:
-            ValueError: ``tgt`` not (B, T, D_decoder), or ``tgt_pos``/``src_pos`` (B, T)/(B, S) not of an
-                integer dtype (:func:`~rl_tformers.position.base.check_position_dtype`).
+            ValueError: ``tgt`` not (B, T, D_decoder); ``memory`` not (B, S, D_decoder) for the
+                same B (never broadcast from a batch of 1); ``tgt_mask``/``tgt_pos`` not (B, T) or
+                ``src_mask``/``src_pos`` not (B, S) (each message names the argument and both
+                shapes); ``tgt_pos``/``src_pos`` not of an integer dtype
+                (:func:`~rl_tformers.position.base.check_position_dtype`).
         """
-        if tgt.dim() != 3 or tgt.shape[-1] != self.config.decoder.d_model:
-            raise ValueError(f"encoder_decoder: tgt must be (B, T, {self.config.decoder.d_model}), got {tuple(tgt.shape)}")
+        d = self.config.decoder.d_model
+        if tgt.dim() != 3 or tgt.shape[-1] != d:
+            raise ValueError(f"encoder_decoder: tgt must be (B, T, {d}), got {tuple(tgt.shape)}")
+        b, t = tgt.shape[:2]
+        if memory.dim() != 3 or memory.shape[0] != b or memory.shape[-1] != d:
+            raise ValueError(
+                f"encoder_decoder: memory (the encoder output) must be ({b}, S, {d}) for tgt of shape "
+                f"{tuple(tgt.shape)}, got {tuple(memory.shape)}")
+        s_len = memory.shape[1]
+        for name, arr, want in (("tgt_mask", tgt_mask, (b, t)), ("tgt_pos", tgt_pos, (b, t)),
+                                ("src_mask", src_mask, (b, s_len)), ("src_pos", src_pos, (b, s_len))):
+            if arr is not None and tuple(arr.shape) != want:
+                raise ValueError(f"encoder_decoder: {name} must be {want} (B, {'T' if name[0] == 't' else 'S'}), "
+                                 f"got {tuple(arr.shape)}")
         for name, pos in (("tgt_pos", tgt_pos), ("src_pos", src_pos)):
             if pos is not None:
                 check_position_dtype(pos, "encoder_decoder", name)
@@ -251,6 +281,15 @@ class EncoderDecoder(nn.Module):
         src_mask: Tensor | None = None,
         tgt_mask: Tensor | None = None,
     ) -> EncoderDecoderOutput:
+        """Encode ``src`` (B, S, D), decode ``tgt`` (B, T, D) over it (see :meth:`decode`).
+
+        Raises:
+            ValueError: ``src`` and ``tgt`` of different batch sizes (never broadcast), or any
+                shape :meth:`encode` / :meth:`decode` refuse.
+        """
+        if src.dim() == 3 and tgt.dim() == 3 and src.shape[0] != tgt.shape[0]:
+            raise ValueError(f"encoder_decoder: src {tuple(src.shape)} and tgt {tuple(tgt.shape)} must have the "
+                             f"same batch size")
         enc = self.encode(src, src_pos, src_mask)
         hidden, aux, metrics = self.decode(tgt, enc.hidden, tgt_pos, tgt_mask, src_pos, src_mask)
         merge_into(aux, enc.aux)

@@ -211,6 +211,8 @@ class GTrXLPolicy:
             normalisation does; ``None``: no clipping).
         action_start: discrete actions: ``start`` of the environment's ``Discrete`` space,
             added to the actor's class index to give the environment action.
+        action_shape: continuous actions: the shape of one environment's Box action (e.g.
+            ``(2, 2)``); :meth:`act` returns ``(N, *action_shape)``. ``None``: flat ``(N, A)``.
     """
 
     def __init__(
@@ -227,6 +229,7 @@ class GTrXLPolicy:
         device: torch.device | str | None = None,
         obs_clip: float | None = None,
         action_start: int = 0,
+        action_shape: Sequence[int] | None = None,
     ) -> None:
         self.model = model.eval()
         self.obs_clip = obs_clip
@@ -241,6 +244,10 @@ class GTrXLPolicy:
         self.high = None if action_high is None else torch.as_tensor(np.asarray(action_high, np.float32), device=self.device)
         self.rtg_scale, self.reward_mult = float(rtg_scale), float(reward_mult)
         self.deterministic = deterministic
+        self.action_shape = None if action_shape is None else tuple(int(k) for k in action_shape)
+        if self.action_shape is not None and not self.discrete and math.prod(self.action_shape) != model.cfg.act_dim:
+            raise ValueError(f"gtrxl: action_shape={self.action_shape} does not hold the model's "
+                             f"{model.cfg.act_dim} action values")
 
     def target_limit(self) -> float:
         """Largest ``|target return|`` (raw units) the float32 token embedding takes without overflow.
@@ -317,8 +324,9 @@ class GTrXLPolicy:
             last_reward: (N,) raw reward of the previous step (ignored where ``episode_start``).
 
         Returns:
-            actions (N, A) float32 within the Box bounds, or (N,) int64 in ``[action_start,
-            action_start + n)``; and the next state (which keeps the class index).
+            actions (N, A) float32 within the Box bounds (``(N, *action_shape)`` when given), or
+            (N,) int64 in ``[action_start, action_start + n)``; and the next state (which keeps
+            the class index).
         """
         dev = self.device
         n = state.t.shape[0]
@@ -361,7 +369,9 @@ class GTrXLPolicy:
             env_a = a.cpu().numpy().astype(np.int64) + self.action_start
         else:
             a = a.clamp(-1.0, 1.0)
-            env_a = to_env_action(a, self.low, self.high).cpu().numpy()
+            env_a = to_env_action(a, self.low, self.high).cpu().numpy()  # (N, A)
+            if self.action_shape is not None:
+                env_a = env_a.reshape(n, *self.action_shape)
         return env_a, GTrXLState(memory=out.state, prev_action=a, rtg=rtg, t=t + 1, target=state.target, **win)
 
 

@@ -111,7 +111,7 @@ PPO_DEFAULTS: dict[str, Any] = {
         "vf_coef": 0.5,
         "norm_adv": True,
         "reward_scale": 1.0,  # rewards are multiplied by it for learning
-        "obs_norm": True,  # running mean/std of observations (frozen within a rollout)
+        "obs_norm": True,  # running mean/std of observations (frozen within a rollout); false: raw observations
         "prev_action": False,
         "prev_reward": False,
         "head_hidden": 64,
@@ -292,7 +292,8 @@ def check_ppo_options(a: Any) -> None:
             ``agent.n_epochs`` < 1; ``agent.n_minibatches`` < 1 or more than the
             ``n_envs x n_steps`` samples of a rollout (an empty minibatch); ``agent.gamma`` or
             ``agent.gae_lambda`` outside [0, 1]; ``agent.clip_coef`` <= 0; ``agent.critic_warmup``
-            < 0; non-numbers.
+            < 0; ``agent.reward_scale`` <= 0; ``agent.ent_coef`` or ``agent.vf_coef`` < 0;
+            ``agent.head_hidden`` < 0; non-numbers (NaN and infinities included).
     """
     def number(name: str, integer: bool = False) -> float:
         value = a.get(name)
@@ -321,6 +322,13 @@ def check_ppo_options(a: Any) -> None:
         raise ValueError(f"agent.clip_coef must be > 0 (the PPO ratio clip), got {a.get('clip_coef')!r}")
     if number("critic_warmup", integer=True) < 0:
         raise ValueError(f"agent.critic_warmup must be >= 0 (rollouts), got {a.get('critic_warmup')!r}")
+    if number("reward_scale") <= 0.0:
+        raise ValueError(f"agent.reward_scale must be > 0 (it multiplies the rewards), got {a.get('reward_scale')!r}")
+    for name in ("ent_coef", "vf_coef"):
+        if number(name) < 0.0:
+            raise ValueError(f"agent.{name} must be >= 0 (a loss coefficient), got {a.get(name)!r}")
+    if number("head_hidden", integer=True) < 0:
+        raise ValueError(f"agent.head_hidden must be >= 0 (0: linear heads), got {a.get('head_hidden')!r}")
 
 
 class GTrXLPPO:
@@ -361,10 +369,12 @@ class GTrXLPPO:
             raise ValueError(f"gtrxl_ppo: needs a Box observation space, {self.env_id} has {obs_space}")
         self.discrete = isinstance(act_space, gym.spaces.Discrete)
         self.action_start = int(act_space.start) if self.discrete else 0  # env action = class index + start
+        self.action_shape: tuple[int, ...] = ()  # one environment's action: () discrete, the Box's shape
         if self.discrete:
             act_dim, self.low, self.high = int(act_space.n), None, None
         elif isinstance(act_space, gym.spaces.Box) and np.isfinite(act_space.low).all() and np.isfinite(act_space.high).all():
             act_dim = int(np.prod(act_space.shape))
+            self.action_shape = tuple(int(k) for k in act_space.shape)
             self.low = np.asarray(act_space.low, np.float32).reshape(-1)
             self.high = np.asarray(act_space.high, np.float32).reshape(-1)
         else:
@@ -372,21 +382,29 @@ class GTrXLPPO:
         obs_dim = int(np.prod(obs_space.shape))
         self.obs_rms = RunningMeanStd((obs_dim,))
         self.update_obs_stats = bool(a.obs_norm)
+        # normalise (and clip to +-OBS_CLIP) the inputs: with running statistics (obs_norm), or with the
+        # offline run's when fine-tuning; otherwise the raw observations, never clipped (pixels of 0..255
+        # used to be clipped to 10 with obs_norm=false)
+        self.normalize_obs = bool(a.obs_norm) or bool(a.get("init_checkpoint"))
         backbone = _plain(cfg.backbone)
         inputs = {"prev_action_input": bool(a.prev_action), "prev_reward_input": bool(a.prev_reward),
                   "head_hidden": int(a.head_hidden)}
-        mem_kind = dict(backbone.get("memory") or {}).get("kind", "none")
-        if extra is None and not a.init_checkpoint and mem_kind != "xl":
-            raise ValueError(
-                f"gtrxl_ppo: backbone.memory.kind={mem_kind!r}; PPO stores the memory of every rollout step and "
-                f"needs the fixed-size 'xl' memory (offline agent.kind=gtrxl takes any stateful memory kind)"
-            )
         init_state = None
         if extra is not None:  # inference from a checkpoint: its own model config
             self.model_cfg = GTrXLConfig(**extra["model"])
         else:
             if a.init_checkpoint:
                 init_state, backbone, inputs = self._read_offline(str(a.init_checkpoint))
+            # the backbone PPO will run: the config's, or the offline run's when fine-tuning (whose
+            # compressive/kNN memory, or plain window, used to pass and crash the first rollout)
+            mem_kind = dict(backbone.get("memory") or {}).get("kind", "none")
+            if mem_kind != "xl":
+                src = (f"agent.init_checkpoint={a.init_checkpoint} was trained with backbone.memory.kind="
+                       f"{mem_kind!r}" if a.init_checkpoint else f"backbone.memory.kind={mem_kind!r}")
+                raise ValueError(
+                    f"gtrxl_ppo: {src}; PPO stores the memory of every rollout step and needs the fixed-size "
+                    f"'xl' memory (offline agent.kind=gtrxl takes any stateful memory kind)"
+                )
             self.model_cfg = GTrXLConfig(obs_dim=obs_dim, act_dim=act_dim, discrete=self.discrete, backbone=backbone,
                                          critic="value", **inputs)
         self.model = GTrXLModel(self.model_cfg).to(self.device)
@@ -396,11 +414,14 @@ class GTrXLPPO:
                 f"backbone.max_position={limit} but {self.env_id} episodes run up to {time_limit} steps: the "
                 f"positions are episode steps, and backbone.position.kind=learned has no table row past step "
                 f"{limit - 1}; raise backbone.max_position or use a relative position kind (xl_relative)")
+        self.reward_scale = float(a.reward_scale)
+        # multiplier of the r_{t-1} input: reward_scale, or the offline run's when fine-tuning (its
+        # encoder learned r_{t-1} in those units; agent.reward_scale only scales the learning rewards)
+        self.input_reward_mult = self.reward_scale
         if init_state is not None:
             self._load_offline(init_state)
         if extra is not None:
             self.load_extra_state(extra)
-        self.reward_scale = float(a.reward_scale)
         self.n_envs, self.n_steps = int(a.n_envs), int(a.n_steps)
         info = dist_info()  # under DDP (torchrun) every process collects its own rollouts
         self.rank, self.world_size = info.rank, info.world_size
@@ -429,7 +450,8 @@ class GTrXLPPO:
         return state, saved["backbone"], inputs
 
     def _load_offline(self, state: Mapping[str, Any]) -> None:
-        """Copy the offline encoder and actor; keep the fresh value head; use its obs statistics."""
+        """Copy the offline encoder and actor; keep the fresh value head; use its obs statistics and
+        its r_{t-1} input multiplier."""
         own = self.model.state_dict()
         take = {k: v for k, v in state["model"].items()
                 if (k.startswith("encoder.") or k.startswith("actor.")) and k in own and own[k].shape == v.shape}
@@ -441,6 +463,7 @@ class GTrXLPPO:
         self.obs_rms.mean = np.asarray(ex["obs_mean"], np.float64)
         self.obs_rms.var = np.asarray(ex["obs_std"], np.float64) ** 2 - 1e-8
         self.update_obs_stats = False  # keep the statistics the encoder was trained with
+        self.input_reward_mult = float(ex.get("reward_mult", self.reward_scale))  # and its r_{t-1} units
 
     # -- rollouts -------------------------------------------------------------------------------
     def _make_envs(self) -> None:
@@ -463,14 +486,21 @@ class GTrXLPPO:
         self.ep_len = np.zeros(self.n_envs, dtype=np.int64)
 
     def _norm_obs(self, obs: np.ndarray) -> Tensor:
-        o = (np.asarray(obs, np.float64).reshape(len(obs), -1) - self.obs_rms.mean) / self.obs_rms.std
-        return torch.as_tensor(np.clip(o, -OBS_CLIP, OBS_CLIP), dtype=torch.float32, device=self.device)
+        """(N, *obs_shape) raw -> (N, O) float32 inputs: normalised and clipped to +-OBS_CLIP
+        (:attr:`normalize_obs`), else the raw values."""
+        o = np.asarray(obs, np.float64).reshape(len(obs), -1)
+        if self.normalize_obs:
+            o = np.clip((o - self.obs_rms.mean) / self.obs_rms.std, -OBS_CLIP, OBS_CLIP)
+        return torch.as_tensor(o, dtype=torch.float32, device=self.device)
 
     def _to_env(self, a: Tensor) -> np.ndarray:
+        """(N,) class indices or (N, A) normalised actions -> the environments' actions: (N,) int64
+        or (N, *action_shape) float32 within the Box (a (2, 2) Box gets (N, 2, 2), not (N, 4))."""
         if self.discrete:
             return a.cpu().numpy().astype(np.int64) + self.action_start
         low, high = (torch.as_tensor(b, device=a.device) for b in (self.low, self.high))
-        return to_env_action(a.clamp(-1.0, 1.0), low, high).cpu().numpy().astype(np.float32)
+        env_a = to_env_action(a.clamp(-1.0, 1.0), low, high).cpu().numpy().astype(np.float32)  # (N, A)
+        return env_a.reshape(len(env_a), *self.action_shape)
 
     def _step_inputs(self, obs: np.ndarray, prev_a: Tensor, prev_r: Tensor) -> Tensor:
         return self.model.encoder.inputs(self._norm_obs(obs)[:, None], None, prev_a[:, None], prev_r[:, None])[:, 0]
@@ -507,16 +537,20 @@ class GTrXLPPO:
             action = dist.sample()
             logp = dist.log_prob(action) if self.discrete else dist.log_prob(action).sum(-1)
             value = model.state_value(h)
+            # the a_{t-1} input is the action the environment took: the sample clamped to [-1, 1]
+            # (as GTrXLPolicy.act feeds it); log-probabilities stay those of the unclamped sample
+            taken = action if self.discrete else action.clamp(-1.0, 1.0)
             raw_obs.append(self.obs)
             obs, reward, term, trunc, info = self.envs.step(self._to_env(action))
             r = torch.as_tensor(reward, dtype=torch.float32, device=dev) * self.reward_scale
+            r_in = torch.as_tensor(reward, dtype=torch.float32, device=dev) * self.input_reward_mult  # r_t input
             trunc_t = torch.as_tensor(trunc & ~term, device=dev)
             if trunc_t.any():  # bootstrap time-limit cuts with V(final obs) and the episode's memory
                 final = obs.copy()
                 idx = np.flatnonzero(info["_final_obs"])
                 final[idx] = np.stack(info["final_obs"][idx])
-                a_in = action.view(n, *self.prev_a.shape[1:]).to(self.prev_a.dtype)
-                xf = self._step_inputs(final, a_in, r)
+                a_in = taken.view(n, *self.prev_a.shape[1:]).to(self.prev_a.dtype)
+                xf = self._step_inputs(final, a_in, r_in)
                 hf = enc(xf[:, None], (t + 1)[:, None], state=out.state).features[:, 0]
                 r = r + self.cfg.agent.gamma * model.state_value(hf) * trunc_t
             done = torch.as_tensor(term | trunc, device=dev)
@@ -540,7 +574,7 @@ class GTrXLPPO:
             self.lengths_window.extend(self.ep_len[d].astype(float).tolist())
             self.ep_ret[d] = 0.0
             self.ep_len[d] = 0
-            self.memory, self.prev_a, self.prev_r, self.t, self.start = out.state, action, r, t + 1, done
+            self.memory, self.prev_a, self.prev_r, self.t, self.start = out.state, taken, r_in, t + 1, done
             self.obs = obs
         # bootstrap value of the observation after the rollout
         memory = enc.reset_state(self.memory, self.start)
@@ -562,8 +596,29 @@ class GTrXLPPO:
             stats[f"attention_entropy/layer{i}"] = float(attention_entropy(w))
         ro["stats"] = stats
         if self.update_obs_stats:
-            self.obs_rms.update(np.concatenate(raw_obs, 0))
+            self.obs_rms.update(self._rollout_observations(np.stack(raw_obs)))
         return ro
+
+    def _rollout_observations(self, raw: np.ndarray) -> np.ndarray:
+        """The observations the running statistics learn from: (S, N, *obs_shape) -> (S x N, O).
+
+        Under DDP every rank's rollout, gathered in the order one process with ``W x n_envs``
+        environments (rank r's after rank r - 1's) would see them: (S, W, N, O) flattened. So every
+        rank keeps the same statistics, those of one process (each rank updating with its own
+        rollout only made the ranks normalise their inputs differently and checkpoint rank 0's).
+        """
+        from rl_tformers.runtime.distributed import is_active
+
+        s, n = raw.shape[:2]
+        flat = np.asarray(raw, np.float64).reshape(s, n, -1)  # (S, N, O)
+        if not is_active():
+            return flat.reshape(s * n, -1)
+        import torch.distributed as dist
+
+        mine = torch.as_tensor(flat, device=self.device)
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, mine)
+        return torch.stack(parts, 1).reshape(-1, flat.shape[-1]).cpu().numpy()  # (S, W, N, O) -> (S W N, O)
 
     def minibatches(self, ro: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
         """``n_epochs`` passes over the rollout's S x N samples in ``n_minibatches`` random minibatches."""
@@ -631,10 +686,13 @@ class GTrXLPPO:
 
     def policy(self, deterministic: bool | None = None) -> GTrXLPolicy:
         det = bool(self.a.deterministic) if deterministic is None else deterministic
+        norm = self.normalize_obs
+        o = self.model_cfg.obs_dim
         return GTrXLPolicy(
-            self.model, obs_mean=self.obs_rms.mean, obs_std=self.obs_rms.std, action_low=self.low,
-            action_high=self.high, reward_mult=self.reward_scale, deterministic=det, obs_clip=OBS_CLIP,
-            action_start=self.action_start,
+            self.model, obs_mean=self.obs_rms.mean if norm else np.zeros(o), obs_std=self.obs_rms.std if norm else np.ones(o),
+            action_low=self.low, action_high=self.high, reward_mult=self.input_reward_mult, deterministic=det,
+            obs_clip=OBS_CLIP if norm else None,
+            action_start=self.action_start, action_shape=self.action_shape or None,
         )
 
     def make_env(self):
@@ -664,6 +722,7 @@ class GTrXLPPO:
             "obs_count": float(self.obs_rms.count), "env_steps": int(self.env_steps), "rollouts": int(self.rollouts),
             "recent_returns": [float(x) for x in self.returns_window],
             "recent_lengths": [float(x) for x in self.lengths_window],
+            "input_reward_mult": float(self.input_reward_mult),
             "env_id": self.env_id, "env_kwargs": dict(self.env_kwargs), "model": model_config_dict(self.model_cfg),
         }
 
@@ -672,6 +731,7 @@ class GTrXLPPO:
         self.obs_rms.var = np.asarray(state["obs_var"], np.float64)
         self.obs_rms.count = float(state["obs_count"])
         self.env_steps, self.rollouts = int(state["env_steps"]), int(state["rollouts"])
+        self.input_reward_mult = float(state.get("input_reward_mult", self.reward_scale))
         if hasattr(self, "returns_window"):  # (an inference load restores before the windows exist)
             self.returns_window.clear()
             self.returns_window.extend(float(x) for x in state.get("recent_returns", ()))
