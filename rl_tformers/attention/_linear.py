@@ -220,7 +220,8 @@ class KernelAttention(AttentionModule):
     #: the random buffers redrawn by :meth:`redraw`; subclasses set this.
     random_buffers: tuple[str, ...] = ()
 
-    def __init__(self, ctx, position: PositionModule, chunk_size: int, eps: float, redraw_every: int = 0) -> None:
+    def __init__(self, ctx, position: PositionModule, chunk_size: int, eps: float, redraw_every: int = 0,
+                 kind: str | None = None) -> None:
         super().__init__(ctx, position)
         if position.needs_scores:
             raise IncompatibleConfig(
@@ -230,9 +231,9 @@ class KernelAttention(AttentionModule):
             )
         if ctx.config.attn_dropout > 0 and ctx.layer_idx <= 0:  # once per backbone, not per layer
             warnings.warn(
-                f"backbone.attention.kind={ctx.config.attention.kind!r} forms no attention probabilities, so "
-                f"backbone.attn_dropout={ctx.config.attn_dropout} is not applied (residual and feed-forward "
-                f"dropout still are); set backbone.attn_dropout=0 to say so and silence this warning",
+                f"attention kind {kind or ctx.config.attention.kind!r} forms no attention probabilities, so "
+                f"attn_dropout={ctx.config.attn_dropout} is not applied to it (residual and feed-forward "
+                f"dropout still are); set attn_dropout=0 to say so and silence this warning",
                 UserWarning, stacklevel=2,
             )
         self.causal = ctx.config.causal

@@ -57,7 +57,7 @@ class PerformerAttention(KernelAttention):
     random_buffers = ("omega",)
 
     def __init__(self, ctx, position, cfg: PerformerConfig) -> None:
-        super().__init__(ctx, position, chunk_size=cfg.chunk_size, eps=torch.finfo(torch.float32).tiny,
+        super().__init__(ctx, position, kind=cfg.kind, chunk_size=cfg.chunk_size, eps=torch.finfo(torch.float32).tiny,
                          redraw_every=cfg.redraw_every)
         self.m = cfg.nb_features or max(1, int(round(self.head_dim * math.log(max(self.head_dim, 2)))))
         self.orthogonal = cfg.orthogonal

@@ -57,7 +57,7 @@ class RFAAttention(KernelAttention):
     random_buffers = ("eps_dirs",)
 
     def __init__(self, ctx, position, cfg: RFAConfig) -> None:
-        super().__init__(ctx, position, chunk_size=cfg.chunk_size, eps=cfg.normaliser_eps,
+        super().__init__(ctx, position, kind=cfg.kind, chunk_size=cfg.chunk_size, eps=cfg.normaliser_eps,
                          redraw_every=cfg.redraw_every)
         self.d_feat = cfg.num_features
         gen = None

@@ -26,9 +26,8 @@ def test_linear_attention_says_once_that_attention_dropout_is_not_applied(kind):
     # performer/rfa form no probabilities: attn_dropout=0.1 (the DT default) was dropped silently
     msgs = _build(kind, 0.1)
     assert msgs == [
-        f"backbone.attention.kind={kind!r} forms no attention probabilities, so backbone.attn_dropout=0.1 "
-        "is not applied (residual and feed-forward dropout still are); set backbone.attn_dropout=0 to say "
-        "so and silence this warning"
+        f"attention kind {kind!r} forms no attention probabilities, so attn_dropout=0.1 is not applied to it "
+        "(residual and feed-forward dropout still are); set attn_dropout=0 to say so and silence this warning"
     ]
     assert _build(kind, 0.0) == []
 
@@ -98,3 +97,15 @@ def test_collect_stopped_by_a_signal_leaves_nothing_in_the_data_root(tmp_path, s
         f"interrupted ({sig}): no half-written dataset is left (Minari's temporary folder removed too); "
         "datasets reported above are complete")
     assert [p for p in root.rglob("*") if not p.is_dir() and p.name != "namespace_metadata.json"] == []
+
+
+def test_the_attention_dropout_warning_names_the_cross_attention_kind():
+    from rl_tformers.encoder_decoder import EncoderDecoder
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        EncoderDecoder({"encoder": {"d_model": 32, "n_heads": 2, "n_layers": 2},
+                        "decoder": {"d_model": 32, "n_heads": 2, "n_layers": 2, "attn_dropout": 0.1},
+                        "cross_attention": {"kind": "performer"}})
+    msgs = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(msgs) == 1 and msgs[0].startswith("attention kind 'performer' forms no attention probabilities")
