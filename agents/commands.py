@@ -35,7 +35,8 @@ PLOT_HELP = """Plot achieved vs target return over a sweep of targets (return co
 
 The Decision Transformer paper's figure 4, with y = x, the dataset's best and mean return and the spread over
 episodes, plus per-episode traces of remaining return-to-go vs cumulative reward. Also logged to the
-run's TensorBoard files as an image. --out is checked before anything is evaluated; targets beyond
+run's TensorBoard files as an image (RUN_DIR must then be a directory, also with --checkpoint;
+--no-tensorboard writes only --out). --out is checked before anything is evaluated; targets beyond
 what the model's float32 return embedding takes are refused up front, and a non-finite action or
 reward stops the evaluation with an error (as in `rl-tformers eval`).
 
@@ -122,7 +123,7 @@ def eval_cmd(
     targets: str = typer.Option(None, "--targets", help="Comma-separated target returns, raw units (default: the run's)."),
     episodes: int = typer.Option(10, "--episodes", min=1, help="Episodes per target."),
     envs: int = typer.Option(10, "--envs", min=1, help="Parallel environments."),
-    seed: int = typer.Option(0, "--seed", min=0, help="Base reset seed: episode j uses SEED + j."),
+    seed: int = typer.Option(0, "--seed", min=0, max=2**64 - 1, help="Base reset seed: episode j uses SEED + j."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as strict JSON (no NaN tokens)."),
     out: Path = typer.Option(None, "--out", help="Also write the JSON (with per-step rewards) to this file "
                                                  "(not a directory)."),
@@ -250,6 +251,7 @@ def _read_eval_json(path: Path) -> list:
 
 
 def plot_cmd(
+    ctx: typer.Context,
     run_dir: Path = typer.Argument(..., help="Run directory written by rl-tformers train."),
     out: Path = typer.Option(..., "--out", help="Image file to write; its extension picks the format (.png, "
                                                  ".pdf, .svg, ...), none: .png is added (the path printed is "
@@ -259,8 +261,10 @@ def plot_cmd(
     n_targets: int = typer.Option(6, "--n-targets", min=2, help="Targets in the default sweep."),
     episodes: int = typer.Option(5, "--episodes", min=1, help="Episodes per target."),
     envs: int = typer.Option(10, "--envs", min=1, help="Parallel environments."),
-    seed: int = typer.Option(0, "--seed", min=0, help="Base reset seed."),
-    from_json: Path = typer.Option(None, "--from-json", help="Plot a saved `eval --out` file instead of evaluating."),
+    seed: int = typer.Option(0, "--seed", min=0, max=2**64 - 1, help="Base reset seed."),
+    from_json: Path = typer.Option(None, "--from-json", help="Plot a saved `eval --out` file instead of evaluating "
+                                                             "(--targets, --n-targets, --episodes, --envs and --seed "
+                                                             "do not apply)."),
     tensorboard: bool = typer.Option(True, "--tensorboard/--no-tensorboard", help="Also log the figure to RUN_DIR."),
     device: str = typer.Option("cpu", "--device", help="auto | cpu | cuda | cuda:N | mps."),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="A specific checkpoint file (default: newest valid)."),
@@ -280,6 +284,17 @@ def plot_cmd(
         out = figure_path(out)
     except ValueError as exc:
         raise _fail(f"--out {exc}") from None
+    if tensorboard and not run_dir.is_dir():  # only possible with --checkpoint (else _load says it)
+        if checkpoint is not None:
+            what = "is not a directory" if run_dir.exists() else "does not exist"
+            raise _fail(f"{run_dir} {what}: the figure is logged to RUN_DIR's TensorBoard files; give the run "
+                        f"directory of --checkpoint {checkpoint}, or --no-tensorboard")
+    if from_json is not None:
+        unused = [f"--{name.replace('_', '-')}" for name in ("targets", "n_targets", "episodes", "envs", "seed")
+                  if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
+        if unused:
+            raise _fail(f"--from-json {from_json} plots a saved evaluation: {', '.join(unused)} would be ignored; "
+                        f"drop {'them' if len(unused) > 1 else 'it'}, or drop --from-json to evaluate")
     saved = _read_eval_json(from_json) if from_json is not None else None  # before the run is loaded
     _threads(threads)
     run = _load(run_dir, device, checkpoint)

@@ -53,6 +53,16 @@ class NonFiniteError(ValueError):
     """The policy produced a non-finite action, or the environment a non-finite reward."""
 
 
+class EnvironmentBuildError(ValueError):
+    """The evaluation environment cannot be built here (an id gymnasium does not know, a missing
+    dependency such as MuJoCo, a bad keyword argument); the message names the environment."""
+
+
+#: Largest base reset seed: the seed of torch's global generator too (``torch.manual_seed`` takes
+#: integers in ``[0, 2**64 - 1]``, :data:`rl_tformers.runtime.seeding.MAX_SEED`).
+MAX_EVAL_SEED = 2**64 - 1
+
+
 def finite_or_none(obj: Any) -> Any:
     """``obj`` with every non-finite float (NaN, +-inf) replaced by ``None`` (JSON ``null``),
     in nested dicts, lists and tuples; other values unchanged."""
@@ -172,16 +182,49 @@ class TargetResult:
 
         Raises:
             KeyError: no ``target_return`` or ``returns``.
-            ValueError: a target or return that is not a finite number (``NaN`` in an old file).
+            TypeError: ``d`` is not a mapping.
+            ValueError: a target or return that is not a finite number (``NaN`` in an old file),
+                no returns, ``lengths`` / ``seeds`` that are not one integer per return, or
+                ``rewards`` that are not one list of finite numbers per return, each summing to
+                its episode's return (and as long as its length, when lengths are given); the
+                message names the field and the episode.
         """
-        t = d["target_return"]
-        values = ([] if t is None else [t]) + list(d["returns"])
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-            raise ValueError(f"target_return {t!r} and returns {d['returns']!r} must be finite numbers")
+        if not isinstance(d, dict):
+            raise TypeError(f"expected an object, got {type(d).__name__}")
+        t, returns = d["target_return"], d["returns"]
+        if not isinstance(returns, list):
+            raise ValueError(f"returns must be a list of numbers, got {returns!r}")
+        values = ([] if t is None else [t]) + returns
+        if not all(_finite_number(v) for v in values):
+            raise ValueError(f"target_return {t!r} and returns {returns!r} must be finite numbers")
+        if not returns:
+            raise ValueError("returns is empty: a result needs at least one episode")
+        n = len(returns)
+        lengths, seeds, rewards = d.get("lengths", []), d.get("seeds", []), d.get("rewards")
+        for name, xs in (("lengths", lengths), ("seeds", seeds)):
+            if xs and not (isinstance(xs, list) and len(xs) == n
+                           and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)):
+                raise ValueError(f"{name} must be {n} non-negative integers (one per return), got {xs!r}")
+        if rewards is not None:
+            if not isinstance(rewards, list) or len(rewards) != n:
+                raise ValueError(f"rewards must be {n} lists (one per return), got "
+                                 f"{len(rewards) if isinstance(rewards, list) else type(rewards).__name__}")
+            for j, ep in enumerate(rewards):
+                if not (isinstance(ep, list) and all(_finite_number(x) for x in ep)):
+                    raise ValueError(f"rewards of episode {j} must be a list of finite numbers")
+                if lengths and len(ep) != lengths[j]:
+                    raise ValueError(f"rewards of episode {j}: {len(ep)} rewards, but its length is {lengths[j]}")
+                if not math.isclose(math.fsum(ep), returns[j], rel_tol=1e-9, abs_tol=1e-6):
+                    raise ValueError(f"rewards of episode {j} sum to {math.fsum(ep)!r}, but its return is "
+                                     f"{returns[j]!r}")
         return cls(
-            target_return=d["target_return"], returns=list(d["returns"]), lengths=list(d.get("lengths", [])),
-            seeds=list(d.get("seeds", [])), normalized=None, rewards=d.get("rewards"),
+            target_return=t, returns=list(returns), lengths=list(lengths), seeds=list(seeds), normalized=None,
+            rewards=None if rewards is None else [list(ep) for ep in rewards],
         )
+
+
+def _finite_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass
@@ -222,8 +265,9 @@ def evaluate(
         targets: target returns in raw reward units (``None`` for unconditioned agents).
         episodes: exact number of episodes per target (episode j uses env j % N, seed seed + j).
         n_envs: number of parallel environments.
-        seed: base reset seed; also the seed of torch's global generator while each target
-            is evaluated (restored after), for policies that sample their actions.
+        seed: base reset seed, an integer in ``[0, 2**64 - 1]``; also the seed of torch's
+            global generator while each target is evaluated (restored after), for policies that
+            sample their actions.
         record_rewards: keep each episode's raw reward sequence (for RTG traces).
         normalize: maps raw returns (E,) to normalised scores, or returns ``None``.
         env_id: recorded in the report.
@@ -232,7 +276,10 @@ def evaluate(
         :class:`EvalReport` with one :class:`TargetResult` per target, in the given order.
 
     Raises:
-        ValueError: ``episodes`` or ``n_envs`` < 1, no target given, or a NaN/inf target.
+        ValueError: ``episodes`` or ``n_envs`` < 1, ``seed`` not an integer in
+            ``[0, 2**64 - 1]``, no target given, or a NaN/inf target.
+        EnvironmentBuildError: (a ValueError) ``make_env`` cannot build the environment here;
+            the message names ``env_id`` and the cause.
         NonFiniteError: (a ValueError) the policy returned a NaN/inf action (not sent to the
             environment) or the environment a NaN/inf reward; the message names the target,
             episode, seed and step.
@@ -240,6 +287,10 @@ def evaluate(
     """
     if episodes < 1 or n_envs < 1:
         raise ValueError(f"evaluate: episodes and n_envs must be >= 1, got {episodes}, {n_envs}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) <= MAX_EVAL_SEED:
+        raise ValueError(f"evaluate: seed {seed!r} is not an integer in [0, 2**64 - 1] (--seed: the base reset "
+                         f"seed, also torch's generator seed)")
+    seed = int(seed)
     if len(targets) == 0:
         raise ValueError("evaluate: give at least one target return (None for unconditioned agents)")
     bad = [t for t in targets if t is not None and not math.isfinite(float(t))]
@@ -247,10 +298,22 @@ def evaluate(
         raise ValueError(f"evaluate: target returns must be finite numbers, got {bad} (agent.targets / --targets)")
     t0 = time.perf_counter()
     n = min(n_envs, episodes)
-    envs = gym.vector.SyncVectorEnv(
-        [lambda: with_raw_reward(make_env()) for _ in range(n)],
-        autoreset_mode=gym.vector.AutoresetMode.DISABLED,
-    )
+    built: list[gym.Env] = []
+
+    def build() -> gym.Env:
+        env = with_raw_reward(make_env())
+        built.append(env)
+        return env
+
+    try:
+        envs = gym.vector.SyncVectorEnv([build for _ in range(n)], autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+    except (gym.error.Error, ImportError, TypeError) as exc:
+        for env in built:  # the ones made before the failure
+            env.close()
+        what = f"the evaluation environment {env_id!r}" if env_id else "the evaluation environment"
+        raise EnvironmentBuildError(f"evaluate: cannot build {what} here ({type(exc).__name__}: {exc}); the run "
+                                    f"was trained with it: install what it needs or register it, then "
+                                    f"evaluate again") from exc
     try:
         results = []
         for target in targets:
@@ -297,7 +360,7 @@ def _run_target(
     cap = 1024
     rew_buf = np.zeros((n, cap), dtype=np.float64) if record else None  # (N, cap) rewards of running episodes
 
-    obs, _ = envs.reset(seed=[int(seed + j) for j in job])
+    obs, _ = envs.reset(seed=[seed + int(j) for j in job])
     state = policy.initial_state(n, target)
     episode_start = np.ones(n, dtype=bool)
     last_reward: np.ndarray | None = None
@@ -338,7 +401,7 @@ def _run_target(
         ep_len[done] = 0
         if remaining > 0:
             # envs past their quota are reset too (a disabled-autoreset vector env must be)
-            seeds = [int(seed + job[i]) if done[i] and active[i] else None for i in range(n)]
+            seeds = [seed + int(job[i]) if done[i] and active[i] else None for i in range(n)]
             new_obs, _ = envs.reset(seed=seeds, options={"reset_mask": done.copy()})
             obs = np.where(done.reshape((n,) + (1,) * (np.ndim(obs) - 1)), new_obs, obs)
     return TargetResult(

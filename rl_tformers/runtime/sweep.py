@@ -20,8 +20,13 @@ restartable at no extra cost. Rerun rules (checked for every run before any star
   evaluation logged at that step; a run whose final evaluation failed is reported
   ``incomplete`` (evaluate it with ``rl-tformers eval``, or delete it to train it again);
 - a run directory that another process is training (its lock, :mod:`.runlock`) is refused;
-- two grid values that map to the same run directory (``[0.9,0.95]`` and ``[0.9, 0.95]``) are
-  refused.
+- two grid values that map to the same run directory (``[0.9,0.95]`` and ``[0.9, 0.95]``), or
+  that give the same config (``train.lr=1e-3,0.001``), are refused;
+- a ``KEY=VALUE`` override of a key the sweep sets for each run (``seed``, ``run_dir``, a grid
+  key with another value, or a key inside or above a grid key) is refused: the run's own value
+  would replace it silently;
+- one sweep at a time per ``--out``: a second sweep on the same folder (while the first runs) is
+  refused (``OUT/.sweep.lock``, an ``flock`` the system releases when the sweep exits).
 
 SIGINT, SIGTERM and SIGHUP stop the sweep: each running ``train`` (in its own session) gets the
 signal once (SIGHUP as SIGTERM), saves a checkpoint and stops; no new run starts; the results are
@@ -30,7 +35,9 @@ run's ``metrics.jsonl``:
 
 - ``OUT/results.csv`` / ``results.json`` / ``results.md``: one row per run (grid values, seed,
   status, steps, wall time, last logged training and evaluation scalars) and a summary per grid
-  point (mean, standard deviation and count over seeds of ``--metric``);
+  point (mean, standard deviation and count over seeds of ``--metric``, over the runs that
+  completed: status ``ok`` or ``skipped``; a failed, stopped, incomplete or not-run run's last
+  values are in its row but not in the summary or plot: ``seeds`` reads e.g. ``1/2``);
 - ``OUT/results.png``: ``--metric`` per grid point, mean with one standard deviation over seeds.
 
 Why not a scheduler of our own: locally a ``concurrent.futures.ThreadPoolExecutor`` of
@@ -252,6 +259,119 @@ def expand(grid: dict[str, list[str]], seeds: Sequence[int], out_dir: str | os.P
 def _unique_suffix(keys: Sequence[str], key: str) -> bool:
     last = key.split(".")[-1]
     return sum(k.split(".")[-1] == last for k in keys) == 1
+
+
+#: Config keys the sweep sets for every run itself (``seed`` from --seeds, ``run_dir`` its folder).
+SWEEP_SET_KEYS = ("seed", "run_dir")
+
+
+def check_overrides(grid: dict[str, list[str]], overrides: Sequence[str]) -> None:
+    """Refuse a common ``KEY=VALUE`` override that each run's own value would replace silently.
+
+    Raises:
+        SweepError: an override of ``seed`` (use --seeds) or ``run_dir`` (the sweep puts each
+            run in ``OUT/<point>/seed<k>``), of a grid key with a value other than its grid
+            values (``train.lr=0.1`` with ``--grid train.lr=1e-3,3e-3``; the same single value
+            changes nothing and is let through), or of a key inside or above a grid key
+            (``backbone.position={kind: alibi}`` with ``--grid backbone.position.kind=...``):
+            the message names both.
+    """
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key == "seed":
+            raise SweepError(f"override {item!r}: the sweep sets each run's seed from --seeds "
+                             f"(e.g. --seeds 5); drop {key}=")
+        if key == "run_dir":
+            raise SweepError(f"override {item!r}: the sweep puts each run in OUT/<point>/seed<k> "
+                             f"(choose OUT with --out); drop {key}=")
+        value = item.split("=", 1)[1].strip()
+        for g, values in grid.items():
+            if (key == g and any(v != value for v in values)) or key.startswith(g + ".") or g.startswith(key + "."):
+                raise SweepError(f"override {item!r} and --grid {g}=... set the same option: each run's grid "
+                                 f"value would replace it; give it once (in --grid, or as an override)")
+
+
+def check_distinct_configs(runs: Sequence[SweepRun], requested: dict[str, dict[str, Any]]) -> None:
+    """Refuse two runs that would train the same config (values spelled differently that mean
+    the same, e.g. ``train.lr=1e-3,0.001`` or ``n_layers=1,01``): the same run twice, summarised as
+    two grid points.
+
+    Raises:
+        SweepError: naming the two grid points.
+    """
+    from rl_tformers.runtime.config import flatten
+
+    seen: dict[str, SweepRun] = {}
+    for run in runs:
+        flat = {k: v for k, v in flatten(requested[run.name]).items() if k not in RERUN_IGNORED_KEYS}
+        key = json.dumps(sorted(flat.items()), default=repr)
+        other = seen.setdefault(key, run)
+        if other is not run:
+            raise SweepError(f"--grid: the points ({other.point_label}) and ({run.point_label}) give the same "
+                             f"config (the values mean the same once parsed); give each value once")
+
+
+SWEEP_LOCK = ".sweep.lock"
+
+
+class _SweepLock:
+    """One sweep at a time per folder: an exclusive ``flock`` on ``OUT/.sweep.lock`` (released by
+    the system however the sweep exits). A folder this lock created that holds nothing but the
+    lock file when it is released (the sweep was refused) is removed again."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.fd: int | None = None
+        self.created: list[Path] = []
+
+    def __enter__(self) -> _SweepLock:
+        import errno
+        import fcntl
+
+        self.created = [d for d in (self.out, *self.out.parents) if not d.exists()]
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            path = self.out / SWEEP_LOCK
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise SweepError(f"--out {self.out}: cannot create it or its lock file ({exc.strerror or exc})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            self._remove_created()
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                try:
+                    pid = int(path.read_text().strip() or "x")
+                    who = f"pid {pid}"
+                except (OSError, ValueError):
+                    who = "another process"
+                raise SweepError(f"--out {self.out}: another sweep ({who}) is running in this folder; wait for it "
+                                 f"to finish (or stop it: Ctrl-C saves every run), then run the same command again "
+                                 f"to finish it, or use another --out") from None
+            raise SweepError(f"--out {self.out}: cannot lock {path} ({exc.strerror or exc}; a file system "
+                             f"without flock?)") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def _remove_created(self) -> None:
+        if self.created and self.out.is_dir() and [p.name for p in self.out.iterdir()] in ([], [SWEEP_LOCK]):
+            (self.out / SWEEP_LOCK).unlink(missing_ok=True)
+            for d in self.created:  # innermost first; stop at one that gained other entries
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._remove_created()
+        finally:
+            if self.fd is not None:
+                os.close(self.fd)  # releases the lock
+                self.fd = None
 
 
 # -- running ---------------------------------------------------------------------------------------
@@ -554,16 +674,26 @@ def pick_metric(rows: Sequence[dict[str, Any]], metric: str | None) -> str | Non
     return next((m for m in DEFAULT_METRICS if any(m in r for r in rows)), None)
 
 
+#: Run statuses whose metrics are those of a finished run (the summary and plot use only these).
+COMPLETED = ("ok", "skipped")
+
+
 def summarize(runs: Sequence[SweepRun], rows: Sequence[dict[str, Any]], metric: str | None) -> list[dict[str, Any]]:
-    """Per grid point: mean, standard deviation (n - 1) and count over seeds of ``metric``."""
+    """Per grid point: mean, standard deviation (n - 1) and count ``n`` over seeds of ``metric``,
+    of ``of`` runs.
+
+    Only runs that completed (status in :data:`COMPLETED`) with a finite ``metric`` count: a
+    failed, stopped, incomplete or not-run run's last logged value is one of an unfinished run
+    (an intermediate evaluation, not the final one), so it stays in its row and out of the summary.
+    """
     by_run = {r["run"]: r for r in rows}
     points: dict[str, list[SweepRun]] = {}
     for run in runs:
         points.setdefault(run.point_label, []).append(run)
     out = []
     for label, rs in points.items():
-        vals = [by_run[r.name][metric] for r in rs if metric and isinstance(by_run[r.name].get(metric), float)
-                and math.isfinite(by_run[r.name][metric])]
+        vals = [by_run[r.name][metric] for r in rs if metric and by_run[r.name].get("status") in COMPLETED
+                and isinstance(by_run[r.name].get(metric), float) and math.isfinite(by_run[r.name][metric])]
         out.append({"point": label, **rs[0].point, "metric": metric, "n": len(vals), "of": len(rs),
                     "mean": statistics.fmean(vals) if vals else None,
                     "std": statistics.stdev(vals) if len(vals) > 1 else (0.0 if vals else None)})
@@ -619,8 +749,9 @@ def write_results(out_dir: Path, runs: Sequence[SweepRun], outcomes: dict[str, R
                   metric: str | None = None, warn: Callable[[str], None] = _stderr) -> SweepResult:
     """Collect every run and write ``results.{csv,json,md,png}`` into ``out_dir``.
 
-    ``warn`` (default: stderr) gets a line when ``metric`` was given but no run logged it, and
-    when no run logged an evaluation metric so the summary falls back to ``train/loss``. A
+    ``warn`` (default: stderr) gets a line when ``metric`` was given but no run logged it, when
+    no run logged an evaluation metric so the summary falls back to ``train/loss``, and when only
+    runs that did not complete logged ``metric`` (the summary counts completed runs only). A
     ``results.png`` of an earlier call is removed when there is nothing to plot.
     """
     rows = collect(runs, outcomes)
@@ -634,6 +765,9 @@ def write_results(out_dir: Path, runs: Sequence[SweepRun], outcomes: dict[str, R
         warn("warning: no run logged an evaluation metric (eval.at_end=false, eval.every=0, or the evaluations "
              "failed); the summary and plot use train/loss")
     summary = summarize(runs, rows, metric)
+    if metric and any(metric in r for r in rows) and all(s["mean"] is None for s in summary):
+        warn(f"warning: {metric}: only runs that did not complete logged it; the summary and plot count "
+             f"completed runs only")
     res = SweepResult(rows=rows, summary=summary, metric=metric)
     out_dir.mkdir(parents=True, exist_ok=True)
     cols: list[str] = []
@@ -679,12 +813,14 @@ def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], 
     Raises:
         SweepError: (before any run starts) unknown launcher, ``out_dir`` (or a folder above
             it) is a file, Ray missing with
-            ``launcher="ray"``, duplicate run directories (:func:`expand`), a grid point whose
-            config does not compose, a run directory holding a run with another config (the
+            ``launcher="ray"``, duplicate run directories (:func:`expand`), an override the sweep
+            would replace (:func:`check_overrides`), a grid point whose config does not compose,
+            two grid points with the same config (:func:`check_distinct_configs`), another sweep
+            running in ``out_dir``, a run directory holding a run with another config (the
             message names each such run and the differing keys), or one being trained by
             another process.
     """
-    from rl_tformers.runtime.runlock import directory_problem, lock_holder
+    from rl_tformers.runtime.runlock import directory_problem
 
     if launcher not in LAUNCHERS:
         raise SweepError(f"--launcher {launcher!r}; use one of {', '.join(LAUNCHERS)}")
@@ -695,7 +831,20 @@ def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], 
     if launcher == "ray":
         import_ray()
     runs = expand(grid, seeds, out, overrides)
+    check_overrides(grid, overrides)
     requested = {run.name: requested_config(run, config, device) for run in runs}  # fails fast on a typo
+    check_distinct_configs(runs, requested)
+    with _SweepLock(out):  # from the state checks to the results: no other sweep in between
+        return _sweep_locked(config, runs, requested, seeds, out, jobs=jobs, threads=threads, launcher=launcher,
+                             gpus_per_run=gpus_per_run, device=device, metric=metric, echo=echo)
+
+
+def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[str, dict[str, Any]],
+                  seeds: Sequence[int], out: Path, *, jobs: int, threads: int, launcher: str, gpus_per_run: float,
+                  device: str | None, metric: str | None, echo: Callable[[str], None]) -> SweepResult:
+    """The part of :func:`sweep` that runs under the sweep folder's lock."""
+    from rl_tformers.runtime.runlock import lock_holder
+
     outcomes: dict[str, RunOutcome] = {}
     todo, problems = [], []
     for run in runs:
@@ -748,7 +897,7 @@ def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], 
 
 SWEEP_HELP = """Run a grid of training runs (config values x seeds) in parallel and collect one results table and plot.
 
-Every grid point x seed is an ordinary `rl-tformers train` run in OUT/<point>/seed<k>. Every grid point's config is checked before any run starts. Running the same command again skips complete runs (trained to train.steps and, with eval.at_end, evaluated) and resumes unfinished ones; a run directory holding a run with another config (e.g. other train.steps) is refused, naming the differing keys. SIGINT/SIGTERM/SIGHUP stop every run with a checkpoint. Results: OUT/results.csv, results.json, results.md (per run and mean/std over seeds per grid point) and results.png.
+Every grid point x seed is an ordinary `rl-tformers train` run in OUT/<point>/seed<k>. Every grid point's config is checked before any run starts: two grid values giving the same config, and an override that a run's own seed, folder or grid value would replace, are refused; so is a second sweep in the same OUT while one runs. Running the same command again skips complete runs (trained to train.steps and, with eval.at_end, evaluated) and resumes unfinished ones; a run directory holding a run with another config (e.g. other train.steps) is refused, naming the differing keys. SIGINT/SIGTERM/SIGHUP stop every run with a checkpoint. Results: OUT/results.csv, results.json, results.md (per run, and mean/std over the seeds whose run completed per grid point) and results.png.
 
 Examples:
 
