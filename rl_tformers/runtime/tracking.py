@@ -111,8 +111,11 @@ def truncate_run_logs(run_dir: str | os.PathLike, max_step: int) -> int:
 
 
 def _jsonable(v: Any) -> Any:
+    """A scalar as strict JSON: NaN and +-inf become ``null`` (TensorBoard keeps the value
+    itself). Infinities used to be written as +-1e308, which a reader cannot tell from a
+    measured number (a sweep would average it)."""
     if isinstance(v, float) and not math.isfinite(v):
-        return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
+        return None
     return v
 
 

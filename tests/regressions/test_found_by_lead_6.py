@@ -109,3 +109,16 @@ def test_the_attention_dropout_warning_names_the_cross_attention_kind():
                         "cross_attention": {"kind": "performer"}})
     msgs = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     assert len(msgs) == 1 and msgs[0].startswith("attention kind 'performer' forms no attention probabilities")
+
+
+def test_metrics_jsonl_writes_every_non_finite_scalar_as_null(tmp_path):
+    import json
+    import math
+
+    from rl_tformers.runtime.tracking import RunLogger
+
+    log = RunLogger(tmp_path)
+    log.scalars(3, {"a": math.inf, "b": -math.inf, "c": math.nan, "d": 1e308, "e": 2.5})
+    log.close()
+    rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {k: rec[k] for k in "abcde"} == {"a": None, "b": None, "c": None, "d": 1e308, "e": 2.5}
