@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -333,6 +334,8 @@ def load_d4rl_hdf5(
             ``observations[t + 1]`` inside an episode
             (:func:`~rl_tformers.envs.dataset.check_next_observations`), the attributes
             ``rl_tformers_metadata`` / ``observation_space`` / ``action_space`` cannot be read,
+            the actions are stored in another shape than the environment's Box action space
+            with as many values (e.g. ``(N, 4)`` for a ``Box(2, 2)``: never reshaped silently),
             or validation fails.
     """
     import h5py
@@ -378,7 +381,7 @@ def load_d4rl_hdf5(
         fam = task_family(path.stem)
         env_id = D4RL_ENV_IDS.get(fam) if fam else None
     if action_space is None and env_id is not None:
-        action_space = _env_action_space(env_id, act)
+        action_space = _env_action_space(env_id, act, path)
     if observation_space is None:
         observation_space = unbounded_box(tuple(obs.shape[1:]), obs.dtype)
     where = f"{path} attribute rl_tformers_metadata"
@@ -485,16 +488,29 @@ def _attr_str(v) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _env_action_space(env_id: str, actions) -> gym.Space | None:
-    """The action space of ``env_id`` if it can be built and matches the data's shape."""
+def _env_action_space(env_id: str, actions, path: Path) -> gym.Space | None:
+    """The action space of ``env_id`` if it can be built and matches the data's shape.
+
+    Raises:
+        DatasetError: the space is a Box with as many values per step as the file's actions
+            but another shape (e.g. actions stored flat, ``(N, 4)``, for a ``Box(2, 2)``): the
+            actions must be stored in the space's shape; they are not reshaped silently.
+    """
     try:
         env = gym.make(env_id)
     except Exception:
         return None
     space = env.action_space
     env.close()
-    if isinstance(space, gym.spaces.Box) and tuple(space.shape) == tuple(actions.shape[1:]):
+    per_step = tuple(actions.shape[1:])
+    if isinstance(space, gym.spaces.Box) and tuple(space.shape) == per_step:
         return space
+    if isinstance(space, gym.spaces.Box) and per_step and math.prod(space.shape) == math.prod(per_step):
+        raise DatasetError(
+            f"actions: {path} stores actions of shape {per_step} per step, but the action space of its "
+            f"environment {env_id} is a Box of shape {tuple(space.shape)}; store each action in the space's shape "
+            f"(actions of shape (N, {', '.join(map(str, space.shape))}), e.g. written by save_d4rl_hdf5), "
+            f"they are not reshaped silently", field="actions")
     if isinstance(space, gym.spaces.Discrete) and len(actions.shape) == 1:
         return space
     return None

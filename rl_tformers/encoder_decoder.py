@@ -16,7 +16,8 @@ Config (dict/YAML)::
 Partial ``encoder``/``decoder`` dicts are merged over the vanilla defaults (post-norm,
 sinusoidal positions, ReLU, no final norm; encoder bidirectional, decoder causal).
 The decoder's self-attention kind and positional kind come from ``decoder``; cross-attention
-uses ``cross_attention`` (a kernel that accepts S != T keys without a causal mask, e.g. ``sdpa``)
+uses ``cross_attention`` (a kernel that accepts S != T keys without a causal mask, e.g. ``sdpa``:
+``Capabilities.cross_attention`` and ``bidirectional``, checked when the config is built)
 with no positional term (positions of source and target live in different sequences).
 """
 
@@ -76,7 +77,10 @@ class EncoderDecoderConfig:
 
     Raises:
         IncompatibleConfig: mismatched widths, an unsupported decoder block/memory/depth kind,
-            or a causal-only cross-attention kind (each message names the option).
+            a causal-only cross-attention kind, or one that cannot take keys of another
+            sequence of any length (``Capabilities.cross_attention`` false: ``sinkhorn``, whose
+            queries are its keys, and the kinds whose queries are the last T keys); each
+            message names the option.
     """
 
     encoder: BackboneConfig = field(default_factory=lambda: _vanilla(False))
@@ -96,9 +100,21 @@ class EncoderDecoderConfig:
                 f"decoder.memory.kind={dec.memory.kind!r}, decoder.depth.kind={dec.depth.kind!r}: "
                 f"the decoder supports memory none and depth fixed"
             )
-        if not REGISTRIES["attention"].get(self.cross_attention.kind).capabilities.bidirectional:
+        attn = REGISTRIES["attention"]
+        kind = self.cross_attention.kind
+        caps = attn.get(kind).capabilities
+        if not caps.bidirectional:
             raise IncompatibleConfig(
-                f"cross_attention.kind={self.cross_attention.kind!r} is causal-only; cross-attention sees every source key"
+                f"cross_attention.kind={kind!r} is causal-only; cross-attention sees every source key"
+            )
+        if not caps.cross_attention:
+            usable = [e.kind for e in attn if e.capabilities.cross_attention and e.capabilities.bidirectional]
+            why = ("its queries must be its keys (S == T; no other keys)" if not caps.memory
+                   else "its queries must be the last T of its S keys (S >= T)")
+            raise IncompatibleConfig(
+                f"cross_attention.kind={kind!r} cannot attend to another sequence: {why}, while cross-attention "
+                f"takes S encoder outputs as keys for T decoder queries, any S and T; use one of "
+                f"{', '.join(usable)}"
             )
         _check_stack(enc, "encoder")
         _check_stack(dec, "decoder")

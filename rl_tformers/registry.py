@@ -43,6 +43,11 @@ class Capabilities:
         approximate: approximates dense attention; converges as its budget grows.
         subquadratic: never materialises an L x L score matrix.
         exact_chunking: a long sequence in segments with carried state equals one pass.
+        cross_attention: (attention kinds) takes the keys and values of another sequence, of
+            any length S (longer or shorter than the T queries, which need not be among the
+            keys): usable as the encoder-decoder's ``cross_attention.kind``. Kinds whose
+            queries must be the last T of their keys (S >= T: the self-attention / memory
+            layout) or all of them (S == T) lack it.
         positions: positional kinds this component works with (``None`` = all).
     """
 
@@ -56,6 +61,7 @@ class Capabilities:
     approximate: bool = False
     subquadratic: bool = False
     exact_chunking: bool = False
+    cross_attention: bool = True
     positions: tuple[str, ...] | None = None
 
     def as_dict(self) -> dict[str, Any]:

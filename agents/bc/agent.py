@@ -74,14 +74,16 @@ class BCPolicy:
     @torch.no_grad()
     def act(self, obs: np.ndarray, state: None, episode_start: np.ndarray,
             last_reward: np.ndarray | None = None) -> tuple[np.ndarray, None]:
-        """obs (N, *obs_shape) raw -> actions (N, A) in the box, or (N,) int64 in
+        """obs (N, *obs_shape) raw -> actions (N, *action_shape) in the box (the model's flat
+        (N, A) in the environment's shape, :attr:`DatasetInfo.action_shape`), or (N,) int64 in
         ``[action_start, action_start + n)``."""
         n = len(episode_start)
         x = torch.as_tensor(np.asarray(obs, np.float32), device=self.device).reshape(n, -1)
         y = self.model((x - self.mean) / self.std)  # (N, A) or (N, n_actions)
         if self.info.discrete:  # class index -> environment action
             return y.argmax(-1).cpu().numpy().astype(np.int64) + self.info.action_start, None
-        return to_env_action(y, self.low, self.high).cpu().numpy().astype(np.float32), None
+        env_a = to_env_action(y, self.low, self.high).cpu().numpy().astype(np.float32)  # (N, A)
+        return env_a.reshape(n, *self.info.action_shape), None
 
 
 class BCAgent:
@@ -142,13 +144,13 @@ class BCAgent:
     def loss(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Any]]:
         """:func:`bc_loss` on one sampler batch (windows of one step)."""
         obs = batch["observations"][:, 0].reshape(batch["observations"].shape[0], -1).float()  # (B, obs_dim)
-        act = batch["actions"][:, 0]  # (B, A) or (B,)
+        act = batch["actions"][:, 0]  # (B, *action_shape) or (B,)
         if self.info.discrete:  # class indices in [0, n)
             act = torch.where(batch["mask"][:, 0].bool(), act.long() - self.info.action_start, 0)
         else:
             low = torch.as_tensor(self.info.action_low, device=act.device)
             high = torch.as_tensor(self.info.action_high, device=act.device)
-            act = from_env_action(act.float(), low, high)
+            act = from_env_action(act.reshape(act.shape[0], self.info.act_dim).float(), low, high)  # (B, A)
         return bc_loss(self.model, {"obs": obs, "actions": act, "mask": batch["mask"][:, 0]})
 
     def policy(self) -> BCPolicy:

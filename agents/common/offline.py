@@ -21,6 +21,7 @@ convention :mod:`rl_tformers.agents.commands` reads from any agent's extra state
 
 from __future__ import annotations
 
+import math
 import shlex
 import sys
 from collections.abc import Mapping
@@ -89,10 +90,12 @@ class DatasetInfo:
     """Statistics of the training data that inference needs (stored in every checkpoint).
 
     Attributes:
-        obs_dim: flat observation size; act_dim: action size or number of discrete actions.
+        obs_dim: flat observation size; act_dim: flat action size (the product of the Box's
+            shape) or number of discrete actions.
         discrete: discrete action space.
         obs_mean, obs_std: (obs_dim,) float32 normalisation (std floored at 1e-6).
-        action_low, action_high: (act_dim,) float32 bounds of a Box action space (None if discrete).
+        action_low, action_high: (act_dim,) float32 bounds of a Box action space, flattened in C
+            order like the actions (None if discrete).
         reward_scale: divisor of rewards and returns-to-go (DT: 1000 on MuJoCo).
         return_max, return_mean, return_min: episode returns of the (filtered) dataset, raw units.
         longest_episode: steps of the longest dataset episode.
@@ -108,6 +111,15 @@ class DatasetInfo:
             an evaluation environment whose observation space is not a Box (Dict, Tuple,
             Discrete) is then wrapped in ``gymnasium.wrappers.FlattenObservation``, which
             flattens exactly as the loader flattened the data (``gymnasium.spaces.flatten``).
+        action_shape: shape of one environment action: ``()`` for ``Discrete``, the Box's
+            shape for continuous actions (e.g. ``(2, 2)``, whose ``act_dim`` is 4). The models
+            work with flat ``(..., act_dim)`` actions; the policies hand the environments
+            ``(N, *action_shape)``. ``None`` (checkpoints from before the field, when only 1-D
+            Box actions could be trained) reads as the flat ``(act_dim,)`` (``()`` if discrete).
+
+    Raises:
+        ValueError: an ``action_shape`` that does not fit the action kind and ``act_dim``
+            (not ``()`` for discrete actions; a product other than ``act_dim`` for a Box).
     """
 
     obs_dim: int
@@ -130,6 +142,18 @@ class DatasetInfo:
     dataset: str | None = None
     action_start: int = 0
     flatten_observations: bool = False
+    action_shape: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.action_shape is None:  # checkpoints from before the field: flat (only 1-D Boxes trained then)
+            self.action_shape = () if self.discrete else (int(self.act_dim),)
+        self.action_shape = tuple(int(k) for k in self.action_shape)
+        if self.discrete and self.action_shape != ():
+            raise ValueError(f"DatasetInfo: action_shape={self.action_shape} for discrete actions; "
+                             f"one Discrete action is a scalar, action_shape ()")
+        if not self.discrete and math.prod(self.action_shape) != int(self.act_dim):
+            raise ValueError(f"DatasetInfo: action_shape={self.action_shape} does not hold act_dim={self.act_dim} "
+                             f"action values")
 
     @classmethod
     def from_dataset(
@@ -202,6 +226,7 @@ class DatasetInfo:
             pomdp=None if env_id else (dict(meta.pomdp) if meta.pomdp else None),
             ref_min=None if refs is None else float(refs[0]), ref_max=None if refs is None else float(refs[1]),
             dataset=spec, action_start=action_start, flatten_observations=bool(flatten_observations),
+            action_shape=() if discrete else tuple(int(k) for k in ds.action_space.shape),
         )
         info.check_env(ds, "agent.env_id" if env_id else "the dataset's env_id")
         return info
@@ -285,6 +310,7 @@ class DatasetInfo:
             "env_id": self.env_id, "env_kwargs": dict(self.env_kwargs), "pomdp": self.pomdp,
             "ref_min": self.ref_min, "ref_max": self.ref_max, "dataset": self.dataset,
             "action_start": self.action_start, "flatten_observations": self.flatten_observations,
+            "action_shape": list(self.action_shape),
         }
 
     @classmethod
@@ -302,6 +328,8 @@ class DatasetInfo:
             ref_min=d.get("ref_min"), ref_max=d.get("ref_max"), dataset=d.get("dataset"),
             action_start=int(d.get("action_start", 0)),  # checkpoints from before the field: 0
             flatten_observations=bool(d.get("flatten_observations", False)),
+            # checkpoints from before the field: None -> the flat (act_dim,) (1-D Boxes only trained then)
+            action_shape=None if d.get("action_shape") is None else tuple(int(k) for k in d["action_shape"]),
         )
 
     def make_env(self):

@@ -166,8 +166,10 @@ def to_model_batch(batch: Mapping[str, Tensor], info: DatasetInfo) -> dict[str, 
     """Sampler batch (:class:`rl_tformers.envs.samplers.WindowSampler` keys) -> :func:`dt_loss` inputs.
 
     Observations and returns-to-go arrive normalised / divided by the reward scale; continuous
-    actions are mapped to [-1, 1] with the action bounds, discrete ones to class indices
-    ``action - info.action_start`` in ``[0, n)`` (0 on padding). Shapes: (B, K, ...) throughout.
+    actions ``(B, K, *action_shape)`` are flattened to ``(B, K, A)`` (C order, like the bounds)
+    and mapped to [-1, 1] with the action bounds, discrete ones ``(B, K)`` to class indices
+    ``action - info.action_start`` in ``[0, n)`` (0 on padding). Outputs: ``obs (B, K, obs_dim)``,
+    ``actions (B, K, A)`` float or ``(B, K)`` long, ``rtg``/``timesteps``/``mask`` ``(B, K)``.
     """
     actions = batch["actions"]
     if info.discrete:
@@ -175,7 +177,8 @@ def to_model_batch(batch: Mapping[str, Tensor], info: DatasetInfo) -> dict[str, 
     else:
         low = torch.as_tensor(info.action_low, device=actions.device)
         high = torch.as_tensor(info.action_high, device=actions.device)
-        actions = from_env_action(actions.float(), low, high)
+        flat = actions.reshape(actions.shape[0], actions.shape[1], info.act_dim)  # a (2, 2) Box step -> 4 values
+        actions = from_env_action(flat.float(), low, high)
     obs = batch["observations"]
     return {
         "obs": obs.reshape(obs.shape[0], obs.shape[1], -1).float(),  # (B, K, obs_dim)
@@ -304,6 +307,7 @@ class DTAgent:
             default_target=self.default_targets()[0],
             timestep_overflow=timestep_overflow or str(self.cfg.agent.timestep_overflow), align=self.align,
             exit_threshold=self.exit_threshold, knn=self.knn_memory, action_start=i.action_start,
+            action_shape=None if i.discrete else i.action_shape,
         )
 
     # -- inference options: early exit and kNN-LM ---------------------------------------------------

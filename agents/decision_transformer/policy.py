@@ -41,6 +41,7 @@ Timesteps past ``max_ep_len`` (the size of the timestep embedding): ``timestep_o
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -104,6 +105,8 @@ class DTPolicy:
             continuous actions) with weight ``knn.lam``.
         action_start: discrete actions: ``start`` of the environment's ``Discrete`` space,
             added to the model's class index (``[0, n)``) to give the environment action.
+        action_shape: continuous actions: the shape of one environment's Box action (e.g.
+            ``(2, 2)``); :meth:`act` returns ``(N, *action_shape)``. ``None``: flat ``(N, A)``.
 
     :meth:`stats` reports, since the last :meth:`reset_stats`: forward-pass milliseconds per
     step (one call for all N environments), mean exit layer and early-exit fraction of the
@@ -111,7 +114,8 @@ class DTPolicy:
 
     Raises:
         ValueError: unknown option values, ``align="start"`` in last_action mode, missing
-            action bounds for a continuous space, early-exit options without ``early_exit``.
+            action bounds for a continuous space, an ``action_shape`` that does not hold the
+            model's A action values, early-exit options without ``early_exit``.
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class DTPolicy:
         exit_threshold: float | None = None,
         knn: Any = None,
         action_start: int = 0,
+        action_shape: Sequence[int] | None = None,
     ) -> None:
         if exit_threshold is not None and not model.early_exit:
             raise ValueError("DTPolicy: exit_threshold needs backbone.depth.kind=early_exit")
@@ -158,6 +163,10 @@ class DTPolicy:
                 raise ValueError("DTPolicy: a continuous action space needs action_low and action_high")
             self.low = torch.as_tensor(np.asarray(action_low, dtype=np.float32), **f32)
             self.high = torch.as_tensor(np.asarray(action_high, dtype=np.float32), **f32)
+        self.action_shape = None if action_shape is None else tuple(int(k) for k in action_shape)
+        if self.action_shape is not None and not self.cfg.discrete and math.prod(self.action_shape) != self.cfg.act_dim:
+            raise ValueError(f"DTPolicy: action_shape={self.action_shape} does not hold the model's "
+                             f"{self.cfg.act_dim} action values")
 
     def reset_stats(self) -> None:
         """Zero the counters of :meth:`stats`."""
@@ -254,8 +263,8 @@ class DTPolicy:
             last_reward: (N,) raw rewards of the previous step (ignored where a row starts).
 
         Returns:
-            actions (N, A) float32 in the action box, or (N,) int64 in ``[action_start,
-            action_start + n)`` for discrete spaces; the state.
+            actions (N, A) float32 in the action box (``(N, *action_shape)`` when given), or (N,)
+            int64 in ``[action_start, action_start + n)`` for discrete spaces; the state.
 
         Raises:
             ValueError: a step at or past ``max_ep_len`` with ``timestep_overflow="error"``, or a
@@ -326,7 +335,10 @@ class DTPolicy:
         state.actions[rows, slot] = a
         if cfg.discrete:  # class index -> environment action
             return a.cpu().numpy().astype(np.int64) + self.action_start, state
-        return to_env_action(a, self.low, self.high).cpu().numpy().astype(np.float32), state
+        env_a = to_env_action(a, self.low, self.high).cpu().numpy().astype(np.float32)  # (N, A)
+        if self.action_shape is not None:
+            env_a = env_a.reshape(n, *self.action_shape)
+        return env_a, state
 
     def _check_finite(self, pred: Tensor, state: DTState) -> None:
         """Raise (:class:`~rl_tformers.agents.common.evaluation.NonFiniteError`) if the model's

@@ -114,7 +114,8 @@ def segment_batch(
     Args:
         batch: from :class:`~rl_tformers.envs.samplers.SegmentSampler` built with
             ``burn_in + 1``: ``observations (B, L+1, *obs_shape)`` (normalised; flattened here to
-            ``(B, L, O)``, as the policy flattens each observation), ``actions``,
+            ``(B, L, O)``, as the policy flattens each observation), ``actions`` (Box:
+            ``(B, L+1, *action_shape)``, flattened here to ``(B, L, A)``; Discrete: ``(B, L+1)``),
             ``rewards``/``returns_to_go`` (divided by the RTG scale), ``timesteps``, ``mask``,
             ``episode_start``, ``terminations``.
         burn_in: the agent's burn-in (the extra leading step is not counted).
@@ -131,6 +132,7 @@ def segment_batch(
     if discrete:
         act = (act.long() - action_start) * mask
     else:
+        act = act.flatten(2)  # (B, L+1, A): a (2, 2) Box step -> 4 values (C order, like the bounds)
         act = normalize_actions(act.float(), action_low.to(act.device), action_high.to(act.device))
         act = act * mask.unsqueeze(-1)
     rew = batch["rewards"].float() * reward_factor * mask
@@ -596,6 +598,7 @@ class GTrXLAgent:
             self.model, obs_mean=info.obs_mean, obs_std=info.obs_std, action_low=info.action_low,
             action_high=info.action_high, rtg_scale=info.reward_scale, reward_mult=float(self.extra["reward_mult"]),
             deterministic=det, action_start=info.action_start,
+            action_shape=None if info.discrete else info.action_shape,
         )
 
     def make_env(self):

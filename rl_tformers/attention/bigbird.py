@@ -143,7 +143,8 @@ class BigBirdAttention(BlockSparseAttention):
     description="Big Bird: window blocks + random blocks + global tokens (blocked); bidirectional only",
     paper="Zaheer et al. 2020, Big Bird: Transformers for Longer Sequences (sec. 2, app. D)",
     capabilities=Capabilities(
-        causal=False, bidirectional=True, key_padding=True, memory=True, incremental=False, exact=True, subquadratic=True
+        causal=False, bidirectional=True, key_padding=True, memory=True, incremental=False, exact=True, subquadratic=True,
+        cross_attention=False,  # queries are the last T of the S keys: more queries than keys fail
     ),
 )
 @dataclass(frozen=True)

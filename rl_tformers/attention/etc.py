@@ -125,7 +125,8 @@ class ETCAttention(BlockSparseAttention):
     description="ETC global-local attention: g2g/g2l/l2g unrestricted (g2l optionally per segment), l2l within radius w; bidirectional only",
     paper="Ainslie et al. 2020, ETC: Encoding Long and Structured Inputs in Transformers (sec. 2.1, 2.3)",
     capabilities=Capabilities(
-        causal=False, bidirectional=True, key_padding=True, memory=True, incremental=False, exact=True, subquadratic=True
+        causal=False, bidirectional=True, key_padding=True, memory=True, incremental=False, exact=True, subquadratic=True,
+        cross_attention=False,  # queries are the last T of the S keys: more queries than keys fail
     ),
 )
 @dataclass(frozen=True)

@@ -198,7 +198,8 @@ class SlidingWindowConfig(_WindowFields):
     description="Longformer: (dilated) sliding window + symmetric global attention on preselected tokens; bidirectional only",
     paper="Beltagy et al. 2020, Longformer (sec. 3.1 attention pattern, sec. 4.1 window sizes per layer)",
     capabilities=Capabilities(
-        causal=False, bidirectional=True, key_padding=True, memory=True, incremental=False, exact=True, subquadratic=True
+        causal=False, bidirectional=True, key_padding=True, memory=True, incremental=False, exact=True, subquadratic=True,
+        cross_attention=False,  # queries are the last T of the S keys: more queries than keys fail
     ),
 )
 @dataclass(frozen=True)

@@ -239,7 +239,8 @@ class LSHAttention(AttentionModule):
     description="Reformer LSH attention: shared QK, angular hashing, sorted chunks, multi-round, no self-attention",
     paper="Kitaev et al. 2020, Reformer: The Efficient Transformer (sec. 2, appendix A)",
     capabilities=Capabilities(
-        memory=True, exact=False, approximate=True, subquadratic=True, positions=GATHERED_POSITIONS
+        memory=True, exact=False, approximate=True, subquadratic=True, positions=GATHERED_POSITIONS,
+        cross_attention=False,  # shared QK: the queries are the last T keys (self-attention layout)
     ),
 )
 @dataclass(frozen=True)

@@ -251,7 +251,8 @@ class RoutingAttention(AttentionModule):
     "routing",
     description="Routing Transformer: online k-means clusters of queries/keys (EMA centroids) + local heads",
     paper="Roy et al. 2021, Efficient Content-Based Sparse Attention with Routing Transformers (sec. 4-5)",
-    capabilities=Capabilities(memory=True, exact=False, subquadratic=True, positions=GATHERED_POSITIONS),
+    capabilities=Capabilities(memory=True, exact=False, subquadratic=True, positions=GATHERED_POSITIONS,
+                              cross_attention=False),  # queries are the last T keys (routed with them)
 )
 @dataclass(frozen=True)
 class RoutingConfig(AttentionConfig):

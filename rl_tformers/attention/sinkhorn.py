@@ -178,7 +178,8 @@ class SinkhornAttention(AttentionModule):
     "sinkhorn",
     description="Sparse Sinkhorn attention: learned soft block sorting (Sinkhorn balancing) + local block",
     paper="Tay et al. 2020, Sparse Sinkhorn Attention (sec. 3, causal Sinkhorn balancing sec. 3.3)",
-    capabilities=Capabilities(exact=False, subquadratic=True, positions=GATHERED_POSITIONS),
+    capabilities=Capabilities(exact=False, subquadratic=True, positions=GATHERED_POSITIONS,
+                              cross_attention=False),  # its queries are its keys (S == T: no prefix keys)
 )
 @dataclass(frozen=True)
 class SinkhornConfig(AttentionConfig):

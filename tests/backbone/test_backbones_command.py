@@ -29,7 +29,7 @@ def test_json_lists_every_registered_component_with_capabilities():
     want = {(e.slot, e.kind) for e in all_entries()}
     assert {(r["slot"], r["kind"]) for r in rows} == want and len(rows) == len(want)
     flags = {"causal", "bidirectional", "key_padding", "memory", "incremental", "stateful", "exact",
-             "approximate", "subquadratic", "exact_chunking", "positions"}
+             "approximate", "subquadratic", "exact_chunking", "cross_attention", "positions"}
     for r in rows:
         assert r["description"] and r["paper"], r
         assert set(r["capabilities"]) == flags
