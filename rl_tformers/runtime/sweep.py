@@ -29,8 +29,10 @@ restartable at no extra cost. Rerun rules (checked for every run before any star
   refused (``OUT/.sweep.lock``, an ``flock`` the system releases when the sweep exits).
 
 SIGINT, SIGTERM and SIGHUP stop the sweep: each running ``train`` (in its own session) gets the
-signal once (SIGHUP as SIGTERM), saves a checkpoint and stops; no new run starts; the results are
-written and the sweep exits with 128 + the signal number. The results are read back from each
+signal (SIGHUP as SIGTERM), saves a checkpoint and stops; no new run starts; the results are
+written and the sweep exits with 128 + the signal number. A second signal is forwarded too, so a
+second Ctrl-C aborts the runs as it aborts ``rl-tformers train`` (each loses the updates since its
+last checkpoint; a repeated SIGTERM does not abort, see the trainer's ``GracefulInterrupt``). The results are read back from each
 run's ``metrics.jsonl``:
 
 - ``OUT/results.csv`` / ``results.json`` / ``results.md``: one row per run (grid values, seed,
@@ -520,7 +522,7 @@ def _run_subprocess(cmd: list[str], env_updates: dict[str, str], log_path: str) 
     """Run ``cmd`` with its output in ``log_path``; returns (exit code, seconds, last lines of the log).
 
     The child runs in its own session (a terminal's Ctrl-C reaches the sweep only, which
-    forwards it once: see :func:`run_local`). Exit code None: not started, the sweep was stopped.
+    forwards it: see :func:`run_local`). Exit code None: not started, the sweep was stopped.
     """
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -578,7 +580,8 @@ def run_local(commands: Sequence[tuple[SweepRun, list[str]]], jobs: int, threads
     """Run the commands ``jobs`` at a time in local subprocesses (a thread pool waits on them).
 
     While it runs (when called from the main thread), SIGINT, SIGTERM and SIGHUP are forwarded
-    once to every running child (SIGHUP as SIGTERM: each saves a checkpoint and stops), no
+    to every running child (SIGHUP as SIGTERM: each saves a checkpoint and stops; a second
+    Ctrl-C, forwarded too, aborts them as it aborts ``rl-tformers train``), no
     further run starts, and this returns after the children exit; runs stopped so have status
     ``stopped``, runs never started ``not run``. :func:`stop_signal` tells which signal it was.
     """
