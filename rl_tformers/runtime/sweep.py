@@ -704,18 +704,19 @@ def summarize(runs: Sequence[SweepRun], rows: Sequence[dict[str, Any]], metric: 
 
 
 def _fmt(v: Any) -> str:
+    """A Markdown table cell: ``-`` for None, 4 significant digits for floats, ``|`` escaped."""
     if v is None:
         return "-"
     if isinstance(v, float):
         return f"{v:.4g}"
-    return str(v)
+    return str(v).replace("|", "\\|")
 
 
 def markdown(rows: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]], metric: str | None) -> str:
     """Summary table (per grid point) then the per-run table, as Markdown."""
     lines = [f"## Summary: {metric or '(no metric logged)'} over seeds", "",
              "| grid point | mean | std | seeds |", "|---|---|---|---|"]
-    lines += [f"| {s['point']} | {_fmt(s['mean'])} | {_fmt(s['std'])} | {s['n']}/{s['of']} |" for s in summary]
+    lines += [f"| {_fmt(s['point'])} | {_fmt(s['mean'])} | {_fmt(s['std'])} | {s['n']}/{s['of']} |" for s in summary]
     cols = ["run", "seed", "status", "step", "seconds"]
     extra = [c for c in dict.fromkeys(("train/loss", metric)) if c and c not in cols]
     lines += ["", "## Runs", "", "| " + " | ".join(cols + extra) + " |", "|" + "---|" * len(cols + extra)]

@@ -122,3 +122,14 @@ def test_metrics_jsonl_writes_every_non_finite_scalar_as_null(tmp_path):
     log.close()
     rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert {k: rec[k] for k in "abcde"} == {"a": None, "b": None, "c": None, "d": 1e308, "e": 2.5}
+
+
+def test_sweep_markdown_escapes_a_pipe_in_a_grid_value():
+    from rl_tformers.runtime.sweep import markdown
+
+    rows = [{"run": "k=a|b/seed0", "seed": 0, "status": "ok", "step": 5, "seconds": 1.0, "train/loss": 0.5}]
+    summary = [{"point": "k=a|b", "mean": 0.5, "std": 0.0, "n": 1, "of": 1}]
+    text = markdown(rows, summary, "train/loss")
+    assert "| k=a\\|b | 0.5 | 0 | 1/1 |" in text
+    assert "| k=a\\|b/seed0 | 0 | ok | 5 | 1 | 0.5 |" in text
+    assert all(line.count("|") - line.count("\\|") == 5 for line in text.splitlines()[2:4])
