@@ -28,17 +28,42 @@ then yields ``n_epochs x n_minibatches`` minibatches; one trainer update = one m
 ``train.steps = rollouts x n_epochs x n_minibatches`` and the environment steps are
 ``rollouts x n_envs x n_steps``.
 
-Resuming (``--resume``) is **not** bit-identical to an uninterrupted run, and says so when it
-starts (:meth:`GTrXLPPO.resume_note`): the checkpoint restores the weights, the optimiser, the
-observation statistics, the counters (``env_steps``, ``rollouts``) and the recent episode
-returns and lengths, but not the environments (their states, the rollout in progress, the
-backbone memory of the running episodes): they restart with fresh resets and a fresh rollout.
-A run stopped after update j of a rollout's U = ``n_epochs x n_minibatches`` updates continues
-with the last U - j updates of that fresh rollout's schedule, so rollouts still start at
-multiples of U (redraws of random attention features never fall inside a rollout); the
-collected rollout that was cut short stays counted in ``train/env_steps`` (those environment
-steps were taken), so after such a resume ``env_steps`` is ``n_envs x n_steps`` (x processes)
-above an uninterrupted run's at the same update.
+Resuming (``--resume``) is bit-identical to an uninterrupted run, stopped at any update (inside
+a rollout too): weights, ``metrics.jsonl`` values and final state. Besides the run-wide state
+(weights, optimiser, RNG states, observation statistics, the ``env_steps``/``rollouts``
+counters: :meth:`GTrXLPPO.extra_state`) every checkpoint holds each process's own state
+(:meth:`GTrXLPPO.process_state`, the trainer's per-process hook): the N environments, pickled
+(gymnasium environments and wrappers by their attributes, so MuJoCo's simulator state and each
+environment's random generator carry over; :class:`_EnvPickler`), the vector environment's
+autoreset flags, the running episodes (last observation, backbone memory, a_{t-1}, r_{t-1},
+step, start flags, return and length so far), the recent episode returns and lengths, and,
+when the run stopped after update j of a rollout's U = ``n_epochs x n_minibatches`` (0 < j <
+U), that rollout with j. The resumed stream first serves the rollout's last U - j minibatches
+(their permutations are a pure function of ``(seed, rollout, epoch)``), then collects the next
+rollout from the restored environments; the trainer restores the RNG states just before the
+first update, and the saved rollout draws nothing, so the next rollout samples its actions
+from the same RNG state as the uninterrupted run. Tested with CartPole, the position-only
+tasks (CartPole, Pendulum, Hopper-v5), Recall and Hopper-v5, and under DDP with the same
+number of processes, every rank getting back its own environments
+(tests/agents/test_gtrxl_ppo_resume.py).
+
+Size: the environments and running episodes of configs/gtrxl/ppo_cartpole.yaml add about
+0.16 MB to a checkpoint (2.8 -> 3.0 MB; the backbone memory, N x layers x M x D floats, is
+most of it; a MuJoCo environment pickles its model and data, about 1.2 MB each); a rollout in
+progress adds about 2.0 MB (the per-step memories, S x N x layers x M x D floats = 16.8 MB, are
+stored as the one new slot per step, :func:`fifo_encode`, losslessly). The shipped config
+checkpoints every 160 updates, at rollout boundaries, so only a stop (SIGINT/SIGTERM,
+``--stop-at``) inside a rollout saves one.
+
+Not exact, and said so by the warning ``--resume`` prints (:meth:`GTrXLPPO.resume_note`):
+an environment that cannot be pickled (one holding a lambda, a lock, an open file...; a warning
+says so at the first checkpoint), a resume with another number of processes than the
+checkpoint's, or a checkpoint written before this state was saved. Then the environments
+restart with fresh resets (and empty memory) at the next rollout; a checkpointed rollout in
+progress is still finished exactly (from an old checkpoint: a fresh rollout feeds the last U - j updates, and its
+``n_envs x n_steps`` steps are counted in ``train/env_steps`` on top of the cut one's). The
+environments are unpickled only by ``--resume`` (loading a checkpoint for evaluation or
+inference stays ``weights_only``): resume only runs you trust.
 
 Under DDP (``--nproc W``) W processes act as one process with ``W x n_envs`` environments:
 every process runs its own ``n_envs`` environments (rank r seeds them after rank r - 1's, the
@@ -64,10 +89,13 @@ the window: the agent's ``latest_logs``).
 
 from __future__ import annotations
 
+import copyreg
+import io
+import logging
 import math
+import pickle
 from collections import deque
 from collections.abc import Iterator, Mapping
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +122,13 @@ from rl_tformers.runtime.agents import register_agent
 from rl_tformers.runtime.distributed import dist_info
 from rl_tformers.types import BackboneState, LayerState
 
+log = logging.getLogger(__name__)
+
 OBS_CLIP = 10.0  # normalised observations are clipped to [-10, 10] (as SB3's VecNormalize)
+#: format of :meth:`GTrXLPPO.process_state` (a checkpoint of another version restarts the environments)
+PROCESS_STATE_VERSION = 1
+#: SyncVectorEnv bookkeeping saved with the sub-environments
+_VECTOR_FIELDS = ("_autoreset_envs", "_terminations", "_truncations", "_rewards")
 
 PPO_DEFAULTS: dict[str, Any] = {
     "agent": {
@@ -148,6 +182,104 @@ class RunningMeanStd:
     @property
     def std(self) -> np.ndarray:
         return np.sqrt(self.var + 1e-8)
+
+
+def _set_attributes(obj: Any, state: dict[str, Any]) -> None:
+    obj.__dict__.update(state)
+
+
+class _EnvPickler(pickle.Pickler):
+    """Pickles every gymnasium environment and wrapper by its attributes (``__dict__``).
+
+    Their own pickling may rebuild a fresh environment instead: gymnasium's ``EzPickle`` (MuJoCo,
+    Box2D) stores only the constructor arguments, so an unpickled Hopper-v5 starts over from a
+    new reset, with a new random generator. Attribute by attribute, the simulator state (MuJoCo's
+    ``MjModel``/``MjData``, which pickle themselves exactly), the wrappers' counters
+    (``TimeLimit``'s elapsed steps) and the environment's ``np_random`` carry over as they are.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (gym.Env, gym.utils.EzPickle)) and not isinstance(obj, type) and hasattr(obj, "__dict__"):
+            return copyreg.__newobj__, (type(obj),), dict(obj.__dict__), None, None, _set_attributes
+        return NotImplemented
+
+
+def dump_envs(envs: list[gym.Env]) -> bytes:
+    """The sub-environments of a vector environment as bytes (:class:`_EnvPickler`).
+
+    Raises:
+        Exception: whatever pickling raises for an environment that holds something unpicklable
+            (a lambda, a lock, an open file or window...).
+    """
+    buf = io.BytesIO()
+    _EnvPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(list(envs))
+    return buf.getvalue()
+
+
+def load_envs(blob: bytes) -> list[gym.Env]:
+    """Inverse of :func:`dump_envs` (unpickling: only for checkpoints of runs you trust)."""
+    return pickle.loads(blob)
+
+
+#: rollout keys that hold each step's FIFO memory, and their slot axis in the (S, N, ...) tensor
+_FIFO_KEYS = {"mem": 3, "mem_pos": 2, "mem_valid": 2, "mem_seg": 2}
+
+
+def _bits(x: Tensor) -> Tensor:
+    """``x`` as integers of its size (floats compared bit for bit: -0.0 != 0.0, NaN == itself)."""
+    if not x.is_floating_point():
+        return x
+    return x.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def fifo_encode(x: Tensor, dim: int) -> dict[str, Tensor]:
+    """Lossless compact form of per-step snapshots of a FIFO memory, (S, N, ...) with slots on ``dim``.
+
+    The XL memory a row acts with at step t + 1 is usually the one of step t shifted by one slot
+    plus a new last slot; such rows store only that slot, the others (after a reset, or anything
+    else) the whole row. Compared bit for bit, so :func:`fifo_decode` returns ``x`` exactly
+    whatever the memory did (the rollout's memory is M times smaller: 16.8 MB -> about 1.9 MB for
+    configs/gtrxl/ppo_cartpole.yaml).
+    """
+    s, m = x.shape[0], x.shape[dim]
+    if s < 2 or m < 2:
+        return {"full": x.clone()}
+    b = _bits(x)
+    ok = (b[1:].narrow(dim, 0, m - 1) == b[:-1].narrow(dim, 1, m - 1)).flatten(2).all(-1)  # (S - 1, N)
+    return {"first": x[0].clone(), "ok": ok, "new": x[1:].narrow(dim, m - 1, 1)[ok].clone(), "rows": x[1:][~ok].clone()}
+
+
+def fifo_decode(enc: Mapping[str, Tensor], dim: int) -> Tensor:
+    """Inverse of :func:`fifo_encode` (bit for bit)."""
+    if "full" in enc:
+        return enc["full"].clone()
+    first, ok = enc["first"], enc["ok"]
+    s, m = ok.shape[0] + 1, first.shape[dim - 1]
+    out = first.new_empty((s, *first.shape))
+    out[0] = first
+    new = first.new_zeros((s - 1, *first.shape[:dim - 1], 1, *first.shape[dim:]))
+    new[ok] = enc["new"]
+    rows = first.new_zeros((s - 1, *first.shape))
+    rows[~ok] = enc["rows"]
+    for t in range(1, s):  # each step from the previous one: inherent
+        out[t] = torch.cat([out[t - 1].narrow(dim - 1, 1, m - 1), new[t - 1]], dim - 1)
+        out[t][~ok[t - 1]] = rows[t - 1][~ok[t - 1]]
+    return out
+
+
+def _state_dict_of(state: BackboneState) -> dict[str, Any]:
+    """A :class:`BackboneState` of the ``xl`` memory as plain tensors (CPU)."""
+    if any(ls.cache is not None or ls.extra is not None for ls in state.layers):
+        raise TypeError("gtrxl_ppo: only the xl memory's LayerState(memory=...) can be checkpointed")
+    return {"memory": [None if ls.memory is None else ls.memory.cpu() for ls in state.layers],
+            **{k: getattr(state, k).cpu() for k in ("pos", "valid", "seg", "episode", "next_pos")}}
+
+
+def _state_from_dict(d: Mapping[str, Any], device: torch.device) -> BackboneState:
+    return BackboneState(
+        layers=[LayerState(memory=None if m is None else m.to(device)) for m in d["memory"]],
+        **{k: d[k].to(device) for k in ("pos", "valid", "seg", "episode", "next_pos")},
+    )
 
 
 def compute_gae(
@@ -430,6 +562,12 @@ class GTrXLPPO:
         self.lengths_window: deque[float] = deque(maxlen=20)
         self.env_steps = 0  # of this process (each process collects the same number)
         self.rollouts = 0
+        #: the rollout the updates are learning from and how many of its minibatches were served
+        self._rollout: dict[str, Any] | None = None
+        self._served = 0
+        #: why a resume is not exact (None: it is); set by load_extra_state / load_process_state
+        self._resume_problem: str | None = None
+        self._envs_problem_logged = False
 
     # -- fine-tuning from an offline run ------------------------------------------------------
     def _read_offline(self, path: str) -> tuple[dict, dict, dict]:
@@ -466,11 +604,14 @@ class GTrXLPPO:
         self.input_reward_mult = float(ex.get("reward_mult", self.reward_scale))  # and its r_{t-1} units
 
     # -- rollouts -------------------------------------------------------------------------------
+    def _vector_env(self, envs: list[gym.Env] | None = None) -> gym.vector.SyncVectorEnv:
+        """The N environments stepped together: new ones, or ``envs`` (restored by a resume)."""
+        fns = ([lambda: gym.make(self.env_id, **self.env_kwargs) for _ in range(self.n_envs)] if envs is None
+               else [lambda e=e: e for e in envs])
+        return gym.vector.SyncVectorEnv(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
     def _make_envs(self) -> None:
-        self.envs = gym.vector.SyncVectorEnv(
-            [lambda: gym.make(self.env_id, **self.env_kwargs) for _ in range(self.n_envs)],
-            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
-        )
+        self.envs = self._vector_env()
         # under DDP each process runs its own N environments: rank r resets them with seeds after rank r - 1's
         first = self.seed * 10_000 + self.rank * self.n_envs
         obs, _ = self.envs.reset(seed=[first + i for i in range(self.n_envs)])
@@ -620,14 +761,23 @@ class GTrXLPPO:
         dist.all_gather(parts, mine)
         return torch.stack(parts, 1).reshape(-1, flat.shape[-1]).cpu().numpy()  # (S, W, N, O) -> (S W N, O)
 
-    def minibatches(self, ro: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
-        """``n_epochs`` passes over the rollout's S x N samples in ``n_minibatches`` random minibatches."""
+    def minibatches(self, ro: Mapping[str, Any], skip: int = 0) -> Iterator[dict[str, Any]]:
+        """``n_epochs`` passes over the rollout's S x N samples in ``n_minibatches`` random minibatches.
+
+        The permutation of epoch e is drawn from ``default_rng([seed, rollouts, e])`` (a pure
+        function of the rollout's number), so ``skip`` (the first minibatches, already trained on
+        before a resume) leaves the rest unchanged.
+        """
         total = self.n_steps * self.n_envs
         flat = {k: v.flatten(0, 1) for k, v in ro.items() if isinstance(v, Tensor)}  # (S * N, ...)
         n_mb = int(self.a.n_minibatches)
+        served = 0
         for epoch in range(int(self.a.n_epochs)):
             perm = np.random.default_rng([self.seed, self.rollouts, epoch]).permutation(total)
             for idx in np.array_split(perm, n_mb):
+                served += 1
+                if served <= skip:
+                    continue
                 ix = torch.as_tensor(idx, device=self.device)
                 mb = {k: v[ix] for k, v in flat.items()}
                 mb["stats"] = ro["stats"]
@@ -644,35 +794,56 @@ class GTrXLPPO:
     def batches(self, start_step: int) -> Iterator[dict[str, Any]]:
         """Endless stream of minibatches; a new rollout every ``n_epochs x n_minibatches`` updates.
 
-        Rollouts start at updates that are multiples of U = ``updates_per_rollout``: resuming at
-        ``start_step`` after update j = ``start_step % U`` of a rollout, the first (fresh)
-        rollout feeds only the last U - j updates of its schedule (see the module docstring).
+        Rollouts start at updates that are multiples of U = ``updates_per_rollout``. Resuming at
+        ``start_step`` after update j = ``start_step % U`` of a rollout, the stream first serves
+        the last U - j minibatches of the checkpointed rollout (:meth:`load_process_state`), then
+        collects the next one from the restored environments: the same minibatches, in the same
+        order, as the uninterrupted run. Without a checkpointed rollout (a checkpoint written
+        before this was saved) a fresh rollout feeds those U - j updates (see the module docstring).
         """
         skip = int(start_step) % self.updates_per_rollout
 
         def stream() -> Iterator[dict[str, Any]]:
-            first = islice(self.minibatches(self.collect()), skip, None)
-            yield from first
+            if skip:
+                saved = self._rollout is not None and self._served == skip
+                yield from self._serve(self._rollout if saved else self.collect(), skip)
             while True:
-                yield from self.minibatches(self.collect())
+                yield from self._serve(self.collect(), 0)
 
         return stream()
 
-    def resume_note(self, step: int) -> str:
-        """The warning ``--resume`` prints: what a resumed run restores and what it does not."""
+    def _serve(self, ro: dict[str, Any], skip: int) -> Iterator[dict[str, Any]]:
+        """The minibatches of ``ro`` after the first ``skip``, keeping count for :meth:`process_state`."""
+        self._rollout, self._served = ro, skip
+        for mb in self.minibatches(ro, skip):
+            self._served += 1  # counted when handed over: a checkpoint follows the update on it
+            yield mb
+        self._rollout = None  # (before the next rollout is collected: one rollout in memory)
+
+    def resume_note(self, step: int) -> str | None:
+        """The warning ``--resume`` prints when it is not bit-identical (None when it is).
+
+        Exact when the checkpoint holds this process's environments (:meth:`process_state`);
+        otherwise one line saying what is restored, what restarts and why.
+        """
+        problem = self._resume_problem
+        if problem is None:
+            return None
         u = self.updates_per_rollout
-        note = (f"resume of gtrxl_ppo (on-policy) at step {step}: the weights, optimiser, observation statistics "
-                f"and counters (env_steps={self.env_steps * self.world_size}, rollouts={self.rollouts}) are restored, "
-                f"the environment "
-                f"state is not: the environments restart with fresh resets and a fresh rollout, so the continuation "
-                f"is not bit-identical to an uninterrupted run")
         j = step % u
-        if j:
-            note += (f"; the run stopped after update {j} of the {u} of rollout {self.rollouts}, so updates "
-                     f"{step + 1}..{step + u - j} learn from the last {u - j} minibatches of a fresh rollout "
-                     f"and train/env_steps counts the {self.n_steps * self.n_envs * self.world_size} steps of the cut "
-                     f"rollout too")
-        return note
+        note = (f"resume of gtrxl_ppo (on-policy) at step {step} is not bit-identical to an uninterrupted run: "
+                f"{problem}. The weights, optimiser, observation statistics and counters "
+                f"(env_steps={self.env_steps * self.world_size}, rollouts={self.rollouts}) are restored; the "
+                f"environments restart with fresh resets (and empty backbone memory)")
+        if not j:
+            return note + " and a fresh rollout"
+        if self._rollout is not None and self._served == j:
+            return note + (f" after updates {step + 1}..{step + u - j}, which learn from the last {u - j} "
+                           f"minibatches of the checkpointed rollout {self.rollouts} exactly")
+        return note + (f" with a fresh rollout: the run stopped after update {j} of the {u} of rollout "
+                       f"{self.rollouts}, so updates {step + 1}..{step + u - j} learn from the last {u - j} "
+                       f"minibatches of a fresh rollout and train/env_steps counts the "
+                       f"{self.n_steps * self.n_envs * self.world_size} steps of the cut rollout too")
 
     def loss(self, batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, float]]:
         """PPO loss of one minibatch (:func:`ppo_loss`) and the latest rollout statistics."""
@@ -727,6 +898,8 @@ class GTrXLPPO:
         }
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        # until load_process_state says otherwise (a checkpoint without it: not exact)
+        self._resume_problem = "the checkpoint holds no environment state (written before gtrxl_ppo saved it)"
         self.obs_rms.mean = np.asarray(state["obs_mean"], np.float64)
         self.obs_rms.var = np.asarray(state["obs_var"], np.float64)
         self.obs_rms.count = float(state["obs_count"])
@@ -737,6 +910,102 @@ class GTrXLPPO:
             self.returns_window.extend(float(x) for x in state.get("recent_returns", ()))
             self.lengths_window.clear()
             self.lengths_window.extend(float(x) for x in state.get("recent_lengths", ()))
+
+    # -- exact resume: this process's environments, running episodes and rollout -------------------
+    def process_state(self) -> dict[str, Any]:
+        """This process's running state, saved in every checkpoint (the trainer's per-process hook).
+
+        Holds: the sub-environments of the vector environment, pickled (:func:`dump_envs`, as a
+        uint8 tensor, so the checkpoint still loads with ``weights_only=True``; they are unpickled
+        only by a resume) with the vector environment's autoreset bookkeeping; the running state
+        of the N episodes (last observation, backbone memory, a_{t-1}, r_{t-1}, step, start flags,
+        return and length so far); this process's recent episode returns and lengths; and,
+        between the first and last update of a rollout, that rollout (every tensor of
+        :meth:`collect`) with the number of its minibatches already trained on. An environment
+        that cannot be pickled is left out, with the reason (logged once; a resume then restarts
+        the environments and says so).
+        """
+        st: dict[str, Any] = {
+            "version": PROCESS_STATE_VERSION, "n_envs": self.n_envs, "env_id": self.env_id,
+            "recent_returns": [float(x) for x in self.returns_window],
+            "recent_lengths": [float(x) for x in self.lengths_window],
+            "started": self.envs is not None, "envs": None, "envs_problem": None, "rollout": None,
+        }
+        if 0 < self._served < self.updates_per_rollout and self._rollout is not None:
+            ro = {k: v.cpu() for k, v in self._rollout.items() if isinstance(v, Tensor)}
+            fifo = {k: fifo_encode(ro.pop(k), dim) for k, dim in _FIFO_KEYS.items()}
+            st["rollout"] = {"tensors": ro, "fifo": fifo, "stats": dict(self._rollout["stats"]),
+                             "served": int(self._served)}
+        if self.envs is None:
+            return st
+        try:
+            blob = dump_envs(self.envs.envs)
+        except Exception as exc:  # noqa: BLE001 - any environment that does not pickle: say why, keep going
+            st["envs_problem"] = f"the environments of {self.env_id} cannot be pickled ({type(exc).__name__}: {exc})"
+            if not self._envs_problem_logged and self.rank == 0:
+                log.warning("gtrxl_ppo: %s; checkpoints leave them out, so a --resume of this run restarts them "
+                            "(not bit-identical)", st["envs_problem"])
+                self._envs_problem_logged = True
+            return st
+        st["envs"] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        st["vector"] = {k: torch.from_numpy(np.array(getattr(self.envs, k))) for k in _VECTOR_FIELDS}
+        st["running"] = {
+            "obs": torch.from_numpy(np.array(self.obs)), "memory": _state_dict_of(self.memory),
+            "prev_a": self.prev_a.cpu(), "prev_r": self.prev_r.cpu(), "t": self.t.cpu(), "start": self.start.cpu(),
+            "ep_ret": torch.from_numpy(np.array(self.ep_ret)), "ep_len": torch.from_numpy(np.array(self.ep_len)),
+        }
+        return st
+
+    def load_process_state(self, states: list[Mapping[str, Any]] | None) -> None:
+        """Restore this rank's :meth:`process_state` from a checkpoint's list of every rank's.
+
+        Sets :attr:`_resume_problem` (None: the continuation is exact) when the environments
+        cannot come back: no state in the checkpoint, another number of processes, another
+        format, or environments that could not be pickled or unpickled. The checkpointed
+        rollout, if any, is served by :meth:`batches` either way.
+        """
+        if states is None:
+            return  # (load_extra_state set the problem)
+        if len(states) != self.world_size:
+            self._resume_problem = (f"the checkpoint was written by {len(states)} process(es) and this run has "
+                                    f"{self.world_size}, so no process gets the environments it ran")
+            return
+        st = states[self.rank]
+        if st.get("version") != PROCESS_STATE_VERSION or int(st["n_envs"]) != self.n_envs:
+            self._resume_problem = (f"the checkpoint's environment state (format {st.get('version')}, "
+                                    f"{st.get('n_envs')} environments) does not fit this run")
+            return
+        self.returns_window.clear()
+        self.returns_window.extend(float(x) for x in st["recent_returns"])
+        self.lengths_window.clear()
+        self.lengths_window.extend(float(x) for x in st["recent_lengths"])
+        ro = st.get("rollout")
+        if ro is not None:
+            tensors = {**ro["tensors"], **{k: fifo_decode(enc, _FIFO_KEYS[k]) for k, enc in ro["fifo"].items()}}
+            self._rollout = {**{k: v.to(self.device) for k, v in tensors.items()}, "stats": dict(ro["stats"])}
+            self._served = int(ro["served"])
+        if not st["started"]:  # saved before the first rollout: the environments start as in a new run
+            self._resume_problem = None
+            return
+        if st["envs"] is None:
+            self._resume_problem = st["envs_problem"]
+            return
+        try:
+            envs = load_envs(st["envs"].numpy().tobytes())
+            vec = self._vector_env(envs)
+        except Exception as exc:  # noqa: BLE001 - e.g. an environment package missing here
+            self._resume_problem = f"the checkpointed environments could not be unpickled ({type(exc).__name__}: {exc})"
+            return
+        for k in _VECTOR_FIELDS:
+            setattr(vec, k, st["vector"][k].numpy().copy())
+        run, dev = st["running"], self.device
+        self.envs = vec
+        self.obs = run["obs"].numpy().copy()
+        self.memory = _state_from_dict(run["memory"], dev)
+        self.prev_a, self.prev_r = run["prev_a"].to(dev), run["prev_r"].to(dev)
+        self.t, self.start = run["t"].to(dev), run["start"].to(dev)
+        self.ep_ret, self.ep_len = run["ep_ret"].numpy().copy(), run["ep_len"].numpy().copy()
+        self._resume_problem = None
 
 
 def load_ppo_for_inference(cfg: Any, state: Mapping[str, Any], device: torch.device | str = "cpu") -> GTrXLPPO:

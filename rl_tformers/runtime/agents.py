@@ -73,9 +73,16 @@ The protocol (optional methods, detected with ``getattr``)
     already counts every process, as PPO's does, is logged as is). Keys are named as in
     ``logs`` (``train/`` is added the same way). Default: none (every key is averaged).
 ``resume_note(step) -> str | None``
-    Agents whose ``--resume`` is not bit-identical to an uninterrupted run (on-policy agents:
-    environment states are not checkpointed) return one line saying what is and is not
-    restored; the trainer logs it as a warning when it resumes (rank 0).
+    Agents whose ``--resume`` is not bit-identical to an uninterrupted run (e.g. an on-policy
+    agent whose environments could not be checkpointed) return one line saying what is and is
+    not restored; the trainer logs it as a warning when it resumes (rank 0). None: nothing to say.
+``process_state() -> dict`` / ``load_process_state(states: list[dict] | None) -> None``
+    State that belongs to one process, not to the run (on-policy agents: the environments, the
+    running episodes, the rollout being trained on). Every checkpoint saves each rank's
+    ``process_state()`` (gathered under DDP; the same types as ``extra_state``) as
+    ``trainer.process_ranks``; on resume the agent gets the whole list (after
+    ``load_extra_state``, before ``batches``), or None from a checkpoint without it, and
+    picks its rank's entry (a list of another length: a different number of processes).
 ``extra_state() -> dict`` / ``load_extra_state(state: dict) -> None``
     Non-parameter state to checkpoint (observation mean/std, reward scale, ...): tensors,
     numbers, strings, ``None`` and lists/tuples/dicts of them only (anything else is refused

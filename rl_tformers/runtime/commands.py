@@ -29,7 +29,7 @@ Examples:
 
   rl-tformers train -c toy --print-config   (show the resolved config)
 
-Continue a run where it stopped, optionally for longer; exactly (offline agents; on-policy PPO resumes its weights, optimiser and counters but restarts its environments, and says so):
+Continue a run where it stopped, optionally for longer; exactly (on-policy PPO too: its environments are checkpointed; one that cannot be pickled restarts, and the resume says so):
 
   rl-tformers train --resume runs/try1
 

@@ -15,8 +15,9 @@ Per update ``s`` (0-based; ``step`` below is the number of updates completed, ``
         run stays resumable; the error is re-raised with a note saying where the model is)
 
 Exact resume: a checkpoint at ``step`` holds everything the rest of the run depends on
-(weights, AdamW moments, scheduler counters, global RNG states, the agent's extra state, the
-partial logging window); batches are re-derived from ``(seed, step)``. So N updates in one
+(weights, AdamW moments, scheduler counters, global RNG states, the agent's extra state and, for
+an agent with the ``process_state`` hook, each process's own running state, the partial logging
+window); batches are re-derived from ``(seed, step)``. So N updates in one
 run and N/2 + resume + N/2 give bit-identical weights and logs on CPU (on GPU, as identical as
 the kernels are deterministic: see ``train.deterministic``).
 
@@ -460,14 +461,23 @@ class Trainer:
         number), and only rank 0 writes. ``trainer.window`` then holds the mean of the ranks'
         windows, which a resume with another number of processes starts from.
 
+        An agent with the optional ``process_state()`` hook (each process's own running state, e.g.
+        the environments of an on-policy agent) gets it saved as ``trainer.process_ranks``, one entry
+        per rank (gathered under DDP), handed back whole to its ``load_process_state`` on resume.
+
         Raises:
             NonFiniteLossError: if the current logging window (of any rank) saw a NaN/inf loss or
                 gradient norm (a checkpoint must never hold diverged weights).
         """
         rng_ranks = window_ranks = None
+        process_fn = getattr(self.agent, "process_state", None)
+        process_ranks = [process_fn()] if callable(process_fn) else None  # one process: no gather
         if dist_rt.is_active():
-            gathered = dist_rt.gather_objects((capture_rng_state(), self.window.state_dict()))
+            mine = process_ranks[0] if process_ranks is not None else None
+            gathered = dist_rt.gather_objects((capture_rng_state(), self.window.state_dict(), mine))
             rng_ranks, window_ranks = [g[0] for g in gathered], [g[1] for g in gathered]
+            if process_ranks is not None:
+                process_ranks = [g[2] for g in gathered]
             bad = sorted({k for w in window_ranks for k, v in w["sums"].items() if not math.isfinite(float(v))})
         else:
             bad = self.window.non_finite()
@@ -479,6 +489,8 @@ class Trainer:
         if not self.is_main:
             return None
         state = self.state_dict()
+        if process_ranks is not None:
+            state["trainer"]["process_ranks"] = process_ranks
         if rng_ranks is not None and window_ranks is not None:
             state["trainer"]["rng_ranks"] = rng_ranks
             state["trainer"]["window_ranks"] = window_ranks
@@ -493,6 +505,9 @@ class Trainer:
         load_extra = getattr(self.agent, "load_extra_state", None)
         if callable(load_extra):
             load_extra(state["extra"])
+        load_process = getattr(self.agent, "load_process_state", None)
+        if callable(load_process):  # every process's own state; the agent picks its rank's
+            load_process(state["trainer"].get("process_ranks"))
         windows = state["trainer"].get("window_ranks")
         if windows is not None and len(windows) == self.world_size:
             self.window.load_state_dict(windows[self.rank], self.device)  # this rank's own: exact

@@ -1,0 +1,251 @@
+"""PPO-GTrXL resumes bit-identically: the environments, the running episodes and the rollout in
+progress are checkpointed (``GTrXLPPO.process_state``), so a run stopped at any update and
+resumed gives the uninterrupted run's weights, logged values and final state."""
+
+from __future__ import annotations
+
+import logging
+import math
+import pickle
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+from rl_tformers.agents.gtrxl.ppo import GTrXLPPO, fifo_decode, fifo_encode, load_envs
+
+from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.trainer import resume, train
+from tests.runtime.ddp_helpers import read_metrics, two_ranks
+
+SHORT = "rl_tformers_test/ShortCartPole-v1"  # time limit 10: truncations (bootstrapped) and resets in every rollout
+UNPICKLABLE = "rl_tformers_test/UnpicklableCartPole-v1"
+
+
+class UnpicklableCartPole(CartPoleEnv):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hook = lambda: None  # a lambda does not pickle
+
+
+for _id, _entry in ((SHORT, CartPoleEnv), (UNPICKLABLE, UnpicklableCartPole)):
+    if _id not in gym.registry:
+        gym.register(_id, entry_point=_entry, max_episode_steps=10)
+
+TINY = ["agent.kind=gtrxl_ppo", "agent.n_envs=2", "agent.n_steps=16", "agent.n_epochs=2", "agent.n_minibatches=2",
+        "train.steps=12", "train.progress=false", "train.log_every=1", "eval.at_end=false", "eval.every=0",
+        "device=cpu", "backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=2",
+        "backbone.memory.mem_len=4", "backbone.dropout=0.1"]  # U = 4 updates per rollout, 3 rollouts
+
+
+def _cfg(env_id: str = SHORT, *extra: str):
+    return compose(overrides=[*TINY, f"agent.env_id={env_id}", *extra])
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [{k: v for k, v in m.items() if k != "time" and not k.startswith("perf/")} for m in read_metrics(run)]
+
+
+def _final(run: Path, step: int = 12) -> dict:
+    return torch.load(run / "checkpoints" / f"step_{step:09d}.pt", weights_only=True)
+
+
+def _same(a, b) -> bool:
+    """Bit-identical nested checkpoint values (tensors compared by dtype, shape and bytes)."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and a.reshape(-1).contiguous().view(torch.uint8).equal(b.reshape(-1).contiguous().view(torch.uint8)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
+
+
+def _env_tree(obj, path: str = "") -> dict:
+    """The attributes of unpickled environments down to their leaves, each leaf as pickle bytes (the
+    bytes of a whole pickle depend on which equal strings happen to be one object)."""
+    if isinstance(obj, gym.spaces.Space):  # its sampling generator: entropy-seeded, unused by the run
+        return {path: pickle.dumps({k: v for k, v in vars(obj).items() if k != "_np_random"})}
+    if type(obj).__name__ == "MjData":  # every field but the wall-clock profiling timers
+        fields = {}
+        for name in dir(obj):
+            value = None if name.startswith("_") or name in ("timer", "model") else getattr(obj, name)
+            if value is not None and not callable(value):
+                arr = np.asarray(value)
+                fields[name] = repr(value) if arr.dtype == object else (arr.dtype.str, arr.shape, arr.tobytes())
+        return {path: pickle.dumps(fields)}
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return {k: v for name, value in vars(obj).items() for k, v in _env_tree(value, f"{path}.{name}").items()}
+    if isinstance(obj, list):
+        return {k: v for i, value in enumerate(obj) for k, v in _env_tree(value, f"{path}[{i}]").items()}
+    return {path: pickle.dumps(obj)}
+
+
+def _same_process_states(a: list[dict], b: list[dict]) -> bool:
+    """Every rank's process state equal: tensors bit for bit, environments attribute by attribute."""
+    def envs(st: dict) -> dict:
+        return _env_tree(load_envs(st["envs"].numpy().tobytes()))
+
+    return (len(a) == len(b) and all(_same({k: v for k, v in x.items() if k != "envs"},
+                                           {k: v for k, v in y.items() if k != "envs"}) for x, y in zip(a, b))
+            and all(envs(x) == envs(y) for x, y in zip(a, b)))
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("ppo") / "full"
+    train(_cfg(), run)
+    return run
+
+
+@pytest.mark.parametrize("stops", [(5,), (8,), (3, 9)], ids=["inside-a-rollout", "at-a-rollout-end", "twice"])
+def test_stopped_run_resumes_bit_identically(full_run: Path, tmp_path: Path, stops, caplog) -> None:
+    split = tmp_path / "split"
+    assert train(_cfg(), split, stop_at=stops[0]).step == stops[0]
+    with caplog.at_level(logging.WARNING):
+        for stop in stops[1:]:
+            assert resume(split, stop_at=stop).step == stop
+        assert resume(split).step == 12
+    assert not [r for r in caplog.records if "bit-identical" in r.getMessage()]  # no warning: it is exact
+    assert _metrics(split) == _metrics(full_run)
+    assert len(_metrics(split)) == 12 and all("train/episodic_return" in m for m in _metrics(split)[4:])
+    a, b = _final(full_run), _final(split)
+    for key in ("model", "optimizer", "extra", "rng"):
+        assert _same(a[key], b[key]), key
+    pa, pb = a["trainer"]["process_ranks"], b["trainer"]["process_ranks"]
+    assert len(pa) == 1 and pa[0]["rollout"] is None and pa[0]["envs"] is not None  # the end is a rollout boundary
+    assert _same_process_states(pa, pb)  # the same environments, episodes and memory
+
+
+def test_checkpoint_inside_a_rollout_holds_that_rollout(tmp_path: Path) -> None:
+    train(_cfg(), tmp_path / "run", stop_at=6)
+    st = _final(tmp_path / "run", 6)["trainer"]["process_ranks"][0]
+    assert st["rollout"]["served"] == 2 and set(st["rollout"]["fifo"]) == {"mem", "mem_pos", "mem_valid", "mem_seg"}
+    assert st["rollout"]["tensors"]["actions"].shape == (16, 2)
+
+
+@pytest.mark.parametrize("env_id", [
+    "CartPole-v1", SHORT, "rl_tformers/PositionOnlyCartPole-v1", "rl_tformers/PositionOnlyPendulum-v1",
+    "rl_tformers/Recall-d2-v0", "Hopper-v5", "rl_tformers/PositionOnlyHopper-v5",
+])
+def test_restored_environments_continue_exactly(env_id: str) -> None:
+    if "Hopper" in env_id:
+        pytest.importorskip("mujoco")
+    cfg = _cfg(env_id, "agent.n_steps=8", "agent.prev_action=true", "agent.prev_reward=true")
+    torch.manual_seed(0)
+    a = GTrXLPPO(cfg, None, "cpu")
+    for _ in range(2):
+        a.collect()  # mid-episode: running memory, counters and (Hopper) simulator state
+    b = GTrXLPPO(cfg, None, "cpu")
+    b.model.load_state_dict(a.model.state_dict())
+    b.load_extra_state(a.extra_state())
+    b.load_process_state([a.process_state()])
+    assert b.resume_note(8) is None
+    fresh = GTrXLPPO(cfg, None, "cpu")
+    fresh.model.load_state_dict(a.model.state_dict())
+    fresh.load_extra_state(a.extra_state())  # counters and statistics only: fresh environments
+    outs = []
+    for agent in (a, b, fresh):
+        torch.manual_seed(1)
+        ro = agent.collect()
+        outs.append(({k: v for k, v in ro.items() if k != "stats"}, ro["stats"]))
+    assert _same(outs[0], outs[1])
+    assert not _same(outs[0][0]["x"], outs[2][0]["x"])  # without the saved state: other observations
+    assert _same_process_states([a.process_state()], [b.process_state()])
+
+
+def test_an_environment_that_cannot_be_pickled_restarts_and_says_so(tmp_path: Path, caplog) -> None:
+    full, split = tmp_path / "full", tmp_path / "split"
+    with caplog.at_level(logging.WARNING):
+        train(_cfg(UNPICKLABLE), full)
+    saved = [r.getMessage() for r in caplog.records if "cannot be pickled" in r.getMessage()]
+    assert len(saved) == 1 and "a --resume of this run restarts them (not bit-identical)" in saved[0]  # once
+    train(_cfg(UNPICKLABLE), split, stop_at=5)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        resume(split)
+    notes = [r.getMessage() for r in caplog.records if "resume of gtrxl_ppo" in r.getMessage()]
+    assert len(notes) == 1 and "not bit-identical" in notes[0] and "cannot be pickled (" in notes[0] and "lambda" in notes[0]
+    assert ("after updates 6..8, which learn from the last 3 minibatches of the checkpointed rollout 2 exactly"
+            in notes[0])
+    ma, mb = _metrics(full), _metrics(split)
+    assert ma[:8] == mb[:8]  # the checkpointed rollout is finished exactly
+    assert ma[8:] != mb[8:]  # then fresh environments
+    assert [m["train/env_steps"] for m in mb] == [m["train/env_steps"] for m in ma]  # nothing counted twice
+
+
+def test_a_checkpoint_without_process_state_resumes_as_before(tmp_path: Path, caplog) -> None:
+    run = tmp_path / "run"
+    train(_cfg(), run, stop_at=5)
+    path = run / "checkpoints" / "step_000000005.pt"
+    state = torch.load(path, weights_only=True)
+    del state["trainer"]["process_ranks"]  # as written before the environments were saved
+    from rl_tformers.runtime.checkpoint import save_checkpoint
+
+    path.unlink()
+    save_checkpoint(run, {k: v for k, v in state.items() if k not in ("format", "version", "sha256")})
+    with caplog.at_level(logging.WARNING):
+        resume(run)
+    notes = [r.getMessage() for r in caplog.records if "resume of gtrxl_ppo" in r.getMessage()]
+    assert len(notes) == 1 and "not bit-identical" in notes[0] and "holds no environment state" in notes[0]
+    assert "updates 6..8 learn from the last 3 minibatches of a fresh rollout" in notes[0]
+
+
+def test_another_number_of_processes_restarts_the_environments_and_says_so() -> None:
+    a = GTrXLPPO(_cfg(), None, "cpu")
+    a.collect()
+    b = GTrXLPPO(_cfg(), None, "cpu")
+    b.load_extra_state(a.extra_state())
+    b.load_process_state([a.process_state(), a.process_state()])  # written by 2 processes
+    note = b.resume_note(4)
+    assert b.envs is None and "written by 2 process(es) and this run has 1" in note
+    assert note.endswith("restart with fresh resets (and empty backbone memory) and a fresh rollout")
+
+
+def test_fifo_encoding_is_lossless_bit_for_bit() -> None:
+    g = torch.Generator().manual_seed(0)
+    s, n, layers, m, d = 9, 3, 2, 4, 5
+    x = torch.empty(s, n, layers, m, d)
+    x[0] = torch.randn(n, layers, m, d, generator=g)
+    for t in range(1, s):  # a FIFO: shift by one slot, new last slot
+        x[t] = torch.cat([x[t - 1][:, :, 1:], torch.randn(n, layers, 1, d, generator=g)], 2)
+        if t == 4:
+            x[t, 1] = 0.0  # row 1 reset (zeroed): stored whole
+        if t == 5:
+            x[t, 2, 0, 0, 0] = float("nan")  # anything else: stored whole
+        if t == 6:
+            x[t, 0, 1, 3, 2] = -0.0  # a new slot of -0.0 ...
+        if t == 7:
+            x[t, 0, 1, 2, 2] = 0.0  # ... then +0.0 where the shifted copy has -0.0: equal floats, other bits
+    enc = fifo_encode(x, 3)
+    assert _same(fifo_decode(enc, 3), x)
+    assert (~enc["ok"]).nonzero().tolist() == [[3, 1], [4, 2], [6, 0]]  # steps 4, 5, 7 (ok[t - 1])
+    assert enc["new"].shape == ((s - 1) * n - 3, layers, 1, d) and enc["rows"].shape == (3, layers, m, d)
+    pos = torch.arange(s)[:, None, None] + torch.arange(m)[None, None, :].expand(s, n, m)
+    assert _same(fifo_decode(fifo_encode(pos, 2), 2), pos)
+    one = torch.randn(1, n, layers, m, d, generator=g)
+    assert _same(fifo_decode(fifo_encode(one, 3), 3), one)
+
+
+def test_two_processes_resume_their_own_environments_bit_identically(tmp_path: Path) -> None:
+    overrides = [*TINY, "agent.env_id=CartPole-v1", "train.steps=8"]
+    two_ranks(tmp_path, f"""
+        from pathlib import Path
+        from rl_tformers.runtime.config import compose
+        from rl_tformers.runtime.trainer import resume, train
+        cfg = compose(None, {overrides!r})
+        base = Path({str(tmp_path)!r})
+        train(cfg, base / "full")
+        assert train(cfg, base / "split", stop_at=5).step == 5
+        resume(base / "split")
+    """)
+    assert _metrics(tmp_path / "split") == _metrics(tmp_path / "full")
+    a, b = _final(tmp_path / "full", 8), _final(tmp_path / "split", 8)
+    assert _same(a["model"], b["model"])
+    assert _same_process_states(a["trainer"]["process_ranks"], b["trainer"]["process_ranks"])
+    ranks = b["trainer"]["process_ranks"]
+    assert len(ranks) == 2 and not _same(ranks[0]["running"]["obs"], ranks[1]["running"]["obs"])  # each its own
+    assert _metrics(tmp_path / "split")[-1]["train/env_steps"] == 128.0  # 2 rollouts x 2 ranks x 2 envs x 16 steps
