@@ -459,6 +459,9 @@ def compose(
         cfg = _merge_checked(cfg, OmegaConf.create(dict(entry.defaults)), f"defaults of agent {kind!r}")
     agent_closed = bool(entry.defaults and "agent" in entry.defaults)
     OmegaConf.set_struct(cfg.agent, agent_closed)
+    for key in FREE_FORM_AGENT_KEYS:  # closed agent sections keep these open (a struct flag is inherited)
+        if isinstance(cfg.agent.get(key), DictConfig):
+            OmegaConf.set_struct(cfg.agent[key], False)
     OmegaConf.set_struct(cfg.dataset, False)
     OmegaConf.set_struct(cfg.backbone, False)
     for layer, source in user_layers:
@@ -473,6 +476,11 @@ def compose(
     _validate_values(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+#: Agent options whose value is a free-form mapping passed on to another library (keyword
+#: arguments of ``gymnasium.make``): any key is accepted inside them, even in a closed section.
+FREE_FORM_AGENT_KEYS = ("env_kwargs",)
 
 
 def _validate_values(cfg: DictConfig) -> None:

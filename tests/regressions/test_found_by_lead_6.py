@@ -133,3 +133,14 @@ def test_sweep_markdown_escapes_a_pipe_in_a_grid_value():
     assert "| k=a\\|b | 0.5 | 0 | 1/1 |" in text
     assert "| k=a\\|b/seed0 | 0 | ok | 5 | 1 | 0.5 |" in text
     assert all(line.count("|") - line.count("\\|") == 5 for line in text.splitlines()[2:4])
+
+
+def test_env_kwargs_take_any_key_in_a_closed_agent_section():
+    # gtrxl_ppo closes its agent section; its env_kwargs default {} inherited the struct flag, so
+    # agent.env_kwargs={max_episode_steps: 10} was refused as an unknown key
+    from rl_tformers.runtime.config import ConfigError, compose
+
+    cfg = compose("gtrxl/ppo_cartpole", overrides=["agent.env_kwargs={max_episode_steps: 10}"])
+    assert dict(cfg.agent.env_kwargs) == {"max_episode_steps": 10}
+    with pytest.raises(ConfigError, match="agent.no_such_option: unknown key"):
+        compose("gtrxl/ppo_cartpole", overrides=["agent.no_such_option=1"])
