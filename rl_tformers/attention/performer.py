@@ -39,9 +39,13 @@ class PerformerAttention(KernelAttention):
 
     Numerical stabilisation (both cancel exactly in the ratio): each query's features are scaled
     by exp(-max_i(w_i . x - |x|^2/2)) (its own row only, so causality is untouched); keys use the
-    data-independent bound ``w_i . y - |y|^2/2 <= max_i |w_i|^2 / 2`` in the causal form (a
-    max over keys would let future keys change the scale of past outputs) and the max over the
-    valid keys, detached, in the bidirectional form.
+    data-independent shift in the causal form (a max over keys would let future keys change the
+    scale of past outputs; :func:`causal_key_shift`: the bound ``w_i . y - |y|^2/2 <= B =
+    max_i |w_i|^2 / 2``, capped at 60 so that typical keys, whose logits are near 0, do not give
+    subnormal features: with Dh = 128 (the DT's one 128-wide head) B is about 90, and exp(-90)
+    made 99.9% of the key features subnormal floats, 20-50x slower matmuls and results that
+    depended on subnormal rounding) and the max over the valid keys, detached, in the
+    bidirectional form.
 
     Redraw policy: the features ``omega`` (m, Dh) are a buffer (in checkpoints), drawn at
     construction (``seed`` or the global RNG) and redrawn only by :meth:`redraw`, i.e. by
@@ -87,7 +91,7 @@ class PerformerAttention(KernelAttention):
         if is_query:
             stab = logits.amax(dim=-1, keepdim=True).detach()  # per query row
         elif self.causal:
-            stab = 0.5 * (self.omega.float() ** 2).sum(-1).max()  # data-independent bound
+            stab = causal_key_shift(self.omega)  # data-independent (see the class docstring)
         else:
             if valid is None:
                 stab = logits.amax(dim=(-1, -2), keepdim=True).detach()  # (B, H, 1, 1)
@@ -96,6 +100,27 @@ class PerformerAttention(KernelAttention):
                 stab = masked.amax(dim=(-1, -2), keepdim=True).detach()  # (B, H, 1, 1)
                 stab = torch.where(valid.any(-1)[:, None, None, None], stab, 0.0)
         return torch.exp(logits - stab) / math.sqrt(self.m)
+
+
+#: Cap of the causal key shift (:func:`causal_key_shift`): exp(-60) ~ 9e-27 keeps the features of
+#: keys with logits near 0 (the typical ones) far above float32's smallest normal (1.2e-38).
+KEY_SHIFT_CAP = 60.0
+#: Largest ``B - shift``: a key at the bound gets a feature <= exp(78) / sqrt(m) ~ 7e33, so sums
+#: over thousands of keys (times values of order 10) stay below float32's maximum (3.4e38).
+KEY_SHIFT_HEADROOM = 78.0
+
+
+def causal_key_shift(omega: Tensor) -> Tensor:
+    """The data-independent shift of the causal key features' logits: a () float32 tensor.
+
+    ``B = max_i |w_i|^2 / 2`` bounds every logit ``w_i . y - |y|^2 / 2`` (maximised at y = w_i);
+    the shift is ``max(min(B, KEY_SHIFT_CAP), B - KEY_SHIFT_HEADROOM)``: B itself when B <= 60
+    (Dh up to about 90: unchanged from the plain bound), else 60, or B - 78 when that is larger
+    (Dh above about 200, where no shift keeps both ends in float32's normal range). It cancels
+    exactly in the attention ratio and depends on ``omega`` only, so outputs stay exactly causal.
+    """
+    bound = 0.5 * (omega.float() ** 2).sum(-1).max()
+    return torch.maximum(bound.clamp(max=KEY_SHIFT_CAP), bound - KEY_SHIFT_HEADROOM)
 
 
 @ATTENTION.register(

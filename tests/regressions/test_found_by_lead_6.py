@@ -144,3 +144,34 @@ def test_env_kwargs_take_any_key_in_a_closed_agent_section():
     assert dict(cfg.agent.env_kwargs) == {"max_episode_steps": 10}
     with pytest.raises(ConfigError, match="agent.no_such_option: unknown key"):
         compose("gtrxl/ppo_cartpole", overrides=["agent.no_such_option=1"])
+
+
+# -- performer with one 128-wide head (the DT's): the causal key shift exp(-max|w|^2/2) ~ exp(-90)
+#    made 99.9% of key features subnormal (20-50x slower, and precision lost to subnormal rounding)
+def test_performer_causal_key_shift_is_capped():
+    import torch
+
+    from rl_tformers.attention.performer import causal_key_shift
+
+    def omega(sq_norm):  # rows with the given squared norms
+        return torch.sqrt(torch.tensor(sq_norm))[:, None] * torch.nn.functional.one_hot(torch.arange(2), 4).float()
+
+    assert causal_key_shift(omega([40.0, 30.0])).item() == 20.0  # B = 20 <= 60: the bound itself
+    assert causal_key_shift(omega([180.0, 30.0])).item() == 60.0  # B = 90: capped
+    assert causal_key_shift(omega([400.0, 30.0])).item() == 122.0  # B = 200: B - 78
+
+
+def test_performer_key_features_of_a_128_wide_head_are_normal_floats():
+    import torch
+
+    from rl_tformers.backbone import Backbone
+
+    torch.manual_seed(0)
+    bb = Backbone(BackboneConfig.from_dict({"d_model": 128, "n_heads": 1, "n_layers": 1, "attn_dropout": 0.0,
+                                            "attention": {"kind": "performer"}}))
+    attn = bb.depth.blocks[0].attn
+    k = torch.randn(2, 1, 60, 128)  # (B, H, S, Dh): keys of a LayerNorm-scaled width
+    phi = attn.features(k, is_query=False, valid=None)
+    assert phi.shape == (2, 1, 60, attn.m)
+    assert bool((phi >= torch.finfo(torch.float32).tiny).all())  # no subnormals, no zeros
+    assert bool(torch.isfinite(phi).all())
