@@ -65,7 +65,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -545,6 +545,16 @@ def _run_subprocess(cmd: list[str], env_updates: dict[str, str], log_path: str) 
     return rc, seconds, tail
 
 
+def default_threads(jobs: int, environ: Mapping[str, str] | None = None) -> int:
+    """Intra-op threads per run for ``--threads 0``: the user's ``OMP_NUM_THREADS`` when it is a
+    positive integer (it used to be replaced by cores / jobs, silently), else CPU cores / ``jobs``
+    (at least 1)."""
+    value = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").strip()
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return max(1, (os.cpu_count() or 1) // max(1, jobs))
+
+
 def thread_env(threads: int) -> dict[str, str]:
     """Environment giving a training process ``threads`` intra-op threads (OpenMP/MKL/PyTorch)."""
     n = str(max(1, int(threads)))
@@ -926,7 +936,8 @@ def register(app) -> None:
         out: Path = typer.Option(None, "--out", "-o", help="Sweep folder (default runs/sweep-<time>)."),
         jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="Local runs at the same time."),
         threads: int = typer.Option(0, "--threads", min=0,
-                                    help="Intra-op threads per run (0: CPU cores / jobs, at least 1)."),
+                                    help="Intra-op threads per run (0: $OMP_NUM_THREADS when set, else CPU "
+                                         "cores / jobs, at least 1)."),
         launcher: str = typer.Option("local", "--launcher", help="local (subprocesses here) or ray (a Ray cluster)."),
         gpus_per_run: float = typer.Option(0.0, "--gpus-per-run", min=0.0, help="Ray only: GPUs per run."),
         device: str = typer.Option(None, "--device", help="Device of every run (auto | cpu | cuda...)."),
@@ -938,7 +949,7 @@ def register(app) -> None:
             g = parse_grid(grid or [])
             s = parse_seeds(seeds)
             folder = out or Path("runs") / f"sweep-{datetime.now():%Y%m%d-%H%M%S}"
-            n_threads = threads or max(1, (os.cpu_count() or 1) // jobs)
+            n_threads = threads or default_threads(jobs)
             res = sweep(config, g, s, folder, list(overrides or []), jobs=jobs, threads=n_threads, launcher=launcher,
                         gpus_per_run=gpus_per_run, device=device, metric=metric,
                         echo=lambda m: typer.echo(m, err=True))

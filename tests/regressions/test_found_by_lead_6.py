@@ -175,3 +175,15 @@ def test_performer_key_features_of_a_128_wide_head_are_normal_floats():
     assert phi.shape == (2, 1, 60, attn.m)
     assert bool((phi >= torch.finfo(torch.float32).tiny).all())  # no subnormals, no zeros
     assert bool(torch.isfinite(phi).all())
+
+
+def test_sweep_default_threads_keep_the_users_omp_num_threads():
+    import os
+
+    from rl_tformers.runtime.sweep import default_threads
+
+    assert default_threads(2, {"OMP_NUM_THREADS": "1"}) == 1
+    assert default_threads(1, {"OMP_NUM_THREADS": " 3 "}) == 3
+    cores = os.cpu_count() or 1
+    for bad in ({}, {"OMP_NUM_THREADS": ""}, {"OMP_NUM_THREADS": "0"}, {"OMP_NUM_THREADS": "x"}):
+        assert default_threads(2, bad) == max(1, cores // 2)
