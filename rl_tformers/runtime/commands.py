@@ -59,13 +59,24 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+class _WarningFormatter(logging.Formatter):
+    """A captured Python warning as one line: ``warning: MESSAGE``. The package's own warnings
+    arrive already formatted so (:func:`rl_tformers.cli.short_warnings`) and get no second
+    prefix (they used to read ``warning: warning: ...``); the trailing newline of
+    ``warnings.formatwarning`` is dropped."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage().rstrip()
+        return text if text.startswith("warning: ") else f"warning: {text}"
+
+
 def _setup_logging() -> None:
     """INFO messages of the ``rl_tformers`` loggers and Python warnings, one line each, on stderr."""
-    for name, fmt in (("rl_tformers", "%(message)s"), ("py.warnings", "warning: %(message)s")):
+    for name, formatter in (("rl_tformers", logging.Formatter("%(message)s")), ("py.warnings", _WarningFormatter())):
         logger = logging.getLogger(name)
         if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
             handler = _StderrHandler()
-            handler.setFormatter(logging.Formatter(fmt))
+            handler.setFormatter(formatter)
             logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False

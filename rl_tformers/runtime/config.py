@@ -364,10 +364,15 @@ def _merge_checked(base: DictConfig, layer: Any, source: str) -> DictConfig:
         raise _translate(exc, base, source) from exc
 
 
-def _drop_replaced_slots(cfg: DictConfig, layer: Any) -> None:
+def _drop_replaced_slots(cfg: DictConfig, layer: Any, source: str = "") -> None:
     """A layer that changes a backbone slot's ``kind`` replaces the slot: the fields of the
     previous kind (e.g. GTrXL's default ``memory: {kind: xl, detach: true}``) do not carry over
-    to the new kind, which starts from its own defaults plus the layer's fields."""
+    to the new kind, which starts from its own defaults plus the layer's fields.
+
+    On the command line (``source == "command line"``) the dropped fields are named in a
+    warning: ``backbone.memory.kind=compressive`` over a config file's ``memory: {kind: xl,
+    mem_len: 16}`` does not keep ``mem_len: 16`` (compressive takes its own default), which a
+    user would otherwise not see."""
     from rl_tformers.registry import SLOTS
 
     bb = layer.get("backbone") if isinstance(layer, (DictConfig, Mapping)) else None
@@ -377,6 +382,15 @@ def _drop_replaced_slots(cfg: DictConfig, layer: Any) -> None:
         new, old = bb.get(slot), cfg.backbone.get(slot)
         if (isinstance(new, (DictConfig, Mapping)) and "kind" in new and isinstance(old, (DictConfig, Mapping))
                 and old.get("kind") != new.get("kind")):
+            dropped = {k: v for k, v in old.items() if k != "kind" and k not in new}
+            if dropped and source == "command line":
+                import warnings
+
+                fields = ", ".join(f"{k}={v}" for k, v in dropped.items())
+                warnings.warn(f"backbone.{slot}.kind: {old.get('kind')!r} -> {new.get('kind')!r} replaces the slot; "
+                              f"the fields set for {old.get('kind')!r} are dropped ({fields}) and "
+                              f"{new.get('kind')!r} takes its own defaults; give them again "
+                              f"(backbone.{slot}.KEY=VALUE) to set them", UserWarning, stacklevel=2)
             cfg.backbone[slot] = {"kind": new["kind"]}
 
 
@@ -467,7 +481,7 @@ def compose(
     for layer, source in user_layers:
         if source != "saved config":  # a saved run's config was checked when the run started
             _check_dataset_layer(layer, source)
-        _drop_replaced_slots(cfg, layer)
+        _drop_replaced_slots(cfg, layer, source)
         cfg = _merge_checked(cfg, layer, source)
     try:
         OmegaConf.resolve(cfg)

@@ -187,3 +187,26 @@ def test_sweep_default_threads_keep_the_users_omp_num_threads():
     cores = os.cpu_count() or 1
     for bad in ({}, {"OMP_NUM_THREADS": ""}, {"OMP_NUM_THREADS": "0"}, {"OMP_NUM_THREADS": "x"}):
         assert default_threads(2, bad) == max(1, cores // 2)
+
+
+def test_a_command_line_kind_change_names_the_slot_fields_it_drops(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "rl_tformers.cli", "train", "-c", "gtrxl/hopper_positions_bc",
+                        "backbone.memory.kind=compressive", "--print-config"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("warning")]
+    assert lines == [
+        "warning: backbone.memory.kind: 'xl' -> 'compressive' replaces the slot; the fields set for 'xl' are "
+        "dropped (mem_len=16, detach=True) and 'compressive' takes its own defaults; give them again "
+        "(backbone.memory.KEY=VALUE) to set them"]
+    # fields given with the new kind are not dropped; only the rest is named
+    r = subprocess.run([sys.executable, "-m", "rl_tformers.cli", "train", "-c", "gtrxl/hopper_positions_bc",
+                        "backbone.memory={kind: compressive, mem_len: 16}", "--print-config"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "dropped (detach=True)" in r.stderr, r.stderr
+    # a config file's own slot over the agent's defaults (no command line change): no warning
+    r = subprocess.run([sys.executable, "-m", "rl_tformers.cli", "train", "-c", "gtrxl/hopper_positions_bc",
+                        "--print-config"], capture_output=True, text=True)
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
