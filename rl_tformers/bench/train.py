@@ -476,8 +476,11 @@ def markdown(res: Result) -> str:
         )
     peaks = "; ".join(f"{k} {v:.1f} GFLOP/s (" + ", ".join(f"n={n}: {g:.0f}" for n, g in res.peak_by_size[k].items())
                       + ")" for k, v in res.peak_gflops.items())
-    lines += ["", f"matmul peak (best n x n x n, {res.machine.get('threads')} threads): {peaks}", "",
-              "| mode | ours variant | vs | ratio |", "|---|---|---|---|"]
+    lines += ["", f"matmul peak (best n x n x n, {res.machine.get('threads')} threads): {peaks}", ""]
+    if not res.ratios:  # --peers '' and no other variant: nothing to compare against
+        lines.append("no ratios: no peer (--peers) and no other variant of ours was measured")
+        return "\n".join(lines)
+    lines += ["| mode | ours variant | vs | ratio |", "|---|---|---|---|"]
     lines += [f"| {q['mode']} | {q['impl']} | {q['vs']} | {q['ratio']:.2f}x |" for q in res.ratios]
     return "\n".join(lines)
 
