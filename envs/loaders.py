@@ -150,6 +150,13 @@ def resolve_minari(spec: str | os.PathLike, root: str | os.PathLike | None = Non
     return None
 
 
+def _recipe_of(dataset_id: str) -> str:
+    """The name of the recipe that builds ``dataset_id`` (``...`` when no recipe does)."""
+    from rl_tformers.envs.recipes import all_recipes
+
+    return next((r.name for r in all_recipes().values() if r.dataset_id == dataset_id), "...")
+
+
 def load_minari(
     spec: str | os.PathLike,
     *,
@@ -196,7 +203,7 @@ def load_minari(
         if not download:
             raise FileNotFoundError(
                 f"Minari dataset {str(spec)!r} not found in {data_root(root)} nor in Minari's root "
-                f"{minari_default_root()}; build it (`rl-tformers collect --recipe ...`), pass a folder or "
+                f"{minari_default_root()}; build it (`rl-tformers collect --recipe {_recipe_of(str(spec))}`), pass a folder or "
                 "an .hdf5 file, or fetch it from the Minari server: dataset.download=true in a run config "
                 "(train), --download for `rl-tformers dataset info/export`, download=True in Python")
         try:

@@ -210,3 +210,12 @@ def test_a_command_line_kind_change_names_the_slot_fields_it_drops(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rl_tformers.cli", "train", "-c", "gtrxl/hopper_positions_bc",
                         "--print-config"], capture_output=True, text=True)
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+
+
+def test_a_missing_recipe_dataset_names_its_recipe(tmp_path):
+    from rl_tformers.envs.loaders import load_minari
+
+    with pytest.raises(FileNotFoundError, match=r"`rl-tformers collect --recipe walker2d-medium`"):
+        load_minari("rlt/walker2d-v5/medium-v0", root=tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"`rl-tformers collect --recipe \.\.\.`"):
+        load_minari("rlt/none-v5/nothing-v0", root=tmp_path)
