@@ -15,14 +15,9 @@ import typer
 
 EVAL_HELP = """Evaluate a trained run at one or more target returns in its environment.
 
-Gymnasium vector envs, one batched forward pass per step. Exactly --episodes episodes per target return: episode j runs in env j % N with reset seed SEED + j, the
-same seeds for every target. Returns are raw (the environment's own reward, whatever wrappers scale it),
-with the D4RL-normalised score when reference returns exist.
+Gymnasium vector envs, one batched forward pass per step. Exactly --episodes episodes per target return: episode j runs in env j % N with reset seed SEED + j, the same seeds for every target. Returns are raw (the environment's own reward, whatever wrappers scale it), with the D4RL-normalised score when reference returns exist.
 
-Target returns whose scaled return-to-go (target / the run's reward scale) would overflow the
-model's float32 return embedding are refused up front (the error gives the model's limit), and an
-evaluation that meets a non-finite action or reward stops with an error naming the target, episode
-and step: no NaN reaches the environment or the output. --json and --out write strict JSON (no NaN).
+Target returns whose scaled return-to-go (target / the run's reward scale) would overflow the model's float32 return embedding are refused up front (the error gives the model's limit), and an evaluation that meets a non-finite action or reward stops with an error naming the target, episode and step: no NaN reaches the environment or the output. --json and --out write strict JSON (no NaN).
 
 Examples:
 
@@ -33,12 +28,7 @@ Examples:
 
 PLOT_HELP = """Plot achieved vs target return over a sweep of targets (return conditioning).
 
-The Decision Transformer paper's figure 4, with y = x, the dataset's best and mean return and the spread over
-episodes, plus per-episode traces of remaining return-to-go vs cumulative reward. Also logged to the
-run's TensorBoard files as an image (RUN_DIR must then be a directory, also with --checkpoint;
---no-tensorboard writes only --out). --out is checked before anything is evaluated; targets beyond
-what the model's float32 return embedding takes are refused up front, and a non-finite action or
-reward stops the evaluation with an error (as in `rl-tformers eval`).
+The Decision Transformer paper's figure 4, with y = x, the dataset's best and mean return and the spread over episodes, plus per-episode traces of remaining return-to-go vs cumulative reward. Also logged to the run's TensorBoard files as an image (RUN_DIR must then be a directory, also with --checkpoint; --no-tensorboard writes only --out). --out is checked before anything is evaluated; targets beyond what the model's float32 return embedding takes are refused up front, and a non-finite action or reward stops the evaluation with an error (as in `rl-tformers eval`).
 
 Examples:
 
