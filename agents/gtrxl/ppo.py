@@ -238,8 +238,18 @@ def fifo_encode(x: Tensor, dim: int) -> dict[str, Tensor]:
     The XL memory a row acts with at step t + 1 is usually the one of step t shifted by one slot
     plus a new last slot; such rows store only that slot, the others (after a reset, or anything
     else) the whole row. Compared bit for bit, so :func:`fifo_decode` returns ``x`` exactly
-    whatever the memory did (the rollout's memory is M times smaller: 16.8 MB -> about 1.9 MB for
-    configs/gtrxl/ppo_cartpole.yaml).
+    whatever the memory did (up to M times smaller for M slots; measured 16.8 MB -> about 1.9 MB
+    for the rollout memory of configs/gtrxl/ppo_cartpole.yaml, M = 16).
+
+    Args:
+        x: (S, N, ...) snapshots, S steps of N rows, slots on axis ``dim`` (>= 2).
+        dim: the slot axis of ``x``.
+
+    Returns:
+        ``{"full": x}`` when S < 2 or there is one slot; else ``first`` (N, ...) = x[0], ``ok``
+        (S - 1, N) bool (row n at step t + 1 is row n at step t shifted by one slot), ``new``
+        (K, ...) with the slot axis of size 1: the new last slot of the K (step, row) pairs
+        where ``ok``, and ``rows`` (R, ...): the R = (S - 1) N - K other rows, whole.
     """
     s, m = x.shape[0], x.shape[dim]
     if s < 2 or m < 2:
@@ -250,7 +260,11 @@ def fifo_encode(x: Tensor, dim: int) -> dict[str, Tensor]:
 
 
 def fifo_decode(enc: Mapping[str, Tensor], dim: int) -> Tensor:
-    """Inverse of :func:`fifo_encode` (bit for bit)."""
+    """Inverse of :func:`fifo_encode` (bit for bit): ``enc`` -> the (S, N, ...) snapshots.
+
+    Steps are rebuilt in order (step t from step t - 1), a loop over the S steps of one rollout
+    run once per resume, not in training.
+    """
     if "full" in enc:
         return enc["full"].clone()
     first, ok = enc["first"], enc["ok"]

@@ -599,18 +599,11 @@ def performance_md_claims() -> list[str]:
         out.append(
             f"| **ours** (shipped `dt/hopper_medium`) | **{e['steps_per_s']:.2f}** | **{m['steps_per_s']:.2f}** | {gf} | {mfu} |"
         )
-        e, m, gf = row("ours+bf16")
-        out.append(
-            f"| ours + `train.amp=bf16` | {e['steps_per_s']:.2f} | {m['steps_per_s']:.2f} | {gf} | {e['mfu']:.0%} of the bf16 peak |"
-        )
-        e, m, gf = row("ours+compile")
-        out.append(
-            f"| ours + `train.compile=true` | {e['steps_per_s']:.2f} | {m['steps_per_s']:.2f} | {gf} | {e['mfu']:.0%} |"
-        )
-        e, m, gf = row("d3rlpy")
-        out.append(
-            f"| d3rlpy 2.8.1 | {e['steps_per_s']:.2f} | {m['steps_per_s']:.2f} | {gf} | {e['mfu']:.0%} |"
-        )
+        for impl, label, peak in (("ours+bf16", "ours + `train.amp=bf16`", " of the bf16 peak"),
+                                  ("ours+compile", "ours + `train.compile=true`", ""),
+                                  ("d3rlpy", "d3rlpy 2.8.1", "")):
+            e, m, gf = row(impl)
+            out.append(f"| {label} | {e['steps_per_s']:.2f} | {m['steps_per_s']:.2f} | {gf} | {e['mfu']:.0%}{peak} |")
         _, m, gf = row("hf")
         out.append(f"| Hugging Face 5.24 | – | {m['steps_per_s']:.2f} | {gf} | {m['mfu']:.0%}{hf_note} |")
     ev, data, ddp = _load("bench_eval.json"), _load("bench_data.json"), _load("ddp_throughput_quiet.json")
