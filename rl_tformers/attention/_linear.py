@@ -25,9 +25,10 @@ combined by a prefix sum (``cumsum`` when there are neither decays nor resets) o
 log-depth associative scan (Hillis & Steele 1986) over the n = L / C chunks. Peak memory is
 O(L C + (L / C) m E) per head: never L x L.
 
-Masks (see :class:`~rl_tformers.types.AttnContext`): key padding zeroes ``phi(k_j)``; episode
-ids are honoured as *runs*: a key whose episode id differs from its predecessor's starts a new
-run and resets the state. This is exact when every episode occupies one contiguous run of key
+Masks (see :class:`~rl_tformers.types.AttnContext`): key padding zeroes ``phi(k_j)`` and sets
+``a_j = 1`` (a padded key neither adds to nor decays the state); episode ids are honoured as
+*runs*: a key whose episode id differs from its predecessor's starts a new run and resets the
+state. This is exact when every episode occupies one contiguous run of key
 indices, which is how the backbone lays out keys (``[memory; segment]``, ids non-decreasing);
 other layouts raise ``ValueError``. Causality uses key indices (query i sits at key M + i);
 ``ctx.allowed()`` is never called. A query with no allowed key returns zeros.
@@ -286,6 +287,10 @@ class KernelAttention(AttentionModule):
             if valid is not None:
                 fk = fk * valid[:, None, :, None].to(fk.dtype)
             log_decay, weight = self.key_decay(x_kv)
+            if log_decay is not None and valid is not None:
+                # a padded key is absent: it neither adds to nor decays the state (a_j = 1), so
+                # its content (which sets its gate) never changes a valid output
+                log_decay = log_decay.masked_fill(~valid[:, None, :], 0.0)
             if weight is not None:
                 fk = fk * weight[..., None]
             ones = torch.ones(*v.shape[:-1], 1, device=v.device, dtype=torch.float32)
@@ -331,11 +336,19 @@ def orthogonal_gaussian(rows: int, dim: int, generator: torch.Generator | None =
     decompositions of Gaussian (dim x dim) matrices and rescale each row by the norm of an
     independent N(0, I_dim) vector, so every row is marginally N(0, I_dim) while rows inside a
     block are exactly orthogonal (lower estimator variance, their Theorem 2).
+
+    The Q factor is made Haar-distributed by flipping each column by the sign of R's diagonal
+    (Mezzadri 2007, "How to generate random matrices from the classical compact groups",
+    sec. 5): LAPACK's Householder QR returns R with a diagonal of fixed sign pattern, so the raw
+    Q is not uniform (e.g. the first column always has a non-positive first entry), its rows are
+    not isotropic, and E[exp(w . x)] != exp(|x|^2 / 2): a biased FAVOR+ estimate.
     """
     blocks = []
     for _ in range(-(-rows // dim)):  # ceil(rows / dim) blocks: loop over blocks, not tokens
         g = torch.randn(dim, dim, generator=generator, device=device)
-        qmat, _ = torch.linalg.qr(g)
+        qmat, rmat = torch.linalg.qr(g)
+        sign = torch.where(torch.diagonal(rmat) < 0, -1.0, 1.0).to(qmat.dtype)  # (dim,)
+        qmat = qmat * sign[None, :]  # Haar: column k times sign(R_kk)
         blocks.append(qmat.T)  # rows orthonormal
     mat = torch.cat(blocks, 0)[:rows]  # (rows, dim)
     norms = torch.randn(rows, dim, generator=generator, device=device).norm(dim=1, keepdim=True)

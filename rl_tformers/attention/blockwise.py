@@ -16,7 +16,8 @@ No causal form: for a shift k > 0 the blocks i < n - k attend only the later blo
 so under a causal mask those heads would see nothing at all; the identity heads alone under
 a causal mask are block-diagonal local attention (kind ``local`` with ``memory: 0``). So
 this kind is bidirectional only. Blocks are cut over the absolute key indices
-``[prefix (M); segment (T)]`` into n blocks of ceil(S / n).
+``[prefix (M); segment (T)]`` into blocks of ceil(S / n) (n blocks, or fewer for a short S that
+n does not divide: the permutations then run over the blocks that exist).
 """
 
 from __future__ import annotations
@@ -72,10 +73,16 @@ class BlockwiseAttention(BlockSparseAttention):
 
     def layout(self, s: int) -> tuple[int, int]:
         """(block length b, number of blocks n) for S keys: n fixed (b = ceil(S / n)), or b
-        fixed (n = ceil(S / b)) when ``block`` is set."""
+        fixed (n = ceil(S / b)) when ``block`` is set.
+
+        n is the number of blocks that hold keys, ceil(S / b): with ``n_blocks`` fixed it is
+        ``n_blocks`` unless S is small and not a multiple of it (S = 6, n_blocks = 4: b = 2, three
+        blocks), where a permutation over ``n_blocks`` would send a whole query block to an
+        empty fourth block (no key at all, a zero output on the shifted heads)."""
         if self.block > 0:
             return self.block, max(1, math.ceil(s / self.block))
-        return max(1, math.ceil(s / self.n_blocks)), self.n_blocks
+        b = max(1, math.ceil(s / self.n_blocks))
+        return b, max(1, math.ceil(s / b))
 
     def groups(self, h: Heads, x_q: Tensor) -> list[HeadGroup]:
         b, n = self.layout(h.n_k)

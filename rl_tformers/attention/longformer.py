@@ -118,7 +118,10 @@ class SlidingWindowAttention(BlockSparseAttention):
         g = segment_indices(self.global_tokens, ctx.q_len, ctx.prefix_len, dev)
         is_g = torch.zeros(ctx.k_len, dtype=torch.bool, device=dev)
         is_g[g] = True
-        glob = is_g[None, :] | is_g[ctx.prefix_len :][:, None]  # (T, S): key global or query global
+        # query global: by its key index a (negative for the first queries when S < T,
+        # cross-attention; such queries are never global)
+        q_g = is_g[a.clamp(0, max(ctx.k_len - 1, 0))] & (a >= 0)  # (T, 1)
+        glob = is_g[None, :] | q_g  # (T, S): key global or query global
         return (band | glob[None])[None]  # (1, H, T, S)
 
 

@@ -40,9 +40,11 @@ class RFAAttention(KernelAttention):
 
     Gated form (sec. 3.2, eq. 7), causal only: ``g_t = sigmoid(w_g . x_t + b_g)`` per head and
     ``S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T``, ``z_t = g_t z_{t-1} + (1 - g_t) phi(k_t)``:
-    a learned recency bias. The (S, z) state is the incremental-decoding cache
-    (:class:`~rl_tformers.attention._linear.LinearCache`), so step-by-step decoding equals the
-    full pass; the full pass evaluates the recurrence chunk-wise with a scan, not a token loop.
+    a learned recency bias. A padded key is skipped (``S_t = S_{t-1}``): its gate does not decay
+    the state, so padding content never changes a valid output. The (S, z) state is the
+    incremental-decoding cache (:class:`~rl_tformers.attention._linear.LinearCache`), so
+    step-by-step decoding equals the full pass; the full pass evaluates the recurrence
+    chunk-wise with a scan, not a token loop.
 
     sin/cos features can make the normaliser ``phi(q) . z`` small or negative when D is small;
     its magnitude is clamped to ``eps`` (sign kept), and rows with no allowed key return 0.
@@ -94,7 +96,8 @@ class RFAAttention(KernelAttention):
     def reference_forward(self, x_q: Tensor, x_kv: Tensor, ctx: AttnContext) -> AttnOutput:
         """The exact (feature-free) attention RFA estimates, O(T S): weights proportional to
         ``exp(-sum_d sigma_d^2 (q^_d - k^_d)^2 / 2)`` on unit-norm q^, k^ (times
-        ``(1 - g_j) prod_{j<l<=t} g_l`` in the gated form), masked by ``ctx.allowed()``.
+        ``(1 - g_j) prod_{j<l<=t} g_l`` in the gated form, with g_l = 1 for padded keys l),
+        masked by ``ctx.allowed()``.
         Shapes: x_q (B, T, D), x_kv (B, S, D) -> out (B, T, D), weights (B, H, T, S). Tests only.
         """
         q, k, v = self.project(x_q, x_kv)
@@ -106,6 +109,8 @@ class RFAAttention(KernelAttention):
         logits = -0.5 * diff2
         if self.gate is not None:
             log_g, w = self.key_decay(x_kv)  # (B, H, S)
+            if ctx.key_valid is not None:  # a padded key does not decay the state (g = 1)
+                log_g = log_g.masked_fill(~ctx.key_valid[:, None, :], 0.0)
             c = log_g.double().cumsum(-1)  # (B, H, S)
             m = ctx.prefix_len
             decay = c[:, :, m:, None] - c[:, :, None, :]  # (B, H, T, S): sum_{j<l<=M+t} log g_l
