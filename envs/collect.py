@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import shutil
 import signal
 import threading
@@ -162,16 +163,50 @@ def dataset_folder(dataset_id: str, root: str | Path | None = None) -> Path:
     return data_root(root) / dataset_id
 
 
-def _prepare_target(dataset_id: str, root: Path, overwrite: bool) -> None:
+def check_dataset_id(dataset_id: str, option: str = "--dataset-id") -> None:
+    """Refuse a malformed Minari id (``namespace/name-vN``), naming ``option``.
+
+    Raises:
+        ValueError: the id is empty, has no ``-vN`` version, or is otherwise malformed.
+    """
     from minari.dataset.minari_dataset import parse_dataset_id
 
-    parse_dataset_id(dataset_id)  # raises ValueError on a malformed id
+    try:
+        _, _, version = parse_dataset_id(dataset_id)
+    except (TypeError, ValueError):  # minari raises TypeError for an id without a version
+        version = None
+    if not dataset_id or version is None:
+        raise ValueError(f"{option} {dataset_id!r} is not a Minari dataset id: use namespace/name-vN "
+                         "(e.g. rlt/hopper-v5/medium-v0; the -vN version is required)")
+
+
+def _prepare_target(dataset_id: str, root: Path, overwrite: bool) -> Path | None:
+    """Check ``dataset_id`` and its folder; with ``overwrite`` move an existing dataset aside.
+
+    Returns:
+        The folder the existing dataset was moved to (restore it with :func:`_restore` if the
+        new build fails or is interrupted, delete it once the new one is complete), or ``None``.
+    """
+    check_dataset_id(dataset_id)
     target = root / dataset_id
     if target.exists():
         if not overwrite:
             raise FileExistsError(f"dataset {dataset_id!r} already exists at {target}; pass overwrite=True "
                                   "(CLI: --overwrite) or choose another --dataset-id")
-        shutil.rmtree(target)
+        # kept until the new dataset is complete: an interrupted --overwrite loses nothing
+        backup = target.with_name(f".{target.name}.replaced-{os.getpid()}")
+        if backup.exists():
+            shutil.rmtree(backup)
+        os.replace(target, backup)
+        return backup
+    return None
+
+
+def _restore(backup: Path | None, target: Path) -> None:
+    """Put the dataset moved aside by :func:`_prepare_target` back at ``target``."""
+    if backup is not None and backup.exists():
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(backup, target)
 
 
 def _new_dirs(target: Path, root: Path) -> Path | None:
@@ -320,19 +355,24 @@ def collect(
             (:func:`check_hdf5_target`, checked before collecting); an environment whose spec
             Minari cannot store (:func:`check_recordable`).
 
-    A build that fails or is interrupted removes its half-written dataset folder.
+    A build that fails or is interrupted removes its half-written dataset folder; with
+    ``overwrite`` the dataset it was to replace is kept aside until the new one is complete and
+    put back otherwise.
     """
     root_path = data_root(root)
     check_hdf5_target(hdf5, overwrite)
     check_stop()  # before an existing dataset is replaced
-    _prepare_target(dataset_id, root_path, overwrite)
+    backup = _prepare_target(dataset_id, root_path, overwrite)
     created = _new_dirs(root_path / dataset_id, root_path)
     try:
         result = _collect(env_id, behaviours, dataset_id, seed, pomdp, root_path, progress, description, record,
                           env_kwargs)
     except BaseException:  # never leave a half-written dataset behind (a rerun would be refused as existing)
         _remove_partial(root_path / dataset_id, created)
+        _restore(backup, root_path / dataset_id)  # --overwrite: the dataset it was to replace is back
         raise
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
     if hdf5 is not None:
         result.hdf5_path = save_d4rl_hdf5(load_minari(result.path), hdf5)
     return result
@@ -425,7 +465,7 @@ def train_and_record(
         env = SeededResets(gym.make(env_id), seed)
         model = train_sb3(algo, env, steps, seed=seed, progress=progress)
         return SB3Policy(model, None, name=f"{algo}-trained-{steps}"), None
-    _prepare_target(replay_dataset_id, root_path, overwrite)
+    backup = _prepare_target(replay_dataset_id, root_path, overwrite)
     created = _new_dirs(root_path / replay_dataset_id, root_path)
     try:
         with minari_root(root_path):
@@ -442,7 +482,10 @@ def train_and_record(
                 collector.close()
     except BaseException:  # never leave a half-written dataset behind
         _remove_partial(root_path / replay_dataset_id, created)
+        _restore(backup, root_path / replay_dataset_id)
         raise
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
     ds = load_minari(root_path / replay_dataset_id)
     result = CollectResult(replay_dataset_id, root_path / replay_dataset_id, ds.episode_returns, ds.lengths.copy(),
                            [(0, ds.num_episodes)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 from pathlib import Path
 
@@ -118,9 +119,25 @@ def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset
     try:
         if skip_existing and not recipe:
             _fail("--skip-existing works with --recipe only")
+        if seed < 0:
+            _fail(f"--seed must be >= 0 (it seeds the episode resets), got {seed}")
         if recipe:
             from rl_tformers.envs.collect import dataset_folder
 
+            # options of a single collection: a recipe sets them itself, they would be ignored
+            ignored = [name for name, given in (
+                ("--env", env is not None), ("--policy", policy != "random"), ("--algo", algo is not None),
+                ("--obs-norm", obs_norm != "auto"), ("--train", train is not None),
+                ("--train-steps", train_steps != 100_000), ("--replay-dataset-id", replay_dataset_id is not None),
+                ("--steps", steps is not None), ("--episodes", episodes is not None), ("--noise", noise != 0.0),
+                ("--epsilon", epsilon != 0.0), ("--pomdp", pomdp != "none"), ("--obs-indices", obs_indices is not None),
+                ("--dataset-id", dataset_id is not None)) if given]
+            if ignored:
+                _fail(f"{', '.join(ignored)}: not used with --recipe (each recipe sets its environment, policies, "
+                      "noise, size and dataset id; see --list-recipes); use --recipe-steps for the size, or leave "
+                      "--recipe out to collect with these options")
+            if recipe_steps is not None and recipe_steps < 1:
+                _fail(f"--recipe-steps must be >= 1, got {recipe_steps}")
             if overwrite and skip_existing:
                 _fail("--overwrite and --skip-existing exclude each other: choose one")
             if hdf5 is not None and Path(hdf5).expanduser().exists() and not Path(hdf5).expanduser().is_dir():
@@ -151,6 +168,8 @@ def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset
                 report(R.build_recipe(r, seed=seed, root=root, policies=policies, hdf5=h, overwrite=overwrite,
                                       progress=progress))
         else:
+            if recipe_steps is not None:
+                _fail("--recipe-steps needs --recipe (use --steps or --episodes for a single collection)")
             for res in _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes,
                                     noise, epsilon, pomdp, obs_indices, seed, dataset_id, root, hdf5, overwrite,
                                     progress):
@@ -180,6 +199,25 @@ def _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset
         steps = 0 if (train and replay_dataset_id) else 10_000
     if replay_dataset_id and not train:
         raise typer.BadParameter("--replay-dataset-id needs --train", param_hint="--replay-dataset-id")
+    if steps is not None and steps < 0 or episodes is not None and episodes < 0:
+        name, value = ("--steps", steps) if steps is not None else ("--episodes", episodes)
+        raise typer.BadParameter(f"{name} must be >= 0, got {value}", param_hint=name)
+    if not (math.isfinite(noise) and noise >= 0):
+        raise typer.BadParameter(f"--noise must be a finite number >= 0 (a std in units of half the action range), "
+                                 f"got {noise}", param_hint="--noise")
+    if not 0.0 <= epsilon <= 1.0:  # NaN fails too
+        raise typer.BadParameter(f"--epsilon must be a probability in [0, 1], got {epsilon}", param_hint="--epsilon")
+    if train and train_steps < 1:
+        raise typer.BadParameter(f"--train-steps must be >= 1, got {train_steps}", param_hint="--train-steps")
+    if dataset_id is not None or replay_dataset_id:
+        from rl_tformers.envs.collect import check_dataset_id
+
+        for option, value in (("--dataset-id", dataset_id), ("--replay-dataset-id", replay_dataset_id)):
+            if value is not None:
+                try:
+                    check_dataset_id(value, option)
+                except ValueError as exc:
+                    raise typer.BadParameter(str(exc), param_hint=option) from None
     if (steps or 0) == 0 and (episodes or 0) == 0 and not (train and replay_dataset_id):
         raise typer.BadParameter(f"{'--steps' if steps is not None else '--episodes'} 0 collects nothing; give a "
                                  "positive number (0 is meant for --train with --replay-dataset-id only)",
@@ -288,6 +326,9 @@ def export(
         _fail(f"{out} is a directory; OUT is the .hdf5 file to write (e.g. {out / 'dataset.hdf5'})")
     if out.expanduser().exists() and not overwrite:
         _fail(f"OUT {out} already exists; pass --overwrite to replace it, or choose another file")
+    above = next((p for p in out.expanduser().parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        _fail(f"OUT {out}: {above} is a file, not a directory")
     try:
         ds = load_dataset(dataset, download=download, flatten_observations=flatten_observations, root=root)
     except (DatasetError, FileNotFoundError, RuntimeError) as exc:

@@ -190,8 +190,9 @@ def load_minari(
         DatasetError: a folder Minari cannot open (no ``main_data.hdf5``, ``metadata.json`` not
             JSON) or whose episodes cannot be read (a missing episode group or array), malformed data (see :meth:`EpisodeDataset.validate` and
             :meth:`EpisodeDataset.from_episodes`), an episode whose observation count is not its
-            action count + 1, or metadata ``ref_min_score``/``ref_max_score`` that are not finite
-            numbers with ``ref_max_score > ref_min_score``.
+            action count + 1, metadata ``ref_min_score``/``ref_max_score`` that are not finite
+            numbers with ``ref_max_score > ref_min_score``, or a malformed ``pomdp`` record
+            (:func:`check_pomdp_record`).
     """
     import minari
 
@@ -254,7 +255,7 @@ def load_minari(
         location=str(spec),
         dataset_id=md.spec.dataset_id,
         **_ref_scores(meta, f"Minari metadata of {spec}"),
-        pomdp=own.get("pomdp"),
+        pomdp=check_pomdp_record(own.get("pomdp"), tuple(flat_space.shape), f"Minari metadata of {spec}"),
         extra={k: meta[k] for k in ("algorithm_name", "description") if k in meta} | {
             k: v for k, v in own.items() if k != "pomdp"},
     )
@@ -263,6 +264,50 @@ def load_minari(
     if validate:
         ds.validate(max_ep_len=max_ep_len)
     return ds
+
+
+def check_pomdp_record(record, obs_shape: tuple[int, ...], where: str) -> dict | None:
+    """The ``pomdp`` record of a dataset's metadata, checked (``None`` when absent).
+
+    A record (:func:`~rl_tformers.envs.pomdp.pomdp_record`) is ``{"kind": "positions" | "mask",
+    "indices": [...], "source_shape": [D]}``: distinct integer indices in ``[0, D)``, one per
+    recorded observation value. Evaluation masks the environment with it, so a malformed one
+    would fail only there (or mask the wrong entries).
+
+    Raises:
+        DatasetError: field ``pomdp``, saying what is wrong and where (``where``).
+    """
+    from rl_tformers.envs.pomdp import POMDP_KINDS
+
+    if record is None:
+        return None
+
+    def bad(what: str) -> DatasetError:
+        return DatasetError(f"pomdp: {what} in the {where}; a POMDP record is {{\"kind\": \"positions\" or "
+                            f"\"mask\", \"indices\": [...], \"source_shape\": [D]}}", field="pomdp")
+
+    if not isinstance(record, dict):
+        raise bad(f"{record!r} is a {type(record).__name__}, not an object")
+    if record.get("kind") not in POMDP_KINDS:
+        raise bad(f"kind {record.get('kind')!r} is not one of {', '.join(POMDP_KINDS)}")
+
+    def ints(key: str) -> list[int]:
+        v = record.get(key)
+        if not isinstance(v, list) or not v or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+            raise bad(f"{key} {v!r} is not a non-empty list of integers")
+        return v
+
+    indices, source = ints("indices"), ints("source_shape")
+    if len(source) != 1 or source[0] < 1:
+        raise bad(f"source_shape {source} is not the shape [D] of a 1-D observation")
+    outside = [i for i in indices if not 0 <= i < source[0]]
+    if outside:
+        raise bad(f"indices {outside} are outside [0, {source[0]}) (source_shape {source})")
+    if len(set(indices)) != len(indices):
+        raise bad(f"indices {indices} repeat")
+    if obs_shape != (len(indices),):
+        raise bad(f"{len(indices)} indices, but the observations have shape {obs_shape}")
+    return record
 
 
 def _ref_scores(meta: dict, where: str) -> dict:
@@ -340,8 +385,8 @@ def load_d4rl_hdf5(
             from ``observations`` or (``validate=True``) is not finite or differs from
             ``observations[t + 1]`` inside an episode
             (:func:`~rl_tformers.envs.dataset.check_next_observations`), the attributes
-            ``rl_tformers_metadata`` / ``observation_space`` / ``action_space`` cannot be read,
-            the actions are stored in another shape than the environment's Box action space
+            ``rl_tformers_metadata`` / ``observation_space`` / ``action_space`` cannot be read or
+            its ``pomdp`` record is malformed (:func:`check_pomdp_record`), the actions are stored in another shape than the environment's Box action space
             with as many values (e.g. ``(N, 4)`` for a ``Box(2, 2)``: never reshaped silently),
             or validation fails.
     """
@@ -395,8 +440,8 @@ def load_d4rl_hdf5(
     metadata = DatasetMetadata(
         env_id=env_id, source="d4rl-hdf5", location=str(path), dataset_id=own.get("dataset_id"),
         **_ref_scores(own, where),
-        pomdp=own.get("pomdp"), extra={k: v for k, v in own.items() if k not in (
-            "dataset_id", "ref_min_score", "ref_max_score", "pomdp")})
+        pomdp=check_pomdp_record(own.get("pomdp"), tuple(observation_space.shape or ()), where),
+        extra={k: v for k, v in own.items() if k not in ("dataset_id", "ref_min_score", "ref_max_score", "pomdp")})
     ds = EpisodeDataset.from_flags(obs, act, rewards, terminals, timeouts, next_observations=nxt,
                                    observation_space=observation_space, action_space=action_space,
                                    metadata=metadata, validate=False)

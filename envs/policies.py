@@ -177,8 +177,9 @@ def load_sb3_policy(
         device: torch device for the policy network.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: unknown algorithm, or a file that is not an
-            SB3 save file (not a zip, no JSON ``data`` member).
+        FileNotFoundError: no such file. ValueError: unknown algorithm, a file that is not an
+            SB3 save file (not a zip, no JSON ``data`` member), or one trained with observation or
+            action shapes other than ``env``'s.
     """
     path = Path(path).expanduser()
     if path.is_dir():
@@ -188,6 +189,7 @@ def load_sb3_policy(
     name = algo or detect_algorithm(path)
     cls = algorithm_class(name)
     data = _saved_data(path)
+    _check_saved_spaces(path, data, env)
     custom: dict[str, Any] = {"observation_space": env.observation_space, "action_space": env.action_space}
     for key in _SCHEDULE_KEYS:
         if key in data:
@@ -200,6 +202,37 @@ def load_sb3_policy(
     elif obs_norm:
         norm = load_obs_norm(obs_norm)
     return SB3Policy(model, norm, name=f"{name}:{path}")
+
+
+def _saved_shape(data: dict, key: str) -> tuple[int, ...] | None:
+    """The shape an SB3 save file's ``data`` records for space ``key`` (``None`` when unreadable)."""
+    import ast
+
+    entry = data.get(key)
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    try:
+        if isinstance(shape, str):
+            shape = ast.literal_eval(shape)
+        return None if shape is None else tuple(int(n) for n in shape)
+    except (ValueError, TypeError, SyntaxError):
+        return None
+
+
+def _check_saved_spaces(path: Path, data: dict, env: gym.Env) -> None:
+    """Refuse a save file trained on spaces of another shape than ``env``'s, naming both.
+
+    Without this, SB3 fails deep inside ``load_state_dict`` with a size mismatch per layer.
+
+    Raises:
+        ValueError: the saved observation or action shape differs from the environment's.
+    """
+    env_name = getattr(env.spec, "id", None) or type(env.unwrapped).__name__
+    for key, space in (("observation_space", env.observation_space), ("action_space", env.action_space)):
+        saved = _saved_shape(data, key)
+        if saved is not None and saved != tuple(space.shape):
+            raise ValueError(f"--policy {path}: trained with {key.replace('_', ' ')} of shape {saved}, but "
+                             f"{env_name} has {space!r}; give the policy of this environment (or the "
+                             "environment of this policy)")
 
 
 def _zero_schedule(_progress: float) -> float:
@@ -270,7 +303,10 @@ def train_sb3(algo: str, env: gym.Env, steps: int, *, seed: int = 0, device: str
             return True
 
     cls = algorithm_class(algo)
-    model = cls("MlpPolicy", env, seed=seed, device=device, verbose=0, **kwargs)
+    try:
+        model = cls("MlpPolicy", env, seed=seed, device=device, verbose=0, **kwargs)
+    except AssertionError as exc:  # SB3 asserts the spaces it supports (SAC on Discrete actions, ...)
+        raise ValueError(f"--train {algo}: cannot train on {getattr(env.spec, 'id', None) or env}: {exc}") from None
     model.set_logger(Logger(folder=None, output_formats=[]))
     model.learn(total_timesteps=int(steps), progress_bar=progress, callback=StopCheck())
     return model

@@ -35,6 +35,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,6 +77,34 @@ class Settings:
     time_budget_s: float = 120.0
     padded: bool = False
     seed: int = 0
+
+    def check(self) -> None:
+        """Refuse settings that cannot give a measurement, naming the CLI option.
+
+        Raises:
+            ValueError: no ``--lengths``, a length below 1 or given twice, ``--batch``,
+                ``--d-model``, ``--n-heads`` or ``--repeats`` below 1, ``--d-model`` not
+                divisible by ``--n-heads``, a budget that is not a positive number, or a
+                ``--device`` that is not available (:func:`~rl_tformers.bench.commands.check_device`).
+        """
+        from rl_tformers.bench.commands import check_counts, check_device
+
+        if not self.lengths:
+            raise ValueError("--lengths: give at least one sequence length (e.g. 256,1024)")
+        small = [n for n in self.lengths if int(n) < 1]
+        if small:
+            raise ValueError(f"--lengths: every length must be >= 1, got {small[0]}")
+        twice = sorted({n for n in self.lengths if self.lengths.count(n) > 1})
+        if twice:
+            raise ValueError(f"--lengths: {twice[0]} is given twice")
+        check_counts(("--batch", self.batch), ("--d-model", self.d_model), ("--n-heads", self.n_heads),
+                     ("--repeats", self.repeats))
+        if self.d_model % self.n_heads:
+            raise ValueError(f"--d-model {self.d_model} is not divisible by --n-heads {self.n_heads}")
+        for option, value in (("--memory-budget-gb", self.memory_budget_gb), ("--time-budget-s", self.time_budget_s)):
+            if not value > 0 or value == float("inf"):  # NaN fails too
+                raise ValueError(f"{option} must be a positive number, got {value}")
+        check_device(self.device)
 
 
 @dataclass
@@ -457,8 +486,8 @@ def register(bench_app) -> None:
             [], "--rl-option", help="key=value option of the RL-scale cases (repeatable), e.g. batch_size=8."),
     ) -> None:
         """Forward+backward time and peak memory of attention kinds as ratios to dense SDPA."""
-        if threads and device == "cpu":
-            torch.set_num_threads(threads)
+        from rl_tformers.bench.commands import check_out, fail
+
         ks = None if kinds.strip() == "all" else parse_list(kinds)
         if ks is not None:
             from rl_tformers.registry import ATTENTION
@@ -467,31 +496,65 @@ def register(bench_app) -> None:
             unknown = [k for k in ks if k not in ATTENTION]
             if unknown:
                 raise typer.BadParameter(f"unknown attention kinds {unknown}; registered: {', '.join(ATTENTION.kinds())}")
-        ls = tuple(parse_list(lengths, int))
+            if not ks:
+                fail("--kinds is empty; give comma-separated attention kinds, or 'all'")
+            if len(set(ks)) != len(ks):
+                fail(f"--kinds: {next(k for k in ks if ks.count(k) > 1)!r} is given twice")
+        try:
+            ls = tuple(parse_list(lengths, int))
+        except ValueError:
+            fail(f"--lengths {lengths!r}: expected comma-separated integers, e.g. 256,1024")
         if not ls or min(ls) < 1:
             raise typer.BadParameter("lengths must be positive integers", param_hint="--lengths")
         settings = Settings(
             lengths=ls, batch=batch, d_model=d_model, n_heads=n_heads, causal=not bidirectional, device=device,
             repeats=repeats, memory_budget_gb=memory_budget_gb, time_budget_s=time_budget_s, padded=padded,
         )
+        opts: dict[str, Any] = {}
+        try:
+            settings.check()
+            if threads < 1:
+                raise ValueError(f"--threads must be >= 1, got {threads}")
+            if not rl_scale and (rl_steps is not None or rl_option):
+                raise ValueError(f"{'--rl-steps' if rl_steps is not None else '--rl-option'} is used by the RL-scale "
+                                 "cases only; add --rl-scale")
+            if rl_steps is not None and rl_steps < 1:
+                raise ValueError(f"--rl-steps must be >= 1, got {rl_steps}")
+            for item in rl_option:
+                key, sep, value = item.partition("=")
+                if not sep or not key.strip():
+                    raise ValueError(f"--rl-option: expected key=value, got {item!r}")
+                opts[key.strip()] = _parse_value(value.strip())
+            if rl_scale:  # cases that can check their options do so now, not after the whole benchmark
+                for case in RL_SCALE_CASES.values():
+                    hook = getattr(case, "check_options", None)
+                    if hook is not None:
+                        hook({**opts, **({} if rl_steps is None else {"steps": rl_steps})})
+            if plot_path and Path(plot_path).is_dir():
+                raise ValueError(f"--plot {plot_path} is a directory; give a file name, e.g. "
+                                 f"{Path(plot_path) / 'attention.png'}")
+            above = next((p for p in Path(plot_path).parents if p.exists()), None) if plot_path else None
+            if above is not None and not above.is_dir():
+                raise ValueError(f"--plot {plot_path}: {above} is a file, not a directory")
+        except ValueError as exc:
+            fail(str(exc))
+        check_out(out)
+        if device == "cpu":
+            torch.set_num_threads(threads)
         log = None if as_json else (lambda line: typer.echo(line, err=True))
         res = run(ks, settings, log=log)
         if rl_scale:
-            opts: dict[str, Any] = {}
-            for item in rl_option:
-                key, sep, value = item.partition("=")
-                if not sep:
-                    raise typer.BadParameter(f"expected key=value, got {item!r}", param_hint="--rl-option")
-                opts[key.strip()] = _parse_value(value.strip())
             if rl_steps is not None:
                 opts["steps"] = rl_steps
             rows, notes = run_rl_scale(ks or all_kinds(), device, **opts)
             res.rl_scale, res.notes = rows, res.notes + notes
         data = res.as_dict()
         if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
             with open(out, "w") as fh:
                 json.dump(data, fh, indent=2)
         if plot_path:
+            Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
             plot(res, plot_path)
         if as_json:
             typer.echo(json.dumps(data, indent=2))

@@ -124,9 +124,7 @@ def dt_long_context(kinds: list[str], device: str, **options: Any) -> list[dict[
     from rl_tformers.runtime.config import compose
     from rl_tformers.runtime.trainer import Trainer
 
-    unknown = set(options) - set(DEFAULTS) - {"work_dir"}
-    if unknown:
-        raise ValueError(f"unknown {CASE} options {sorted(unknown)}; known: {', '.join(sorted(DEFAULTS))}, work_dir")
+    check_options(options)
     o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
     kinds = ([BASELINE] if int(o["dense"]) else []) + [k for k in dict.fromkeys(kinds) if k != BASELINE]
     base = {"case": CASE, "dataset": o["dataset"], "context_len": int(o["context_len"]),
@@ -243,6 +241,18 @@ def summarise_runs(run_dirs: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def check_options(options: dict[str, Any]) -> None:
+    """Refuse options :func:`dt_long_context` does not know (run before anything is measured).
+
+    Raises:
+        ValueError: an unknown option, naming it and the known ones.
+    """
+    unknown = set(options) - set(DEFAULTS) - {"work_dir"}
+    if unknown:
+        raise ValueError(f"unknown {CASE} options {sorted(unknown)}; known: {', '.join(sorted(DEFAULTS))}, work_dir")
+
+
+dt_long_context.check_options = check_options  # type: ignore[attr-defined]
 register_rl_scale_case(CASE, dt_long_context)
 
 

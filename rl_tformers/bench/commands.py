@@ -61,6 +61,37 @@ def check_out(out: str | None) -> None:
         fail(f"--out {out}: {parent} is a file, not a directory")
 
 
+def check_device(device: str, option: str = "--device") -> None:
+    """Refuse a ``--device`` the benchmark cannot run on (before anything is measured).
+
+    Raises:
+        ValueError: not a ``cpu``/``cuda`` torch device, or ``cuda`` without an available GPU.
+    """
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{option} {device!r}: use cpu or cuda (e.g. cuda:0)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{option} {device}: CUDA is not available here (torch {torch.__version__}); use cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"{option} {device}: there are {torch.cuda.device_count()} CUDA devices")
+
+
+def check_counts(*pairs: tuple[str, Any], lo: int = 1) -> None:
+    """Refuse integer options below ``lo``: ``pairs`` are ``(option, value)``.
+
+    Raises:
+        ValueError: naming the first option below ``lo``.
+    """
+    for option, value in pairs:
+        if int(value) < lo:
+            raise ValueError(f"{option} must be >= {lo}, got {value}")
+
+
 def run_checked(make_settings: Callable[[], Any], run: Callable[..., Any], markdown: Callable[[Any], str], *,
                 out: str | None, as_json: bool, load_errors: tuple[type[BaseException], ...] = (),
                 source: str = "") -> None:

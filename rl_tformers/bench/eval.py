@@ -65,8 +65,9 @@ class Settings:
         Raises:
             ValueError: ``--episodes``, ``--threads``, ``--mem-envs``, ``--mem-steps`` or a
                 ``--mem-lens`` entry below 1, ``--n-envs`` below 2, ``--max-episode-steps``
-                below 1 (leave it out for no cap), an unknown ``--memory-kinds`` entry, or no
-                ``--mem-lens`` while part 2 runs.
+                below 1 (leave it out for no cap), an unknown or repeated ``--memory-kinds`` entry,
+                a repeated ``--mem-lens`` entry, no ``--mem-lens`` while part 2 runs, both parts
+                skipped, or an unavailable ``--device``.
         """
         for option, value, lo in (("--episodes", self.episodes, 1), ("--n-envs", self.n_envs, 2),
                                   ("--threads", self.threads, 1), ("--mem-envs", self.mem_envs, 1),
@@ -86,6 +87,15 @@ class Settings:
         small = [m for m in self.mem_lens if int(m) < 1]
         if small:
             raise ValueError(f"--mem-lens: every memory length must be >= 1, got {small[0]}")
+        if self.skip_rollouts and not self.memory_kinds:
+            raise ValueError("nothing to measure: --skip-rollouts skips part 1 and --memory-kinds '' skips part 2")
+        for option, values in (("--memory-kinds", self.memory_kinds), ("--mem-lens", self.mem_lens)):
+            twice = [v for i, v in enumerate(values) if v in values[:i]]
+            if twice:
+                raise ValueError(f"{option}: {twice[0]!r} is given twice")
+        from rl_tformers.bench.commands import check_device
+
+        check_device(self.device)
 
 
 @dataclass

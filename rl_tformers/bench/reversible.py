@@ -132,6 +132,34 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def check_options(depths: str, batch: int, seq_len: int, d_model: int, n_heads: int, device: str) -> list[int]:
+    """The depths of ``--depths``, after refusing options that cannot give a measurement.
+
+    Raises:
+        ValueError: naming the option: ``--depths`` empty, not integers, below 1 or repeated;
+            ``--batch``, ``--seq-len``, ``--d-model`` or ``--n-heads`` below 1; ``--d-model``
+            not divisible by ``--n-heads``; an unavailable ``--device``.
+    """
+    from rl_tformers.bench.commands import check_counts, check_device
+
+    items = [d.strip() for d in str(depths).split(",") if d.strip()]
+    try:
+        ds = [int(d) for d in items]
+    except ValueError:
+        raise ValueError(f"--depths {depths!r}: expected comma-separated integers, e.g. 2,4,8") from None
+    if not ds:
+        raise ValueError("--depths: give at least one number of layers (e.g. 2,4,8)")
+    if min(ds) < 1:
+        raise ValueError(f"--depths: every depth must be >= 1, got {min(ds)}")
+    if len(set(ds)) != len(ds):
+        raise ValueError(f"--depths: {next(d for d in ds if ds.count(d) > 1)} is given twice")
+    check_counts(("--batch", batch), ("--seq-len", seq_len), ("--d-model", d_model), ("--n-heads", n_heads))
+    if d_model % n_heads:
+        raise ValueError(f"--d-model {d_model} is not divisible by --n-heads {n_heads}")
+    check_device(device)
+    return ds
+
+
 def command(
     depths: str = "2,4,8,16",
     batch: int = 8,
@@ -141,8 +169,12 @@ def command(
     device: str = "cpu",
     as_json: bool = False,
 ) -> None:
-    """Activation memory vs depth: reversible (recompute) vs the same stack with ordinary autograd vs pre_norm."""
-    ds = [int(d) for d in str(depths).split(",") if d]
+    """Activation memory vs depth: reversible (recompute) vs the same stack with ordinary autograd vs pre_norm.
+
+    Raises:
+        ValueError: bad options (:func:`check_options`), before anything is measured.
+    """
+    ds = check_options(depths, batch, seq_len, d_model, n_heads, device)
     rows = run(ds, batch=batch, seq_len=seq_len, d_model=d_model, n_heads=n_heads, device=device)
     print(json.dumps(rows, indent=2) if as_json else format_rows(rows))
 
@@ -161,6 +193,12 @@ def register(bench_app) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON rows."),
     ) -> None:
         """Activation memory vs depth of reversible layers (Reformer) against ordinary residual stacks."""
+        from rl_tformers.bench.commands import fail
+
+        try:
+            check_options(depths, batch, seq_len, d_model, n_heads, device)
+        except ValueError as exc:
+            fail(str(exc))
         command(depths, batch, seq_len, d_model, n_heads, device, as_json)
 
     bench_app.command("reversible")(reversible)
