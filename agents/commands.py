@@ -196,15 +196,16 @@ def eval_cmd(
 
 
 def _check_early_exit(value: str | None) -> None:
-    """``--early-exit`` given as a number must be finite (``none`` is the full model)."""
+    """``--early-exit`` given as a number must be finite and >= 0 (``none`` is the full model;
+    every confidence lies in [0, 1], and ``depth.threshold`` refuses a negative one too)."""
     if value is None:
         return
     try:
         thr = float(value)
     except ValueError:
         return  # 'calibrate' / 'none' / a typo: the agent's inference_setup names it
-    if not math.isfinite(thr):
-        raise _fail(f"--early-exit {value}: the threshold must be a finite number "
+    if not math.isfinite(thr) or thr < 0:
+        raise _fail(f"--early-exit {value}: the threshold must be a finite number >= 0 "
                     f"(use --early-exit none for the full model)")
 
 

@@ -106,6 +106,16 @@ class BCAgent:
         self.seed = int(cfg.seed)
         self.device = torch.device(device)
         self.dataset = dataset
+        from rl_tformers.registry import SLOTS
+
+        # an MLP: a backbone component (memory, depth kind...) would be silently ignored; sizes
+        # (backbone.d_model...) shared by the overrides of several agents are let through
+        slots = sorted(k for k in (plain(cfg.get("backbone")) or {}) if k in SLOTS)
+        if slots:
+            raise ValueError(
+                f"agent.kind=bc is an MLP on the current observation and has no backbone, but the config sets "
+                f"backbone.{', backbone.'.join(slots)}; drop them (GTrXL, agent.kind=gtrxl, or the DT, "
+                f"agent.kind=dt, take backbone components)")
         frac = float(a.top_fraction)
         if not 0.0 < frac <= 1.0:  # before the dataset is loaded
             raise ValueError(f"agent.top_fraction must be in (0, 1] (0.1 = %BC, 1 = BC), got {a.top_fraction}")

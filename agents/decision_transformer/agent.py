@@ -162,6 +162,73 @@ def parse_config_targets(value: Any) -> list[float] | None:
     return out
 
 
+def parse_exit_threshold(value: Any, option: str) -> float | str | None:
+    """An early-exit threshold: ``None``/``"none"``/``"off"`` (the full model), ``"calibrate"``, or a
+    finite number >= 0 (every confidence lies in [0, 1]: 0 exits every token after layer 1, a
+    value above 1 never exits early).
+
+    Returns:
+        ``None``, ``"calibrate"`` or the threshold as a float.
+
+    Raises:
+        ValueError: naming ``option``, for anything else (a negative or non-finite number, another
+            string, a boolean).
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("none", "off", ""):
+            return None
+        if word == "calibrate":
+            return "calibrate"
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        thr = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{option}: {value!r} is neither 'calibrate', 'none' nor a threshold") from None
+    if not math.isfinite(thr) or thr < 0:
+        raise ValueError(f"{option}={value!r}: the threshold must be a finite number >= 0 (confidences lie in "
+                         f"[0, 1]: 0 exits every step after layer 1, above 1 never exits; 'none' for the full model)")
+    return thr
+
+
+def check_inference_options(early_exit: Mapping[str, Any], knn: Mapping[str, Any]) -> None:
+    """Refuse ``agent.early_exit.*`` and ``agent.knn.*`` values out of range, naming the option.
+
+    Checked when the agent is built, before the dataset is read: these options matter only at
+    evaluation, where a bad one used to fail after training (``windows: 0``: a reshape error;
+    ``knn.lam: 2``: "lambda must lie in [0, 1]" without the option) or change nothing visible
+    (``heldout_frac`` above 0.5 held out every second episode; ``knn.temperature: 0`` or a
+    negative one turned every neighbour weight into 0 or inverted the distances).
+
+    Raises:
+        ValueError: naming the first bad option and its range.
+    """
+    from rl_tformers.agents.common.knn_memory import METRICS
+
+    def number(section: str, name: str, value: Any, ok, what: str, integer: bool = False) -> None:
+        bad = isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int))
+        if bad or not math.isfinite(value) or not ok(value):
+            raise ValueError(f"agent.{section}.{name} must be {what}, got {value!r}")
+
+    e = early_exit
+    number("early_exit", "tol", e["tol"], lambda v: v >= 0, "a number >= 0 (normalised action units)")
+    number("early_exit", "heldout_frac", e["heldout_frac"], lambda v: 0 <= v <= 0.5,
+           "a fraction in [0, 0.5] (every round(1/heldout_frac)-th episode is held out; 0: none)")
+    number("early_exit", "delta", e["delta"], lambda v: 0 < v < 1, "in (0, 1) (tolerated inconsistency)")
+    number("early_exit", "epsilon", e["epsilon"], lambda v: 0 < v < 1, "in (0, 1) (failure probability)")
+    number("early_exit", "windows", e["windows"], lambda v: v >= 1, "an integer >= 1 (held-out decisions)", True)
+    parse_exit_threshold(e["threshold"], "agent.early_exit.threshold")
+    number("knn", "lam", knn["lam"], lambda v: 0 <= v <= 1, "in [0, 1] (0: off)")
+    number("knn", "k", knn["k"], lambda v: v >= 1, "an integer >= 1", True)
+    number("knn", "temperature", knn["temperature"], lambda v: v > 0, "a number > 0 (the distance temperature)")
+    number("knn", "max_entries", knn["max_entries"], lambda v: v >= 1, "an integer >= 1", True)
+    if knn["metric"] not in METRICS:
+        raise ValueError(f"agent.knn.metric={knn['metric']!r}; use one of {', '.join(METRICS)}")
+
+
 def to_model_batch(batch: Mapping[str, Tensor], info: DatasetInfo) -> dict[str, Tensor]:
     """Sampler batch (:class:`rl_tformers.envs.samplers.WindowSampler` keys) -> :func:`dt_loss` inputs.
 
@@ -225,6 +292,7 @@ class DTAgent:
         # runs saved before these options existed get the defaults
         self.early_exit_options = {**DT_DEFAULTS["agent"]["early_exit"], **(plain(a.get("early_exit")) or {})}
         self.knn_options = {**DT_DEFAULTS["agent"]["knn"], **(plain(a.get("knn")) or {})}
+        check_inference_options(self.early_exit_options, self.knn_options)
         self.knn_memory = None  # KNNPolicyMemory, set by build_knn_memory
         self.exit_threshold: float | None = None  # set by set_exit_threshold / calibrate_early_exit
         self.seed = int(cfg.seed)
@@ -359,16 +427,15 @@ class DTAgent:
             ValueError: early exit without ``backbone.depth.kind=early_exit``, a bad value.
         """
         info: dict[str, Any] = {}
-        ee = self.early_exit_options["threshold"] if early_exit is None else early_exit
-        if isinstance(ee, str) and ee.strip().lower() == "calibrate":
+        if early_exit is None:
+            ee = parse_exit_threshold(self.early_exit_options["threshold"], "agent.early_exit.threshold")
+        else:
+            ee = parse_exit_threshold(early_exit, "early exit")
+        if ee == "calibrate":
             info["early_exit"] = self.calibrate_early_exit()
-        elif ee is not None and not (isinstance(ee, str) and ee.strip().lower() in ("none", "off", "")):
-            try:
-                thr = float(ee)
-            except ValueError:
-                raise ValueError(f"early exit: {ee!r} is neither 'calibrate', 'none' nor a threshold") from None
-            self.set_exit_threshold(thr)
-            info["early_exit"] = {"threshold": thr}
+        elif ee is not None:
+            self.set_exit_threshold(ee)
+            info["early_exit"] = {"threshold": ee}
         lam = float(self.knn_options["lam"] if knn_lambda is None else knn_lambda)
         if lam > 0 or knn_lambda is not None:
             info["knn"] = self.build_knn_memory(lam=lam, k=knn_k, max_entries=knn_max_entries)
@@ -382,6 +449,8 @@ class DTAgent:
         """
         if threshold is not None and not self.model.early_exit:
             raise ValueError("early exit needs backbone.depth.kind=early_exit in the run's config")
+        if threshold is not None and not (math.isfinite(threshold) and threshold >= 0):
+            raise ValueError(f"early exit: the threshold must be a finite number >= 0, got {threshold!r}")
         self.exit_threshold = None if threshold is None else float(threshold)
 
     @torch.no_grad()

@@ -131,6 +131,15 @@ class DTConfig:
                 f"memory (docs/gtrxl.md). Retrieval for the DT is the kNN-LM action memory at evaluation "
                 f"(agent.knn.*, rl-tformers eval --knn-lambda; docs/memory_adaptive.md)"
             )
+        threshold = getattr(self.backbone.depth, "threshold", None)
+        if threshold is not None:
+            # the backbone would exit with it in every training forward (every exit trained on
+            # layer 1's state) and in the "full model" of evaluation and calibration
+            raise ValueError(
+                f"backbone.depth.threshold={threshold}: the Decision Transformer trains every exit at full depth "
+                f"and picks the exit threshold at evaluation; leave backbone.depth.threshold unset and give "
+                f"agent.early_exit.threshold (a number or 'calibrate') or rl-tformers eval --early-exit"
+            )
         if self.embed_init not in EMBED_INITS:
             raise ValueError(f"agent.embed_init={self.embed_init!r}; use one of {', '.join(EMBED_INITS)}")
         if self.mode not in MODES:

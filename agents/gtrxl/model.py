@@ -124,6 +124,9 @@ class GTrXLConfig:
             raise ValueError(f"agent.window must be >= 0, got {self.window}")
         if self.obs_dim < 1 or self.act_dim < 1:
             raise ValueError(f"gtrxl: obs_dim and act_dim must be >= 1, got {self.obs_dim}, {self.act_dim}")
+        for name in ("head_hidden", "critic_hidden"):  # _mlp treats any width <= 0 as "linear": refuse < 0
+            if getattr(self, name) < 0:
+                raise ValueError(f"agent.{name} must be >= 0 (0: a linear head), got {getattr(self, name)}")
         if self.critic not in ("none", "value", "iql"):
             raise ValueError(f"agent.critic={self.critic!r}; use none, value or iql")
 
@@ -182,6 +185,14 @@ def build_backbone(cfg: Mapping[str, Any] | BackboneConfig, window: int = 0) -> 
             f"gtrxl: backbone.attention.kind={bb_cfg.attention.kind!r} takes no memory keys, but GTrXL attends "
             f"over its memory; kernels that can (with backbone.position.kind={bb_cfg.position.kind!r}): "
             f"{', '.join(memory_kernels(bb_cfg.position.kind))}"
+        )
+    threshold = getattr(bb_cfg.depth, "threshold", None)
+    if threshold is not None:
+        # GTrXL passes no exit head and trains no exit: the threshold would exit every step where an
+        # untrained confidence reaches it (threshold 0: all of them after layer 1, in training too)
+        raise IncompatibleConfig(
+            f"gtrxl: backbone.depth.threshold={threshold}: GTrXL trains and acts at full depth with "
+            f"backbone.depth.kind=early_exit (exit heads and calibrated exits are DT-only); leave the threshold unset"
         )
     try:
         return Backbone(bb_cfg)

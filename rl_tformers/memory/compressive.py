@@ -31,6 +31,12 @@ Layout and bookkeeping
 - Memories are stored detached (the paper's stop-gradient): the main loss never reaches
   them, and the compressor is trained only by its own losses.
 
+The FIFO length is shared by the rows, so a row reset while others continue starts its new
+episode at the current FIFO length F, not at 0: the first group that holds its steps holds
+only ``c - (F mod c)`` of them (the other members are cleared slots, excluded).
+Nothing crosses the reset, but the grouping (and so the row's outputs) differs from a fresh
+start of the same episode; XL and kNN memory have no such dependence on the other rows.
+
 Compression functions ``f_c`` (sec. 3.1; ``compression``):
 ``max`` / ``mean`` pooling with kernel and stride c; ``conv``: a 1D convolution with kernel and
 stride c (initialised to mean pooling); ``dilated_conv``: a stack of kernel-2 convolutions with

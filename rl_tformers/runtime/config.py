@@ -488,8 +488,45 @@ def compose(
     except OmegaConfBaseException as exc:
         raise _translate(exc, cfg, "interpolation") from exc
     _validate_values(cfg)
+    if entry.defaults and isinstance(entry.defaults.get("agent"), Mapping):
+        _check_agent_types(OmegaConf.to_container(cfg.agent, resolve=True), entry.defaults["agent"], "agent")
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _check_agent_types(values: Mapping[str, Any], defaults: Mapping[str, Any], where: str) -> None:
+    """Refuse agent options whose value has another type than the agent's default for them.
+
+    The agent section is plain YAML (its defaults are a dict, not a schema), so without this an
+    ``agent.burn_in=1.5`` was truncated to 1, ``agent.window=true`` became 1 and
+    ``agent.prev_action=maybe`` became True, silently. An integer default takes an integer
+    (not a boolean), a boolean default a boolean, a float default a finite number (not a
+    boolean); options whose default is ``None``, a string or a list are the agent's to check.
+
+    Raises:
+        ConfigError: naming the dotted option, the value and the type it needs.
+    """
+    import math
+
+    for key, default in defaults.items():
+        if key not in values:
+            continue
+        value, name = values[key], f"{where}.{key}"
+        if isinstance(default, Mapping):
+            if isinstance(value, Mapping):
+                _check_agent_types(value, default, name)
+            elif value is not None:
+                raise ConfigError(f"{name} must be a mapping of options ({', '.join(map(str, default))}), got {value!r}")
+            continue
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be true or false, got {value!r} ({type(value).__name__})")
+        elif isinstance(default, int):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+        elif isinstance(default, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value!r} ({type(value).__name__})")
 
 
 #: Agent options whose value is a free-form mapping passed on to another library (keyword
