@@ -526,7 +526,7 @@ def _run_subprocess(cmd: list[str], env_updates: dict[str, str], log_path: str) 
     """
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with open(log_path, "w") as fh:
+    with open(log_path, "a") as fh:  # a resumed run's log follows its first part
         fh.write("$ " + " ".join(cmd) + "\n")
         fh.flush()
         with _CHILDREN.lock:
@@ -709,7 +709,7 @@ def summarize(runs: Sequence[SweepRun], rows: Sequence[dict[str, Any]], metric: 
                 and isinstance(by_run[r.name].get(metric), float) and math.isfinite(by_run[r.name][metric])]
         out.append({"point": label, **rs[0].point, "metric": metric, "n": len(vals), "of": len(rs),
                     "mean": statistics.fmean(vals) if vals else None,
-                    "std": statistics.stdev(vals) if len(vals) > 1 else (0.0 if vals else None)})
+                    "std": statistics.stdev(vals) if len(vals) > 1 else None})  # one seed: no spread
     return out
 
 
@@ -853,6 +853,24 @@ def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], 
                              gpus_per_run=gpus_per_run, device=device, metric=metric, echo=echo)
 
 
+def _echo_config_warnings(runs: Sequence[SweepRun], requested: dict[str, dict[str, Any]],
+                          echo: Callable[[str], None]) -> None:
+    """Print each run config's warnings (:func:`~rl_tformers.runtime.trainer.config_warnings`) once,
+    with the grid points they apply to: the runs' own logs are not on the sweep's console."""
+    from rl_tformers.runtime.trainer import config_warnings
+
+    points: dict[str, list[str]] = {}
+    for run in runs:
+        for message in config_warnings(requested[run.name]):
+            labels = points.setdefault(message, [])
+            if run.point_label not in labels:
+                labels.append(run.point_label)
+    n_points = len({run.point_label for run in runs})
+    for message, labels in points.items():
+        where = "every run" if len(labels) == n_points else ", ".join(labels)
+        echo(f"warning: {message} ({where})")
+
+
 def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[str, dict[str, Any]],
                   seeds: Sequence[int], out: Path, *, jobs: int, threads: int, launcher: str, gpus_per_run: float,
                   device: str | None, metric: str | None, echo: Callable[[str], None]) -> SweepResult:
@@ -893,6 +911,7 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
             "or delete those run directories")
     echo(f"sweep: {len(runs)} runs ({len(todo)} to run) over {len(runs) // max(1, len(seeds))} grid points x "
          f"{len(seeds)} seeds -> {out}")
+    _echo_config_warnings(runs, requested, echo)
     log_dir = out / "logs"
     stopped = None
     if todo:

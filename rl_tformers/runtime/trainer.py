@@ -132,6 +132,26 @@ class TrainResult:
         return self.step >= self.total_steps
 
 
+def config_warnings(cfg: Mapping[str, Any]) -> list[str]:
+    """Settings that make a run train other than its user likely means, one sentence each.
+
+    ``cfg``: a resolved run config (DictConfig or plain dict). The trainer logs each as a
+    warning at the start of a run; ``rl-tformers sweep`` prints them before its runs start
+    (a run's own log is not on the sweep's console).
+
+    Today: a non-constant schedule whose ``train.warmup_steps`` >= ``train.steps`` (the learning
+    rate never leaves its linear warm-up).
+    """
+    t = cfg["train"]
+    out = []
+    schedule = str(getattr(t["schedule"], "value", t["schedule"]))
+    if schedule != "constant" and int(t["warmup_steps"]) >= int(t["steps"]):
+        out.append(f"train.warmup_steps={int(t['warmup_steps'])} >= train.steps={int(t['steps'])}: the learning "
+                   f"rate stays in its linear warmup and never reaches train.lr ({float(t['lr']):g}); for a short "
+                   "run lower train.warmup_steps")
+    return out
+
+
 class MetricWindow:
     """Sums of the per-update scalars since the last log, kept on the device (no sync per step).
 
@@ -710,10 +730,8 @@ class Trainer:
                 procs = f" x {self.world_size} processes" if self.world_size > 1 else ""
                 log.info("run %s | agent %s | %d trainable parameters | device %s%s | steps %d -> %d",
                          self.run_dir, self.cfg.agent.kind, n_params, self.device, procs, self.step, self.total_steps)
-                if str(getattr(t.schedule, "value", t.schedule)) != "constant" and int(t.warmup_steps) >= self.total_steps:
-                    log.warning("train.warmup_steps=%d >= train.steps=%d: the learning rate stays in its linear "
-                                "warmup and never reaches train.lr (%g); for a short run lower train.warmup_steps",
-                                int(t.warmup_steps), self.total_steps, float(t.lr))
+                for message in config_warnings(self.cfg):
+                    log.warning("%s", message)
             if t.compile:
                 self.model.compile()
             if getattr(self.agent, "local_batches", False):  # each rank's batches are its own share already
@@ -798,7 +816,10 @@ class Trainer:
         log_every, ckpt_every, eval_every = int(t.log_every), int(t.checkpoint_every), int(ev.every)
         last_saved = self.step if self._resumed_from is not None else -1
         self.model.train()
-        window_t0 = time.perf_counter()
+        # throughput of the log window: updates made by this process since the window's timing
+        # started (after a resume the restored window also counts updates made before it) over
+        # the time spent on them (checkpoint and evaluation time excluded)
+        window_t0, window_elapsed, window_timed = time.perf_counter(), 0.0, 0
         end = self.total_steps if stop_at is None else min(int(stop_at), self.total_steps)
         stopped_by: int | None = None
         while self.step < end:
@@ -821,6 +842,7 @@ class Trainer:
                              **{(k if "/" in k else f"train/{k}"): v for k, v in dict(logs).items()}},
                             samples=batch_size_of(batch) or 0)
             self.elapsed_s += time.perf_counter() - t0
+            window_timed += 1
             if bar is not None:
                 bar.update(1)
 
@@ -833,9 +855,9 @@ class Trainer:
                         f"(try a lower train.lr, train.grad_clip, or train.amp=none)"
                     )
                 scalars["train/lr"] = lr  # of the last update
-                dt = max(time.perf_counter() - window_t0, 1e-9)
-                scalars["perf/steps_per_s"] = self.window.count / dt
-                scalars["perf/samples_per_s"] = samples / dt
+                dt = max(window_elapsed + time.perf_counter() - window_t0, 1e-9)
+                scalars["perf/steps_per_s"] = window_timed / dt
+                scalars["perf/samples_per_s"] = samples * window_timed / max(self.window.count, 1) / dt
                 logger.scalars(self.step, scalars)
                 result.last_train = scalars
                 if self.on_log is not None and self.is_main:
@@ -843,14 +865,16 @@ class Trainer:
                 if bar is not None:
                     bar.set_postfix(loss=f"{scalars['train/loss']:.4g}", lr=f"{lr:.2e}", refresh=False)
                 self.window.reset()
-                window_t0 = time.perf_counter()
+                window_t0, window_elapsed, window_timed = time.perf_counter(), 0.0, 0
             # checkpoint first, then evaluate: a failing evaluation (a broken environment, a bug in
             # the agent's evaluate) must not cost the updates before it
             if (ckpt_every and self.step % ckpt_every == 0) or self.step == self.total_steps:
+                window_elapsed += time.perf_counter() - window_t0
                 result.checkpoint = self.save()
                 last_saved = self.step
                 window_t0 = time.perf_counter()
             if (eval_every and self.step % eval_every == 0) or (self.step == self.total_steps and ev.at_end):
+                window_elapsed += time.perf_counter() - window_t0
                 result.last_eval = self._evaluate_or_save(logger, saved=last_saved == self.step,
                                                           checkpoint=result.checkpoint)
                 window_t0 = time.perf_counter()
