@@ -65,6 +65,23 @@ def minari_default_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".minari" / "datasets"
 
 
+def local_dataset_ids(root: str | os.PathLike | None = None) -> list[str]:
+    """Ids of the Minari datasets stored under ``root`` (:func:`data_root`) and Minari's own root
+    (folders ``<namespace>/<name>-vN/data/metadata.json``), sorted."""
+    ids = set()
+    for base in (data_root(root), minari_default_root()):
+        if base.is_dir():
+            ids.update(m.parent.parent.relative_to(base).as_posix() for m in base.glob("**/data/metadata.json"))
+    return sorted(ids)
+
+
+def _close_local_ids(spec: str, root: str | os.PathLike | None) -> list[str]:
+    """Up to 3 local dataset ids that resemble ``spec`` (a typo in an id, e.g. another version)."""
+    import difflib
+
+    return difflib.get_close_matches(spec, local_dataset_ids(root), n=3, cutoff=0.8)
+
+
 @contextlib.contextmanager
 def minari_root(root: str | os.PathLike) -> Iterator[Path]:
     """Point Minari (``MINARI_DATASETS_PATH``) at ``root`` inside the block, then restore it."""
@@ -202,9 +219,11 @@ def load_minari(
         if Path(spec).expanduser().exists():
             raise DatasetError(f"{spec}: not a Minari dataset folder (no metadata.json in it or in its data/)")
         if not download:
+            close = _close_local_ids(str(spec), root)
+            hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
             raise FileNotFoundError(
                 f"Minari dataset {str(spec)!r} not found in {data_root(root)} nor in Minari's root "
-                f"{minari_default_root()}; build it (`rl-tformers collect --recipe {_recipe_of(str(spec))}`), pass a folder or "
+                f"{minari_default_root()}{hint}; build it (`rl-tformers collect --recipe {_recipe_of(str(spec))}`), pass a folder or "
                 "an .hdf5 file, or fetch it from the Minari server: dataset.download=true in a run config "
                 "(train), --download for `rl-tformers dataset info/export`, download=True in Python")
         try:

@@ -1150,7 +1150,11 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
             if not line.startswith("run_dir:") and info.is_main:
                 log.info("resume: %s", line)
         if found.state["step"] >= int(cfg.train.steps):
-            if info.is_main:
+            if info.is_main and found.state["step"] > int(cfg.train.steps):
+                log.warning("train.steps=%d is below the step of %s's newest checkpoint (%d): nothing was "
+                            "trained, and a run is never shortened (evaluate an earlier checkpoint with "
+                            "rl-tformers eval --checkpoint instead)", cfg.train.steps, run_dir, found.state["step"])
+            elif info.is_main:
                 log.info("%s is complete (step %d of train.steps=%d); pass train.steps=N to train longer",
                          run_dir, found.state["step"], cfg.train.steps)
             return TrainResult(run_dir=Path(run_dir), step=int(found.state["step"]), checkpoint=found.path,

@@ -89,3 +89,36 @@ def test_sweep_prints_the_runs_config_warnings_and_one_seed_has_no_std(tmp_path:
     sw.sweep(None, {"backbone.n_layers": ["1", "2"]}, [0], out, common, jobs=1, threads=1, device="cpu",
              echo=messages.append)
     assert log.read_text().startswith(first) and log.read_text().count("$ ") == 2
+
+
+def test_resume_with_fewer_steps_than_trained_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`train --resume RUN train.steps=N` below the run's step said only "complete" (info)."""
+    import logging
+
+    train(toy_cfg("train.steps=10", "train.log_every=5", "train.checkpoint_every=5"), tmp_path / "run")
+    with caplog.at_level(logging.INFO):
+        r = resume(tmp_path / "run", ["train.steps=5"])
+    assert r.step == 10
+    warned = [rec for rec in caplog.records if rec.levelno == logging.WARNING]
+    assert len(warned) == 1 and "train.steps=5 is below the step" in warned[0].getMessage()
+    assert "(10)" in warned[0].getMessage() and "never shortened" in warned[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        resume(tmp_path / "run")  # complete at its own train.steps: no warning
+    assert not [rec for rec in caplog.records if rec.levelno == logging.WARNING]
+
+
+def test_unknown_dataset_id_suggests_close_local_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unknown config names, keys and kinds got a "did you mean"; a mistyped dataset id did not."""
+    from rl_tformers.envs.loaders import load_minari, local_dataset_ids
+
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari_home"))
+    for ds_id in ("rlt/hopper-v5/medium-v0", "rlt/walker2d-v5/expert-v0"):
+        (tmp_path / "root" / ds_id / "data").mkdir(parents=True)
+        (tmp_path / "root" / ds_id / "data" / "metadata.json").write_text("{}")
+    assert local_dataset_ids(tmp_path / "root") == ["rlt/hopper-v5/medium-v0", "rlt/walker2d-v5/expert-v0"]
+    with pytest.raises(FileNotFoundError, match=r"\(did you mean 'rlt/hopper-v5/medium-v0'\?\)"):
+        load_minari("rlt/hopper-v5/medium-v9", root=tmp_path / "root")
+    with pytest.raises(FileNotFoundError) as exc:
+        load_minari("foo/bar-v0", root=tmp_path / "root")
+    assert "did you mean" not in str(exc.value)
