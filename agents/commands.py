@@ -180,7 +180,7 @@ def eval_cmd(
     for line in summary_lines(report.results):
         typer.echo("  " + line)
     x = report.extra
-    cost = f"  {x['act_ms_per_step']:.2f} ms per step (act, {report.n_envs} envs)" if "act_ms_per_step" in x else ""
+    cost = f"  {x['act_ms_per_step']:.2f} ms per act call (one batched step of {report.n_envs} envs)" if "act_ms_per_step" in x else ""
     if "exit_mean_layer" in x:
         cost += f"; mean exit layer {x['exit_mean_layer']:.2f}"
     ee = x.get("early_exit")
