@@ -32,6 +32,7 @@ The evaluation environment is the dataset's ``env_id``, masked like its ``pomdp`
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -532,6 +533,12 @@ class GTrXLAgent:
                     f"agent.window={self.model_cfg.window} keeps no memory to rebuild; set agent.burn_in=0 "
                     f"(and agent.seq_len={self.model_cfg.window} so training sees the acting window)"
                 )
+            if self.model_cfg.window and self.seq_len > self.model_cfg.window:
+                w = self.model_cfg.window
+                warnings.warn(
+                    f"agent.seq_len={self.seq_len} > agent.window={w}: in training a step attends to up to "
+                    f"{self.seq_len - 1} earlier steps of its segment, when acting to only the {w - 1} of its "
+                    f"window; set agent.seq_len={w} so training sees the acting window", stacklevel=2)
             self.info = info
             self.extra = {**info.to_extra(), "reward_mult": float(reward_mult), "model": model_config_dict(self.model_cfg)}
         self.model = GTrXLModel(self.model_cfg).to(self.device)

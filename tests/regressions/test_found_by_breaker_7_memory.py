@@ -116,3 +116,21 @@ def test_mlp_bc_refuses_backbone_settings(tmp_path, override, named):
     cfg = compose("gtrxl/recall_mlp_bc", [f"dataset.path={tmp_path / 'never_read.hdf5'}", override])
     with pytest.raises(ValueError, match=rf"^agent\.kind=bc is an MLP .* but the config sets {named}; drop them"):
         BCAgent(cfg, None, "cpu")
+
+
+def test_gtrxl_window_shorter_than_the_training_segment_warns(tmp_path) -> None:
+    """agent.window=W with agent.seq_len > W trained each step on more context than it acts on,
+    silently (the breaker's note; the docs say to train with seq_len=W)."""
+    import warnings
+
+    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.trainer import Trainer
+
+    base = ["backbone.memory={kind: none}", "agent.burn_in=0", "train.steps=1", "device=cpu",
+            "train.progress=false", "eval.at_end=false"]
+    with pytest.warns(UserWarning, match=r"agent.seq_len=8 > agent.window=3: .* up to 7 earlier steps .* only the 2 "):
+        Trainer(compose("gtrxl/recall_bc", [*base, "agent.window=3", "agent.seq_len=8"]), tmp_path / "a")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(compose("gtrxl/recall_bc", [*base, "agent.window=8", "agent.seq_len=8"]), tmp_path / "b")
+    assert not [w for w in caught if "agent.seq_len" in str(w.message)]
