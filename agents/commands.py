@@ -13,6 +13,8 @@ from pathlib import Path
 
 import typer
 
+from rl_tformers.runtime.paths import blocking_file
+
 EVAL_HELP = """Evaluate a trained run at one or more target returns in its environment.
 
 Gymnasium vector envs, one batched forward pass per step. Exactly --episodes episodes per target return: episode j runs in env j % N with reset seed SEED + j, the same seeds for every target. Returns are raw (the environment's own reward, whatever wrappers scale it), with the D4RL-normalised score when reference returns exist.
@@ -63,11 +65,9 @@ def _check_out_file(out: Path | None, option: str = "--out") -> None:
         return
     if out.is_dir():
         raise _fail(f"{option} {out} is a directory; give a file name, e.g. {out / 'eval.json'}")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise _fail(f"{option} {out}: {parent} is a file, not a directory")
-            break
+    parent = blocking_file(out)
+    if parent is not None:
+        raise _fail(f"{option} {out}: {parent} is a file, not a directory")
 
 
 def _check_targets(run, targets: list, option: str) -> None:

@@ -36,6 +36,8 @@ from rl_tformers.envs.loaders import META_KEY, data_root, load_minari, minari_ro
 from rl_tformers.envs.pomdp import ObservationMaskWrapper, masked_step_callback
 from rl_tformers.envs.scores import D4RL_REF_SCORES, task_family
 
+from rl_tformers.runtime.paths import blocking_file
+
 
 class _StopRequests:
     """The stop-signal handler of :func:`stop_signals`: records signals; a second one raises."""
@@ -247,11 +249,9 @@ def check_hdf5_target(path: str | Path | None, overwrite: bool = False) -> None:
     if p.exists() and not overwrite:
         raise FileExistsError(f"--hdf5 {p} already exists; pass overwrite=True (CLI: --overwrite) to replace it, "
                               "or choose another file")
-    for parent in p.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"--hdf5 {p}: {parent} is a file, not a directory")
-            break
+    parent = blocking_file(p)
+    if parent is not None:
+        raise ValueError(f"--hdf5 {p}: {parent} is a file, not a directory")
 
 
 def _make_collector(env: gym.Env, pomdp: dict | None):

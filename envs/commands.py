@@ -9,6 +9,8 @@ from pathlib import Path
 
 import typer
 
+from rl_tformers.runtime.paths import blocking_file
+
 dataset_app = typer.Typer(help="Inspect offline datasets (Minari ids, Minari folders, D4RL .hdf5 files).",
                           no_args_is_help=True)
 
@@ -326,8 +328,8 @@ def export(
         _fail(f"{out} is a directory; OUT is the .hdf5 file to write (e.g. {out / 'dataset.hdf5'})")
     if out.expanduser().exists() and not overwrite:
         _fail(f"OUT {out} already exists; pass --overwrite to replace it, or choose another file")
-    above = next((p for p in out.expanduser().parents if p.exists()), None)
-    if above is not None and not above.is_dir():
+    above = blocking_file(out)
+    if above is not None:
         _fail(f"OUT {out}: {above} is a file, not a directory")
     try:
         ds = load_dataset(dataset, download=download, flatten_observations=flatten_observations, root=root)

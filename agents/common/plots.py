@@ -15,6 +15,8 @@ from pathlib import Path
 
 import matplotlib
 
+from rl_tformers.runtime.paths import blocking_file
+
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
@@ -136,11 +138,9 @@ def figure_path(out: str | Path) -> Path:
     elif fmt.lower() not in supported_formats():
         raise ValueError(f"{out}: matplotlib cannot write {out.suffix!r} files; use one of the extensions "
                          f"{', '.join('.' + f for f in supported_formats())} (none: .png is added)")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"{out}: {parent} is a file, not a directory")
-            break
+    parent = blocking_file(out)
+    if parent is not None:
+        raise ValueError(f"{out}: {parent} is a file, not a directory")
     return out
 
 

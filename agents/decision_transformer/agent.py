@@ -445,13 +445,12 @@ class DTAgent:
         """Evaluate with early exit at ``threshold`` (``None``: the full model).
 
         Raises:
-            ValueError: the backbone's depth kind is not ``early_exit``.
+            ValueError: the backbone's depth kind is not ``early_exit``, or ``threshold`` is not a
+                finite number >= 0 (:func:`parse_exit_threshold`).
         """
         if threshold is not None and not self.model.early_exit:
             raise ValueError("early exit needs backbone.depth.kind=early_exit in the run's config")
-        if threshold is not None and not (math.isfinite(threshold) and threshold >= 0):
-            raise ValueError(f"early exit: the threshold must be a finite number >= 0, got {threshold!r}")
-        self.exit_threshold = None if threshold is None else float(threshold)
+        self.exit_threshold = None if threshold is None else parse_exit_threshold(float(threshold), "early exit")
 
     @torch.no_grad()
     def calibrate_early_exit(

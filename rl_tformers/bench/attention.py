@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from rl_tformers.bench.memory import peak_bytes
+from rl_tformers.runtime.paths import blocking_file
 
 DEFAULT_LENGTHS = (256, 1024, 4096, 16384)
 BASELINE = "sdpa"
@@ -87,16 +88,16 @@ class Settings:
                 divisible by ``--n-heads``, a budget that is not a positive number, or a
                 ``--device`` that is not available (:func:`~rl_tformers.bench.commands.check_device`).
         """
-        from rl_tformers.bench.commands import check_counts, check_device
+        from rl_tformers.bench.commands import check_counts, check_device, first_repeat
 
         if not self.lengths:
             raise ValueError("--lengths: give at least one sequence length (e.g. 256,1024)")
         small = [n for n in self.lengths if int(n) < 1]
         if small:
             raise ValueError(f"--lengths: every length must be >= 1, got {small[0]}")
-        twice = sorted({n for n in self.lengths if self.lengths.count(n) > 1})
-        if twice:
-            raise ValueError(f"--lengths: {twice[0]} is given twice")
+        twice = first_repeat(self.lengths)
+        if twice is not None:
+            raise ValueError(f"--lengths: {twice} is given twice")
         check_counts(("--batch", self.batch), ("--d-model", self.d_model), ("--n-heads", self.n_heads),
                      ("--repeats", self.repeats))
         if self.d_model % self.n_heads:
@@ -486,7 +487,7 @@ def register(bench_app) -> None:
             [], "--rl-option", help="key=value option of the RL-scale cases (repeatable), e.g. batch_size=8."),
     ) -> None:
         """Forward+backward time and peak memory of attention kinds as ratios to dense SDPA."""
-        from rl_tformers.bench.commands import check_out, fail
+        from rl_tformers.bench.commands import check_out, fail, first_repeat
 
         ks = None if kinds.strip() == "all" else parse_list(kinds)
         if ks is not None:
@@ -498,8 +499,8 @@ def register(bench_app) -> None:
                 raise typer.BadParameter(f"unknown attention kinds {unknown}; registered: {', '.join(ATTENTION.kinds())}")
             if not ks:
                 fail("--kinds is empty; give comma-separated attention kinds, or 'all'")
-            if len(set(ks)) != len(ks):
-                fail(f"--kinds: {next(k for k in ks if ks.count(k) > 1)!r} is given twice")
+            if (twice := first_repeat(ks)) is not None:
+                fail(f"--kinds: {twice!r} is given twice")
         try:
             ls = tuple(parse_list(lengths, int))
         except ValueError:
@@ -533,8 +534,8 @@ def register(bench_app) -> None:
             if plot_path and Path(plot_path).is_dir():
                 raise ValueError(f"--plot {plot_path} is a directory; give a file name, e.g. "
                                  f"{Path(plot_path) / 'attention.png'}")
-            above = next((p for p in Path(plot_path).parents if p.exists()), None) if plot_path else None
-            if above is not None and not above.is_dir():
+            above = blocking_file(plot_path) if plot_path else None
+            if above is not None:
                 raise ValueError(f"--plot {plot_path}: {above} is a file, not a directory")
         except ValueError as exc:
             fail(str(exc))

@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
+
+from rl_tformers.runtime.paths import blocking_file
 
 bench_app = typer.Typer(
     name="bench",
@@ -56,8 +58,8 @@ def check_out(out: str | None) -> None:
     path = Path(out)
     if path.is_dir():
         fail(f"--out {out} is a directory; give a file name, e.g. {path / 'bench.json'}")
-    parent = next((p for p in path.parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
+    parent = blocking_file(path)
+    if parent is not None:
         fail(f"--out {out}: {parent} is a file, not a directory")
 
 
@@ -79,6 +81,17 @@ def check_device(device: str, option: str = "--device") -> None:
         raise ValueError(f"{option} {device}: CUDA is not available here (torch {torch.__version__}); use cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"{option} {device}: there are {torch.cuda.device_count()} CUDA devices")
+
+
+def first_repeat(values: Sequence[Any]) -> Any | None:
+    """The first entry of ``values`` that an earlier entry equals (``None`` when all differ), for
+    the "given twice" errors of list options (``--lengths 8,8``)."""
+    seen: list[Any] = []
+    for v in values:
+        if v in seen:
+            return v
+        seen.append(v)
+    return None
 
 
 def check_counts(*pairs: tuple[str, Any], lo: int = 1) -> None:

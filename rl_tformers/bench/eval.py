@@ -89,12 +89,11 @@ class Settings:
             raise ValueError(f"--mem-lens: every memory length must be >= 1, got {small[0]}")
         if self.skip_rollouts and not self.memory_kinds:
             raise ValueError("nothing to measure: --skip-rollouts skips part 1 and --memory-kinds '' skips part 2")
-        for option, values in (("--memory-kinds", self.memory_kinds), ("--mem-lens", self.mem_lens)):
-            twice = [v for i, v in enumerate(values) if v in values[:i]]
-            if twice:
-                raise ValueError(f"{option}: {twice[0]!r} is given twice")
-        from rl_tformers.bench.commands import check_device
+        from rl_tformers.bench.commands import check_device, first_repeat
 
+        for option, values in (("--memory-kinds", self.memory_kinds), ("--mem-lens", self.mem_lens)):
+            if (twice := first_repeat(values)) is not None:
+                raise ValueError(f"{option}: {twice!r} is given twice")
         check_device(self.device)
 
 

@@ -140,7 +140,7 @@ def check_options(depths: str, batch: int, seq_len: int, d_model: int, n_heads: 
             ``--batch``, ``--seq-len``, ``--d-model`` or ``--n-heads`` below 1; ``--d-model``
             not divisible by ``--n-heads``; an unavailable ``--device``.
     """
-    from rl_tformers.bench.commands import check_counts, check_device
+    from rl_tformers.bench.commands import check_counts, check_device, first_repeat
 
     items = [d.strip() for d in str(depths).split(",") if d.strip()]
     try:
@@ -151,8 +151,8 @@ def check_options(depths: str, batch: int, seq_len: int, d_model: int, n_heads: 
         raise ValueError("--depths: give at least one number of layers (e.g. 2,4,8)")
     if min(ds) < 1:
         raise ValueError(f"--depths: every depth must be >= 1, got {min(ds)}")
-    if len(set(ds)) != len(ds):
-        raise ValueError(f"--depths: {next(d for d in ds if ds.count(d) > 1)} is given twice")
+    if (twice := first_repeat(ds)) is not None:
+        raise ValueError(f"--depths: {twice} is given twice")
     check_counts(("--batch", batch), ("--seq-len", seq_len), ("--d-model", d_model), ("--n-heads", n_heads))
     if d_model % n_heads:
         raise ValueError(f"--d-model {d_model} is not divisible by --n-heads {n_heads}")
