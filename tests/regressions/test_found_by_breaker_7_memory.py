@@ -123,11 +123,16 @@ def test_gtrxl_window_shorter_than_the_training_segment_warns(tmp_path) -> None:
     silently (the breaker's note; the docs say to train with seq_len=W)."""
     import warnings
 
+    from rl_tformers.envs.loaders import save_d4rl_hdf5
+    from rl_tformers.envs.memory_tasks import scripted_dataset
     from rl_tformers.runtime.config import compose
     from rl_tformers.runtime.trainer import Trainer
 
+    # its own small file: a clean clone has no data/memory/ (CI failed on the default path)
+    data = tmp_path / "recall-d8.hdf5"
+    save_d4rl_hdf5(scripted_dataset("recall", 20, delay=8, seed=0), data)
     base = ["backbone.memory={kind: none}", "agent.burn_in=0", "train.steps=1", "device=cpu",
-            "train.progress=false", "eval.at_end=false"]
+            "train.progress=false", "eval.at_end=false", f"dataset.path={data}"]
     with pytest.warns(UserWarning, match=r"agent.seq_len=8 > agent.window=3: .* up to 7 earlier steps .* only the 2 "):
         Trainer(compose("gtrxl/recall_bc", [*base, "agent.window=3", "agent.seq_len=8"]), tmp_path / "a")
     with warnings.catch_warnings(record=True) as caught:
