@@ -31,11 +31,12 @@ Layout and bookkeeping
 - Memories are stored detached (the paper's stop-gradient): the main loss never reaches
   them, and the compressor is trained only by its own losses.
 
-The FIFO length is shared by the rows, so a row reset while others continue starts its new
-episode at the current FIFO length F, not at 0: the first group that holds its steps holds
-only ``c - (F mod c)`` of them (the other members are cleared slots, excluded).
-Nothing crosses the reset, but the grouping (and so the row's outputs) differs from a fresh
-start of the same episode; XL and kNN memory have no such dependence on the other rows.
+Each row counts its own FIFO: only the slots of the row's current episode (the episode id of
+its newest token) belong to it, right-aligned in a shared buffer of ``min(L, m_m + c - 1)``
+slots (L: slots seen so far, the most any row can hold; the others are masked). A row reset
+while others continue therefore groups, evicts and compresses exactly as a fresh stream of its
+new episode would: vectorised evaluation acts the same for every number of environments.
+Slots of a row's earlier episode leave its FIFO (they could not be attended to anyway).
 
 Compression functions ``f_c`` (sec. 3.1; ``compression``):
 ``max`` / ``mean`` pooling with kernel and stride c; ``conv``: a 1D convolution with kernel and
@@ -279,55 +280,84 @@ class CompressiveMemory(MemoryModule):
     def update(self, state: BackboneState, rec: SegmentRecord):
         """Append the segment to each layer's FIFO, compress what leaves it (Algorithm 1).
 
+        Each row counts its own FIFO: only the slots of its current episode (the episode of its
+        newest token) are in it, so a row whose episode started at any time groups and evicts
+        exactly as a fresh stream of that episode would, whatever the other rows do.
+
         Returns (next state, aux {"compressive/attention_reconstruction",
         "compressive/autoencoding"} weighted and summed over layers when computed, metrics).
         """
         mc, c = self.m_cm, self.rate
         b, t = rec.pos.shape
-        f_len = state.pos.shape[1] - mc
-        n_ev = max(0, f_len + t - self.m_m) // c * c  # evicted activations (a multiple of c)
-        g = n_ev // c  # new compressed slots
-        fpos = torch.cat([state.pos[:, mc:], rec.pos], 1)  # (B, F + T)
+        dev = rec.pos.device
+        n_all = state.pos.shape[1] - mc + t  # L = F + T slots of [fifo; segment]
+        fpos = torch.cat([state.pos[:, mc:], rec.pos], 1)  # (B, L)
         fval = torch.cat([state.valid[:, mc:], rec.valid], 1)
         fseg = torch.cat([state.seg[:, mc:], rec.seg], 1)
+        # per row: m_b slots of the current episode (a suffix: episode ids only grow along a row),
+        # e_b of them evicted (a multiple of c), r_b kept
+        n_row = (fseg == fseg[:, -1:]).sum(1)  # (B,)
+        n_ev = (n_row - self.m_m).clamp_min(0) // c * c  # (B,)
+        n_keep = n_row - n_ev
+        g = max(0, n_all - self.m_m) // c  # G >= every row's n_ev / c: static shapes, no sync
+        keep_len = min(n_all, self.m_m + c - 1)  # >= every row's r_b
         cpos, cval, cseg = state.pos[:, :mc], state.valid[:, :mc], state.seg[:, :mc]
-        include = None
+        include = gval = None
         if g:
-            gpos, gval, gseg, include = group_bookkeeping(fpos[:, :n_ev], fval[:, :n_ev], fseg[:, :n_ev], c)
-            cpos = torch.cat([cpos, gpos], 1)[:, -mc:]
-            cval = torch.cat([cval, gval], 1)[:, -mc:]
-            cseg = torch.cat([cseg, gseg], 1)[:, -mc:]
+            made = n_ev // c  # (B,) groups made by each row
+            first = n_all - n_row  # (B,) index of the row's oldest slot
+            gidx = (first[:, None] + torch.arange(g * c, device=dev)).clamp_max(n_all - 1)  # (B, G*c)
+            real = (torch.arange(g, device=dev) < made[:, None]).repeat_interleave(c, 1)  # (B, G*c)
+            gpos, gval, gseg, include = group_bookkeeping(
+                fpos.gather(1, gidx), fval.gather(1, gidx) & real, fseg.gather(1, gidx), c,
+            )
+            push = made[:, None] + torch.arange(mc, device=dev)  # (B, m_cm): last m_cm of [cm; new[:made]]
+            cpos = torch.cat([cpos, gpos], 1).gather(1, push)
+            cval = torch.cat([cval, gval], 1).gather(1, push)
+            cseg = torch.cat([cseg, gseg], 1).gather(1, push)
+        # the kept FIFO: each row's last r_b slots, right-aligned in keep_len slots
+        kept = torch.arange(keep_len, device=dev) >= (keep_len - n_keep)[:, None]  # (B, keep_len)
+        fpos = fpos[:, n_all - keep_len :] * kept
+        fval = fval[:, n_all - keep_len :] & kept
+        fseg = torch.where(kept, fseg[:, n_all - keep_len :], -1)
 
         aux_ar: list[Tensor] = []
         aux_ae: list[Tensor] = []
         layers = []
+        with_losses = g and bool(gval.any())  # some row made a group (one sync per segment)
         for i, (ls, h) in enumerate(zip(state.layers, rec.layer_inputs)):
             h = h.detach()  # (B, T, D)
             mem = ls.memory.to(h.dtype)
             cm, fifo = mem[:, :mc], mem[:, mc:]
-            allf = torch.cat([fifo, h], 1)  # (B, F + T, D)
+            allf = torch.cat([fifo, h], 1)  # (B, L, D)
             usage = None
             if self.compression == "most_used":
                 usage = self._accumulate_usage(i, ls, state, rec, h)
             if g:
-                old = allf[:, :n_ev].reshape(b, g, c, self.d_model)  # (B, G, c, D)
-                avg = None if usage is None else (usage.usage / usage.seen.clamp_min(1))[:, :n_ev].view(b, g, c)  # (B, G, c)
+                idx = gidx[..., None].expand(b, g * c, self.d_model)
+                old = allf.gather(1, idx).view(b, g, c, self.d_model)  # (B, G, c, D)
+                avg = None
+                if usage is not None:
+                    avg = (usage.usage / usage.seen.clamp_min(1)).gather(1, gidx).view(b, g, c)  # (B, G, c)
                 comp = self.compressors[i]
                 new = comp(old, include, avg)  # (B, G, D)
-                ar, ae = self._losses(comp, rec.blocks[i] if rec.blocks else None, h, rec.valid, old, include, new, gval)
-                aux_ar += [ar] if ar is not None else []
-                aux_ae += [ae] if ae is not None else []
-                cm = torch.cat([cm, new.detach().to(cm.dtype)], 1)[:, -mc:]
+                if with_losses:
+                    ar, ae = self._losses(comp, rec.blocks[i] if rec.blocks else None, h, rec.valid, old, include, new, gval)
+                    aux_ar += [ar] if ar is not None else []
+                    aux_ae += [ae] if ae is not None else []
+                cm = torch.cat([cm, new.detach().to(cm.dtype)], 1)
+                cm = cm.gather(1, push[..., None].expand(b, mc, self.d_model))
             extra = None
             if usage is not None:
-                extra = FifoUsage(usage.usage[:, n_ev:], usage.seen[:, n_ev:])
-            layers.append(LayerState(memory=torch.cat([cm, allf[:, n_ev:]], 1), extra=extra))
+                extra = FifoUsage(usage.usage[:, n_all - keep_len :] * kept, usage.seen[:, n_all - keep_len :] * kept)
+            fifo = allf[:, n_all - keep_len :] * kept[..., None].to(allf.dtype)
+            layers.append(LayerState(memory=torch.cat([cm, fifo.to(cm.dtype)], 1), extra=extra))
 
         new_state = BackboneState(
             layers=layers,
-            pos=torch.cat([cpos, fpos[:, n_ev:]], 1),
-            valid=torch.cat([cval, fval[:, n_ev:]], 1),
-            seg=torch.cat([cseg, fseg[:, n_ev:]], 1),
+            pos=torch.cat([cpos, fpos], 1),
+            valid=torch.cat([cval, fval], 1),
+            seg=torch.cat([cseg, fseg], 1),
             episode=state.episode,
             next_pos=state.next_pos,
         )
@@ -356,7 +386,8 @@ class CompressiveMemory(MemoryModule):
         if self.loss in ("attention", "both") and block is not None:
             a_old, _ = content_attention(block.attn, h, old.reshape(b, g * c, d), include.reshape(b, g * c))  # (B, G*c, D)
             a_new, _ = content_attention(block.attn, h, new, new_valid)
-            qv = h_valid[:, None, :, None].to(a_old.dtype)  # (B, 1, T, 1): valid queries only
+            # valid queries of the rows that made a group: (B, 1, T, 1)
+            qv = (h_valid & new_valid.any(1, keepdim=True))[:, None, :, None].to(a_old.dtype)
             n = (qv.sum() * a_old.shape[1] * a_old.shape[-1]).clamp_min(1)
             ar = (((a_old - a_new) ** 2) * qv).sum() / n
         if self.loss in ("autoencoding", "both") and comp.decoder is not None:

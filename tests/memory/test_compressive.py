@@ -211,3 +211,45 @@ def test_invalid_configs_are_refused():
     for bad in ({"rate": 0}, {"compression": "zip"}, {"loss": "l1"}, {"mem_len": 0}):
         with pytest.raises(Exception, match="memory"):
             _bb(**{**{"compression": "conv", "loss": "attention"}, **bad})
+
+
+@pytest.mark.parametrize("compression", ["max", "mean", "conv", "dilated_conv", "most_used"])
+@pytest.mark.parametrize(("seg_len", "reset_after"), [(1, 7), (1, 8), (3, 3), (2, 5)])
+def test_a_row_reset_mid_stream_equals_a_fresh_stream(compression, seg_len, reset_after):
+    """Vector evaluation: row 1 starts a new episode while rows 0 and 2 go on. Its outputs and
+    its compressed slots must be those of a fresh stream of the same episode, whatever the other
+    rows' FIFO fill (before, a row reset at FIFO length F grouped its first c - F mod c steps
+    with cleared slots: different groups, different outputs)."""
+    torch.manual_seed(0)
+    m_m, m_cm, c = 4, 3, 3
+    bb = _bb(compression, mem_len=m_m, compressed_len=m_cm, rate=c)
+    st = bb.initial_state(3)
+    for _ in range(reset_after):  # the other rows' FIFO is part-filled and not group-aligned
+        st = bb(torch.randn(3, seg_len, D), state=st).state
+    st = bb.reset_state(st, torch.tensor([False, True, False]))
+    fresh = bb.initial_state(1)
+    made = 0
+    for _ in range(20 // seg_len):  # 20 steps: the compressed memory fills and rolls over
+        x = torch.randn(3, seg_len, D)
+        out, ref = bb(x, state=st), bb(x[1:2], state=fresh)
+        torch.testing.assert_close(out.hidden[1:2], ref.hidden, atol=1e-5, rtol=0)
+        st, fresh = out.state, ref.state
+        assert bb.memory.compressed_count(st)[1] == bb.memory.compressed_count(fresh)[0]
+        assert bb.memory.fifo_count(st)[1] == bb.memory.fifo_count(fresh)[0]
+        made = int(bb.memory.compressed_count(fresh)[0])
+    assert made == m_cm
+    cval = st.valid[1, :m_cm]
+    assert torch.equal(st.pos[1, :m_cm][cval], fresh.pos[0, :m_cm][fresh.valid[0, :m_cm]])
+
+
+def test_a_reset_row_keeps_no_slot_of_its_old_episode():
+    """After the reset row's first new segment, its FIFO holds only the new episode's slots."""
+    bb = _bb("mean", mem_len=4, compressed_len=3, rate=3)
+    st = bb.initial_state(2)
+    for _ in range(5):
+        st = bb(torch.randn(2, 1, D), state=st).state
+    st = bb.reset_state(st, torch.tensor([True, False]))
+    st = bb(torch.randn(2, 1, D), state=st).state
+    fifo_seg, fifo_valid = st.seg[0, 3:], st.valid[0, 3:]
+    assert fifo_valid.sum() == 1 and fifo_seg[fifo_valid].tolist() == [1]
+    assert (fifo_seg[~fifo_valid] == -1).all()

@@ -125,6 +125,7 @@ def test_gtrxl_window_shorter_than_the_training_segment_warns(tmp_path) -> None:
 
     from rl_tformers.envs.loaders import save_d4rl_hdf5
     from rl_tformers.envs.memory_tasks import scripted_dataset
+
     from rl_tformers.runtime.config import compose
     from rl_tformers.runtime.trainer import Trainer
 
