@@ -20,6 +20,16 @@ def _fail(message: str) -> None:
     raise typer.Exit(1)
 
 
+def _check_recipe_steps(recipe_steps: int | None) -> None:
+    """Refuse a ``--recipe-steps`` below :data:`rl_tformers.envs.recipes.MIN_STEPS`: the
+    medium-replay recipes split it into shards of 10-25 %, and a smaller size leaves one empty."""
+    from rl_tformers.envs import recipes as R
+
+    if recipe_steps is not None and recipe_steps < R.MIN_STEPS:
+        _fail(f"--recipe-steps must be >= {R.MIN_STEPS}, got {recipe_steps} (the medium-replay recipes split it "
+              f"into {len(R.MEDIUM_REPLAY_SCHEDULE)} shards of 10-25 %, each of at least 1 step)")
+
+
 def _check_dataset_arg(dataset: str) -> None:
     if not dataset.strip():
         _fail("DATASET is empty; give a Minari dataset id, folder or .hdf5 file")
@@ -54,7 +64,7 @@ def collect(
     root: Path = typer.Option(None, "--root", help="Data root (default $RL_TFORMERS_DATA or ./data/minari)."),
     hdf5: Path = typer.Option(None, "--hdf5", help="Also write a D4RL-layout HDF5 file (a folder with --recipe)."),
     recipe: list[str] = typer.Option(None, "--recipe", help="Build recipe(s) by name or glob (hopper-medium, 'hopper-*')."),
-    recipe_steps: int = typer.Option(None, "--recipe-steps", help="Override the recipes' base size (default 100000)."),
+    recipe_steps: int = typer.Option(None, "--recipe-steps", help="Override the recipes' base size (default 100000, at least 6)."),
     policies: Path = typer.Option(None, "--policies", help="Folder of pretrained policies for recipes (default ../shared/policies)."),
     list_recipes: bool = typer.Option(False, "--list-recipes", help="List the recipes and exit."),
     overwrite: bool = typer.Option(False, "--overwrite",
@@ -81,6 +91,7 @@ def collect(
     from rl_tformers.envs.collect import stop_signals
 
     if list_recipes:
+        _check_recipe_steps(recipe_steps)
         for r in R.all_recipes(recipe_steps or R.DEFAULT_STEPS).values():
             typer.echo(f"{r.name:32s} {r.dataset_id:44s} {r.describe()}")
         return
@@ -138,8 +149,7 @@ def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset
                 _fail(f"{', '.join(ignored)}: not used with --recipe (each recipe sets its environment, policies, "
                       "noise, size and dataset id; see --list-recipes); use --recipe-steps for the size, or leave "
                       "--recipe out to collect with these options")
-            if recipe_steps is not None and recipe_steps < 1:
-                _fail(f"--recipe-steps must be >= 1, got {recipe_steps}")
+            _check_recipe_steps(recipe_steps)
             if overwrite and skip_existing:
                 _fail("--overwrite and --skip-existing exclude each other: choose one")
             if hdf5 is not None and Path(hdf5).expanduser().exists() and not Path(hdf5).expanduser().is_dir():
@@ -288,7 +298,11 @@ def info(
     root: Path = typer.Option(None, "--root", help="Data root searched first for Minari ids."),
     max_ep_len: int = typer.Option(None, "--max-ep-len", min=1, help="Also refuse episodes longer than this."),
 ) -> None:
-    """Validate a dataset and print its statistics (exit 1 with the validation error on stderr if it is bad)."""
+    """Validate a dataset and print its statistics (exit 1 with the validation error on stderr if it is bad).
+
+    A dataset whose env_id names an environment that can be made here is also compared with it: a
+    per-step observation shape or action space that does not match is a warning line on stderr.
+    """
     from rl_tformers.envs.dataset import DatasetError
     from rl_tformers.envs.loaders import load_dataset
 
@@ -299,14 +313,56 @@ def info(
     except (DatasetError, FileNotFoundError, RuntimeError) as exc:
         _fail(str(exc))
     s = ds.summary()
+    mismatch = _env_mismatch(ds, flatten_observations)
     if as_json:
         typer.echo(json.dumps(s))
-        return
-    width = max(len(k) for k in s)
-    for k, v in s.items():
-        if isinstance(v, float):
-            v = f"{v:.4f}"
-        typer.echo(f"{k:<{width}}  {v}")
+    else:
+        width = max(len(k) for k in s)
+        for k, v in s.items():
+            if isinstance(v, float):
+                v = f"{v:.4f}"
+            typer.echo(f"{k:<{width}}  {v}")
+    if mismatch:
+        typer.echo(f"warning: {mismatch}", err=True)
+
+
+def _env_mismatch(ds, flatten_observations: bool = False) -> str | None:
+    """How the environment ``ds`` names (``env_id``, made with its ``env_kwargs`` and POMDP mask,
+    flattened like ``--flatten-observations``) does not fit its per-step observations or actions,
+    or None: it fits, the dataset names none, or it cannot be made here (not registered,
+    dependencies missing), so there is nothing to compare with."""
+    import gymnasium as gym
+    from rl_tformers.envs import memory_tasks  # noqa: F401 - registers the project's own tasks
+    from rl_tformers.envs.pomdp import make_env
+
+    meta = ds.metadata
+    if not meta.env_id:
+        return None
+    try:
+        env = make_env(str(meta.env_id), dict(meta.pomdp) if meta.pomdp else None,
+                       **dict(meta.extra.get("env_kwargs") or {}))
+        if flatten_observations and not isinstance(env.observation_space, gym.spaces.Box):
+            env = gym.wrappers.FlattenObservation(env)
+    except Exception:  # noqa: BLE001 - an environment that cannot be made here is not checked
+        return None
+    try:
+        obs_space, act_space = env.observation_space, env.action_space
+    finally:
+        env.close()
+    problems = []
+    shape = tuple(ds.observation_shape)
+    if not isinstance(obs_space, gym.spaces.Box) or tuple(obs_space.shape) != shape:
+        theirs = (f"of shape {tuple(obs_space.shape)}" if isinstance(obs_space, gym.spaces.Box)
+                  else f"in {obs_space} (not a Box)")
+        problems.append(f"observations of shape {shape} per step in the data, {theirs} in the environment")
+    if isinstance(act_space, gym.spaces.Discrete) != ds.discrete_actions or (
+            isinstance(act_space, gym.spaces.Box) and tuple(act_space.shape) != tuple(ds.action_shape)) or (
+            ds.discrete_actions and int(act_space.start) != int(ds.action_space.start)):
+        problems.append(f"actions in {ds.action_space} in the data, in {act_space} in the environment")
+    if not problems:
+        return None
+    return (f"the dataset does not match its environment {meta.env_id}: {'; '.join(problems)}; training on it "
+            f"needs agent.env_id set to the environment the data came from")
 
 
 @dataset_app.command("export")

@@ -54,6 +54,24 @@ DEFAULT_STEPS = 100_000
 MEDIUM_REPLAY_SCHEDULE = ((0.10, 1.0, 0.0), (0.20, 0.5, 0.5), (0.20, 0.3, 0.3), (0.25, 0.1, 0.2), (0.25, 0.0, 0.1))
 
 
+def _shard_steps(frac: float, steps: int) -> int:
+    return int(round(frac * steps))
+
+
+def _min_steps() -> int:
+    """The smallest base size whose medium-replay shards all get at least one step (6: the 10 %
+    random shard of 5 steps rounds to 0)."""
+    n = 1
+    while any(_shard_steps(frac, n) < 1 for frac, _, _ in MEDIUM_REPLAY_SCHEDULE):
+        n += 1
+    return n
+
+
+#: smallest ``steps`` of :func:`make_recipe` (``rl-tformers collect --recipe-steps``): below it a
+#: medium-replay shard would be empty (that part of the curriculum missing from the dataset).
+MIN_STEPS = _min_steps()
+
+
 @dataclass(frozen=True)
 class Shard:
     """One behaviour of a recipe: ``policy`` is ``"random"`` or an algorithm folder name."""
@@ -107,8 +125,11 @@ def _level_shards(task: str, level: str, steps: int) -> tuple[Shard, ...]:
         return (Shard(medium, steps), Shard(expert, steps))
     if level == "medium-replay":
         out = []
+        if steps < MIN_STEPS:
+            raise ValueError(f"{task}-{level}: steps must be >= {MIN_STEPS} (its {len(MEDIUM_REPLAY_SCHEDULE)} "
+                             f"shards take 10-25 % of them each, and none may be empty), got {steps}")
         for frac, eps, noise in MEDIUM_REPLAY_SCHEDULE:
-            n = int(round(frac * steps))
+            n = _shard_steps(frac, steps)
             out.append(Shard("random", n) if eps >= 1.0 else Shard(medium, n, epsilon=eps, noise=noise))
         return tuple(out)
     raise ValueError(f"unknown level {level!r}; levels: {', '.join(LEVELS)}")

@@ -28,6 +28,15 @@ from typing import Any
 from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError, config_to_dict
 
 
+class ConfigAdviceWarning(UserWarning):
+    """A setting of the backbone config has no effect, said when the backbone is built (e.g.
+    ``attn_dropout`` with a kernel that forms no attention probabilities).
+
+    Actionable only where the config is chosen, before training: rebuilding a trained run for
+    evaluation or plotting (:func:`rl_tformers.agents.common.loading.load_run`) silences it.
+    """
+
+
 class IncompatibleConfig(ValueError):
     """Raised at construction when two slots cannot work together (the message names both).
 

@@ -13,11 +13,16 @@ the agent through the runtime's agent registry. Two ways, in order:
 The agent returned must offer the :class:`EvaluableAgent` members. Its extra state should hold
 ``env_id`` (normalised scores are looked up from it), and, for the plot, ``dataset_return_max``,
 ``dataset_return_mean`` and ``dataset_return_min`` (raw units).
+
+Advice about the run's settings given when its backbone is built
+(:class:`~rl_tformers.config.ConfigAdviceWarning`) is said once, when the run is trained; loading
+it here does not repeat it.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +31,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from rl_tformers.agents.common.policy import Policy
 from torch import nn
+
+from rl_tformers.config import ConfigAdviceWarning
 
 #: kind -> loader(cfg, checkpoint state, device) -> agent
 _INFERENCE_LOADERS: dict[str, Callable[[Any, Mapping[str, Any], torch.device], Any]] = {}
@@ -137,14 +144,18 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
     entry = get_agent(kind)  # also imports every agent module (registers inference loaders)
     dev = torch.device(device)
     loader = _INFERENCE_LOADERS.get(kind)
-    if loader is not None:
-        agent = loader(cfg, state, dev)
-    else:
-        agent = entry.builder(cfg, run_dir, dev)
-        agent.model.load_state_dict(state["model"])
-        load_extra = getattr(agent, "load_extra_state", None)
-        if callable(load_extra):
-            load_extra(state["extra"])
+    with warnings.catch_warnings():
+        # advice about the run's settings (attn_dropout unused by the kernel...) was given when the
+        # run was trained; its config is fixed now, so it is not repeated at every eval / plot
+        warnings.simplefilter("ignore", ConfigAdviceWarning)
+        if loader is not None:
+            agent = loader(cfg, state, dev)
+        else:
+            agent = entry.builder(cfg, run_dir, dev)
+            agent.model.load_state_dict(state["model"])
+            load_extra = getattr(agent, "load_extra_state", None)
+            if callable(load_extra):
+                load_extra(state["extra"])
     missing = [m for m in ("policy", "make_env", "default_targets") if not callable(getattr(agent, m, None))]
     if missing:
         raise TypeError(f"agent {kind!r} cannot be evaluated: it lacks {', '.join(m + '()' for m in missing)}")

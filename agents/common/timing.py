@@ -43,8 +43,8 @@ class TimedPolicy:
         self.calls += 1
         return out
 
-    def stats(self) -> dict[str, float]:
-        out: dict[str, float] = {"act_calls": float(self.calls)}
+    def stats(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {"act_calls": int(self.calls)}  # a count: an int in the JSON
         if self.calls:
             out["act_ms_per_step"] = 1000.0 * self.seconds / self.calls
         inner = getattr(self.policy, "stats", None)

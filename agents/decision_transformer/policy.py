@@ -177,14 +177,14 @@ class DTPolicy:
         self._early_sum = 0.0
         self._knn_hits = 0
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | int]:
         """Counters since :meth:`reset_stats` (means over forward passes / decisions).
 
         Keys: ``steps`` (forward passes), ``forward_ms_per_step`` (wall ms of one batched
         forward pass incl. kNN search); with early exit ``exit_mean_layer`` (1-based) and
         ``exit_early_frac``; with kNN ``knn_hit_frac``.
         """
-        out: dict[str, float] = {"steps": float(self._steps)}
+        out: dict[str, float | int] = {"steps": int(self._steps)}  # a count: an int in the JSON
         if self._steps:
             out["forward_ms_per_step"] = 1000.0 * self._forward_s / self._steps
         if self.model.early_exit and self._decisions:

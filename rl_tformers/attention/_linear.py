@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rl_tformers.attention.base import AttentionModule
-from rl_tformers.config import IncompatibleConfig
+from rl_tformers.config import ConfigAdviceWarning, IncompatibleConfig
 from rl_tformers.position.base import PositionModule
 from rl_tformers.types import AttnContext, AttnOutput
 
@@ -235,7 +235,7 @@ class KernelAttention(AttentionModule):
                 f"attention kind {kind or ctx.config.attention.kind!r} forms no attention probabilities, so "
                 f"attn_dropout={ctx.config.attn_dropout} is not applied to it (residual and feed-forward "
                 f"dropout still are); set attn_dropout=0 to say so and silence this warning",
-                UserWarning, stacklevel=2,
+                ConfigAdviceWarning, stacklevel=2,
             )
         self.causal = ctx.config.causal
         self.chunk_size = chunk_size

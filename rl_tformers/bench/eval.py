@@ -36,6 +36,11 @@ import torch
 from rl_tformers.bench.train import DEFAULT_DATASET, machine_info
 
 MEMORY_KINDS = ("xl", "gtrxl")
+#: float32 (N, heads, M + 1, M + 1) score-sized tensors counted at the peak of part 2 (measured on
+#: CPU, both kinds, N = 10, 4 heads: the peak grew by 8.5-9.4 of them at M = 1024 and 2048):
+#: :func:`part2_bytes` estimates the peak with it, and an M whose estimate exceeds the device's
+#: memory is refused before anything runs.
+SCORE_TENSORS_AT_PEAK = 10
 
 
 @dataclass
@@ -67,7 +72,8 @@ class Settings:
                 ``--mem-lens`` entry below 1, ``--n-envs`` below 2, ``--max-episode-steps``
                 below 1 (leave it out for no cap), an unknown or repeated ``--memory-kinds`` entry,
                 a repeated ``--mem-lens`` entry, no ``--mem-lens`` while part 2 runs, both parts
-                skipped, or an unavailable ``--device``.
+                skipped, an unavailable ``--device``, or a ``--mem-lens`` entry (or ``--mem-steps``)
+                whose part 2 would not fit in the device's memory (:meth:`check_memory`).
         """
         for option, value, lo in (("--episodes", self.episodes, 1), ("--n-envs", self.n_envs, 2),
                                   ("--threads", self.threads, 1), ("--mem-envs", self.mem_envs, 1),
@@ -95,6 +101,58 @@ class Settings:
             if (twice := first_repeat(values)) is not None:
                 raise ValueError(f"{option}: {twice!r} is given twice")
         check_device(self.device)
+        if self.memory_kinds:
+            self.check_memory(device_memory_bytes(self.device))
+
+    def check_memory(self, available: int) -> None:
+        """Refuse a ``--mem-lens`` entry M whose part 2 would not fit in ``available`` bytes.
+
+        Raises:
+            ValueError: naming ``--mem-lens``, the estimate (:func:`part2_bytes`), the memory and
+                the largest M that fits (or ``--mem-steps`` when not even M = 1 fits).
+        """
+        m = max(int(v) for v in self.mem_lens)
+        need = part2_bytes(m, self)
+        if need <= available:
+            return
+        where = (f"more than the {_gib(available)} GiB of "
+                 f"{'this machine' if torch.device(self.device).type == 'cpu' else self.device}")
+        if part2_bytes(1, self) > available:
+            raise ValueError(f"--mem-steps {self.mem_steps}: part 2 keeps all M + {self.mem_steps} input tokens of "
+                             f"--mem-envs {self.mem_envs} environments in memory, {where}; lower --mem-steps")
+        lo, hi = 1, m  # part2_bytes(lo) fits, part2_bytes(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if part2_bytes(mid, self) <= available else (lo, mid)
+        raise ValueError(
+            f"--mem-lens: M = {m} needs about {_gib(need)} GiB in part 2 (re-encoding M + 1 tokens forms "
+            f"about {SCORE_TENSORS_AT_PEAK} float32 score tensors of --mem-envs {self.mem_envs} x {self.n_heads} "
+            f"heads x (M + 1)^2), {where}; the largest M that fits is {lo} (keep M to the memory length an agent "
+            f"would use, e.g. up to its episode length)")
+
+
+def part2_bytes(mem_len: int, s: Settings) -> int:
+    """Estimated peak bytes of part 2 for memory length M = ``mem_len``: the input tokens
+    (N x (M + steps + 1) x D float32) and :data:`SCORE_TENSORS_AT_PEAK` score tensors of
+    N x heads x (M + 1)^2 float32 (re-encoding M + 1 tokens; the O(M^2) term)."""
+    n, m = int(s.mem_envs), int(mem_len)
+    scores = SCORE_TENSORS_AT_PEAK * int(s.n_heads) * (m + 1) ** 2
+    return 4 * n * (scores + (m + int(s.mem_steps) + 1) * int(s.d_model))
+
+
+def _gib(n: int) -> str:
+    v = n / 2**30
+    return f"{v:.2f}" if v < 1e5 else f"{v:.3g}"
+
+
+def device_memory_bytes(device: str) -> int:
+    """Total memory of ``device``: the GPU's for ``cuda``, the machine's physical memory for ``cpu``."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.get_device_properties(dev.index or 0).total_memory)
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
 
 
 @dataclass
@@ -305,7 +363,8 @@ def register(bench_app) -> None:
         device: str = typer.Option("cpu", help="cpu or cuda."),
         memory_kinds: str = typer.Option("xl,gtrxl", help="Memory backbones of part 2, comma-separated subset of "
                                                           "xl,gtrxl (empty: skip part 2)."),
-        mem_lens: str = typer.Option("32,128,512", help="Memory lengths M of part 2 (integers >= 1)."),
+        mem_lens: str = typer.Option("32,128,512", help="Memory lengths M of part 2 (integers >= 1; an M whose "
+                                                       "estimated memory exceeds the device's is refused)."),
         mem_envs: int = typer.Option(10, min=1, help="Environments N of part 2."),
         mem_steps: int = typer.Option(50, min=1, help="Timed steps per (backbone, M) of part 2."),
         skip_rollouts: bool = typer.Option(False, "--skip-rollouts", help="Only part 2."),

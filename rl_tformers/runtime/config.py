@@ -626,6 +626,27 @@ def to_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(to_container(cfg)))
 
 
+def display_yaml(cfg: DictConfig) -> str:
+    """The resolved config as ``rl-tformers train --print-config`` shows it.
+
+    :func:`to_yaml`, with the ``backbone`` section as it will be built: every
+    :class:`~rl_tformers.config.BackboneConfig` field, and in each slot every field of the chosen
+    kind with its default (``memory: {kind: compressive}`` shows ``mem_len``, ``compressed_len``,
+    ``rate``...). Only for agent kinds that build a backbone (they register backbone defaults;
+    ``bc``'s unused section stays as it is). ``config.yaml`` and checkpoints keep the fields
+    that were set (:func:`to_yaml`): resume and sweeps compare a saved config with a newly
+    composed one, and filling defaults into new ones would set them apart from every run saved
+    before (or from one saved before a default changed).
+    """
+    from rl_tformers.config import BackboneConfig
+    from rl_tformers.runtime.agents import get_agent
+
+    data = to_container(cfg)
+    if "backbone" in get_agent(str(cfg.agent.kind)).defaults:
+        data["backbone"] = BackboneConfig.from_dict(data["backbone"]).to_dict()
+    return OmegaConf.to_yaml(OmegaConf.create(data))
+
+
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"train": {"lr": 1e-4}}`` -> ``{"train.lr": 1e-4}``; lists stay values, empty dicts vanish."""
     out: dict[str, Any] = {}
@@ -658,6 +679,6 @@ __all__ = [
     "Amp", "ConfigError", "DatasetConfig", "EvalConfig", "RESUMABLE_KEYS", "RunConfig", "Schedule",
     "ScriptedDatasetConfig", "TrainConfig",
     "available_configs", "check_resume_changes", "compose", "config_display_name", "configs_root",
-    "default_run_dir", "flatten", "load_yaml", "parse_overrides", "resolve_config_path", "schema_defaults",
+    "default_run_dir", "display_yaml", "flatten", "load_yaml", "parse_overrides", "resolve_config_path", "schema_defaults",
     "to_container", "to_yaml",
 ]

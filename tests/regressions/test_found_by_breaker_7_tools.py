@@ -114,7 +114,7 @@ def test_a_completed_overwrite_replaces_and_leaves_no_backup(tmp_path: Path) -> 
     (["--env", "CartPole-v1", "--train", "ppo", "--replay-dataset-id", "ns/bad"],
      "--replay-dataset-id 'ns/bad' is not a Minari dataset id"),
     (["--env", "CartPole-v1", "--recipe-steps", "5"], "--recipe-steps needs --recipe"),
-    (["--recipe", "hopper-random", "--recipe-steps", "0"], "--recipe-steps must be >= 1, got 0"),
+    (["--recipe", "hopper-random", "--recipe-steps", "0"], "--recipe-steps must be >= 6, got 0"),
     (["--recipe", "hopper-random", "--seed", "-2"], "--seed must be >= 0"),
     (["--recipe", "hopper-random", "--env", "Hopper-v5", "--steps", "5", "--noise", "0.1"],
      "--env, --steps, --noise: not used with --recipe"),
