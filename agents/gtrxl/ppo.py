@@ -488,8 +488,9 @@ class GTrXLPPO:
     Raises:
         ValueError: rollout or loss options out of range (:func:`check_ppo_options`, before any
             environment is made), unsupported spaces (Box observations and Discrete or bounded
-            Box actions only), a learned position table shorter than the environment's time
-            limit (``backbone.max_position``).
+            Box actions only), a learned position table without a row for every step up to and
+            including the environment's time limit (``backbone.max_position`` <= the limit: the
+            final observation of a truncated episode is valued at step ``time limit``).
     """
 
     #: Each rank's minibatches are its own share of the global minibatch (the trainer does not
@@ -555,11 +556,16 @@ class GTrXLPPO:
                                          critic="value", **inputs)
         self.model = GTrXLModel(self.model_cfg).to(self.device)
         limit = position_limit(self.model)
-        if extra is None and limit is not None and time_limit is not None and time_limit > limit:
+        # positions are episode steps 0..time_limit - 1, and a time-limit truncation bootstraps
+        # V(final observation) at step time_limit: the table needs time_limit + 1 rows
+        if extra is None and limit is not None and time_limit is not None and time_limit >= limit:
+            src = (f" (the table of agent.init_checkpoint={a.init_checkpoint})" if a.get("init_checkpoint") else "")
             raise ValueError(
-                f"backbone.max_position={limit} but {self.env_id} episodes run up to {time_limit} steps: the "
-                f"positions are episode steps, and backbone.position.kind=learned has no table row past step "
-                f"{limit - 1}; raise backbone.max_position or use a relative position kind (xl_relative)")
+                f"backbone.max_position={limit}{src} but {self.env_id} episodes run up to {time_limit} steps and "
+                f"a truncated episode's final observation is valued at step {time_limit} (the bootstrap of "
+                f"time-limit cuts): the positions are episode steps, and backbone.position.kind=learned has no "
+                f"table row past step {limit - 1}; set backbone.max_position >= {time_limit + 1} or use a "
+                f"relative position kind (xl_relative)")
         self.reward_scale = float(a.reward_scale)
         # multiplier of the r_{t-1} input: reward_scale, or the offline run's when fine-tuning (its
         # encoder learned r_{t-1} in those units; agent.reward_scale only scales the learning rewards)
@@ -569,6 +575,9 @@ class GTrXLPPO:
         if extra is not None:
             self.load_extra_state(extra)
         self.n_envs, self.n_steps = int(a.n_envs), int(a.n_steps)
+        #: critic-only updates (agent.critic_warmup) leave the encoder and actor without a gradient:
+        #: under DDP the trainer must let DistributedDataParallel find them (else the next update fails)
+        self.ddp_find_unused = int(a.get("critic_warmup") or 0) > 0
         info = dist_info()  # under DDP (torchrun) every process collects its own rollouts
         self.rank, self.world_size = info.rank, info.world_size
         self.envs: gym.vector.VectorEnv | None = None
@@ -877,7 +886,7 @@ class GTrXLPPO:
             self.model, obs_mean=self.obs_rms.mean if norm else np.zeros(o), obs_std=self.obs_rms.std if norm else np.ones(o),
             action_low=self.low, action_high=self.high, reward_mult=self.input_reward_mult, deterministic=det,
             obs_clip=OBS_CLIP if norm else None,
-            action_start=self.action_start, action_shape=self.action_shape or None,
+            action_start=self.action_start, action_shape=None if self.discrete else self.action_shape,
         )
 
     def make_env(self):
@@ -1037,6 +1046,7 @@ register_inference_loader("gtrxl_ppo")(load_ppo_for_inference)
     "gtrxl_ppo",
     description="GTrXL trained online with PPO in gymnasium vector envs (from scratch or from an offline gtrxl run)",
     defaults=PPO_DEFAULTS,
+    local_batches=True,  # every rank trains on its own rollout: train.batch_size is not split
 )
 def build_gtrxl_ppo(cfg: Any, run_dir: Path, device: torch.device) -> GTrXLPPO:
     """Builder of ``agent.kind=gtrxl_ppo``."""

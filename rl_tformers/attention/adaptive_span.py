@@ -190,7 +190,10 @@ class AdaptiveSpanAttention(BlockSparseAttention):
     description="Adaptive attention span: soft mask m_z with ramp R, learned span per head (or per token), L1 span penalty",
     paper="Sukhbaatar et al. 2019, Adaptive Attention Span in Transformers (sec. 3)",
     capabilities=Capabilities(
-        causal=True, bidirectional=True, key_padding=True, memory=True, incremental=True, exact=True, subquadratic=True
+        causal=True, bidirectional=True, key_padding=True, memory=True, incremental=True, exact=True, subquadratic=True,
+        # its pattern is on key indices with query i at key S - T + i (the last T keys): as cross-attention
+        # with more queries than keys the first ones would see no key at all (a silent zero output)
+        cross_attention=False,
     ),
 )
 @dataclass(frozen=True)

@@ -87,7 +87,10 @@ class Local1DAttention(BlockSparseAttention):
     description="Image Transformer 1D local attention: query blocks attend their block plus a flange of preceding keys",
     paper="Parmar et al. 2018, Image Transformer (sec. 3.2, 1D local attention)",
     capabilities=Capabilities(
-        causal=True, bidirectional=True, key_padding=True, memory=True, incremental=True, exact=True, subquadratic=True
+        causal=True, bidirectional=True, key_padding=True, memory=True, incremental=True, exact=True, subquadratic=True,
+        # its pattern is on key indices with query i at key S - T + i (the last T keys): as cross-attention
+        # with more queries than keys the first ones would see no key at all (a silent zero output)
+        cross_attention=False,
     ),
 )
 @dataclass(frozen=True)
@@ -182,7 +185,10 @@ class Local2DAttention(BlockSparseAttention):
     description="Image Transformer 2D local attention: rectangular query blocks over a raster grid attend a memory block around them",
     paper="Parmar et al. 2018, Image Transformer (sec. 3.2, 2D local attention)",
     capabilities=Capabilities(
-        causal=True, bidirectional=True, key_padding=True, memory=True, incremental=True, exact=True, subquadratic=True
+        causal=True, bidirectional=True, key_padding=True, memory=True, incremental=True, exact=True, subquadratic=True,
+        # its pattern is on key indices with query i at key S - T + i (the last T keys): as cross-attention
+        # with more queries than keys the first ones would see no key at all (a silent zero output)
+        cross_attention=False,
     ),
 )
 @dataclass(frozen=True)

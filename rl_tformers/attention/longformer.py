@@ -174,7 +174,10 @@ class _WindowFields(AttentionConfig):
     description="Longformer's (dilated) sliding window: each token attends w keys around it (causally: the w most recent)",
     paper="Beltagy et al. 2020, Longformer (sec. 3.1 sliding and dilated windows; sec. 4.1 window sizes per layer)",
     capabilities=Capabilities(
-        causal=True, bidirectional=True, key_padding=True, memory=True, incremental=True, exact=True, subquadratic=True
+        causal=True, bidirectional=True, key_padding=True, memory=True, incremental=True, exact=True, subquadratic=True,
+        # its pattern is on key indices with query i at key S - T + i (the last T keys): as cross-attention
+        # with more queries than keys the first ones would see no key at all (a silent zero output)
+        cross_attention=False,
     ),
 )
 @dataclass(frozen=True)

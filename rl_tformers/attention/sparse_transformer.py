@@ -221,7 +221,10 @@ class _FactorisedFields(AttentionConfig):
 
 
 _CAPS = Capabilities(
-    causal=True, bidirectional=True, key_padding=True, memory=True, incremental=True, exact=True, subquadratic=True
+    causal=True, bidirectional=True, key_padding=True, memory=True, incremental=True, exact=True, subquadratic=True,
+    # the patterns are on key indices with query i at key S - T + i (the last T keys): as cross-attention
+    # with more queries than keys the first ones would see no key at all (a silent zero output)
+    cross_attention=False,
 )
 
 

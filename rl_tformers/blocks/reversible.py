@@ -15,15 +15,18 @@ would otherwise recompute F and G in float32, invert the layers with other value
 forward added and give other gradients than ``recompute=false``). The stack's output is the mean
 (Y1 + Y2) / 2 of the two streams (as in Reformer implementations that keep width D).
 
+Auxiliary losses of the attention (adaptive span's L1 penalty, the routing commitment loss)
+are outputs of the reversible function like the streams: their gradient is backpropagated by
+the same layer-by-layer recomputation, as with ``recompute=false``.
+
 Limitations (refused, with the option named): no memory kinds, no incremental cache, only
-``depth.kind=fixed`` (which hands the whole stack to :func:`run_reversible`); attention kinds
-that return auxiliary losses cannot be used with ``recompute=true`` (their gradient would be
-lost) and raise at the first forward pass.
+``depth.kind=fixed`` (which hands the whole stack to :func:`run_reversible`).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +112,9 @@ class _Stack:
         self.rng: list[tuple[Any, Any]] = []
         self.out = DepthOutput(hidden=None, layer_inputs=[], caches=[], weights=[])  # type: ignore[arg-type]
         self.hidden: list[Tensor] = []
+        #: per layer, the auxiliary losses of its attention recorded in the forward pass (record=True):
+        #: outputs of the reversible function, merged into ``out.aux`` by :func:`run_reversible`
+        self.aux: list[dict[str, Tensor]] = []
         self.autocast: dict[str, Any] | None = None  # autocast state of the forward pass (set by record)
 
     def record_autocast(self, device: torch.device) -> None:
@@ -135,13 +141,10 @@ class _Stack:
             y2 = x2 + blk.g(y1)
             if record:
                 self.rng.append((rng_f, rng_g))
-                if a.aux:
-                    raise RuntimeError(
-                        f"attention kind {type(blk.attn).__name__} returns auxiliary losses {sorted(a.aux)}, which "
-                        f"block.kind='reversible' with recompute=true cannot backpropagate; set "
-                        f"backbone.block.recompute=false or use block.kind=pre_norm"
-                    )
-            merge_into(self.out.aux, a.aux)
+                self.aux.append({k: v for k, v in a.aux.items() if isinstance(v, Tensor)})
+                merge_into(self.out.aux, {k: v for k, v in a.aux.items() if not isinstance(v, Tensor)})
+            else:
+                merge_into(self.out.aux, a.aux)
             merge_into(self.out.metrics, a.metrics, prefix=f"layer{i}/")
             self.out.weights.append(a.weights)
             self.out.caches.append(None)
@@ -151,8 +154,15 @@ class _Stack:
             x1, x2 = y1, y2
         return x1, x2
 
-    def backward_layers(self, y1: Tensor, y2: Tensor, dy1: Tensor, dy2: Tensor, tensors: list[Tensor]):
-        """Gradients w.r.t. (x1, x2) and ``tensors`` (parameters, positional terms), layer by layer."""
+    def backward_layers(self, y1: Tensor, y2: Tensor, dy1: Tensor, dy2: Tensor, tensors: list[Tensor],
+                        dhidden: Sequence[Tensor | None] = (), daux: Sequence[dict[str, Tensor | None]] = ()):
+        """Gradients w.r.t. (x1, x2) and ``tensors`` (parameters, positional terms), layer by layer.
+
+        ``dhidden``: the gradients w.r.t. each layer's output (Y1 + Y2) / 2 (``need_hidden``; None
+        where that output was not used), added to both streams' gradients at their layer.
+        ``daux``: per layer, the gradients w.r.t. its attention's auxiliary losses (None: unused),
+        backpropagated with F's output.
+        """
         index = {id(t): k for k, t in enumerate(tensors)}
         grads: list[Tensor | None] = [None] * len(tensors)
 
@@ -167,6 +177,8 @@ class _Stack:
         for i in reversed(range(len(self.blocks))):
             blk = self.blocks[i]
             self.ctx.layer_idx = i
+            if i < len(dhidden) and dhidden[i] is not None:  # hidden_i = (Y1 + Y2) / 2 of this layer
+                dy1, dy2 = dy1 + 0.5 * dhidden[i], dy2 + 0.5 * dhidden[i]
             rng_f, rng_g = self.rng[i]
             with torch.enable_grad(), torch.autocast(**amp):
                 y1_ = y1.detach().requires_grad_(True)
@@ -180,9 +192,15 @@ class _Stack:
             with torch.enable_grad(), torch.autocast(**amp):
                 x2_ = x2.detach().requires_grad_(True)
                 with _restored_rng(rng_f, dev):
-                    f, _ = blk.f(x2_, self.ctx)
+                    f, a = blk.f(x2_, self.ctx)
             fp = blk.f_params()
-            fr = torch.autograd.grad(f, [x2_, *fp], dy1, allow_unused=True)
+            outs, gouts = [f], [dy1]
+            for k, g_aux in (daux[i] if i < len(daux) else {}).items():
+                v = a.aux.get(k)
+                if g_aux is not None and isinstance(v, Tensor) and v.requires_grad:
+                    outs.append(v)
+                    gouts.append(g_aux.to(v.dtype))
+            fr = torch.autograd.grad(outs, [x2_, *fp], gouts, allow_unused=True)
             add(fp, fr[1:])
             x1 = y1 - f.detach()  # invert: X1 = Y1 - F(X2)
             dx1, dx2 = dy1, dy2 + (fr[0] if fr[0] is not None else 0)
@@ -196,7 +214,13 @@ class _Stack:
 
 
 class _ReversibleStackFn(torch.autograd.Function):
-    """Autograd function of a whole reversible stack: saves only the final two streams."""
+    """Autograd function of a whole reversible stack: saves only the final two streams.
+
+    Outputs (Y1, Y2), then, with ``need_hidden``, every layer's (Y1 + Y2) / 2, then every
+    layer's auxiliary attention losses (:attr:`_Stack.aux`, layer by layer in key order), so that a
+    loss on the per-layer outputs (``output_hidden_states``) or on the auxiliary losses
+    backpropagates too.
+    """
 
     @staticmethod
     def forward(fctx, x1: Tensor, x2: Tensor, stack: _Stack, *tensors: Tensor):
@@ -205,14 +229,18 @@ class _ReversibleStackFn(torch.autograd.Function):
         fctx.stack = stack
         fctx.tensors = tensors  # the parameter objects themselves: gradients are matched by identity
         fctx.save_for_backward(y1, y2)
-        return y1, y2
+        return (y1, y2, *stack.hidden, *(v for layer in stack.aux for v in layer.values()))
 
     @staticmethod
-    def backward(fctx, dy1: Tensor | None, dy2: Tensor | None):
+    def backward(fctx, dy1: Tensor | None, dy2: Tensor | None, *rest: Tensor | None):
         y1, y2 = fctx.saved_tensors
+        stack = fctx.stack
         dy1 = torch.zeros_like(y1) if dy1 is None else dy1
         dy2 = torch.zeros_like(y2) if dy2 is None else dy2
-        dx1, dx2, grads = fctx.stack.backward_layers(y1, y2, dy1, dy2, list(fctx.tensors))
+        n_hidden = len(stack.hidden)
+        dhidden, flat = rest[:n_hidden], iter(rest[n_hidden:])
+        daux = [{k: next(flat) for k in layer} for layer in stack.aux]
+        dx1, dx2, grads = stack.backward_layers(y1, y2, dy1, dy2, list(fctx.tensors), dhidden, daux)
         return (dx1, dx2, None, *grads)
 
 
@@ -228,7 +256,8 @@ def run_reversible(
         recompute: True = memory-saving backward (activations recomputed, flat in depth);
             False = ordinary autograd through the same computation (the baseline in tests and
             the benchmark). Without grad mode both run the plain forward.
-        need_hidden: also return each layer's (Y1 + Y2) / 2.
+        need_hidden: also return each layer's (Y1 + Y2) / 2 (differentiable under recompute too:
+            a loss on them backpropagates through the reversible function).
 
     Absolute positional encodings ``embed`` (added per layer) are added to both streams at
     their layer; they must be additive (``embed(x, pos) = x + P(pos)``), as all shipped ones are.
@@ -246,7 +275,13 @@ def run_reversible(
     if recompute and torch.is_grad_enabled():
         params = [p for blk in blocks for p in (*blk.f_params(), *blk.g_params())]
         extra = [pe for pe in pes if pe is not None]
-        y1, y2 = _ReversibleStackFn.apply(x, x, stack, *params, *extra)
+        y1, y2, *rest = _ReversibleStackFn.apply(x, x, stack, *params, *extra)
+        # the Function's outputs: differentiable, unlike the tensors recorded inside it
+        n_hidden = len(stack.hidden)
+        stack.hidden = list(rest[:n_hidden])
+        flat = iter(rest[n_hidden:])
+        for layer in stack.aux:
+            merge_into(stack.out.aux, {k: next(flat) for k in layer})
     else:
         y1, y2 = stack.forward_layers(x, x, record=False)
     out = stack.out

@@ -60,12 +60,19 @@ The protocol (optional methods, detected with ``getattr``)
     (:func:`~rl_tformers.runtime.distributed.shard_source`). An agent whose ``batches`` already
     yields this rank's own part of the global batch (on-policy agents: each rank collects its
     own rollout, so W processes act like one with W times the environments) sets this to True
-    and the trainer feeds its batches unchanged. Default False.
+    and the trainer feeds its batches unchanged. Default False. Such a kind registers with
+    ``register_agent(..., local_batches=True)`` too, so that ``train.batch_size`` (which it does not
+    split) is not required to divide by the number of processes before the agent is built.
 ``updates_per_rollout: int``
     On-policy agents: how many consecutive updates learn from one rollout (PPO: epochs x
     minibatches). The trainer then redraws random attention features (``redraw_every`` of
     ``performer``/``rfa``/``lsh``) only at multiples of it, never between a rollout and its
     updates. Default 1 (offline agents: a redraw may follow any update).
+``ddp_find_unused: bool``
+    True when some updates leave parameters without a gradient (PPO's critic warm-up trains
+    the value head alone): under DDP the trainer then wraps the model with
+    ``find_unused_parameters=True``, as ``train.ddp_find_unused=true`` does (without it the
+    update after such an update fails). Default False.
 ``latest_logs: Collection[str]``
     Keys of ``loss``'s ``logs`` that are counters or running totals (PPO: ``env_steps``):
     instead of the window's mean the trainer logs the value of the latest update that logged
@@ -170,12 +177,16 @@ class AgentEntry:
         builder: ``builder(cfg, run_dir, device) -> Trainable``.
         description: one line for listings.
         defaults: partial config merged under the user's config (may be empty).
+        local_batches: the kind's agents set ``local_batches`` (each rank yields its own share
+            of the global batch, e.g. an on-policy agent's own rollout), so ``train.batch_size``
+            is not the batch split over the processes and need not divide by their number.
     """
 
     kind: str
     builder: AgentBuilder
     description: str = ""
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    local_batches: bool = False
 
 
 _AGENTS: dict[str, AgentEntry] = {}
@@ -184,7 +195,7 @@ _discovered = False
 
 
 def register_agent(
-    kind: str, *, description: str = "", defaults: Mapping[str, Any] | None = None
+    kind: str, *, description: str = "", defaults: Mapping[str, Any] | None = None, local_batches: bool = False
 ) -> Callable[[AgentBuilder], AgentBuilder]:
     """Decorator registering ``builder`` under ``kind``.
 
@@ -193,6 +204,8 @@ def register_agent(
         description: one line shown by ``rl-tformers train --help``/error messages.
         defaults: partial run config (``{"agent": {...}, "train": {...}, ...}``) applied under
             the user's config; its ``agent`` keys become the closed set of valid ``agent.*``.
+        local_batches: the agents it builds set ``local_batches = True`` (see the module
+            docstring): ``train.batch_size`` is then not checked against the number of processes.
 
     Raises:
         ValueError: for an empty kind, a defaults section that is not a mapping, or a kind
@@ -216,7 +229,8 @@ def register_agent(
         agent_defaults = {**defaults}
         if "agent" in agent_defaults:
             agent_defaults["agent"] = {"kind": kind, **agent_defaults["agent"]}
-        _AGENTS[kind] = AgentEntry(kind=kind, builder=builder, description=description, defaults=agent_defaults)
+        _AGENTS[kind] = AgentEntry(kind=kind, builder=builder, description=description, defaults=agent_defaults,
+                                   local_batches=bool(local_batches))
         return builder
 
     return deco

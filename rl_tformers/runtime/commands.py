@@ -109,7 +109,9 @@ def train(
         1, "--nproc", min=1, metavar="N",
         help="Data-parallel processes on this machine (torchrun + DistributedDataParallel; gloo on CPU, NCCL on GPUs).",
     ),
-    print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config and exit."),
+    print_config: bool = typer.Option(False, "--print-config",
+                                      help="Print the resolved config and exit (the backbone as built: every "
+                                           "slot with its kind's defaults; config.yaml keeps the fields set)."),
     list_agents: bool = typer.Option(False, "--list-agents", help="List the registered agent kinds and exit."),
 ) -> None:
     _setup_logging()
@@ -120,8 +122,8 @@ def train(
         ConfigError,
         compose,
         config_display_name,
+        display_yaml,
         resolve_config_path,
-        to_yaml,
     )
     from rl_tformers.runtime.distributed import LAUNCHER_ENV, dist_info
     from rl_tformers.runtime.trainer import (
@@ -159,14 +161,14 @@ def train(
                 if print_config:
                     cfg, found, changes = load_resume_config(resume, overrides)
                     typer.echo(f"# resuming {found.path}" + "".join(f"\n# changed: {c}" for c in changes))
-                    typer.echo(to_yaml(cfg), nl=False)
+                    typer.echo(display_yaml(cfg), nl=False)
                     return
                 result = resume_run(resume, overrides, stop_at=stop_at, interrupt=stop)
             else:
                 name = config_display_name(resolve_config_path(config)) if config is not None else None
                 cfg = compose(config, overrides)
                 if print_config:
-                    typer.echo(to_yaml(cfg), nl=False)
+                    typer.echo(display_yaml(cfg), nl=False)
                     return
                 result = train_run(cfg, run_dir, config_name=name, stop_at=stop_at, interrupt=stop)
     except typer.Exit:
@@ -274,7 +276,8 @@ def _launch_torchrun(nproc: int, overrides: list[str], config: str | None, resum
     """Run this command again under torchrun on ``nproc`` processes; returns the exit status.
 
     Before any process starts, the command is checked as far as it can be without building the
-    agent: the config composes, ``train.batch_size`` is divisible by ``nproc``, and the run
+    agent: the config composes, ``train.batch_size`` is divisible by ``nproc``, a CUDA run has
+    a GPU for every process (:func:`~rl_tformers.runtime.distributed.gpu_count_problem`), and the run
     directory can take a new run (:func:`~rl_tformers.runtime.trainer.new_run_problem`) or,
     with ``--resume``, holds a valid checkpoint whose config takes the overrides and nobody
     else is training it; a problem raises ``typer.Exit(2)`` after one ``error:`` line, and a
@@ -290,7 +293,7 @@ def _launch_torchrun(nproc: int, overrides: list[str], config: str | None, resum
         default_run_dir,
         resolve_config_path,
     )
-    from rl_tformers.runtime.distributed import torchrun_command
+    from rl_tformers.runtime.distributed import gpu_count_problem, torchrun_command
     from rl_tformers.runtime.runlock import RunBusyError, lock_holder
     from rl_tformers.runtime.trainer import check_world_size, load_resume_config, new_run_problem
 
@@ -322,6 +325,9 @@ def _launch_torchrun(nproc: int, overrides: list[str], config: str | None, resum
     except KeyboardInterrupt:
         typer.echo("interrupted by SIGINT before any process started: nothing was written", err=True)
         raise typer.Exit(128 + signal.SIGINT) from None
+    gpus = gpu_count_problem(str(cfg.device), nproc)
+    if gpus is not None:
+        raise _fail(gpus)
     if stop_at is not None:
         args += ["--stop-at", str(stop_at)]
     steps = int(cfg.train.steps)

@@ -357,6 +357,23 @@ def barrier() -> None:
 
 # -- launching -----------------------------------------------------------------------------------
 
+def gpu_count_problem(device_spec: str | torch.device, nproc: int) -> str | None:
+    """Why ``nproc`` processes cannot train on ``device_spec`` here (None if they can).
+
+    A CUDA run (``device=cuda``, ``cuda:N``, or ``auto`` on a machine with CUDA: the ``nccl``
+    backend) puts rank r on ``cuda:LOCAL_RANK``, one GPU per process: more processes than GPUs
+    would start them all, then fail in the ranks without a GPU (:func:`rank_device`) with a
+    traceback. ``rl-tformers train --nproc`` checks this before it starts any process.
+    """
+    if nproc <= 1 or backend_for(device_spec) != "nccl":
+        return None
+    n = torch.cuda.device_count()
+    if nproc <= n:
+        return None
+    return (f"--nproc {nproc}: device={str(device_spec)!r} runs one process per GPU (rank r on cuda:r) and this "
+            f"machine has {n} CUDA device(s); use --nproc <= {n}, or device=cpu (gloo) for more processes")
+
+
 def torchrun_command(nproc: int, train_args: Sequence[str]) -> list[str]:
     """The command ``rl-tformers train --nproc N ...`` runs: torchrun (``torch.distributed.run``
     of this interpreter, through :mod:`rl_tformers.runtime.torchrun`, which turns torchrun's
@@ -374,6 +391,7 @@ def torchrun_command(nproc: int, train_args: Sequence[str]) -> list[str]:
 
 __all__ = [
     "LAUNCHER_ENV", "AgentLoss", "DistInfo", "ShardedBatches", "backend_for", "barrier",
-    "broadcast_object", "dist_info", "gather_objects", "is_active", "max_over_ranks", "process_group",
+    "broadcast_object", "dist_info", "gather_objects", "gpu_count_problem", "is_active", "max_over_ranks",
+    "process_group",
     "rank_device", "shard_batch", "shard_mean_total", "shard_source", "torchrun_command", "wrap_ddp",
 ]

@@ -657,13 +657,33 @@ def run_ray(commands: Sequence[tuple[SweepRun, list[str]]], threads: int, gpus_p
 # -- results ---------------------------------------------------------------------------------------
 
 def last_scalars(run_dir: Path) -> dict[str, float]:
-    """The last logged value of every scalar in ``run_dir/metrics.jsonl`` (plus ``step``)."""
+    """The last logged value of every scalar in ``run_dir/metrics.jsonl`` (plus ``step``).
+
+    ``metrics.jsonl`` writes a NaN or infinite scalar as ``null``; such a latest value is NaN
+    here (a run whose loss or evaluation diverged at the end), not the last finite value logged
+    before it, which would pass an earlier evaluation off as the final one.
+    """
     out: dict[str, float] = {}
     for rec in metrics_records(run_dir):
         for k, v in rec.items():
-            if k != "time" and isinstance(v, (int, float)):
+            if k == "time" or isinstance(v, bool):
+                continue
+            if isinstance(v, (int, float)):
                 out[k] = float(v)
+            elif v is None:  # a non-finite value (tracking writes NaN and +-inf as null)
+                out[k] = math.nan
     return out
+
+
+def _strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float as None (``null``: strict JSON, as ``metrics.jsonl``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
 
 
 def collect(runs: Sequence[SweepRun], outcomes: dict[str, RunOutcome]) -> list[dict[str, Any]]:
@@ -780,8 +800,12 @@ def write_results(out_dir: Path, runs: Sequence[SweepRun], outcomes: dict[str, R
              "failed); the summary and plot use train/loss")
     summary = summarize(runs, rows, metric)
     if metric and any(metric in r for r in rows) and all(s["mean"] is None for s in summary):
-        warn(f"warning: {metric}: only runs that did not complete logged it; the summary and plot count "
-             f"completed runs only")
+        if any(r.get("status") in COMPLETED and metric in r for r in rows):
+            warn(f"warning: {metric}: its final value is NaN or infinite in every completed run that logged it "
+                 f"(diverged?); no summary values and no plot")
+        else:
+            warn(f"warning: {metric}: only runs that did not complete logged it; the summary and plot count "
+                 f"completed runs only")
     res = SweepResult(rows=rows, summary=summary, metric=metric)
     out_dir.mkdir(parents=True, exist_ok=True)
     cols: list[str] = []
@@ -793,7 +817,8 @@ def write_results(out_dir: Path, runs: Sequence[SweepRun], outcomes: dict[str, R
         w.writerows(rows)
     failed = {name: asdict(o) for name, o in outcomes.items() if o.status == "failed"}
     (out_dir / "results.json").write_text(json.dumps(
-        {"metric": metric, "summary": summary, "runs": rows, "failed": failed}, indent=2))
+        _strict_json({"metric": metric, "summary": summary, "runs": rows, "failed": failed}), indent=2,
+        allow_nan=False))
     (out_dir / "results.md").write_text(markdown(rows, summary, metric))
     res.files = [str(out_dir / f"results.{ext}") for ext in ("csv", "json", "md")]
     png = out_dir / "results.png"

@@ -49,7 +49,13 @@ from torch import Tensor
 
 from rl_tformers.runtime import checkpoint as ckpt
 from rl_tformers.runtime import distributed as dist_rt
-from rl_tformers.runtime.agents import Trainable, agent_build_errors, build_agent
+from rl_tformers.runtime.agents import (
+    Trainable,
+    UnknownAgentError,
+    agent_build_errors,
+    build_agent,
+    get_agent,
+)
 from rl_tformers.runtime.config import (
     ConfigError,
     check_resume_changes,
@@ -449,7 +455,10 @@ class Trainer:
                     f"WORLD_SIZE={self.world_size} (torchrun) but no process group: start runs with "
                     f"rl_tformers.runtime.trainer.train/resume (or `rl-tformers train`), which join it"
                 )
-            self.ddp = dist_rt.wrap_ddp(self.agent, self.device, bool(t.get("ddp_find_unused", False)))
+            # the agent asks for it when it knows some updates leave parameters without a gradient
+            # (PPO's critic warm-up trains the value head alone)
+            find_unused = bool(t.get("ddp_find_unused", False)) or bool(getattr(self.agent, "ddp_find_unused", False))
+            self.ddp = dist_rt.wrap_ddp(self.agent, self.device, find_unused)
 
     # -- rank awareness -------------------------------------------------------------------------
     @property
@@ -938,11 +947,22 @@ def holds_run(run_dir: Path) -> bool:
 def check_world_size(cfg: DictConfig, world_size: int) -> None:
     """Refuse a global batch that the processes cannot split evenly.
 
+    Agent kinds registered with ``local_batches=True`` (on-policy PPO: every rank trains on
+    minibatches of its own rollout) do not split ``train.batch_size``, so any process count fits.
+
     Raises:
         ConfigError: ``train.batch_size`` is not divisible by ``world_size`` (> 1).
     """
+    if world_size <= 1:
+        return
+    kind = OmegaConf.select(cfg, "agent.kind", default=None)
+    try:
+        if kind is not None and get_agent(str(kind)).local_batches:
+            return
+    except UnknownAgentError:
+        pass  # (building the agent reports it)
     b = int(cfg.train.batch_size)
-    if world_size > 1 and b % world_size:
+    if b % world_size:
         raise ConfigError(
             f"train.batch_size={b} is the global batch and must be divisible by the {world_size} processes "
             f"(--nproc {world_size}); pick a multiple of {world_size}"
