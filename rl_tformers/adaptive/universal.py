@@ -167,9 +167,13 @@ class UniversalDepth(DepthModule):
         valid = ctx.key_valid[:, -t:] if ctx.key_valid is not None else torch.ones(b, t, dtype=torch.bool, device=x.device)
         ctx.layer_idx = 0
         state = block.attn.position.embed(x, ctx.pos_q)  # the configured position, once (as layer 0)
-        acc = torch.zeros_like(state)
+        # ACT bookkeeping (halting sums, remainders, N) and the weighted output sum run in float32
+        # for half-precision models (float64 stays float64): in bfloat16 the halting sum stalls once
+        # p drops below its spacing near 1 and N stops counting at 256
+        bk = acc_dtype(state.dtype)
+        acc = torch.zeros_like(state, dtype=bk)
         weights, states = [], []
-        act = ACTState.start(valid.to(x.dtype), torch.ones_like(valid)) if self.act else None
+        act = ACTState.start(valid.to(bk), torch.ones_like(valid)) if self.act else None
         for n in range(1, self.max_steps + 1):
             coord = coordinate_embedding(ctx.pos_q, n, self.d_model, acc_dtype(state.dtype)) if self.coordinate else None
             s = state + coord.to(state.dtype) if coord is not None else state
@@ -187,15 +191,15 @@ class UniversalDepth(DepthModule):
             if act is None:
                 state = h
                 continue
-            p = torch.sigmoid(self.halt(s)).squeeze(-1)  # (B, T) halting probability at step n
+            p = torch.sigmoid(self.halt(s).to(bk)).squeeze(-1)  # (B, T) halting probability at step n
             if n == 1:  # padded positions halt at once (weight 1 on step 1): they never hold the loop
                 p = torch.where(valid, p, torch.ones_like(p))
             w, act = act_step(p, act, self.threshold, last=n == self.max_steps)
             weights.append(w)
-            acc = acc + w[..., None].to(h.dtype) * h
+            acc = acc + w[..., None] * h.to(bk)
             # halted positions keep their final output as state (copied forward, still attended
             # to by the others); running ones continue from h
-            state = torch.where(act.running[..., None], h, acc)
+            state = torch.where(act.running[..., None], h, acc.to(h.dtype))
             if not bool(act.running.any()):
                 break
         steps = len(states)
@@ -204,7 +208,7 @@ class UniversalDepth(DepthModule):
             w[..., -1] = 1
             zeros = torch.zeros(b, t, device=x.device, dtype=x.dtype)
             return UTResult(state, w, zeros + steps, zeros, steps, states)
-        return UTResult(acc, torch.stack(weights, -1), act.n_updates, act.remainders, steps, states)
+        return UTResult(acc.to(x.dtype), torch.stack(weights, -1), act.n_updates, act.remainders, steps, states)
 
     def forward(
         self, x: Tensor, ctx: AttnContext, layer_states: list[LayerState] | None, need_hidden: bool = False, **kw

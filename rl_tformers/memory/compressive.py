@@ -41,7 +41,7 @@ Slots of a row's earlier episode leave its FIFO (they could not be attended to a
 Compression functions ``f_c`` (sec. 3.1; ``compression``):
 ``max`` / ``mean`` pooling with kernel and stride c; ``conv``: a 1D convolution with kernel and
 stride c (initialised to mean pooling); ``dilated_conv``: a stack of kernel-2 convolutions with
-dilations 1, 2, 4, ... (WaveNet-style, linear, initialised to averaging) read out at the
+dilations 1, 2, 4, ... (WaveNet-style, linear, initialised to mean pooling for any c) read out at the
 newest slot of each group, receptive field ``2^L >= c`` inside the group; ``most_used``: keep
 the member of each group that received the most attention on average while it sat in the FIFO
 (the paper sorts the whole evicted block by usage; selecting per group keeps one bookkeeping for
@@ -152,8 +152,13 @@ class Compressor(nn.Module):
             self.dilations = [2**i for i in range(n_layers)]
             self.taps = nn.ParameterList()
             self.biases = nn.ParameterList()
-            for _ in self.dilations:  # taps (2, D_out, D_in): [older, newer], start as averaging
-                self.taps.append(nn.Parameter(torch.eye(d_model).repeat(2, 1, 1) / 2))
+            # taps (2, D_out, D_in): [older, newer], both t I with t = c^(-1/L): the readout at the
+            # group's newest slot sums every slot of the receptive field 2^L >= c with weight t^L = 1/c,
+            # and the 2^L - c slots before the group are zero padding, so the stack starts as mean
+            # pooling for any c (t = 1/2 only when c = 2^L)
+            tap = float(rate) ** (-1.0 / n_layers)
+            for _ in self.dilations:
+                self.taps.append(nn.Parameter(torch.eye(d_model).repeat(2, 1, 1) * tap))
                 self.biases.append(nn.Parameter(torch.zeros(d_model)))
         self.decoder = nn.Linear(d_model, rate * d_model) if decoder and self.learned else None
 

@@ -34,10 +34,13 @@ class XLRelativePosition(PositionModule):
     automatically at the right offset. u, v are learned **per layer** here (the paper shares
     one pair across layers); each is (H, Dh), initialised to zero.
 
-    Efficiency: the sinusoids of the distinct distance range [min(i-j), max(i-j)] of the call
-    (R values) are projected once, (R, D) -> (R, H, Dh); (q + v) meets them in one matmul
-    (B, H, ..., T, R) and the result is gathered to (B, H, ..., T, S). No (T, S, D) tensor is
-    built. With contiguous positions R = T + S - 1.
+    Efficiency: the sinusoids of the R distinct distances of the call are projected once,
+    (R, D) -> (R, H, Dh); (q + v) meets them in one matmul (B, H, ..., T, R) and the result is
+    gathered to (B, H, ..., T, S). No (T, S, D) tensor is built. With contiguous positions R =
+    T + S - 1 (the range [min(i-j), max(i-j)]); when that range is longer (positions far apart:
+    unfilled memory slots at position 0 read from a late step, a window crossing an episode
+    start), only the distances that occur are used (``torch.unique``): R is then the number of
+    distinct distances (never more than the range), whatever the positions' magnitude.
     """
 
     additive_bias = True
@@ -59,14 +62,18 @@ class XLRelativePosition(PositionModule):
         """Terms (b) + (d), scaled: q (B, H, ..., T, Dh) -> (B, H, ..., T, S)."""
         dist = rel_distance(pos_q, pos_k)  # (B, 1, ..., T, S) long
         lo, hi = int(dist.min()), int(dist.max())
-        grid = torch.arange(lo, hi + 1, device=q.device)  # (R,) the distinct distances
+        if hi - lo + 1 <= pos_q.shape[-1] + pos_k.shape[-1] - 1:  # contiguous positions: the whole range
+            grid = torch.arange(lo, hi + 1, device=q.device)  # (R,) every distance in [lo, hi]
+            inv = dist - lo
+        else:  # far-apart positions (unfilled memory at 0, an episode start in the window): only those that occur
+            grid, inv = torch.unique(dist, sorted=True, return_inverse=True)  # (R,), index of each pair's distance
         w = self.r_proj.weight.dtype
         r = self.r_proj(sinusoid(grid, self.d_model, self.base, acc_dtype(w)).to(w))  # (R, D)
         r = r.view(-1, self.n_heads, self.head_dim).transpose(0, 1).to(q.dtype)  # (H, R, Dh)
         r = r.view(1, self.n_heads, *([1] * (q.dim() - 4)), *r.shape[1:])  # (1, H, 1.., R, Dh)
         qv = q + per_head(self.v, q.dim()).to(q.dtype)  # (B, H, ..., T, Dh)
         bd = torch.matmul(qv, r.transpose(-1, -2))  # (B, H, ..., T, R)
-        idx = (dist - lo).expand(*bd.shape[:-1], dist.shape[-1])  # (B, H, ..., T, S)
+        idx = inv.expand(*bd.shape[:-1], dist.shape[-1])  # (B, H, ..., T, S)
         return torch.gather(bd, -1, idx) * self.scale
 
 
