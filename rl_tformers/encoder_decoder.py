@@ -195,6 +195,15 @@ class EncoderDecoderOutput:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
+def _name_option(module: nn.Module, section: str) -> None:
+    """Set ``option`` (the config section their messages name, e.g. ``attention.max_len``) on the
+    attention modules under ``module`` that declare one: a source longer than a cross-attention
+    Linformer's ``max_len`` must name ``cross_attention.max_len``, not the self-attention's option."""
+    for m in module.modules():
+        if isinstance(getattr(type(m), "option", None), str):
+            m.option = section
+
+
 def _default_pos(x: Tensor) -> Tensor:
     b, n, _ = x.shape
     return torch.arange(n, device=x.device).expand(b, n)  # (B, L)
@@ -228,6 +237,11 @@ class EncoderDecoder(nn.Module):
             layers.append(DecoderLayer(lctx, dec.position.build(lctx), config.cross_attention, pre))
         self.layers = nn.ModuleList(layers)
         self.final_norm = nn.LayerNorm(dec.d_model) if dec.final_norm else nn.Identity()
+        # kernels that name their options in messages (linformer's max_len) name this model's sections
+        _name_option(self.encoder, "encoder.attention")
+        for layer in self.layers:
+            _name_option(layer.self_attn, "decoder.attention")
+            _name_option(layer.cross_attn, "cross_attention")
 
     def encode(self, src: Tensor, src_pos: Tensor | None = None, src_mask: Tensor | None = None) -> BackboneOutput:
         """Encoder pass: src (B, S, D) -> BackboneOutput with hidden (B, S, D)."""

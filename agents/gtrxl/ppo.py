@@ -8,13 +8,24 @@ surrogate of Schulman et al. 2017 plus a value loss and an entropy bonus on the 
 Memory during updates: **stored per rollout step**. At every step the collector records the
 backbone state each environment acted with (per layer (N, M, D) memory plus slot positions,
 validity and episode ids, after the reset of finished rows). The update recomputes each sample
-as one query over exactly that memory, so at the first epoch the recomputed log-probabilities
-equal the rollout's (tested); the memory content itself is the rollout's (detached, from the
-weights at collection time), as in CleanRL's TrXL-PPO. A segment-based recompute (re-running
+as one query over exactly that memory, so before the first optimiser step the recomputed
+log-probabilities equal the rollout's, up to float rounding (1e-6 tested: the importance ratio
+starts at 1); the memory content itself is the rollout's (detached, from the weights at
+collection time), as in CleanRL's TrXL-PPO. A segment-based recompute (re-running
 whole rollout segments with the new weights) would change the attention pattern between acting
 (one token over M slots) and learning (a segment over M + T slots), so the importance ratio
 would not start at 1; we do not do it. Cost per sample: O(M) keys per layer; storage
 S x N x layers x M x D floats per rollout.
+
+No dropout: the PPO model is built with ``backbone.dropout``, ``attn_dropout`` and
+``ffn_dropout`` set to 0 (:func:`without_dropout`; a config or offline checkpoint that sets them
+gets a :class:`~rl_tformers.config.ConfigAdviceWarning`). With dropout the rollout's
+log-probabilities and values would come from one dropout mask and their recomputation from
+another, so the ratio would not start at 1 and the clip would act on dropout noise; collecting
+with dropout off (eval mode) and updating with it on, as some libraries do, leaves the same
+mismatch between the acting network and the recomputed one. Huang et al. 2024 ("The N+
+implementation details of RLHF with PPO") disable dropout for this reason; CleanRL's PPO
+networks have none.
 
 Memory kind: ``xl`` only (a fixed-size FIFO, so the stored per-step memories stack); the
 offline agent takes any stateful kind.
@@ -94,6 +105,7 @@ import io
 import logging
 import math
 import pickle
+import warnings
 from collections import deque
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -118,7 +130,9 @@ from rl_tformers.agents.gtrxl.model import (
 from torch import Tensor
 
 from rl_tformers.attention.base import attention_entropy
+from rl_tformers.config import ConfigAdviceWarning
 from rl_tformers.runtime.agents import register_agent
+from rl_tformers.runtime.config import ConfigError
 from rl_tformers.runtime.distributed import dist_info
 from rl_tformers.types import BackboneState, LayerState
 
@@ -430,6 +444,35 @@ def ppo_loss(
     return loss, logs
 
 
+#: the backbone's dropout probabilities (``ffn_dropout`` None = ``dropout``), set to 0 for PPO
+DROPOUT_KEYS = ("dropout", "attn_dropout", "ffn_dropout")
+
+
+def without_dropout(backbone: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``backbone`` (a plain backbone config dict) with every dropout probability 0, and the
+    settings in effect that were not 0 (``["backbone.dropout=0.1", ...]``; a missing key is
+    :class:`~rl_tformers.config.BackboneConfig`'s default; ``ffn_dropout`` only when set).
+
+    PPO trains the network it acts with: with dropout the rollout's log-probabilities and
+    values come from one dropout mask and the update recomputes them under another, so the
+    first update's importance ratio is not 1 and the clip acts on dropout noise (the N+
+    implementation details of RLHF with PPO, Huang et al. 2024, disable dropout for this
+    reason; CleanRL's PPO networks have none). So the PPO model is built with none at all.
+
+    Raises:
+        ValueError: the backbone config is invalid (as :class:`~rl_tformers.config.BackboneConfig`
+            says, naming the key), before any value is replaced.
+    """
+    from rl_tformers.config import BackboneConfig
+
+    cfg = BackboneConfig.from_dict(backbone, where="backbone")  # validated values in effect
+    in_effect = {"dropout": cfg.dropout, "attn_dropout": cfg.attn_dropout}
+    if cfg.ffn_dropout is not None:
+        in_effect["ffn_dropout"] = cfg.ffn_dropout
+    turned_off = [f"backbone.{k}={v:g}" for k, v in in_effect.items() if v > 0]
+    return {**backbone, **dict.fromkeys(DROPOUT_KEYS, 0.0)}, turned_off
+
+
 def check_ppo_options(a: Any) -> None:
     """Refuse PPO settings that crash mid-run or train nothing (the ``agent`` config section).
 
@@ -477,6 +520,13 @@ def check_ppo_options(a: Any) -> None:
         raise ValueError(f"agent.head_hidden must be >= 0 (0: linear heads), got {a.get('head_hidden')!r}")
 
 
+class EpisodeLengthError(ConfigError):
+    """An episode ran past ``backbone.max_position`` (learned positions) in an environment
+    without a time limit: raised at the rollout step that would need the missing table row
+    (:meth:`GTrXLPPO._check_positions`). A :class:`~rl_tformers.runtime.config.ConfigError`, so
+    ``rl-tformers train`` reports it as one ``error:`` line (exit status 2)."""
+
+
 class GTrXLPPO:
     """PPO-GTrXL (the runtime's ``Trainable``); see the module docstring.
 
@@ -491,6 +541,10 @@ class GTrXLPPO:
             Box actions only), a learned position table without a row for every step up to and
             including the environment's time limit (``backbone.max_position`` <= the limit: the
             final observation of a truncated episode is valued at step ``time limit``).
+
+    Warns:
+        ConfigAdviceWarning: the backbone sets a dropout probability; PPO builds its model
+            without dropout (:func:`without_dropout`).
     """
 
     #: Each rank's minibatches are its own share of the global minibatch (the trainer does not
@@ -552,10 +606,22 @@ class GTrXLPPO:
                     f"gtrxl_ppo: {src}; PPO stores the memory of every rollout step and needs the fixed-size "
                     f"'xl' memory (offline agent.kind=gtrxl takes any stateful memory kind)"
                 )
+            backbone, turned_off = without_dropout(backbone)
+            if turned_off:
+                src = (f" (the backbone of agent.init_checkpoint={a.init_checkpoint})" if a.init_checkpoint else "")
+                warnings.warn(
+                    f"gtrxl_ppo trains without dropout: {', '.join(turned_off)}{src} set to 0. With dropout the "
+                    f"update would recompute each sample's log-probability under another dropout mask than the "
+                    f"rollout's, so PPO's ratio would not start at 1 and its clip would act on dropout noise; "
+                    f"set {'it' if len(turned_off) == 1 else 'them'} to 0 to silence this", ConfigAdviceWarning,
+                    stacklevel=2)
             self.model_cfg = GTrXLConfig(obs_dim=obs_dim, act_dim=act_dim, discrete=self.discrete, backbone=backbone,
                                          critic="value", **inputs)
         self.model = GTrXLModel(self.model_cfg).to(self.device)
         limit = position_limit(self.model)
+        #: rows of the learned position table (None: no table); checked at every rollout step
+        self.position_limit = limit
+        self.time_limit = time_limit
         # positions are episode steps 0..time_limit - 1, and a time-limit truncation bootstraps
         # V(final observation) at step time_limit: the table needs time_limit + 1 rows
         if extra is None and limit is not None and time_limit is not None and time_limit >= limit:
@@ -566,6 +632,11 @@ class GTrXLPPO:
                 f"time-limit cuts): the positions are episode steps, and backbone.position.kind=learned has no "
                 f"table row past step {limit - 1}; set backbone.max_position >= {time_limit + 1} or use a "
                 f"relative position kind (xl_relative)")
+        if extra is None and limit is not None and time_limit is None and dist_info().is_main:
+            log.warning("gtrxl_ppo: %s has no time limit and backbone.position.kind=learned has table rows for "
+                        "episode steps 0..%d only (backbone.max_position=%d): an episode that runs longer stops "
+                        "the run with an error; agent.env_kwargs.max_episode_steps=%d (or less) cuts the episodes "
+                        "there (time-limit truncations, bootstrapped)", self.env_id, limit - 1, limit, limit - 1)
         self.reward_scale = float(a.reward_scale)
         # multiplier of the r_{t-1} input: reward_scale, or the offline run's when fine-tuning (its
         # encoder learned r_{t-1} in those units; agent.reward_scale only scales the learning rewards)
@@ -669,6 +740,46 @@ class GTrXLPPO:
     def _step_inputs(self, obs: np.ndarray, prev_a: Tensor, prev_r: Tensor) -> Tensor:
         return self.model.encoder.inputs(self._norm_obs(obs)[:, None], None, prev_a[:, None], prev_r[:, None])[:, 0]
 
+    def _check_positions(self, pos: Tensor, rows: Tensor | None = None, final: bool = False) -> None:
+        """Refuse episode steps past the learned position table, before the forward that would need them.
+
+        Args:
+            pos: (N,) the episode step (position) of each environment's next token.
+            rows: (N,) bool, the rows that will be run (None: all).
+            final: the positions are those of truncated episodes' final observations (the bootstrap).
+
+        Raises:
+            EpisodeLengthError: a row's step is ``>= backbone.max_position`` (only possible in an
+                environment without a time limit: one with a limit was checked when the agent was
+                built). The message names the option, the environment, the step reached and the fix.
+        """
+        limit = self.position_limit
+        if limit is None:
+            return
+        over = pos >= limit
+        if rows is not None:
+            over = over & rows
+        if not bool(over.any()):  # (one host sync per step; the environments step on the host anyway)
+            return
+        i = int(over.nonzero()[0, 0])
+        step = int(pos[i])
+        env = f"environment {i} of {self.n_envs}" + (f" on rank {self.rank}" if self.world_size > 1 else "")
+        what = (f"an episode of {self.env_id} ({env}) was truncated by the environment after {step} steps and its "
+                f"final observation would be valued at episode step {step} (the bootstrap of truncations)" if final
+                else f"an episode of {self.env_id} ({env}) reached episode step {step}")
+        limits = ("has no time limit" if self.time_limit is None
+                  else f"has a time limit of {self.time_limit} steps")  # (not reached: checked at build)
+        msg = (f"gtrxl_ppo: {what} in rollout {self.rollouts + 1}, but backbone.position.kind=learned has table "
+               f"rows for episode steps 0..{limit - 1} only (backbone.max_position={limit}) and {self.env_id} "
+               f"{limits}. The run stopped before training on this rollout; the checkpoints it wrote are intact "
+               f"(--resume continues exactly from the last one, and would meet this episode again). Fix it in a "
+               f"new run: agent.env_kwargs.max_episode_steps={limit - 1} (or less: a time limit whose cuts are "
+               f"bootstrapped), backbone.max_position > the longest episode, or a relative position kind "
+               f"(backbone.position.kind=xl_relative)")
+        if self.rank != 0:  # the command line prints rank 0's errors only
+            log.error("%s", msg)
+        raise EpisodeLengthError(msg)
+
     @torch.no_grad()
     def collect(self) -> dict[str, Tensor]:
         """One rollout of S steps in N environments with the current weights.
@@ -694,6 +805,7 @@ class GTrXLPPO:
             prev_a = self.prev_a * keep.to(self.prev_a.dtype)
             prev_r = self.prev_r * (~start)
             t = self.t * (~start)
+            self._check_positions(t)
             x = self._step_inputs(self.obs, prev_a, prev_r)  # (N, input_dim)
             out = enc(x[:, None], t[:, None], state=memory)
             h = out.features[:, 0]
@@ -713,6 +825,7 @@ class GTrXLPPO:
                 final = obs.copy()
                 idx = np.flatnonzero(info["_final_obs"])
                 final[idx] = np.stack(info["final_obs"][idx])
+                self._check_positions(t + 1, trunc_t, final=True)
                 a_in = taken.view(n, *self.prev_a.shape[1:]).to(self.prev_a.dtype)
                 xf = self._step_inputs(final, a_in, r_in)
                 hf = enc(xf[:, None], (t + 1)[:, None], state=out.state).features[:, 0]
@@ -741,6 +854,7 @@ class GTrXLPPO:
             self.memory, self.prev_a, self.prev_r, self.t, self.start = out.state, taken, r_in, t + 1, done
             self.obs = obs
         # bootstrap value of the observation after the rollout
+        self._check_positions(self.t * (~self.start))
         memory = enc.reset_state(self.memory, self.start)
         keep = (~self.start).view(-1, *([1] * (self.prev_a.dim() - 1)))
         x = self._step_inputs(self.obs, self.prev_a * keep.to(self.prev_a.dtype), self.prev_r * (~self.start))

@@ -18,6 +18,15 @@ a causal mask are block-diagonal local attention (kind ``local`` with ``memory: 
 this kind is bidirectional only. Blocks are cut over the absolute key indices
 ``[prefix (M); segment (T)]`` into blocks of ceil(S / n) (n blocks, or fewer for a short S that
 n does not divide: the permutations then run over the blocks that exist).
+
+No cross-attention (``Capabilities.cross_attention`` false; the encoder-decoder refuses
+``cross_attention.kind=blockwise``): the pattern pairs query block i with key block pi(i) *of the
+same sequence*, and T targets over S source tokens have no such correspondence. Placing query i
+at key S - T + i and cutting blocks over the source length (padding included) made the source
+tokens a target reads depend on how many pad tokens follow or precede the source (padding
+changed valid outputs); a padding-free version would need blocks cut per row over its real
+source tokens and a target-block to source-block map that the paper does not define (it applies
+blockwise attention to self-attention only).
 """
 
 from __future__ import annotations
@@ -109,7 +118,11 @@ class BlockwiseAttention(BlockSparseAttention):
     description="BlockBERT: n x n block-sparse attention, head h attends block pi_h(i) = (i + k_h) mod n; bidirectional only",
     paper="Qiu et al. 2020, Blockwise Self-Attention for Long Document Understanding (sec. 3)",
     capabilities=Capabilities(
-        causal=False, bidirectional=True, key_padding=True, memory=True, incremental=False, exact=True, subquadratic=True
+        causal=False, bidirectional=True, key_padding=True, memory=True, incremental=False, exact=True, subquadratic=True,
+        # query block i reads key block pi(i) of the same sequence: cross-attention has no such correspondence
+        # (query i sits at key S - T + i, blocks are cut over the padded source length), so the source a
+        # target reads would depend on the number of pad tokens; see the module docstring
+        cross_attention=False,
     ),
 )
 @dataclass(frozen=True)

@@ -50,6 +50,10 @@ class LinformerAttention(AttentionModule):
     decoding, score-based positions, ``need_weights``.
     """
 
+    #: the config section this module's options come from, named by its messages: ``attention``
+    #: in a backbone; the encoder-decoder sets ``cross_attention`` / ``encoder.attention``
+    option = "attention"
+
     def __init__(self, ctx, position, cfg: LinformerConfig) -> None:
         super().__init__(ctx, position)
         if position.needs_scores:
@@ -115,7 +119,7 @@ class LinformerAttention(AttentionModule):
         if self.cfg.projection == "linear":
             if s > self.cfg.max_len:
                 raise ValueError(
-                    f"attention kind 'linformer': {s} keys exceed attention.max_len={self.cfg.max_len} "
+                    f"attention kind 'linformer': {s} keys exceed {self.option}.max_len={self.cfg.max_len} "
                     f"(E and F have a fixed length)"
                 )
             vm = valid[:, None, :, None].to(k.dtype)

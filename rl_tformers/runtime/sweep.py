@@ -36,7 +36,9 @@ last checkpoint; a repeated SIGTERM does not abort, see the trainer's ``Graceful
 run's ``metrics.jsonl``:
 
 - ``OUT/results.csv`` / ``results.json`` / ``results.md``: one row per run (grid values, seed,
-  status, steps, wall time, last logged training and evaluation scalars) and a summary per grid
+  status, steps, wall time (``seconds``: of the run's ``train`` processes, summed over its first
+  part and every resume, from ``OUT/logs/<run>.parts.jsonl``), last logged training and
+  evaluation scalars) and a summary per grid
   point (mean, standard deviation and count over seeds of ``--metric``, over the runs that
   completed: status ``ok`` or ``skipped``; a failed, stopped, incomplete or not-run run's last
   values are in its row but not in the summary or plot: ``seeds`` reads e.g. ``1/2``);
@@ -518,11 +520,38 @@ _CHILDREN = _Children()
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+def parts_path(log_path: str | os.PathLike) -> Path:
+    """The ledger of a run's parts next to its log: ``logs/<run>.log`` -> ``logs/<run>.parts.jsonl``."""
+    return Path(log_path).with_suffix(".parts.jsonl")
+
+
+def part_seconds(log_path: str | os.PathLike) -> list[float]:
+    """Wall time (seconds) of each ``rl-tformers train`` process a sweep ran for the run logging
+    to ``log_path`` (its first part and every resume, in order; :func:`_run_subprocess` appends
+    one line per part). Empty when there is no ledger; unreadable lines are skipped."""
+    try:
+        lines = parts_path(log_path).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            value = float(json.loads(line)["seconds"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if math.isfinite(value) and value >= 0:
+            out.append(value)
+    return out
+
+
 def _run_subprocess(cmd: list[str], env_updates: dict[str, str], log_path: str) -> tuple[int | None, float, str]:
     """Run ``cmd`` with its output in ``log_path``; returns (exit code, seconds, last lines of the log).
 
     The child runs in its own session (a terminal's Ctrl-C reaches the sweep only, which
     forwards it: see :func:`run_local`). Exit code None: not started, the sweep was stopped.
+    A started process's wall time and exit code are appended to the run's ledger
+    (:func:`parts_path`; also from a Ray worker, which writes the log on the shared file system),
+    so the results report the run's time over all its parts (:func:`part_seconds`).
     """
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -541,6 +570,8 @@ def _run_subprocess(cmd: list[str], env_updates: dict[str, str], log_path: str) 
             with _CHILDREN.lock:
                 _CHILDREN.procs.discard(proc)
     seconds = time.perf_counter() - t0
+    with open(parts_path(log_path), "a") as fh:
+        fh.write(json.dumps({"seconds": seconds, "returncode": rc}) + "\n")
     tail = "".join(Path(log_path).read_text(errors="replace").splitlines(keepends=True)[-15:])
     return rc, seconds, tail
 
@@ -686,14 +717,23 @@ def _strict_json(value: Any) -> Any:
     return value
 
 
-def collect(runs: Sequence[SweepRun], outcomes: dict[str, RunOutcome]) -> list[dict[str, Any]]:
-    """One row per run: name, grid values, seed, status, exit code, seconds, then its last scalars."""
+def collect(runs: Sequence[SweepRun], outcomes: dict[str, RunOutcome],
+            log_dir: Path | None = None) -> list[dict[str, Any]]:
+    """One row per run: name, grid values, seed, status, exit code, seconds, then its last scalars.
+
+    ``seconds``: the wall time of the run's ``rl-tformers train`` processes summed over every
+    part a sweep ran into ``log_dir`` (the first part and each resume: :func:`part_seconds`), so
+    a resumed or skipped run shows its whole time, not its last part's (or 0); without a ledger
+    there (``log_dir`` None, or a run no sweep has started), the outcome's own seconds.
+    """
     rows = []
     for run in runs:
         o = outcomes.get(run.name, RunOutcome("not run"))
         scalars = last_scalars(run.run_dir)
+        parts = part_seconds(log_dir / f"{_slug(run.name)}.log") if log_dir is not None else []
+        seconds = math.fsum(parts) if parts else o.seconds
         row: dict[str, Any] = {"run": run.name, **run.point, "seed": run.seed, "status": o.status,
-                               "returncode": o.returncode, "seconds": round(o.seconds, 2),
+                               "returncode": o.returncode, "seconds": round(seconds, 2),
                                "step": int(scalars.pop("step")) if "step" in scalars else None}
         row.update({k: scalars[k] for k in sorted(scalars)})
         rows.append(row)
@@ -788,7 +828,7 @@ def write_results(out_dir: Path, runs: Sequence[SweepRun], outcomes: dict[str, R
     runs that did not complete logged ``metric`` (the summary counts completed runs only). A
     ``results.png`` of an earlier call is removed when there is nothing to plot.
     """
-    rows = collect(runs, outcomes)
+    rows = collect(runs, outcomes, out_dir / "logs")
     requested = metric
     metric = pick_metric(rows, metric)
     logged = sorted({k for r in rows for k in r if "/" in k})
@@ -903,7 +943,7 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
     from rl_tformers.runtime.runlock import lock_holder
 
     outcomes: dict[str, RunOutcome] = {}
-    todo, problems = [], []
+    todo, problems, fresh = [], [], []
     for run in runs:
         state = run_state(run.run_dir)
         pid = lock_holder(run.run_dir)
@@ -928,12 +968,16 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
                 f"or delete the directory to train it again")
             _echo_outcome(echo, run.name, outcomes[run.name])
         else:
+            if state == "new":
+                fresh.append(run)
             todo.append((run, train_command(run, config, state, device)))
     if problems:
         raise SweepError(
             "cannot rerun the sweep in " + str(out) + ": its run directories must hold the requested runs\n  "
             + "\n  ".join(problems) + "\nuse another --out, rerun with the values those runs were started with, "
             "or delete those run directories")
+    for run in fresh:  # a run that starts anew (e.g. its directory was deleted to train it again): so does its time
+        parts_path(out / "logs" / f"{_slug(run.name)}.log").unlink(missing_ok=True)
     echo(f"sweep: {len(runs)} runs ({len(todo)} to run) over {len(runs) // max(1, len(seeds))} grid points x "
          f"{len(seeds)} seeds -> {out}")
     _echo_config_warnings(runs, requested, echo)
