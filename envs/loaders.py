@@ -167,6 +167,17 @@ def resolve_minari(spec: str | os.PathLike, root: str | os.PathLike | None = Non
     return None
 
 
+def _policies_hint() -> str:
+    """`` --policies DIR`` when the default behaviour-policy folder is not found, else ``""``."""
+    from rl_tformers.envs.recipes import policies_dir
+
+    try:
+        policies_dir()
+    except FileNotFoundError:
+        return " --policies DIR (the folder of the pretrained SB3 agents)"
+    return ""
+
+
 def _recipe_of(dataset_id: str) -> str:
     """The name of the recipe that builds ``dataset_id`` (``...`` when no recipe does)."""
     from rl_tformers.envs.recipes import all_recipes
@@ -219,11 +230,13 @@ def load_minari(
         if Path(spec).expanduser().exists():
             raise DatasetError(f"{spec}: not a Minari dataset folder (no metadata.json in it or in its data/)")
         if not download:
-            close = _close_local_ids(str(spec), root)
+            recipe = _recipe_of(str(spec))
+            # a typo hint only for ids no recipe builds: a recipe's own id is right, just not built yet
+            close = _close_local_ids(str(spec), root) if recipe == "..." else []
             hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
             raise FileNotFoundError(
                 f"Minari dataset {str(spec)!r} not found in {data_root(root)} nor in Minari's root "
-                f"{minari_default_root()}{hint}; build it (`rl-tformers collect --recipe {_recipe_of(str(spec))}`), pass a folder or "
+                f"{minari_default_root()}{hint}; build it (`rl-tformers collect --recipe {recipe}{_policies_hint()}`), pass a folder or "
                 "an .hdf5 file, or fetch it from the Minari server: dataset.download=true in a run config "
                 "(train), --download for `rl-tformers dataset info/export`, download=True in Python")
         try:

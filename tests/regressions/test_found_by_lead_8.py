@@ -204,3 +204,27 @@ def test_config_yaml_keeps_the_fields_set_and_resume_prints_the_built_backbone(t
     # the run resumes (config.yaml and the checkpoint's config compare equal, as before)
     r = runner.invoke(app, ["train", "--resume", str(run), "train.steps=3", "train.progress=false"])
     assert r.exit_code == 0 and "done: 3 steps" in r.output, r.output
+
+
+def test_a_recipe_dataset_not_built_yet_gets_its_recipe_not_a_typo_hint(tmp_path, monkeypatch) -> None:
+    """Fresh user: training on the not-yet-built position-only Hopper set said "did you mean
+    'rlt/hopper-v5/medium-v0'?" (the full-observation set, the wrong one) and a collect command
+    that failed from a clone without ``--policies``."""
+    from rl_tformers.envs.loaders import load_minari
+    from rl_tformers.envs.recipes import all_recipes
+
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari_home"))
+    monkeypatch.setenv("RL_TFORMERS_POLICIES", str(tmp_path / "no_policies_here"))
+    built = tmp_path / "root" / "rlt/hopper-v5/medium-v0" / "data"
+    built.mkdir(parents=True)
+    (built / "metadata.json").write_text("{}")
+    recipe = next(r for r in all_recipes().values() if r.dataset_id == "rlt/hopper-v5/medium-positions-v0")
+    with pytest.raises(FileNotFoundError) as exc:
+        load_minari(recipe.dataset_id, root=tmp_path / "root")
+    msg = str(exc.value)
+    assert "did you mean" not in msg
+    assert f"`rl-tformers collect --recipe {recipe.name} --policies DIR (the folder of the pretrained SB3 agents)`" in msg
+    (tmp_path / "policies").mkdir()
+    monkeypatch.setenv("RL_TFORMERS_POLICIES", str(tmp_path / "policies"))  # found: no --policies hint
+    with pytest.raises(FileNotFoundError, match=rf"build it \(`rl-tformers collect --recipe {recipe.name}`\)"):
+        load_minari(recipe.dataset_id, root=tmp_path / "root")
