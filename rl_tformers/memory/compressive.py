@@ -36,7 +36,11 @@ its newest token) belong to it, right-aligned in a shared buffer of ``min(L, m_m
 slots (L: slots seen so far, the most any row can hold; the others are masked). A row reset
 while others continue therefore groups, evicts and compresses exactly as a fresh stream of its
 new episode would: vectorised evaluation acts the same for every number of environments.
-Slots of a row's earlier episode leave its FIFO (they could not be attended to anyway).
+Slots of a row's earlier episode (a training row that crosses an episode start) leave its FIFO at
+the next update and are compressed like any evicted memory, in groups of c counted backwards
+from the episode start: the compressor trains on them as the paper's does on all evicted
+memory, and attention masks them by episode id. Only groups with a valid member enter the
+compressed memory (a group of unfilled or cleared slots would push out a real one).
 
 Compression functions ``f_c`` (sec. 3.1; ``compression``):
 ``max`` / ``mean`` pooling with kernel and stride c; ``conv``: a 1D convolution with kernel and
@@ -300,26 +304,35 @@ class CompressiveMemory(MemoryModule):
         fval = torch.cat([state.valid[:, mc:], rec.valid], 1)
         fseg = torch.cat([state.seg[:, mc:], rec.seg], 1)
         # per row: m_b slots of the current episode (a suffix: episode ids only grow along a row),
-        # e_b of them evicted (a multiple of c), r_b kept
+        # e_b of them evicted (a multiple of c), r_b kept; the slots before the current episode
+        # (earlier episodes, cleared or unfilled slots) all leave the FIFO now
         n_row = (fseg == fseg[:, -1:]).sum(1)  # (B,)
         n_ev = (n_row - self.m_m).clamp_min(0) // c * c  # (B,)
         n_keep = n_row - n_ev
-        g = max(0, n_all - self.m_m) // c  # G >= every row's n_ev / c: static shapes, no sync
+        first = n_all - n_row  # (B,) index of the row's oldest slot of its current episode
+        # groups of c with a boundary at `first`: ceil(first / c) groups before it (the earlier
+        # episodes' slots, compressed too: the compressor trains on them as on any evicted memory,
+        # and attention masks them by episode), n_ev / c after it
+        n_before = (first + c - 1) // c  # (B,)
+        made = n_before + n_ev // c  # (B,) groups formed by each row
+        g = (n_all + c - 1) // c  # G >= every row's groups: static shapes, no sync
         keep_len = min(n_all, self.m_m + c - 1)  # >= every row's r_b
         cpos, cval, cseg = state.pos[:, :mc], state.valid[:, :mc], state.seg[:, :mc]
-        include = gval = None
-        if g:
-            made = n_ev // c  # (B,) groups made by each row
-            first = n_all - n_row  # (B,) index of the row's oldest slot
-            gidx = (first[:, None] + torch.arange(g * c, device=dev)).clamp_max(n_all - 1)  # (B, G*c)
-            real = (torch.arange(g, device=dev) < made[:, None]).repeat_interleave(c, 1)  # (B, G*c)
-            gpos, gval, gseg, include = group_bookkeeping(
-                fpos.gather(1, gidx), fval.gather(1, gidx) & real, fseg.gather(1, gidx), c,
-            )
-            push = made[:, None] + torch.arange(mc, device=dev)  # (B, m_cm): last m_cm of [cm; new[:made]]
-            cpos = torch.cat([cpos, gpos], 1).gather(1, push)
-            cval = torch.cat([cval, gval], 1).gather(1, push)
-            cseg = torch.cat([cseg, gseg], 1).gather(1, push)
+        raw = (first - n_before * c)[:, None] + torch.arange(g * c, device=dev)  # (B, G*c), may start < 0
+        real = (raw >= 0) & (torch.arange(g, device=dev) < made[:, None]).repeat_interleave(c, 1)  # (B, G*c)
+        gidx = raw.clamp(0, n_all - 1)
+        gpos, gval, gseg, include = group_bookkeeping(
+            fpos.gather(1, gidx), fval.gather(1, gidx) & real, fseg.gather(1, gidx), c,
+        )
+        # only groups with a valid member enter the compressed memory (oldest first): a group of
+        # unfilled or cleared slots would push out a real compressed slot
+        ar_g = torch.arange(g, device=dev)
+        order = torch.where(gval, ar_g, ar_g + g).argsort(1)  # (B, G): valid groups first, in order
+        n_push = gval.sum(1)  # (B,)
+        push = n_push[:, None] + torch.arange(mc, device=dev)  # (B, m_cm): last m_cm of [cm; valid new]
+        cpos = torch.cat([cpos, gpos.gather(1, order)], 1).gather(1, push)
+        cval = torch.cat([cval, gval.gather(1, order)], 1).gather(1, push)
+        cseg = torch.cat([cseg, gseg.gather(1, order)], 1).gather(1, push)
         # the kept FIFO: each row's last r_b slots, right-aligned in keep_len slots
         kept = torch.arange(keep_len, device=dev) >= (keep_len - n_keep)[:, None]  # (B, keep_len)
         fpos = fpos[:, n_all - keep_len :] * kept
@@ -329,7 +342,7 @@ class CompressiveMemory(MemoryModule):
         aux_ar: list[Tensor] = []
         aux_ae: list[Tensor] = []
         layers = []
-        with_losses = g and bool(gval.any())  # some row made a group (one sync per segment)
+        with_losses = bool(gval.any())  # some row made a group (one sync per segment)
         for i, (ls, h) in enumerate(zip(state.layers, rec.layer_inputs)):
             h = h.detach()  # (B, T, D)
             mem = ls.memory.to(h.dtype)
@@ -338,20 +351,20 @@ class CompressiveMemory(MemoryModule):
             usage = None
             if self.compression == "most_used":
                 usage = self._accumulate_usage(i, ls, state, rec, h)
-            if g:
-                idx = gidx[..., None].expand(b, g * c, self.d_model)
-                old = allf.gather(1, idx).view(b, g, c, self.d_model)  # (B, G, c, D)
-                avg = None
-                if usage is not None:
-                    avg = (usage.usage / usage.seen.clamp_min(1)).gather(1, gidx).view(b, g, c)  # (B, G, c)
-                comp = self.compressors[i]
-                new = comp(old, include, avg)  # (B, G, D)
-                if with_losses:
-                    ar, ae = self._losses(comp, rec.blocks[i] if rec.blocks else None, h, rec.valid, old, include, new, gval)
-                    aux_ar += [ar] if ar is not None else []
-                    aux_ae += [ae] if ae is not None else []
-                cm = torch.cat([cm, new.detach().to(cm.dtype)], 1)
-                cm = cm.gather(1, push[..., None].expand(b, mc, self.d_model))
+            # every call forms G >= 1 groups (most of them empty in one-step rollouts)
+            idx = gidx[..., None].expand(b, g * c, self.d_model)
+            old = allf.gather(1, idx).view(b, g, c, self.d_model)  # (B, G, c, D)
+            avg = None
+            if usage is not None:
+                avg = (usage.usage / usage.seen.clamp_min(1)).gather(1, gidx).view(b, g, c)  # (B, G, c)
+            comp = self.compressors[i]
+            new = comp(old, include, avg)  # (B, G, D)
+            if with_losses:
+                ar, ae = self._losses(comp, rec.blocks[i] if rec.blocks else None, h, rec.valid, old, include, new, gval)
+                aux_ar += [ar] if ar is not None else []
+                aux_ae += [ae] if ae is not None else []
+            new = new.detach().to(cm.dtype).gather(1, order[..., None].expand(b, g, self.d_model))
+            cm = torch.cat([cm, new], 1).gather(1, push[..., None].expand(b, mc, self.d_model))
             extra = None
             if usage is not None:
                 extra = FifoUsage(usage.usage[:, n_all - keep_len :] * kept, usage.seen[:, n_all - keep_len :] * kept)

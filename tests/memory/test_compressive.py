@@ -253,3 +253,24 @@ def test_a_reset_row_keeps_no_slot_of_its_old_episode():
     fifo_seg, fifo_valid = st.seg[0, 3:], st.valid[0, 3:]
     assert fifo_valid.sum() == 1 and fifo_seg[fifo_valid].tolist() == [1]
     assert (fifo_seg[~fifo_valid] == -1).all()
+
+
+def test_an_episode_boundary_inside_a_segment_compresses_the_earlier_episode():
+    """Training rows cross episode boundaries. The earlier episode's slots leave the row's FIFO at
+    the boundary and are compressed like any evicted memory (the compressor trains on them; they
+    are masked from attention by their episode id), grouped backwards from the boundary; the new
+    episode's groups start at its first step."""
+    bb = _bb("mean", mem_len=4, compressed_len=6, rate=2).train()
+    x = torch.randn(1, 11, D)
+    start = torch.zeros(1, 11, dtype=torch.bool)
+    start[0, 5] = True  # steps 0-4: episode 0, steps 5-10: episode 1
+    out = bb(x, state=bb.initial_state(1), episode_start=start)
+    st = out.state
+    cval, cseg, cpos = st.valid[0, :6], st.seg[0, :6], st.pos[0, :6]
+    # episode 0 (5 slots) -> groups [-1, 0] (one member), [1, 2], [3, 4] aligned to end at the boundary;
+    # episode 1 (6 slots, 4 kept) -> one group [5, 6]; the FIFO keeps steps 7-10
+    assert cval.tolist() == [False, False, True, True, True, True]
+    assert cseg[cval].tolist() == [0, 0, 0, 1] and cpos[cval].tolist() == [0, 2, 4, 6]
+    assert st.pos[0, 6:][st.valid[0, 6:]].tolist() == [7, 8, 9, 10]
+    assert "compressive/attention_reconstruction" not in out.aux  # mean pooling: nothing to train
+    assert out.metrics["memory/attention_reconstruction"] > 0  # ... but the groups were scored
