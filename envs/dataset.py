@@ -219,8 +219,13 @@ class EpisodeDataset:
         validate: run :meth:`validate` now (loaders do; views created by ``select`` skip it).
 
     Raises:
-        DatasetError: on inconsistent shapes, or (``validate=True``) any problem listed in
-            :meth:`validate`.
+        DatasetError: on inconsistent shapes, observations/actions/rewards that are not
+            integers or floating point (bool, strings), or (``validate=True``) any problem
+            listed in :meth:`validate`.
+
+    Without ``observation_space`` the observations get the widest Box of their dtype
+    (:func:`unbounded_box`: ``[-inf, inf]`` for floats, the dtype's range for integers, so
+    ``uint8`` images work).
     """
 
     def __init__(
@@ -239,9 +244,13 @@ class EpisodeDataset:
         metadata: DatasetMetadata | None = None,
         validate: bool = True,
     ):
+        _check_numeric("observations", observations)
+        _check_numeric("actions", actions)
         self.observations = observations
         self.actions = actions
-        self.rewards = per_step_column("rewards", rewards).astype(np.float64, copy=False)
+        rewards = per_step_column("rewards", rewards)
+        _check_numeric("rewards", rewards)
+        self.rewards = rewards.astype(np.float64, copy=False)
         self.terminations = binary_flags("terminations", per_step_column("terminations", terminations))
         self.truncations = binary_flags("truncations", per_step_column("truncations", truncations))
         self.starts = np.asarray(starts, dtype=np.int64).reshape(-1)
@@ -260,8 +269,8 @@ class EpisodeDataset:
             raise DatasetError(
                 f"final_observations: {self.final_observations.shape[0]} rows for {self.starts.size} episodes",
                 field="final_observations")
-        self.observation_space = observation_space if observation_space is not None else gym.spaces.Box(
-            -np.inf, np.inf, shape=tuple(observations.shape[1:]), dtype=np.dtype(observations.dtype))
+        self.observation_space = observation_space if observation_space is not None else unbounded_box(
+            tuple(observations.shape[1:]), observations.dtype)
         if action_space is None:
             raise DatasetError("action_space is required", field="actions")
         self.action_space = action_space
@@ -789,6 +798,17 @@ def check_next_observations(dataset: EpisodeDataset, next_observations: ArrayLik
                 f"component {k} = {a[j][k].item()!r} but the next step's observation has {b[j][k].item()!r}; inside "
                 "an episode next_observations[t] must equal observations[t + 1]: the terminals/timeouts flags miss "
                 "an episode end here (old D4RL files have no timeouts), or the columns are misaligned")
+
+
+def unbounded_box(shape: tuple[int, ...], dtype) -> gym.spaces.Box:
+    """The widest ``Box`` of ``shape`` and ``dtype``: ``[-inf, inf]`` for floats, the dtype's
+    ``[min, max]`` for integers (``gymnasium.spaces.Box`` refuses infinite bounds for unsigned
+    integers, e.g. ``uint8`` image observations)."""
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return gym.spaces.Box(info.min, info.max, shape=shape, dtype=dtype)
+    return gym.spaces.Box(-np.inf, np.inf, shape=shape, dtype=dtype)
 
 
 def _check_numeric(name: str, arr: np.ndarray, *, episode: int | None = None) -> None:

@@ -34,6 +34,7 @@ from rl_tformers.envs.dataset import (
     LazyH5Array,
     check_next_observations,
     per_step_column,
+    unbounded_box,
 )
 
 #: Environment variable overriding the project's data root.
@@ -392,12 +393,15 @@ def load_d4rl_hdf5(
     kept and marked truncated (``metadata.extra["unfinished_last_episode"] = True``). A file
     without ``timeouts`` (old D4RL versions) is read with all timeouts False.
 
-    Spaces: taken from the file's attributes when it was written by :func:`save_d4rl_hdf5`;
-    else the action space comes from ``env_id`` (argument, file attribute, or the file name's
-    task family, e.g. ``hopper-medium-v2.hdf5`` -> ``Hopper-v5``) when its shape matches, else
-    it is inferred (:func:`~rl_tformers.envs.dataset.infer_action_space`: unbounded Box or
-    Discrete). The observation space is an unbounded Box of the data's shape and dtype
-    (:func:`unbounded_box`: integer observations get their dtype's range).
+    Spaces: the action space is ``action_space`` when given, else that of the ``env_id``
+    argument's environment (when it can be made here and its shape matches the file's actions),
+    else the file's ``action_space`` attribute (written by :func:`save_d4rl_hdf5`), else that of
+    the file's ``env_id`` attribute or of the file name's task family (e.g.
+    ``hopper-medium-v2.hdf5`` -> ``Hopper-v5``) when its shape matches, else it is inferred
+    (:func:`~rl_tformers.envs.dataset.infer_action_space`: unbounded Box or Discrete). The
+    observation space is the file's ``observation_space`` attribute, else an unbounded Box of
+    the data's shape and dtype (:func:`unbounded_box`: integer observations get their dtype's
+    range).
 
     Args:
         path: the .hdf5 file.
@@ -458,6 +462,11 @@ def load_d4rl_hdf5(
     own = _own_metadata(attrs, path)
     if observation_space is None and "observation_space" in attrs:
         observation_space = _attr_space(attrs, "observation_space", path)
+    if action_space is None and env_id:
+        # the task named by the caller (dataset.env_id) bounds the actions before anything the
+        # file says: a file written from data without bounds stores an unbounded Box, which would
+        # otherwise hide the task's bounds that dataset.env_id was given for
+        action_space = _env_action_space(env_id, act, path)
     if action_space is None and "action_space" in attrs:
         action_space = _attr_space(attrs, "action_space", path)
     env_id = env_id or (_attr_str(attrs["env_id"]) if "env_id" in attrs else None)
@@ -487,17 +496,6 @@ def load_d4rl_hdf5(
             if isinstance(arr, LazyH5Array):
                 arr.close()  # no open handle is left to be inherited by forked workers
     return ds
-
-
-def unbounded_box(shape: tuple[int, ...], dtype) -> gym.spaces.Box:
-    """The widest ``Box`` of ``shape`` and ``dtype``: ``[-inf, inf]`` for floats, the dtype's
-    ``[min, max]`` for integers (``gymnasium.spaces.Box`` refuses infinite bounds for unsigned
-    integers, e.g. ``uint8`` image observations)."""
-    dtype = np.dtype(dtype)
-    if np.issubdtype(dtype, np.integer):
-        info = np.iinfo(dtype)
-        return gym.spaces.Box(info.min, info.max, shape=shape, dtype=dtype)
-    return gym.spaces.Box(-np.inf, np.inf, shape=shape, dtype=dtype)
 
 
 def _own_metadata(attrs: dict, path: Path) -> dict:

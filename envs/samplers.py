@@ -7,7 +7,8 @@ training step). A sample costs O(B * K) array reads plus O(B log E) ``searchsort
 precomputed cumulative lengths: it never touches every episode.
 
 * :class:`WindowSampler`: Decision Transformer context windows (Chen et al. 2021), episodes
-  drawn with probability proportional to their length, left-padded to K with a mask.
+  drawn with probability proportional to their length, padded to K with a mask (on the right
+  for start-aligned windows, on the left for end-aligned ones: the evaluation context's layout).
 * :class:`SegmentSampler`: fixed-length runs of consecutive dataset steps for recurrent /
   memory agents (GTrXL, Parisotto et al. 2020), crossing episode boundaries with
   ``episode_start`` flags, with an optional burn-in prefix excluded from the loss.
@@ -75,8 +76,14 @@ class WindowSampler(_BaseSampler):
     * ``align="end"``: the window's last step ``e`` uniform over ``[0, L)``, window
       ``[max(0, e - K + 1), e]`` (for training only on the last action of each context).
 
-    The window is left-padded to K: real steps occupy the last ``n`` slots and ``mask`` is True
-    there. Extra keys: ``episode (B,)`` int64, the episode index of each row.
+    Padding to K (``mask`` True on the ``n`` real steps) follows the evaluation context of the
+    same alignment (:class:`~rl_tformers.agents.decision_transformer.policy.DTPolicy`), so that
+    a model with absolute positions (``backbone.position.kind=learned`` or ``sinusoidal``) or an
+    attention pattern laid over token indices (``fixed``, ``strided``...) sees in training the
+    slots it acts with: ``align="start"`` puts the real steps in the first ``n`` slots (padding
+    on the right, only for an episode shorter than K: step t at slot t, as when acting);
+    ``align="end"`` in the last ``n`` (padding on the left: the window ends at slot K-1).
+    Extra keys: ``episode (B,)`` int64, the episode index of each row.
 
     Args:
         dataset: the episodes.
@@ -112,16 +119,21 @@ class WindowSampler(_BaseSampler):
         v = rng.integers(0, d.num_steps, size=batch_size)  # (B,) uniform virtual step
         ep, t = d.locate(v)  # episode ~ length; t uniform inside it
         length = d.lengths[ep]  # (B,)
+        slot = np.arange(k)[None, :]  # (1, K)
         if self.align == "start":
             start = rng.integers(0, np.maximum(length - k, 0) + 1)  # (B,) uniform over [0, max(L-K, 0)]
             n_real = np.minimum(k, length - start)
+            # real steps from slot 0, padding (an episode shorter than K) on the right: the layout
+            # of the evaluation context (DTPolicy, align="start"), where step t sits at slot t
+            # until the window is full
+            mask = slot < n_real[:, None]  # (B, K)
+            local = np.where(mask, start[:, None] + slot, start[:, None])  # (B, K) step in episode
         else:
             start = np.maximum(t - k + 1, 0)  # window ends at the uniform step t
             n_real = t - start + 1
-        slot = np.arange(k)[None, :]  # (1, K)
-        pad = (k - n_real)[:, None]  # (B, 1) padded slots on the left
-        mask = slot >= pad  # (B, K)
-        local = np.where(mask, start[:, None] + slot - pad, start[:, None])  # (B, K) step in episode
+            pad = (k - n_real)[:, None]  # (B, 1) padded slots on the left
+            mask = slot >= pad  # (B, K)
+            local = np.where(mask, start[:, None] + slot - pad, start[:, None])  # (B, K) step in episode
         flat = d.starts[ep][:, None] + local  # (B, K) flat row
         out = self._gather(flat, mask, local)
         out["episode"] = ep.astype(np.int64)

@@ -46,9 +46,27 @@ def task_family(name: str | None) -> str | None:
     return None
 
 
+def _last_component(location: str | None) -> str | None:
+    """The last component of a path (``/runs/hopper_x/pendulum.hdf5`` -> ``pendulum.hdf5``), or
+    ``location`` itself when it is not an existing path (a Minari id such as
+    ``mujoco/hopper/medium-v0``, matched component by component)."""
+    if not location:
+        return None
+    from pathlib import Path
+
+    p = Path(location).expanduser()
+    if p.exists():
+        return (p.parent.name if p.name == "data" else p.name) or None  # a Minari folder's data/
+    return location
+
+
 def reference_scores(x: Any) -> tuple[float, float] | None:
     """``(ref_min, ref_max)`` for an env id / dataset id string, an :class:`EpisodeDataset` or a
-    ``minari.MinariDataset``; ``None`` when neither the dataset nor D4RL has references."""
+    ``minari.MinariDataset``; ``None`` when neither the dataset nor D4RL has references.
+
+    For an :class:`EpisodeDataset` without its own references, the task family is that of its
+    ``env_id`` when it has one (whatever the file is called or where it is stored); else that of
+    its ``dataset_id``, else of its file or folder name (never of a parent folder's name)."""
     from rl_tformers.envs.dataset import EpisodeDataset
 
     names: list[str | None] = []
@@ -56,7 +74,10 @@ def reference_scores(x: Any) -> tuple[float, float] | None:
         m = x.metadata
         if m.ref_min_score is not None and m.ref_max_score is not None:
             return float(m.ref_min_score), float(m.ref_max_score)
-        names = [m.env_id, m.dataset_id, m.location]
+        # the environment decides the task when it is known (a Pendulum-v1 file stored under a
+        # folder named hopper_runs/ is not Hopper); else the dataset id, else the file or
+        # folder's own name (a parent folder's name says nothing about the data)
+        names = [m.env_id] if m.env_id else [m.dataset_id, _last_component(m.location)]
     elif hasattr(x, "storage") and hasattr(x, "spec"):  # minari.MinariDataset
         meta = x.storage.metadata
         if meta.get("ref_min_score") is not None and meta.get("ref_max_score") is not None:

@@ -7,7 +7,10 @@ the model is paid once per step, not once per environment.
 Counting without bias. Taking "the first ``episodes`` episodes that finish" over-represents
 short episodes (they finish first). Instead episode ``j`` (0 <= j < episodes) is assigned in
 advance to environment ``j % N`` and reset with seed ``seed + j``; an environment that has
-finished its quota keeps stepping (its results are discarded) until the others are done. The
+finished its quota keeps stepping (its results are discarded) until the others are done, and the
+policy is told ``episode_start`` for it at every such step (its context restarts), so a filler
+episode longer than every counted one cannot stop the evaluation at a policy's limit (a
+Decision Transformer's ``max_ep_len``). The
 result is the same set of (seed, episode) pairs whatever the episode lengths, and the same
 seeds are used for every target return, so targets are compared on the same initial states.
 
@@ -366,7 +369,10 @@ def _run_target(
     last_reward: np.ndarray | None = None
     remaining = episodes
     while remaining > 0:
-        actions, state = policy.act(obs, state, episode_start, last_reward)
+        # a row past its quota restarts its (discarded) context at every step: its unseeded filler
+        # episodes, which may outlast every counted one, never reach a policy limit (a DT's
+        # max_ep_len) that no counted episode reaches
+        actions, state = policy.act(obs, state, episode_start | ~active, last_reward)
         _check_finite(np.asarray(actions), "the policy returned a non-finite action",
                       "it was not sent to the environment", target, job, ep_len, seed, episodes)
         obs, _, terminated, truncated, info = envs.step(actions)

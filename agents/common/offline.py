@@ -198,9 +198,9 @@ class DatasetInfo:
                     hint = (
                         f"; {ds.metadata.location}: the action bounds come from the task the data came from "
                         f"(env_id {ds.metadata.env_id!r}), taken from dataset.env_id, else the file's env_id "
-                        f"attribute, else guessed from the file name (e.g. hopper-medium-v2.hdf5 -> Hopper-v5); "
-                        f"set dataset.env_id=<gymnasium id> (e.g. dataset.env_id=Hopper-v5) or write an "
-                        f"env_id attribute into the file"
+                        f"attribute, else guessed from the file name (e.g. hopper-medium-v2.hdf5 -> Hopper-v5)"
+                        f"{_no_bounds_reason(ds)}; set dataset.env_id=<gymnasium id> (e.g. dataset.env_id=Hopper-v5) "
+                        f"or write an env_id attribute into the file"
                     )
                 raise ValueError(f"continuous actions need a bounded Box action space, got {ds.action_space}{hint}")
             act_dim = low.size
@@ -239,8 +239,8 @@ class DatasetInfo:
         ``"module:id"`` id imports ``module`` first); the environment can be made with
         :attr:`env_kwargs` (and :attr:`pomdp`); its observation space (flattened when
         :attr:`flatten_observations`) is a Box of the dataset's per-step observation shape;
-        its action space is of the dataset's kind (Discrete with the same ``start``, or a Box
-        of the same shape). An environment whose dependencies are not installed is skipped
+        its action space is of the dataset's kind (Discrete with the same ``start`` and at least
+        the dataset's ``n`` actions, or a Box of the same shape). An environment whose dependencies are not installed is skipped
         with a warning (the dataset can still be trained on; evaluation will need them).
 
         Args:
@@ -292,10 +292,58 @@ class DatasetInfo:
                 f"environment {self.env_id} ({source}){pomdp} has {env_obs}; {fix}")
         if isinstance(act_space, gym.spaces.Discrete) != ds.discrete_actions or (
                 isinstance(act_space, gym.spaces.Box) and tuple(act_space.shape) != tuple(ds.action_shape)) or (
-                ds.discrete_actions and int(act_space.start) != int(ds.action_space.start)):
+                ds.discrete_actions and int(act_space.start) != int(ds.action_space.start)) or (
+                # the model picks among the dataset's n actions: the environment must have them all
+                # (fewer in the data is fine: an action the behaviour policy never took)
+                ds.discrete_actions and int(act_space.n) < int(ds.action_space.n)):
             raise ValueError(
                 f"actions: {where} has actions in {ds.action_space}, but the evaluation environment "
                 f"{self.env_id} ({source}) has action space {act_space}; {fix}")
+
+    def data_differences(self, other: DatasetInfo) -> list[str]:
+        """The statistics of the training data that ``other`` changes from this one.
+
+        Compared: observation and action layout (``obs_dim``, ``act_dim``, ``discrete``,
+        ``action_start``, ``action_shape``), action bounds, observation mean/std, reward scale,
+        dataset returns (max, mean, min) and the longest episode. Equal data read through the same
+        config gives equal statistics (floats compared to a relative 1e-6, so a re-read never
+        differs by rounding alone).
+
+        Returns:
+            ``["dataset_return_max: 10 -> 1000", ...]`` (this one's value first), empty when equal.
+        """
+        def arr(x) -> np.ndarray | None:
+            return None if x is None else np.asarray(x, np.float64).reshape(-1)
+
+        def same(a, b) -> bool:
+            a, b = arr(a), arr(b)
+            if a is None or b is None:
+                return a is None and b is None
+            return a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-6, atol=0.0, equal_nan=True))
+
+        def show(x) -> str:
+            if x is None or isinstance(x, (bool, int, tuple)):
+                return str(x)
+            a = arr(x)
+            if a.size == 1:
+                return f"{float(a[0]):g}"
+            return "[" + ", ".join(f"{v:g}" for v in a[:4]) + (", ...]" if a.size > 4 else "]")
+
+        out = []
+        for name, key in (("obs_dim", "obs_dim"), ("act_dim", "act_dim"), ("discrete", "discrete"),
+                          ("action_start", "action_start"), ("action_shape", "action_shape"),
+                          ("longest_episode", "longest_episode")):
+            a, b = getattr(self, key), getattr(other, key)
+            if a != b:
+                out.append(f"{name}: {show(a)} -> {show(b)}")
+        for name, key in (("action_low", "action_low"), ("action_high", "action_high"), ("obs_mean", "obs_mean"),
+                          ("obs_std", "obs_std"), ("reward_scale", "reward_scale"),
+                          ("dataset_return_max", "return_max"), ("dataset_return_mean", "return_mean"),
+                          ("dataset_return_min", "return_min")):
+            a, b = getattr(self, key), getattr(other, key)
+            if not same(a, b):
+                out.append(f"{name}: {show(a)} -> {show(b)}")
+        return out
 
     def to_extra(self) -> dict[str, Any]:
         """Checkpoint-safe dict (tensors, numbers, strings, None, dicts, lists)."""
@@ -367,6 +415,45 @@ class DatasetInfo:
             return 100.0 * (np.asarray(r, np.float64) - lo) / (hi - lo)
 
         return norm
+
+
+def _no_bounds_reason(ds: EpisodeDataset) -> str:
+    """Why the task named by a D4RL file's metadata gave no action bounds (``""`` when it names none).
+
+    The loader takes the task's action space only when ``gym.make(env_id)`` works here and its
+    action space is a Box of the file's per-step action shape; otherwise it falls back to an
+    unbounded Box without saying why (a file whose task is not installed still loads for
+    ``dataset info``). Training needs the bounds, so its error says which of these happened:
+    the id cannot be made (not registered, a dependency missing: the exception), its action
+    space is not a Box, has another shape than the data, or is unbounded itself; or the file's
+    own ``action_space`` attribute (an unbounded Box) was read before the task named by the
+    file's ``env_id`` attribute (``dataset.env_id`` comes before the attribute).
+    """
+    env_id = ds.metadata.env_id
+    if not env_id:
+        return ""
+    from rl_tformers.envs import memory_tasks  # noqa: F401 - registers the project's tasks
+
+    try:
+        env = gym.make(env_id)
+    except Exception as exc:  # noqa: BLE001 - reported, whatever the environment raised
+        return f"; env_id {env_id!r} gives no bounds: gym.make({env_id!r}) fails here ({type(exc).__name__}: {exc})"
+    try:
+        space = env.action_space
+    finally:
+        env.close()
+    shape = tuple(ds.action_shape)
+    if not isinstance(space, gym.spaces.Box):
+        return f"; env_id {env_id!r} gives no bounds: its action space {space} is not a Box"
+    if tuple(space.shape) != shape:
+        return (f"; env_id {env_id!r} gives no bounds: its action space {space} has another shape than the "
+                f"file's actions, {shape} per step")
+    if not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
+        return f"; env_id {env_id!r} gives no bounds: its action space {space} is unbounded itself"
+    # a bounded Box of the right shape that was not used: the file's own action_space attribute
+    # (unbounded) came first, as it does before the file's env_id attribute
+    return (f"; the file's own action_space attribute ({ds.action_space}) was read before the action space "
+            f"{space} of its env_id attribute {env_id!r}: set dataset.env_id={env_id} to take that task's bounds")
 
 
 def flattens_observations(spec: Mapping[str, Any] | None) -> bool:

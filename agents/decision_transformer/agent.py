@@ -648,7 +648,30 @@ class DTAgent:
         return self.info.to_extra()
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
-        self.info = DatasetInfo.from_extra(state)
+        """Take the checkpoint's dataset statistics (``--resume``).
+
+        A resumed run trains on the dataset it reads now with the checkpoint's statistics
+        (observation mean/std, reward scale, default target): if the data behind
+        ``dataset.path`` changed since the checkpoint (a rebuilt or overwritten file), it would
+        go on training on other data with stale statistics, and the resume would not continue
+        the run. That is refused, naming what changed.
+
+        Raises:
+            AgentBuildError: (a ValueError, reported by ``rl-tformers train`` as one ``error:``
+                line) the statistics of the dataset read now differ from the checkpoint's.
+        """
+        from rl_tformers.runtime.agents import AgentBuildError
+
+        saved = DatasetInfo.from_extra(state)
+        if self.dataset is not None and getattr(self, "info", None) is not None:
+            changed = saved.data_differences(self.info)
+            if changed:
+                where = plain(self.cfg.dataset).get("path") if self.cfg is not None else None
+                raise AgentBuildError(
+                    f"the dataset {where} is not the data this run was trained on: its statistics differ from "
+                    f"the checkpoint's ({'; '.join(changed)}; checkpoint -> now); resume with the original "
+                    f"data, or start a new run on this dataset")
+        self.info = saved
 
 
 def load_for_inference(cfg: Any, state: Mapping[str, Any], device: torch.device | str = "cpu") -> DTAgent:

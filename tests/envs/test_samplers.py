@@ -33,12 +33,13 @@ def test_windows_of_short_episodes_are_whole_episodes_with_k20():
     assert (sums == ds.lengths[b["episode"]]).all()
     assert {int(s) for s in sums} == {2, 1, 3}
     row = int(np.flatnonzero(b["episode"] == 2)[0])  # episode 2 = steps 3, 4, 5
-    assert b["mask"][row].tolist() == [False] * 17 + [True] * 3
-    assert b["observations"][row, -3:, 0].tolist() == [3.0, 4.0, 5.0]
-    assert b["timesteps"][row, -3:].tolist() == [0, 1, 2]
-    assert b["returns_to_go"][row, -3:].tolist() == [15.0, 11.0, 6.0]  # rewards 4, 5, 6
-    assert b["rewards"][row, -3:].tolist() == [4.0, 5.0, 6.0]
-    assert (b["observations"][row, :17] == 0).all() and (b["timesteps"][row, :17] == 0).all()
+    # start-aligned: real steps from slot 0, padding on the right (the evaluation context's layout)
+    assert b["mask"][row].tolist() == [True] * 3 + [False] * 17
+    assert b["observations"][row, :3, 0].tolist() == [3.0, 4.0, 5.0]
+    assert b["timesteps"][row, :3].tolist() == [0, 1, 2]
+    assert b["returns_to_go"][row, :3].tolist() == [15.0, 11.0, 6.0]  # rewards 4, 5, 6
+    assert b["rewards"][row, :3].tolist() == [4.0, 5.0, 6.0]
+    assert (b["observations"][row, 3:] == 0).all() and (b["timesteps"][row, 3:] == 0).all()
 
 
 def test_start_aligned_windows_are_contiguous_and_inside_their_episode():
@@ -82,9 +83,9 @@ def test_reward_scale_and_obs_stats_are_applied():
     stats = observation_stats(ds)
     b = WindowSampler(ds, 4, reward_scale=10.0, obs_stats=stats).sample(8, np.random.default_rng(0))
     row = int(np.flatnonzero(b["episode"] == 0)[0])
-    assert b["returns_to_go"][row, -2:].tolist() == pytest.approx([0.3, 0.2])
-    np.testing.assert_allclose(b["observations"][row, -2:], stats.normalize(np.array([[0, 0], [1, -1]])), rtol=1e-6)
-    assert (b["observations"][row, :2] == 0).all()  # padding stays zero after normalisation
+    assert b["returns_to_go"][row, :2].tolist() == pytest.approx([0.3, 0.2])
+    np.testing.assert_allclose(b["observations"][row, :2], stats.normalize(np.array([[0, 0], [1, -1]])), rtol=1e-6)
+    assert (b["observations"][row, 2:] == 0).all()  # padding stays zero after normalisation
 
 
 def test_discrete_actions_are_int64():
