@@ -22,6 +22,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
@@ -37,6 +38,7 @@ from rl_tformers.envs.pomdp import ObservationMaskWrapper, masked_step_callback
 from rl_tformers.envs.scores import D4RL_REF_SCORES, task_family
 
 from rl_tformers.runtime.paths import blocking_file
+from rl_tformers.runtime.progress import PlainProgress, is_terminal, progress_bar
 
 
 class _StopRequests:
@@ -341,7 +343,8 @@ def collect(
         root: data root (default :func:`~rl_tformers.envs.loaders.data_root`).
         hdf5: also write a D4RL-layout HDF5 file there.
         overwrite: replace an existing dataset of that id.
-        progress: tqdm progress bar.
+        progress: show progress on stderr: a tqdm bar on a terminal, else a plain line every
+            30 s and at the end (:func:`~rl_tformers.runtime.progress.progress_bar`).
         description: stored in the Minari metadata.
         record: extra JSON facts for the metadata (recipe name, policies...).
         env_kwargs: passed to ``gym.make``.
@@ -380,8 +383,6 @@ def collect(
 
 def _collect(env_id, behaviours, dataset_id, seed, pomdp, root_path, progress, description, record,
              env_kwargs) -> CollectResult:
-    from tqdm.auto import tqdm
-
     seeds = np.random.default_rng([int(seed), 0])
     returns: list[float] = []
     lengths: list[int] = []
@@ -395,7 +396,8 @@ def _collect(env_id, behaviours, dataset_id, seed, pomdp, root_path, progress, d
         except BaseException:
             env.close()
             raise
-        bar = tqdm(total=total or None, unit="step", disable=not progress, desc=dataset_id)
+        # a bar on a terminal, plain lines in a log file (no carriage-return fragments)
+        bar = progress_bar(total or None, unit="step", enabled=progress, desc=dataset_id)
         try:
             for b in behaviours:
                 first = len(returns)
@@ -428,6 +430,34 @@ def _collect(env_id, behaviours, dataset_id, seed, pomdp, root_path, progress, d
             collector.close()
     return CollectResult(dataset_id, root_path / dataset_id, np.asarray(returns), np.asarray(lengths, np.int64),
                          slices)
+
+
+class _CountSteps(gym.Wrapper):
+    """Passes every step through unchanged and counts it in ``bar`` (the progress of a training run)."""
+
+    def __init__(self, env: gym.Env, bar: Any) -> None:
+        super().__init__(env)
+        self._bar = bar
+
+    def step(self, action):
+        out = self.env.step(action)
+        self._bar.update(1)
+        return out
+
+
+@contextmanager
+def _training_progress(env: gym.Env, algo: str, steps: int, progress: bool) -> Iterator[tuple[gym.Env, bool]]:
+    """``(env, sb3_progress_bar)`` for :func:`~rl_tformers.envs.policies.train_sb3`: on a terminal
+    SB3's own bar; otherwise (a log file) no bar but plain progress lines on stderr
+    (:class:`~rl_tformers.runtime.progress.PlainProgress`), counted by a pass-through wrapper."""
+    if not progress or is_terminal(sys.stderr):
+        yield env, progress
+        return
+    bar = PlainProgress(int(steps), desc=f"{algo} training", unit="step")
+    try:
+        yield _CountSteps(env, bar), False
+    finally:
+        bar.close()
 
 
 def train_and_record(
@@ -463,7 +493,8 @@ def train_and_record(
     check_stop()
     if replay_dataset_id is None:
         env = SeededResets(gym.make(env_id), seed)
-        model = train_sb3(algo, env, steps, seed=seed, progress=progress)
+        with _training_progress(env, algo, steps, progress) as (counted, sb3_bar):
+            model = train_sb3(algo, counted, steps, seed=seed, progress=sb3_bar)
         return SB3Policy(model, None, name=f"{algo}-trained-{steps}"), None
     backup = _prepare_target(replay_dataset_id, root_path, overwrite)
     created = _new_dirs(root_path / replay_dataset_id, root_path)
@@ -473,7 +504,8 @@ def train_and_record(
             check_recordable(env)
             collector = _make_collector(env, pomdp)
             try:
-                model = train_sb3(algo, SeededResets(collector, seed), steps, seed=seed, progress=progress)
+                with _training_progress(SeededResets(collector, seed), algo, steps, progress) as (counted, sb3_bar):
+                    model = train_sb3(algo, counted, steps, seed=seed, progress=sb3_bar)
                 rec = {"env_id": env_id, "seed": int(seed), "algorithm": f"{algo} training ({steps} steps)",
                        "behaviours": [{"label": f"{algo} training replay", "train_steps": int(steps)}]}
                 _create(collector, replay_dataset_id, env_id, pomdp, description or

@@ -71,7 +71,8 @@ def collect(
                                    help="Replace an existing dataset of the same id (and an existing --hdf5 file)."),
     skip_existing: bool = typer.Option(False, "--skip-existing",
                                        help="With --recipe: build only the recipes whose dataset does not exist yet."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+    progress: bool = typer.Option(True, "--progress/--no-progress",
+                                  help="Show progress on stderr: a bar on a terminal, else a plain line every 30 s."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Roll out a behaviour policy and write a Minari dataset (minari.DataCollector).

@@ -53,7 +53,78 @@ def _register_all() -> None:
         mod.register(app)
 
 
+def readable_int(n: int) -> str:
+    """An integer bound as people read it: ``2**64 - 1`` -> ``"2**64-1"``, ``2**32`` -> ``"2**32"``
+    (a power of two, or one less, of at least 2**16); any other integer in decimal."""
+    if n >= 2**16 and (n + 1) & n == 0:  # n + 1 is a power of two
+        return f"2**{n.bit_length()}-1"
+    if n >= 2**16 and n & (n - 1) == 0:
+        return f"2**{n.bit_length() - 1}"
+    return str(n)
+
+
+#: An option whose upper bound is at least this gets it shown readably (:func:`_readable_ranges`).
+BIG_BOUND = 2**31
+
+
+def _parameter_infos(fn) -> list:
+    """The Typer ``OptionInfo`` / ``ArgumentInfo`` objects of a command function's parameters
+    (a default ``typer.Option(...)``, or one inside ``Annotated[...]``)."""
+    import inspect
+
+    from typer.models import ParameterInfo
+
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        found = [p.default] + list(getattr(p.annotation, "__metadata__", ()))
+        out += [x for x in found if isinstance(x, ParameterInfo)]
+    return out
+
+
+def _readable_ranges(typer_app: typer.Typer) -> None:
+    """Show a huge integer upper bound readably in ``--help`` and in the error beyond it.
+
+    Typer writes an option such as ``--seed`` with ``min=0, max=2**64 - 1`` as
+    ``[0<=x<=18446744073709551615]`` and refuses a larger value with that number. For every
+    option or argument of every command (sub-groups included) whose ``max`` is at least
+    :data:`BIG_BOUND` and that has no callback of its own, the bound moves out of Typer's range
+    into the help text (``At most 2**64-1.``; the range shown is ``x>=0``) and into a callback
+    that refuses a larger value (``... is larger than 2**64-1 = 18446744073709551615, the
+    largest value --seed takes``): the values accepted are the same.
+    """
+    for info in typer_app.registered_commands:
+        if info.callback is None:
+            continue
+        for param in _parameter_infos(info.callback):
+            big = getattr(param, "max", None)
+            if not isinstance(big, int) or isinstance(big, bool) or big < BIG_BOUND or param.callback is not None:
+                continue
+            bound = readable_int(big)
+            param.max = None
+            param.help = f"{(param.help or '').rstrip()} At most {bound}.".lstrip()
+            param.callback = _at_most(big, bound)
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _readable_ranges(group.typer_instance)
+
+
+def _at_most(limit: int, text: str):
+    """A Typer parameter callback refusing values above ``limit`` (``text``: how it is written)."""
+
+    def check(ctx: typer.Context, param: typer.CallbackParam, value):
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if v is not None and v > limit:
+                name = (param.opts or [param.name])[0] if param is not None else "it"
+                exact = f" = {limit}" if text != str(limit) else ""
+                raise typer.BadParameter(f"{v} is larger than {text}{exact}, the largest value {name} takes")
+        return value
+
+    return check
+
+
 _register_all()
+_readable_ranges(app)
 
 
 def _our_dirs() -> tuple[str, ...]:

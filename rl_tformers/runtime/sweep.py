@@ -6,12 +6,19 @@ processes or as tasks of a Ray cluster, collected into one results table and one
 
 Each grid point x seed is one ordinary ``rl-tformers train`` process with its own run directory
 ``OUT/<point>/seed<k>`` (checkpoints, TensorBoard, metrics.jsonl, as for any run), so every run
-can be inspected, evaluated or resumed on its own. Running the same command again skips the runs
-that are complete and resumes those that stopped (crash, Ctrl-C, time limit): a sweep is
-restartable at no extra cost. Rerun rules (checked for every run before any starts):
+can be inspected, evaluated or resumed on its own. ``<point>`` names each grid key by its
+shortest dotted suffix that no other grid key shares (``kind=sdpa``;
+``attention.kind=sdpa__position.kind=none`` for two keys ending in ``kind``; see
+:func:`expand`). Running the same command again skips the runs that are complete and resumes
+those that stopped (crash, Ctrl-C, time limit): a sweep is restartable at no extra cost. Rerun rules (checked for every run before any starts):
 
-- every grid point's config is composed first, so a typo in a key or value fails the sweep
-  before anything trains;
+- every grid point is checked before any run starts, and a sweep with bad points is refused
+  with one error naming each of them and why: its config must compose (keys, values, the
+  backbone's combination of kinds) and its agent must build, as ``rl-tformers train`` checks
+  before it trains (:func:`~rl_tformers.runtime.trainer.check_agent`, on the CPU: dataset
+  loaded and validated, agent options and the agent's own refusals, e.g. ``agent.mode=causal``
+  with ``backbone.causal=false``); the agent is built for the points with a run to start or
+  resume, and only with the local launcher (Ray runs may see files this machine does not);
 - a run directory that already holds a run must hold *this* run: its stored config (newest
   checkpoint, else ``config.yaml``) must equal the requested one, except ``run_dir``,
   ``device`` and ``train.progress``; otherwise the sweep is refused, naming the run and the
@@ -233,6 +240,15 @@ def expand(grid: dict[str, list[str]], seeds: Sequence[int], out_dir: str | os.P
            overrides: Sequence[str] = ()) -> list[SweepRun]:
     """Every grid point (cartesian product, in the order given) x every seed, as :class:`SweepRun`.
 
+    A point's folder names each grid key by its shortest dotted suffix that no other grid key
+    shares (:func:`short_keys`), with one key or many: ``kind=sdpa`` for
+    ``--grid backbone.attention.kind=...`` alone, ``attention.kind=sdpa__position.kind=none``
+    with ``backbone.position.kind`` too. A folder of the naming used before (the whole dotted
+    keys when two keys shared their last part:
+    ``backbone.attention.kind=sdpa__backbone.position.kind=none``) that exists in ``out_dir``
+    while the new name does not is kept, so a sweep started before still resumes into its runs
+    (:func:`legacy_label`).
+
     Raises:
         SweepError: two grid points map to the same run directory (the same value twice, or
             values that differ only in characters the folder name drops, e.g. ``[0.9,0.95]``
@@ -240,12 +256,15 @@ def expand(grid: dict[str, list[str]], seeds: Sequence[int], out_dir: str | os.P
     """
     out = Path(out_dir)
     keys = list(grid)
+    short = short_keys(keys)
     runs = []
     folders: dict[str, dict[str, str]] = {}
     for values in itertools.product(*(grid[k] for k in keys)):
         point = dict(zip(keys, values))
-        label = "__".join(f"{k.split('.')[-1] if _unique_suffix(keys, k) else k}={v}" for k, v in point.items())
-        folder = _slug(label) if point else "base"
+        folder = _slug("__".join(f"{short[k]}={v}" for k, v in point.items())) if point else "base"
+        legacy = _slug(legacy_label(point)) if point else "base"
+        if legacy != folder and (out / legacy).is_dir() and not (out / folder).exists():
+            folder = legacy  # a sweep started with the earlier naming: resume into its runs
         if folder in folders:
             a = ", ".join(f"{k}={v}" for k, v in folders[folder].items())
             b = ", ".join(f"{k}={v}" for k, v in point.items())
@@ -260,9 +279,26 @@ def expand(grid: dict[str, list[str]], seeds: Sequence[int], out_dir: str | os.P
     return runs
 
 
-def _unique_suffix(keys: Sequence[str], key: str) -> bool:
-    last = key.split(".")[-1]
-    return sum(k.split(".")[-1] == last for k in keys) == 1
+def short_keys(keys: Sequence[str]) -> dict[str, str]:
+    """Each grid key's shortest dotted suffix that no other key of ``keys`` ends with (at a
+    dot), else the whole key: ``["backbone.attention.kind", "backbone.position.kind",
+    "train.lr"]`` -> ``attention.kind``, ``position.kind``, ``lr``. One rule for one key or many;
+    the suffixes tell the keys apart, so run folders are unambiguous."""
+    out = {}
+    for key in keys:
+        parts = key.split(".")
+        others = [k.split(".") for k in keys if k != key]
+        n = next((n for n in range(1, len(parts) + 1) if all(o[-n:] != parts[-n:] for o in others)), len(parts))
+        out[key] = ".".join(parts[-n:])
+    return out
+
+
+def legacy_label(point: Mapping[str, str]) -> str:
+    """A point's folder label as sweeps named it before :func:`short_keys`: each key's last part
+    when no other key has the same last part, else the whole dotted key (kept to resume the
+    sweeps started then; see :func:`expand`)."""
+    last = [k.split(".")[-1] for k in point]
+    return "__".join(f"{k.split('.')[-1] if last.count(k.split('.')[-1]) == 1 else k}={v}" for k, v in point.items())
 
 
 #: Config keys the sweep sets for every run itself (``seed`` from --seeds, ``run_dir`` its folder).
@@ -468,16 +504,152 @@ def requested_config(run: SweepRun, config: str | None, device: str | None = Non
         SweepError: the config does not compose (unknown key, bad value...); the message names
             the run and its grid point.
     """
-    from rl_tformers.runtime.config import ConfigError, compose, to_container
+    from rl_tformers.runtime.config import to_container
 
-    extra = [f"device={device}"] if device else []
-    try:
-        cfg = compose(config, [*run.overrides, *extra, "train.progress=false"])
-    except ConfigError as exc:
-        raise SweepError(f"run {run.name} ({run.point_label}, seed {run.seed}): {exc}") from None
-    out = to_container(cfg)
+    out = to_container(_compose_run(run, config, device))
     out["run_dir"] = str(run.run_dir)
     return out
+
+
+def _compose_errors() -> tuple[type[BaseException], ...]:
+    """What composing a run's config raises for a bad config (``ConfigError`` is a ``ValueError``)."""
+    from rl_tformers.registry import RegistryError
+
+    return (ValueError, RegistryError, FileNotFoundError)
+
+
+def _compose(run: SweepRun, config: str | None, device: str | None = None) -> Any:
+    """The composed config (read-only DictConfig) of ``run`` as ``train_command(run, config, "new",
+    device)`` trains it (``run_dir`` not set); raises what :func:`~rl_tformers.runtime.config.compose` raises."""
+    from rl_tformers.runtime.config import compose
+
+    extra = [f"device={device}"] if device else []
+    return compose(config, [*run.overrides, *extra, "train.progress=false"])
+
+
+def _compose_run(run: SweepRun, config: str | None, device: str | None = None) -> Any:
+    """:func:`_compose`, a bad config raised as :class:`SweepError` naming the run (:func:`requested_config`)."""
+    try:
+        return _compose(run, config, device)
+    except _compose_errors() as exc:
+        raise SweepError(f"run {run.name} ({run.point_label}, seed {run.seed}): {exc}") from None
+
+
+def compose_points(runs: Sequence[SweepRun], config: str | None, device: str | None = None
+                   ) -> tuple[dict[str, dict[str, Any]], dict[str, str], dict[str, Any]]:
+    """Compose every run's config, going on past a grid point that does not compose.
+
+    Returns:
+        ``(requested, bad, composed)``: the plain config of every run whose grid point composes
+        (:func:`requested_config`, by run name); ``{point label: why}`` for each grid point that
+        does not (composed once: the seed does not change whether a config composes); the
+        composed DictConfig of each good point's first run (by point label), for
+        :func:`check_points`.
+    """
+    from rl_tformers.runtime.config import to_container
+
+    requested: dict[str, dict[str, Any]] = {}
+    bad: dict[str, str] = {}
+    composed: dict[str, Any] = {}
+    for run in runs:
+        if run.point_label in bad:
+            continue
+        try:
+            cfg = _compose(run, config, device)
+        except _compose_errors() as exc:
+            bad[run.point_label] = str(exc)
+            continue
+        composed.setdefault(run.point_label, cfg)
+        requested[run.name] = {**to_container(cfg), "run_dir": str(run.run_dir)}
+    return requested, bad, composed
+
+
+def _package_dirs() -> tuple[str, ...]:
+    """The folders of this package's code (``rl_tformers``, its agents and envs), for telling its
+    warnings from third-party ones."""
+    import importlib
+
+    dirs = []
+    for name in ("rl_tformers", "rl_tformers.agents", "rl_tformers.envs"):
+        try:
+            dirs += [str(Path(d).resolve()) + os.sep for d in importlib.import_module(name).__path__]
+        except ImportError:
+            continue
+    return tuple(dirs)
+
+
+def check_points(points: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Build each grid point's agent and prepare its first batches, as ``rl-tformers train`` does
+    before it trains anything (:func:`~rl_tformers.runtime.trainer.check_agent`, on the CPU),
+    collecting every refusal instead of stopping at the first.
+
+    Args:
+        points: ``{point label: composed config}`` (:func:`compose_points`).
+
+    Returns:
+        ``(bad, warned)``: ``{point label: why}`` for each point whose agent is refused (an
+        agent option, a combination the agent cannot train, a missing or malformed dataset...;
+        an unexpected exception as ``TypeName: message``), and ``{warning: [point labels]}``
+        for the warnings this package's code gave while building (e.g. PPO turning dropout
+        off): the runs' own logs are not on the sweep's console.
+    """
+    import gc
+    import logging
+    import warnings
+
+    from rl_tformers.runtime.trainer import check_agent
+
+    bad: dict[str, str] = {}
+    warned: dict[str, list[str]] = {}
+    ours = _package_dirs()
+    messages: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logger = logging.getLogger("rl_tformers")
+    for label, cfg in points.items():
+        messages.clear()
+        handlers, propagate = logger.handlers[:], logger.propagate
+        logger.handlers, logger.propagate = [_Keep(logging.WARNING)], False
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                check_agent(cfg)
+        except Exception as exc:  # noqa: BLE001 - every refusal is reported with its point
+            from rl_tformers.runtime.config import ConfigError
+
+            bad[label] = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+            continue
+        finally:
+            logger.handlers, logger.propagate = handlers, propagate
+            gc.collect()  # the agent and its dataset, before the next point loads its own
+        for w in caught:
+            if str(Path(w.filename).resolve()).startswith(ours) and not issubclass(w.category, DeprecationWarning):
+                messages.append(str(w.message))
+        for message in dict.fromkeys(m.removeprefix("warning: ").strip() for m in messages):
+            warned.setdefault(message, []).append(label)
+    return bad, warned
+
+
+def points_error(bad: Mapping[str, str], runs: Sequence[SweepRun]) -> SweepError:
+    """One error naming every grid point of ``runs`` that cannot run (``bad``: ``{point label:
+    why}``), in grid order: its runs (``n_layrs=1/seed0``, or ``n_layrs=1/seed*`` for several
+    seeds), its grid values and why."""
+    points: dict[str, list[SweepRun]] = {}
+    for run in runs:
+        points.setdefault(run.point_label, []).append(run)
+    lines = []
+    for label, rs in points.items():
+        if label not in bad:
+            continue
+        name = rs[0].name if len(rs) == 1 else rs[0].name.rsplit("/", 1)[0] + "/seed*"
+        values = f" ({label})" if rs[0].point else ""
+        lines.append(f"{name}{values}: {bad[label]}".replace("\n", "\n    "))
+    n = len(points)
+    return SweepError(
+        f"{len(lines)} of {n} grid point{'s' if n != 1 else ''} cannot run; nothing was started:\n  "
+        + "\n  ".join(lines) + "\nfix or drop those values, then run the same command again")
 
 
 def train_command(run: SweepRun, config: str | None, state: str, device: str | None = None) -> list[str]:
@@ -893,8 +1065,10 @@ def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], 
         SweepError: (before any run starts) unknown launcher, ``out_dir`` (or a folder above
             it) is a file, Ray missing with
             ``launcher="ray"``, duplicate run directories (:func:`expand`), an override the sweep
-            would replace (:func:`check_overrides`), a grid point whose config does not compose,
-            two grid points with the same config (:func:`check_distinct_configs`), another sweep
+            would replace (:func:`check_overrides`), grid points whose config does not compose
+            (:func:`compose_points`) or, with the local launcher, whose agent does not build
+            (:func:`check_points`): one error naming every such point and why, two grid points
+            with the same config (:func:`check_distinct_configs`), another sweep
             running in ``out_dir``, a run directory holding a run with another config (the
             message names each such run and the differing keys), or one being trained by
             another process.
@@ -911,17 +1085,19 @@ def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], 
         import_ray()
     runs = expand(grid, seeds, out, overrides)
     check_overrides(grid, overrides)
-    requested = {run.name: requested_config(run, config, device) for run in runs}  # fails fast on a typo
-    check_distinct_configs(runs, requested)
+    requested, bad, composed = compose_points(runs, config, device)  # every point, before anything starts
+    check_distinct_configs([run for run in runs if run.name in requested], requested)
     with _SweepLock(out):  # from the state checks to the results: no other sweep in between
         return _sweep_locked(config, runs, requested, seeds, out, jobs=jobs, threads=threads, launcher=launcher,
-                             gpus_per_run=gpus_per_run, device=device, metric=metric, echo=echo)
+                             gpus_per_run=gpus_per_run, device=device, metric=metric, echo=echo,
+                             bad=bad, composed=composed)
 
 
 def _echo_config_warnings(runs: Sequence[SweepRun], requested: dict[str, dict[str, Any]],
-                          echo: Callable[[str], None]) -> None:
-    """Print each run config's warnings (:func:`~rl_tformers.runtime.trainer.config_warnings`) once,
-    with the grid points they apply to: the runs' own logs are not on the sweep's console."""
+                          echo: Callable[[str], None], agent_warnings: Mapping[str, list[str]] | None = None) -> None:
+    """Print each run config's warnings (:func:`~rl_tformers.runtime.trainer.config_warnings`) and
+    the warnings of building the agents (``agent_warnings``, :func:`check_points`) once, with the
+    grid points they apply to: the runs' own logs are not on the sweep's console."""
     from rl_tformers.runtime.trainer import config_warnings
 
     points: dict[str, list[str]] = {}
@@ -930,6 +1106,8 @@ def _echo_config_warnings(runs: Sequence[SweepRun], requested: dict[str, dict[st
             labels = points.setdefault(message, [])
             if run.point_label not in labels:
                 labels.append(run.point_label)
+    for message, labels in (agent_warnings or {}).items():
+        points.setdefault(message, []).extend(x for x in labels if x not in points.get(message, []))
     n_points = len({run.point_label for run in runs})
     for message, labels in points.items():
         where = "every run" if len(labels) == n_points else ", ".join(labels)
@@ -938,13 +1116,24 @@ def _echo_config_warnings(runs: Sequence[SweepRun], requested: dict[str, dict[st
 
 def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[str, dict[str, Any]],
                   seeds: Sequence[int], out: Path, *, jobs: int, threads: int, launcher: str, gpus_per_run: float,
-                  device: str | None, metric: str | None, echo: Callable[[str], None]) -> SweepResult:
-    """The part of :func:`sweep` that runs under the sweep folder's lock."""
+                  device: str | None, metric: str | None, echo: Callable[[str], None],
+                  bad: Mapping[str, str] | None = None, composed: Mapping[str, Any] | None = None) -> SweepResult:
+    """The part of :func:`sweep` that runs under the sweep folder's lock.
+
+    ``bad``: the grid points whose config does not compose (:func:`compose_points`), refused
+    together with the points whose agent is refused (:func:`check_points`, for the points with
+    a run to start or resume; local launcher only: Ray runs may see files this machine does
+    not), after the run-directory checks and before anything is started or changed.
+    """
     from rl_tformers.runtime.runlock import lock_holder
 
+    bad = dict(bad or {})
     outcomes: dict[str, RunOutcome] = {}
     todo, problems, fresh = [], [], []
+    said: list[tuple[str, RunOutcome]] = []
     for run in runs:
+        if run.name not in requested:  # its grid point does not compose: refused below
+            continue
         state = run_state(run.run_dir)
         pid = lock_holder(run.run_dir)
         if pid is not None:
@@ -959,28 +1148,42 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
                 continue
         if state == "complete":
             outcomes[run.name] = RunOutcome("skipped", 0)
-            echo(f"skipped {run.name} (complete)")
+            said.append((run.name, outcomes[run.name]))
         elif state == "unevaluated":
             outcomes[run.name] = RunOutcome(
                 "incomplete", None, 0.0,
                 f"error: {run.run_dir} trained to the end but has no final evaluation (it failed: see "
                 f"{out / 'logs' / (_slug(run.name) + '.log')}); evaluate it with `rl-tformers eval {run.run_dir}`, "
                 f"or delete the directory to train it again")
-            _echo_outcome(echo, run.name, outcomes[run.name])
+            said.append((run.name, outcomes[run.name]))
         else:
             if state == "new":
                 fresh.append(run)
             todo.append((run, train_command(run, config, state, device)))
     if problems:
-        raise SweepError(
-            "cannot rerun the sweep in " + str(out) + ": its run directories must hold the requested runs\n  "
-            + "\n  ".join(problems) + "\nuse another --out, rerun with the values those runs were started with, "
-            "or delete those run directories")
+        text = ("cannot rerun the sweep in " + str(out) + ": its run directories must hold the requested runs\n  "
+                + "\n  ".join(problems) + "\nuse another --out, rerun with the values those runs were started with, "
+                "or delete those run directories")
+        if bad:
+            text += "\n" + str(points_error(bad, runs))
+        raise SweepError(text)
+    agent_warnings: dict[str, list[str]] = {}
+    if launcher == "local" and composed:
+        to_check = {run.point_label: composed[run.point_label] for run, _ in todo if run.point_label in composed}
+        refused, agent_warnings = check_points(to_check)
+        bad.update(refused)
+    if bad:
+        raise points_error(bad, runs)
+    for name, outcome in said:
+        if outcome.status == "skipped":
+            echo(f"skipped {name} (complete)")
+        else:
+            _echo_outcome(echo, name, outcome)
     for run in fresh:  # a run that starts anew (e.g. its directory was deleted to train it again): so does its time
         parts_path(out / "logs" / f"{_slug(run.name)}.log").unlink(missing_ok=True)
     echo(f"sweep: {len(runs)} runs ({len(todo)} to run) over {len(runs) // max(1, len(seeds))} grid points x "
          f"{len(seeds)} seeds -> {out}")
-    _echo_config_warnings(runs, requested, echo)
+    _echo_config_warnings(runs, requested, echo, agent_warnings)
     log_dir = out / "logs"
     stopped = None
     if todo:
@@ -999,7 +1202,7 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
 
 SWEEP_HELP = """Run a grid of training runs (config values x seeds) in parallel and collect one results table and plot.
 
-Every grid point x seed is an ordinary `rl-tformers train` run in OUT/<point>/seed<k>. Every grid point's config is checked before any run starts: two grid values giving the same config, and an override that a run's own seed, folder or grid value would replace, are refused; so is a second sweep in the same OUT while one runs. Running the same command again skips complete runs (trained to train.steps and, with eval.at_end, evaluated) and resumes unfinished ones; a run directory holding a run with another config (e.g. other train.steps) is refused, naming the differing keys. SIGINT/SIGTERM/SIGHUP stop every run with a checkpoint. Results: OUT/results.csv, results.json, results.md (per run, and mean/std over the seeds whose run completed per grid point) and results.png.
+Every grid point x seed is an ordinary `rl-tformers train` run in OUT/<point>/seed<k> (<point>: each grid key by its shortest dotted suffix no other grid key shares, e.g. attention.kind=sdpa__position.kind=none). Every grid point is checked before any run starts, and all bad points are named in one error: its config must compose and (local launcher) its agent must build as `rl-tformers train` checks it (dataset, agent options, backbone); two grid values giving the same config, and an override that a run's own seed, folder or grid value would replace, are refused; so is a second sweep in the same OUT while one runs. Running the same command again skips complete runs (trained to train.steps and, with eval.at_end, evaluated) and resumes unfinished ones; a run directory holding a run with another config (e.g. other train.steps) is refused, naming the differing keys. SIGINT/SIGTERM/SIGHUP stop every run with a checkpoint. Results: OUT/results.csv, results.json, results.md (per run, and mean/std over the seeds whose run completed per grid point) and results.png.
 
 Examples:
 

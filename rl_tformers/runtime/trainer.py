@@ -75,6 +75,7 @@ from rl_tformers.runtime.optim import (
     restore_scheduler,
     scheduler_state,
 )
+from rl_tformers.runtime.progress import PlainProgress, progress_bar
 from rl_tformers.runtime.runlock import RunBusyError, directory_problem, hold_run, lock_holder
 from rl_tformers.runtime.seeding import (
     capture_rng_state,
@@ -913,8 +914,9 @@ def resume_command(run_dir: str | os.PathLike, world_size: int = 1) -> str:
 
 
 def _log_above_bar(bar: Any) -> Any:
-    """While a progress bar is shown, route ``rl_tformers`` console log lines through ``tqdm.write``."""
-    if bar is None or bar.disable:
+    """While a tqdm bar is drawn on a terminal, route ``rl_tformers`` console log lines through
+    ``tqdm.write`` (plain progress lines need nothing: they are ordinary lines)."""
+    if bar is None or bar.disable or isinstance(bar, PlainProgress):
         return contextlib.nullcontext()
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -922,11 +924,11 @@ def _log_above_bar(bar: Any) -> Any:
 
 
 def _progress(start: int, total: int, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
-
-    tty = sys.stderr.isatty()
-    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, disable=not enabled,
-                mininterval=0.5 if tty else 30.0, smoothing=0.05, file=sys.stderr)
+    """The run's progress on stderr: a tqdm bar on a terminal; otherwise (a log file, a pipe) a
+    plain line every :data:`~rl_tformers.runtime.progress.PLAIN_INTERVAL_S` seconds and at the
+    end, without the bar's carriage returns (:func:`~rl_tformers.runtime.progress.progress_bar`)."""
+    return progress_bar(total, initial=start, desc="train", unit="step", enabled=enabled, file=sys.stderr,
+                        dynamic_ncols=True, mininterval=0.5, smoothing=0.05)
 
 
 # -- entry points --------------------------------------------------------------------------------
@@ -942,6 +944,29 @@ def _with_run_dir(cfg: DictConfig, run_dir: Path) -> DictConfig:
 def holds_run(run_dir: Path) -> bool:
     """True if ``run_dir`` already has checkpoints, metrics or event files."""
     return bool(ckpt.list_checkpoints(run_dir) or (run_dir / METRICS_FILE).exists() or event_files(run_dir))
+
+
+def check_agent(cfg: DictConfig, device: str | torch.device = "cpu") -> None:
+    """Make the checks ``rl-tformers train`` makes of the agent before it trains or writes
+    anything, without a run: build the agent (:func:`~rl_tformers.runtime.agents.build_agent`,
+    as :class:`Trainer` does: dataset loaded and validated, agent options, backbone and
+    evaluation environment checked) and prepare its first batches (as :meth:`Trainer.fit`
+    does), then drop it. Nothing is written (builders do not write to the run directory).
+
+    ``rl-tformers sweep`` calls it for every grid point with a run to start or resume before it
+    starts any run. The model is built on ``device`` (default CPU: the caller holds no
+    accelerator memory; the model is thrown away).
+
+    Raises:
+        AgentBuildError: the builder or its first batches refused the config or the data (a
+            :class:`ConfigError` whose message names the option, field, episode or file).
+        UnknownAgentError: ``agent.kind`` is not registered.
+        TypeError: the builder's result is not a Trainable.
+    """
+    run_dir = Path(str(cfg.run_dir)) if cfg.get("run_dir") else Path(".")
+    agent = build_agent(cfg, run_dir, torch.device(device))
+    with agent_build_errors():
+        agent.batches(0)
 
 
 def check_world_size(cfg: DictConfig, world_size: int) -> None:
@@ -1197,6 +1222,6 @@ def _resume_device_spec(run_dir: str | os.PathLike, overrides: tuple[str, ...] |
 
 __all__ = [
     "ConfigError", "GracefulInterrupt", "Interrupted", "MetricWindow", "NonFiniteLossError", "RunDirError",
-    "TrainResult", "Trainer", "check_config_file", "check_world_size", "holds_run", "load_resume_config",
+    "TrainResult", "Trainer", "check_agent", "check_config_file", "check_world_size", "holds_run", "load_resume_config",
     "new_run_problem", "resume", "resume_command", "train",
 ]
