@@ -341,10 +341,12 @@ class GTrXLPolicy:
         start = torch.as_tensor(start_np, device=dev)
         r = torch.as_tensor(r_np, dtype=torch.float32, device=dev)
         enc = self.model.encoder
-        memory = enc.reset_state(state.memory, start) if enc.stateful else None
-        t = torch.where(start, torch.zeros_like(state.t), state.t)
-        keep = (~start).view(-1, *([1] * (state.prev_action.dim() - 1)))
-        prev_a = state.prev_action * keep.to(state.prev_action.dtype)
+        memory, t, prev_a = state.memory, state.t, state.prev_action
+        if start_np.any():  # most steps start no episode: nothing to reset (the same values, fewer ops)
+            memory = enc.reset_state(memory, start) if enc.stateful else None
+            t = torch.where(start, torch.zeros_like(t), t)
+            keep = (~start).view(-1, *([1] * (prev_a.dim() - 1)))
+            prev_a = prev_a * keep.to(prev_a.dtype)
         o = (torch.as_tensor(np.asarray(obs, np.float32), device=dev).reshape(n, -1) - self.obs_mean) / self.obs_std
         if self.obs_clip is not None:
             o = o.clamp(-self.obs_clip, self.obs_clip)

@@ -214,7 +214,8 @@ def attention_sdpa(
     broadcastable to (B, H, T, S). ``is_causal`` may only be set when T == S and there is no
     other mask or bias (top-left aligned causal mask). ``additive``: ``allowed`` already as
     ``AttnContext.additive_mask(q.dtype)`` (computed once per forward instead of per layer;
-    ``allowed`` and ``bias`` are then ignored).
+    ``allowed`` is then ignored, and ``bias`` is added to it: adding 0 or ``finfo.min`` to a
+    bias of ordinary magnitude gives exactly the masked bias, in one pass).
 
     fp32 on CPU with ``dropout_p > 0``: PyTorch has no fused CPU kernel with dropout, and its
     math fallback scales q and k separately and converts the mask on every call; the same
@@ -225,6 +226,8 @@ def attention_sdpa(
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
     if additive is not None:
         mask, row_ok = additive
+        if bias is not None:
+            mask = bias.to(q.dtype) + mask  # (B|1, H|1, T, S)
         out = _attention_dropout_cpu(q, k, v, mask, scale, dropout_p) if _explicit_path(q, dropout_p) else (
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale))
         return out * row_ok

@@ -44,7 +44,12 @@ class DenseAttention(AttentionModule):
         pos = self.position
         n_new = k.shape[2]
         pos_k_new = ctx.pos_k[:, ctx.k_len - n_new :]
-        bias = pos.score_bias(q, ctx.pos_q, ctx.pos_k) if pos.additive_bias else None
+        bias = None
+        if pos.additive_bias:
+            # every path below masks with ctx, so a kind may skip the masked pairs (XL relative: one distance
+            # table per forward, masked_score_bias); the reference kernel (the tests' ground truth) takes all
+            masked_bias = None if self.force_reference else getattr(pos, "masked_score_bias", None)
+            bias = pos.score_bias(q, ctx.pos_q, ctx.pos_k) if masked_bias is None else masked_bias(q, ctx)
         q_c = pos.content_query(q)
         q_c = pos.rotate(q_c, ctx.pos_q)
         k = pos.rotate(k, pos_k_new)
@@ -69,7 +74,7 @@ class DenseAttention(AttentionModule):
             out = attention_sdpa(
                 q_c, k, v, ctx.allowed() if masked else None,
                 scale=self.scale, bias=bias, is_causal=plain, dropout_p=self.dropout_p,
-                additive=ctx.additive_mask(q_c.dtype) if masked and bias is None else None,
+                additive=ctx.additive_mask(q_c.dtype) if masked else None,
             )
         return AttnOutput(self.o_proj(self.merge_heads(out)), cache=cache, weights=weights)
 

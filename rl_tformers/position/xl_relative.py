@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from rl_tformers.position.absolute import sinusoid
 from rl_tformers.position.base import PositionConfig, PositionModule, per_head, rel_distance
 from rl_tformers.registry import POSITION, Capabilities
-from rl_tformers.types import acc_dtype
+from rl_tformers.types import AttnContext, acc_dtype
 
 
 class XLRelativePosition(PositionModule):
@@ -40,7 +40,9 @@ class XLRelativePosition(PositionModule):
     T + S - 1 (the range [min(i-j), max(i-j)]); when that range is longer (positions far apart:
     unfilled memory slots at position 0 read from a late step, a window crossing an episode
     start), only the distances that occur are used (``torch.unique``): R is then the number of
-    distinct distances (never more than the range), whatever the positions' magnitude.
+    distinct distances (never more than the range), whatever the positions' magnitude. Dense
+    attention calls :meth:`masked_score_bias` instead, which builds the table once per forward
+    for all layers, over the pairs the mask allows (R = S with XL memory, no ``unique``).
     """
 
     additive_bias = True
@@ -67,14 +69,72 @@ class XLRelativePosition(PositionModule):
             inv = dist - lo
         else:  # far-apart positions (unfilled memory at 0, an episode start in the window): only those that occur
             grid, inv = torch.unique(dist, sorted=True, return_inverse=True)  # (R,), index of each pair's distance
+        return self._bias(q, self._table(grid), inv)
+
+    def masked_score_bias(self, q: Tensor, ctx: AttnContext) -> Tensor:
+        """:meth:`score_bias` for a kernel that masks with ``ctx.allowed()``: q (B, H, T, Dh)
+        -> (B, H, T, S), the same values on every pair ``ctx`` allows; the other pairs get
+        finite values of no meaning (the kernel masks them).
+
+        The distance table is built once per context (cached on it: every layer of a forward
+        shares it) and over the allowed pairs only. With XL memory a query attends only the last
+        S steps of its own episode, so the table is the S distances 0..S-1, where a table over
+        all pairs must also cover unfilled slots and earlier episodes: ``torch.unique`` over
+        B x T x S pairs in every layer (with GTrXL's burn-in from mid-episode, every training
+        forward) and a table of up to T + S - 1 rows otherwise.
+        """
+        key = ("xl_relative", self.d_model, self.base, self.r_proj.weight.dtype)
+        hit = ctx._derived.get(key)
+        if hit is None:
+            hit = ctx._derived[key] = self._allowed_distances(ctx)
+        return self._bias(q, *hit)
+
+    def _allowed_distances(self, ctx: AttnContext) -> tuple[Tensor, Tensor]:
+        """Sinusoids of the distances i - j of the pairs ``ctx`` allows, (R, D) in the
+        projection's dtype, and each pair's row in them, (B, 1, T, S) long (some row in range
+        for the pairs not allowed)."""
+        dist = ctx.pos_q[:, :, None] - ctx.pos_k[:, None, :]  # (B, T, S)
+        s = ctx.k_len
+        if ctx.has_mask:
+            allowed = ctx.allowed()[:, 0]  # (B|1, T, S)
+            inv = torch.where(allowed, dist, 0)
+            lo, hi = _span(inv)
+            if 0 <= lo and hi < s:
+                # keys at most S - 1 steps back (causal, XL memory): always the S distances 0..S-1, so the
+                # table's shape (hence a row's rounding) does not depend on the other rows' positions
+                return self._table(torch.arange(s, device=dist.device)), inv.unsqueeze(1)
+            occurs = dist[allowed.expand_as(dist)]  # (P,) the allowed pairs' own range (0 need not be one)
+            lo, hi = _span(occurs) if occurs.numel() else (0, 0)
+            dist = dist.masked_fill(~allowed, lo)
+        else:
+            lo, hi = _span(dist)
+        if hi - lo + 1 <= ctx.q_len + s - 1:  # every distance in [lo, hi], as score_bias
+            grid, inv = torch.arange(lo, hi + 1, device=dist.device), dist - lo  # (R,), (B, T, S)
+        else:  # far apart (allowed pairs of a non-causal context): only the distances that occur
+            grid, inv = torch.unique(dist, sorted=True, return_inverse=True)
+        return self._table(grid), inv.unsqueeze(1)
+
+    def _table(self, grid: Tensor) -> Tensor:
+        """Sinusoids r of the distances ``grid`` (R,) -> (R, D) in the projection's dtype."""
         w = self.r_proj.weight.dtype
-        r = self.r_proj(sinusoid(grid, self.d_model, self.base, acc_dtype(w)).to(w))  # (R, D)
+        return sinusoid(grid, self.d_model, self.base, acc_dtype(w)).to(w)
+
+    def _bias(self, q: Tensor, table: Tensor, inv: Tensor) -> Tensor:
+        """(q + v)^T W_kR r / sqrt(Dh) of each pair: q (B, H, ..., T, Dh), table (R, D) of r, inv
+        (B, 1, ..., T, S) each pair's row of the table -> (B, H, ..., T, S)."""
+        r = self.r_proj(table)  # (R, D)
         r = r.view(-1, self.n_heads, self.head_dim).transpose(0, 1).to(q.dtype)  # (H, R, Dh)
         r = r.view(1, self.n_heads, *([1] * (q.dim() - 4)), *r.shape[1:])  # (1, H, 1.., R, Dh)
         qv = q + per_head(self.v, q.dim()).to(q.dtype)  # (B, H, ..., T, Dh)
         bd = torch.matmul(qv, r.transpose(-1, -2))  # (B, H, ..., T, R)
-        idx = inv.expand(*bd.shape[:-1], dist.shape[-1])  # (B, H, ..., T, S)
-        return torch.gather(bd, -1, idx) * self.scale
+        idx = inv.expand(*bd.shape[:-1], inv.shape[-1])  # (B, H, ..., T, S)
+        return torch.gather(bd, -1, idx).mul_(self.scale)
+
+
+def _span(x: Tensor) -> tuple[int, int]:
+    """(min, max) of an integer tensor, read in one host transfer."""
+    lo, hi = torch.stack(torch.aminmax(x)).tolist()
+    return lo, hi
 
 
 @POSITION.register(
