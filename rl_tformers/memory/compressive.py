@@ -342,7 +342,7 @@ class CompressiveMemory(MemoryModule):
         aux_ar: list[Tensor] = []
         aux_ae: list[Tensor] = []
         layers = []
-        with_losses = bool(gval.any())  # some row made a group (one sync per segment)
+        any_group = bool(gval.any())  # some row made a group (one sync per segment)
         for i, (ls, h) in enumerate(zip(state.layers, rec.layer_inputs)):
             h = h.detach()  # (B, T, D)
             mem = ls.memory.to(h.dtype)
@@ -351,20 +351,21 @@ class CompressiveMemory(MemoryModule):
             usage = None
             if self.compression == "most_used":
                 usage = self._accumulate_usage(i, ls, state, rec, h)
-            # every call forms G >= 1 groups (most of them empty in one-step rollouts)
-            idx = gidx[..., None].expand(b, g * c, self.d_model)
-            old = allf.gather(1, idx).view(b, g, c, self.d_model)  # (B, G, c, D)
-            avg = None
-            if usage is not None:
-                avg = (usage.usage / usage.seen.clamp_min(1)).gather(1, gidx).view(b, g, c)  # (B, G, c)
-            comp = self.compressors[i]
-            new = comp(old, include, avg)  # (B, G, D)
-            if with_losses:
+            # without a group with a valid member (most steps of one-step rollouts) nothing is
+            # compressed and the compressed memory stays as it is
+            if any_group:
+                idx = gidx[..., None].expand(b, g * c, self.d_model)
+                old = allf.gather(1, idx).view(b, g, c, self.d_model)  # (B, G, c, D)
+                avg = None
+                if usage is not None:
+                    avg = (usage.usage / usage.seen.clamp_min(1)).gather(1, gidx).view(b, g, c)  # (B, G, c)
+                comp = self.compressors[i]
+                new = comp(old, include, avg)  # (B, G, D)
                 ar, ae = self._losses(comp, rec.blocks[i] if rec.blocks else None, h, rec.valid, old, include, new, gval)
                 aux_ar += [ar] if ar is not None else []
                 aux_ae += [ae] if ae is not None else []
-            new = new.detach().to(cm.dtype).gather(1, order[..., None].expand(b, g, self.d_model))
-            cm = torch.cat([cm, new], 1).gather(1, push[..., None].expand(b, mc, self.d_model))
+                new = new.detach().to(cm.dtype).gather(1, order[..., None].expand(b, g, self.d_model))
+                cm = torch.cat([cm, new], 1).gather(1, push[..., None].expand(b, mc, self.d_model))
             extra = None
             if usage is not None:
                 extra = FifoUsage(usage.usage[:, n_all - keep_len :] * kept, usage.seen[:, n_all - keep_len :] * kept)
