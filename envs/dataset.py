@@ -560,8 +560,7 @@ class EpisodeDataset:
             DatasetError: naming the field, the episode and the step (0-based inside the episode).
         """
         if not isinstance(self.action_space, (gym.spaces.Box, gym.spaces.Discrete)):
-            raise DatasetError(f"actions: unsupported action space {self.action_space!r}; "
-                               "supported: Box, Discrete", field="actions")
+            raise DatasetError(unsupported_action_space(self.action_space), field="actions")
         if not isinstance(self.observation_space, gym.spaces.Box):
             raise DatasetError(f"observations: unsupported observation space {self.observation_space!r}; "
                                "flatten it when loading (dataset.flatten_observations=true, "
@@ -702,6 +701,8 @@ class EpisodeDataset:
         from rl_tformers.envs.scores import normalized_score, reference_scores
 
         ret = self.episode_returns
+        last = self.starts + self.lengths - 1  # (E,) each episode's last step
+        term, trunc = self.terminations[last], self.truncations[last]
         out = {
             "dataset": self.metadata.location,
             "source": self.metadata.source,
@@ -716,8 +717,13 @@ class EpisodeDataset:
             "length_min": int(self.lengths.min()),
             "length_max": int(self.lengths.max()),
             "length_mean": float(self.lengths.mean()),
-            "terminations": int(self.terminations[self.starts + self.lengths - 1].sum()),
-            "truncations": int(self.truncations[self.starts + self.lengths - 1].sum()),
+            # each episode counted once: one whose last step is flagged both terminal and truncated
+            # (a terminal state reached on the time limit's last step) is a termination, as in
+            # gymnasium (terminated decides: no bootstrapping) and the offline agents, which read
+            # the terminal flag; the data keeps both flags, and the last key counts such episodes
+            "terminations": int(term.sum()),
+            "truncations": int((trunc & ~term).sum()),
+            "terminated_and_truncated": int((term & trunc).sum()),
             # the data stopped mid-episode: its last episode was cut and marked truncated by the loader
             "unfinished_last_episode": bool(self.metadata.extra.get("unfinished_last_episode", False)),
             "observation_shape": list(self.observation_shape),
@@ -875,6 +881,29 @@ def binary_flags(name: str, flags: ArrayLike, *, episode: int | None = None,
     return a == 1
 
 
+#: What to do with multi-dimensional discrete actions, which no agent takes (see :func:`unsupported_action_space`).
+MULTI_DISCRETE_FIXES = (
+    "to train on them, either treat the actions as continuous values with a Box action space of their "
+    "per-step shape (an HDF5 file: action_space=gym.spaces.Box(low, high, shape) for load_dataset, or "
+    "dataset.env_id / the file's env_id attribute naming an environment whose action space is that Box; "
+    "evaluation then needs such an environment, agent.env_id), or encode each action as one Discrete index "
+    "(numpy.ravel_multi_index over the components' sizes) and store actions of shape (N,)")
+
+
+def unsupported_action_space(space: gym.Space, minari: bool = False) -> str:
+    """The ``actions:`` message refusing an action space other than ``Box`` / ``Discrete``; for
+    ``MultiDiscrete`` / ``MultiBinary`` it says that multi-dimensional discrete actions are not
+    supported and what to do instead (:data:`MULTI_DISCRETE_FIXES`; ``minari``: the space is a
+    Minari dataset's own, which no option replaces, so the data must be rewritten first)."""
+    if isinstance(space, (gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)):
+        convert = ("a Minari dataset carries its own action space: write its episodes to a D4RL-layout .hdf5 file "
+                   "(observations, actions, rewards, terminals, timeouts) and load that; " if minari else "")
+        return (f"actions: action space {space!r}: multi-dimensional discrete actions (MultiDiscrete/MultiBinary) "
+                f"are not supported (the agents take one Discrete action per step or a Box); {convert}"
+                f"{MULTI_DISCRETE_FIXES}")
+    return f"actions: unsupported action space {space!r}; supported: Box, Discrete"
+
+
 def infer_action_space(actions: ArrayLike) -> gym.Space:
     """Action space when the source stores none: ``Discrete(max + 1)`` for integer (N,) actions,
     an unbounded ``Box`` for float actions (the bounds check is then a no-op; pass the real
@@ -882,7 +911,11 @@ def infer_action_space(actions: ArrayLike) -> gym.Space:
     dtype = np.dtype(actions.dtype)
     if np.issubdtype(dtype, np.integer):
         if len(actions.shape) != 1:
-            raise DatasetError(f"actions: integer actions must have shape (N,), got {actions.shape}", field="actions")
+            raise DatasetError(
+                f"actions: integer actions of shape {tuple(actions.shape)} and no action space: one Discrete action "
+                f"per step is an integer array of shape (N,); {tuple(actions.shape[1:])} integers per step are "
+                f"multi-dimensional discrete actions (MultiDiscrete/MultiBinary), which are not supported; "
+                f"{MULTI_DISCRETE_FIXES}", field="actions")
         a = np.asarray(actions)
         if a.size and a.min() < 0:
             raise DatasetError(f"actions: negative integer action {a.min()}; pass action_space explicitly",

@@ -35,6 +35,7 @@ from rl_tformers.envs.dataset import (
     check_next_observations,
     per_step_column,
     unbounded_box,
+    unsupported_action_space,
 )
 
 #: Environment variable overriding the project's data root.
@@ -140,8 +141,7 @@ def _flatten_batch(space: gym.Space, x) -> np.ndarray:
 def _check_spaces(obs_space: gym.Space, act_space: gym.Space, flatten_observations: bool) -> gym.Space:
     """Observation space after optional flattening; refuses unsupported spaces by name."""
     if not isinstance(act_space, (gym.spaces.Box, gym.spaces.Discrete)):
-        raise DatasetError(f"actions: unsupported action space {act_space!r}; supported: Box, Discrete",
-                           field="actions")
+        raise DatasetError(unsupported_action_space(act_space, minari=True), field="actions")
     if isinstance(obs_space, gym.spaces.Box):
         return obs_space
     if not flatten_observations:

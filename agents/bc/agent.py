@@ -192,7 +192,17 @@ class BCAgent:
         return self.info.to_extra()
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
-        self.info = DatasetInfo.from_extra(state)
+        """Take the checkpoint's dataset statistics (``--resume``).
+
+        Raises:
+            AgentBuildError: the dataset read now (``dataset.path``, filtered by
+                ``agent.top_fraction``) is not the data the checkpoint was trained on: its
+                statistics differ (:meth:`DatasetInfo.check_resumed_data`, as for the DT).
+        """
+        saved = DatasetInfo.from_extra(state)
+        if self.dataset is not None:  # training (not an inference-only agent): the data must be the run's
+            saved.check_resumed_data(self.info, plain(self.cfg.dataset).get("path"))
+        self.info = saved
 
 
 def load_for_inference(cfg: Any, state: Mapping[str, Any], device: torch.device | str = "cpu") -> BCAgent:

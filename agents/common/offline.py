@@ -175,8 +175,11 @@ class DatasetInfo:
 
         Raises:
             ValueError: unbounded Box actions, a reward scale that is not ``"auto"`` or > 0
-                (:func:`parse_reward_scale`), ``env_kwargs`` that is not a mapping, or an
-                evaluation environment that does not fit the data (:meth:`check_env`).
+                (:func:`parse_reward_scale`), a scale under which the scaled returns-to-go would
+                not be finite in float32 (:func:`check_scaled_returns`), ``"auto"`` on returns too
+                small for a power of ten (all |returns| below ~1e-323), ``env_kwargs`` that is not
+                a mapping, or an evaluation environment that does not fit the data
+                (:meth:`check_env`).
         """
         from rl_tformers.envs.scores import reference_scores
         from rl_tformers.envs.trajectory import observation_stats
@@ -210,12 +213,20 @@ class DatasetInfo:
             mean, std = st.mean.reshape(-1), st.std.reshape(-1)
         else:
             mean, std = np.zeros(obs_dim, np.float32), np.ones(obs_dim, np.float32)
-        scale = auto_scale(ds) if scale == "auto" else scale
+        where = spec or ds.metadata.location or "(in memory)"
+        if scale == "auto":
+            scale = auto_scale(ds)
+            if not scale > 0:  # 10 ** floor(log10(m)) underflows to 0.0 for m below ~1e-323
+                m = float(np.abs(ds.episode_returns).max())
+                raise ValueError(
+                    f"rewards: agent.reward_scale='auto' cannot scale the dataset {where}: its largest |episode "
+                    f"return| is {m:g}, so the power of ten at or below it underflows to 0 in float64; its rewards "
+                    f"are too small to condition on: rescale them (multiply the dataset's rewards), or set "
+                    f"agent.reward_scale to a number > 0 where the agent takes it (dt, gtrxl)")
+        check_scaled_returns(ds, scale, where)
         ret = ds.episode_returns
         meta = ds.metadata
-        refs = reference_scores(ds)
-        if refs is None and env_id:
-            refs = reference_scores(env_id)
+        refs = evaluation_references(ds, env_id) if env_id else reference_scores(ds)
         info = cls(
             obs_dim=obs_dim, act_dim=act_dim, discrete=discrete, obs_mean=mean, obs_std=std,
             action_low=low, action_high=high, reward_scale=float(scale),
@@ -345,6 +356,35 @@ class DatasetInfo:
                 out.append(f"{name}: {show(a)} -> {show(b)}")
         return out
 
+    def check_resumed_data(self, now: DatasetInfo | None, dataset: Any = None) -> None:
+        """Refuse resuming a run saved with these statistics (the checkpoint's) on data whose
+        statistics ``now`` (:meth:`from_dataset` of the dataset read at resume) differ.
+
+        A resumed offline run trains on the dataset it reads now with the checkpoint's statistics
+        (observation mean/std, reward scale, default target): if the data behind ``dataset.path``
+        changed since the checkpoint (a rebuilt or overwritten file), it would go on training on
+        other data with stale statistics and the resume would not continue the run. ``now=None``
+        (an agent loaded without its dataset, for inference) checks nothing.
+
+        Args:
+            now: the statistics of the data read now, or None.
+            dataset: ``dataset.path`` of the run, for the message.
+
+        Raises:
+            AgentBuildError: (a ValueError, reported by ``rl-tformers train`` as one ``error:``
+                line) naming the dataset and every statistic that changed (checkpoint -> now).
+        """
+        if now is None:
+            return
+        changed = self.data_differences(now)
+        if changed:
+            from rl_tformers.runtime.agents import AgentBuildError
+
+            raise AgentBuildError(
+                f"the dataset {dataset} is not the data this run was trained on: its statistics differ from "
+                f"the checkpoint's ({'; '.join(changed)}; checkpoint -> now); resume with the original "
+                f"data, or start a new run on this dataset")
+
     def to_extra(self) -> dict[str, Any]:
         """Checkpoint-safe dict (tensors, numbers, strings, None, dicts, lists)."""
         t = lambda a: None if a is None else torch.as_tensor(np.asarray(a, np.float32))  # noqa: E731
@@ -415,6 +455,54 @@ class DatasetInfo:
             return 100.0 * (np.asarray(r, np.float64) - lo) / (hi - lo)
 
         return norm
+
+
+def evaluation_references(ds: EpisodeDataset, env_id: str) -> tuple[float, float] | None:
+    """Reference returns ``(ref_min, ref_max)`` of the normalised score of a model trained on ``ds``
+    and evaluated in ``env_id`` (``agent.env_id``), or None.
+
+    The normalised score is a property of the task the returns are measured in, so the evaluation
+    environment decides:
+
+    * ``env_id`` is the dataset's own environment, or of the same D4RL task family
+      (``Hopper-v4`` for ``Hopper-v5`` data): the dataset's references
+      (:func:`~rl_tformers.envs.scores.reference_scores`: its own Minari ones first);
+    * ``env_id`` is of another D4RL family (``HalfCheetah-v5`` for Walker2d data, same shapes):
+      that family's D4RL references, not the dataset's (logged as a warning when the dataset
+      has references of its own);
+    * ``env_id`` is of no D4RL family: the dataset's references if it has any, with a warning
+      that they are the dataset's task's and mean something only if ``env_id`` is that task (a
+      variant such as a custom ``module:HopperHeavy-v0``); else None.
+    """
+    import logging
+
+    from rl_tformers.envs.scores import D4RL_REF_SCORES, _last_component, reference_scores, task_family
+
+    own = reference_scores(ds)
+    meta = ds.metadata
+    if meta.env_id and str(env_id) == str(meta.env_id):
+        return own
+    log = logging.getLogger(__name__)
+    # the dataset's task family: its env id's when it names one (as reference_scores decides)
+    names = [meta.env_id] if meta.env_id else [meta.dataset_id, _last_component(meta.location)]
+    data_family = next((f for f in map(task_family, names) if f is not None), None)
+    eval_family = task_family(str(env_id))
+    where = meta.location or meta.dataset_id or "(in memory)"
+    if eval_family is not None:
+        if eval_family == data_family:
+            return own
+        if own is not None:
+            log.warning(
+                "agent.env_id=%s is another task than the dataset %s (%s): normalised scores use the D4RL "
+                "references of %s (%g, %g), the evaluated task's, not the dataset's (%g, %g)", env_id, where,
+                meta.env_id or data_family, eval_family, *D4RL_REF_SCORES[eval_family], *own)
+        return D4RL_REF_SCORES[eval_family]
+    if own is not None:
+        log.warning(
+            "agent.env_id=%s is not the dataset %s's environment (%s) and has no D4RL references of its own: "
+            "normalised scores use the dataset's references (%g, %g), which mean something only if %s is the "
+            "same task", env_id, where, meta.env_id or data_family or "unknown", *own, env_id)
+    return own
 
 
 def _no_bounds_reason(ds: EpisodeDataset) -> str:
@@ -490,6 +578,45 @@ def parse_reward_scale(value: Any) -> float | str:
     if not scale > 0 or not np.isfinite(scale):
         raise ValueError(f"agent.reward_scale must be 'auto' or a number > 0, got {value!r}")
     return scale
+
+
+def largest_returns_to_go(ds: EpisodeDataset) -> tuple[float, float]:
+    """``(max |return-to-go|, max |reward|)`` over the steps of ``ds`` (undiscounted, float64, raw units)."""
+    from rl_tformers.envs.trajectory import dataset_returns_to_go
+
+    rows = ds.flat_indices()
+    return (float(np.abs(dataset_returns_to_go(ds)[rows]).max()),
+            float(np.abs(np.asarray(ds.rewards)[rows]).max()))
+
+
+def check_scaled_returns(ds: EpisodeDataset, scale: float, where: str | None = None) -> None:
+    """Refuse a reward scale whose scaled returns-to-go or rewards are not finite in float32.
+
+    The samplers divide every return-to-go and reward by the scale and hand the model float32
+    (``RTG / scale``): a tiny scale (``agent.reward_scale=1e-40`` on returns in the thousands)
+    overflows to inf there and makes the first loss NaN. Checked on the dataset's largest
+    undiscounted |return-to-go| and |reward| (both float64, exact).
+
+    Raises:
+        ValueError: naming ``agent.reward_scale``, the dataset's largest |return-to-go| and
+            |episode return|, and the smallest scale that works.
+    """
+    if ds.num_episodes == 0:
+        return
+    m_rtg, m_r = largest_returns_to_go(ds)
+    m = max(m_rtg, m_r)
+    limit = float(np.finfo(np.float32).max)
+    with np.errstate(over="ignore"):
+        scaled = np.float64(m) / np.float64(scale)
+        ok = bool(np.isfinite(np.float32(scaled)))
+    if not ok:
+        ret = float(np.abs(ds.episode_returns).max())
+        raise ValueError(
+            f"agent.reward_scale={scale:g} is too small for the dataset {where or ds.metadata.location or '(in memory)'}: "
+            f"returns-to-go and rewards are divided by it, and its largest |episode return| is {ret:g} (largest "
+            f"|return-to-go| {m_rtg:g}, |reward| {m_r:g}): {m:g} / {scale:g} = {float(scaled):g} is not finite "
+            f"in float32 (max {limit:g}), so training would see inf/NaN; use agent.reward_scale >= {m / limit:g} "
+            f"('auto' picks the power of ten at or below the largest |episode return|)")
 
 
 def eval_seed(seed: int, step: int) -> int:

@@ -330,11 +330,40 @@ class DTAgent:
         self.align = ("start" if self.model_cfg.mode == "causal" else "end") if align == "auto" else align
         if self.align not in ("start", "end") or (self.align == "start" and self.model_cfg.mode != "causal"):
             raise ValueError(f"agent.align={align!r}: use auto, start (causal mode only) or end")
+        if self.dataset is not None:
+            self._check_data_returns()
         if self.info is not None and self.config_targets is not None:
             # before training, not at the first evaluation: agent.targets the float32 return
             # embedding cannot take (DTPolicy.target_limit; rechecked at every evaluation)
             self.policy().check_targets(self.config_targets, "agent.targets")
             self.model.train()
+
+    def _check_data_returns(self) -> None:
+        """Refuse training data whose largest |return-to-go| the new model's return embedding cannot
+        take at ``agent.reward_scale`` (:meth:`DTPolicy.target_limit`, the bound the evaluation
+        targets are held to): a tiny scale whose scaled returns-to-go are finite in float32 (checked
+        by :func:`~rl_tformers.agents.common.offline.check_scaled_returns`) can still overflow the
+        embedding LayerNorm and make the first loss NaN.
+
+        Raises:
+            ValueError: naming ``agent.reward_scale``, the dataset's largest |return-to-go| and the
+                smallest scale that fits.
+        """
+        from rl_tformers.agents.common.offline import largest_returns_to_go
+
+        scale = float(self.info.reward_scale)
+        m_rtg, _ = largest_returns_to_go(self.dataset)
+        limit = float(self.policy().target_limit())
+        self.model.train()
+        if m_rtg > limit:
+            where = plain(self.cfg.dataset).get("path") if self.cfg is not None else None
+            need = f"use agent.reward_scale >= {m_rtg * scale / limit:g}" if limit > 0 else "use a larger agent.reward_scale"
+            raise ValueError(
+                f"agent.reward_scale={scale:g} is too small for the dataset {where or self.info.dataset}: its largest "
+                f"|return-to-go| {m_rtg:g} / {scale:g} = {m_rtg / scale:g} would overflow float32 in this model's "
+                f"return embedding (its LayerNorm), which takes |return-to-go| up to {limit:g} at this scale, and "
+                f"the first loss would be NaN; {need} ('auto' picks the power of ten at or below the largest "
+                f"|episode return|)")
 
     # -- Trainable ---------------------------------------------------------------------------
     def batches(self, start_step: int):
@@ -660,17 +689,10 @@ class DTAgent:
             AgentBuildError: (a ValueError, reported by ``rl-tformers train`` as one ``error:``
                 line) the statistics of the dataset read now differ from the checkpoint's.
         """
-        from rl_tformers.runtime.agents import AgentBuildError
-
         saved = DatasetInfo.from_extra(state)
-        if self.dataset is not None and getattr(self, "info", None) is not None:
-            changed = saved.data_differences(self.info)
-            if changed:
-                where = plain(self.cfg.dataset).get("path") if self.cfg is not None else None
-                raise AgentBuildError(
-                    f"the dataset {where} is not the data this run was trained on: its statistics differ from "
-                    f"the checkpoint's ({'; '.join(changed)}; checkpoint -> now); resume with the original "
-                    f"data, or start a new run on this dataset")
+        if self.dataset is not None:  # training (not an inference-only agent): the data must be the run's
+            where = plain(self.cfg.dataset).get("path") if self.cfg is not None else None
+            saved.check_resumed_data(getattr(self, "info", None), where)
         self.info = saved
 
 
