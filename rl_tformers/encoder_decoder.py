@@ -79,8 +79,10 @@ class EncoderDecoderConfig:
         IncompatibleConfig: mismatched widths, an unsupported decoder block/memory/depth kind,
             a causal-only cross-attention kind, or one that cannot take keys of another
             sequence of any length (``Capabilities.cross_attention`` false: ``sinkhorn``, whose
-            queries are its keys, and the kinds whose queries are the last T keys); each
-            message names the option.
+            queries are its keys, the kinds whose queries are the last T keys, among them the
+            key-index patterns ``local``, ``strided``, ``sliding_window``..., and ``blockwise``,
+            whose query block i reads a key block of the same sequence); each message names
+            the option.
     """
 
     encoder: BackboneConfig = field(default_factory=lambda: _vanilla(False))

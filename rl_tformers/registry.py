@@ -47,7 +47,8 @@ class Capabilities:
             any length S (longer or shorter than the T queries, which need not be among the
             keys): usable as the encoder-decoder's ``cross_attention.kind``. Kinds whose
             queries must be the last T of their keys (S >= T: the self-attention / memory
-            layout) or all of them (S == T) lack it.
+            layout, e.g. patterns on key indices), or all of them (S == T), or whose pattern
+            pairs blocks of one sequence (``blockwise``) lack it.
         positions: positional kinds this component works with (``None`` = all).
     """
 

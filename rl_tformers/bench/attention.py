@@ -209,7 +209,7 @@ def measure(kind: str, length: int, causal: bool, s: Settings) -> dict[str, Any]
     x = torch.randn(s.batch, length, s.d_model, generator=g).to(dev).requires_grad_(True)
     pos = torch.arange(length, device=dev).expand(s.batch, length)
     valid = None
-    if s.padded:  # left padding of the first 1/8 of every row (a DT window at an episode start)
+    if s.padded:  # left padding of the first 1/8 of every row (an end-aligned DT window at episode start)
         valid = torch.ones(s.batch, length, dtype=torch.bool, device=dev)
         valid[:, : length // 8] = False
 

@@ -17,7 +17,8 @@ Layout and bookkeeping
 ----------------------
 - The compressed part always has ``compressed_len`` slots (unfilled ones invalid). The FIFO
   starts empty and holds between ``mem_len`` and ``mem_len + c - 1`` slots once filled: after a
-  segment of T tokens the oldest ``floor((F + T - mem_len) / c) * c`` activations are evicted,
+  segment of T tokens the oldest ``floor((F + T - mem_len) / c) * c`` activations are evicted
+  (F + T counted per row, over the slots of its current episode: see below),
   so the groups of ``c`` compressed together are consecutive activations whatever the segment
   lengths (T = 1 in environment rollouts compresses every ``c`` steps, exactly like one pass
   of longer segments would group them).
@@ -40,7 +41,9 @@ Slots of a row's earlier episode (a training row that crosses an episode start) 
 the next update and are compressed like any evicted memory, in groups of c counted backwards
 from the episode start: the compressor trains on them as the paper's does on all evicted
 memory, and attention masks them by episode id. Only groups with a valid member enter the
-compressed memory (a group of unfilled or cleared slots would push out a real one).
+compressed memory (a group of unfilled or cleared slots would push out a real one). An update in
+which no row forms such a group (most steps of a one-step rollout) does not run the compressor:
+the compressed memory stays as it is and no compression loss is returned.
 
 Compression functions ``f_c`` (sec. 3.1; ``compression``):
 ``max`` / ``mean`` pooling with kernel and stride c; ``conv``: a 1D convolution with kernel and

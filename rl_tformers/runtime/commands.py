@@ -37,7 +37,7 @@ Continue a run where it stopped, optionally for longer; exactly (on-policy PPO t
 
 Ctrl-C (SIGINT) or SIGTERM saves a checkpoint at the current step and exits with code 130/143; --resume continues from it. Before the first update it stops at once (nothing to save); a second Ctrl-C aborts at once (the run keeps its last checkpoint). Exit code 2: bad config, agent option, dataset, checkpoint or run directory (one `error: ...` line names what is at fault; the agent and its data are checked before anything is trained or written).
 
-Data-parallel training on N processes (DistributedDataParallel; gloo on CPU, NCCL with one GPU per process; train.batch_size is the global batch, split across the processes, so it must be divisible by N; logs and checkpoints come from rank 0; the config and run directory are checked before any process starts; --resume works the same):
+Data-parallel training on N processes (DistributedDataParallel; gloo on CPU, NCCL with one GPU per process, so at most one process per GPU; train.batch_size is the global batch, split across the processes, so it must be divisible by N, except for PPO, whose processes train on their own rollouts; logs and checkpoints come from rank 0; the config, the GPU count and the run directory are checked before any process starts; --resume works the same):
 
   rl-tformers train --nproc 2 -c dt/hopper_medium
 
@@ -276,8 +276,9 @@ def _launch_torchrun(nproc: int, overrides: list[str], config: str | None, resum
     """Run this command again under torchrun on ``nproc`` processes; returns the exit status.
 
     Before any process starts, the command is checked as far as it can be without building the
-    agent: the config composes, ``train.batch_size`` is divisible by ``nproc``, a CUDA run has
-    a GPU for every process (:func:`~rl_tformers.runtime.distributed.gpu_count_problem`), and the run
+    agent: the config composes, ``train.batch_size`` is divisible by ``nproc`` (not for agent
+    kinds registered with ``local_batches=True``, e.g. PPO), a CUDA run has a GPU for every
+    process (:func:`~rl_tformers.runtime.distributed.gpu_count_problem`), and the run
     directory can take a new run (:func:`~rl_tformers.runtime.trainer.new_run_problem`) or,
     with ``--resume``, holds a valid checkpoint whose config takes the overrides and nobody
     else is training it; a problem raises ``typer.Exit(2)`` after one ``error:`` line, and a

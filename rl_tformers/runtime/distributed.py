@@ -18,6 +18,9 @@ What each part does:
   ``[r B / W, (r + 1) B / W)`` (:func:`shard_batch`): the W shards are disjoint, cover the global
   batch exactly, and need no communication. Sampling costs W times more CPU than strictly needed,
   which the data benchmark shows is negligible (samplers run >100x faster than training).
+  An agent whose batches are already its own rank's (``local_batches``: on-policy PPO, each
+  rank collecting its own rollout) is fed unchanged, and its ``train.batch_size`` need not
+  divide by W.
 - **Gradients**: the agent's ``loss(batch)`` runs inside :class:`AgentLoss`, an ``nn.Module``
   whose only submodule is ``agent.model``, wrapped in DDP; DDP's autograd hooks all-reduce
   (average) the gradients bucket by bucket during ``backward``. Agents need no change. With a
@@ -43,10 +46,10 @@ What each part does:
   :class:`~rl_tformers.runtime.trainer.GracefulInterrupt`). Rank 0 says so, except under
   ``rl-tformers train --nproc``, whose launcher reports the stop once, from the run directory,
   after every rank has exited (``LAUNCHER_ENV`` tells the ranks).
-- **Launching**: ``rl-tformers train --nproc N`` checks the config, the batch split and the run
-  directory before it starts torchrun (:mod:`rl_tformers.runtime.torchrun`, which exits with
-  the ranks' status instead of torchrun's tracebacks); under torchrun a bad input is reported
-  by rank 0 alone.
+- **Launching**: ``rl-tformers train --nproc N`` checks the config, the batch split, the GPU
+  count (:func:`gpu_count_problem`) and the run directory before it starts torchrun
+  (:mod:`rl_tformers.runtime.torchrun`, which exits with the ranks' status instead of
+  torchrun's tracebacks); under torchrun a bad input is reported by rank 0 alone.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ the kernels are deterministic: see ``train.deterministic``).
 
 Multi-process training (``torchrun``, ``rl-tformers train --nproc N``): the same loop in each
 process, with the agent's loss wrapped in DistributedDataParallel, batches split across ranks
-and every write (logs, config.yaml, checkpoints) from rank 0 only; see
-:mod:`rl_tformers.runtime.distributed`.
+(an agent with ``local_batches``, PPO, yields its own rank's) and every write (logs,
+config.yaml, checkpoints) from rank 0 only; see :mod:`rl_tformers.runtime.distributed`.
 """
 
 from __future__ import annotations
