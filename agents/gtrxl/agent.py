@@ -112,6 +112,11 @@ def segment_batch(
 ) -> SegmentBatch:
     """Sampler batch of ``1 + burn_in + T`` steps -> :class:`SegmentBatch` of ``burn_in + T``.
 
+    The previous action of an episode's first step is zeros (continuous) or ``-1`` (discrete: no
+    action, encoded as the zero vector by a model built with
+    :attr:`~rl_tformers.agents.gtrxl.model.GTrXLConfig.prev_action_zero_at_start`); its previous
+    reward is 0.
+
     Args:
         batch: from :class:`~rl_tformers.envs.samplers.SegmentSampler` built with
             ``burn_in + 1``: ``observations (B, L+1, *obs_shape)`` (normalised; flattened here to
@@ -138,7 +143,10 @@ def segment_batch(
         act = act * mask.unsqueeze(-1)
     rew = batch["rewards"].float() * reward_factor * mask
     keep = (~start[:, 1:]).to(rew.dtype)  # (B, L): previous step belongs to the same episode
-    prev_a = act[:, :-1] * (keep.long() if discrete else keep.unsqueeze(-1))
+    if discrete:  # -1 at an episode start: no action (zeros with GTrXLConfig.prev_action_zero_at_start)
+        prev_a = torch.where(keep.bool(), act[:, :-1], torch.full_like(act[:, :-1], -1))
+    else:
+        prev_a = act[:, :-1] * keep.unsqueeze(-1)
     return SegmentBatch(
         obs=batch["observations"][:, 1:].flatten(2).float(),  # (B, L, O): a (2, 3) Box step -> 6 features
         actions=act[:, 1:],
@@ -163,7 +171,8 @@ class GTrXLState:
 
     Attributes:
         memory: the backbone's :class:`BackboneState` (per layer (N, M, D) plus bookkeeping).
-        prev_action: (N, A) float in [-1, 1] or (N,) long: the last action taken.
+        prev_action: (N, A) float in [-1, 1] or (N,) long: the last action taken (zeros, or -1
+            for discrete actions, before an episode's first step).
         rtg: (N,) numpy float64, remaining return in raw reward units (return-conditioned agents;
             kept on the host in float64, which not every device supports).
         t: (N,) long, step index of the next observation within its episode.
@@ -301,7 +310,9 @@ class GTrXLPolicy:
         dev = self.device
         return GTrXLState(
             memory=enc.initial_state(n_envs, dev) if enc.stateful else None,
-            prev_action=torch.zeros(a_shape, dtype=torch.long if self.discrete else torch.float32, device=dev),
+            # no action yet: zeros, or -1 for discrete actions (GTrXLConfig.prev_action_zero_at_start)
+            prev_action=(torch.full(a_shape, -1, dtype=torch.long, device=dev) if self.discrete
+                         else torch.zeros(a_shape, dtype=torch.float32, device=dev)),
             rtg=np.full(n_envs, float(target_return or 0.0), dtype=np.float64),
             t=torch.zeros(n_envs, dtype=torch.long, device=dev),
             target=target_return,
@@ -346,7 +357,12 @@ class GTrXLPolicy:
             memory = enc.reset_state(memory, start) if enc.stateful else None
             t = torch.where(start, torch.zeros_like(t), t)
             keep = (~start).view(-1, *([1] * (prev_a.dim() - 1)))
-            prev_a = prev_a * keep.to(prev_a.dtype)
+            # a starting row has no previous action: zeros, or -1 for discrete actions (the zero
+            # vector for models built with GTrXLConfig.prev_action_zero_at_start, as in training)
+            if self.discrete:
+                prev_a = torch.where(keep, prev_a, torch.full_like(prev_a, -1))
+            else:
+                prev_a = prev_a * keep.to(prev_a.dtype)
         o = (torch.as_tensor(np.asarray(obs, np.float32), device=dev).reshape(n, -1) - self.obs_mean) / self.obs_std
         if self.obs_clip is not None:
             o = o.clamp(-self.obs_clip, self.obs_clip)
@@ -456,6 +472,38 @@ def check_iql_options(a: Any, seq_len: int) -> None:
             raise ValueError(f"agent.{name} must be a number {what} for agent.objective=iql, got {value!r}")
 
 
+def check_burn_in(burn_in: int, num_steps: int) -> None:
+    """Refuse (or warn about) a burn-in that leaves the gradient windows without real steps.
+
+    A training segment's first step is drawn uniformly over the ``num_steps`` dataset steps
+    (:class:`~rl_tformers.envs.samplers.SegmentSampler`) and its gradient window starts
+    ``burn_in + 1`` steps later (one leading step for the exact a_{t-1} / r_{t-1}, then the
+    burn-in); slots past the end of the data are padding. So a fraction
+    ``min(burn_in + 1, num_steps) / num_steps`` of the sampled segments has no real step in its
+    window and adds nothing to the loss.
+
+    Raises:
+        ValueError: naming ``agent.burn_in``, when no window can hold a real step
+            (``burn_in + 1 >= num_steps``: every update would train on padding, loss 0).
+
+    Warns:
+        UserWarning: when more than half of the sampled segments would be empty.
+    """
+    lead = burn_in + 1
+    if lead >= num_steps:
+        raise ValueError(
+            f"agent.burn_in={burn_in}: a training segment's gradient window starts {lead} steps after the "
+            f"segment's first step (one step for a_{{t-1}}, then the burn-in), which is drawn uniformly over the "
+            f"dataset's {num_steps} steps: no gradient window would hold a real step (every update would train on "
+            f"padding, loss 0); use agent.burn_in below {num_steps - 1}, well below for most segments to train")
+    if lead / num_steps > 0.5:
+        pct = 100.0 * lead / num_steps
+        warnings.warn(
+            f"agent.burn_in={burn_in}: {lead} of the dataset's {num_steps} steps start a segment whose gradient "
+            f"window lies past the end of the data: {pct:.0f}% of the sampled segments have no real step in their "
+            f"gradient window and add nothing to the loss; lower agent.burn_in or use more data", stacklevel=3)
+
+
 class GTrXLAgent:
     """Offline GTrXL agent (the runtime's ``Trainable``); see the module docstring.
 
@@ -469,7 +517,8 @@ class GTrXLAgent:
     Raises:
         ValueError: unknown objective, ``agent.seq_len`` < 1 or ``agent.burn_in`` < 0, IQL
             options out of range (:func:`check_iql_options`; all before the dataset is read),
-            unbounded Box actions, a bad dataset spec, an episode longer than a learned
+            unbounded Box actions, a bad dataset spec, an ``agent.burn_in`` that leaves no
+            real step in any gradient window (:func:`check_burn_in`), an episode longer than a learned
             position table (``backbone.max_position``, :func:`position_limit`), or (``rcbc``) an
             ``agent.target_return`` that is not a finite number or beyond what the new model's
             float32 token embedding takes (:meth:`GTrXLPolicy.target_limit`).
@@ -529,6 +578,7 @@ class GTrXLAgent:
                 critic_hidden=int(a.critic_hidden),
                 share_critic_encoder=bool(a.share_critic_encoder),
                 window=int(a.get("window", 0)),
+                prev_action_zero_at_start=True,  # discrete a_{t-1} at an episode start: zeros, not action 0
             )
             if self.model_cfg.window and self.burn_in:
                 raise ValueError(
@@ -541,6 +591,13 @@ class GTrXLAgent:
                     f"agent.seq_len={self.seq_len} > agent.window={w}: in training a step attends to up to "
                     f"{self.seq_len - 1} earlier steps of its segment, when acting to only the {w - 1} of its "
                     f"window; set agent.seq_len={w} so training sees the acting window", stacklevel=2)
+            if self.model_cfg.window and self.seq_len < self.model_cfg.window:
+                w = self.model_cfg.window
+                warnings.warn(
+                    f"agent.seq_len={self.seq_len} < agent.window={w}: when acting a step attends to its {w - 1} "
+                    f"earlier steps, in training to at most {self.seq_len - 1}; set agent.seq_len={w} so training "
+                    f"sees the acting window", stacklevel=2)
+            check_burn_in(self.burn_in, self.dataset.num_steps)
             self.info = info
             self.extra = {**info.to_extra(), "reward_mult": float(reward_mult), "model": model_config_dict(self.model_cfg)}
         self.model = GTrXLModel(self.model_cfg).to(self.device)
@@ -643,8 +700,34 @@ class GTrXLAgent:
         return dict(self.extra)
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        """Take the checkpoint's extra state (``--resume``): dataset statistics, reward multiplier
+        and model config.
+
+        A resumed run trains on the dataset it reads now with the checkpoint's statistics
+        (observation mean/std, reward scale and IQL reward multiplier, default target): data
+        behind ``dataset.path`` that changed since the checkpoint (a rebuilt or overwritten file)
+        would be trained on with stale statistics, and the resume would not continue the run.
+        That is refused, naming what changed (the Decision Transformer's check,
+        :meth:`~rl_tformers.agents.common.offline.DatasetInfo.data_differences`).
+
+        Raises:
+            AgentBuildError: (a ValueError, reported by ``rl-tformers train`` as one ``error:``
+                line) the statistics of the dataset read now differ from the checkpoint's.
+        """
+        from rl_tformers.runtime.agents import AgentBuildError
+
+        saved = DatasetInfo.from_extra(state)
+        if self.dataset is not None and getattr(self, "info", None) is not None:
+            changed = saved.data_differences(self.info)
+            if changed:
+                spec = _plain(self.cfg.dataset) or {}
+                where = spec.get("path") or f"built by dataset.scripted={dict(spec.get('scripted') or {})}"
+                raise AgentBuildError(
+                    f"the dataset {where} is not the data this run was trained on: its statistics differ from "
+                    f"the checkpoint's ({'; '.join(changed)}; checkpoint -> now); resume with the original "
+                    f"data, or start a new run on this dataset")
         self.extra = dict(state)
-        self.info = DatasetInfo.from_extra(self.extra)
+        self.info = saved
 
 
 def load_for_inference(cfg: Any, state: Mapping[str, Any], device: torch.device | str = "cpu") -> GTrXLAgent:

@@ -89,7 +89,8 @@ class GTrXLConfig:
         backbone: backbone config dict (default :func:`gtrxl_backbone`); its memory kind must
             be stateful (``xl``, ...), else the agent has no memory across segments.
         rtg_input: feed the (scaled) return-to-go as an input (return-conditioned BC, as DT).
-        prev_action_input: feed a_{t-1} (one-hot when discrete; zeros at an episode start).
+        prev_action_input: feed a_{t-1} (one-hot when discrete; zeros at an episode start, see
+            ``prev_action_zero_at_start`` for discrete actions).
         prev_reward_input: feed r_{t-1} (scaled; zero at an episode start).
         head_hidden: hidden width of the actor/value MLP heads (0 = linear head).
         critic: ``"none"`` (BC), ``"value"`` (PPO: V head on the shared encoder) or
@@ -98,6 +99,11 @@ class GTrXLConfig:
         share_critic_encoder: IQL critics on the actor's encoder (True) or on their own
             GTrXL encoder (False, the default: the separate networks of Kostrikov et al. 2021).
         log_std_init: initial log standard deviation of the Gaussian actor.
+        prev_action_zero_at_start: discrete a_{t-1} input: a negative index (``-1``, what the
+            offline agent's batches and :class:`~rl_tformers.agents.gtrxl.agent.GTrXLPolicy` pass
+            at an episode start: no previous action) is the zero vector (True, set by the offline
+            agent), or the one-hot of action 0 (False, the default: models from before this
+            field, whose starts were encoded so, and PPO, whose rollouts pass action 0 at a start).
         window: W > 0 with a memory kind that keeps nothing between calls (``none``; needed by
             depth kinds that refuse a state, e.g. ``universal``): a plain context window. The
             policy keeps the inputs of the last W steps and re-encodes them at every step
@@ -118,6 +124,7 @@ class GTrXLConfig:
     share_critic_encoder: bool = False
     log_std_init: float = -0.5
     window: int = 0
+    prev_action_zero_at_start: bool = False
 
     def __post_init__(self) -> None:
         if self.window < 0:
@@ -261,6 +268,9 @@ class GTrXLEncoder(nn.Module):
     ) -> Tensor:
         """Concatenate the configured inputs: (B, T, O), (B, T), (B, T, A) or (B, T) long, (B, T) -> (B, T, input_dim).
 
+        A discrete ``prev_action`` (B, T) long is one-hot encoded; ``-1`` (no previous action: an
+        episode start) gives zeros when the model was built with ``prev_action_zero_at_start``.
+
         Raises:
             ValueError: when a configured input is missing.
         """
@@ -273,7 +283,11 @@ class GTrXLEncoder(nn.Module):
             if prev_action is None:
                 raise ValueError("gtrxl: prev_action_input is set but no prev_action was given")
             if self.cfg.discrete and prev_action.dim() == obs.dim() - 1:
-                prev_action = F.one_hot(prev_action.long().clamp_min(0), self.cfg.act_dim)  # (B, T, A)
+                idx = prev_action.long()
+                one_hot = F.one_hot(idx.clamp_min(0), self.cfg.act_dim)  # (B, T, A)
+                if self.cfg.prev_action_zero_at_start:  # -1: no previous action (episode start) -> zeros
+                    one_hot = one_hot * (idx >= 0).unsqueeze(-1).to(one_hot.dtype)
+                prev_action = one_hot
             parts.append(prev_action.to(obs.dtype))
         if self.cfg.prev_reward_input:
             if prev_reward is None:

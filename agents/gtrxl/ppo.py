@@ -678,7 +678,11 @@ class GTrXLPPO:
             raise ValueError(f"agent.init_checkpoint={path}: needs an offline gtrxl run with objective bc or iql, "
                              f"got kind={sa.get('kind')!r} objective={sa.get('objective')!r}")
         inputs = {"prev_action_input": bool(sa.get("prev_action")), "prev_reward_input": bool(sa.get("prev_reward")),
-                  "head_hidden": int(sa.get("head_hidden", 0))}
+                  "head_hidden": int(sa.get("head_hidden", 0)),
+                  # how its encoder read a discrete a_{t-1} at an episode start (zeros, or action 0 before
+                  # the field existed): the fine-tuned rollouts feed it the same way
+                  "prev_action_zero_at_start": bool(dict(state.get("extra") or {}).get("model", {})
+                                                    .get("prev_action_zero_at_start", False))}
         return state, saved["backbone"], inputs
 
     def _load_offline(self, state: Mapping[str, Any]) -> None:
@@ -736,6 +740,14 @@ class GTrXLPPO:
         low, high = (torch.as_tensor(b, device=a.device) for b in (self.low, self.high))
         env_a = to_env_action(a.clamp(-1.0, 1.0), low, high).cpu().numpy().astype(np.float32)  # (N, A)
         return env_a.reshape(len(env_a), *self.action_shape)
+
+    def _start_prev_a(self, prev_a: Tensor, keep: Tensor) -> Tensor:
+        """a_{t-1} input with an episode start's ``keep`` False: zeros (continuous), action 0's index
+        (discrete, as PPO from scratch always fed it) or -1, the zero vector, for an encoder built
+        with ``prev_action_zero_at_start`` (fine-tuned from an offline run that learned that)."""
+        if self.discrete and self.model_cfg.prev_action_zero_at_start:
+            return torch.where(keep, prev_a, torch.full_like(prev_a, -1))
+        return prev_a * keep.to(prev_a.dtype)
 
     def _step_inputs(self, obs: np.ndarray, prev_a: Tensor, prev_r: Tensor) -> Tensor:
         return self.model.encoder.inputs(self._norm_obs(obs)[:, None], None, prev_a[:, None], prev_r[:, None])[:, 0]
@@ -802,7 +814,7 @@ class GTrXLPPO:
             start = self.start
             memory = enc.reset_state(self.memory, start)
             keep = (~start).view(-1, *([1] * (self.prev_a.dim() - 1)))
-            prev_a = self.prev_a * keep.to(self.prev_a.dtype)
+            prev_a = self._start_prev_a(self.prev_a, keep)
             prev_r = self.prev_r * (~start)
             t = self.t * (~start)
             self._check_positions(t)
@@ -857,7 +869,7 @@ class GTrXLPPO:
         self._check_positions(self.t * (~self.start))
         memory = enc.reset_state(self.memory, self.start)
         keep = (~self.start).view(-1, *([1] * (self.prev_a.dim() - 1)))
-        x = self._step_inputs(self.obs, self.prev_a * keep.to(self.prev_a.dtype), self.prev_r * (~self.start))
+        x = self._step_inputs(self.obs, self._start_prev_a(self.prev_a, keep), self.prev_r * (~self.start))
         with record_attention(enc) as weights:
             last = enc(x[:, None], (self.t * (~self.start))[:, None], state=memory, need_weights=True)
         last_value = model.state_value(last.features[:, 0])
