@@ -520,6 +520,34 @@ def check_ppo_options(a: Any) -> None:
         raise ValueError(f"agent.head_hidden must be >= 0 (0: linear heads), got {a.get('head_hidden')!r}")
 
 
+def fine_tune_backbone_changes(configured: Mapping[str, Any], offline: Mapping[str, Any], path: str) -> list[str]:
+    """The ``backbone.*`` settings of the config that fine-tuning ignores.
+
+    PPO fine-tunes the offline encoder itself, so its backbone is the checkpoint's; a configured
+    setting that differs (an override such as ``backbone.block.gate=highway``) is not what runs,
+    although ``config.yaml`` records it. Dropout probabilities are left out (PPO trains without
+    dropout either way).
+
+    Returns:
+        ``["backbone.block.gate='highway' (the checkpoint's: 'gru')", ...]``, empty when they agree.
+    """
+    from rl_tformers.config import BackboneConfig
+
+    def flat(d: Mapping[str, Any], prefix: str = "backbone") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if isinstance(v, Mapping):
+                out.update(flat(v, f"{prefix}.{k}"))
+            elif k not in DROPOUT_KEYS:
+                out[f"{prefix}.{k}"] = v
+        return out
+
+    want = flat(BackboneConfig.from_dict(configured, where="backbone").to_dict())
+    have = flat(BackboneConfig.from_dict(offline, where=f"backbone of agent.init_checkpoint={path}").to_dict())
+    return [f"{k}={want.get(k)!r} (the checkpoint's: {have.get(k)!r})" for k in sorted(set(want) | set(have))
+            if want.get(k) != have.get(k)]
+
+
 class EpisodeLengthError(ConfigError):
     """An episode ran past ``backbone.max_position`` (learned positions) in an environment
     without a time limit: raised at the rollout step that would need the missing table row
@@ -595,7 +623,15 @@ class GTrXLPPO:
             self.model_cfg = GTrXLConfig(**extra["model"])
         else:
             if a.init_checkpoint:
+                configured = backbone
                 init_state, backbone, inputs = self._read_offline(str(a.init_checkpoint))
+                ignored = fine_tune_backbone_changes(configured, backbone, str(a.init_checkpoint))
+                if ignored:
+                    warnings.warn(
+                        f"agent.init_checkpoint={a.init_checkpoint}: PPO fine-tunes that run's encoder, so it runs the "
+                        f"checkpoint's backbone and ignores the config's {'; '.join(ignored)} (config.yaml still "
+                        f"records them); to train another backbone online, start PPO without agent.init_checkpoint",
+                        UserWarning, stacklevel=2)
             # the backbone PPO will run: the config's, or the offline run's when fine-tuning (whose
             # compressive/kNN memory, or plain window, used to pass and crash the first rollout)
             mem_kind = dict(backbone.get("memory") or {}).get("kind", "none")

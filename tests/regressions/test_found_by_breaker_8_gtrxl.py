@@ -227,3 +227,40 @@ def test_ppo_fine_tuning_feeds_no_previous_action_at_episode_starts_as_the_offli
     scratch = GTrXLPPO(compose(overrides=[*ppo_over, "agent.prev_action=true", *tiny]), None, "cpu")
     assert not scratch.model_cfg.prev_action_zero_at_start
     assert torch.equal(scratch.collect()["x"][0, :, -n_act:], torch.nn.functional.one_hot(torch.zeros(2, dtype=torch.long), n_act).float())
+
+
+def test_ppo_fine_tuning_says_which_backbone_settings_it_ignores(tmp_path) -> None:
+    """Fresh user: `train -c gtrxl/ppo_cartpole_finetune backbone.block.gate=highway` ran the
+    checkpoint's GRU-gated backbone silently (a gate sweep gave identical runs) while config.yaml
+    recorded gate: highway."""
+    import warnings
+
+    import pytest
+    from rl_tformers.agents.gtrxl.ppo import GTrXLPPO, fine_tune_backbone_changes
+    from rl_tformers.envs.loaders import save_d4rl_hdf5
+    from rl_tformers.envs.memory_tasks import scripted_dataset
+
+    from rl_tformers.runtime.config import compose, to_container
+    from rl_tformers.runtime.trainer import train
+
+    data = tmp_path / "recall.hdf5"
+    save_d4rl_hdf5(scripted_dataset("recall", 6, delay=1, seed=0), data)
+    tiny = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=2", "backbone.memory.mem_len=4"]
+    train(compose(overrides=[
+        "agent.kind=gtrxl", "agent.seq_len=2", "agent.burn_in=0", f"dataset.path={data}", "train.steps=1",
+        "train.batch_size=2", "train.warmup_steps=0", "train.progress=false", "eval.at_end=false", "device=cpu",
+        "backbone.dropout=0.1", *tiny,
+    ]), tmp_path / "offline")
+    over = ["agent.kind=gtrxl_ppo", "agent.env_id=rl_tformers/Recall-d1-v0", f"agent.init_checkpoint={tmp_path / 'offline'}",
+            "agent.n_envs=2", "agent.n_steps=6", "agent.n_minibatches=1", "device=cpu", *tiny]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message="gtrxl_ppo trains without dropout")
+        GTrXLPPO(compose(overrides=over), None, "cpu")  # the same backbone (dropout aside): nothing ignored
+    cfg = compose(overrides=[*over, "backbone.block.gate=highway", "backbone.n_layers=3"])
+    ignored = fine_tune_backbone_changes(to_container(cfg)["backbone"], to_container(compose(overrides=over))["backbone"], "x")
+    assert ignored == ["backbone.block.gate='highway' (the checkpoint's: 'gru')", "backbone.n_layers=3 (the checkpoint's: 1)"]
+    with pytest.warns(UserWarning, match=r"ignores the config's backbone\.block\.gate='highway' \(the checkpoint's: 'gru'\); "
+                                         r"backbone\.n_layers=3 \(the checkpoint's: 1\) \(config\.yaml still records them\)"):
+        ppo = GTrXLPPO(cfg, None, "cpu")
+    assert ppo.model_cfg.backbone["block"]["gate"] == "gru" and len(ppo.model.encoder.backbone.blocks) == 1
