@@ -707,6 +707,11 @@ class GTrXLPPO:
         from rl_tformers.runtime.checkpoint import find_latest_valid, load_checkpoint
 
         p = Path(path)
+        if not p.exists():
+            raise ValueError(
+                f"agent.init_checkpoint={path}: no such run directory or checkpoint file; train the offline gtrxl run "
+                f"there first (agent.kind=gtrxl, objective bc or iql: e.g. `rl-tformers train -c "
+                f"gtrxl/cartpole_positions_bc run_dir={path}` for configs/gtrxl/ppo_cartpole_finetune.yaml)")
         state = find_latest_valid(p).state if p.is_dir() else load_checkpoint(p)
         saved = yaml.safe_load(state["config"])
         sa = saved.get("agent", {})

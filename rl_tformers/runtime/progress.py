@@ -66,6 +66,7 @@ class PlainProgress:
         self.interval_s = PLAIN_INTERVAL_S if interval_s is None else float(interval_s)
         self.disable = disable
         self.postfix: dict[str, Any] = {}
+        self._postfix_at = self.n  # the count when the postfix was set (its values are from then)
         self._t0 = self._last = time.monotonic()
         self._closed = False
 
@@ -80,6 +81,7 @@ class PlainProgress:
     def set_postfix(self, ordered_dict: dict[str, Any] | None = None, refresh: bool = True, **kwargs: Any) -> None:
         """Values shown at the end of the next line (``loss=0.0312``); ``refresh`` is ignored."""
         self.postfix = {**(ordered_dict or {}), **kwargs}
+        self._postfix_at = self.n
 
     def close(self) -> None:
         if not self.disable and not self._closed and self.n != self._printed:
@@ -102,6 +104,8 @@ class PlainProgress:
             text += f", about {_duration((self.total - self.n) / rate)} left"
         if self.postfix:
             text += ", " + ", ".join(f"{k}={v}" for k, v in self.postfix.items())
+            if self._postfix_at != self.n:  # e.g. the line printed on an interrupt, between two logs
+                text += f" (as of {self.unit} {self._postfix_at})"
         return f"{self.desc}: {text}" if self.desc else text
 
     def _print(self, now: float) -> None:

@@ -237,3 +237,18 @@ def test_seed_range_is_readable_in_help_and_errors(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "does not exist" in r.output and "--seed" not in r.output
     r = runner.invoke(app, ["eval", str(tmp_path / "run"), "--seed", "-1"])
     assert r.exit_code == 2 and "--seed" in r.output
+
+
+def test_plain_progress_line_says_when_its_logged_values_are_from_an_earlier_step() -> None:
+    """Fresh user: the last line after SIGTERM at step 143 showed loss and lr of the step-100 log
+    as if they were current."""
+    import io
+
+    from rl_tformers.runtime.progress import PlainProgress
+
+    bar = PlainProgress(200, desc="train", unit="step", file=io.StringIO())
+    bar.n = 100
+    bar.set_postfix(loss="1.12", lr="1.00e-03")
+    assert bar.line(bar._t0 + 10).endswith("loss=1.12, lr=1.00e-03")
+    bar.n = 143
+    assert bar.line(bar._t0 + 14).endswith("loss=1.12, lr=1.00e-03 (as of step 100)")
