@@ -12,7 +12,7 @@ from rl_tformers.config import BackboneConfig, BuildContext, IncompatibleConfig
 from rl_tformers.memory.base import SegmentRecord
 from rl_tformers.position.base import check_position_dtype
 from rl_tformers.registry import REGISTRIES, SLOTS
-from rl_tformers.types import AttnContext, BackboneOutput, BackboneState, merge_into
+from rl_tformers.types import AttnContext, BackboneOutput, BackboneState, _map, merge_into
 
 
 def check_compatible(cfg: BackboneConfig) -> None:
@@ -49,9 +49,14 @@ def check_compatible(cfg: BackboneConfig) -> None:
         )
     if mem.stateful and not (blk.memory and dep.memory):
         bad = "block" if not blk.memory else "depth"
+        hint = ""
+        if bad == "depth":  # e.g. universal: a halting loop over one shared block, recomputed per call
+            hint = (f"; backbone.depth.kind={cfg.depth.kind!r} keeps no state between calls: use "
+                    f"backbone.memory.kind=none (GTrXL then runs it in its plain-window mode: agent.window=W "
+                    f"backbone.memory.kind=none agent.burn_in=0 agent.seq_len=W)")
         raise IncompatibleConfig(
             f"backbone.memory.kind={cfg.memory.kind!r} is not supported by "
-            f"backbone.{bad}.kind={getattr(cfg, bad).kind!r}"
+            f"backbone.{bad}.kind={getattr(cfg, bad).kind!r}{hint}"
         )
     if att.positions is not None and cfg.position.kind not in att.positions:
         raise IncompatibleConfig(
@@ -99,15 +104,48 @@ class Backbone(nn.Module):
     def initial_state(self, batch: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> BackboneState:
         """Empty state for ``batch`` streams: every memory slot invalid, episode ids 0.
 
-        With memory kind ``none`` this is an incremental-decoding cache (raises
-        NotImplementedError if the attention kernel has no incremental form).
+        Args:
+            batch: number of streams B (0 allowed).
+            device: default the parameters' device.
+            dtype: of the memory / cache tensors; default the parameters' dtype. Another dtype
+                runs only under autocast (a bfloat16 state of a float32 model); otherwise the
+                forward refuses it naming both dtypes.
+
+        With memory kind ``none`` this is an incremental-decoding cache.
+
+        Raises:
+            NotImplementedError: memory kind ``none`` with an attention kernel that has no
+                incremental form; the message names ``backbone.attention.kind`` and the kernels
+                that have one.
         """
         p = next(self.parameters())
         device = torch.device(device) if device is not None else p.device
-        return self.memory.initial_state(self.blocks, batch, device, dtype or p.dtype)
+        try:
+            return self.memory.initial_state(self.blocks, batch, device, dtype or p.dtype)
+        except NotImplementedError as exc:
+            cfg = self.config
+            if cfg.memory.kind != "none":
+                raise
+            fits = [e.kind for e in REGISTRIES["attention"] if e.capabilities.incremental]
+            raise NotImplementedError(
+                f"Backbone.initial_state: with backbone.memory.kind='none' the state is a key/value cache for "
+                f"incremental decoding, which backbone.attention.kind={cfg.attention.kind!r} cannot keep here "
+                f"({exc}); call the backbone without a state (re-run the context window), or use a kernel with "
+                f"an incremental form: {', '.join(fits)}"
+            ) from exc
 
-    def reset_state(self, state: BackboneState, episode_start: Tensor) -> BackboneState:
-        """Clear the rows whose episode starts now. episode_start: (B,) bool."""
+    def reset_state(self, state: BackboneState, episode_start: Tensor | Any) -> BackboneState:
+        """Clear the rows whose episode starts now.
+
+        Args:
+            episode_start: (B,) bool, a tensor on any device or an array-like (a NumPy
+                ``terminated | truncated`` of a vector environment, a list).
+
+        Raises:
+            ValueError: ``episode_start`` is not of shape (B,) (the message names both shapes).
+        """
+        if not isinstance(episode_start, Tensor):
+            episode_start = torch.as_tensor(episode_start, dtype=torch.bool, device=state.valid.device)
         return self.memory.reset(state, episode_start)
 
     # -- forward -------------------------------------------------------------------------------
@@ -136,7 +174,8 @@ class Backbone(nn.Module):
             state: :class:`BackboneState` from :meth:`initial_state` or a previous call.
             episode_start: (B, T) bool, True where a token begins a new episode: it and later
                 tokens never attend to anything before it (segment or memory).
-            need_weights: ask kernels for attention probabilities (slower path).
+            need_weights: ask kernels for attention probabilities (slower path); they come back
+                in ``BackboneOutput.attentions``, one (B, H, T, S) tensor per layer run.
             output_hidden_states: return every layer's output.
             output_tokens: a slice along T (e.g. ``slice(1, None, 3)``): ``hidden`` is then
                 ``(B, T', D)``, those tokens only (``hidden_states``, the state and the
@@ -153,9 +192,11 @@ class Backbone(nn.Module):
             segment (T = 0) returns ``hidden`` (B, 0, D) and the given state unchanged.
 
         Raises:
-            ValueError: on shape mismatches (the message names the argument); ``positions`` of a
-                float, complex or bool dtype (never truncated silently: the message names its
-                dtype and the expected integer dtype).
+            ValueError: on shape mismatches (the message names the argument; a ``state`` of
+                another batch size names both); ``positions`` of a float, complex or bool dtype
+                (never truncated silently: the message names its dtype and the expected integer
+                dtype); outside autocast, an ``x`` or ``state`` whose dtype the parameters cannot
+                take (the message names both dtypes and how to convert).
             TypeError: ``output_tokens`` is not a slice.
         """
         if x.dim() != 3 or x.shape[-1] != self.config.d_model:
@@ -176,15 +217,16 @@ class Backbone(nn.Module):
             raise TypeError(f"backbone: output_tokens must be a slice, got {type(output_tokens).__name__}")
         if episode_start is not None and episode_start.shape != (b, t):
             raise ValueError(f"backbone: episode_start must be ({b}, {t}), got {tuple(episode_start.shape)}")
+        if state is not None and state.batch_size != b:  # before anything broadcasts one against the other
+            raise ValueError(f"backbone: state is for batch {state.batch_size}, x has batch {b}")
 
         if t == 0:  # an empty segment: no token to compute, the state (memory, cache) is unchanged
-            if state is not None and state.batch_size != b:
-                raise ValueError(f"backbone: state is for batch {state.batch_size}, x has batch {b}")
             hidden = x if output_tokens is None else x[:, output_tokens]  # (B, 0, D)
             return BackboneOutput(
                 hidden=self.final_norm(hidden),
                 state=state,
                 hidden_states=tuple(x for _ in self.blocks) if output_hidden_states else None,
+                attentions=tuple(None for _ in self.blocks) if need_weights else None,
             )
 
         seg_q = None
@@ -195,8 +237,6 @@ class Backbone(nn.Module):
         valid_q = mask.bool() if mask is not None else None
 
         if state is not None:
-            if state.batch_size != b:
-                raise ValueError(f"backbone: state is for batch {state.batch_size}, x has batch {b}")
             vq = valid_q if valid_q is not None else torch.ones(b, t, dtype=torch.bool, device=dev)
             ctx = AttnContext(
                 pos_q=positions,
@@ -217,7 +257,14 @@ class Backbone(nn.Module):
                   and not output_hidden_states and not depth_kwargs)
         if subset:
             depth_kwargs["queries"] = output_tokens
-        dout = self.depth(x, ctx, None if state is None else state.layers, output_hidden_states, **depth_kwargs)
+        try:
+            dout = self.depth(x, ctx, None if state is None else state.layers, output_hidden_states, **depth_kwargs)
+        except RuntimeError as exc:  # torch's "mixed dtype" / "expected ... same dtype": say which input
+            text = str(exc).lower()
+            why = self._dtype_mismatch(x, state) if "dtype" in text or "scalar type" in text else None
+            if why is None:
+                raise
+            raise ValueError(why) from exc
         hidden = dout.hidden if subset or output_tokens is None else dout.hidden[:, output_tokens]  # (B, T', D)
         aux, metrics = dict(dout.aux), dict(dout.metrics)
         new_state = None
@@ -243,4 +290,26 @@ class Backbone(nn.Module):
             aux=aux,
             metrics=metrics,
             hidden_states=dout.hidden_states,
+            attentions=tuple(dout.weights) if need_weights else None,
         )
+
+    def _dtype_mismatch(self, x: Tensor, state: BackboneState | None) -> str | None:
+        """Why a forward that raised cannot run, when the reason is the dtype of ``x`` or of the
+        state's tensors against the parameters' (outside autocast); None when they agree."""
+        if torch.is_autocast_enabled(x.device.type):
+            return None
+        p = next(self.parameters()).dtype
+        fix = "state.map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t)"
+        if x.dtype != p:
+            return (f"backbone: x is {x.dtype} but the backbone's parameters are {p}; pass x as {p} "
+                    f"(x.to({p})), convert the model (model.to({x.dtype})), or run under torch.autocast")
+        if state is not None:
+            found: set[torch.dtype] = set()
+            for ls in state.layers:
+                _map(ls, lambda t: found.add(t.dtype) if t.is_floating_point() else None)
+            other = sorted(str(d) for d in found - {p})
+            if other:
+                return (f"backbone: the state holds {', '.join(other)} tensors but x and the backbone's parameters "
+                        f"are {p} (a state from initial_state(..., dtype=...) or from before the model was "
+                        f"converted); make a new one with initial_state(batch) or convert it: {fix}")
+        return None

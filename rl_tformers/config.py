@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError, config_to_dict
+from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError, config_to_dict, plain_number
 
 
 class ConfigAdviceWarning(UserWarning):
@@ -144,6 +144,10 @@ class BackboneConfig:
             ``"2"`` included), a dropout outside [0, 1) or not a number, ``causal`` /
             ``final_norm`` not a bool, ``d_model`` not divisible by ``n_heads``, an unknown
             activation. RegistryError: a bad slot config.
+
+    Numbers of other types (NumPy ``int64`` / ``float32`` scalars from a sweep) are stored as
+    built-in ``int`` / ``float``, in slot configs too, so :meth:`to_dict` always dumps to
+    YAML, OmegaConf and JSON.
     """
 
     d_model: int = 128
@@ -172,6 +176,7 @@ class BackboneConfig:
             if not _is_int(value) or value < 1:
                 default = " or null (4 * d_model)" if name == "d_ff" else ""
                 raise ValueError(f"backbone.{name} must be an integer >= 1{default}, got {value!r}")
+            object.__setattr__(self, name, plain_number(value))  # NumPy integers -> int (to_dict dumps)
         for name in ("dropout", "attn_dropout", "ffn_dropout"):
             value = getattr(self, name)
             if name == "ffn_dropout" and value is None:
@@ -179,13 +184,15 @@ class BackboneConfig:
             if not _is_real(value) or not 0.0 <= value < 1.0:
                 default = " or null (= backbone.dropout)" if name == "ffn_dropout" else ""
                 raise ValueError(f"backbone.{name} must be a probability in [0, 1){default}, got {value!r}")
+            object.__setattr__(self, name, plain_number(value))  # NumPy floats -> float
         for name in ("causal", "final_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"backbone.{name} must be true or false, got {getattr(self, name)!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"backbone.d_model={self.d_model} is not divisible by backbone.n_heads={self.n_heads}")
-        if self.activation not in ("gelu", "relu", "gelu_tanh"):
+        if not isinstance(self.activation, str) or self.activation not in ("gelu", "relu", "gelu_tanh"):
             raise ValueError(f"backbone.activation={self.activation!r}; use gelu, relu or gelu_tanh")
+        object.__setattr__(self, "activation", str(self.activation))  # a str subclass (numpy.str_) -> str
         for slot in SLOTS:
             value = getattr(self, slot)
             if isinstance(value, Mapping):
@@ -210,12 +217,20 @@ class BackboneConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None, where: str = "backbone") -> BackboneConfig:
+    def from_dict(cls, data: Mapping[str, Any] | BackboneConfig | None, where: str = "backbone") -> BackboneConfig:
         """Build from a (possibly partial) dict; missing fields take their defaults.
+
+        ``data`` may also be a built :class:`BackboneConfig` (returned as it is).
 
         Raises:
             RegistryError / ValueError naming the dotted path of an unknown or bad field.
+            TypeError: ``data`` is neither a mapping, a :class:`BackboneConfig` nor None.
         """
+        if isinstance(data, BackboneConfig):
+            return data
+        if data is not None and not isinstance(data, Mapping):
+            raise TypeError(f"{where}: expected a BackboneConfig or a mapping of its fields "
+                            f"(e.g. {{'d_model': 64, 'attention': {{'kind': 'sdpa'}}}}), got {type(data).__name__}")
         data = dict(data or {})
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)

@@ -47,7 +47,14 @@ _VANILLA = {
 }
 
 
-def _vanilla(causal: bool, overrides: Mapping[str, Any] | None = None, where: str = "backbone") -> BackboneConfig:
+def _vanilla(causal: bool, overrides: Mapping[str, Any] | BackboneConfig | None = None,
+             where: str = "backbone") -> BackboneConfig:
+    """The vanilla stack config with ``overrides`` (a partial dict) merged over it; a built
+    :class:`BackboneConfig` is taken as it is (as ``EncoderDecoderConfig(encoder=...)`` does)."""
+    if isinstance(overrides, BackboneConfig):
+        return overrides
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise TypeError(f"{where}: expected a BackboneConfig or a mapping of its fields, got {type(overrides).__name__}")
     data = {**_VANILLA, "causal": causal, **dict(overrides or {})}
     return BackboneConfig.from_dict(data, where=where)
 
@@ -129,8 +136,19 @@ class EncoderDecoderConfig:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> EncoderDecoderConfig:
-        """Build from a (partial) dict; ``encoder``/``decoder`` merge over the vanilla defaults."""
+    def from_dict(cls, data: Mapping[str, Any] | EncoderDecoderConfig | None) -> EncoderDecoderConfig:
+        """Build from a (partial) dict; ``encoder``/``decoder`` dicts merge over the vanilla
+        defaults, built :class:`BackboneConfig` values are taken as they are. A built
+        :class:`EncoderDecoderConfig` is returned as it is.
+
+        Raises:
+            TypeError: ``data`` (or its ``encoder``/``decoder``) is neither a mapping nor a built config.
+        """
+        if isinstance(data, EncoderDecoderConfig):
+            return data
+        if data is not None and not isinstance(data, Mapping):
+            raise TypeError(f"encoder_decoder: expected an EncoderDecoderConfig or a mapping with encoder, "
+                            f"decoder, cross_attention, got {type(data).__name__}")
         data = dict(data or {})
         unknown = sorted(set(data) - {"encoder", "decoder", "cross_attention"})
         if unknown:
@@ -226,8 +244,7 @@ class EncoderDecoder(nn.Module):
 
     def __init__(self, config: EncoderDecoderConfig | Mapping[str, Any] | None = None) -> None:
         super().__init__()
-        if config is None or isinstance(config, Mapping):
-            config = EncoderDecoderConfig.from_dict(config)
+        config = EncoderDecoderConfig.from_dict(config)  # a built config as it is; a dict merged over the defaults
         self.config = config
         self.encoder = Backbone(config.encoder)
         dec = config.decoder

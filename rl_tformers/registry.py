@@ -134,6 +134,8 @@ def _match(spec: Any, value: Any) -> Any:
     int: an integral number, not a bool (``16.0`` and ``"2"`` do not fit); float: a finite real
     number, not a bool (ints fit); bool: a bool; str: a string; ``tuple[X, ...]`` / ``tuple[X, Y]``:
     a tuple or list of such items; unions: any member. Other annotations accept anything.
+    Numbers of other types (NumPy scalars) come back as built-in ``int`` / ``float``
+    (:func:`plain_number`), strings of a ``str`` subclass as ``str``.
     """
     origin, args = typing.get_origin(spec), typing.get_args(spec)
     if origin in (typing.Union, types.UnionType):
@@ -155,12 +157,29 @@ def _match(spec: Any, value: Any) -> Any:
     if spec is bool:
         return value if isinstance(value, bool) else _NO_MATCH
     if spec is int:
-        return value if isinstance(value, numbers.Integral) and not isinstance(value, bool) else _NO_MATCH
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        return plain_number(value) if ok else _NO_MATCH
     if spec is float:
         ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-        return value if ok else _NO_MATCH
+        return plain_number(value) if ok else _NO_MATCH
     if spec is str:
-        return value if isinstance(value, str) else _NO_MATCH
+        return value if type(value) is str else str(value) if isinstance(value, str) else _NO_MATCH
+    return value
+
+
+def plain_number(value: Any) -> Any:
+    """``value`` as a built-in ``int`` or ``float`` when it is another integral or real number
+    type (NumPy ``int64`` / ``float32`` scalars, ...); built-in numbers are returned as they are.
+
+    Configs hold only built-in types, so that ``to_dict()`` dumps to YAML, OmegaConf and JSON
+    (none of which represents a NumPy scalar) and round-trips through ``from_dict``.
+    """
+    if type(value) in (int, float) or isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
     return value
 
 

@@ -61,8 +61,12 @@ class AttnContext:
     need_weights: bool = False
     layer_idx: int = 0
     _allowed: Tensor | None = field(default=None, repr=False)
-    # masks derived from allowed() (additive_mask), per dtype; not an init field, so every
-    # dataclasses.replace (select, with_keys...) starts a fresh cache
+    # per-context cache of tensors derived from the mask and positions, shared by every layer
+    # of one forward: additive_mask's (mask, row_ok) keyed by dtype, and the XL-relative
+    # distance tables (sinusoids of the allowed distances + each pair's row) keyed by
+    # ("xl_relative", d_model, base, dtype). Not an init field, so every dataclasses.replace
+    # (select, with_keys...) starts a fresh cache: nothing derived from other queries or keys
+    # is ever reused
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -277,6 +281,11 @@ class BackboneOutput:
             compression losses...). Sum them with :func:`sum_aux`.
         metrics: values to log: floats or 0-d tensors (ponder steps, exit layer, gates...).
         hidden_states: per-layer outputs, tuple of (B, T, D), when requested.
+        attentions: with ``need_weights=True``, the attention probabilities of every layer run
+            (in the order the depth kind ran them), each (B, H, T, S) over the S = M + T keys
+            (memory or cache first), or ``None`` for a layer whose kernel forms no probabilities
+            (linear and block-sparse kernels); every token's row, also with ``output_tokens``.
+            ``None`` without ``need_weights``.
     """
 
     hidden: Tensor
@@ -284,6 +293,7 @@ class BackboneOutput:
     aux: dict[str, Tensor] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple[Tensor | None, ...] | None = None
 
 
 def sum_aux(aux: dict[str, Tensor]) -> Tensor | float:

@@ -52,7 +52,13 @@ from rl_tformers.agents.common.offline import (
 from rl_tformers.agents.common.policy import check_return_targets, embedding_target_limit
 from rl_tformers.agents.decision_transformer.model import from_env_action, to_env_action
 from rl_tformers.agents.gtrxl.loss import SegmentBatch, bc_loss, iql_loss, polyak_update
-from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone, position_limit
+from rl_tformers.agents.gtrxl.model import (
+    GTrXLConfig,
+    GTrXLModel,
+    gtrxl_backbone,
+    position_limit,
+    window_recipe,
+)
 from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.trajectory import next_return_to_go
 from torch import Tensor
@@ -582,8 +588,9 @@ class GTrXLAgent:
             )
             if self.model_cfg.window and self.burn_in:
                 raise ValueError(
-                    f"agent.window={self.model_cfg.window} keeps no memory to rebuild; set agent.burn_in=0 "
-                    f"(and agent.seq_len={self.model_cfg.window} so training sees the acting window)"
+                    f"agent.window={self.model_cfg.window} keeps no memory to rebuild, so agent.burn_in="
+                    f"{self.burn_in} has nothing to warm up; the whole window recipe: "
+                    f"{window_recipe(self.model_cfg.window)}"
                 )
             if self.model_cfg.window and self.seq_len > self.model_cfg.window:
                 w = self.model_cfg.window

@@ -159,6 +159,12 @@ def memory_kernels(position: str | None = None) -> list[str]:
     return out
 
 
+def window_recipe(window: int | str) -> str:
+    """The settings of GTrXL's plain-window mode, for error messages."""
+    return (f"agent.window={window} backbone.memory.kind=none agent.burn_in=0 agent.seq_len={window} (a window "
+            f"of W steps re-encoded at every step; training segments of W steps, nothing carried over)")
+
+
 def build_backbone(cfg: Mapping[str, Any] | BackboneConfig, window: int = 0) -> Backbone:
     """Build the backbone, refusing what GTrXL cannot use with messages naming the option.
 
@@ -174,13 +180,22 @@ def build_backbone(cfg: Mapping[str, Any] | BackboneConfig, window: int = 0) -> 
             :func:`rl_tformers.backbone.check_compatible` refuses (causal form, positions...).
         RegistryError: unknown kinds or fields (dotted path in the message).
     """
+    if not isinstance(cfg, BackboneConfig):  # before the generic check, which cannot name GTrXL's way out
+        depth = str(dict(cfg.get("depth") or {}).get("kind", "fixed"))
+        memory = str(dict(cfg.get("memory") or {}).get("kind", "xl"))
+        if depth == "universal" and memory != "none":
+            raise IncompatibleConfig(
+                f"gtrxl: backbone.depth.kind='universal' carries no state between calls, so it cannot run with "
+                f"backbone.memory.kind={memory!r}; in GTrXL it runs in the plain-window mode: {window_recipe('W')}"
+            )
     bb_cfg = cfg if isinstance(cfg, BackboneConfig) else BackboneConfig.from_dict(cfg, where="backbone")
     mem = REGISTRIES["memory"].get(bb_cfg.memory.kind).capabilities
     if window > 0:
         if mem.stateful:
             raise IncompatibleConfig(
                 f"gtrxl: agent.window={window} re-encodes a plain context window, but backbone.memory.kind="
-                f"{bb_cfg.memory.kind!r} carries memory; use backbone.memory.kind=none or agent.window=0"
+                f"{bb_cfg.memory.kind!r} carries memory; use agent.window=0, or the whole window recipe: "
+                f"{window_recipe(window)}"
             )
     elif not mem.stateful:
         raise IncompatibleConfig(

@@ -50,7 +50,7 @@ def gather_rows(x: Tensor, idx: Tensor) -> Tensor:
         (B, H, *G, F) or (B, H, *G).
     """
     b, h = idx.shape[:2]
-    flat = idx.reshape(b, h, -1)  # (B, H, N)
+    flat = idx.flatten(2)  # (B, H, N) (flatten, not reshape(b, h, -1): B = 0 has no -1 to infer)
     if x.dim() == 3:
         return x.expand(b, h, -1).gather(2, flat).view(idx.shape)
     f = x.shape[-1]
@@ -131,8 +131,8 @@ def scatter_merge(out: Tensor, lse: Tensor, idx: Tensor, live: Tensor, length: i
     # -inf: the log-sum-exp of an empty slot (not a score fill); the scatter below starts from
     # -inf, the identity of amax, so a token in no live slot keeps lse -inf and weight 0
     lse = torch.where(live, lse, torch.full_like(lse, float("-inf")))
-    flat_idx = idx.reshape(b, h, -1)  # (B, H, N)
-    flat_lse = lse.reshape(b, h, -1)
+    flat_idx = idx.flatten(2)  # (B, H, N) (works for B = 0, unlike reshape(b, h, -1))
+    flat_lse = lse.flatten(2)
     acc = out.dtype
     top = torch.full((b, h, length), float("-inf"), device=out.device, dtype=acc).scatter_reduce(
         2, flat_idx, flat_lse, reduce="amax", include_self=True
@@ -140,7 +140,7 @@ def scatter_merge(out: Tensor, lse: Tensor, idx: Tensor, live: Tensor, length: i
     ref = top.gather(2, flat_idx)  # (B, H, N)
     w = torch.where(torch.isfinite(flat_lse), torch.exp(flat_lse - torch.where(torch.isfinite(ref), ref, 0.0)), 0.0)
     num = torch.zeros(b, h, length, dh, device=out.device, dtype=acc).scatter_add(
-        2, flat_idx[..., None].expand(-1, -1, -1, dh), w[..., None] * out.reshape(b, h, -1, dh)
+        2, flat_idx[..., None].expand(-1, -1, -1, dh), w[..., None] * out.flatten(2, -2)
     )  # (B, H, L, Dh)
     den = torch.zeros(b, h, length, device=out.device, dtype=acc).scatter_add(2, flat_idx, w)  # (B, H, L)
     return num / den.clamp_min(torch.finfo(acc).tiny)[..., None]

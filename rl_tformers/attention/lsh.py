@@ -188,15 +188,15 @@ class LSHAttention(AttentionModule):
         own_b = bk_s.gather(-1, rnd.expand(b, h, r, n_c, m, 1)).squeeze(-1)  # (B, H, R, nC, m)
         key_b = bk_w.gather(-1, rnd.expand(b, h, r, n_c, 2 * m, 1)).squeeze(-1)  # (B, H, R, nC, 2m)
 
-        key_ok = gather_rows(F.pad(valid, (0, 1), value=False)[:, None], i_w.reshape(b, h, -1)).view(i_w.shape)
+        key_ok = gather_rows(F.pad(valid, (0, 1), value=False)[:, None], i_w.flatten(2)).view(i_w.shape)
         allowed = (i_s[..., :, None] < s) & key_ok[..., None, :]  # real query slot, valid key
         allowed &= own_b[..., :, None] == key_b[..., None, :]  # same bucket in this round
         if ctx.causal:
             allowed &= i_w[..., None, :] <= i_s[..., :, None]
         if ctx.seg_k is not None:
             seg = F.pad(ctx.seg_k, (0, 1), value=-(2**62))  # (B, S + 1)
-            seg_q = seg[:, None].expand(b, h, -1).gather(2, i_s.reshape(b, h, -1)).view(i_s.shape)
-            seg_k = seg[:, None].expand(b, h, -1).gather(2, i_w.reshape(b, h, -1)).view(i_w.shape)
+            seg_q = seg[:, None].expand(b, h, -1).gather(2, i_s.flatten(2)).view(i_s.shape)
+            seg_k = seg[:, None].expand(b, h, -1).gather(2, i_w.flatten(2)).view(i_w.shape)
             allowed &= seg_q[..., :, None] == seg_k[..., None, :]
         is_self = i_w[..., None, :] == i_s[..., :, None]  # (B, H, R, nC, m, 2m)
         others = allowed & ~is_self

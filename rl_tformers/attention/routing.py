@@ -148,7 +148,7 @@ class RoutingAttention(AttentionModule):
         allowed = live_q[..., :, None] & live_k[..., None, :] & self._pair_mask(idx_q + (s - t), idx_k, ctx)
         out, lse = group_attention(q_g, k_g, v_g, allowed, scale=self.scale, dropout_p=self.dropout_p)
         y = scatter_merge(out, lse, idx_q, live_q, t)  # (B, h, T, Dh)
-        routed = torch.zeros(b, h, t, device=q.device).scatter_add(2, idx_q.reshape(b, h, -1), live_q.reshape(b, h, -1).float())
+        routed = torch.zeros(b, h, t, device=q.device).scatter_add(2, idx_q.flatten(2), live_q.flatten(2).float())
         coverage = ((routed > 0) & q_ok[:, None]).float().sum() / (q_ok.float().sum() * h).clamp_min(1)
         return y, coverage
 
@@ -170,7 +170,7 @@ class RoutingAttention(AttentionModule):
         first = n_le - w if ctx.causal else n_le - (w + 1) // 2
         pos = first[..., None] + torch.arange(w, device=dev)  # (B, h, T, W) sorted positions
         live = (pos >= lo_c[..., None]) & (pos < hi_c[..., None])
-        ki = perm.gather(-1, pos.clamp(0, s - 1).reshape(b, h, -1)).view(b, h, t, w)  # (B, h, T, W)
+        ki = perm.gather(-1, pos.clamp(0, s - 1).flatten(2)).view(b, h, t, w)  # (B, h, T, W)
         k_g, v_g = gather_rows(k, ki), gather_rows(v, ki)  # (B, h, T, W, Dh)
         qi_b = qi.view(1, 1, t, 1).expand(b, h, t, 1)
         allowed = live[..., None, :] & self._pair_mask(qi_b, ki, ctx)  # (B, h, T, 1, W)

@@ -63,7 +63,7 @@ class XLRelativePosition(PositionModule):
     def score_bias(self, q: Tensor, pos_q: Tensor, pos_k: Tensor) -> Tensor:
         """Terms (b) + (d), scaled: q (B, H, ..., T, Dh) -> (B, H, ..., T, S)."""
         dist = rel_distance(pos_q, pos_k)  # (B, 1, ..., T, S) long
-        lo, hi = int(dist.min()), int(dist.max())
+        lo, hi = _span(dist)
         if hi - lo + 1 <= pos_q.shape[-1] + pos_k.shape[-1] - 1:  # contiguous positions: the whole range
             grid = torch.arange(lo, hi + 1, device=q.device)  # (R,) every distance in [lo, hi]
             inv = dist - lo
@@ -132,7 +132,10 @@ class XLRelativePosition(PositionModule):
 
 
 def _span(x: Tensor) -> tuple[int, int]:
-    """(min, max) of an integer tensor, read in one host transfer."""
+    """(min, max) of an integer tensor, read in one host transfer; (0, 0) for an empty one (an
+    empty batch: nothing to look up)."""
+    if x.numel() == 0:
+        return 0, 0
     lo, hi = torch.stack(torch.aminmax(x)).tolist()
     return lo, hi
 

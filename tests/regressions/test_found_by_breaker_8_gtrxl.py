@@ -264,3 +264,42 @@ def test_ppo_fine_tuning_says_which_backbone_settings_it_ignores(tmp_path) -> No
                                          r"backbone\.n_layers=3 \(the checkpoint's: 1\) \(config\.yaml still records them\)"):
         ppo = GTrXLPPO(cfg, None, "cpu")
     assert ppo.model_cfg.backbone["block"]["gate"] == "gru" and len(ppo.model.encoder.backbone.blocks) == 1
+
+
+@pytest.mark.parametrize(("overrides", "first"), [
+    (["agent.window=16"], "keeps no memory to rebuild, so agent.burn_in=16 has nothing to warm up"),
+    (["agent.window=16", "agent.burn_in=0", "agent.seq_len=16"], "carries memory; use agent.window=0"),
+    (["backbone.depth={kind: universal}"], "backbone.depth.kind='universal' keeps no state between calls"),
+])
+def test_window_mode_errors_give_the_whole_recipe(tmp_path, overrides, first) -> None:
+    """Fresh user: window mode took two failed attempts (each error named one missing setting), and
+    universal depth failed with a generic error that did not point at the window mode."""
+    from rl_tformers.envs.loaders import save_d4rl_hdf5
+    from rl_tformers.envs.memory_tasks import scripted_dataset
+
+    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.trainer import Trainer
+
+    data = tmp_path / "recall.hdf5"
+    save_d4rl_hdf5(scripted_dataset("recall", 20, delay=8, seed=0), data)
+    with pytest.raises(Exception) as exc:
+        Trainer(compose("gtrxl/recall_bc", [f"dataset.path={data}", "device=cpu", "train.progress=false", *overrides]),
+                tmp_path / "run")
+    msg = str(exc.value)
+    assert first in msg
+    assert "backbone.memory.kind=none agent.burn_in=0 agent.seq_len=" in msg
+
+
+def test_fine_tuning_from_a_run_not_trained_yet_names_the_option_and_the_command(tmp_path) -> None:
+    """Fresh user: `train -c gtrxl/ppo_cartpole_finetune` before the offline run said only
+    "runs/gtrxl/cartpole_gtrxl_bc: cannot be loaded (FileNotFoundError ...)"."""
+    from rl_tformers.agents.gtrxl.ppo import GTrXLPPO
+
+    from rl_tformers.runtime.config import compose
+
+    missing = tmp_path / "not_trained"
+    cfg = compose("gtrxl/ppo_cartpole_finetune", [f"agent.init_checkpoint={missing}", "device=cpu"])
+    with pytest.raises(ValueError, match=rf"^agent\.init_checkpoint={missing}: no such run directory or checkpoint "
+                                         rf"file; train the offline gtrxl run there first .*`rl-tformers train -c "
+                                         rf"gtrxl/cartpole_positions_bc run_dir={missing}`"):
+        GTrXLPPO(cfg, None, "cpu")
