@@ -212,8 +212,11 @@ def test_a_command_line_kind_change_names_the_slot_fields_it_drops(tmp_path):
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
 
 
-def test_a_missing_recipe_dataset_names_its_recipe(tmp_path):
+def test_a_missing_recipe_dataset_names_its_recipe(tmp_path, monkeypatch):
     from rl_tformers.envs.loaders import load_minari
+
+    (tmp_path / "policies").mkdir()  # found: the hint needs no --policies (a clean clone has no ../shared)
+    monkeypatch.setenv("RL_TFORMERS_POLICIES", str(tmp_path / "policies"))
 
     with pytest.raises(FileNotFoundError, match=r"`rl-tformers collect --recipe walker2d-medium`"):
         load_minari("rlt/walker2d-v5/medium-v0", root=tmp_path)

@@ -133,6 +133,7 @@ def test_a_signal_before_the_first_update_leaves_the_run_directory_unwritten(run
 
 
 def test_a_second_sigint_aborts_at_once_and_says_where_the_run_stands(run_dir: Path, caplog) -> None:
+    before = signal.getsignal(SIGINT)  # default_int_handler, or SIG_IGN in a background job
     trainer = Trainer(trainer_mod._with_run_dir(toy_cfg("train.checkpoint_every=5"), run_dir), run_dir)
     loss, calls = trainer.agent.loss, {"n": 0}
 
@@ -155,7 +156,7 @@ def test_a_second_sigint_aborts_at_once_and_says_where_the_run_stands(run_dir: P
     assert [s for s, _ in list_checkpoints(run_dir)] == [5]
     assert caplog.messages[-1] == (f"aborted at once by a second signal (SIGINT) at step 6; the run continues from "
                                    f"its last checkpoint, step 5 ({ckpt}): rl-tformers train --resume {run_dir}")
-    assert signal.getsignal(SIGINT) is signal.default_int_handler
+    assert signal.getsignal(SIGINT) == before  # the handler it found is back
 
 
 # ------------------------------------------------------------------------ rl-tformers train
