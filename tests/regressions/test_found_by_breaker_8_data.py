@@ -37,25 +37,6 @@ TINY = ["train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1", "age
         "eval.every=0", "eval.at_end=false", "train.progress=false", "train.warmup_steps=1", "--device", "cpu"]
 
 
-def _cartpole_h5(path: Path, *, n: int = 30, seed: int = 0, reward: float = 1.0) -> Path:
-    """CartPole-shaped D4RL file: episodes of 10 steps, every reward ``reward``."""
-    rng = np.random.default_rng(seed)
-    data = {
-        "observations": (rng.normal(size=(n, 4)) * 0.05).astype(np.float32),
-        "actions": rng.integers(0, 2, n).astype(np.int64),
-        "rewards": np.full(n, reward, np.float32),
-        "terminals": np.zeros(n, bool),
-        "timeouts": np.zeros(n, bool),
-    }
-    data["terminals"][np.arange(9, n - 1, 10)] = True
-    data["timeouts"][n - 1] = True
-    with h5py.File(path, "w") as f:
-        for k, v in data.items():
-            f.create_dataset(k, data=v)
-        f.attrs["env_id"] = "CartPole-v1"
-    return path
-
-
 # ------------------------------------------------- 1. short episodes: training layout = acting layout
 K, L = 6, 3  # an episode shorter than the window
 
@@ -127,21 +108,27 @@ def test_policy_actions_equal_the_model_on_training_windows_of_a_short_episode(b
 
 
 # ------------------------------------------------- 2. resume on changed data
-def test_resume_refuses_a_dataset_that_changed_since_the_checkpoint(tmp_path: Path) -> None:
+TINY_BC = ["train.batch_size=4", "agent.hidden=[16]", "eval.every=0", "eval.at_end=false", "train.progress=false",
+           "train.warmup_steps=1", "--device", "cpu"]
+
+
+@pytest.mark.parametrize(("config", "tiny"), [("dt/cartpole_demo", TINY), ("bc/hopper_medium", TINY_BC)], ids=["dt", "bc"])
+def test_resume_refuses_a_dataset_that_changed_since_the_checkpoint(tmp_path: Path, cartpole_h5, config, tiny) -> None:
     """The data behind dataset.path was rewritten between two parts of a run (rewards x 100, other
     observations): ``--resume`` went on training on it with the checkpoint's reward scale, observation
-    statistics and default target (10, the old best return) and said nothing."""
-    h5 = _cartpole_h5(tmp_path / "d.hdf5")
+    statistics and default target (10, the old best return) and said nothing (the DT first; BC
+    kept doing so after the DT refused it)."""
+    h5 = cartpole_h5(tmp_path / "d.hdf5")
     keep = tmp_path / "original.hdf5"
     shutil.copy(h5, keep)
     run = tmp_path / "run"
-    r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={h5}", "train.steps=2",
-                            "train.checkpoint_every=2", *TINY, "--run-dir", str(run)])
+    r = runner.invoke(app, ["train", "-c", config, f"dataset.path={h5}", "train.steps=2",
+                            "train.checkpoint_every=2", *tiny, "--run-dir", str(run)])
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["train", "--resume", str(run), "train.steps=3"])  # the same data: resumes
     assert r.exit_code == 0, r.output
 
-    _cartpole_h5(h5, n=50, seed=1, reward=100.0)
+    cartpole_h5(h5, n=50, seed=1, reward=100.0)
     r = runner.invoke(app, ["train", "--resume", str(run), "train.steps=4"])
     assert r.exit_code == 2, r.output
     line = r.stderr.strip().splitlines()[-1]
@@ -157,10 +144,10 @@ def test_resume_refuses_a_dataset_that_changed_since_the_checkpoint(tmp_path: Pa
     assert r.exit_code == 0, r.output
 
 
-def test_data_differences_of_equal_statistics_is_empty(tmp_path: Path) -> None:
+def test_data_differences_of_equal_statistics_is_empty(tmp_path: Path, cartpole_h5) -> None:
     from rl_tformers.agents.common.offline import DatasetInfo, load_offline_dataset
 
-    spec = {"path": str(_cartpole_h5(tmp_path / "d.hdf5"))}
+    spec = {"path": str(cartpole_h5(tmp_path / "d.hdf5"))}
     a = DatasetInfo.from_dataset(load_offline_dataset(spec))
     b = DatasetInfo.from_dataset(load_offline_dataset({**spec, "lazy": True}))
     assert a.data_differences(DatasetInfo.from_extra(a.to_extra())) == []

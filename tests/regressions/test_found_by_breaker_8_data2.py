@@ -19,7 +19,6 @@ at most a few updates of a small model.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import gymnasium as gym
@@ -32,58 +31,7 @@ from rl_tformers.cli import app
 
 runner = CliRunner()
 
-TINY_BC = ["train.batch_size=4", "agent.hidden=[16]", "eval.every=0", "eval.at_end=false", "train.progress=false",
-           "train.warmup_steps=1", "--device", "cpu"]
-
-
-def _cartpole_h5(path: Path, *, n: int = 30, seed: int = 0, reward: float = 1.0) -> Path:
-    """CartPole-shaped D4RL file: episodes of 10 steps, every reward ``reward``."""
-    rng = np.random.default_rng(seed)
-    data = {
-        "observations": (rng.normal(size=(n, 4)) * 0.05).astype(np.float32),
-        "actions": rng.integers(0, 2, n).astype(np.int64),
-        "rewards": np.full(n, reward, np.float32),
-        "terminals": np.zeros(n, bool),
-        "timeouts": np.zeros(n, bool),
-    }
-    data["terminals"][np.arange(9, n - 1, 10)] = True
-    data["timeouts"][n - 1] = True
-    with h5py.File(path, "w") as f:
-        for k, v in data.items():
-            f.create_dataset(k, data=v)
-        f.attrs["env_id"] = "CartPole-v1"
-    return path
-
-
-# ------------------------------------------------- 1. BC resume on changed data
-def test_bc_resume_refuses_a_dataset_that_changed_since_the_checkpoint(tmp_path: Path) -> None:
-    """The data behind dataset.path was rewritten between two parts of a BC run (other observations
-    and rewards): ``--resume`` went on training on it with the checkpoint's observation statistics
-    and said nothing (only the DT refused such a resume)."""
-    h5 = _cartpole_h5(tmp_path / "d.hdf5")
-    keep = tmp_path / "original.hdf5"
-    shutil.copy(h5, keep)
-    run = tmp_path / "run"
-    r = runner.invoke(app, ["train", "-c", "bc/hopper_medium", f"dataset.path={h5}", "train.steps=2",
-                            "train.checkpoint_every=2", *TINY_BC, "--run-dir", str(run)])
-    assert r.exit_code == 0, r.output
-    r = runner.invoke(app, ["train", "--resume", str(run), "train.steps=3"])  # the same data: resumes
-    assert r.exit_code == 0, r.output
-
-    _cartpole_h5(h5, n=50, seed=1, reward=100.0)
-    r = runner.invoke(app, ["train", "--resume", str(run), "train.steps=4"])
-    assert r.exit_code == 2, r.output
-    line = r.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"error: the dataset {h5} is not the data this run was trained on: its statistics differ "
-                           f"from the checkpoint's (obs_mean: ["), line
-    assert ("reward_scale: 10 -> 1000; dataset_return_max: 10 -> 1000; dataset_return_mean: 10 -> 1000; "
-            "dataset_return_min: 10 -> 1000; checkpoint -> now); resume with the original data, or start a new run "
-            "on this dataset") in line
-    assert "Traceback" not in r.output
-
-    shutil.copy(keep, h5)  # the original data back: the run continues
-    r = runner.invoke(app, ["train", "--resume", str(run), "train.steps=4"])
-    assert r.exit_code == 0, r.output
+# 1. BC resume on changed data: test_found_by_breaker_8_data.py::test_resume_refuses_a_dataset_that_changed_since_the_checkpoint[bc]
 
 
 # ------------------------------------------------- 2. dataset info: an episode both terminated and truncated
@@ -119,11 +67,11 @@ TINY_DT = ["train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1", "
            "--device", "cpu"]
 
 
-def test_a_reward_scale_that_overflows_the_scaled_returns_to_go_is_refused_by_name(tmp_path: Path) -> None:
+def test_a_reward_scale_that_overflows_the_scaled_returns_to_go_is_refused_by_name(tmp_path: Path, cartpole_h5) -> None:
     """``agent.reward_scale=1e-40`` on returns of 10: the returns-to-go divided by it (1e41) are inf
     in float32, and the run started and only failed later on a non-finite loss, without naming the
     option. Refused before training, naming agent.reward_scale and the dataset's returns."""
-    h5 = _cartpole_h5(tmp_path / "d.hdf5")
+    h5 = cartpole_h5(tmp_path / "d.hdf5")
     r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={h5}", "agent.reward_scale=1e-40",
                             *TINY_DT, "--run-dir", str(tmp_path / "run")])
     assert r.exit_code == 2, r.output
