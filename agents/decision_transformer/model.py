@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from rl_tformers.backbone import Backbone
 from rl_tformers.config import BackboneConfig
+from rl_tformers.position.base import embedding_table
 
 MODES = ("causal", "last_action")
 HEADS = ("deterministic", "gaussian", "categorical")
@@ -240,7 +241,7 @@ class DecisionTransformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         d = cfg.backbone.d_model
-        self.embed_timestep = nn.Embedding(cfg.max_ep_len + 1, d)  # index 0 = padding, t -> t + 1
+        self.embed_timestep = embedding_table(cfg.max_ep_len + 1, d, "agent.max_ep_len")  # index 0 = padding, t -> t + 1
         self.embed_return = nn.Linear(1, d)
         self.embed_state = nn.Linear(cfg.obs_dim, d)
         self.embed_action = nn.Embedding(cfg.act_dim, d) if cfg.discrete else nn.Linear(cfg.act_dim, d)

@@ -168,6 +168,37 @@ def segment_batch(
     )
 
 
+def warn_position_time_limit(info, limit: int) -> None:
+    """Log a warning when the evaluation environment's time limit exceeds the learned position table.
+
+    GTrXL's positions are episode steps, so with ``backbone.position.kind=learned`` an evaluation
+    episode that reaches step ``limit`` (= ``backbone.max_position``) stops the evaluation with an
+    error; the dataset's episodes were checked already, this warns about the environment's
+    longer ones before training instead of at the first evaluation. Nothing is logged when the
+    environment has no time limit or cannot be made here.
+
+    Args:
+        info: the dataset's :class:`DatasetInfo` (its ``env_id`` and ``make_env``).
+        limit: rows of the learned position table (``backbone.max_position``).
+    """
+    import logging
+
+    from rl_tformers.agents.common.evaluation import max_episode_steps
+
+    if not info.env_id:
+        return
+    try:
+        steps = max_episode_steps(info.make_env())
+    except Exception:  # noqa: BLE001 - only a warning; check_env reported what matters
+        return
+    if steps is not None and steps > limit:
+        logging.getLogger(__name__).warning(
+            "the evaluation environment %s runs episodes of up to %d steps but backbone.max_position=%d (GTrXL's "
+            "positions are episode steps, backbone.position.kind=learned): an evaluation episode that reaches "
+            "step %d will stop the evaluation; set backbone.max_position >= %d or use a relative position kind "
+            "(xl_relative)", info.env_id, steps, limit, limit, steps)
+
+
 # ---------------------------------------------------------------------------------------------
 # acting
 # ---------------------------------------------------------------------------------------------
@@ -615,6 +646,8 @@ class GTrXLAgent:
                 f"steps: GTrXL's positions are episode steps, and backbone.position.kind=learned has no table row "
                 f"past step {limit - 1}; raise backbone.max_position (to cover the longest evaluation episode too) "
                 f"or use a relative position kind (xl_relative, the GTrXL default)")
+        if extra is None and limit is not None:
+            warn_position_time_limit(self.info, limit)
         if extra is None and self.model_cfg.rtg_input and a.get("target_return") is not None:
             # before training, not at the first evaluation: a target the float32 token embedding
             # cannot take (GTrXLPolicy.target_limit; rechecked at every evaluation)

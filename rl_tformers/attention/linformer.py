@@ -42,7 +42,11 @@ class LinformerAttention(AttentionModule):
     ``k`` may differ per layer (a tuple, one entry per layer: the paper uses smaller k higher
     up, sec. 4). Padded keys are zeroed before projection (``linear``) or excluded from the
     segment means (``pool``), so padding content never matters; a query whose row has no valid
-    key returns zeros.
+    key returns zeros. Where the padding sits does matter with ``linear`` (column j of E and F
+    multiplies key j): padding after the real keys leaves the result equal to the unpadded
+    sequence's, padding before them moves the real keys to other columns and changes it (also
+    for cross-attention over a left-padded encoder output), and with ``pool`` the segment
+    boundaries follow the padded length; both are properties of a fixed-length projection.
 
     Cannot: causal attention (E mixes future keys into every projected key: declared
     ``causal=False``; the backbone refuses it causally and points at DT's last-action mode),

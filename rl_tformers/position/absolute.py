@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from rl_tformers.position.base import PositionConfig, PositionModule, check_positions
+from rl_tformers.position.base import PositionConfig, PositionModule, check_positions, embedding_table
 from rl_tformers.registry import POSITION, Capabilities
 from rl_tformers.types import acc_dtype
 
@@ -91,7 +91,7 @@ class LearnedPosition(PositionModule):
     def __init__(self, dim: int, max_position: int, active: bool) -> None:
         super().__init__()
         self.max_position = max_position
-        self.table = nn.Embedding(max_position, dim) if active else None
+        self.table = embedding_table(max_position, dim, "backbone.max_position") if active else None
         if self.table is not None:
             nn.init.normal_(self.table.weight, std=0.02)
 

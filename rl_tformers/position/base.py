@@ -135,3 +135,28 @@ def check_positions(pos: Tensor, limit: int, who: str) -> None:
             f"{who}: positions must lie in [0, {limit}) but got [{lo}, {hi}]; "
             f"raise backbone.max_position or pass smaller positions"
         )
+
+
+def embedding_table(rows: int, dim: int, option: str) -> nn.Embedding:
+    """An ``nn.Embedding(rows, dim)`` whose allocation failure names the option that sized it.
+
+    Args:
+        rows: table rows (positions, episode steps).
+        dim: row width (d_model).
+        option: the dotted config key that set ``rows`` (e.g. ``backbone.max_position``).
+
+    Raises:
+        ValueError: the (rows, dim) float32 table cannot be allocated (a config value far beyond
+            the data); the message gives its size in bytes and the option to lower, instead of
+            the allocator's bare RuntimeError.
+    """
+    try:
+        return nn.Embedding(rows, dim)
+    except RuntimeError as err:
+        if "alloc" not in str(err):
+            raise
+        raise ValueError(
+            f"the ({rows}, {dim}) float32 table sized by {option} ({rows * dim * 4:,} bytes) cannot be "
+            f"allocated; lower {option} to the largest position/step the data really has"
+        ) from None
+
