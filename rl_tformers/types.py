@@ -28,6 +28,16 @@ def to_acc(x: torch.Tensor) -> torch.Tensor:
     return x.to(acc_dtype(x.dtype))
 
 
+def state_type(cls: type) -> type:
+    """Class decorator for the dataclasses a :class:`BackboneState` may hold (layer states,
+    caches, memory stores): allows them in ``torch.load(weights_only=True)`` (PyTorch's default
+    since 2.6) through ``torch.serialization.add_safe_globals``, so a state saved with
+    ``torch.save`` loads back without ``weights_only=False``. They hold only tensors, numbers and
+    other state types: unpickling them runs no code of the file's choosing."""
+    torch.serialization.add_safe_globals([cls])
+    return cls
+
+
 def neg_inf(dtype: torch.dtype) -> float:
     """Most negative finite value of ``dtype``: the fill for disallowed attention scores."""
     return torch.finfo(dtype).min
@@ -193,6 +203,7 @@ class AttnOutput:
     weights: Tensor | None = None
 
 
+@state_type
 @dataclass
 class LayerState:
     """Per-layer state carried between calls; owned by the caller, never by the module.
@@ -210,6 +221,7 @@ class LayerState:
     extra: Any = None
 
 
+@state_type
 @dataclass
 class BackboneState:
     """State of a whole backbone for a batch of B independent streams (episodes/envs).

@@ -50,12 +50,13 @@ from torch import Tensor, nn
 from rl_tformers.attention.base import AttentionModule
 from rl_tformers.config import ConfigAdviceWarning, IncompatibleConfig
 from rl_tformers.position.base import PositionModule
-from rl_tformers.types import AttnContext, AttnOutput
+from rl_tformers.types import AttnContext, AttnOutput, state_type
 
 #: positional kinds usable inside linear kernels (no score matrix needed).
 LINEAR_POSITIONS = ("none", "sinusoidal", "learned", "rotary")
 
 
+@state_type
 @dataclass
 class LinearCache:
     """Incremental-decoding cache of a linear-attention layer.

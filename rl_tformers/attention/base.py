@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from rl_tformers.config import SlotConfig
 from rl_tformers.position.base import PositionModule
-from rl_tformers.types import AttnContext, AttnOutput, neg_inf, to_acc
+from rl_tformers.types import AttnContext, AttnOutput, neg_inf, state_type, to_acc
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class AttentionConfig(SlotConfig):
         raise NotImplementedError
 
 
+@state_type
 @dataclass
 class KVCache:
     """Dense incremental-decoding cache: keys and values of every past token of a layer.

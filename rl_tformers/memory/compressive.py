@@ -89,12 +89,13 @@ from torch import Tensor, nn
 from rl_tformers.attention.base import attention_reference
 from rl_tformers.memory.base import MemoryConfig, MemoryModule, SegmentRecord, empty_prefix
 from rl_tformers.registry import MEMORY, Capabilities
-from rl_tformers.types import BackboneState, LayerState, build_allowed
+from rl_tformers.types import BackboneState, LayerState, build_allowed, state_type
 
 COMPRESSIONS = ("max", "mean", "conv", "dilated_conv", "most_used")
 LOSSES = ("attention", "autoencoding", "both", "none")
 
 
+@state_type
 @dataclass
 class FifoUsage:
     """Attention received by the FIFO slots of one layer (compression ``most_used`` only).
