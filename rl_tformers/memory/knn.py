@@ -7,7 +7,7 @@ head), attends over them, and a learned per-head gate mixes the two results (sec
 
     V_a = V_m * g + V_c * (1 - g),    g = sigmoid(b_g) per head
 
-The store holds the keys and values this layer computed for earlier segments, detached (no
+The store holds the keys and values this layer computed for earlier tokens, detached (no
 gradient into the memory, sec. 3.1), L2-normalised to limit the distribution shift of stale
 entries (sec. 3.2: keys, and by default values too), with the position, validity and episode
 id of each entry. Other layers get Transformer-XL memory of ``mem_len`` slots (the paper's
@@ -33,9 +33,29 @@ is installed, the store is on CPU and holds at least ``faiss_min_store`` entries
 otherwise. Both return the same neighbours (up to ties); the retrieved scores are recomputed
 in torch so gradients reach the queries and the gate either way.
 
+Which entries a query may retrieve (``retrieval``; always only valid entries of its own
+episode, at least ``min_age`` positions old):
+
+- ``steps`` (default): every earlier entry of the episode whose age ``p - pos`` is in
+  ``[min_age, store_size]``, read from the store *and* from the earlier tokens of the same
+  forward pass (detached, as stored). The set depends only on the query's position, so any
+  split of a sequence into segments retrieves the same entries: acting one step at a time
+  equals the training forward (burn-in + window) exactly when XL memory covers the local
+  context too (``mem_len`` >= the tokens a training query sees locally), as for ``xl``.
+  With a smaller ``mem_len`` the remaining mismatch is XL's own (a training query attends
+  locally to its whole segment, an acting one to ``mem_len`` slots).
+- ``segments``: the paper's training procedure taken literally (fixed segments; each
+  segment's keys are added to the store after the segment): a pass retrieves only from the
+  store as it was before it. Acting one step at a time then retrieves the steps that a
+  training segment saw only through local attention, so acting differs from training by the
+  segmentation itself (measured, random 2-layer model of width 32, ``mem_len`` covering the
+  24 steps, float64: 3.8e-2 between 24 one-step calls and one pass, 1.6e-2 for two passes of
+  12). This was the only rule before ``retrieval`` existed; one token per call gives the
+  same outputs under both rules (acting is unchanged, training differs).
+
 Retrieval is content-only (no positional terms), as in the paper. A query with no retrievable
-entry (empty store, new episode) uses the local result alone (its gate is 0), so without a
-state, or before anything was stored, the layer equals its plain attention.
+entry (empty store, new episode, first step) uses the local result alone (its gate is 0), so
+without a state, or before anything was stored, the layer equals its plain attention.
 """
 
 from __future__ import annotations
@@ -51,11 +71,13 @@ from rl_tformers.config import IncompatibleConfig
 from rl_tformers.memory._search import faiss_available, faiss_search, masked_topk
 from rl_tformers.memory.base import MemoryConfig, MemoryModule, SegmentRecord, empty_prefix
 from rl_tformers.registry import MEMORY, Capabilities
-from rl_tformers.types import AttnContext, AttnOutput, BackboneState, LayerState, neg_inf, to_acc
+from rl_tformers.types import AttnContext, AttnOutput, BackboneState, LayerState, neg_inf, state_type, to_acc
 
 SEARCHES = ("auto", "torch", "faiss")
+RETRIEVALS = ("steps", "segments")
 
 
+@state_type
 @dataclass
 class KNNStore:
     """FIFO of past (key, value) pairs of the kNN-augmented layer, per row and head.
@@ -90,16 +112,25 @@ def empty_store(batch: int, heads: int, size: int, head_dim: int, device, dtype)
     return KNNStore(z, z.clone(), pos, valid, seg)
 
 
+def extend_store(store: KNNStore, keys: Tensor, values: Tensor, pos: Tensor, valid: Tensor, seg: Tensor) -> KNNStore:
+    """The N stored entries followed by T new ones (keys/values (B, H, T, Dh), bookkeeping (B, T)): N + T entries."""
+    return KNNStore(
+        keys=torch.cat([store.keys, keys.to(store.keys.dtype)], 2),  # (B, H, N + T, Dh)
+        values=torch.cat([store.values, values.to(store.values.dtype)], 2),
+        pos=torch.cat([store.pos, pos], 1),
+        valid=torch.cat([store.valid, valid], 1),
+        seg=torch.cat([store.seg, seg], 1),
+    )
+
+
+def newest(store: KNNStore, n: int) -> KNNStore:
+    """The newest ``n`` entries of ``store`` (FIFO eviction)."""
+    return KNNStore(store.keys[:, :, -n:], store.values[:, :, -n:], store.pos[:, -n:], store.valid[:, -n:], store.seg[:, -n:])
+
+
 def append_store(store: KNNStore, keys: Tensor, values: Tensor, pos: Tensor, valid: Tensor, seg: Tensor) -> KNNStore:
     """FIFO append of T entries (keys/values (B, H, T, Dh), bookkeeping (B, T)); keeps the newest N."""
-    n = store.capacity
-    return KNNStore(
-        keys=torch.cat([store.keys, keys.to(store.keys.dtype)], 2)[:, :, -n:],  # (B, H, N, Dh)
-        values=torch.cat([store.values, values.to(store.values.dtype)], 2)[:, :, -n:],
-        pos=torch.cat([store.pos, pos], 1)[:, -n:],
-        valid=torch.cat([store.valid, valid], 1)[:, -n:],
-        seg=torch.cat([store.seg, seg], 1)[:, -n:],
-    )
+    return newest(extend_store(store, keys, values, pos, valid, seg), store.capacity)
 
 
 class KNNAugmentedAttention(nn.Module):
@@ -124,13 +155,20 @@ class KNNAugmentedAttention(nn.Module):
         faiss_min_store: store size from which ``auto`` uses faiss (CPU only).
         gate_init: initial gate logit b_g (0 -> g = 0.5).
         normalize_values: L2-normalise stored values (keys are always normalised).
+        retrieval: ``steps`` (default) or ``segments``: which entries a query may retrieve
+            (:meth:`allowed`; see :class:`KNNMemoryConfig`).
+        min_age: a query at position p retrieves only entries at positions <= p - min_age.
     """
 
-    def __init__(self, base: nn.Module, top_k: int, search: str, faiss_min_store: int, gate_init: float, normalize_values: bool) -> None:
+    def __init__(
+        self, base: nn.Module, top_k: int, search: str, faiss_min_store: int, gate_init: float, normalize_values: bool,
+        retrieval: str = "steps", min_age: int = 1,
+    ) -> None:
         super().__init__()
         self.base = base
         self.top_k, self.search, self.faiss_min_store = top_k, search, faiss_min_store
         self.normalize_values = normalize_values
+        self.retrieval, self.min_age = retrieval, min_age
         h, dh = base.n_heads, base.head_dim
         self.gate_logit = nn.Parameter(torch.full((h,), float(gate_init)))
         self.log_scale = nn.Parameter(torch.full((h,), math.log(math.sqrt(dh))))
@@ -178,11 +216,16 @@ class KNNAugmentedAttention(nn.Module):
         seg_q = ctx.seg_q if ctx.seg_q is not None else torch.zeros(b, t, dtype=torch.long, device=x_q.device)
         valid_q = ctx.key_valid[:, -t:] if ctx.key_valid is not None else torch.ones(b, t, dtype=torch.bool, device=x_q.device)
 
-        vm, hit, top_age = self.retrieve(q, cache, seg_q, ctx.pos_q)
+        grown = extend_store(cache, k_new, v_new, ctx.pos_q, valid_q, seg_q)  # (N + T entries)
+        if self.retrieval == "steps":  # the store and this segment, by age
+            searched, allowed = grown, self.allowed(grown, seg_q, ctx.pos_q, max_age=cache.capacity)
+        else:  # the store as it was before this segment
+            searched, allowed = cache, self.allowed(cache, seg_q, ctx.pos_q)
+        vm, hit, top_age = self.retrieve(q, searched, seg_q, ctx.pos_q, allowed)
         g = self.gate().to(vm.dtype).view(1, -1, 1, 1) * hit[..., None].to(vm.dtype)  # (B, H, T, 1)
         delta = base.merge_heads(g * (vm - vc))  # (B, T, D)
         out = local.out + F.linear(delta, base.o_proj.weight)
-        store = append_store(cache, k_new, v_new, ctx.pos_q, valid_q, seg_q)
+        store = newest(grown, cache.capacity)
         metrics = dict(local.metrics)
         live = valid_q[:, None, :].expand_as(hit)
         n_live = live.sum().clamp_min(1)
@@ -199,20 +242,39 @@ class KNNAugmentedAttention(nn.Module):
             and store.capacity >= self.faiss_min_store
         )
 
-    def retrieve(self, q: Tensor, store: KNNStore, seg_q: Tensor, pos_q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def allowed(self, store: KNNStore, seg_q: Tensor, pos_q: Tensor, max_age: int | None = None) -> Tensor:
+        """(B, 1, T, N) bool: which entries of ``store`` each query may retrieve.
+
+        Valid entries of the query's episode whose age ``pos_q - pos`` is at least ``min_age``
+        and, when given, at most ``max_age``. With ``retrieval='steps'`` ``store`` is the
+        state's store followed by this segment's entries and ``max_age`` the store size (what
+        the FIFO holds when the sequence comes one token per position), so the set depends
+        only on the query's position and episode, not on where the segments start.
+        """
+        age = pos_q[:, :, None] - store.pos[:, None, :]  # (B, T, N)
+        ok = store.valid[:, None, :] & (store.seg[:, None, :] == seg_q[:, :, None]) & (age >= self.min_age)
+        if max_age is not None:
+            ok = ok & (age <= max_age)
+        return ok[:, None]
+
+    def retrieve(
+        self, q: Tensor, store: KNNStore, seg_q: Tensor, pos_q: Tensor, allowed: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Top-k attention over the store.
 
         Args:
             q: (B, H, T, Dh) normalised queries.
-            store: the :class:`KNNStore`.
+            store: the :class:`KNNStore` searched (N entries).
             seg_q: (B, T) episode id of each query (entries of other episodes are never read).
             pos_q: (B, T) query positions (for the age metric).
+            allowed: (B, 1, T, N) bool, the entries each query may read (:meth:`allowed`);
+                default: the valid entries of the query's episode.
         Returns:
             V_m (B, H, T, Dh), hit (B, H, T) bool (at least one entry retrieved), and the age
             ``pos_q - pos`` of the best entry (B, H, T) long (0 where nothing was retrieved).
         """
-        allowed = store.valid[:, None, :] & (store.seg[:, None, :] == seg_q[:, :, None])  # (B, T, N)
-        allowed = allowed[:, None]  # (B, 1, T, N)
+        if allowed is None:
+            allowed = (store.valid[:, None, :] & (store.seg[:, None, :] == seg_q[:, :, None]))[:, None]  # (B, 1, T, N)
         if self.use_faiss(store):
             idx, ok = self._faiss_topk(q, store, allowed)
             k_top = _gather_rows(store.keys, idx)  # (B, H, T, k, Dh)
@@ -234,25 +296,31 @@ class KNNAugmentedAttention(nn.Module):
     def _faiss_topk(self, q: Tensor, store: KNNStore, allowed: Tensor) -> tuple[Tensor, Tensor]:
         """Indices (B, H, T, k) and ok mask via one exact faiss search per (row, head).
 
-        Entries a row's first query may read are the only ones any of its queries may read
-        (stored entries are older than the segment; a query past an episode start reads none),
-        so each (row, head) is one database; per-query episode checks are applied afterwards.
+        Each (row, head) is one database: the entries any of the row's queries may read. A
+        query that may not read ``e`` of them gets ``k + e`` neighbours (``e`` the largest such
+        count in the row: 0 with ``retrieval='segments'`` inside one episode, at most about T
+        with ``steps``), of which its first k allowed ones, in score order, are its top k.
         """
         b, h, t, _ = q.shape
         k = min(self.top_k, store.capacity)
         idx = torch.zeros(b, h, t, k, dtype=torch.long, device=q.device)
         ok = torch.zeros(b, h, t, k, dtype=torch.bool, device=q.device)
-        row_ok = allowed[:, 0, 0]  # (B, N): what the row's first query may read
+        per_query = allowed[:, 0].expand(b, t, store.capacity)  # (B, T, N)
+        union = per_query.any(1)  # (B, N)
         for i in range(b):  # faiss has no batched multi-database search
-            sel = row_ok[i].nonzero()[:, 0]
+            sel = union[i].nonzero()[:, 0]
             if sel.numel() == 0:
                 continue
+            extra = sel.numel() - int(per_query[i].sum(-1).min())
+            kq = min(k + extra, sel.numel())
             for j in range(h):
-                _, found = faiss_search(store.keys[i, j, sel], q[i, j], k, metric="ip")  # (T, k')
-                kk = found.shape[1]
-                good = found >= 0
-                idx[i, j, :, :kk] = sel[found.clamp_min(0)]
-                ok[i, j, :, :kk] = good
+                _, found = faiss_search(store.keys[i, j, sel], q[i, j], kq, metric="ip")  # (T, kq)
+                cand = sel[found.clamp_min(0)]  # (T, kq) store indices, best first
+                good = (found >= 0) & per_query[i].gather(-1, cand)
+                first = torch.sort((~good).to(torch.uint8), dim=-1, stable=True).indices[:, :k]  # allowed first
+                kk = first.shape[1]
+                idx[i, j, :, :kk] = cand.gather(-1, first)
+                ok[i, j, :, :kk] = good.gather(-1, first)
         ok = ok & allowed.expand(b, h, t, -1).gather(-1, idx)
         return idx, ok
 
@@ -350,6 +418,27 @@ class KNNMemoryConfig(MemoryConfig):
         faiss_min_store: with ``auto``, the store size from which faiss is used.
         gate_init: initial gate logit b_g (g = sigmoid(b_g)).
         normalize_values: L2-normalise stored values (keys always are).
+        retrieval: which entries a query retrieves.
+
+            - ``steps`` (default): every earlier entry of the query's episode whose age
+              ``p - pos`` is in ``[min_age, store_size]``, from the store *and* from the tokens
+              before it in the same forward pass (detached, like stored ones). The retrieved set
+              depends only on the query's position, so a sequence split into any segments
+              (one step at a time when acting, burn-in + window in training) retrieves the
+              same entries: with XL memory covering the local context (``mem_len`` >= the
+              tokens before the query in its training segment and memory), step-by-step acting
+              equals the training forward exactly. Exact FIFO equivalence assumes one token
+              per position (the GTrXL agent); otherwise the FIFO of ``store_size`` entries may
+              evict some entries earlier than the age bound does.
+            - ``segments``: the paper's training rule taken literally: a forward pass retrieves
+              only from the store as it was before the pass (entries of earlier passes), and
+              writes its own entries after it. Outputs then depend on the segmentation: from
+              an empty state, one pass over T tokens retrieves nothing, while T passes of one
+              token retrieve every earlier token (measured: up to 3.8e-2 on the outputs of a
+              random 2-layer model in float64, with ``mem_len`` covering everything).
+        min_age: a query at position p retrieves only entries at positions <= p - min_age
+            (>= 1). 1: every earlier step; ``mem_len + 1``: only what the local attention
+            cannot see when acting one step at a time (the paper's division of labour).
     """
 
     layer: int = -2
@@ -360,6 +449,8 @@ class KNNMemoryConfig(MemoryConfig):
     faiss_min_store: int = 65536
     gate_init: float = 0.0
     normalize_values: bool = True
+    retrieval: str = "steps"
+    min_age: int = 1
 
     #: the gate and the retrieval scale get a gradient only once the store has entries.
     contract_no_grad = ("depth.blocks.*.attn.gate_logit", "depth.blocks.*.attn.log_scale")
@@ -371,6 +462,10 @@ class KNNMemoryConfig(MemoryConfig):
             raise ValueError(f"memory.store_size and memory.top_k must be >= 1, got {self.store_size}, {self.top_k}")
         if self.search not in SEARCHES:
             raise ValueError(f"memory.search={self.search!r}; choose one of {', '.join(SEARCHES)}")
+        if self.retrieval not in RETRIEVALS:
+            raise ValueError(f"memory.retrieval={self.retrieval!r}; choose one of {', '.join(RETRIEVALS)}")
+        if self.min_age < 1:
+            raise ValueError(f"memory.min_age must be >= 1 (a query never retrieves itself), got {self.min_age}")
 
     def layer_index(self, n_layers: int) -> int:
         """The kNN layer's index in a stack of ``n_layers``."""
@@ -391,7 +486,10 @@ class KNNMemoryConfig(MemoryConfig):
         """Block-construction hook: wrap layer :meth:`layer_index` in :class:`KNNAugmentedAttention`."""
         if ctx.layer_idx != self.layer_index(ctx.n_layers):
             return attn
-        return KNNAugmentedAttention(attn, self.top_k, self.search, self.faiss_min_store, self.gate_init, self.normalize_values)
+        return KNNAugmentedAttention(
+            attn, self.top_k, self.search, self.faiss_min_store, self.gate_init, self.normalize_values,
+            self.retrieval, self.min_age,
+        )
 
     def build(self, ctx) -> MemoryModule:
         cfg = ctx.config

@@ -6,6 +6,8 @@ parameters); tests are selected by the capabilities the kinds declare.
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 from contract_checks import assert_causal, assert_finite_grads, assert_padding_invariant
@@ -190,3 +192,19 @@ def test_memory_reset_isolates_rows_and_padding(v: Variant):
     fresh = _fwd(v, bb, x[1:, 6:], state=bb.initial_state(1))
     torch.testing.assert_close(o3.hidden[0], o2.hidden[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(o3.hidden[1], fresh.hidden[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("v", variant_params(lambda v: (v.stateful or v.incremental) and v.causal_ok))
+def test_state_round_trips_through_weights_only_load(v: Variant):
+    """A state saved with ``torch.save`` loads back with ``torch.load(weights_only=True)``
+    (PyTorch's default) and continues exactly as the original (every state type is allowed
+    through ``rl_tformers.types.state_type``)."""
+    bb = v.build(True).eval()
+    x = _x()
+    st = _fwd(v, bb, x[:, :7], state=bb.initial_state(B)).state
+    buf = io.BytesIO()
+    torch.save(st, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert type(loaded) is type(st)
+    assert torch.equal(_fwd(v, bb, x[:, 7:], state=loaded).hidden, _fwd(v, bb, x[:, 7:], state=st).hidden)

@@ -138,21 +138,25 @@ def test_store_fifo_and_reset():
     assert 0 < out.metrics["layer1/knn/hit_rate"] < 1
     st_all = bb.reset_state(st, torch.tensor([True, True, True]))
     assert bb.memory.store(st_all).count().tolist() == [0, 0, 0]
-    out = bb(torch.randn(3, 2, D), state=st_all)
+    out = bb(torch.randn(3, 1, D), state=st_all)
     assert out.metrics["layer1/knn/hit_rate"] == 0.0
+    # two tokens: the second reads only the first (retrieval: steps), never the cleared store
+    out = bb(torch.randn(3, 2, D), state=st_all)
+    assert out.metrics["layer1/knn/hit_rate"] == 0.5
 
 
-def test_no_retrieval_across_an_episode_start_inside_a_segment():
-    bb = _bb(mem_len=0)
+@pytest.mark.parametrize("retrieval, hit_rate", [("segments", 0.5), ("steps", 0.75)])
+def test_no_retrieval_across_an_episode_start_inside_a_segment(retrieval, hit_rate):
+    bb = _bb(mem_len=0, retrieval=retrieval)
     st = bb(torch.randn(1, 4, D), state=bb.initial_state(1)).state
     start = torch.tensor([[False, False, True, False]])
-    # queries 0, 1 may read the store; 2, 3 (a new episode) may not
+    # queries 0, 1 may read the store; 2, 3 (a new episode) may not (with ``steps``, 3 reads 2)
     layer = bb.blocks[1].attn
     seen = {}
     hook = layer.register_forward_hook(lambda m, a, o: seen.update(m=o.metrics))
     bb(torch.randn(1, 4, D), state=st, episode_start=start)
     hook.remove()
-    assert seen["m"]["knn/hit_rate"] == 0.5
+    assert seen["m"]["knn/hit_rate"] == hit_rate
 
 
 def test_gradients_reach_gate_and_queries_not_the_store():
