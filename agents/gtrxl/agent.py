@@ -55,7 +55,9 @@ from rl_tformers.agents.gtrxl.loss import SegmentBatch, bc_loss, iql_loss, polya
 from rl_tformers.agents.gtrxl.model import (
     GTrXLConfig,
     GTrXLModel,
+    check_causal,
     gtrxl_backbone,
+    needs_find_unused,
     position_limit,
     window_recipe,
 )
@@ -639,6 +641,8 @@ class GTrXLAgent:
             self.info = info
             self.extra = {**info.to_extra(), "reward_mult": float(reward_mult), "model": model_config_dict(self.model_cfg)}
         self.model = GTrXLModel(self.model_cfg).to(self.device)
+        #: parameters some updates leave without a gradient: DDP must look for them (needs_find_unused)
+        self.ddp_find_unused = needs_find_unused(self.model.encoder.backbone.config)
         limit = position_limit(self.model)
         if extra is None and limit is not None and self.info.longest_episode > limit:
             raise ValueError(
@@ -782,6 +786,7 @@ def load_for_inference(cfg: Any, state: Mapping[str, Any], device: torch.device 
     "gtrxl",
     description="GTrXL (Parisotto et al. 2019) trained offline: BC, return-conditioned BC or IQL, with burn-in",
     defaults=GTRXL_DEFAULTS,
+    check_backbone=check_causal,
 )
 def build_gtrxl(cfg: Any, run_dir: Path, device: torch.device) -> GTrXLAgent:
     """Builder of ``agent.kind=gtrxl``."""

@@ -165,6 +165,46 @@ def window_recipe(window: int | str) -> str:
             f"of W steps re-encoded at every step; training segments of W steps, nothing carried over)")
 
 
+def check_causal(cfg: BackboneConfig) -> None:
+    """Refuse a non-causal GTrXL backbone (the agents' ``check_backbone`` hook, also run by
+    :func:`build_backbone`).
+
+    A training segment attending to its later steps would train each action on the future
+    (their observations, and a_t, r_t as the next steps' inputs), which acting one step at a time
+    never sees; GTrXL has no last-action mode to offer instead.
+
+    Raises:
+        IncompatibleConfig: ``backbone.causal=false``, or an attention kind without a causal form
+            (the message lists the causal kernels that attend over GTrXL's memory).
+    """
+    if not cfg.causal:
+        raise IncompatibleConfig(
+            "gtrxl: backbone.causal=false would let each step of a training segment attend to the later steps "
+            "of its segment (the future), which acting one step at a time never sees; GTrXL is causal: "
+            "leave backbone.causal=true"
+        )
+    if not REGISTRIES["attention"].get(cfg.attention.kind).capabilities.causal:
+        raise IncompatibleConfig(
+            f"gtrxl: backbone.attention.kind={cfg.attention.kind!r} has no causal form, and GTrXL acts one step "
+            f"at a time on the past only; causal kernels that attend over its memory (with "
+            f"backbone.position.kind={cfg.position.kind!r}): {', '.join(memory_kernels(cfg.position.kind))}"
+        )
+
+
+def needs_find_unused(cfg: BackboneConfig) -> bool:
+    """Whether some GTrXL updates leave trainable backbone parameters without a gradient, so that
+    DistributedDataParallel must look for them (the agent's ``ddp_find_unused``, docs/runtime.md).
+
+    - ``depth.kind=early_exit``: GTrXL trains at full depth and passes no exit head, so the exit
+      classifier never gets a gradient;
+    - ``memory.kind=compressive``: the compression function runs only in updates where some row
+      forms a group of old memories (an episode boundary or a full FIFO in its window), which
+      depends on the data each process drew; without this, one rank reduces gradients the other
+      does not have and gloo aborts on the mismatch.
+    """
+    return cfg.depth.kind == "early_exit" or cfg.memory.kind == "compressive"
+
+
 def build_backbone(cfg: Mapping[str, Any] | BackboneConfig, window: int = 0) -> Backbone:
     """Build the backbone, refusing what GTrXL cannot use with messages naming the option.
 
@@ -174,7 +214,8 @@ def build_backbone(cfg: Mapping[str, Any] | BackboneConfig, window: int = 0) -> 
             which needs a memory kind that keeps nothing between calls.
 
     Raises:
-        IncompatibleConfig: a memory kind that keeps nothing between calls without
+        IncompatibleConfig: ``backbone.causal=false`` or an attention kind without a causal
+            form (the message lists the kernels GTrXL can use); a memory kind that keeps nothing between calls without
             ``agent.window``, or ``agent.window`` with a stateful memory; an attention kind
             that takes no memory keys (the message lists the kernels that do); or whatever
             :func:`rl_tformers.backbone.check_compatible` refuses (causal form, positions...).
@@ -189,6 +230,7 @@ def build_backbone(cfg: Mapping[str, Any] | BackboneConfig, window: int = 0) -> 
                 f"backbone.memory.kind={memory!r}; in GTrXL it runs in the plain-window mode: {window_recipe('W')}"
             )
     bb_cfg = cfg if isinstance(cfg, BackboneConfig) else BackboneConfig.from_dict(cfg, where="backbone")
+    check_causal(bb_cfg)
     mem = REGISTRIES["memory"].get(bb_cfg.memory.kind).capabilities
     if window > 0:
         if mem.stateful:

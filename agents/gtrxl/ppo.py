@@ -122,8 +122,10 @@ from rl_tformers.agents.gtrxl.agent import GTrXLPolicy, _plain, model_config_dic
 from rl_tformers.agents.gtrxl.model import (
     GTrXLConfig,
     GTrXLModel,
+    check_causal,
     gate_logs,
     gtrxl_backbone,
+    needs_find_unused,
     position_limit,
     record_attention,
 )
@@ -682,9 +684,11 @@ class GTrXLPPO:
         if extra is not None:
             self.load_extra_state(extra)
         self.n_envs, self.n_steps = int(a.n_envs), int(a.n_steps)
-        #: critic-only updates (agent.critic_warmup) leave the encoder and actor without a gradient:
-        #: under DDP the trainer must let DistributedDataParallel find them (else the next update fails)
-        self.ddp_find_unused = int(a.get("critic_warmup") or 0) > 0
+        #: critic-only updates (agent.critic_warmup) leave the encoder and actor without a gradient, as
+        #: some backbones leave parts of theirs (needs_find_unused): under DDP the trainer must let
+        #: DistributedDataParallel find them (else the next update fails)
+        self.ddp_find_unused = int(a.get("critic_warmup") or 0) > 0 or needs_find_unused(
+            self.model.encoder.backbone.config)
         info = dist_info()  # under DDP (torchrun) every process collects its own rollouts
         self.rank, self.world_size = info.rank, info.world_size
         self.envs: gym.vector.VectorEnv | None = None
@@ -1214,6 +1218,7 @@ register_inference_loader("gtrxl_ppo")(load_ppo_for_inference)
     description="GTrXL trained online with PPO in gymnasium vector envs (from scratch or from an offline gtrxl run)",
     defaults=PPO_DEFAULTS,
     local_batches=True,  # every rank trains on its own rollout: train.batch_size is not split
+    check_backbone=check_causal,
 )
 def build_gtrxl_ppo(cfg: Any, run_dir: Path, device: torch.device) -> GTrXLPPO:
     """Builder of ``agent.kind=gtrxl_ppo``."""

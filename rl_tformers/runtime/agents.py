@@ -180,6 +180,9 @@ class AgentEntry:
         local_batches: the kind's agents set ``local_batches`` (each rank yields its own share
             of the global batch, e.g. an on-policy agent's own rollout), so ``train.batch_size``
             is not the batch split over the processes and need not divide by their number.
+        check_backbone: ``check_backbone(backbone_cfg)`` raises ``ValueError`` (naming the
+            option) for a valid backbone this agent cannot use; called by ``compose`` before the
+            generic compatibility check, so the agent's own advice comes first.
     """
 
     kind: str
@@ -187,6 +190,7 @@ class AgentEntry:
     description: str = ""
     defaults: Mapping[str, Any] = field(default_factory=dict)
     local_batches: bool = False
+    check_backbone: Callable[[Any], None] | None = None
 
 
 _AGENTS: dict[str, AgentEntry] = {}
@@ -195,7 +199,8 @@ _discovered = False
 
 
 def register_agent(
-    kind: str, *, description: str = "", defaults: Mapping[str, Any] | None = None, local_batches: bool = False
+    kind: str, *, description: str = "", defaults: Mapping[str, Any] | None = None, local_batches: bool = False,
+    check_backbone: Callable[[Any], None] | None = None,
 ) -> Callable[[AgentBuilder], AgentBuilder]:
     """Decorator registering ``builder`` under ``kind``.
 
@@ -206,6 +211,7 @@ def register_agent(
             the user's config; its ``agent`` keys become the closed set of valid ``agent.*``.
         local_batches: the agents it builds set ``local_batches = True`` (see the module
             docstring): ``train.batch_size`` is then not checked against the number of processes.
+        check_backbone: see :class:`AgentEntry`.
 
     Raises:
         ValueError: for an empty kind, a defaults section that is not a mapping, or a kind
@@ -230,7 +236,7 @@ def register_agent(
         if "agent" in agent_defaults:
             agent_defaults["agent"] = {"kind": kind, **agent_defaults["agent"]}
         _AGENTS[kind] = AgentEntry(kind=kind, builder=builder, description=description, defaults=agent_defaults,
-                                   local_batches=bool(local_batches))
+                                   local_batches=bool(local_batches), check_backbone=check_backbone)
         return builder
 
     return deco

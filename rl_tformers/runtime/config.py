@@ -487,7 +487,7 @@ def compose(
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
         raise _translate(exc, cfg, "interpolation") from exc
-    _validate_values(cfg)
+    _validate_values(cfg, entry)
     if entry.defaults and isinstance(entry.defaults.get("agent"), Mapping):
         _check_agent_types(OmegaConf.to_container(cfg.agent, resolve=True), entry.defaults["agent"], "agent")
     OmegaConf.set_readonly(cfg, True)
@@ -534,7 +534,7 @@ def _check_agent_types(values: Mapping[str, Any], defaults: Mapping[str, Any], w
 FREE_FORM_AGENT_KEYS = ("env_kwargs",)
 
 
-def _validate_values(cfg: DictConfig) -> None:
+def _validate_values(cfg: DictConfig, entry=None) -> None:
     from rl_tformers.backbone import check_compatible
     from rl_tformers.config import BackboneConfig
     from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError
@@ -580,6 +580,15 @@ def _validate_values(cfg: DictConfig) -> None:
                               f"(registered: {', '.join(REGISTRIES[slot].kinds())}; see rl-tformers backbones)")
     try:
         bb = BackboneConfig.from_dict(backbone)
+    except (RegistryError, ValueError, TypeError) as exc:
+        msg = str(exc)
+        raise ConfigError(msg if msg.startswith("backbone") else f"backbone: {msg}") from exc
+    if entry is not None and entry.check_backbone is not None:  # the agent's own refusals and advice first
+        try:
+            entry.check_backbone(bb)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(str(exc)) from exc
+    try:
         check_compatible(bb)
     except (RegistryError, ValueError, TypeError) as exc:
         msg = str(exc)
@@ -588,6 +597,11 @@ def _validate_values(cfg: DictConfig) -> None:
 
 def check_resume_changes(saved: DictConfig, new: DictConfig) -> list[str]:
     """Differences between a run's saved config and the config it is resumed with.
+
+    Values are compared as the run uses them: a backbone slot field set on one side only
+    (``backbone.attention.orthogonal=true`` over a Performer run that left it unset) takes the
+    default of the slot's kind on the other side, so setting a field to the value the run
+    already used is no change.
 
     Returns:
         ``["train.steps: 1000 -> 2000", ...]`` for keys in :data:`RESUMABLE_KEYS`.
@@ -599,9 +613,16 @@ def check_resume_changes(saved: DictConfig, new: DictConfig) -> list[str]:
     a, b = flatten(to_container(saved)), flatten(to_container(new))
     changes, refused = [], []
     for key in sorted(set(a) | set(b)):
-        if a.get(key, "<unset>") == b.get(key, "<unset>"):
+        before, after = a.get(key, "<unset>"), b.get(key, "<unset>")
+        if before == after:
             continue
-        line = f"{key}: {a.get(key, '<unset>')} -> {b.get(key, '<unset>')}"
+        if (key in a) != (key in b):
+            default = _slot_field_default(key, a, b)
+            if default is not _NO_DEFAULT:
+                before, after = a.get(key, default), b.get(key, default)
+                if before == after:
+                    continue
+        line = f"{key}: {before} -> {after}"
         if any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS):
             changes.append(line)
         else:
@@ -612,6 +633,32 @@ def check_resume_changes(saved: DictConfig, new: DictConfig) -> list[str]:
             "run instead):\n  " + "\n  ".join(refused) + f"\nkeys that may change: {', '.join(RESUMABLE_KEYS)}"
         )
     return changes
+
+
+_NO_DEFAULT = object()
+
+
+def _slot_field_default(key: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> Any:
+    """The default of ``backbone.<slot>.<field>`` when both flat configs ``a`` and ``b`` use
+    the same kind in that slot (set, or the slot's default kind) and that kind has the field;
+    ``_NO_DEFAULT`` otherwise (not a slot field, the kinds differ, an unknown kind or field)."""
+    parts = key.split(".")
+    if len(parts) != 3 or parts[0] != "backbone" or parts[2] == "kind":
+        return _NO_DEFAULT
+    import dataclasses
+
+    from rl_tformers.config import BackboneConfig
+    from rl_tformers.registry import REGISTRIES, SLOTS
+
+    slot, name = parts[1], parts[2]
+    if slot not in SLOTS:
+        return _NO_DEFAULT
+    default_kind = next(f.default_factory().kind for f in dataclasses.fields(BackboneConfig)  # type: ignore[misc]
+                        if f.name == slot)
+    kind = a.get(f"backbone.{slot}.kind", default_kind)
+    if kind != b.get(f"backbone.{slot}.kind", default_kind) or kind not in REGISTRIES[slot]:
+        return _NO_DEFAULT
+    return REGISTRIES[slot].get(str(kind)).fields().get(name, _NO_DEFAULT)
 
 
 # -- output ------------------------------------------------------------------------------------------
