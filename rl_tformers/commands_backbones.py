@@ -1,4 +1,5 @@
-"""``rl-tformers backbones``: list every registered component with its paper and capabilities."""
+"""``rl-tformers backbones``: list every registered component with its paper, capabilities and
+config fields (with their defaults)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ def backbones(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON list instead of a table."),
     slot: str = typer.Option(None, "--slot", help="Only this slot: attention, position, memory, block, depth."),
 ) -> None:
-    """List registered backbone components: slot, kind, description, paper, capabilities."""
+    """List registered backbone components: slot, kind, description, paper, capabilities, fields
+    (with their defaults)."""
     from rl_tformers.registry import SLOTS, all_entries
 
     if slot is not None and slot not in SLOTS:
@@ -24,10 +26,11 @@ def backbones(
     from rich.table import Table
 
     table = Table(title="rl-tformers backbone components")
-    for col in ("slot", "kind", "description", "paper", "capabilities"):
+    for col in ("slot", "kind", "description", "paper", "capabilities", "fields (defaults)"):
         table.add_column(col, overflow="fold")
     for e in entries:
-        table.add_row(e.slot, e.kind, e.description, e.paper, ", ".join(e.capabilities.flags()))
+        fields = "\n".join(f"{k}={json.dumps(v)}" for k, v in e.fields().items())
+        table.add_row(e.slot, e.kind, e.description, e.paper, ", ".join(e.capabilities.flags()), fields)
     Console(width=200).print(table)
 
 

@@ -84,6 +84,22 @@ class Entry(Generic[T]):
     paper: str
     capabilities: Capabilities = field(default_factory=Capabilities)
 
+    def fields(self) -> dict[str, Any]:
+        """The kind's config fields with their defaults (tuples as lists; ``"<required>"`` for a
+        field without a default), in declaration order."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self.config_cls):  # type: ignore[arg-type]
+            if not f.init:
+                continue
+            if f.default is not dataclasses.MISSING:
+                v = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                v = f.default_factory()
+            else:
+                v = "<required>"
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "slot": self.slot,
@@ -91,6 +107,7 @@ class Entry(Generic[T]):
             "description": self.description,
             "paper": self.paper,
             "capabilities": self.capabilities.as_dict(),
+            "fields": self.fields(),
         }
 
 
@@ -295,6 +312,11 @@ class Registry(Generic[T]):
     def kinds(self) -> list[str]:
         return sorted(self._entries)
 
+    def kinds_with_field(self, name: str) -> list[str]:
+        """The registered kinds whose config has a field ``name`` (sorted)."""
+        return [k for k, e in sorted(self._entries.items())
+                if any(f.name == name and f.init for f in dataclasses.fields(e.config_cls))]  # type: ignore[arg-type]
+
     def from_dict(self, data: Mapping[str, Any] | T, where: str | None = None,
                   default_kind: str | None = None) -> T:
         """Build the config of one slot from ``{"kind": ..., **fields}``.
@@ -308,7 +330,8 @@ class Registry(Generic[T]):
         Raises:
             RegistryError: no ``kind`` (and no ``default_kind``), unknown kind, a field the
                 kind does not have (the message names the dotted path, suggests a close field
-                name, ``kind`` included, and lists the valid fields), or a field value of the
+                name, ``kind`` included, names the slot's other kinds that have the field, or
+                else the nearest fields of any kind, and lists the valid fields), or a field value of the
                 wrong type or out of range (``backbone.attention.block_size must be an integer,
                 got 2.5 (float)``).
         """
@@ -333,8 +356,17 @@ class Registry(Generic[T]):
             close = (difflib.get_close_matches(str(unknown[0]), sorted(names), n=1)
                      or difflib.get_close_matches(str(unknown[0]), ["kind"], n=1, cutoff=0.75))
             hint = f"; did you mean {where}.{close[0]}?" if close else ""
-            if implied and not close:
-                hint = f"; set {where}.kind to a kind that has it (rl-tformers backbones lists them)"
+            having = [k for k in self.kinds_with_field(str(unknown[0])) if k != entry.kind]
+            if having:
+                hint += (f"{' Or' if close else ';'} set {where}.kind to a kind that has it ({self.slot} kinds "
+                         f"with a {unknown[0]!r} field: {', '.join(having)})")
+            elif not close:
+                others = sorted({f.name for e in self._entries.values()
+                                 for f in dataclasses.fields(e.config_cls) if f.init} - names)  # type: ignore[arg-type]
+                near = difflib.get_close_matches(str(unknown[0]), others, n=3)
+                hint = f"; no {self.slot} kind has a field {unknown[0]!r}" + (
+                    "; nearest: " + ", ".join(f"{n} ({', '.join(self.kinds_with_field(n))})" for n in near)
+                    if near else "")
             kind = f"{entry.kind!r} (the default: {where}.kind is not set)" if implied else repr(entry.kind)
             raise RegistryError(
                 f"{where}.{unknown[0]}: unknown key: {self.slot} kind {kind} has no field {unknown[0]!r}{hint} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import typer
@@ -39,6 +40,14 @@ def test_json_lists_every_registered_component_with_capabilities():
     assert "Parisotto" in by[("block", "gated")]["paper"]
     for kind in ("none", "sinusoidal", "learned", "shaw", "xl_relative", "rotary", "alibi", "distance_aware"):
         assert ("position", kind) in by
+    # each kind's config fields with their defaults (JSON-ready: tuples as lists)
+    assert by[("attention", "sdpa")]["fields"] == {}
+    assert by[("attention", "sliding_window")]["fields"]["window"] == 32
+    assert by[("attention", "performer")]["fields"]["orthogonal"] is True
+    assert by[("attention", "longformer")]["fields"]["global_tokens"] == [0]
+    for (slot, kind), r in by.items():
+        entry = next(e for e in all_entries() if (e.slot, e.kind) == (slot, kind))
+        assert set(r["fields"]) == {f.name for f in dataclasses.fields(entry.config_cls) if f.init}, (slot, kind)
 
 
 def test_slot_filter_and_table():
@@ -51,6 +60,7 @@ def test_slot_filter_and_table():
     for slot in SLOTS:
         assert slot in table.output
     assert "xl_relative" in table.output and "reversible" in table.output
+    assert "fields" in table.output and "mem_len=64" in table.output  # xl memory's default
 
 
 def test_unknown_slot_is_refused_with_the_choices():
