@@ -29,7 +29,8 @@ Search (``search``): ``torch`` is exact (masked matmul + top-k, batched over row
 queries, on any device); ``faiss`` builds an exact flat inner-product index per (row, head)
 from the stored tensors at each call (the state stays a plain value; a Python loop over B * H
 indexes) and is only worthwhile on CPU for large stores; ``auto`` (default) uses faiss when it
-is installed, the store is on CPU and holds at least ``faiss_min_store`` entries, torch
+is installed, the store is on CPU and the entries searched (the store, plus the segment's own
+with ``retrieval: steps``) number at least ``faiss_min_store``, torch
 otherwise. Both return the same neighbours (up to ties); the retrieved scores are recomputed
 in torch so gradients reach the queries and the gate either way.
 
@@ -218,7 +219,7 @@ class KNNAugmentedAttention(nn.Module):
 
         grown = extend_store(cache, k_new, v_new, ctx.pos_q, valid_q, seg_q)  # (N + T entries)
         if self.retrieval == "steps":  # the store and this segment, by age
-            searched, allowed = grown, self.allowed(grown, seg_q, ctx.pos_q, max_age=cache.capacity)
+            searched, allowed = grown, self.allowed(grown, seg_q, ctx.pos_q, max_age=cache.capacity, n_new=t)
         else:  # the store as it was before this segment
             searched, allowed = cache, self.allowed(cache, seg_q, ctx.pos_q)
         vm, hit, top_age = self.retrieve(q, searched, seg_q, ctx.pos_q, allowed)
@@ -242,19 +243,27 @@ class KNNAugmentedAttention(nn.Module):
             and store.capacity >= self.faiss_min_store
         )
 
-    def allowed(self, store: KNNStore, seg_q: Tensor, pos_q: Tensor, max_age: int | None = None) -> Tensor:
+    def allowed(self, store: KNNStore, seg_q: Tensor, pos_q: Tensor, max_age: int | None = None,
+                n_new: int = 0) -> Tensor:
         """(B, 1, T, N) bool: which entries of ``store`` each query may retrieve.
 
         Valid entries of the query's episode whose age ``pos_q - pos`` is at least ``min_age``
         and, when given, at most ``max_age``. With ``retrieval='steps'`` ``store`` is the
-        state's store followed by this segment's entries and ``max_age`` the store size (what
-        the FIFO holds when the sequence comes one token per position), so the set depends
-        only on the query's position and episode, not on where the segments start.
+        state's store followed by this segment's ``n_new`` = T entries and ``max_age`` the store
+        size (what the FIFO holds when the sequence comes one token per position), so the set
+        depends only on the query's position and episode, not on where the segments start. Of
+        the segment's own entries a query reads only those of *earlier tokens* (token order, not
+        only position: positions that restart or decrease inside a pass never open a later
+        token to an earlier query).
         """
         age = pos_q[:, :, None] - store.pos[:, None, :]  # (B, T, N)
         ok = store.valid[:, None, :] & (store.seg[:, None, :] == seg_q[:, :, None]) & (age >= self.min_age)
         if max_age is not None:
             ok = ok & (age <= max_age)
+        if n_new:
+            t, n = pos_q.shape[1], store.pos.shape[1]
+            entry = torch.arange(n, device=pos_q.device) - (n - n_new)  # (N,) token index of new entries, < 0 stored
+            ok = ok & (entry[None, None, :] < torch.arange(t, device=pos_q.device)[None, :, None])
         return ok[:, None]
 
     def retrieve(
@@ -466,6 +475,11 @@ class KNNMemoryConfig(MemoryConfig):
             raise ValueError(f"memory.retrieval={self.retrieval!r}; choose one of {', '.join(RETRIEVALS)}")
         if self.min_age < 1:
             raise ValueError(f"memory.min_age must be >= 1 (a query never retrieves itself), got {self.min_age}")
+        if self.retrieval == "steps" and self.min_age > self.store_size:
+            raise ValueError(
+                f"memory.min_age={self.min_age} > memory.store_size={self.store_size}: with retrieval='steps' a query "
+                f"reads entries aged min_age..store_size, none here, so the kNN layer would retrieve nothing; "
+                f"raise memory.store_size or lower memory.min_age")
 
     def layer_index(self, n_layers: int) -> int:
         """The kNN layer's index in a stack of ``n_layers``."""
