@@ -30,7 +30,7 @@ Examples:
 
 PLOT_HELP = """Plot achieved vs target return over a sweep of targets (return conditioning).
 
-The Decision Transformer paper's figure 4, with y = x, the dataset's best and mean return and the spread over episodes, plus per-episode traces of remaining return-to-go vs cumulative reward. Also logged to the run's TensorBoard files as an image (RUN_DIR must then be a directory, also with --checkpoint; --no-tensorboard writes only --out). --out is checked before anything is evaluated; targets beyond what the model's float32 return embedding takes are refused up front, and a non-finite action or reward stops the evaluation with an error (as in `rl-tformers eval`).
+The Decision Transformer paper's figure 4, with y = x, the dataset's best and mean return and the spread over episodes, plus per-episode traces of remaining return-to-go vs cumulative reward. Also logged to the run's TensorBoard files as an image (RUN_DIR must then be a directory, also with --checkpoint; --no-tensorboard writes only --out). --out is checked before anything is evaluated; targets beyond what the model's float32 return embedding takes are refused up front, and a non-finite action or reward stops the evaluation with an error (as in `rl-tformers eval`). --from-json FILE plots a saved `eval --out` file: the figure carries (and TensorBoard logs it at) the step of the checkpoint that file evaluated, and a file evaluating another environment, agent kind or run than RUN_DIR is refused.
 
 Examples:
 
@@ -209,8 +209,9 @@ def _check_early_exit(value: str | None) -> None:
                     f"(use --early-exit none for the full model)")
 
 
-def _read_eval_json(path: Path) -> list:
-    """The per-target results of an ``rl-tformers eval --out`` file.
+def _read_eval_json(path: Path) -> tuple[list, dict]:
+    """The per-target results of an ``rl-tformers eval --out`` file, and its other fields
+    (``env_id``, ``extra`` with the run, checkpoint, step and agent kind evaluated).
 
     Raises:
         typer.Exit: (code 2, after an ``error: --from-json FILE: ...`` line) the file cannot be
@@ -238,7 +239,46 @@ def _read_eval_json(path: Path) -> list:
                         f"and returns; {type(exc).__name__}: {exc}); {expected}") from None
     if not out:
         raise _fail(f"--from-json {path}: 'results' is empty; {expected}")
-    return out
+    return out, {k: v for k, v in data.items() if k != "results"}
+
+
+def _saved_step(meta: dict) -> int | None:
+    """The checkpoint step an ``eval --out`` file records (``extra.step``), if any."""
+    step = meta.get("extra", {}).get("step") if isinstance(meta.get("extra"), dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(folder.resolve())
+    except OSError:
+        return False
+
+
+def _check_saved_matches(path: Path, meta: dict, run, run_dir: Path) -> None:
+    """Refuse a saved evaluation of another environment, agent kind or run than ``run_dir``:
+    its figure would carry the run's title and dataset lines and land in its TensorBoard files.
+    Fields the file does not have (a hand-written file) are not checked; the run it names is
+    another run only when that directory exists, is not ``run_dir`` and the checkpoint it names
+    is not inside ``run_dir``."""
+    extra = meta.get("extra") if isinstance(meta.get("extra"), dict) else {}
+    where = f" (run {extra['run_dir']})" if isinstance(extra.get("run_dir"), str) else ""
+    ours = f"{run_dir} is a {run.kind} run on {run.env_id}"
+    fix = "plot it with the run it evaluated, or drop --from-json to evaluate this run"
+    env_id = meta.get("env_id")
+    if isinstance(env_id, str) and run.env_id is not None and env_id != run.env_id:
+        raise _fail(f"--from-json {path} is an evaluation on {env_id}{where}, but {ours}; {fix}")
+    kind = extra.get("kind")
+    if isinstance(kind, str) and kind != run.kind:
+        raise _fail(f"--from-json {path} is an evaluation of a {kind} agent{where}, but {ours}; {fix}")
+    other, ckpt = extra.get("run_dir"), extra.get("checkpoint")
+    if not isinstance(other, str) or not Path(other).is_dir() or not run_dir.is_dir():
+        return
+    if Path(other).resolve() == run_dir.resolve():
+        return
+    if isinstance(ckpt, str) and Path(ckpt).is_file() and _inside(Path(ckpt), run_dir):
+        return
+    raise _fail(f"--from-json {path} is an evaluation of the run {other}, but RUN_DIR is {run_dir}; {fix}")
 
 
 def plot_cmd(
@@ -290,8 +330,11 @@ def plot_cmd(
     _threads(threads)
     run = _load(run_dir, device, checkpoint)
     dmax, dmean = run.dataset_return_max, run.dataset_return_mean
-    if saved is not None:
-        results = saved
+    step: int | None = run.step
+    if saved is not None:  # the evaluation's checkpoint step, not the run's newest
+        results, meta = saved
+        _check_saved_matches(from_json, meta, run, run_dir)
+        step = _saved_step(meta)
     else:
         if run.agent.default_targets() == [None]:
             raise _fail(f"agent {run.kind!r} is not return-conditioned: there is nothing to sweep")
@@ -319,11 +362,12 @@ def plot_cmd(
             typer.echo("  " + line)
     try:
         fig = plot_return_conditioning(results, dataset_max=dmax, dataset_mean=dmean,
-                                       title=f"{run.kind} on {run.env_id} (step {run.step})")
+                                       title=f"{run.kind} on {run.env_id}"
+                                             + ("" if step is None else f" (step {step})"))
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    if tensorboard:
-        log_figure(run_dir, "plot/return_conditioning", fig, run.step)
+    if tensorboard:  # a saved evaluation that records no step: logged at the run's step, as before
+        log_figure(run_dir, "plot/return_conditioning", fig, run.step if step is None else step)
     path = save_figure(fig, out)
     typer.echo(f"wrote {path}")
 

@@ -550,6 +550,37 @@ def fine_tune_backbone_changes(configured: Mapping[str, Any], offline: Mapping[s
             if want.get(k) != have.get(k)]
 
 
+#: agent option -> the GTrXLConfig field a fine-tune takes from the offline checkpoint instead
+FINE_TUNE_INPUTS = {"prev_action": "prev_action_input", "prev_reward": "prev_reward_input", "head_hidden": "head_hidden"}
+
+
+def fine_tune_input_changes(configured: Mapping[str, Any], offline: Mapping[str, Any]) -> list[str]:
+    """The ``agent.*`` settings of the config that fine-tuning ignores.
+
+    PPO fine-tunes the offline encoder and actor, so their inputs (``prev_action``,
+    ``prev_reward``) and the actor head (``head_hidden``) are the checkpoint's, and the inputs are
+    normalised with its observation statistics whatever ``agent.obs_norm`` says; a configured value
+    that differs (``head_hidden: 64`` of ``ppo_cartpole.yaml`` over an offline run's 0) is not what
+    runs, although ``config.yaml`` records it.
+
+    Args:
+        configured: the ``agent`` config.
+        offline: the model inputs read from the checkpoint (``prev_action_input``, ...).
+
+    Returns:
+        ``["agent.head_hidden=64 (the checkpoint's: 0)", ...]``, empty when they agree.
+    """
+    out = []
+    for key, field_name in FINE_TUNE_INPUTS.items():
+        want = int(configured.get(key)) if key == "head_hidden" else bool(configured.get(key))
+        have = offline[field_name]
+        if want != have:
+            out.append(f"agent.{key}={want!r} (the checkpoint's: {have!r})")
+    if not configured.get("obs_norm", True):
+        out.append("agent.obs_norm=False (the checkpoint's observation statistics normalise the observations)")
+    return out
+
+
 class EpisodeLengthError(ConfigError):
     """An episode ran past ``backbone.max_position`` (learned positions) in an environment
     without a time limit: raised at the rollout step that would need the missing table row
@@ -574,7 +605,10 @@ class GTrXLPPO:
 
     Warns:
         ConfigAdviceWarning: the backbone sets a dropout probability; PPO builds its model
-            without dropout (:func:`without_dropout`).
+            without dropout (:func:`without_dropout`). Fine-tuning: an agent input or head option
+            that differs from the checkpoint's (:func:`fine_tune_input_changes`).
+        UserWarning: fine-tuning with a ``backbone.*`` setting that differs from the
+            checkpoint's (:func:`fine_tune_backbone_changes`).
     """
 
     #: Each rank's minibatches are its own share of the global minibatch (the trainer does not
@@ -634,6 +668,13 @@ class GTrXLPPO:
                         f"checkpoint's backbone and ignores the config's {'; '.join(ignored)} (config.yaml still "
                         f"records them); to train another backbone online, start PPO without agent.init_checkpoint",
                         UserWarning, stacklevel=2)
+                ignored = fine_tune_input_changes(a, inputs)
+                if ignored:
+                    warnings.warn(
+                        f"agent.init_checkpoint={a.init_checkpoint}: PPO fine-tunes that run's encoder and actor, so "
+                        f"it builds them with the checkpoint's inputs and actor head and ignores the config's "
+                        f"{'; '.join(ignored)} (config.yaml still records them); set them to the checkpoint's values "
+                        f"to silence this", ConfigAdviceWarning, stacklevel=2)
             # the backbone PPO will run: the config's, or the offline run's when fine-tuning (whose
             # compressive/kNN memory, or plain window, used to pass and crash the first rollout)
             mem_kind = dict(backbone.get("memory") or {}).get("kind", "none")

@@ -214,8 +214,14 @@ class RunConfig:
 
 
 #: Keys that may change when a run is resumed (prefix match). Everything else must stay as it
-#: was, or the resumed run would not continue the same trajectory.
+#: was, or the resumed run would not continue the same trajectory. ``dataset.path`` /
+#: ``dataset.root`` say where the data are, not what they are: a run started on a relative path
+#: resumes from another working directory with the file's absolute path, or after the data
+#: moved; the offline agents refuse data whose statistics differ from the checkpoint's
+#: (``DatasetInfo.data_differences``), so another dataset cannot slip in this way.
 RESUMABLE_KEYS = (
+    "dataset.path",
+    "dataset.root",
     "train.steps",
     "train.log_every",
     "train.checkpoint_every",

@@ -161,6 +161,31 @@ class LRSchedule:
         return 1.0
 
 
+def restretch_message(kind: str, lr: float, warmup_steps: int, min_lr_ratio: float, old_total: int,
+                      new_total: int, step: int) -> str | None:
+    """The warning for a resume at update ``step`` that changes ``train.steps`` from ``old_total``
+    to ``new_total`` under a schedule that depends on it (``warmup_cosine`` past its warmup):
+    the schedule is re-stretched over the new length, so the learning rate of the next update
+    is not the one the old schedule would have continued with. ``None`` when nothing jumps.
+
+    Args:
+        kind, warmup_steps, min_lr_ratio: the run's schedule (:class:`LRSchedule`).
+        lr: ``train.lr`` (the factor's base).
+        old_total, new_total: ``train.steps`` of the checkpoint's config and of the resume.
+        step: updates done (the checkpoint's step): the next update has index ``step``.
+    """
+    if kind != "warmup_cosine" or old_total == new_total or step <= warmup_steps or step <= 0:
+        return None
+    before = lr * LRSchedule(kind, old_total, warmup_steps, min_lr_ratio)(step - 1)
+    after = lr * LRSchedule(kind, new_total, warmup_steps, min_lr_ratio)(step)
+    if math.isclose(before, after, rel_tol=0.01):
+        return None
+    return (f"train.steps {old_total} -> {new_total} re-stretches the warmup_cosine schedule over {new_total} updates: "
+            f"the learning rate goes from {before:.3g} (update {step - 1}, the last one trained) to {after:.3g} "
+            f"(update {step}), the value a {new_total}-update run has there, and decays to train.lr x "
+            f"train.min_lr_ratio by update {new_total}")
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, schedule: LRSchedule) -> LambdaLR:
     """A ``LambdaLR`` applying ``schedule`` to every group (each group keeps its own base lr)."""
     return LambdaLR(optimizer, [schedule] * len(optimizer.param_groups))

@@ -73,6 +73,7 @@ from rl_tformers.runtime.optim import (
     build_scheduler,
     default_param_groups,
     restore_scheduler,
+    restretch_message,
     scheduler_state,
 )
 from rl_tformers.runtime.progress import PlainProgress, progress_bar
@@ -1194,6 +1195,14 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
         for line in changes:
             if not line.startswith("run_dir:") and info.is_main:
                 log.info("resume: %s", line)
+        if info.is_main and int(found.state["step"]) < int(cfg.train.steps):
+            t = cfg.train
+            saved_steps = OmegaConf.create(found.state["config"]).train.steps
+            jump = restretch_message(
+                getattr(t.schedule, "value", str(t.schedule)), float(t.lr), int(t.warmup_steps), float(t.min_lr_ratio),
+                int(saved_steps), int(t.steps), int(found.state["step"]))
+            if jump is not None:
+                log.warning("resume: %s", jump)
         if found.state["step"] >= int(cfg.train.steps):
             if info.is_main and found.state["step"] > int(cfg.train.steps):
                 log.warning("train.steps=%d is below the step of %s's newest checkpoint (%d): nothing was "

@@ -252,7 +252,8 @@ def test_ppo_fine_tuning_says_which_backbone_settings_it_ignores(tmp_path) -> No
         "backbone.dropout=0.1", *tiny,
     ]), tmp_path / "offline")
     over = ["agent.kind=gtrxl_ppo", "agent.env_id=rl_tformers/Recall-d1-v0", f"agent.init_checkpoint={tmp_path / 'offline'}",
-            "agent.n_envs=2", "agent.n_steps=6", "agent.n_minibatches=1", "device=cpu", *tiny]
+            "agent.n_envs=2", "agent.n_steps=6", "agent.n_minibatches=1", "device=cpu", *tiny,
+            "agent.head_hidden=0"]  # the offline run's (another one is warned about, fresh_user_9)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         warnings.filterwarnings("ignore", message="gtrxl_ppo trains without dropout")
