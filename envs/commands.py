@@ -70,7 +70,8 @@ def collect(
     overwrite: bool = typer.Option(False, "--overwrite",
                                    help="Replace an existing dataset of the same id (and an existing --hdf5 file)."),
     skip_existing: bool = typer.Option(False, "--skip-existing",
-                                       help="With --recipe: build only the recipes whose dataset does not exist yet."),
+                                       help="With --recipe: build only the recipes whose dataset does not exist yet (an "
+                                            "existing one built with another size, seed or policies is refused)."),
     progress: bool = typer.Option(True, "--progress/--no-progress",
                                   help="Show progress on stderr: a bar on a terminal, else a plain line every 30 s."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -86,7 +87,8 @@ def collect(
       rl-tformers collect --recipe 'hopper-*' --skip-existing     (finish an interrupted suite)
 
     With several recipes, existing datasets are checked before anything is built: without
-    --overwrite or --skip-existing the command stops at once, naming them.
+    --overwrite or --skip-existing the command stops at once, naming them; --skip-existing keeps
+    only a dataset built as asked (same recipe, --recipe-steps, --seed), and refuses the others.
     """
     from rl_tformers.envs import recipes as R
     from rl_tformers.envs.collect import stop_signals
@@ -156,13 +158,20 @@ def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset
             if hdf5 is not None and Path(hdf5).expanduser().exists() and not Path(hdf5).expanduser().is_dir():
                 _fail(f"--hdf5 {hdf5} is a file; with --recipe it is the folder that receives <recipe>.hdf5")
             todo = R.match_recipes(list(recipe), recipe_steps or R.DEFAULT_STEPS)
-            existing = {r.name for r in todo if dataset_folder(r.dataset_id, root).exists()}
+            # an existing dataset is compared with the build asked (recipe, size, seed, policies):
+            # --skip-existing keeps only the same build, never a small --recipe-steps set in place of the full one
+            existing = {r.name: R.existing_build(r, dataset_folder(r.dataset_id, root),
+                                                 steps=recipe_steps or R.DEFAULT_STEPS, seed=seed)
+                        for r in todo if dataset_folder(r.dataset_id, root).exists()}
             if existing and not (overwrite or skip_existing):
-                ids = ", ".join(r.dataset_id for r in todo if r.name in existing)
+                ids = ", ".join(r.dataset_id + (f" [{existing[r.name].explain()}]" if existing[r.name].explain() else "")
+                                for r in todo if r.name in existing)
                 _fail(f"{len(existing)} of the {len(todo)} recipe datasets already "
                       f"{'exists' if len(existing) == 1 else 'exist'} under "
                       f"{dataset_folder('', root)}: {ids}; nothing was built. Pass --skip-existing to build only the "
-                      f"missing ones, or --overwrite to rebuild them")
+                      f"missing ones (it keeps only a dataset built as asked), or --overwrite to rebuild them")
+            if skip_existing:
+                _check_skipped_builds([e for e in existing.values() if e.recorded and not e.same])
             if hdf5 is not None and not overwrite:
                 clash = [str(Path(hdf5).expanduser() / f"{r.name}.hdf5") for r in todo
                          if not (skip_existing and r.name in existing)
@@ -173,9 +182,7 @@ def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset
                           "replace them, or choose another --hdf5 folder")
             for r in todo:
                 if skip_existing and r.name in existing:
-                    path = dataset_folder(r.dataset_id, root)
-                    typer.echo(json.dumps({"dataset_id": r.dataset_id, "skipped": "exists", "path": str(path)})
-                               if as_json else f"{r.dataset_id}: exists at {path}, skipped")
+                    typer.echo(_skipped_line(existing[r.name], as_json))
                     continue
                 h = None if hdf5 is None else Path(hdf5) / f"{r.name}.hdf5"
                 report(R.build_recipe(r, seed=seed, root=root, policies=policies, hdf5=h, overwrite=overwrite,
@@ -189,6 +196,39 @@ def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset
                 report(res)
     except (DatasetError, FileExistsError, FileNotFoundError, ValueError) as exc:
         _fail(str(exc))
+
+
+def _check_skipped_builds(differing: list) -> None:
+    """Refuse ``--skip-existing`` before anything is built when an existing recipe dataset records
+    another build than the one asked (:class:`rl_tformers.envs.recipes.ExistingBuild`)."""
+    if not differing:
+        return
+    lines = []
+    for e in differing:
+        opts = e.matching_options()
+        keep = f", or {' '.join(opts)} to keep it" if opts else ""
+        lines.append(f"  {e.recipe.dataset_id} at {e.path}: {e.explain()} (--overwrite to rebuild it{keep})")
+    matches = {tuple(e.matching_options() or ()) for e in differing}
+    together = next(iter(matches)) if len(matches) == 1 and () not in matches else ()
+    one = len(differing) == 1
+    _fail(f"--skip-existing keeps only a dataset built by the same recipe with the same size, seed and policies; "
+          f"{len(differing)} existing {'dataset was' if one else 'datasets were'} built otherwise (as recorded in "
+          f"{'its' if one else 'their'} metadata), so nothing was built:\n" + "\n".join(lines) + "\n"
+          f"Pass --overwrite to rebuild {'it' if one else 'them'} as asked"
+          + (f", or {' '.join(together)} to build the missing ones like {'it' if one else 'them'}" if together else "")
+          + (" (a --recipe-steps set is written under the recipe's own dataset id, whatever its size)"
+             if any(e.built_steps() not in (None, e.steps) for e in differing) else ""))
+
+
+def _skipped_line(e, as_json: bool) -> str:
+    """The line of a dataset ``--skip-existing`` keeps: built as asked, or not recorded (said so)."""
+    note = None if e.recorded else ("its metadata records no rl-tformers build (not a recipe's dataset, or unreadable): "
+                                    "kept unchecked; --overwrite rebuilds it")
+    if as_json:
+        return json.dumps({"dataset_id": e.recipe.dataset_id, "skipped": "exists", "path": str(e.path),
+                           **({"note": note} if note else {"recipe_steps": e.steps, "seed": e.seed})})
+    built = f"built as asked (--recipe-steps {e.steps}, --seed {e.seed})" if note is None else note
+    return f"{e.recipe.dataset_id}: exists at {e.path}, {built}, skipped"
 
 
 def _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,

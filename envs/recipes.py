@@ -34,6 +34,7 @@ same returns) with only joint positions recorded, the memory benchmark for GTrXL
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,8 @@ class Recipe:
     level: str
     positions: bool
     shards: tuple[Shard, ...]
+    #: the base size it was made with (``--recipe-steps``; recorded in the dataset's metadata)
+    base_steps: int = DEFAULT_STEPS
 
     @property
     def env_id(self) -> str:
@@ -109,8 +112,15 @@ class Recipe:
         for s in self.shards:
             p = "random actions" if s.policy == "random" else f"{s.policy}"
             mods = [f"eps {s.epsilon:g}"] * (s.epsilon > 0 and s.policy != "random") + [f"noise {s.noise:g}"] * (s.noise > 0)
-            parts.append(f"{p}{' (' + ', '.join(mods) + ')' if mods else ''} {s.steps // 1000}k")
+            parts.append(f"{p}{' (' + ', '.join(mods) + ')' if mods else ''} {steps_text(s.steps)}")
         return " + ".join(parts) + (", positions only" if self.positions else "")
+
+
+def steps_text(n: int) -> str:
+    """``100k``, ``1.25k`` or ``6``: a size as :meth:`Recipe.describe` and the CLI write it."""
+    if n >= 1000:
+        return f"{n // 1000}k" if n % 1000 == 0 else f"{n / 1000:g}k"
+    return str(n)
 
 
 def _level_shards(task: str, level: str, steps: int) -> tuple[Shard, ...]:
@@ -140,7 +150,7 @@ def make_recipe(task: str, level: str, *, positions: bool = False, steps: int = 
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
     suffix = "-positions" if positions else ""
-    return Recipe(f"{task}-{level}{suffix}", task, level, positions, _level_shards(task, level, steps))
+    return Recipe(f"{task}-{level}{suffix}", task, level, positions, _level_shards(task, level, steps), steps)
 
 
 def all_recipes(steps: int = DEFAULT_STEPS) -> dict[str, Recipe]:
@@ -206,6 +216,154 @@ def policy_path(algo: str, env_id: str, policies: str | os.PathLike | None = Non
     return policies_dir(policies) / algo / f"{name}-v3" / "model.zip"
 
 
+def _shard_record(recipe: Recipe, s: Shard) -> dict:
+    """What a build of ``recipe`` records of shard ``s`` in its metadata (its ``behaviours``)."""
+    policy = "random" if s.policy == "random" else f"{s.policy}/{recipe.env_id.rsplit('-v', 1)[0]}-v3"
+    return {"policy": policy, "epsilon": s.epsilon, "noise": s.noise, "steps": s.steps}
+
+
+def build_record(folder: str | os.PathLike) -> dict | None:
+    """The rl-tformers record (``metadata.json`` key ``rl_tformers``) of the Minari dataset in
+    ``folder``: what it was built with. ``None`` when it has none or cannot be read."""
+    from rl_tformers.envs.loaders import META_KEY
+
+    try:
+        own = json.loads((Path(folder) / "data" / "metadata.json").read_text()).get(META_KEY)
+        if isinstance(own, str):
+            own = json.loads(own)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return own if isinstance(own, dict) else None
+
+
+def _shard_keys(behaviours) -> list[tuple] | None:
+    """``(policy, epsilon, noise, steps)`` of recorded behaviours (``None`` when malformed)."""
+    if not isinstance(behaviours, list) or not all(isinstance(b, dict) for b in behaviours):
+        return None
+    return [tuple(b.get(k) for k in ("policy", "epsilon", "noise", "steps")) for b in behaviours]
+
+
+def _shards_text(keys: list[tuple]) -> str:
+    parts = []
+    for policy, eps, noise, steps in keys:
+        p = "random actions" if policy == "random" else str(policy)
+        mods = [f"eps {eps:g}"] * bool(isinstance(eps, (int, float)) and eps > 0 and policy != "random") \
+            + [f"noise {noise:g}"] * bool(isinstance(noise, (int, float)) and noise > 0)
+        size = steps_text(steps) if isinstance(steps, int) else "? steps"
+        parts.append(f"{p}{' (' + ', '.join(mods) + ')' if mods else ''} {size}")
+    return " + ".join(parts)
+
+
+@dataclass(frozen=True)
+class ExistingBuild:
+    """A dataset already at a recipe's id, compared with the build asked for (``collect --recipe
+    ... --skip-existing`` keeps it only when :attr:`same`).
+
+    What defines a recipe dataset is what its metadata records: the recipe, the seed, the
+    observations (``-positions``) and each shard's policy, epsilon, noise and size.
+    """
+
+    recipe: Recipe
+    steps: int  #: the base size asked (``--recipe-steps``)
+    seed: int  #: the seed asked (``--seed``)
+    path: Path
+    record: dict | None  #: :func:`build_record` of the dataset
+
+    @property
+    def recorded(self) -> bool:
+        """Whether the dataset records how it was built (one that does not cannot be compared)."""
+        return self.record is not None
+
+    def _asked_keys(self, steps: int | None = None) -> list[tuple]:
+        r = self.recipe if steps is None else make_recipe(self.recipe.task, self.recipe.level,
+                                                          positions=self.recipe.positions, steps=steps)
+        return _shard_keys([_shard_record(r, s) for s in r.shards])
+
+    def built_steps(self) -> int | None:
+        """The ``--recipe-steps`` whose shards are exactly the recorded ones, or ``None``."""
+        rec = self.record or {}
+        keys = _shard_keys(rec.get("behaviours"))
+        if rec.get("recipe") != self.recipe.name or not keys:
+            return None
+        sizes = [k[3] for k in keys if isinstance(k[3], int) and not isinstance(k[3], bool)]
+        if len(sizes) != len(keys):
+            return None
+        told = rec.get("recipe_steps")  # recorded since it was added; older datasets: inferred from the shards
+        if isinstance(told, int) and not isinstance(told, bool) and told >= MIN_STEPS and self._asked_keys(told) == keys:
+            return told
+        # medium-replay: the shards are rounded fractions of the base, so nearby sizes may give the
+        # same shards (48 and 50); the roundest of them is the likeliest to have been typed
+        fits = {n for c in {*sizes, sum(sizes)} for n in range(max(MIN_STEPS, c - 3), c + 4)
+                if self._asked_keys(n) == keys}
+        return min(fits, key=lambda n: (-len(str(n)) + len(str(n).rstrip("0")), -n)) if fits else None
+
+    def differences(self) -> list[tuple[str, str]]:
+        """``(built with, asked)`` for each thing that differs; empty when the build is the one asked."""
+        rec = self.record
+        if rec is None:
+            return []
+        if rec.get("recipe") != self.recipe.name:
+            built = (f"recipe {rec['recipe']}" if isinstance(rec.get("recipe"), str)
+                     else f"no recipe ({rec.get('algorithm') or 'rl-tformers collect'})")
+            return [(built, f"recipe {self.recipe.name}")]
+        out = []
+        keys = _shard_keys(rec.get("behaviours"))
+        if keys != self._asked_keys():
+            n = self.built_steps()
+            asked = _shards_text(self._asked_keys())
+            if n is not None:
+                out.append((f"--recipe-steps {n} ({_shards_text(keys)})", f"--recipe-steps {self.steps} ({asked})"))
+            else:
+                out.append((_shards_text(keys) if keys else "no shard record", asked))
+        if rec.get("seed") != self.seed:
+            out.append((f"--seed {rec.get('seed')}", f"--seed {self.seed}"))
+        pomdp = rec.get("pomdp")
+        kind = pomdp.get("kind") if isinstance(pomdp, dict) else pomdp
+        if kind != ("positions" if self.recipe.positions else None):
+            out.append((f"observations {kind or 'full'}", f"observations {'positions' if self.recipe.positions else 'full'}"))
+        return out
+
+    @property
+    def same(self) -> bool:
+        """Built by this recipe with the same size, seed, policies and observations."""
+        return self.recorded and not self.differences()
+
+    def matching_options(self) -> list[str] | None:
+        """Options (``--recipe-steps N``, ``--seed S``) under which the asked build is this one's,
+        or ``None`` when none can (another recipe, other policies or noise)."""
+        rec = self.record or {}
+        if rec.get("recipe") != self.recipe.name:
+            return None
+        opts = []
+        if _shard_keys(rec.get("behaviours")) != self._asked_keys():
+            n = self.built_steps()
+            if n is None:
+                return None
+            opts.append(f"--recipe-steps {n}")
+        seed = rec.get("seed")
+        if seed != self.seed:
+            if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+                return None
+            opts.append(f"--seed {seed}")
+        pomdp = rec.get("pomdp")
+        if (pomdp.get("kind") if isinstance(pomdp, dict) else pomdp) != ("positions" if self.recipe.positions else None):
+            return None
+        return opts
+
+    def explain(self) -> str:
+        """``built with ...; asked: ...`` (empty when :attr:`same` or not :attr:`recorded`)."""
+        diff = self.differences()
+        if not diff:
+            return ""
+        return f"built with {', '.join(b for b, _ in diff)}; asked: {', '.join(a for _, a in diff)}"
+
+
+def existing_build(recipe: Recipe, folder: str | os.PathLike, *, steps: int = DEFAULT_STEPS,
+                   seed: int = 0) -> ExistingBuild:
+    """Compare the dataset in ``folder`` with a build of ``recipe`` at ``steps`` and ``seed``."""
+    return ExistingBuild(recipe, int(steps), int(seed), Path(folder), build_record(folder))
+
+
 def build_recipe(recipe: Recipe, *, seed: int = 0, root=None, policies=None, hdf5=None, overwrite: bool = False,
                  progress: bool = True):
     """Collect one recipe into ``<root>/<recipe.dataset_id>``; returns a :class:`CollectResult`."""
@@ -220,18 +378,17 @@ def build_recipe(recipe: Recipe, *, seed: int = 0, root=None, policies=None, hdf
         shard_seed = seed * 1000 + i + 1
         if s.policy == "random":
             pol = RandomPolicy(env.action_space, seed=shard_seed)
-            info = {"policy": "random"}
         else:
             if s.policy not in loaded:
                 loaded[s.policy] = load_sb3_policy(policy_path(s.policy, recipe.env_id, policies), env, algo=s.policy)
             pol = loaded[s.policy]
-            info = {"policy": f"{s.policy}/{recipe.env_id.rsplit('-v', 1)[0]}-v3"}
             if s.epsilon > 0 or s.noise > 0:
                 pol = NoisyPolicy(pol, env.action_space, noise_std=s.noise, epsilon=s.epsilon, seed=shard_seed)
-        info.update(epsilon=s.epsilon, noise=s.noise, steps=s.steps)
+        info = _shard_record(recipe, s)
         behaviours.append(Behaviour(pol, steps=s.steps, label=info["policy"], info=info))
     pomdp = pomdp_record(env, "positions") if recipe.positions else None
     return collect(recipe.env_id, behaviours, dataset_id=recipe.dataset_id, seed=seed, pomdp=pomdp, root=root,
                    hdf5=hdf5, overwrite=overwrite, progress=progress,
                    description=f"rl-tformers recipe {recipe.name}: {recipe.describe()}",
-                   record={"recipe": recipe.name, "algorithm": f"recipe {recipe.name}"})
+                   record={"recipe": recipe.name, "recipe_steps": recipe.base_steps,
+                           "algorithm": f"recipe {recipe.name}"})
