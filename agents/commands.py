@@ -167,7 +167,9 @@ def eval_cmd(
         )
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    report.extra = {"run_dir": str(run_dir), "checkpoint": str(run.checkpoint), "step": run.step, "kind": run.kind,
+    # absolute paths: `plot --from-json` run from another folder must find the same run
+    report.extra = {"run_dir": str(Path(run_dir).resolve()), "checkpoint": str(Path(run.checkpoint).resolve()),
+                    "step": run.step, "kind": run.kind,
                     **policy.stats(), **inference}
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -245,7 +247,12 @@ def _read_eval_json(path: Path) -> tuple[list, dict]:
 def _saved_step(meta: dict) -> int | None:
     """The checkpoint step an ``eval --out`` file records (``extra.step``), if any."""
     step = meta.get("extra", {}).get("step") if isinstance(meta.get("extra"), dict) else None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        return None
+    if not 0 <= step < 2**63:  # an update count (TensorBoard takes int64 steps)
+        raise _fail(f"--from-json: extra.step={step} is not an update count (an integer in [0, 2**63)); "
+                    f"fix or remove it in the file")
+    return step
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -272,11 +279,12 @@ def _check_saved_matches(path: Path, meta: dict, run, run_dir: Path) -> None:
     if isinstance(kind, str) and kind != run.kind:
         raise _fail(f"--from-json {path} is an evaluation of a {kind} agent{where}, but {ours}; {fix}")
     other, ckpt = extra.get("run_dir"), extra.get("checkpoint")
-    if not isinstance(other, str) or not Path(other).is_dir() or not run_dir.is_dir():
+    # a relative path (files written before eval recorded absolute ones) means nothing from another folder
+    if not isinstance(other, str) or not Path(other).is_absolute() or not Path(other).is_dir() or not run_dir.is_dir():
         return
     if Path(other).resolve() == run_dir.resolve():
         return
-    if isinstance(ckpt, str) and Path(ckpt).is_file() and _inside(Path(ckpt), run_dir):
+    if isinstance(ckpt, str) and Path(ckpt).is_absolute() and Path(ckpt).is_file() and _inside(Path(ckpt), run_dir):
         return
     raise _fail(f"--from-json {path} is an evaluation of the run {other}, but RUN_DIR is {run_dir}; {fix}")
 

@@ -85,6 +85,26 @@ def load_offline_dataset(spec: Mapping[str, Any] | None) -> EpisodeDataset:
         raise
 
 
+def action_summary(ds: EpisodeDataset, act_dim: int, action_start: int = 0) -> np.ndarray:
+    """Mean action of every step of ``ds`` (float64 sums, streamed over chunks for lazy or
+    filtered data): for discrete actions the frequency of each of the ``act_dim`` actions
+    (action ``action_start + i`` at index i), else the (act_dim,) mean of the flattened actions.
+    Part of the data fingerprint that a resumed run compares (:meth:`DatasetInfo.data_differences`).
+    """
+    from rl_tformers.envs.trajectory import iter_chunks
+
+    total = np.zeros(act_dim, np.float64)
+    covered = np.zeros(ds.rewards.shape[0], bool)
+    covered[ds.flat_indices()] = True
+    for off, chunk in iter_chunks(ds.actions):
+        c = np.asarray(chunk)[covered[off: off + chunk.shape[0]]]
+        if ds.discrete_actions:
+            total += np.bincount(c.reshape(-1).astype(np.int64) - action_start, minlength=act_dim)[:act_dim]
+        else:
+            total += c.reshape(c.shape[0], -1).astype(np.float64).sum(axis=0)
+    return (total / max(int(covered.sum()), 1)).astype(np.float32)
+
+
 @dataclass
 class DatasetInfo:
     """Statistics of the training data that inference needs (stored in every checkpoint).
@@ -143,6 +163,8 @@ class DatasetInfo:
     action_start: int = 0
     flatten_observations: bool = False
     action_shape: tuple[int, ...] | None = None
+    num_steps: int | None = None
+    action_mean: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.action_shape is None:  # checkpoints from before the field: flat (only 1-D Boxes trained then)
@@ -238,6 +260,7 @@ class DatasetInfo:
             ref_min=None if refs is None else float(refs[0]), ref_max=None if refs is None else float(refs[1]),
             dataset=spec, action_start=action_start, flatten_observations=bool(flatten_observations),
             action_shape=() if discrete else tuple(int(k) for k in ds.action_space.shape),
+            num_steps=int(ds.num_steps), action_mean=action_summary(ds, act_dim, action_start),
         )
         info.check_env(ds, "agent.env_id" if env_id else "the dataset's env_id")
         return info
@@ -354,6 +377,13 @@ class DatasetInfo:
             a, b = getattr(self, key), getattr(other, key)
             if not same(a, b):
                 out.append(f"{name}: {show(a)} -> {show(b)}")
+        # recorded since session 9: compared when both sides have them (the same statistics with
+        # other actions, e.g. every action flipped, or another number of steps)
+        if self.num_steps is not None and other.num_steps is not None and self.num_steps != other.num_steps:
+            out.append(f"num_steps: {self.num_steps} -> {other.num_steps}")
+        if self.action_mean is not None and other.action_mean is not None and not same(self.action_mean,
+                                                                                        other.action_mean):
+            out.append(f"action_mean: {show(self.action_mean)} -> {show(other.action_mean)}")
         return out
 
     def check_resumed_data(self, now: DatasetInfo | None, dataset: Any = None) -> None:
@@ -399,6 +429,7 @@ class DatasetInfo:
             "ref_min": self.ref_min, "ref_max": self.ref_max, "dataset": self.dataset,
             "action_start": self.action_start, "flatten_observations": self.flatten_observations,
             "action_shape": list(self.action_shape),
+            "num_steps": self.num_steps, "action_mean": t(self.action_mean),
         }
 
     @classmethod
@@ -418,6 +449,8 @@ class DatasetInfo:
             flatten_observations=bool(d.get("flatten_observations", False)),
             # checkpoints from before the field: None -> the flat (act_dim,) (1-D Boxes only trained then)
             action_shape=None if d.get("action_shape") is None else tuple(int(k) for k in d["action_shape"]),
+            # checkpoints from before these fields: None (not compared on resume)
+            num_steps=None if d.get("num_steps") is None else int(d["num_steps"]), action_mean=a(d.get("action_mean")),
         )
 
     def make_env(self):

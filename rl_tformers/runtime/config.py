@@ -218,7 +218,8 @@ class RunConfig:
 #: ``dataset.root`` say where the data are, not what they are: a run started on a relative path
 #: resumes from another working directory with the file's absolute path, or after the data
 #: moved; the offline agents refuse data whose statistics differ from the checkpoint's
-#: (``DatasetInfo.data_differences``), so another dataset cannot slip in this way.
+#: (``DatasetInfo.data_differences``: layout, observation mean/std, returns, number of steps and
+#: mean action or action frequencies), so another dataset cannot slip in this way.
 RESUMABLE_KEYS = (
     "dataset.path",
     "dataset.root",

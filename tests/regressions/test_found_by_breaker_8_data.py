@@ -135,8 +135,8 @@ def test_resume_refuses_a_dataset_that_changed_since_the_checkpoint(tmp_path: Pa
     assert line.startswith(f"error: the dataset {h5} is not the data this run was trained on: its statistics differ "
                            f"from the checkpoint's (obs_mean: ["), line
     assert ("reward_scale: 10 -> 1000; dataset_return_max: 10 -> 1000; dataset_return_mean: 10 -> 1000; "
-            "dataset_return_min: 10 -> 1000; checkpoint -> now); resume with the original data, or start a new run "
-            "on this dataset") in line
+            "dataset_return_min: 10 -> 1000; num_steps: 30 -> 50; action_mean: [") in line
+    assert line.endswith("checkpoint -> now); resume with the original data, or start a new run on this dataset")
     assert "Traceback" not in r.output
 
     shutil.copy(keep, h5)  # the original data back: the run continues
