@@ -50,6 +50,7 @@ from torch import Tensor
 from rl_tformers.runtime import checkpoint as ckpt
 from rl_tformers.runtime import distributed as dist_rt
 from rl_tformers.runtime.agents import (
+    AgentBuildError,
     Trainable,
     UnknownAgentError,
     agent_build_errors,
@@ -1213,7 +1214,25 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
                          run_dir, found.state["step"], cfg.train.steps)
             return TrainResult(run_dir=Path(run_dir), step=int(found.state["step"]), checkpoint=found.path,
                                total_steps=int(cfg.train.steps))
-        return Trainer(cfg, run_dir, resume_from=found).fit(stop_at, interrupt)
+        try:
+            trainer = Trainer(cfg, run_dir, resume_from=found)
+        except AgentBuildError as exc:
+            raise AgentBuildError(f"{exc}{_relative_data_hint(cfg)}") from exc.__cause__
+        return trainer.fit(stop_at, interrupt)
+
+
+def _relative_data_hint(cfg: DictConfig) -> str:
+    """For a resume whose data are not found: the run's relative ``dataset.path`` / ``dataset.root``
+    is read from the current folder, which may not be the one the run was started in."""
+    ds = cfg.get("dataset") or {}
+    rel = [f"dataset.{k}={ds.get(k)}" for k in ("path", "root")
+           if isinstance(ds.get(k), str) and not Path(ds.get(k)).expanduser().is_absolute()
+           and not Path(ds.get(k)).expanduser().exists()]
+    if not rel:
+        return ""
+    return (f" (the run's {' and '.join(rel)} is relative and is read from the current folder {Path.cwd()}: resume "
+            f"from the folder the run was started in, or pass the absolute path, e.g. --resume RUN "
+            f"{rel[0].split('=')[0]}=/abs/path; the data are checked against the checkpoint)")
 
 
 def _resume_device_spec(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str]) -> str:

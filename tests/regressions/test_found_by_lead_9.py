@@ -5,7 +5,9 @@
    ``rl-tformers train``) instead of an error naming the option;
 2. an offline GTrXL with learned positions whose table covers the dataset's episodes but not the
    evaluation environment's time limit trained to the end and then stopped in the middle of
-   its first evaluation; it now warns before training (as the DT does for ``max_ep_len``).
+   its first evaluation; it now warns before training (as the DT does for ``max_ep_len``);
+3. a resume from another folder of a run on a relative ``dataset.path`` said only "no such HDF5
+   file"; it now names the relative path, the folder it was read from and the override to use.
 """
 
 from __future__ import annotations
@@ -78,3 +80,31 @@ def test_gtrxl_learned_positions_shorter_than_the_time_limit_warn(tmp_path: Path
             "position kind (xl_relative)"]
     else:
         assert msgs == []
+
+
+def test_resume_from_another_folder_names_the_relative_dataset_path(tmp_path: Path, cartpole_h5,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run started on a relative dataset.path and resumed from another folder failed with only
+    "no such HDF5 file: cp.hdf5"; the error now says the path is relative, read from which folder,
+    and how to pass the absolute one (dataset.path may change on resume)."""
+    from typer.testing import CliRunner
+
+    from rl_tformers.cli import app
+
+    work, other = tmp_path / "work", tmp_path / "other"
+    work.mkdir()
+    other.mkdir()
+    cartpole_h5(work / "cp.hdf5")
+    monkeypatch.chdir(work)
+    runner = CliRunner()
+    r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", "dataset.path=cp.hdf5", "train.steps=1",
+                            "train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1", "agent.context_len=3",
+                            "eval.at_end=false", "train.progress=false", "--run-dir", str(work / "run")])
+    assert r.exit_code == 0, r.output
+    monkeypatch.chdir(other)
+    r = runner.invoke(app, ["train", "--resume", str(work / "run"), "train.steps=2"])
+    assert r.exit_code == 2, r.output
+    assert (f"error: no such HDF5 file: cp.hdf5 (the run's dataset.path=cp.hdf5 is relative and is read from the "
+            f"current folder {other}: resume from the folder the run was started in, or pass the absolute path") in r.output
+    r = runner.invoke(app, ["train", "--resume", str(work / "run"), "train.steps=2", f"dataset.path={work / 'cp.hdf5'}"])
+    assert r.exit_code == 0, r.output
