@@ -453,6 +453,19 @@ class DatasetInfo:
             num_steps=None if d.get("num_steps") is None else int(d["num_steps"]), action_mean=a(d.get("action_mean")),
         )
 
+    def time_limit(self) -> int | None:
+        """Steps of the evaluation environment's time limit (``spec.max_episode_steps``), or
+        ``None`` when it has none, the dataset names no environment, or it cannot be made here
+        (:meth:`check_env` reports that); for warnings given before training."""
+        from rl_tformers.agents.common.evaluation import max_episode_steps
+
+        if not self.env_id:
+            return None
+        try:
+            return max_episode_steps(self.make_env())
+        except Exception:  # noqa: BLE001 - only used for warnings; check_env reported what matters
+            return None
+
     def make_env(self):
         """Zero-argument factory of the evaluation environment.
 

@@ -115,14 +115,7 @@ def warn_time_limit(info: DatasetInfo, max_ep_len: int) -> None:
     """
     import logging
 
-    from rl_tformers.agents.common.evaluation import max_episode_steps
-
-    if not info.env_id:
-        return
-    try:
-        limit = max_episode_steps(info.make_env())
-    except Exception:  # noqa: BLE001 - only a warning; check_env reported what matters
-        return
+    limit = info.time_limit()
     if limit is not None and limit > max_ep_len:
         logging.getLogger(__name__).warning(
             "the evaluation environment %s runs episodes of up to %d steps but agent.max_ep_len=%d: an evaluation "

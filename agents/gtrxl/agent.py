@@ -185,14 +185,7 @@ def warn_position_time_limit(info, limit: int) -> None:
     """
     import logging
 
-    from rl_tformers.agents.common.evaluation import max_episode_steps
-
-    if not info.env_id:
-        return
-    try:
-        steps = max_episode_steps(info.make_env())
-    except Exception:  # noqa: BLE001 - only a warning; check_env reported what matters
-        return
+    steps = info.time_limit()
     if steps is not None and steps > limit:
         logging.getLogger(__name__).warning(
             "the evaluation environment %s runs episodes of up to %d steps but backbone.max_position=%d (GTrXL's "
