@@ -1196,14 +1196,6 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
         for line in changes:
             if not line.startswith("run_dir:") and info.is_main:
                 log.info("resume: %s", line)
-        if info.is_main and int(found.state["step"]) < int(cfg.train.steps):
-            t = cfg.train
-            saved_steps = OmegaConf.create(found.state["config"]).train.steps
-            jump = restretch_message(
-                getattr(t.schedule, "value", str(t.schedule)), float(t.lr), int(t.warmup_steps), float(t.min_lr_ratio),
-                int(saved_steps), int(t.steps), int(found.state["step"]))
-            if jump is not None:
-                log.warning("resume: %s", jump)
         if found.state["step"] >= int(cfg.train.steps):
             if info.is_main and found.state["step"] > int(cfg.train.steps):
                 log.warning("train.steps=%d is below the step of %s's newest checkpoint (%d): nothing was "
@@ -1218,6 +1210,14 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
             trainer = Trainer(cfg, run_dir, resume_from=found)
         except AgentBuildError as exc:
             raise AgentBuildError(f"{exc}{_relative_data_hint(cfg)}") from exc.__cause__
+        if info.is_main:  # after the data and the agent were accepted: a refused resume warns of nothing
+            t = cfg.train
+            saved_steps = OmegaConf.create(found.state["config"]).train.steps
+            jump = restretch_message(
+                getattr(t.schedule, "value", str(t.schedule)), float(t.lr), int(t.warmup_steps), float(t.min_lr_ratio),
+                int(saved_steps), int(t.steps), int(found.state["step"]))
+            if jump is not None:
+                log.warning("resume: %s", jump)
         return trainer.fit(stop_at, interrupt)
 
 
