@@ -149,6 +149,12 @@ class SegmentSampler(_BaseSampler):
     slot 0, the agent's memory simply starts empty and the burn-in warms it). Slots past the
     end of the dataset are padding (``mask`` False).
 
+    Loss coverage: dataset step ``j`` carries a loss in the runs that start at
+    ``v0 in [j - L + 1, j - burn_in]``, so every step from ``L - 1`` on is drawn at the same rate,
+    the steps before it less often, and the first ``burn_in`` steps of the dataset (the start of
+    its first episode only; later episodes' starts are reached through the previous episode's
+    tail) never: known limitation, a fraction ``burn_in / N`` of the data.
+
     Extra keys: ``episode_start (B, L)`` bool, ``terminations (B, L)`` bool, ``truncations (B, L)``
     bool, ``loss_mask (B, L)`` bool (``mask`` and slot >= ``burn_in``), ``episode (B, L)`` int64
     (-1 on padding).
