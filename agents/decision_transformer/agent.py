@@ -389,15 +389,20 @@ class DTAgent:
         return dt_loss(self.model, to_model_batch(batch, self.info))
 
     # -- acting and evaluation -------------------------------------------------------------------
-    def policy(self, timestep_overflow: str | None = None) -> DTPolicy:
-        """The :class:`DTPolicy` of the current weights (shares the model; puts it in eval mode)."""
+    def policy(self, timestep_overflow: str | None = None, sample: bool = False,
+               generator: torch.Generator | None = None) -> DTPolicy:
+        """The :class:`DTPolicy` of the current weights (shares the model; puts it in eval mode).
+
+        ``sample``/``generator``: act with draws of the gaussian head (:class:`DTPolicy`; Online DT's
+        rollouts) instead of its mean (evaluation).
+        """
         i = self.info
         return DTPolicy(
             self.model, i.obs_mean, i.obs_std, i.reward_scale, i.action_low, i.action_high,
             default_target=self.default_targets()[0],
             timestep_overflow=timestep_overflow or str(self.cfg.agent.timestep_overflow), align=self.align,
             exit_threshold=self.exit_threshold, knn=self.knn_memory, action_start=i.action_start,
-            action_shape=None if i.discrete else i.action_shape,
+            action_shape=None if i.discrete else i.action_shape, sample=sample, generator=generator,
         )
 
     # -- inference options: early exit and kNN-LM ---------------------------------------------------
@@ -703,5 +708,7 @@ def build_dt(cfg: Any, run_dir: Path, device: torch.device) -> DTAgent:
     return DTAgent(cfg, run_dir, device)
 
 
-
 register_inference_loader("dt")(load_for_inference)
+
+# Online DT fine-tuning (agent.kind=odt) registers on import; discovery imports only agent.py
+import rl_tformers.agents.decision_transformer.online  # noqa: E402,F401

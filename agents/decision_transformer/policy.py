@@ -107,6 +107,12 @@ class DTPolicy:
             added to the model's class index (``[0, n)``) to give the environment action.
         action_shape: continuous actions: the shape of one environment's Box action (e.g.
             ``(2, 2)``); :meth:`act` returns ``(N, *action_shape)``. ``None``: flat ``(N, A)``.
+        sample: ``gaussian`` head only: act with a draw ``tanh(mean + std * eps)``, ``eps ~ N(0, I)``,
+            of the tanh-squashed Gaussian (Online DT's exploration, Zheng et al. 2022) instead of
+            its mean ``tanh(mean)`` (the default, used for evaluation). The sampled action is also
+            the one written into the context.
+        generator: with ``sample``: the ``torch.Generator`` (on the model's device) the noise is
+            drawn from, one (N, A) draw per :meth:`act` call; ``None``: torch's global generator.
 
     :meth:`stats` reports, since the last :meth:`reset_stats`: forward-pass milliseconds per
     step (one call for all N environments), mean exit layer and early-exit fraction of the
@@ -115,7 +121,8 @@ class DTPolicy:
     Raises:
         ValueError: unknown option values, ``align="start"`` in last_action mode, missing
             action bounds for a continuous space, an ``action_shape`` that does not hold the
-            model's A action values, early-exit options without ``early_exit``.
+            model's A action values, early-exit options without ``early_exit``, ``sample``
+            without the gaussian head (``agent.head=gaussian``).
     """
 
     def __init__(
@@ -134,7 +141,14 @@ class DTPolicy:
         knn: Any = None,
         action_start: int = 0,
         action_shape: Sequence[int] | None = None,
+        sample: bool = False,
+        generator: torch.Generator | None = None,
     ) -> None:
+        if sample and model.cfg.head != "gaussian":
+            raise ValueError(f"DTPolicy: sample=True draws from the stochastic head and needs agent.head=gaussian; "
+                             f"this model's head is {model.cfg.head!r}")
+        self.sample = bool(sample)
+        self.generator = generator
         if exit_threshold is not None and not model.early_exit:
             raise ValueError("DTPolicy: exit_threshold needs backbone.depth.kind=early_exit")
         self.exit_threshold = exit_threshold
@@ -321,6 +335,10 @@ class DTPolicy:
         out = self.model(state.obs, state.actions, state.rtg, state.timesteps, state.mask, **kw)
         p = (rows, slot) if cfg.mode == "causal" else (slice(None), -1)  # the deciding state token
         a = out.action[p]  # (N, A) or (N,)
+        if self.sample:  # a draw of the tanh-squashed Gaussian instead of its mean
+            mean, log_std = out.mean[p], out.log_std[p]  # (N, A)
+            eps = torch.randn(mean.shape, generator=self.generator, device=mean.device, dtype=mean.dtype)
+            a = torch.tanh(mean + log_std.exp() * eps)
         self._check_finite(out.logits[p] if cfg.discrete else a, state)
         if self.knn is not None:
             a = self._interpolate(out.features[p], out.logits[p] if cfg.discrete else a)

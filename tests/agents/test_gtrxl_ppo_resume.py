@@ -5,7 +5,6 @@ resumed gives the uninterrupted run's weights, logged values and final state."""
 from __future__ import annotations
 
 import logging
-import math
 import pickle
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from rl_tformers.agents.gtrxl.ppo import GTrXLPPO, fifo_decode, fifo_encode, loa
 
 from rl_tformers.runtime.config import compose
 from rl_tformers.runtime.trainer import resume, train
+from tests.bitwise import same_bits
 from tests.runtime.ddp_helpers import read_metrics, two_ranks
 
 SHORT = "rl_tformers_test/ShortCartPole-v1"  # time limit 10: truncations (bootstrapped) and resets in every rollout
@@ -55,16 +55,7 @@ def _final(run: Path, step: int = 12) -> dict:
     return torch.load(run / "checkpoints" / f"step_{step:09d}.pt", weights_only=True)
 
 
-def _same(a, b) -> bool:
-    """Bit-identical nested checkpoint values (tensors compared by dtype, shape and bytes)."""
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and a.reshape(-1).contiguous().view(torch.uint8).equal(b.reshape(-1).contiguous().view(torch.uint8)))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
+_same = same_bits
 
 
 def _env_tree(obj, path: str = "") -> dict:

@@ -1,0 +1,316 @@
+"""Online Decision Transformer fine-tuning (``agent.kind=odt``, agents/decision_transformer/online.py):
+the replay buffer (top-N start, FIFO), hindsight return relabelling, refusals, an end-to-end
+fine-tune, bit-identical resume, the sampling policy and ``rl-tformers eval`` on the run.
+
+Data: random-action Pendulum-v1 episodes of 18-30 steps written as a D4RL file in tmp_path;
+the offline run is a tiny gaussian-head DT trained for 6 updates."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from rl_tformers.agents.common.scripted import collect_delayed_expert
+from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTConfig
+from rl_tformers.agents.decision_transformer.online import ODTAgent, TrajectoryBuffer, top_episodes
+from rl_tformers.agents.decision_transformer.policy import DTPolicy
+from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
+from rl_tformers.envs.loaders import save_d4rl_hdf5
+from rl_tformers.envs.samplers import WindowSampler
+from typer.testing import CliRunner
+
+from rl_tformers.cli import app
+from rl_tformers.config import BackboneConfig, ConfigAdviceWarning
+from rl_tformers.runtime.agents import AgentBuildError
+from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.trainer import resume, train
+from tests.bitwise import same_bits
+
+TINY_BB = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=1"]
+ENV = ["agent.max_ep_len=30", "agent.env_kwargs={max_episode_steps: 25}"]
+OFFLINE = ["train.steps=6", "train.batch_size=8", "train.warmup_steps=2", "train.progress=false", "device=cpu",
+           "eval.at_end=false", "agent.targets=[-100]", *ENV]
+# 3 rounds of 4 updates, 2 episodes per round in 2 environments
+ONLINE = ["agent.kind=odt", "train.steps=12", "train.batch_size=8", "train.progress=false", "train.log_every=1",
+          "train.checkpoint_every=0", "device=cpu", "eval.at_end=false", "agent.targets=[-100]",
+          "agent.online.updates_per_round=4", "agent.online.rollouts_per_round=2", "agent.online.n_envs=2",
+          "agent.online.buffer_size=10", "agent.online.target_return=-50", *ENV]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def pendulum(tmp_path_factory) -> tuple[EpisodeDataset, Path]:
+    rng = np.random.default_rng(0)
+    env = gym.make("Pendulum-v1")
+    eps = []
+    for i, n in enumerate([30, 18, 25, 22, 30, 20]):  # random-action episodes, truncated
+        obs = [env.reset(seed=i)[0]]
+        act = rng.uniform(-2, 2, (n, 1)).astype(np.float32)
+        rew = []
+        for a in act:
+            o, r, *_ = env.step(a)
+            obs.append(o)
+            rew.append(r)
+        eps.append({"observations": np.stack(obs), "actions": act, "rewards": np.array(rew),
+                    "terminations": np.zeros(n, bool), "truncations": np.eye(1, n, n - 1, dtype=bool)[0]})
+    ds = EpisodeDataset.from_episodes(eps, observation_space=env.observation_space, action_space=env.action_space,
+                                      metadata=DatasetMetadata(env_id="Pendulum-v1"))
+    return ds, save_d4rl_hdf5(ds, tmp_path_factory.mktemp("data") / "pendulum.hdf5")
+
+
+def _offline(path: Path, run: Path, *extra: str) -> Path:
+    train(compose("dt/cartpole_demo", [f"dataset.path={path}", *TINY_BB, *OFFLINE, *extra]), run)
+    return run
+
+
+@pytest.fixture(scope="module")
+def offline_run(pendulum, tmp_path_factory) -> Path:
+    return _offline(pendulum[1], tmp_path_factory.mktemp("runs") / "dt-gauss", "agent.head=gaussian")
+
+
+def _cfg(offline_run: Path, data: Path, *extra: str):
+    # the offline run's backbone (cartpole_demo's dropout, TINY_BB) and options: no fine-tune warning
+    return compose("dt/cartpole_demo", [f"dataset.path={data}", f"agent.init_from={offline_run}", *TINY_BB,
+                                        *ONLINE, *extra])
+
+
+def _metrics(run: Path) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(x).items() if k != "time" and not k.startswith("perf/")} for x in lines]
+
+
+def _ckpt(run: Path, step: int = 12) -> dict:
+    return torch.load(run / "checkpoints" / f"step_{step:09d}.pt", weights_only=True)
+
+
+_same = same_bits
+
+
+# -- the buffer ---------------------------------------------------------------------------------
+
+def _tiny(returns: list[float], lengths: list[int] | None = None) -> EpisodeDataset:
+    """One-dimensional episodes whose rewards sum to ``returns`` (the last step carries it)."""
+    lengths = lengths or [2] * len(returns)
+    eps = []
+    for r, n in zip(returns, lengths):
+        rew = np.zeros(n)
+        rew[-1] = r
+        eps.append({"observations": np.arange(n + 1, dtype=np.float32)[:, None], "actions": np.zeros((n, 1), np.float32),
+                    "rewards": rew, "terminations": np.eye(1, n, n - 1, dtype=bool)[0], "truncations": np.zeros(n, bool)})
+    return EpisodeDataset.from_episodes(eps, action_space=gym.spaces.Box(-1, 1, (1,), np.float32))
+
+
+def _episode(n: int, reward: float) -> dict:
+    return {"observations": np.full((n, 1), 7.0, np.float32), "actions": np.zeros((n, 1), np.float32),
+            "rewards": np.full(n, reward), "terminated": False}
+
+
+def test_buffer_starts_with_the_best_episodes_worst_first_and_replaces_the_oldest():
+    assert top_episodes(np.array([5.0, 9.0, 5.0, 1.0]), 3).tolist() == [2, 0, 1]  # the docstring's example
+    # equal returns: the earlier dataset episode ranks higher (kept at the cut, replaced later)
+    assert top_episodes(np.array([5.0, 5.0, 5.0]), 2).tolist() == [1, 0]
+    assert top_episodes(np.array([3.0, 1.0]), 5).tolist() == [1, 0]  # fewer than asked: all, ascending
+    buf = TrajectoryBuffer(_tiny([5, 9, 5, 1]), capacity=3)
+    assert [v for _, v in buf.entries] == [2, 0, 1]
+    np.testing.assert_array_equal(buf.returns(), [5, 5, 9])
+    buf.add([_episode(3, 1.0)])  # full: replaces the oldest (the worst offline one kept)
+    assert [s for s, _ in buf.entries] == ["offline", "offline", "online"]
+    assert [v for s, v in buf.entries if s == "offline"] == [0, 1]
+    buf.add([_episode(1, 2.0), _episode(2, 3.0)])
+    assert [s for s, _ in buf.entries] == ["online"] * 3
+    np.testing.assert_array_equal(buf.returns(), [3.0, 2.0, 6.0])  # FIFO: oldest first
+    np.testing.assert_array_equal(buf.dataset().lengths, [3, 1, 2])
+
+
+def test_buffer_grows_until_full_and_its_state_round_trips():
+    ds = _tiny([1, 2], [2, 3])
+    buf = TrajectoryBuffer(ds, capacity=4)
+    buf.add([_episode(2, 0.5)])
+    assert len(buf) == 3 and buf.num_steps == 2 + 3 + 2
+    buf.add([_episode(4, 1.5), _episode(1, -1.0)])
+    assert len(buf) == 4 and [s for s, _ in buf.entries] == ["offline", "online", "online", "online"]
+    other = TrajectoryBuffer(ds, capacity=4)
+    other.load_state_dict(buf.state_dict())
+    a, b = buf.dataset(), other.dataset()
+    for name in ("observations", "actions", "rewards", "terminations", "truncations", "starts", "lengths"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    changed = TrajectoryBuffer(_tiny([1, 3], [2, 3]), capacity=4)
+    with pytest.raises(ValueError, match="not the one this run's replay buffer was filled from"):
+        changed.load_state_dict(buf.state_dict(), "data.hdf5")
+
+
+# -- the policy ---------------------------------------------------------------------------------
+
+def _policy(head: str = "gaussian", **kw) -> DTPolicy:
+    torch.manual_seed(0)
+    bb = BackboneConfig.from_dict({"d_model": 16, "n_layers": 1, "n_heads": 1, "dropout": 0.0, "attn_dropout": 0.0})
+    model = DecisionTransformer(DTConfig(obs_dim=3, act_dim=2, context_len=4, max_ep_len=50, head=head, backbone=bb))
+    with torch.no_grad():  # a wide Gaussian: draws reach far from the mean
+        model.head.bias[2:] = 5.0
+    low, high = np.array([-2.0, 0.0], np.float32), np.array([2.0, 0.5], np.float32)
+    return DTPolicy(model, np.zeros(3), np.ones(3), 1.0, low, high, **kw)
+
+
+def _act(policy: DTPolicy, steps: int = 6, n: int = 8) -> np.ndarray:
+    obs = np.random.default_rng(1).normal(size=(steps, n, 3)).astype(np.float32)
+    state = policy.initial_state(n, target_return=10.0)
+    out = []
+    for t in range(steps):
+        a, state = policy.act(obs[t], state, np.full(n, t == 0), None if t == 0 else np.ones(n))
+        out.append(a)
+    return np.stack(out)  # (steps, N, A)
+
+
+def test_sampling_policy_is_stochastic_seeded_and_within_the_bounds():
+    mean = _act(_policy())
+    a = _act(_policy(sample=True, generator=torch.Generator().manual_seed(3)))
+    b = _act(_policy(sample=True, generator=torch.Generator().manual_seed(3)))
+    c = _act(_policy(sample=True, generator=torch.Generator().manual_seed(4)))
+    np.testing.assert_array_equal(a, b)  # a pure function of the generator's seed
+    assert not np.array_equal(a, c) and not np.array_equal(a, mean)
+    assert (np.abs(a - mean) > 1e-3).mean() > 0.9  # nearly every draw is away from the mean
+    assert a.std(axis=(0, 1)).min() > 0.05
+    for x in (a, c, mean):
+        assert (x >= [-2.0, 0.0]).all() and (x <= [2.0, 0.5]).all()
+    with pytest.raises(ValueError, match="needs agent.head=gaussian"):
+        _policy(head="deterministic", sample=True)
+
+
+# -- the agent ----------------------------------------------------------------------------------
+
+def test_offline_runs_the_online_phase_cannot_fine_tune_are_refused(pendulum, tmp_path):
+    ds, path = pendulum
+    det = _offline(path, tmp_path / "det")
+    with pytest.raises(AgentBuildError, match=r"agent.head='deterministic'.*agent.head=gaussian"):
+        train(_cfg(det, path), tmp_path / "odt-det")
+    cartpole = save_d4rl_hdf5(collect_delayed_expert(4, seed=0, n_envs=4), tmp_path / "cartpole.hdf5")
+    disc = tmp_path / "disc"
+    train(compose("dt/cartpole_demo", [f"dataset.path={cartpole}", *TINY_BB, "train.steps=2", "train.batch_size=4",
+                                       "train.progress=false", "device=cpu", "eval.at_end=false"]), disc)
+    with pytest.raises(AgentBuildError, match="discrete.*agent.head=gaussian"):
+        train(_cfg(disc, path), tmp_path / "odt-disc")
+    with pytest.raises(AgentBuildError, match="agent.init_from=.*no such run directory"):
+        train(_cfg(tmp_path / "missing", path), tmp_path / "odt-missing")
+    with pytest.raises(AgentBuildError, match="agent.init_from is required"):
+        train(_cfg(det, path, "agent.init_from=null"), tmp_path / "odt-none")
+    with pytest.raises(AgentBuildError, match=r"agent.online.updates_per_round must be an integer >= 1, got 0"):
+        train(_cfg(det, path, "agent.online.updates_per_round=0"), tmp_path / "odt-zero")
+    assert not (tmp_path / "odt-det").exists() and not (tmp_path / "odt-disc").exists()
+
+
+def test_more_than_one_process_is_refused(pendulum, offline_run, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets for --nproc 2 (dist_info reads it)
+    with pytest.raises(ValueError, match=r"one process.*--nproc 1"):
+        ODTAgent(_cfg(offline_run, pendulum[1]), None, "cpu")
+
+
+def test_configured_model_options_that_differ_from_the_checkpoint_are_named(pendulum, offline_run):
+    with pytest.warns(ConfigAdviceWarning, match=r"agent.context_len=5 \(the checkpoint's: 20\).*backbone.d_model=32"):
+        agent = ODTAgent(_cfg(offline_run, pendulum[1], "agent.context_len=5", "backbone.d_model=32"), None, "cpu")
+    assert agent.model_cfg.context_len == 20 and agent.model_cfg.backbone.d_model == 16  # the checkpoint's
+
+
+def test_collected_trajectory_is_relabelled_with_its_achieved_returns(pendulum, offline_run):
+    ds, path = pendulum
+    agent = ODTAgent(_cfg(offline_run, path), None, "cpu")
+    state = torch.load(sorted((offline_run / "checkpoints").glob("*.pt"))[-1], weights_only=True)
+    assert all(torch.equal(v, state["model"][k]) for k, v in agent.model.state_dict().items())  # the offline weights
+    assert len(agent.buffer) == 6  # every offline episode (buffer_size 10)
+    episodes = agent.collect_round()
+    assert agent.model.training and agent.rounds == 1 and len(agent.buffer) == 8
+    assert [len(e["rewards"]) for e in episodes] == [25, 25] and agent.env_steps == 50  # cut by the time limit
+    # the stored episode is what the environment did: replay its actions from its reset seed
+    seed = agent.round_seed(0)
+    for j, ep in enumerate(episodes):
+        env = gym.make("Pendulum-v1", max_episode_steps=25)
+        obs, _ = env.reset(seed=seed + j)
+        for t in range(25):
+            np.testing.assert_array_equal(ep["observations"][t], obs)
+            obs, r, *_ = env.step(ep["actions"][t])
+            assert ep["rewards"][t] == r
+    # hindsight: returns-to-go from the achieved rewards (suffix sums), not from the target -50
+    data = agent.buffer.dataset()
+    sampler = WindowSampler(data, 20, reward_scale=agent.info.reward_scale)
+    for e, ep in zip((6, 7), episodes):
+        hand, acc = [], 0.0
+        for r in reversed(ep["rewards"].tolist()):
+            acc += r
+            hand.append(acc)
+        s = data.starts[e]
+        np.testing.assert_array_equal(sampler.rtg[s:s + 25], hand[::-1])
+        assert sampler.rtg[s] == pytest.approx(sum(ep["rewards"])) and sampler.rtg[s] != -50.0
+    assert agent.round_stats()["online_return"] == pytest.approx(np.mean([sum(e["rewards"]) for e in episodes]))
+    batch = next(iter(agent.batches(1)))  # a batch of the training stream: the DT's windows, RTG / scale
+    rows = np.flatnonzero(batch["episode"].numpy() >= 6)
+    assert rows.size > 0
+    for i in rows:
+        ep = episodes[int(batch["episode"][i]) - 6]
+        t0 = int(batch["timesteps"][i, 0])
+        n = int(batch["mask"][i].sum())
+        want = np.array(hand_rtg(ep["rewards"])[t0:t0 + n]) / agent.info.reward_scale
+        np.testing.assert_allclose(batch["returns_to_go"][i, :n].numpy(), want.astype(np.float32), rtol=0, atol=0)
+
+
+def hand_rtg(rewards: np.ndarray) -> list[float]:
+    out, acc = [], 0.0
+    for r in reversed(rewards.tolist()):
+        acc += r
+        out.append(acc)
+    return out[::-1]
+
+
+@pytest.fixture(scope="module")
+def odt_run(pendulum, offline_run, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("odt") / "full"
+    res = train(_cfg(offline_run, pendulum[1]), run)
+    assert res.step == 12
+    return run
+
+
+def test_fine_tune_end_to_end_grows_the_buffer_with_finite_loss(odt_run):
+    m = _metrics(odt_run)
+    assert len(m) == 12 and all(math.isfinite(x["train/loss"]) for x in m)
+    assert [x["train/rounds"] for x in m] == [1.0] * 4 + [2.0] * 4 + [3.0] * 4
+    assert [x["train/buffer_trajectories"] for x in m[::4]] == [8.0, 10.0, 10.0]  # 6 offline + 2 per round, max 10
+    assert [x["train/env_steps"] for x in m[::4]] == [50.0, 100.0, 150.0]
+    assert {"train/online_return", "train/temperature", "train/entropy", "train/nll", "train/buffer_steps"} <= set(m[0])
+    st = _ckpt(odt_run)
+    buf = st["trainer"]["process_ranks"][0]["buffer"]
+    assert (buf["order"] == -1).sum() == 6 and buf["online"]["lengths"].tolist() == [25] * 6
+    assert st["extra"]["odt"]["rounds"] == 3 and st["extra"]["odt"]["env_steps"] == 150
+
+
+@pytest.mark.parametrize("stops", [(6,), (8,), (3, 8)], ids=["inside-a-round", "at-a-round-boundary", "twice"])
+def test_stopped_run_resumes_bit_identically(odt_run, pendulum, offline_run, tmp_path, stops):
+    split = tmp_path / "split"
+    assert train(_cfg(offline_run, pendulum[1]), split, stop_at=stops[0]).step == stops[0]
+    for stop in stops[1:]:
+        assert resume(split, stop_at=stop).step == stop
+    assert resume(split).step == 12
+    assert _metrics(split) == _metrics(odt_run)
+    a, b = _ckpt(odt_run), _ckpt(split)
+    for key in ("model", "optimizer", "extra", "rng"):
+        assert _same(a[key], b[key]), key
+    assert _same(a["trainer"]["process_ranks"], b["trainer"]["process_ranks"])  # the same buffer
+
+
+def test_eval_command_on_the_odt_run_acts_with_the_mean(odt_run):
+    args = ["eval", str(odt_run), "--targets", "-100", "--episodes", "2", "--envs", "2", "--seed", "5", "--json"]
+    runs = [CliRunner().invoke(app, args) for _ in range(2)]
+    assert all(r.exit_code == 0 for r in runs), runs[0].output
+    out = [json.loads(r.output) for r in runs]
+    assert out[0]["results"] == out[1]["results"]  # deterministic: the Gaussian's mean
+    r = out[0]["results"][0]
+    assert r["target_return"] == -100.0 and r["lengths"] == [25, 25] and -25 * 16.3 <= r["return_mean"] <= 0
