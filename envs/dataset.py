@@ -41,6 +41,8 @@ ArrayLike = Any  # np.ndarray or LazyH5Array (indexable, has .shape/.dtype)
 
 #: Steps per chunk when scanning lazy (HDF5-backed) arrays during validation and statistics.
 SCAN_CHUNK = 1 << 16
+#: Largest float32 magnitude: observations and actions beyond it (float64 data) are inf in the agents.
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 class DatasetError(ValueError):
@@ -204,7 +206,10 @@ class EpisodeDataset:
 
     Args:
         observations: (N, *obs_shape) observation at each step, before the action.
-        actions: (N, *act_shape) float for ``Box``; (N,) integer for ``Discrete``.
+        actions: (N, *act_shape) float for ``Box``; (N,) integer for ``Discrete``. Discrete
+            actions given as ``(N, 1)`` are stored as ``(N,)``: one action per step either way,
+            so this is a layout, not a change of values (like rewards of shape ``(N, 1)``);
+            lazy ones are then read into memory (N integers).
         rewards: (N,) reward after each action (raw units; stored as float64).
         terminations: (N,) bool, True at the last step of an episode that reached a terminal
             state. Only an episode's last step may carry a flag.
@@ -246,6 +251,8 @@ class EpisodeDataset:
     ):
         _check_numeric("observations", observations)
         _check_numeric("actions", actions)
+        if isinstance(action_space, gym.spaces.Discrete) and tuple(actions.shape[1:]) == (1,):
+            actions = per_step_column("actions", np.asarray(actions))  # one action per step: a layout, as for rewards
         self.observations = observations
         self.actions = actions
         rewards = per_step_column("rewards", rewards)
@@ -348,7 +355,7 @@ class EpisodeDataset:
         if next_observations is not None:
             final = np.asarray(next_observations[ends]) if ends.size else None
         if action_space is None:
-            action_space = infer_action_space(actions)
+            action_space = infer_action_space(actions, lengths)
         ds = cls(observations, actions, rewards, terminals, truncations, starts, lengths,
                  final_observations=final, observation_space=observation_space,
                  action_space=action_space, metadata=meta, validate=validate)
@@ -417,7 +424,7 @@ class EpisodeDataset:
         starts = np.concatenate(([0], np.cumsum(lengths_arr)[:-1])).astype(np.int64)
         actions = np.concatenate(act_parts, axis=0)
         if action_space is None:
-            action_space = infer_action_space(actions)
+            action_space = infer_action_space(actions, lengths_arr)
         return cls(np.concatenate(obs_parts, axis=0), actions, np.concatenate(rew_parts),
                    np.concatenate(term_parts), np.concatenate(trunc_parts), starts, lengths_arr,
                    final_observations=np.stack(finals, axis=0), observation_space=observation_space,
@@ -550,7 +557,9 @@ class EpisodeDataset:
         observation shape matches the observation space, with at least one value per step (a
         scalar per step, observations of shape ``(N,)``, is refused: store ``(N, 1)``) and Box
         actions with at least one value; finite observations, actions, rewards and final
-        observations (no NaN/inf), and no episode whose sum of ``|rewards|`` overflows float64
+        observations (no NaN/inf; observations, actions and final observations of a wider float
+        dtype also inside float32's range, ``|x| <= F32_MAX``, since the agents compute in
+        float32), and no episode whose sum of ``|rewards|`` overflows float64
         (its returns-to-go would be inf); flags only on an episode's last step and every last
         step flagged (terminated or truncated); actions inside the action space (``Box`` bounds
         inclusive; ``Discrete`` integers in ``[start, start + n)``); episode length <=
@@ -589,17 +598,19 @@ class EpisodeDataset:
             raise DatasetError(f"observations: {self.observation_space!r} holds no value per step", field="observations")
         if isinstance(self.action_space, gym.spaces.Box) and int(np.prod(self.action_space.shape)) == 0:
             raise DatasetError(f"actions: {self.action_space!r} holds no value per step", field="actions")
-        self._check_finite("observations", self.observations)
-        self._check_finite("actions", self.actions)
+        self._check_finite("observations", self.observations, float32=True)
+        self._check_finite("actions", self.actions, float32=True)
         self._check_finite("rewards", self.rewards)
         self._check_return_overflow()
         if self.final_observations is not None:
             fin = self.final_observations.reshape(self.final_observations.shape[0], -1)
-            rows = np.flatnonzero(~np.isfinite(fin).all(axis=1))
+            rows = np.flatnonzero(~_in_float32_range(fin).all(axis=1))
             if rows.size:
                 e = int(rows[0])
+                what = ("is not finite" if not np.isfinite(fin[e]).all() else
+                        f"has a value outside float32's range (|x| <= {F32_MAX:g}), inf in the agents' float32")
                 raise DatasetError(f"final_observations: episode {e}, step {int(self.lengths[e])} (the observation "
-                                   "after the last action) is not finite", field="final_observations",
+                                   f"after the last action) {what}", field="final_observations",
                                    episode=e, step=int(self.lengths[e]))
         last = self.starts + self.lengths - 1  # (E,) flat index of each episode's last step
         is_last = np.zeros(n, bool)
@@ -622,15 +633,37 @@ class EpisodeDataset:
         if max_ep_len is not None:
             self.check_max_ep_len(max_ep_len)
 
-    def _check_finite(self, name: str, arr: ArrayLike) -> None:
-        if not np.issubdtype(np.dtype(arr.dtype), np.floating):
+    def _check_finite(self, name: str, arr: ArrayLike, *, float32: bool = False) -> None:
+        """Refuse NaN/inf in a floating-point field (streamed over chunks of :data:`SCAN_CHUNK` rows).
+
+        With ``float32`` (observations and actions, which every agent casts to float32), a finite
+        value of a wider dtype outside float32's range (``|x| > F32_MAX``, e.g. a float64 1e300,
+        which becomes inf in float32 and NaN once normalised) is refused too: nothing is clipped.
+
+        Raises:
+            DatasetError: naming the field, the episode, the step and the component at fault.
+        """
+        dtype = np.dtype(arr.dtype)
+        if not np.issubdtype(dtype, np.floating):
             return
+        wide = float32 and dtype.itemsize > 4  # float64 (or wider) can hold finite values float32 cannot
         for off, chunk in iter_chunks(arr):
-            ok = np.isfinite(chunk.reshape(chunk.shape[0], -1)).all(axis=1)
+            if chunk.size == 0:
+                continue
+            lo, hi = chunk.min(), chunk.max()  # NaN propagates; no temporary array (the common case)
+            if (-F32_MAX <= lo and hi <= F32_MAX) if wide else (np.isfinite(lo) and np.isfinite(hi)):
+                continue
+            flat = chunk.reshape(chunk.shape[0], -1)
+            ok = (_in_float32_range(flat) if wide else np.isfinite(flat)).all(axis=1)
             if not ok.all():
                 row = off + int(np.flatnonzero(~ok)[0])
                 value = np.asarray(arr[row]).reshape(-1)
-                raise self._fail(name, row, f"value {value[~np.isfinite(value)][0]} is not finite")
+                if not np.isfinite(value).all():
+                    raise self._fail(name, row, f"value {value[~np.isfinite(value)][0]} is not finite")
+                j = int(np.flatnonzero(~_in_float32_range(value))[0])
+                raise self._fail(
+                    name, row, f"component {j} = {value[j].item()!r} is outside float32's range (|x| <= {F32_MAX:g}): "
+                    f"the agents compute in float32, where it is inf; rescale {name} (nothing is clipped)")
 
     def _check_return_overflow(self) -> None:
         """Refuse episodes whose sum of ``|rewards|`` is not finite in float64 (every reward finite).
@@ -678,21 +711,24 @@ class EpisodeDataset:
                 raise self._fail("actions", row, f"component {j} = {float(a[j])!r} outside the action space bounds "
                                  f"[{float(low[j])!r}, {float(high[j])!r}]")
 
-    def check_max_ep_len(self, max_ep_len: int) -> None:
+    def check_max_ep_len(self, max_ep_len: int, option: str = "max_ep_len") -> None:
         """Refuse episodes longer than a model's ``max_ep_len`` (timestep embedding size).
+
+        ``option``: how the limit is named in the message (``"agent.max_ep_len"`` for a run's
+        config option).
 
         Raises:
             ValueError: ``max_ep_len`` < 1.
             DatasetError: naming the first episode with ``length > max_ep_len`` and its length.
         """
         if max_ep_len < 1:
-            raise ValueError(f"max_ep_len must be >= 1, got {max_ep_len}")
+            raise ValueError(f"{option} must be >= 1, got {max_ep_len}")
         too_long = np.flatnonzero(self.lengths > max_ep_len)
         if too_long.size:
             e = int(too_long[0])
             raise DatasetError(
-                f"lengths: episode {e} has {int(self.lengths[e])} steps, more than the model's max_ep_len="
-                f"{max_ep_len} (step {max_ep_len} has no timestep embedding); raise max_ep_len",
+                f"lengths: episode {e} has {int(self.lengths[e])} steps, more than the model's {option}="
+                f"{max_ep_len} (step {max_ep_len} has no timestep embedding); raise {option}",
                 field="lengths", episode=e, step=max_ep_len)
 
     # ------------------------------------------------------------------ summaries
@@ -806,6 +842,12 @@ def check_next_observations(dataset: EpisodeDataset, next_observations: ArrayLik
                 "an episode end here (old D4RL files have no timeouts), or the columns are misaligned")
 
 
+def _in_float32_range(a: np.ndarray) -> np.ndarray:
+    """Elementwise ``|a| <= F32_MAX`` (False for NaN/inf): the value is finite in float32."""
+    with np.errstate(invalid="ignore"):
+        return np.abs(a) <= F32_MAX
+
+
 def unbounded_box(shape: tuple[int, ...], dtype) -> gym.spaces.Box:
     """The widest ``Box`` of ``shape`` and ``dtype``: ``[-inf, inf]`` for floats, the dtype's
     ``[min, max]`` for integers (``gymnasium.spaces.Box`` refuses infinite bounds for unsigned
@@ -904,21 +946,47 @@ def unsupported_action_space(space: gym.Space, minari: bool = False) -> str:
     return f"actions: unsupported action space {space!r}; supported: Box, Discrete"
 
 
-def infer_action_space(actions: ArrayLike) -> gym.Space:
-    """Action space when the source stores none: ``Discrete(max + 1)`` for integer (N,) actions,
-    an unbounded ``Box`` for float actions (the bounds check is then a no-op; pass the real
-    space to the loader when you know it)."""
+def infer_action_space(actions: ArrayLike, lengths: np.ndarray | None = None) -> gym.Space:
+    """Action space when the source stores none: ``Discrete(max + 1)`` for integer actions of
+    shape ``(N,)`` or ``(N, 1)`` (one integer per step: :class:`EpisodeDataset` stores them as
+    ``(N,)``), an unbounded ``Box`` for float actions (the bounds check is then a no-op; pass
+    the real space to the loader when you know it).
+
+    Args:
+        actions: (N, *act_shape) flat actions.
+        lengths: (E,) lengths of the episodes, which tile the rows in order from row 0 (as in
+            :meth:`EpisodeDataset.from_flags` / :meth:`EpisodeDataset.from_episodes`), so that
+            an error names the episode and the step; ``None``: it names the dataset row only.
+
+    Raises:
+        DatasetError: integer actions with more than one value per step (multi-dimensional
+            discrete actions), or a negative integer action (an inferred Discrete space starts
+            at 0; the message names the episode and the step, and how to give the space).
+    """
     dtype = np.dtype(actions.dtype)
     if np.issubdtype(dtype, np.integer):
-        if len(actions.shape) != 1:
+        shape = tuple(actions.shape)
+        if len(shape) != 1 and not (len(shape) == 2 and shape[1] == 1):
             raise DatasetError(
-                f"actions: integer actions of shape {tuple(actions.shape)} and no action space: one Discrete action "
-                f"per step is an integer array of shape (N,); {tuple(actions.shape[1:])} integers per step are "
+                f"actions: integer actions of shape {shape} and no action space: one Discrete action "
+                f"per step is an integer array of shape (N,); {shape[1:]} integers per step are "
                 f"multi-dimensional discrete actions (MultiDiscrete/MultiBinary), which are not supported; "
                 f"{MULTI_DISCRETE_FIXES}", field="actions")
-        a = np.asarray(actions)
+        a = np.asarray(actions).reshape(-1)
         if a.size and a.min() < 0:
-            raise DatasetError(f"actions: negative integer action {a.min()}; pass action_space explicitly",
-                               field="actions")
+            row = int(np.flatnonzero(a < 0)[0])
+            where, ep, step = f"dataset row {row}", None, None
+            if lengths is not None:
+                ends = np.cumsum(np.asarray(lengths, np.int64))
+                ep = int(np.searchsorted(ends, row, side="right"))
+                step = row - (int(ends[ep - 1]) if ep else 0)
+                where = f"episode {ep}, step {step} ({where})"
+            raise DatasetError(
+                f"actions: {where}: negative integer action {int(a[row])} and no action space to check it against "
+                f"(a Discrete space inferred from the data starts at 0); name the task the data comes from, whose "
+                f"action space is then used: dataset.env_id=<gymnasium id> in a run config, or the HDF5 file's "
+                f"env_id attribute (or its action_space attribute, written by save_d4rl_hdf5 / `rl-tformers dataset "
+                f"export`); in Python, pass action_space= to load_dataset, e.g. gym.spaces.Discrete(n, start=-1)",
+                field="actions", episode=ep, step=step)
         return gym.spaces.Discrete(int(a.max()) + 1 if a.size else 1)
     return gym.spaces.Box(-np.inf, np.inf, shape=tuple(actions.shape[1:]), dtype=dtype)

@@ -1,8 +1,9 @@
 """Trajectory utilities shared by the Decision Transformer and GTrXL agents.
 
 * :func:`returns_to_go` is the one definition of return-to-go, used to build training batches;
-  :func:`next_return_to_go` is its evaluation-time update (target minus rewards received) and
-  reproduces it exactly (tested).
+  :func:`next_return_to_go` is its evaluation-time update (target minus rewards received); started
+  from an episode's return with its rewards it reproduces ``returns_to_go`` exactly for
+  integer-valued rewards and to float64 rounding (a few ulps of the return) otherwise (tested).
 * :func:`observation_stats` / :class:`ObsStats`: per-feature mean and std for normalisation.
 * :func:`reward_scale`: the divisor applied to rewards and returns-to-go (DT uses 1000 on MuJoCo).
 * :func:`top_fraction`: keep the best episodes by return (the "%BC" filter of the DT paper).
@@ -29,6 +30,16 @@ def returns_to_go(rewards: np.ndarray, gamma: float = 1.0) -> np.ndarray:
         (L,) float64. Examples: ``[1,2,3,4,5] -> [15,14,12,9,5]``; ``[1,1,1]`` with
         ``gamma=0.5 -> [1.75, 1.5, 1.0]``.
 
+    Precision: each ``RTG_t`` is the suffix sum accumulated from the episode's end in float64
+    (``RTG_{L-1} = r_{L-1}`` exactly, a step with no reward left has RTG 0), exact for
+    integer-valued rewards whose sums stay below 2**53, otherwise within float64 rounding of the
+    true sum (``RTG_0`` may differ from :attr:`EpisodeDataset.episode_returns`, the exactly rounded
+    ``math.fsum``, in the last bits). The evaluation-time update :func:`next_return_to_go`
+    subtracts from the start instead, so it reproduces these values to float64 rounding (exactly
+    for integer rewards). With ``gamma < 1`` the backward recursion ``RTG_t = r_t + gamma *
+    RTG_{t+1}``. The samplers then divide by the reward scale and cast to float32, far coarser
+    than any of these differences.
+
     Raises:
         ValueError: ``gamma`` outside (0, 1] (0, NaN and > 1 included), or ``rewards`` not of
             shape (L,) or (L, 1) (a scalar or an (L, 2) array is not flattened silently).
@@ -53,9 +64,11 @@ def next_return_to_go(rtg: np.ndarray | float, reward: np.ndarray | float, gamma
     """Evaluation-time RTG update after receiving ``reward``: ``RTG_{t+1} = (RTG_t - r_t) / gamma``.
 
     This is :func:`returns_to_go`'s recursion solved for ``RTG_{t+1}``: starting from the
-    episode's true return and applying it with the episode's rewards reproduces
-    ``returns_to_go(rewards, gamma)``. Works elementwise on (N,) arrays of N environments.
-    Units are those of ``rtg`` (divide both by the same reward scale, or neither).
+    episode's return (``returns_to_go(rewards, gamma)[0]``) and applying it with the episode's
+    rewards reproduces ``returns_to_go(rewards, gamma)``: exactly for integer-valued rewards and
+    ``gamma=1``, otherwise to float64 rounding (a few ulps of the return for ``gamma=1``; the
+    division by ``gamma < 1`` amplifies the rounding at each step). Works elementwise on (N,) arrays of N
+    environments. Units are those of ``rtg`` (divide both by the same reward scale, or neither).
     """
     if not 0.0 < gamma <= 1.0:
         raise ValueError(f"gamma must be in (0, 1], got {gamma}")

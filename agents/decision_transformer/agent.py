@@ -299,11 +299,7 @@ class DTAgent:
                 env_id=a.env_id, env_kwargs=plain(a.env_kwargs), spec=plain(cfg.dataset).get("path"),
                 flatten_observations=flattens_observations(plain(cfg.dataset)),
             )
-            if info.longest_episode > int(a.max_ep_len):
-                raise ValueError(
-                    f"agent.max_ep_len={a.max_ep_len} but the dataset has an episode of {info.longest_episode} "
-                    f"steps; raise agent.max_ep_len"
-                )
+            self.dataset.check_max_ep_len(int(a.max_ep_len), "agent.max_ep_len")  # names the episode
             if overflow == "error":
                 warn_time_limit(info, int(a.max_ep_len))
         self.info = info

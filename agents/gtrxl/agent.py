@@ -61,7 +61,7 @@ from rl_tformers.agents.gtrxl.model import (
     position_limit,
     window_recipe,
 )
-from rl_tformers.envs.dataset import EpisodeDataset
+from rl_tformers.envs.dataset import DatasetError, EpisodeDataset
 from rl_tformers.envs.trajectory import next_return_to_go
 from torch import Tensor
 
@@ -638,11 +638,13 @@ class GTrXLAgent:
         self.ddp_find_unused = needs_find_unused(self.model.encoder.backbone.config)
         limit = position_limit(self.model)
         if extra is None and limit is not None and self.info.longest_episode > limit:
-            raise ValueError(
-                f"backbone.max_position={limit} but the dataset has an episode of {self.info.longest_episode} "
-                f"steps: GTrXL's positions are episode steps, and backbone.position.kind=learned has no table row "
-                f"past step {limit - 1}; raise backbone.max_position (to cover the longest evaluation episode too) "
-                f"or use a relative position kind (xl_relative, the GTrXL default)")
+            e = int(np.flatnonzero(self.dataset.lengths > limit)[0])  # the first episode too long
+            raise DatasetError(
+                f"backbone.max_position={limit} but the dataset has an episode of {int(self.dataset.lengths[e])} "
+                f"steps (lengths: episode {e}): GTrXL's positions are episode steps, and "
+                f"backbone.position.kind=learned has no table row past step {limit - 1}; raise backbone.max_position "
+                f"(to cover the longest evaluation episode too) or use a relative position kind (xl_relative, the "
+                f"GTrXL default)", field="lengths", episode=e, step=limit)
         if extra is None and limit is not None:
             warn_position_time_limit(self.info, limit)
         if extra is None and self.model_cfg.rtg_input and a.get("target_return") is not None:
