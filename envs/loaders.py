@@ -235,9 +235,13 @@ def load_minari(
             # a typo hint only for ids no recipe builds: a recipe's own id is right, just not built yet
             close = _close_local_ids(str(spec), root) if recipe == "..." else []
             hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+            where = f"Minari dataset {str(spec)!r} not found in {data_root(root)} nor in Minari's root {minari_default_root()}"
+            if recipe != "...":  # this package's own id: built locally, published on no server
+                raise FileNotFoundError(
+                    f"{where}; it is built by this package's recipe {recipe!r}: `rl-tformers collect --recipe "
+                    f"{recipe}{_policies_hint()}` (or pass a folder or an .hdf5 file)")
             raise FileNotFoundError(
-                f"Minari dataset {str(spec)!r} not found in {data_root(root)} nor in Minari's root "
-                f"{minari_default_root()}{hint}; build it (`rl-tformers collect --recipe {recipe}{_policies_hint()}`), pass a folder or "
+                f"{where}{hint}; build it (`rl-tformers collect --recipe {recipe}{_policies_hint()}`), pass a folder or "
                 "an .hdf5 file, or fetch it from the Minari server: dataset.download=true in a run config "
                 "(train), --download for `rl-tformers dataset info/export`, download=True in Python")
         try:
@@ -571,7 +575,8 @@ def _attr_str(v) -> str:
 
 
 def _env_action_space(env_id: str, actions, path: Path) -> gym.Space | None:
-    """The action space of ``env_id`` if it can be built and matches the data's shape.
+    """The action space of ``env_id`` if it can be built and matches the data's shape (a
+    ``Discrete`` space matches integer actions of shape ``(N,)`` or ``(N, 1)``: one per step).
 
     Raises:
         DatasetError: the space is a Box with as many values per step as the file's actions
@@ -593,8 +598,9 @@ def _env_action_space(env_id: str, actions, path: Path) -> gym.Space | None:
             f"environment {env_id} is a Box of shape {tuple(space.shape)}; store each action in the space's shape "
             f"(actions of shape (N, {', '.join(map(str, space.shape))}), e.g. written by save_d4rl_hdf5), "
             f"they are not reshaped silently", field="actions")
-    if isinstance(space, gym.spaces.Discrete) and len(actions.shape) == 1:
-        return space
+    if isinstance(space, gym.spaces.Discrete) and (
+            per_step == () or (per_step == (1,) and np.issubdtype(np.dtype(actions.dtype), np.integer))):
+        return space  # integer (N, 1): one action per step, stored as (N,) (see EpisodeDataset)
     return None
 
 

@@ -35,7 +35,7 @@ Continue a run where it stopped, optionally for longer; exactly (on-policy PPO t
 
   rl-tformers train --resume runs/try1 train.steps=5000
 
-Ctrl-C (SIGINT) or SIGTERM saves a checkpoint at the current step and exits with code 130/143; --resume continues from it. Before the first update it stops at once (nothing to save); a second Ctrl-C aborts at once (the run keeps its last checkpoint). Exit code 2: bad config, agent option, dataset, checkpoint or run directory (one `error: ...` line names what is at fault; the agent and its data are checked before anything is trained or written).
+Ctrl-C (SIGINT) or SIGTERM saves a checkpoint at the current step and exits with code 130/143; --resume continues from it. Before the first update it stops at once (nothing to save); a second Ctrl-C aborts at once (the run keeps its last checkpoint). During an evaluation the evaluation finishes first (the final one: the run then ends normally; stopped by a second Ctrl-C, --resume runs it). Exit code 2: bad config, agent option, dataset, checkpoint or run directory (one `error: ...` line names what is at fault; the agent and its data are checked before anything is trained or written). Exit code 1: training diverged (a NaN/inf loss; one `error: non-finite ...` line says what to try; the checkpoints written before it are kept).
 
 Data-parallel training on N processes (DistributedDataParallel; gloo on CPU, NCCL with one GPU per process, so at most one process per GPU; train.batch_size is the global batch, split across the processes, so it must be divisible by N, except for PPO, whose processes train on their own rollouts; logs and checkpoints come from rank 0; the config, the GPU count and the run directory are checked before any process starts; --resume works the same):
 
@@ -130,6 +130,7 @@ def train(
         EvaluationInputError,
         GracefulInterrupt,
         Interrupted,
+        NonFiniteLossError,
         RunDirError,
         load_resume_config,
     )
@@ -178,6 +179,10 @@ def train(
         if os.environ.get("RANK", "0") != "0":
             raise typer.Exit(2) from None  # under torchrun every rank meets the same bad input: rank 0 says it
         raise _fail(str(exc)) from None
+    except NonFiniteLossError as exc:  # diverged: the message says what to try; earlier checkpoints are kept
+        if os.environ.get("RANK", "0") == "0":  # every rank sees the same reduced window: rank 0 says it
+            typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
     except Interrupted as exc:  # before the first update: nothing was trained or written
         if report:
             typer.echo(interrupted_line(exc.signum, resume, info.world_size), err=True)

@@ -23,6 +23,9 @@ those that stopped (crash, Ctrl-C, time limit): a sweep is restartable at no ext
   checkpoint, else ``config.yaml``) must equal the requested one, except ``run_dir``,
   ``device`` and ``train.progress``; otherwise the sweep is refused, naming the run and the
   differing keys (e.g. ``train.steps: 300 -> 320``: use another ``--out``);
+- a run that stopped before its first checkpoint (``run_state`` ``uncheckpointed``) has
+  nothing to resume: its logs are removed (:func:`clear_uncheckpointed`) and it is trained again
+  from the start; the earlier failure stays in its log (``OUT/logs``) and is printed;
 - complete means trained to ``train.steps`` *and*, with ``eval.at_end=true``, a final
   evaluation logged at that step; a run whose final evaluation failed is reported
   ``incomplete`` (evaluate it with ``rl-tformers eval``, or delete it to train it again);
@@ -138,20 +141,55 @@ class SweepResult:
 # -- grid ------------------------------------------------------------------------------------------
 
 def split_values(text: str, keep_empty: bool = False) -> list[str]:
-    """``"a,b,[1,2],{k: v}"`` -> ``["a", "b", "[1,2]", "{k: v}"]``: commas inside brackets or
-    braces do not split (so list- and dict-valued YAML options can be swept). Empty items
-    (``a,,b``, a trailing comma) are dropped unless ``keep_empty``."""
-    out, depth, cur = [], 0, []
+    """``"a,b,[1,2],{k: v},'x,y'"`` -> ``["a", "b", "[1,2]", "{k: v}", "'x,y'"]``: commas inside
+    brackets, braces or YAML quotes do not split (so list-, dict- and string-valued YAML options
+    holding commas can be swept). A quote opens a quoted string where YAML's would: at the start
+    of a value or item (after ``,``, ``[``, ``{`` or ``:``, spaces skipped), so ``it's`` is a
+    plain value; inside single quotes ``''`` is a quote, inside double quotes ``\\`` escapes.
+    Empty items (``a,,b``, a trailing comma) are dropped unless ``keep_empty``.
+
+    Raises:
+        SweepError: an unclosed quote, or a bracket or brace that is not closed or closes
+            nothing (``[1,2``, ``1]``): the value would otherwise be split at the wrong place.
+    """
+    out, stack, cur = [], [], []
+    quote, escaped, closed, prev = "", False, "", ","  # prev: last character outside quotes, not a space
+    pairs = {"]": "[", "}": "{", ")": "("}
     for ch in text:
-        if ch in "[{(":
-            depth += 1
+        if quote:
+            if escaped:
+                escaped = False
+            elif quote == '"' and ch == "\\":
+                escaped = True
+            elif ch == quote:
+                quote, closed, prev = "", ch, ch
+            cur.append(ch)
+            continue
+        if ch == "'" and closed == "'":  # '' inside single quotes: a quote, the string goes on
+            quote, closed = ch, ""
+            cur.append(ch)
+            continue
+        closed = ""
+        if ch in "'\"" and prev in ",[{:" and (prev != ":" or cur[-1:] == [" "]):
+            quote = ch
+        elif ch in "[{(":
+            stack.append(ch)
         elif ch in "]})":
-            depth -= 1
-        if ch == "," and depth == 0:
+            if not stack or stack[-1] != pairs[ch]:
+                raise SweepError(f"{ch!r} closes no bracket in {text!r}; quote a value whose brackets are text "
+                                 f"(e.g. 'a]')")
+            stack.pop()
+        if ch == "," and not stack:
             out.append("".join(cur).strip())
             cur = []
         else:
             cur.append(ch)
+        if not ch.isspace():
+            prev = ch
+    if quote:
+        raise SweepError(f"unclosed {quote} quote in {text!r}: a quoted value ends with its opening quote")
+    if stack:
+        raise SweepError(f"unclosed {stack[-1]!r} in {text!r}; quote a value whose brackets are text (e.g. 'a[1')")
     out.append("".join(cur).strip())
     return out if keep_empty else [v for v in out if v]
 
@@ -161,12 +199,17 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
 
     Raises:
         SweepError: an item without ``=`` or values, an empty value (``a,,b``), a key given
-            twice, a value given twice for one key, or ``seed`` (use --seeds).
+            twice, a value given twice for one key, ``seed`` (use --seeds), or an unclosed
+            quote or unbalanced bracket (:func:`split_values`; the message names the key).
     """
     grid: dict[str, list[str]] = {}
     for item in items:
         key, sep, values = item.partition("=")
         key = key.strip()
+        try:
+            split_values(values)
+        except SweepError as exc:
+            raise SweepError(f"--grid {key}: {exc}") from None
         if not sep or not key or not split_values(values):
             raise SweepError(f"--grid {item!r}: expected KEY=V1,V2,... (e.g. backbone.attention.kind=sdpa,performer)")
         if key == "seed":
@@ -474,7 +517,9 @@ def config_differences(stored: dict[str, Any], requested: dict[str, Any]) -> lis
 def run_state(run_dir: Path) -> str:
     """``new`` (nothing there), ``complete`` (trained to ``train.steps`` and, with
     ``eval.at_end``, evaluated at that step), ``unevaluated`` (trained to the end, final
-    evaluation missing: it failed) or ``partial`` (has a checkpoint, not finished)."""
+    evaluation missing: it failed), ``partial`` (has a checkpoint, not finished) or
+    ``uncheckpointed`` (the logs of a run that stopped before its first checkpoint: nothing to
+    resume, it starts again, see :func:`clear_uncheckpointed`)."""
     from omegaconf import OmegaConf
 
     from rl_tformers.runtime import checkpoint as ckpt
@@ -484,7 +529,7 @@ def run_state(run_dir: Path) -> str:
         return "new"
     found = ckpt.list_checkpoints(run_dir)
     if not found:
-        return "partial"
+        return "uncheckpointed"
     try:
         state = ckpt.load_checkpoint(found[0][1])
         cfg = OmegaConf.create(state["config"])
@@ -495,6 +540,27 @@ def run_state(run_dir: Path) -> str:
     if step < steps:
         return "partial"
     return "unevaluated" if at_end and not _final_eval_logged(run_dir, step) else "complete"
+
+
+def clear_uncheckpointed(run_dir: Path) -> list[Path]:
+    """Remove what a run that stopped before its first checkpoint logged (``config.yaml``,
+    ``metrics.jsonl``, TensorBoard event files), so that ``rl-tformers train --run-dir`` starts
+    it again: the trainer refuses a directory holding a run's logs, and there is no checkpoint
+    to ``--resume``. Anything else in ``run_dir`` (e.g. ``checkpoints/*.corrupt``) is kept; the
+    earlier failure stays in the sweep's log of the run (``OUT/logs``, appended to).
+
+    Returns:
+        The files removed.
+    """
+    from rl_tformers.runtime.tracking import METRICS_FILE, event_files
+    from rl_tformers.runtime.trainer import CONFIG_FILE
+
+    removed = []
+    for path in [run_dir / METRICS_FILE, run_dir / CONFIG_FILE, *event_files(run_dir)]:
+        if path.is_file():
+            path.unlink()
+            removed.append(path)
+    return removed
 
 
 def requested_config(run: SweepRun, config: str | None, device: str | None = None) -> dict[str, Any]:
@@ -653,8 +719,9 @@ def points_error(bad: Mapping[str, str], runs: Sequence[SweepRun]) -> SweepError
 
 
 def train_command(run: SweepRun, config: str | None, state: str, device: str | None = None) -> list[str]:
-    """The ``rl-tformers train`` command line of ``run`` (``--resume`` when it has a checkpoint;
-    the sweep resumes only runs whose stored config is the requested one, see :func:`sweep`)."""
+    """The ``rl-tformers train`` command line of ``run`` (``--resume`` when it has a checkpoint,
+    ``state == "partial"``; the sweep resumes only runs whose stored config is the requested one,
+    see :func:`sweep`; any other state starts the run in its directory)."""
     base = [sys.executable, "-m", "rl_tformers.cli", "train"]
     if state == "partial":
         return [*base, "--resume", str(run.run_dir), *([f"device={device}"] if device else []),
@@ -1129,7 +1196,7 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
 
     bad = dict(bad or {})
     outcomes: dict[str, RunOutcome] = {}
-    todo, problems, fresh = [], [], []
+    todo, problems, fresh, restart = [], [], [], []
     said: list[tuple[str, RunOutcome]] = []
     for run in runs:
         if run.name not in requested:  # its grid point does not compose: refused below
@@ -1144,7 +1211,9 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
             diffs = (config_differences(stored, requested[run.name]) if stored is not None
                      else ["(no readable config.yaml or checkpoint)"])
             if diffs:
-                problems.append(f"{run.run_dir} holds a {state} run with another config:\n    " + "\n    ".join(diffs))
+                article = "an" if state[0] in "aeiou" else "a"
+                problems.append(f"{run.run_dir} holds {article} {state} run with another config:\n    "
+                                + "\n    ".join(diffs))
                 continue
         if state == "complete":
             outcomes[run.name] = RunOutcome("skipped", 0)
@@ -1153,12 +1222,15 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
             outcomes[run.name] = RunOutcome(
                 "incomplete", None, 0.0,
                 f"error: {run.run_dir} trained to the end but has no final evaluation (it failed: see "
-                f"{out / 'logs' / (_slug(run.name) + '.log')}); evaluate it with `rl-tformers eval {run.run_dir}`, "
-                f"or delete the directory to train it again")
+                f"{out / 'logs' / (_slug(run.name) + '.log')}); evaluate it with `rl-tformers eval {run.run_dir}` "
+                f"or log it in the run with `rl-tformers train --resume {run.run_dir}`, or delete the directory to "
+                f"train it again")
             said.append((run.name, outcomes[run.name]))
         else:
-            if state == "new":
+            if state in ("new", "uncheckpointed"):
                 fresh.append(run)
+            if state == "uncheckpointed":
+                restart.append(run)
             todo.append((run, train_command(run, config, state, device)))
     if problems:
         text = ("cannot rerun the sweep in " + str(out) + ": its run directories must hold the requested runs\n  "
@@ -1179,6 +1251,15 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
             echo(f"skipped {name} (complete)")
         else:
             _echo_outcome(echo, name, outcome)
+    for run in restart:  # stopped before its first checkpoint: nothing to resume, it starts again
+        log_path = out / "logs" / f"{_slug(run.name)}.log"
+        try:
+            cause = _last_error_line(log_path.read_text(errors="replace"))
+        except OSError:
+            cause = ""
+        echo(f"restart {run.name}: it stopped before its first checkpoint"
+             + (f" ({cause})" if cause else "") + "; training it again from the start")
+        clear_uncheckpointed(run.run_dir)
     for run in fresh:  # a run that starts anew (e.g. its directory was deleted to train it again): so does its time
         parts_path(out / "logs" / f"{_slug(run.name)}.log").unlink(missing_ok=True)
     echo(f"sweep: {len(runs)} runs ({len(todo)} to run) over {len(runs) // max(1, len(seeds))} grid points x "
@@ -1202,7 +1283,7 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
 
 SWEEP_HELP = """Run a grid of training runs (config values x seeds) in parallel and collect one results table and plot.
 
-Every grid point x seed is an ordinary `rl-tformers train` run in OUT/<point>/seed<k> (<point>: each grid key by its shortest dotted suffix no other grid key shares, e.g. attention.kind=sdpa__position.kind=none). Every grid point is checked before any run starts, and all bad points are named in one error: its config must compose and (local launcher) its agent must build as `rl-tformers train` checks it (dataset, agent options, backbone); two grid values giving the same config, and an override that a run's own seed, folder or grid value would replace, are refused; so is a second sweep in the same OUT while one runs. Running the same command again skips complete runs (trained to train.steps and, with eval.at_end, evaluated) and resumes unfinished ones; a run directory holding a run with another config (e.g. other train.steps) is refused, naming the differing keys. SIGINT/SIGTERM/SIGHUP stop every run with a checkpoint. Results: OUT/results.csv, results.json, results.md (per run, and mean/std over the seeds whose run completed per grid point) and results.png.
+Every grid point x seed is an ordinary `rl-tformers train` run in OUT/<point>/seed<k> (<point>: each grid key by its shortest dotted suffix no other grid key shares, e.g. attention.kind=sdpa__position.kind=none). Every grid point is checked before any run starts, and all bad points are named in one error: its config must compose and (local launcher) its agent must build as `rl-tformers train` checks it (dataset, agent options, backbone); two grid values giving the same config, and an override that a run's own seed, folder or grid value would replace, are refused; so is a second sweep in the same OUT while one runs. Running the same command again skips complete runs (trained to train.steps and, with eval.at_end, evaluated), resumes unfinished ones and starts again those that stopped before their first checkpoint; a run directory holding a run with another config (e.g. other train.steps) is refused, naming the differing keys. SIGINT/SIGTERM/SIGHUP stop every run with a checkpoint. Results: OUT/results.csv, results.json, results.md (per run, and mean/std over the seeds whose run completed per grid point) and results.png.
 
 Examples:
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 import math
 import os
@@ -345,6 +346,9 @@ class GracefulInterrupt:
             raise ValueError(f"startup must be one of {self.STARTUP_MODES}, got {startup!r}")
         self.signum: int | None = None
         self.aborted: int | None = None
+        #: set by the trainer while it evaluates: ``(step, final)``; a signal then waits for the
+        #: evaluation's end (its announcement says so), a second one aborts it
+        self.evaluating: tuple[int, bool] | None = None
         self.announce = announce
         self._startup = startup
         self._previous: dict[int, Any] = {}
@@ -370,8 +374,18 @@ class GracefulInterrupt:
                 raise KeyboardInterrupt
             return
         if self.announce:
-            log.warning("received %s: finishing the current update, saving a checkpoint, then stopping "
-                        "(press Ctrl-C again to abort at once)", signal.Signals(signum).name)
+            name = signal.Signals(signum).name
+            if self.evaluating is None:
+                log.warning("received %s: finishing the current update, saving a checkpoint, then stopping "
+                            "(press Ctrl-C again to abort at once)", name)
+            elif self.evaluating[1]:
+                log.warning("received %s during the final evaluation (step %d): the run is trained and saved; the "
+                            "evaluation finishes, then the run ends (press Ctrl-C again to stop at once and "
+                            "evaluate the saved model later)", name, self.evaluating[0])
+            else:
+                log.warning("received %s during the evaluation of step %d: the evaluation finishes, then the run "
+                            "saves a checkpoint and stops (press Ctrl-C again to abort at once)", name,
+                            self.evaluating[0])
 
     def __enter__(self) -> GracefulInterrupt:
         if threading.current_thread() is threading.main_thread():
@@ -642,6 +656,21 @@ class Trainer:
             exc.add_note(note)
             raise
 
+    def evaluate_final(self, checkpoint: Path) -> TrainResult:
+        """Run and log the final evaluation of a run trained to ``train.steps`` whose evaluation
+        was never logged (``--resume`` of such a run; ``checkpoint``: the one it resumed from).
+        Trains nothing; evaluation errors as in :meth:`_evaluate_or_save`."""
+        if self.is_main:
+            log.info("%s is trained (step %d of train.steps=%d) but its final evaluation was not logged: "
+                     "evaluating it now", self.run_dir, self.step, self.total_steps)
+        logger = RunLogger(self.run_dir, enabled=self.is_main)
+        try:
+            last_eval = self._evaluate_or_save(logger, saved=True, checkpoint=checkpoint)
+        finally:
+            logger.close()
+        return TrainResult(run_dir=self.run_dir, step=self.step, checkpoint=checkpoint, total_steps=self.total_steps,
+                           last_eval=last_eval)
+
     # -- the loop -------------------------------------------------------------------------------
     def _prepare_run_dir(self, logger: RunLogger) -> None:
         yaml_text = self.config_yaml
@@ -685,7 +714,7 @@ class Trainer:
                 return self._train(batches, interrupt, stop_at)
             except KeyboardInterrupt:
                 if interrupt.aborted is not None and interrupt.announce:
-                    log.warning("%s", self._abort_note(interrupt.aborted))
+                    log.warning("%s", self._abort_note(interrupt.aborted, interrupt.evaluating))
                 raise
 
     def _agree_to_start(self, interrupt: GracefulInterrupt) -> None:
@@ -712,13 +741,20 @@ class Trainer:
         if signum is not None:
             raise Interrupted(signum)
 
-    def _abort_note(self, signum: int) -> str:
-        """What an abort by a second signal leaves: the last checkpoint and how to continue."""
+    def _abort_note(self, signum: int, evaluating: tuple[int, bool] | None = None) -> str:
+        """What an abort by a second signal leaves: the last checkpoint and how to continue
+        (``evaluating``: the ``(step, final)`` of an evaluation it cut short)."""
         what = f"aborted at once by a second signal ({signal.Signals(signum).name}) at step {self.step}"
+        if evaluating is not None:
+            what += f", during the {'final ' if evaluating[1] else ''}evaluation of step {evaluating[0]} (not logged)"
         saved = ckpt.list_checkpoints(self.run_dir)  # newest first
         if not saved:
             return f"{what}; no checkpoint was written yet, so there is nothing to resume"
         step, path = saved[0]
+        if step >= self.total_steps:
+            return (f"{what}; the run is trained to step {step} ({path}): evaluate it with "
+                    f"`rl-tformers eval {self.run_dir}`, or log its final evaluation with "
+                    f"{resume_command(self.run_dir, self.world_size)}")
         return (f"{what}; the run continues from its last checkpoint, step {step} ({path}): "
                 f"{resume_command(self.run_dir, self.world_size)}")
 
@@ -887,8 +923,12 @@ class Trainer:
                 window_t0 = time.perf_counter()
             if (eval_every and self.step % eval_every == 0) or (self.step == self.total_steps and ev.at_end):
                 window_elapsed += time.perf_counter() - window_t0
+                if self.step == self.total_steps and bar is not None:
+                    bar.close()  # the last progress line shows the training rate, not the evaluation's time
+                interrupt.evaluating = (self.step, self.step == self.total_steps)
                 result.last_eval = self._evaluate_or_save(logger, saved=last_saved == self.step,
                                                           checkpoint=result.checkpoint)
+                interrupt.evaluating = None
                 window_t0 = time.perf_counter()
 
         if self.step >= end:
@@ -941,6 +981,21 @@ def _with_run_dir(cfg: DictConfig, run_dir: Path) -> DictConfig:
     out.run_dir = str(run_dir)
     OmegaConf.set_readonly(out, True)
     return out
+
+
+def final_eval_logged(run_dir: str | os.PathLike, step: int) -> bool:
+    """True if the run's ``metrics.jsonl`` has an ``eval/...`` scalar logged at ``step``."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return False
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut off by a crash
+            continue
+        if rec.get("step") == step and any(str(k).startswith("eval/") for k in rec):
+            return True
+    return False
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -1201,6 +1256,10 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
                 log.warning("train.steps=%d is below the step of %s's newest checkpoint (%d): nothing was "
                             "trained, and a run is never shortened (evaluate an earlier checkpoint with "
                             "rl-tformers eval --checkpoint instead)", cfg.train.steps, run_dir, found.state["step"])
+            elif cfg.eval.at_end and not final_eval_logged(run_dir, int(found.state["step"])):
+                # trained to the end, but its final evaluation was cut short (a second Ctrl-C) or failed
+                trainer = Trainer(cfg, run_dir, resume_from=found)
+                return trainer.evaluate_final(found.path)
             elif info.is_main:
                 log.info("%s is complete (step %d of train.steps=%d); pass train.steps=N to train longer",
                          run_dir, found.state["step"], cfg.train.steps)
