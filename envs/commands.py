@@ -53,7 +53,7 @@ def collect(
     replay_dataset_id: str = typer.Option(None, "--replay-dataset-id",
                                           help="With --train: also write every training transition (SAC: its "
                                                "replay buffer) as this Minari dataset (a medium-replay set)."),
-    steps: int = typer.Option(None, "--steps", help="Collect whole episodes until at least this many steps."),
+    steps: int = typer.Option(None, "--steps", help="Collect whole episodes until at least this many steps (default 10000 when neither --steps nor --episodes is given; 0 with --train and --replay-dataset-id: the replay set only)."),
     episodes: int = typer.Option(None, "--episodes", help="Collect exactly this many episodes."),
     noise: float = typer.Option(0.0, "--noise", help="Gaussian action noise std (units of half the action range), clipped to the space."),
     epsilon: float = typer.Option(0.0, "--epsilon", help="Probability of a uniform random action at each step."),

@@ -31,8 +31,9 @@ def check_compatible(cfg: BackboneConfig) -> None:
     a = cfg.attention.kind
     if cfg.causal and not att.causal:
         raise IncompatibleConfig(
-            f"backbone.attention.kind={a!r} has no causal form; set backbone.causal=false "
-            f"(for the Decision Transformer: agent.mode=last_action, which predicts only the last action)"
+            f"backbone.attention.kind={a!r} has no causal form; set backbone.causal=false (for the Decision "
+            f"Transformer both backbone.causal=false and agent.mode=last_action, which predicts only the last "
+            f"action of each window, so no step attends to a later one)"
         )
     if not cfg.causal and not att.bidirectional:
         raise IncompatibleConfig(f"backbone.attention.kind={a!r} is causal-only; set backbone.causal=true")

@@ -67,7 +67,7 @@ def _check_stack(cfg: BackboneConfig, name: str) -> None:
     try:
         check_compatible(cfg)
     except IncompatibleConfig as exc:
-        msg = re.sub(r" \(for the Decision Transformer:[^)]*\)", "", str(exc))  # a hint for another model
+        msg = re.sub(r" \(for the Decision Transformer[^)]*\)", "", str(exc))  # a hint for another model
         raise IncompatibleConfig(msg.replace("backbone.", f"{name}.")) from exc
 
 

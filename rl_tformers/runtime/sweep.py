@@ -1047,7 +1047,8 @@ def plot(summary: Sequence[dict[str, Any]], metric: str, path: Path, title: str 
     ax.set_xticks(range(len(pts)))
     ax.set_xticklabels([s["point"] for s in pts], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel(metric)
-    ax.set_title(title or f"{metric}\nmean ± std over seeds", fontsize=10)
+    most = max((int(s.get("n") or 0) for s in pts), default=0)
+    ax.set_title(title or f"{metric}\n{'mean ± std over seeds' if most > 1 else 'one seed per point'}", fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -1263,7 +1264,7 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
     for run in fresh:  # a run that starts anew (e.g. its directory was deleted to train it again): so does its time
         parts_path(out / "logs" / f"{_slug(run.name)}.log").unlink(missing_ok=True)
     echo(f"sweep: {len(runs)} runs ({len(todo)} to run) over {len(runs) // max(1, len(seeds))} grid points x "
-         f"{len(seeds)} seeds -> {out}")
+         f"{len(seeds)} seed{'' if len(seeds) == 1 else 's'} -> {out}")
     _echo_config_warnings(runs, requested, echo, agent_warnings)
     log_dir = out / "logs"
     stopped = None

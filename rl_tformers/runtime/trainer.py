@@ -779,7 +779,7 @@ class Trainer:
                 log.info("run %s | agent %s | %d trainable parameters | device %s%s | steps %d -> %d",
                          self.run_dir, self.cfg.agent.kind, n_params, self.device, procs, self.step, self.total_steps)
                 for message in config_warnings(self.cfg):
-                    log.warning("%s", message)
+                    log.warning("warning: %s", message)
             if t.compile:
                 self.model.compile()
             if getattr(self.agent, "local_batches", False):  # each rank's batches are its own share already
