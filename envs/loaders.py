@@ -238,8 +238,8 @@ def load_minari(
             where = f"Minari dataset {str(spec)!r} not found in {data_root(root)} nor in Minari's root {minari_default_root()}"
             if recipe != "...":  # this package's own id: built locally, published on no server
                 raise FileNotFoundError(
-                    f"{where}; it is built by this package's recipe {recipe!r}: `rl-tformers collect --recipe "
-                    f"{recipe}{_policies_hint()}` (or pass a folder or an .hdf5 file)")
+                    f"{where}; build it (`rl-tformers collect --recipe {recipe}{_policies_hint()}`), or pass a folder "
+                    f"or an .hdf5 file (this package's own recipe: built locally, on no server)")
             raise FileNotFoundError(
                 f"{where}{hint}; build it (`rl-tformers collect --recipe {recipe}{_policies_hint()}`), pass a folder or "
                 "an .hdf5 file, or fetch it from the Minari server: dataset.download=true in a run config "

@@ -104,7 +104,7 @@ DT_DEFAULTS: dict[str, Any] = {
 }
 
 
-def warn_time_limit(info: DatasetInfo, max_ep_len: int) -> None:
+def warn_time_limit(info: DatasetInfo, max_ep_len: int, offline_run: str | None = None) -> None:
     """Log a warning when the evaluation environment's time limit exceeds ``max_ep_len``.
 
     With ``agent.timestep_overflow=error`` an evaluation episode that reaches step
@@ -112,16 +112,33 @@ def warn_time_limit(info: DatasetInfo, max_ep_len: int) -> None:
     surface only at the first evaluation, after training. Nothing is logged when the
     environment has no time limit or cannot be made here (:meth:`DatasetInfo.check_env` decides
     about that).
+
+    Args:
+        info: the run's data statistics (the evaluation environment).
+        max_ep_len: the model's timestep embedding size (steps).
+        offline_run: Online DT (``agent.kind=odt``): the ``agent.init_from`` whose
+            ``agent.max_ep_len`` the model keeps; the advice then says to raise it on that
+            offline run (the odt config's value is not used), and that exploration episodes are
+            cut there. None: the run's own ``agent.max_ep_len``.
     """
     import logging
 
     limit = info.time_limit()
-    if limit is not None and limit > max_ep_len:
+    if limit is None or limit <= max_ep_len:
+        return
+    if offline_run is None:
         logging.getLogger(__name__).warning(
             "the evaluation environment %s runs episodes of up to %d steps but agent.max_ep_len=%d: an evaluation "
             "episode that reaches step %d will stop the evaluation (agent.timestep_overflow=error); raise "
             "agent.max_ep_len to %d, or set agent.timestep_overflow=clamp", info.env_id, limit, max_ep_len,
             max_ep_len, limit)
+    else:
+        logging.getLogger(__name__).warning(
+            "the evaluation environment %s runs episodes of up to %d steps but the offline run agent.init_from=%s "
+            "has agent.max_ep_len=%d, which Online DT keeps (the odt config's agent.max_ep_len is not used): an "
+            "evaluation episode that reaches step %d will stop the evaluation (agent.timestep_overflow=error) and "
+            "exploration episodes are cut there; train the offline run with agent.max_ep_len >= %d, or set "
+            "agent.timestep_overflow=clamp", info.env_id, limit, offline_run, max_ep_len, max_ep_len, limit)
 
 
 def parse_config_targets(value: Any) -> list[float] | None:

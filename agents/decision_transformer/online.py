@@ -9,7 +9,8 @@ it on its own rollouts. Read top to bottom, a run is::
     buffer  = top agent.online.buffer_size episodes of dataset.path by return  # whole trajectories, FIFO
     round r (before update r * U, U = agent.online.updates_per_round):
         episodes = agent.online.rollouts_per_round complete episodes of the *sampled* policy,
-                   conditioned on agent.online.target_return (g_online), batched over
+                   conditioned on agent.online.target_return (g_online; null: t + |t| of the evaluation
+                   target t, i.e. 2t when t >= 0), batched over
                    agent.online.n_envs vector environments, seeded derive_seed(seed, "online", r)
         buffer.add(episodes)        # each new trajectory replaces the oldest one once full
     batch s = WindowSampler(buffer).sample(B, default_rng([seed, s]))  # the DT's windows
@@ -42,11 +43,18 @@ pure function of ``(seed, s, buffer)``, the buffer (offline episodes by dataset 
 ones as arrays) is saved in every checkpoint (:meth:`ODTAgent.process_state`) and the round and
 environment-step counters in ``extra_state``; a round is a pure function of the weights and its
 seed, so a run resumed at a round boundary collects the same episodes. A resume needs the same
-dataset (checked: the buffer's offline episodes must have their saved returns); the offline run
-of ``agent.init_from`` is read again to build the agent, its weights are then replaced by the
-checkpoint's.
+dataset (checked: the buffer's offline episodes must have their saved returns), but not the
+offline run: the agent is rebuilt from the checkpoint alone (model options and backbone saved in
+``extra.odt``, data statistics, weights; the builder gets the checkpoint through
+:func:`rl_tformers.runtime.agents.resume_state`), so ``agent.init_from`` may since have been
+retrained, moved or deleted, or be a relative path that does not resolve from the resume's folder.
 
-Cannot: run under DDP (``--nproc > 1`` is refused), fine-tune a deterministic-head or
+**Checks up front** (when the agent is built, before anything is trained): a dataset episode
+longer than the offline run's ``agent.max_ep_len`` is refused by its dataset index, and an
+evaluation environment whose time limit exceeds it is warned about (:func:`warn_time_limit`).
+
+Cannot: run under DDP (``--nproc > 1`` is refused before any process starts: the kind registers
+with ``single_process=True``), fine-tune a deterministic-head or
 discrete-action run, use a separate (shorter) evaluation context as the paper does for some
 tasks (the DT acts with its training K), or update the temperature with its own optimiser (it is
 a model parameter trained by the shared AdamW, as in the offline phase).
@@ -73,14 +81,19 @@ import numpy as np
 import torch
 from rl_tformers.agents.common.loading import register_inference_loader
 from rl_tformers.agents.common.offline import DatasetInfo, load_offline_dataset, plain
-from rl_tformers.agents.decision_transformer.agent import DT_DEFAULTS, DTAgent, to_model_batch
+from rl_tformers.agents.decision_transformer.agent import (
+    DT_DEFAULTS,
+    DTAgent,
+    to_model_batch,
+    warn_time_limit,
+)
 from rl_tformers.agents.decision_transformer.loss import dt_loss
 from rl_tformers.agents.decision_transformer.policy import DTPolicy
 from rl_tformers.envs.dataset import EpisodeDataset
 from torch import Tensor
 
 from rl_tformers.config import ConfigAdviceWarning
-from rl_tformers.runtime.agents import register_agent
+from rl_tformers.runtime.agents import register_agent, resume_state
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +110,8 @@ ODT_DEFAULTS["agent"].update({
         "buffer_size": 1000,  # trajectories in the replay buffer (paper: 1000)
         "rollouts_per_round": 1,  # complete episodes collected per round (paper: 1)
         "updates_per_round": 300,  # gradient updates per round (paper: 300)
-        "target_return": None,  # exploration return-to-go g_online, raw units; null = 2 x the evaluation target
+        # exploration return-to-go g_online, raw units; null = t + |t| for the evaluation target t (2t if t >= 0)
+        "target_return": None,
         "n_envs": 1,  # vector environments acting together (at most rollouts_per_round are used)
     },
 })
@@ -116,13 +130,22 @@ OFFLINE_AGENT_KEYS = (
 
 # -- options ------------------------------------------------------------------------------------
 
-def check_online_options(online: Mapping[str, Any]) -> None:
-    """Refuse ``agent.online.*`` values out of range, naming the option.
+def check_online_options(online: Any) -> None:
+    """Refuse ``agent.online`` when it is not a mapping, and ``agent.online.*`` values out of
+    range, naming the option.
+
+    Args:
+        online: the plain value of ``agent.online``.
 
     Raises:
-        ValueError: ``buffer_size``, ``rollouts_per_round``, ``updates_per_round`` or ``n_envs``
-            not an integer >= 1; ``target_return`` neither null nor a finite number.
+        ValueError: ``agent.online`` not a mapping (e.g. ``agent.online=null``);
+            ``buffer_size``, ``rollouts_per_round``, ``updates_per_round`` or ``n_envs`` not an
+            integer >= 1; ``target_return`` neither null nor a finite number.
     """
+    if not isinstance(online, Mapping):
+        raise ValueError(f"agent.online must be a mapping of the online phase's options (buffer_size, "
+                         f"rollouts_per_round, updates_per_round, target_return, n_envs; e.g. "
+                         f"agent.online.buffer_size=1000), got {online!r}; leave it out for the defaults")
     for name in ("buffer_size", "rollouts_per_round", "updates_per_round", "n_envs"):
         v = online.get(name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -130,7 +153,18 @@ def check_online_options(online: Mapping[str, Any]) -> None:
     t = online.get("target_return")
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t)):
         raise ValueError(f"agent.online.target_return must be a finite number (raw reward units, e.g. 7200 for "
-                         f"Hopper) or null (2 x the evaluation target), got {t!r}")
+                         f"Hopper) or null (t + |t| for the evaluation target t: 2t when t >= 0), got {t!r}")
+
+
+def default_online_target(t: float) -> float:
+    """g_online when ``agent.online.target_return`` is null: ``t + |t|`` for the evaluation target ``t``.
+
+    That is ``2 t`` for ``t >= 0`` (the paper's Hopper: 7200 = 2 x 3600) and 0 for ``t < 0``, so
+    exploration is never conditioned *below* the evaluation target (``2 t`` would be, for a
+    negative return such as Pendulum's). Raw reward units. Examples: 3600 -> 7200, -100 -> 0.
+    """
+    t = float(t)
+    return t + abs(t)
 
 
 def read_offline_run(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -344,19 +378,29 @@ class TrajectoryBuffer:
     # -- checkpoint ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Checkpoint-safe state: the FIFO order (dataset index, or -1 for the next online episode),
-        the online episodes' arrays concatenated, and the offline entries' returns (checked on load)."""
+        the online episodes' arrays concatenated, and the offline entries' returns (checked on load).
+
+        Every tensor is a fresh row-major copy (also when empty: no offline entry left, or no
+        online one yet): ``order (len,)`` int64, ``offline_returns (offline entries,)`` float64,
+        ``online.observations (steps, *obs_shape)``, ``online.actions (steps, *act_shape)``,
+        ``online.rewards (steps,)`` float64, ``online.lengths (online entries,)`` int64,
+        ``online.terminated (online entries,)`` bool.
+        """
         order, online = [], []
         for source, value in self.entries:
             order.append(value if source == "offline" else -1)
             if source == "online":
                 online.append(value)
-        offline_idx = [v for s, v in self.entries if s == "offline"]
-        t = torch.from_numpy
+        offline_idx = np.asarray([v for s, v in self.entries if s == "offline"], np.int64)
+
+        def t(a: np.ndarray) -> Tensor:  # a fresh row-major tensor: no view of the buffer, no odd strides
+            src = torch.from_numpy(np.asarray(a))  # (an empty fancy index has stride 0 in NumPy)
+            return torch.empty(src.shape, dtype=src.dtype).copy_(src)
 
         def cat(key: str, dtype, shape) -> Tensor:
             if not online:
                 return t(np.zeros((0, *shape), dtype))
-            return t(np.ascontiguousarray(np.concatenate([e[key] for e in online])))
+            return t(np.concatenate([e[key] for e in online]))
 
         d = self.offline
         return {
@@ -513,16 +557,28 @@ class ODTAgent(DTAgent):
         device: training device.
         dataset: an already loaded offline dataset (tests); default: ``cfg.dataset``.
 
+    On ``--resume`` (the builder runs inside :func:`~rl_tformers.runtime.agents.build_agent` with
+    the checkpoint to resume, :func:`~rl_tformers.runtime.agents.resume_state`) the agent is
+    built from the checkpoint alone: the model options and backbone saved in ``extra.odt``
+    (those of the offline run when this run started), the data statistics of ``extra`` and the
+    checkpoint's weights. ``agent.init_from`` is not read again: the offline run may since have
+    been retrained, moved or deleted, or be a relative path that does not resolve from the
+    folder of the resume.
+
     Raises:
         ValueError: ``agent.init_from`` missing or not a gaussian-head continuous-action dt run
-            (:func:`read_offline_run`), ``agent.online.*`` out of range, a dataset whose
-            observation or action layout differs from the offline run's, an exploration target
-            beyond the model's return embedding (:meth:`DTPolicy.check_targets`), or more than one
-            process (``--nproc``).
+            (:func:`read_offline_run`; new runs only), ``agent.online`` not a mapping or an
+            ``agent.online.*`` value out of range, a dataset whose observation or action layout
+            differs from the offline run's, a dataset episode longer than the offline run's
+            ``agent.max_ep_len`` (a ``DatasetError`` naming the episode), an exploration target
+            beyond the model's return embedding (:meth:`DTPolicy.check_targets`), more than one
+            process (``--nproc``), or a resumed checkpoint without ``extra.odt``.
 
     Warns:
         ConfigAdviceWarning: the config's model/data options or backbone differ from the offline
             run's (:func:`fine_tune_changes`), which fine-tuning uses instead.
+        (log) the evaluation environment's time limit exceeds the offline run's
+            ``agent.max_ep_len`` with ``agent.timestep_overflow=error`` (:func:`warn_time_limit`).
     """
 
     targets_option = "agent.targets"
@@ -534,7 +590,7 @@ class ODTAgent(DTAgent):
         from rl_tformers.runtime.distributed import dist_info
 
         a = cfg.agent
-        online = plain(a.online)
+        online = plain(a.get("online"))
         check_online_options(online)
         world = dist_info().world_size
         if world > 1:
@@ -547,33 +603,53 @@ class ODTAgent(DTAgent):
             raise ValueError(f"agent.init_from={a.init_from!r} is not a path; quote it (agent.init_from='\"off\"') "
                              f"or name the run directory another way")
         self.init_from = str(a.init_from)
-        state, saved = read_offline_run(self.init_from)
+        resumed = resume_state()
+        if resumed is None:  # a new run: the offline run's checkpoint
+            state, saved = read_offline_run(self.init_from)
+            sa = saved.get("agent") or {}
+            self.offline_agent = {k: copy.deepcopy(sa.get(k, DT_DEFAULTS["agent"].get(k))) for k in OFFLINE_AGENT_KEYS}
+            self.offline_backbone = dict(saved.get("backbone") or {})
+            src = f"agent.init_from={self.init_from}: Online DT fine-tunes that run's model"
+        else:  # --resume: this run's own checkpoint holds everything (agent.init_from is not read)
+            state = resumed
+            odt = (state.get("extra") or {}).get("odt")
+            if not isinstance(odt, Mapping) or not isinstance(odt.get("agent"), Mapping) \
+                    or not isinstance(odt.get("backbone"), Mapping):
+                raise ValueError("--resume: the checkpoint holds no Online DT model options (extra.odt.agent / "
+                                 "extra.odt.backbone); it was not written by agent.kind=odt and cannot be resumed as one")
+            self.offline_agent = {k: copy.deepcopy(odt["agent"].get(k, DT_DEFAULTS["agent"].get(k)))
+                                  for k in OFFLINE_AGENT_KEYS}
+            self.offline_backbone = copy.deepcopy(dict(odt["backbone"]))
+            saved = {"agent": self.offline_agent, "backbone": self.offline_backbone}
+            src = (f"resume: Online DT fine-tunes the model this run started from (agent.init_from={self.init_from}, "
+                   f"as saved in its checkpoint)")
         configured = plain(cfg)
         changes = fine_tune_changes(configured, saved)
         if changes:
             warnings.warn(
-                f"agent.init_from={self.init_from}: Online DT fine-tunes that run's model with its data statistics, "
-                f"so these settings of the config are not used, the checkpoint's are: {'; '.join(changes)} "
-                f"(config.yaml still records the config's); set them to the checkpoint's values to silence this",
+                f"{src} with its data statistics, so these settings of the config are not used, the checkpoint's "
+                f"are: {'; '.join(changes)} (config.yaml still records the config's); set them to the checkpoint's "
+                f"values to silence this",
                 ConfigAdviceWarning,
                 stacklevel=2)
-        sa = saved.get("agent") or {}
-        self.offline_agent = {k: copy.deepcopy(sa.get(k, DT_DEFAULTS["agent"].get(k))) for k in OFFLINE_AGENT_KEYS}
-        self.offline_backbone = dict(saved.get("backbone") or {})
         info = DatasetInfo.from_extra(state["extra"])
+        where = plain(cfg.dataset).get("path")
         if dataset is None:
             dataset = load_offline_dataset(plain(cfg.dataset))
-        self._check_dataset(dataset, info, plain(cfg.dataset).get("path"))
+        self._check_dataset(dataset, info, where)
+        self._check_episode_lengths(dataset, int(self.offline_agent["max_ep_len"]), where, self.init_from)
         super().__init__(effective_config(configured, self.offline_agent, self.offline_backbone), run_dir, device,
                          dataset=dataset, info=info)
-        self.model.load_state_dict(state["model"])
+        if str(self.cfg.agent.timestep_overflow) == "error":  # (validated by DTAgent)
+            warn_time_limit(info, self.model_cfg.max_ep_len, offline_run=self.init_from)
+        self.model.load_state_dict(state["model"])  # the offline weights (resume: the checkpoint's, loaded again)
         self.online = online
         self.updates_per_round = int(online["updates_per_round"])
         self.rollouts_per_round = int(online["rollouts_per_round"])
         self.n_envs = min(int(online["n_envs"]), self.rollouts_per_round)
         t = online["target_return"]
-        #: g_online, raw units
-        self.online_target = 2.0 * float(self.default_targets()[0]) if t is None else float(t)
+        #: g_online, raw units (null: t + |t| of the evaluation target t, :func:`default_online_target`)
+        self.online_target = default_online_target(self.default_targets()[0]) if t is None else float(t)
         self.policy().check_targets([self.online_target], "agent.online.target_return")
         if self.config_targets is not None:
             self.policy().check_targets(self.config_targets, "agent.targets")  # the loaded weights' limit
@@ -585,6 +661,28 @@ class ODTAgent(DTAgent):
         self.last_lengths: list[int] = []
         self._envs: gym.vector.VectorEnv | None = None
         self._sampler = None
+
+    @staticmethod
+    def _check_episode_lengths(ds: EpisodeDataset, max_ep_len: int, where: str | None, init_from: str) -> None:
+        """Refuse dataset episodes longer than the offline run's ``agent.max_ep_len`` (the timestep
+        embedding the fine-tuned model keeps), up front and by dataset index.
+
+        Raises:
+            DatasetError: (a ValueError) naming ``dataset.path``, the first such episode by its
+                dataset index, its length, and the offline run's ``agent.max_ep_len``.
+        """
+        from rl_tformers.envs.dataset import DatasetError
+
+        try:
+            ds.check_max_ep_len(max_ep_len, "agent.max_ep_len")
+        except DatasetError as exc:
+            e = int(exc.episode)
+            raise DatasetError(
+                f"dataset.path={where}: episode {e} has {int(ds.lengths[e])} steps, more than agent.max_ep_len="
+                f"{max_ep_len} of the offline run (agent.init_from={init_from}): Online DT keeps that run's timestep "
+                f"embedding, which has no entry for step {max_ep_len} (the odt config's agent.max_ep_len is not "
+                f"used); train the offline run with agent.max_ep_len >= {int(ds.lengths.max())}, or fine-tune on "
+                f"data without longer episodes", field="lengths", episode=e, step=max_ep_len) from None
 
     @staticmethod
     def _check_dataset(ds: EpisodeDataset, info: DatasetInfo, where: str | None) -> None:
@@ -765,7 +863,7 @@ register_inference_loader("odt")(load_odt_for_inference)
 
 
 @register_agent("odt", description="Online Decision Transformer fine-tuning (Zheng et al. 2022) of a gaussian-head dt run",
-                defaults=ODT_DEFAULTS)
+                defaults=ODT_DEFAULTS, single_process=True)
 def build_odt(cfg: Any, run_dir: Path, device: torch.device) -> ODTAgent:
     """Builder of ``agent.kind=odt``."""
     return ODTAgent(cfg, run_dir, device)

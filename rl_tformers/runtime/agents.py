@@ -94,11 +94,28 @@ The protocol (optional methods, detected with ``getattr``)
     Non-parameter state to checkpoint (observation mean/std, reward scale, ...): tensors,
     numbers, strings, ``None`` and lists/tuples/dicts of them only (anything else is refused
     at save time, because checkpoints are loaded with ``weights_only=True``).
+
+Resuming: what a builder may read
+---------------------------------
+On ``--resume`` the trainer calls the builder first and hands the checkpoint to the agent
+after it (weights, ``load_extra_state``, ``load_process_state``). A builder whose model depends
+on something outside the config (a fine-tuning agent that takes its model options from another
+run) can call :func:`resume_state` while it builds: the verified checkpoint dict being resumed,
+or None for a new run, so that it rebuilds the run's own model from its ``extra_state`` instead
+of reading that other run again. Builders that ignore it are unchanged.
+
+Registration flags
+------------------
+``local_batches=True`` (see above) and ``single_process=True``: the kind trains in one process
+only (its state, e.g. a replay buffer filled by its own rollouts, is not shared between
+processes); ``rl-tformers train --nproc N`` with N > 1 is refused before any process starts
+(:func:`rl_tformers.runtime.trainer.check_world_size`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 import pkgutil
 import traceback
@@ -183,6 +200,8 @@ class AgentEntry:
         check_backbone: ``check_backbone(backbone_cfg)`` raises ``ValueError`` (naming the
             option) for a valid backbone this agent cannot use; called by ``compose`` before the
             generic compatibility check, so the agent's own advice comes first.
+        single_process: the kind trains in one process only: more than one (``--nproc N``,
+            N > 1) is refused before any process starts.
     """
 
     kind: str
@@ -191,6 +210,7 @@ class AgentEntry:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     local_batches: bool = False
     check_backbone: Callable[[Any], None] | None = None
+    single_process: bool = False
 
 
 _AGENTS: dict[str, AgentEntry] = {}
@@ -200,7 +220,7 @@ _discovered = False
 
 def register_agent(
     kind: str, *, description: str = "", defaults: Mapping[str, Any] | None = None, local_batches: bool = False,
-    check_backbone: Callable[[Any], None] | None = None,
+    check_backbone: Callable[[Any], None] | None = None, single_process: bool = False,
 ) -> Callable[[AgentBuilder], AgentBuilder]:
     """Decorator registering ``builder`` under ``kind``.
 
@@ -212,6 +232,7 @@ def register_agent(
         local_batches: the agents it builds set ``local_batches = True`` (see the module
             docstring): ``train.batch_size`` is then not checked against the number of processes.
         check_backbone: see :class:`AgentEntry`.
+        single_process: the kind trains in one process only (see :class:`AgentEntry`).
 
     Raises:
         ValueError: for an empty kind, a defaults section that is not a mapping, or a kind
@@ -236,7 +257,8 @@ def register_agent(
         if "agent" in agent_defaults:
             agent_defaults["agent"] = {"kind": kind, **agent_defaults["agent"]}
         _AGENTS[kind] = AgentEntry(kind=kind, builder=builder, description=description, defaults=agent_defaults,
-                                   local_batches=bool(local_batches), check_backbone=check_backbone)
+                                   local_batches=bool(local_batches), check_backbone=check_backbone,
+                                   single_process=bool(single_process))
         return builder
 
     return deco
@@ -325,14 +347,36 @@ def check_trainable(obj: Any, kind: str) -> Trainable:
     return obj
 
 
-def build_agent(cfg: Any, run_dir: Path, device: torch.device) -> Trainable:
+#: the checkpoint being resumed while a builder runs (:func:`resume_state`)
+_RESUME_STATE: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar("resume_state", default=None)
+
+
+def resume_state() -> Mapping[str, Any] | None:
+    """The verified checkpoint dict (:func:`~rl_tformers.runtime.checkpoint.load_checkpoint`) that the
+    agent being built will be resumed from, or None (a new run, a check, inference, or outside a
+    builder). Only valid while :func:`build_agent` runs the builder; see the module docstring."""
+    return _RESUME_STATE.get()
+
+
+def build_agent(
+    cfg: Any, run_dir: Path, device: torch.device, resume_from: Mapping[str, Any] | None = None,
+) -> Trainable:
     """Build the agent named by ``cfg.agent.kind`` and check it implements :class:`Trainable`.
+
+    Args:
+        cfg, run_dir, device: passed to the builder.
+        resume_from: the checkpoint dict the trainer will load into the agent after it is built
+            (``--resume``); the builder can read it with :func:`resume_state`.
 
     Raises:
         AgentBuildError: the builder refused the config or the data (see :data:`BUILD_ERRORS`).
         TypeError: the builder's result is not a :class:`Trainable`.
     """
     kind = str(cfg.agent.kind)
-    with agent_build_errors():
-        agent = get_agent(kind).builder(cfg, Path(run_dir), device)
+    token = _RESUME_STATE.set(resume_from)
+    try:
+        with agent_build_errors():
+            agent = get_agent(kind).builder(cfg, Path(run_dir), device)
+    finally:
+        _RESUME_STATE.reset(token)
     return check_trainable(agent, kind)

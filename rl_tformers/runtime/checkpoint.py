@@ -85,14 +85,30 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 # -- integrity -------------------------------------------------------------------------------------
 
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    """The elements of a dense CPU tensor in row-major order, as raw bytes, whatever its strides.
+
+    Empty tensors give ``b""``; non-contiguous ones (a transpose, an ``expand``) and tensors
+    with stride 0 or other odd strides (``torch.from_numpy`` of an empty NumPy array has stride
+    0; a size-1 dimension may carry any stride and still count as contiguous) are copied to a
+    fresh row-major tensor first, so equal values always give equal bytes.
+    """
+    if t.numel() == 0:
+        return b""
+    flat = t.contiguous().reshape(-1)
+    if flat.stride(0) != 1:  # e.g. shape (1,) with stride 0: "contiguous", yet not viewable as bytes
+        flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
 def _feed(h: Any, obj: Any, path: str) -> None:
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         if t.layout != torch.strided:
             raise TypeError(f"checkpoint value at {path}: only dense tensors are supported, got {t.layout}")
-        t = t.cpu().contiguous()
+        t = t.cpu()
         h.update(b"T" + str(t.dtype).encode() + repr(tuple(t.shape)).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(_tensor_bytes(t))
     elif isinstance(obj, Mapping):
         items = sorted(obj.items(), key=lambda kv: (type(kv[0]).__name__, repr(kv[0])))
         h.update(b"D" + struct.pack("<q", len(items)))
@@ -120,7 +136,8 @@ def content_digest(state: Mapping[str, Any]) -> str:
     """SHA-256 (hex) over a checkpoint dict's decoded content, ignoring its ``sha256`` key.
 
     Canonical over containers (dict keys sorted), exact for floats (``repr`` round-trips) and
-    tensors (dtype, shape and raw bytes). Raises TypeError naming the dotted path of a value that
+    tensors (dtype, shape and raw bytes in row-major order, independent of the strides: empty
+    and non-contiguous tensors hash like their contiguous copies). Raises TypeError naming the dotted path of a value that
     ``torch.load(weights_only=True)`` could not load back.
     """
     h = hashlib.sha256()

@@ -437,7 +437,9 @@ class Trainer:
         autocast(self.device, self.amp)  # validates amp
         seed_everything(int(cfg.seed), deterministic=bool(t.deterministic))
 
-        self.agent: Trainable = build_agent(cfg, self.run_dir, self.device)
+        # the builder may read the checkpoint it will be resumed from (agents.resume_state)
+        self.agent: Trainable = build_agent(cfg, self.run_dir, self.device,
+                                            resume_from=resume_from.state if resume_from is not None else None)
         self.model = self.agent.model.to(self.device)
         groups_fn = getattr(self.agent, "param_groups", None)
         groups = groups_fn() if callable(groups_fn) else default_param_groups(self.model, float(t.weight_decay))
@@ -1027,22 +1029,30 @@ def check_agent(cfg: DictConfig, device: str | torch.device = "cpu") -> None:
 
 
 def check_world_size(cfg: DictConfig, world_size: int) -> None:
-    """Refuse a global batch that the processes cannot split evenly.
+    """Refuse a process count the agent kind cannot train with, or a global batch that the
+    processes cannot split evenly.
 
-    Agent kinds registered with ``local_batches=True`` (on-policy PPO: every rank trains on
-    minibatches of its own rollout) do not split ``train.batch_size``, so any process count fits.
+    Agent kinds registered with ``single_process=True`` (Online DT: its replay buffer and
+    rollouts belong to one process) refuse any ``world_size`` > 1. Kinds registered with
+    ``local_batches=True`` (on-policy PPO: every rank trains on minibatches of its own rollout)
+    do not split ``train.batch_size``, so any process count fits.
 
     Raises:
-        ConfigError: ``train.batch_size`` is not divisible by ``world_size`` (> 1).
+        ConfigError: a ``single_process`` kind with ``world_size`` > 1 (naming ``agent.kind`` and
+            ``--nproc``), or ``train.batch_size`` not divisible by ``world_size`` (> 1).
     """
     if world_size <= 1:
         return
     kind = OmegaConf.select(cfg, "agent.kind", default=None)
     try:
-        if kind is not None and get_agent(str(kind)).local_batches:
-            return
+        entry = get_agent(str(kind)) if kind is not None else None
     except UnknownAgentError:
-        pass  # (building the agent reports it)
+        entry = None  # (building the agent reports it)
+    if entry is not None and entry.single_process:
+        raise ConfigError(f"agent.kind={kind} runs in one process only (its training state is not shared between "
+                          f"processes); this run asks for {world_size} (--nproc {world_size}): use --nproc 1")
+    if entry is not None and entry.local_batches:
+        return
     b = int(cfg.train.batch_size)
     if b % world_size:
         raise ConfigError(

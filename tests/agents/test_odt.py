@@ -17,7 +17,12 @@ import pytest
 import torch
 from rl_tformers.agents.common.scripted import collect_delayed_expert
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTConfig
-from rl_tformers.agents.decision_transformer.online import ODTAgent, TrajectoryBuffer, top_episodes
+from rl_tformers.agents.decision_transformer.online import (
+    ODTAgent,
+    TrajectoryBuffer,
+    default_online_target,
+    top_episodes,
+)
 from rl_tformers.agents.decision_transformer.policy import DTPolicy
 from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
 from rl_tformers.envs.loaders import save_d4rl_hdf5
@@ -26,8 +31,8 @@ from typer.testing import CliRunner
 
 from rl_tformers.cli import app
 from rl_tformers.config import BackboneConfig, ConfigAdviceWarning
-from rl_tformers.runtime.agents import AgentBuildError
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.agents import AgentBuildError, get_agent
+from rl_tformers.runtime.config import ConfigError, compose
 from rl_tformers.runtime.trainer import resume, train
 from tests.bitwise import same_bits
 
@@ -214,6 +219,36 @@ def test_more_than_one_process_is_refused(pendulum, offline_run, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets for --nproc 2 (dist_info reads it)
     with pytest.raises(ValueError, match=r"one process.*--nproc 1"):
         ODTAgent(_cfg(offline_run, pendulum[1]), None, "cpu")
+
+
+def test_more_than_one_process_is_refused_before_any_process_starts(tmp_path, monkeypatch):
+    """odt registers with single_process=True: `train --nproc 2` is refused by the launcher's
+    checks (check_world_size), before torchrun starts anything (the agent's own check runs only
+    once the processes are up)."""
+    from rl_tformers.runtime import commands
+    from rl_tformers.runtime.trainer import check_world_size
+
+    assert get_agent("odt").single_process and not get_agent("dt").single_process
+    cfg = compose("dt/cartpole_demo", ["agent.kind=odt", "agent.init_from=nowhere"])
+    check_world_size(cfg, 1)
+    with pytest.raises(ConfigError, match=r"agent.kind=odt runs in one process only.*--nproc 1"):
+        check_world_size(cfg, 2)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(commands, "_run_torchrun", lambda *a, **k: pytest.fail("torchrun was started"))
+    run = tmp_path / "odt"
+    res = CliRunner().invoke(app, ["train", "-c", "dt/cartpole_demo", "agent.kind=odt", "agent.init_from=nowhere",
+                                   "--nproc", "2", "--run-dir", str(run)])
+    assert res.exit_code == 2 and "one process only" in res.output and "--nproc 1" in res.output, res.output
+    assert not run.exists()
+
+
+def test_null_online_target_is_never_below_the_evaluation_target(pendulum, offline_run):
+    """agent.online.target_return=null: t + |t| of the evaluation target t (2t for t >= 0, the
+    paper's Hopper 7200 = 2 x 3600; 2t would explore below a negative target)."""
+    assert default_online_target(3600) == 7200.0
+    assert default_online_target(-100) == 0.0 and default_online_target(0) == 0.0
+    agent = ODTAgent(_cfg(offline_run, pendulum[1], "agent.online.target_return=null"), None, "cpu")
+    assert agent.default_targets() == [-100.0] and agent.online_target == 0.0
 
 
 def test_configured_model_options_that_differ_from_the_checkpoint_are_named(pendulum, offline_run):

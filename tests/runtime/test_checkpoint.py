@@ -143,3 +143,27 @@ def test_no_valid_checkpoint_lists_reasons(tmp_path: Path) -> None:
     p.write_bytes(b"x")
     with pytest.warns(UserWarning), pytest.raises(CheckpointError, match=r"(?s)no valid checkpoint.*step_000000003\.pt"):
         find_latest_valid(tmp_path)
+
+
+def test_empty_and_non_contiguous_tensors_are_hashed_and_saved(tmp_path: Path) -> None:
+    """An agent's extra/process state may hold tensors of any strides: an empty one with stride 0
+    (``torch.from_numpy`` of an empty NumPy fancy index: Online DT's buffer once no offline episode
+    is left used to crash the save), a transpose, an ``expand``. Each hashes like its row-major
+    copy, and saves and loads back."""
+    odd = {
+        "empty_stride0": torch.from_numpy(np.zeros(5)[np.zeros(0, np.int64)]),
+        "empty_2d": torch.zeros(0, 3).t(),
+        "transposed": torch.arange(12.0).reshape(3, 4).t(),
+        "expanded": torch.tensor(2.5).expand(1),  # shape (1,), stride 0: "contiguous", yet no byte view
+        "broadcast": torch.arange(3).expand(2, 3),
+        "sliced": torch.arange(10)[::3],
+        "flags": torch.tensor([True, False, True])[::2],
+    }
+    assert odd["empty_stride0"].stride() == (0,) and odd["expanded"].stride() == (0,)
+    copies = {k: torch.empty(v.shape, dtype=v.dtype).copy_(v) for k, v in odd.items()}
+    assert content_digest(state(1, **odd)) == content_digest(state(1, **copies))
+    assert content_digest(state(1, **odd)) != content_digest(state(1, **{**copies, "sliced": copies["sliced"] + 1}))
+    assert content_digest(state(1, **odd)) != content_digest(state(1, **{**copies, "empty_2d": torch.zeros(0, 4)}))
+    loaded = load_checkpoint(save_checkpoint(tmp_path, state(4, **odd)))
+    for k, v in odd.items():
+        assert loaded["extra"][k].dtype == v.dtype and torch.equal(loaded["extra"][k], v), k
