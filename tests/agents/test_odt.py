@@ -24,7 +24,7 @@ from rl_tformers.agents.decision_transformer.online import (
     top_episodes,
 )
 from rl_tformers.agents.decision_transformer.policy import DTPolicy
-from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
+from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.loaders import save_d4rl_hdf5
 from rl_tformers.envs.samplers import WindowSampler
 from typer.testing import CliRunner
@@ -35,6 +35,7 @@ from rl_tformers.runtime.agents import AgentBuildError, get_agent
 from rl_tformers.runtime.config import ConfigError, compose
 from rl_tformers.runtime.trainer import resume, train
 from tests.bitwise import same_bits
+from tests.pendulum import random_pendulum_dataset
 
 TINY_BB = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=1"]
 ENV = ["agent.max_ep_len=30", "agent.env_kwargs={max_episode_steps: 25}"]
@@ -57,21 +58,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def pendulum(tmp_path_factory) -> tuple[EpisodeDataset, Path]:
-    rng = np.random.default_rng(0)
-    env = gym.make("Pendulum-v1")
-    eps = []
-    for i, n in enumerate([30, 18, 25, 22, 30, 20]):  # random-action episodes, truncated
-        obs = [env.reset(seed=i)[0]]
-        act = rng.uniform(-2, 2, (n, 1)).astype(np.float32)
-        rew = []
-        for a in act:
-            o, r, *_ = env.step(a)
-            obs.append(o)
-            rew.append(r)
-        eps.append({"observations": np.stack(obs), "actions": act, "rewards": np.array(rew),
-                    "terminations": np.zeros(n, bool), "truncations": np.eye(1, n, n - 1, dtype=bool)[0]})
-    ds = EpisodeDataset.from_episodes(eps, observation_space=env.observation_space, action_space=env.action_space,
-                                      metadata=DatasetMetadata(env_id="Pendulum-v1"))
+    ds = random_pendulum_dataset([30, 18, 25, 22, 30, 20])  # random-action episodes, truncated
     return ds, save_d4rl_hdf5(ds, tmp_path_factory.mktemp("data") / "pendulum.hdf5")
 
 

@@ -25,17 +25,15 @@ import logging
 import shutil
 from pathlib import Path
 
-import gymnasium as gym
-import numpy as np
 import pytest
 import torch
 from rl_tformers.agents.decision_transformer.agent import DTAgent
 from rl_tformers.agents.decision_transformer.online import ODTAgent
-from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
 from rl_tformers.envs.loaders import save_d4rl_hdf5
 
 from rl_tformers.runtime.config import compose
 from rl_tformers.runtime.trainer import resume, train
+from tests.pendulum import random_pendulum_dataset
 
 TINY_BB = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=1"]
 ENV = ["agent.max_ep_len=30", "agent.env_kwargs={max_episode_steps: 25}"]
@@ -56,22 +54,7 @@ def _one_thread():
 
 
 def _data(path: Path, lengths: list[int]) -> Path:
-    rng = np.random.default_rng(0)
-    env = gym.make("Pendulum-v1")
-    eps = []
-    for i, n in enumerate(lengths):
-        obs = [env.reset(seed=i)[0]]
-        act = rng.uniform(-2, 2, (n, 1)).astype(np.float32)
-        rew = []
-        for a in act:
-            o, r, *_ = env.step(a)
-            obs.append(o)
-            rew.append(r)
-        eps.append({"observations": np.stack(obs), "actions": act, "rewards": np.array(rew),
-                    "terminations": np.zeros(n, bool), "truncations": np.eye(1, n, n - 1, dtype=bool)[0]})
-    ds = EpisodeDataset.from_episodes(eps, observation_space=env.observation_space, action_space=env.action_space,
-                                      metadata=DatasetMetadata(env_id="Pendulum-v1"))
-    return save_d4rl_hdf5(ds, path)
+    return save_d4rl_hdf5(random_pendulum_dataset(lengths), path)
 
 
 @pytest.fixture(scope="module")
