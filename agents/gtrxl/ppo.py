@@ -133,7 +133,7 @@ from torch import Tensor
 
 from rl_tformers.attention.base import attention_entropy
 from rl_tformers.config import ConfigAdviceWarning
-from rl_tformers.runtime.agents import register_agent
+from rl_tformers.runtime.agents import register_agent, resume_state
 from rl_tformers.runtime.config import ConfigError
 from rl_tformers.runtime.distributed import dist_info
 from rl_tformers.types import BackboneState, LayerState
@@ -655,8 +655,14 @@ class GTrXLPPO:
         inputs = {"prev_action_input": bool(a.prev_action), "prev_reward_input": bool(a.prev_reward),
                   "head_hidden": int(a.head_hidden)}
         init_state = None
+        # a resumed fine-tuning run rebuilds its own model from its checkpoint, never agent.init_checkpoint
+        # read again (that run may have been retrained, moved or deleted since)
+        resumed = resume_state() if extra is None and a.get("init_checkpoint") else None
+        own_model = dict((resumed or {}).get("extra") or {}).get("model")
         if extra is not None:  # inference from a checkpoint: its own model config
             self.model_cfg = GTrXLConfig(**extra["model"])
+        elif own_model is not None:
+            self.model_cfg = GTrXLConfig(**own_model)
         else:
             if a.init_checkpoint:
                 configured = backbone
@@ -722,6 +728,8 @@ class GTrXLPPO:
         self.input_reward_mult = self.reward_scale
         if init_state is not None:
             self._load_offline(init_state)
+        elif own_model is not None:  # the checkpoint restores the weights and the offline run's statistics
+            self.update_obs_stats = False
         if extra is not None:
             self.load_extra_state(extra)
         self.n_envs, self.n_steps = int(a.n_envs), int(a.n_steps)
