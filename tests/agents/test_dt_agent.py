@@ -212,24 +212,9 @@ def test_demo_refuses_a_run_directory_that_holds_a_run(dt_run):
 
 
 def test_gaussian_head_trains_and_evaluates_on_continuous_actions(tmp_path):
-    import gymnasium as gym
-    from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
+    from tests.pendulum import random_pendulum_dataset
 
-    rng = np.random.default_rng(0)
-    env = gym.make("Pendulum-v1")
-    eps = []
-    for i in range(6):  # random-action episodes of 30 steps
-        obs = [env.reset(seed=i)[0]]
-        act = rng.uniform(-2, 2, (30, 1)).astype(np.float32)
-        rew = []
-        for a in act:
-            o, r, *_ = env.step(a)
-            obs.append(o)
-            rew.append(r)
-        eps.append({"observations": np.stack(obs), "actions": act, "rewards": np.array(rew),
-                    "terminations": np.zeros(30, bool), "truncations": np.eye(1, 30, 29, dtype=bool)[0]})
-    ds = EpisodeDataset.from_episodes(eps, observation_space=env.observation_space, action_space=env.action_space,
-                                      metadata=DatasetMetadata(env_id="Pendulum-v1"))
+    ds = random_pendulum_dataset([30] * 6)  # random-action episodes of 30 steps
     path = save_d4rl_hdf5(ds, tmp_path / "pendulum.hdf5")
     cfg = compose("dt/cartpole_demo", [f"dataset.path={path}", *TINY_BB, *FAST, "agent.head=gaussian",
                                        "agent.max_ep_len=30", "agent.targets=[-100]"])

@@ -23,6 +23,7 @@ from rl_tformers.backbone import IncompatibleConfig
 from rl_tformers.cli import app
 from rl_tformers.runtime.config import compose
 from rl_tformers.runtime.trainer import train
+from tests.threads import one_thread
 
 FAST = ["train.steps=4", "train.batch_size=8", "train.warmup_steps=2", "train.progress=false", "train.log_every=2",
         "train.checkpoint_every=4", "device=cpu", "eval.every=0", "eval.at_end=false"]
@@ -30,12 +31,7 @@ DT_TINY = ["backbone.d_model=16", "backbone.n_heads=1", "agent.context_len=5",
            "agent.env_kwargs={max_episode_steps: 25}"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+_one_thread = one_thread  # autouse, module scope: one torch thread
 
 
 def _metrics(run_dir):

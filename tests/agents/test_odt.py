@@ -36,6 +36,7 @@ from rl_tformers.runtime.config import ConfigError, compose
 from rl_tformers.runtime.trainer import resume, train
 from tests.bitwise import same_bits
 from tests.pendulum import random_pendulum_dataset
+from tests.threads import one_thread
 
 TINY_BB = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=1"]
 ENV = ["agent.max_ep_len=30", "agent.env_kwargs={max_episode_steps: 25}"]
@@ -48,12 +49,7 @@ ONLINE = ["agent.kind=odt", "train.steps=12", "train.batch_size=8", "train.progr
           "agent.online.buffer_size=10", "agent.online.target_return=-50", *ENV]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+_one_thread = one_thread  # autouse, module scope: one torch thread
 
 
 @pytest.fixture(scope="module")

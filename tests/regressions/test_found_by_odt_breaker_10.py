@@ -34,6 +34,7 @@ from rl_tformers.envs.loaders import save_d4rl_hdf5
 from rl_tformers.runtime.config import compose
 from rl_tformers.runtime.trainer import resume, train
 from tests.pendulum import random_pendulum_dataset
+from tests.threads import one_thread
 
 TINY_BB = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=1"]
 ENV = ["agent.max_ep_len=30", "agent.env_kwargs={max_episode_steps: 25}"]
@@ -45,12 +46,7 @@ ONLINE = ["agent.kind=odt", "train.steps=4", "train.batch_size=8", "train.progre
           "agent.online.buffer_size=10", "agent.online.target_return=-50"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+_one_thread = one_thread  # autouse, module scope: one torch thread
 
 
 def _data(path: Path, lengths: list[int]) -> Path:
