@@ -346,10 +346,72 @@ def seeded_torch_rng(seed: int):
         yield
 
 
-def _run_target(
-    policy: Policy, envs: gym.vector.VectorEnv, target: float | None, episodes: int, seed: int, record: bool
-) -> TargetResult:
-    """Episodes of one target on ``envs`` (N envs); see :func:`evaluate`."""
+@dataclass
+class EpisodeRecord:
+    """What :func:`run_episodes` recorded, in episode order j = 0..E-1.
+
+    Attributes:
+        returns: (E,) float64 raw undiscounted returns (the running sum of the raw rewards).
+        lengths: (E,) int64 episode lengths in steps.
+        terminated: (E,) bool: the episode ended by termination (False: truncated by the
+            environment or cut at ``max_steps``).
+        rewards: E arrays (L_j,) float64 of raw rewards, when recorded.
+        observations: E arrays (L_j, *obs_shape), the observation before each action, when
+            trajectories are recorded.
+        actions: E arrays (L_j, *act_shape) in environment units, when trajectories are recorded.
+    """
+
+    returns: np.ndarray
+    lengths: np.ndarray
+    terminated: np.ndarray
+    rewards: list[np.ndarray] | None = None
+    observations: list[np.ndarray] | None = None
+    actions: list[np.ndarray] | None = None
+
+
+def run_episodes(
+    policy: Policy,
+    envs: gym.vector.VectorEnv,
+    target: float | None,
+    episodes: int,
+    seed: int,
+    *,
+    record_rewards: bool = False,
+    record_trajectories: bool = False,
+    max_steps: int | None = None,
+    who: str = "evaluate",
+) -> EpisodeRecord:
+    """Run exactly ``episodes`` episodes of ``policy`` on the N environments of ``envs``.
+
+    The loop behind :func:`evaluate` and the Online DT's exploration rounds
+    (:func:`~rl_tformers.agents.decision_transformer.online.collect_episodes`): one
+    ``policy.act`` call (one batched forward pass) per step for all N environments; episode j
+    runs in environment j mod N with reset seed ``seed + j``; an environment past its quota
+    keeps stepping with its context restarted at every step, results discarded (see the module
+    docstring). Torch's generators are not touched here (:func:`evaluate` seeds them).
+
+    Args:
+        policy: any :class:`Policy`; ``initial_state(N, target)`` is called once.
+        envs: a vector environment with autoreset disabled whose environments carry the raw
+            reward in ``info`` (:func:`with_raw_reward`).
+        target: return-to-go the episodes are conditioned on (raw units), or ``None``.
+        episodes: how many episodes (E >= 1).
+        seed: base reset seed (episode j: ``seed + j``).
+        record_rewards: keep each episode's raw rewards.
+        record_trajectories: keep each episode's rewards, observations and actions.
+        max_steps: cut (truncate) an episode after this many steps; ``None``: the environment's
+            own limits only.
+        who: the prefix of error messages (``evaluate``, ``online rollout``).
+
+    Returns:
+        :class:`EpisodeRecord`.
+
+    Raises:
+        NonFiniteError: (a ValueError) the policy returned a NaN/inf action (not sent to the
+            environment) or the environment a NaN/inf reward; the message names the target,
+            episode, seed and step.
+        RuntimeError: the raw reward is missing from ``info`` (a wrapper dropped it).
+    """
     n = envs.num_envs
     rows = np.arange(n)
     # quota: episode j -> env j % n; job[i] is the index j of the episode env i is running
@@ -357,13 +419,22 @@ def _run_target(
     active = job < episodes
     returns = np.zeros(episodes, dtype=np.float64)
     lengths = np.zeros(episodes, dtype=np.int64)
-    rewards: list[list[float]] | None = [[] for _ in range(episodes)] if record else None
+    ended = np.zeros(episodes, dtype=bool)
+    record_rewards = record_rewards or record_trajectories
+    rewards: list[np.ndarray] | None = [None] * episodes if record_rewards else None  # type: ignore[list-item]
+    observations: list[np.ndarray] | None = [None] * episodes if record_trajectories else None  # type: ignore[list-item]
+    actions_out: list[np.ndarray] | None = [None] * episodes if record_trajectories else None  # type: ignore[list-item]
     ep_ret = np.zeros(n, dtype=np.float64)
     ep_len = np.zeros(n, dtype=np.int64)
-    cap = 1024
-    rew_buf = np.zeros((n, cap), dtype=np.float64) if record else None  # (N, cap) rewards of running episodes
+    cap = 1024 if max_steps is None else min(1024, int(max_steps))
+    rew_buf = np.zeros((n, cap), dtype=np.float64) if record_rewards else None  # (N, cap) rewards of running episodes
+    obs_buf: np.ndarray | None = None  # (N, cap, *obs_shape) observations before each action
+    act_buf: np.ndarray | None = None  # (N, cap, *act_shape), allocated at the first action
 
     obs, _ = envs.reset(seed=[seed + int(j) for j in job])
+    obs = np.asarray(obs)
+    if record_trajectories:
+        obs_buf = np.zeros((n, cap, *obs.shape[1:]), obs.dtype)
     state = policy.initial_state(n, target)
     episode_start = np.ones(n, dtype=bool)
     last_reward: np.ndarray | None = None
@@ -373,33 +444,49 @@ def _run_target(
         # episodes, which may outlast every counted one, never reach a policy limit (a DT's
         # max_ep_len) that no counted episode reaches
         actions, state = policy.act(obs, state, episode_start | ~active, last_reward)
-        _check_finite(np.asarray(actions), "the policy returned a non-finite action",
-                      "it was not sent to the environment", target, job, ep_len, seed, episodes)
+        actions = np.asarray(actions)
+        _check_finite(actions, "the policy returned a non-finite action",
+                      "it was not sent to the environment", target, job, ep_len, seed, episodes, who)
+        if record_rewards and int(ep_len.max()) >= rew_buf.shape[1]:  # grow the buffers (doubling)
+            rew_buf = _grow(rew_buf)
+            if record_trajectories:
+                obs_buf, act_buf = _grow(obs_buf), _grow(act_buf)
+        if record_trajectories:
+            if act_buf is None:
+                act_buf = np.zeros((n, rew_buf.shape[1], *actions.shape[1:]), actions.dtype)
+            obs_buf[rows, ep_len] = obs
+            act_buf[rows, ep_len] = actions
         obs, _, terminated, truncated, info = envs.step(actions)
+        obs = np.asarray(obs)
         if RAW_REWARD_KEY not in info:
             raise RuntimeError(
-                f"evaluate: info has no {RAW_REWARD_KEY!r}: a wrapper of the environment drops info keys"
+                f"{who}: info has no {RAW_REWARD_KEY!r}: a wrapper of the environment drops info keys "
+                f"(wrap the innermost environment with with_raw_reward)"
             )
         raw = np.asarray(info[RAW_REWARD_KEY], dtype=np.float64)  # (N,)
         _check_finite(raw, "the environment returned a non-finite reward", "", target, job, ep_len, seed,
-                      episodes)
-        if record:
-            if int(ep_len.max()) >= rew_buf.shape[1]:
-                rew_buf = np.concatenate([rew_buf, np.zeros_like(rew_buf)], axis=1)
+                      episodes, who)
+        if record_rewards:
             rew_buf[rows, ep_len] = raw
         ep_ret += raw
         ep_len += 1
         last_reward = raw
-        done = terminated | truncated
+        terminated = np.asarray(terminated, dtype=bool)
+        done = terminated | np.asarray(truncated, dtype=bool)
+        if max_steps is not None:
+            done |= ep_len >= max_steps
         episode_start = done
         if not done.any():
             continue
         finished = np.flatnonzero(done & active)  # per finished episode, not per step
         for i in finished:
-            j = job[i]
-            returns[j], lengths[j] = ep_ret[i], ep_len[i]
-            if record:
-                rewards[j] = rew_buf[i, : ep_len[i]].tolist()
+            j, length = int(job[i]), int(ep_len[i])
+            returns[j], lengths[j], ended[j] = ep_ret[i], length, terminated[i]
+            if record_rewards:
+                rewards[j] = rew_buf[i, :length].copy()
+            if record_trajectories:
+                observations[j] = obs_buf[i, :length].copy()
+                actions_out[j] = act_buf[i, :length].copy()
         remaining -= len(finished)
         job[done] += n
         active = job < episodes
@@ -409,23 +496,36 @@ def _run_target(
             # envs past their quota are reset too (a disabled-autoreset vector env must be)
             seeds = [seed + int(job[i]) if done[i] and active[i] else None for i in range(n)]
             new_obs, _ = envs.reset(seed=seeds, options={"reset_mask": done.copy()})
-            obs = np.where(done.reshape((n,) + (1,) * (np.ndim(obs) - 1)), new_obs, obs)
+            obs = np.where(done.reshape((n,) + (1,) * (obs.ndim - 1)), np.asarray(new_obs), obs)
+    return EpisodeRecord(returns, lengths, ended, rewards, observations, actions_out)
+
+
+def _grow(buf: np.ndarray | None) -> np.ndarray | None:
+    """Double the step axis (axis 1) of an (N, cap, ...) buffer, keeping its contents."""
+    return None if buf is None else np.concatenate([buf, np.zeros_like(buf)], axis=1)
+
+
+def _run_target(
+    policy: Policy, envs: gym.vector.VectorEnv, target: float | None, episodes: int, seed: int, record: bool
+) -> TargetResult:
+    """Episodes of one target on ``envs`` (N envs); see :func:`evaluate`."""
+    rec = run_episodes(policy, envs, target, episodes, seed, record_rewards=record)
     return TargetResult(
         target_return=None if target is None else float(target),
-        returns=returns.tolist(),
-        lengths=lengths.tolist(),
+        returns=rec.returns.tolist(),
+        lengths=rec.lengths.tolist(),
         seeds=[int(seed + j) for j in range(episodes)],
-        rewards=rewards,
+        rewards=None if rec.rewards is None else [r.tolist() for r in rec.rewards],
     )
 
 
 def _check_finite(values: np.ndarray, what: str, note: str, target: float | None, job: np.ndarray,
-                  ep_len: np.ndarray, seed: int, episodes: int) -> None:
+                  ep_len: np.ndarray, seed: int, episodes: int, who: str = "evaluate") -> None:
     """Raise :class:`NonFiniteError` if a float array (N, ...) of one step holds NaN/inf.
 
     Names the first bad row's target, episode (``job``), reset seed and step (``ep_len``: steps
     already taken in that episode, so the 0-based index of this step). A row past its quota
-    (``job >= episodes``, an unseeded filler episode) is named as such.
+    (``job >= episodes``, an unseeded filler episode) is named as such; ``who`` prefixes the message.
     """
     if values.dtype.kind not in "fc" or np.isfinite(values).all():
         return
@@ -436,7 +536,7 @@ def _check_finite(values: np.ndarray, what: str, note: str, target: float | None
     where = (f"episode {j} (env {i}, reset seed {seed + j})" if j < episodes
              else f"a filler episode of env {i} (past its quota, unseeded)")
     raise NonFiniteError(
-        f"evaluate: {what}{tgt} at step {int(ep_len[i])} of {where}: {np.asarray(values[i]).tolist()}"
+        f"{who}: {what}{tgt} at step {int(ep_len[i])} of {where}: {np.asarray(values[i]).tolist()}"
         + (f"; {note}" if note else "")
     )
 

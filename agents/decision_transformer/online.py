@@ -464,11 +464,11 @@ def collect_episodes(
 ) -> list[dict[str, Any]]:
     """``episodes`` complete episodes of ``policy`` in the N environments of ``envs``.
 
-    One ``policy.act`` call (one batched forward pass) per step for all N environments. Episode
-    j runs in environment j mod N with reset seed ``seed + j``; an environment past its quota
-    keeps stepping with its context restarted at every step, results discarded (the
-    evaluation's scheme, :func:`~rl_tformers.agents.common.evaluation.evaluate`). An episode is cut
-    (truncated) after ``max_ep_len`` steps.
+    The evaluation's loop (:func:`~rl_tformers.agents.common.evaluation.run_episodes`), recording
+    the trajectories: one ``policy.act`` call (one batched forward pass) per step for all N
+    environments; episode j runs in environment j mod N with reset seed ``seed + j``; an
+    environment past its quota keeps stepping with its context restarted at every step, results
+    discarded. An episode is cut (truncated) after ``max_ep_len`` steps.
 
     Args:
         policy: acts in raw units (a sampling :class:`DTPolicy` for exploration).
@@ -485,63 +485,16 @@ def collect_episodes(
         float64 (the environment's own rewards), ``terminated`` (False: truncated or cut).
 
     Raises:
-        NonFiniteError: (a ValueError) a NaN/inf reward; the policy's own check refuses NaN actions.
+        NonFiniteError: (a ValueError) a NaN/inf action or reward, naming the episode, its reset
+            seed and the step.
         RuntimeError: the raw reward is missing from ``info``.
     """
-    from rl_tformers.agents.common.evaluation import RAW_REWARD_KEY, NonFiniteError
+    from rl_tformers.agents.common.evaluation import run_episodes
 
-    n = envs.num_envs
-    rows = np.arange(n)
-    job = rows.copy()  # episode index each environment runs
-    active = job < episodes
-    obs, _ = envs.reset(seed=[seed + int(j) for j in job])
-    obs = np.asarray(obs)
-    obs_shape = obs.shape[1:]
-    obs_buf = np.zeros((n, max_ep_len, *obs_shape), obs.dtype)  # (N, max_ep_len, *obs_shape)
-    act_buf: np.ndarray | None = None  # (N, max_ep_len, *act_shape), allocated at the first action
-    rew_buf = np.zeros((n, max_ep_len), np.float64)
-    ep_len = np.zeros(n, np.int64)
-    out: list[dict[str, Any] | None] = [None] * episodes
-    state = policy.initial_state(n, target)
-    start = np.ones(n, dtype=bool)
-    last_reward: np.ndarray | None = None
-    remaining = episodes
-    while remaining > 0:
-        actions, state = policy.act(obs, state, start | ~active, last_reward)
-        if act_buf is None:
-            act_buf = np.zeros((n, max_ep_len, *actions.shape[1:]), actions.dtype)
-        obs_buf[rows, ep_len] = obs
-        act_buf[rows, ep_len] = actions
-        obs, _, terminated, truncated, info = envs.step(actions)
-        obs = np.asarray(obs)
-        if RAW_REWARD_KEY not in info:
-            raise RuntimeError(f"collect_episodes: info has no {RAW_REWARD_KEY!r}: wrap the environments with "
-                               f"with_raw_reward")
-        raw = np.asarray(info[RAW_REWARD_KEY], np.float64)  # (N,)
-        if not np.isfinite(raw).all():
-            i = int(np.flatnonzero(~np.isfinite(raw))[0])
-            raise NonFiniteError(f"online rollout: the environment returned a non-finite reward {raw[i]} at step "
-                                 f"{int(ep_len[i])} of episode {int(job[i])} (env {i}, reset seed {seed + int(job[i])})")
-        rew_buf[rows, ep_len] = raw
-        ep_len += 1
-        terminated = np.asarray(terminated, bool)
-        done = terminated | np.asarray(truncated, bool) | (ep_len >= max_ep_len)
-        start, last_reward = done, raw
-        if not done.any():
-            continue
-        for i in np.flatnonzero(done & active):  # per finished episode, not per step
-            length = int(ep_len[i])
-            out[int(job[i])] = {"observations": obs_buf[i, :length].copy(), "actions": act_buf[i, :length].copy(),
-                                "rewards": rew_buf[i, :length].copy(), "terminated": bool(terminated[i])}
-            remaining -= 1
-        job[done] += n
-        active = job < episodes
-        ep_len[done] = 0
-        if remaining > 0:  # a disabled-autoreset vector env must reset every finished row
-            seeds = [seed + int(job[i]) if done[i] and active[i] else None for i in range(n)]
-            new_obs, _ = envs.reset(seed=seeds, options={"reset_mask": done.copy()})
-            obs = np.where(done.reshape((n,) + (1,) * (obs.ndim - 1)), np.asarray(new_obs), obs)
-    return out  # type: ignore[return-value]
+    rec = run_episodes(policy, envs, target, episodes, seed, record_trajectories=True, max_steps=max_ep_len,
+                       who="online rollout")
+    return [{"observations": rec.observations[j], "actions": rec.actions[j], "rewards": rec.rewards[j],
+             "terminated": bool(rec.terminated[j])} for j in range(episodes)]
 
 
 # -- the agent ----------------------------------------------------------------------------------

@@ -174,3 +174,67 @@ def test_imitation_report_measures_distance_to_each_reference():
     assert rep["late"]["closest"] == {"zero": 0.0, "one": 1.0}
     with pytest.raises(ValueError, match="at least one reference"):
         imitation_report(ConstantPolicy(0.0), lambda: gym.make(ENV_ID), {}, None)
+
+
+class StepPolicy:
+    """Action = [t / 100] with t the step index of the episode in that env (so actions are traceable)."""
+
+    def initial_state(self, n_envs, target_return=None):
+        return np.zeros(n_envs, np.int64)
+
+    def act(self, obs, state, episode_start, last_reward=None):
+        t = np.where(episode_start, 0, state + 1)
+        return (t[:, None] / 100).astype(np.float32), t
+
+
+def _vector(lengths, n):
+    factory = _alternating_factory(lengths=lengths)
+    return gym.vector.SyncVectorEnv([lambda: with_raw_reward(factory()) for _ in range(n)],
+                                    autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+
+
+def test_run_episodes_records_trajectories_and_cuts_at_max_steps():
+    from rl_tformers.agents.common.evaluation import run_episodes
+
+    envs = _vector((3, 10), 2)  # env 0: 3-step episodes, env 1: 10-step ones
+    rec = run_episodes(StepPolicy(), envs, 5.0, 3, seed=0, record_trajectories=True, max_steps=4)
+    envs.close()
+    # episode 0 (env 0) ends by termination after 3 steps, episode 1 (env 1) is cut at 4, episode 2 (env 0) terminates
+    assert rec.lengths.tolist() == [3, 4, 3]
+    assert rec.terminated.tolist() == [True, False, True]
+    assert [r.tolist() for r in rec.rewards] == [[0.0, 1.0, 2.0], [0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 2.0]]
+    assert rec.returns.tolist() == [3.0, 3.0, 3.0]
+    # the observation before each action: (t, length) after t steps; actions t / 100
+    assert rec.observations[1].tolist() == [[0, 10], [1, 10], [2, 10], [3, 10]]
+    assert rec.observations[2].tolist() == [[0, 3], [1, 3], [2, 3]]
+    assert [a[:, 0].tolist() for a in rec.actions] == [np.float32([0, .01, .02]).tolist(),
+                                                       np.float32([0, .01, .02, .03]).tolist(),
+                                                       np.float32([0, .01, .02]).tolist()]
+
+
+def test_run_episodes_grows_its_buffers_past_1024_steps():
+    from rl_tformers.agents.common.evaluation import run_episodes
+
+    envs = _vector((1500,), 1)
+    rec = run_episodes(StepPolicy(), envs, None, 1, seed=0, record_trajectories=True)
+    envs.close()
+    assert rec.lengths.tolist() == [1500] and rec.terminated.tolist() == [True]
+    assert rec.observations[0][:, 0].tolist() == list(range(1500))
+    assert np.array_equal(rec.actions[0][:, 0], (np.arange(1500) / 100).astype(np.float32))
+    assert rec.rewards[0].tolist() == [0.0] + [1.0] * 1498 + [2.0]
+
+
+def test_run_episodes_names_its_caller_in_errors():
+    from rl_tformers.agents.common.evaluation import NonFiniteError, run_episodes
+
+    class NaNPolicy(StepPolicy):
+        def act(self, obs, state, episode_start, last_reward=None):
+            a, t = super().act(obs, state, episode_start, last_reward)
+            a[t == 2] = np.nan
+            return a, t
+
+    envs = _vector((10,), 1)
+    with pytest.raises(NonFiniteError, match=r"^online rollout: the policy returned a non-finite action for target "
+                                             r"return 7 at step 2 of episode 0 \(env 0, reset seed 4\)"):
+        run_episodes(NaNPolicy(), envs, 7.0, 1, seed=4, who="online rollout")
+    envs.close()
