@@ -17,8 +17,9 @@ those that stopped (crash, Ctrl-C, time limit): a sweep is restartable at no ext
   backbone's combination of kinds) and its agent must build, as ``rl-tformers train`` checks
   before it trains (:func:`~rl_tformers.runtime.trainer.check_agent`, on the CPU: dataset
   loaded and validated, agent options and the agent's own refusals, e.g. ``agent.mode=causal``
-  with ``backbone.causal=false``); the agent is built for the points with a run to start or
-  resume, and only with the local launcher (Ray runs may see files this machine does not);
+  with ``backbone.causal=false``); the agent is built for the points with a run to start (a
+  run to resume is rebuilt from its own checkpoint by ``--resume``, which checks it), and only
+  with the local launcher (Ray runs may see files this machine does not);
 - a run directory that already holds a run must hold *this* run: its stored config (newest
   checkpoint, else ``config.yaml``) must equal the requested one, except ``run_dir``,
   ``device`` and ``train.progress``; otherwise the sweep is refused, naming the run and the
@@ -1190,7 +1191,7 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
 
     ``bad``: the grid points whose config does not compose (:func:`compose_points`), refused
     together with the points whose agent is refused (:func:`check_points`, for the points with
-    a run to start or resume; local launcher only: Ray runs may see files this machine does
+    a run to start: a run to resume is rebuilt from its checkpoint by ``--resume``; local launcher only: Ray runs may see files this machine does
     not), after the run-directory checks and before anything is started or changed.
     """
     from rl_tformers.runtime.runlock import lock_holder
@@ -1242,7 +1243,10 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
         raise SweepError(text)
     agent_warnings: dict[str, list[str]] = {}
     if launcher == "local" and composed:
-        to_check = {run.point_label: composed[run.point_label] for run, _ in todo if run.point_label in composed}
+        # points with a run to start: a run to resume is rebuilt from its own checkpoint by
+        # `train --resume` (an ODT or fine-tuning run no longer reads agent.init_from /
+        # init_checkpoint, which may since have been moved or deleted), so it is not built here
+        to_check = {run.point_label: composed[run.point_label] for run in fresh if run.point_label in composed}
         refused, agent_warnings = check_points(to_check)
         bad.update(refused)
     if bad:

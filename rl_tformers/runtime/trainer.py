@@ -1012,8 +1012,8 @@ def check_agent(cfg: DictConfig, device: str | torch.device = "cpu") -> None:
     evaluation environment checked) and prepare its first batches (as :meth:`Trainer.fit`
     does), then drop it. Nothing is written (builders do not write to the run directory).
 
-    ``rl-tformers sweep`` calls it for every grid point with a run to start or resume before it
-    starts any run. The model is built on ``device`` (default CPU: the caller holds no
+    ``rl-tformers sweep`` calls it for every grid point with a run to start (not one to resume)
+    before it starts any run. The model is built on ``device`` (default CPU: the caller holds no
     accelerator memory; the model is thrown away).
 
     Raises:
