@@ -28,11 +28,15 @@ How the pieces fit the backbone (no Python object state):
 Search (``search``): ``torch`` is exact (masked matmul + top-k, batched over rows, heads and
 queries, on any device); ``faiss`` builds an exact flat inner-product index per (row, head)
 from the stored tensors at each call (the state stays a plain value; a Python loop over B * H
-indexes) and is only worthwhile on CPU for large stores; ``auto`` (default) uses faiss when it
-is installed, the store is on CPU and the entries searched (the store, plus the segment's own
-with ``retrieval: steps``) number at least ``faiss_min_store``, torch
-otherwise. Both return the same neighbours (up to ties); the retrieved scores are recomputed
-in torch so gradients reach the queries and the gate either way.
+indexes). faiss is not faster: measured on CPU (one thread, H = 4, stores of 65,536-262,144
+entries) it took 1.0-1.4x the torch time for calls of 8-32 tokens, 2.5x for 2-4 tokens and
+3.7-4.9x for one token; it only avoids the torch path's (B, H, T, N) score tensor, so it saves
+memory on CPU for large stores and many tokens per call. ``auto`` (default) uses faiss when it
+is installed, the store is on CPU, the call has more than one query token and the entries
+searched (the store, plus the segment's own with ``retrieval: steps``) number at least
+``faiss_min_store``, torch otherwise (a one-token call, acting one step, always searches in
+torch). Both return the same neighbours (up to ties); the retrieved scores are recomputed in
+torch so gradients reach the queries and the gate either way.
 
 Which entries a query may retrieve (``retrieval``; always only valid entries of its own
 episode, at least ``min_age`` positions old):
@@ -235,12 +239,19 @@ class KNNAugmentedAttention(nn.Module):
         metrics["knn/top1_age"] = ((top_age * (hit & live)).sum() / (hit & live).sum().clamp_min(1)).detach().float()
         return AttnOutput(out, cache=store, aux=dict(local.aux), metrics=metrics, weights=local.weights)
 
-    def use_faiss(self, store: KNNStore) -> bool:
+    def use_faiss(self, store: KNNStore, n_queries: int | None = None) -> bool:
+        """Whether :meth:`retrieve` searches with faiss (``search``; ``n_queries``: T of the call).
+
+        ``auto`` never uses faiss for a one-token call (T = 1: acting, one step of N
+        environments): the faiss path loops over B x H flat indexes built from the store at each
+        call, and measured on CPU (B = 8-32, H = 4, store 65,536-262,144, one thread) it took
+        3.7-4.9x the time of the batched torch search, whose scores are then only (B, H, 1, N).
+        """
         if self.search == "faiss":
             return True
         return (
-            self.search == "auto" and faiss_available() and store.keys.device.type == "cpu"
-            and store.capacity >= self.faiss_min_store
+            self.search == "auto" and (n_queries is None or n_queries > 1) and faiss_available()
+            and store.keys.device.type == "cpu" and store.capacity >= self.faiss_min_store
         )
 
     def allowed(self, store: KNNStore, seg_q: Tensor, pos_q: Tensor, max_age: int | None = None,
@@ -284,7 +295,7 @@ class KNNAugmentedAttention(nn.Module):
         """
         if allowed is None:
             allowed = (store.valid[:, None, :] & (store.seg[:, None, :] == seg_q[:, :, None]))[:, None]  # (B, 1, T, N)
-        if self.use_faiss(store):
+        if self.use_faiss(store, q.shape[2]):
             idx, ok = self._faiss_topk(q, store, allowed)
             k_top = _gather_rows(store.keys, idx)  # (B, H, T, k, Dh)
             sims = (q[..., None, :] * k_top.to(q.dtype)).sum(-1)  # (B, H, T, k)
@@ -424,7 +435,8 @@ class KNNMemoryConfig(MemoryConfig):
         store_size: N, (key, value) entries kept per batch row (FIFO).
         top_k: entries retrieved per query and head.
         search: ``auto``, ``torch`` (exact, batched) or ``faiss`` (exact flat index on CPU).
-        faiss_min_store: with ``auto``, the store size from which faiss is used.
+        faiss_min_store: with ``auto``, the store size from which faiss is used (for calls of
+            more than one token; one-token calls always search in torch).
         gate_init: initial gate logit b_g (g = sigmoid(b_g)).
         normalize_values: L2-normalise stored values (keys always are).
         retrieval: which entries a query retrieves.
