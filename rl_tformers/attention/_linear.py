@@ -8,7 +8,8 @@ so that::
 
 costs O(L m Dh) instead of O(L^2 Dh) (m = number of features). Here ``S`` and ``z`` travel
 together as one state of width E = Dh + 1 (values augmented with a column of ones), and every
-sum is accumulated in **float32**, whatever the input dtype (also under bf16 autocast).
+sum is accumulated in **float32** or wider (:func:`acc_dtype`: float32 for bf16/fp16 inputs, also
+under bf16 autocast; float64 for a float64 model, whose state and outputs keep float64 precision).
 
 The general recurrence this module evaluates is the gated one of RFA (Peng et al. 2021,
 sec. 3.2, eq. 7) with episode resets::
@@ -27,10 +28,12 @@ O(L C + (L / C) m E) per head: never L x L.
 
 Masks (see :class:`~rl_tformers.types.AttnContext`): key padding zeroes ``phi(k_j)`` and sets
 ``a_j = 1`` (a padded key neither adds to nor decays the state); episode ids are honoured as
-*runs*: a key whose episode id differs from its predecessor's starts a new run and resets the
-state. This is exact when every episode occupies one contiguous run of key
-indices, which is how the backbone lays out keys (``[memory; segment]``, ids non-decreasing);
-other layouts raise ``ValueError``. Causality uses key indices (query i sits at key M + i);
+*runs*: a valid key whose episode id differs from that of the last valid key before it starts a
+new run and resets the state (invalid keys never start a run: memories give unfilled slots the id
+-1, and the compressive memory keeps such slots after its compressed ones). This is exact when
+every episode's valid keys occupy one contiguous run of key indices, which is how the backbone
+lays out keys (``[memory; segment]``, ids of valid keys non-decreasing); other layouts raise
+``ValueError``. Causality uses key indices (query i sits at key M + i);
 ``ctx.allowed()`` is never called. A query with no allowed key returns zeros.
 
 What linear attention cannot do: positional encodings that need the score matrix (ALiBi, Shaw,
@@ -56,13 +59,19 @@ from rl_tformers.types import AttnContext, AttnOutput, state_type
 LINEAR_POSITIONS = ("none", "sinusoidal", "learned", "rotary")
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the features and sums for inputs of ``dtype``: at least float32 (bf16 and fp16
+    accumulate in float32), float64 kept (a float64 model is not silently computed in float32)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 @state_type
 @dataclass
 class LinearCache:
     """Incremental-decoding cache of a linear-attention layer.
 
     Attributes:
-        state: (B, H, m, Dh + 1) float32: ``[S | z]``, the running sums of ``phi(k_j) v_j^T`` and
+        state: (B, H, m, Dh + 1) float32 (float64 for a float64 model): ``[S | z]``, the running sums of ``phi(k_j) v_j^T`` and
             ``phi(k_j)`` over the current episode's keys (decayed for gated RFA). Its size does
             not grow with the number of decoded tokens.
     """
@@ -117,7 +126,7 @@ def causal_linear(
     chunk: int = 64,
     strict: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Chunked causal linear attention (numerators and normaliser together), float32.
+    """Chunked causal linear attention (numerators and normaliser together), in fq's dtype.
 
     Evaluates ``S_t = a_t S_{t-1} + fk_t v_t^T`` and ``out_t = fq_t^T S_t`` (``strict``:
     ``fq_t^T a_t S_{t-1}``, i.e. key t itself excluded) for all t without a loop over tokens; see
@@ -133,7 +142,7 @@ def causal_linear(
         chunk: chunk length C.
         strict: exclude each position's own key.
     Returns:
-        out (B, H, L, E) and the final state (B, H, m, E), both float32.
+        out (B, H, L, E) and the final state (B, H, m, E), both in fq's dtype.
     """
     b, h, n_tok, m = fq.shape
     e = v.shape[-1]
@@ -161,7 +170,7 @@ def causal_linear(
         s_prev = torch.cat([state0[:, :, None], s_end[:, :, :-1]], dim=2)  # state before chunk c
         inter = fq @ s_prev  # (B, H, n, C, E)
     else:
-        x = fq.new_zeros(b, h, n * c) if log_decay is None else log_decay.float()
+        x = fq.new_zeros(b, h, n * c) if log_decay is None else log_decay.to(fq.dtype)
         if reset is not None:
             x = x.masked_fill(reset[:, None, :], float("-inf"))  # log decay of an episode reset: log(0)
         x = x.reshape(b, h, n, c)  # (B, H, n, C) log a_t
@@ -194,6 +203,38 @@ def run_starts(seg: Tensor, prev: Tensor | None = None) -> Tensor:
         )
     first = torch.zeros_like(seg[:, :1], dtype=torch.bool) if prev is None else (seg[:, :1] != prev[:, None])
     return torch.cat([first, seg[:, 1:] != seg[:, :-1]], dim=1)
+
+
+def valid_run_starts(seg: Tensor, valid: Tensor | None, p: int = 0) -> Tensor:
+    """(B, S - p) bool: True where key ``p + t`` is valid and its episode id differs from that of
+    the last *valid* key before it (cached keys ``[:p]`` included).
+
+    Invalid keys (padding, unfilled or cleared memory slots) neither add to nor decay the state, so
+    their episode ids must not start runs either: memories mark unfilled slots with id -1 (the
+    compressive memory keeps such slots between its compressed part and its FIFO), which is not
+    an episode. A valid key with no valid key before it starts no run (the state before it is
+    empty). Equals :func:`run_starts` when every key is valid.
+
+    Args:
+        seg: (B, S) episode ids of all keys; valid: (B, S) bool or None (all valid).
+        p: keys summarised by the cache (only the run starts of keys ``p:`` are returned).
+    Raises:
+        ValueError: if the ids of the valid keys decrease (an episode split over two runs).
+    """
+    if valid is None:
+        return run_starts(seg[:, p:], seg[:, p - 1] if p > 0 else None)
+    b, s = seg.shape
+    idx = torch.arange(s, device=seg.device).expand(b, s)
+    last = torch.where(valid, idx, -1).cummax(1).values  # (B, S): last valid key at or before j
+    before = F.pad(last[:, :-1], (1, 0), value=-1)  # (B, S): last valid key strictly before j
+    has = before >= 0
+    prev_seg = seg.gather(1, before.clamp_min(0))  # (B, S)
+    if bool((valid & has & (seg < prev_seg)).any()):
+        raise ValueError(
+            "linear attention: episode ids (ctx.seg_k) of the valid keys must be non-decreasing along "
+            "the keys (each episode one contiguous run), as the backbone lays them out"
+        )
+    return (valid & has & (seg != prev_seg))[:, p:]
 
 
 def safe_divide(num: Tensor, den: Tensor, eps: float) -> Tensor:
@@ -245,7 +286,7 @@ class KernelAttention(AttentionModule):
 
     # -- to implement ---------------------------------------------------------------------------
     def features(self, x: Tensor, is_query: bool, valid: Tensor | None) -> Tensor:  # pragma: no cover
-        """x (B, H, L, Dh) -> (B, H, L, m) float32 features; ``valid`` (B, L) marks real keys."""
+        """x (B, H, L, Dh) -> (B, H, L, m) features in ``acc_dtype(x.dtype)``; ``valid`` (B, L) marks real keys."""
         raise NotImplementedError
 
     def key_decay(self, x_kv: Tensor) -> tuple[Tensor | None, Tensor | None]:
@@ -258,10 +299,11 @@ class KernelAttention(AttentionModule):
 
     # -- cache -------------------------------------------------------------------------------------
     def init_cache(self, batch: int, device: torch.device, dtype: torch.dtype) -> LinearCache:
-        """Zero running sums (B, H, m, Dh + 1) float32; causal only."""
+        """Zero running sums (B, H, m, Dh + 1) in ``acc_dtype(dtype)`` (float32 for bf16); causal only."""
         if not self.causal:
             raise NotImplementedError(f"{type(self).__name__}: incremental decoding needs backbone.causal=true")
-        return LinearCache(torch.zeros(batch, self.n_heads, self.n_features, self.head_dim + 1, device=device))
+        return LinearCache(torch.zeros(batch, self.n_heads, self.n_features, self.head_dim + 1, device=device,
+                                       dtype=acc_dtype(dtype)))
 
     @property
     def n_features(self) -> int:  # pragma: no cover - abstract
@@ -281,10 +323,10 @@ class KernelAttention(AttentionModule):
         pos = self.position
         q = pos.rotate(pos.content_query(q), ctx.pos_q)
         k = pos.rotate(k, ctx.pos_k[:, p:])
-        with torch.autocast(q.device.type, enabled=False):  # float32 features and sums (bf16 autocast too)
+        with torch.autocast(q.device.type, enabled=False):  # float32+ features and sums (bf16 autocast too)
             valid = None if ctx.key_valid is None else ctx.key_valid[:, p:]  # (B, S_new)
-            fq = self.features(q, True, None)  # (B, H, T, m) float32
-            fk = self.features(k, False, valid)  # (B, H, S_new, m) float32
+            fq = self.features(q, True, None)  # (B, H, T, m) acc_dtype
+            fk = self.features(k, False, valid)  # (B, H, S_new, m) acc_dtype
             if valid is not None:
                 fk = fk * valid[:, None, :, None].to(fk.dtype)
             log_decay, weight = self.key_decay(x_kv)
@@ -294,18 +336,17 @@ class KernelAttention(AttentionModule):
                 log_decay = log_decay.masked_fill(~valid[:, None, :], 0.0)
             if weight is not None:
                 fk = fk * weight[..., None]
-            ones = torch.ones(*v.shape[:-1], 1, device=v.device, dtype=torch.float32)
-            v_aug = torch.cat([v.float(), ones], dim=-1)  # (B, H, S_new, Dh + 1)
+            ones = torch.ones(*v.shape[:-1], 1, device=v.device, dtype=fq.dtype)
+            v_aug = torch.cat([v.to(fq.dtype), ones], dim=-1)  # (B, H, S_new, Dh + 1)
             reset = None
             if ctx.seg_k is not None:
-                prev = ctx.seg_k[:, p - 1] if p > 0 else None
-                reset = run_starts(ctx.seg_k[:, p:], prev)  # (B, S_new)
+                reset = valid_run_starts(ctx.seg_k, ctx.key_valid, p)  # (B, S_new)
                 if not bool(reset.any()):
                     reset = None
             new_cache = None
             if ctx.causal:
                 fq_full = F.pad(fq, (0, 0, m_new, 0))  # (B, H, S_new, m): no queries at the prefix
-                state0 = None if cache is None else cache.state
+                state0 = None if cache is None else cache.state.to(fq.dtype)
                 out, final = causal_linear(
                     fq_full, fk, v_aug, log_decay=log_decay, reset=reset, state0=state0, chunk=self.chunk_size
                 )
@@ -321,7 +362,8 @@ class KernelAttention(AttentionModule):
                 else:  # every key of the query's run: causal part (j <= i) + reversed strict part (j > i)
                     fq_full = F.pad(fq, (0, 0, m_new, 0))  # (B, H, S, m)
                     fwd, _ = causal_linear(fq_full, fk, v_aug, reset=reset, chunk=self.chunk_size)
-                    rev_reset = run_starts(ctx.seg_k[:, p:].flip(1).neg())  # runs seen right to left
+                    rev_valid = None if valid is None else valid.flip(1)
+                    rev_reset = valid_run_starts(ctx.seg_k[:, p:].flip(1).neg(), rev_valid)  # runs seen right to left
                     bwd, _ = causal_linear(
                         fq_full.flip(2), fk.flip(2), v_aug.flip(2), reset=rev_reset, chunk=self.chunk_size, strict=True
                     )

@@ -12,6 +12,7 @@ from torch import Tensor
 from rl_tformers.attention._linear import (
     LINEAR_POSITIONS,
     KernelAttention,
+    acc_dtype,
     maybe_redraw_random_features,
     orthogonal_gaussian,
     redraw_random_features,
@@ -85,9 +86,10 @@ class PerformerAttention(KernelAttention):
         self.omega.copy_(self._draw(generator).to(self.omega.device))
 
     def features(self, x: Tensor, is_query: bool, valid: Tensor | None) -> Tensor:
-        """Positive random features phi(x / Dh^(1/4)): x (B, H, L, Dh) -> (B, H, L, m) float32."""
-        x = x.float() * self.head_dim**-0.25
-        logits = x @ self.omega.float().T - 0.5 * (x * x).sum(-1, keepdim=True)  # (B, H, L, m)
+        """Positive random features phi(x / Dh^(1/4)): x (B, H, L, Dh) -> (B, H, L, m) in
+        ``acc_dtype(x.dtype)`` (float32, float64 for a float64 model)."""
+        x = x.to(acc_dtype(x.dtype)) * self.head_dim**-0.25
+        logits = x @ self.omega.to(x.dtype).T - 0.5 * (x * x).sum(-1, keepdim=True)  # (B, H, L, m)
         if is_query:
             stab = logits.amax(dim=-1, keepdim=True).detach()  # per query row
         elif self.causal:

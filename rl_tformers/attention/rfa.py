@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from rl_tformers.attention._linear import (
     LINEAR_POSITIONS,
     KernelAttention,
+    acc_dtype,
     maybe_redraw_random_features,
     redraw_random_features,
 )
@@ -80,9 +81,9 @@ class RFAAttention(KernelAttention):
         self.eps_dirs.copy_(torch.randn(self.eps_dirs.shape, generator=generator).to(self.eps_dirs.device))
 
     def features(self, x: Tensor, is_query: bool, valid: Tensor | None) -> Tensor:
-        """phi(x / |x|): x (B, H, L, Dh) -> (B, H, L, 2D) float32."""
-        x = F.normalize(x.float(), dim=-1)
-        w = self.eps_dirs.float() * self.log_sigma.float().exp()[:, None, :]  # (H, D, Dh)
+        """phi(x / |x|): x (B, H, L, Dh) -> (B, H, L, 2D) in ``acc_dtype(x.dtype)`` (float32, or float64)."""
+        x = F.normalize(x.to(acc_dtype(x.dtype)), dim=-1)
+        w = self.eps_dirs.to(x.dtype) * self.log_sigma.to(x.dtype).exp()[:, None, :]  # (H, D, Dh)
         proj = torch.einsum("bhld,hnd->bhln", x, w)  # (B, H, L, D)
         return torch.cat([proj.sin(), proj.cos()], dim=-1) / math.sqrt(self.d_feat)
 
@@ -90,7 +91,8 @@ class RFAAttention(KernelAttention):
         """Gated form: log g_j (B, H, S) and key weight 1 - g_j (B, H, S); (None, None) ungated."""
         if self.gate is None:
             return None, None
-        z = self.gate(x_kv.to(self.gate.weight.dtype)).float().transpose(1, 2)  # (B, H, S)
+        z = self.gate(x_kv.to(self.gate.weight.dtype))
+        z = z.to(acc_dtype(z.dtype)).transpose(1, 2)  # (B, H, S)
         return F.logsigmoid(z), torch.sigmoid(-z)
 
     def reference_forward(self, x_q: Tensor, x_kv: Tensor, ctx: AttnContext) -> AttnOutput:
