@@ -109,8 +109,10 @@ class Backbone(nn.Module):
             batch: number of streams B (0 allowed).
             device: default the parameters' device.
             dtype: of the memory / cache tensors; default the parameters' dtype. Another dtype
-                runs only under autocast (a bfloat16 state of a float32 model); otherwise the
-                forward refuses it naming both dtypes.
+                is for autocast (a bfloat16 state of a float32 model); outside autocast the
+                forward refuses a state the parameters cannot take (a float64 state of a
+                float32 model), naming both dtypes, and takes a narrower one where the
+                computation promotes it losslessly (a float32 state of a float64 model).
 
         With memory kind ``none`` this is an incremental-decoding cache.
 
