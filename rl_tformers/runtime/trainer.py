@@ -12,7 +12,8 @@ Per update ``s`` (0-based; ``step`` below is the number of updates completed, ``
     every train.checkpoint_every (and at end, and on SIGINT/SIGTERM): checkpoint
     every eval.every (and at end): agent.evaluate(step) with isolated RNGs, after the checkpoint
         of that step (an evaluation that raises first saves the step if it was not saved, so the
-        run stays resumable; the error is re-raised with a note saying where the model is)
+        run stays resumable; the error is re-raised with a note saying where the model is; a
+        resume from that step runs the evaluation that was never logged before training on)
 
 Exact resume: a checkpoint at ``step`` holds everything the rest of the run depends on
 (weights, AdamW moments, scheduler counters, global RNG states, the agent's extra state and, for
@@ -866,6 +867,16 @@ class Trainer:
         log_every, ckpt_every, eval_every = int(t.log_every), int(t.checkpoint_every), int(ev.every)
         last_saved = self.step if self._resumed_from is not None else -1
         self.model.train()
+        if (self._resumed_from is not None and self.is_main and eval_every and 0 < self.step < self.total_steps
+                and self.step % eval_every == 0 and not final_eval_logged(self.run_dir, self.step)):
+            # the checkpoint resumed from is an evaluation step whose evaluation was never logged
+            # (it failed, or a second signal cut it short, after the step was saved): run it now, so
+            # the continued run logs what an uninterrupted one logs (it changes no training state)
+            log.info("the evaluation of step %d (eval.every=%d) was not logged: evaluating it now", self.step,
+                     eval_every)
+            interrupt.evaluating = (self.step, False)
+            result.last_eval = self._evaluate_or_save(logger, saved=True, checkpoint=self._resumed_from)
+            interrupt.evaluating = None
         # throughput of the log window: updates made by this process since the window's timing
         # started (after a resume the restored window also counts updates made before it) over
         # the time spent on them (checkpoint and evaluation time excluded)
