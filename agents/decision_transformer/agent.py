@@ -72,6 +72,9 @@ DT_DEFAULTS: dict[str, Any] = {
         "normalize_obs": True,  # standardise observations with dataset mean/std
         "targets": None,  # evaluation target returns, raw units; null = [dataset best]
         "timestep_overflow": "error",  # error | clamp: episode steps >= max_ep_len at evaluation
+        # steps of context the policy reads when acting (evaluation, Online DT rollouts): the
+        # last min(t + 1, eval_context_len) steps; null = K (Online DT's paper: 5 on some tasks)
+        "eval_context_len": None,
         "env_id": None,  # evaluation env; null = the dataset's
         "env_kwargs": None,  # gym.make keyword arguments of the evaluation env (a mapping)
         "eval_figure": True,  # log the return-conditioning figure at each evaluation
@@ -266,6 +269,20 @@ def to_model_batch(batch: Mapping[str, Tensor], info: DatasetInfo) -> dict[str, 
     }
 
 
+def parse_eval_context_len(value: Any, context_len: int) -> int | None:
+    """``agent.eval_context_len``: ``None`` (act with the whole context K) or an integer in [1, K].
+
+    Raises:
+        ValueError: anything else; the message names the option and K (``agent.context_len``).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= context_len:
+        raise ValueError(f"agent.eval_context_len={value!r}: give an integer in [1, {context_len}] (the steps of "
+                         f"context read when acting, at most agent.context_len={context_len}) or null (all K)")
+    return None if value == context_len else int(value)
+
+
 class DTAgent:
     """The Decision Transformer as a :class:`~rl_tformers.runtime.agents.Trainable`.
 
@@ -278,7 +295,7 @@ class DTAgent:
             (inference only: :meth:`batches` then raises).
 
     Raises:
-        ValueError: bad agent options (named; ``agent.timestep_overflow``,
+        ValueError: bad agent options (named; ``agent.timestep_overflow``, ``agent.eval_context_len``,
             ``agent.reward_scale`` and the form of ``agent.targets`` before the dataset is read,
             targets beyond the new model's :meth:`DTPolicy.target_limit` after), unbounded
             actions, episodes longer than ``agent.max_ep_len``.
@@ -298,6 +315,7 @@ class DTAgent:
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"agent.timestep_overflow={a.timestep_overflow!r}; use one of {', '.join(OVERFLOW_POLICIES)}")
         reward_scale = parse_reward_scale(a.reward_scale)
+        self.eval_context_len = parse_eval_context_len(a.get("eval_context_len"), int(a.context_len))
         self.config_targets = parse_config_targets(plain(a.get("targets")))
         # runs saved before these options existed get the defaults
         self.early_exit_options = {**DT_DEFAULTS["agent"]["early_exit"], **(plain(a.get("early_exit")) or {})}
@@ -416,6 +434,7 @@ class DTAgent:
             timestep_overflow=timestep_overflow or str(self.cfg.agent.timestep_overflow), align=self.align,
             exit_threshold=self.exit_threshold, knn=self.knn_memory, action_start=i.action_start,
             action_shape=None if i.discrete else i.action_shape, sample=sample, generator=generator,
+            context_steps=self.eval_context_len,
         )
 
     # -- inference options: early exit and kNN-LM ---------------------------------------------------

@@ -113,6 +113,12 @@ class DTPolicy:
             the one written into the context.
         generator: with ``sample``: the ``torch.Generator`` (on the model's device) the noise is
             drawn from, one (N, A) draw per :meth:`act` call; ``None``: torch's global generator.
+        context_steps: act on the last ``min(t + 1, context_steps)`` steps of the K in the
+            context (the older steps are masked out as padding; Online DT's evaluation context
+            length, Zheng et al. 2022, 5 on Hopper); ``None``: all K. In causal mode a training
+            window already predicts from every shorter prefix, so this stays within what the
+            model was trained on. With slot-position backbones (``position.kind`` learned,
+            sinusoidal, ...) the kept steps keep their slots (masked, not moved).
 
     :meth:`stats` reports, since the last :meth:`reset_stats`: forward-pass milliseconds per
     step (one call for all N environments), mean exit layer and early-exit fraction of the
@@ -122,7 +128,7 @@ class DTPolicy:
         ValueError: unknown option values, ``align="start"`` in last_action mode, missing
             action bounds for a continuous space, an ``action_shape`` that does not hold the
             model's A action values, early-exit options without ``early_exit``, ``sample``
-            without the gaussian head (``agent.head=gaussian``).
+            without the gaussian head (``agent.head=gaussian``), ``context_steps`` not in [1, K].
     """
 
     def __init__(
@@ -143,12 +149,18 @@ class DTPolicy:
         action_shape: Sequence[int] | None = None,
         sample: bool = False,
         generator: torch.Generator | None = None,
+        context_steps: int | None = None,
     ) -> None:
         if sample and model.cfg.head != "gaussian":
             raise ValueError(f"DTPolicy: sample=True draws from the stochastic head and needs agent.head=gaussian; "
                              f"this model's head is {model.cfg.head!r}")
         self.sample = bool(sample)
         self.generator = generator
+        k = model.cfg.context_len
+        if context_steps is not None and (isinstance(context_steps, bool) or not 1 <= int(context_steps) <= k):
+            raise ValueError(f"DTPolicy: context_steps={context_steps!r}; give an integer in [1, {k}] "
+                             f"(agent.eval_context_len, at most agent.context_len) or None")
+        self.context_steps = None if context_steps is None or int(context_steps) == k else int(context_steps)
         if exit_threshold is not None and not model.early_exit:
             raise ValueError("DTPolicy: exit_threshold needs backbone.depth.kind=early_exit")
         self.exit_threshold = exit_threshold
@@ -332,7 +344,11 @@ class DTPolicy:
             decide = torch.zeros(n, k, dtype=torch.bool, device=dev)  # (N, K): the current step decides
             decide[rows, slot] = True
             kw = {"exit_steps": decide, "exit_threshold": self.exit_threshold}
-        out = self.model(state.obs, state.actions, state.rtg, state.timesteps, state.mask, **kw)
+        mask = state.mask
+        if self.context_steps is not None:  # only the last context_steps steps (slot >= current - c + 1)
+            keep = torch.arange(k, device=dev)[None, :] > slot[:, None] - self.context_steps  # (N, K)
+            mask = mask & keep
+        out = self.model(state.obs, state.actions, state.rtg, state.timesteps, mask, **kw)
         p = (rows, slot) if cfg.mode == "causal" else (slice(None), -1)  # the deciding state token
         a = out.action[p]  # (N, A) or (N,)
         if self.sample:  # a draw of the tanh-squashed Gaussian instead of its mean

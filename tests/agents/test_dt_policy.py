@@ -208,3 +208,46 @@ def test_discrete_actions_cartpole_one_batched_step_per_env_step():
     assert res.lengths == [int(x) for x in res.returns]  # CartPole: reward 1 per step
     a, st = pol.act(np.zeros((3, 4), np.float32), st, np.ones(3, bool))
     assert a.dtype == np.int64 and set(a.tolist()) <= {0, 1}
+
+
+@pytest.mark.parametrize("align", ["start", "end"])
+@pytest.mark.parametrize("c", [1, 2])
+def test_context_steps_act_as_a_model_with_that_context_length(align, c):
+    """``context_steps=c`` (``agent.eval_context_len``; Online DT's evaluation context) on a K-step
+    model acts exactly as the same weights with K = c: the older steps are masked out. Three
+    environments whose episodes start at different steps, over more steps than K."""
+    torch.manual_seed(0)
+    full = _model()
+    short_cfg = DTConfig(**{**full.cfg.__dict__, "context_len": c})
+    short = DecisionTransformer(short_cfg).eval()
+    short.load_state_dict(full.state_dict())  # no weight depends on K (no slot positions)
+    kw = dict(align=align)
+    masked = DTPolicy(full, STATS.mean, STATS.std, SCALE, LOW, HIGH, context_steps=c, **kw)
+    plain = DTPolicy(short, STATS.mean, STATS.std, SCALE, LOW, HIGH, **kw)
+    unmasked = DTPolicy(full, STATS.mean, STATS.std, SCALE, LOW, HIGH, **kw)
+    rng = np.random.default_rng(0)
+    s1, s2, s3 = (p.initial_state(3, 20.0) for p in (masked, plain, unmasked))
+    differs = False
+    for step in range(3 * K):
+        obs = rng.normal(size=(3, 3)).astype(np.float32)
+        start = np.array([step == 0, step in (0, 5), step in (0, 2, 9)])
+        rew = None if step == 0 else rng.normal(size=3)
+        a1, s1 = masked.act(obs, s1, start, rew)
+        a2, s2 = plain.act(obs, s2, start, rew)
+        a3, s3 = unmasked.act(obs, s3, start, rew)
+        np.testing.assert_allclose(a1, a2, rtol=0, atol=1e-6)
+        differs |= not np.allclose(a1, a3, atol=1e-4)
+    assert differs  # the older steps did change the full-context actions: the mask is what made them equal
+
+
+def test_context_steps_out_of_range_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"context_steps=5; give an integer in \[1, 4\]"):
+        DTPolicy(_model(), STATS.mean, STATS.std, SCALE, LOW, HIGH, context_steps=5)
+    from rl_tformers.agents.decision_transformer.agent import parse_eval_context_len
+
+    with pytest.raises(ValueError, match=r"agent.eval_context_len=0: give an integer in \[1, 20\]"):
+        parse_eval_context_len(0, 20)
+    with pytest.raises(ValueError, match=r"agent.eval_context_len='5'"):
+        parse_eval_context_len("5", 20)
+    assert parse_eval_context_len(None, 20) is None and parse_eval_context_len(20, 20) is None
+    assert parse_eval_context_len(5, 20) == 5

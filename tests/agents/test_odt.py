@@ -240,6 +240,17 @@ def test_configured_model_options_that_differ_from_the_checkpoint_are_named(pend
     assert agent.model_cfg.context_len == 20 and agent.model_cfg.backbone.d_model == 16  # the checkpoint's
 
 
+def test_eval_context_len_is_the_odt_run_s_own_and_reaches_rollouts_and_evaluation(pendulum, offline_run):
+    """agent.eval_context_len is an inference option of the odt config (the paper's 5 on Hopper),
+    not one of the offline run's model options: both the sampling policy of the rollouts and the
+    evaluation policy read only that many steps; an out-of-range value is refused by name."""
+    agent = ODTAgent(_cfg(offline_run, pendulum[1], "agent.eval_context_len=5"), None, "cpu")
+    assert agent.model_cfg.context_len == 20
+    assert agent.policy().context_steps == 5 and agent.policy(sample=True).context_steps == 5
+    with pytest.raises(ValueError, match=r"agent.eval_context_len=21: give an integer in \[1, 20\]"):
+        ODTAgent(_cfg(offline_run, pendulum[1], "agent.eval_context_len=21"), None, "cpu")
+
+
 def test_collected_trajectory_is_relabelled_with_its_achieved_returns(pendulum, offline_run):
     ds, path = pendulum
     agent = ODTAgent(_cfg(offline_run, path), None, "cpu")
