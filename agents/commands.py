@@ -123,8 +123,8 @@ def eval_cmd(
                                           help="DT: error | clamp for episode steps >= agent.max_ep_len."),
     threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's choice)."),
     early_exit: str = typer.Option(None, "--early-exit",
-                                   help="DT with backbone.depth.kind=early_exit: 'calibrate' (held-out episodes), "
-                                        "a threshold, or 'none' (default: agent.early_exit.threshold)."),
+                                   help="DT whose backbone.depth.kind is early_exit: 'calibrate' (held-out episodes), "
+                                        "a threshold, or 'none' (default: the threshold in agent.early_exit)."),
     knn_lambda: float = typer.Option(None, "--knn-lambda", min=0.0, max=1.0,
                                      help="DT: kNN-LM weight of a datastore built from the training dataset "
                                           "(default: agent.knn.lam; 0 = off)."),
@@ -390,8 +390,7 @@ def demo_cmd(
 ) -> None:
     """Quick start: build data, train a Decision Transformer, evaluate and plot (minutes on 2 CPU cores).
 
-    Builds a CartPole-v1 dataset with a scripted controller, trains a DT on it, evaluates it at several
-    target returns and writes the return-conditioning plot; prints where the run and the plot are.
+    Builds a CartPole-v1 dataset with a scripted controller, trains a DT on it, evaluates it at several target returns and writes the return-conditioning plot; prints where the run and the plot are.
     """
     from rl_tformers.agents.common.demo import run_demo
 

@@ -60,7 +60,7 @@ def collect(
     pomdp: str = typer.Option("none", "--pomdp", help="Record partial observations: none, positions (MuJoCo qpos only)."),
     obs_indices: str = typer.Option(None, "--obs-indices", help="Record only these observation indices (e.g. '0,1,2')."),
     seed: int = typer.Option(0, "--seed", help="Seed of episode resets, noise and random actions."),
-    dataset_id: str = typer.Option(None, "--dataset-id", help="Minari id to write (default rlt/<env>/<policy>-v0)."),
+    dataset_id: str = typer.Option(None, "--dataset-id", help="Minari id to write (default rlt/ENV/POLICY-v0, e.g. rlt/hopper-v5/sac-v0 for a SAC policy on Hopper-v5)."),
     root: Path = typer.Option(None, "--root", help="Data root (default $RL_TFORMERS_DATA or ./data/minari)."),
     hdf5: Path = typer.Option(None, "--hdf5", help="Also write a D4RL-layout HDF5 file (a folder with --recipe)."),
     recipe: list[str] = typer.Option(None, "--recipe", help="Build recipe(s) by name or glob (hopper-medium, 'hopper-*')."),
@@ -86,9 +86,7 @@ def collect(
       rl-tformers collect --recipe 'hopper-*'
       rl-tformers collect --recipe 'hopper-*' --skip-existing     (finish an interrupted suite)
 
-    With several recipes, existing datasets are checked before anything is built: without
-    --overwrite or --skip-existing the command stops at once, naming them; --skip-existing keeps
-    only a dataset built as asked (same recipe, --recipe-steps, --seed), and refuses the others.
+    With several recipes, existing datasets are checked before anything is built: without --overwrite or --skip-existing the command stops at once, naming them; --skip-existing keeps only a dataset built as asked (same recipe, --recipe-steps, --seed), and refuses the others.
     """
     from rl_tformers.envs import recipes as R
     from rl_tformers.envs.collect import stop_signals
@@ -341,8 +339,7 @@ def info(
 ) -> None:
     """Validate a dataset and print its statistics (exit 1 with the validation error on stderr if it is bad).
 
-    A dataset whose env_id names an environment that can be made here is also compared with it: a
-    per-step observation shape or action space that does not match is a warning line on stderr.
+    A dataset whose env_id names an environment that can be made here is also compared with it: a per-step observation shape or action space that does not match is a warning line on stderr.
     """
     from rl_tformers.envs.dataset import DatasetError
     from rl_tformers.envs.loaders import load_dataset

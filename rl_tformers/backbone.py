@@ -51,6 +51,11 @@ def check_compatible(cfg: BackboneConfig) -> None:
     if mem.stateful and not (blk.memory and dep.memory):
         bad = "block" if not blk.memory else "depth"
         hint = ""
+        if bad == "block":  # e.g. reversible: the whole stack is one function of its input, no per-layer memory
+            fits = [e.kind for e in REGISTRIES["block"] if e.capabilities.memory]
+            hint = (f" (it keeps no per-layer memory); blocks that do: {', '.join(fits)}; or use "
+                    f"backbone.memory.kind=none (GTrXL then runs in its plain-window mode: agent.window=W "
+                    f"backbone.memory.kind=none agent.burn_in=0 agent.seq_len=W)")
         if bad == "depth":  # e.g. universal: a halting loop over one shared block, recomputed per call
             hint = (f"; backbone.depth.kind={cfg.depth.kind!r} keeps no state between calls: use "
                     f"backbone.memory.kind=none (GTrXL then runs it in its plain-window mode: agent.window=W "

@@ -12,8 +12,7 @@ def backbones(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON list instead of a table."),
     slot: str = typer.Option(None, "--slot", help="Only this slot: attention, position, memory, block, depth."),
 ) -> None:
-    """List registered backbone components: slot, kind, description, paper, capabilities, fields
-    (with their defaults)."""
+    """List registered backbone components: slot, kind, description, paper, capabilities, fields (with their defaults)."""
     from rl_tformers.registry import SLOTS, all_entries
 
     if slot is not None and slot not in SLOTS:

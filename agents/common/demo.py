@@ -125,7 +125,10 @@ def run_demo(
     if result.interrupted is not None:
         raise InterruptedError(
             f"training stopped by signal {result.interrupted} at update {result.step}; "
-            f"continue it with: rl-tformers train --resume {run_dir}"
+            f"continue it with: rl-tformers train --resume {run_dir} (it trains only: the demo's evaluation and "
+            f"plot are then rl-tformers eval {run_dir} --seed {EVAL_SEED} --episodes {eval_episodes} and "
+            f"rl-tformers plot {run_dir} --targets {','.join(f'{t:g}' for t in targets)} --seed {EVAL_SEED} "
+            f"--episodes {eval_episodes} --out {run_dir / 'return_conditioning.png'})"
         )
     loss = result.last_train.get("train/loss", float("nan"))
     echo(f"      done in {time.perf_counter() - t_train:.0f} s, final training loss {loss:.4f}")

@@ -131,7 +131,11 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
     run_dir = Path(run_dir)
     if checkpoint is None and not run_dir.is_dir():
         what = "is not a directory" if run_dir.exists() else "does not exist"
-        raise ckpt.CheckpointError(f"{run_dir} {what} (expected a run directory written by rl-tformers train)")
+        hint = ""
+        if run_dir.is_file() and run_dir.parent.name == ckpt.CHECKPOINT_DIR:
+            hint = (f"; it is a checkpoint of the run {run_dir.parent.parent}: pass that run directory "
+                    f"(rl-tformers eval and plot take a specific checkpoint as --checkpoint FILE)")
+        raise ckpt.CheckpointError(f"{run_dir} {what} (expected a run directory written by rl-tformers train){hint}")
     if checkpoint is not None:
         path = Path(checkpoint)
         state = ckpt.load_checkpoint(path)

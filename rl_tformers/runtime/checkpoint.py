@@ -312,6 +312,10 @@ def find_latest_valid(run_dir: str | os.PathLike, quarantine: bool = False) -> F
     """
     found = list_checkpoints(run_dir)
     if not found:
+        run_dir = Path(run_dir)
+        if run_dir.name == CHECKPOINT_DIR and list_checkpoints(run_dir.parent):
+            raise CheckpointError(f"{run_dir} is the checkpoint folder of the run {run_dir.parent}; pass the run "
+                                  f"directory {run_dir.parent}")
         raise CheckpointError(f"no checkpoint in {checkpoint_dir(run_dir)} (expected files named step_<9 digits>.pt)")
     skipped: list[tuple[Path, str]] = []
     for _, path in found:

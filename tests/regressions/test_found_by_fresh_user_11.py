@@ -1,0 +1,143 @@
+"""Defects found by the eleventh fresh-user pass (README and docs/*.md walkthrough: a small Hopper
+DT trained, evaluated, plotted, resumed and interrupted; backbone swaps; a sweep; Online DT;
+the GTrXL commands; the Python API; ``backbones``, ``dataset`` and every ``--help``).
+
+None needs ./data, ../shared or the network; each runs in well under 10 s on CPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from rl_tformers.cli import app
+
+runner = CliRunner()
+
+
+def _commands(cmd, path=()):
+    yield path, cmd
+    for name, sub in getattr(cmd, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+# ------------------------------------------------------------------- 1: help text broken mid-sentence
+def test_no_help_paragraph_is_broken_mid_sentence() -> None:
+    """`rl-tformers dataset info --help` printed "... is also compared with it: a" and then
+    "per-step observation shape ..." on the next line (likewise `demo --help`, `collect --help`
+    and the `backbones` line of `rl-tformers --help`): Typer keeps the single line breaks of a
+    docstring paragraph, so a paragraph wrapped in the source is broken at that place on screen.
+    Every prose paragraph of every command's help must be one line (indented example lines and
+    \\b blocks may keep theirs)."""
+    broken = []
+    for path, cmd in _commands(typer.main.get_command(app)):
+        text = inspect.cleandoc(cmd.help or "").partition("\f")[0]
+        for par in text.split("\n\n"):
+            lines = par.split("\n")
+            if len(lines) > 1 and not par.startswith("\b") and not any(ln.startswith(" ") for ln in lines):
+                broken.append((" ".join(path) or "rl-tformers", lines[0]))
+    assert broken == []
+
+
+def test_the_backbones_line_of_the_main_help_is_not_cut() -> None:
+    r = runner.invoke(app, ["--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0
+    line = next(ln for ln in r.output.splitlines() if " backbones " in ln)
+    assert "capabilities, fields (with their defaults)." in line
+
+
+# ------------------------------------------------------------------- 2: a run's checkpoints folder or file as RUN_DIR
+def _run_with_a_checkpoint(tmp_path: Path) -> Path:
+    from rl_tformers.runtime.checkpoint import save_checkpoint
+
+    run = tmp_path / "run"
+    save_checkpoint(run, {"step": 3, "config": {"agent": {"kind": "toy"}}})
+    return run
+
+
+def test_eval_of_the_checkpoints_folder_names_the_run_directory(tmp_path: Path) -> None:
+    """`rl-tformers eval runs/dt1/checkpoints` said "no checkpoint in runs/dt1/checkpoints/checkpoints"
+    about a folder full of checkpoints (the same for plot, train --resume and bench eval)."""
+    run = _run_with_a_checkpoint(tmp_path)
+    ckpts = run / "checkpoints"
+    want = f"error: {ckpts} is the checkpoint folder of the run {run}; pass the run directory {run}\n"
+    r = runner.invoke(app, ["eval", str(ckpts)])
+    assert r.exit_code == 2 and r.stderr == want
+    r = runner.invoke(app, ["plot", str(ckpts), "--out", str(tmp_path / "f.png")])
+    assert r.exit_code == 2 and r.stderr == want
+    # an empty run directory keeps its message
+    (tmp_path / "empty").mkdir()
+    r = runner.invoke(app, ["eval", str(tmp_path / "empty")])
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: no checkpoint in {tmp_path / 'empty' / 'checkpoints'} ")
+
+
+def test_eval_of_a_checkpoint_file_says_how_to_evaluate_that_checkpoint(tmp_path: Path) -> None:
+    """`rl-tformers eval runs/dt1/checkpoints/step_000000300.pt` said only "is not a directory
+    (expected a run directory ...)"; the file belongs to a run, and eval/plot take it as --checkpoint."""
+    run = _run_with_a_checkpoint(tmp_path)
+    f = next((run / "checkpoints").glob("step_*.pt"))
+    r = runner.invoke(app, ["eval", str(f)])
+    assert r.exit_code == 2
+    assert r.stderr == (f"error: {f} is not a directory (expected a run directory written by rl-tformers train); "
+                        f"it is a checkpoint of the run {run}: pass that run directory (rl-tformers eval and "
+                        f"plot take a specific checkpoint as --checkpoint FILE)\n")
+
+
+# ------------------------------------------------------------------- 3: reversible block with a memory
+def test_reversible_block_with_a_memory_says_what_to_use_instead() -> None:
+    """`rl-tformers train -c gtrxl/hopper_positions_bc backbone.block.kind=reversible` stopped with
+    only "backbone.memory.kind='xl' is not supported by backbone.block.kind='reversible'": the
+    generic capability check fired before the block's own check, whose advice was never shown."""
+    from rl_tformers import Backbone
+    from rl_tformers.backbone import IncompatibleConfig
+
+    with pytest.raises(IncompatibleConfig) as exc:
+        Backbone({"d_model": 16, "n_heads": 2, "block": {"kind": "reversible"}, "memory": {"kind": "xl"}})
+    assert str(exc.value) == (
+        "backbone.memory.kind='xl' is not supported by backbone.block.kind='reversible' (it keeps no per-layer "
+        "memory); blocks that do: gated, post_norm, pre_norm; or use backbone.memory.kind=none (GTrXL then runs "
+        "in its plain-window mode: agent.window=W backbone.memory.kind=none agent.burn_in=0 agent.seq_len=W)")
+
+
+# ------------------------------------------------------------------- 4: an interrupted demo
+def test_interrupted_demo_says_how_to_get_its_evaluation_and_plot(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make demo` stopped with Ctrl-C (it took 9 min for 200 of its 2000 updates on the loaded
+    machine) printed "continue it with: rl-tformers train --resume RUN"; that resume trains the
+    remaining updates silently (the demo's run has train.progress=false and eval.at_end=false)
+    and ends without the demo's evaluation and plot, which nothing pointed to."""
+    from types import SimpleNamespace
+
+    from rl_tformers.agents.common import demo
+
+    from rl_tformers.runtime import trainer
+
+    monkeypatch.setattr(trainer, "train", lambda cfg, run_dir, **kw: SimpleNamespace(interrupted=2, step=139))
+    run = tmp_path / "demo"
+    with pytest.raises(InterruptedError) as exc:
+        demo.run_demo(out_dir=run, n_episodes=3, eval_episodes=4, echo=lambda s: None)
+    assert str(exc.value) == (
+        f"training stopped by signal 2 at update 139; continue it with: rl-tformers train --resume {run} (it trains "
+        f"only: the demo's evaluation and plot are then rl-tformers eval {run} --seed 1000 --episodes 4 and "
+        f"rl-tformers plot {run} --targets 50,140,230,320,410,500 --seed 1000 --episodes 4 "
+        f"--out {run / 'return_conditioning.png'})")
+
+
+# ------------------------------------------------------------------- 5: option help cut with an ellipsis
+def test_no_option_help_is_cut_with_an_ellipsis_on_an_80_column_terminal() -> None:
+    """On an 80-column terminal `rl-tformers eval --help` showed "DT with
+    backbone.depth.kind=ea…" and "(default: agent.early_exit.thres…", and `collect --help`
+    "(default rlt/<env>/<policy>-v…": Rich cuts a word longer than the help column instead of
+    wrapping it, so the option and the default were unreadable."""
+    cut = {}
+    for path, _ in _commands(typer.main.get_command(app)):
+        r = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
+        assert r.exit_code == 0, (path, r.output)
+        lines = [ln for ln in r.output.splitlines() if "\u2026" in ln]
+        if lines:
+            cut[" ".join(path)] = lines
+    assert cut == {}
