@@ -89,6 +89,22 @@ def _threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def _set_context_len(run, context_len: int | None) -> None:
+    """``--context-len``: the DT acts on the last ``context_len`` steps (``agent.eval_context_len``)."""
+    if context_len is None:
+        return
+    if not hasattr(run.agent, "eval_context_len"):
+        raise _fail(f"agent {run.kind!r} has no --context-len option (Decision Transformer runs only)")
+    from rl_tformers.agents.decision_transformer.agent import parse_eval_context_len
+
+    k = int(run.agent.model_cfg.context_len)
+    try:
+        run.agent.eval_context_len = parse_eval_context_len(context_len, k)
+    except ValueError:
+        raise _fail(f"--context-len {context_len}: this run's context holds K = {k} steps (agent.context_len); "
+                    f"give 1..{k}") from None
+
+
 def _policy(run, timestep_overflow: str | None):
     if timestep_overflow is None:
         return run.agent.policy()
@@ -131,6 +147,9 @@ def eval_cmd(
     knn_k: int = typer.Option(None, "--knn-k", min=1, help="DT: neighbours per decision (default agent.knn.k)."),
     knn_max_entries: int = typer.Option(None, "--knn-max-entries", min=1,
                                         help="DT: datastore size cap (default agent.knn.max_entries)."),
+    context_len: int = typer.Option(None, "--context-len", min=1,
+                                    help="DT: act on the last N steps of the context, at most its K (default: "
+                                         "the run's agent.eval_context_len, else K; Online DT uses 5 on Hopper)."),
 ) -> None:
     from rl_tformers.agents.common.evaluation import evaluate, parse_targets, strict_json
     from rl_tformers.agents.common.plots import summary_lines
@@ -144,6 +163,7 @@ def eval_cmd(
     _check_early_exit(early_exit)
     _threads(threads)
     run = _load(run_dir, device, checkpoint)
+    _set_context_len(run, context_len)
     conditioned = run.agent.default_targets() != [None]
     if tlist is None:
         tlist = run.agent.default_targets()
@@ -171,6 +191,8 @@ def eval_cmd(
     report.extra = {"run_dir": str(Path(run_dir).resolve()), "checkpoint": str(Path(run.checkpoint).resolve()),
                     "step": run.step, "kind": run.kind,
                     **policy.stats(), **inference}
+    if context_len is not None:
+        report.extra["context_len"] = context_len
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(strict_json(report.to_dict(with_rewards=True), indent=1))

@@ -6,6 +6,8 @@
    there, so a sweep of fine-tuning runs whose offline run had since been moved or deleted was
    refused, although ``train --resume`` rebuilds such a run from its own checkpoint and never
    reads them again. Only points with a run to start are built now.
+
+Also the new ``rl-tformers eval --context-len`` option (Online DT's evaluation context).
 """
 
 from __future__ import annotations
@@ -42,3 +44,46 @@ def test_sweep_precheck_builds_only_points_with_a_run_to_start(tmp_path: Path, m
     assert [r["status"] for r in second.rows] == ["ok"]
     assert checked in ([], [{}])  # nothing built: each --resume rebuilds its run from its checkpoint
     assert sw.run_state(run_dir / "seed0") == "complete"
+
+
+def test_eval_context_len_option_reaches_the_policy_and_is_checked(tmp_path: Path) -> None:
+    """``rl-tformers eval --context-len N`` (a DT acting on the last N of its K steps, Online DT's
+    evaluation context): recorded in the JSON; out of range: one error line naming the option and K.
+    (That the policy then reads only N steps: tests/agents/test_dt_policy.py.)"""
+    import json
+
+    import h5py
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from rl_tformers.cli import app
+
+    rng = np.random.default_rng(0)
+    n = 200
+    term = np.zeros(n, bool)
+    term[np.arange(19, n, 20)] = True
+    data = tmp_path / "cartpole.hdf5"
+    with h5py.File(data, "w") as f:
+        f["observations"] = rng.normal(size=(n, 4)).astype(np.float32)
+        f["actions"] = rng.integers(0, 2, n)
+        f["rewards"] = np.ones(n)
+        f["terminals"] = term
+        f["timeouts"] = np.zeros(n, bool)
+        f.attrs["env_id"] = "CartPole-v1"
+    runner = CliRunner()
+    run = tmp_path / "dt"
+    res = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={data}", "backbone.d_model=16",
+                              "backbone.n_layers=1", "agent.context_len=4", "train.steps=2", "train.batch_size=4",
+                              "eval.every=0", "eval.at_end=false", "train.progress=false", "train.warmup_steps=1",
+                              "--run-dir", str(run), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    common = ["eval", str(run), "--targets", "30", "--episodes", "2", "--envs", "2", "--json"]
+    short = runner.invoke(app, [*common, "--context-len", "1"])
+    assert short.exit_code == 0, short.output
+    report = json.loads(short.output)
+    assert report["extra"]["context_len"] == 1
+    full = json.loads(runner.invoke(app, common).output)
+    assert "context_len" not in full["extra"]
+    bad = runner.invoke(app, [*common, "--context-len", "5"])
+    assert bad.exit_code != 0
+    assert "--context-len 5: this run's context holds K = 4 steps (agent.context_len); give 1..4" in bad.output
