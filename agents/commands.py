@@ -89,6 +89,11 @@ def _threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 episode``, ``10 episodes``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _set_context_len(run, context_len: int | None) -> None:
     """``--context-len``: the DT acts on the last ``context_len`` steps (``agent.eval_context_len``)."""
     if context_len is None:
@@ -199,12 +204,15 @@ def eval_cmd(
     if as_json:
         typer.echo(strict_json(report.to_dict(), indent=2))
         return
-    typer.echo(f"{run.kind} run {run_dir} (step {run.step}) on {run.env_id}: {episodes} episodes per target, "
-               f"{report.n_envs} envs, seeds {seed}..{seed + episodes - 1}, {report.seconds:.1f} s")
+    typer.echo(f"{run.kind} run {run_dir} (step {run.step}) on {run.env_id}: {_count(episodes, 'episode')} per "
+               f"target, {_count(report.n_envs, 'env')}, seeds {seed}..{seed + episodes - 1}"
+               + (f", acting on the last {_count(context_len, 'step')} of the context" if context_len else "")
+               + f", {report.seconds:.1f} s")
     for line in summary_lines(report.results):
         typer.echo("  " + line)
     x = report.extra
-    cost = f"  {x['act_ms_per_step']:.2f} ms per act call (one batched step of {report.n_envs} envs)" if "act_ms_per_step" in x else ""
+    cost = (f"  {x['act_ms_per_step']:.2f} ms per act call (one batched step of {_count(report.n_envs, 'env')})"
+            if "act_ms_per_step" in x else "")
     if "exit_mean_layer" in x:
         cost += f"; mean exit layer {x['exit_mean_layer']:.2f}"
     ee = x.get("early_exit")

@@ -195,7 +195,7 @@ def summary_lines(results: Sequence[TargetResult]) -> list[str]:
     out: list[str] = []
     for r in results:
         t = "-" if r.target_return is None else f"{r.target_return:g}"
-        line = f"target {t:>8}: return {r.return_mean:9.2f} +- {r.return_std:8.2f} over {len(r.returns)} episodes"
+        line = f"target {t:>8}: return {r.return_mean:9.2f} +- {r.return_std:8.2f} over {len(r.returns)} episode{'' if len(r.returns) == 1 else 's'}"
         if r.normalized_score is not None:
             line += f", normalised score {r.normalized_score:6.1f}"
         out.append(line)
