@@ -209,6 +209,7 @@ class EarlyExitDepth(DepthModule):
         hidden: list[Tensor] = []
         q_cdf = None
         run = n
+        any_decide: bool | None = None  # decide.any(), synced once (it does not change across layers)
         for i, block in enumerate(self.blocks):
             h = self.run_layer(i, block, x, ctx, layer_states, out)
             if active:
@@ -225,7 +226,9 @@ class EarlyExitDepth(DepthModule):
                     new = decide & ~exited & (conf >= thr)
                 exit_at = torch.where(new, torch.full_like(exit_at, i), exit_at)
                 exited = exited | new
-                if bool(decide.any()) and bool((exited | ~decide).all()) and self._can_skip(i, layer_states):
+                if any_decide is None:
+                    any_decide = bool(decide.any())
+                if any_decide and bool((exited | ~decide).all()) and self._can_skip(i, layer_states):
                     run = i + 1
                     for j in range(i + 1, n):  # layers above keep the copied states (memories see them)
                         out.layer_inputs.append(self.blocks[j].attn.position.embed(h, ctx.pos_q))
