@@ -196,8 +196,9 @@ def eval_cmd(
     report.extra = {"run_dir": str(Path(run_dir).resolve()), "checkpoint": str(Path(run.checkpoint).resolve()),
                     "step": run.step, "kind": run.kind,
                     **policy.stats(), **inference}
-    if context_len is not None:
-        report.extra["context_len"] = context_len
+    acting = getattr(run.agent, "eval_context_len", None)  # --context-len or the run's agent.eval_context_len
+    if acting is not None:
+        report.extra["context_len"] = acting
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(strict_json(report.to_dict(with_rewards=True), indent=1))
@@ -206,7 +207,7 @@ def eval_cmd(
         return
     typer.echo(f"{run.kind} run {run_dir} (step {run.step}) on {run.env_id}: {_count(episodes, 'episode')} per "
                f"target, {_count(report.n_envs, 'env')}, seeds {seed}..{seed + episodes - 1}"
-               + (f", acting on the last {_count(context_len, 'step')} of the context" if context_len else "")
+               + (f", acting on the last {_count(acting, 'step')} of the context" if acting else "")
                + f", {report.seconds:.1f} s")
     for line in summary_lines(report.results):
         typer.echo("  " + line)
