@@ -333,12 +333,14 @@ def plot_cmd(
     envs: int = typer.Option(10, "--envs", min=1, help="Parallel environments."),
     seed: int = typer.Option(0, "--seed", min=0, max=2**64 - 1, help="Base reset seed."),
     from_json: Path = typer.Option(None, "--from-json", help="Plot a saved `eval --out` file instead of evaluating "
-                                                             "(--targets, --n-targets, --episodes, --envs and --seed "
-                                                             "do not apply)."),
+                                                             "(--targets, --n-targets, --episodes, --envs, --seed "
+                                                             "and --context-len do not apply)."),
     tensorboard: bool = typer.Option(True, "--tensorboard/--no-tensorboard", help="Also log the figure to RUN_DIR."),
     device: str = typer.Option("cpu", "--device", help="auto | cpu | cuda | cuda:N | mps."),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="A specific checkpoint file (default: newest valid)."),
     threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's choice)."),
+    context_len: int = typer.Option(None, "--context-len", min=1,
+                                    help="DT: act on the last N steps of the context (as eval --context-len)."),
 ) -> None:
     from rl_tformers.agents.common.evaluation import evaluate, parse_targets
     from rl_tformers.agents.common.plots import (
@@ -360,7 +362,8 @@ def plot_cmd(
             raise _fail(f"{run_dir} {what}: the figure is logged to RUN_DIR's TensorBoard files; give the run "
                         f"directory of --checkpoint {checkpoint}, or --no-tensorboard")
     if from_json is not None:
-        unused = [f"--{name.replace('_', '-')}" for name in ("targets", "n_targets", "episodes", "envs", "seed")
+        unused = [f"--{name.replace('_', '-')}" for name in ("targets", "n_targets", "episodes", "envs", "seed",
+                                                              "context_len")
                   if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
         if unused:
             raise _fail(f"--from-json {from_json} plots a saved evaluation: {', '.join(unused)} would be ignored; "
@@ -368,6 +371,8 @@ def plot_cmd(
     saved = _read_eval_json(from_json) if from_json is not None else None  # before the run is loaded
     _threads(threads)
     run = _load(run_dir, device, checkpoint)
+    if saved is None:
+        _set_context_len(run, context_len)
     dmax, dmean = run.dataset_return_max, run.dataset_return_mean
     step: int | None = run.step
     if saved is not None:  # the evaluation's checkpoint step, not the run's newest

@@ -87,3 +87,14 @@ def test_eval_context_len_option_reaches_the_policy_and_is_checked(tmp_path: Pat
     bad = runner.invoke(app, [*common, "--context-len", "5"])
     assert bad.exit_code != 0
     assert "--context-len 5: this run's context holds K = 4 steps (agent.context_len); give 1..4" in bad.output
+    # plot takes it too; with a saved evaluation it would be ignored, so it is refused
+    fig = tmp_path / "fig.png"
+    plot = ["plot", str(run), "--out", str(fig), "--no-tensorboard"]
+    res = runner.invoke(app, [*plot, "--targets", "30", "--episodes", "1", "--envs", "1", "--context-len", "2"])
+    assert res.exit_code == 0, res.output
+    assert fig.stat().st_size > 0
+    assert "give 1..4" in runner.invoke(app, [*plot, "--targets", "30", "--context-len", "9"]).output
+    saved = tmp_path / "eval.json"
+    assert runner.invoke(app, [*common[:-1], "--out", str(saved)]).exit_code == 0
+    res = runner.invoke(app, [*plot, "--from-json", str(saved), "--context-len", "2"])
+    assert res.exit_code != 0 and "--context-len would be ignored" in res.output
