@@ -247,6 +247,15 @@ def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
     return stale
 
 
+def _head(path: Path) -> bytes:
+    """The first 4 bytes of a file (a zip archive, as torch.save writes, starts with ``PK\\x03\\x04``)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4)
+    except OSError:
+        return b""
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Load and verify one checkpoint on CPU.
 
@@ -265,6 +274,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             f"plain containers, which weights_only loading refuses)"
         ) from exc
     except Exception as exc:  # noqa: BLE001 - every failure mode here means "unusable file"
+        if path.is_file() and _head(path) != b"PK\x03\x04":  # no zip archive at all: e.g. config.yaml as --checkpoint
+            raise CheckpointError(f"{path}: not an rl-tformers checkpoint (those are the zip archives torch.save "
+                                  f"writes, RUN_DIR/{CHECKPOINT_DIR}/step_*.pt)") from exc
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path}: cannot be loaded ({type(exc).__name__}: {first})") from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT:

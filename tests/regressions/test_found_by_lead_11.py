@@ -98,3 +98,15 @@ def test_eval_context_len_option_reaches_the_policy_and_is_checked(tmp_path: Pat
     assert runner.invoke(app, [*common[:-1], "--out", str(saved)]).exit_code == 0
     res = runner.invoke(app, [*plot, "--from-json", str(saved), "--context-len", "2"])
     assert res.exit_code != 0 and "--context-len would be ignored" in res.output
+
+
+def test_a_yaml_file_given_as_checkpoint_is_named_not_a_checkpoint(tmp_path: Path) -> None:
+    """``eval --checkpoint RUN/config.yaml`` said "cannot be loaded (IndexError: pop from empty
+    list)" (fresh user 11): a file that is not a zip archive is not a checkpoint, said so."""
+    from rl_tformers.runtime.checkpoint import CheckpointError, load_checkpoint
+
+    f = tmp_path / "config.yaml"
+    f.write_text("seed: 0\nagent:\n  kind: dt\n")
+    with pytest.raises(CheckpointError, match=r"config.yaml: not an rl-tformers checkpoint \(those are the zip "
+                                              r"archives torch.save writes, RUN_DIR/checkpoints/step_\*.pt\)"):
+        load_checkpoint(f)
