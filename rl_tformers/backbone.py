@@ -114,10 +114,11 @@ class Backbone(nn.Module):
             batch: number of streams B (0 allowed).
             device: default the parameters' device.
             dtype: of the memory / cache tensors; default the parameters' dtype. Another dtype
-                is for autocast (a bfloat16 state of a float32 model); outside autocast the
-                forward refuses a state the parameters cannot take (a float64 state of a
-                float32 model), naming both dtypes, and takes a narrower one where the
-                computation promotes it losslessly (a float32 state of a float64 model).
+                is for autocast (a bfloat16 state of a float32 model). Outside autocast the
+                forward refuses, naming both dtypes, a memory state (``xl``, ``compressive``,
+                ``knn``) of another dtype; a KV cache (memory ``none``) of a narrower dtype
+                runs (float32 in a float64 model), one of a wider dtype (float64 in a float32
+                model) is refused by ``sdpa`` and ``reference`` and runs with the other kernels.
 
         With memory kind ``none`` this is an incremental-decoding cache.
 
