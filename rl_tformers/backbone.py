@@ -117,8 +117,8 @@ class Backbone(nn.Module):
                 is for autocast (a bfloat16 state of a float32 model). Outside autocast the
                 forward refuses, naming both dtypes, a memory state (``xl``, ``compressive``,
                 ``knn``) of another dtype; a KV cache (memory ``none``) of a narrower dtype
-                runs (float32 in a float64 model), one of a wider dtype (float64 in a float32
-                model) is refused by ``sdpa`` and ``reference`` and runs with the other kernels.
+                runs (float32 in a float64 model), a float64 one of a float32 model is refused
+                by every kernel.
 
         With memory kind ``none`` this is an incremental-decoding cache.
 
@@ -266,6 +266,8 @@ class Backbone(nn.Module):
                   and not output_hidden_states and not depth_kwargs)
         if subset:
             depth_kwargs["queries"] = output_tokens
+        if state is not None and not torch.is_autocast_enabled(x.device.type) and self._holds_float64(state):
+            raise ValueError(self._dtype_mismatch(x, state))
         try:
             dout = self.depth(x, ctx, None if state is None else state.layers, output_hidden_states, **depth_kwargs)
         except RuntimeError as exc:  # torch's "mixed dtype" / "expected ... same dtype": say which input
@@ -301,6 +303,19 @@ class Backbone(nn.Module):
             hidden_states=dout.hidden_states,
             attentions=tuple(dout.weights) if need_weights else None,
         )
+
+    def _holds_float64(self, state: BackboneState) -> bool:
+        """True if ``state`` holds float64 tensors and the parameters are not float64 (a float64
+        cache of a float32 model): some kernels would promote the whole layer to float64, others
+        fail, so the forward refuses it for every kernel alike, outside autocast. (A narrower
+        cache, float32 in a float64 model, is promoted losslessly and runs; float32 accumulators
+        of a bf16/fp16 model, the linear kernels' running sums, are by design.)"""
+        if next(self.parameters()).dtype == torch.float64:
+            return False
+        found: set[torch.dtype] = set()
+        for ls in state.layers:
+            _map(ls, lambda t: found.add(t.dtype) if t.is_floating_point() else None)
+        return torch.float64 in found
 
     def _dtype_mismatch(self, x: Tensor, state: BackboneState | None) -> str | None:
         """Why a forward that raised cannot run, when the reason is the dtype of ``x`` or of the

@@ -110,3 +110,24 @@ def test_a_yaml_file_given_as_checkpoint_is_named_not_a_checkpoint(tmp_path: Pat
     with pytest.raises(CheckpointError, match=r"config.yaml: not an rl-tformers checkpoint \(those are the zip "
                                               r"archives torch.save writes, RUN_DIR/checkpoints/step_\*.pt\)"):
         load_checkpoint(f)
+
+
+def test_a_float64_cache_of_a_float32_model_is_refused_by_every_incremental_kernel() -> None:
+    """A float64 KV cache (``initial_state(..., dtype=torch.float64)``) of a float32 model was
+    refused by ``sdpa`` and ``reference`` but silently promoted the layer to float64 with the other
+    incremental kernels (docs audit 11): every kernel refuses it now, naming the dtypes."""
+    import torch
+
+    from rl_tformers.backbone import Backbone
+    from rl_tformers.registry import REGISTRIES
+
+    kinds = [e.kind for e in REGISTRIES["attention"] if e.capabilities.incremental and e.capabilities.causal]
+    assert {"sdpa", "local", "performer"} <= set(kinds)
+    for kind in kinds:
+        bb = Backbone({"d_model": 16, "n_heads": 2, "n_layers": 1, "attention": {"kind": kind}}).eval()
+        state = bb.initial_state(2, dtype=torch.float64)
+        with pytest.raises(ValueError, match=r"^backbone: the state holds torch.float64 tensors but x and the "
+                                             r"backbone's parameters are torch.float32"):
+            bb(torch.randn(2, 3, 16), positions=torch.arange(3).expand(2, 3), state=state)
+        ok = bb(torch.randn(2, 3, 16), positions=torch.arange(3).expand(2, 3), state=bb.initial_state(2))
+        assert ok.hidden.dtype == torch.float32, kind
