@@ -310,12 +310,7 @@ class Backbone(nn.Module):
         fail, so the forward refuses it for every kernel alike, outside autocast. (A narrower
         cache, float32 in a float64 model, is promoted losslessly and runs; float32 accumulators
         of a bf16/fp16 model, the linear kernels' running sums, are by design.)"""
-        if next(self.parameters()).dtype == torch.float64:
-            return False
-        found: set[torch.dtype] = set()
-        for ls in state.layers:
-            _map(ls, lambda t: found.add(t.dtype) if t.is_floating_point() else None)
-        return torch.float64 in found
+        return next(self.parameters()).dtype != torch.float64 and torch.float64 in _float_dtypes(state)
 
     def _dtype_mismatch(self, x: Tensor, state: BackboneState | None) -> str | None:
         """Why a forward that raised cannot run, when the reason is the dtype of ``x`` or of the
@@ -328,12 +323,17 @@ class Backbone(nn.Module):
             return (f"backbone: x is {x.dtype} but the backbone's parameters are {p}; pass x as {p} "
                     f"(x.to({p})), convert the model (model.to({x.dtype})), or run under torch.autocast")
         if state is not None:
-            found: set[torch.dtype] = set()
-            for ls in state.layers:
-                _map(ls, lambda t: found.add(t.dtype) if t.is_floating_point() else None)
-            other = sorted(str(d) for d in found - {p})
+            other = sorted(str(d) for d in _float_dtypes(state) - {p})
             if other:
                 return (f"backbone: the state holds {', '.join(other)} tensors but x and the backbone's parameters "
                         f"are {p} (a state from initial_state(..., dtype=...) or from before the model was "
                         f"converted); make a new one with initial_state(batch) or convert it: {fix}")
         return None
+
+
+def _float_dtypes(state: BackboneState) -> set[torch.dtype]:
+    """The dtypes of the floating tensors held by ``state.layers`` (memories, caches)."""
+    found: set[torch.dtype] = set()
+    for ls in state.layers:
+        _map(ls, lambda t: found.add(t.dtype) if t.is_floating_point() else None)
+    return found
