@@ -13,6 +13,7 @@ it on its own rollouts. Read top to bottom, a run is::
                    target t, i.e. 2t when t >= 0), batched over
                    agent.online.n_envs vector environments, seeded derive_seed(seed, "online", r)
         buffer.add(episodes)        # each new trajectory replaces the oldest one once full
+                                    # (rollouts_per_round=0: no episodes, the offline-continuation control)
     batch s = WindowSampler(buffer).sample(B, default_rng([seed, s]))  # the DT's windows
     loss    = dt_loss(model, to_model_batch(batch))                   # NLL - temperature * entropy
 
@@ -53,11 +54,17 @@ retrained, moved or deleted, or be a relative path that does not resolve from th
 longer than the offline run's ``agent.max_ep_len`` is refused by its dataset index, and an
 evaluation environment whose time limit exceeds it is warned about (:func:`warn_time_limit`).
 
+**Offline-continuation control** (``agent.online.rollouts_per_round=0``): every round collects
+nothing, so the run trains the same model with the same objective, optimiser and schedule on the
+same buffer (the top ``buffer_size`` offline episodes) and never acts except in evaluation: what
+fine-tuning gains over simply training longer is the difference between the two runs. No
+exploration environment is built; ``env_steps`` stays 0.
+
 Cannot: run under DDP (``--nproc > 1`` is refused before any process starts: the kind registers
-with ``single_process=True``), fine-tune a deterministic-head or
-discrete-action run, use a separate (shorter) evaluation context as the paper does for some
-tasks (the DT acts with its training K), or update the temperature with its own optimiser (it is
-a model parameter trained by the shared AdamW, as in the offline phase).
+with ``single_process=True``), fine-tune a deterministic-head or discrete-action run, or update
+the temperature with its own optimiser (it is a model parameter trained by the shared AdamW, as
+in the offline phase). The acting context can be shorter than K (``agent.eval_context_len``, as
+the paper does on Hopper), in rollouts and evaluation alike.
 
 Logged (``train/...``, their latest value, not a window mean): ``env_steps`` (online steps so
 far), ``online_return`` / ``online_length`` (mean achieved return / length of the latest
@@ -108,7 +115,7 @@ ODT_DEFAULTS["agent"].update({
     "init_from": None,  # required: an offline dt run directory (newest valid checkpoint) or a checkpoint file
     "online": {
         "buffer_size": 1000,  # trajectories in the replay buffer (paper: 1000)
-        "rollouts_per_round": 1,  # complete episodes collected per round (paper: 1)
+        "rollouts_per_round": 1,  # complete episodes collected per round (paper: 1; 0: offline-continuation control)
         "updates_per_round": 300,  # gradient updates per round (paper: 300)
         # exploration return-to-go g_online, raw units; null = t + |t| for the evaluation target t (2t if t >= 0)
         "target_return": None,
@@ -139,17 +146,19 @@ def check_online_options(online: Any) -> None:
 
     Raises:
         ValueError: ``agent.online`` not a mapping (e.g. ``agent.online=null``);
-            ``buffer_size``, ``rollouts_per_round``, ``updates_per_round`` or ``n_envs`` not an
-            integer >= 1; ``target_return`` neither null nor a finite number.
+            ``buffer_size``, ``updates_per_round`` or ``n_envs`` not an integer >= 1;
+            ``rollouts_per_round`` not an integer >= 0 (0: the offline-continuation control);
+            ``target_return`` neither null nor a finite number.
     """
     if not isinstance(online, Mapping):
         raise ValueError(f"agent.online must be a mapping of the online phase's options (buffer_size, "
                          f"rollouts_per_round, updates_per_round, target_return, n_envs; e.g. "
                          f"agent.online.buffer_size=1000), got {online!r}; leave it out for the defaults")
     for name in ("buffer_size", "rollouts_per_round", "updates_per_round", "n_envs"):
-        v = online.get(name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"agent.online.{name} must be an integer >= 1, got {v!r}")
+        v, least = online.get(name), 0 if name == "rollouts_per_round" else 1
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            hint = " (0: the offline-continuation control, no rollouts)" if least == 0 else ""
+            raise ValueError(f"agent.online.{name} must be an integer >= {least}{hint}, got {v!r}")
     t = online.get("target_return")
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t)):
         raise ValueError(f"agent.online.target_return must be a finite number (raw reward units, e.g. 7200 for "
@@ -686,7 +695,8 @@ class ODTAgent(DTAgent):
         if self.rounds != need:
             raise ValueError(f"agent.online.updates_per_round={u}: update {s0} follows {need} rounds, but the run "
                              f"has collected {self.rounds}; resume with the run's own agent.online.updates_per_round")
-        self._vector_env()  # build errors now, before the run directory is written
+        if self.rollouts_per_round:
+            self._vector_env()  # build errors now, before the run directory is written
         self._sampler = self._make_sampler()
         bsz = int(self.cfg.train.batch_size)
 
@@ -743,9 +753,15 @@ class ODTAgent(DTAgent):
         action noise comes from a ``torch.Generator`` seeded with :meth:`round_seed` (the global
         generators are not touched).
 
+        With ``agent.online.rollouts_per_round=0`` (the offline-continuation control) the round
+        collects nothing: only the round counter moves, the buffer and sampler stay as they are.
+
         Returns:
-            the round's episodes (:func:`collect_episodes`).
+            the round's episodes (:func:`collect_episodes`; empty for the control).
         """
+        if self.rollouts_per_round == 0:
+            self.rounds += 1
+            return []
         seed = self.round_seed(self.rounds)
         dev = next(self.model.parameters()).device
         gen = torch.Generator(device=dev).manual_seed(seed)

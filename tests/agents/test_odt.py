@@ -343,3 +343,33 @@ def test_eval_command_on_the_odt_run_acts_with_the_mean(odt_run):
     assert out[0]["results"] == out[1]["results"]  # deterministic: the Gaussian's mean
     r = out[0]["results"][0]
     assert r["target_return"] == -100.0 and r["lengths"] == [25, 25] and -25 * 16.3 <= r["return_mean"] <= 0
+
+
+def test_zero_rollouts_is_the_offline_continuation_control(pendulum, offline_run, tmp_path):
+    """agent.online.rollouts_per_round=0: the same training on the unchanged top-N offline buffer,
+    no exploration environment, no environment steps; rounds still count (resume checks them),
+    and a stopped control run resumes bit-identically. A negative count is refused by name."""
+    cfg = _cfg(offline_run, pendulum[1], "agent.online.rollouts_per_round=0")
+    agent = ODTAgent(cfg, None, "cpu")
+    before = agent.buffer.state_dict()
+    stream = agent.batches(0)
+    first = next(stream)
+    assert agent._envs is None and agent.rounds == 1 and agent.env_steps == 0
+    assert _same(agent.buffer.state_dict(), before)  # nothing added
+    want = WindowSampler(agent.buffer.dataset(), agent.model_cfg.context_len, align=agent.align,
+                         reward_scale=agent.info.reward_scale, obs_stats=agent._sampler.obs_stats,
+                         max_ep_len=agent.model_cfg.max_ep_len).sample(8, np.random.default_rng([agent.seed, 0]))
+    for k, v in want.items():
+        np.testing.assert_array_equal(first[k].numpy(), v, err_msg=k)
+    run, split = tmp_path / "control", tmp_path / "control-split"
+    assert train(cfg, run).step == 12
+    m = _metrics(run)
+    assert [x["train/rounds"] for x in m] == [1.0] * 4 + [2.0] * 4 + [3.0] * 4
+    assert {x["train/env_steps"] for x in m} == {0.0} and {x["train/buffer_trajectories"] for x in m} == {6.0}
+    assert "train/online_return" not in m[-1]
+    assert train(cfg, split, stop_at=6).step == 6 and resume(split).step == 12
+    assert _metrics(split) == m
+    assert _same(_ckpt(run)["model"], _ckpt(split)["model"])
+    with pytest.raises(AgentBuildError, match=r"agent.online.rollouts_per_round must be an integer >= 0 "
+                                              r"\(0: the offline-continuation control, no rollouts\), got -1"):
+        train(_cfg(offline_run, pendulum[1], "agent.online.rollouts_per_round=-1"), tmp_path / "neg")
