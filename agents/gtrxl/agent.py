@@ -683,7 +683,7 @@ class GTrXLAgent:
             action_start=info.action_start,
         )
 
-    def loss(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor | float]]:
         """The objective's loss on one batch (IQL: Polyak-update the target first)."""
         seg = self.to_segments(batch)
         if self.objective == "iql":

@@ -137,7 +137,7 @@ def _global_total(mask: Tensor) -> Tensor | None:
     return shard_mean_total(mask.sum())
 
 
-def bc_loss(model: GTrXLModel, batch: SegmentBatch) -> tuple[Tensor, dict[str, float]]:
+def bc_loss(model: GTrXLModel, batch: SegmentBatch) -> tuple[Tensor, dict[str, Tensor | float]]:
     """Behaviour cloning on the gradient window (``bc`` and ``rcbc``).
 
     Continuous: mean over real steps (``mask`` True) and action dims of (tanh mean - a)^2.
@@ -149,7 +149,8 @@ def bc_loss(model: GTrXLModel, batch: SegmentBatch) -> tuple[Tensor, dict[str, f
 
     Returns:
         (scalar loss, metrics) with ``loss_bc``, mean gate values ``gate/layer{i}_{attn|ffn}`` and,
-        for discrete actions, ``accuracy``.
+        for discrete actions, ``accuracy``; the metrics are detached 0-dim tensors (read on the host
+        only when the trainer logs its window, not once per update).
 
     Under DDP (the trainer's :class:`~rl_tformers.runtime.distributed.AgentLoss`) the means over
     real steps divide by the global count / W (:func:`~rl_tformers.runtime.distributed.shard_mean_total`),
@@ -159,32 +160,33 @@ def bc_loss(model: GTrXLModel, batch: SegmentBatch) -> tuple[Tensor, dict[str, f
     out = encode_segment(model.encoder, batch)
     w = batch.window()
     pred = model.actor(out.features)  # (B, T, A): tanh mean or logits
-    metrics: dict[str, float] = {}
+    metrics: dict[str, Tensor | float] = {}
     total = _global_total(w.mask)  # None with one process
     if model.cfg.discrete:
         ce = F.cross_entropy(pred.flatten(0, 1), w.actions.long().flatten(), reduction="none").view_as(w.mask.float())
         loss = _masked_mean(ce, w.mask, total)
-        metrics["accuracy"] = float(_masked_mean((pred.argmax(-1) == w.actions).float(), w.mask, total))
+        metrics["accuracy"] = _masked_mean((pred.argmax(-1) == w.actions).float(), w.mask, total).detach()
     else:
         se = (pred - w.actions).pow(2).mean(-1)  # (B, T)
         loss = _masked_mean(se, w.mask, total)
     aux = sum(out.aux.values()) if out.aux else 0.0
-    metrics["loss_bc"] = float(loss.detach())
+    metrics["loss_bc"] = loss.detach()
     metrics.update(gate_logs(out.metrics))
-    metrics.update({f"aux/{k}": float(v.detach()) for k, v in out.aux.items()})  # weighted, already in the loss
+    metrics.update({f"aux/{k}": v.detach() for k, v in out.aux.items()})  # weighted, already in the loss
     metrics.update(memory_logs(out.metrics))
     return loss + aux, metrics
 
 
-def memory_logs(metrics: Mapping[str, Any]) -> dict[str, float]:
+def memory_logs(metrics: Mapping[str, Any]) -> dict[str, Tensor | float]:
     """Scalar backbone metrics of the memory and depth kinds (``memory/*``, ``knn/*``, ``act/*``,
-    ``exit/*``, ``layer{i}/knn/gate``...) as floats under ``backbone/``; gate values are left to
-    :func:`gate_logs`."""
+    ``exit/*``, ``layer{i}/knn/gate``...) under ``backbone/``, detached 0-dim tensors as they come
+    (no device synchronisation per update: the trainer averages them on the device) or floats;
+    gate values are left to :func:`gate_logs`."""
     keys = ("memory/", "knn/", "act/", "exit/", "compressive/")
     out = {}
     for k, v in metrics.items():
         if any(t in k for t in keys) and (isinstance(v, (int, float)) or (isinstance(v, Tensor) and v.numel() == 1)):
-            out[f"backbone/{k}"] = float(v)
+            out[f"backbone/{k}"] = v.detach() if isinstance(v, Tensor) else float(v)
     return out
 
 
@@ -230,7 +232,7 @@ def iql_loss(
     expectile: float = 0.7,
     beta: float = 3.0,
     max_weight: float = 100.0,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor | float]]:
     """IQL on GTrXL features (see the module docstring for the equations).
 
     Args:
@@ -285,13 +287,13 @@ def iql_loss(
 
     loss = v_loss + q_loss + pi_loss + (sum(aux.values()) if aux else 0.0)
     metrics = {
-        "loss_value": float(v_loss.detach()),
-        "loss_q": float(q_loss.detach()),
-        "loss_actor": float(pi_loss.detach()),
-        "iql/v_mean": float(_masked_mean(v.detach(), w.mask, total)),
-        "iql/q_mean": float(_masked_mean(q_target, w.mask, total)),
-        "iql/adv_mean": float(_masked_mean(adv.detach(), w.mask, total)),
-        "iql/weight_mean": float(_masked_mean(weight, w.mask, total)),
+        "loss_value": v_loss.detach(),
+        "loss_q": q_loss.detach(),
+        "loss_actor": pi_loss.detach(),
+        "iql/v_mean": _masked_mean(v.detach(), w.mask, total),
+        "iql/q_mean": _masked_mean(q_target, w.mask, total).detach(),
+        "iql/adv_mean": _masked_mean(adv.detach(), w.mask, total),
+        "iql/weight_mean": _masked_mean(weight, w.mask, total).detach(),
         **gate_logs(critic.metrics),
     }
     return loss, metrics

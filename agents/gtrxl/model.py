@@ -552,11 +552,12 @@ class record_attention:
         self.handles = []
 
 
-def gate_logs(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """Backbone metrics ``layer{i}/gate_{attn|ffn}`` (mean gate values) as ``gate/layer{i}_{attn|ffn}`` floats."""
+def gate_logs(metrics: Mapping[str, Any]) -> dict[str, Tensor | float]:
+    """Backbone metrics ``layer{i}/gate_{attn|ffn}`` (mean gate values) as ``gate/layer{i}_{attn|ffn}``:
+    detached 0-dim tensors as they come (no device synchronisation), or floats."""
     out = {}
     for k, v in metrics.items():
         if k.startswith("layer") and "/gate_" in k:
             layer, gate = k.split("/gate_")
-            out[f"gate/{layer}_{gate}"] = float(v)
+            out[f"gate/{layer}_{gate}"] = v.detach() if isinstance(v, Tensor) else float(v)
     return out

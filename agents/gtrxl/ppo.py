@@ -395,7 +395,7 @@ def ppo_loss(
     vf_coef: float,
     norm_adv: bool,
     critic_only: bool = False,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor | float]]:
     """Clipped-surrogate PPO loss on a minibatch of single steps, each with its stored memory.
 
     Args:
@@ -436,11 +436,11 @@ def ppo_loss(
         loss = pg - ent_coef * entropy + vf_coef * v_loss + sum(out.aux.values(), torch.zeros((), device=h.device))
     with torch.no_grad():
         logs = {
-            "loss_policy": float(pg),
-            "loss_value": float(v_loss),
-            "entropy": float(entropy),
-            "approx_kl": float(((ratio - 1) - log_ratio).mean()),
-            "clipfrac": float(((ratio - 1.0).abs() > clip_coef).float().mean()),
+            "loss_policy": pg.detach(),
+            "loss_value": v_loss.detach(),
+            "entropy": entropy.detach(),
+            "approx_kl": ((ratio - 1) - log_ratio).mean().detach(),
+            "clipfrac": ((ratio - 1.0).abs() > clip_coef).float().mean(),
         }
         logs.update(gate_logs(out.metrics))
     return loss, logs
@@ -1088,7 +1088,7 @@ class GTrXLPPO:
                        f"minibatches of a fresh rollout and train/env_steps counts the "
                        f"{self.n_steps * self.n_envs * self.world_size} steps of the cut rollout too")
 
-    def loss(self, batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, batch: Mapping[str, Any]) -> tuple[Tensor, dict[str, Tensor | float]]:
         """PPO loss of one minibatch (:func:`ppo_loss`) and the latest rollout statistics."""
         mb = {k: v.to(self.device) for k, v in batch.items() if isinstance(v, Tensor)}
         a = self.a
