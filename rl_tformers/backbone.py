@@ -255,6 +255,7 @@ class Backbone(nn.Module):
                 seg_k=torch.cat([state.seg, seg_q], 1),
                 causal=self.config.causal,
                 need_weights=need_weights,
+                key_offset=state.key_offset,
             )
         else:
             ctx = AttnContext(

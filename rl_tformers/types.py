@@ -60,6 +60,12 @@ class AttnContext:
         need_weights: kernels that can return attention probabilities put them in the output
             (used for metrics such as attention entropy and by most-used compression).
         layer_idx: index of the layer being run (for per-layer patterns).
+        key_offset: absolute key index of key 0 (``pos_k[:, 0]``): the number of earlier keys a
+            bounded incremental cache dropped (:attr:`BackboneState.key_offset`), 0 otherwise.
+            Kernels whose pattern is defined on key indices (block alignment, see
+            :meth:`~rl_tformers.attention.base.AttentionModule.cache_keeps`) count from the first
+            key ever fed: key ``j`` of this context has absolute index ``key_offset + j``. Masks,
+            causality and :attr:`prefix_len` are unaffected (they are on this context's keys).
     """
 
     pos_q: Tensor
@@ -70,6 +76,7 @@ class AttnContext:
     causal: bool = True
     need_weights: bool = False
     layer_idx: int = 0
+    key_offset: int = 0
     _allowed: Tensor | None = field(default=None, repr=False)
     # per-context cache of tensors derived from the mask and positions, shared by every layer
     # of one forward: additive_mask's (mask, row_ok) keyed by dtype, and the XL-relative
@@ -236,6 +243,10 @@ class BackboneState:
         seg: (B, P) long episode id of each prefix slot.
         episode: (B,) long current episode id of each row (incremented by resets).
         next_pos: (B,) long default position of the next token.
+        key_offset: number of keys dropped from the front of the prefix: slot ``p`` is key
+            ``key_offset + p`` of the stream. Memory kind ``none`` drops the slots no layer's
+            bounded incremental cache still needs (sliding-window / local kernels), so a step
+            costs O(window), not O(steps so far); 0 for every other memory kind.
     """
 
     layers: list[LayerState]
@@ -244,6 +255,7 @@ class BackboneState:
     seg: Tensor
     episode: Tensor
     next_pos: Tensor
+    key_offset: int = 0
 
     @property
     def batch_size(self) -> int:

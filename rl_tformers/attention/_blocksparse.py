@@ -23,10 +23,12 @@ disjoint set of keys per query (a piece's ``keep`` excludes keys owned by anothe
 that a piece does not tile gets ``lse = -inf`` (and a zero output) there.
 
 Indices are **absolute key indices**: keys are ``[prefix (M); segment (T)]`` with
-S = M + T = ``ctx.k_len`` and query i sits at key index M + i (see
-:class:`~rl_tformers.types.AttnContext`). With a bounded incremental cache only keys
+S = ``ctx.key_offset`` + M + T and query i sits at key index S - T + i (see
+:class:`~rl_tformers.types.AttnContext`; ``ctx.key_offset`` is 0 unless a bounded incremental
+cache dropped the bookkeeping of its oldest keys). With a bounded incremental cache only keys
 ``[k0, S)`` are at hand (``k0 = S - cached - new``); patterns never reach further back than
-the cache keeps. Index tensors hold the *intended* index even where it falls outside the valid
+the cache keeps. Key ``a`` of the context's arrays (``ctx.pos_k``, ``key_valid``, ``seg_k``)
+is read at ``a - ctx.key_offset``. Index tensors hold the *intended* index even where it falls outside the valid
 range (the slot is then masked, and gathers clamp it); keeping pads next to the real indices
 keeps positional hooks (whose cost may scale with the distance range) local.
 
@@ -88,8 +90,8 @@ class Heads:
         q_raw: (B, H, T, Dh) projected queries (the input of the ``score_bias`` hook).
         k: (B, H, S - k0, Dh) keys of absolute indices [k0, S), rotated.
         v: (B, H, S - k0, Dh) values.
-        k0: absolute index of the first key at hand (0 without a bounded cache).
-        ctx: the call's context (describes all S keys).
+        k0: absolute index of the first key at hand (``ctx.key_offset`` without a bounded cache).
+        ctx: the call's context (describes keys [ctx.key_offset, S)).
     """
 
     q: Tensor
@@ -105,12 +107,13 @@ class Heads:
 
     @property
     def n_k(self) -> int:
-        return self.ctx.k_len
+        """S: one past the absolute index of the last key (``ctx.key_offset + ctx.k_len``)."""
+        return self.ctx.key_offset + self.ctx.k_len
 
     @property
     def q0(self) -> int:
-        """M: absolute index of the first query."""
-        return self.ctx.k_len - self.q.shape[2]
+        """Absolute index of the first query (M when ``ctx.key_offset`` is 0)."""
+        return self.n_k - self.q.shape[2]
 
 
 @dataclass
@@ -338,7 +341,8 @@ def run_piece(
     if piece.k_ok is not None:
         k_live = k_live & piece.k_ok
     q_loc = (piece.q_idx - q0).clamp(0, max(t - 1, 0))  # (N, bq) index into the T queries
-    k_abs = piece.k_idx.clamp(max(k0, 0), s - 1)  # (N|1, K) absolute, clamped into range
+    # (N|1, K) index into the context's key arrays: absolute, clamped into the keys at hand
+    k_ctx = piece.k_idx.clamp(max(k0, 0), s - 1) - ctx.key_offset
 
     qg = gather_tokens(q, piece.q_idx - q0)  # (B, h, N, bq, Dh)
     kg = gather_tokens(k, piece.k_idx - k0)  # (B, h, N|1, K, Dh)
@@ -353,11 +357,11 @@ def run_piece(
     if allowed.dim() < 5:
         allowed = allowed.view(*([1] * (5 - allowed.dim())), *allowed.shape)  # (1|B, 1|h, N, bq, K)
     if ctx.key_valid is not None:
-        kv = take(ctx.key_valid, 1, k_abs)  # (B, N|1, K)
+        kv = take(ctx.key_valid, 1, k_ctx)  # (B, N|1, K)
         allowed = allowed & kv[:, None, :, None, :]  # (B, 1|h, N, bq, K)
     if ctx.seg_q is not None and ctx.seg_k is not None:
         sq = take(ctx.seg_q, 1, q_loc)  # (B, N, bq)
-        sk = take(ctx.seg_k, 1, k_abs)  # (B, N|1, K)
+        sk = take(ctx.seg_k, 1, k_ctx)  # (B, N|1, K)
         allowed = allowed & (sq[:, :, :, None] == sk[:, :, None, :])[:, None]  # (B, 1, N, bq, K)
 
     # -- scores ---------------------------------------------------------------------------------
@@ -383,7 +387,7 @@ def run_piece(
         scores = to_acc(torch.matmul(qg * scale, kg.transpose(-1, -2)))  # (B, h, N, bq, K)
         if position.needs_scores:
             pq = take(ctx.pos_q, 1, q_loc)  # (B, N, bq)
-            pk = take(ctx.pos_k, 1, k_abs).expand(b, n, kk)  # (B, N, K)
+            pk = take(ctx.pos_k, 1, k_ctx).expand(b, n, kk)  # (B, N, K)
             if position.additive_bias:
                 bias = position.score_bias(take(h.q_raw, 2, q_loc), pq, pk)  # (B, H, N, bq, K)
                 if bias is not None:
@@ -551,6 +555,11 @@ class BlockSparseAttention(AttentionModule):
         ``None`` = unbounded (the cache keeps every key)."""
         return None
 
+    def cache_keeps(self) -> int | None:
+        """:meth:`lookback` for a kernel with an incremental form (the engine reads the
+        bookkeeping of the keys at hand only, through ``ctx.key_offset``), else None."""
+        return self.lookback() if self.incremental else None
+
     def groups(self, h: Heads, x_q: Tensor) -> list[HeadGroup]:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -579,9 +588,9 @@ class BlockSparseAttention(AttentionModule):
             keep = self.lookback()
             first = 0 if keep is None else max(k.shape[2] - keep, 0)
             new_cache = KVCache(k[:, :, first:], v[:, :, first:])  # (B, H, min(P + S_new, keep), Dh)
-        k0 = s - k.shape[2]
-        if k0 < 0:
+        if k.shape[2] > s:
             raise ValueError(f"attention: {k.shape[2]} keys at hand but the context describes only {s}")
+        k0 = ctx.key_offset + s - k.shape[2]
         return Heads(q=q_c, q_raw=q, k=k, v=v, k0=k0, ctx=ctx), new_cache
 
     def forward(self, x_q: Tensor, x_kv: Tensor, ctx: AttnContext, cache: KVCache | None = None) -> AttnOutput:

@@ -142,6 +142,19 @@ class AttentionModule(nn.Module):
         """Empty cache for step-by-step decoding; raises if the kernel has no incremental form."""
         raise NotImplementedError(f"attention kind {type(self).__name__} has no incremental (cached) form")
 
+    def cache_keeps(self) -> int | None:
+        """How many trailing keys of the state's key bookkeeping (``BackboneState.pos``,
+        ``valid``, ``seg``: one slot per cached key) this kernel's incremental cache still reads.
+
+        ``None`` (the default): all of them; the bookkeeping grows by T slots per call (dense
+        key/value caches, the linear kernels' running sums, patterns that reach back to the
+        start). An int w: the cache holds at most the last w keys and the kernel reads the
+        bookkeeping of no earlier key, so memory kind ``none`` may drop the older slots; the
+        kernel must then count absolute key indices from ``ctx.key_offset`` (the number of
+        dropped keys), as the block-sparse engine does.
+        """
+        return None
+
     @property
     def dropout_p(self) -> float:
         return self.attn_dropout if self.training else 0.0

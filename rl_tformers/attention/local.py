@@ -34,8 +34,8 @@ from rl_tformers.types import AttnContext
 def _abs_grid(ctx: AttnContext) -> tuple[Tensor, Tensor]:
     """Absolute key indices of the queries (T, 1) and of the keys (1, S) (dense test masks)."""
     dev = ctx.pos_q.device
-    a = torch.arange(ctx.q_len, device=dev)[:, None] + ctx.prefix_len  # (T, 1)
-    j = torch.arange(ctx.k_len, device=dev)[None, :]  # (1, S)
+    a = torch.arange(ctx.q_len, device=dev)[:, None] + ctx.prefix_len + ctx.key_offset  # (T, 1)
+    j = torch.arange(ctx.k_len, device=dev)[None, :] + ctx.key_offset  # (1, S)
     return a, j
 
 

@@ -83,6 +83,7 @@ class MemoryModule(nn.Module):
             seg=state.seg,
             episode=state.episode + start.long(),
             next_pos=state.next_pos * keep,
+            key_offset=state.key_offset,
         )
 
 

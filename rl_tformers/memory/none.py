@@ -2,19 +2,41 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from rl_tformers.memory.base import MemoryConfig, MemoryModule, SegmentRecord, new_state
 from rl_tformers.registry import MEMORY, Capabilities
 from rl_tformers.types import BackboneState, LayerState
 
 
+def keys_kept(blocks: Sequence[nn.Module]) -> int | None:
+    """Trailing key slots of the state's bookkeeping that the layers' caches still read: the
+    largest ``attn.cache_keeps()`` of the blocks, or None (keep all) when a layer needs every
+    slot (a dense or running-sum cache) or there are no blocks."""
+    keeps = []
+    for b in blocks:
+        attn = getattr(b, "attn", None)
+        keep = None if attn is None else attn.cache_keeps()
+        if keep is None:
+            return None
+        keeps.append(keep)
+    return max(keeps) if keeps else None
+
+
 class NoMemory(MemoryModule):
     """Stateless by default. ``initial_state`` gives each layer its kernel's incremental
     cache (dense: keys/values of every past token), so feeding tokens one at a time with the
-    returned state equals one full forward pass. The cache grows by T slots per call.
+    returned state equals one full forward pass.
+
+    The state's key bookkeeping (``pos``, ``valid``, ``seg``: (B, P)) grows by T slots per
+    call, except when every layer's kernel has a bounded cache (``attn.cache_keeps()`` an int:
+    sliding-window and local kernels): then only the last w = max over layers of those slots
+    are kept, P <= w, and ``state.key_offset`` counts the dropped ones, so a step costs
+    O(w), not O(steps so far), with the same outputs.
     """
 
     def initial_state(self, blocks, batch, device, dtype) -> BackboneState:
@@ -23,13 +45,23 @@ class NoMemory(MemoryModule):
 
     def update(self, state: BackboneState, rec: SegmentRecord):
         layers = [LayerState(cache=c) for c in rec.caches]
+        pos = torch.cat([state.pos, rec.pos], 1)  # (B, P + T)
+        valid = torch.cat([state.valid, rec.valid], 1)
+        seg = torch.cat([state.seg, rec.seg], 1)
+        offset = state.key_offset
+        keep = keys_kept(rec.blocks)
+        if keep is not None and pos.shape[1] > keep:  # bounded caches: drop the slots none reads
+            drop = pos.shape[1] - keep
+            pos, valid, seg = pos[:, drop:], valid[:, drop:], seg[:, drop:]  # (B, keep)
+            offset += drop
         st = BackboneState(
             layers=layers,
-            pos=torch.cat([state.pos, rec.pos], 1),
-            valid=torch.cat([state.valid, rec.valid], 1),
-            seg=torch.cat([state.seg, rec.seg], 1),
+            pos=pos,
+            valid=valid,
+            seg=seg,
             episode=state.episode,
             next_pos=state.next_pos,
+            key_offset=offset,
         )
         return st, {}, {}
 
