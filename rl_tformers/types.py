@@ -245,8 +245,9 @@ class BackboneState:
         next_pos: (B,) long default position of the next token.
         key_offset: number of keys dropped from the front of the prefix: slot ``p`` is key
             ``key_offset + p`` of the stream. Memory kind ``none`` drops the slots no layer's
-            bounded incremental cache still needs (sliding-window / local kernels), so a step
-            costs O(window), not O(steps so far); 0 for every other memory kind.
+            bounded incremental cache still needs (sliding-window / local kernels; all of them
+            with the linear kernels), so a step costs O(window), not O(steps so far); 0 for
+            every other memory kind.
     """
 
     layers: list[LayerState]

@@ -36,6 +36,11 @@ lays out keys (``[memory; segment]``, ids of valid keys non-decreasing); other l
 ``ValueError``. Causality uses key indices (query i sits at key M + i);
 ``ctx.allowed()`` is never called. A query with no allowed key returns zeros.
 
+Incremental decoding (:class:`LinearCache`): the cache holds the running sums and the episode id
+of the last valid key they cover, which is all a later key needs of the earlier ones (the
+features of a key depend on its own position only), so a step reads no bookkeeping of cached
+keys and memory kind ``none`` drops it (``cache_keeps() == 0``): O(1) per step at any step.
+
 What linear attention cannot do: positional encodings that need the score matrix (ALiBi, Shaw,
 Transformer-XL relative, DA-Transformer) are refused at construction; attention dropout and
 ``need_weights`` are not available (there are no probabilities to drop or return).
@@ -70,13 +75,27 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 class LinearCache:
     """Incremental-decoding cache of a linear-attention layer.
 
+    Everything the kernel needs of the keys it has summarised, so it reads no bookkeeping
+    (``ctx.pos_k``, ``key_valid``, ``seg_k``) of cached keys and memory kind ``none`` may drop
+    all of it (:meth:`KernelAttention.cache_keeps` is 0): a decoding step is O(1) in the number
+    of tokens so far.
+
     Attributes:
         state: (B, H, m, Dh + 1) float32 (float64 for a float64 model): ``[S | z]``, the running sums of ``phi(k_j) v_j^T`` and
             ``phi(k_j)`` over the current episode's keys (decayed for gated RFA). Its size does
             not grow with the number of decoded tokens.
+        last_seg: (B,) long episode id of the last *valid* key summarised (0 before any), which
+            decides whether the next valid key starts a new run (:func:`valid_run_starts`).
+        seen: (B,) bool, True once a valid key has been summarised (a key with no valid key
+            before it starts no run). ``reset_state`` leaves both as they are: it zeroes the
+            sums, and the reset row's next episode id differs from ``last_seg`` anyway.
+            ``None`` (a cache saved before these fields existed): derived from the context's
+            cached keys, which must then all be at hand.
     """
 
     state: Tensor
+    last_seg: Tensor | None = None
+    seen: Tensor | None = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -205,7 +224,9 @@ def run_starts(seg: Tensor, prev: Tensor | None = None) -> Tensor:
     return torch.cat([first, seg[:, 1:] != seg[:, :-1]], dim=1)
 
 
-def valid_run_starts(seg: Tensor, valid: Tensor | None, p: int = 0) -> Tensor:
+def valid_run_starts(
+    seg: Tensor, valid: Tensor | None, p: int = 0, prev: tuple[Tensor, Tensor] | None = None
+) -> Tensor:
     """(B, S - p) bool: True where key ``p + t`` is valid and its episode id differs from that of
     the last *valid* key before it (cached keys ``[:p]`` included).
 
@@ -218,9 +239,20 @@ def valid_run_starts(seg: Tensor, valid: Tensor | None, p: int = 0) -> Tensor:
     Args:
         seg: (B, S) episode ids of all keys; valid: (B, S) bool or None (all valid).
         p: keys summarised by the cache (only the run starts of keys ``p:`` are returned).
+        prev: instead of cached keys at hand (``p`` must be 0), what they come to
+            (:class:`LinearCache`'s ``(last_seg, seen)``, (B,) each): the id of the last valid
+            key before ``seg[:, 0]`` and whether there is one. Only that key matters, so the
+            result equals the one with every earlier key at hand, in O(S) instead of O(P + S).
     Raises:
         ValueError: if the ids of the valid keys decrease (an episode split over two runs).
     """
+    if prev is not None:
+        if p:
+            raise ValueError("valid_run_starts: give either the cached keys (p) or what they come to (prev)")
+        last_seg, seen = prev
+        v = torch.ones_like(seg, dtype=torch.bool) if valid is None else valid
+        # the last valid cached key stands for all of them (an invalid one when there is none)
+        return valid_run_starts(torch.cat([last_seg[:, None], seg], 1), torch.cat([seen[:, None], v], 1), 1)
     if valid is None:
         return run_starts(seg[:, p:], seg[:, p - 1] if p > 0 else None)
     b, s = seg.shape
@@ -237,6 +269,22 @@ def valid_run_starts(seg: Tensor, valid: Tensor | None, p: int = 0) -> Tensor:
     return (valid & has & (seg != prev_seg))[:, p:]
 
 
+def last_valid_seg(
+    seg: Tensor | None, valid: Tensor, last_seg: Tensor, seen: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The (last_seg, seen) pair of :class:`LinearCache` after keys with episode ids ``seg`` and
+    validity ``valid`` (B, L) follow the keys summarised by ``(last_seg, seen)`` (B,): the id of
+    the last valid key and whether there is one. ``seg`` None (no ids: one episode) keeps
+    ``last_seg``."""
+    any_valid = valid.any(1)  # (B,)
+    if seg is None or seg.shape[1] == 0:
+        return last_seg, seen | any_valid
+    idx = torch.arange(seg.shape[1], device=seg.device).expand_as(seg)
+    last = torch.where(valid, idx, -1).amax(1)  # (B,) index of the last valid key, -1 if none
+    new = torch.where(any_valid, seg.gather(1, last.clamp_min(0)[:, None])[:, 0], last_seg)
+    return new, seen | any_valid
+
+
 def safe_divide(num: Tensor, den: Tensor, eps: float) -> Tensor:
     """num / den with |den| clamped to >= eps (sign kept; 0 / 0 -> 0). num (..., E), den (..., 1)."""
     den = torch.where(den >= 0, den.clamp_min(eps), den.clamp_max(-eps))
@@ -251,8 +299,10 @@ class KernelAttention(AttentionModule):
 
     Subclasses implement :meth:`features` (the random feature map) and may override
     :meth:`key_decay` (gated RFA). Forward contract as :class:`AttentionModule`:
-    x_q (B, T, D), x_kv (B, S_new, D) with ``ctx`` describing all S = P + S_new keys, P of which
-    live in ``cache`` (incremental decoding, causal only).
+    x_q (B, T, D), x_kv (B, S_new, D) with ``ctx`` describing S = P + S_new keys, the first P
+    of which are summarised by ``cache`` (incremental decoding, causal only). The cache covers
+    every earlier key; their bookkeeping in ``ctx`` (P of them, 0 with memory kind ``none``) is
+    never read (:meth:`cache_keeps`).
 
     Args:
         ctx: build context. position: positional module (must not need scores).
@@ -302,8 +352,23 @@ class KernelAttention(AttentionModule):
         """Zero running sums (B, H, m, Dh + 1) in ``acc_dtype(dtype)`` (float32 for bf16); causal only."""
         if not self.causal:
             raise NotImplementedError(f"{type(self).__name__}: incremental decoding needs backbone.causal=true")
-        return LinearCache(torch.zeros(batch, self.n_heads, self.n_features, self.head_dim + 1, device=device,
-                                       dtype=acc_dtype(dtype)))
+        return LinearCache(
+            torch.zeros(batch, self.n_heads, self.n_features, self.head_dim + 1, device=device,
+                        dtype=acc_dtype(dtype)),
+            last_seg=torch.zeros(batch, dtype=torch.long, device=device),
+            seen=torch.zeros(batch, dtype=torch.bool, device=device),
+        )
+
+    def cache_keeps(self) -> int | None:
+        """0 (causal): the cache carries what the kernel needs of the keys it summarises (the
+        running sums, and the episode id of the last valid key for run starts), and a key's
+        features depend on nothing but its own input and position (rotary rotates each key by
+        its own position, sinusoidal / learned positions are added to the inputs, RFA's gate
+        reads the key's input); so a step reads the bookkeeping of its new keys only, and
+        memory kind ``none`` keeps none of the old slots. Exact in every
+        configuration with a cache (memory prefix keys among the new ones included). None when
+        bidirectional (no incremental form)."""
+        return 0 if self.causal else None
 
     @property
     def n_features(self) -> int:  # pragma: no cover - abstract
@@ -314,11 +379,25 @@ class KernelAttention(AttentionModule):
         q, k, v = self.project(x_q, x_kv)  # (B, H, T, Dh), (B, H, S_new, Dh) x2
         b, _, t, _ = q.shape
         s_new = k.shape[2]
-        p = ctx.k_len - s_new  # keys summarised by the cache
+        p = ctx.k_len - s_new  # cached keys whose bookkeeping is at hand (read only for a cache without last_seg)
         if p < 0 or (p > 0 and cache is None):
             raise ValueError(f"attention: {s_new} keys given but the context describes {ctx.k_len} and there is no cache")
         if cache is not None and not ctx.causal:
             raise ValueError("linear attention: a cache (incremental decoding) needs a causal context")
+        prev = None  # (last_seg, seen) (B,) of the keys the cache summarises
+        if cache is not None:
+            if cache.last_seg is not None:
+                prev = (cache.last_seg, cache.seen)
+            elif ctx.key_offset:
+                raise ValueError(
+                    "linear attention: a cache without last_seg/seen needs every cached key's bookkeeping"
+                )
+            else:  # a cache saved before those fields: derive them from the cached keys at hand
+                old = ctx.pos_k[:, :p]  # (B, P)
+                kv0 = torch.ones_like(old, dtype=torch.bool) if ctx.key_valid is None else ctx.key_valid[:, :p]
+                seg0 = None if ctx.seg_k is None else ctx.seg_k[:, :p]
+                zero = torch.zeros(b, dtype=torch.long, device=old.device)
+                prev = last_valid_seg(seg0, kv0, zero, zero.bool())
         m_new = s_new - t  # prefix keys among the given ones (memory)
         pos = self.position
         q = pos.rotate(pos.content_query(q), ctx.pos_q)
@@ -340,7 +419,10 @@ class KernelAttention(AttentionModule):
             v_aug = torch.cat([v.to(fq.dtype), ones], dim=-1)  # (B, H, S_new, Dh + 1)
             reset = None
             if ctx.seg_k is not None:
-                reset = valid_run_starts(ctx.seg_k, ctx.key_valid, p)  # (B, S_new)
+                if prev is None:
+                    reset = valid_run_starts(ctx.seg_k, ctx.key_valid)  # (B, S_new): no cached key (p = 0)
+                else:
+                    reset = valid_run_starts(ctx.seg_k[:, p:], valid, prev=prev)  # (B, S_new)
                 if not bool(reset.any()):
                     reset = None
             new_cache = None
@@ -352,7 +434,10 @@ class KernelAttention(AttentionModule):
                 )
                 out = out[:, :, m_new:]  # (B, H, T, E)
                 if cache is not None:
-                    new_cache = LinearCache(final)
+                    v_new = torch.ones_like(ctx.pos_k[:, p:], dtype=torch.bool) if valid is None else valid
+                    seg_new = None if ctx.seg_k is None else ctx.seg_k[:, p:]  # (B, S_new)
+                    last_seg, seen = last_valid_seg(seg_new, v_new, *prev)
+                    new_cache = LinearCache(final, last_seg, seen)
             else:
                 if log_decay is not None:
                     raise ValueError(f"{type(self).__name__}: the gated form is causal only")

@@ -147,11 +147,11 @@ class AttentionModule(nn.Module):
         ``valid``, ``seg``: one slot per cached key) this kernel's incremental cache still reads.
 
         ``None`` (the default): all of them; the bookkeeping grows by T slots per call (dense
-        key/value caches, the linear kernels' running sums, patterns that reach back to the
-        start). An int w: the cache holds at most the last w keys and the kernel reads the
-        bookkeeping of no earlier key, so memory kind ``none`` may drop the older slots; the
-        kernel must then count absolute key indices from ``ctx.key_offset`` (the number of
-        dropped keys), as the block-sparse engine does.
+        key/value caches, patterns that reach back to the start). An int w: the cache holds at
+        most the last w keys, or summarises the earlier ones itself (the linear kernels' running
+        sums: w = 0), and the kernel reads the bookkeeping of no earlier key, so memory kind
+        ``none`` may drop the older slots; the kernel must then count absolute key indices from
+        ``ctx.key_offset`` (the number of dropped keys), as the block-sparse engine does.
         """
         return None
 

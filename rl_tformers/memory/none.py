@@ -16,7 +16,7 @@ from rl_tformers.types import BackboneState, LayerState
 def keys_kept(blocks: Sequence[nn.Module]) -> int | None:
     """Trailing key slots of the state's bookkeeping that the layers' caches still read: the
     largest ``attn.cache_keeps()`` of the blocks, or None (keep all) when a layer needs every
-    slot (a dense or running-sum cache) or there are no blocks."""
+    slot (a dense cache) or there are no blocks."""
     keeps = []
     for b in blocks:
         attn = getattr(b, "attn", None)
@@ -34,7 +34,8 @@ class NoMemory(MemoryModule):
 
     The state's key bookkeeping (``pos``, ``valid``, ``seg``: (B, P)) grows by T slots per
     call, except when every layer's kernel has a bounded cache (``attn.cache_keeps()`` an int:
-    sliding-window and local kernels): then only the last w = max over layers of those slots
+    sliding-window and local kernels, and the linear kernels ``performer`` / ``rfa``, whose
+    running sums need no slot): then only the last w = max over layers of those slots
     are kept, P <= w, and ``state.key_offset`` counts the dropped ones, so a step costs
     O(w), not O(steps so far), with the same outputs.
     """
