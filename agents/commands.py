@@ -30,7 +30,7 @@ Examples:
 
 PLOT_HELP = """Plot achieved vs target return over a sweep of targets (return conditioning).
 
-The Decision Transformer paper's figure 4, with y = x, the dataset's best and mean return and the spread over episodes, plus per-episode traces of remaining return-to-go vs cumulative reward. Also logged to the run's TensorBoard files as an image (RUN_DIR must then be a directory, also with --checkpoint; --no-tensorboard writes only --out). --out is checked before anything is evaluated; targets beyond what the model's float32 return embedding takes are refused up front, and a non-finite action or reward stops the evaluation with an error (as in `rl-tformers eval`). --from-json FILE plots a saved `eval --out` file: the figure carries (and TensorBoard logs it at) the step of the checkpoint that file evaluated, and a file evaluating another environment, agent kind or run than RUN_DIR is refused.
+The Decision Transformer paper's figure 4, with y = x, the dataset's best and mean return and the spread over episodes, plus per-episode traces of remaining return-to-go vs cumulative reward. Also logged to the run's TensorBoard files as an image (RUN_DIR must then be a directory, also with --checkpoint; --no-tensorboard writes only --out). --out is checked before anything is evaluated; targets beyond what the model's float32 return embedding takes are refused up front, and a non-finite action or reward stops the evaluation with an error (as in `rl-tformers eval`). The policy is the one `rl-tformers eval RUN_DIR` evaluates without options: a DT run's agent.early_exit.threshold and agent.knn.* apply. --from-json FILE plots a saved `eval --out` file: the figure carries (and TensorBoard logs it at) the step of the checkpoint that file evaluated, and a file evaluating another environment, agent kind or run than RUN_DIR is refused.
 
 Examples:
 
@@ -395,6 +395,11 @@ def plot_cmd(
         else:
             _check_targets(run, tlist, "--targets")
         try:
+            # the run's own evaluation options (agent.early_exit.threshold, agent.knn.*), as
+            # `rl-tformers eval RUN` without --early-exit / --knn-*: the same policy is plotted
+            setup = getattr(run.agent, "inference_setup", None)
+            if setup is not None:
+                setup()
             report = evaluate(
                 run.agent.policy(), run.agent.make_env(), tlist, episodes=episodes, n_envs=envs, seed=seed,
                 record_rewards=True, normalize=_normalizer(run), env_id=run.env_id,

@@ -439,10 +439,15 @@ def run_episodes(
     episode_start = np.ones(n, dtype=bool)
     last_reward: np.ndarray | None = None
     remaining = episodes
+    # a policy that keeps per-decision statistics (DTPolicy: exit layers, kNN hits) is told which
+    # rows run counted episodes, so the filler rows' discarded decisions do not enter them
+    count_rows = getattr(policy, "count_rows", None)
     while remaining > 0:
         # a row past its quota restarts its (discarded) context at every step: its unseeded filler
         # episodes, which may outlast every counted one, never reach a policy limit (a DT's
         # max_ep_len) that no counted episode reaches
+        if count_rows is not None:
+            count_rows(active.copy())
         actions, state = policy.act(obs, state, episode_start | ~active, last_reward)
         actions = np.asarray(actions)
         _check_finite(actions, "the policy returned a non-finite action",
@@ -497,6 +502,8 @@ def run_episodes(
             seeds = [seed + int(job[i]) if done[i] and active[i] else None for i in range(n)]
             new_obs, _ = envs.reset(seed=seeds, options={"reset_mask": done.copy()})
             obs = np.where(done.reshape((n,) + (1,) * (obs.ndim - 1)), np.asarray(new_obs), obs)
+    if count_rows is not None:
+        count_rows(None)  # later calls (another caller) count every row again
     return EpisodeRecord(returns, lengths, ended, rewards, observations, actions_out)
 
 

@@ -39,6 +39,7 @@ When training the gate on the datastore's own dataset, pass the query's episode 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +104,13 @@ class ActionDatastore:
                 f"datastore: keys (N, D), actions (N, ...) and groups (N,) must agree; got "
                 f"{tuple(self.keys.shape)}, {tuple(self.actions.shape)}, {tuple(self.groups.shape)}"
             )
+        if self.actions.is_floating_point() and self.actions.dim() != 2:
+            raise ValueError(
+                f"datastore: continuous actions must be (N, A), got {tuple(self.actions.shape)} (one action "
+                f"dimension: (N, 1)); discrete actions are (N,) integers"
+            )
+        if not self.actions.is_floating_point() and self.actions.dim() != 1:
+            raise ValueError(f"datastore: discrete actions must be (N,) integers, got {tuple(self.actions.shape)}")
         self.keys = self.keys.detach().float().cpu().contiguous()
         self.actions = self.actions.detach().cpu()
         self.groups = self.groups.detach().long().cpu()
@@ -168,6 +176,13 @@ class ActionDatastore:
         Returns:
             :class:`Neighbours` on the queries' device.
         """
+        if queries.dim() != 2 or queries.shape[1] != self.keys.shape[1]:
+            raise ValueError(
+                f"datastore search: queries must be (B, D) with D = {self.keys.shape[1]} (the width of the keys), "
+                f"got {tuple(queries.shape)}"
+            )
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+            raise ValueError(f"datastore search: k must be an integer >= 0, got {k!r}")
         dev = queries.device
         b = queries.shape[0]
         n = len(self)
@@ -240,6 +255,11 @@ def neighbour_weights(nb: Neighbours, temperature: float = 1.0) -> Tensor:
 def knn_distribution(nb: Neighbours, n_actions: int, temperature: float = 1.0) -> Tensor:
     """p_kNN(a) ∝ sum_i 1[a_i = a] exp(-d_i / T) (Khandelwal et al. 2020, eq. 2): (B, n_actions)."""
     w = neighbour_weights(nb, temperature)  # (B, k)
+    found = nb.actions[nb.valid]
+    if found.numel() and (int(found.min()) < 0 or int(found.max()) >= n_actions):
+        bad = int(found.min()) if int(found.min()) < 0 else int(found.max())
+        raise ValueError(f"kNN: a neighbour's action {bad} is not one of the model's {n_actions} actions "
+                         f"(0..{n_actions - 1}; was the datastore built for another action space?)")
     p = torch.zeros(w.shape[0], n_actions, device=w.device, dtype=w.dtype)
     return p.scatter_add_(1, nb.actions.long().clamp_min(0), w)
 
@@ -338,8 +358,12 @@ class KNNPolicyMemory:
     """
 
     def __init__(self, datastore: ActionDatastore, k: int = 16, lam: float = 0.25, temperature: float = 1.0) -> None:
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+            raise ValueError(f"k must be an integer >= 1, got {k!r}")
+        if not 0.0 <= lam <= 1.0:
+            raise ValueError(f"lambda must lie in [0, 1], got {lam}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 (the distance kernel exp(-d / T)), got {temperature}")
         self.datastore, self.k, self.lam, self.temperature = datastore, k, lam, temperature
 
     def neighbours(self, embedding: Tensor, exclude_groups: Tensor | None = None) -> Neighbours:

@@ -322,6 +322,7 @@ class DTAgent:
         self.knn_options = {**DT_DEFAULTS["agent"]["knn"], **(plain(a.get("knn")) or {})}
         check_inference_options(self.early_exit_options, self.knn_options)
         self.knn_memory = None  # KNNPolicyMemory, set by build_knn_memory
+        self._knn_for: tuple[float | None, int | None] | None = None  # what its keys were computed for
         self.exit_threshold: float | None = None  # set by set_exit_threshold / calibrate_early_exit
         self.seed = int(cfg.seed)
         self.device = torch.device(device)
@@ -428,6 +429,13 @@ class DTAgent:
         rollouts) instead of its mean (evaluation).
         """
         i = self.info
+        if self.knn_memory is not None and self._knn_for not in (None, self._knn_built_for()):
+            (thr, ctx), (now_thr, now_ctx) = self._knn_for, self._knn_built_for()
+            raise ValueError(
+                f"the kNN-LM datastore was built for early-exit threshold {thr} and acting context "
+                f"{ctx or 'K'} but the policy now acts with threshold {now_thr} and context {now_ctx or 'K'}: its "
+                f"keys would not be the features the policy queries with; call build_knn_memory() again "
+                f"(or set the threshold / agent.eval_context_len before building it)")
         return DTPolicy(
             self.model, i.obs_mean, i.obs_std, i.reward_scale, i.action_low, i.action_high,
             default_target=self.default_targets()[0],
@@ -456,7 +464,12 @@ class DTAgent:
         if dataset is not None:
             return dataset
         if self.dataset is None:
-            self.dataset = load_offline_dataset(plain(self.cfg.dataset))
+            try:
+                self.dataset = load_offline_dataset(plain(self.cfg.dataset))
+            except OSError as exc:  # moved or deleted since training: one error line, not a traceback
+                raise ValueError(
+                    f"early-exit calibration and the kNN-LM datastore read the run's training dataset "
+                    f"(dataset.* in its config.yaml), which cannot be read now: {exc}") from exc
         return self.dataset
 
     def _sampler(self, dataset: EpisodeDataset):
@@ -467,6 +480,19 @@ class DTAgent:
         stats = ObsStats(self.info.obs_mean.reshape(shape), self.info.obs_std.reshape(shape))
         return WindowSampler(dataset, self.model_cfg.context_len, align=self.align, reward_scale=self.info.reward_scale,
                              obs_stats=stats)
+
+    def _acting_mask(self, mask: Tensor, slot: Tensor) -> Tensor:
+        """(W, K) mask of windows whose deciding step sits at ``slot`` (W,), cut to the context the
+        policy reads when acting: the last ``agent.eval_context_len`` steps up to the deciding one
+        (:class:`DTPolicy` ``context_steps``); unchanged when acting reads all K."""
+        if self.eval_context_len is None:
+            return mask
+        keep = torch.arange(mask.shape[1], device=mask.device)[None, :] > slot[:, None] - self.eval_context_len
+        return mask & keep
+
+    def _knn_built_for(self) -> tuple[float | None, int | None]:
+        """What the datastore keys depend on besides the weights: the exit threshold and the acting context."""
+        return self.exit_threshold, self.eval_context_len
 
     def inference_setup(
         self, early_exit: str | float | None = None, knn_lambda: float | None = None, knn_k: int | None = None,
@@ -557,6 +583,7 @@ class DTAgent:
         last = k - 1 - mask.flip(1).long().argmax(1)  # (W,) slot of the last real step
         decide = torch.zeros_like(mask)
         decide[torch.arange(mask.shape[0], device=dev), last] = True
+        mask = self._acting_mask(mask, last)  # the context the policy reads when acting (eval_context_len)
         was = self.model.training
         self.model.eval()
         args = (batch["obs"], batch["actions"], batch["rtg"], batch["timesteps"], mask)
@@ -653,15 +680,25 @@ class DTAgent:
             flat = np.asarray(data.starts)[e][:, None] + local  # (W, K) dataset rows
             raw = sampler._gather(flat, m, local)  # the training sampler's units (obs stats, RTG / scale)
             batch = to_model_batch({n: torch.as_tensor(v, device=dev) for n, v in raw.items()}, self.info)
-            out = self.model(batch["obs"], batch["actions"], batch["rtg"], batch["timesteps"], batch["mask"])
             rows = torch.arange(len(e), device=dev)
             sl = torch.as_tensor(slot, device=dev)
+            # exactly the policy's forward pass at step t (DTPolicy.act): the context it reads
+            # (agent.eval_context_len) and, with early exit, the threshold it acts with, so that a
+            # key is the feature the head reads when acting (the exited layer's, when it exits)
+            mask = self._acting_mask(batch["mask"], sl)
+            kw: dict[str, Any] = {}
+            if self.model.early_exit:
+                decide = torch.zeros_like(mask)
+                decide[rows, sl] = True
+                kw = {"exit_steps": decide, "exit_threshold": self.exit_threshold}
+            out = self.model(batch["obs"], batch["actions"], batch["rtg"], batch["timesteps"], mask, **kw)
             feats = out.features[:, -1] if self.model_cfg.mode == "last_action" else out.features[rows, sl]
             keys.append(feats)
             acts.append(batch["actions"][rows, sl])
         self.model.train(was)
         store = ActionDatastore(torch.cat(keys), torch.cat(acts), torch.as_tensor(ep), metric=metric)
         self.knn_memory = KNNPolicyMemory(store, k=k_nb, lam=lam, temperature=temperature)
+        self._knn_for = self._knn_built_for()
         return {"entries": len(store), "lam": lam, "k": k_nb, "temperature": temperature, "metric": metric,
                 "build_s": time.perf_counter() - t0}
 
@@ -676,14 +713,25 @@ class DTAgent:
         return list(self.config_targets)
 
     def evaluate(self, step: int) -> dict[str, Any]:
-        """Returns at each default target over ``eval.episodes`` episodes (+ normalised score, figure)."""
+        """Returns at each default target over ``eval.episodes`` episodes (+ normalised score, figure).
+
+        The policy evaluated is the one ``rl-tformers eval RUN`` evaluates without options: the
+        run's ``agent.early_exit.threshold`` (calibrated on the current weights for
+        ``calibrate``) and ``agent.knn.*`` (a datastore built with the current weights when
+        ``agent.knn.lam`` > 0) apply; both are dropped again afterwards.
+        """
         was_training = self.model.training
-        report = evaluate(
-            self.policy(), self.make_env(), self.default_targets(), episodes=int(self.cfg.eval.episodes),
-            n_envs=int(self.cfg.eval.n_envs), seed=eval_seed(self.seed, step), record_rewards=True,
-            normalize=self.info.normalizer(), env_id=self.info.env_id,
-        )
-        self.model.train(was_training)
+        saved = self.exit_threshold, self.knn_memory, self._knn_for
+        try:
+            self.inference_setup()  # nothing to do (and nothing spent) with the defaults
+            report = evaluate(
+                self.policy(), self.make_env(), self.default_targets(), episodes=int(self.cfg.eval.episodes),
+                n_envs=int(self.cfg.eval.n_envs), seed=eval_seed(self.seed, step), record_rewards=True,
+                normalize=self.info.normalizer(), env_id=self.info.env_id,
+            )
+        finally:
+            self.exit_threshold, self.knn_memory, self._knn_for = saved
+            self.model.train(was_training)
         out: dict[str, Any] = {}
         for k, r in enumerate(report.results):
             suffix = "" if k == 0 else f"_target{k}"

@@ -166,6 +166,7 @@ class DTPolicy:
         self.exit_threshold = exit_threshold
         self.knn = knn
         self.action_start = int(action_start)
+        self._counted: np.ndarray | None = None  # count_rows: rows whose decisions stats() counts
         self.reset_stats()
         align = align or ("start" if model.cfg.mode == "causal" else "end")
         if align not in ("start", "end") or (align == "start" and model.cfg.mode != "causal"):
@@ -193,6 +194,16 @@ class DTPolicy:
         if self.action_shape is not None and not self.cfg.discrete and math.prod(self.action_shape) != self.cfg.act_dim:
             raise ValueError(f"DTPolicy: action_shape={self.action_shape} does not hold the model's "
                              f"{self.cfg.act_dim} action values")
+
+    def count_rows(self, rows: np.ndarray | None) -> None:
+        """Count only these rows' decisions in :meth:`stats` from the next :meth:`act` on.
+
+        ``rows``: (N,) bool, False for rows whose actions the caller discards (the evaluation's
+        idle environments past their episode quota); ``None``: every row (the default). Those
+        rows' state tokens do not decide either (with early exit they never exit, so they do not
+        hold back the layer loop); the counted rows' actions are unchanged.
+        """
+        self._counted = None if rows is None else np.asarray(rows, dtype=bool).copy()
 
     def reset_stats(self) -> None:
         """Zero the counters of :meth:`stats`."""
@@ -338,11 +349,13 @@ class DTPolicy:
         state.timesteps[rows, slot] = torch.as_tensor(np.minimum(t, cfg.max_ep_len - 1), device=dev)
         state.mask[rows, slot] = True
         state.actions[rows, slot] = 0
+        counted = self._counted if self._counted is not None and self._counted.shape == (n,) else np.ones(n, bool)
+        n_counted = int(counted.sum())
         t0 = time.perf_counter()
         kw: dict[str, Any] = {}
         if self.model.early_exit:
             decide = torch.zeros(n, k, dtype=torch.bool, device=dev)  # (N, K): the current step decides
-            decide[rows, slot] = True
+            decide[rows, slot] = torch.as_tensor(counted, device=dev)  # (rows whose decisions count)
             kw = {"exit_steps": decide, "exit_threshold": self.exit_threshold}
         mask = state.mask
         if self.context_steps is not None:  # only the last context_steps steps (slot >= current - c + 1)
@@ -357,15 +370,15 @@ class DTPolicy:
             a = torch.tanh(mean + log_std.exp() * eps)
         self._check_finite(out.logits[p] if cfg.discrete else a, state)
         if self.knn is not None:
-            a = self._interpolate(out.features[p], out.logits[p] if cfg.discrete else a)
+            a = self._interpolate(out.features[p], out.logits[p] if cfg.discrete else a, counted)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         self._forward_s += time.perf_counter() - t0
         self._steps += 1
-        self._decisions += n
-        if self.model.early_exit:
-            self._exit_layer_sum += float(out.metrics["exit/mean_layer"]) * n
-            self._early_sum += float(out.metrics["exit/early_frac"]) * n
+        self._decisions += n_counted
+        if self.model.early_exit:  # means over the deciding (counted) rows
+            self._exit_layer_sum += float(out.metrics["exit/mean_layer"]) * n_counted
+            self._early_sum += float(out.metrics["exit/early_frac"]) * n_counted
         state.actions[rows, slot] = a
         if cfg.discrete:  # class index -> environment action
             return a.cpu().numpy().astype(np.int64) + self.action_start, state
@@ -390,12 +403,13 @@ class DTPolicy:
             f"{float(state.rtg_raw[i]):g} / reward scale {self.rtg_scale:g}); no action is taken from it"
         )
 
-    def _interpolate(self, features: Tensor, pred: Tensor) -> Tensor:
-        """kNN-LM at the decision: features (N, D); pred = logits (N, n_actions) or action (N, A)."""
+    def _interpolate(self, features: Tensor, pred: Tensor, counted: np.ndarray) -> Tensor:
+        """kNN-LM at the decision: features (N, D); pred = logits (N, n_actions) or action (N, A);
+        ``counted`` (N,) bool: the rows whose hits :meth:`stats` counts."""
         from rl_tformers.agents.common.knn_memory import interpolate_continuous, interpolate_discrete
 
         nb = self.knn.neighbours(features)
-        self._knn_hits += int(nb.valid.any(-1).sum())
+        self._knn_hits += int(nb.valid.any(-1).cpu()[torch.as_tensor(counted)].sum())
         if self.cfg.discrete:
             return interpolate_discrete(pred, nb, self.knn.lam, self.knn.temperature).argmax(-1)
         return interpolate_continuous(pred, nb, self.knn.lam, self.knn.temperature).clamp(-1.0, 1.0)

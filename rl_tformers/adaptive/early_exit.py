@@ -555,6 +555,11 @@ class EarlyExitConfig(DepthConfig):
             raise ValueError(f"depth.threshold must be >= 0, got {self.threshold}")
         if self.oracle_sigma < 0:
             raise ValueError(f"depth.oracle_sigma must be >= 0, got {self.oracle_sigma}")
+        if self.classifier_weight < 0:
+            # a negative weight trains the exit classifier to disagree with its oracle (gradient
+            # ascent on its loss), which diverges; 0 leaves the classifier untrained
+            raise ValueError(f"depth.classifier_weight must be >= 0 (0: the exit classifier is not trained), "
+                             f"got {self.classifier_weight}")
 
     def build(self, ctx) -> DepthModule:
         return EarlyExitDepth(ctx, self)
