@@ -506,12 +506,16 @@ class DTAgent:
             knn_lambda: kNN-LM weight; > 0 builds the datastore (:meth:`build_knn_memory`).
                 ``None``: ``agent.knn.lam``.
             knn_k, knn_max_entries: override ``agent.knn.k`` / ``agent.knn.max_entries``.
+        Each call replaces the previous setup: a call with the defaults after one with a threshold
+        or a datastore evaluates what the config says, not what the earlier call left.
+
         Returns:
             JSON-ready ``{"early_exit": {...}, "knn": {...}}`` for the options in use.
         Raises:
             ValueError: early exit without ``backbone.depth.kind=early_exit``, a bad value.
         """
         info: dict[str, Any] = {}
+        self.exit_threshold, self.knn_memory, self._knn_for = None, None, None
         if early_exit is None:
             ee = parse_exit_threshold(self.early_exit_options["threshold"], "agent.early_exit.threshold")
         else:

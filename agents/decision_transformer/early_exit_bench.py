@@ -49,6 +49,7 @@ def forward_timing(agent: Any, batch_sizes: list[int], repeats: int = 200, seed:
         b = to_model_batch({k: torch.as_tensor(v, device=dev) for k, v in raw.items()}, agent.info)
         mask = b["mask"]
         last = mask.shape[1] - 1 - mask.flip(1).long().argmax(1)  # (N,) slot of the last real step
+        mask = agent._acting_mask(mask, last)  # the context the policy reads (agent.eval_context_len)
         decide = torch.zeros_like(mask)
         rows = torch.arange(n, device=dev)
         decide[rows, last] = True

@@ -261,3 +261,17 @@ def test_knn_or_calibration_without_the_training_dataset_is_an_error_line(tmp_pa
     res = CliRunner().invoke(app, ["eval", str(run_dir), "--episodes", "1", "--envs", "1", *option])
     assert res.exit_code == 2 and not isinstance(res.exception, OSError), (res.output, res.exception)
     assert "cannot be read now" in res.output and str(path) in res.output
+
+
+# ---------------------- (lead) inference_setup replaces, not accumulates, the earlier call's setup
+def test_inference_setup_with_the_defaults_after_options_evaluates_what_the_config_says(tmp_path, cartpole_h5):
+    """A second ``inference_setup()`` with the defaults (threshold none, lam 0 in the config)
+    used to keep the threshold and datastore of the first call: the full model, no kNN, now."""
+    path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
+    agent = _agent(path, "backbone.n_layers=2", "backbone.depth={kind: early_exit, confidence: saturation}")
+    agent.inference_setup(early_exit=0.0, knn_lambda=0.5, knn_k=2)
+    assert agent.exit_threshold == 0.0 and agent.knn_memory is not None
+    assert agent.inference_setup() == {}
+    assert agent.exit_threshold is None and agent.knn_memory is None
+    pol = agent.policy()
+    assert pol.exit_threshold is None and pol.knn is None
