@@ -95,7 +95,10 @@ class AdaptiveSpanAttention(BlockSparseAttention):
         return self.max_span * clamp_st(to_acc(self.span), 0.0, 1.0)  # (H,)
 
     def width(self, z: Tensor) -> int:
-        """Distances computed: min(S, ceil(max z) + R) (one host sync per call)."""
+        """Distances computed: min(S, ceil(max z) + R) (one host sync per call). Dynamic spans
+        of no query (an empty batch, B = 0) give min(S, R): there is nothing to attend."""
+        if z.numel() == 0:
+            return min(self.max_span, self.ramp)
         return int(min(self.max_span, math.ceil(float(z.detach().max()) + self.ramp)))
 
     def groups(self, h: Heads, x_q: Tensor, z: Tensor | None = None) -> list[HeadGroup]:
