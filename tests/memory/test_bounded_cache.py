@@ -17,6 +17,7 @@ import torch
 from rl_tformers import Backbone
 from rl_tformers.memory import none as none_memory
 from rl_tformers.memory.none import keys_kept
+from tests.memory.decoding import chunks, feed, run_with_reset
 
 D, H, B = 16, 2, 2
 TOL = {"atol": 1e-10, "rtol": 1e-10}
@@ -52,16 +53,6 @@ def _inputs(n: int, seed: int = 0):
     return x, mask, starts
 
 
-def _chunks(n: int) -> list[tuple[int, int]]:
-    """Mostly single tokens, some chunks of 2 and 3."""
-    out, t, sizes, i = [], 0, (1, 1, 2, 1, 3), 0
-    while t < n:
-        e = min(n, t + sizes[i % len(sizes)])
-        out.append((t, e))
-        t, i = e, i + 1
-    return out
-
-
 @pytest.mark.parametrize("kind", sorted(BOUNDED))
 def test_bounded_cache_keeps_window_slots_and_equals_the_full_pass(kind):
     attention, bound = BOUNDED[kind]
@@ -71,10 +62,8 @@ def test_bounded_cache_keeps_window_slots_and_equals_the_full_pass(kind):
     x, mask, starts = _inputs(n)
     with torch.no_grad():
         full = bb(x, mask=mask, episode_start=starts).hidden  # (B, n, D)
-        st = bb.initial_state(B)
         outs = []
-        for t, e in _chunks(n):
-            o = bb(x[:, t:e], mask=mask[:, t:e], episode_start=starts[:, t:e], state=st)
+        for e, o in feed(bb, x, mask, starts, chunks(n)):
             st = o.state
             outs.append(o.hidden)
             kept = min(e, bound)
@@ -86,34 +75,21 @@ def test_bounded_cache_keeps_window_slots_and_equals_the_full_pass(kind):
     assert st.key_offset == n - bound > 2 * bound  # trimmed many times over
 
 
-def _run(bb, x, chunks, reset_at, reset_rows):
-    """Step through ``x``, resetting ``reset_rows`` before token ``reset_at``; returns outputs, state."""
-    st = bb.initial_state(B)
-    outs = []
-    for t, e in chunks:
-        if t == reset_at:
-            st = bb.reset_state(st, reset_rows)
-        o = bb(x[:, t:e], state=st)
-        st = o.state
-        outs.append(o.hidden)
-    return torch.cat(outs, 1), st
-
-
 @pytest.mark.parametrize("kind", sorted(BOUNDED))
 def test_reset_state_masks_correctly_across_the_trim(kind, monkeypatch):
     attention, bound = BOUNDED[kind]
     bb = _backbone(attention)
     n = 4 * bound + 3
     x, _, _ = _inputs(n, seed=1)
-    chunks = [(t, t + 1) for t in range(n)]
+    steps = [(t, t + 1) for t in range(n)]
     reset_at = 2 * bound + 1  # the state has been trimmed for a while
     rows = torch.tensor([False, True])
     with torch.no_grad():
-        got, st = _run(bb, x, chunks, reset_at, rows)
+        got, st = run_with_reset(bb, x, steps, reset_at, rows)
         assert st.pos.shape == (B, bound) and st.key_offset == n - bound
         # the same calls with untrimmed bookkeeping (the behaviour before the trim existed)
         monkeypatch.setattr(none_memory, "keys_kept", lambda blocks: None)
-        want, st_full = _run(bb, x, chunks, reset_at, rows)
+        want, st_full = run_with_reset(bb, x, steps, reset_at, rows)
         monkeypatch.undo()
         assert st_full.pos.shape == (B, n) and st_full.key_offset == 0
         torch.testing.assert_close(got, want, **TOL)
@@ -136,10 +112,8 @@ def test_unbounded_caches_keep_the_full_history(attention):
     x, mask, starts = _inputs(n)
     with torch.no_grad():
         full = bb(x, mask=mask, episode_start=starts).hidden
-        st = bb.initial_state(B)
         outs = []
-        for t, e in _chunks(n):
-            o = bb(x[:, t:e], mask=mask[:, t:e], episode_start=starts[:, t:e], state=st)
+        for e, o in feed(bb, x, mask, starts, chunks(n)):
             st = o.state
             outs.append(o.hidden)
             assert st.pos.shape == (B, e) and st.key_offset == 0

@@ -20,6 +20,7 @@ from rl_tformers import Backbone
 from rl_tformers.attention._linear import LinearCache
 from rl_tformers.memory import none as none_memory
 from rl_tformers.memory.none import keys_kept
+from tests.memory.decoding import chunks, feed, run_with_reset
 
 D, H, B = 16, 2, 2
 TOL = {"atol": 1e-10, "rtol": 1e-10}
@@ -40,16 +41,6 @@ def _backbone(name: str) -> Backbone:
     return Backbone(cfg).eval().to(torch.float64)
 
 
-def _chunks(n: int) -> list[tuple[int, int]]:
-    """Steps of 1, 1, 2, 1, 3 tokens, repeated: [0,1) [1,2) [2,4) [4,5) [5,8) [8,9) [9,10) [10,12) ..."""
-    out, t, sizes, i = [], 0, (1, 1, 2, 1, 3), 0
-    while t < n:
-        e = min(n, t + sizes[i % len(sizes)])
-        out.append((t, e))
-        t, i = e, i + 1
-    return out
-
-
 def _inputs(n: int = 24, seed: int = 0):
     """x (B, n, D) float64; mask with left padding (row 1) and padding across steps (row 0: keys
     4..6, the step [4, 5) fully padded); episode starts inside steps: row 0 at key 7 (second key
@@ -68,11 +59,9 @@ def _inputs(n: int = 24, seed: int = 0):
     return x, mask, starts
 
 
-def _decode(bb, x, mask, starts, chunks):
-    st = bb.initial_state(B)
+def _decode(bb, x, mask, starts, steps):
     outs = []
-    for t, e in chunks:
-        o = bb(x[:, t:e], mask=mask[:, t:e], episode_start=starts[:, t:e], state=st)
+    for e, o in feed(bb, x, mask, starts, steps):
         st = o.state
         outs.append(o.hidden)
         assert st.pos.shape == st.valid.shape == st.seg.shape == (B, 0)
@@ -88,7 +77,7 @@ def test_linear_cache_keeps_no_slots_and_equals_the_full_pass(name):
     n = x.shape[1]
     with torch.no_grad():
         full = bb(x, mask=mask, episode_start=starts).hidden  # (B, n, D)
-        got, st = _decode(bb, x, mask, starts, _chunks(n))
+        got, st = _decode(bb, x, mask, starts, chunks(n))
     torch.testing.assert_close(got, full, **TOL)
     for blk, ls in zip(bb.blocks, st.layers, strict=True):
         assert ls.cache.state.shape == (B, H, blk.attn.n_features, D // H + 1)  # constant size
@@ -100,32 +89,19 @@ def test_linear_cache_keeps_no_slots_and_equals_the_full_pass(name):
     torch.testing.assert_close(got[1, 14:], fresh, **TOL)
 
 
-def _run(bb, x, chunks, reset_at, rows):
-    """Step through ``x``, resetting ``rows`` before token ``reset_at``; returns outputs, state."""
-    st = bb.initial_state(B)
-    outs = []
-    for t, e in chunks:
-        if t == reset_at:
-            st = bb.reset_state(st, rows)
-        o = bb(x[:, t:e], state=st)
-        st = o.state
-        outs.append(o.hidden)
-    return torch.cat(outs, 1), st
-
-
 @pytest.mark.parametrize("name", sorted(KINDS))
 def test_reset_state_of_one_row(name, monkeypatch):
     bb = _backbone(name)
     x, _, _ = _inputs(seed=1)
     n = x.shape[1]
-    chunks, reset_at = _chunks(n), 9  # 9 starts a step
+    steps, reset_at = chunks(n), 9  # 9 starts a step
     rows = torch.tensor([False, True])
     with torch.no_grad():
-        got, st = _run(bb, x, chunks, reset_at, rows)
+        got, st = run_with_reset(bb, x, steps, reset_at, rows)
         assert st.pos.shape == (B, 0) and st.key_offset == n
         # the same calls with untrimmed bookkeeping (every key's pos/valid/seg at hand)
         monkeypatch.setattr(none_memory, "keys_kept", lambda blocks: None)
-        want, st_full = _run(bb, x, chunks, reset_at, rows)
+        want, st_full = run_with_reset(bb, x, steps, reset_at, rows)
         monkeypatch.undo()
         assert st_full.pos.shape == (B, n) and st_full.key_offset == 0
         torch.testing.assert_close(got, want, **TOL)
@@ -150,7 +126,7 @@ def test_trimmed_linear_state_round_trips_through_weights_only_load(name):
         assert isinstance(cache, LinearCache) and back.key_offset == half
         assert cache.last_seg.dtype == torch.long and cache.seen.dtype == torch.bool
         outs = []
-        for t, e in _chunks(n - half):
+        for t, e in chunks(n - half):
             t, e = t + half, e + half
             o = bb(x[:, t:e], mask=mask[:, t:e], episode_start=starts[:, t:e], state=back)
             back = o.state
