@@ -175,6 +175,9 @@ class ActionDatastore:
             chunk: keys per block in the torch path (bounds the (B, chunk) distance matrix).
         Returns:
             :class:`Neighbours` on the queries' device.
+        Raises:
+            ValueError: queries not (B, D) with the keys' D, a non-finite query, ``k`` not an
+                integer >= 0.
         """
         if queries.dim() != 2 or queries.shape[1] != self.keys.shape[1]:
             raise ValueError(
@@ -183,6 +186,10 @@ class ActionDatastore:
             )
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
             raise ValueError(f"datastore search: k must be an integer >= 0, got {k!r}")
+        bad = ~torch.isfinite(queries).all(-1)  # (B,)
+        if bool(bad.any()):  # torch would rank NaN distances, faiss return no neighbour: neither is an answer
+            raise ValueError(f"datastore search: query row {int(bad.nonzero()[0])} is not finite (NaN/inf "
+                             f"features); the model's features must be finite to retrieve neighbours")
         dev = queries.device
         b = queries.shape[0]
         n = len(self)

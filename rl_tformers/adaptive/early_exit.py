@@ -531,7 +531,7 @@ class EarlyExitConfig(DepthConfig):
         per_layer_classifier: one CALM classifier per layer instead of a shared one.
         classifier_weight: weight of :meth:`EarlyExitDepth.exit_classifier_loss`.
         oracle: ``likelihood`` or ``correctness`` (Elbayad's classifiers).
-        depth_penalty: lambda of the oracles (favours early exits).
+        depth_penalty: lambda of the oracles, >= 0 (a cost per layer: favours early exits).
         oracle_sigma: RBF smoothing width of the token-level oracle over time (0 = none).
     """
 
@@ -555,6 +555,11 @@ class EarlyExitConfig(DepthConfig):
             raise ValueError(f"depth.threshold must be >= 0, got {self.threshold}")
         if self.oracle_sigma < 0:
             raise ValueError(f"depth.oracle_sigma must be >= 0, got {self.oracle_sigma}")
+        if self.depth_penalty < 0:
+            # lambda is a cost per layer (Elbayad et al. sec. 3.3): a negative one rewards depth,
+            # training the classifiers towards the last layer whatever the earlier ones predict
+            raise ValueError(f"depth.depth_penalty must be >= 0 (a cost per layer that favours early exits; "
+                             f"0: none), got {self.depth_penalty}")
         if self.classifier_weight < 0:
             # a negative weight trains the exit classifier to disagree with its oracle (gradient
             # ascent on its loss), which diverges; 0 leaves the classifier untrained

@@ -184,9 +184,23 @@ def test_knn_datastore_refuses_mismatched_queries_and_actions_by_name(backend):
         KNNPolicyMemory(ds, k=2, lam=2.0)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         KNNPolicyMemory(ds, k=2, lam=0.5, temperature=0.0)
+    # (lead) a non-finite query: torch ranked NaN distances, faiss returned no neighbour
+    q = torch.randn(3, 4)
+    q[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="query row 1 is not finite"):
+        ds.search(q, 2)
 
 
 # ------------------------------------ 6. a negative exit-classifier weight is refused
+def test_early_exit_negative_depth_penalty_is_refused():
+    """(lead) depth_penalty is a cost per layer; a negative one rewarded depth."""
+    from rl_tformers.adaptive.early_exit import EarlyExitConfig
+
+    with pytest.raises(ValueError, match=r"depth.depth_penalty must be >= 0 \(a cost per layer"):
+        EarlyExitConfig(depth_penalty=-0.1)
+    assert EarlyExitConfig(depth_penalty=0.0).depth_penalty == 0.0
+
+
 @pytest.mark.parametrize("weight", [-1.0, -1e-3])
 def test_early_exit_negative_classifier_weight_is_refused(tmp_path, cartpole_h5, weight):
     from rl_tformers.adaptive.early_exit import EarlyExitConfig
