@@ -442,68 +442,70 @@ def run_episodes(
     # a policy that keeps per-decision statistics (DTPolicy: exit layers, kNN hits) is told which
     # rows run counted episodes, so the filler rows' discarded decisions do not enter them
     count_rows = getattr(policy, "count_rows", None)
-    while remaining > 0:
-        # a row past its quota restarts its (discarded) context at every step: its unseeded filler
-        # episodes, which may outlast every counted one, never reach a policy limit (a DT's
-        # max_ep_len) that no counted episode reaches
-        if count_rows is not None:
-            count_rows(active.copy())
-        actions, state = policy.act(obs, state, episode_start | ~active, last_reward)
-        actions = np.asarray(actions)
-        _check_finite(actions, "the policy returned a non-finite action",
-                      "it was not sent to the environment", target, job, ep_len, seed, episodes, who)
-        if record_rewards and int(ep_len.max()) >= rew_buf.shape[1]:  # grow the buffers (doubling)
-            rew_buf = _grow(rew_buf)
+    try:
+        while remaining > 0:
+            # a row past its quota restarts its (discarded) context at every step: its unseeded filler
+            # episodes, which may outlast every counted one, never reach a policy limit (a DT's
+            # max_ep_len) that no counted episode reaches
+            if count_rows is not None:
+                count_rows(active.copy())
+            actions, state = policy.act(obs, state, episode_start | ~active, last_reward)
+            actions = np.asarray(actions)
+            _check_finite(actions, "the policy returned a non-finite action",
+                          "it was not sent to the environment", target, job, ep_len, seed, episodes, who)
+            if record_rewards and int(ep_len.max()) >= rew_buf.shape[1]:  # grow the buffers (doubling)
+                rew_buf = _grow(rew_buf)
+                if record_trajectories:
+                    obs_buf, act_buf = _grow(obs_buf), _grow(act_buf)
             if record_trajectories:
-                obs_buf, act_buf = _grow(obs_buf), _grow(act_buf)
-        if record_trajectories:
-            if act_buf is None:
-                act_buf = np.zeros((n, rew_buf.shape[1], *actions.shape[1:]), actions.dtype)
-            obs_buf[rows, ep_len] = obs
-            act_buf[rows, ep_len] = actions
-        obs, _, terminated, truncated, info = envs.step(actions)
-        obs = np.asarray(obs)
-        if RAW_REWARD_KEY not in info:
-            raise RuntimeError(
-                f"{who}: info has no {RAW_REWARD_KEY!r}: a wrapper of the environment drops info keys "
-                f"(wrap the innermost environment with with_raw_reward)"
-            )
-        raw = np.asarray(info[RAW_REWARD_KEY], dtype=np.float64)  # (N,)
-        _check_finite(raw, "the environment returned a non-finite reward", "", target, job, ep_len, seed,
-                      episodes, who)
-        if record_rewards:
-            rew_buf[rows, ep_len] = raw
-        ep_ret += raw
-        ep_len += 1
-        last_reward = raw
-        terminated = np.asarray(terminated, dtype=bool)
-        done = terminated | np.asarray(truncated, dtype=bool)
-        if max_steps is not None:
-            done |= ep_len >= max_steps
-        episode_start = done
-        if not done.any():
-            continue
-        finished = np.flatnonzero(done & active)  # per finished episode, not per step
-        for i in finished:
-            j, length = int(job[i]), int(ep_len[i])
-            returns[j], lengths[j], ended[j] = ep_ret[i], length, terminated[i]
+                if act_buf is None:
+                    act_buf = np.zeros((n, rew_buf.shape[1], *actions.shape[1:]), actions.dtype)
+                obs_buf[rows, ep_len] = obs
+                act_buf[rows, ep_len] = actions
+            obs, _, terminated, truncated, info = envs.step(actions)
+            obs = np.asarray(obs)
+            if RAW_REWARD_KEY not in info:
+                raise RuntimeError(
+                    f"{who}: info has no {RAW_REWARD_KEY!r}: a wrapper of the environment drops info keys "
+                    f"(wrap the innermost environment with with_raw_reward)"
+                )
+            raw = np.asarray(info[RAW_REWARD_KEY], dtype=np.float64)  # (N,)
+            _check_finite(raw, "the environment returned a non-finite reward", "", target, job, ep_len, seed,
+                          episodes, who)
             if record_rewards:
-                rewards[j] = rew_buf[i, :length].copy()
-            if record_trajectories:
-                observations[j] = obs_buf[i, :length].copy()
-                actions_out[j] = act_buf[i, :length].copy()
-        remaining -= len(finished)
-        job[done] += n
-        active = job < episodes
-        ep_ret[done] = 0.0
-        ep_len[done] = 0
-        if remaining > 0:
-            # envs past their quota are reset too (a disabled-autoreset vector env must be)
-            seeds = [seed + int(job[i]) if done[i] and active[i] else None for i in range(n)]
-            new_obs, _ = envs.reset(seed=seeds, options={"reset_mask": done.copy()})
-            obs = np.where(done.reshape((n,) + (1,) * (obs.ndim - 1)), np.asarray(new_obs), obs)
-    if count_rows is not None:
-        count_rows(None)  # later calls (another caller) count every row again
+                rew_buf[rows, ep_len] = raw
+            ep_ret += raw
+            ep_len += 1
+            last_reward = raw
+            terminated = np.asarray(terminated, dtype=bool)
+            done = terminated | np.asarray(truncated, dtype=bool)
+            if max_steps is not None:
+                done |= ep_len >= max_steps
+            episode_start = done
+            if not done.any():
+                continue
+            finished = np.flatnonzero(done & active)  # per finished episode, not per step
+            for i in finished:
+                j, length = int(job[i]), int(ep_len[i])
+                returns[j], lengths[j], ended[j] = ep_ret[i], length, terminated[i]
+                if record_rewards:
+                    rewards[j] = rew_buf[i, :length].copy()
+                if record_trajectories:
+                    observations[j] = obs_buf[i, :length].copy()
+                    actions_out[j] = act_buf[i, :length].copy()
+            remaining -= len(finished)
+            job[done] += n
+            active = job < episodes
+            ep_ret[done] = 0.0
+            ep_len[done] = 0
+            if remaining > 0:
+                # envs past their quota are reset too (a disabled-autoreset vector env must be)
+                seeds = [seed + int(job[i]) if done[i] and active[i] else None for i in range(n)]
+                new_obs, _ = envs.reset(seed=seeds, options={"reset_mask": done.copy()})
+                obs = np.where(done.reshape((n,) + (1,) * (obs.ndim - 1)), np.asarray(new_obs), obs)
+    finally:  # also when an error stops the loop: later calls count every row again
+        if count_rows is not None:
+            count_rows(None)
     return EpisodeRecord(returns, lengths, ended, rewards, observations, actions_out)
 
 

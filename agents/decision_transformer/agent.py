@@ -48,7 +48,7 @@ from rl_tformers.agents.common.offline import (
 )
 from rl_tformers.agents.decision_transformer.loss import dt_loss
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTConfig, from_env_action
-from rl_tformers.agents.decision_transformer.policy import OVERFLOW_POLICIES, DTPolicy
+from rl_tformers.agents.decision_transformer.policy import OVERFLOW_POLICIES, DTPolicy, acting_context_mask
 from rl_tformers.envs.dataset import EpisodeDataset
 from torch import Tensor
 
@@ -483,12 +483,8 @@ class DTAgent:
 
     def _acting_mask(self, mask: Tensor, slot: Tensor) -> Tensor:
         """(W, K) mask of windows whose deciding step sits at ``slot`` (W,), cut to the context the
-        policy reads when acting: the last ``agent.eval_context_len`` steps up to the deciding one
-        (:class:`DTPolicy` ``context_steps``); unchanged when acting reads all K."""
-        if self.eval_context_len is None:
-            return mask
-        keep = torch.arange(mask.shape[1], device=mask.device)[None, :] > slot[:, None] - self.eval_context_len
-        return mask & keep
+        policy reads when acting (:func:`~.policy.acting_context_mask` with ``agent.eval_context_len``)."""
+        return acting_context_mask(mask, slot, self.eval_context_len)
 
     def _knn_built_for(self) -> tuple[float | None, int | None]:
         """What the datastore keys depend on besides the weights: the exit threshold and the acting context."""

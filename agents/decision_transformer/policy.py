@@ -82,6 +82,18 @@ class DTState:
     target: np.ndarray
 
 
+def acting_context_mask(mask: Tensor, slot: Tensor, context_steps: int | None) -> Tensor:
+    """The context a DT reads when it decides at ``slot``: ``mask`` (N, K) bool, True = real
+    step, cut to the last ``context_steps`` slots up to and including ``slot`` (N,) long
+    (Online DT's evaluation context length, Zheng et al. 2022); ``None``: ``mask`` unchanged.
+    Used alike by acting (:meth:`DTPolicy.act`), early-exit calibration and the kNN-LM
+    datastore, so that all three see the same context."""
+    if context_steps is None:
+        return mask
+    keep = torch.arange(mask.shape[1], device=mask.device)[None, :] > slot[:, None] - context_steps  # (N, K)
+    return mask & keep
+
+
 class DTPolicy:
     """Acts with a trained :class:`DecisionTransformer` in N environments at once.
 
@@ -349,7 +361,10 @@ class DTPolicy:
         state.timesteps[rows, slot] = torch.as_tensor(np.minimum(t, cfg.max_ep_len - 1), device=dev)
         state.mask[rows, slot] = True
         state.actions[rows, slot] = 0
-        counted = self._counted if self._counted is not None and self._counted.shape == (n,) else np.ones(n, bool)
+        if self._counted is not None and self._counted.shape != (n,):
+            raise ValueError(f"DTPolicy.act: count_rows was given {self._counted.shape[0]} rows but act got {n}; "
+                             f"call count_rows(None) to count every row")
+        counted = np.ones(n, bool) if self._counted is None else self._counted
         n_counted = int(counted.sum())
         t0 = time.perf_counter()
         kw: dict[str, Any] = {}
@@ -357,10 +372,7 @@ class DTPolicy:
             decide = torch.zeros(n, k, dtype=torch.bool, device=dev)  # (N, K): the current step decides
             decide[rows, slot] = torch.as_tensor(counted, device=dev)  # (rows whose decisions count)
             kw = {"exit_steps": decide, "exit_threshold": self.exit_threshold}
-        mask = state.mask
-        if self.context_steps is not None:  # only the last context_steps steps (slot >= current - c + 1)
-            keep = torch.arange(k, device=dev)[None, :] > slot[:, None] - self.context_steps  # (N, K)
-            mask = mask & keep
+        mask = acting_context_mask(state.mask, slot, self.context_steps)
         out = self.model(state.obs, state.actions, state.rtg, state.timesteps, mask, **kw)
         p = (rows, slot) if cfg.mode == "causal" else (slice(None), -1)  # the deciding state token
         a = out.action[p]  # (N, A) or (N,)

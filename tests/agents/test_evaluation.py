@@ -238,3 +238,34 @@ def test_run_episodes_names_its_caller_in_errors():
                                              r"return 7 at step 2 of episode 0 \(env 0, reset seed 4\)"):
         run_episodes(NaNPolicy(), envs, 7.0, 1, seed=4, who="online rollout")
     envs.close()
+
+
+class RowCountingPolicy(CountingPolicy):
+    """Records what ``count_rows`` is told before each ``act``; fails at call ``fail_at``."""
+
+    def __init__(self, fail_at: int | None = None):
+        super().__init__()
+        self.told: list = []
+        self.fail_at = fail_at
+
+    def count_rows(self, rows):
+        self.told.append(None if rows is None else rows.tolist())
+
+    def act(self, obs, state, episode_start, last_reward=None):
+        if self.calls == self.fail_at:
+            raise RuntimeError("policy failed")
+        return super().act(obs, state, episode_start, last_reward)
+
+
+def test_run_episodes_tells_the_policy_its_counted_rows_and_resets_them_even_on_error():
+    """Rows past their quota are not counted (DTPolicy's exit / kNN statistics); the policy is
+    told every row counts again when the loop ends, also when an error stops it."""
+    pol = RowCountingPolicy()
+    evaluate(pol, _alternating_factory(), [None], episodes=3, n_envs=2, seed=0)
+    # env 0 (length 1) runs episodes 0 and 2, env 1 (length 10) episode 1: after 2 steps env 0 is idle
+    assert pol.told[:3] == [[True, True], [True, True], [False, True]]
+    assert pol.told[-1] is None and pol.told.count(None) == 1
+    failing = RowCountingPolicy(fail_at=3)
+    with pytest.raises(RuntimeError, match="policy failed"):
+        evaluate(failing, _alternating_factory(), [None], episodes=3, n_envs=2, seed=0)
+    assert failing.told[-1] is None

@@ -289,3 +289,17 @@ def test_inference_setup_with_the_defaults_after_options_evaluates_what_the_conf
     assert agent.exit_threshold is None and agent.knn_memory is None
     pol = agent.policy()
     assert pol.exit_threshold is None and pol.knn is None
+
+
+# ---------------------- (lead) count_rows for another number of rows is refused, not ignored
+def test_count_rows_of_another_batch_size_is_refused(tmp_path, cartpole_h5):
+    agent = _agent(cartpole_h5(tmp_path / "cp.hdf5", n=30))
+    pol = agent.policy()
+    obs = agent.dataset.episode(0).observations[:2]
+    state = pol.initial_state(2, 10.0)
+    pol.count_rows(np.array([True, False, True]))
+    with pytest.raises(ValueError, match="count_rows was given 3 rows but act got 2"):
+        pol.act(obs, state, np.array([True, True]), None)
+    pol.count_rows(None)
+    pol.act(obs, state, np.array([True, True]), None)
+    assert pol.stats()["steps"] == 1 and pol._decisions == 2
