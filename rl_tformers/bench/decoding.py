@@ -145,7 +145,7 @@ def register(bench_app) -> None:
     import typer
 
     def decoding(
-        kinds: str = typer.Option(",".join(KINDS), help="Comma-separated kinds: " + ", ".join(KINDS) + "."),
+        kinds: str = typer.Option("all", help="Comma-separated kinds, or all: " + ", ".join(KINDS) + "."),
         steps: str = typer.Option("100,20000", help="Comma-separated stream lengths (tokens already decoded)."),
         repeats: int = typer.Option(200, help="Timed rounds per kind."),
         threads: int = typer.Option(1, min=1, help="torch CPU threads."),
@@ -156,7 +156,7 @@ def register(bench_app) -> None:
         from rl_tformers.bench.commands import check_out, emit_result, fail
 
         try:
-            kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
+            kind_list = list(KINDS) if kinds.strip() == "all" else [k.strip() for k in kinds.split(",") if k.strip()]
             try:
                 step_list = [int(v) for v in steps.split(",")]
             except ValueError:
