@@ -102,8 +102,12 @@ class StridedAttention(_FactorisedAttention):
     the keys A1 already owns (|i - j| <= l) so the two softmax pieces merge exactly.
 
     Cannot: return dense attention weights. Incremental decoding keeps every key (A2 reaches
-    back to the start).
+    back to the start) unless every head of the layer is A1 only (``mode=heads``,
+    ``head_patterns`` all ``a1``): then the cache keeps the last ``stride`` keys.
     """
+
+    def lookback(self) -> int | None:
+        return self.stride if all(p == "a1" for p in self.plan) else None
 
     def pieces(self, h: Heads, which: str) -> list[Piece]:
         l_, dev, causal = self.stride, h.q.device, h.ctx.causal
@@ -140,7 +144,8 @@ class FixedAttention(_FactorisedAttention):
     keys of the query's own block (A1 owns them).
 
     Cannot: return dense attention weights. Incremental decoding keeps every key (A2 reaches
-    back to the start). Blocks (and so the summary positions) are aligned to key index 0 of the sequence, not to a row's first real
+    back to the start) unless every head of the layer is A1 only (``mode=heads``,
+    ``head_patterns`` all ``a1``): then the cache keeps the last ``stride - 1`` keys. Blocks (and so the summary positions) are aligned to key index 0 of the sequence, not to a row's first real
     token: the number of left-padding tokens before a trajectory, or the keys a KV cache
     held before a ``reset_state``, shift the blocks of the tokens after them (the Decision
     Transformer pads its training windows and its evaluation buffer alike, so its training
@@ -150,6 +155,9 @@ class FixedAttention(_FactorisedAttention):
     def __init__(self, ctx, position, stride: int, summary: int, plan: list[str]) -> None:
         super().__init__(ctx, position, stride, plan)
         self.summary = summary
+
+    def lookback(self) -> int | None:
+        return self.stride - 1 if all(p == "a1" for p in self.plan) else None
 
     def pieces(self, h: Heads, which: str) -> list[Piece]:
         l_, c, dev = self.stride, self.summary, h.q.device

@@ -29,9 +29,12 @@ BOUNDED = {
     # per-layer windows, one dilated head: layer 0 keeps (3 - 1) * 1, layer 1 (5 - 1) * 2 keys
     "sliding_window": ({"kind": "sliding_window", "window": (3, 5), "dilation": (1, 2), "dilated_heads": 1}, 8),
     "adaptive_span": ({"kind": "adaptive_span", "max_span": 8, "ramp": 2, "init": 0.5}, 8 - 1),
+    # factorised kinds whose every head is A1 only: a band of [0, stride], a block of stride
+    "strided_a1": ({"kind": "strided", "stride": 3, "mode": "heads", "head_patterns": ("a1", "a1")}, 3),
+    "fixed_a1": ({"kind": "fixed", "stride": 4, "summary": 1, "mode": "heads", "head_patterns": ("a1", "a1")}, 4 - 1),
 }
 # patterns invariant under a shift of the key indices (no block alignment)
-SHIFT_INVARIANT = ("sliding_window", "adaptive_span")
+SHIFT_INVARIANT = ("sliding_window", "adaptive_span", "strided_a1")
 
 
 def _backbone(attention: dict) -> Backbone:
