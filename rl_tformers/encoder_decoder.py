@@ -97,6 +97,17 @@ class EncoderDecoderConfig:
     cross_attention: Any = field(default_factory=lambda: ATTENTION.get("sdpa").config_cls())
 
     def __post_init__(self) -> None:
+        # mappings given to the constructor are built as from_dict builds them (a partial
+        # encoder/decoder dict merges over the vanilla stack)
+        if not isinstance(self.encoder, BackboneConfig):
+            object.__setattr__(self, "encoder", _vanilla(False, self.encoder, where="encoder"))
+        if not isinstance(self.decoder, BackboneConfig):
+            object.__setattr__(self, "decoder", _vanilla(True, self.decoder, where="decoder"))
+        if isinstance(self.cross_attention, Mapping):
+            object.__setattr__(self, "cross_attention", ATTENTION.from_dict(self.cross_attention, where="cross_attention"))
+        elif not hasattr(self.cross_attention, "kind"):
+            raise TypeError(f"cross_attention: expected an attention config or a mapping with kind, got "
+                            f"{type(self.cross_attention).__name__}")
         enc, dec = self.encoder, self.decoder
         if enc.d_model != dec.d_model:
             raise IncompatibleConfig(
@@ -312,6 +323,8 @@ class EncoderDecoder(nn.Module):
         )
         aux: dict[str, Tensor] = {}
         metrics: dict[str, Any] = {}
+        if t == 0:  # no target token to compute (as Backbone.forward with an empty segment)
+            return self.final_norm(tgt), aux, metrics
         y = tgt
         for i, layer in enumerate(self.layers):
             self_ctx.layer_idx = cross_ctx.layer_idx = i

@@ -54,6 +54,11 @@ class AttentionModule(nn.Module):
     Subclasses implement :meth:`attend` (the kernel on projected heads) and may override
     :meth:`forward` when their structure differs (shared-QK LSH, recurrent linear attention).
 
+    Cannot: take an empty query segment (T = 0) in every kernel (the block-sparse, LSH,
+    Sinkhorn and linear kernels fail on it); :class:`~rl_tformers.backbone.Backbone` and
+    :class:`~rl_tformers.encoder_decoder.EncoderDecoder` never call a kernel with T = 0 (they
+    return the empty output and the unchanged state themselves).
+
     Args:
         ctx: build context (model width D, heads H, dropout, layer index).
         position: this layer's positional-encoding module.

@@ -120,3 +120,29 @@ def test_learns_to_copy_through_cross_attention():
     start = torch.full((64, 1), vocab)
     acc = (head(m(emb(tok), emb(torch.cat([start, tok[:, :-1]], 1))).hidden).argmax(-1) == tok).float().mean()
     assert acc > 0.9, f"copy accuracy {acc:.2f}"
+
+
+def test_constructor_takes_mappings_like_from_dict():
+    """``EncoderDecoderConfig(cross_attention={...})`` built the attention config from the dict
+    (it raised AttributeError: 'dict' object has no attribute 'kind')."""
+    cfg = EncoderDecoderConfig(encoder={"d_model": 32, "n_heads": 4}, decoder={"d_model": 32, "n_heads": 4},
+                               cross_attention={"kind": "reference"})
+    want = EncoderDecoderConfig.from_dict({"encoder": {"d_model": 32, "n_heads": 4},
+                                           "decoder": {"d_model": 32, "n_heads": 4},
+                                           "cross_attention": {"kind": "reference"}})
+    assert cfg == want and cfg.cross_attention.kind == "reference" and cfg.decoder.causal is True
+    with pytest.raises(TypeError, match="cross_attention: expected an attention config"):
+        EncoderDecoderConfig(cross_attention="sdpa")
+
+
+@pytest.mark.parametrize("kind", ["sdpa", "strided", "sliding_window", "performer", "lsh", "local_2d"])
+def test_empty_target_gives_an_empty_output_for_every_decoder_kind(kind):
+    """An empty target (T = 0) returns (B, 0, D) as Backbone.forward does for an empty segment
+    (the sparse decoder kernels crashed on it); an empty source leaves cross rows empty."""
+    torch.manual_seed(0)
+    m = EncoderDecoder({"encoder": SMALL, "decoder": {**SMALL, "block": {"kind": "pre_norm"}, "attention": {"kind": kind}}})
+    src, tgt = torch.randn(2, 7, D), torch.randn(2, 5, D)
+    out = m.eval()(src, tgt[:, :0])
+    assert out.hidden.shape == (2, 0, D) and out.memory.shape == (2, 7, D)
+    both = m(src[:, :0], tgt[:, :0])
+    assert both.hidden.shape == (2, 0, D) and both.memory.shape == (2, 0, D)
