@@ -500,6 +500,19 @@ class GTrXLModel(nn.Module):
             p.requires_grad_(False)
         return tgt
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``torch.compile`` the modules the agents call (``train.compile=true``), in place.
+
+        The model has no ``forward``: the losses and policies call its encoder(s) and heads directly,
+        so :meth:`torch.nn.Module.compile` of the model itself compiled nothing that ever runs
+        (``train.compile=true`` was a silent no-op for GTrXL). Each called submodule is compiled
+        instead, with the same arguments; parameter names and checkpoints are unchanged. IQL's
+        frozen target copy stays uncompiled (it is only read under ``no_grad``).
+        """
+        for module in (self.encoder, self.actor, self.value, self.critic_encoder, self.q):
+            if module is not None:
+                module.compile(*args, **kwargs)
+
     def state_value(self, h: Tensor) -> Tensor:
         """V(h): (..., D) -> (...)."""
         if self.value is None:

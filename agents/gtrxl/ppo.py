@@ -356,7 +356,8 @@ def normalize_advantages(adv: Tensor, eps: float = 1e-8) -> Tensor:
 
     ``std`` is the unbiased sample standard deviation (``Tensor.std``, as CleanRL's PPO). With
     one process (or outside a DDP training forward) the statistics are this minibatch's, exactly
-    as ``(adv - adv.mean()) / (adv.std() + eps)``; a minibatch of one row is returned unchanged.
+    as ``(adv - adv.mean()) / (adv.std() + eps)``; a minibatch of one row is returned unchanged
+    (a run's ``agent.norm_adv`` with such minibatches is refused: :func:`check_ppo_options`).
     Inside a DDP training forward (the trainer's
     :class:`~rl_tformers.runtime.distributed.AgentLoss`, where every rank holds a shard of the
     global minibatch) the mean and standard deviation are those of the global minibatch, every
@@ -475,13 +476,19 @@ def without_dropout(backbone: Mapping[str, Any]) -> tuple[dict[str, Any], list[s
     return {**backbone, **dict.fromkeys(DROPOUT_KEYS, 0.0)}, turned_off
 
 
-def check_ppo_options(a: Any) -> None:
+def check_ppo_options(a: Any, world_size: int = 1) -> None:
     """Refuse PPO settings that crash mid-run or train nothing (the ``agent`` config section).
+
+    Args:
+        a: the ``agent`` config section.
+        world_size: processes (``--nproc``); one update's minibatch is the union of theirs.
 
     Raises:
         ValueError: naming the option, for ``agent.n_envs``, ``agent.n_steps`` or
             ``agent.n_epochs`` < 1; ``agent.n_minibatches`` < 1 or more than the
-            ``n_envs x n_steps`` samples of a rollout (an empty minibatch); ``agent.gamma`` or
+            ``n_envs x n_steps`` samples of a rollout (an empty minibatch); ``agent.norm_adv``
+            with a minibatch of one row (its advantage has no standard deviation to normalise
+            with: it was used unnormalised while the others were normalised); ``agent.gamma`` or
             ``agent.gae_lambda`` outside [0, 1]; ``agent.clip_coef`` <= 0; ``agent.critic_warmup``
             < 0; ``agent.reward_scale`` <= 0; ``agent.ent_coef`` or ``agent.vf_coef`` < 0;
             ``agent.head_hidden`` < 0; non-numbers (NaN and infinities included).
@@ -506,6 +513,16 @@ def check_ppo_options(a: Any) -> None:
         raise ValueError(
             f"agent.n_minibatches={a.n_minibatches} is more than the agent.n_envs x agent.n_steps = {rows} samples "
             f"of a rollout (a minibatch would be empty); use at most {rows}")
+    # the smallest minibatch has rows // n_minibatches rows (np.array_split); under DDP an update's minibatch is
+    # the union of every process's, normalised together (normalize_advantages)
+    if bool(a.get("norm_adv", True)) and rows // int(a.n_minibatches) * max(int(world_size), 1) < 2:
+        fix = (f"agent.n_minibatches <= {rows // 2}" if rows >= 2
+               else "a rollout of at least 2 samples (agent.n_envs x agent.n_steps >= 2)")
+        raise ValueError(
+            f"agent.norm_adv=true normalises the advantages of each minibatch by their standard deviation, but "
+            f"agent.n_minibatches={a.n_minibatches} splits the agent.n_envs x agent.n_steps = {rows} samples of a "
+            f"rollout into minibatches of one row, whose advantage has no standard deviation (it would be used "
+            f"unnormalised next to normalised ones); use {fix} or agent.norm_adv=false")
     for name in ("gamma", "gae_lambda"):
         if not 0.0 <= number(name) <= 1.0:
             raise ValueError(f"agent.{name} must be in [0, 1], got {a.get(name)!r}")
@@ -581,6 +598,63 @@ def fine_tune_input_changes(configured: Mapping[str, Any], offline: Mapping[str,
     return out
 
 
+def _spaces(obs_dim: int, act_dim: int, discrete: bool) -> str:
+    return f"{obs_dim}-dim observations and " + (f"{act_dim} discrete actions" if discrete
+                                                 else f"{act_dim}-dim continuous actions")
+
+
+def check_offline_spaces(offline: Mapping[str, Any], path: str, env_id: str, obs_dim: int, act_dim: int,
+                         discrete: bool, low: np.ndarray | None, high: np.ndarray | None, action_start: int) -> None:
+    """Refuse to fine-tune an offline run in an environment whose spaces its encoder and actor do not fit.
+
+    Args:
+        offline: the offline checkpoint's ``extra`` (its ``model`` config and dataset statistics).
+        path: ``agent.init_checkpoint``.
+        env_id: ``agent.env_id``; obs_dim, act_dim, discrete, low, high, action_start: its spaces.
+
+    Raises:
+        ValueError: naming both options, when the flat observation size, the kind of action
+            (discrete or continuous) or the number of actions / action size differ. (A continuous
+            offline actor used to be loaded silently as the logits of a discrete one of the same size;
+            other mismatches failed with a list of parameter names.)
+
+    Warns:
+        UserWarning: same sizes but other continuous action bounds or another first discrete action:
+            the actor's actions (normalised to [-1, 1], or class indices) mean other environment
+            actions than in the offline data.
+    """
+    model = dict(offline.get("model") or {})
+    have = tuple(model.get(k, offline.get(k)) for k in ("obs_dim", "act_dim", "discrete"))
+    if any(v is None for v in have):
+        return  # (no record of the offline spaces: the parameter shapes are checked when they are copied)
+    off_obs, off_act, off_discrete = int(have[0]), int(have[1]), bool(have[2])
+    off_env = offline.get("env_id") or "its dataset's environment"
+    if (off_obs, off_act, off_discrete) != (obs_dim, act_dim, discrete):
+        raise ValueError(
+            f"agent.init_checkpoint={path} was trained on {off_env} with {_spaces(off_obs, off_act, off_discrete)}, "
+            f"but agent.env_id={env_id} has {_spaces(obs_dim, act_dim, discrete)}; PPO fine-tunes that run's encoder "
+            f"and actor, which take and give exactly those: set agent.env_id to the offline run's environment (or "
+            f"one with the same spaces), or start PPO without agent.init_checkpoint")
+    if discrete:
+        off_start = int(offline.get("action_start", 0) or 0)
+        if off_start != action_start:
+            warnings.warn(
+                f"agent.init_checkpoint={path}: its actor's class k was action {off_start} + k of {off_env}; in "
+                f"agent.env_id={env_id} class k is action {action_start} + k", UserWarning, stacklevel=3)
+        return
+    off_low, off_high = offline.get("action_low"), offline.get("action_high")
+    if off_low is None or off_high is None or low is None or high is None:
+        return
+    off_low = np.asarray(torch.as_tensor(off_low).cpu(), np.float32).reshape(-1)
+    off_high = np.asarray(torch.as_tensor(off_high).cpu(), np.float32).reshape(-1)
+    if not (np.array_equal(off_low, low) and np.array_equal(off_high, high)):
+        warnings.warn(
+            f"agent.init_checkpoint={path}: its actor's actions in [-1, 1] were the bounds [{off_low.tolist()}, "
+            f"{off_high.tolist()}] of {off_env}; agent.env_id={env_id} maps them to its bounds [{low.tolist()}, "
+            f"{high.tolist()}], so the fine-tuned policy starts from other actions than the offline one",
+            UserWarning, stacklevel=3)
+
+
 class EpisodeLengthError(ConfigError):
     """An episode ran past ``backbone.max_position`` (learned positions) in an environment
     without a time limit: raised at the rollout step that would need the missing table row
@@ -601,11 +675,14 @@ class GTrXLPPO:
             environment is made), unsupported spaces (Box observations and Discrete or bounded
             Box actions only), a learned position table without a row for every step up to and
             including the environment's time limit (``backbone.max_position`` <= the limit: the
-            final observation of a truncated episode is valued at step ``time limit``).
+            final observation of a truncated episode is valued at step ``time limit``), an
+            ``agent.init_checkpoint`` trained on other spaces than ``agent.env_id``'s
+            (:func:`check_offline_spaces`).
 
     Warns:
         ConfigAdviceWarning: the backbone sets a dropout probability; PPO builds its model
-            without dropout (:func:`without_dropout`). Fine-tuning: an agent input or head option
+            without dropout (:func:`without_dropout`). ``train.amp=bf16`` (the ratio does not start
+            at 1); ``backbone.memory.detach=false`` (no effect). Fine-tuning: an agent input or head option
             that differs from the checkpoint's (:func:`fine_tune_input_changes`).
         UserWarning: fine-tuning with a ``backbone.*`` setting that differs from the
             checkpoint's (:func:`fine_tune_backbone_changes`).
@@ -621,7 +698,16 @@ class GTrXLPPO:
                  extra: Mapping[str, Any] | None = None) -> None:
         a = cfg.agent
         if extra is None:
-            check_ppo_options(a)
+            check_ppo_options(a, dist_info().world_size)
+            amp = dict(cfg.get("train") or {}).get("amp", "none")
+            if str(getattr(amp, "value", amp)) == "bf16":
+                warnings.warn(
+                    "gtrxl_ppo with train.amp=bf16: the rollout acts in float32 (the trainer's autocast covers only "
+                    "the update) and the update recomputes each sample's log-probability under bfloat16 autocast, so "
+                    "PPO's ratio does not start at 1 and the clip acts on rounding noise (first-minibatch "
+                    "log-probabilities differed by up to 3e-3 in a 32-wide model; collecting under the same "
+                    "autocast by up to 8e-3, as bfloat16 rounding depends on the batch's shape); set "
+                    "train.amp=none for ratios that start at 1", ConfigAdviceWarning, stacklevel=2)
         self.cfg, self.a = cfg, a
         self.seed = int(cfg.seed)
         self.device = torch.device(device)
@@ -667,6 +753,8 @@ class GTrXLPPO:
             if a.init_checkpoint:
                 configured = backbone
                 init_state, backbone, inputs = self._read_offline(str(a.init_checkpoint))
+                check_offline_spaces(init_state.get("extra") or {}, str(a.init_checkpoint), self.env_id, obs_dim,
+                                     act_dim, self.discrete, self.low, self.high, self.action_start)
                 ignored = fine_tune_backbone_changes(configured, backbone, str(a.init_checkpoint))
                 if ignored:
                     warnings.warn(
@@ -699,6 +787,13 @@ class GTrXLPPO:
                     f"update would recompute each sample's log-probability under another dropout mask than the "
                     f"rollout's, so PPO's ratio would not start at 1 and its clip would act on dropout noise; "
                     f"set {'it' if len(turned_off) == 1 else 'them'} to 0 to silence this", ConfigAdviceWarning,
+                    stacklevel=2)
+            if dict(backbone.get("memory") or {}).get("detach", True) is False:
+                src = (f" (the backbone of agent.init_checkpoint={a.init_checkpoint})" if a.init_checkpoint else "")
+                warnings.warn(
+                    f"gtrxl_ppo: backbone.memory.detach=false{src} has no effect: the update recomputes each rollout "
+                    f"step as one query over the memory that step acted with, stored by the rollout (collected "
+                    f"without gradient), so no gradient reaches the memory, as with detach=true", ConfigAdviceWarning,
                     stacklevel=2)
             self.model_cfg = GTrXLConfig(obs_dim=obs_dim, act_dim=act_dim, discrete=self.discrete, backbone=backbone,
                                          critic="value", **inputs)

@@ -129,7 +129,7 @@ def test_agents_are_built_only_for_points_with_a_run_to_do(tmp_path: Path,
 def test_warnings_of_building_the_agents_reach_the_sweep_console() -> None:
     """PPO turns a configured dropout off with a warning when it is built; the sweep's check
     collects it with the grid point (the run's own log is not on the sweep's console)."""
-    cfg = compose(None, ["agent.kind=gtrxl_ppo", "agent.env_id=CartPole-v1", "agent.n_envs=1", "agent.n_steps=4",
+    cfg = compose(None, ["agent.kind=gtrxl_ppo", "agent.env_id=CartPole-v1", "agent.n_envs=1", "agent.n_steps=4", "agent.n_minibatches=2",
                          "backbone.d_model=16", "backbone.n_layers=1", "backbone.dropout=0.1", "device=cpu"])
     bad, warned = sw.check_points({"backbone.dropout=0.1": cfg})
     assert bad == {}
