@@ -320,15 +320,21 @@ def _check_saved_matches(path: Path, meta: dict, run, run_dir: Path) -> None:
     raise _fail(f"--from-json {path} is an evaluation of the run {other}, but RUN_DIR is {run_dir}; {fix}")
 
 
+#: Most targets of ``plot``'s default sweep (``--n-targets``): a typo such as 6000000 would
+#: otherwise build the list and run millions of evaluations before anything is said.
+MAX_TARGETS = 1000
+
+
 def plot_cmd(
     ctx: typer.Context,
     run_dir: Path = typer.Argument(..., help="Run directory written by rl-tformers train."),
-    out: Path = typer.Option(..., "--out", help="Image file to write; its extension picks the format (.png, "
-                                                 ".pdf, .svg, ...), none: .png is added (the path printed is "
-                                                 "the file written)."),
+    out: str = typer.Option(..., "--out", help="Image file to write; its extension picks the format (.png, "
+                                                ".pdf, .svg, ...), none: .png is added (the path printed is "
+                                                "the file written); a directory is refused."),
     targets: str = typer.Option(None, "--targets",
-                                help="Comma-separated targets (default: dataset worst to best + 20% of the range)."),
-    n_targets: int = typer.Option(6, "--n-targets", min=2, help="Targets in the default sweep."),
+                                help="Comma-separated targets, each once (default: dataset worst to best + 20% "
+                                     "of the range)."),
+    n_targets: int = typer.Option(6, "--n-targets", min=2, max=MAX_TARGETS, help="Targets in the default sweep."),
     episodes: int = typer.Option(5, "--episodes", min=1, help="Episodes per target."),
     envs: int = typer.Option(10, "--envs", min=1, help="Parallel environments."),
     seed: int = typer.Option(0, "--seed", min=0, max=2**64 - 1, help="Base reset seed."),
@@ -348,12 +354,13 @@ def plot_cmd(
         figure_path,
         log_figure,
         plot_return_conditioning,
+        repeated_target,
         save_figure,
         summary_lines,
     )
 
-    try:  # before anything is evaluated
-        out = figure_path(out)
+    try:  # before anything is evaluated; a str, not a Path, which would drop a trailing '/'
+        out_path = figure_path(out)
     except ValueError as exc:
         raise _fail(f"--out {exc}") from None
     if tensorboard and not run_dir.is_dir():  # only possible with --checkpoint (else _load says it)
@@ -361,6 +368,10 @@ def plot_cmd(
             what = "is not a directory" if run_dir.exists() else "does not exist"
             raise _fail(f"{run_dir} {what}: the figure is logged to RUN_DIR's TensorBoard files; give the run "
                         f"directory of --checkpoint {checkpoint}, or --no-tensorboard")
+    if tensorboard and checkpoint is not None and checkpoint.is_file() and not _inside(checkpoint, run_dir):
+        # another run's model would be logged into RUN_DIR's TensorBoard files, as its own
+        raise _fail(f"--checkpoint {checkpoint} is not inside RUN_DIR {run_dir}: the figure is logged to RUN_DIR's "
+                    f"TensorBoard files; give the run directory that holds the checkpoint, or --no-tensorboard")
     if from_json is not None:
         unused = [f"--{name.replace('_', '-')}" for name in ("targets", "n_targets", "episodes", "envs", "seed",
                                                               "context_len")
@@ -379,6 +390,13 @@ def plot_cmd(
         results, meta = saved
         _check_saved_matches(from_json, meta, run, run_dir)
         step = _saved_step(meta)
+        twice = repeated_target([r.target_return for r in results if r.target_return is not None])
+        if twice is not None:
+            with_target = [k for k, r in enumerate(results) if r.target_return is not None]
+            i, j = with_target[twice[0]], with_target[twice[1]]
+            raise _fail(f"--from-json {from_json}: results[{i}] and results[{j}] both have target_return "
+                        f"{results[i].target_return:g}; a plot has one point per target (evaluate each target "
+                        f"once: `rl-tformers eval RUN_DIR --targets ...` with distinct targets)")
     else:
         if run.agent.default_targets() == [None]:
             raise _fail(f"agent {run.kind!r} is not return-conditioned: there is nothing to sweep")
@@ -393,6 +411,13 @@ def plot_cmd(
             tlist = default_sweep(dmax, dmin, n_targets)
             _check_targets(run, tlist, "the default sweep (from the run's dataset returns; give --targets)")
         else:
+            twice = repeated_target(tlist)
+            if twice is not None:
+                i, j = twice
+                items = [part.strip() for part in targets.split(",")]
+                spelled = "" if items[i] == items[j] else f": {items[i]} and {items[j]} are the same number"
+                raise _fail(f"--targets {targets}: the target {tlist[i]:g} is given twice (items {i + 1} and "
+                            f"{j + 1}{spelled}); give each target once: each is one point of the plot")
             _check_targets(run, tlist, "--targets")
         try:
             # the run's own evaluation options (agent.early_exit.threshold, agent.knn.*), as
@@ -417,7 +442,10 @@ def plot_cmd(
         raise _fail(str(exc)) from None
     if tensorboard:  # a saved evaluation that records no step: logged at the run's step, as before
         log_figure(run_dir, "plot/return_conditioning", fig, run.step if step is None else step)
-    path = save_figure(fig, out)
+    try:
+        path = save_figure(fig, out_path)
+    except OSError as exc:  # checked up front; the disk filled up, a folder was removed meanwhile, ...
+        raise _fail(f"--out {out_path}: cannot write it ({exc.strerror or exc})") from None
     typer.echo(f"wrote {path}")
 
 

@@ -10,6 +10,7 @@ against the environment step: a return-following agent has the two curves meet a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -116,35 +117,50 @@ def supported_formats() -> list[str]:
     return sorted(Figure().canvas.get_supported_filetypes())
 
 
-def figure_path(out: str | Path) -> Path:
+def figure_path(out: str | os.PathLike) -> Path:
     """The file :func:`save_figure` writes for ``out``, checked before any work is done.
 
     The extension picks the format (any of :func:`supported_formats`, case-insensitive); a name
     without one gets ``.png`` appended (``plot`` -> ``plot.png``), and the returned path is that
-    real file, so callers print what was written.
+    real file, so callers print what was written. ``~`` is expanded (as the parent check does).
 
     Raises:
-        ValueError: ``out`` (or ``out.png``) is an existing directory, a parent is an existing
-            file, or the extension is not one matplotlib writes (the message lists them).
+        ValueError: ``out`` is empty or names a directory (it exists as one, or its text ends
+            with a path separator or in ``.`` / ``..``, such as ``figs/`` or ``dir.png/``: a path
+            object would drop the slash and write a file ``dir.png``), ``out.png`` is an existing
+            directory, a parent is an existing file, the extension is not one matplotlib
+            writes (the message lists them), or a name is longer than the file system takes.
     """
-    out = Path(out)
-    if out.is_dir():
-        raise ValueError(f"{out} is a directory; give a file name, e.g. {out / 'return_conditioning.png'}")
-    fmt = out.suffix[1:]
-    if not fmt:
-        out = out.with_name(out.name + ".png")
+    text = os.fspath(out)
+    if not text.strip():  # Path("") is "." (the current directory)
+        raise ValueError(f"{text!r} is empty; give a file name, e.g. return_conditioning.png")
+    seps = os.sep + (os.altsep or "")
+    last = os.path.basename(text)
+    if text and (text.endswith(tuple(seps)) or last in (".", "..")):
+        tail = text[-1] if text.endswith(tuple(seps)) else last
+        raise ValueError(f"{text} names a directory (it ends with {tail!r}); give a file name, e.g. "
+                         f"{Path(text.rstrip(seps) or text).expanduser() / 'return_conditioning.png'}")
+    out = Path(text).expanduser()
+    try:
         if out.is_dir():
-            raise ValueError(f"{out} (.png added: the name has no extension) is a directory; give a file name")
-    elif fmt.lower() not in supported_formats():
-        raise ValueError(f"{out}: matplotlib cannot write {out.suffix!r} files; use one of the extensions "
-                         f"{', '.join('.' + f for f in supported_formats())} (none: .png is added)")
-    parent = blocking_file(out)
+            raise ValueError(f"{out} is a directory; give a file name, e.g. {out / 'return_conditioning.png'}")
+        fmt = out.suffix[1:]
+        if not fmt:
+            out = out.with_name(out.name + ".png")
+            if out.is_dir():
+                raise ValueError(f"{out} (.png added: the name has no extension) is a directory; give a file name")
+        elif fmt.lower() not in supported_formats():
+            raise ValueError(f"{out}: matplotlib cannot write {out.suffix!r} files; use one of the extensions "
+                             f"{', '.join('.' + f for f in supported_formats())} (none: .png is added)")
+        parent = blocking_file(out)
+    except OSError as exc:  # a name longer than the file system takes, ...: not a traceback
+        raise ValueError(f"{out}: cannot be written here ({exc.strerror or exc})") from None
     if parent is not None:
         raise ValueError(f"{out}: {parent} is a file, not a directory")
     return out
 
 
-def save_figure(fig, out: str | Path, dpi: int = 110) -> Path:
+def save_figure(fig, out: str | os.PathLike, dpi: int = 110) -> Path:
     """Write ``fig`` to :func:`figure_path` ``(out)`` (format by extension, ``.png`` added when
     there is none), create parent dirs, close the figure; returns the path written.
 
@@ -177,8 +193,10 @@ def default_sweep(dataset_max: float, dataset_min: float, n: int = 6) -> list[fl
 
     When every episode has the same return R (range 0), the range is taken as ``|R|`` (1 when
     R = 0) below R: the sweep runs from ``R - |R|`` to ``R + 0.2 |R|`` (e.g. 0 .. 6 for R = 5),
-    not n copies of R. Rounded to integers when the range is at least 20. Raises ValueError if
-    n < 2.
+    not n copies of R. Rounded to integers when the range is at least 20 and the rounded targets
+    stay distinct (with many targets over a short range, e.g. 1000 targets over 10 .. 598,
+    rounding would ask for the same target several times: they are kept unrounded). Raises
+    ValueError if n < 2.
     """
     if n < 2:
         raise ValueError(f"a sweep needs at least 2 targets, got {n}")
@@ -186,8 +204,21 @@ def default_sweep(dataset_max: float, dataset_min: float, n: int = 6) -> list[fl
     if not span > 0:
         span = max(abs(dataset_max), 1.0)
         dataset_min = dataset_max - span
-    xs = np.linspace(dataset_min, dataset_max + 0.2 * span, n)
-    return [float(round(x)) if span >= 20 else float(x) for x in xs]
+    xs = [float(x) for x in np.linspace(dataset_min, dataset_max + 0.2 * span, n)]
+    rounded = [float(round(x)) for x in xs]
+    return rounded if span >= 20 and repeated_target(rounded) is None else xs
+
+
+def repeated_target(targets: Sequence[float]) -> tuple[int, int] | None:
+    """``(i, j)``, ``i < j``, for the first target equal to an earlier one (``100`` and ``1e2``,
+    ``0`` and ``-0`` are equal), or ``None`` when every target is distinct. A plot has one point
+    per target: the callers refuse a repeated one, naming where it came from."""
+    first: dict[float, int] = {}
+    for j, t in enumerate(targets):
+        i = first.setdefault(float(t), j)
+        if i != j:
+            return i, j
+    return None
 
 
 def summary_lines(results: Sequence[TargetResult]) -> list[str]:

@@ -200,7 +200,9 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
 
     Raises:
         SweepError: an item without ``=`` or values, an empty value (``a,,b``), a key given
-            twice, a value given twice for one key, ``seed`` (use --seeds), or an unclosed
+            twice, a key inside another grid key (``backbone.position`` and
+            ``backbone.position.kind``: one would replace the other's values in every run), a
+            value given twice for one key, ``seed`` (use --seeds), or an unclosed
             quote or unbalanced bracket (:func:`split_values`; the message names the key).
     """
     grid: dict[str, list[str]] = {}
@@ -217,6 +219,11 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[str]]:
             raise SweepError("sweep seeds with --seeds 0,1,2, not --grid seed=...")
         if key in grid:
             raise SweepError(f"--grid: {key} is given twice")
+        nested = next((g for g in grid if key.startswith(g + ".") or g.startswith(key + ".")), None)
+        if nested is not None:
+            inner, outer = (key, nested) if key.startswith(nested + ".") else (nested, key)
+            raise SweepError(f"--grid {nested}=... and --grid {key}=... set the same option ({inner} is inside "
+                             f"{outer}): in every run one would replace the other's value; sweep one of them")
         if "" in split_values(values, keep_empty=True):
             raise SweepError(f"--grid {item!r}: an empty value (two commas in a row or a trailing comma); "
                              f"for an empty string write '' (YAML)")
@@ -296,13 +303,15 @@ def expand(grid: dict[str, list[str]], seeds: Sequence[int], out_dir: str | os.P
     Raises:
         SweepError: two grid points map to the same run directory (the same value twice, or
             values that differ only in characters the folder name drops, e.g. ``[0.9,0.95]``
-            and ``[0.9, 0.95]``): they would train into one directory at the same time.
+            and ``[0.9, 0.95]``): they would train into one directory at the same time; or a
+            point's names are longer than the file system takes (:func:`check_name_lengths`).
     """
     out = Path(out_dir)
     keys = list(grid)
     short = short_keys(keys)
     runs = []
     folders: dict[str, dict[str, str]] = {}
+    limit = name_max(out)
     for values in itertools.product(*(grid[k] for k in keys)):
         point = dict(zip(keys, values))
         folder = _slug("__".join(f"{short[k]}={v}" for k, v in point.items())) if point else "base"
@@ -316,11 +325,46 @@ def expand(grid: dict[str, list[str]], seeds: Sequence[int], out_dir: str | os.P
                              f"(a duplicate value, or values differing only in punctuation or spaces); "
                              f"give each value once")
         folders[folder] = point
+        check_name_lengths(folder, point, seeds, limit)
         for seed in seeds:
             name = f"{folder}/seed{seed}"
             ov = (*overrides, *(f"{k}={v}" for k, v in point.items()), f"seed={seed}")
             runs.append(SweepRun(name=name, point=point, seed=int(seed), overrides=ov, run_dir=out / name))
     return runs
+
+
+def name_max(folder: str | os.PathLike) -> int:
+    """The longest file name (bytes) the file system of ``folder`` (or of its nearest existing
+    folder above) takes: ``NAME_MAX``, 255 on the usual Linux file systems (255 when unknown)."""
+    for p in (Path(folder), *Path(folder).parents):
+        try:
+            if p.is_dir():
+                return int(os.pathconf(p, "PC_NAME_MAX"))
+        except (OSError, ValueError):
+            break
+    return 255
+
+
+def check_name_lengths(folder: str, point: Mapping[str, str], seeds: Sequence[int], limit: int = 255) -> None:
+    """Refuse a grid point whose files would have names longer than ``limit`` bytes: the run
+    folder ``OUT/<folder>`` and, longer, its log ledger ``OUT/logs/<folder>_seed<k>.parts.jsonl``.
+    (A long list or dict value, or many grid keys, make long folder names: the sweep used to
+    stop with an ``OSError: File name too long`` traceback while checking or running them.)
+
+    Raises:
+        SweepError: naming the grid point, the name's length and the limit.
+    """
+    if not seeds:
+        return
+    seed = max(seeds, key=lambda k: len(str(k)))
+    longest = f"{_slug(f'{folder}/seed{seed}')}.parts.jsonl"
+    n = len(os.fsencode(longest))
+    if n > limit:
+        label = ", ".join(f"{k}={v}" for k, v in point.items())
+        shown = longest if len(longest) <= 80 else longest[:60] + "..." + longest[-17:]
+        raise SweepError(f"--grid: the point ({label}) names its runs' files after its values, and its log "
+                         f"logs/{shown} would be {n} bytes long, more than the {limit} bytes a file name may have "
+                         f"here; give shorter values (or sweep fewer keys at once)")
 
 
 def short_keys(keys: Sequence[str]) -> dict[str, str]:
@@ -353,8 +397,9 @@ def check_overrides(grid: dict[str, list[str]], overrides: Sequence[str]) -> Non
     """Refuse a common ``KEY=VALUE`` override that each run's own value would replace silently.
 
     Raises:
-        SweepError: an override of ``seed`` (use --seeds) or ``run_dir`` (the sweep puts each
-            run in ``OUT/<point>/seed<k>``), of a grid key with a value other than its grid
+        SweepError: an override that is not ``KEY=VALUE``, an override of ``seed`` (use
+            --seeds) or ``run_dir`` (the sweep puts each run in ``OUT/<point>/seed<k>``), of a
+            grid key with a value other than its grid
             values (``train.lr=0.1`` with ``--grid train.lr=1e-3,3e-3``; the same single value
             changes nothing and is let through), or of a key inside or above a grid key
             (``backbone.position={kind: alibi}`` with ``--grid backbone.position.kind=...``):
@@ -362,6 +407,8 @@ def check_overrides(grid: dict[str, list[str]], overrides: Sequence[str]) -> Non
     """
     for item in overrides:
         key = item.split("=", 1)[0].strip()
+        if "=" not in item or not key:  # as `rl-tformers train` words it (an IndexError traceback before)
+            raise SweepError(f"override {item!r} is not KEY=VALUE (e.g. train.steps=1000)")
         if key == "seed":
             raise SweepError(f"override {item!r}: the sweep sets each run's seed from --seeds "
                              f"(e.g. --seeds 5); drop {key}=")
@@ -980,6 +1027,30 @@ def collect(runs: Sequence[SweepRun], outcomes: dict[str, RunOutcome],
     return rows
 
 
+#: The columns the sweep writes for each run itself (not logged by the runs; ``seconds`` is a
+#: number of every run and may be summarised).
+RUN_COLUMNS = ("run", "seed", "status", "returncode", "step")
+
+
+def check_metric(metric: str | None, grid: Mapping[str, Sequence[str]] = ()) -> None:
+    """Refuse a ``--metric`` that is empty, or names a column the sweep writes itself (``step``,
+    ``seed``, ``status``, ...) or a grid key, not a scalar the runs log: its summary would be
+    empty, with a warning blaming the runs (``step: its final value is NaN or infinite in every
+    completed run``), after the whole sweep ran.
+
+    Raises:
+        SweepError: naming ``--metric`` and the value.
+    """
+    if metric is None:
+        return
+    hint = "give a scalar the runs log, e.g. eval/return_mean or train/loss (default: the evaluation score, else "
+    if not metric.strip():
+        raise SweepError(f"--metric {metric!r} is empty; {hint}train/loss), or leave --metric out")
+    if metric in RUN_COLUMNS or metric in grid:
+        what = "a grid key" if metric in grid else "a column the sweep writes for each run"
+        raise SweepError(f"--metric {metric}: that is {what}, not a scalar the runs log; {hint}train/loss)")
+
+
 def pick_metric(rows: Sequence[dict[str, Any]], metric: str | None) -> str | None:
     """``metric`` if given, else the first of :data:`DEFAULT_METRICS` that some run logged."""
     if metric:
@@ -1065,8 +1136,9 @@ def write_results(out_dir: Path, runs: Sequence[SweepRun], outcomes: dict[str, R
     """Collect every run and write ``results.{csv,json,md,png}`` into ``out_dir``.
 
     ``warn`` (default: stderr) gets a line when ``metric`` was given but no run logged it, when
-    no run logged an evaluation metric so the summary falls back to ``train/loss``, and when only
-    runs that did not complete logged ``metric`` (the summary counts completed runs only). A
+    no run logged an evaluation metric so the summary falls back to ``train/loss``, when only
+    runs that did not complete logged ``metric`` (the summary counts completed runs only), and
+    when some completed runs logged it and others did not (naming those). A
     ``results.png`` of an earlier call is removed when there is nothing to plot.
     """
     rows = collect(runs, outcomes, out_dir / "logs")
@@ -1087,6 +1159,13 @@ def write_results(out_dir: Path, runs: Sequence[SweepRun], outcomes: dict[str, R
         else:
             warn(f"warning: {metric}: only runs that did not complete logged it; the summary and plot count "
                  f"completed runs only")
+    unlogged = [r["run"] for r in rows if r.get("status") in COMPLETED and metric not in r]
+    if metric and unlogged and any(metric in r for r in rows):
+        # e.g. eval/normalized_score over datasets with and without reference returns: a point's
+        # `seeds` column (1/2, 0/2) would otherwise suggest runs that failed
+        shown = ", ".join(unlogged[:5]) + (f" and {len(unlogged) - 5} more" if len(unlogged) > 5 else "")
+        warn(f"warning: {metric}: {len(unlogged)} completed run{'s' if len(unlogged) > 1 else ''} did not log it "
+             f"({shown}); their grid points count only the runs that did (the seeds column)")
     res = SweepResult(rows=rows, summary=summary, metric=metric)
     out_dir.mkdir(parents=True, exist_ok=True)
     cols: list[str] = []
@@ -1131,9 +1210,10 @@ def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], 
         metric: the summary/plot metric (default: first of :data:`DEFAULT_METRICS` logged).
 
     Raises:
-        SweepError: (before any run starts) unknown launcher, ``out_dir`` (or a folder above
-            it) is a file, Ray missing with
-            ``launcher="ray"``, duplicate run directories (:func:`expand`), an override the sweep
+        SweepError: (before any run starts) unknown launcher, a ``metric`` that is no logged
+            scalar (:func:`check_metric`), ``gpus_per_run`` not finite and >= 0, or above 0
+            with the local launcher (which would ignore it), ``out_dir`` (or a folder above
+            it) is a file or a name too long, Ray missing with ``launcher="ray"``, duplicate run directories (:func:`expand`), an override the sweep
             would replace (:func:`check_overrides`), grid points whose config does not compose
             (:func:`compose_points`) or, with the local launcher, whose agent does not build
             (:func:`check_points`): one error naming every such point and why, two grid points
@@ -1146,8 +1226,18 @@ def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], 
 
     if launcher not in LAUNCHERS:
         raise SweepError(f"--launcher {launcher!r}; use one of {', '.join(LAUNCHERS)}")
+    check_metric(metric, grid)
+    if not (math.isfinite(gpus_per_run) and gpus_per_run >= 0):
+        raise SweepError(f"--gpus-per-run {gpus_per_run}: give a finite number >= 0 (GPUs per Ray task)")
+    if launcher == "local" and gpus_per_run > 0:  # it would be ignored
+        raise SweepError(f"--gpus-per-run {gpus_per_run:g} is for --launcher ray (Ray's num_gpus per run); "
+                         f"local runs take their device from --device (e.g. --device cuda, shared by the --jobs "
+                         f"runs); drop --gpus-per-run, or add --launcher ray")
     out = Path(out_dir)
-    problem = directory_problem(out, "--out")
+    try:
+        problem = directory_problem(out, "--out")
+    except OSError as exc:  # e.g. a name longer than the file system takes
+        raise SweepError(f"--out {out}: {exc.strerror or exc}") from None
     if problem is not None:
         raise SweepError(problem)
     if launcher == "ray":
@@ -1310,7 +1400,7 @@ def register(app) -> None:
         grid: list[str] = typer.Option(None, "--grid", "-g", metavar="KEY=V1,V2",
                                        help="A swept option and its values (repeat for a cartesian product)."),
         seeds: str = typer.Option("0", "--seeds", help="Seeds of every grid point: 0,1,2 or 0-4."),
-        out: Path = typer.Option(None, "--out", "-o", help="Sweep folder (default runs/sweep-<time>)."),
+        out: str = typer.Option(None, "--out", "-o", help="Sweep folder (default runs/sweep-<time>)."),
         jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="Local runs at the same time."),
         threads: int = typer.Option(0, "--threads", min=0,
                                     help="Intra-op threads per run (0: $OMP_NUM_THREADS when set, else CPU "
@@ -1323,9 +1413,12 @@ def register(app) -> None:
         from datetime import datetime
 
         try:
+            if out is not None and not out.strip():  # a Path would read '' as '.', the current folder
+                raise SweepError(f"--out {out!r} is empty; give the sweep folder (or leave --out out for "
+                                 f"runs/sweep-<time>)")
             g = parse_grid(grid or [])
             s = parse_seeds(seeds)
-            folder = out or Path("runs") / f"sweep-{datetime.now():%Y%m%d-%H%M%S}"
+            folder = Path(out) if out is not None else Path("runs") / f"sweep-{datetime.now():%Y%m%d-%H%M%S}"
             n_threads = threads or default_threads(jobs)
             res = sweep(config, g, s, folder, list(overrides or []), jobs=jobs, threads=n_threads, launcher=launcher,
                         gpus_per_run=gpus_per_run, device=device, metric=metric,
