@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import typer
@@ -58,16 +59,27 @@ def _load(run_dir: Path, device: str, checkpoint: Path | None):
         raise _fail(str(exc)) from None
 
 
-def _check_out_file(out: Path | None, option: str = "--out") -> None:
-    """Refuse an output file that cannot be written: an existing directory, or a parent that is
-    a file (checked before any evaluation, so nothing is computed for nothing)."""
-    if out is None:
-        return
+def _check_out_file(text: str | None, option: str = "--out") -> Path | None:
+    """The output file ``text`` names (``~`` expanded), or None when not given; refused when it
+    cannot be written: empty, naming a directory (an existing one, or text ending in a path
+    separator or in ``.`` / ``..``: a ``Path`` option would drop the ``/`` of ``ev.json/`` and
+    write a file ``ev.json``), or under a parent that is a file. Checked before any evaluation,
+    so nothing is computed for nothing."""
+    if text is None:
+        return None
+    if not text.strip():
+        raise _fail(f"{option} {text!r} is empty; give a file name, e.g. eval.json")
+    seps = os.sep + (os.altsep or "")
+    if text.endswith(tuple(seps)) or os.path.basename(text) in (".", ".."):
+        raise _fail(f"{option} {text} names a directory; give a file name, e.g. "
+                    f"{Path(text.rstrip(seps) or text).expanduser() / 'eval.json'}")
+    out = Path(text).expanduser()
     if out.is_dir():
         raise _fail(f"{option} {out} is a directory; give a file name, e.g. {out / 'eval.json'}")
     parent = blocking_file(out)
     if parent is not None:
         raise _fail(f"{option} {out}: {parent} is a file, not a directory")
+    return out
 
 
 def _check_targets(run, targets: list, option: str) -> None:
@@ -80,6 +92,21 @@ def _check_targets(run, targets: list, option: str) -> None:
         check(targets, option=option)
     except ValueError as exc:
         raise _fail(str(exc)) from None
+
+
+def _refuse_repeated_targets(text: str, tlist: list[float], why: str) -> None:
+    """Refuse ``--targets`` (``text``, parsed as ``tlist``) that names one target twice
+    (``100,1e2``, ``0,-0``), naming the items; ``why`` says what a target is to the command."""
+    from rl_tformers.agents.common.plots import repeated_target
+
+    twice = repeated_target(tlist)
+    if twice is None:
+        return
+    i, j = twice
+    items = [part.strip() for part in text.split(",")]
+    spelled = "" if items[i] == items[j] else f": {items[i]} and {items[j]} are the same number"
+    raise _fail(f"--targets {text}: the target {tlist[i]:g} is given twice (items {i + 1} and {j + 1}{spelled}); "
+                f"give each target once: {why}")
 
 
 def _threads(n: int | None) -> None:
@@ -136,8 +163,8 @@ def eval_cmd(
     envs: int = typer.Option(10, "--envs", min=1, help="Parallel environments."),
     seed: int = typer.Option(0, "--seed", min=0, max=2**64 - 1, help="Base reset seed: episode j uses SEED + j."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as strict JSON (no NaN tokens)."),
-    out: Path = typer.Option(None, "--out", help="Also write the JSON (with per-step rewards) to this file "
-                                                 "(not a directory)."),
+    out: str = typer.Option(None, "--out", help="Also write the JSON (with per-step rewards) to this file "
+                                                "(not a directory)."),
     device: str = typer.Option("cpu", "--device", help="auto | cpu | cuda | cuda:N | mps."),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="A specific checkpoint file (default: newest valid)."),
     timestep_overflow: str = typer.Option(None, "--timestep-overflow",
@@ -164,7 +191,9 @@ def eval_cmd(
         tlist = parse_targets(targets)
     except ValueError as exc:
         raise typer.BadParameter(str(exc).removeprefix("--targets: "), param_hint="--targets") from None
-    _check_out_file(out)
+    if tlist is not None:
+        _refuse_repeated_targets(targets, tlist, "each is evaluated on the same episodes (reset seeds)")
+    out = _check_out_file(out)
     _check_early_exit(early_exit)
     _threads(threads)
     run = _load(run_dir, device, checkpoint)
@@ -411,13 +440,7 @@ def plot_cmd(
             tlist = default_sweep(dmax, dmin, n_targets)
             _check_targets(run, tlist, "the default sweep (from the run's dataset returns; give --targets)")
         else:
-            twice = repeated_target(tlist)
-            if twice is not None:
-                i, j = twice
-                items = [part.strip() for part in targets.split(",")]
-                spelled = "" if items[i] == items[j] else f": {items[i]} and {items[j]} are the same number"
-                raise _fail(f"--targets {targets}: the target {tlist[i]:g} is given twice (items {i + 1} and "
-                            f"{j + 1}{spelled}); give each target once: each is one point of the plot")
+            _refuse_repeated_targets(targets, tlist, "each is one point of the plot")
             _check_targets(run, tlist, "--targets")
         try:
             # the run's own evaluation options (agent.early_exit.threshold, agent.knn.*), as

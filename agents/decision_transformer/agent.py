@@ -153,8 +153,10 @@ def parse_config_targets(value: Any) -> list[float] | None:
 
     Raises:
         ValueError: naming ``agent.targets`` and the value, for an empty list, a boolean, a
-            nested list, a string that is not a number, or anything else that is not a number
-            or a list of numbers (finiteness and size are checked by :meth:`DTPolicy.check_targets`).
+            nested list, a string that is not a number, anything else that is not a number
+            or a list of numbers, or a target given twice (``[3600, 3600.0]``: it would be
+            evaluated, logged and plotted twice) (finiteness and size are checked by
+            :meth:`DTPolicy.check_targets`).
     """
     if value is None:
         return None
@@ -172,6 +174,13 @@ def parse_config_targets(value: Any) -> list[float] | None:
         raise ValueError(f"agent.targets must be a target return or a non-empty list of them (raw reward units, "
                          f"e.g. agent.targets=3600 or agent.targets=[3600,1800]), or null for the dataset's best "
                          f"return; got {value!r}")
+    first: dict[float, int] = {}
+    for j, x in enumerate(out):
+        i = first.setdefault(x, j)  # 0.0 and -0.0 are one target
+        if i != j:
+            raise ValueError(f"agent.targets: the target {out[i]:g} is given twice (items {i + 1} and {j + 1} of {value!r}); "
+                             f"give each target once: each is evaluated on the same episodes and is one point of "
+                             f"the return-conditioning plot")
     return out
 
 
