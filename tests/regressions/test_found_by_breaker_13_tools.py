@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import h5py
-import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
 from rl_tformers.runtime.config import compose
 from rl_tformers.runtime.trainer import train
+from tests.regressions.conftest import _write_cartpole_h5
 
 TINY = [
     "backbone.d_model=16",
@@ -32,30 +31,11 @@ TINY = [
 ]
 
 
-def _cartpole_h5(path: Path, n: int = 30) -> Path:
-    """CartPole-shaped D4RL file: episodes of 10 steps, reward 1 each."""
-    rng = np.random.default_rng(0)
-    data = {
-        "observations": (rng.normal(size=(n, 4)) * 0.05).astype(np.float32),
-        "actions": rng.integers(0, 2, n).astype(np.int64),
-        "rewards": np.ones(n, np.float32),
-        "terminals": np.zeros(n, bool),
-        "timeouts": np.zeros(n, bool),
-    }
-    data["terminals"][np.arange(9, n - 1, 10)] = True
-    data["timeouts"][n - 1] = True
-    with h5py.File(path, "w") as f:
-        for k, v in data.items():
-            f.create_dataset(k, data=v)
-        f.attrs["env_id"] = "CartPole-v1"
-    return path
-
-
 @pytest.fixture(scope="module")
 def dt_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-update Decision Transformer run (module-wide: the plot tests only read it)."""
     root = tmp_path_factory.mktemp("dt")
-    path = _cartpole_h5(root / "cp.hdf5")
+    path = _write_cartpole_h5(root / "cp.hdf5")
     run_dir = root / "run"
     train(compose("dt/cartpole_demo", [f"dataset.path={path}", *TINY]), run_dir)
     return run_dir
@@ -206,7 +186,7 @@ def test_plot_refuses_to_log_another_runs_checkpoint_to_run_dir(
     from rl_tformers.runtime.tracking import event_files
 
     other = tmp_path / "other"
-    train(compose("dt/cartpole_demo", [f"dataset.path={_cartpole_h5(tmp_path / 'cp.hdf5')}", *TINY]), other)
+    train(compose("dt/cartpole_demo", [f"dataset.path={_write_cartpole_h5(tmp_path / 'cp.hdf5')}", *TINY]), other)
     ckpt = other / "checkpoints" / "step_000000002.pt"
     before = {p: p.stat().st_size for p in event_files(dt_run)}
     res = CliRunner().invoke(
