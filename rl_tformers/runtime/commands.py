@@ -125,7 +125,13 @@ def train(
         display_yaml,
         resolve_config_path,
     )
-    from rl_tformers.runtime.distributed import LAUNCHER_ENV, dist_info
+    from rl_tformers.runtime.distributed import (
+        LAUNCHER_ENV,
+        PeerFailure,
+        dist_info,
+        peer_failed,
+        wait_for_teardown,
+    )
     from rl_tformers.runtime.trainer import (
         EvaluationInputError,
         GracefulInterrupt,
@@ -146,7 +152,15 @@ def train(
     overrides = list(overrides or [])
     if device is not None:
         overrides.append(f"device={device}")
-    if nproc > 1 and not print_config and "WORLD_SIZE" not in os.environ:
+    if nproc > 1 and not print_config and "WORLD_SIZE" in os.environ:
+        # torchrun's variable in the environment: already a rank (torchrun ... train --nproc N),
+        # or left over in the shell (WORLD_SIZE=1 used to train one process, --nproc ignored)
+        if os.environ.get("RANK", "0") != "0":
+            raise typer.Exit(2)
+        raise _fail(f"--nproc {nproc} starts its own processes, but WORLD_SIZE={os.environ['WORLD_SIZE']} is set in "
+                    f"the environment (torchrun's variable): under torchrun drop --nproc (torchrun's "
+                    f"--nproc-per-node sets the processes); otherwise unset WORLD_SIZE, RANK and LOCAL_RANK")
+    if nproc > 1 and not print_config:
         raise typer.Exit(_launch_torchrun(nproc, overrides, config, resume, run_dir, stop_at))
     info = dist_info()
     # who reports a stop by SIGINT/SIGTERM: rank 0, unless `train --nproc` started this rank (it reports)
@@ -189,7 +203,17 @@ def train(
         raise typer.Exit(1 if exc.signum is None else 128 + int(exc.signum)) from None
     except KeyboardInterrupt:  # aborted by a second signal; the trainer said where the run stands
         raise typer.Exit(128 + int(stop.aborted or stop.signum or signal.SIGINT)) from None
-    except Exception:
+    except Exception as exc:
+        if stop.signum is None and info.distributed and peer_failed(exc):
+            # another rank failed first: it printed why and the launcher names it; this rank says
+            # one line (nothing for rank 0's failed evaluation, which rank 0 reports) instead of
+            # a traceback of the collective, and waits for torchrun to end it, so that torchrun
+            # records the rank that failed first
+            if not isinstance(exc, PeerFailure):
+                typer.echo(f"rank {info.rank}: stopped: another process of the run failed or was killed "
+                           f"({_first_line(exc)})", err=True)
+            wait_for_teardown()
+            raise typer.Exit(1) from None
         if stop.signum is None or info.is_main:
             raise
         # a rank > 0 after a stop signal: the collective it was in failed because another rank
@@ -214,6 +238,15 @@ def train(
 
         typer.echo(f"stopped at step {result.step} of {result.total_steps}; continue with: "
                    f"{resume_command(result.run_dir, info.world_size)}", err=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (gloo's messages run on with advice and a source path)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if text.startswith("[") and "] " in text:  # "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer ..."
+        text = text.split("] ", 1)[1]
+    text = text.split(". ", 1)[0]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def interrupted_line(signum: int | None, resume: Path | None, world_size: int) -> str:

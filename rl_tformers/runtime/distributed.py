@@ -46,6 +46,11 @@ What each part does:
   :class:`~rl_tformers.runtime.trainer.GracefulInterrupt`). Rank 0 says so, except under
   ``rl-tformers train --nproc``, whose launcher reports the stop once, from the run directory,
   after every rank has exited (``LAUNCHER_ENV`` tells the ranks).
+- **Failures**: rank 0 alone evaluates and then broadcasts whether its evaluation failed; if it
+  did, every rank joins the save of that step and the ranks > 0 raise :class:`PeerFailure`. A
+  rank whose collective lost its peer (:func:`peer_failed`) prints one line instead of gloo's
+  traceback and waits for torchrun to end it (:func:`wait_for_teardown`), so that torchrun
+  names the rank that failed first.
 - **Launching**: ``rl-tformers train --nproc N`` checks the config, the batch split, the GPU
   count (:func:`gpu_count_problem`) and the run directory before it starts torchrun
   (:mod:`rl_tformers.runtime.torchrun`, which exits with the ranks' status instead of
@@ -313,6 +318,54 @@ def wrap_ddp(agent: Any, device: torch.device, find_unused_parameters: bool = Fa
                                    find_unused_parameters=find_unused_parameters)
 
 
+# -- a failure elsewhere ------------------------------------------------------------------------
+
+class PeerFailure(RuntimeError):
+    """Raised on the ranks > 0 when rank 0 failed in a step every rank takes part in (its
+    evaluation, say): rank 0 reports the error, this rank only stops."""
+
+
+#: What gloo says when a collective loses its peer (the other process exited or was killed).
+PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+#: Seconds a rank whose peer failed waits for torchrun to end it, so that torchrun names the
+#: rank that failed first (its failure is recorded before this one's) rather than this one.
+PEER_FAILURE_WAIT_S = 30.0
+
+
+def peer_failed(exc: BaseException) -> bool:
+    """True when ``exc`` only says that another process of the run failed: a
+    :class:`PeerFailure`, or a collective that lost its peer (gloo's ``Connection closed by
+    peer`` / ``Connection reset by peer``), anywhere in its cause chain."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, PeerFailure):
+            return True
+        if isinstance(e, RuntimeError) and any(m in str(e) for m in PEER_LOST_MARKERS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def wait_for_teardown(seconds: float = PEER_FAILURE_WAIT_S) -> None:
+    """Under torchrun (``TORCHELASTIC_RUN_ID`` set), wait up to ``seconds`` for torchrun to end
+    this process (it does once it sees another rank's failure); elsewhere return at once.
+
+    A rank that only learnt of another rank's failure would otherwise exit as soon as the rank
+    that failed did, and torchrun, which records failures to the second, could name this one as
+    the first failure (``rank 0 exited with status 1`` for a crash of rank 1).
+    """
+    import time
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    deadline = time.monotonic() + max(0.0, seconds)
+    with contextlib.suppress(KeyboardInterrupt):
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
 # -- small collectives ---------------------------------------------------------------------------
 
 def max_over_ranks(value: int, device: torch.device) -> int:
@@ -393,8 +446,8 @@ def torchrun_command(nproc: int, train_args: Sequence[str]) -> list[str]:
 
 
 __all__ = [
-    "LAUNCHER_ENV", "AgentLoss", "DistInfo", "ShardedBatches", "backend_for", "barrier",
+    "LAUNCHER_ENV", "AgentLoss", "DistInfo", "PeerFailure", "ShardedBatches", "backend_for", "barrier",
     "broadcast_object", "dist_info", "gather_objects", "gpu_count_problem", "is_active", "max_over_ranks",
-    "process_group",
-    "rank_device", "shard_batch", "shard_mean_total", "shard_source", "torchrun_command", "wrap_ddp",
+    "peer_failed", "process_group",
+    "rank_device", "shard_batch", "shard_mean_total", "shard_source", "torchrun_command", "wait_for_teardown", "wrap_ddp",
 ]

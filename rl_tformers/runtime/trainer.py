@@ -616,9 +616,10 @@ class Trainer:
     def _evaluate_or_save(self, logger: RunLogger, *, saved: bool, checkpoint: Path | None) -> dict[str, float]:
         """:meth:`evaluate`; if it raises, the run is left resumable at this step and the error says so.
 
-        A checkpoint of the current step is written first when ``saved`` is False (one process
-        only: under DDP the other ranks cannot join the save, and rely on the regular
-        checkpoints).
+        A checkpoint of the current step is written first when ``saved`` is False. Under DDP
+        every rank calls this (rank 0 alone evaluates) and learns from rank 0 whether the
+        evaluation failed; if it did, every rank joins that save, and the ranks > 0 raise
+        :class:`~rl_tformers.runtime.distributed.PeerFailure` (rank 0 reports the error).
 
         Raises:
             EvaluationInputError: the agent's ``evaluate`` raised a ``ValueError`` (bad input,
@@ -629,8 +630,25 @@ class Trainer:
             Exception: any other exception of the evaluation, re-raised unchanged with a note
                 (also logged) naming the checkpoint and how to continue or evaluate the run.
         """
+        failure: Exception | None = None
         try:
-            return self.evaluate(logger)
+            out = self.evaluate(logger)
+        except Exception as exc:
+            failure = exc
+        if dist_rt.is_active():
+            # rank 0 evaluated while the others waited; it tells them how the evaluation went
+            # (one small broadcast), so that a failed evaluation's step is saved by every rank
+            # together (the checkpoint holds every rank's state) and every rank stops, instead of
+            # the others dying in their next collective with nothing saved since the last checkpoint
+            if dist_rt.broadcast_object(failure is not None):
+                if not saved:
+                    checkpoint, saved = self.save(), True
+                if not self.is_main:
+                    raise dist_rt.PeerFailure(f"the evaluation of step {self.step} failed on rank 0 (it reports it)")
+        if failure is None:
+            return out
+        try:
+            raise failure
         except Exception as exc:
             if not saved and not dist_rt.is_active():
                 try:
@@ -867,8 +885,12 @@ class Trainer:
         log_every, ckpt_every, eval_every = int(t.log_every), int(t.checkpoint_every), int(ev.every)
         last_saved = self.step if self._resumed_from is not None else -1
         self.model.train()
-        if (self._resumed_from is not None and self.is_main and eval_every and 0 < self.step < self.total_steps
-                and self.step % eval_every == 0 and not final_eval_logged(self.run_dir, self.step)):
+        pending = (self._resumed_from is not None and self.is_main and bool(eval_every)
+                   and 0 < self.step < self.total_steps and self.step % eval_every == 0
+                   and not final_eval_logged(self.run_dir, self.step))
+        if dist_rt.is_active():  # rank 0 decides (it reads its own logs), every rank joins the evaluation's vote
+            pending = bool(dist_rt.broadcast_object(pending))
+        if pending:
             # the checkpoint resumed from is an evaluation step whose evaluation was never logged
             # (it failed, or a second signal cut it short, after the step was saved): run it now, so
             # the continued run logs what an uninterrupted one logs (it changes no training state)
@@ -949,6 +971,8 @@ class Trainer:
         if last_saved != self.step and (stopped_by is not None or self.step == end):
             result.checkpoint = self.save()
         if stopped_by is not None and interrupt.announce:
+            if bar is not None:  # its last line first: the "continue with" line must end the output
+                bar.close()
             # stopped right after a resume, before any update: the checkpoint resumed from holds this step
             log.warning("stopped at step %d by %s; checkpoint %s; continue with: %s",
                         self.step, signal.Signals(stopped_by).name, result.checkpoint or self._resumed_from,
@@ -1304,7 +1328,20 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
 def _relative_data_hint(cfg: DictConfig) -> str:
     """For a resume whose data are not found: the run's relative ``dataset.path`` / ``dataset.root``
     is read from the current folder, which may not be the one the run was started in."""
+    from rl_tformers.envs.loaders import HDF5_SUFFIXES, data_root
+
     ds = cfg.get("dataset") or {}
+    path = ds.get("path")
+    if (isinstance(path, str) and path and not Path(path).expanduser().is_absolute()
+            and not Path(path).expanduser().exists() and Path(path).suffix.lower() not in HDF5_SUFFIXES):
+        # a Minari id (`rlt/hopper-v5/medium-v0`) is no path: it is looked up in the data root, so
+        # "pass the absolute path" (the hint below) missed the usual fix, the run's data root
+        root = data_root(ds.get("root"))
+        where = "" if root.is_absolute() else f", relative to the current folder {Path.cwd()}"
+        return (f" (the run's dataset.path={path} is read as a Minari id from the data root {root}{where}, then "
+                f"from Minari's root: name the data root that holds it, e.g. --resume RUN dataset.root=/abs/data/root "
+                f"(or dataset.path=/abs/path of a dataset folder), or resume from the folder the run was started "
+                f"in; the data are checked against the checkpoint)")
     rel = [f"dataset.{k}={ds.get(k)}" for k in ("path", "root")
            if isinstance(ds.get(k), str) and not Path(ds.get(k)).expanduser().is_absolute()
            and not Path(ds.get(k)).expanduser().exists()]
