@@ -65,7 +65,9 @@ def collect(
     hdf5: Path = typer.Option(None, "--hdf5", help="Also write a D4RL-layout HDF5 file (a folder with --recipe)."),
     recipe: list[str] = typer.Option(None, "--recipe", help="Build recipe(s) by name or glob (hopper-medium, 'hopper-*')."),
     recipe_steps: int = typer.Option(None, "--recipe-steps", help="Override the recipes' base size (default 100000, at least 6)."),
-    policies: Path = typer.Option(None, "--policies", help="Folder of pretrained policies for recipes (default ../shared/policies)."),
+    policies: Path = typer.Option(None, "--policies", help="Folder of pretrained policies for recipes (default: $RL_TFORMERS_POLICIES "
+                                                                "else policies/ in $RL_TFORMERS_SHARED else ../shared/policies next "
+                                                                "to the current folder or to the repository)."),
     list_recipes: bool = typer.Option(False, "--list-recipes", help="List the recipes and exit."),
     overwrite: bool = typer.Option(False, "--overwrite",
                                    help="Replace an existing dataset of the same id (and an existing --hdf5 file)."),

@@ -235,7 +235,11 @@ def load_minari(
             # a typo hint only for ids no recipe builds: a recipe's own id is right, just not built yet
             close = _close_local_ids(str(spec), root) if recipe == "..." else []
             hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
-            where = f"Minari dataset {str(spec)!r} not found in {data_root(root)} nor in Minari's root {minari_default_root()}"
+            # name the knobs of both roots: a user whose datasets already exist elsewhere needs
+            # them more than a build command (the message used to offer only building it)
+            where = (f"Minari dataset {str(spec)!r} not found in the data root {data_root(root)} (dataset.root=DIR "
+                     f"for train/sweep, --root DIR for collect/dataset, else ${DATA_ROOT_ENV}) nor in Minari's root "
+                     f"{minari_default_root()} ($MINARI_DATASETS_PATH)")
             if recipe != "...":  # this package's own id: built locally, published on no server
                 raise FileNotFoundError(
                     f"{where}; build it (`rl-tformers collect --recipe {recipe}{_policies_hint()}`), or pass a folder "

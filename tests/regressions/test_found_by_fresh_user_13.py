@@ -1,0 +1,134 @@
+"""Found by a fresh user (session 13) trying the README from a clean clone on the Hopper sets of
+an existing Minari root."""
+
+from __future__ import annotations
+
+import io
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rl_tformers.cli import app
+
+runner = CliRunner()
+
+
+def test_a_missing_minari_id_names_the_options_that_point_at_an_existing_root(tmp_path: Path, monkeypatch) -> None:
+    """The error for an id that is not in the data root offered only to build or download it; a
+    user whose datasets already exist in another folder (another clone's data/minari) had to
+    find `dataset.root=` in the docs. It now names the knobs of both roots."""
+    from rl_tformers.envs.loaders import load_minari
+
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari_home"))
+    monkeypatch.delenv("RL_TFORMERS_DATA", raising=False)
+    with pytest.raises(FileNotFoundError) as exc:
+        load_minari("rlt/hopper-v5/medium-v0", root=tmp_path / "root")
+    msg = str(exc.value)
+    assert (f"not found in the data root {tmp_path / 'root'} (dataset.root=DIR for train/sweep, --root DIR for "
+            f"collect/dataset, else $RL_TFORMERS_DATA) nor in Minari's root {tmp_path / 'minari_home'} "
+            f"($MINARI_DATASETS_PATH)") in msg
+    assert "rl-tformers collect --recipe hopper-medium" in msg  # building it is still offered
+
+
+def _cartpole_minari(root: Path) -> None:
+    r = runner.invoke(app, ["collect", "--env", "CartPole-v1", "--policy", "random", "--episodes", "8",
+                            "--dataset-id", "test/cartpole-v0", "--root", str(root), "--no-progress"])
+    assert r.exit_code == 0, r.output
+
+
+def test_resuming_a_minari_id_run_without_its_root_says_to_pass_dataset_root(tmp_path: Path, monkeypatch) -> None:
+    """A run trained on a Minari id found through $MINARI_DATASETS_PATH, resumed without it, said
+    "the run's dataset.path=rlt/... is relative and is read from the current folder ...: pass the
+    absolute path": an id is no path, and the fix is the data root (dataset.root=, which resume
+    accepts). The hint now says so, and that override resumes the run."""
+    root = tmp_path / "minari"
+    _cartpole_minari(root)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RL_TFORMERS_DATA", raising=False)
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(root))
+    run = tmp_path / "run"
+    r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", "dataset.path=test/cartpole-v0", "train.steps=1",
+                            "train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1", "agent.context_len=3",
+                            "eval.at_end=false", "train.progress=false", "--run-dir", str(run)])
+    assert r.exit_code == 0, r.output
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "elsewhere"))
+    r = runner.invoke(app, ["train", "--resume", str(run), "train.steps=2"])
+    assert r.exit_code == 2, r.output
+    out = " ".join(r.output.split())
+    assert ("the run's dataset.path=test/cartpole-v0 is read as a Minari id from the data root data/minari, "
+            f"relative to the current folder {tmp_path}, then from Minari's root: name the data root that holds it, "
+            "e.g. --resume RUN dataset.root=/abs/data/root") in out, out
+    assert "is relative and is read from the current folder" not in out
+    r = runner.invoke(app, ["train", "--resume", str(run), "train.steps=2", f"dataset.root={root}"])
+    assert r.exit_code == 0, r.output
+
+
+def test_the_hint_for_a_relative_hdf5_path_is_unchanged() -> None:
+    """The Minari-id hint does not replace the one for a relative .hdf5 file (lead 9's fix)."""
+    from omegaconf import OmegaConf
+
+    from rl_tformers.runtime.trainer import _relative_data_hint
+
+    hint = _relative_data_hint(OmegaConf.create({"dataset": {"path": "no/such/cp.hdf5", "root": None}}))
+    assert "dataset.path=no/such/cp.hdf5 is relative and is read from the current folder" in hint
+    assert _relative_data_hint(OmegaConf.create({"dataset": {"path": "/abs/cp.hdf5", "root": None}})) == ""
+
+
+def test_a_stopped_run_ends_its_output_with_the_continue_line(tmp_path: Path, monkeypatch) -> None:
+    """A SIGINT during `rl-tformers train` printed "stopped at step 199 by SIGINT; ...; continue
+    with: ..." and then, as the last line, the progress line (`train: 199/300 steps (66%), ...,
+    about 17s left`): the progress report is now closed before the stop is announced."""
+    from rl_tformers.runtime import trainer as trainer_mod
+    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.trainer import GracefulInterrupt, Trainer
+
+    run = tmp_path / "run"
+    cfg = compose(None, ["agent.kind=toy", "device=cpu", "train.progress=true", "train.steps=20",
+                         "train.batch_size=4", "train.log_every=2", "train.checkpoint_every=100",
+                         "eval.at_end=false", f"run_dir={run}"])
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    handler = logging.StreamHandler(err)
+    log = logging.getLogger("rl_tformers")
+    log.addHandler(handler)
+    before = log.level
+    log.setLevel(logging.INFO)
+    try:
+        trainer = Trainer(trainer_mod._with_run_dir(cfg, run), run)
+        stop = GracefulInterrupt(announce=True)
+        loss, calls = trainer.agent.loss, {"n": 0}
+
+        def loss_then_stop(batch):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                stop.signum = signal.SIGINT  # what the handler sets on a first Ctrl-C
+            return loss(batch)
+
+        trainer.agent.loss = loss_then_stop
+        with stop:
+            result = trainer.fit(interrupt=stop)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(before)
+    assert result.interrupted == signal.SIGINT and result.step == 5
+    lines = [x for x in err.getvalue().splitlines() if x.strip()]
+    assert any(x.startswith("train: 5/20 steps") for x in lines), lines
+    assert lines[-1].startswith("stopped at step 5 by SIGINT; checkpoint "), lines
+    assert lines[-1].endswith(f"continue with: rl-tformers train --resume {run}"), lines
+
+
+def test_collect_help_gives_the_policies_default_the_readme_gives() -> None:
+    """`collect --help` said --policies defaults to ../shared/policies; the command also reads
+    $RL_TFORMERS_POLICIES and $RL_TFORMERS_SHARED first (README, `policies_dir`)."""
+    import inspect
+
+    from rl_tformers.envs.commands import collect
+
+    text = inspect.signature(collect).parameters["policies"].default.help
+    assert "$RL_TFORMERS_POLICIES" in text and "policies/ in $RL_TFORMERS_SHARED" in text and "../shared/policies" in text
+    r = runner.invoke(app, ["collect", "--help"], terminal_width=80)  # no name cut to "$RL_TFORMERS_POLICIE…"
+    assert "$RL_TFORMERS_POLICIES" in r.output and "$RL_TFORMERS_SHARED" in r.output, r.output
