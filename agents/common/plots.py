@@ -222,11 +222,12 @@ def repeated_target(targets: Sequence[float]) -> tuple[int, int] | None:
 
 
 def summary_lines(results: Sequence[TargetResult]) -> list[str]:
-    """One human-readable line per target: target, mean +- std, normalised score."""
+    """One human-readable line per target: target, mean +- std, normalised score (a policy that
+    takes no target, ``target_return`` None: no target column)."""
     out: list[str] = []
     for r in results:
-        t = "-" if r.target_return is None else f"{r.target_return:g}"
-        line = f"target {t:>8}: return {r.return_mean:9.2f} +- {r.return_std:8.2f} over {len(r.returns)} episode{'' if len(r.returns) == 1 else 's'}"
+        t = "" if r.target_return is None else f"target {r.target_return:>8g}: "
+        line = f"{t}return {r.return_mean:9.2f} +- {r.return_std:8.2f} over {len(r.returns)} episode{'' if len(r.returns) == 1 else 's'}"
         if r.normalized_score is not None:
             line += f", normalised score {r.normalized_score:6.1f}"
         out.append(line)

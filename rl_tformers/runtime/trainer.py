@@ -276,6 +276,16 @@ class MetricWindow:
         return {"count": int(states[0]["count"]), "samples": sum(float(s["samples"]) for s in states) / w,
                 "sums": sums, "counts": counts}
 
+    @staticmethod
+    def for_ranks(state: Mapping[str, Any], saved_ranks: int, ranks: int) -> dict[str, Any]:
+        """The window each of ``ranks`` processes resumes from, given the :meth:`mean_state`
+        ``state`` of a run saved with ``saved_ranks`` processes (or the one window of a
+        one-process run, ``saved_ranks`` = 1): the means carry over as they are, and the samples
+        (a count, which :meth:`reduce` sums over the ranks) are split so that the ranks' sum is
+        the saved total (``perf/samples_per_s`` of the first window after a resume with another
+        process count was off by ``ranks / saved_ranks``)."""
+        return {**state, "samples": float(state["samples"]) * saved_ranks / max(ranks, 1)}
+
 
 class Interrupted(KeyboardInterrupt):
     """A stop signal (SIGINT/SIGTERM) arrived before the first update of this session: training
@@ -561,7 +571,9 @@ class Trainer:
         if windows is not None and len(windows) == self.world_size:
             self.window.load_state_dict(windows[self.rank], self.device)  # this rank's own: exact
         else:  # one process, or another number of processes: the mean window (see MetricWindow.mean_state)
-            self.window.load_state_dict(state["trainer"]["window"], self.device)
+            saved_ranks = 1 if windows is None else len(windows)
+            self.window.load_state_dict(MetricWindow.for_ranks(state["trainer"]["window"], saved_ranks,
+                                                               self.world_size), self.device)
         self.elapsed_s = float(state["trainer"]["elapsed_s"])
         self.step = int(state["step"])
         self._rng_to_restore = state["rng"]  # restored last, right before the first update

@@ -57,3 +57,39 @@ def test_agent_targets_given_twice_are_refused() -> None:
         parse_config_targets([100, 50, "1e2"])
     with pytest.raises(ValueError, match=r"the target 0 is given twice \(items 1 and 2"):
         parse_config_targets([0.0, -0.0])
+
+
+def test_resumed_window_splits_the_saved_samples_over_the_new_ranks() -> None:
+    """Resuming a 2-process run in 1 process (or 1 in 2) counted the saved window's samples
+    ``new / saved`` times: ``perf/samples_per_s`` of the first window was off by that factor."""
+    import torch
+
+    from rl_tformers.runtime.trainer import MetricWindow
+
+    ranks = []
+    for loss in (1.0, 3.0):
+        w = MetricWindow()
+        w.add({"loss": torch.tensor(loss)}, samples=4)  # 8 samples in all
+        ranks.append(w.state_dict())
+    mean = MetricWindow.mean_state(ranks)
+    for new in (1, 2, 4):
+        parts = [MetricWindow() for _ in range(new)]
+        for p in parts:
+            p.load_state_dict(MetricWindow.for_ranks(mean, 2, new), torch.device("cpu"))
+        assert sum(p.samples for p in parts) == 8.0  # what reduce sums over the new ranks
+        assert parts[0].means() == {"loss": 2.0}
+    one = MetricWindow()
+    one.add({"loss": torch.tensor(1.0)}, samples=6)  # a one-process run's own window
+    two = [MetricWindow.for_ranks(one.state_dict(), 1, 2)["samples"] for _ in range(2)]
+    assert sum(two) == 6.0
+
+
+def test_summary_of_a_policy_without_target_has_no_target_column() -> None:
+    """``eval`` of a BC run printed ``target        -: return ...`` (fresh user 13)."""
+    from rl_tformers.agents.common.evaluation import TargetResult
+    from rl_tformers.agents.common.plots import summary_lines
+
+    bc = TargetResult(target_return=None, returns=[1.0, 3.0], lengths=[5, 6], seeds=[0, 1])
+    dt = TargetResult(target_return=3600.0, returns=[2.0], lengths=[5], seeds=[0])
+    assert summary_lines([bc]) == ["return      2.00 +-     1.00 over 2 episodes"]
+    assert summary_lines([dt]) == ["target     3600: return      2.00 +-     0.00 over 1 episode"]
