@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import typer
 
-from rl_tformers.runtime.paths import blocking_file
+from rl_tformers.runtime.paths import SEPARATORS, blocking_file, directory_ending
 
 EVAL_HELP = """Evaluate a trained run at one or more target returns in its environment.
 
@@ -69,10 +68,9 @@ def _check_out_file(text: str | None, option: str = "--out") -> Path | None:
         return None
     if not text.strip():
         raise _fail(f"{option} {text!r} is empty; give a file name, e.g. eval.json")
-    seps = os.sep + (os.altsep or "")
-    if text.endswith(tuple(seps)) or os.path.basename(text) in (".", ".."):
+    if directory_ending(text) is not None:
         raise _fail(f"{option} {text} names a directory; give a file name, e.g. "
-                    f"{Path(text.rstrip(seps) or text).expanduser() / 'eval.json'}")
+                    f"{Path(text.rstrip(SEPARATORS) or text).expanduser() / 'eval.json'}")
     out = Path(text).expanduser()
     if out.is_dir():
         raise _fail(f"{option} {out} is a directory; give a file name, e.g. {out / 'eval.json'}")
@@ -97,7 +95,7 @@ def _check_targets(run, targets: list, option: str) -> None:
 def _refuse_repeated_targets(text: str, tlist: list[float], why: str) -> None:
     """Refuse ``--targets`` (``text``, parsed as ``tlist``) that names one target twice
     (``100,1e2``, ``0,-0``), naming the items; ``why`` says what a target is to the command."""
-    from rl_tformers.agents.common.plots import repeated_target
+    from rl_tformers.agents.common.evaluation import repeated_target
 
     twice = repeated_target(tlist)
     if twice is None:

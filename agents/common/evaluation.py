@@ -550,6 +550,19 @@ def _check_finite(values: np.ndarray, what: str, note: str, target: float | None
     )
 
 
+def repeated_target(targets: Sequence[float]) -> tuple[int, int] | None:
+    """``(i, j)``, ``i < j``, for the first target equal to an earlier one (``100`` and ``1e2``,
+    ``0`` and ``-0`` are equal), or ``None`` when every target is distinct. Each target is
+    evaluated on the same episodes (reset seeds) and is one point of a plot, so ``eval``,
+    ``plot`` and ``agent.targets`` refuse a repeated one, naming where it came from."""
+    first: dict[float, int] = {}
+    for j, t in enumerate(targets):
+        i = first.setdefault(float(t), j)
+        if i != j:
+            return i, j
+    return None
+
+
 def parse_targets(text: str | None) -> list[float] | None:
     """``"3600,1800"`` -> ``[3600.0, 1800.0]``; ``None`` (option not given) -> ``None``.
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import matplotlib
 
-from rl_tformers.runtime.paths import blocking_file
+from rl_tformers.runtime.paths import SEPARATORS, blocking_file, directory_ending
 
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from rl_tformers.agents.common.evaluation import TargetResult  # noqa: E402
+from rl_tformers.agents.common.evaluation import TargetResult, repeated_target  # noqa: E402,F401 (re-exported)
 
 
 def plot_return_conditioning(
@@ -134,12 +134,10 @@ def figure_path(out: str | os.PathLike) -> Path:
     text = os.fspath(out)
     if not text.strip():  # Path("") is "." (the current directory)
         raise ValueError(f"{text!r} is empty; give a file name, e.g. return_conditioning.png")
-    seps = os.sep + (os.altsep or "")
-    last = os.path.basename(text)
-    if text and (text.endswith(tuple(seps)) or last in (".", "..")):
-        tail = text[-1] if text.endswith(tuple(seps)) else last
+    tail = directory_ending(text)
+    if tail is not None:
         raise ValueError(f"{text} names a directory (it ends with {tail!r}); give a file name, e.g. "
-                         f"{Path(text.rstrip(seps) or text).expanduser() / 'return_conditioning.png'}")
+                         f"{Path(text.rstrip(SEPARATORS) or text).expanduser() / 'return_conditioning.png'}")
     out = Path(text).expanduser()
     try:
         if out.is_dir():
@@ -207,18 +205,6 @@ def default_sweep(dataset_max: float, dataset_min: float, n: int = 6) -> list[fl
     xs = [float(x) for x in np.linspace(dataset_min, dataset_max + 0.2 * span, n)]
     rounded = [float(round(x)) for x in xs]
     return rounded if span >= 20 and repeated_target(rounded) is None else xs
-
-
-def repeated_target(targets: Sequence[float]) -> tuple[int, int] | None:
-    """``(i, j)``, ``i < j``, for the first target equal to an earlier one (``100`` and ``1e2``,
-    ``0`` and ``-0`` are equal), or ``None`` when every target is distinct. A plot has one point
-    per target: the callers refuse a repeated one, naming where it came from."""
-    first: dict[float, int] = {}
-    for j, t in enumerate(targets):
-        i = first.setdefault(float(t), j)
-        if i != j:
-            return i, j
-    return None
 
 
 def summary_lines(results: Sequence[TargetResult]) -> list[str]:

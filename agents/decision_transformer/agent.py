@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from rl_tformers.agents.common.evaluation import evaluate
+from rl_tformers.agents.common.evaluation import evaluate, repeated_target
 from rl_tformers.agents.common.loading import register_inference_loader
 from rl_tformers.agents.common.offline import (
     DatasetInfo,
@@ -174,13 +174,12 @@ def parse_config_targets(value: Any) -> list[float] | None:
         raise ValueError(f"agent.targets must be a target return or a non-empty list of them (raw reward units, "
                          f"e.g. agent.targets=3600 or agent.targets=[3600,1800]), or null for the dataset's best "
                          f"return; got {value!r}")
-    first: dict[float, int] = {}
-    for j, x in enumerate(out):
-        i = first.setdefault(x, j)  # 0.0 and -0.0 are one target
-        if i != j:
-            raise ValueError(f"agent.targets: the target {out[i]:g} is given twice (items {i + 1} and {j + 1} of {value!r}); "
-                             f"give each target once: each is evaluated on the same episodes and is one point of "
-                             f"the return-conditioning plot")
+    twice = repeated_target(out)
+    if twice is not None:
+        i, j = twice
+        raise ValueError(f"agent.targets: the target {out[i]:g} is given twice (items {i + 1} and {j + 1} of {value!r}); "
+                         f"give each target once: each is evaluated on the same episodes and is one point of "
+                         f"the return-conditioning plot")
     return out
 
 
