@@ -181,6 +181,7 @@ def eval_cmd(
                                     help="DT: act on the last N steps of the context, at most its K (default: "
                                          "the run's agent.eval_context_len, else K; Online DT uses 5 on Hopper)."),
 ) -> None:
+    """``rl-tformers eval``; its help text is :data:`EVAL_HELP`."""
     from rl_tformers.agents.common.evaluation import evaluate, parse_targets, strict_json
     from rl_tformers.agents.common.plots import summary_lines
     from rl_tformers.agents.common.timing import TimedPolicy
@@ -375,6 +376,7 @@ def plot_cmd(
     context_len: int = typer.Option(None, "--context-len", min=1,
                                     help="DT: act on the last N steps of the context (as eval --context-len)."),
 ) -> None:
+    """``rl-tformers plot``; its help text is :data:`PLOT_HELP`."""
     from rl_tformers.agents.common.evaluation import evaluate, parse_targets
     from rl_tformers.agents.common.plots import (
         default_sweep,

@@ -130,13 +130,17 @@ class CollectResult:
 
     @property
     def num_steps(self) -> int:
+        """Environment steps collected (sum of the episode lengths)."""
         return int(self.episode_lengths.sum())
 
     @property
     def num_episodes(self) -> int:
+        """Episodes collected."""
         return int(self.episode_lengths.size)
 
     def summary(self) -> dict:
+        """JSON-ready dict: id, path, episodes, steps, mean/std (population) of the raw episode
+        returns (``None`` without episodes) and the HDF5 export path."""
         r = self.episode_returns
         return {"dataset_id": self.dataset_id, "path": str(self.path), "episodes": self.num_episodes,
                 "steps": self.num_steps, "return_mean": float(r.mean()) if r.size else None,
@@ -145,7 +149,8 @@ class CollectResult:
 
 
 class SeededResets(gym.Wrapper):
-    """Give every ``reset()`` without a seed the next seed of ``numpy.random.default_rng(seed)``.
+    """Give every ``reset()`` without a seed the next draw, in [0, 2**31 - 1), of a NumPy
+    generator seeded from ``seed`` (``numpy.random.default_rng([seed, 7])``).
 
     ``minari.DataCollector`` draws a random seed from the OS when none is given; training loops
     (SB3's VecEnv auto-reset) reset without one. Putting this wrapper outside the collector
@@ -157,6 +162,7 @@ class SeededResets(gym.Wrapper):
         self._rng = np.random.default_rng([int(seed), 7])
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
+        """The wrapped reset, with the next generator seed when ``seed`` is None."""
         if seed is None:
             seed = int(self._rng.integers(2**31 - 1))
         return self.env.reset(seed=seed, options=options)

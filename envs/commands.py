@@ -439,5 +439,6 @@ def export(
 
 
 def register(app: typer.Typer) -> None:
+    """Add ``collect`` and the ``dataset`` command group to the ``rl-tformers`` app."""
     app.command("collect")(collect)
     app.add_typer(dataset_app, name="dataset")

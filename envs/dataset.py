@@ -88,6 +88,7 @@ class DatasetMetadata:
     extra: dict = field(default_factory=dict)
 
     def replace(self, **changes: Any) -> DatasetMetadata:
+        """Copy with ``changes`` (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
 
 
@@ -135,6 +136,7 @@ class LazyH5Array:
 
     @property
     def ndim(self) -> int:
+        """Number of axes of the HDF5 dataset."""
         return len(self.shape)
 
     def __len__(self) -> int:
@@ -446,18 +448,22 @@ class EpisodeDataset:
 
     @property
     def observation_shape(self) -> tuple[int, ...]:
+        """Shape of one observation (the step axis dropped)."""
         return tuple(self.observations.shape[1:])
 
     @property
     def action_shape(self) -> tuple[int, ...]:
+        """Shape of one action: ``()`` for discrete actions stored as integers."""
         return tuple(self.actions.shape[1:])
 
     @property
     def discrete_actions(self) -> bool:
+        """True when ``action_space`` is a ``gymnasium.spaces.Discrete``."""
         return isinstance(self.action_space, gym.spaces.Discrete)
 
     @property
     def is_lazy(self) -> bool:
+        """True when observations or actions are read from disk on access (not NumPy arrays)."""
         return not (isinstance(self.observations, np.ndarray) and isinstance(self.actions, np.ndarray))
 
     @property

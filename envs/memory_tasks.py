@@ -121,12 +121,15 @@ class RecallEnv(gym.Env):
         return int(self._symbols[self._t - self.delay]) if self._t >= self.delay else -1
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
+        """Draw the episode's ``length`` symbols; returns (one-hot of s_0 (K,), {"target": -1})."""
         super().reset(seed=seed)
         self._symbols = self.np_random.integers(0, self.n_symbols, size=self.length)
         self._t = 0
         return self._obs(), {"target": self._target()}
 
     def step(self, action):
+        """Score ``action`` (reward 1.0 or 0.0; see the class docstring) and show the next symbol;
+        the last step (``length``) terminates with an all-zero observation and target -1."""
         target = self._target()
         reward = float(target >= 0 and int(action) == target)
         self._t += 1

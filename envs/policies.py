@@ -110,9 +110,10 @@ class RandomPolicy:
         self.name = "random"
 
     def reset(self) -> None:
-        pass
+        """Nothing to reset (memoryless)."""
 
     def __call__(self, obs: np.ndarray) -> Any:
+        """One ``space.sample()``; ``obs`` is ignored."""
         return self.space.sample()
 
 
@@ -133,16 +134,20 @@ class SB3Policy:
         self._start = True
 
     def reset(self) -> None:
+        """Start a new episode: clear the recurrent state (recurrent SB3 policies)."""
         self._state = None
         self._start = True
 
     def normalize(self, obs: np.ndarray) -> np.ndarray:
+        """``clip((obs - mean) / sqrt(var + epsilon), -clip_obs, clip_obs)`` (SB3's VecNormalize),
+        or ``obs`` unchanged without ``obs_norm``."""
         if self.obs_norm is None:
             return obs
         n = self.obs_norm
         return np.clip((obs - n["mean"]) / np.sqrt(n["var"] + n["epsilon"]), -n["clip_obs"], n["clip_obs"])
 
     def __call__(self, obs: np.ndarray) -> Any:
+        """The model's deterministic action for one raw observation (normalised here)."""
         action, self._state = self.model.predict(self.normalize(np.asarray(obs)), state=self._state,
                                                  episode_start=np.array([self._start]), deterministic=True)
         self._start = False
@@ -247,8 +252,8 @@ class NoisyPolicy:
     for the usual [-1, 1] MuJoCo actions). Both draws use a generator seeded with ``seed``.
 
     Raises:
-        ValueError: noise on a non-Box space, epsilon outside [0, 1], or epsilon on a Box
-            with infinite bounds.
+        ValueError: noise on a non-Box space, ``noise_std`` < 0, epsilon outside [0, 1], or
+            epsilon on a Box with infinite bounds.
     """
 
     def __init__(self, policy, action_space: gym.Space, *, noise_std: float = 0.0, epsilon: float = 0.0,
@@ -271,9 +276,11 @@ class NoisyPolicy:
         self.name = getattr(policy, "name", "policy")
 
     def reset(self) -> None:
+        """Reset the wrapped policy."""
         self.policy.reset()
 
     def __call__(self, obs: np.ndarray) -> Any:
+        """The weakened action for one observation (the wrapped policy is always queried)."""
         action = self.policy(obs)  # always query: keeps recurrent state and rng streams aligned
         if self.epsilon > 0 and self.rng.random() < self.epsilon:
             return self.random(obs)

@@ -64,6 +64,7 @@ class ObservationMaskWrapper(gym.ObservationWrapper, gym.utils.RecordConstructor
                                                 dtype=space.dtype)
 
     def observation(self, observation: np.ndarray) -> np.ndarray:
+        """obs (D,) -> obs[indices] (len(indices),)."""
         return np.asarray(observation)[self.indices]
 
 

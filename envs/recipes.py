@@ -85,6 +85,15 @@ class Shard:
 
 @dataclass(frozen=True)
 class Recipe:
+    """How to collect one dataset (:func:`make_recipe`).
+
+    Attributes:
+        name: ``<task>-<level>[-positions]``.
+        task: a key of :data:`TASKS`; level: one of :data:`LEVELS`.
+        positions: observations masked to joint positions (a POMDP variant).
+        shards: the behaviours, collected in order.
+    """
+
     name: str
     task: str
     level: str
@@ -95,6 +104,7 @@ class Recipe:
 
     @property
     def env_id(self) -> str:
+        """Gymnasium id of the task (e.g. ``Hopper-v5``)."""
         return TASKS[self.task]
 
     @property
@@ -105,9 +115,11 @@ class Recipe:
 
     @property
     def steps(self) -> int:
+        """Environment steps of the whole recipe (sum over its shards)."""
         return sum(s.steps for s in self.shards)
 
     def describe(self) -> str:
+        """One line: each shard's behaviour, modifiers and size, joined by `` + ``."""
         parts = []
         for s in self.shards:
             p = "random actions" if s.policy == "random" else f"{s.policy}"
@@ -146,7 +158,12 @@ def _level_shards(task: str, level: str, steps: int) -> tuple[Shard, ...]:
 
 
 def make_recipe(task: str, level: str, *, positions: bool = False, steps: int = DEFAULT_STEPS) -> Recipe:
-    """A recipe for ``task`` (hopper, walker2d, halfcheetah) and ``level`` (see :data:`LEVELS`)."""
+    """A recipe for ``task`` (hopper, walker2d, halfcheetah) and ``level`` (see :data:`LEVELS`),
+    ``steps`` environment steps in all.
+
+    Raises:
+        ValueError: an unknown task or level, or (medium-replay) ``steps`` < :data:`MIN_STEPS`.
+    """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
     suffix = "-positions" if positions else ""

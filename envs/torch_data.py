@@ -22,6 +22,8 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class BatchSampler(Protocol):
+    """What :class:`StepBatchDataset` needs: ``sample(batch_size, rng) -> {key: array}``."""
+
     def sample(self, batch_size: int, rng: np.random.Generator) -> dict[str, np.ndarray]: ...
 
 

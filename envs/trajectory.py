@@ -91,7 +91,8 @@ def dataset_returns_to_go(dataset: EpisodeDataset, gamma: float = 1.0) -> np.nda
 class ObsStats:
     """Per-feature observation statistics: ``mean (*obs_shape)``, ``std (*obs_shape)`` (float32).
 
-    ``std`` is floored at ``eps`` so that constant features do not divide by zero.
+    ``std`` as computed by :func:`observation_stats` is floored at ``eps`` so that constant
+    features do not divide by zero (the class itself stores what it is given).
     """
 
     mean: np.ndarray
@@ -102,10 +103,12 @@ class ObsStats:
         return ((np.asarray(obs, np.float32) - self.mean) / self.std).astype(np.float32, copy=False)
 
     def to_dict(self) -> dict:
+        """JSON-ready ``{"mean": list, "std": list}``; inverse of :meth:`from_dict`."""
         return {"mean": self.mean.tolist(), "std": self.std.tolist()}
 
     @classmethod
     def from_dict(cls, d: dict) -> ObsStats:
+        """Read :meth:`to_dict`'s output (as float32 arrays)."""
         return cls(np.asarray(d["mean"], np.float32), np.asarray(d["std"], np.float32))
 
 

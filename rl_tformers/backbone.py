@@ -104,6 +104,7 @@ class Backbone(nn.Module):
 
     @property
     def blocks(self) -> nn.ModuleList:
+        """The blocks the depth module runs (N for ``fixed``, one shared for ``universal``)."""
         return self.depth.blocks
 
     # -- state ---------------------------------------------------------------------------------

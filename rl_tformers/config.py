@@ -58,6 +58,7 @@ class SlotConfig:
         field type check (:func:`rl_tformers.registry.check_field_types`)."""
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form ``{"kind": ..., <fields>}`` (what the slot's ``from_dict`` reads)."""
         return config_to_dict(self)
 
 
@@ -79,21 +80,26 @@ class BuildContext:
 
     @property
     def d_model(self) -> int:
+        """D, the model width."""
         return self.config.d_model
 
     @property
     def n_heads(self) -> int:
+        """H, the number of attention heads."""
         return self.config.n_heads
 
     @property
     def head_dim(self) -> int:
+        """Dh = D // H."""
         return self.config.d_model // self.config.n_heads
 
     @property
     def n_layers(self) -> int:
+        """N, the number of blocks."""
         return self.config.n_layers
 
     def at_layer(self, i: int) -> BuildContext:
+        """This context for layer ``i`` (same config and ``shared`` dict)."""
         return dataclasses.replace(self, layer_idx=i)
 
 
@@ -202,10 +208,12 @@ class BackboneConfig:
 
     @property
     def ff_dim(self) -> int:
+        """Feed-forward hidden width: ``d_ff``, or 4 * ``d_model`` when ``d_ff`` is None."""
         return 4 * self.d_model if self.d_ff is None else self.d_ff
 
     @property
     def head_dim(self) -> int:
+        """Dh = ``d_model`` // ``n_heads``."""
         return self.d_model // self.n_heads
 
     def to_dict(self) -> dict[str, Any]:
@@ -247,4 +255,6 @@ class BackboneConfig:
         return cls(**data)
 
     def replace(self, **changes: Any) -> BackboneConfig:
+        """Copy with ``changes`` (``dataclasses.replace``: the field checks run again and raise
+        as the constructor does; a slot may be given as a dict)."""
         return dataclasses.replace(self, **changes)

@@ -89,7 +89,10 @@ class EncoderDecoderConfig:
             queries are its keys, the kinds whose queries are the last T keys, among them the
             key-index patterns ``local``, ``strided``, ``sliding_window``..., and ``blockwise``,
             whose query block i reads a key block of the same sequence); each message names
-            the option.
+            the option. Also whatever :func:`~rl_tformers.backbone.check_compatible` refuses in
+            either stack (named ``encoder.`` / ``decoder.``).
+        TypeError: ``encoder`` / ``decoder`` neither a :class:`BackboneConfig` nor a mapping, or
+            ``cross_attention`` neither an attention config nor a mapping.
     """
 
     encoder: BackboneConfig = field(default_factory=lambda: _vanilla(False))
@@ -140,6 +143,7 @@ class EncoderDecoderConfig:
         _check_stack(dec, "decoder")
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form ``{encoder, decoder, cross_attention}``; inverse of :meth:`from_dict`."""
         return {
             "encoder": self.encoder.to_dict(),
             "decoder": self.decoder.to_dict(),
@@ -154,6 +158,8 @@ class EncoderDecoderConfig:
 
         Raises:
             TypeError: ``data`` (or its ``encoder``/``decoder``) is neither a mapping nor a built config.
+            IncompatibleConfig: a top-level field other than ``encoder``, ``decoder``,
+                ``cross_attention``, or any combination the constructor refuses.
         """
         if isinstance(data, EncoderDecoderConfig):
             return data
@@ -174,6 +180,7 @@ class EncoderDecoderConfig:
         return cls(**kw)
 
     def replace(self, **changes: Any) -> EncoderDecoderConfig:
+        """Copy with ``changes`` (``dataclasses.replace``: the constructor's checks run again)."""
         return dataclasses.replace(self, **changes)
 
 
@@ -274,7 +281,12 @@ class EncoderDecoder(nn.Module):
             _name_option(layer.cross_attn, "cross_attention")
 
     def encode(self, src: Tensor, src_pos: Tensor | None = None, src_mask: Tensor | None = None) -> BackboneOutput:
-        """Encoder pass: src (B, S, D) -> BackboneOutput with hidden (B, S, D)."""
+        """Encoder pass: src (B, S, D) -> BackboneOutput with hidden (B, S, D).
+
+        Raises:
+            ValueError: as :meth:`rl_tformers.backbone.Backbone.forward` (shapes of ``src``,
+                ``src_pos``, ``src_mask``; a non-integer ``src_pos``).
+        """
         return self.encoder(src, positions=src_pos, mask=src_mask)
 
     def decode(

@@ -88,10 +88,12 @@ class AttnContext:
 
     @property
     def q_len(self) -> int:
+        """T: number of queries (``pos_q.shape[1]``)."""
         return self.pos_q.shape[1]
 
     @property
     def k_len(self) -> int:
+        """S: number of keys (``pos_k.shape[1]``), memory/prefix slots included."""
         return self.pos_k.shape[1]
 
     @property
@@ -110,7 +112,8 @@ class AttnContext:
         return self.causal or self.key_valid is not None or self.seg_q is not None
 
     def allowed(self) -> Tensor:
-        """Dense (B, 1, T, S) bool mask, True = query may attend key (cached per context).
+        """Dense (B|1, 1, T, S) bool mask, True = query may attend key (cached per context);
+        the batch axis is 1 when neither ``key_valid`` nor episode ids are given.
 
         Combines causality (with the prefix offset), key padding and episode ids.
         """
@@ -260,6 +263,7 @@ class BackboneState:
 
     @property
     def batch_size(self) -> int:
+        """B: number of independent streams (rows of ``episode``)."""
         return self.episode.shape[0]
 
     def map_tensors(self, fn) -> BackboneState:
@@ -267,6 +271,7 @@ class BackboneState:
         return _map(self, fn)
 
     def detach(self) -> BackboneState:
+        """Copy with every tensor detached from the graph (truncated BPTT between segments)."""
         return self.map_tensors(lambda t: t.detach())
 
 

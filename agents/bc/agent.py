@@ -69,6 +69,7 @@ class BCPolicy:
         self.device = dev
 
     def initial_state(self, n_envs: int, target_return: float | None = None) -> None:
+        """``None``: the policy is memoryless and ignores ``target_return``."""
         return None
 
     @torch.no_grad()
@@ -164,9 +165,11 @@ class BCAgent:
         return bc_loss(self.model, {"obs": obs, "actions": act, "mask": batch["mask"][:, 0]})
 
     def policy(self) -> BCPolicy:
+        """A :class:`BCPolicy` of the current weights (puts the model in eval mode)."""
         return BCPolicy(self.model, self.info)
 
     def make_env(self):
+        """Zero-argument factory of one evaluation environment (:meth:`DatasetInfo.make_env`)."""
         return self.info.make_env()
 
     def default_targets(self) -> list[None]:
@@ -189,6 +192,7 @@ class BCAgent:
         return out
 
     def extra_state(self) -> dict[str, Any]:
+        """The dataset statistics saved with a checkpoint (:meth:`DatasetInfo.to_extra`)."""
         return self.info.to_extra()
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:

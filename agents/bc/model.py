@@ -49,12 +49,19 @@ class BCConfig:
             raise ValueError(f"agent.dropout must be in [0, 1), got {self.dropout}")
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the fields (``hidden`` as a list); inverse of :meth:`from_dict`."""
         d = dataclasses.asdict(self)
         d["hidden"] = list(self.hidden)
         return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BCConfig:
+        """Build from a dict of the fields.
+
+        Raises:
+            ValueError: an unknown field (named as ``agent.<field>``), or as the constructor.
+            TypeError: ``obs_dim`` or ``act_dim`` missing.
+        """
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:

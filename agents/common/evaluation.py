@@ -90,6 +90,7 @@ class RawRewardInfo(gym.Wrapper):
     """Writes the reward of the wrapped (innermost) environment into ``info["raw_reward"]``."""
 
     def step(self, action):
+        """The wrapped step; a copy of ``info`` holds ``float(reward)`` under ``raw_reward``."""
         obs, reward, terminated, truncated, info = self.env.step(action)
         info = dict(info)
         info[RAW_REWARD_KEY] = float(reward)
@@ -153,14 +154,17 @@ class TargetResult:
 
     @property
     def return_mean(self) -> float:
+        """Mean raw return over the episodes."""
         return float(np.mean(self.returns))
 
     @property
     def return_std(self) -> float:
+        """Population standard deviation (``np.std``, ddof 0) of the raw returns."""
         return float(np.std(self.returns))
 
     @property
     def normalized_score(self) -> float | None:
+        """Mean D4RL-normalised score, or ``None`` without reference returns."""
         return None if self.normalized is None else float(np.mean(self.normalized))
 
     def to_dict(self, with_rewards: bool = False) -> dict[str, Any]:
@@ -185,8 +189,9 @@ class TargetResult:
 
         Raises:
             KeyError: no ``target_return`` or ``returns``.
-            TypeError: ``d`` is not a mapping.
-            ValueError: a target or return that is not a finite number (``NaN`` in an old file),
+            TypeError: ``d`` is not a dict.
+            ValueError: ``returns`` not a list, a target or return that is not a finite number
+                (``NaN`` in an old file),
                 no returns, ``lengths`` / ``seeds`` that are not one integer per return, or
                 ``rewards`` that are not one list of finite numbers per return, each summing to
                 its episode's return (and as long as its length, when lengths are given); the
@@ -232,7 +237,16 @@ def _finite_number(v: Any) -> bool:
 
 @dataclass
 class EvalReport:
-    """All targets of one evaluation call, plus its settings and wall time."""
+    """All targets of one evaluation call, plus its settings and wall time.
+
+    Attributes:
+        results: one :class:`TargetResult` per target, in the order given.
+        env_id: the environment evaluated (when known).
+        episodes: episodes per target; n_envs: parallel environments used (N).
+        seed: base reset seed (episode j: ``seed + j``).
+        seconds: wall-clock time of the whole call, in seconds.
+        extra: caller-specific additions (written as they are by :meth:`to_dict`).
+    """
 
     results: list[TargetResult]
     env_id: str | None = None
@@ -243,6 +257,7 @@ class EvalReport:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self, with_rewards: bool = False) -> dict[str, Any]:
+        """JSON-ready dict of the settings and ``results`` (:meth:`TargetResult.to_dict`)."""
         d = {k: v for k, v in asdict(self).items() if k != "results"}
         d["results"] = [r.to_dict(with_rewards) for r in self.results]
         return d

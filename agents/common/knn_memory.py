@@ -81,6 +81,11 @@ class ActionDatastore:
         groups: (N,) long episode id of every entry (for ``exclude_groups``).
         metric: ``l2`` (squared L2 distance, kNN-LM) or ``ip`` (inner product).
         backend: ``auto`` (faiss when installed), ``torch`` or ``faiss``.
+
+    Raises:
+        ValueError: an unknown ``metric`` or ``backend``; keys not (N, D) or actions / groups
+            whose first axis is not N; continuous actions not (N, A) or discrete ones not (N,).
+        ImportError: ``backend='faiss'`` without faiss installed.
     """
 
     keys: Tensor
@@ -125,10 +130,12 @@ class ActionDatastore:
 
     @property
     def uses_faiss(self) -> bool:
+        """True when searches go through a faiss flat index (``faiss``, or ``auto`` with faiss)."""
         return self.backend == "faiss" or (self.backend == "auto" and faiss_available())
 
     @property
     def discrete(self) -> bool:
+        """True for (N,) integer actions, False for (N, A) float ones."""
         return not self.actions.is_floating_point()
 
     def __len__(self) -> int:
@@ -138,7 +145,11 @@ class ActionDatastore:
     @classmethod
     def build(cls, pairs: Iterable[tuple[Tensor, Tensor, Tensor]], metric: str = "l2", backend: str = "auto") -> ActionDatastore:
         """Concatenate ``(keys (n, D), actions (n, ...), groups (n,))`` chunks, e.g. produced by
-        running the trained policy over the training dataset under ``torch.no_grad()``."""
+        running the trained policy over the training dataset under ``torch.no_grad()``.
+
+        Raises:
+            ValueError: no chunk given, or as the constructor.
+        """
         ks, acts, gs = [], [], []
         for k, a, g in pairs:
             ks.append(k.detach().float().cpu())
@@ -149,10 +160,12 @@ class ActionDatastore:
         return cls(torch.cat(ks), torch.cat(acts), torch.cat(gs), metric=metric, backend=backend)
 
     def save(self, path: str | Path) -> None:
+        """Write keys, actions, groups and the metric with ``torch.save`` (not the backend)."""
         torch.save({"keys": self.keys, "actions": self.actions, "groups": self.groups, "metric": self.metric}, path)
 
     @classmethod
     def load(cls, path: str | Path, backend: str = "auto") -> ActionDatastore:
+        """Read a file written by :meth:`save` (``weights_only=True``) with this ``backend``."""
         d = torch.load(path, map_location="cpu", weights_only=True)
         return cls(d["keys"], d["actions"], d["groups"], metric=d["metric"], backend=backend)
 
@@ -260,7 +273,11 @@ def neighbour_weights(nb: Neighbours, temperature: float = 1.0) -> Tensor:
 
 
 def knn_distribution(nb: Neighbours, n_actions: int, temperature: float = 1.0) -> Tensor:
-    """p_kNN(a) ∝ sum_i 1[a_i = a] exp(-d_i / T) (Khandelwal et al. 2020, eq. 2): (B, n_actions)."""
+    """p_kNN(a) ∝ sum_i 1[a_i = a] exp(-d_i / T) (Khandelwal et al. 2020, eq. 2): (B, n_actions).
+
+    Raises:
+        ValueError: a valid neighbour's action is outside ``[0, n_actions)``.
+    """
     w = neighbour_weights(nb, temperature)  # (B, k)
     found = nb.actions[nb.valid]
     if found.numel() and (int(found.min()) < 0 or int(found.max()) >= n_actions):
@@ -281,6 +298,8 @@ def interpolate_discrete(logits: Tensor, nb: Neighbours, lam: float, temperature
         temperature: T of the distance kernel.
     Returns:
         (B, A) log-probabilities (differentiable w.r.t. ``logits``).
+    Raises:
+        ValueError: ``lam`` outside [0, 1], or a neighbour action outside the A actions.
     """
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"lambda must lie in [0, 1], got {lam}")
@@ -305,6 +324,8 @@ def interpolate_continuous(action: Tensor, nb: Neighbours, lam: float, temperatu
         lam: lambda in [0, 1]; rows without a valid neighbour keep the model's action.
     Returns:
         (B, A).
+    Raises:
+        ValueError: ``lam`` outside [0, 1].
     """
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"lambda must lie in [0, 1], got {lam}")
@@ -323,7 +344,11 @@ class SpalmGate(nn.Module):
         action_dim: width of continuous actions (linear embedding); exactly one of the two.
         gate_init: initial gate bias (g = sigmoid(gate_init) weight on the local state).
 
-    ``forward(h (B, D), nb: Neighbours) -> (z (B, D), g (B, 1))``.
+    ``forward(h (B, D), nb: Neighbours) -> (z (B, D), g (B, 1))``; rows without a valid
+    neighbour get g = 1, so z = h.
+
+    Raises:
+        ValueError: both or neither of ``n_actions`` and ``action_dim`` given.
     """
 
     def __init__(self, d_model: int, n_actions: int | None = None, action_dim: int | None = None, gate_init: float = 0.0) -> None:
@@ -362,6 +387,9 @@ class KNNPolicyMemory:
         mem = KNNPolicyMemory(ActionDatastore.build(pairs), k=16, lam=0.25)
         logp = mem.discrete(embedding, logits)      # (B, A) log-probabilities
         action = mem.continuous(embedding, action)  # (B, A)
+
+    Raises:
+        ValueError: ``k`` not an integer >= 1, ``lam`` outside [0, 1], ``temperature`` <= 0.
     """
 
     def __init__(self, datastore: ActionDatastore, k: int = 16, lam: float = 0.25, temperature: float = 1.0) -> None:
@@ -374,6 +402,7 @@ class KNNPolicyMemory:
         self.datastore, self.k, self.lam, self.temperature = datastore, k, lam, temperature
 
     def neighbours(self, embedding: Tensor, exclude_groups: Tensor | None = None) -> Neighbours:
+        """The ``k`` neighbours of (B, D) embeddings (:meth:`ActionDatastore.search`)."""
         return self.datastore.search(embedding, self.k, exclude_groups)
 
     def discrete(self, embedding: Tensor, logits: Tensor) -> Tensor:

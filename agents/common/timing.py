@@ -32,9 +32,11 @@ class TimedPolicy:
         self.seconds = 0.0
 
     def initial_state(self, n_envs: int, target_return: float | None = None) -> Any:
+        """The wrapped policy's ``initial_state`` (not timed)."""
         return self.policy.initial_state(n_envs, target_return)
 
     def act(self, obs: np.ndarray, state: Any, episode_start: np.ndarray, last_reward: np.ndarray | None = None):
+        """The wrapped policy's ``act``, its wall time (seconds) added to ``self.seconds``."""
         t0 = time.perf_counter()
         out = self.policy.act(obs, state, episode_start, last_reward)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -44,6 +46,7 @@ class TimedPolicy:
         return out
 
     def stats(self) -> dict[str, float | int]:
+        """``act_calls`` and, after a call, ``act_ms_per_step`` (see the class docstring)."""
         out: dict[str, float | int] = {"act_calls": int(self.calls)}  # a count: an int in the JSON
         if self.calls:
             out["act_ms_per_step"] = 1000.0 * self.seconds / self.calls

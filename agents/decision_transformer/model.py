@@ -100,7 +100,10 @@ class DTConfig:
             into the prediction); a ``backbone.memory.kind`` other than ``none`` (the DT carries
             no memory state); windows of more tokens than the attention kind's fixed
             ``backbone.attention.max_len`` (linformer's linear projection, sinkhorn);
-            ``embed_dropout`` outside [0, 1).
+            ``embed_dropout`` outside [0, 1); an unknown ``embed_init`` or ``exit_scheme``;
+            ``context_len`` or ``max_ep_len`` < 1; 3K token positions beyond
+            ``backbone.max_position``; a ``backbone.depth.threshold`` set (early exit: the
+            threshold belongs to evaluation, ``agent.early_exit.threshold``).
     """
 
     obs_dim: int
@@ -190,12 +193,18 @@ class DTConfig:
         return 3 * self.context_len - (self.mode == "last_action")
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the fields (``backbone`` as its dict); inverse of :meth:`from_dict`."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["backbone"] = self.backbone.to_dict()
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DTConfig:
+        """Build from a dict of the fields (``backbone`` may be a dict).
+
+        Raises:
+            ValueError: an unknown field (named as ``agent.<field>``), or as the constructor.
+        """
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
@@ -262,6 +271,8 @@ class DecisionTransformer(nn.Module):
 
     @property
     def target_entropy(self) -> float:
+        """Entropy target of the Gaussian head's temperature loss (nats): ``cfg.target_entropy``,
+        or -act_dim when it is None (Online DT, Zheng et al. 2022)."""
         return -float(self.cfg.act_dim) if self.cfg.target_entropy is None else self.cfg.target_entropy
 
     def timestep_index(self, timesteps: Tensor, mask: Tensor) -> Tensor:
@@ -316,7 +327,9 @@ class DecisionTransformer(nn.Module):
             :class:`DTOutput` with predictions for every step (causal) or the last one.
 
         Raises:
-            ValueError: wrong shapes or a timestep outside ``[0, max_ep_len)``.
+            ValueError: wrong shapes, a window of more than ``context_len`` steps, a timestep
+                outside ``[0, max_ep_len)``, or ``exit_steps`` / ``exit_threshold`` without
+                depth kind ``early_exit``.
         """
         cfg = self.cfg
         b, k = obs.shape[:2]

@@ -736,6 +736,8 @@ class GTrXLAgent:
         return out
 
     def extra_state(self) -> dict[str, Any]:
+        """A copy of the extra state saved with a checkpoint (dataset statistics, reward
+        multiplier, model config; read back by :meth:`load_extra_state`)."""
         return dict(self.extra)
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:

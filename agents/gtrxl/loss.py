@@ -73,6 +73,7 @@ class SegmentBatch:
     burn_in: int = 0
 
     def to(self, device: torch.device | str) -> SegmentBatch:
+        """A copy with every tensor on ``device`` (``burn_in`` unchanged)."""
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
         return SegmentBatch(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in kw.items()})
 

@@ -297,6 +297,7 @@ class GTrXLEncoder(nn.Module):
 
     @property
     def d_model(self) -> int:
+        """D, the backbone width (the size of the encoder's output features)."""
         return self.backbone.config.d_model
 
     @property
@@ -306,6 +307,7 @@ class GTrXLEncoder(nn.Module):
 
     @property
     def mem_len(self) -> int:
+        """Memory slots per layer (``backbone.memory.mem_len``; 0 for memory kinds without one)."""
         return int(getattr(self.backbone.config.memory, "mem_len", 0))
 
     def initial_state(self, batch: int, device: torch.device | str | None = None) -> BackboneState:
@@ -432,8 +434,9 @@ class Actor(nn.Module):
 
 
 class TwinQ(nn.Module):
-    """Two Q heads. Continuous: (h (..., D), a (..., A)) -> two (...) values.
-    Discrete: h -> two (..., A) tables, gathered at ``a`` (...) long when given."""
+    """Two Q heads (IQL's twin critics). Continuous: (h (..., D), a (..., A)) -> two (...)
+    values. Discrete: two (..., A) tables from h, gathered at ``a`` (...) long (required):
+    two (...) values."""
 
     def __init__(self, d_model: int, act_dim: int, discrete: bool, hidden: int) -> None:
         super().__init__()
@@ -444,6 +447,7 @@ class TwinQ(nn.Module):
         self.q2 = _mlp(d_in, hidden, d_out)
 
     def forward(self, h: Tensor, action: Tensor) -> tuple[Tensor, Tensor]:
+        """(Q1(h, a), Q2(h, a)), each (...); shapes in the class docstring."""
         if self.discrete:
             idx = action.long().unsqueeze(-1)  # (..., 1)
             return self.q1(h).gather(-1, idx).squeeze(-1), self.q2(h).gather(-1, idx).squeeze(-1)

@@ -187,6 +187,7 @@ class RunningMeanStd:
         self.count = 1e-4
 
     def update(self, x: np.ndarray) -> None:
+        """Merge a batch ``x`` (..., *shape), flattened to (K, *shape), into the statistics."""
         x = np.asarray(x, np.float64).reshape(-1, *self.mean.shape)
         b_mean, b_var, b_n = x.mean(0), x.var(0), x.shape[0]
         delta = b_mean - self.mean
@@ -197,6 +198,7 @@ class RunningMeanStd:
 
     @property
     def std(self) -> np.ndarray:
+        """sqrt(var + 1e-8), the shape of the mean."""
         return np.sqrt(self.var + 1e-8)
 
 
@@ -1194,6 +1196,8 @@ class GTrXLPPO:
         return loss, logs
 
     def policy(self, deterministic: bool | None = None) -> GTrXLPolicy:
+        """A :class:`GTrXLPolicy` of the current weights and observation statistics;
+        ``deterministic`` defaults to ``agent.deterministic``."""
         det = bool(self.a.deterministic) if deterministic is None else deterministic
         norm = self.normalize_obs
         o = self.model_cfg.obs_dim
@@ -1205,10 +1209,12 @@ class GTrXLPPO:
         )
 
     def make_env(self):
+        """Zero-argument factory ``gym.make(env_id, **env_kwargs)`` of the training environment."""
         env_id, kwargs = self.env_id, self.env_kwargs
         return lambda: gym.make(env_id, **kwargs)
 
     def default_targets(self) -> list[float | None]:
+        """``[None]``: PPO is not return-conditioned."""
         return [None]
 
     def evaluate(self, step: int) -> dict[str, float]:
@@ -1226,6 +1232,8 @@ class GTrXLPPO:
         return {"return_mean": r.return_mean, "return_std": r.return_std}
 
     def extra_state(self) -> dict[str, Any]:
+        """Observation statistics, step counters (environment steps, rollouts), recent episode
+        returns/lengths, reward multiplier, environment and model config for a checkpoint."""
         return {
             "obs_mean": torch.as_tensor(self.obs_rms.mean), "obs_var": torch.as_tensor(self.obs_rms.var),
             "obs_count": float(self.obs_rms.count), "env_steps": int(self.env_steps), "rollouts": int(self.rollouts),
@@ -1236,6 +1244,8 @@ class GTrXLPPO:
         }
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        """Restore the observation statistics, step counters, reward multiplier and recent
+        episode returns/lengths that :meth:`extra_state` saved (``--resume``)."""
         # until load_process_state says otherwise (a checkpoint without it: not exact)
         self._resume_problem = "the checkpoint holds no environment state (written before gtrxl_ppo saved it)"
         self.obs_rms.mean = np.asarray(state["obs_mean"], np.float64)

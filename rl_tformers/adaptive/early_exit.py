@@ -118,6 +118,11 @@ class EarlyExitDepth(DepthModule):
 
     Metrics: ``exit/mean_layer`` (mean 1-based exit layer of deciding tokens),
     ``exit/early_frac``, ``exit/layers_run``.
+
+    Raises:
+        IncompatibleConfig: the block kind is reversible (at construction).
+        ValueError: ``forward`` with ``confidence='softmax'``, early exit active (a threshold
+            <= 1, N > 1) and no ``exit_head`` nor ``exit_layers``.
     """
 
     def __init__(self, ctx, cfg: EarlyExitConfig) -> None:
@@ -194,6 +199,8 @@ class EarlyExitDepth(DepthModule):
         exit_mask: Tensor | None = None,
         exit_layers: Tensor | None = None,
     ) -> DepthOutput:
+        """x (B, T, D) -> :class:`DepthOutput` with hidden (B, T, D) (exited tokens: their state
+        at the exit layer); keyword arguments and errors in the class docstring."""
         b, t, _ = x.shape
         n = self.n_layers
         valid = ctx.key_valid[:, -t:] if ctx.key_valid is not None else torch.ones(b, t, dtype=torch.bool, device=x.device)
@@ -280,7 +287,9 @@ class EarlyExitDepth(DepthModule):
         Returns:
             0-d tensor (zero for the parameter-free ``softmax`` and ``saturation``).
         Raises:
-            ValueError: when the labels this confidence kind needs are missing.
+            ValueError: ``hidden_states`` does not hold N entries, or the labels this confidence
+                kind needs are missing (``consistent`` for ``classifier``; ``token_loss``, or
+                ``correct`` with ``oracle='correctness'``, for the others with a classifier).
         """
         hs = [h.detach() for h in hidden_states]
         n = self.n_layers
@@ -385,6 +394,8 @@ def exit_loss(token_losses: Tensor, mask: Tensor | None = None, scheme: str = "w
         generator: for ``sampled``.
     Returns:
         0-d tensor.
+    Raises:
+        ValueError: ``scheme`` is not one of :data:`SCHEMES`.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme={scheme!r}; choose one of {', '.join(SCHEMES)}")
@@ -494,6 +505,10 @@ def consistency_evaluator(
             ``positions``, ``mask``, ``exit_mask``...); the decisions compared are the tokens
             of ``exit_mask`` (else ``mask``, else all).
         discrete: compare argmax (True) or max-abs difference <= ``tol`` (False).
+        tol: tolerance of the continuous comparison, in action units.
+    Returns:
+        ``evaluate(threshold)``: (n,) bool over every compared decision of all ``batches``;
+        the full-model predictions are computed once, here.
     """
     full = []
     with torch.no_grad():
@@ -532,7 +547,12 @@ class EarlyExitConfig(DepthConfig):
         classifier_weight: weight of :meth:`EarlyExitDepth.exit_classifier_loss`.
         oracle: ``likelihood`` or ``correctness`` (Elbayad's classifiers).
         depth_penalty: lambda of the oracles, >= 0 (a cost per layer: favours early exits).
-        oracle_sigma: RBF smoothing width of the token-level oracle over time (0 = none).
+        oracle_sigma: RBF smoothing width of the token-level oracle over time, in squared
+            tokens (``kappa = exp(-|t - t'|^2 / sigma)``; 0 = none).
+
+    Raises:
+        ValueError: an unknown ``confidence`` or ``oracle``; ``threshold``, ``oracle_sigma``,
+            ``depth_penalty`` or ``classifier_weight`` < 0.
     """
 
     confidence: str = "classifier"

@@ -22,6 +22,9 @@ def build_blocks(ctx, n: int) -> nn.ModuleList:
 
 
 class FixedDepth(DepthModule):
+    """``n_layers`` distinct blocks applied once each, in order (Vaswani et al. 2017); a stack of
+    reversible blocks is handed whole to their ``run_stack`` (:func:`run_reversible`)."""
+
     query_subset = True  # queries=slice: the last layer computes only those tokens
 
     def __init__(self, ctx) -> None:
@@ -32,6 +35,13 @@ class FixedDepth(DepthModule):
         self, x: Tensor, ctx: AttnContext, layer_states: list[LayerState] | None, need_hidden: bool = False,
         queries: slice | None = None, **kw
     ) -> DepthOutput:
+        """x (B, T, D) through every block -> :class:`DepthOutput` with hidden (B, T, D), or
+        (B, T', D) with ``queries`` (only the last layer computes just those tokens).
+
+        Raises:
+            TypeError: any extra keyword argument (``kw``).
+            NotImplementedError: ``layer_states`` with reversible blocks.
+        """
         if kw:
             raise TypeError(f"depth kind 'fixed' takes no extra arguments, got {sorted(kw)}")
         first = self.blocks[0]
@@ -57,5 +67,7 @@ class FixedDepth(DepthModule):
 )
 @dataclass(frozen=True)
 class FixedDepthConfig(DepthConfig):
+    """No fields: builds :class:`FixedDepth` with ``backbone.n_layers`` blocks."""
+
     def build(self, ctx) -> DepthModule:
         return FixedDepth(ctx)

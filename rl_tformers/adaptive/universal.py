@@ -81,6 +81,8 @@ class ACTState:
 
     @classmethod
     def start(cls, like: Tensor, running: Tensor) -> ACTState:
+        """Bookkeeping before step 1: halting, remainders and N zeros shaped and typed like
+        ``like`` (B, T); ``running`` (B, T) bool copied."""
         z = torch.zeros_like(like)
         return cls(z, z.clone(), z.clone(), running.clone())
 
@@ -126,7 +128,7 @@ class UTResult:
         n_updates: (B, T) steps taken per position (N).
         remainders: (B, T) remainders R (0 for fixed steps).
         steps: number of steps run.
-        states: per step, (B, T) x D states after the block (for ``output_hidden_states``).
+        states: per step, the (B, T, D) state after the block (for ``output_hidden_states``).
     """
 
     hidden: Tensor
@@ -143,6 +145,9 @@ class UniversalDepth(DepthModule):
     Args:
         ctx: build context (the block is built once, as layer 0).
         cfg: the :class:`UniversalConfig`.
+
+    Raises:
+        IncompatibleConfig: the block kind is reversible.
     """
 
     def __init__(self, ctx, cfg: UniversalConfig) -> None:
@@ -213,6 +218,14 @@ class UniversalDepth(DepthModule):
     def forward(
         self, x: Tensor, ctx: AttnContext, layer_states: list[LayerState] | None, need_hidden: bool = False, **kw
     ) -> DepthOutput:
+        """x (B, T, D) -> :class:`DepthOutput` with hidden (B, T, D) (:meth:`run`),
+        ``aux["ponder"]`` (ACT only) and ``metrics`` ``act/ponder_steps`` (mean N over valid positions, in steps),
+        ``act/steps_run`` and, with ACT, ``act/remainder`` (mean R).
+
+        Raises:
+            TypeError: any extra keyword argument (``kw``).
+            NotImplementedError: ``layer_states`` given (no memory or incremental form).
+        """
         if kw:
             raise TypeError(f"depth kind 'universal' takes no extra arguments, got {sorted(kw)}")
         if layer_states is not None:
@@ -254,6 +267,10 @@ class UniversalConfig(DepthConfig):
         ponder_weight: tau, weight of the ponder cost in ``aux["ponder"]``.
         halt_bias_init: initial bias of the halting unit (1.0 as in the reference code).
         coordinate: add the position-and-step coordinate embedding before every step.
+
+    Raises:
+        ValueError: ``max_steps`` < 1, ``epsilon`` outside [0, 1), ``ponder_weight`` < 0.
+        IncompatibleConfig: (:meth:`check`) ``coordinate`` with an odd ``backbone.d_model``.
     """
 
     act: bool = True

@@ -59,6 +59,8 @@ class FeedForward(nn.Module):
 
 
 def build_ffn(ctx) -> FeedForward:
+    """The :class:`FeedForward` of ``ctx.config``: width ``ff_dim``, its activation, hidden
+    dropout ``ffn_dropout`` (``dropout`` when None) and ``ffn_chunks`` chunks."""
     cfg = ctx.config
     hidden_dropout = cfg.dropout if cfg.ffn_dropout is None else cfg.ffn_dropout
     return FeedForward(cfg.d_model, cfg.ff_dim, cfg.activation, hidden_dropout, cfg.ffn_chunks)
@@ -95,4 +97,6 @@ class BlockModule(nn.Module):
         return self.attn(h, kv, ctx, cache)
 
     def forward(self, x: Tensor, ctx: AttnContext, state: LayerState | None = None) -> BlockOutput:  # pragma: no cover
+        """x (B, T, D), the layer's ``state`` (memory (B, M, D) and/or cache) ->
+        :class:`BlockOutput` with hidden (B, T, D) and the kernel's new cache."""
         raise NotImplementedError

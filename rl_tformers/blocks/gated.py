@@ -32,6 +32,9 @@ class Gate(nn.Module):
     so the block starts close to an identity map; with a huge b_g the GRU gate returns x
     exactly. ``forward`` returns (g (B, T, D), mean gate value as a detached 0-d tensor: z for
     GRU, the sigmoid for the others).
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`GATES`.
     """
 
     def __init__(self, kind: str, d_model: int, bias: float) -> None:
@@ -126,7 +129,11 @@ class GatedBlock(BlockModule):
 class GatedConfig(BlockConfig):
     """``gate``: input, output, highway, sigmoid_tanh or gru (the paper's best, default);
     ``gate_bias``: b_g (2 by default, so GRU/output/highway/sigmoid-tanh gates start near the
-    identity map); ``relu``: ReLU on sub-layer outputs before the gate (paper: true)."""
+    identity map); ``relu``: ReLU on sub-layer outputs before the gate (paper: true).
+
+    Raises:
+        ValueError: ``gate`` is not one of :data:`GATES`.
+    """
 
     gate: str = "gru"
     gate_bias: float = 2.0

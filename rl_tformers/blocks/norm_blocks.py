@@ -68,6 +68,8 @@ class PreNormBlock(BlockModule):
 )
 @dataclass(frozen=True)
 class PostNormConfig(BlockConfig):
+    """No fields: builds :class:`PostNormBlock`."""
+
     def build(self, ctx, position) -> BlockModule:
         return PostNormBlock(ctx, position)
 
@@ -80,5 +82,7 @@ class PostNormConfig(BlockConfig):
 )
 @dataclass(frozen=True)
 class PreNormConfig(BlockConfig):
+    """No fields: builds :class:`PreNormBlock`."""
+
     def build(self, ctx, position) -> BlockModule:
         return PreNormBlock(ctx, position)

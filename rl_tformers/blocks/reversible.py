@@ -66,13 +66,19 @@ class ReversibleBlock(BlockModule):
         return self.dropout(self.ffn(self.norm2(y1)))
 
     def f_params(self) -> list[nn.Parameter]:
+        """Trainable parameters of F (``norm1`` and the attention)."""
         return [p for m in (self.norm1, self.attn) for p in m.parameters() if p.requires_grad]
 
     def g_params(self) -> list[nn.Parameter]:
+        """Trainable parameters of G (``norm2`` and the feed-forward)."""
         return [p for m in (self.norm2, self.ffn) for p in m.parameters() if p.requires_grad]
 
     def run_stack(self, blocks, x: Tensor, ctx: AttnContext, layer_states, need_hidden: bool) -> DepthOutput:
-        """Entry point used by ``FixedDepth``: see :func:`run_reversible`."""
+        """Entry point used by ``FixedDepth``: see :func:`run_reversible`.
+
+        Raises:
+            NotImplementedError: ``layer_states`` given (no memory or incremental cache).
+        """
         if layer_states is not None:
             raise NotImplementedError(
                 "backbone.block.kind='reversible' keeps no memory or key/value cache: call the backbone "
@@ -81,6 +87,11 @@ class ReversibleBlock(BlockModule):
         return run_reversible(blocks, x, ctx, recompute=self.recompute, need_hidden=need_hidden)
 
     def forward(self, x: Tensor, ctx: AttnContext, state: LayerState | None = None) -> BlockOutput:
+        """This block alone as a one-layer stack: x (B, T, D) -> hidden (B, T, D), no cache.
+
+        Raises:
+            NotImplementedError: ``state`` is not None.
+        """
         out = self.run_stack([self], x, ctx, None if state is None else [state], False)
         return BlockOutput(out.hidden, None, out.aux, out.metrics, out.weights[0])
 

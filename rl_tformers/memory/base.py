@@ -6,9 +6,10 @@ that the caller passes in and gets back; modules never keep it.
 
 Lifecycle, for B independent streams (episodes / vector environments):
 
-1. ``initial_state(backbone, batch, device, dtype)``: empty state (every slot invalid).
+1. ``initial_state(blocks, batch, device, dtype)``: empty state (every slot invalid).
 2. ``Backbone.forward(..., state=s)`` reads ``s.layers[i]`` (memory prefix or cache) and
-   calls ``update(s, step)`` with the layer inputs of the segment to produce the next state.
+   calls ``update(s, rec)`` with a :class:`SegmentRecord` of the segment (the layer inputs,
+   positions, caches...) to produce the next state.
 3. ``reset(s, episode_start (B,) bool)``: rows whose episode ended lose all their memory
    (slots invalidated and zeroed, episode id advanced); other rows are untouched.
 """
@@ -63,6 +64,13 @@ class MemoryModule(nn.Module):
     """Base memory: stateless (no state unless the caller asks for incremental decoding)."""
 
     def initial_state(self, blocks, batch: int, device: torch.device, dtype: torch.dtype) -> BackboneState:
+        """Empty state for ``batch`` streams (B) over the layers ``blocks``: every prefix slot
+        invalid, episode ids and ``next_pos`` 0; memory / cache tensors in ``dtype``.
+
+        Raises:
+            NotImplementedError: in this base class; kind ``none`` raises it too when a
+                layer's kernel has no incremental cache.
+        """
         raise NotImplementedError
 
     def update(self, state: BackboneState, rec: SegmentRecord) -> tuple[BackboneState, dict[str, Tensor], dict[str, Any]]:
@@ -70,7 +78,11 @@ class MemoryModule(nn.Module):
         raise NotImplementedError
 
     def reset(self, state: BackboneState, episode_start: Tensor) -> BackboneState:
-        """Clear exactly the rows where ``episode_start`` (B,) is True (see module docstring)."""
+        """Clear exactly the rows where ``episode_start`` (B,) is True (see module docstring).
+
+        Raises:
+            ValueError: ``episode_start`` does not have shape (B,) (B = ``state.batch_size``).
+        """
         start = episode_start.to(device=state.valid.device, dtype=torch.bool)
         if start.shape != (state.batch_size,):
             raise ValueError(f"reset: episode_start must have shape ({state.batch_size},), got {tuple(start.shape)}")
@@ -108,6 +120,9 @@ def empty_prefix(batch: int, length: int, device: torch.device) -> tuple[Tensor,
 
 
 def new_state(layers: list[LayerState], batch: int, length: int, device: torch.device) -> BackboneState:
+    """A :class:`BackboneState` over ``layers`` with ``length`` unfilled prefix slots
+    (:func:`empty_prefix`: pos, valid, seg (B, length)), ``episode`` and ``next_pos`` (B,) 0,
+    ``key_offset`` 0."""
     pos, valid, seg = empty_prefix(batch, length, device)
     zeros = torch.zeros(batch, dtype=torch.long, device=device)
     return BackboneState(layers=layers, pos=pos, valid=valid, seg=seg, episode=zeros, next_pos=zeros.clone())

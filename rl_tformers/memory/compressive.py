@@ -142,6 +142,10 @@ class Compressor(nn.Module):
     ``forward(x (B, G, c, D), include (B, G, c) bool, usage (B, G, c) | None) -> (B, G, D)``:
     one compressed slot per group of ``c`` consecutive activations (oldest first). Excluded
     members never influence the result. A group with no included member gives zeros.
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`COMPRESSIONS` (at construction); ``forward``
+            of ``most_used`` without ``usage``.
     """
 
     def __init__(self, kind: str, d_model: int, rate: int, decoder: bool) -> None:
@@ -172,9 +176,12 @@ class Compressor(nn.Module):
 
     @property
     def learned(self) -> bool:
+        """True for the compressors with parameters (``conv``, ``dilated_conv``)."""
         return self.kind in ("conv", "dilated_conv")
 
     def forward(self, x: Tensor, include: Tensor, usage: Tensor | None = None) -> Tensor:
+        """(B, G, c, D) members, (B, G, c) bool ``include``, (B, G, c) average usage (for
+        ``most_used``) -> (B, G, D); see the class docstring."""
         b, g, c, d = x.shape
         inc = include[..., None]  # (B, G, c, 1)
         has = include.any(-1, keepdim=True)  # (B, G, 1)
@@ -264,6 +271,8 @@ class CompressiveMemory(MemoryModule):
 
     # -- state -----------------------------------------------------------------------------------
     def initial_state(self, blocks, batch, device, dtype) -> BackboneState:
+        """Per layer a zero (B, m_cm, D) memory in ``dtype`` (every compressed slot invalid,
+        the FIFO empty) and, for ``most_used``, an empty :class:`FifoUsage`."""
         n = len(blocks)
         layers = [
             LayerState(
@@ -407,7 +416,7 @@ class CompressiveMemory(MemoryModule):
         b, g, c, d = old.shape
         ar = ae = None
         if self.loss in ("attention", "both") and block is not None:
-            a_old, _ = content_attention(block.attn, h, old.reshape(b, g * c, d), include.reshape(b, g * c))  # (B, G*c, D)
+            a_old, _ = content_attention(block.attn, h, old.reshape(b, g * c, d), include.reshape(b, g * c))  # (B, H, T, Dh)
             a_new, _ = content_attention(block.attn, h, new, new_valid)
             # valid queries of the rows that made a group: (B, 1, T, 1)
             qv = (h_valid & new_valid.any(1, keepdim=True))[:, None, :, None].to(a_old.dtype)
@@ -473,6 +482,10 @@ class CompressiveMemoryConfig(MemoryConfig):
         loss: compression losses: ``attention`` (attention reconstruction, the paper's best),
             ``autoencoding``, ``both`` or ``none``.
         loss_weight: weight of the compression losses in ``aux``.
+
+    Raises:
+        ValueError: ``mem_len``, ``compressed_len`` or ``rate`` < 1, ``compression`` or ``loss``
+            not one of the kinds above, ``loss_weight`` < 0.
     """
 
     mem_len: int = 32
@@ -502,6 +515,7 @@ class CompressiveMemoryConfig(MemoryConfig):
 
     @classmethod
     def contract_config(cls, seq_len: int) -> dict:
+        """Small field values for the contract tests with segments of ``seq_len`` tokens."""
         return {"mem_len": max(2, seq_len // 2), "compressed_len": 4, "rate": 2}
 
     def build(self, ctx) -> MemoryModule:

@@ -103,6 +103,7 @@ class KNNStore:
 
     @property
     def capacity(self) -> int:
+        """N: entries per row, valid or not (the FIFO size)."""
         return self.valid.shape[1]
 
     def count(self) -> Tensor:
@@ -181,14 +182,17 @@ class KNNAugmentedAttention(nn.Module):
     # the block and the depth read these from their attention
     @property
     def position(self):
+        """The wrapped kernel's positional module."""
         return self.base.position
 
     @property
     def n_heads(self) -> int:
+        """H, the wrapped kernel's number of heads."""
         return self.base.n_heads
 
     @property
     def head_dim(self) -> int:
+        """Dh, the wrapped kernel's head dimension."""
         return self.base.head_dim
 
     def gate(self) -> Tensor:
@@ -196,6 +200,13 @@ class KNNAugmentedAttention(nn.Module):
         return torch.sigmoid(self.gate_logit)
 
     def forward(self, x_q: Tensor, x_kv: Tensor, ctx: AttnContext, cache: KNNStore | None = None) -> AttnOutput:
+        """Local attention plus gated retrieval (see the class docstring); without ``cache``
+        the wrapped kernel's output unchanged.
+
+        Raises:
+            RuntimeError: the wrapped kernel did not apply ``o_proj`` exactly once to a
+                (B, T, D) tensor (its per-head output cannot be read).
+        """
         if cache is None:  # no state: the plain layer
             return self.base(x_q, x_kv, ctx, None)
         base = self.base
@@ -369,6 +380,8 @@ class KNNMemory(MemoryModule):
         self.n_heads, self.head_dim, self.d_model = n_heads, head_dim, d_model
 
     def initial_state(self, blocks, batch, device, dtype) -> BackboneState:
+        """Per layer a zero (B, M, D) XL memory (``None`` when ``mem_len`` = 0) and, in layer
+        ``layer``, an empty store of N = ``store_size`` invalid entries per row and head."""
         m = self.mem_len
         layers = [
             LayerState(
@@ -386,6 +399,8 @@ class KNNMemory(MemoryModule):
         return state.layers[self.layer].cache
 
     def update(self, state: BackboneState, rec: SegmentRecord):
+        """XL FIFO update of every layer's memory (detached, last M slots) and the store
+        returned by the kNN layer as its cache; returns (state, {}, {"knn/store_fill"})."""
         m = self.mem_len
         layers = []
         for i, (ls, h) in enumerate(zip(state.layers, rec.layer_inputs)):
@@ -460,6 +475,12 @@ class KNNMemoryConfig(MemoryConfig):
         min_age: a query at position p retrieves only entries at positions <= p - min_age
             (>= 1). 1: every earlier step; ``mem_len + 1``: only what the local attention
             cannot see when acting one step at a time (the paper's division of labour).
+
+    Raises:
+        ValueError: ``mem_len`` < 0, ``store_size`` or ``top_k`` < 1, an unknown ``search`` or
+            ``retrieval``, ``min_age`` < 1, or ``min_age`` > ``store_size`` with ``steps``.
+        IncompatibleConfig: (:meth:`check`, when the backbone is built) ``layer`` >=
+            ``n_layers``, or ``search='faiss'`` without faiss installed.
     """
 
     layer: int = -2
@@ -506,6 +527,7 @@ class KNNMemoryConfig(MemoryConfig):
 
     @classmethod
     def contract_config(cls, seq_len: int) -> dict:
+        """Small field values for the contract tests with segments of ``seq_len`` tokens."""
         return {"mem_len": max(2, seq_len // 2), "store_size": 2 * seq_len, "top_k": 4}
 
     def wrap_attention(self, ctx, attn: nn.Module) -> nn.Module:

@@ -41,10 +41,17 @@ class NoMemory(MemoryModule):
     """
 
     def initial_state(self, blocks, batch, device, dtype) -> BackboneState:
+        """Per layer, ``b.attn.init_cache(batch, device, dtype)``; no prefix slot (P = 0).
+
+        Raises:
+            NotImplementedError: a layer's kernel has no incremental (cached) form.
+        """
         layers = [LayerState(cache=b.attn.init_cache(batch, device, dtype)) for b in blocks]
         return new_state(layers, batch, 0, device)
 
     def update(self, state: BackboneState, rec: SegmentRecord):
+        """Keep the kernels' new caches and append the segment's T slots to the bookkeeping
+        (trimmed to :func:`keys_kept` slots when bounded); returns (state, {}, {})."""
         layers = [LayerState(cache=c) for c in rec.caches]
         pos = torch.cat([state.pos, rec.pos], 1)  # (B, P + T)
         valid = torch.cat([state.valid, rec.valid], 1)
@@ -75,5 +82,7 @@ class NoMemory(MemoryModule):
 )
 @dataclass(frozen=True)
 class NoMemoryConfig(MemoryConfig):
+    """No fields: builds :class:`NoMemory`."""
+
     def build(self, ctx) -> MemoryModule:
         return NoMemory()

@@ -27,6 +27,7 @@ class XLMemory(MemoryModule):
         self.mem_len, self.d_model, self.detach = mem_len, d_model, detach
 
     def initial_state(self, blocks, batch, device, dtype) -> BackboneState:
+        """Per layer a zero (B, M, D) memory in ``dtype``, M = ``mem_len``; every slot invalid."""
         layers = [
             LayerState(memory=torch.zeros(batch, self.mem_len, self.d_model, device=device, dtype=dtype))
             for _ in blocks
@@ -34,6 +35,8 @@ class XLMemory(MemoryModule):
         return new_state(layers, batch, self.mem_len, device)
 
     def update(self, state: BackboneState, rec: SegmentRecord):
+        """Append each layer's (B, T, D) input to its memory and keep the last M slots (FIFO),
+        detached when ``detach``; returns (state, {}, {})."""
         m = self.mem_len
         layers = []
         for ls, h in zip(state.layers, rec.layer_inputs):
@@ -59,7 +62,12 @@ class XLMemory(MemoryModule):
 )
 @dataclass(frozen=True)
 class XLMemoryConfig(MemoryConfig):
-    """``mem_len``: memory length M (slots per layer); ``detach``: stop gradients into memory."""
+    """``mem_len``: memory length M (slots per layer, i.e. tokens); ``detach``: stop gradients
+    into memory.
+
+    Raises:
+        ValueError: ``mem_len`` < 1.
+    """
 
     mem_len: int = 64
     detach: bool = True

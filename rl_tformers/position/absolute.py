@@ -21,6 +21,8 @@ from rl_tformers.types import acc_dtype
 )
 @dataclass(frozen=True)
 class NoPositionConfig(PositionConfig):
+    """No fields: every hook is the identity / no-op of :class:`PositionModule`."""
+
     def build(self, ctx) -> PositionModule:
         return PositionModule()
 
@@ -35,6 +37,8 @@ def sinusoid(pos: Tensor, dim: int, base: float = 10000.0, dtype: torch.dtype = 
         dim: D, even.
     Returns:
         (..., D) in ``dtype`` (float32; float64 for a float64 model).
+    Raises:
+        ValueError: ``dim`` is odd.
     """
     if dim % 2:
         raise ValueError(f"sinusoidal encoding needs an even dimension, got {dim}")
@@ -54,6 +58,7 @@ class SinusoidalPosition(PositionModule):
         self.dim, self.base, self.active = dim, base, active
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        """x (B, T, D) + PE(pos (B, T)) in layer 0; x unchanged in the others."""
         if not self.active:
             return x
         return x + sinusoid(pos, self.dim, self.base, acc_dtype(x.dtype)).to(x.dtype)
@@ -67,7 +72,11 @@ class SinusoidalPosition(PositionModule):
 )
 @dataclass(frozen=True)
 class SinusoidalConfig(PositionConfig):
-    """``base``: wavelength base (10000 in the paper)."""
+    """``base``: wavelength base (10000 in the paper).
+
+    Raises:
+        ValueError: ``base`` <= 0; (``build``) an odd ``backbone.d_model``.
+    """
 
     base: float = 10000.0
 
@@ -96,6 +105,11 @@ class LearnedPosition(PositionModule):
             nn.init.normal_(self.table.weight, std=0.02)
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        """x (B, T, D) + table[pos (B, T)] where the layer has a table; x unchanged otherwise.
+
+        Raises:
+            ValueError: ``pos`` not of an integer dtype or outside [0, max_position).
+        """
         if self.table is None:
             return x
         check_positions(pos, self.max_position, "position.learned")
@@ -110,7 +124,10 @@ class LearnedPosition(PositionModule):
 )
 @dataclass(frozen=True)
 class LearnedConfig(PositionConfig):
-    """``per_layer``: a separate table added at every layer's input (Al-Rfou et al. 2018)."""
+    """``per_layer``: a separate table added at every layer's input (Al-Rfou et al. 2018).
+
+    The table has ``backbone.max_position`` rows; positions beyond it raise ValueError.
+    """
 
     per_layer: bool = False
 

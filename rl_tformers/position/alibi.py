@@ -19,6 +19,9 @@ def alibi_slopes(n_heads: int) -> list[float]:
     (8 heads: 1/2, 1/4, ..., 1/256). Otherwise, as in the paper's footnote/reference code: the
     slopes of the closest smaller power of two P, followed by every other slope of 2P until H
     slopes are collected.
+
+    Raises:
+        ValueError: ``n_heads`` < 1.
     """
     if n_heads < 1:
         raise ValueError(f"alibi needs at least one head, got {n_heads}")
@@ -48,7 +51,8 @@ class ALiBiPosition(PositionModule):
         self.register_buffer("slopes", torch.tensor(alibi_slopes(n_heads)), persistent=False)  # (H,)
 
     def score_bias(self, q: Tensor, pos_q: Tensor, pos_k: Tensor) -> Tensor:
-        """-m_h |i - j| as (B, H, ..., T, S) float32 (kept in float32: bf16 would round long distances)."""
+        """-m_h |i - j| as (B, H, ..., T, S), at least float32 (float64 when the module was cast
+        to float64; never bf16/fp16, which would round long distances)."""
         dist = rel_distance(pos_q, pos_k).abs().to(torch.float32)  # (B, 1, ..., T, S)
         return -per_head(self.slopes, dist.dim()) * dist  # (B, H, ..., T, S)
 
@@ -61,5 +65,7 @@ class ALiBiPosition(PositionModule):
 )
 @dataclass(frozen=True)
 class ALiBiConfig(PositionConfig):
+    """No fields: slopes are fixed by ``backbone.n_heads`` (:func:`alibi_slopes`)."""
+
     def build(self, ctx) -> PositionModule:
         return ALiBiPosition(ctx.n_heads)

@@ -58,6 +58,8 @@ class PositionModule(nn.Module):
 
     @property
     def needs_probs(self) -> bool:
+        """True if this encoding needs the attention probabilities or the raw score matrix
+        before softmax (``transform_scores`` / ``value_term``)."""
         return self.transforms_scores or self.value_bias
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:

@@ -33,7 +33,8 @@ def apply_rotary(x: Tensor, angles: Tensor) -> Tensor:
         x: (..., Dh) queries or keys.
         angles: broadcastable to (..., Dh/2).
     Returns:
-        (..., Dh) in x's dtype (computed in float32, or float64 for float64 x).
+        (..., Dh) in x's dtype, computed in the dtype of ``angles`` (:meth:`RotaryPosition.rotate`
+        passes float32 angles, float64 for float64 x).
     """
     pairs = to_acc(x).unflatten(-1, (-1, 2)).to(angles.dtype)  # (..., Dh/2, 2)
     x0, x1 = pairs[..., 0], pairs[..., 1]
@@ -83,7 +84,11 @@ class RotaryPosition(PositionModule):
 )
 @dataclass(frozen=True)
 class RotaryConfig(PositionConfig):
-    """``base``: wavelength base of theta_k (10000 in the paper)."""
+    """``base``: wavelength base of theta_k (10000 in the paper).
+
+    Raises:
+        ValueError: ``base`` <= 0; (``build``) an odd head dim ``d_model / n_heads``.
+    """
 
     base: float = 10000.0
 

@@ -74,7 +74,12 @@ class ShawPosition(PositionModule):
 )
 @dataclass(frozen=True)
 class ShawConfig(PositionConfig):
-    """``clip``: k (the paper's base models use 16); ``values``: learn the value vectors w^V too."""
+    """``clip``: k, in the caller's position units (the paper's base models use 16);
+    ``values``: learn the value vectors w^V too.
+
+    Raises:
+        ValueError: ``clip`` < 0.
+    """
 
     clip: int = 16
     values: bool = True

@@ -148,7 +148,11 @@ def _span(x: Tensor) -> tuple[int, int]:
 )
 @dataclass(frozen=True)
 class XLRelativeConfig(PositionConfig):
-    """``base``: wavelength base of the sinusoids r (10000 as in the paper)."""
+    """``base``: wavelength base of the sinusoids r (10000 as in the paper).
+
+    Raises:
+        ValueError: ``base`` <= 0; (``build``) an odd ``backbone.d_model``.
+    """
 
     base: float = 10000.0
 
