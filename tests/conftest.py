@@ -16,6 +16,13 @@ SHARED = Path(os.environ.get("RL_TFORMERS_SHARED", REPO.parent / "shared"))
 # Tiny test tensors run fastest on one thread (no pool overhead, no contention on 2-core CI).
 torch.set_num_threads(1)
 
+# RL_TFORMERS_PLUGINS=my_attn[,other]: import these modules before collection, so the contract
+# suite (tests/contracts) checks the kinds they register too (docs/backbone.md, "Your own kind").
+if os.environ.get("RL_TFORMERS_PLUGINS"):
+    from rl_tformers.runtime.plugins import load_plugins
+
+    load_plugins(os.environ["RL_TFORMERS_PLUGINS"].split(","), "RL_TFORMERS_PLUGINS")
+
 
 @pytest.fixture(autouse=True)
 def _seed_everything():

@@ -91,20 +91,24 @@ class LoadedRun:
 
     @property
     def env_id(self) -> str | None:
+        """``extra["env_id"]``: the environment the run was trained for, or ``None``."""
         return self.extra.get("env_id")
 
     @property
     def dataset_return_max(self) -> float | None:
+        """Largest episode return of the training dataset (raw units), or ``None``."""
         v = self.extra.get("dataset_return_max")
         return None if v is None else float(v)
 
     @property
     def dataset_return_min(self) -> float | None:
+        """Smallest episode return of the training dataset (raw units), or ``None``."""
         v = self.extra.get("dataset_return_min")
         return None if v is None else float(v)
 
     @property
     def dataset_return_mean(self) -> float | None:
+        """Mean episode return of the training dataset (raw units), or ``None``."""
         v = self.extra.get("dataset_return_mean")
         return None if v is None else float(v)
 
@@ -121,12 +125,16 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
     Raises:
         CheckpointError: ``run_dir`` is not a directory, or no valid checkpoint (message names the files).
         UnknownAgentError: the run's agent kind is not registered here.
+        ConfigError: a module of the run's ``plugins`` is not found or fails to import, or the
+            run's backbone names a kind that is not registered here (named).
         TypeError: the rebuilt agent lacks ``policy``/``make_env``/``default_targets``.
     """
     from omegaconf import OmegaConf
 
     from rl_tformers.runtime import checkpoint as ckpt
     from rl_tformers.runtime.agents import get_agent
+    from rl_tformers.runtime.config import ConfigError, check_backbone_kinds
+    from rl_tformers.runtime.plugins import load_plugins
 
     run_dir = Path(run_dir)
     if checkpoint is None and not run_dir.is_dir():
@@ -145,6 +153,11 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
     cfg = OmegaConf.create(state["config"])
     OmegaConf.set_readonly(cfg, True)
     kind = str(cfg.agent.kind)
+    load_plugins(cfg.get("plugins") or [], "plugins (of the checkpoint's config)")  # its own kinds first
+    try:
+        check_backbone_kinds(OmegaConf.to_container(cfg.get("backbone") or {}, resolve=True))
+    except ConfigError as exc:
+        raise ConfigError(f"the run {run_dir} cannot be rebuilt here: {exc}") from None
     entry = get_agent(kind)  # also imports every agent module (registers inference loaders)
     dev = torch.device(device)
     loader = _INFERENCE_LOADERS.get(kind)

@@ -322,7 +322,8 @@ def get_agent(kind: str) -> AgentEntry:
     discover_agents()
     if kind in _AGENTS:
         return _AGENTS[kind]
-    msg = f"agent.kind={kind!r} is not registered; registered kinds: {', '.join(sorted(_AGENTS)) or '(none)'}"
+    msg = (f"agent.kind={kind!r} is not registered; registered kinds: {', '.join(sorted(_AGENTS)) or '(none)'} "
+           f"(an agent of your own registers when its module is listed in plugins)")
     if _IMPORT_FAILURES:
         msg += "\nagent modules that failed to import:\n" + "\n".join(f"  {m}: {e}" for m, e in _IMPORT_FAILURES.items())
     raise UnknownAgentError(msg)

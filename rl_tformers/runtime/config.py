@@ -5,6 +5,7 @@ A run is described by one config tree (OmegaConf ``DictConfig``)::
     seed: 0                    # seeds python/numpy/torch; environments derive theirs from it
     device: auto               # auto | cpu | cuda | cuda:N | mps
     run_dir: null              # null: runs/<config name>-<YYYYmmdd-HHMMSS>
+    plugins: []                # your modules registering kinds/agents (rl_tformers.runtime.plugins)
     agent: {kind: dt, ...}     # registered agent kind + its own options
     backbone: {...}            # rl_tformers.config.BackboneConfig fields and slots
     dataset: {...}             # read by the agent / data layer
@@ -206,6 +207,7 @@ class RunConfig:
     seed: int = 0
     device: str = "auto"
     run_dir: str | None = None
+    plugins: list[str] = field(default_factory=list)
     agent: dict[str, Any] = field(default_factory=lambda: {"kind": "???"})
     backbone: dict[str, Any] = field(default_factory=dict)
     dataset: dict[str, Any] = field(default_factory=dict)
@@ -434,6 +436,17 @@ def _agent_kind(user: DictConfig) -> str:
     return kind
 
 
+def _plugins_of(user: DictConfig) -> list:
+    """The user layers' ``plugins`` value, read before the schema checks it (it must be imported
+    first: it may register the agent kind and backbone kinds the rest is checked against)."""
+    from rl_tformers.runtime.plugins import check_plugin_names
+
+    value = user.get("plugins")
+    if isinstance(value, ListConfig):
+        value = OmegaConf.to_container(value, resolve=False)
+    return check_plugin_names(value, "plugins")
+
+
 def compose(
     config: str | os.PathLike | None = None,
     overrides: Sequence[str] = (),
@@ -455,7 +468,8 @@ def compose(
         ConfigError: unknown key or wrong type (naming the dotted path), missing
             ``agent.kind``, unknown agent kind (listing the registered ones), invalid backbone
             (naming the backbone field), unresolvable interpolation, file not found, a value
-            out of range (e.g. ``train.steps``, ``eval.episodes`` or ``eval.n_envs`` < 1; named).
+            out of range (e.g. ``train.steps``, ``eval.episodes`` or ``eval.n_envs`` < 1; named),
+            a ``plugins`` module that is not found or fails to import (named).
     """
     from rl_tformers.runtime.agents import get_agent
 
@@ -471,6 +485,9 @@ def compose(
         user_layers.append((parse_overrides(overrides), "command line"))
     user = OmegaConf.merge(*(layer for layer, _ in user_layers)) if user_layers else OmegaConf.create({})
 
+    from rl_tformers.runtime.plugins import load_plugins
+
+    load_plugins(_plugins_of(user), "plugins")  # before the agent and the backbone kinds are looked up
     kind = _agent_kind(user)
     entry = get_agent(kind)  # raises UnknownAgentError (a ConfigError) listing registered kinds
 
@@ -541,10 +558,32 @@ def _check_agent_types(values: Mapping[str, Any], defaults: Mapping[str, Any], w
 FREE_FORM_AGENT_KEYS = ("env_kwargs",)
 
 
+def check_backbone_kinds(backbone: Mapping[str, Any]) -> None:
+    """Refuse a ``backbone`` section naming a kind no module registered (yet).
+
+    Args:
+        backbone: the plain ``backbone:`` section (slot name -> ``{kind: ..., ...}``).
+
+    Raises:
+        ConfigError: naming ``backbone.<slot>.kind``, the closest registered kind, the registered
+            ones and ``plugins`` (a kind of the user's own registers when its module is imported).
+    """
+    from rl_tformers.registry import REGISTRIES, SLOTS
+
+    for slot in SLOTS:
+        value = backbone.get(slot)
+        if isinstance(value, Mapping) and "kind" in value and str(value["kind"]) not in REGISTRIES[slot].kinds():
+            close = difflib.get_close_matches(str(value["kind"]), REGISTRIES[slot].kinds(), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"backbone.{slot}.kind={value['kind']!r}: unknown {slot} kind{hint} "
+                              f"(registered: {', '.join(REGISTRIES[slot].kinds())}; see rl-tformers backbones; "
+                              f"a kind of your own registers when its module is listed in plugins)")
+
+
 def _validate_values(cfg: DictConfig, entry=None) -> None:
     from rl_tformers.backbone import check_compatible
     from rl_tformers.config import BackboneConfig
-    from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError
+    from rl_tformers.registry import RegistryError
     from rl_tformers.runtime.device import resolve_device
 
     t = cfg.train
@@ -578,13 +617,7 @@ def _validate_values(cfg: DictConfig, entry=None) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     backbone = OmegaConf.to_container(cfg.backbone, resolve=True)
-    for slot in SLOTS:
-        value = backbone.get(slot)
-        if isinstance(value, Mapping) and "kind" in value and str(value["kind"]) not in REGISTRIES[slot].kinds():
-            close = difflib.get_close_matches(str(value["kind"]), REGISTRIES[slot].kinds(), n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            raise ConfigError(f"backbone.{slot}.kind={value['kind']!r}: unknown {slot} kind{hint} "
-                              f"(registered: {', '.join(REGISTRIES[slot].kinds())}; see rl-tformers backbones)")
+    check_backbone_kinds(backbone)
     try:
         bb = BackboneConfig.from_dict(backbone)
     except (RegistryError, ValueError, TypeError) as exc:
@@ -608,7 +641,8 @@ def check_resume_changes(saved: DictConfig, new: DictConfig) -> list[str]:
     Values are compared as the run uses them: a backbone slot field set on one side only
     (``backbone.attention.orthogonal=true`` over a Performer run that left it unset) takes the
     default of the slot's kind on the other side, so setting a field to the value the run
-    already used is no change.
+    already used is no change; so is a key of the schema that a config saved before the key
+    existed lacks, when the other side holds the schema's default (``plugins: []``).
 
     Returns:
         ``["train.steps: 1000 -> 2000", ...]`` for keys in :data:`RESUMABLE_KEYS`.
@@ -618,6 +652,7 @@ def check_resume_changes(saved: DictConfig, new: DictConfig) -> list[str]:
             the message names every such key.
     """
     a, b = flatten(to_container(saved)), flatten(to_container(new))
+    schema = flatten(schema_defaults())
     changes, refused = [], []
     for key in sorted(set(a) | set(b)):
         before, after = a.get(key, "<unset>"), b.get(key, "<unset>")
@@ -625,6 +660,8 @@ def check_resume_changes(saved: DictConfig, new: DictConfig) -> list[str]:
             continue
         if (key in a) != (key in b):
             default = _slot_field_default(key, a, b)
+            if default is _NO_DEFAULT and key in schema:  # a key added since the run was saved (plugins)
+                default = schema[key]
             if default is not _NO_DEFAULT:
                 before, after = a.get(key, default), b.get(key, default)
                 if before == after:
@@ -732,7 +769,7 @@ def schema_defaults() -> dict[str, Any]:
 __all__ = [
     "Amp", "ConfigError", "DatasetConfig", "EvalConfig", "RESUMABLE_KEYS", "RunConfig", "Schedule",
     "ScriptedDatasetConfig", "TrainConfig",
-    "available_configs", "check_resume_changes", "compose", "config_display_name", "configs_root",
+    "available_configs", "check_backbone_kinds", "check_resume_changes", "compose", "config_display_name", "configs_root",
     "default_run_dir", "display_yaml", "flatten", "load_yaml", "parse_overrides", "resolve_config_path", "schema_defaults",
     "to_container", "to_yaml",
 ]
