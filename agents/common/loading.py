@@ -155,7 +155,8 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
     kind = str(cfg.agent.kind)
     load_plugins(cfg.get("plugins") or [], "plugins (of the checkpoint's config)")  # its own kinds first
     try:
-        check_backbone_kinds(OmegaConf.to_container(cfg.get("backbone") or {}, resolve=True))
+        backbone = cfg.get("backbone")  # an agent without a backbone (MLP BC) may have none or an empty one
+        check_backbone_kinds(OmegaConf.to_container(backbone, resolve=True) if OmegaConf.is_config(backbone) else {})
     except ConfigError as exc:
         raise ConfigError(f"the run {run_dir} cannot be rebuilt here: {exc}") from None
     entry = get_agent(kind)  # also imports every agent module (registers inference loaders)

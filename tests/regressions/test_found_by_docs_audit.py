@@ -162,8 +162,31 @@ def check_invocation(args: list[str]) -> str | None:
 
 
 # -- 1. shell blocks -----------------------------------------------------------------------------
+@pytest.fixture
+def docs_plugin(tmp_path, monkeypatch):
+    """The documented plugin module (docs/backbone.md's ``my_attn.py``) importable as ``my_attn``,
+    as it is for the user who saved it, so the commands that list it in ``plugins`` compose; the
+    registries and the module cache are restored afterwards."""
+    import sys
+
+    from rl_tformers.registry import REGISTRIES
+
+    text = (REPO / "docs" / "backbone.md").read_text()
+    section = text[text.index("## Your own kind (plugins)"):]
+    code = section[section.index("```python\n") + len("```python\n"):]
+    assert code.startswith("# my_attn.py"), "docs/backbone.md: the worked plugin example moved"
+    (tmp_path / "my_attn.py").write_text(code[:code.index("```")])
+    saved = {slot: dict(reg._entries) for slot, reg in REGISTRIES.items()}
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    yield
+    for slot, entries in saved.items():
+        REGISTRIES[slot]._entries.clear()
+        REGISTRIES[slot]._entries.update(entries)
+    sys.modules.pop("my_attn", None)
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash to expand the shell blocks")
-def test_every_rl_tformers_call_in_a_shell_block_parses_and_its_config_composes(tmp_path_factory) -> None:
+def test_every_rl_tformers_call_in_a_shell_block_parses_and_its_config_composes(tmp_path_factory, docs_plugin) -> None:
     calls = [(where, args) for where, argv in doc_commands(tmp_path_factory) if (args := cli_argv(argv))]
     assert len(calls) > 100  # the harvest works (loops expand to one call per iteration)
     bad, seen = [], set()
