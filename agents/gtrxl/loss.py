@@ -199,9 +199,16 @@ def expectile_loss(diff: Tensor, expectile: float) -> Tensor:
 
 @torch.no_grad()
 def polyak_update(target: nn.Module, source: nn.Module, tau: float) -> None:
-    """target <- (1 - tau) target + tau source, parameter by parameter (same structure)."""
-    for pt, ps in zip(target.parameters(), source.parameters()):
-        pt.lerp_(ps.detach(), tau)
+    """target <- (1 - tau) target + tau source, parameter by parameter (same structure); the
+    buffers are copied (the attention's non-learned state: routing centroids, random features of
+    Performer/RFA/LSH), so the target computes with the online critic's function, not with
+    centroids that never move (its forward runs without gradients and never takes the EMA
+    step) or features redrawn independently of the critic's."""
+    with torch.no_grad():
+        for pt, ps in zip(target.parameters(), source.parameters()):
+            pt.lerp_(ps.detach(), tau)
+        for bt, bs in zip(target.buffers(), source.buffers()):
+            bt.copy_(bs)
 
 
 def td_targets(w: SegmentBatch, v: Tensor, gamma: float) -> tuple[Tensor, Tensor]:

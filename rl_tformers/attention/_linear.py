@@ -513,7 +513,7 @@ def maybe_redraw_random_features(
     """Redraw the kernels whose schedule is due; call between updates, never inside one.
 
     The schedule of Choromanski et al. 2021 (feature redrawing, sec. 4.2) driven by the trainer
-    (:class:`rl_tformers.runtime.trainer.Trainer` calls it after every optimiser step). A module
+    (:class:`rl_tformers.runtime.trainer.Trainer` calls it before each update's batch). A module
     with ``redraw_every = n > 0`` is due when a multiple of n lies in ``(since, update_step]``
     (``since`` defaults to ``update_step - 1``: ``update_step % n == 0``, ``update_step > 0``).
     A caller that may only redraw at coarser boundaries (an on-policy agent, between rollouts

@@ -104,7 +104,9 @@ class BigBirdAttention(BlockSparseAttention):
         q_idx, starts = tile_blocks(q0, s, b, device)
         first_kb = max(k0, 0) // b
         n_kb = (s - 1) // b - first_kb + 1
-        seed = self.seed + 31 * first_kb + 7 * n_kb
+        # reduced mod 2^63: a large attention.seed (times 1_000_003) overflowed torch's seed range in
+        # the first forward ("Overflow when unpacking long long"); seeds below 2^63 are unchanged
+        seed = (self.seed + 31 * first_kb + 7 * n_kb) % 2**63
         blocks, ok = random_blocks(starts // b, n_kb, first_kb, self.window_blocks // 2, self.random, seed, device)
         return q_idx, starts, blocks, ok
 

@@ -251,8 +251,8 @@ class LSHConfig(AttentionConfig):
         bucket_size: chunk length m (each query sees at most 2m keys per round).
         n_hashes: hash rounds (more rounds = closer to dense, linear cost).
         n_buckets: buckets per round (even, or 1 = one bucket); None = ~S / m (the paper's choice).
-        max_buckets: cap for the automatic choice; size of the rotation buffer.
-        redraw_every: redraw period in updates for ``maybe_redraw_random_features`` (0 = never).
+        max_buckets: cap for the automatic choice (1 or even); size of the rotation buffer.
+        redraw_every: redraw period in updates for ``maybe_redraw_random_features`` (0 = never, >= 0).
         seed: seed of the initial rotations (per layer: seed + 7919 * layer); None: global RNG.
     """
 
@@ -266,6 +266,12 @@ class LSHConfig(AttentionConfig):
     def __post_init__(self) -> None:
         if self.bucket_size < 1 or self.n_hashes < 1:
             raise ValueError("attention: lsh needs bucket_size >= 1 and n_hashes >= 1")
+        if self.redraw_every < 0:  # a negative period silently never redrew
+            raise ValueError(f"attention.redraw_every must be >= 0 (0 = never redraw), got {self.redraw_every}")
+        if self.max_buckets < 1 or (self.max_buckets > 1 and self.max_buckets % 2):
+            # 0 failed in the first forward (argmax over no rotation), an odd cap gave an odd
+            # automatic n_buckets of which [xR; -xR] can reach only the even part
+            raise ValueError(f"attention.max_buckets must be 1 or even (argmax over [xR; -xR]), got {self.max_buckets}")
         if self.n_buckets is not None and (self.n_buckets < 1 or (self.n_buckets > 1 and self.n_buckets % 2)):
             raise ValueError(f"attention.n_buckets must be 1 or even (argmax over [xR; -xR]), got {self.n_buckets}")
         if self.n_buckets is not None and self.n_buckets > self.max_buckets:

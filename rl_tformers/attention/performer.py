@@ -155,8 +155,10 @@ class PerformerConfig(AttentionConfig):
     def __post_init__(self) -> None:
         if self.nb_features is not None and self.nb_features < 1:
             raise ValueError(f"attention.nb_features must be >= 1, got {self.nb_features}")
-        if self.chunk_size < 1 or self.redraw_every < 0:
-            raise ValueError("attention.chunk_size must be >= 1 and attention.redraw_every >= 0")
+        if self.chunk_size < 1:
+            raise ValueError(f"attention.chunk_size must be >= 1, got {self.chunk_size}")
+        if self.redraw_every < 0:
+            raise ValueError(f"attention.redraw_every must be >= 0 (0 = never redraw), got {self.redraw_every}")
 
     @classmethod
     def contract_config(cls, seq_len: int) -> dict:

@@ -160,6 +160,8 @@ class RFAConfig(AttentionConfig):
     def __post_init__(self) -> None:
         if self.num_features < 1 or self.sigma_init <= 0 or self.chunk_size < 1 or self.normaliser_eps <= 0:
             raise ValueError("attention: rfa needs num_features >= 1, sigma_init > 0, chunk_size >= 1, normaliser_eps > 0")
+        if self.redraw_every < 0:  # a negative period silently never redrew
+            raise ValueError(f"attention.redraw_every must be >= 0 (0 = never redraw), got {self.redraw_every}")
 
     @classmethod
     def contract_config(cls, seq_len: int) -> dict:

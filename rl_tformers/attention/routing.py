@@ -23,6 +23,30 @@ from rl_tformers.registry import ATTENTION, Capabilities
 from rl_tformers.types import AttnContext, AttnOutput
 
 
+def _sum_over_ddp_ranks(sums: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    """The EMA statistics of the global batch: ``sums`` (h, K, Dh) and ``counts`` (h, K) summed
+    over the ranks inside a DDP training forward (:func:`rl_tformers.runtime.distributed.shard_mean_total`'s
+    condition: every rank runs it, in step), so the centroids move with the mean over every
+    shard, as one process on the same global batch, and stay identical on every rank; unchanged
+    anywhere else (one process, evaluation, a forward outside the trainer's DDP loss).
+
+    Without it each rank averaged its own shard and DDP's buffer broadcast kept rank 0's
+    centroids: a 2-process run followed rank 0's half of every batch (0.06 centroid difference
+    from one process after 10 toy updates).
+    """
+    import sys
+
+    dist_rt = sys.modules.get("rl_tformers.runtime.distributed")  # only loaded by the trainer
+    if dist_rt is None or not getattr(dist_rt, "_IN_DDP_LOSS", False):
+        return sums, counts
+    import torch.distributed as dist
+
+    flat = torch.cat([sums.reshape(-1), counts.reshape(-1)]).to(torch.float64)  # one all-reduce
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    n = sums.numel()
+    return flat[:n].view_as(sums).to(sums.dtype), flat[n:].view_as(counts).to(counts.dtype)
+
+
 class RoutingAttention(AttentionModule):
     """Online k-means routing attention on some heads, local attention on the others.
 
@@ -49,7 +73,10 @@ class RoutingAttention(AttentionModule):
       the unit queries and keys assigned to it), ``lambda = ema_decay``, computed without
       gradient **only in training mode and only when autograd is recording** (so a reversible
       block's no-grad forward and its recomputation in backward update once, with the same
-      centroids). Eval-mode forwards (rollouts) never change the module. The paper sums the
+      centroids). Eval-mode forwards (rollouts) never change the module. Under the trainer's
+      DDP the statistics are summed over the ranks (:func:`_sum_over_ddp_ranks`): the centroids
+      follow the global batch and stay identical on every rank (a reversible block, which
+      updates them during backward, keeps rank 0's, which DDP broadcasts). The paper sums the
       assigned vectors; the mean is used here so lambda means the same at any batch size.
       Statistics go to ``metrics``: ``routing_commitment`` (mean 1 - cos to the nearest
       centroid), ``routing_cluster_entropy`` (normalised entropy of cluster sizes),
@@ -183,12 +210,16 @@ class RoutingAttention(AttentionModule):
 
         qn (B, h, T, Dh), kn (B, h, S, Dh) unit vectors; cq (B, h, T), ck (B, h, S) nearest
         centroids; q_ok (B, T), k_ok (B, S) validity. Clusters nothing was assigned to keep their centroid.
+        The statistics are float32 under bf16 autocast too (the einsums would otherwise round the
+        unit vectors and their sums to bf16: centroids 2e-3 off the float32 step).
         """
         n_c = self.cfg.n_clusters
-        oq = F.one_hot(cq, n_c).float() * q_ok[:, None, :, None]  # (B, h, T, K)
-        ok = F.one_hot(ck, n_c).float() * k_ok[:, None, :, None]  # (B, h, S, K)
-        sums = torch.einsum("bhtk,bhtd->hkd", oq, qn.float()) + torch.einsum("bhsk,bhsd->hkd", ok, kn.float())
-        counts = oq.sum((0, 2)) + ok.sum((0, 2))  # (h, K)
+        with torch.autocast(qn.device.type, enabled=False):
+            oq = F.one_hot(cq, n_c).float() * q_ok[:, None, :, None]  # (B, h, T, K)
+            ok = F.one_hot(ck, n_c).float() * k_ok[:, None, :, None]  # (B, h, S, K)
+            sums = torch.einsum("bhtk,bhtd->hkd", oq, qn.float()) + torch.einsum("bhsk,bhsd->hkd", ok, kn.float())
+            counts = oq.sum((0, 2)) + ok.sum((0, 2))  # (h, K)
+        sums, counts = _sum_over_ddp_ranks(sums, counts)
         mean = sums / counts.clamp_min(1)[..., None]
         lam = self.cfg.ema_decay
         new = F.normalize(lam * self.centroids + (1 - lam) * mean, dim=-1)

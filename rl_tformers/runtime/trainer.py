@@ -2,12 +2,13 @@
 
 Per update ``s`` (0-based; ``step`` below is the number of updates completed, ``s + 1``)::
 
+    redraw random features due after the s updates so far (Performer/RFA/LSH ``redraw_every``;
+        _redraw_features: after the checkpoint and evaluation of step s, before the batch)
     batch = stream[s]                           # pure function of (seed, s): see agents.py
     with autocast(train.amp): loss, logs = agent.loss(batch)
     zero_grad; loss.backward()
     grad_norm = clip_grad_norm_(params, train.grad_clip)   # measured even without clipping
     optimizer.step(); scheduler.step()
-    redraw random features due at step (Performer/RFA/LSH ``redraw_every``; see _redraw_features)
     every train.log_every:        scalars (window means) -> TensorBoard + metrics.jsonl
     every train.checkpoint_every (and at end, and on SIGINT/SIGTERM): checkpoint
     every eval.every (and at end): agent.evaluate(step) with isolated RNGs, after the checkpoint
@@ -861,8 +862,9 @@ class Trainer:
         """Redraw the random features that are due after update ``self.step`` (the attention
         kinds' ``redraw_every``); returns the number of modules redrawn.
 
-        Called after the optimiser step and before the next batch is drawn, so the function
-        changes *between* updates only. An agent with an optional ``updates_per_rollout`` attribute
+        Called before the batch of the next update is drawn (after the checkpoint and the
+        evaluation of update ``self.step``, so a saved or evaluated model holds the features its
+        weights were trained with), so the function changes *between* updates only. An agent with an optional ``updates_per_rollout`` attribute
         U (on-policy: one rollout feeds U updates) gets its redraws only at rollout boundaries
         (steps that are multiples of U, catching up any schedule step since the previous one),
         never between a rollout and the updates that learn from it. The draw comes from a
@@ -922,6 +924,9 @@ class Trainer:
             if stopped_by is not None:
                 break
             t0 = time.perf_counter()
+            # features due after update `step` are redrawn only now, before the next batch: the
+            # checkpoint and evaluation of `step` keep the features its weights were trained with
+            self._redraw_features()
             try:
                 batch = next(batches)
             except StopIteration:
@@ -932,7 +937,6 @@ class Trainer:
             lr = float(self.optimizer.param_groups[0]["lr"])  # of this update (before the scheduler steps)
             loss, grad_norm, logs = self.update(batch)
             self.step += 1
-            self._redraw_features()
             self.window.add({"train/loss": loss, "train/grad_norm": grad_norm,
                              **{(k if "/" in k else f"train/{k}"): v for k, v in dict(logs).items()}},
                             samples=batch_size_of(batch) or 0)
