@@ -101,6 +101,7 @@ from torch import Tensor
 
 from rl_tformers.config import ConfigAdviceWarning
 from rl_tformers.runtime.agents import register_agent, resume_state
+from rl_tformers.runtime.plugins import check_source_plugins
 
 log = logging.getLogger(__name__)
 
@@ -529,7 +530,9 @@ class ODTAgent(DTAgent):
 
     Raises:
         ValueError: ``agent.init_from`` missing or not a gaussian-head continuous-action dt run
-            (:func:`read_offline_run`; new runs only), ``agent.online`` not a mapping or an
+            (:func:`read_offline_run`; new runs only), an offline run trained with ``plugins``
+            this run does not list (:func:`~rl_tformers.runtime.plugins.check_source_plugins`;
+            new runs only), ``agent.online`` not a mapping or an
             ``agent.online.*`` value out of range, a dataset whose observation or action layout
             differs from the offline run's, a dataset episode longer than the offline run's
             ``agent.max_ep_len`` (a ``DatasetError`` naming the episode), an exploration target
@@ -568,6 +571,8 @@ class ODTAgent(DTAgent):
         resumed = resume_state()
         if resumed is None:  # a new run: the offline run's checkpoint
             state, saved = read_offline_run(self.init_from)
+            # its backbone may name kinds of its plugins: this run lists them too (eval, resume)
+            check_source_plugins(saved, cfg.get("plugins"), f"agent.init_from={self.init_from}")
             sa = saved.get("agent") or {}
             self.offline_agent = {k: copy.deepcopy(sa.get(k, DT_DEFAULTS["agent"].get(k))) for k in OFFLINE_AGENT_KEYS}
             self.offline_backbone = dict(saved.get("backbone") or {})

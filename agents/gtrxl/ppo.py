@@ -136,6 +136,7 @@ from rl_tformers.config import ConfigAdviceWarning
 from rl_tformers.runtime.agents import register_agent, resume_state
 from rl_tformers.runtime.config import ConfigError
 from rl_tformers.runtime.distributed import dist_info
+from rl_tformers.runtime.plugins import check_source_plugins
 from rl_tformers.types import BackboneState, LayerState
 
 log = logging.getLogger(__name__)
@@ -679,7 +680,8 @@ class GTrXLPPO:
             including the environment's time limit (``backbone.max_position`` <= the limit: the
             final observation of a truncated episode is valued at step ``time limit``), an
             ``agent.init_checkpoint`` trained on other spaces than ``agent.env_id``'s
-            (:func:`check_offline_spaces`).
+            (:func:`check_offline_spaces`) or with ``plugins`` this run does not list
+            (:func:`~rl_tformers.runtime.plugins.check_source_plugins`).
 
     Warns:
         ConfigAdviceWarning: the backbone sets a dropout probability; PPO builds its model
@@ -868,6 +870,8 @@ class GTrXLPPO:
         if sa.get("kind") != "gtrxl" or sa.get("objective") == "rcbc":
             raise ValueError(f"agent.init_checkpoint={path}: needs an offline gtrxl run with objective bc or iql, "
                              f"got kind={sa.get('kind')!r} objective={sa.get('objective')!r}")
+        # its backbone may name kinds of its plugins: this run lists them too (eval, resume)
+        check_source_plugins(saved, self.cfg.get("plugins"), f"agent.init_checkpoint={path}")
         inputs = {"prev_action_input": bool(sa.get("prev_action")), "prev_reward_input": bool(sa.get("prev_reward")),
                   "head_hidden": int(sa.get("head_hidden", 0)),
                   # how its encoder read a discrete a_{t-1} at an episode start (zeros, or action 0 before

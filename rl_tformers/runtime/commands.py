@@ -112,7 +112,7 @@ def train(
     print_config: bool = typer.Option(False, "--print-config",
                                       help="Print the resolved config and exit (the backbone as built: every "
                                            "slot with its kind's defaults; config.yaml keeps the fields set)."),
-    list_agents: bool = typer.Option(False, "--list-agents", help="List the registered agent kinds and exit."),
+    list_agents: bool = typer.Option(False, "--list-agents", help="List the registered agent kinds (installed plugins' too) and exit."),
 ) -> None:
     _setup_logging()
     from rl_tformers.registry import RegistryError
@@ -144,6 +144,9 @@ def train(
     from rl_tformers.runtime.trainer import train as train_run
 
     if list_agents:
+        from rl_tformers.runtime.plugins import load_entry_point_plugins
+
+        load_entry_point_plugins()  # the agents of installed rl_tformers.plugins packages are listed too
         for kind in agent_registry.available_agents():
             typer.echo(f"{kind:16s} {agent_registry.get_agent(kind).description}")
         for mod, err in agent_registry.import_failures().items():

@@ -10,10 +10,20 @@ config::
 
 Every command that builds a run imports the listed modules first: ``train`` (and its resume,
 its DDP processes and the runs of a ``sweep``, which compose the same config), ``eval``,
-``plot`` and ``bench`` (from the checkpoint's config, which records ``plugins``). A module is
+``plot`` and ``bench`` (from the checkpoint's config, which records ``plugins``); a fine-tuning
+agent (``odt``'s ``agent.init_from``, ``gtrxl_ppo``'s ``agent.init_checkpoint``) requires the
+plugins of the run it starts from (:func:`check_source_plugins`). A module is
 imported by its dotted name, with the current directory first on ``sys.path`` (as ``python -m``
 does), so ``my_attn.py`` next to where you run the command works; otherwise install it or put
-its folder on ``PYTHONPATH``. Installed packages can also declare a ``rl_tformers.plugins``
+its folder on ``PYTHONPATH``. The current directory goes first only while the listed modules are
+imported (and only when there are some): afterwards it is searched last, so a file of it named
+like a module imported later (``profile.py``, ``secrets.py``) never replaces that module.
+
+The built-in agents are registered before any plugin is imported, so a plugin registering a
+kind (agent or backbone) that is already taken fails to import with the name of the module
+that holds it, whatever the order of imports. A module that fails to import leaves nothing
+registered: the kinds, agents and inference loaders it registered before the error are removed
+(and its modules forgotten, so a second import runs it again). Installed packages can also declare a ``rl_tformers.plugins``
 entry point (``[project.entry-points."rl_tformers.plugins"] name = "pkg.module"``): those are
 imported by every command without being listed (``rl-tformers backbones`` shows their kinds),
 and one that fails to import is reported as a warning, not an error, so a broken package does
@@ -32,10 +42,12 @@ import importlib.metadata
 import os
 import re
 import sys
+import traceback
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
 
-from rl_tformers.runtime.agents import _short_trace
 from rl_tformers.runtime.config import ConfigError
 
 #: Entry-point group of installed packages imported by every command.
@@ -60,12 +72,12 @@ def check_plugin_names(value: object, where: str = "plugins") -> list[str]:
         The names, in order, without repeats.
 
     Raises:
-        ConfigError: ``value`` is not a list, or an entry is not a dotted Python module name
+        ConfigError: ``value`` is not a list (a string or a mapping), or an entry is not a dotted Python module name
             (a file path, or a name ending in ``.py``, is refused with a hint), naming ``where[i]``.
     """
     if value is None:
         return []
-    if isinstance(value, str) or not isinstance(value, Iterable):
+    if isinstance(value, (str, Mapping)) or not isinstance(value, Iterable):
         raise ConfigError(f"{where} must be a list of Python module names (e.g. plugins=[my_attn]), got {value!r}")
     names: list[str] = []
     for i, name in enumerate(value):
@@ -84,6 +96,10 @@ def check_plugin_names(value: object, where: str = "plugins") -> list[str]:
 def load_plugins(names: Iterable[str] = (), where: str = "plugins") -> list[str]:
     """Import the installed entry-point plugins (once per process) and the modules ``names``.
 
+    The built-in agents are registered first (so a plugin's kind never silently replaces one);
+    the current directory is first on ``sys.path`` while ``names`` are imported, last afterwards
+    (module docstring). A module that fails leaves nothing registered (:func:`_import_atomically`).
+
     Args:
         names: dotted module names (checked by :func:`check_plugin_names`).
         where: the option's name for error messages (``plugins`` or ``--plugin``).
@@ -93,44 +109,160 @@ def load_plugins(names: Iterable[str] = (), where: str = "plugins") -> list[str]
 
     Raises:
         ConfigError: a name is not a module name, cannot be found (naming it and where it was
-            looked for) or raises while it is imported (naming the exception and its line).
+            looked for) or raises while it is imported (naming the exception and the plugin's
+            line: a kind already registered names the module that registered it).
     """
     load_entry_point_plugins()
     names = check_plugin_names(list(names), where)
+    if not names:
+        return names
+    _discover_builtin_agents()
     cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
         sys.path.insert(0, cwd)  # as `python -m` does: a module next to where the command runs
-    for i, name in enumerate(names):
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
-                raise ConfigError(
-                    f"{where}[{i}]={name!r}: no module named {exc.name!r} (looked in the current directory "
-                    f"{cwd} and on sys.path; install it or add its folder to PYTHONPATH)") from exc
-            raise ConfigError(f"{where}[{i}]={name!r} failed to import: {_short_trace(exc)}") from exc
-        except Exception as exc:  # noqa: BLE001 - any import-time failure of user code, named
-            raise ConfigError(f"{where}[{i}]={name!r} failed to import: {_short_trace(exc)}") from exc
+    try:
+        for i, name in enumerate(names):
+            try:
+                _import_atomically(name)
+            except ModuleNotFoundError as exc:
+                if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+                    raise ConfigError(
+                        f"{where}[{i}]={name!r}: no module named {exc.name!r} (looked in the current directory "
+                        f"{cwd} and on sys.path; install it or add its folder to PYTHONPATH)") from exc
+                raise ConfigError(f"{where}[{i}]={name!r} failed to import: {_plugin_trace(exc)}") from exc
+            except Exception as exc:  # noqa: BLE001 - any import-time failure of user code, named
+                raise ConfigError(f"{where}[{i}]={name!r} failed to import: {_plugin_trace(exc)}") from exc
+    finally:
+        if added and cwd in sys.path:
+            # searched last from now on: a module imported later (lazily, by this package or a
+            # library) is never replaced by a file of the current directory with its name
+            sys.path.remove(cwd)
+            sys.path.append(cwd)
     return names
+
+
+def check_source_plugins(source: Mapping[str, Any], plugins: Iterable[str] | None, where: str) -> None:
+    """Refuse to start from another run (fine-tuning its checkpoint) whose ``plugins`` this run lacks.
+
+    The model is rebuilt from the other run's backbone (and options), which may name kinds its
+    plugins register: this run must list them too, so that they are imported by every command
+    that rebuilds it (``eval``, ``plot``, ``--resume``, in another process) and recorded in its
+    ``config.yaml`` and checkpoints.
+
+    Args:
+        source: the other run's config (plain mapping, as its checkpoint records it).
+        plugins: this run's ``plugins``.
+        where: the option naming that run, e.g. ``agent.init_from=runs/dt``.
+
+    Raises:
+        ValueError: naming ``where``, the modules missing from ``plugins`` and the value to give
+            (``plugins=[mine,theirs]``); or naming ``where`` and the backbone kind of that run
+            that no module registered here (e.g. an uninstalled entry point's).
+    """
+    from rl_tformers.runtime.config import check_backbone_kinds
+
+    theirs = check_plugin_names(source.get("plugins"), f"{where}: its plugins")
+    ours = check_plugin_names(list(plugins or []), "plugins")
+    missing = [m for m in theirs if m not in ours]
+    if missing:
+        raise ValueError(
+            f"{where} was trained with plugins={theirs}: this run rebuilds that run's model, so list "
+            f"{', '.join(missing)} in its plugins too (plugins=[{','.join(ours + missing)}]), which records "
+            f"them for eval, plot and --resume")
+    backbone = source.get("backbone")
+    try:
+        check_backbone_kinds(backbone if isinstance(backbone, Mapping) else {})
+    except ConfigError as exc:
+        raise ValueError(f"{where}: that run cannot be rebuilt here: {exc}") from None
+
+
+def _discover_builtin_agents() -> None:
+    """Register the built-in agents (and their inference loaders) before any plugin is imported."""
+    from rl_tformers.runtime.agents import discover_agents
+
+    discover_agents()
+
+
+def _registrations() -> list[tuple[dict, dict]]:
+    """``(live dict, copy)`` of every table a plugin registers into: the backbone slots' kinds,
+    the agents and the inference loaders."""
+    from rl_tformers.registry import REGISTRIES
+    from rl_tformers.runtime import agents
+
+    tables = [reg._entries for reg in REGISTRIES.values()] + [agents._AGENTS]
+    loading = sys.modules.get("rl_tformers.agents.common.loading")
+    if loading is not None:
+        tables.append(loading._INFERENCE_LOADERS)
+    return [(t, dict(t)) for t in tables]
+
+
+def _import_atomically(name: str) -> None:
+    """``importlib.import_module(name)``; when it raises, undo what the import registered.
+
+    Every kind, agent and inference loader registered during the failed import is removed, and
+    the modules it left in ``sys.modules`` that are part of ``name``'s top-level package or that
+    defined a removed registration are forgotten, so that a later import runs them again.
+    """
+    if name in sys.modules:
+        return
+    before_modules = set(sys.modules)
+    tables = _registrations()
+    try:
+        importlib.import_module(name)
+    except BaseException:
+        owners: set[str] = set()
+        for live, saved in tables:
+            for key in [k for k in live if k not in saved or live[k] is not saved[k]]:
+                value = live[key]
+                obj = getattr(value, "config_cls", None) or getattr(value, "builder", None) or value
+                owners.add(getattr(obj, "__module__", "") or "")
+            live.clear()
+            live.update(saved)
+        top = name.split(".")[0]
+        for mod in set(sys.modules) - before_modules:
+            if mod in owners or mod == top or mod.startswith(top + "."):
+                sys.modules.pop(mod, None)
+        raise
+
+
+def _plugin_trace(exc: BaseException) -> str:
+    """``"Error: message (file:line)"`` with the line of the plugin's own code that raised: the last
+    frame outside this package and Python's import machinery (an error raised by this package's
+    registry, a kind already taken, is located at the plugin's decorator), else the last frame."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = tuple(str(Path(d).resolve()) + os.sep for name in ("rl_tformers", "rl_tformers.agents", "rl_tformers.envs")
+                 if name in sys.modules for d in getattr(sys.modules[name], "__path__", ()))
+    own = [f for f in frames if not f.filename.startswith("<frozen ")
+           and not str(Path(f.filename).resolve()).startswith(ours)]
+    frame = (own or frames or [None])[-1]
+    where = f" ({frame.filename}:{frame.lineno})" if frame is not None else ""
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def load_entry_point_plugins() -> None:
     """Import every installed ``rl_tformers.plugins`` entry point, once per process.
 
     A failing entry point warns (:class:`PluginWarning`, naming the package and the error) and
-    is skipped, so one broken package does not stop every command.
+    is skipped, so one broken package does not stop every command; what it registered before
+    the error is removed (:func:`_import_atomically`), so nothing of it is listed or usable.
     """
     global _entry_points_loaded
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+    eps = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    if eps:
+        _discover_builtin_agents()
+    for ep in eps:
         try:
+            _import_atomically(ep.module)
             ep.load()
         except Exception as exc:  # noqa: BLE001 - report any failure of an installed plugin
             dist = getattr(ep.dist, "name", None) or "an installed package"
             warnings.warn(f"rl_tformers.plugins entry point {ep.name!r} ({ep.value}) of {dist} failed to import "
-                          f"and is skipped: {_short_trace(exc)}", PluginWarning, stacklevel=2)
+                          f"and is skipped: {_plugin_trace(exc)}", PluginWarning, stacklevel=2)
 
 
-__all__ = ["ENTRY_POINT_GROUP", "PluginWarning", "check_plugin_names", "load_entry_point_plugins", "load_plugins"]
+__all__ = ["ENTRY_POINT_GROUP", "PluginWarning", "check_plugin_names", "check_source_plugins",
+           "load_entry_point_plugins", "load_plugins"]
