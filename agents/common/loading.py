@@ -33,6 +33,7 @@ from rl_tformers.agents.common.policy import Policy
 from torch import nn
 
 from rl_tformers.config import ConfigAdviceWarning
+from rl_tformers.runtime.cpu_matmul import apply_cpu_matmul
 
 #: kind -> loader(cfg, checkpoint state, device) -> agent
 _INFERENCE_LOADERS: dict[str, Callable[[Any, Mapping[str, Any], torch.device], Any]] = {}
@@ -113,6 +114,20 @@ class LoadedRun:
         return None if v is None else float(v)
 
 
+def _run_cpu_matmul(cfg: Any) -> str:
+    """The library of the run's float32 CPU ``nn.Linear`` products (``cpu_matmul``, resolved when
+    it was trained; ``mkl`` for a run saved before the option), or ``mkl`` with a warning where
+    this PyTorch build lacks oneDNN's operator (the same function, another float rounding)."""
+    from rl_tformers.runtime.cpu_matmul import resolve_cpu_matmul
+
+    spec = str(cfg.get("cpu_matmul", "mkl"))
+    try:
+        return resolve_cpu_matmul(spec)
+    except ValueError as exc:
+        warnings.warn(f"{exc}; evaluating with mkl (PyTorch's default)", stacklevel=3)
+        return "mkl"
+
+
 def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
              checkpoint: str | os.PathLike | None = None) -> LoadedRun:
     """Rebuild the agent of ``run_dir`` from a checkpoint (see the module docstring).
@@ -178,5 +193,7 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
     if missing:
         raise TypeError(f"agent {kind!r} cannot be evaluated: it lacks {', '.join(m + '()' for m in missing)}")
     agent.model.to(dev).eval()
+    if dev.type == "cpu":
+        apply_cpu_matmul(agent.model, _run_cpu_matmul(cfg))
     return LoadedRun(agent=agent, cfg=cfg, kind=kind, step=int(state["step"]), checkpoint=path,
                      extra=dict(state.get("extra") or {}))

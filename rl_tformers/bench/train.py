@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from rl_tformers.bench.commands import emit_result
+from rl_tformers.runtime.cpu_matmul import onednn_linear_available, resolve_cpu_matmul
 
 PEERS = ("d3rlpy", "hf")
 MODES = ("e2e", "model")
@@ -69,6 +70,14 @@ PEER_REQUIREMENTS = ("d3rlpy>=2.8,<2.9", "transformers>=4.40", "gymnasium[mujoco
 CONFIG = "dt/hopper_medium"
 #: the optional row with dropout also on the feed-forward hidden layer (the DT's former default)
 FFN_DROPOUT_ROW = "ours-ffn-dropout"
+#: the row with PyTorch's own float32 GEMMs (MKL), measured where the shipped ``cpu_matmul: auto``
+#: resolves to oneDNN (:mod:`rl_tformers.runtime.cpu_matmul`)
+MKL_ROW = "ours+mkl"
+
+
+def _peak_key(dtype: str, library: str) -> str:
+    """``fp32`` for torch's own GEMM (MKL on the CPU), ``fp32/onednn`` for oneDNN's."""
+    return dtype if library == "torch" else f"{dtype}/{library}"
 DEFAULT_DATASET = "rlt/hopper-v5/medium-v0"
 
 
@@ -131,17 +140,29 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def matmul_gflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 2048, reps: int = 2) -> float:
-    """GFLOP/s of an n x n x n matmul (2 n^3 FLOPs) in ``dtype``: the best of ``reps`` after a warm-up."""
+def matmul_gflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 2048, reps: int = 2,
+                  library: str = "torch") -> float:
+    """GFLOP/s of an n x n x n matmul (2 n^3 FLOPs) in ``dtype``: the best of ``reps`` after a warm-up.
+
+    ``library``: ``torch`` (``a @ b``: MKL for float32 on the CPU) or ``onednn`` (oneDNN's
+    ``a b^T``, :mod:`rl_tformers.runtime.cpu_matmul`; CPU only), so the peak is the faster of
+    the two GEMM libraries of this PyTorch build, not the one a model happens to avoid.
+    """
     g = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
     b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
-    (a @ b).sum().item()
+    if library == "onednn":
+        def mm() -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    else:
+        def mm() -> torch.Tensor:
+            return a @ b
+    mm().sum().item()
     best = float("inf")
     for _ in range(max(1, reps)):
         sync(device)
         t0 = time.perf_counter()
-        a @ b
+        mm()
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best / 1e9
@@ -372,6 +393,9 @@ def our_variants(s: Settings) -> list[tuple[str, list[str]]]:
         out.append(("ours+compile", ["train.compile=true"]))
     if s.ffn_dropout_row:
         out.append((FFN_DROPOUT_ROW, ["backbone.ffn_dropout=0.1"]))
+    if s.device == "cpu" and resolve_cpu_matmul("auto") != "mkl" and not any(
+            o.startswith("cpu_matmul=") for o in s.overrides):
+        out.append((MKL_ROW, ["cpu_matmul=mkl"]))  # the shipped default runs oneDNN here: show MKL's
     return out
 
 
@@ -414,18 +438,23 @@ def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
                 impl.run(mode, s.warmup)  # warm-up, excluded
         times: dict[tuple[str, str], list[float]] = {(n, m): [] for n in impls for m in modes[n]}
         dtypes = {"fp32": torch.float32, **({"bf16": torch.bfloat16} if s.bf16 else {})}
-        peaks: dict[str, dict[int, list[float]]] = {k: {n: [] for n in s.matmul_sizes} for k in dtypes}
+        libraries = {k: ("torch", "onednn") if k == "fp32" and device.type == "cpu" and onednn_linear_available()
+                     else ("torch",) for k in dtypes}
+        peaks: dict[str, dict[int, list[float]]] = {
+            _peak_key(k, lib): {n: [] for n in s.matmul_sizes} for k in dtypes for lib in libraries[k]}
         for r in range(max(1, s.repeats)):
             for k, dt in dtypes.items():
-                for n in s.matmul_sizes:
-                    peaks[k][n].append(matmul_gflops(device, dt, n))
+                for lib in libraries[k]:
+                    for n in s.matmul_sizes:
+                        peaks[_peak_key(k, lib)][n].append(matmul_gflops(device, dt, n, library=lib))
             for name, impl in impls.items():
                 for mode in modes[name]:
                     times[(name, mode)].append(impl.run(mode, s.steps))
             log(f"round {r + 1}/{s.repeats}: " + ", ".join(
                 f"{n}/{m} {s.steps / t[-1]:.2f}/s" for (n, m), t in times.items()))
         res.peak_by_size = {k: {n: statistics.median(v) for n, v in by.items()} for k, by in peaks.items()}
-        res.peak_gflops = {k: max(by.values()) for k, by in res.peak_by_size.items()}
+        res.peak_gflops = {k: max(max(by.values()) for key, by in res.peak_by_size.items() if key.split("/")[0] == k)
+                           for k in dtypes}  # the faster GEMM library of each dtype
         for (name, mode), ts in times.items():
             rate = [s.steps / t for t in ts]
             amp = "bf16" if name.endswith("+bf16") else "fp32"
@@ -474,8 +503,8 @@ def markdown(res: Result) -> str:
             f"{fmt(r['gflops_per_s'], '.1f')} | {fmt(r['mfu'], '.0f', 100, '%')} ({r['peak_dtype']}) | "
             f"{r['params'] or '-'} |"
         )
-    peaks = "; ".join(f"{k} {v:.1f} GFLOP/s (" + ", ".join(f"n={n}: {g:.0f}" for n, g in res.peak_by_size[k].items())
-                      + ")" for k, v in res.peak_gflops.items())
+    peaks = "; ".join(f"{k} " + ", ".join(f"n={n}: {g:.0f}" for n, g in by.items()) for k, by in res.peak_by_size.items())
+    peaks += " (peak: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in res.peak_gflops.items()) + ")"
     lines += ["", f"matmul peak (best n x n x n, {res.machine.get('threads')} threads): {peaks}", ""]
     if not res.ratios:  # --peers '' and no other variant: nothing to compare against
         lines.append("no ratios: no peer (--peers) and no other variant of ours was measured")

@@ -4,6 +4,8 @@ A run is described by one config tree (OmegaConf ``DictConfig``)::
 
     seed: 0                    # seeds python/numpy/torch; environments derive theirs from it
     device: auto               # auto | cpu | cuda | cuda:N | mps
+    cpu_matmul: auto           # float32 nn.Linear products on the CPU: mkl | onednn (auto: resolved
+                               # here for this machine; rl_tformers.runtime.cpu_matmul)
     run_dir: null              # null: runs/<config name>-<YYYYmmdd-HHMMSS>
     plugins: []                # your modules registering kinds/agents (rl_tformers.runtime.plugins)
     agent: {kind: dt, ...}     # registered agent kind + its own options
@@ -206,6 +208,7 @@ class RunConfig:
 
     seed: int = 0
     device: str = "auto"
+    cpu_matmul: str = "auto"
     run_dir: str | None = None
     plugins: list[str] = field(default_factory=list)
     agent: dict[str, Any] = field(default_factory=lambda: {"kind": "???"})
@@ -223,6 +226,7 @@ class RunConfig:
 #: (``DatasetInfo.data_differences``: layout, observation mean/std, returns, number of steps and
 #: mean action or action frequencies), so another dataset cannot slip in this way.
 RESUMABLE_KEYS = (
+    "cpu_matmul",
     "dataset.path",
     "dataset.root",
     "train.steps",
@@ -480,7 +484,10 @@ def compose(
         path = resolve_config_path(config)
         user_layers.append((load_yaml(path), str(path)))
     elif start is not None:
-        user_layers.append((OmegaConf.create(start if isinstance(start, DictConfig) else dict(start)), "saved config"))
+        saved = OmegaConf.create(start if isinstance(start, DictConfig) else dict(start))
+        if "cpu_matmul" not in saved:  # saved before the option existed: it ran PyTorch's default
+            saved = OmegaConf.merge(saved, {"cpu_matmul": "mkl"})
+        user_layers.append((saved, "saved config"))
     if overrides:
         user_layers.append((parse_overrides(overrides), "command line"))
     user = OmegaConf.merge(*(layer for layer, _ in user_layers)) if user_layers else OmegaConf.create({})
@@ -614,6 +621,12 @@ def _validate_values(cfg: DictConfig, entry=None) -> None:
         raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     try:
         resolve_device(cfg.device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    from rl_tformers.runtime.cpu_matmul import resolve_cpu_matmul
+
+    try:  # auto -> the library this machine runs, recorded in the run's config (resume keeps it)
+        cfg.cpu_matmul = resolve_cpu_matmul(cfg.cpu_matmul)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     backbone = OmegaConf.to_container(cfg.backbone, resolve=True)

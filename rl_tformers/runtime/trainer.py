@@ -69,6 +69,7 @@ from rl_tformers.runtime.config import (
     to_container,
     to_yaml,
 )
+from rl_tformers.runtime.cpu_matmul import apply_cpu_matmul
 from rl_tformers.runtime.data import batch_stream
 from rl_tformers.runtime.device import autocast, batch_size_of, move_to, resolve_device
 from rl_tformers.runtime.optim import (
@@ -453,6 +454,8 @@ class Trainer:
         self.agent: Trainable = build_agent(cfg, self.run_dir, self.device,
                                             resume_from=resume_from.state if resume_from is not None else None)
         self.model = self.agent.model.to(self.device)
+        if self.device.type == "cpu":  # float32 nn.Linear products in the library the config resolved
+            apply_cpu_matmul(self.model, str(cfg.get("cpu_matmul", "mkl")))
         groups_fn = getattr(self.agent, "param_groups", None)
         groups = groups_fn() if callable(groups_fn) else default_param_groups(self.model, float(t.weight_decay))
         self.optimizer = build_optimizer(groups, lr=float(t.lr), weight_decay=float(t.weight_decay),

@@ -12,6 +12,10 @@ from bench_helpers import TINY
 from typer.testing import CliRunner
 
 from rl_tformers.bench import train as bt
+from rl_tformers.runtime.cpu_matmul import onednn_linear_available, resolve_cpu_matmul
+
+#: the extra row with PyTorch's own GEMMs where the shipped default runs oneDNN (this CPU)
+MKL = [bt.MKL_ROW] if resolve_cpu_matmul("auto") != "mkl" else []
 
 
 def _settings(path, **kw):
@@ -22,15 +26,19 @@ def _settings(path, **kw):
 def test_ours_rows_flops_mfu_and_ratios(tiny_hdf5):
     res = bt.run(_settings(tiny_hdf5, bf16=True, ffn_dropout_row=True))
     rows = {(r["impl"], r["mode"]): r for r in res.rows}
-    assert [r["impl"] for r in res.rows][::2] == ["ours", "ours+bf16", "ours-ffn-dropout"]
-    assert set(rows) == {(v, m) for v in ("ours", "ours+bf16", "ours-ffn-dropout") for m in ("e2e", "model")}
+    variants = ["ours", "ours+bf16", "ours-ffn-dropout", *MKL]
+    assert [r["impl"] for r in res.rows][::2] == variants
+    assert set(rows) == {(v, m) for v in variants for m in ("e2e", "model")}
     f = {r["flops_per_step"] for r in res.rows}
     assert len(f) == 1 and f.pop() > 0  # dropout placement and precision do not change the FLOPs
     for r in res.rows:
         assert len(r["steps_per_s_all"]) == 2 and r["steps_per_s"] == pytest.approx(np.median(r["steps_per_s_all"]))
         peak = res.peak_gflops[r["peak_dtype"]]
         assert r["mfu"] == pytest.approx(r["flops_per_step"] * r["steps_per_s"] / 1e9 / peak)
-    assert res.peak_gflops["fp32"] == max(res.peak_by_size["fp32"].values()) and set(res.peak_by_size["fp32"]) == {64, 128}
+    fp32 = [by for key, by in res.peak_by_size.items() if key.split("/")[0] == "fp32"]
+    assert set(res.peak_by_size) == {"fp32", "bf16", *(["fp32/onednn"] if onednn_linear_available() else [])}
+    assert res.peak_gflops["fp32"] == max(max(by.values()) for by in fp32)  # the faster GEMM library
+    assert all(set(by) == {64, 128} for by in res.peak_by_size.values())
     assert rows[("ours+bf16", "model")]["peak_dtype"] == "bf16" and rows[("ours", "model")]["peak_dtype"] == "fp32"
     q = {(x["mode"], x["impl"], x["vs"]): x["ratio"] for x in res.ratios}
     by = {k: v["steps_per_s"] for k, v in rows.items()}
@@ -44,8 +52,12 @@ def test_variants_are_the_shipped_config_plus_one_override():
     s = bt.Settings(bf16=True, compile=True, ffn_dropout_row=True)
     assert bt.our_variants(s) == [("ours", []), ("ours+bf16", ["train.amp=bf16"]),
                                   ("ours+compile", ["train.compile=true"]),
-                                  ("ours-ffn-dropout", ["backbone.ffn_dropout=0.1"])]
-    assert bt.our_variants(bt.Settings()) == [("ours", [])]
+                                  ("ours-ffn-dropout", ["backbone.ffn_dropout=0.1"]),
+                                  *[(m, ["cpu_matmul=mkl"]) for m in MKL]]
+    assert bt.our_variants(bt.Settings()) == [("ours", []), *[(m, ["cpu_matmul=mkl"]) for m in MKL]]
+    # with the library given as an override (or on a GPU) there is no extra MKL row
+    assert bt.our_variants(bt.Settings(overrides=("cpu_matmul=onednn",))) == [("ours", [])]
+    assert bt.our_variants(bt.Settings(device="cuda")) == [("ours", [])]
 
 
 def test_ours_is_the_peers_dropout_placement(tiny_hdf5, tmp_path):
@@ -89,7 +101,7 @@ def test_peer_data_export(tiny_hdf5, tmp_path):
 def test_a_peer_that_cannot_start_is_reported(tiny_hdf5):
     # this interpreter has no transformers: the hf worker exits at import, the run goes on without it
     res = bt.run(_settings(tiny_hdf5, repeats=1, steps=1, peers=("hf",), peer_python=sys.executable))
-    assert [r["impl"] for r in res.rows] == ["ours", "ours"]
+    assert [r["impl"] for r in res.rows] == ["ours", "ours", *[m for m in MKL for _ in range(2)]]
     assert any(n.startswith("peer hf skipped") for n in res.notes)
 
 

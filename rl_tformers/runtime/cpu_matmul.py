@@ -1,0 +1,189 @@
+"""Which library runs the float32 matrix products of ``nn.Linear`` layers on the CPU.
+
+PyTorch's CPU build sends a float32 ``nn.Linear`` (``aten::addmm``/``mm``) to MKL's SGEMM. MKL
+picks its fastest code paths only on Intel CPUs: on an AMD EPYC (Zen 4, AVX-512) host of this
+project's machine type, MKL's 1-thread SGEMM reached 96 GFLOP/s at n = 2048 where oneDNN, the
+other GEMM library inside the same PyTorch build (``torch.ops.mkldnn._linear_pointwise``, which
+dispatches by instruction set, not by vendor), reached 212; on the DT's own shapes (3840 x 128
+x 512 and the like) oneDNN took 0.41-0.67x of MKL's time for the forward product and both
+backward ones (``rl-tformers bench train`` and docs/performance.md).
+
+``cpu_matmul`` (a top-level run option) picks the library:
+
+- ``mkl``: PyTorch's default (``F.linear``), nothing changes;
+- ``onednn``: every ``nn.Linear`` of the model computes its float32 CPU forward and both
+  backward products (``dL/dx = g W``, ``dL/dW = g^T x``, ``dL/db = sum g``) with oneDNN
+  (:class:`OneDNNLinear`); the same function up to float rounding (another summation order,
+  relative differences of about 1e-7);
+- ``auto``: ``onednn`` on x86 CPUs that are not Intel's (where MKL is known to fall back to
+  slower code), when this PyTorch build has the oneDNN op; else ``mkl``.
+
+The choice applies only to float32 inputs on the CPU outside autocast and outside
+``torch.compile``: a CUDA/MPS tensor, a float64 model, bf16 autocast (which PyTorch already
+sends to oneDNN) and a compiled model (whose compiler picks the kernels) run ``F.linear``
+unchanged. The resolved library is written into the run's config (``cpu_matmul: onednn``),
+so a resume computes with the library the run was trained with. What it cannot do: batched
+matrix products (attention's ``bmm``) keep PyTorch's own kernels, and ``torch.ops.mkldnn.
+_linear_pointwise`` is an internal PyTorch operator (the one inductor's CPU backend emits), so a
+build without it falls back to ``mkl`` (``auto``) or is refused by name (``onednn``).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+CPU_MATMUL = ("auto", "mkl", "onednn")
+
+
+@functools.lru_cache(maxsize=1)
+def onednn_linear_available() -> bool:
+    """True when this PyTorch build has oneDNN and its fused linear operator (CPU)."""
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:  # the operator exists but a build may lack its CPU kernel
+        x, w = torch.ones(2, 3), torch.ones(4, 3)
+        return bool(torch.equal(op(x, w, None, "none", [], ""), torch.full((2, 4), 3.0)))
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_vendor() -> str:
+    """The CPU vendor string (``GenuineIntel``, ``AuthenticAMD``...; ``""`` when unknown)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def resolve_cpu_matmul(spec: str) -> str:
+    """``mkl`` or ``onednn`` for a ``cpu_matmul`` option (see the module docstring).
+
+    Raises:
+        ValueError: naming ``cpu_matmul`` for an unknown value, or for ``onednn`` on a PyTorch
+            build without oneDNN's linear operator.
+    """
+    spec = str(spec).strip().lower()
+    if spec not in CPU_MATMUL:
+        raise ValueError(f"cpu_matmul={spec!r}; use one of {', '.join(CPU_MATMUL)}")
+    if spec == "auto":
+        x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+        vendor = cpu_vendor()
+        return "onednn" if x86 and vendor and vendor != "GenuineIntel" and onednn_linear_available() else "mkl"
+    if spec == "onednn" and not onednn_linear_available():
+        raise ValueError("cpu_matmul=onednn, but this PyTorch build has no oneDNN linear operator "
+                         "(torch.ops.mkldnn._linear_pointwise); use cpu_matmul=mkl or auto")
+    return spec
+
+
+def _register_flop_formula() -> None:
+    """Count oneDNN's linear in ``torch.utils.flop_counter`` (2 M K N, as ``aten.mm``), so FLOP
+    counts and MFU (``rl-tformers bench train``) see the same work under either library."""
+    if not onednn_linear_available():
+        return
+    from torch.utils.flop_counter import register_flop_formula
+
+    op = torch.ops.mkldnn._linear_pointwise
+    from torch.utils import flop_counter
+
+    if op.default in getattr(flop_counter, "flop_registry", {}):
+        return
+
+    @register_flop_formula(op)  # the default overload (x, w, b, ...); the binary one is not used here
+    def _linear_flop(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+        m = 1
+        for d in x_shape[:-1]:
+            m *= d
+        return 2 * m * x_shape[-1] * w_shape[0]
+
+
+def _lin(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """oneDNN's ``x w^T + b`` for a 2-D ``x`` (M, K) and ``w`` (N, K); returns (M, N)."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+class _OneDNNLinearFunction(torch.autograd.Function):
+    """``y = x W^T + b`` with its three products in oneDNN (shapes in :class:`OneDNNLinear`)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # (M, K), M = every leading axis
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        y = _lin(x2, weight, bias)  # (M, N)
+        ctx.save_for_backward(x2, weight)
+        ctx.has_bias = bias is not None
+        ctx.lead = x.shape[:-1]
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x2, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, weight.shape[0])  # (M, N)
+        if not g2.is_contiguous():
+            g2 = g2.contiguous()
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = _lin(g2, weight.t().contiguous(), None).view(*ctx.lead, weight.shape[1])  # g W: (M, K)
+        if ctx.needs_input_grad[1]:
+            gw = _lin(g2.t(), x2.t(), None)  # g^T x: (N, K)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g2.sum(0)  # (N,)
+        return gx, gw, gb
+
+
+class OneDNNLinear(nn.Linear):
+    """An ``nn.Linear`` whose float32 CPU products run in oneDNN (module docstring).
+
+    Same parameters, state-dict keys and function as ``nn.Linear``: x (..., in_features) ->
+    (..., out_features). Anything else than a float32 CPU input and weight outside autocast
+    (CUDA, MPS, float64, bf16 autocast, an input without elements) calls ``F.linear``, and so
+    does a forward that ``torch.compile`` traces (``train.compile=true``: the compiler picks
+    its own kernels; inductor cannot lower this operator inside a training graph).
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
+                and w.device.type == "cpu" and x.numel() > 0 and not torch.is_autocast_enabled("cpu")
+                and not torch.compiler.is_compiling()):
+            return _OneDNNLinearFunction.apply(x, w, self.bias)
+        return F.linear(x, w, self.bias)
+
+
+def apply_cpu_matmul(model: nn.Module, library: str) -> int:
+    """Switch every plain ``nn.Linear`` of ``model`` to ``library`` in place; returns how many.
+
+    ``onednn`` turns each module whose class is exactly ``nn.Linear`` into
+    :class:`OneDNNLinear` (parameters, hooks and state-dict keys unchanged); ``mkl`` turns
+    :class:`OneDNNLinear` modules back. Subclasses of ``nn.Linear`` (e.g. quantised or
+    non-dynamic-quantisable variants) are left as they are.
+
+    Raises:
+        ValueError: for a library other than ``mkl`` / ``onednn`` (resolve ``auto`` first).
+    """
+    if library not in ("mkl", "onednn"):
+        raise ValueError(f"apply_cpu_matmul: library must be mkl or onednn (resolve auto first), got {library!r}")
+    src, dst = (nn.Linear, OneDNNLinear) if library == "onednn" else (OneDNNLinear, nn.Linear)
+    n = 0
+    for m in model.modules():
+        if type(m) is src:
+            m.__class__ = dst
+            n += 1
+    return n
+
+
+_register_flop_formula()

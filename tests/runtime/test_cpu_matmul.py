@@ -1,0 +1,178 @@
+"""cpu_matmul: float32 nn.Linear products on the CPU in MKL (PyTorch's default) or oneDNN.
+
+The oneDNN path must be the same function as ``F.linear`` (forward and every gradient, up to
+float rounding), keep the module's parameters and state dict, fall back to ``F.linear`` where
+it does not apply, be resolved once into the run's config (a resume keeps the library, a run
+saved before the option keeps MKL), and reach the trainer and ``load_run``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+from torch.nn import functional as F
+
+from rl_tformers.runtime import cpu_matmul as cm
+from rl_tformers.runtime.config import ConfigError, compose
+from tests.regressions.conftest import _write_cartpole_h5
+
+needs_onednn = pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
+TOY = ["agent.kind=toy", "device=cpu", "train.progress=false", "train.steps=6", "train.batch_size=4",
+       "train.warmup_steps=2", "train.log_every=2", "train.checkpoint_every=3", "eval.at_end=false"]
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(7, 5), (3, 4, 5), (2, 3, 4, 5), (0, 5)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_onednn_linear_equals_f_linear_forward_and_gradients(shape, bias) -> None:
+    torch.manual_seed(0)
+    ref = nn.Linear(5, 6, bias=bias)
+    lin = nn.Linear(5, 6, bias=bias)
+    lin.load_state_dict(ref.state_dict())
+    assert cm.apply_cpu_matmul(lin, "onednn") == 1 and type(lin) is cm.OneDNNLinear
+    x = torch.randn(*shape, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y, y_ref = lin(x), ref(x_ref)
+    assert y.shape == y_ref.shape == (*shape[:-1], 6)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+    if bias:
+        torch.testing.assert_close(lin.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_onednn_linear_on_a_non_contiguous_input_and_a_frozen_weight() -> None:
+    torch.manual_seed(1)
+    lin = nn.Linear(8, 3)
+    ref = {k: v.clone() for k, v in lin.state_dict().items()}
+    cm.apply_cpu_matmul(lin, "onednn")
+    lin.weight.requires_grad_(False)
+    x = torch.randn(8, 10, requires_grad=True)
+    y = lin(x.t())  # (10, 8) view with strides (1, 10)
+    torch.testing.assert_close(y, F.linear(x.t(), ref["weight"], ref["bias"]), rtol=1e-5, atol=1e-6)
+    y.sum().backward()
+    assert lin.weight.grad is None and lin.bias.grad is not None
+    torch.testing.assert_close(x.grad, ref["weight"].sum(0)[:, None].expand(8, 10), rtol=1e-5, atol=1e-6)
+
+
+@needs_onednn
+def test_other_dtypes_and_autocast_take_f_linear() -> None:
+    """float64 and bf16 autocast are not oneDNN float32 work: exactly F.linear's result."""
+    torch.manual_seed(2)
+    lin = nn.Linear(4, 4).double()
+    cm.apply_cpu_matmul(lin, "onednn")
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    lin32 = nn.Linear(4, 4)
+    cm.apply_cpu_matmul(lin32, "onednn")
+    x32 = torch.randn(3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin32(x32)
+        y_ref = F.linear(x32, lin32.weight, lin32.bias)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y_ref)
+
+
+def test_the_swap_keeps_parameters_and_state_dict_and_goes_back() -> None:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 2)), nn.LayerNorm(2))
+    params = [id(p) for p in model.parameters()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert cm.apply_cpu_matmul(model, "onednn") == 2
+    assert [id(p) for p in model.parameters()] == params
+    assert list(model.state_dict()) == list(state)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert cm.apply_cpu_matmul(model, "onednn") == 0  # already switched
+    assert cm.apply_cpu_matmul(model, "mkl") == 2 and all(type(m) is not cm.OneDNNLinear for m in model.modules())
+    with pytest.raises(ValueError, match="resolve auto first"):
+        cm.apply_cpu_matmul(model, "auto")
+
+
+def test_auto_resolves_by_the_cpu_vendor(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cm.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cm, "onednn_linear_available", lambda: True)
+    for vendor, lib in [("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), ("HygonGenuine", "onednn"), ("", "mkl")]:
+        monkeypatch.setattr(cm, "cpu_vendor", lambda v=vendor: v)
+        assert cm.resolve_cpu_matmul("auto") == lib, vendor
+    monkeypatch.setattr(cm, "onednn_linear_available", lambda: False)
+    assert cm.resolve_cpu_matmul("auto") == "mkl"
+    with pytest.raises(ValueError, match=r"^cpu_matmul=onednn, but this PyTorch build has no oneDNN linear operator"):
+        cm.resolve_cpu_matmul("onednn")
+    monkeypatch.setattr(cm, "onednn_linear_available", lambda: True)
+    monkeypatch.setattr(cm.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(cm, "cpu_vendor", lambda: "")
+    assert cm.resolve_cpu_matmul("auto") == "mkl"
+    assert cm.resolve_cpu_matmul(" OneDNN ") == "onednn"
+
+
+def test_compose_records_the_resolved_library_and_a_saved_run_keeps_its_own() -> None:
+    cfg = compose(None, TOY)
+    assert cfg.cpu_matmul == cm.resolve_cpu_matmul("auto") and cfg.cpu_matmul in ("mkl", "onednn")
+    assert compose(None, [*TOY, "cpu_matmul=mkl"]).cpu_matmul == "mkl"
+    with pytest.raises(ConfigError, match=r"^cpu_matmul='blas'; use one of auto, mkl, onednn$"):
+        compose(None, [*TOY, "cpu_matmul=blas"])
+    old = OmegaConf.to_container(cfg)
+    del old["cpu_matmul"]  # a run saved before the option computed with PyTorch's default
+    assert compose(start=old).cpu_matmul == "mkl"
+    assert compose(start={**old, "cpu_matmul": "mkl"}, overrides=["cpu_matmul=auto"]).cpu_matmul == cfg.cpu_matmul
+
+
+@needs_onednn
+@pytest.mark.parametrize("library", ["mkl", "onednn"])
+def test_trainer_and_load_run_use_the_run_s_library_and_resume_is_exact(tmp_path: Path, library: str) -> None:
+    from rl_tformers.agents.common.loading import load_run
+
+    from rl_tformers.runtime.trainer import resume, train
+
+    data = _write_cartpole_h5(tmp_path / "cp.hdf5")
+    overrides = [f"dataset.path={data}", "backbone.d_model=16", "backbone.n_heads=1", "backbone.n_layers=1",
+                 "agent.context_len=5", "train.batch_size=4", "train.warmup_steps=1", "train.progress=false",
+                 "device=cpu", "eval.at_end=false", "train.checkpoint_every=2", "train.log_every=2",
+                 f"cpu_matmul={library}"]
+    train(compose("dt/cartpole_demo", [*overrides, "train.steps=4"]), tmp_path / "full")
+    train(compose("dt/cartpole_demo", [*overrides, "train.steps=2"]), tmp_path / "half")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert resume(tmp_path / "half", ["train.steps=4"]).step == 4
+    a = torch.load(tmp_path / "full" / "checkpoints" / "step_000000004.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "half" / "checkpoints" / "step_000000004.pt", weights_only=True)["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert OmegaConf.load(tmp_path / "half" / "config.yaml").cpu_matmul == library
+    run = load_run(tmp_path / "full")
+    linears = {type(m) for m in run.agent.model.modules() if isinstance(m, nn.Linear)}
+    assert linears == ({cm.OneDNNLinear} if library == "onednn" else {nn.Linear})
+
+
+def test_mkl_and_onednn_train_the_same_function(tmp_path: Path) -> None:
+    """Same seed, both libraries: the logged losses agree to float rounding (not bit for bit)."""
+    if not cm.onednn_linear_available():
+        pytest.skip("this PyTorch build has no oneDNN linear op")
+    import json
+
+    from rl_tformers.runtime.trainer import train
+
+    losses = {}
+    for lib in ("mkl", "onednn"):
+        train(compose(None, [*TOY, f"cpu_matmul={lib}"]), tmp_path / lib)
+        rows = [json.loads(line) for line in (tmp_path / lib / "metrics.jsonl").read_text().splitlines()]
+        losses[lib] = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert len(losses["mkl"]) == 3
+    assert losses["onednn"] == pytest.approx(losses["mkl"], rel=1e-4)
+
+
+@needs_onednn
+def test_a_compiled_model_trains_with_the_compiler_s_kernels(tmp_path: Path) -> None:
+    """train.compile=true with cpu_matmul=onednn: inductor could not lower oneDNN's linear in a
+    training graph (LoweringException in the first update); a traced forward takes F.linear."""
+    from rl_tformers.runtime.trainer import train
+
+    res = train(compose(None, [*TOY, "cpu_matmul=onednn", "train.compile=true", "train.steps=2"]), tmp_path / "run")
+    assert res.step == 2
