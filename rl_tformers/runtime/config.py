@@ -227,6 +227,7 @@ class RunConfig:
 #: mean action or action frequencies), so another dataset cannot slip in this way.
 RESUMABLE_KEYS = (
     "cpu_matmul",
+    "plugins",  # imported modules only: a kind the run uses must still be registered to build it
     "dataset.path",
     "dataset.root",
     "train.steps",
@@ -494,7 +495,11 @@ def compose(
 
     from rl_tformers.runtime.plugins import load_plugins
 
-    load_plugins(_plugins_of(user), "plugins")  # before the agent and the backbone kinds are looked up
+    plugin_names = _plugins_of(user)  # null counts as empty, repeats are dropped (what is recorded)
+    load_plugins(plugin_names, "plugins")  # before the agent and the backbone kinds are looked up
+    for layer, _ in user_layers:
+        if "plugins" in layer and layer.plugins is None:  # `plugins:` left empty in a YAML file, plugins=null
+            layer.plugins = []
     kind = _agent_kind(user)
     entry = get_agent(kind)  # raises UnknownAgentError (a ConfigError) listing registered kinds
 
@@ -518,6 +523,8 @@ def compose(
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
         raise _translate(exc, cfg, "interpolation") from exc
+    if "plugins" in user:
+        cfg.plugins = plugin_names
     _validate_values(cfg, entry)
     if entry.defaults and isinstance(entry.defaults.get("agent"), Mapping):
         _check_agent_types(OmegaConf.to_container(cfg.agent, resolve=True), entry.defaults["agent"], "agent")

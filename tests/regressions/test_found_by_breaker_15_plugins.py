@@ -30,6 +30,11 @@ that use them (fine-tuning, ``train --list-agents``).
    (``no module named 'a'``); it is refused as not a list.
 7. A plugin's import error was located at the line of this package that raised (a kind already
    taken: ``registry.py:274``), not at the plugin's own line; it now names the plugin's line.
+8. (seen by the breaker, fixed by the lead) ``plugins=null`` or a YAML ``plugins:`` left empty
+   was refused ("field 'plugins' is not Optional") although ``None`` counts as empty;
+   ``plugins=[a,a]`` was recorded twice in the run's config; ``--resume RUN plugins=[x]`` was
+   refused (a run whose kind comes from an entry point could not list its module afterwards),
+   although the imported modules do not change the trajectory.
 """
 
 from __future__ import annotations
@@ -402,3 +407,21 @@ def test_a_run_trained_with_a_plugin_cannot_rebuild_itself_without_it(tmp_path: 
     assert str(err.value) == (f"plugins (of the checkpoint's config)[0]={name!r}: no module named {name!r} (looked "
                               f"in the current directory {tmp_path} and on sys.path; install it or add its folder "
                               f"to PYTHONPATH)")
+
+
+# ------------------------------------------------- 8: null, repeats, resume
+def test_null_plugins_count_as_empty_repeats_are_recorded_once_and_a_resume_may_list_plugins(tmp_path: Path) -> None:
+    from rl_tformers.runtime.trainer import resume
+
+    toy = ["agent.kind=toy", "device=cpu", "train.progress=false", "train.steps=2", "train.batch_size=4",
+           "train.warmup_steps=1", "train.log_every=1", "eval.at_end=false"]
+    assert list(compose(None, [*toy, "plugins=null"]).plugins) == []
+    (tmp_path / "cfg.yaml").write_text("agent: {kind: toy}\nplugins:\n")
+    assert list(compose(tmp_path / "cfg.yaml").plugins) == []
+    assert list(compose(None, [*toy, "plugins=[json,json]"]).plugins) == ["json"]
+    train(compose(None, toy), tmp_path / "run")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = resume(tmp_path / "run", ["train.steps=3", "plugins=[json]"])
+    assert res.step == 3
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["plugins"] == ["json"]
