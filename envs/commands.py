@@ -95,8 +95,10 @@ def collect(
 
     if list_recipes:
         _check_recipe_steps(recipe_steps)
-        for r in R.all_recipes(recipe_steps or R.DEFAULT_STEPS).values():
-            typer.echo(f"{r.name:32s} {r.dataset_id:44s} {r.describe()}")
+        recipes = list(R.all_recipes(recipe_steps or R.DEFAULT_STEPS).values())
+        w_name, w_id = max(len(r.name) for r in recipes), max(len(r.dataset_id) for r in recipes)
+        for r in recipes:  # columns as wide as the longest name and id
+            typer.echo(f"{r.name:{w_name}s}  {r.dataset_id:{w_id}s}  {r.describe()}")
         return
     import torch
 
@@ -355,7 +357,7 @@ def info(
     s = ds.summary()
     mismatch = _env_mismatch(ds, flatten_observations)
     if as_json:
-        typer.echo(json.dumps(s))
+        typer.echo(json.dumps(s, indent=2))  # one object, indented as eval --json prints its report
     else:
         width = max(len(k) for k in s)
         for k, v in s.items():

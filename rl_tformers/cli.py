@@ -154,7 +154,18 @@ def short_warnings() -> None:
 
 def main() -> None:
     short_warnings()
-    app()
+    try:
+        app()
+    finally:
+        import sys
+
+        train_commands = sys.modules.get("rl_tformers.runtime.commands")  # loaded only by commands that train
+        if train_commands is not None and train_commands.finished_run():
+            # the run is complete and saved: a Ctrl-C while the interpreter shuts down (torch,
+            # environments: up to a second) must not turn the exit status into 130 or a kill
+            import signal
+
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,38 @@ from pathlib import Path
 
 import typer
 
+#: set once a ``train`` command of this process has saved a complete run: the console script
+#: (:func:`rl_tformers.cli.main`) then ignores SIGINT while the interpreter shuts down
+_FINISHED_RUN = False
+
+
+class finished_run_signals:
+    """While the summary of a complete run is printed, SIGINT and SIGTERM are recorded and
+    ignored (the run is saved and complete, so the command still exits 0; a Ctrl-C just after
+    the last update used to end it with status 130 or kill it, as if the run had been cut
+    short); the previous handlers come back on exit, and :func:`finished_run` turns true."""
+
+    def __enter__(self) -> finished_run_signals:
+        global _FINISHED_RUN
+        _FINISHED_RUN = True
+        self.saved = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.saved[sig] = signal.signal(sig, lambda signum, frame: None)
+            except (ValueError, OSError):  # not the main thread
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+
+
+def finished_run() -> bool:
+    """True once a ``train`` command of this process saved a complete run."""
+    return _FINISHED_RUN
+
+
 TRAIN_HELP = """Train an agent from a config file plus KEY=VALUE overrides, or resume a run.
 
 A config is a YAML path or a name under the packaged configs/ (e.g. dt/hopper_medium). Overrides use dotted keys and YAML values and are applied last. The run directory gets config.yaml (the resolved config), checkpoints/, TensorBoard event files and metrics.jsonl.
@@ -227,15 +259,16 @@ def train(
     if os.environ.get("RANK", "0") != "0":
         return  # under torchrun, rank 0 reports
     if result.complete:
-        typer.echo(f"done: {result.step} steps in {result.run_dir} (view: tensorboard --logdir {result.run_dir})",
-                   err=True)
-        summary = eval_summary(result.last_eval)
-        if summary:
-            typer.echo(f"final evaluation at step {result.step}: {summary}", err=True)
-            again = repeat_eval_command(result.run_dir, result.step)
-            if again:
-                typer.echo(f"  (repeat it exactly: {again}; plain `rl-tformers eval {result.run_dir}` uses reset "
-                           f"seeds 0..N-1, so its numbers differ within the spread)", err=True)
+        with finished_run_signals():  # the run is saved and complete: a late Ctrl-C changes nothing
+            typer.echo(f"done: {result.step} steps in {result.run_dir} (view: tensorboard --logdir {result.run_dir})",
+                       err=True)
+            summary = eval_summary(result.last_eval)
+            if summary:
+                typer.echo(f"final evaluation at step {result.step}: {summary}", err=True)
+                again = repeat_eval_command(result.run_dir, result.step)
+                if again:
+                    typer.echo(f"  (repeat it exactly: {again}; plain `rl-tformers eval {result.run_dir}` uses reset "
+                               f"seeds 0..N-1, so its numbers differ within the spread)", err=True)
     else:
         from rl_tformers.runtime.trainer import resume_command
 

@@ -1117,7 +1117,9 @@ def check_world_size(cfg: DictConfig, world_size: int) -> None:
 
 def _held_run_problem(path: Path) -> str:
     if ckpt.list_checkpoints(path):
-        return f"{path} already holds a run; continue it with --resume {path}, or pick another --run-dir"
+        return (f"{path} already holds a run; continue it with --resume {path} (Python: "
+                f"rl_tformers.runtime.trainer.resume({str(path)!r}, ['train.steps=N'])), or pick another "
+                f"--run-dir (Python: train(cfg, run_dir=...))")
     return (f"{path} already holds the logs of a run that stopped before its first checkpoint; "
             f"delete it or pick another --run-dir")
 
