@@ -5,7 +5,7 @@ Builds the same :class:`~rl_tformers.runtime.trainer.Trainer` as ``rl-tformers b
 the profiler, then records ``--profile-steps`` more with ``torch.profiler`` and reports the
 time per update by category of operator (self CPU time, or self CUDA time on GPU):
 
-- ``matmul``: ``mm``, ``addmm``, ``bmm``, fused attention kernels;
+- ``matmul``: ``mm``, ``addmm``, ``bmm``, oneDNN's linear (``cpu_matmul: onednn``), fused attention kernels;
 - ``dropout RNG``: ``bernoulli_`` (the random masks; applying them is ``elementwise``);
 - ``addmm bias copy``: the bias broadcast that ``addmm`` copies into its output before the GEMM;
 - ``elementwise``: activations and their backward, adds, multiplies, where, masks...;
@@ -35,7 +35,8 @@ from rl_tformers.bench.train import OursRunner, Settings, machine_info
 ADAMW = ("fused", "foreach", "loop")
 
 CATEGORIES = (
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise",
+                "aten::_scaled_dot_product_flash_attention_for_cpu",
                 "aten::_flash_attention_forward", "aten::_flash_attention_backward", "aten::baddbmm")),
     ("dropout RNG", ("aten::bernoulli_",)),
     ("norm", ("aten::native_layer_norm", "aten::native_layer_norm_backward")),

@@ -50,6 +50,8 @@ class FeedForward(nn.Module):
         self.chunks = chunks
 
     def _ff(self, x: Tensor) -> Tensor:
+        if self.act is F.relu and hasattr(self.fc1, "forward_relu"):  # ReLU fused into the product
+            return self.fc2(self.dropout(self.fc1.forward_relu(x)))  # (cpu_matmul: onednn)
         return self.fc2(self.dropout(self.act(self.fc1(x))))
 
     def forward(self, x: Tensor) -> Tensor:

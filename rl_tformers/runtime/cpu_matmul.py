@@ -1,7 +1,7 @@
 """Which library runs the float32 matrix products of ``nn.Linear`` layers on the CPU.
 
 PyTorch's CPU build sends a float32 ``nn.Linear`` (``aten::addmm``/``mm``) to MKL's SGEMM. MKL
-picks its fastest code paths only on Intel CPUs: on an AMD EPYC (Zen 4, AVX-512) host of this
+picks its fastest code paths only on Intel CPUs: on an AMD EPYC (AVX-512) host of this
 project's machine type, MKL's 1-thread SGEMM reached 96 GFLOP/s at n = 2048 where oneDNN, the
 other GEMM library inside the same PyTorch build (``torch.ops.mkldnn._linear_pointwise``, which
 dispatches by instruction set, not by vendor), reached 212; on the DT's own shapes (3840 x 128
@@ -110,31 +110,35 @@ def _register_flop_formula() -> None:
         return 2 * m * x_shape[-1] * w_shape[0]
 
 
-def _lin(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    """oneDNN's ``x w^T + b`` for a 2-D ``x`` (M, K) and ``w`` (N, K); returns (M, N)."""
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+def _lin(x: Tensor, w: Tensor, b: Tensor | None, post: str = "none") -> Tensor:
+    """oneDNN's ``post(x w^T + b)`` for a 2-D ``x`` (M, K) and ``w`` (N, K); returns (M, N);
+    ``post``: ``none`` or ``relu`` (a post-op in the same kernel)."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, post, [], "")
 
 
 class _OneDNNLinearFunction(torch.autograd.Function):
-    """``y = x W^T + b`` with its three products in oneDNN (shapes in :class:`OneDNNLinear`)."""
+    """``y = x W^T + b`` (``relu=True``: ``y = max(x W^T + b, 0)``, the ReLU fused into the
+    product's kernel) with its three products in oneDNN (shapes in :class:`OneDNNLinear`)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool = False) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # (M, K), M = every leading axis
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        y = _lin(x2, weight, bias)  # (M, N)
-        ctx.save_for_backward(x2, weight)
+        y = _lin(x2, weight, bias, "relu" if relu else "none")  # (M, N)
+        ctx.save_for_backward(x2, weight, y if relu else None)
         ctx.has_bias = bias is not None
         ctx.lead = x.shape[:-1]
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x2, weight = ctx.saved_tensors
+        x2, weight, y = ctx.saved_tensors
         g2 = grad.reshape(-1, weight.shape[0])  # (M, N)
         if not g2.is_contiguous():
             g2 = g2.contiguous()
+        if y is not None:  # through the fused ReLU: zero where the output was clamped
+            g2 = torch.ops.aten.threshold_backward(g2, y, 0)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             gx = _lin(g2, weight.t().contiguous(), None).view(*ctx.lead, weight.shape[1])  # g W: (M, K)
@@ -142,7 +146,7 @@ class _OneDNNLinearFunction(torch.autograd.Function):
             gw = _lin(g2.t(), x2.t(), None)  # g^T x: (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)  # (N,)
-        return gx, gw, gb
+        return gx, gw, gb, None
 
 
 class OneDNNLinear(nn.Linear):
@@ -155,13 +159,23 @@ class OneDNNLinear(nn.Linear):
     its own kernels; inductor cannot lower this operator inside a training graph).
     """
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _onednn(self, x: Tensor) -> bool:
         w = self.weight
-        if (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
+        return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
                 and w.device.type == "cpu" and x.numel() > 0 and not torch.is_autocast_enabled("cpu")
-                and not torch.compiler.is_compiling()):
-            return _OneDNNLinearFunction.apply(x, w, self.bias)
-        return F.linear(x, w, self.bias)
+                and not torch.compiler.is_compiling())
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self._onednn(x):
+            return _OneDNNLinearFunction.apply(x, self.weight, self.bias, False)
+        return F.linear(x, self.weight, self.bias)
+
+    def forward_relu(self, x: Tensor) -> Tensor:
+        """``relu(self(x))`` with the ReLU inside oneDNN's product (one pass over the output
+        less; the feed-forward network's first layer, :class:`rl_tformers.blocks.base.FeedForward`)."""
+        if self._onednn(x):
+            return _OneDNNLinearFunction.apply(x, self.weight, self.bias, True)
+        return F.relu(F.linear(x, self.weight, self.bias))
 
 
 def apply_cpu_matmul(model: nn.Module, library: str) -> int:

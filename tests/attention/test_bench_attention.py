@@ -42,6 +42,13 @@ def test_dense_over_the_memory_budget_is_skipped_not_run():
     perf = {r["length"]: r for r in _rows(res, "performer")}
     assert perf[4096]["status"] == "ok" and perf[4096]["time_ratio"] is None  # no baseline to divide by
     assert res.crossover["performer"]["only_it_runs_at"] == [4096]
+    # the sub-quadratic kind's *measured* peak fits the budget that dense attention's L x L
+    # scores would exceed (the complexity check: measured, not an element count)
+    budget_mib = s.memory_budget_gb * 1024
+    assert perf[4096]["peak_mib"] is not None and 0 < perf[4096]["peak_mib"] < budget_mib
+    assert ba.dense_bytes_estimate("reference", 4096, s) / 2**20 > budget_mib
+    scores_mib = 2 * s.batch * s.n_heads * 4096 * 4096 * 4 / 2**20  # (B, H, L, L) float32 scores + probabilities
+    assert perf[4096]["peak_mib"] < scores_mib / 10
 
 
 def test_a_kind_that_cannot_run_is_reported(monkeypatch):

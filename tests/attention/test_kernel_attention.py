@@ -338,6 +338,33 @@ def test_linear_normalisers_accumulate_in_float32_under_bf16(kind):
     assert (out.float() - ref).abs().max() < 0.05
 
 
+@pytest.mark.parametrize("kind", ["rfa", "performer"])
+def test_linear_features_and_running_sums_are_float32_under_bf16(kind, monkeypatch):
+    """The dtypes themselves (the output tolerance above also passes an all-bf16 kernel): under
+    bf16 autocast the query/key features, the values with their normaliser column, the running
+    sums (S, z) the causal scan returns and an incremental cache are float32."""
+    import rl_tformers.attention._linear as lin
+
+    mod = attn_module(kind, True)
+    seen = {}
+    scan = lin.causal_linear
+
+    def recording(fq, fk, v_aug, **kw):
+        out, final = scan(fq, fk, v_aug, **kw)
+        seen.update(fq=fq.dtype, fk=fk.dtype, v=v_aug.dtype, out=out.dtype, state=final.dtype)
+        return out, final
+
+    monkeypatch.setattr(lin, "causal_linear", recording)
+    x = torch.randn(1, 40, D)
+    pos = torch.arange(40)[None]
+    ctx = AttnContext(pos_q=pos, pos_k=pos, causal=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        cache = mod.init_cache(1, torch.device("cpu"), torch.bfloat16)
+        res = mod(x, x, ctx, cache)
+    assert seen == {k: torch.float32 for k in ("fq", "fk", "v", "out", "state")}
+    assert cache.state.dtype == torch.float32 and res.cache.state.dtype == torch.float32
+
+
 # -- linear attention engine and incremental decoding ---------------------------------------------
 def _naive(fq, fk, v, log_decay, reset, state0, strict):
     b, h, n, m = fq.shape

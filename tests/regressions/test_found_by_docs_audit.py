@@ -486,6 +486,48 @@ def readme_performance_claims() -> list[str]:
     ]
 
 
+def amd_performance_claims() -> list[str]:
+    """The README's numbers of the AMD EPYC host (oneDNN GEMMs through ``cpu_matmul: auto``)."""
+    q, t2, prof = _load("bench_train_t1_amd.json"), _load("bench_train_t2_amd.json"), _load("profile_ours_amd.json")
+    o, d3 = _rate(q, "ours", "e2e"), _rate(q, "d3rlpy", "e2e")
+    peak, mkl_peak = q["peak_gflops"]["fp32"], max(q["peak_gflops_by_size"]["fp32"].values())
+    peers = [_rate(q, "d3rlpy", "e2e")["mfu"], _rate(q, "d3rlpy", "model")["mfu"], _rate(q, "hf", "model")["mfu"]]
+    mm, ops = prof["categories"]["matmul"], dict(prof["top_ops"])
+    e2e = _ratio(q, "e2e", "ours", "d3rlpy")
+    return [
+        f"load {q['machine']['loadavg_1_5_15'][0]:.2f} at the start, {q['machine']['loadavg_1_5_15_end'][0]:.2f} at the end; "
+        f"`docs/performance/bench_train_t1_amd.json`",
+        f"| **ours / d3rlpy** | **{e2e:.2f}x** ({o['steps_per_s']:.2f} vs {d3['steps_per_s']:.2f}/s) | "
+        f"**{_ratio(q, 'model', 'ours', 'd3rlpy'):.2f}x** |",
+        f"| ours / Hugging Face | – | {_ratio(q, 'model', 'ours', 'hf'):.2f}x |",
+        f"| ours with PyTorch's MKL GEMMs (`cpu_matmul=mkl`) / d3rlpy | {_ratio(q, 'e2e', 'ours+mkl', 'd3rlpy'):.2f}x | "
+        f"{_ratio(q, 'model', 'ours+mkl', 'd3rlpy'):.2f}x |",
+        f"| ours + bf16 autocast / d3rlpy | {_ratio(q, 'e2e', 'ours+bf16', 'd3rlpy'):.2f}x | "
+        f"{_ratio(q, 'model', 'ours+bf16', 'd3rlpy'):.2f}x |",
+        f"| ours + `torch.compile` / ours | {_ratio(q, 'e2e', 'ours+compile', 'ours'):.2f}x | "
+        f"{_ratio(q, 'model', 'ours+compile', 'ours'):.2f}x |",
+        f"ours / d3rlpy **{_ratio(t2, 'e2e', 'ours', 'd3rlpy'):.2f}x** ({_rate(t2, 'ours', 'e2e')['steps_per_s']:.2f} vs "
+        f"{_rate(t2, 'd3rlpy', 'e2e')['steps_per_s']:.2f}/s), ours / Hugging Face {_ratio(t2, 'model', 'ours', 'hf'):.2f}x",
+        f"Most of the step from {_ratio(q, 'e2e', 'ours+mkl', 'd3rlpy'):.2f}x to {e2e:.2f}x",
+        f"(1-thread SGEMM {mkl_peak:.0f} GFLOP/s here)", f"reaches {peak:.1f} GFLOP/s.",
+        f"**MFU: {o['mfu']:.0%}** (11.91 GFLOP x {o['steps_per_s']:.2f}/s = {o['gflops_per_s']:.1f} GFLOP/s against a "
+        f"1-thread fp32 matmul peak of {peak:.1f} GFLOP/s",
+        f"the peers {round(100 * min(peers))}-{max(peers):.0%} of the same peak; ours would be "
+        f"{o['steps_per_s'] * d3['flops_per_step'] / 1e9 / peak:.0%} counted at the peers' FLOPs",
+        f"1.5x d3rlpy met in fp32 ({e2e:.2f}x); MFU {o['mfu']:.0%}, not 50%.",
+        f"the GEMMs take {mm['share']:.0%} of an update and run at "
+        f"{o['flops_per_step'] / 1e9 / (mm['ms'] / 1e3) / peak:.0%} of the peak",
+        f"dropout random numbers ({prof['categories']['dropout RNG']['share']:.0%})",
+        f"{ops['aten::copy_']:.0f} of {prof['profiled_ms_per_update']:.0f} ms per update",
+    ]
+
+
+def test_readme_amd_performance_numbers_equal_their_json() -> None:
+    readme = _flat((REPO / "README.md").read_text())
+    missing = "\n".join(claim for claim in amd_performance_claims() if _flat(claim) not in readme)
+    assert not missing, f"README text not found (numbers differ from docs/performance/*_amd.json):\n{missing}"
+
+
 def _flat(s: str) -> str:
     return re.sub(r"\s+", " ", s)
 

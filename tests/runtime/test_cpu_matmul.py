@@ -176,3 +176,39 @@ def test_a_compiled_model_trains_with_the_compiler_s_kernels(tmp_path: Path) -> 
 
     res = train(compose(None, [*TOY, "cpu_matmul=onednn", "train.compile=true", "train.steps=2"]), tmp_path / "run")
     assert res.step == 2
+
+
+@needs_onednn
+def test_fused_relu_equals_relu_of_the_linear_and_the_feed_forward_uses_it() -> None:
+    from rl_tformers.blocks.base import FeedForward
+
+    torch.manual_seed(4)
+    ref = nn.Linear(6, 9)
+    lin = nn.Linear(6, 9)
+    lin.load_state_dict(ref.state_dict())
+    cm.apply_cpu_matmul(lin, "onednn")
+    x = torch.randn(4, 5, 6, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y, y_ref = lin.forward_relu(x), F.relu(ref(x_ref))
+    assert (y_ref == 0).any() and torch.equal(y == 0, y_ref == 0)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    for a, b in [(x.grad, x_ref.grad), (lin.weight.grad, ref.weight.grad), (lin.bias.grad, ref.bias.grad)]:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the feed-forward network's first layer takes the fused path (and only with ReLU)
+    for act, fused in [("relu", True), ("gelu", False)]:
+        ffn = FeedForward(6, 9, act, 0.0)
+        plain = FeedForward(6, 9, act, 0.0)
+        plain.load_state_dict(ffn.state_dict())
+        cm.apply_cpu_matmul(ffn, "onednn")
+        calls = []
+        original = cm.OneDNNLinear.forward_relu
+        cm.OneDNNLinear.forward_relu = lambda self, x, _o=original, _c=calls: _c.append(1) or _o(self, x)
+        try:
+            out = ffn(x.detach())
+        finally:
+            cm.OneDNNLinear.forward_relu = original
+        assert bool(calls) is fused
+        torch.testing.assert_close(out, plain(x.detach()), rtol=1e-5, atol=1e-6)
