@@ -15,7 +15,6 @@ import pytest
 matplotlib.use("Agg")
 
 from matplotlib import pyplot as plt  # noqa: E402
-
 from rl_tformers.agents.common.evaluation import TargetResult  # noqa: E402
 from rl_tformers.agents.common.plots import plot_return_conditioning  # noqa: E402
 
