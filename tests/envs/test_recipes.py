@@ -13,6 +13,8 @@ from typer.testing import CliRunner
 from rl_tformers.cli import app
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "data.md"
+#: the CPU vendor of the host that measured the agent-driven rows of docs/data.md
+MEASURED_ON = "GenuineIntel"
 
 
 def test_recipe_catalogue():
@@ -47,8 +49,18 @@ def test_docs_have_measured_recipe_rows():
 @pytest.mark.slow
 @pytest.mark.parametrize("row", documented_rows(), ids=lambda r: r[0])
 def test_every_documented_recipe_line_is_reproduced_by_its_command(row, shared_dir, tmp_path):
-    """One measured line of docs/data.md (select one with ``-k hopper-medium-replay``)."""
+    """One measured line of docs/data.md (select one with ``-k hopper-medium-replay``).
+
+    Rows of recipes that run a pretrained SB3 agent reproduce only on the kind of CPU that
+    measured them (docs/data.md, "Which host": the agent's float32 products round differently
+    elsewhere); random-action rows reproduce on any CPU."""
     name, episodes, steps, mean, std = row
+    from rl_tformers.runtime.cpu_matmul import cpu_vendor
+
+    uses_agent = any(shard.policy != "random" for shard in all_recipes()[name].shards)
+    if uses_agent and cpu_vendor() != MEASURED_ON:
+        pytest.skip(f"{name}: measured on a {MEASURED_ON} CPU; an SB3 agent's rollout rounds differently on "
+                    f"{cpu_vendor() or 'this CPU'} (docs/data.md, 'Which host')")
     r = CliRunner().invoke(app, ["collect", "--recipe", name, "--root", str(tmp_path), "--json", "--no-progress",
                                  "--policies", str(shared_dir / "policies")])
     assert r.exit_code == 0, r.output
