@@ -18,10 +18,11 @@ backward ones (``rl-tformers bench train`` and docs/performance.md).
 - ``auto``: ``onednn`` on x86 CPUs that are not Intel's (where MKL is known to fall back to
   slower code), when this PyTorch build has the oneDNN op; else ``mkl``.
 
-The choice applies only to float32 inputs on the CPU outside autocast and outside
-``torch.compile``: a CUDA/MPS tensor, a float64 model, bf16 autocast (which PyTorch already
-sends to oneDNN) and a compiled model (whose compiler picks the kernels) run ``F.linear``
-unchanged. The resolved library is written into the run's config (``cpu_matmul: onednn``),
+The choice applies only to float32 inputs on the CPU outside autocast, ``torch.compile`` and
+``torch.func`` transforms: a CUDA/MPS tensor, a float64 model, bf16 autocast (which PyTorch
+already sends to oneDNN), a compiled model (whose compiler picks the kernels) and ``vmap`` /
+``grad`` / ``jacrev`` run ``F.linear`` unchanged; a backward that is itself differentiated
+(``create_graph=True``) computes its products with ``mm``. The resolved library is written into the run's config (``cpu_matmul: onednn``),
 so a resume computes with the library the run was trained with. What it cannot do: batched
 matrix products (attention's ``bmm``) keep PyTorch's own kernels, and ``torch.ops.mkldnn.
 _linear_pointwise`` is an internal PyTorch operator (the one inductor's CPU backend emits), so a
@@ -91,7 +92,9 @@ def resolve_cpu_matmul(spec: str) -> str:
 
 def _register_flop_formula() -> None:
     """Count oneDNN's linear in ``torch.utils.flop_counter`` (2 M K N, as ``aten.mm``), so FLOP
-    counts and MFU (``rl-tformers bench train``) see the same work under either library."""
+    counts and MFU (``rl-tformers bench train``) see the same work under either library.
+    Idempotent: a second call (``importlib.reload`` of this module, an autoreloading notebook)
+    keeps the registered formula instead of raising ``duplicate registrations``."""
     if not onednn_linear_available():
         return
     from torch.utils.flop_counter import register_flop_formula
@@ -99,7 +102,8 @@ def _register_flop_formula() -> None:
     op = torch.ops.mkldnn._linear_pointwise
     from torch.utils import flop_counter
 
-    if op.default in getattr(flop_counter, "flop_registry", {}):
+    registry = getattr(flop_counter, "flop_registry", {})
+    if op in registry or op.default in registry:  # keyed by the packet: a reload registers nothing
         return
 
     @register_flop_formula(op)  # the default overload (x, w, b, ...); the binary one is not used here
@@ -118,63 +122,95 @@ def _lin(x: Tensor, w: Tensor, b: Tensor | None, post: str = "none") -> Tensor:
 
 class _OneDNNLinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` (``relu=True``: ``y = max(x W^T + b, 0)``, the ReLU fused into the
-    product's kernel) with its three products in oneDNN (shapes in :class:`OneDNNLinear`)."""
+    product's kernel) with its three products in oneDNN, for a contiguous 2-D ``x`` (M, K),
+    ``weight`` (N, K) and a contiguous ``bias`` (N,) or None; returns ``y`` (M, N), not a view
+    (the caller reshapes it outside, so an in-place op on the output works as on ``F.linear``'s).
+
+    A backward that is itself differentiated (``create_graph=True``: double backward, Hessians,
+    gradient penalties) computes its products with PyTorch's differentiable ``mm`` instead:
+    oneDNN's operator has no autograd formula, and its products would silently count as
+    constants in the second-order gradient.
+    """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool = False) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])  # (M, K), M = every leading axis
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
+    def forward(ctx, x2: Tensor, weight: Tensor, bias: Tensor | None, relu: bool = False) -> Tensor:
         y = _lin(x2, weight, bias, "relu" if relu else "none")  # (M, N)
         ctx.save_for_backward(x2, weight, y if relu else None)
         ctx.has_bias = bias is not None
-        ctx.lead = x.shape[:-1]
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return y
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x2, weight, y = ctx.saved_tensors
-        g2 = grad.reshape(-1, weight.shape[0])  # (M, N)
-        if not g2.is_contiguous():
-            g2 = g2.contiguous()
+        g2 = grad if grad.is_contiguous() else grad.contiguous()  # (M, N)
         if y is not None:  # through the fused ReLU: zero where the output was clamped
             g2 = torch.ops.aten.threshold_backward(g2, y, 0)
+        differentiable = torch.is_grad_enabled()  # create_graph=True: this backward is differentiated
         gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = _lin(g2, weight.t().contiguous(), None).view(*ctx.lead, weight.shape[1])  # g W: (M, K)
-        if ctx.needs_input_grad[1]:
-            gw = _lin(g2.t(), x2.t(), None)  # g^T x: (N, K)
+        if ctx.needs_input_grad[0]:  # g W: (M, K)
+            gx = g2 @ weight if differentiable else _lin(g2, weight.t().contiguous(), None)
+        if ctx.needs_input_grad[1]:  # g^T x: (N, K)
+            gw = g2.t() @ x2 if differentiable else _lin(g2.t(), x2.t(), None)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)  # (N,)
         return gx, gw, gb, None
+
+
+def _hooked(module: nn.Module) -> bool:
+    """True when calling ``module`` runs hooks (its own or global ones: forward pre-hooks,
+    forward hooks, backward hooks; ``FlopCounterMode``'s module tracker is one)."""
+    from torch.nn.modules import module as m
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
+                or m._global_backward_hooks or m._global_backward_pre_hooks)
 
 
 class OneDNNLinear(nn.Linear):
     """An ``nn.Linear`` whose float32 CPU products run in oneDNN (module docstring).
 
     Same parameters, state-dict keys and function as ``nn.Linear``: x (..., in_features) ->
-    (..., out_features). Anything else than a float32 CPU input and weight outside autocast
-    (CUDA, MPS, float64, bf16 autocast, an input without elements) calls ``F.linear``, and so
-    does a forward that ``torch.compile`` traces (``train.compile=true``: the compiler picks
-    its own kernels; inductor cannot lower this operator inside a training graph).
+    (..., out_features), gradients of any order, in-place ops on the output. Anything else than
+    a float32 CPU input and weight outside autocast (CUDA, MPS, float64, bf16 autocast, an input
+    or a weight without elements) calls ``F.linear``, and so does a forward that
+    ``torch.compile`` traces (``train.compile=true``: the compiler picks its own kernels;
+    inductor cannot lower this operator inside a training graph) or that runs under a
+    ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``...: the custom autograd function
+    has no functorch rules).
     """
 
     def _onednn(self, x: Tensor) -> bool:
         w = self.weight
         return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
-                and w.device.type == "cpu" and x.numel() > 0 and not torch.is_autocast_enabled("cpu")
-                and not torch.compiler.is_compiling())
+                and w.device.type == "cpu" and x.numel() > 0 and w.numel() > 0
+                and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+                and not torch._C._are_functorch_transforms_active())
+
+    def _linear(self, x: Tensor, relu: bool) -> Tensor:
+        """oneDNN's product on ``x`` (..., K) -> (..., N) (``relu``: with the ReLU fused)."""
+        x2 = x.reshape(-1, x.shape[-1])  # (M, K), M = every leading axis
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        b = self.bias
+        if b is not None and not b.is_contiguous():  # oneDNN reads a strided bias as if packed
+            b = b.contiguous()
+        y = _OneDNNLinearFunction.apply(x2, self.weight, b, relu)  # (M, N)
+        return y.view(*x.shape[:-1], y.shape[-1])  # (..., N)
 
     def forward(self, x: Tensor) -> Tensor:
         if self._onednn(x):
-            return _OneDNNLinearFunction.apply(x, self.weight, self.bias, False)
+            return self._linear(x, False)
         return F.linear(x, self.weight, self.bias)
 
     def forward_relu(self, x: Tensor) -> Tensor:
         """``relu(self(x))`` with the ReLU inside oneDNN's product (one pass over the output
-        less; the feed-forward network's first layer, :class:`rl_tformers.blocks.base.FeedForward`)."""
+        less; the feed-forward network's first layer, :class:`rl_tformers.blocks.base.FeedForward`).
+        A module with hooks is called (``relu(self(x))``, unfused), so its hooks see the
+        pre-activation output as with ``nn.Linear``."""
+        if _hooked(self):
+            return F.relu(self(x))
         if self._onednn(x):
-            return _OneDNNLinearFunction.apply(x, self.weight, self.bias, True)
+            return self._linear(x, True)
         return F.relu(F.linear(x, self.weight, self.bias))
 
 
