@@ -161,9 +161,8 @@ def _hooked(module: nn.Module) -> bool:
     forward hooks, backward hooks; ``FlopCounterMode``'s module tracker is one)."""
     from torch.nn.modules import module as m
 
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
-                or m._global_backward_hooks or m._global_backward_pre_hooks)
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return any(getattr(module, n, None) or getattr(m, "_global" + n, None) for n in names)
 
 
 class OneDNNLinear(nn.Linear):
