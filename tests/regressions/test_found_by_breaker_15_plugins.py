@@ -59,7 +59,7 @@ from rl_tformers.runtime.agents import AgentBuildError
 from rl_tformers.runtime.config import ConfigError, compose
 from rl_tformers.runtime.trainer import train
 from tests.regressions.conftest import _write_cartpole_h5
-from tests.runtime.test_plugins import _fake_distribution
+from tests.runtime.test_plugins import _fake_distribution, drop_plugins_and_kind
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -294,16 +294,10 @@ ONLINE = ["agent.kind=odt", "train.steps=2", "train.batch_size=8", "train.checkp
           "agent.online.buffer_size=10", "agent.online.target_return=-50", *ENV]
 
 
-def _drop_plugins_and_kind(run_dir: Path, name: str, kind: str) -> None:
-    """The run as it would be when its kind came from an entry point not installed here."""
-    from rl_tformers.runtime.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-
-    for _, path in list_checkpoints(run_dir):
-        state = load_checkpoint(path)
-        state["config"] = state["config"].replace(f"plugins:\n- {name}\n", "plugins: []\n")
-        path.unlink()
-        save_checkpoint(run_dir, state)
-    REGISTRIES["attention"]._entries.pop(kind)
+def _needs_plugins(option: str, offline: Path, name: str) -> str:
+    """The refusal of a fine-tuning run whose source run ``offline`` used the plugin ``name``."""
+    return (f"{option}={offline} was trained with plugins=['{name}']: this run rebuilds that run's model, so "
+            f"list {name} in its plugins too (plugins=[{name}]), which records them for eval, plot and --resume")
 
 
 @pytest.mark.filterwarnings("ignore:agent.init_:UserWarning")  # the config's backbone is not used
@@ -322,9 +316,7 @@ def test_online_dt_fine_tuning_needs_the_plugins_of_the_offline_run(dense_plugin
     over = [f"dataset.path={data}", f"agent.init_from={offline}", *TINY_BB, *ONLINE, *QUIET]
     with pytest.raises(AgentBuildError) as err:
         train(compose("dt/cartpole_demo", over), tmp_path / "odt-without")
-    assert str(err.value) == (f"agent.init_from={offline} was trained with plugins=['{name}']: this run rebuilds "
-                              f"that run's model, so list {name} in its plugins too (plugins=[{name}]), which "
-                              f"records them for eval, plot and --resume")
+    assert str(err.value) == _needs_plugins("agent.init_from", offline, name)
     run = tmp_path / "odt"
     train(compose("dt/cartpole_demo", [*over, f"plugins=[{name}]"]), run)
     assert yaml.safe_load((run / "config.yaml").read_text())["plugins"] == [name]
@@ -332,7 +324,7 @@ def test_online_dt_fine_tuning_needs_the_plugins_of_the_offline_run(dense_plugin
     assert loaded.kind == "odt" and list(loaded.cfg.plugins) == [name]
     assert loaded.agent.model.backbone.config.attention.kind == kind  # the offline run's backbone
     # a kind no module registers here (the offline run's entry point is not installed): named
-    _drop_plugins_and_kind(offline, name, kind)
+    drop_plugins_and_kind(offline, name, kind)
     with pytest.raises(AgentBuildError) as err:
         train(compose("dt/cartpole_demo", over), tmp_path / "odt-unknown")
     assert str(err.value).startswith(f"agent.init_from={offline}: that run cannot be rebuilt here: "
@@ -355,9 +347,7 @@ def test_ppo_fine_tuning_needs_the_plugins_of_the_offline_run(dense_plugin, tmp_
             "agent.n_minibatches=2", "agent.critic_warmup=0", *bb, "train.steps=2", *QUIET]
     with pytest.raises(AgentBuildError) as err:
         train(compose("gtrxl/ppo_cartpole_finetune", over), tmp_path / "ppo-without")
-    assert str(err.value) == (f"agent.init_checkpoint={offline} was trained with plugins=['{name}']: this run "
-                              f"rebuilds that run's model, so list {name} in its plugins too (plugins=[{name}]), "
-                              f"which records them for eval, plot and --resume")
+    assert str(err.value) == _needs_plugins("agent.init_checkpoint", offline, name)
     run = tmp_path / "ppo"
     train(compose("gtrxl/ppo_cartpole_finetune", [*over, f"plugins=[{name}]"]), run)
     assert yaml.safe_load((run / "config.yaml").read_text())["plugins"] == [name]

@@ -38,6 +38,19 @@ def _docs_plugin() -> str:
 PLUGIN = _docs_plugin()
 
 
+def drop_plugins_and_kind(run_dir: Path, name: str, kind: str) -> None:
+    """Rewrite ``run_dir``'s checkpoints as a run whose attention ``kind`` came from an entry
+    point not installed here: ``plugins: []`` in their config, ``kind`` unregistered."""
+    from rl_tformers.runtime.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+
+    for _, path in list_checkpoints(run_dir):
+        state = load_checkpoint(path)
+        state["config"] = state["config"].replace(f"plugins:\n- {name}\n", "plugins: []\n")
+        path.unlink()
+        save_checkpoint(run_dir, state)
+    REGISTRIES["attention"]._entries.pop(kind)
+
+
 @pytest.fixture
 def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """``(module name, kind, folder)`` of a fresh plugin file in its own folder; the registry and
@@ -217,7 +230,6 @@ def test_a_run_whose_kind_is_not_registered_here_is_refused_by_name(plugin, tmp_
     here): eval said nothing useful (a RegistryError traceback); now one line names the kind."""
     from rl_tformers.agents.common.loading import load_run
 
-    from rl_tformers.runtime.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 
     name, kind, folder = plugin
     data = _write_cartpole_h5(tmp_path / "cp.hdf5")
@@ -225,12 +237,7 @@ def test_a_run_whose_kind_is_not_registered_here_is_refused_by_name(plugin, tmp_
     run_dir = tmp_path / "run"
     train(compose("dt/cartpole_demo", [f"dataset.path={data}", *TINY, f"backbone.attention.kind={kind}",
                                        f"plugins=[{name}]"]), run_dir)
-    for _, path in list_checkpoints(run_dir):
-        state = load_checkpoint(path)
-        state["config"] = state["config"].replace(f"plugins:\n- {name}\n", "plugins: []\n")
-        path.unlink()
-        save_checkpoint(run_dir, state)
-    REGISTRIES["attention"]._entries.pop(kind)
+    drop_plugins_and_kind(run_dir, name, kind)
     sys.modules.pop(name)
     with pytest.raises(ConfigError, match=rf"^the run {run_dir} cannot be rebuilt here: backbone.attention.kind="
                                           rf"'{kind}': unknown attention kind \(registered: adaptive_span, "):
