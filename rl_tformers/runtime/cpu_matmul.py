@@ -4,9 +4,9 @@ PyTorch's CPU build sends a float32 ``nn.Linear`` (``aten::addmm``/``mm``) to MK
 picks its fastest code paths only on Intel CPUs: on an AMD EPYC (AVX-512) host of this
 project's machine type, MKL's 1-thread SGEMM reached 96 GFLOP/s at n = 2048 where oneDNN, the
 other GEMM library inside the same PyTorch build (``torch.ops.mkldnn._linear_pointwise``, which
-dispatches by instruction set, not by vendor), reached 212; on the DT's own shapes (3840 x 128
-x 512 and the like) oneDNN took 0.41-0.67x of MKL's time for the forward product and both
-backward ones (``rl-tformers bench train`` and docs/performance.md).
+dispatches by instruction set, not by vendor), reached 210; on the DT's own shapes (3840 x 128
+x 512 and the like) oneDNN took 0.44-0.69x of MKL's time for the forward product and both
+backward ones (``rl-tformers bench gemm``, ``rl-tformers bench train`` and docs/performance.md).
 
 ``cpu_matmul`` (a top-level run option) picks the library:
 
@@ -120,6 +120,20 @@ def _lin(x: Tensor, w: Tensor, b: Tensor | None, post: str = "none") -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, b, post, [], "")
 
 
+def weight_grad(g2: Tensor, x2: Tensor) -> Tensor:
+    """oneDNN's weight gradient ``g^T x`` (N, K) of ``g2`` (M, N) and ``x2`` (M, K).
+
+    oneDNN's operator reads both operands with the summed axis M contiguous, so each is
+    transposed into a copy; the operand with fewer rows goes first (for N > K it computes
+    ``(x^T g)^T``): on the DT's shapes that order was 1.2-1.3x faster per product and +6.5% per
+    update (same-process A/B, AMD EPYC host; ``rl-tformers bench gemm`` times it).
+    """
+    n, k = g2.shape[1], x2.shape[1]
+    if n > k:
+        return _lin(x2.t(), g2.t(), None).t().contiguous()  # (K, N) -> (N, K)
+    return _lin(g2.t(), x2.t(), None)  # (N, K)
+
+
 class _OneDNNLinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` (``relu=True``: ``y = max(x W^T + b, 0)``, the ReLU fused into the
     product's kernel) with its three products in oneDNN, for a contiguous 2-D ``x`` (M, K),
@@ -150,7 +164,7 @@ class _OneDNNLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # g W: (M, K)
             gx = g2 @ weight if differentiable else _lin(g2, weight.t().contiguous(), None)
         if ctx.needs_input_grad[1]:  # g^T x: (N, K)
-            gw = g2.t() @ x2 if differentiable else _lin(g2.t(), x2.t(), None)
+            gw = g2.t() @ x2 if differentiable else weight_grad(g2, x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)  # (N,)
         return gx, gw, gb, None

@@ -509,7 +509,7 @@ def amd_performance_claims() -> list[str]:
         f"ours / d3rlpy **{_ratio(t2, 'e2e', 'ours', 'd3rlpy'):.2f}x** ({_rate(t2, 'ours', 'e2e')['steps_per_s']:.2f} vs "
         f"{_rate(t2, 'd3rlpy', 'e2e')['steps_per_s']:.2f}/s), ours / Hugging Face {_ratio(t2, 'model', 'ours', 'hf'):.2f}x",
         f"Most of the step from {_ratio(q, 'e2e', 'ours+mkl', 'd3rlpy'):.2f}x to {e2e:.2f}x",
-        f"(1-thread SGEMM {mkl_peak:.0f} GFLOP/s here)", f"reaches {peak:.1f} GFLOP/s.",
+        f"(1-thread SGEMM {mkl_peak:.0f} GFLOP/s here)", f"reaches {peak:.1f} GFLOP/s (`rl-tformers bench gemm`",
         f"**MFU: {o['mfu']:.0%}** (11.91 GFLOP x {o['steps_per_s']:.2f}/s = {o['gflops_per_s']:.1f} GFLOP/s against a "
         f"1-thread fp32 matmul peak of {peak:.1f} GFLOP/s",
         f"the peers {round(100 * min(peers))}-{max(peers):.0%} of the same peak; ours would be "

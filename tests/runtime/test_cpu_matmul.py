@@ -212,3 +212,33 @@ def test_fused_relu_equals_relu_of_the_linear_and_the_feed_forward_uses_it() -> 
             cm.OneDNNLinear.forward_relu = original
         assert bool(calls) is fused
         torch.testing.assert_close(out, plain(x.detach()), rtol=1e-5, atol=1e-6)
+
+
+@needs_onednn
+@pytest.mark.parametrize(("k", "n"), [(3, 7), (7, 3), (5, 5)])
+def test_weight_gradient_equals_g_transposed_x_in_either_operand_order(k: int, n: int) -> None:
+    g = torch.Generator().manual_seed(k * 10 + n)
+    g2, x2 = torch.randn(11, n, generator=g), torch.randn(11, k, generator=g)
+    gw = cm.weight_grad(g2, x2)
+    assert gw.shape == (n, k) and gw.is_contiguous()
+    torch.testing.assert_close(gw, g2.t() @ x2, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_bench_gemm_times_every_product_of_each_shape() -> None:
+    from rl_tformers.bench import gemm
+
+    res = gemm.run(m=64, shapes=[(8, 16), (16, 8)], repeats=2, sizes=(32,))
+    assert [(r["k"], r["n"], r["product"]) for r in res["rows"]] == [
+        (k, n, p) for k, n in [(8, 16), (16, 8)] for p in ("forward", "grad_input", "grad_weight")]
+    for r in res["rows"]:
+        assert r["mkl_ms"] > 0 and r["onednn_ms"] > 0 and r["onednn_over_mkl"] == pytest.approx(r["onednn_ms"] / r["mkl_ms"])
+    assert set(res["peak_gflops"]) == {"mkl", "onednn"} and all(v[32] > 0 for v in res["peak_gflops"].values())
+    md = gemm.markdown(res)
+    assert "| 64 x 8 · 16 x 8 |" in md and "n x n x n peak" in md
+    with pytest.raises(ValueError, match=r"^--shapes: '8by16' is not KxN"):
+        gemm.parse_shapes("8by16")
+    # the timed oneDNN products compute what MKL computes
+    fns = gemm._products(64, 8, 16)
+    for product in ("forward", "grad_input", "grad_weight"):
+        torch.testing.assert_close(fns[(product, "onednn")](), fns[(product, "mkl")](), rtol=1e-5, atol=1e-5)
