@@ -14,5 +14,5 @@ Modules (import them directly; this package imports nothing heavy):
 * :mod:`~rl_tformers.envs.pomdp`: ``ObservationMaskWrapper``, ``position_indices``, ``make_env``.
 * :mod:`~rl_tformers.envs.policies`, :mod:`~rl_tformers.envs.collect`,
   :mod:`~rl_tformers.envs.recipes`: behaviour policies, dataset collection, D4RL-style recipes.
-* :mod:`~rl_tformers.envs.commands`: ``rl-tformers collect`` and ``rl-tformers dataset``.
+* :mod:`~rl_tformers.cli.data`: ``rl-tformers collect`` and ``rl-tformers dataset``.
 """

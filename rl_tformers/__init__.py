@@ -12,9 +12,9 @@ environments in ``rl_tformers.envs``.
 __version__ = "0.1.0"
 
 # Register every component (each slot package imports its modules).
-from rl_tformers import adaptive, attention, blocks, memory, position  # noqa: E402,F401
+from rl_tformers import attention, blocks, depth, memory, position  # noqa: E402,F401
 from rl_tformers.backbone import Backbone, IncompatibleConfig  # noqa: E402
-from rl_tformers.config import BackboneConfig  # noqa: E402
+from rl_tformers.backbone_config import BackboneConfig  # noqa: E402
 from rl_tformers.types import BackboneOutput, BackboneState  # noqa: E402
 
 __all__ = ["Backbone", "BackboneConfig", "BackboneOutput", "BackboneState", "IncompatibleConfig", "__version__"]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rl_tformers.config import BackboneConfig, BuildContext, IncompatibleConfig
+from rl_tformers.backbone_config import BackboneConfig, BuildContext, IncompatibleConfig
 from rl_tformers.memory.base import SegmentRecord
 from rl_tformers.position.base import check_position_dtype
 from rl_tformers.registry import REGISTRIES, SLOTS

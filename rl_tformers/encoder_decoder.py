@@ -33,8 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from rl_tformers.backbone import Backbone, check_compatible
+from rl_tformers.backbone_config import BackboneConfig, BuildContext, IncompatibleConfig
 from rl_tformers.blocks.base import build_ffn
-from rl_tformers.config import BackboneConfig, BuildContext, IncompatibleConfig
 from rl_tformers.position.base import PositionModule, check_position_dtype
 from rl_tformers.registry import ATTENTION, REGISTRIES, config_to_dict
 from rl_tformers.types import AttnContext, BackboneOutput, merge_into

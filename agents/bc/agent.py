@@ -35,7 +35,7 @@ from rl_tformers.agents.decision_transformer.model import from_env_action, to_en
 from rl_tformers.envs.dataset import EpisodeDataset
 from torch import Tensor
 
-from rl_tformers.runtime.agents import register_agent
+from rl_tformers.runtime.agent_registry import register_agent
 
 BC_DEFAULTS: dict[str, Any] = {
     "agent": {
@@ -88,7 +88,7 @@ class BCPolicy:
 
 
 class BCAgent:
-    """BC / %BC as a :class:`~rl_tformers.runtime.agents.Trainable` (see the module docstring).
+    """BC / %BC as a :class:`~rl_tformers.runtime.agent_registry.Trainable` (see the module docstring).
 
     Args:
         cfg: resolved run config. dataset: preloaded dataset (tests). info: checkpoint statistics

@@ -82,7 +82,7 @@ def run_demo(
     from rl_tformers.agents.common.scripted import collect_delayed_expert
     from rl_tformers.envs.loaders import save_d4rl_hdf5
 
-    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.run_config import compose
     from rl_tformers.runtime.trainer import RunDirError, holds_run, train
 
     t0 = time.perf_counter()

@@ -15,7 +15,7 @@ The agent returned must offer the :class:`EvaluableAgent` members. Its extra sta
 ``dataset_return_mean`` and ``dataset_return_min`` (raw units).
 
 Advice about the run's settings given when its backbone is built
-(:class:`~rl_tformers.config.ConfigAdviceWarning`) is said once, when the run is trained; loading
+(:class:`~rl_tformers.backbone_config.ConfigAdviceWarning`) is said once, when the run is trained; loading
 it here does not repeat it.
 """
 
@@ -32,7 +32,7 @@ import torch
 from rl_tformers.agents.common.policy import Policy
 from torch import nn
 
-from rl_tformers.config import ConfigAdviceWarning
+from rl_tformers.backbone_config import ConfigAdviceWarning
 from rl_tformers.runtime.cpu_matmul import apply_cpu_matmul
 
 #: kind -> loader(cfg, checkpoint state, device) -> agent
@@ -147,9 +147,9 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
     from omegaconf import OmegaConf
 
     from rl_tformers.runtime import checkpoint as ckpt
-    from rl_tformers.runtime.agents import get_agent
-    from rl_tformers.runtime.config import ConfigError, check_backbone_kinds
+    from rl_tformers.runtime.agent_registry import get_agent
     from rl_tformers.runtime.plugins import load_plugins
+    from rl_tformers.runtime.run_config import ConfigError, check_backbone_kinds
 
     run_dir = Path(run_dir)
     if checkpoint is None and not run_dir.is_dir():

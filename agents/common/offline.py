@@ -10,13 +10,13 @@ stored with every checkpoint, and the evaluation environment.
       lazy: false                            # HDF5 only: read windows from disk
       flatten_observations: false            # Minari Dict/Tuple observations: flatten them (and the
                                              # evaluation env's, with gymnasium's FlattenObservation)
-    (checked against rl_tformers.runtime.config.DatasetConfig: a wrong key is an error)
+    (checked against rl_tformers.runtime.run_config.DatasetConfig: a wrong key is an error)
 
 :class:`DatasetInfo` is everything inference needs about the data (a plain dict of tensors,
 numbers and strings, so it goes into the checkpoint's ``extra`` and back): observation mean/std,
 action bounds, reward scale, dataset return statistics, and the evaluation environment. The keys
 ``env_id``, ``env_kwargs``, ``pomdp``, ``dataset_return_max`` and ``dataset_return_mean`` are the
-convention :mod:`rl_tformers.agents.commands` reads from any agent's extra state.
+convention :mod:`rl_tformers.cli.evaluate` reads from any agent's extra state.
 """
 
 from __future__ import annotations
@@ -408,7 +408,7 @@ class DatasetInfo:
             return
         changed = self.data_differences(now)
         if changed:
-            from rl_tformers.runtime.agents import AgentBuildError
+            from rl_tformers.runtime.agent_registry import AgentBuildError
 
             raise AgentBuildError(
                 f"the dataset {dataset} is not the data this run was trained on: its statistics differ from "

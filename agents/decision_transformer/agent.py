@@ -52,7 +52,7 @@ from rl_tformers.agents.decision_transformer.policy import OVERFLOW_POLICIES, DT
 from rl_tformers.envs.dataset import EpisodeDataset
 from torch import Tensor
 
-from rl_tformers.runtime.agents import register_agent
+from rl_tformers.runtime.agent_registry import register_agent
 
 #: Registered defaults of ``agent.kind=dt``: the paper's hyper-parameters for MuJoCo (table 8).
 DT_DEFAULTS: dict[str, Any] = {
@@ -292,7 +292,7 @@ def parse_eval_context_len(value: Any, context_len: int) -> int | None:
 
 
 class DTAgent:
-    """The Decision Transformer as a :class:`~rl_tformers.runtime.agents.Trainable`.
+    """The Decision Transformer as a :class:`~rl_tformers.runtime.agent_registry.Trainable`.
 
     Args:
         cfg: resolved run config (``agent``, ``backbone``, ``dataset``, ``train``, ``eval``, ``seed``).
@@ -557,7 +557,7 @@ class DTAgent:
         step decides, as when acting (its window holds the K steps up to it). A decision is
         consistent when the early-exit action equals the full model's (discrete) or is within
         ``agent.early_exit.tol`` in every dimension (continuous, normalised units).
-        :func:`~rl_tformers.adaptive.early_exit.calibrate_threshold` (Learn-then-Test with
+        :func:`~rl_tformers.depth.early_exit.calibrate_threshold` (Learn-then-Test with
         Hoeffding p-values) then picks the smallest candidate whose inconsistency is <= delta
         with probability >= 1 - epsilon.
 
@@ -572,7 +572,7 @@ class DTAgent:
         Raises:
             ValueError: the depth kind is not ``early_exit``.
         """
-        from rl_tformers.adaptive.early_exit import calibrate_threshold
+        from rl_tformers.depth.early_exit import calibrate_threshold
 
         if not self.model.early_exit:
             raise ValueError("calibration needs backbone.depth.kind=early_exit in the run's config")

@@ -122,7 +122,7 @@ def _exit_terms(model: DecisionTransformer, out, target: Tensor, mask: Tensor, m
     Elbayad et al. 2020 (sec. 2.2, 3.3) and CALM (Schuster et al. 2022, sec. 4): the shared
     action head is applied after every layer, ``head(final_norm(h^n))``, and the per-step
     losses (N, B, P) are combined by ``agent.early_exit.scheme``
-    (:func:`~rl_tformers.adaptive.early_exit.exit_loss`; ``sampled``: one uniformly random
+    (:func:`~rl_tformers.depth.early_exit.exit_loss`; ``sampled``: one uniformly random
     exit per step). The exit classifier's own loss (trained on detached states against its
     oracle: agreement with the last layer for ``classifier``, the likelihood oracle for
     Elbayad's classifiers) is put in ``metrics["_exit_classifier_loss"]`` for the caller to add.
@@ -130,7 +130,7 @@ def _exit_terms(model: DecisionTransformer, out, target: Tensor, mask: Tensor, m
     Returns:
         0-d tensor: the combined action loss (replaces the last-layer loss).
     """
-    from rl_tformers.adaptive.early_exit import consistency_labels, exit_loss
+    from rl_tformers.depth.early_exit import consistency_labels, exit_loss
 
     cfg = model.cfg
     bb = model.backbone

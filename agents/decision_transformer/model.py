@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rl_tformers.backbone import Backbone
-from rl_tformers.config import BackboneConfig
+from rl_tformers.backbone_config import BackboneConfig
 from rl_tformers.position.base import embedding_table
 
 MODES = ("causal", "last_action")
@@ -88,7 +88,7 @@ class DTConfig:
         target_entropy: entropy target of the temperature loss; ``None`` = -act_dim (Online DT).
         backbone: any backbone configuration (default :func:`paper_backbone`).
         exit_scheme: depth kind ``early_exit`` only: how the head is trained on every exit
-            (:func:`rl_tformers.adaptive.early_exit.exit_loss`: ``sampled``, Elbayad et al.
+            (:func:`rl_tformers.depth.early_exit.exit_loss`: ``sampled``, Elbayad et al.
             2020's one random exit per token; ``weighted``, CALM's; ``uniform``).
         exit_tol: continuous actions, early exit only: layer n "agrees" with the last layer when
             ``max |a^n - a^N| <= exit_tol`` (normalised action units; labels of the CALM
@@ -164,7 +164,7 @@ class DTConfig:
                 "action tokens a_t, a_t+1... would leak into the prediction of a_t); for kernels "
                 "without a causal form use agent.mode=last_action"
             )
-        from rl_tformers.adaptive.early_exit import SCHEMES
+        from rl_tformers.depth.early_exit import SCHEMES
 
         if self.exit_scheme not in SCHEMES:
             raise ValueError(f"agent.early_exit.scheme={self.exit_scheme!r}; use one of {', '.join(SCHEMES)}")
@@ -356,7 +356,7 @@ class DecisionTransformer(nn.Module):
         pos = self.token_pos[:n].expand(b, n)  # (B, n) token index inside the window
         depth_kw: dict[str, Any] = {}
         if self.early_exit:
-            from rl_tformers.adaptive.early_exit import with_final_norm
+            from rl_tformers.depth.early_exit import with_final_norm
 
             depth_kw["exit_head"] = with_final_norm(self.backbone, self.head)
             if exit_threshold is not None:

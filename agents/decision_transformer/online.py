@@ -47,7 +47,7 @@ seed, so a run resumed at a round boundary collects the same episodes. A resume 
 dataset (checked: the buffer's offline episodes must have their saved returns), but not the
 offline run: the agent is rebuilt from the checkpoint alone (model options and backbone saved in
 ``extra.odt``, data statistics, weights; the builder gets the checkpoint through
-:func:`rl_tformers.runtime.agents.resume_state`), so ``agent.init_from`` may since have been
+:func:`rl_tformers.runtime.agent_registry.resume_state`), so ``agent.init_from`` may since have been
 retrained, moved or deleted, or be a relative path that does not resolve from the resume's folder.
 
 **Checks up front** (when the agent is built, before anything is trained): a dataset episode
@@ -99,8 +99,8 @@ from rl_tformers.agents.decision_transformer.policy import DTPolicy
 from rl_tformers.envs.dataset import EpisodeDataset
 from torch import Tensor
 
-from rl_tformers.config import ConfigAdviceWarning
-from rl_tformers.runtime.agents import register_agent, resume_state
+from rl_tformers.backbone_config import ConfigAdviceWarning
+from rl_tformers.runtime.agent_registry import register_agent, resume_state
 from rl_tformers.runtime.plugins import check_source_plugins
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ def fine_tune_changes(configured: Mapping[str, Any], saved: Mapping[str, Any]) -
         ``["agent.context_len=10 (the checkpoint's: 20)", "backbone.d_model=64 (...: 128)", ...]``,
         empty when they agree.
     """
-    from rl_tformers.config import BackboneConfig
+    from rl_tformers.backbone_config import BackboneConfig
 
     ca, sa = configured.get("agent") or {}, saved.get("agent") or {}
     out = []
@@ -520,8 +520,8 @@ class ODTAgent(DTAgent):
         device: training device.
         dataset: an already loaded offline dataset (tests); default: ``cfg.dataset``.
 
-    On ``--resume`` (the builder runs inside :func:`~rl_tformers.runtime.agents.build_agent` with
-    the checkpoint to resume, :func:`~rl_tformers.runtime.agents.resume_state`) the agent is
+    On ``--resume`` (the builder runs inside :func:`~rl_tformers.runtime.agent_registry.build_agent` with
+    the checkpoint to resume, :func:`~rl_tformers.runtime.agent_registry.resume_state`) the agent is
     built from the checkpoint alone: the model options and backbone saved in ``extra.odt``
     (those of the offline run when this run started), the data statistics of ``extra`` and the
     checkpoint's weights. ``agent.init_from`` is not read again: the offline run may since have

@@ -196,7 +196,7 @@ def _load_dt_run(run_dir: Path):
     from omegaconf import OmegaConf
     from rl_tformers.agents.common.loading import load_run
 
-    from rl_tformers.runtime.agents import UnknownAgentError
+    from rl_tformers.runtime.agent_registry import UnknownAgentError
     from rl_tformers.runtime.checkpoint import CheckpointError, find_latest_valid
 
     if not run_dir.is_dir():

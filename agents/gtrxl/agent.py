@@ -15,7 +15,7 @@ and the shared trainer drives it. Pieces, in reading order:
   Return-conditioned policies refuse target returns the float32 token embedding cannot take
   (:meth:`GTrXLPolicy.target_limit`, mirroring the Decision Transformer's
   :meth:`~rl_tformers.agents.decision_transformer.policy.DTPolicy.target_limit`).
-- :class:`GTrXLAgent`: the :class:`~rl_tformers.runtime.agents.Trainable`: builds the model
+- :class:`GTrXLAgent`: the :class:`~rl_tformers.runtime.agent_registry.Trainable`: builds the model
   from the run config and the dataset, computes the objective's loss on each batch, keeps
   IQL's target network (Polyak update at the start of each ``loss`` call, i.e. after the
   previous optimiser step), evaluates in gymnasium vector environments, and checkpoints what a
@@ -65,7 +65,7 @@ from rl_tformers.envs.dataset import DatasetError, EpisodeDataset
 from rl_tformers.envs.trajectory import next_return_to_go
 from torch import Tensor
 
-from rl_tformers.runtime.agents import register_agent
+from rl_tformers.runtime.agent_registry import register_agent
 from rl_tformers.types import BackboneState
 
 OBJECTIVES = ("bc", "rcbc", "iql")
@@ -755,7 +755,7 @@ class GTrXLAgent:
             AgentBuildError: (a ValueError, reported by ``rl-tformers train`` as one ``error:``
                 line) the statistics of the dataset read now differ from the checkpoint's.
         """
-        from rl_tformers.runtime.agents import AgentBuildError
+        from rl_tformers.runtime.agent_registry import AgentBuildError
 
         saved = DatasetInfo.from_extra(state)
         if self.dataset is not None and getattr(self, "info", None) is not None:

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.distributions import Categorical, Distribution, Normal
 
 from rl_tformers.backbone import Backbone, IncompatibleConfig
-from rl_tformers.config import BackboneConfig
+from rl_tformers.backbone_config import BackboneConfig
 from rl_tformers.registry import REGISTRIES
 from rl_tformers.types import BackboneState
 

@@ -19,7 +19,7 @@ S x N x layers x M x D floats per rollout.
 
 No dropout: the PPO model is built with ``backbone.dropout``, ``attn_dropout`` and
 ``ffn_dropout`` set to 0 (:func:`without_dropout`; a config or offline checkpoint that sets them
-gets a :class:`~rl_tformers.config.ConfigAdviceWarning`). With dropout the rollout's
+gets a :class:`~rl_tformers.backbone_config.ConfigAdviceWarning`). With dropout the rollout's
 log-probabilities and values would come from one dropout mask and their recomputation from
 another, so the ratio would not start at 1 and the clip would act on dropout noise; collecting
 with dropout off (eval mode) and updating with it on, as some libraries do, leaves the same
@@ -132,11 +132,11 @@ from rl_tformers.agents.gtrxl.model import (
 from torch import Tensor
 
 from rl_tformers.attention.base import attention_entropy
-from rl_tformers.config import ConfigAdviceWarning
-from rl_tformers.runtime.agents import register_agent, resume_state
-from rl_tformers.runtime.config import ConfigError
+from rl_tformers.backbone_config import ConfigAdviceWarning
+from rl_tformers.runtime.agent_registry import register_agent, resume_state
 from rl_tformers.runtime.distributed import dist_info
 from rl_tformers.runtime.plugins import check_source_plugins
+from rl_tformers.runtime.run_config import ConfigError
 from rl_tformers.types import BackboneState, LayerState
 
 log = logging.getLogger(__name__)
@@ -457,7 +457,7 @@ DROPOUT_KEYS = ("dropout", "attn_dropout", "ffn_dropout")
 def without_dropout(backbone: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``backbone`` (a plain backbone config dict) with every dropout probability 0, and the
     settings in effect that were not 0 (``["backbone.dropout=0.1", ...]``; a missing key is
-    :class:`~rl_tformers.config.BackboneConfig`'s default; ``ffn_dropout`` only when set).
+    :class:`~rl_tformers.backbone_config.BackboneConfig`'s default; ``ffn_dropout`` only when set).
 
     PPO trains the network it acts with: with dropout the rollout's log-probabilities and
     values come from one dropout mask and the update recomputes them under another, so the
@@ -466,10 +466,10 @@ def without_dropout(backbone: Mapping[str, Any]) -> tuple[dict[str, Any], list[s
     reason; CleanRL's PPO networks have none). So the PPO model is built with none at all.
 
     Raises:
-        ValueError: the backbone config is invalid (as :class:`~rl_tformers.config.BackboneConfig`
+        ValueError: the backbone config is invalid (as :class:`~rl_tformers.backbone_config.BackboneConfig`
             says, naming the key), before any value is replaced.
     """
-    from rl_tformers.config import BackboneConfig
+    from rl_tformers.backbone_config import BackboneConfig
 
     cfg = BackboneConfig.from_dict(backbone, where="backbone")  # validated values in effect
     in_effect = {"dropout": cfg.dropout, "attn_dropout": cfg.attn_dropout}
@@ -553,7 +553,7 @@ def fine_tune_backbone_changes(configured: Mapping[str, Any], offline: Mapping[s
     Returns:
         ``["backbone.block.gate='highway' (the checkpoint's: 'gru')", ...]``, empty when they agree.
     """
-    from rl_tformers.config import BackboneConfig
+    from rl_tformers.backbone_config import BackboneConfig
 
     def flat(d: Mapping[str, Any], prefix: str = "backbone") -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -661,7 +661,7 @@ def check_offline_spaces(offline: Mapping[str, Any], path: str, env_id: str, obs
 class EpisodeLengthError(ConfigError):
     """An episode ran past ``backbone.max_position`` (learned positions) in an environment
     without a time limit: raised at the rollout step that would need the missing table row
-    (:meth:`GTrXLPPO._check_positions`). A :class:`~rl_tformers.runtime.config.ConfigError`, so
+    (:meth:`GTrXLPPO._check_positions`). A :class:`~rl_tformers.runtime.run_config.ConfigError`, so
     ``rl-tformers train`` reports it as one ``error:`` line (exit status 2)."""
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rl_tformers.config import IncompatibleConfig
+from rl_tformers.backbone_config import IncompatibleConfig
 from rl_tformers.position.base import PositionModule
 from rl_tformers.types import to_acc
 

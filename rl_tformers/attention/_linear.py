@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rl_tformers.attention.base import AttentionModule
-from rl_tformers.config import ConfigAdviceWarning, IncompatibleConfig
+from rl_tformers.backbone_config import ConfigAdviceWarning, IncompatibleConfig
 from rl_tformers.position.base import PositionModule
 from rl_tformers.types import AttnContext, AttnOutput, state_type
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rl_tformers.config import SlotConfig
+from rl_tformers.backbone_config import SlotConfig
 from rl_tformers.position.base import PositionModule
 from rl_tformers.types import AttnContext, AttnOutput, neg_inf, state_type, to_acc
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rl_tformers.attention.base import AttentionConfig, AttentionModule
-from rl_tformers.config import IncompatibleConfig
+from rl_tformers.backbone_config import IncompatibleConfig
 from rl_tformers.registry import ATTENTION, Capabilities
 from rl_tformers.types import AttnContext, AttnOutput
 

@@ -17,7 +17,7 @@ from rl_tformers.attention._linear import (
     redraw_random_features,
 )
 from rl_tformers.attention.base import AttentionConfig, AttentionModule
-from rl_tformers.config import IncompatibleConfig
+from rl_tformers.backbone_config import IncompatibleConfig
 from rl_tformers.registry import ATTENTION, Capabilities
 from rl_tformers.types import AttnContext, AttnOutput
 

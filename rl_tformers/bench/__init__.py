@@ -2,7 +2,7 @@
 run in the same process and reports ratios.
 
 Adding a benchmark: create a module here with a ``register(bench_app: typer.Typer)`` function
-that adds its command(s) to the ``bench`` group; :mod:`rl_tformers.bench.commands` imports
+that adds its command(s) to the ``bench`` group; :mod:`rl_tformers.cli.bench` imports
 every module of this package and calls it (modules starting with ``_`` are skipped).
 
 - :mod:`~rl_tformers.bench.attention`: every attention kind vs dense SDPA (time, peak memory,

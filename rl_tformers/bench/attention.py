@@ -86,9 +86,9 @@ class Settings:
             ValueError: no ``--lengths``, a length below 1 or given twice, ``--batch``,
                 ``--d-model``, ``--n-heads`` or ``--repeats`` below 1, ``--d-model`` not
                 divisible by ``--n-heads``, a budget that is not a positive number, or a
-                ``--device`` that is not available (:func:`~rl_tformers.bench.commands.check_device`).
+                ``--device`` that is not available (:func:`~rl_tformers.cli.bench.check_device`).
         """
-        from rl_tformers.bench.commands import check_counts, check_device, first_repeat
+        from rl_tformers.cli.bench import check_counts, check_device, first_repeat
 
         if not self.lengths:
             raise ValueError("--lengths: give at least one sequence length (e.g. 256,1024)")
@@ -487,7 +487,7 @@ def register(bench_app) -> None:
             [], "--rl-option", help="key=value option of the RL-scale cases (repeatable), e.g. batch_size=8."),
     ) -> None:
         """Forward+backward time and peak memory of attention kinds as ratios to dense SDPA."""
-        from rl_tformers.bench.commands import check_out, fail, first_repeat
+        from rl_tformers.cli.bench import check_out, fail, first_repeat
 
         ks = None if kinds.strip() == "all" else parse_list(kinds)
         if ks is not None:

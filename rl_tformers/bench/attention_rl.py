@@ -121,7 +121,7 @@ def dt_long_context(kinds: list[str], device: str, **options: Any) -> list[dict[
         ValueError: an unknown option.
     """
     from rl_tformers.registry import ATTENTION
-    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.run_config import compose
     from rl_tformers.runtime.trainer import Trainer
 
     check_options(options)

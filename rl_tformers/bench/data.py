@@ -105,7 +105,7 @@ def sampler_rate(ds: torch.utils.data.Dataset, batches: int, repeats: int, batch
 
 def build_trainer(config: str, overrides: list[str]):
     """A :class:`~rl_tformers.runtime.trainer.Trainer` of ``config`` on CPU (nothing written)."""
-    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.run_config import compose
     from rl_tformers.runtime.trainer import Trainer, _with_run_dir
 
     run_dir = Path(tempfile.mkdtemp(prefix="rlt-bench-data-"))
@@ -258,8 +258,8 @@ def register(bench_app) -> None:
         out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
     ) -> None:
         """Sampler samples/s vs what training consumes; load time of a 1M-step D4RL HDF5 file."""
-        from rl_tformers.bench.commands import run_checked
-        from rl_tformers.runtime.agents import AgentBuildError
+        from rl_tformers.cli.bench import run_checked
+        from rl_tformers.runtime.agent_registry import AgentBuildError
 
         run_checked(lambda: Settings(dataset=dataset, batch_size=batch_size, batches=batches, repeats=repeats,
                                      train_steps=train_steps, threads=threads, steps=steps, keep=keep,

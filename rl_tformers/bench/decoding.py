@@ -153,7 +153,7 @@ def register(bench_app) -> None:
         out: str | None = typer.Option(None, help="Also write the JSON to this file."),
     ) -> None:
         """Cost of one decoding step as the stream grows: trimmed state vs untrimmed bookkeeping."""
-        from rl_tformers.bench.commands import check_out, emit_result, fail
+        from rl_tformers.cli.bench import check_out, emit_result, fail
 
         try:
             kind_list = list(KINDS) if kinds.strip() == "all" else [k.strip() for k in kinds.split(",") if k.strip()]

@@ -95,7 +95,7 @@ class Settings:
             raise ValueError(f"--mem-lens: every memory length must be >= 1, got {small[0]}")
         if self.skip_rollouts and not self.memory_kinds:
             raise ValueError("nothing to measure: --skip-rollouts skips part 1 and --memory-kinds '' skips part 2")
-        from rl_tformers.bench.commands import check_device, first_repeat
+        from rl_tformers.cli.bench import check_device, first_repeat
 
         for option, values in (("--memory-kinds", self.memory_kinds), ("--mem-lens", self.mem_lens)):
             if (twice := first_repeat(values)) is not None:
@@ -178,8 +178,8 @@ def load_agent(s: Settings) -> tuple[Any, str]:
 
         loaded = load_run(s.run, device=s.device)
         return loaded.agent, f"{loaded.kind} checkpoint {loaded.checkpoint} (step {loaded.step})"
-    from rl_tformers.runtime.agents import build_agent
-    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.agent_registry import build_agent
+    from rl_tformers.runtime.run_config import compose
 
     cfg = compose("dt/hopper_medium", [f"dataset.path={s.dataset}", f"device={s.device}", f"seed={s.seed}"])
     torch.manual_seed(s.seed)
@@ -372,8 +372,8 @@ def register(bench_app) -> None:
         out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
     ) -> None:
         """Env steps/s of batched vs one-env-at-a-time evaluation; memory vs re-encoding cost per step."""
-        from rl_tformers.bench.commands import run_checked
-        from rl_tformers.runtime.agents import AgentBuildError, UnknownAgentError
+        from rl_tformers.cli.bench import run_checked
+        from rl_tformers.runtime.agent_registry import AgentBuildError, UnknownAgentError
         from rl_tformers.runtime.checkpoint import CheckpointError
 
         run_checked(lambda: Settings(run=run_dir, dataset=dataset, episodes=episodes, n_envs=n_envs,

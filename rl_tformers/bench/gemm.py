@@ -130,7 +130,7 @@ def register(bench_app) -> None:
         out: str | None = typer.Option(None, help="Also write the JSON to this file."),
     ) -> None:
         """MKL vs oneDNN float32 GEMMs on the DT's linear layers (what cpu_matmul chooses)."""
-        from rl_tformers.bench.commands import check_out, emit_result, fail
+        from rl_tformers.cli.bench import check_out, emit_result, fail
 
         try:
             shape_list = parse_shapes(shapes)

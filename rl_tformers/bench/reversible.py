@@ -140,7 +140,7 @@ def check_options(depths: str, batch: int, seq_len: int, d_model: int, n_heads: 
             ``--batch``, ``--seq-len``, ``--d-model`` or ``--n-heads`` below 1; ``--d-model``
             not divisible by ``--n-heads``; an unavailable ``--device``.
     """
-    from rl_tformers.bench.commands import check_counts, check_device, first_repeat
+    from rl_tformers.cli.bench import check_counts, check_device, first_repeat
 
     items = [d.strip() for d in str(depths).split(",") if d.strip()]
     try:
@@ -193,7 +193,7 @@ def register(bench_app) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON rows."),
     ) -> None:
         """Activation memory vs depth of reversible layers (Reformer) against ordinary residual stacks."""
-        from rl_tformers.bench.commands import fail
+        from rl_tformers.cli.bench import fail
 
         try:
             check_options(depths, batch, seq_len, d_model, n_heads, device)

@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rl_tformers.bench.commands import emit_result
+from rl_tformers.cli.bench import emit_result
 from rl_tformers.runtime.cpu_matmul import onednn_linear_available, resolve_cpu_matmul
 
 PEERS = ("d3rlpy", "hf")
@@ -174,9 +174,9 @@ class OursRunner:
     """One of our variants: a Trainer from ``dt/hopper_medium`` plus overrides, driven step by step."""
 
     def __init__(self, name: str, s: Settings, overrides: Sequence[str], run_dir: Path) -> None:
-        from rl_tformers.runtime.config import compose
         from rl_tformers.runtime.data import batch_stream
         from rl_tformers.runtime.device import move_to
+        from rl_tformers.runtime.run_config import compose
         from rl_tformers.runtime.trainer import Trainer, _with_run_dir
 
         self.name = name

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rl_tformers.config import SlotConfig
+from rl_tformers.backbone_config import SlotConfig
 from rl_tformers.types import AttnContext, BlockOutput, LayerState
 
 

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rl_tformers.adaptive.base import DepthOutput
+from rl_tformers.backbone_config import IncompatibleConfig
 from rl_tformers.blocks.base import BlockConfig, BlockModule
-from rl_tformers.config import IncompatibleConfig
+from rl_tformers.depth.base import DepthOutput
 from rl_tformers.registry import BLOCK, REGISTRIES, Capabilities
 from rl_tformers.types import AttnContext, BlockOutput, LayerState, merge_into
 

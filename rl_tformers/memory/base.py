@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rl_tformers.config import SlotConfig
+from rl_tformers.backbone_config import SlotConfig
 from rl_tformers.types import BackboneState, LayerState
 
 

@@ -72,7 +72,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rl_tformers.config import IncompatibleConfig
+from rl_tformers.backbone_config import IncompatibleConfig
 from rl_tformers.memory._search import faiss_available, faiss_search, masked_topk
 from rl_tformers.memory.base import MemoryConfig, MemoryModule, SegmentRecord, empty_prefix
 from rl_tformers.registry import MEMORY, Capabilities

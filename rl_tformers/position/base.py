@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from rl_tformers.config import SlotConfig
+from rl_tformers.backbone_config import SlotConfig
 
 
 @dataclass(frozen=True)

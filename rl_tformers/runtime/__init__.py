@@ -10,7 +10,7 @@ Main entry points (imported lazily, so ``rl-tformers --help`` does not import to
     result = resume("runs/toy-1", ["train.steps=400"])  # continue it exactly
 
 See ``docs/runtime.md`` for the config schema, run directory layout and checkpoint format, and
-``rl_tformers.runtime.agents`` for the protocol an agent implements.
+``rl_tformers.runtime.agent_registry`` for the protocol an agent implements.
 """
 
 from __future__ import annotations

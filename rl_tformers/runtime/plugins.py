@@ -48,7 +48,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from rl_tformers.runtime.config import ConfigError
+from rl_tformers.runtime.run_config import ConfigError
 
 #: Entry-point group of installed packages imported by every command.
 ENTRY_POINT_GROUP = "rl_tformers.plugins"
@@ -160,7 +160,7 @@ def check_source_plugins(source: Mapping[str, Any], plugins: Iterable[str] | Non
             (``plugins=[mine,theirs]``); or naming ``where`` and the backbone kind of that run
             that no module registered here (e.g. an uninstalled entry point's).
     """
-    from rl_tformers.runtime.config import check_backbone_kinds
+    from rl_tformers.runtime.run_config import check_backbone_kinds
 
     theirs = check_plugin_names(source.get("plugins"), f"{where}: its plugins")
     ours = check_plugin_names(list(plugins or []), "plugins")
@@ -179,7 +179,7 @@ def check_source_plugins(source: Mapping[str, Any], plugins: Iterable[str] | Non
 
 def _discover_builtin_agents() -> None:
     """Register the built-in agents (and their inference loaders) before any plugin is imported."""
-    from rl_tformers.runtime.agents import discover_agents
+    from rl_tformers.runtime.agent_registry import discover_agents
 
     discover_agents()
 
@@ -188,9 +188,9 @@ def _registrations() -> list[tuple[dict, dict]]:
     """``(live dict, copy)`` of every table a plugin registers into: the backbone slots' kinds,
     the agents and the inference loaders."""
     from rl_tformers.registry import REGISTRIES
-    from rl_tformers.runtime import agents
+    from rl_tformers.runtime import agent_registry
 
-    tables = [reg._entries for reg in REGISTRIES.values()] + [agents._AGENTS]
+    tables = [reg._entries for reg in REGISTRIES.values()] + [agent_registry._AGENTS]
     loading = sys.modules.get("rl_tformers.agents.common.loading")
     if loading is not None:
         tables.append(loading._INFERENCE_LOADERS)

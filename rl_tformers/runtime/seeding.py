@@ -7,7 +7,7 @@ and tuples only, so it goes through ``torch.load(weights_only=True)`` unchanged;
 :func:`restore_rng_state` puts them back.
 
 Batches must *not* depend on these global streams: a batch for step ``s`` is drawn from its own
-generator, e.g. ``np.random.default_rng([seed, s])`` (see ``rl_tformers.runtime.agents``). The
+generator, e.g. ``np.random.default_rng([seed, s])`` (see ``rl_tformers.runtime.agent_registry``). The
 global streams only drive what happens inside a step (dropout masks, stochastic layers).
 
 Environments get their seeds from the config through :func:`derive_seed`, e.g.

@@ -430,7 +430,7 @@ def check_distinct_configs(runs: Sequence[SweepRun], requested: dict[str, dict[s
     Raises:
         SweepError: naming the two grid points.
     """
-    from rl_tformers.runtime.config import flatten
+    from rl_tformers.runtime.run_config import flatten
 
     seen: dict[str, SweepRun] = {}
     for run in runs:
@@ -551,7 +551,7 @@ def stored_config(run_dir: Path) -> dict[str, Any] | None:
 def config_differences(stored: dict[str, Any], requested: dict[str, Any]) -> list[str]:
     """``["train.steps: 300 (stored) -> 320 (requested)", ...]`` over every key but
     :data:`RERUN_IGNORED_KEYS`."""
-    from rl_tformers.runtime.config import flatten
+    from rl_tformers.runtime.run_config import flatten
 
     a, b = flatten(stored), flatten(requested)
     out = []
@@ -618,7 +618,7 @@ def requested_config(run: SweepRun, config: str | None, device: str | None = Non
         SweepError: the config does not compose (unknown key, bad value...); the message names
             the run and its grid point.
     """
-    from rl_tformers.runtime.config import to_container
+    from rl_tformers.runtime.run_config import to_container
 
     out = to_container(_compose_run(run, config, device))
     out["run_dir"] = str(run.run_dir)
@@ -634,8 +634,8 @@ def _compose_errors() -> tuple[type[BaseException], ...]:
 
 def _compose(run: SweepRun, config: str | None, device: str | None = None) -> Any:
     """The composed config (read-only DictConfig) of ``run`` as ``train_command(run, config, "new",
-    device)`` trains it (``run_dir`` not set); raises what :func:`~rl_tformers.runtime.config.compose` raises."""
-    from rl_tformers.runtime.config import compose
+    device)`` trains it (``run_dir`` not set); raises what :func:`~rl_tformers.runtime.run_config.compose` raises."""
+    from rl_tformers.runtime.run_config import compose
 
     extra = [f"device={device}"] if device else []
     return compose(config, [*run.overrides, *extra, "train.progress=false"])
@@ -660,7 +660,7 @@ def compose_points(runs: Sequence[SweepRun], config: str | None, device: str | N
         composed DictConfig of each good point's first run (by point label), for
         :func:`check_points`.
     """
-    from rl_tformers.runtime.config import to_container
+    from rl_tformers.runtime.run_config import to_container
 
     requested: dict[str, dict[str, Any]] = {}
     bad: dict[str, str] = {}
@@ -731,7 +731,7 @@ def check_points(points: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, l
             with warnings.catch_warnings(record=True) as caught:
                 check_agent(cfg)
         except Exception as exc:  # noqa: BLE001 - every refusal is reported with its point
-            from rl_tformers.runtime.config import ConfigError
+            from rl_tformers.runtime.run_config import ConfigError
 
             bad[label] = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
             continue

@@ -13,7 +13,7 @@ the launcher reports a stop), so:
   (its own traceback is above it), exit 1 as torchrun does;
 - SIGINT/SIGTERM: exit 128 + the number of the first one, once every rank has exited.
 
-Signals. The launcher (:func:`rl_tformers.runtime.commands._launch_torchrun`) starts this
+Signals. The launcher (:func:`rl_tformers.cli.train._launch_torchrun`) starts this
 process in a session of its own with SIGINT/SIGTERM blocked, and forwards each one it receives
 (a terminal's Ctrl-C reaches the launcher only). Here:
 

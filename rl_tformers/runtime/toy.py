@@ -6,7 +6,7 @@ Task: inputs ``x`` (B, T, in_dim) are i.i.d. standard normal; the target at toke
 on every past token. Model: linear embedding -> :class:`rl_tformers.Backbone` (with dropout, so
 exact resume needs the RNG state) -> linear head. Loss: mean squared error.
 
-It implements every part of the :class:`rl_tformers.runtime.agents.Trainable` protocol:
+It implements every part of the :class:`rl_tformers.runtime.agent_registry.Trainable` protocol:
 a step-indexed dataset (batch ``s`` drawn from ``np.random.default_rng([seed, s])``), an
 ``evaluate`` on a fixed held-out set (with an optional matplotlib figure), and
 ``extra_state`` holding the input normalisation statistics. Used by the tests and by
@@ -23,9 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from rl_tformers.backbone import Backbone
-from rl_tformers.config import BackboneConfig
-from rl_tformers.runtime.agents import register_agent
-from rl_tformers.runtime.config import to_container
+from rl_tformers.backbone_config import BackboneConfig
+from rl_tformers.runtime.agent_registry import register_agent
+from rl_tformers.runtime.run_config import to_container
 from rl_tformers.runtime.seeding import derive_seed
 
 TOY_DEFAULTS = {
@@ -88,7 +88,7 @@ class ToyModel(nn.Module):
 
 
 class ToyAgent:
-    """The toy :class:`~rl_tformers.runtime.agents.Trainable` (see the module docstring)."""
+    """The toy :class:`~rl_tformers.runtime.agent_registry.Trainable` (see the module docstring)."""
 
     def __init__(self, cfg: Any, device: torch.device) -> None:
         a = cfg.agent

@@ -52,22 +52,13 @@ from torch import Tensor
 
 from rl_tformers.runtime import checkpoint as ckpt
 from rl_tformers.runtime import distributed as dist_rt
-from rl_tformers.runtime.agents import (
+from rl_tformers.runtime.agent_registry import (
     AgentBuildError,
     Trainable,
     UnknownAgentError,
     agent_build_errors,
     build_agent,
     get_agent,
-)
-from rl_tformers.runtime.config import (
-    ConfigError,
-    check_resume_changes,
-    compose,
-    default_run_dir,
-    flatten,
-    to_container,
-    to_yaml,
 )
 from rl_tformers.runtime.cpu_matmul import apply_cpu_matmul
 from rl_tformers.runtime.data import batch_stream
@@ -82,6 +73,15 @@ from rl_tformers.runtime.optim import (
     scheduler_state,
 )
 from rl_tformers.runtime.progress import PlainProgress, progress_bar
+from rl_tformers.runtime.run_config import (
+    ConfigError,
+    check_resume_changes,
+    compose,
+    default_run_dir,
+    flatten,
+    to_container,
+    to_yaml,
+)
 from rl_tformers.runtime.runlock import RunBusyError, directory_problem, hold_run, lock_holder
 from rl_tformers.runtime.seeding import (
     capture_rng_state,
@@ -423,7 +423,7 @@ class Trainer:
     """Runs one training run of any registered agent.
 
     Args:
-        cfg: a resolved config from :func:`rl_tformers.runtime.config.compose`.
+        cfg: a resolved config from :func:`rl_tformers.runtime.run_config.compose`.
         run_dir: the run directory (created if needed).
         resume_from: a verified checkpoint of this run to continue from (see :func:`resume`).
         on_log: called as ``on_log(step, scalars)`` (main rank) each time training scalars are
@@ -1061,7 +1061,7 @@ def holds_run(run_dir: Path) -> bool:
 
 def check_agent(cfg: DictConfig, device: str | torch.device = "cpu") -> None:
     """Make the checks ``rl-tformers train`` makes of the agent before it trains or writes
-    anything, without a run: build the agent (:func:`~rl_tformers.runtime.agents.build_agent`,
+    anything, without a run: build the agent (:func:`~rl_tformers.runtime.agent_registry.build_agent`,
     as :class:`Trainer` does: dataset loaded and validated, agent options, backbone and
     evaluation environment checked) and prepare its first batches (as :meth:`Trainer.fit`
     does), then drop it. Nothing is written (builders do not write to the run directory).
@@ -1144,7 +1144,7 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike | None = None, config_name
     """Start a new run.
 
     Args:
-        cfg: resolved config (:func:`rl_tformers.runtime.config.compose`).
+        cfg: resolved config (:func:`rl_tformers.runtime.run_config.compose`).
         run_dir: where to write; default ``cfg.run_dir``, else ``runs/<config_name>-<timestamp>``.
         config_name: used for the default run directory name.
         stop_at: stop (with a checkpoint) after this many updates; see :meth:`Trainer.fit`.
@@ -1230,7 +1230,7 @@ def check_config_file(run_dir: Path, found: ckpt.FoundCheckpoint, new: DictConfi
             a key that may change when resuming is passed as an override, any other change
             needs a new run.
     """
-    from rl_tformers.runtime.config import RESUMABLE_KEYS
+    from rl_tformers.runtime.run_config import RESUMABLE_KEYS
 
     path = Path(run_dir) / CONFIG_FILE
     try:
@@ -1278,7 +1278,7 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
            stop_at: int | None = None, interrupt: GracefulInterrupt | None = None) -> TrainResult:
     """Continue a run from its newest valid checkpoint (damaged newer ones are warned about and skipped).
 
-    ``overrides`` may change only :data:`rl_tformers.runtime.config.RESUMABLE_KEYS` (e.g.
+    ``overrides`` may change only :data:`rl_tformers.runtime.run_config.RESUMABLE_KEYS` (e.g.
     ``train.steps=20000`` to train longer). Log records written after the checkpoint (by a
     crash) are dropped first, so no step appears twice in TensorBoard or metrics.jsonl.
     Rank 0 holds the run's training lock (:mod:`rl_tformers.runtime.runlock`) from before it

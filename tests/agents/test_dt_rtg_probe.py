@@ -13,7 +13,7 @@ from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
 from rl_tformers.envs.loaders import save_d4rl_hdf5
 from rl_tformers.envs.trajectory import returns_to_go
 
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
 
 K = 4

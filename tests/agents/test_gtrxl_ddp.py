@@ -173,7 +173,7 @@ def test_ppo_on_two_processes_trains_on_every_row_of_each_ranks_minibatches(tmp_
     again, so each rank learned from 1/W of its own rollout), and the ranks' rollouts differ."""
     outs = two_ranks(tmp_path, f"""
         from rl_tformers.agents.gtrxl.ppo import GTrXLPPO
-        from rl_tformers.runtime.config import compose
+        from rl_tformers.runtime.run_config import compose
         from rl_tformers.runtime.trainer import train
         torch.set_num_threads(1)
         rows, obs = [], []

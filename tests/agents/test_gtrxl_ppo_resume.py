@@ -15,7 +15,7 @@ import torch
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 from rl_tformers.agents.gtrxl.ppo import GTrXLPPO, fifo_decode, fifo_encode, load_envs
 
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import resume, train
 from tests.bitwise import same_bits
 from tests.runtime.ddp_helpers import read_metrics, two_ranks
@@ -228,7 +228,7 @@ def test_two_processes_resume_their_own_environments_bit_identically(tmp_path: P
     overrides = [*TINY, "agent.env_id=CartPole-v1", "train.steps=8"]
     two_ranks(tmp_path, f"""
         from pathlib import Path
-        from rl_tformers.runtime.config import compose
+        from rl_tformers.runtime.run_config import compose
         from rl_tformers.runtime.trainer import resume, train
         cfg = compose(None, {overrides!r})
         base = Path({str(tmp_path)!r})

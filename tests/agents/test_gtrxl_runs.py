@@ -9,7 +9,7 @@ from rl_tformers.agents.common.loading import load_run
 from rl_tformers.envs.loaders import save_d4rl_hdf5
 from rl_tformers.envs.memory_tasks import scripted_dataset
 
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
 
 TINY_BACKBONE = [

@@ -18,7 +18,7 @@ from rl_tformers.envs.memory_tasks import scripted_dataset
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
 
 runner = CliRunner()

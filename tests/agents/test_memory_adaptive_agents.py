@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from rl_tformers.backbone import IncompatibleConfig
 from rl_tformers.cli import app
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
 from tests.threads import one_thread
 

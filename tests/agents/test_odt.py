@@ -29,10 +29,10 @@ from rl_tformers.envs.loaders import save_d4rl_hdf5
 from rl_tformers.envs.samplers import WindowSampler
 from typer.testing import CliRunner
 
+from rl_tformers.backbone_config import BackboneConfig, ConfigAdviceWarning
 from rl_tformers.cli import app
-from rl_tformers.config import BackboneConfig, ConfigAdviceWarning
-from rl_tformers.runtime.agents import AgentBuildError, get_agent
-from rl_tformers.runtime.config import ConfigError, compose
+from rl_tformers.runtime.agent_registry import AgentBuildError, get_agent
+from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import resume, train
 from tests.bitwise import same_bits
 from tests.pendulum import random_pendulum_dataset
@@ -208,7 +208,7 @@ def test_more_than_one_process_is_refused_before_any_process_starts(tmp_path, mo
     """odt registers with single_process=True: `train --nproc 2` is refused by the launcher's
     checks (check_world_size), before torchrun starts anything (the agent's own check runs only
     once the processes are up)."""
-    from rl_tformers.runtime import commands
+    from rl_tformers.cli import train as commands
     from rl_tformers.runtime.trainer import check_world_size
 
     assert get_agent("odt").single_process and not get_agent("dt").single_process

@@ -75,7 +75,7 @@ def test_plot_command_on_a_return_conditioned_gtrxl_run(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from rl_tformers.cli import app
-    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.run_config import compose
     from rl_tformers.runtime.trainer import train
     from tests.regressions.conftest import _write_cartpole_h5
 

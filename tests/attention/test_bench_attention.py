@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rl_tformers.bench import attention as ba
-from rl_tformers.bench.commands import bench_modules
+from rl_tformers.cli.bench import bench_modules
 
 TINY = {"lengths": (32, 64), "d_model": 16, "n_heads": 2, "repeats": 1}
 
@@ -112,7 +112,7 @@ def test_rl_scale_hook(monkeypatch):
 
 def test_bench_group_is_assembled_from_modules():
     assert "rl_tformers.bench.attention" in bench_modules()
-    assert "rl_tformers.bench.commands" not in bench_modules()
+    assert "rl_tformers.cli.bench" not in bench_modules()
 
 
 def test_dense_estimate_extrapolates_the_measured_peak_quadratically():

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from rl_tformers import Backbone
 from rl_tformers.attention._linear import causal_linear, maybe_redraw_random_features, redraw_random_features
-from rl_tformers.config import BackboneConfig, BuildContext, IncompatibleConfig
+from rl_tformers.backbone_config import BackboneConfig, BuildContext, IncompatibleConfig
 from rl_tformers.registry import ATTENTION
 from rl_tformers.types import AttnContext
 from tests.contracts.contract_checks import (

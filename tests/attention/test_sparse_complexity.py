@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl_tformers import BackboneConfig
-from rl_tformers.config import BuildContext
+from rl_tformers.backbone_config import BuildContext
 from rl_tformers.types import AttnContext
 
 L, D, H = 16384, 16, 2

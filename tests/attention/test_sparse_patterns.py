@@ -18,7 +18,7 @@ import torch
 
 from rl_tformers import Backbone, BackboneConfig
 from rl_tformers.attention.base import attention_reference
-from rl_tformers.config import BuildContext, IncompatibleConfig
+from rl_tformers.backbone_config import BuildContext, IncompatibleConfig
 from rl_tformers.types import AttnContext
 
 D, H = 16, 4

@@ -8,7 +8,7 @@ import json
 import typer
 from typer.testing import CliRunner
 
-from rl_tformers.commands_backbones import register
+from rl_tformers.cli.backbones import register
 from rl_tformers.registry import SLOTS, all_entries
 
 

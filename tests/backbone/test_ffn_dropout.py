@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rl_tformers import Backbone
-from rl_tformers.config import BackboneConfig
+from rl_tformers.backbone_config import BackboneConfig
 
 
 def test_ffn_dropout_defaults_to_dropout_and_can_be_set_apart() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rl_tformers.backbone import Backbone
-from rl_tformers.config import BackboneConfig
+from rl_tformers.backbone_config import BackboneConfig
 
 POSITIONS = ["none", "sinusoidal", "learned", "alibi", "distance_aware", "rotary", "shaw", "xl_relative"]
 

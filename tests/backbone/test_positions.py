@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rl_tformers import Backbone, BackboneConfig
-from rl_tformers.config import BuildContext
+from rl_tformers.backbone_config import BuildContext
 from rl_tformers.position.absolute import sinusoid
 from rl_tformers.position.alibi import alibi_slopes
 from rl_tformers.position.distance_aware import da_weight

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_tformers.config import BackboneConfig, BuildContext
+from rl_tformers.backbone_config import BackboneConfig, BuildContext
 from rl_tformers.types import AttnContext
 
 

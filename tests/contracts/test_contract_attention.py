@@ -16,7 +16,7 @@ import torch
 from contract_checks import assert_subquadratic
 from contract_variants import BASE, B, D, T, caps_of, config_cls, kind_backbone, kind_fields, position_for
 
-from rl_tformers.config import BackboneConfig, BuildContext
+from rl_tformers.backbone_config import BackboneConfig, BuildContext
 from rl_tformers.registry import ATTENTION, POSITION
 from rl_tformers.types import AttnContext
 

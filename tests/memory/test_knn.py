@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from rl_tformers import Backbone
-from rl_tformers.config import IncompatibleConfig
+from rl_tformers.backbone_config import IncompatibleConfig
 from rl_tformers.memory._search import faiss_available
 from rl_tformers.memory.knn import KNNAugmentedAttention, KNNStore, empty_store
 from rl_tformers.types import AttnContext

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from rl_tformers.attention._linear import orthogonal_gaussian
-from rl_tformers.config import BackboneConfig, BuildContext
+from rl_tformers.backbone_config import BackboneConfig, BuildContext
 from rl_tformers.types import AttnContext
 
 D, H = 16, 2

@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl_tformers import Backbone, BackboneConfig
-from rl_tformers.config import BuildContext
+from rl_tformers.backbone_config import BuildContext
 from rl_tformers.memory.compressive import Compressor
 from rl_tformers.position.absolute import sinusoid
 from rl_tformers.types import AttnContext

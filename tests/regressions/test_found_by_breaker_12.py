@@ -46,7 +46,7 @@ from rl_tformers.agents.decision_transformer.agent import DTAgent
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
 from tests.threads import one_thread
 
@@ -194,7 +194,7 @@ def test_knn_datastore_refuses_mismatched_queries_and_actions_by_name(backend):
 # ------------------------------------ 6. a negative exit-classifier weight is refused
 def test_early_exit_negative_depth_penalty_is_refused():
     """(lead) depth_penalty is a cost per layer; a negative one rewarded depth."""
-    from rl_tformers.adaptive.early_exit import EarlyExitConfig
+    from rl_tformers.depth.early_exit import EarlyExitConfig
 
     with pytest.raises(ValueError, match=r"depth.depth_penalty must be >= 0 \(a cost per layer"):
         EarlyExitConfig(depth_penalty=-0.1)
@@ -203,7 +203,7 @@ def test_early_exit_negative_depth_penalty_is_refused():
 
 @pytest.mark.parametrize("weight", [-1.0, -1e-3])
 def test_early_exit_negative_classifier_weight_is_refused(tmp_path, cartpole_h5, weight):
-    from rl_tformers.adaptive.early_exit import EarlyExitConfig
+    from rl_tformers.depth.early_exit import EarlyExitConfig
 
     with pytest.raises(ValueError, match="depth.classifier_weight must be >= 0"):
         EarlyExitConfig(classifier_weight=weight)

@@ -27,9 +27,9 @@ import torch
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
+from rl_tformers.cli.train import _first_line
 from rl_tformers.runtime import distributed as dist_rt
 from rl_tformers.runtime.checkpoint import list_checkpoints
-from rl_tformers.runtime.commands import _first_line
 from tests.runtime.ddp_helpers import read_metrics, subprocess_env, two_ranks
 
 TOY = ["agent.kind=toy", "device=cpu", "train.steps=10", "train.batch_size=8", "train.log_every=2",
@@ -48,7 +48,7 @@ def test_failed_evaluation_on_rank_0_saves_the_step_on_every_rank_and_resumes_ex
     outs = two_ranks(tmp_path, f"""
         from pathlib import Path
         from rl_tformers.runtime import toy
-        from rl_tformers.runtime.config import compose
+        from rl_tformers.runtime.run_config import compose
         from rl_tformers.runtime.trainer import resume, train
         torch.set_num_threads(1)
         cfg = compose(None, {[*TOY, "eval.every=4"]!r})

@@ -15,8 +15,8 @@ from rl_tformers.agents.gtrxl.ppo import PPO_DEFAULTS, GTrXLPPO
 from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
 from rl_tformers.envs.loaders import save_d4rl_hdf5
 
-from rl_tformers.config import ConfigAdviceWarning
-from rl_tformers.runtime.config import compose
+from rl_tformers.backbone_config import ConfigAdviceWarning
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
 
 TINY_BACKBONE = [

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
 from tests.regressions.conftest import _write_cartpole_h5
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from rl_tformers import Backbone
 from rl_tformers.attention._linear import maybe_redraw_random_features
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
 from tests.runtime.ddp_helpers import read_metrics, two_ranks
 
@@ -61,7 +61,7 @@ def test_routing_centroids_under_ddp_follow_the_global_batch_and_agree_on_every_
     outs = two_ranks(tmp_path, f"""
         from pathlib import Path
         from rl_tformers.runtime import trainer as T
-        from rl_tformers.runtime.config import compose
+        from rl_tformers.runtime.run_config import compose
         models = []
         fit = T.Trainer.fit
 

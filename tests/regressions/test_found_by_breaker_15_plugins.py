@@ -54,9 +54,9 @@ from typer.testing import CliRunner
 import rl_tformers.runtime.plugins as plugins
 from rl_tformers.cli import app
 from rl_tformers.registry import REGISTRIES
-from rl_tformers.runtime import agents as agent_registry
-from rl_tformers.runtime.agents import AgentBuildError
-from rl_tformers.runtime.config import ConfigError, compose
+from rl_tformers.runtime import agent_registry as agent_registry
+from rl_tformers.runtime.agent_registry import AgentBuildError
+from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import train
 from tests.regressions.conftest import _write_cartpole_h5
 from tests.runtime.test_plugins import _fake_distribution, drop_plugins_and_kind
@@ -99,12 +99,12 @@ def test_a_plugin_agent_named_like_a_builtin_one_is_refused_in_a_fresh_process(t
     """In a new process ``compose`` imports the plugins before the agents are discovered: the
     plugin's ``dt`` replaced the Decision Transformer (its module then failed to import, unseen)."""
     (tmp_path / "collide_dt.py").write_text(
-        "from rl_tformers.runtime.agents import register_agent\n\n"
+        "from rl_tformers.runtime.agent_registry import register_agent\n\n"
         "@register_agent('dt', description='not the Decision Transformer')\n"
         "def build(cfg, run_dir, device):\n    raise RuntimeError('the plugin builder ran')\n")
-    code = ("from rl_tformers.runtime.config import compose, ConfigError\n"
+    code = ("from rl_tformers.runtime.run_config import compose, ConfigError\n"
             "try:\n    compose('toy', ['plugins=[collide_dt]'])\nexcept ConfigError as e:\n    print('refused:', e)\n"
-            "from rl_tformers.runtime.agents import get_agent\nprint('dt:', get_agent('dt').description)\n")
+            "from rl_tformers.runtime.agent_registry import get_agent\nprint('dt:', get_agent('dt').description)\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
@@ -142,7 +142,7 @@ from rl_tformers.agents.common.loading import register_inference_loader
 from rl_tformers.attention.base import AttentionConfig
 from rl_tformers.registry import ATTENTION, POSITION
 from rl_tformers.position.base import PositionConfig
-from rl_tformers.runtime.agents import register_agent
+from rl_tformers.runtime.agent_registry import register_agent
 
 
 @ATTENTION.register("{kind}", description="registered before the error", paper="-")
@@ -359,7 +359,7 @@ def test_list_agents_lists_the_agents_of_installed_plugins(clean_registries: Pat
     name = _unique("ep_agent")
     site = tmp_path / "site"
     site.mkdir()
-    _fake_distribution(site, name, "from rl_tformers.runtime.agents import register_agent\n\n"
+    _fake_distribution(site, name, "from rl_tformers.runtime.agent_registry import register_agent\n\n"
                                    f"@register_agent({name!r}, description='an installed agent')\n"
                                    "def build(cfg, run_dir, device):\n    raise AssertionError\n")
     monkeypatch.syspath_prepend(str(site))

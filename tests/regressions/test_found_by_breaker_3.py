@@ -16,9 +16,9 @@ import torch
 from test_found_by_tester import _train, _write_h5
 from typer.testing import CliRunner
 
+from rl_tformers.backbone_config import BackboneConfig
 from rl_tformers.cli import app
-from rl_tformers.config import BackboneConfig
-from rl_tformers.runtime.config import ConfigError, compose
+from rl_tformers.runtime.run_config import ConfigError, compose
 
 runner = CliRunner()
 

@@ -23,7 +23,7 @@ from rl_tformers.bench import _peer_crosscheck as worker
 from rl_tformers.bench import crosscheck as cc
 from rl_tformers.bench.data import write_synthetic_d4rl
 from rl_tformers.cli import app
-from rl_tformers.runtime.config import ConfigError, compose
+from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import resume, train
 
 runner = CliRunner()

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from rl_tformers.cli import app
 from rl_tformers.runtime import sweep as sw
-from rl_tformers.runtime.config import ConfigError, compose
+from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import MetricWindow
 from tests.runtime.ddp_helpers import read_metrics, subprocess_env, train_cli, two_ranks
 
@@ -103,7 +103,7 @@ def test_ddp_resume_off_a_log_boundary_in_two_plain_processes_is_bit_identical(t
     """The same as the slow CLI test above, in one pair of processes (no torchrun start-up)."""
     two_ranks(tmp_path, f"""
         from pathlib import Path
-        from rl_tformers.runtime.config import compose
+        from rl_tformers.runtime.run_config import compose
         from rl_tformers.runtime.trainer import resume, train
         torch.set_num_threads(1)
         cfg = compose(None, {TOY!r})

@@ -17,7 +17,7 @@ import torch
 
 import rl_tformers  # noqa: F401  (registers every kind)
 from rl_tformers import Backbone, BackboneConfig
-from rl_tformers.config import BuildContext
+from rl_tformers.backbone_config import BuildContext
 from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError
 from rl_tformers.types import AttnContext
 
@@ -214,7 +214,7 @@ def test_distance_aware_weights_are_float64_for_a_float64_model():
 
 
 def test_universal_coordinate_embedding_in_float64():
-    from rl_tformers.adaptive.universal import coordinate_embedding
+    from rl_tformers.depth.universal import coordinate_embedding
 
     pos = torch.tensor([[0, 3, 123457]])
     got = coordinate_embedding(pos, 3, 8, torch.float64)

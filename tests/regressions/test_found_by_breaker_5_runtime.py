@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import rl_tformers  # noqa: F401  (registers every kind)
 from rl_tformers import Backbone
 from rl_tformers.cli import app
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import MetricWindow, train
 
 runner = CliRunner()

@@ -21,9 +21,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from rl_tformers.backbone_config import IncompatibleConfig
 from rl_tformers.cli import app
-from rl_tformers.config import IncompatibleConfig
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import resume, train
 
 runner = CliRunner()

@@ -16,7 +16,7 @@ from rl_tformers.agents.gtrxl.ppo import PPO_DEFAULTS, GTrXLPPO, RunningMeanStd
 from rl_tformers.envs.memory_tasks import RecallEnv
 from rl_tformers.envs.pomdp import ObservationMaskWrapper
 
-from rl_tformers.config import IncompatibleConfig
+from rl_tformers.backbone_config import IncompatibleConfig
 from rl_tformers.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
 from rl_tformers.registry import RegistryError
 from tests.runtime.ddp_helpers import two_ranks
@@ -178,7 +178,7 @@ def test_ppo_fine_tuning_refuses_an_offline_run_without_xl_memory(tmp_path: Path
     from rl_tformers.envs.loaders import save_d4rl_hdf5
     from rl_tformers.envs.memory_tasks import scripted_dataset
 
-    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.run_config import compose
     from rl_tformers.runtime.trainer import train
 
     data = tmp_path / "recall.hdf5"
@@ -288,7 +288,7 @@ def test_ppo_fine_tuning_feeds_the_previous_reward_in_the_offline_units(tmp_path
     from rl_tformers.envs.loaders import save_d4rl_hdf5
     from rl_tformers.envs.memory_tasks import scripted_dataset
 
-    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.run_config import compose
     from rl_tformers.runtime.trainer import train
 
     data = tmp_path / "recall.hdf5"

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import typer
 from rl_tformers.agents.bc.agent import BCAgent
-from rl_tformers.agents.commands import _check_early_exit
 from rl_tformers.agents.decision_transformer.agent import DTAgent
 from rl_tformers.agents.decision_transformer.model import DTConfig
 from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone
 
-from rl_tformers.config import IncompatibleConfig
-from rl_tformers.runtime.config import ConfigError, compose
+from rl_tformers.backbone_config import IncompatibleConfig
+from rl_tformers.cli.evaluate import _check_early_exit
+from rl_tformers.runtime.run_config import ConfigError, compose
 
 
 # -- 1: agent options of the wrong type were coerced silently ------------------------------------------
@@ -126,7 +126,7 @@ def test_gtrxl_window_shorter_than_the_training_segment_warns(tmp_path) -> None:
     from rl_tformers.envs.loaders import save_d4rl_hdf5
     from rl_tformers.envs.memory_tasks import scripted_dataset
 
-    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.run_config import compose
     from rl_tformers.runtime.trainer import Trainer
 
     # its own small file: a clean clone has no data/memory/ (CI failed on the default path)

@@ -54,7 +54,7 @@ import pytest
 import torch
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
 
 SHORT = "rl_tformers_breaker8/ShortCartPole-v1"  # time limit 10: a truncation in every rollout below
@@ -72,7 +72,7 @@ def test_ppo_learned_positions_need_a_row_for_the_bootstrapped_final_observation
     """max_position == time limit passed the check and crashed at the first truncation
     ("position.learned: positions must lie in [0, 10) but got [10, 10]"); now refused up front,
     naming the option and the size it needs; time limit + 1 rows train."""
-    from rl_tformers.runtime.agents import AgentBuildError
+    from rl_tformers.runtime.agent_registry import AgentBuildError
 
     learned = ["backbone.position.kind=learned"]
     with pytest.raises(AgentBuildError, match=r"backbone\.max_position=10 but .* episodes run up to 10 steps .*"
@@ -128,8 +128,8 @@ def test_ppo_with_a_scalar_box_action_evaluates_with_scalar_actions() -> None:
 
 # ------------------------------------------------- 3. DDP: PPO does not split train.batch_size
 def test_ppo_under_any_process_count_is_not_refused_for_the_unused_batch_size() -> None:
-    from rl_tformers.runtime.agents import get_agent
-    from rl_tformers.runtime.config import ConfigError
+    from rl_tformers.runtime.agent_registry import get_agent
+    from rl_tformers.runtime.run_config import ConfigError
     from rl_tformers.runtime.trainer import check_world_size
 
     assert get_agent("gtrxl_ppo").local_batches is True
@@ -177,7 +177,7 @@ def test_reversible_hidden_states_backpropagate_as_without_recompute() -> None:
 # ------------------------------------------------- 5. encoder-decoder: no target left without a source
 @pytest.mark.parametrize("kind", ["local", "local_2d", "strided", "fixed", "sliding_window", "adaptive_span"])
 def test_key_index_patterns_are_refused_as_cross_attention(kind) -> None:
-    from rl_tformers.config import IncompatibleConfig
+    from rl_tformers.backbone_config import IncompatibleConfig
     from rl_tformers.encoder_decoder import EncoderDecoderConfig
 
     with pytest.raises(IncompatibleConfig, match=rf"cross_attention\.kind='{kind}' cannot attend to another sequence: "
@@ -243,7 +243,7 @@ def test_nproc_beyond_the_gpu_count_is_refused_before_any_process_starts(tmp_pat
     from typer.testing import CliRunner
 
     from rl_tformers.cli import app
-    from rl_tformers.runtime import commands
+    from rl_tformers.cli import train as commands
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with one GPU
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

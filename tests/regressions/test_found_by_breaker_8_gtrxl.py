@@ -203,7 +203,7 @@ def test_ppo_fine_tuning_feeds_no_previous_action_at_episode_starts_as_the_offli
     from rl_tformers.envs.loaders import save_d4rl_hdf5
     from rl_tformers.envs.memory_tasks import scripted_dataset
 
-    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.run_config import compose
     from rl_tformers.runtime.trainer import train
 
     data = tmp_path / "recall.hdf5"
@@ -240,7 +240,7 @@ def test_ppo_fine_tuning_says_which_backbone_settings_it_ignores(tmp_path) -> No
     from rl_tformers.envs.loaders import save_d4rl_hdf5
     from rl_tformers.envs.memory_tasks import scripted_dataset
 
-    from rl_tformers.runtime.config import compose, to_container
+    from rl_tformers.runtime.run_config import compose, to_container
     from rl_tformers.runtime.trainer import train
 
     data = tmp_path / "recall.hdf5"
@@ -278,7 +278,7 @@ def test_window_mode_errors_give_the_whole_recipe(tmp_path, overrides, first) ->
     from rl_tformers.envs.loaders import save_d4rl_hdf5
     from rl_tformers.envs.memory_tasks import scripted_dataset
 
-    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.run_config import compose
     from rl_tformers.runtime.trainer import Trainer
 
     data = tmp_path / "recall.hdf5"
@@ -296,7 +296,7 @@ def test_fine_tuning_from_a_run_not_trained_yet_names_the_option_and_the_command
     "runs/gtrxl/cartpole_gtrxl_bc: cannot be loaded (FileNotFoundError ...)"."""
     from rl_tformers.agents.gtrxl.ppo import GTrXLPPO
 
-    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.run_config import compose
 
     missing = tmp_path / "not_trained"
     cfg = compose("gtrxl/ppo_cartpole_finetune", [f"agent.init_checkpoint={missing}", "device=cpu"])

@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import resume, train
 
 
@@ -61,7 +61,7 @@ def test_ppo_with_dropout_configured_recomputes_the_rollout_s_log_probabilities(
     rounding (the rollout ran N rows per forward, the update all S x N at once)."""
     from rl_tformers.agents.gtrxl.ppo import state_from_rows
 
-    from rl_tformers.config import ConfigAdviceWarning
+    from rl_tformers.backbone_config import ConfigAdviceWarning
 
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
@@ -123,8 +123,8 @@ def test_ppo_learned_positions_without_a_time_limit_stop_with_a_clear_error_and_
     step of the same episode). The time limit the message suggests is checked before training
     when it is too long, and trains when it fits."""
     from rl_tformers.runtime import checkpoint as ckpt
-    from rl_tformers.runtime.agents import AgentBuildError
-    from rl_tformers.runtime.config import ConfigError
+    from rl_tformers.runtime.agent_registry import AgentBuildError
+    from rl_tformers.runtime.run_config import ConfigError
 
     run = tmp_path / "endless"
     with pytest.raises(ConfigError) as err:  # (was a plain ValueError from the position table)
@@ -180,7 +180,7 @@ def test_blockwise_is_refused_as_cross_attention() -> None:
     tokens on a 6-token source moved them by 0.46: blocks of ceil(S / n) cut over the padded S).
     Refused now when the config is built, naming the option and the kinds that work; blockwise
     self-attention in the encoder is unchanged."""
-    from rl_tformers.config import IncompatibleConfig
+    from rl_tformers.backbone_config import IncompatibleConfig
     from rl_tformers.encoder_decoder import EncoderDecoder
     from rl_tformers.registry import ATTENTION
 

@@ -26,8 +26,8 @@ import typer
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
-from rl_tformers.runtime.agents import available_agents
-from rl_tformers.runtime.config import (
+from rl_tformers.runtime.agent_registry import available_agents
+from rl_tformers.runtime.run_config import (
     ConfigError,
     DatasetConfig,
     EvalConfig,
@@ -584,7 +584,7 @@ def test_yaml_blocks_are_valid_backbone_configs() -> None:
     from omegaconf import OmegaConf
 
     from rl_tformers import Backbone
-    from rl_tformers.config import BackboneConfig
+    from rl_tformers.backbone_config import BackboneConfig
 
     n = 0
     for path in DOCS:

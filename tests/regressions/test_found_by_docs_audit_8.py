@@ -62,7 +62,7 @@ def test_backbone_md_lists_exactly_the_kinds_the_encoder_decoder_refuses_as_cros
     """backbone.md named sinkhorn and the last-T-keys kinds; the key-index patterns and
     ``blockwise`` were added to the refusals today. The paragraph must name every kind refused,
     and the config must refuse each and accept the others."""
-    from rl_tformers.config import IncompatibleConfig
+    from rl_tformers.backbone_config import IncompatibleConfig
     from rl_tformers.encoder_decoder import EncoderDecoderConfig
 
     text = _flat((DOCS / "backbone.md").read_text())
@@ -235,9 +235,9 @@ def test_attention_dropout_advice_is_a_config_advice_warning() -> None:
     """attention_kernel.md names the warning class (a UserWarning that loading a trained run
     silences)."""
     from rl_tformers import Backbone
-    from rl_tformers.config import ConfigAdviceWarning
+    from rl_tformers.backbone_config import ConfigAdviceWarning
 
-    assert "`rl_tformers.config.ConfigAdviceWarning`" in (DOCS / "attention_kernel.md").read_text()
+    assert "`rl_tformers.backbone_config.ConfigAdviceWarning`" in (DOCS / "attention_kernel.md").read_text()
     assert issubclass(ConfigAdviceWarning, UserWarning)
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")

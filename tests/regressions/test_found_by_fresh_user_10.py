@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rl_tformers.runtime import trainer as trainer_mod
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import Trainer, resume
 
 

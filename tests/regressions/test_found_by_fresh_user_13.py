@@ -83,7 +83,7 @@ def test_a_stopped_run_ends_its_output_with_the_continue_line(tmp_path: Path, mo
     with: ..." and then, as the last line, the progress line (`train: 199/300 steps (66%), ...,
     about 17s left`): the progress report is now closed before the stop is announced."""
     from rl_tformers.runtime import trainer as trainer_mod
-    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.run_config import compose
     from rl_tformers.runtime.trainer import GracefulInterrupt, Trainer
 
     run = tmp_path / "run"
@@ -126,7 +126,7 @@ def test_collect_help_gives_the_policies_default_the_readme_gives() -> None:
     $RL_TFORMERS_POLICIES and $RL_TFORMERS_SHARED first (README, `policies_dir`)."""
     import inspect
 
-    from rl_tformers.envs.commands import collect
+    from rl_tformers.cli.data import collect
 
     text = inspect.signature(collect).parameters["policies"].default.help
     assert "$RL_TFORMERS_POLICIES" in text and "policies/ in $RL_TFORMERS_SHARED" in text and "../shared/policies" in text

@@ -33,7 +33,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import RunDirError, train
 from tests.regressions.conftest import _write_cartpole_h5
 
@@ -63,7 +63,7 @@ def test_a_ctrl_c_after_the_run_finished_leaves_exit_status_0(tmp_path: Path) ->
 
 
 def test_the_summary_window_ignores_signals_and_restores_the_handlers() -> None:
-    from rl_tformers.runtime.commands import finished_run, finished_run_signals
+    from rl_tformers.cli.train import finished_run, finished_run_signals
 
     before = signal.getsignal(signal.SIGINT)
     with finished_run_signals():

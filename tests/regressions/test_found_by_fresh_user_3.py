@@ -97,7 +97,7 @@ def test_missing_memory_task_file_names_the_command_that_builds_it(tmp_path: Pat
 def test_every_config_with_a_data_memory_file_says_how_to_build_it() -> None:
     import re
 
-    from rl_tformers.runtime.config import available_configs, compose
+    from rl_tformers.runtime.run_config import available_configs, compose
 
     checked = 0
     for name in available_configs():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rl_tformers.runtime import trainer as trainer_mod
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import resume, train
 
 SLEEP_S = 0.02  # every update lasts at least this long below

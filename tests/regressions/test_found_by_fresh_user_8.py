@@ -33,7 +33,7 @@ from typer.testing import CliRunner
 
 from rl_tformers.cli import app
 from rl_tformers.runtime import sweep as sw
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
 
 runner = CliRunner()

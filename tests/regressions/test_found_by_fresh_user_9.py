@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import resume, train
 
 ROOT = Path(__file__).resolve().parents[2]

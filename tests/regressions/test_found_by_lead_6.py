@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from rl_tformers.backbone import Backbone
-from rl_tformers.config import BackboneConfig
+from rl_tformers.backbone_config import BackboneConfig
 
 
 def _build(kind: str, attn_dropout: float, causal: bool = True) -> list[str]:
@@ -138,7 +138,7 @@ def test_sweep_markdown_escapes_a_pipe_in_a_grid_value():
 def test_env_kwargs_take_any_key_in_a_closed_agent_section():
     # gtrxl_ppo closes its agent section; its env_kwargs default {} inherited the struct flag, so
     # agent.env_kwargs={max_episode_steps: 10} was refused as an unknown key
-    from rl_tformers.runtime.config import ConfigError, compose
+    from rl_tformers.runtime.run_config import ConfigError, compose
 
     cfg = compose("gtrxl/ppo_cartpole", overrides=["agent.env_kwargs={max_episode_steps: 10}"])
     assert dict(cfg.agent.env_kwargs) == {"max_episode_steps": 10}

@@ -12,7 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
 
 runner = CliRunner()
@@ -68,7 +68,7 @@ def test_eval_json_writes_every_count_as_an_integer(performer_run):
 def test_the_attention_dropout_advice_is_given_in_training_not_when_the_run_is_loaded(performer_run):
     from rl_tformers.agents.common.loading import load_run
 
-    from rl_tformers.runtime.agents import build_agent
+    from rl_tformers.runtime.agent_registry import build_agent
 
     run_dir, trained = performer_run
     assert trained == [DROPOUT_ADVICE]  # training says it, once
@@ -85,7 +85,7 @@ def test_the_attention_dropout_advice_is_given_in_training_not_when_the_run_is_l
         build_agent(resumed, run_dir, "cpu")  # building for training (as a resume does) still advises
     assert _advice(caught) == [DROPOUT_ADVICE]
     # a UserWarning of its own category, the one load_run silences
-    from rl_tformers.config import ConfigAdviceWarning
+    from rl_tformers.backbone_config import ConfigAdviceWarning
 
     assert [w.category for w in caught if str(w.message) == DROPOUT_ADVICE] == [ConfigAdviceWarning]
     assert issubclass(ConfigAdviceWarning, UserWarning)

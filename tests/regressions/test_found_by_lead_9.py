@@ -22,7 +22,7 @@ from rl_tformers.agents.gtrxl.agent import GTRXL_DEFAULTS, GTrXLAgent
 from rl_tformers.agents.gtrxl.model import gtrxl_backbone
 
 from rl_tformers.backbone import Backbone
-from rl_tformers.config import BackboneConfig
+from rl_tformers.backbone_config import BackboneConfig
 
 HUGE = 10**12
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from rl_tformers import Backbone
-from rl_tformers.config import IncompatibleConfig
+from rl_tformers.backbone_config import IncompatibleConfig
 from rl_tformers.registry import RegistryError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -31,7 +31,7 @@ from rl_tformers.agents.decision_transformer.agent import DTAgent
 from rl_tformers.agents.decision_transformer.online import ODTAgent
 from rl_tformers.envs.loaders import save_d4rl_hdf5
 
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import resume, train
 from tests.pendulum import random_pendulum_dataset
 from tests.threads import one_thread

@@ -15,7 +15,7 @@ import pytest
 
 from rl_tformers.runtime import toy
 from rl_tformers.runtime.checkpoint import load_checkpoint
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import Trainer, resume, train
 from tests.bitwise import same_bits
 

@@ -46,7 +46,7 @@ import torch
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
-from rl_tformers.runtime.config import ConfigError, compose
+from rl_tformers.runtime.run_config import ConfigError, compose
 
 runner = CliRunner()
 
@@ -59,14 +59,14 @@ def _gtrxl(path: Path, *extra: str) -> list[str]:
 
 
 def _build(overrides: list[str], tmp_path: Path):
-    from rl_tformers.runtime.agents import build_agent
+    from rl_tformers.runtime.agent_registry import build_agent
 
     return build_agent(compose(overrides=overrides), tmp_path / "run", torch.device("cpu"))
 
 
 # -- 1. offline GTrXL trained with bidirectional attention (future steps leak into each action) ----
 def test_gtrxl_refuses_or_ignores_a_non_causal_backbone(tmp_path, cartpole_h5) -> None:
-    from rl_tformers.runtime.agents import AgentBuildError
+    from rl_tformers.runtime.agent_registry import AgentBuildError
 
     data = cartpole_h5(tmp_path / "cp.h5")
     try:
@@ -91,7 +91,7 @@ def test_gtrxl_refuses_or_ignores_a_non_causal_backbone(tmp_path, cartpole_h5) -
 
 # -- 2. GTrXL's refusal of a non-causal kernel advises the leaking backbone.causal=false -------------
 def test_gtrxl_refusal_of_a_non_causal_kernel_does_not_advise_causal_false(tmp_path, cartpole_h5) -> None:
-    from rl_tformers.runtime.agents import AgentBuildError
+    from rl_tformers.runtime.agent_registry import AgentBuildError
 
     data = cartpole_h5(tmp_path / "cp.h5")
     with pytest.raises((AgentBuildError, ConfigError)) as info:
@@ -162,7 +162,7 @@ def test_resume_accepts_a_slot_field_given_its_default_value(tmp_path, cartpole_
 def test_backbone_doc_type_check_example_gives_the_message_it_quotes() -> None:
     import re
 
-    from rl_tformers.config import BackboneConfig
+    from rl_tformers.backbone_config import BackboneConfig
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "backbone.md").read_text()
     m = re.search(r"`(\w+)` with `(\w+): ([0-9.]+)`: \"\.\.\. (\w+) must be an integer, got ([0-9.]+) \(float\)\"", doc)

@@ -83,7 +83,7 @@ def test_gtrxl_memoryless_is_a_clean_error(tmp_path: Path) -> None:
 
 def test_eval_failure_at_end_keeps_the_trained_checkpoint(tmp_path: Path, monkeypatch) -> None:
     from rl_tformers.runtime import toy
-    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.run_config import compose
     from rl_tformers.runtime.trainer import train
 
     def boom(self, step):
@@ -103,7 +103,7 @@ def test_eval_failure_mid_run_saves_that_step_and_resumes_exactly(tmp_path: Path
 
     from rl_tformers.runtime import toy
     from rl_tformers.runtime.checkpoint import load_checkpoint
-    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.run_config import compose
     from rl_tformers.runtime.trainer import resume, train
 
     over = ["agent.kind=toy", "train.steps=6", "train.batch_size=4", "backbone.n_layers=1",
@@ -156,7 +156,7 @@ def test_non_finite_targets_refused() -> None:
 
 @pytest.mark.parametrize("name", ["gtrxl/hopper_positions_bc", "gtrxl/hopper_positions_mlp_bc"])
 def test_packaged_configs_honour_the_data_root_env(name: str) -> None:
-    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.run_config import compose
 
     cfg = compose(name, [])
     assert cfg.dataset.get("root") in (None, "")

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from rl_tformers.cli import app
 from rl_tformers.runtime import sweep as sw
-from rl_tformers.runtime.config import ConfigError, compose
+from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.runlock import hold_run, lock_holder
 from rl_tformers.runtime.trainer import RunDirError, resume, train
 
@@ -292,7 +292,7 @@ def test_short_run_warns_that_warmup_never_ends_and_pctbc_says_what_it_kept(tmp_
     from rl_tformers.agents.common.scripted import collect_delayed_expert
     from rl_tformers.envs.loaders import save_d4rl_hdf5
 
-    from rl_tformers.runtime.config import compose
+    from rl_tformers.runtime.run_config import compose
     from rl_tformers.runtime.trainer import train
 
     ds = collect_delayed_expert(20, seed=0, n_envs=10)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 
 
 def toy_cfg(*overrides: str):

@@ -71,7 +71,7 @@ def test_stop_at_then_resume(tmp_path: Path) -> None:
 
 
 def test_final_evaluation_summary_line() -> None:
-    from rl_tformers.runtime.commands import eval_summary
+    from rl_tformers.cli.train import eval_summary
 
     scalars = {"eval/return_mean": 412.86, "eval/return_std": 475.12, "eval/target": 3559.448,
                "eval/normalized_score": 13.31, "eval/time_s": 13.2,

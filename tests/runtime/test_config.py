@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rl_tformers.runtime.agents import UnknownAgentError
-from rl_tformers.runtime.config import (
+from rl_tformers.runtime.agent_registry import UnknownAgentError
+from rl_tformers.runtime.run_config import (
     ConfigError,
     available_configs,
     check_resume_changes,

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rl_tformers.runtime import cpu_matmul as cm
-from rl_tformers.runtime.config import ConfigError, compose
+from rl_tformers.runtime.run_config import ConfigError, compose
 from tests.regressions.conftest import _write_cartpole_h5
 
 needs_onednn = pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import rl_tformers.runtime.plugins as plugins
 from rl_tformers.cli import app
 from rl_tformers.registry import REGISTRIES
-from rl_tformers.runtime.config import ConfigError, compose
+from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import train
 from tests.regressions.conftest import _write_cartpole_h5
 from tests.regressions.test_found_by_breaker_13_tools import TINY
@@ -188,7 +188,7 @@ def test_a_config_saved_before_plugins_existed_resumes_unchanged() -> None:
     """A run saved without a ``plugins`` key composes with the empty default and resumes."""
     from omegaconf import OmegaConf
 
-    from rl_tformers.runtime.config import check_resume_changes, to_container
+    from rl_tformers.runtime.run_config import check_resume_changes, to_container
 
     new = compose(start={"agent": {"kind": "toy"}, "train": {"steps": 2}})
     old = to_container(new)

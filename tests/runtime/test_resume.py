@@ -16,7 +16,7 @@ from runtime_helpers import assert_same_weights, model_state, scalar_steps, toy_
 
 from rl_tformers.runtime import trainer as trainer_mod
 from rl_tformers.runtime.checkpoint import list_checkpoints, load_checkpoint
-from rl_tformers.runtime.config import compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import Trainer, resume, train
 
 TRAIN_KEYS = ("train/loss", "train/grad_norm", "train/lr", "train/mae")
@@ -157,7 +157,7 @@ def test_sigint_subprocess_checkpoint_and_resume(tmp_path: Path) -> None:
 
 
 def test_resume_refuses_trajectory_changes(tmp_path: Path) -> None:
-    from rl_tformers.runtime.config import ConfigError
+    from rl_tformers.runtime.run_config import ConfigError
 
     run = tmp_path / "run"
     train(toy_cfg(), run, stop_at=10)

@@ -21,9 +21,9 @@ from runtime_helpers import toy_cfg
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
+from rl_tformers.cli.train import _remove_if_only_the_lock, stop_report
 from rl_tformers.runtime import trainer as trainer_mod
 from rl_tformers.runtime.checkpoint import list_checkpoints
-from rl_tformers.runtime.commands import _remove_if_only_the_lock, stop_report
 from rl_tformers.runtime.runlock import LOCK_FILE, hold_run
 from rl_tformers.runtime.torchrun import SHUTDOWN_TIMEOUT_S, StopRequests, _with_our_settings
 from rl_tformers.runtime.trainer import GracefulInterrupt, Interrupted, Trainer, train

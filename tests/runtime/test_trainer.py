@@ -9,11 +9,11 @@ import pytest
 import torch
 from runtime_helpers import assert_same_weights, model_state, read_events, toy_cfg
 
-from rl_tformers.runtime import agents as agents_mod
+from rl_tformers.runtime import agent_registry as agents_mod
 from rl_tformers.runtime import toy
-from rl_tformers.runtime.agents import register_agent
+from rl_tformers.runtime.agent_registry import register_agent
 from rl_tformers.runtime.checkpoint import list_checkpoints, load_checkpoint
-from rl_tformers.runtime.config import compose, to_yaml
+from rl_tformers.runtime.run_config import compose, to_yaml
 from rl_tformers.runtime.trainer import NonFiniteLossError, Trainer, _with_run_dir, resume, train
 
 

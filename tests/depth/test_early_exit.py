@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from rl_tformers import Backbone
-from rl_tformers.adaptive.early_exit import (
+from rl_tformers.depth.early_exit import (
     CONFIDENCES,
     calibrate_threshold,
     consistency_evaluator,

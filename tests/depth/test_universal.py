@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rl_tformers import Backbone, IncompatibleConfig
-from rl_tformers.adaptive.universal import ACTState, act_step, coordinate_embedding
+from rl_tformers.depth.universal import ACTState, act_step, coordinate_embedding
 from rl_tformers.position.absolute import sinusoid
 from rl_tformers.types import AttnContext
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from rl_tformers.config import SlotConfig
+from rl_tformers.backbone_config import SlotConfig
 from rl_tformers.types import AttnContext, LayerState, merge_into
 
 

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from rl_tformers.adaptive.base import DepthConfig, DepthModule, DepthOutput
-from rl_tformers.adaptive.fixed import build_blocks
-from rl_tformers.config import IncompatibleConfig
+from rl_tformers.backbone_config import IncompatibleConfig
+from rl_tformers.depth.base import DepthConfig, DepthModule, DepthOutput
+from rl_tformers.depth.fixed import build_blocks
 from rl_tformers.position.absolute import sinusoid
 from rl_tformers.registry import DEPTH, Capabilities
 from rl_tformers.types import AttnContext, LayerState, acc_dtype, merge_into

@@ -17,8 +17,8 @@ def backbones(
 ) -> None:
     """List registered backbone components: slot, kind, description, paper, capabilities, fields (with their defaults)."""
     from rl_tformers.registry import SLOTS, all_entries
-    from rl_tformers.runtime.config import ConfigError
     from rl_tformers.runtime.plugins import load_plugins
+    from rl_tformers.runtime.run_config import ConfigError
 
     if slot is not None and slot not in SLOTS:
         raise typer.BadParameter(f"unknown slot {slot!r}; slots: {', '.join(SLOTS)}", param_hint="--slot")

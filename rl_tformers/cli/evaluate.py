@@ -47,8 +47,7 @@ def _fail(msg: str) -> typer.Exit:
 
 def _load(run_dir: Path, device: str, checkpoint: Path | None):
     from rl_tformers.agents.common.loading import load_run
-
-    from rl_tformers.runtime.agents import UnknownAgentError
+    from rl_tformers.runtime.agent_registry import UnknownAgentError
     from rl_tformers.runtime.checkpoint import CheckpointError
     from rl_tformers.runtime.device import resolve_device
 

@@ -9,7 +9,7 @@ A run is described by one config tree (OmegaConf ``DictConfig``)::
     run_dir: null              # null: runs/<config name>-<YYYYmmdd-HHMMSS>
     plugins: []                # your modules registering kinds/agents (rl_tformers.runtime.plugins)
     agent: {kind: dt, ...}     # registered agent kind + its own options
-    backbone: {...}            # rl_tformers.config.BackboneConfig fields and slots
+    backbone: {...}            # rl_tformers.backbone_config.BackboneConfig fields and slots
     dataset: {...}             # read by the agent / data layer
     train: {...}               # TrainConfig below: optimiser, schedule, logging, checkpoints
     eval: {...}                # EvalConfig below
@@ -429,7 +429,7 @@ def _check_dataset_layer(layer: Any, source: str) -> None:
 
 
 def _agent_kind(user: DictConfig) -> str:
-    from rl_tformers.runtime.agents import available_agents
+    from rl_tformers.runtime.agent_registry import available_agents
 
     agent = user.get("agent")
     kind = agent.get("kind") if isinstance(agent, DictConfig) and not OmegaConf.is_missing(agent, "kind") else None
@@ -476,7 +476,7 @@ def compose(
             out of range (e.g. ``train.steps``, ``eval.episodes`` or ``eval.n_envs`` < 1; named),
             a ``plugins`` module that is not found or fails to import (named).
     """
-    from rl_tformers.runtime.agents import get_agent
+    from rl_tformers.runtime.agent_registry import get_agent
 
     if config is not None and start is not None:
         raise ConfigError("give either a config file or a starting config, not both")
@@ -596,7 +596,7 @@ def check_backbone_kinds(backbone: Mapping[str, Any]) -> None:
 
 def _validate_values(cfg: DictConfig, entry=None) -> None:
     from rl_tformers.backbone import check_compatible
-    from rl_tformers.config import BackboneConfig
+    from rl_tformers.backbone_config import BackboneConfig
     from rl_tformers.registry import RegistryError
     from rl_tformers.runtime.device import resolve_device
 
@@ -711,7 +711,7 @@ def _slot_field_default(key: str, a: Mapping[str, Any], b: Mapping[str, Any]) ->
         return _NO_DEFAULT
     import dataclasses
 
-    from rl_tformers.config import BackboneConfig
+    from rl_tformers.backbone_config import BackboneConfig
     from rl_tformers.registry import REGISTRIES, SLOTS
 
     slot, name = parts[1], parts[2]
@@ -741,7 +741,7 @@ def display_yaml(cfg: DictConfig) -> str:
     """The resolved config as ``rl-tformers train --print-config`` shows it.
 
     :func:`to_yaml`, with the ``backbone`` section as it will be built: every
-    :class:`~rl_tformers.config.BackboneConfig` field, and in each slot every field of the chosen
+    :class:`~rl_tformers.backbone_config.BackboneConfig` field, and in each slot every field of the chosen
     kind with its default (``memory: {kind: compressive}`` shows ``mem_len``, ``compressed_len``,
     ``rate``...). Only for agent kinds that build a backbone (they register backbone defaults;
     ``bc``'s unused section stays as it is). ``config.yaml`` and checkpoints keep the fields
@@ -749,8 +749,8 @@ def display_yaml(cfg: DictConfig) -> str:
     composed one, and filling defaults into new ones would set them apart from every run saved
     before (or from one saved before a default changed).
     """
-    from rl_tformers.config import BackboneConfig
-    from rl_tformers.runtime.agents import get_agent
+    from rl_tformers.backbone_config import BackboneConfig
+    from rl_tformers.runtime.agent_registry import get_agent
 
     data = to_container(cfg)
     if "backbone" in get_agent(str(cfg.agent.kind)).defaults:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from rl_tformers.adaptive.base import DepthConfig, DepthModule, DepthOutput
+from rl_tformers.depth.base import DepthConfig, DepthModule, DepthOutput
 from rl_tformers.registry import DEPTH, Capabilities
 from rl_tformers.types import AttnContext, LayerState
 

@@ -2,7 +2,7 @@
 
 An agent kind registers a *builder*; the trainer calls it once per run::
 
-    from rl_tformers.runtime.agents import register_agent
+    from rl_tformers.runtime.agent_registry import register_agent
 
     @register_agent("dt", description="Decision Transformer (Chen et al. 2021)",
                     defaults={"agent": {"context_len": 20}, "train": {"lr": 1e-4}})
@@ -127,7 +127,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from rl_tformers.runtime.config import ConfigError
+from rl_tformers.runtime.run_config import ConfigError
 
 
 @runtime_checkable

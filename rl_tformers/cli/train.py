@@ -148,21 +148,21 @@ def train(
 ) -> None:
     _setup_logging()
     from rl_tformers.registry import RegistryError
-    from rl_tformers.runtime import agents as agent_registry
+    from rl_tformers.runtime import agent_registry as agent_registry
     from rl_tformers.runtime.checkpoint import CheckpointError
-    from rl_tformers.runtime.config import (
-        ConfigError,
-        compose,
-        config_display_name,
-        display_yaml,
-        resolve_config_path,
-    )
     from rl_tformers.runtime.distributed import (
         LAUNCHER_ENV,
         PeerFailure,
         dist_info,
         peer_failed,
         wait_for_teardown,
+    )
+    from rl_tformers.runtime.run_config import (
+        ConfigError,
+        compose,
+        config_display_name,
+        display_yaml,
+        resolve_config_path,
     )
     from rl_tformers.runtime.trainer import (
         EvaluationInputError,
@@ -361,14 +361,14 @@ def _launch_torchrun(nproc: int, overrides: list[str], config: str | None, resum
     """
     from rl_tformers.registry import RegistryError
     from rl_tformers.runtime.checkpoint import CheckpointError
-    from rl_tformers.runtime.config import (
+    from rl_tformers.runtime.distributed import gpu_count_problem, torchrun_command
+    from rl_tformers.runtime.run_config import (
         ConfigError,
         compose,
         config_display_name,
         default_run_dir,
         resolve_config_path,
     )
-    from rl_tformers.runtime.distributed import gpu_count_problem, torchrun_command
     from rl_tformers.runtime.runlock import RunBusyError, lock_holder
     from rl_tformers.runtime.trainer import check_world_size, load_resume_config, new_run_problem
 

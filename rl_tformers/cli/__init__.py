@@ -2,7 +2,7 @@
 
 Built with Typer (click underneath): typed options, ``--help`` on every command, shell-safe
 parsing. Configs are YAML files merged with dotted ``key=value`` overrides by OmegaConf (see
-``rl_tformers.runtime.config``).
+``rl_tformers.runtime.run_config``).
 
 Each command group lives in its own module and registers itself here through a
 ``register(app)`` function, so the command surface is assembled from the packages that own
@@ -29,11 +29,11 @@ app = typer.Typer(
 
 #: Modules that own a part of the command line; each defines ``register(app: typer.Typer)``.
 COMMAND_MODULES = (
-    "rl_tformers.runtime.commands",  # train, sweep
-    "rl_tformers.agents.commands",  # eval, plot, demo
-    "rl_tformers.envs.commands",  # collect, dataset
-    "rl_tformers.commands_backbones",  # backbones
-    "rl_tformers.bench.commands",  # bench
+    "rl_tformers.cli.train",  # train, sweep
+    "rl_tformers.cli.evaluate",  # eval, plot, demo
+    "rl_tformers.cli.data",  # collect, dataset
+    "rl_tformers.cli.backbones",  # backbones
+    "rl_tformers.cli.bench",  # bench
 )
 
 
@@ -159,7 +159,7 @@ def main() -> None:
     finally:
         import sys
 
-        train_commands = sys.modules.get("rl_tformers.runtime.commands")  # loaded only by commands that train
+        train_commands = sys.modules.get("rl_tformers.cli.train")  # loaded only by commands that train
         if train_commands is not None and train_commands.finished_run():
             # the run is complete and saved: a Ctrl-C while the interpreter shuts down (torch,
             # environments: up to a second) must not turn the exit status into 130 or a kill

@@ -236,6 +236,7 @@ def _skipped_line(e, as_json: bool) -> str:
 def _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
                  pomdp, obs_indices, seed, dataset_id, root, hdf5, overwrite, progress):
     import gymnasium as gym
+
     from rl_tformers.envs.collect import (
         Behaviour,
         check_hdf5_target,
@@ -374,6 +375,7 @@ def _env_mismatch(ds, flatten_observations: bool = False) -> str | None:
     or None: it fits, the dataset names none, or it cannot be made here (not registered,
     dependencies missing), so there is nothing to compare with."""
     import gymnasium as gym
+
     from rl_tformers.envs import memory_tasks  # noqa: F401 - registers the project's own tasks
     from rl_tformers.envs.pomdp import make_env
 

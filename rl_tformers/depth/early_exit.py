@@ -68,9 +68,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rl_tformers.adaptive.base import DepthConfig, DepthModule, DepthOutput
-from rl_tformers.adaptive.fixed import build_blocks
-from rl_tformers.config import IncompatibleConfig
+from rl_tformers.backbone_config import IncompatibleConfig
+from rl_tformers.depth.base import DepthConfig, DepthModule, DepthOutput
+from rl_tformers.depth.fixed import build_blocks
 from rl_tformers.registry import DEPTH, Capabilities
 from rl_tformers.types import AttnContext, LayerState
 

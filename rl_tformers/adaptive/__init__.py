@@ -1,5 +1,0 @@
-"""Backbone slot package 'adaptive': every module here registers its kinds on import."""
-
-from rl_tformers._discover import import_submodules
-
-import_submodules(__name__)
