@@ -17,7 +17,6 @@ episode is finished, not cut), so datasets hold complete episodes only.
 from __future__ import annotations
 
 import importlib
-import json
 import math
 import os
 import shutil
@@ -530,8 +529,3 @@ def train_and_record(
     if hdf5 is not None:
         result.hdf5_path = save_d4rl_hdf5(ds, hdf5)
     return SB3Policy(model, None, name=f"{algo}-trained-{steps}"), result
-
-
-def write_record(result: CollectResult, path: str | Path) -> None:
-    """Write ``result.summary()`` as JSON (used by the recipe scripts)."""
-    Path(path).write_text(json.dumps(result.summary(), indent=2))

@@ -438,14 +438,6 @@ def plot(res: Result, path: str) -> None:
     plt.close(fig)
 
 
-def replot(json_path: str, path: str) -> None:
-    """Redraw the plot of a saved ``--out`` JSON file."""
-    with open(json_path) as fh:
-        data = json.load(fh)
-    st = data["settings"]
-    st["lengths"] = tuple(st["lengths"])
-    plot(Result(settings=Settings(**st), rows=data["rows"]), path)
-
 
 def _parse_value(text: str) -> Any:
     """A command-line value: int, then float, else the string."""

@@ -134,10 +134,6 @@ def newest(store: KNNStore, n: int) -> KNNStore:
     return KNNStore(store.keys[:, :, -n:], store.values[:, :, -n:], store.pos[:, -n:], store.valid[:, -n:], store.seg[:, -n:])
 
 
-def append_store(store: KNNStore, keys: Tensor, values: Tensor, pos: Tensor, valid: Tensor, seg: Tensor) -> KNNStore:
-    """FIFO append of T entries (keys/values (B, H, T, Dh), bookkeeping (B, T)); keeps the newest N."""
-    return newest(extend_store(store, keys, values, pos, valid, seg), store.capacity)
-
 
 class KNNAugmentedAttention(nn.Module):
     """A layer's attention plus retrieval from a :class:`KNNStore` (Wu et al. 2022, sec. 3.2).
