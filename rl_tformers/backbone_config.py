@@ -25,7 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError, config_to_dict, plain_number
+from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError, config_to_dict
+from rl_tformers.typed_config import plain_number
 
 
 class ConfigAdviceWarning(UserWarning):
@@ -33,7 +34,7 @@ class ConfigAdviceWarning(UserWarning):
     ``attn_dropout`` with a kernel that forms no attention probabilities).
 
     Actionable only where the config is chosen, before training: rebuilding a trained run for
-    evaluation or plotting (:func:`rl_tformers.agents.common.loading.load_run`) silences it.
+    evaluation or plotting (:func:`rl_tformers.runtime.loading.load_run`) silences it.
     """
 
 

@@ -20,13 +20,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from rl_tformers.agents.bc.config import BCAgentConfig
 from rl_tformers.agents.bc.loss import bc_loss
 from rl_tformers.agents.bc.model import BCConfig, BCModel
-from rl_tformers.agents.common.evaluation import evaluate
-from rl_tformers.agents.common.loading import register_inference_loader
 from rl_tformers.agents.common.offline import (
     DatasetInfo,
-    eval_seed,
     flattens_observations,
     load_offline_dataset,
     plain,
@@ -36,16 +34,12 @@ from rl_tformers.envs.dataset import EpisodeDataset
 from torch import Tensor
 
 from rl_tformers.runtime.agent_registry import register_agent
+from rl_tformers.runtime.evaluation import eval_seed, evaluate, report_logs
+from rl_tformers.runtime.loading import register_inference_loader
 
+#: Registered defaults of ``agent.kind=bc`` (its ``agent`` section: :class:`BCAgentConfig`'s)
 BC_DEFAULTS: dict[str, Any] = {
-    "agent": {
-        "hidden": [256, 256],  # MLP hidden widths
-        "dropout": 0.1,  # dropout after each hidden layer
-        "top_fraction": 1.0,  # train on the best episodes by return only (0.1 = %BC); 1.0 = BC
-        "normalize_obs": True,  # standardise observations with the (filtered) dataset's mean/std
-        "env_id": None,  # evaluation env; null = the dataset's
-        "env_kwargs": None,  # gym.make keyword arguments of the evaluation env (a mapping)
-    },
+    "agent": BCAgentConfig().to_dict(),
     "train": {
         "batch_size": 64, "lr": 1.0e-4, "weight_decay": 1.0e-4, "grad_clip": 0.25,
         "schedule": "linear_warmup", "warmup_steps": 10000, "steps": 100000,
@@ -95,14 +89,16 @@ class BCAgent:
             for inference-only construction.
 
     Raises:
-        ValueError: ``agent.top_fraction`` outside (0, 1]; unbounded actions.
+        ValueError: a bad ``agent.*`` option (a ``ConfigFieldError`` naming it); backbone
+            components set; unbounded actions.
     """
 
     def __init__(self, cfg: Any, run_dir: Path | None, device: torch.device | str,
                  dataset: EpisodeDataset | None = None, info: DatasetInfo | None = None) -> None:
         from rl_tformers.envs.trajectory import top_fraction
 
-        a = cfg.agent
+        a = BCAgentConfig.from_dict({k: v for k, v in plain(cfg.agent).items() if k != "kind"}, where="agent")
+        self.options = a
         self.cfg = cfg
         self.seed = int(cfg.seed)
         self.device = torch.device(device)
@@ -118,8 +114,6 @@ class BCAgent:
                 f"backbone.{', backbone.'.join(slots)}; drop them (GTrXL, agent.kind=gtrxl, or the DT, "
                 f"agent.kind=dt, take backbone components)")
         frac = float(a.top_fraction)
-        if not 0.0 < frac <= 1.0:  # before the dataset is loaded
-            raise ValueError(f"agent.top_fraction must be in (0, 1] (0.1 = %BC, 1 = BC), got {a.top_fraction}")
         if info is None:
             if self.dataset is None:
                 self.dataset = load_offline_dataset(plain(cfg.dataset))
@@ -131,12 +125,12 @@ class BCAgent:
                     frac, self.dataset.num_episodes, full.num_episodes, self.dataset.num_steps, full.num_steps,
                     float(np.min(self.dataset.episode_returns)))
             info = DatasetInfo.from_dataset(
-                self.dataset, normalize_obs=bool(a.normalize_obs), env_id=a.env_id, env_kwargs=plain(a.env_kwargs),
+                self.dataset, normalize_obs=a.normalize_obs, env_id=a.env_id, env_kwargs=a.env_kwargs,
                 spec=plain(cfg.dataset).get("path"), flatten_observations=flattens_observations(plain(cfg.dataset)),
             )
         self.info = info
         self.model_cfg = BCConfig(obs_dim=info.obs_dim, act_dim=info.act_dim, discrete=info.discrete,
-                                  hidden=plain(a.hidden), dropout=float(a.dropout))
+                                  hidden=a.hidden, dropout=float(a.dropout))
         self.model = BCModel(self.model_cfg).to(self.device)
 
     def batches(self, start_step: int):
@@ -185,11 +179,7 @@ class BCAgent:
             normalize=self.info.normalizer(), env_id=self.info.env_id,
         )
         self.model.train(was_training)
-        r = report.results[0]
-        out = {"eval/return_mean": r.return_mean, "eval/return_std": r.return_std}
-        if r.normalized_score is not None:
-            out["eval/normalized_score"] = r.normalized_score
-        return out
+        return report_logs(report)
 
     def extra_state(self) -> dict[str, Any]:
         """The dataset statistics saved with a checkpoint (:meth:`DatasetInfo.to_extra`)."""
@@ -218,7 +208,7 @@ def load_for_inference(cfg: Any, state: Mapping[str, Any], device: torch.device 
 
 
 @register_agent("bc", description="Behaviour cloning MLP; agent.top_fraction=0.1 gives %BC (Chen et al. 2021)",
-                defaults=BC_DEFAULTS)
+                defaults=BC_DEFAULTS, config_cls=BCAgentConfig)
 def build_bc(cfg: Any, run_dir: Path, device: torch.device) -> BCAgent:
     """Builder of ``agent.kind=bc``."""
     return BCAgent(cfg, run_dir, device)

@@ -71,9 +71,9 @@ def run_demo(
         InterruptedError: training was stopped by SIGINT/SIGTERM (a checkpoint was saved).
     """
     import torch
-    from rl_tformers.agents.common.evaluation import evaluate
-    from rl_tformers.agents.common.loading import load_run
-    from rl_tformers.agents.common.plots import (
+    from rl_tformers.runtime.evaluation import evaluate
+    from rl_tformers.runtime.loading import load_run
+    from rl_tformers.runtime.plots import (
         log_figure,
         plot_return_conditioning,
         save_figure,

@@ -20,8 +20,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-from rl_tformers.agents.common.evaluation import EnvFactory, evaluate
-from rl_tformers.agents.common.policy import Policy
+
+from rl_tformers.runtime.evaluation import EnvFactory, evaluate
+from rl_tformers.runtime.protocol import Policy
 
 #: obs (N, *obs_shape) -> actions (N, *act_shape)
 Reference = Callable[[np.ndarray], np.ndarray]
@@ -66,7 +67,7 @@ def imitation_report(
         make_env: evaluation environment factory.
         references: name -> function ``obs (N, ...) -> actions (N, ...)`` (at least one).
         target: target return of a return-conditioned agent (``None`` otherwise).
-        episodes, n_envs, seed: as in :func:`~rl_tformers.agents.common.evaluation.evaluate`.
+        episodes, n_envs, seed: as in :func:`~rl_tformers.runtime.evaluation.evaluate`.
         early_steps: steps ``t < early_steps`` of each episode are reported separately.
 
     Returns:
@@ -114,7 +115,8 @@ def sb3_reference(path: str, env_id: str) -> Reference:
 def main(argv: list[str] | None = None) -> None:
     """``python -m rl_tformers.agents.common.diagnostics RUN_DIR --ref NAME=MODEL.zip ... [--target R]``."""
     import torch
-    from rl_tformers.agents.common.loading import load_run
+
+    from rl_tformers.runtime.loading import load_run
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir")

@@ -457,7 +457,7 @@ class DatasetInfo:
         """Steps of the evaluation environment's time limit (``spec.max_episode_steps``), or
         ``None`` when it has none, the dataset names no environment, or it cannot be made here
         (:meth:`check_env` reports that); for warnings given before training."""
-        from rl_tformers.agents.common.evaluation import max_episode_steps
+        from rl_tformers.runtime.evaluation import max_episode_steps
 
         if not self.env_id:
             return None
@@ -663,10 +663,3 @@ def check_scaled_returns(ds: EpisodeDataset, scale: float, where: str | None = N
             f"|return-to-go| {m_rtg:g}, |reward| {m_r:g}): {m:g} / {scale:g} = {float(scaled):g} is not finite "
             f"in float32 (max {limit:g}), so training would see inf/NaN; use agent.reward_scale >= {m / limit:g} "
             f"('auto' picks the power of ten at or below the largest |episode return|)")
-
-
-def eval_seed(seed: int, step: int) -> int:
-    """Seed of the evaluation episodes at training step ``step`` (31 bits, for gymnasium)."""
-    from rl_tformers.runtime.seeding import derive_seed
-
-    return derive_seed(seed, "eval", step) % (2**31)

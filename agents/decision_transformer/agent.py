@@ -11,7 +11,7 @@ Read top to bottom, a training run is::
     AdamW(lr 1e-4, wd 1e-4), linear warmup 10k, grad clip 0.25, batch 64  (the paper's table 8)
 
 and ``evaluate(step)`` rolls the policy out at ``agent.targets`` in gymnasium vector envs
-(:func:`rl_tformers.agents.common.evaluation.evaluate`), logging per-target returns, normalised
+(:func:`rl_tformers.runtime.evaluation.evaluate`), logging per-target returns, normalised
 scores and the return-conditioning figure.
 
 What goes into a checkpoint besides the weights (``extra_state``): observation mean/std, reward
@@ -36,61 +36,27 @@ from typing import Any
 
 import numpy as np
 import torch
-from rl_tformers.agents.common.evaluation import evaluate, repeated_target
-from rl_tformers.agents.common.loading import register_inference_loader
 from rl_tformers.agents.common.offline import (
     DatasetInfo,
-    eval_seed,
     flattens_observations,
     load_offline_dataset,
-    parse_reward_scale,
     plain,
 )
+from rl_tformers.agents.decision_transformer.config import DTAgentConfig, exit_threshold
 from rl_tformers.agents.decision_transformer.loss import dt_loss
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTConfig, from_env_action
-from rl_tformers.agents.decision_transformer.policy import OVERFLOW_POLICIES, DTPolicy, acting_context_mask
+from rl_tformers.agents.decision_transformer.policy import DTPolicy, acting_context_mask
 from rl_tformers.envs.dataset import EpisodeDataset
 from torch import Tensor
 
 from rl_tformers.runtime.agent_registry import register_agent
+from rl_tformers.runtime.evaluation import eval_seed, evaluate, report_logs
+from rl_tformers.runtime.loading import register_inference_loader
 
-#: Registered defaults of ``agent.kind=dt``: the paper's hyper-parameters for MuJoCo (table 8).
+#: Registered defaults of ``agent.kind=dt`` (its ``agent`` section: :class:`DTAgentConfig`'s): the
+#: paper's hyper-parameters for MuJoCo (table 8).
 DT_DEFAULTS: dict[str, Any] = {
-    "agent": {
-        "context_len": 20,  # K, steps per window
-        "max_ep_len": 1000,  # timestep embedding size; episodes must not be longer
-        "mode": "causal",  # causal | last_action (kernels without a causal form)
-        "align": "auto",  # training windows / eval context: auto (start if causal, else end) | start | end
-        "head": "deterministic",  # deterministic (tanh, MSE) | gaussian (Online DT)
-        "embed_dropout": 0.1,  # dropout after the embedding LayerNorm
-        "embed_init": "gpt2",  # embeddings + action head init: gpt2 (N(0, 0.02), HF/d3rlpy) | paper (official code)
-        "log_std_min": -5.0,  # gaussian head bounds
-        "log_std_max": 2.0,
-        "init_temperature": 0.1,  # gaussian head: initial entropy temperature
-        "target_entropy": None,  # gaussian head: null = -act_dim
-        "reward_scale": "auto",  # divisor of returns-to-go: auto = power of ten below max |return|
-        "normalize_obs": True,  # standardise observations with dataset mean/std
-        "targets": None,  # evaluation target returns, raw units; null = [dataset best]
-        "timestep_overflow": "error",  # error | clamp: episode steps >= max_ep_len at evaluation
-        # steps of context the policy reads when acting (evaluation, Online DT rollouts): the
-        # last min(t + 1, eval_context_len) steps; null = K (Online DT's paper: 5 on some tasks)
-        "eval_context_len": None,
-        "env_id": None,  # evaluation env; null = the dataset's
-        "env_kwargs": None,  # gym.make keyword arguments of the evaluation env (a mapping)
-        "eval_figure": True,  # log the return-conditioning figure at each evaluation
-        # backbone.depth.kind=early_exit only (docs/memory_adaptive.md)
-        "early_exit": {
-            "scheme": "sampled",  # head trained on: sampled (one random exit per step) | weighted | uniform
-            "tol": 0.1,  # continuous: exit n agrees with the last layer when max |a^n - a^N| <= tol
-            "heldout_frac": 0.05,  # episodes kept out of training, for calibrating the threshold
-            "threshold": None,  # evaluation threshold: null = full model, a number, or "calibrate"
-            "delta": 0.1,  # calibration: tolerated inconsistency with the full model
-            "epsilon": 0.05,  # calibration: failure probability (Learn-then-Test, Hoeffding)
-            "windows": 2000,  # calibration: held-out decisions
-        },
-        # kNN-LM action memory at evaluation (agents/common/knn_memory.py); lambda 0 = off
-        "knn": {"lam": 0.0, "k": 16, "temperature": 1.0, "max_entries": 100000, "metric": "l2"},
-    },
+    "agent": DTAgentConfig().to_dict(),
     "backbone": {
         # GPT-2's dropout placement, as in the paper's code: residual, attention and embedding
         # dropout 0.1, none on the feed-forward hidden layer (ffn_dropout=0; also ~20% faster
@@ -144,112 +110,6 @@ def warn_time_limit(info: DatasetInfo, max_ep_len: int, offline_run: str | None 
             "agent.timestep_overflow=clamp", info.env_id, limit, offline_run, max_ep_len, max_ep_len, limit)
 
 
-def parse_config_targets(value: Any) -> list[float] | None:
-    """``agent.targets`` (plain value): ``None``, one target return, or a non-empty list of them.
-
-    Returns:
-        ``None`` (the dataset's best return is the default target) or the targets as floats
-        (raw reward units; a single number becomes a one-element list).
-
-    Raises:
-        ValueError: naming ``agent.targets`` and the value, for an empty list, a boolean, a
-            nested list, a string that is not a number, anything else that is not a number
-            or a list of numbers, or a target given twice (``[3600, 3600.0]``: it would be
-            evaluated, logged and plotted twice) (finiteness and size are checked by
-            :meth:`DTPolicy.check_targets`).
-    """
-    if value is None:
-        return None
-    items = list(value) if isinstance(value, (list, tuple)) else [value]
-    out = []
-    for x in items:
-        try:
-            if isinstance(x, (bool, list, tuple, dict)):
-                raise TypeError
-            out.append(float(x))  # numbers, and strings float() reads ("3600", "nan": refused later)
-        except (TypeError, ValueError):
-            out = []
-            break
-    if not out:
-        raise ValueError(f"agent.targets must be a target return or a non-empty list of them (raw reward units, "
-                         f"e.g. agent.targets=3600 or agent.targets=[3600,1800]), or null for the dataset's best "
-                         f"return; got {value!r}")
-    twice = repeated_target(out)
-    if twice is not None:
-        i, j = twice
-        raise ValueError(f"agent.targets: the target {out[i]:g} is given twice (items {i + 1} and {j + 1} of {value!r}); "
-                         f"give each target once: each is evaluated on the same episodes and is one point of "
-                         f"the return-conditioning plot")
-    return out
-
-
-def parse_exit_threshold(value: Any, option: str) -> float | str | None:
-    """An early-exit threshold: ``None``/``"none"``/``"off"`` (the full model), ``"calibrate"``, or a
-    finite number >= 0 (every confidence lies in [0, 1]: 0 exits every token after layer 1, a
-    value above 1 never exits early).
-
-    Returns:
-        ``None``, ``"calibrate"`` or the threshold as a float.
-
-    Raises:
-        ValueError: naming ``option``, for anything else (a negative or non-finite number, another
-            string, a boolean).
-    """
-    if value is None:
-        return None
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word in ("none", "off", ""):
-            return None
-        if word == "calibrate":
-            return "calibrate"
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        thr = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{option}: {value!r} is neither 'calibrate', 'none' nor a threshold") from None
-    if not math.isfinite(thr) or thr < 0:
-        raise ValueError(f"{option}={value!r}: the threshold must be a finite number >= 0 (confidences lie in "
-                         f"[0, 1]: 0 exits every step after layer 1, above 1 never exits; 'none' for the full model)")
-    return thr
-
-
-def check_inference_options(early_exit: Mapping[str, Any], knn: Mapping[str, Any]) -> None:
-    """Refuse ``agent.early_exit.*`` and ``agent.knn.*`` values out of range, naming the option.
-
-    Checked when the agent is built, before the dataset is read: these options matter only at
-    evaluation, where a bad one used to fail after training (``windows: 0``: a reshape error;
-    ``knn.lam: 2``: "lambda must lie in [0, 1]" without the option) or change nothing visible
-    (``heldout_frac`` above 0.5 held out every second episode; ``knn.temperature: 0`` or a
-    negative one turned every neighbour weight into 0 or inverted the distances).
-
-    Raises:
-        ValueError: naming the first bad option and its range.
-    """
-    from rl_tformers.agents.common.knn_memory import METRICS
-
-    def number(section: str, name: str, value: Any, ok, what: str, integer: bool = False) -> None:
-        bad = isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int))
-        if bad or not math.isfinite(value) or not ok(value):
-            raise ValueError(f"agent.{section}.{name} must be {what}, got {value!r}")
-
-    e = early_exit
-    number("early_exit", "tol", e["tol"], lambda v: v >= 0, "a number >= 0 (normalised action units)")
-    number("early_exit", "heldout_frac", e["heldout_frac"], lambda v: 0 <= v <= 0.5,
-           "a fraction in [0, 0.5] (every round(1/heldout_frac)-th episode is held out; 0: none)")
-    number("early_exit", "delta", e["delta"], lambda v: 0 < v < 1, "in (0, 1) (tolerated inconsistency)")
-    number("early_exit", "epsilon", e["epsilon"], lambda v: 0 < v < 1, "in (0, 1) (failure probability)")
-    number("early_exit", "windows", e["windows"], lambda v: v >= 1, "an integer >= 1 (held-out decisions)", True)
-    parse_exit_threshold(e["threshold"], "agent.early_exit.threshold")
-    number("knn", "lam", knn["lam"], lambda v: 0 <= v <= 1, "in [0, 1] (0: off)")
-    number("knn", "k", knn["k"], lambda v: v >= 1, "an integer >= 1", True)
-    number("knn", "temperature", knn["temperature"], lambda v: v > 0, "a number > 0 (the distance temperature)")
-    number("knn", "max_entries", knn["max_entries"], lambda v: v >= 1, "an integer >= 1", True)
-    if knn["metric"] not in METRICS:
-        raise ValueError(f"agent.knn.metric={knn['metric']!r}; use one of {', '.join(METRICS)}")
-
-
 def to_model_batch(batch: Mapping[str, Tensor], info: DatasetInfo) -> dict[str, Tensor]:
     """Sampler batch (:class:`rl_tformers.envs.samplers.WindowSampler` keys) -> :func:`dt_loss` inputs.
 
@@ -277,20 +137,6 @@ def to_model_batch(batch: Mapping[str, Tensor], info: DatasetInfo) -> dict[str, 
     }
 
 
-def parse_eval_context_len(value: Any, context_len: int) -> int | None:
-    """``agent.eval_context_len``: ``None`` (act with the whole context K) or an integer in [1, K].
-
-    Raises:
-        ValueError: anything else; the message names the option and K (``agent.context_len``).
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= context_len:
-        raise ValueError(f"agent.eval_context_len={value!r}: give an integer in [1, {context_len}] (the steps of "
-                         f"context read when acting, at most agent.context_len={context_len}) or null (all K)")
-    return None if value == context_len else int(value)
-
-
 class DTAgent:
     """The Decision Transformer as a :class:`~rl_tformers.runtime.agent_registry.Trainable`.
 
@@ -301,12 +147,13 @@ class DTAgent:
         dataset: an already loaded dataset (tests, demo); default: ``cfg.dataset``.
         info: :class:`DatasetInfo` of a checkpoint; builds the model without any dataset
             (inference only: :meth:`batches` then raises).
+        options: the typed ``agent:`` section (default: :class:`DTAgentConfig` of ``cfg.agent``;
+            Online DT passes its own, a subclass).
 
     Raises:
-        ValueError: bad agent options (named; ``agent.timestep_overflow``, ``agent.eval_context_len``,
-            ``agent.reward_scale`` and the form of ``agent.targets`` before the dataset is read,
-            targets beyond the new model's :meth:`DTPolicy.target_limit` after), unbounded
-            actions, episodes longer than ``agent.max_ep_len``.
+        ValueError: bad agent options (a ``ConfigFieldError`` naming ``agent.<key>``, before the
+            dataset is read; targets beyond the new model's :meth:`DTPolicy.target_limit` after),
+            unbounded actions, episodes longer than ``agent.max_ep_len``.
     """
 
     targets_option = "agent.targets"  # the config key of the default return targets (eval messages)
@@ -314,21 +161,17 @@ class DTAgent:
     def __init__(
         self, cfg: Any, run_dir: Path | None, device: torch.device | str,
         dataset: EpisodeDataset | None = None, info: DatasetInfo | None = None,
+        options: DTAgentConfig | None = None,
     ) -> None:
-        a = cfg.agent
+        # every option is checked before the dataset is read and anything is trained
+        a = options if options is not None else DTAgentConfig.from_dict(
+            {k: v for k, v in plain(cfg.agent).items() if k != "kind"}, where="agent")
+        self.options = a
         self.cfg = cfg
-        # options that only matter later (evaluation, the dataset statistics) are checked before
-        # the dataset is read and anything is trained
-        overflow = str(a.timestep_overflow)
-        if overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"agent.timestep_overflow={a.timestep_overflow!r}; use one of {', '.join(OVERFLOW_POLICIES)}")
-        reward_scale = parse_reward_scale(a.reward_scale)
-        self.eval_context_len = parse_eval_context_len(a.get("eval_context_len"), int(a.context_len))
-        self.config_targets = parse_config_targets(plain(a.get("targets")))
-        # runs saved before these options existed get the defaults
-        self.early_exit_options = {**DT_DEFAULTS["agent"]["early_exit"], **(plain(a.get("early_exit")) or {})}
-        self.knn_options = {**DT_DEFAULTS["agent"]["knn"], **(plain(a.get("knn")) or {})}
-        check_inference_options(self.early_exit_options, self.knn_options)
+        self.eval_context_len = a.acting_context
+        self.config_targets = None if a.targets is None else list(a.targets)
+        self.early_exit_options = a.early_exit
+        self.knn_options = a.knn
         self.knn_memory = None  # KNNPolicyMemory, set by build_knn_memory
         self._knn_for: tuple[float | None, int | None] | None = None  # what its keys were computed for
         self.exit_threshold: float | None = None  # set by set_exit_threshold / calibrate_early_exit
@@ -339,30 +182,26 @@ class DTAgent:
             if self.dataset is None:
                 self.dataset = load_offline_dataset(plain(cfg.dataset))
             info = DatasetInfo.from_dataset(
-                self.dataset, reward_scale=reward_scale, normalize_obs=bool(a.normalize_obs),
-                env_id=a.env_id, env_kwargs=plain(a.env_kwargs), spec=plain(cfg.dataset).get("path"),
+                self.dataset, reward_scale=a.reward_scale, normalize_obs=a.normalize_obs,
+                env_id=a.env_id, env_kwargs=a.env_kwargs, spec=plain(cfg.dataset).get("path"),
                 flatten_observations=flattens_observations(plain(cfg.dataset)),
             )
-            self.dataset.check_max_ep_len(int(a.max_ep_len), "agent.max_ep_len")  # names the episode
-            if overflow == "error":
-                warn_time_limit(info, int(a.max_ep_len))
+            self.dataset.check_max_ep_len(a.max_ep_len, "agent.max_ep_len")  # names the episode
+            if a.timestep_overflow == "error":
+                warn_time_limit(info, a.max_ep_len)
         self.info = info
         self.model_cfg = DTConfig(
             obs_dim=info.obs_dim, act_dim=info.act_dim, discrete=info.discrete,
-            context_len=int(a.context_len), max_ep_len=int(a.max_ep_len), mode=str(a.mode), head=str(a.head),
-            # runs saved before agent.embed_init existed were initialised the gpt2 way
-            embed_dropout=float(a.embed_dropout), embed_init=str(a.get("embed_init", "gpt2")),
+            context_len=a.context_len, max_ep_len=a.max_ep_len, mode=a.mode, head=a.head,
+            embed_dropout=float(a.embed_dropout), embed_init=a.embed_init,
             log_std_min=float(a.log_std_min), log_std_max=float(a.log_std_max),
             init_temperature=float(a.init_temperature),
             target_entropy=None if a.target_entropy is None else float(a.target_entropy),
             backbone=plain(cfg.backbone),
-            exit_scheme=str(self.early_exit_options["scheme"]), exit_tol=float(self.early_exit_options["tol"]),
+            exit_scheme=a.early_exit.scheme, exit_tol=float(a.early_exit.tol),
         )
         self.model = DecisionTransformer(self.model_cfg).to(self.device)
-        align = str(a.get("align", "auto"))  # runs saved before the option existed: auto
-        self.align = ("start" if self.model_cfg.mode == "causal" else "end") if align == "auto" else align
-        if self.align not in ("start", "end") or (self.align == "start" and self.model_cfg.mode != "causal"):
-            raise ValueError(f"agent.align={align!r}: use auto, start (causal mode only) or end")
+        self.align = ("start" if self.model_cfg.mode == "causal" else "end") if a.align == "auto" else a.align
         if self.dataset is not None:
             self._check_data_returns()
         if self.info is not None and self.config_targets is not None:
@@ -447,7 +286,7 @@ class DTAgent:
         return DTPolicy(
             self.model, i.obs_mean, i.obs_std, i.reward_scale, i.action_low, i.action_high,
             default_target=self.default_targets()[0],
-            timestep_overflow=timestep_overflow or str(self.cfg.agent.timestep_overflow), align=self.align,
+            timestep_overflow=timestep_overflow or self.options.timestep_overflow, align=self.align,
             exit_threshold=self.exit_threshold, knn=self.knn_memory, action_start=i.action_start,
             action_shape=None if i.discrete else i.action_shape, sample=sample, generator=generator,
             context_steps=self.eval_context_len,
@@ -461,7 +300,7 @@ class DTAgent:
         deterministic and spread over the dataset; none when ``heldout_frac`` is 0 or the depth
         kind is not ``early_exit``.
         """
-        frac = float(self.early_exit_options["heldout_frac"])
+        frac = float(self.early_exit_options.heldout_frac)
         n = dataset.num_episodes
         if not self.model.early_exit or frac <= 0 or n < 2:
             return np.zeros(n, dtype=bool)
@@ -520,16 +359,13 @@ class DTAgent:
         """
         info: dict[str, Any] = {}
         self.exit_threshold, self.knn_memory, self._knn_for = None, None, None
-        if early_exit is None:
-            ee = parse_exit_threshold(self.early_exit_options["threshold"], "agent.early_exit.threshold")
-        else:
-            ee = parse_exit_threshold(early_exit, "early exit")
+        ee = self.early_exit_options.threshold if early_exit is None else exit_threshold(early_exit, "--early-exit")
         if ee == "calibrate":
             info["early_exit"] = self.calibrate_early_exit()
         elif ee is not None:
             self.set_exit_threshold(ee)
             info["early_exit"] = {"threshold": ee}
-        lam = float(self.knn_options["lam"] if knn_lambda is None else knn_lambda)
+        lam = float(self.knn_options.lam if knn_lambda is None else knn_lambda)
         if lam > 0 or knn_lambda is not None:
             info["knn"] = self.build_knn_memory(lam=lam, k=knn_k, max_entries=knn_max_entries)
         return info
@@ -539,11 +375,11 @@ class DTAgent:
 
         Raises:
             ValueError: the backbone's depth kind is not ``early_exit``, or ``threshold`` is not a
-                finite number >= 0 (:func:`parse_exit_threshold`).
+                finite number >= 0 (``agent.early_exit.threshold``'s range).
         """
         if threshold is not None and not self.model.early_exit:
             raise ValueError("early exit needs backbone.depth.kind=early_exit in the run's config")
-        self.exit_threshold = None if threshold is None else parse_exit_threshold(float(threshold), "early exit")
+        self.exit_threshold = None if threshold is None else exit_threshold(float(threshold), "early exit threshold")
 
     @torch.no_grad()
     def calibrate_early_exit(
@@ -577,9 +413,9 @@ class DTAgent:
         if not self.model.early_exit:
             raise ValueError("calibration needs backbone.depth.kind=early_exit in the run's config")
         o = self.early_exit_options
-        delta = float(o["delta"] if delta is None else delta)
-        epsilon = float(o["epsilon"] if epsilon is None else epsilon)
-        windows = int(o["windows"] if windows is None else windows)
+        delta = float(o.delta if delta is None else delta)
+        epsilon = float(o.epsilon if epsilon is None else epsilon)
+        windows = int(o.windows if windows is None else windows)
         data = self._data(dataset)
         held = self.heldout_mask(data)
         cal_data = data.select(held) if held.any() else data
@@ -595,7 +431,7 @@ class DTAgent:
         was = self.model.training
         self.model.eval()
         args = (batch["obs"], batch["actions"], batch["rtg"], batch["timesteps"], mask)
-        discrete, tol = self.model_cfg.discrete, float(o["tol"])
+        discrete, tol = self.model_cfg.discrete, float(o.tol)
 
         chunks = [slice(i, i + 512) for i in range(0, mask.shape[0], 512)]
 
@@ -653,11 +489,11 @@ class DTAgent:
         from rl_tformers.agents.common.knn_memory import ActionDatastore, KNNPolicyMemory
 
         o = self.knn_options
-        lam = float(o["lam"] if lam is None else lam)
-        k_nb = int(o["k"] if k is None else k)
-        temperature = float(o["temperature"] if temperature is None else temperature)
-        max_entries = int(o["max_entries"] if max_entries is None else max_entries)
-        metric = str(o["metric"] if metric is None else metric)
+        lam = float(o.lam if lam is None else lam)
+        k_nb = int(o.k if k is None else k)
+        temperature = float(o.temperature if temperature is None else temperature)
+        max_entries = int(o.max_entries if max_entries is None else max_entries)
+        metric = str(o.metric if metric is None else metric)
         t0 = time.perf_counter()
         data = self._data(dataset)
         sampler = self._sampler(data)
@@ -715,7 +551,7 @@ class DTAgent:
         return self.info.make_env()
 
     def default_targets(self) -> list[float]:
-        """``agent.targets`` (:func:`parse_config_targets`) or ``[best dataset return]`` (raw units)."""
+        """``agent.targets`` or ``[best dataset return]`` (raw units)."""
         if self.config_targets is None:
             return [self.info.return_max]
         return list(self.config_targets)
@@ -740,16 +576,9 @@ class DTAgent:
         finally:
             self.exit_threshold, self.knn_memory, self._knn_for = saved
             self.model.train(was_training)
-        out: dict[str, Any] = {}
-        for k, r in enumerate(report.results):
-            suffix = "" if k == 0 else f"_target{k}"
-            out[f"eval/return_mean{suffix}"] = r.return_mean
-            out[f"eval/return_std{suffix}"] = r.return_std
-            out[f"eval/target{suffix}"] = float(r.target_return)
-            if r.normalized_score is not None:
-                out[f"eval/normalized_score{suffix}"] = r.normalized_score
-        if bool(self.cfg.agent.eval_figure):
-            from rl_tformers.agents.common.plots import plot_return_conditioning
+        out: dict[str, Any] = dict(report_logs(report))
+        if self.options.eval_figure:
+            from rl_tformers.runtime.plots import plot_return_conditioning
 
             out["eval/return_conditioning"] = plot_return_conditioning(
                 report.results, dataset_max=self.info.return_max, dataset_mean=self.info.return_mean,
@@ -790,7 +619,8 @@ def load_for_inference(cfg: Any, state: Mapping[str, Any], device: torch.device 
     return agent
 
 
-@register_agent("dt", description="Decision Transformer (Chen et al. 2021) on any backbone", defaults=DT_DEFAULTS)
+@register_agent("dt", description="Decision Transformer (Chen et al. 2021) on any backbone", defaults=DT_DEFAULTS,
+                config_cls=DTAgentConfig)
 def build_dt(cfg: Any, run_dir: Path, device: torch.device) -> DTAgent:
     """Builder of ``agent.kind=dt``."""
     return DTAgent(cfg, run_dir, device)

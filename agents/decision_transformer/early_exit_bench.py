@@ -5,7 +5,7 @@
 calibrates its threshold on the held-out episodes (or takes a given one), draws contexts of K
 steps from the held-out episodes (the training sampler, seed 777) in which only the last real
 step decides (as when acting), and times ``model(...)`` with and without early exit,
-round-robin (:func:`~rl_tformers.agents.common.timing.interleaved_timing`) so that load changes
+round-robin (:func:`~rl_tformers.runtime.timing.interleaved_timing`) so that load changes
 on a shared machine hit both alike. Prints one JSON object: per batch size the median
 milliseconds of both, the speed-up (full / early), the mean exit layer and the fraction of
 decisions that equal the full model's within ``agent.early_exit.tol``.
@@ -34,7 +34,7 @@ def forward_timing(agent: Any, batch_sizes: list[int], repeats: int = 200, seed:
         ``{"threshold": float | None, "batches": {N: {"full_ms", "early_ms", "speedup",
         "exit_mean_layer", "consistent"}}}`` (medians in milliseconds).
     """
-    from rl_tformers.agents.common.timing import interleaved_timing
+    from rl_tformers.runtime.timing import interleaved_timing
     from rl_tformers.agents.decision_transformer.agent import to_model_batch
 
     data = agent._data(None)
@@ -43,7 +43,7 @@ def forward_timing(agent: Any, batch_sizes: list[int], repeats: int = 200, seed:
     dev = next(agent.model.parameters()).device
     model = agent.model.eval()
     out: dict[str, Any] = {"threshold": agent.exit_threshold, "batches": {}}
-    tol = float(agent.early_exit_options["tol"])
+    tol = float(agent.early_exit_options.tol)
     for n in batch_sizes:
         raw = sampler.sample(n, np.random.default_rng([seed, n]))
         b = to_model_batch({k: torch.as_tensor(v, device=dev) for k, v in raw.items()}, agent.info)
@@ -82,7 +82,7 @@ def main(
     threads: int = typer.Option(1, min=1, help="torch CPU threads."),
 ) -> None:
     """Print the JSON of :func:`forward_timing` (with the calibration when calibrating)."""
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.loading import load_run
 
     torch.set_num_threads(threads)
     run = load_run(run_dir)

@@ -86,7 +86,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
-from rl_tformers.agents.common.loading import register_inference_loader
+from rl_tformers.runtime.loading import register_inference_loader
 from rl_tformers.agents.common.offline import DatasetInfo, load_offline_dataset, plain
 from rl_tformers.agents.decision_transformer.agent import (
     DT_DEFAULTS,
@@ -94,6 +94,7 @@ from rl_tformers.agents.decision_transformer.agent import (
     to_model_batch,
     warn_time_limit,
 )
+from rl_tformers.agents.decision_transformer.config import DTAgentConfig, ODTAgentConfig
 from rl_tformers.agents.decision_transformer.loss import dt_loss
 from rl_tformers.agents.decision_transformer.policy import DTPolicy
 from rl_tformers.envs.dataset import EpisodeDataset
@@ -108,21 +109,8 @@ log = logging.getLogger(__name__)
 #: format of :meth:`TrajectoryBuffer.state_dict` (another one is refused on resume)
 BUFFER_STATE_VERSION = 1
 
-#: Registered defaults of ``agent.kind=odt``: the DT's keys (the model keys are taken from the
-#: offline checkpoint, see :data:`OFFLINE_AGENT_KEYS`) plus the online phase.
-ODT_DEFAULTS: dict[str, Any] = copy.deepcopy(DT_DEFAULTS)
-ODT_DEFAULTS["agent"].update({
-    "head": "gaussian",
-    "init_from": None,  # required: an offline dt run directory (newest valid checkpoint) or a checkpoint file
-    "online": {
-        "buffer_size": 1000,  # trajectories in the replay buffer (paper: 1000)
-        "rollouts_per_round": 1,  # complete episodes collected per round (paper: 1; 0: offline-continuation control)
-        "updates_per_round": 300,  # gradient updates per round (paper: 300)
-        # exploration return-to-go g_online, raw units; null = t + |t| for the evaluation target t (2t if t >= 0)
-        "target_return": None,
-        "n_envs": 1,  # vector environments acting together (at most rollouts_per_round are used)
-    },
-})
+#: Registered defaults of ``agent.kind=odt`` (its ``agent`` section: :class:`ODTAgentConfig`'s)
+ODT_DEFAULTS: dict[str, Any] = {"agent": ODTAgentConfig().to_dict(), "backbone": copy.deepcopy(DT_DEFAULTS["backbone"])}
 ODT_DEFAULTS["train"] = {
     "batch_size": 64, "lr": 1.0e-4, "weight_decay": 5.0e-4, "grad_clip": 0.25,
     "schedule": "constant", "warmup_steps": 0, "steps": 3000,
@@ -136,34 +124,8 @@ OFFLINE_AGENT_KEYS = (
 )
 
 
-# -- options ------------------------------------------------------------------------------------
-
-def check_online_options(online: Any) -> None:
-    """Refuse ``agent.online`` when it is not a mapping, and ``agent.online.*`` values out of
-    range, naming the option.
-
-    Args:
-        online: the plain value of ``agent.online``.
-
-    Raises:
-        ValueError: ``agent.online`` not a mapping (e.g. ``agent.online=null``);
-            ``buffer_size``, ``updates_per_round`` or ``n_envs`` not an integer >= 1;
-            ``rollouts_per_round`` not an integer >= 0 (0: the offline-continuation control);
-            ``target_return`` neither null nor a finite number.
-    """
-    if not isinstance(online, Mapping):
-        raise ValueError(f"agent.online must be a mapping of the online phase's options (buffer_size, "
-                         f"rollouts_per_round, updates_per_round, target_return, n_envs; e.g. "
-                         f"agent.online.buffer_size=1000), got {online!r}; leave it out for the defaults")
-    for name in ("buffer_size", "rollouts_per_round", "updates_per_round", "n_envs"):
-        v, least = online.get(name), 0 if name == "rollouts_per_round" else 1
-        if isinstance(v, bool) or not isinstance(v, int) or v < least:
-            hint = " (0: the offline-continuation control, no rollouts)" if least == 0 else ""
-            raise ValueError(f"agent.online.{name} must be an integer >= {least}{hint}, got {v!r}")
-    t = online.get("target_return")
-    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t)):
-        raise ValueError(f"agent.online.target_return must be a finite number (raw reward units, e.g. 7200 for "
-                         f"Hopper) or null (t + |t| for the evaluation target t: 2t when t >= 0), got {t!r}")
+#: the DT's default options (a saved run's config without one of the offline keys takes it)
+DT_OPTIONS = DTAgentConfig()
 
 
 def default_online_target(t: float) -> float:
@@ -252,7 +214,7 @@ def fine_tune_changes(configured: Mapping[str, Any], saved: Mapping[str, Any]) -
     ca, sa = configured.get("agent") or {}, saved.get("agent") or {}
     out = []
     for k in OFFLINE_AGENT_KEYS:
-        want, have = ca.get(k), sa.get(k, DT_DEFAULTS["agent"].get(k))
+        want, have = ca.get(k), sa.get(k, getattr(DT_OPTIONS, k))
         if want != have:
             out.append(f"agent.{k}={want!r} (the checkpoint's: {have!r})")
     want_b = _flat(BackboneConfig.from_dict(configured.get("backbone") or {}, where="backbone").to_dict(), "backbone")
@@ -474,7 +436,7 @@ def collect_episodes(
 ) -> list[dict[str, Any]]:
     """``episodes`` complete episodes of ``policy`` in the N environments of ``envs``.
 
-    The evaluation's loop (:func:`~rl_tformers.agents.common.evaluation.run_episodes`), recording
+    The evaluation's loop (:func:`~rl_tformers.runtime.evaluation.run_episodes`), recording
     the trajectories: one ``policy.act`` call (one batched forward pass) per step for all N
     environments; episode j runs in environment j mod N with reset seed ``seed + j``; an
     environment past its quota keeps stepping with its context restarted at every step, results
@@ -483,7 +445,7 @@ def collect_episodes(
     Args:
         policy: acts in raw units (a sampling :class:`DTPolicy` for exploration).
         envs: a vector environment with autoreset disabled whose environments carry the raw reward
-            in ``info`` (:func:`~rl_tformers.agents.common.evaluation.with_raw_reward`).
+            in ``info`` (:func:`~rl_tformers.runtime.evaluation.with_raw_reward`).
         episodes: how many to collect.
         seed: base reset seed (episode j: ``seed + j``).
         target: return-to-go the episodes are conditioned on (raw units).
@@ -499,7 +461,7 @@ def collect_episodes(
             seed and the step.
         RuntimeError: the raw reward is missing from ``info``.
     """
-    from rl_tformers.agents.common.evaluation import run_episodes
+    from rl_tformers.runtime.evaluation import run_episodes
 
     rec = run_episodes(policy, envs, target, episodes, seed, record_trajectories=True, max_steps=max_ep_len,
                        who="online rollout")
@@ -554,27 +516,23 @@ class ODTAgent(DTAgent):
                  dataset: EpisodeDataset | None = None) -> None:
         from rl_tformers.runtime.distributed import dist_info
 
-        a = cfg.agent
-        online = plain(a.get("online"))
-        check_online_options(online)
+        a = ODTAgentConfig.from_dict({k: v for k, v in plain(cfg.agent).items() if k != "kind"}, where="agent")
+        online = a.online
         world = dist_info().world_size
         if world > 1:
             raise ValueError(f"agent.kind=odt runs in one process (its rollouts and replay buffer are not shared "
                              f"between processes); this run has {world} (--nproc {world}): use --nproc 1")
-        if a.get("init_from") is None or a.get("init_from") == "":
+        if not a.init_from:
             raise ValueError("agent.init_from is required: the offline Decision Transformer run (directory or "
                              "checkpoint file) to fine-tune, trained with agent.head=gaussian")
-        if not isinstance(a.init_from, str):  # e.g. a bare `off`/`no`, which YAML reads as a boolean
-            raise ValueError(f"agent.init_from={a.init_from!r} is not a path; quote it (agent.init_from='\"off\"') "
-                             f"or name the run directory another way")
-        self.init_from = str(a.init_from)
+        self.init_from = a.init_from
         resumed = resume_state()
         if resumed is None:  # a new run: the offline run's checkpoint
             state, saved = read_offline_run(self.init_from)
             # its backbone may name kinds of its plugins: this run lists them too (eval, resume)
             check_source_plugins(saved, cfg.get("plugins"), f"agent.init_from={self.init_from}")
             sa = saved.get("agent") or {}
-            self.offline_agent = {k: copy.deepcopy(sa.get(k, DT_DEFAULTS["agent"].get(k))) for k in OFFLINE_AGENT_KEYS}
+            self.offline_agent = {k: copy.deepcopy(sa.get(k, getattr(DT_OPTIONS, k))) for k in OFFLINE_AGENT_KEYS}
             self.offline_backbone = dict(saved.get("backbone") or {})
             src = f"agent.init_from={self.init_from}: Online DT fine-tunes that run's model"
         else:  # --resume: this run's own checkpoint holds everything (agent.init_from is not read)
@@ -584,7 +542,7 @@ class ODTAgent(DTAgent):
                     or not isinstance(odt.get("backbone"), Mapping):
                 raise ValueError("--resume: the checkpoint holds no Online DT model options (extra.odt.agent / "
                                  "extra.odt.backbone); it was not written by agent.kind=odt and cannot be resumed as one")
-            self.offline_agent = {k: copy.deepcopy(odt["agent"].get(k, DT_DEFAULTS["agent"].get(k)))
+            self.offline_agent = {k: copy.deepcopy(odt["agent"].get(k, getattr(DT_OPTIONS, k)))
                                   for k in OFFLINE_AGENT_KEYS}
             self.offline_backbone = copy.deepcopy(dict(odt["backbone"]))
             saved = {"agent": self.offline_agent, "backbone": self.offline_backbone}
@@ -606,22 +564,22 @@ class ODTAgent(DTAgent):
         self._check_dataset(dataset, info, where)
         self._check_episode_lengths(dataset, int(self.offline_agent["max_ep_len"]), where, self.init_from)
         super().__init__(effective_config(configured, self.offline_agent, self.offline_backbone), run_dir, device,
-                         dataset=dataset, info=info)
-        if str(self.cfg.agent.timestep_overflow) == "error":  # (validated by DTAgent)
+                         dataset=dataset, info=info, options=a.replace(where="agent.init_from", **self.offline_agent))
+        if self.options.timestep_overflow == "error":
             warn_time_limit(info, self.model_cfg.max_ep_len, offline_run=self.init_from)
         self.model.load_state_dict(state["model"])  # the offline weights (resume: the checkpoint's, loaded again)
         self.online = online
-        self.updates_per_round = int(online["updates_per_round"])
-        self.rollouts_per_round = int(online["rollouts_per_round"])
-        self.n_envs = min(int(online["n_envs"]), self.rollouts_per_round)
-        t = online["target_return"]
+        self.updates_per_round = online.updates_per_round
+        self.rollouts_per_round = online.rollouts_per_round
+        self.n_envs = min(online.n_envs, self.rollouts_per_round)
+        t = online.target_return
         #: g_online, raw units (null: t + |t| of the evaluation target t, :func:`default_online_target`)
         self.online_target = default_online_target(self.default_targets()[0]) if t is None else float(t)
         self.policy().check_targets([self.online_target], "agent.online.target_return")
         if self.config_targets is not None:
             self.policy().check_targets(self.config_targets, "agent.targets")  # the loaded weights' limit
         self.model.train()
-        self.buffer = TrajectoryBuffer(dataset, int(online["buffer_size"]))
+        self.buffer = TrajectoryBuffer(dataset, online.buffer_size)
         self.rounds = 0  # rounds collected
         self.env_steps = 0  # online environment steps collected
         self.last_returns: list[float] = []  # returns / lengths of the latest round's episodes
@@ -738,7 +696,7 @@ class ODTAgent(DTAgent):
     def _vector_env(self) -> gym.vector.VectorEnv:
         """The N exploration environments (built once; every round resets them with its seeds)."""
         if self._envs is None:
-            from rl_tformers.agents.common.evaluation import with_raw_reward
+            from rl_tformers.runtime.evaluation import with_raw_reward
 
             make = self.make_env()
             self._envs = gym.vector.SyncVectorEnv([lambda: with_raw_reward(make()) for _ in range(self.n_envs)],
@@ -827,7 +785,8 @@ def load_odt_for_inference(cfg: Any, state: Mapping[str, Any], device: torch.dev
     evaluation acts with the Gaussian's mean, as the DT does)."""
     odt = state["extra"]["odt"]
     eff = effective_config(plain(cfg), odt["agent"], odt["backbone"])
-    agent = DTAgent(eff, None, device, info=DatasetInfo.from_extra(state["extra"]))
+    options = ODTAgentConfig.from_dict({k: v for k, v in plain(eff.agent).items() if k != "kind"}, where="agent")
+    agent = DTAgent(eff, None, device, info=DatasetInfo.from_extra(state["extra"]), options=options)
     agent.model.load_state_dict(state["model"])
     agent.model.eval()
     return agent
@@ -837,7 +796,7 @@ register_inference_loader("odt")(load_odt_for_inference)
 
 
 @register_agent("odt", description="Online Decision Transformer fine-tuning (Zheng et al. 2022) of a gaussian-head dt run",
-                defaults=ODT_DEFAULTS, single_process=True)
+                defaults=ODT_DEFAULTS, single_process=True, config_cls=ODTAgentConfig)
 def build_odt(cfg: Any, run_dir: Path, device: torch.device) -> ODTAgent:
     """Builder of ``agent.kind=odt``."""
     return ODTAgent(cfg, run_dir, device)

@@ -400,13 +400,13 @@ class DTPolicy:
         return env_a, state
 
     def _check_finite(self, pred: Tensor, state: DTState) -> None:
-        """Raise (:class:`~rl_tformers.agents.common.evaluation.NonFiniteError`) if the model's
+        """Raise (:class:`~rl_tformers.runtime.evaluation.NonFiniteError`) if the model's
         prediction (N, ...) of some row is NaN/inf: no action (a discrete argmax of NaN logits is
         an arbitrary class) is returned from it."""
         bad = ~torch.isfinite(pred.reshape(pred.shape[0], -1)).all(dim=1)
         if not bool(bad.any()):
             return
-        from rl_tformers.agents.common.evaluation import NonFiniteError
+        from rl_tformers.runtime.evaluation import NonFiniteError
 
         i = int(torch.nonzero(bad)[0, 0])
         raise NonFiniteError(

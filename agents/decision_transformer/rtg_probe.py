@@ -194,7 +194,7 @@ def _load_dt_run(run_dir: Path):
     """The run of ``run_dir`` if it is a Decision Transformer run with continuous actions (else an
     ``error:`` exit, before the model is built)."""
     from omegaconf import OmegaConf
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.loading import load_run
 
     from rl_tformers.runtime.agent_registry import UnknownAgentError
     from rl_tformers.runtime.checkpoint import CheckpointError, find_latest_valid

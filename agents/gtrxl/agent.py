@@ -41,16 +41,14 @@ from typing import Any
 import numpy as np
 import rl_tformers.envs.memory_tasks  # noqa: F401  (registers the memory tasks with gymnasium)
 import torch
-from rl_tformers.agents.common.evaluation import evaluate
-from rl_tformers.agents.common.loading import register_inference_loader
 from rl_tformers.agents.common.offline import (
     DatasetInfo,
-    eval_seed,
     flattens_observations,
     load_offline_dataset,
 )
 from rl_tformers.agents.common.policy import check_return_targets, embedding_target_limit
 from rl_tformers.agents.decision_transformer.model import from_env_action, to_env_action
+from rl_tformers.agents.gtrxl.config import GTrXLAgentConfig
 from rl_tformers.agents.gtrxl.loss import SegmentBatch, bc_loss, iql_loss, polyak_update
 from rl_tformers.agents.gtrxl.model import (
     GTrXLConfig,
@@ -66,33 +64,13 @@ from rl_tformers.envs.trajectory import next_return_to_go
 from torch import Tensor
 
 from rl_tformers.runtime.agent_registry import register_agent
+from rl_tformers.runtime.evaluation import eval_seed, evaluate, report_logs
+from rl_tformers.runtime.loading import register_inference_loader
 from rl_tformers.types import BackboneState
 
-OBJECTIVES = ("bc", "rcbc", "iql")
-
+#: Registered defaults of ``agent.kind=gtrxl`` (its ``agent`` section: :class:`GTrXLAgentConfig`'s)
 GTRXL_DEFAULTS: dict[str, Any] = {
-    "agent": {
-        "objective": "bc",  # bc | rcbc (return-conditioned BC) | iql
-        "window": 0,  # W > 0: plain context window of W steps (backbone.memory.kind=none), no memory
-        "seq_len": 32,  # T, gradient window (steps)
-        "burn_in": 32,  # steps that rebuild the memory without gradient before the window
-        "prev_action": False,  # feed a_{t-1} as an input
-        "prev_reward": False,  # feed r_{t-1} as an input
-        "head_hidden": 0,  # actor head MLP width (0 = linear)
-        "deterministic": True,  # evaluate with the mode of the actor
-        "target_return": None,  # rcbc: evaluation target in raw units (null: best dataset return)
-        "env_id": None,  # evaluation env (null: the dataset's, masked like its pomdp record)
-        "env_kwargs": {},  # keyword arguments of gym.make for evaluation
-        # IQL (Kostrikov et al. 2021; CORL's locomotion settings)
-        "gamma": 0.99,
-        "expectile": 0.7,
-        "beta": 3.0,
-        "max_weight": 100.0,
-        "tau": 0.005,  # Polyak rate of the target critic
-        "critic_hidden": 256,
-        "share_critic_encoder": False,
-        "iql_reward_norm": True,  # rewards * 1000 / (max return - min return), as IQL does
-    },
+    "agent": GTrXLAgentConfig().to_dict(),
     "backbone": gtrxl_backbone(d_model=128, n_layers=3, n_heads=4, mem_len=32),
     "train": {"lr": 3.0e-4, "weight_decay": 1.0e-4, "grad_clip": 1.0, "batch_size": 64, "warmup_steps": 100},
 }
@@ -467,43 +445,6 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def check_iql_options(a: Any, seq_len: int) -> None:
-    """Refuse IQL settings that silently train nothing useful (``agent.objective=iql``).
-
-    Args:
-        a: the ``agent`` config section.
-        seq_len: ``agent.seq_len``.
-
-    Raises:
-        ValueError: naming the option, for ``agent.seq_len`` < 2 (the Q heads learn from
-            (t, t + 1) pairs inside the gradient window, :func:`~rl_tformers.agents.gtrxl.loss.td_targets`;
-            one step has none, so the Q loss is identically 0 and the advantages are noise),
-            ``agent.gamma`` outside [0, 1], ``agent.expectile`` outside (0, 1) (the expectile
-            weights ``tau`` and ``1 - tau`` must both be positive), ``agent.tau`` outside (0, 1]
-            (0: the target critic never moves from its random start), ``agent.beta`` < 0, or
-            ``agent.max_weight`` <= 0 (the actor loss would be 0).
-    """
-    if seq_len < 2:
-        raise ValueError(
-            f"agent.seq_len={seq_len}: IQL learns Q from (t, t+1) pairs inside the gradient window, and a "
-            f"window of one step has none (the Q loss would stay 0); use agent.seq_len >= 2")
-    checks = [
-        ("gamma", lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
-        ("expectile", lambda v: 0.0 < v < 1.0, "in (0, 1)"),
-        ("tau", lambda v: 0.0 < v <= 1.0, "in (0, 1] (the Polyak rate of the target critic)"),
-        ("beta", lambda v: v >= 0.0, ">= 0 (the inverse temperature of the advantage weights)"),
-        ("max_weight", lambda v: v > 0.0, "> 0 (the clip of the advantage weights)"),
-    ]
-    for name, ok, what in checks:
-        value = a.get(name)
-        try:
-            v = float(value)
-        except (TypeError, ValueError):
-            v = math.nan
-        if isinstance(value, bool) or not math.isfinite(v) or not ok(v):
-            raise ValueError(f"agent.{name} must be a number {what} for agent.objective=iql, got {value!r}")
-
-
 def check_burn_in(burn_in: int, num_steps: int) -> None:
     """Refuse (or warn about) a burn-in that leaves the gradient windows without real steps.
 
@@ -547,8 +488,8 @@ class GTrXLAgent:
         extra: a checkpoint's extra state: build for inference only, without the dataset.
 
     Raises:
-        ValueError: unknown objective, ``agent.seq_len`` < 1 or ``agent.burn_in`` < 0, IQL
-            options out of range (:func:`check_iql_options`; all before the dataset is read),
+        ValueError: a bad ``agent.*`` option (a ``ConfigFieldError`` naming it, before the
+            dataset is read),
             unbounded Box actions, a bad dataset spec, an ``agent.burn_in`` that leaves no
             real step in any gradient window (:func:`check_burn_in`), an episode longer than a learned
             position table (``backbone.max_position``, :func:`position_limit`), or (``rcbc``) an
@@ -566,20 +507,13 @@ class GTrXLAgent:
         dataset: EpisodeDataset | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
-        a = cfg.agent
+        a = GTrXLAgentConfig.from_dict({k: v for k, v in _plain(cfg.agent).items() if k != "kind"}, where="agent")
+        self.options = a
         self.cfg = cfg
-        self.objective = str(a.objective)
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"agent.objective={self.objective!r}; use one of {', '.join(OBJECTIVES)}")
+        self.objective = a.objective
         self.seed = int(cfg.seed)
         self.device = torch.device(device)
-        self.seq_len, self.burn_in = int(a.seq_len), int(a.burn_in)
-        if self.seq_len < 1:
-            raise ValueError(f"agent.seq_len must be >= 1 (steps in the gradient window), got {a.seq_len}")
-        if self.burn_in < 0:
-            raise ValueError(f"agent.burn_in must be >= 0 (steps that rebuild the memory), got {a.burn_in}")
-        if extra is None and self.objective == "iql":
-            check_iql_options(a, self.seq_len)
+        self.seq_len, self.burn_in = a.seq_len, a.burn_in
         self.dataset = dataset
         if extra is not None:  # inference: everything comes from the checkpoint
             self.extra = dict(extra)
@@ -589,10 +523,10 @@ class GTrXLAgent:
             if self.dataset is None:
                 self.dataset = load_gtrxl_dataset(_plain(cfg.dataset), self.seed)
             info = DatasetInfo.from_dataset(
-                self.dataset, env_id=a.env_id, env_kwargs=_plain(a.env_kwargs), spec=_plain(cfg.dataset).get("path"),
+                self.dataset, env_id=a.env_id, env_kwargs=a.env_kwargs, spec=_plain(cfg.dataset).get("path"),
                 flatten_observations=flattens_observations(_plain(cfg.dataset)),
             )
-            if self.objective == "iql" and bool(a.iql_reward_norm):
+            if self.objective == "iql" and a.iql_reward_norm:
                 spread = info.return_max - info.return_min
                 reward_mult = 1000.0 / spread if spread > 0 else 1.0  # IQL's locomotion normalisation
             else:
@@ -603,13 +537,13 @@ class GTrXLAgent:
                 discrete=info.discrete,
                 backbone=_plain(cfg.backbone),
                 rtg_input=self.objective == "rcbc",
-                prev_action_input=bool(a.prev_action),
-                prev_reward_input=bool(a.prev_reward),
-                head_hidden=int(a.head_hidden),
+                prev_action_input=a.prev_action,
+                prev_reward_input=a.prev_reward,
+                head_hidden=a.head_hidden,
                 critic="iql" if self.objective == "iql" else "none",
-                critic_hidden=int(a.critic_hidden),
-                share_critic_encoder=bool(a.share_critic_encoder),
-                window=int(a.get("window", 0)),
+                critic_hidden=a.critic_hidden,
+                share_critic_encoder=a.share_critic_encoder,
+                window=a.window,
                 prev_action_zero_at_start=True,  # discrete a_{t-1} at an episode start: zeros, not action 0
             )
             if self.model_cfg.window and self.burn_in:
@@ -647,7 +581,7 @@ class GTrXLAgent:
                 f"GTrXL default)", field="lengths", episode=e, step=limit)
         if extra is None and limit is not None:
             warn_position_time_limit(self.info, limit)
-        if extra is None and self.model_cfg.rtg_input and a.get("target_return") is not None:
+        if extra is None and self.model_cfg.rtg_input and a.target_return is not None:
             # before training, not at the first evaluation: a target the float32 token embedding
             # cannot take (GTrXLPolicy.target_limit; rechecked at every evaluation)
             self.policy().check_targets([a.target_return], "agent.target_return")
@@ -687,7 +621,7 @@ class GTrXLAgent:
         """The objective's loss on one batch (IQL: Polyak-update the target first)."""
         seg = self.to_segments(batch)
         if self.objective == "iql":
-            a = self.cfg.agent
+            a = self.options
             polyak_update(self.model.target, self.model.critic_target_modules(), float(a.tau))
             return iql_loss(
                 self.model, self.model.target, seg, gamma=float(a.gamma), expectile=float(a.expectile),
@@ -698,7 +632,7 @@ class GTrXLAgent:
     def policy(self, deterministic: bool | None = None) -> GTrXLPolicy:
         """The :class:`GTrXLPolicy` of the current weights."""
         info = self.info
-        det = bool(self.cfg.agent.deterministic) if deterministic is None else deterministic
+        det = self.options.deterministic if deterministic is None else deterministic
         return GTrXLPolicy(
             self.model, obs_mean=info.obs_mean, obs_std=info.obs_std, action_low=info.action_low,
             action_high=info.action_high, rtg_scale=info.reward_scale, reward_mult=float(self.extra["reward_mult"]),
@@ -714,7 +648,7 @@ class GTrXLAgent:
         """``agent.target_return`` or the best dataset return (rcbc); ``[None]`` otherwise."""
         if not self.model_cfg.rtg_input:
             return [None]
-        t = self.cfg.agent.target_return
+        t = self.options.target_return
         return [float(t) if t is not None else float(self.info.return_max)]
 
     def evaluate(self, step: int) -> dict[str, float]:
@@ -727,13 +661,7 @@ class GTrXLAgent:
             env_id=self.info.env_id,
         )
         self.model.train(was_training)
-        r = report.results[0]
-        out = {"return_mean": r.return_mean, "return_std": r.return_std}
-        if r.target_return is not None:
-            out["target"] = float(r.target_return)
-        if r.normalized_score is not None:
-            out["normalized_score"] = float(r.normalized_score)
-        return out
+        return report_logs(report)
 
     def extra_state(self) -> dict[str, Any]:
         """A copy of the extra state saved with a checkpoint (dataset statistics, reward
@@ -784,6 +712,7 @@ def load_for_inference(cfg: Any, state: Mapping[str, Any], device: torch.device 
     description="GTrXL (Parisotto et al. 2019) trained offline: BC, return-conditioned BC or IQL, with burn-in",
     defaults=GTRXL_DEFAULTS,
     check_backbone=check_causal,
+    config_cls=GTrXLAgentConfig,
 )
 def build_gtrxl(cfg: Any, run_dir: Path, device: torch.device) -> GTrXLAgent:
     """Builder of ``agent.kind=gtrxl``."""

@@ -103,7 +103,6 @@ from __future__ import annotations
 import copyreg
 import io
 import logging
-import math
 import pickle
 import warnings
 from collections import deque
@@ -115,10 +114,9 @@ import gymnasium as gym
 import numpy as np
 import rl_tformers.envs.memory_tasks  # noqa: F401  (registers the memory tasks with gymnasium)
 import torch
-from rl_tformers.agents.common.loading import register_inference_loader
-from rl_tformers.agents.common.offline import check_env_kwargs
 from rl_tformers.agents.decision_transformer.model import to_env_action
 from rl_tformers.agents.gtrxl.agent import GTrXLPolicy, _plain, model_config_dict
+from rl_tformers.agents.gtrxl.config import PPOAgentConfig
 from rl_tformers.agents.gtrxl.model import (
     GTrXLConfig,
     GTrXLModel,
@@ -135,6 +133,8 @@ from rl_tformers.attention.base import attention_entropy
 from rl_tformers.backbone_config import ConfigAdviceWarning
 from rl_tformers.runtime.agent_registry import register_agent, resume_state
 from rl_tformers.runtime.distributed import dist_info
+from rl_tformers.runtime.evaluation import eval_seed, evaluate, report_logs
+from rl_tformers.runtime.loading import register_inference_loader
 from rl_tformers.runtime.plugins import check_source_plugins
 from rl_tformers.runtime.run_config import ConfigError
 from rl_tformers.types import BackboneState, LayerState
@@ -147,29 +147,9 @@ PROCESS_STATE_VERSION = 1
 #: SyncVectorEnv bookkeeping saved with the sub-environments
 _VECTOR_FIELDS = ("_autoreset_envs", "_terminations", "_truncations", "_rewards")
 
+#: Registered defaults of ``agent.kind=gtrxl_ppo`` (its ``agent`` section: :class:`PPOAgentConfig`'s)
 PPO_DEFAULTS: dict[str, Any] = {
-    "agent": {
-        "env_id": "rl_tformers/PositionOnlyCartPole-v1",
-        "env_kwargs": {},
-        "n_envs": 16,  # N vector environments
-        "n_steps": 128,  # S steps per environment and rollout
-        "n_epochs": 4,
-        "n_minibatches": 4,
-        "gamma": 0.99,
-        "gae_lambda": 0.95,
-        "clip_coef": 0.2,
-        "ent_coef": 0.01,
-        "vf_coef": 0.5,
-        "norm_adv": True,
-        "reward_scale": 1.0,  # rewards are multiplied by it for learning
-        "obs_norm": True,  # running mean/std of observations (frozen within a rollout); false: raw observations
-        "prev_action": False,
-        "prev_reward": False,
-        "head_hidden": 64,
-        "deterministic": True,  # evaluation acts with the mode
-        "init_checkpoint": None,  # fine-tune: an offline gtrxl run directory or checkpoint file
-        "critic_warmup": 0,  # first rollouts that train only the value head (fine-tuning)
-    },
+    "agent": PPOAgentConfig().to_dict(),
     "backbone": gtrxl_backbone(d_model=64, n_layers=2, n_heads=4, mem_len=16),
     "train": {
         "lr": 3.0e-4, "weight_decay": 0.0, "grad_clip": 0.5, "warmup_steps": 0, "schedule": "constant",
@@ -360,7 +340,7 @@ def normalize_advantages(adv: Tensor, eps: float = 1e-8) -> Tensor:
     ``std`` is the unbiased sample standard deviation (``Tensor.std``, as CleanRL's PPO). With
     one process (or outside a DDP training forward) the statistics are this minibatch's, exactly
     as ``(adv - adv.mean()) / (adv.std() + eps)``; a minibatch of one row is returned unchanged
-    (a run's ``agent.norm_adv`` with such minibatches is refused: :func:`check_ppo_options`).
+    (a run's ``agent.norm_adv`` with such minibatches is refused: :meth:`PPOAgentConfig.check_world_size`).
     Inside a DDP training forward (the trainer's
     :class:`~rl_tformers.runtime.distributed.AgentLoss`, where every rank holds a shard of the
     global minibatch) the mean and standard deviation are those of the global minibatch, every
@@ -477,69 +457,6 @@ def without_dropout(backbone: Mapping[str, Any]) -> tuple[dict[str, Any], list[s
         in_effect["ffn_dropout"] = cfg.ffn_dropout
     turned_off = [f"backbone.{k}={v:g}" for k, v in in_effect.items() if v > 0]
     return {**backbone, **dict.fromkeys(DROPOUT_KEYS, 0.0)}, turned_off
-
-
-def check_ppo_options(a: Any, world_size: int = 1) -> None:
-    """Refuse PPO settings that crash mid-run or train nothing (the ``agent`` config section).
-
-    Args:
-        a: the ``agent`` config section.
-        world_size: processes (``--nproc``); one update's minibatch is the union of theirs.
-
-    Raises:
-        ValueError: naming the option, for ``agent.n_envs``, ``agent.n_steps`` or
-            ``agent.n_epochs`` < 1; ``agent.n_minibatches`` < 1 or more than the
-            ``n_envs x n_steps`` samples of a rollout (an empty minibatch); ``agent.norm_adv``
-            with a minibatch of one row (its advantage has no standard deviation to normalise
-            with: it was used unnormalised while the others were normalised); ``agent.gamma`` or
-            ``agent.gae_lambda`` outside [0, 1]; ``agent.clip_coef`` <= 0; ``agent.critic_warmup``
-            < 0; ``agent.reward_scale`` <= 0; ``agent.ent_coef`` or ``agent.vf_coef`` < 0;
-            ``agent.head_hidden`` < 0; non-numbers (NaN and infinities included).
-    """
-    def number(name: str, integer: bool = False) -> float:
-        value = a.get(name)
-        try:
-            if isinstance(value, bool) or (integer and float(value) != int(value)):
-                raise ValueError
-            v = float(value)
-        except (TypeError, ValueError, OverflowError):
-            v = math.nan
-        if not math.isfinite(v):
-            raise ValueError(f"agent.{name} must be a{'n integer' if integer else ' number'}, got {value!r}")
-        return v
-
-    for name in ("n_envs", "n_steps", "n_epochs", "n_minibatches"):
-        if number(name, integer=True) < 1:
-            raise ValueError(f"agent.{name} must be >= 1, got {a.get(name)!r}")
-    rows = int(a.n_envs) * int(a.n_steps)
-    if int(a.n_minibatches) > rows:
-        raise ValueError(
-            f"agent.n_minibatches={a.n_minibatches} is more than the agent.n_envs x agent.n_steps = {rows} samples "
-            f"of a rollout (a minibatch would be empty); use at most {rows}")
-    # the smallest minibatch has rows // n_minibatches rows (np.array_split); under DDP an update's minibatch is
-    # the union of every process's, normalised together (normalize_advantages)
-    if bool(a.get("norm_adv", True)) and rows // int(a.n_minibatches) * max(int(world_size), 1) < 2:
-        fix = (f"agent.n_minibatches <= {rows // 2}" if rows >= 2
-               else "a rollout of at least 2 samples (agent.n_envs x agent.n_steps >= 2)")
-        raise ValueError(
-            f"agent.norm_adv=true normalises the advantages of each minibatch by their standard deviation, but "
-            f"agent.n_minibatches={a.n_minibatches} splits the agent.n_envs x agent.n_steps = {rows} samples of a "
-            f"rollout into minibatches of one row, whose advantage has no standard deviation (it would be used "
-            f"unnormalised next to normalised ones); use {fix} or agent.norm_adv=false")
-    for name in ("gamma", "gae_lambda"):
-        if not 0.0 <= number(name) <= 1.0:
-            raise ValueError(f"agent.{name} must be in [0, 1], got {a.get(name)!r}")
-    if number("clip_coef") <= 0.0:
-        raise ValueError(f"agent.clip_coef must be > 0 (the PPO ratio clip), got {a.get('clip_coef')!r}")
-    if number("critic_warmup", integer=True) < 0:
-        raise ValueError(f"agent.critic_warmup must be >= 0 (rollouts), got {a.get('critic_warmup')!r}")
-    if number("reward_scale") <= 0.0:
-        raise ValueError(f"agent.reward_scale must be > 0 (it multiplies the rewards), got {a.get('reward_scale')!r}")
-    for name in ("ent_coef", "vf_coef"):
-        if number(name) < 0.0:
-            raise ValueError(f"agent.{name} must be >= 0 (a loss coefficient), got {a.get(name)!r}")
-    if number("head_hidden", integer=True) < 0:
-        raise ValueError(f"agent.head_hidden must be >= 0 (0: linear heads), got {a.get('head_hidden')!r}")
 
 
 def fine_tune_backbone_changes(configured: Mapping[str, Any], offline: Mapping[str, Any], path: str) -> list[str]:
@@ -674,7 +591,7 @@ class GTrXLPPO:
         device: training device.
 
     Raises:
-        ValueError: rollout or loss options out of range (:func:`check_ppo_options`, before any
+        ValueError: rollout or loss options out of range (:class:`PPOAgentConfig`, before any
             environment is made), unsupported spaces (Box observations and Discrete or bounded
             Box actions only), a learned position table without a row for every step up to and
             including the environment's time limit (``backbone.max_position`` <= the limit: the
@@ -700,9 +617,9 @@ class GTrXLPPO:
 
     def __init__(self, cfg: Any, run_dir: Path | None, device: torch.device | str,
                  extra: Mapping[str, Any] | None = None) -> None:
-        a = cfg.agent
+        a = PPOAgentConfig.from_dict({k: v for k, v in _plain(cfg.agent).items() if k != "kind"}, where="agent")
         if extra is None:
-            check_ppo_options(a, dist_info().world_size)
+            a.check_world_size(dist_info().world_size)
             amp = dict(cfg.get("train") or {}).get("amp", "none")
             if str(getattr(amp, "value", amp)) == "bf16":
                 warnings.warn(
@@ -715,7 +632,7 @@ class GTrXLPPO:
         self.cfg, self.a = cfg, a
         self.seed = int(cfg.seed)
         self.device = torch.device(device)
-        self.env_id, self.env_kwargs = str(a.env_id), dict(check_env_kwargs(_plain(a.env_kwargs)) or {})
+        self.env_id, self.env_kwargs = str(a.env_id), dict(a.env_kwargs or {})
         probe = gym.make(self.env_id, **self.env_kwargs)
         obs_space, act_space = probe.observation_space, probe.action_space
         time_limit = None if probe.spec is None else probe.spec.max_episode_steps
@@ -740,14 +657,14 @@ class GTrXLPPO:
         # normalise (and clip to +-OBS_CLIP) the inputs: with running statistics (obs_norm), or with the
         # offline run's when fine-tuning; otherwise the raw observations, never clipped (pixels of 0..255
         # used to be clipped to 10 with obs_norm=false)
-        self.normalize_obs = bool(a.obs_norm) or bool(a.get("init_checkpoint"))
+        self.normalize_obs = bool(a.obs_norm) or bool(a.init_checkpoint)
         backbone = _plain(cfg.backbone)
         inputs = {"prev_action_input": bool(a.prev_action), "prev_reward_input": bool(a.prev_reward),
                   "head_hidden": int(a.head_hidden)}
         init_state = None
         # a resumed fine-tuning run rebuilds its own model from its checkpoint, never agent.init_checkpoint
         # read again (that run may have been retrained, moved or deleted since)
-        resumed = resume_state() if extra is None and a.get("init_checkpoint") else None
+        resumed = resume_state() if extra is None and a.init_checkpoint else None
         own_model = dict((resumed or {}).get("extra") or {}).get("model")
         if extra is not None:  # inference from a checkpoint: its own model config
             self.model_cfg = GTrXLConfig(**extra["model"])
@@ -809,7 +726,7 @@ class GTrXLPPO:
         # positions are episode steps 0..time_limit - 1, and a time-limit truncation bootstraps
         # V(final observation) at step time_limit: the table needs time_limit + 1 rows
         if extra is None and limit is not None and time_limit is not None and time_limit >= limit:
-            src = (f" (the table of agent.init_checkpoint={a.init_checkpoint})" if a.get("init_checkpoint") else "")
+            src = (f" (the table of agent.init_checkpoint={a.init_checkpoint})" if a.init_checkpoint else "")
             raise ValueError(
                 f"backbone.max_position={limit}{src} but {self.env_id} episodes run up to {time_limit} steps and "
                 f"a truncated episode's final observation is valued at step {time_limit} (the bootstrap of "
@@ -835,7 +752,7 @@ class GTrXLPPO:
         #: critic-only updates (agent.critic_warmup) leave the encoder and actor without a gradient, as
         #: some backbones leave parts of theirs (needs_find_unused): under DDP the trainer must let
         #: DistributedDataParallel find them (else the next update fails)
-        self.ddp_find_unused = int(a.get("critic_warmup") or 0) > 0 or needs_find_unused(
+        self.ddp_find_unused = a.critic_warmup > 0 or needs_find_unused(
             self.model.encoder.backbone.config)
         info = dist_info()  # under DDP (torchrun) every process collects its own rollouts
         self.rank, self.world_size = info.rank, info.world_size
@@ -1223,17 +1140,11 @@ class GTrXLPPO:
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Mean/std return of the deterministic policy over ``eval.episodes`` episodes."""
-        from rl_tformers.agents.common.evaluation import evaluate
-
-        from rl_tformers.runtime.seeding import derive_seed
-
         was_training = self.model.training
         report = evaluate(self.policy(), self.make_env(), [None], episodes=int(self.cfg.eval.episodes),
-                          n_envs=int(self.cfg.eval.n_envs), seed=derive_seed(self.seed, "eval", step) % (2**31),
-                          env_id=self.env_id)
+                          n_envs=int(self.cfg.eval.n_envs), seed=eval_seed(self.seed, step), env_id=self.env_id)
         self.model.train(was_training)
-        r = report.results[0]
-        return {"return_mean": r.return_mean, "return_std": r.return_std}
+        return report_logs(report)
 
     def extra_state(self) -> dict[str, Any]:
         """Observation statistics, step counters (environment steps, rollouts), recent episode
@@ -1375,6 +1286,7 @@ register_inference_loader("gtrxl_ppo")(load_ppo_for_inference)
     "gtrxl_ppo",
     description="GTrXL trained online with PPO in gymnasium vector envs (from scratch or from an offline gtrxl run)",
     defaults=PPO_DEFAULTS,
+    config_cls=PPOAgentConfig,
     local_batches=True,  # every rank trains on its own rollout: train.batch_size is not split
     check_backbone=check_causal,
 )

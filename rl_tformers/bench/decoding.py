@@ -9,7 +9,7 @@ before the trim; :func:`rl_tformers.memory.none.keys_kept` patched to keep every
 
 For each kind and each stream length n in ``steps``, a state holding n past tokens is built
 (fed in chunks), then one single-token step from it is timed; all (mode, n) cases of a kind
-are timed round-robin (:func:`~rl_tformers.agents.common.timing.interleaved_timing`), so load
+are timed round-robin (:func:`~rl_tformers.runtime.timing.interleaved_timing`), so load
 changes hit them alike. Reported: median milliseconds per step, the ratio of the longest to
 the shortest stream, the state's key slots, and the largest difference between the trimmed
 and untrimmed step outputs (they must agree).
@@ -89,7 +89,7 @@ def run(kinds: Sequence[str] = tuple(KINDS), steps: Sequence[int] = (100, 20000)
         ValueError: bad options (:func:`check_options`).
     """
     from rl_tformers import Backbone
-    from rl_tformers.agents.common.timing import interleaved_timing
+    from rl_tformers.runtime.timing import interleaved_timing
 
     check_options(kinds, steps, repeats)
     rows = []

@@ -4,7 +4,7 @@
    ``--run``, or, without one, an untrained Decision Transformer built from ``dt/hopper_medium``
    on ``--dataset``; the cost per step does not depend on the weights) plays the same episodes
    (episode j is reset with seed ``seed + j``) twice through
-   :func:`rl_tformers.agents.common.evaluation.evaluate`: with N gymnasium vector environments
+   :func:`rl_tformers.runtime.evaluation.evaluate`: with N gymnasium vector environments
    (one batched forward pass per step for all N) and with one environment (one forward pass
    per environment step, which is how the reference DT code evaluates: one episode after the
    other). Reported: environment steps per second of each and their ratio, plus the mean
@@ -174,7 +174,7 @@ class Result:
 def load_agent(s: Settings) -> tuple[Any, str]:
     """The agent to evaluate and a description: ``--run`` (any agent kind) or an untrained DT."""
     if s.run:
-        from rl_tformers.agents.common.loading import load_run
+        from rl_tformers.runtime.loading import load_run
 
         loaded = load_run(s.run, device=s.device)
         return loaded.agent, f"{loaded.kind} checkpoint {loaded.checkpoint} (step {loaded.step})"
@@ -191,7 +191,7 @@ def load_agent(s: Settings) -> tuple[Any, str]:
 def rollout_throughput(agent: Any, s: Settings, n_envs: int) -> dict[str, Any]:
     """Environment steps/s of the evaluation loop with ``n_envs`` vector environments.
 
-    Runs the loop of :func:`rl_tformers.agents.common.evaluation.evaluate` (its per-target
+    Runs the loop of :func:`rl_tformers.runtime.evaluation.evaluate` (its per-target
     routine, on a vector env built the same way) and times the loop only: building and closing
     the MuJoCo environments (~50 ms each) is left out, it is not per-step work.
     """

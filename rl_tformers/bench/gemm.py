@@ -6,7 +6,7 @@ step, forward ``x W^T + b``, input gradient ``g W`` and weight gradient ``g^T x`
 (PyTorch's default: ``F.linear``, ``g @ W``, ``g.t() @ x``) and with oneDNN (what
 :class:`~rl_tformers.runtime.cpu_matmul.OneDNNLinear` calls, including the contiguous copies of
 ``W^T``, ``g^T`` and ``x^T`` it needs: :func:`~rl_tformers.runtime.cpu_matmul.weight_grad`), timed round-robin in one process
-(:func:`~rl_tformers.agents.common.timing.interleaved_timing`) so load changes hit both alike;
+(:func:`~rl_tformers.runtime.timing.interleaved_timing`) so load changes hit both alike;
 plus the n x n x n matmul rate of each library (the peak ``bench train`` divides by). Default
 shapes: the DT paper's model at batch 64 and K = 20 (M = 64 x 60 tokens = 3840; the FFN's two
 layers and the attention projections).
@@ -79,7 +79,7 @@ def run(m: int = 3840, shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES, repea
         RuntimeError: this PyTorch build has no oneDNN linear operator.
         ValueError: ``m``, ``repeats`` or a size < 1.
     """
-    from rl_tformers.agents.common.timing import interleaved_timing
+    from rl_tformers.runtime.timing import interleaved_timing
     from rl_tformers.bench.train import matmul_gflops
     from rl_tformers.runtime.cpu_matmul import onednn_linear_available
 

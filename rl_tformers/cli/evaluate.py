@@ -1,7 +1,7 @@
 """``rl-tformers eval``, ``rl-tformers plot`` and ``rl-tformers demo``.
 
 ``eval`` and ``plot`` work for any agent kind whose run directory was written by
-``rl-tformers train`` (see :mod:`rl_tformers.agents.common.loading`): DT, BC/%BC, GTrXL.
+``rl-tformers train`` (see :mod:`rl_tformers.runtime.loading`): DT, BC/%BC, GTrXL.
 Heavy imports happen inside the commands, so ``rl-tformers --help`` stays fast.
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import typer
 
 from rl_tformers.runtime.paths import SEPARATORS, blocking_file, directory_ending
+from rl_tformers.runtime.protocol import policy_options
 
 EVAL_HELP = """Evaluate a trained run at one or more target returns in its environment.
 
@@ -46,10 +47,10 @@ def _fail(msg: str) -> typer.Exit:
 
 
 def _load(run_dir: Path, device: str, checkpoint: Path | None):
-    from rl_tformers.agents.common.loading import load_run
     from rl_tformers.runtime.agent_registry import UnknownAgentError
     from rl_tformers.runtime.checkpoint import CheckpointError
     from rl_tformers.runtime.device import resolve_device
+    from rl_tformers.runtime.loading import load_run
 
     try:
         return load_run(run_dir, resolve_device(device), checkpoint)
@@ -94,7 +95,7 @@ def _check_targets(run, targets: list, option: str) -> None:
 def _refuse_repeated_targets(text: str, tlist: list[float], why: str) -> None:
     """Refuse ``--targets`` (``text``, parsed as ``tlist``) that names one target twice
     (``100,1e2``, ``0,-0``), naming the items; ``why`` says what a target is to the command."""
-    from rl_tformers.agents.common.evaluation import repeated_target
+    from rl_tformers.runtime.evaluation import repeated_target
 
     twice = repeated_target(tlist)
     if twice is None:
@@ -124,23 +125,22 @@ def _set_context_len(run, context_len: int | None) -> None:
         return
     if not hasattr(run.agent, "eval_context_len"):
         raise _fail(f"agent {run.kind!r} has no --context-len option (Decision Transformer runs only)")
-    from rl_tformers.agents.decision_transformer.agent import parse_eval_context_len
-
     k = int(run.agent.model_cfg.context_len)
-    try:
-        run.agent.eval_context_len = parse_eval_context_len(context_len, k)
+    try:  # the agent's typed options hold it to agent.eval_context_len's range
+        run.agent.eval_context_len = run.agent.options.replace(eval_context_len=context_len).acting_context
     except ValueError:
         raise _fail(f"--context-len {context_len}: this run's context holds K = {k} steps (agent.context_len); "
                     f"give 1..{k}") from None
 
 
 def _policy(run, timestep_overflow: str | None):
+    """The run's policy; ``--timestep-overflow`` only for an agent whose ``policy()`` takes it
+    (:func:`~rl_tformers.runtime.protocol.policy_options`)."""
     if timestep_overflow is None:
         return run.agent.policy()
-    try:
-        return run.agent.policy(timestep_overflow=timestep_overflow)
-    except TypeError:
-        raise _fail(f"agent {run.kind!r} has no timestep_overflow option") from None
+    if "timestep_overflow" not in policy_options(run.agent):
+        raise _fail(f"agent {run.kind!r} has no timestep_overflow option")
+    return run.agent.policy(timestep_overflow=timestep_overflow)
 
 
 def _normalizer(run):
@@ -181,9 +181,9 @@ def eval_cmd(
                                          "the run's agent.eval_context_len, else K; Online DT uses 5 on Hopper)."),
 ) -> None:
     """``rl-tformers eval``; its help text is :data:`EVAL_HELP`."""
-    from rl_tformers.agents.common.evaluation import evaluate, parse_targets, strict_json
-    from rl_tformers.agents.common.plots import summary_lines
-    from rl_tformers.agents.common.timing import TimedPolicy
+    from rl_tformers.runtime.evaluation import evaluate, parse_targets, strict_json
+    from rl_tformers.runtime.plots import summary_lines
+    from rl_tformers.runtime.timing import TimedPolicy
 
     try:
         tlist = parse_targets(targets)
@@ -278,7 +278,7 @@ def _read_eval_json(path: Path) -> tuple[list, dict]:
             read, is not JSON, or is not an object with a ``results`` list of per-target
             results (``target_return`` and ``returns`` each).
     """
-    from rl_tformers.agents.common.evaluation import TargetResult
+    from rl_tformers.runtime.evaluation import TargetResult
 
     expected = "expected the JSON object written by `rl-tformers eval RUN_DIR --out FILE`"
     try:
@@ -376,8 +376,8 @@ def plot_cmd(
                                     help="DT: act on the last N steps of the context (as eval --context-len)."),
 ) -> None:
     """``rl-tformers plot``; its help text is :data:`PLOT_HELP`."""
-    from rl_tformers.agents.common.evaluation import evaluate, parse_targets
-    from rl_tformers.agents.common.plots import (
+    from rl_tformers.runtime.evaluation import evaluate, parse_targets
+    from rl_tformers.runtime.plots import (
         default_sweep,
         figure_path,
         log_figure,

@@ -307,13 +307,13 @@ def repeat_eval_command(run_dir: Path, step: int) -> str:
     """The ``rl-tformers eval`` line that repeats the in-training evaluation at ``step``.
 
     In-training evaluations reset episode j with seed ``eval_seed(seed, step) + j``
-    (:func:`rl_tformers.agents.common.offline.eval_seed`), ``eval.episodes`` episodes over
+    (:func:`rl_tformers.runtime.evaluation.eval_seed`), ``eval.episodes`` episodes over
     ``eval.n_envs`` environments; ``rl-tformers eval`` takes the same three as ``--seed``,
     ``--episodes`` and ``--envs``. '' when ``RUN_DIR/config.yaml`` cannot be read.
     """
     from omegaconf import OmegaConf
 
-    from rl_tformers.agents.common.offline import eval_seed
+    from rl_tformers.runtime.evaluation import eval_seed
 
     try:
         cfg = OmegaConf.load(Path(run_dir) / "config.yaml")

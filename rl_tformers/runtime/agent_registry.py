@@ -1,4 +1,4 @@
-"""The agent registry and the :class:`Trainable` protocol the trainer drives.
+"""The agent registry, and the members of :class:`~rl_tformers.runtime.protocol.Trainable` the trainer drives.
 
 An agent kind registers a *builder*; the trainer calls it once per run::
 
@@ -53,8 +53,9 @@ The protocol (optional methods, detected with ``getattr``)
     Called every ``eval.every`` updates and at the end, with the model in ``eval()`` mode,
     under ``torch.no_grad()`` and with the global RNGs isolated (evaluation never changes the
     training trajectory). Scalars go to TensorBoard as ``eval/<key>`` (a key containing ``/``
-    is used as is), figures as images. Seed environments with
-    ``rl_tformers.runtime.seeding.derive_seed(cfg.seed, "eval", step)``.
+    is used as is), figures as images. Evaluate with :func:`rl_tformers.runtime.evaluation.evaluate`
+    seeded with :func:`~rl_tformers.runtime.evaluation.eval_seed` and return
+    :func:`~rl_tformers.runtime.evaluation.report_logs` of the report (the one key convention).
 ``local_batches: bool``
     Under DDP the trainer normally cuts every batch into the W ranks' shards
     (:func:`~rl_tformers.runtime.distributed.shard_source`). An agent whose ``batches`` already
@@ -119,34 +120,16 @@ import contextvars
 import importlib
 import pkgutil
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
+from rl_tformers.runtime.protocol import AgentBuilder, Trainable
 from rl_tformers.runtime.run_config import ConfigError
-
-
-@runtime_checkable
-class Trainable(Protocol):
-    """What a registered builder returns (see the module docstring for the full contract)."""
-
-    model: nn.Module
-
-    def loss(self, batch: Any) -> tuple[Tensor, Mapping[str, float | Tensor]]:
-        """Loss to minimise (0-dim tensor) and extra scalars to log."""
-        ...
-
-    def batches(self, start_step: int) -> torch.utils.data.Dataset | Iterable[Any]:
-        """Step-indexed dataset or iterable of batches starting at ``start_step``."""
-        ...
-
-
-#: builder(cfg, run_dir, device) -> Trainable
-AgentBuilder = Callable[[Any, Path, torch.device], Trainable]
 
 
 class UnknownAgentError(ConfigError):
@@ -202,6 +185,11 @@ class AgentEntry:
             generic compatibility check, so the agent's own advice comes first.
         single_process: the kind trains in one process only: more than one (``--nproc N``,
             N > 1) is refused before any process starts.
+        config_cls: the frozen dataclass of the kind's ``agent:`` section
+            (a :class:`~rl_tformers.typed_config.TypedConfig`), or None for a kind that declares
+            its keys with ``defaults["agent"]`` only. With it, ``compose`` checks the section with
+            ``config_cls.from_dict(section, where="agent")`` and the section's defaults are the
+            class's; ``rl-tformers agents KIND`` lists its fields.
     """
 
     kind: str
@@ -211,6 +199,18 @@ class AgentEntry:
     local_batches: bool = False
     check_backbone: Callable[[Any], None] | None = None
     single_process: bool = False
+    config_cls: type | None = None
+
+    def agent_options(self, section: Mapping[str, Any]) -> Any:
+        """The typed options of a plain ``agent:`` section (its ``kind`` key aside).
+
+        Raises:
+            ConfigFieldError: (a ValueError) one line naming ``agent.<key>``.
+            TypeError: the kind registered no ``config_cls``.
+        """
+        if self.config_cls is None:
+            raise TypeError(f"agent kind {self.kind!r} registered no config class")
+        return self.config_cls.from_dict({k: v for k, v in section.items() if k != "kind"}, where="agent")
 
 
 _AGENTS: dict[str, AgentEntry] = {}
@@ -221,6 +221,7 @@ _discovered = False
 def register_agent(
     kind: str, *, description: str = "", defaults: Mapping[str, Any] | None = None, local_batches: bool = False,
     check_backbone: Callable[[Any], None] | None = None, single_process: bool = False,
+    config_cls: type | None = None,
 ) -> Callable[[AgentBuilder], AgentBuilder]:
     """Decorator registering ``builder`` under ``kind``.
 
@@ -233,6 +234,8 @@ def register_agent(
             docstring): ``train.batch_size`` is then not checked against the number of processes.
         check_backbone: see :class:`AgentEntry`.
         single_process: the kind trains in one process only (see :class:`AgentEntry`).
+        config_cls: the typed ``agent:`` section (see :class:`AgentEntry`); the section's
+            defaults are ``config_cls().to_dict()`` (a ``defaults["agent"]`` must equal them).
 
     Raises:
         ValueError: for an empty kind, a defaults section that is not a mapping, or a kind
@@ -246,6 +249,13 @@ def register_agent(
             raise ValueError(f"register_agent({kind!r}): defaults[{section!r}] must be a mapping")
     if "agent" in defaults and defaults["agent"].get("kind", kind) != kind:
         raise ValueError(f"register_agent({kind!r}): defaults.agent.kind must be {kind!r}")
+    if config_cls is not None:
+        generated = config_cls().to_dict()
+        given = {k: v for k, v in defaults.get("agent", {}).items() if k != "kind"}
+        if given and given != generated:
+            raise ValueError(f"register_agent({kind!r}): defaults['agent'] differs from config_cls's defaults; "
+                             f"leave it out (the agent defaults come from config_cls)")
+        defaults["agent"] = generated
 
     def deco(builder: AgentBuilder) -> AgentBuilder:
         old = _AGENTS.get(kind)
@@ -258,7 +268,7 @@ def register_agent(
             agent_defaults["agent"] = {"kind": kind, **agent_defaults["agent"]}
         _AGENTS[kind] = AgentEntry(kind=kind, builder=builder, description=description, defaults=agent_defaults,
                                    local_batches=bool(local_batches), check_backbone=check_backbone,
-                                   single_process=bool(single_process))
+                                   single_process=bool(single_process), config_cls=config_cls)
         return builder
 
     return deco

@@ -191,7 +191,7 @@ def _registrations() -> list[tuple[dict, dict]]:
     from rl_tformers.runtime import agent_registry
 
     tables = [reg._entries for reg in REGISTRIES.values()] + [agent_registry._AGENTS]
-    loading = sys.modules.get("rl_tformers.agents.common.loading")
+    loading = sys.modules.get("rl_tformers.runtime.loading")
     if loading is not None:
         tables.append(loading._INFERENCE_LOADERS)
     return [(t, dict(t)) for t in tables]

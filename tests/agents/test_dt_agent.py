@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from rl_tformers.agents.common.loading import load_run
+from rl_tformers.runtime.loading import load_run
 from rl_tformers.agents.common.scripted import collect_delayed_expert
 from rl_tformers.envs.loaders import save_d4rl_hdf5
 from typer.testing import CliRunner

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from gymnasium import spaces
-from rl_tformers.agents.common.evaluation import evaluate
+from rl_tformers.runtime.evaluation import evaluate
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTConfig, from_env_action
 from rl_tformers.agents.decision_transformer.policy import DTPolicy
 from rl_tformers.envs.dataset import EpisodeDataset

@@ -6,7 +6,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from rl_tformers.agents.common.loading import load_run
+from rl_tformers.runtime.loading import load_run
 from rl_tformers.agents.decision_transformer.model import from_env_action
 from rl_tformers.agents.decision_transformer.rtg_probe import rtg_probe
 from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset

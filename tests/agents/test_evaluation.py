@@ -8,7 +8,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium import spaces
-from rl_tformers.agents.common.evaluation import evaluate, parse_targets, with_raw_reward
+from rl_tformers.runtime.evaluation import evaluate, parse_targets, with_raw_reward
 
 
 class FixedLengthEnv(gym.Env):
@@ -142,7 +142,7 @@ def test_parse_targets():
 
 
 def test_default_sweep_spans_worst_to_beyond_best():
-    from rl_tformers.agents.common.plots import default_sweep
+    from rl_tformers.runtime.plots import default_sweep
 
     assert default_sweep(3559.0, 1000.0, 6) == [1000.0, 1614.0, 2228.0, 2842.0, 3457.0, 4071.0]
     assert default_sweep(-120.0, -1820.0, 3) == [-1820.0, -800.0, 220.0]
@@ -194,7 +194,7 @@ def _vector(lengths, n):
 
 
 def test_run_episodes_records_trajectories_and_cuts_at_max_steps():
-    from rl_tformers.agents.common.evaluation import run_episodes
+    from rl_tformers.runtime.evaluation import run_episodes
 
     envs = _vector((3, 10), 2)  # env 0: 3-step episodes, env 1: 10-step ones
     rec = run_episodes(StepPolicy(), envs, 5.0, 3, seed=0, record_trajectories=True, max_steps=4)
@@ -213,7 +213,7 @@ def test_run_episodes_records_trajectories_and_cuts_at_max_steps():
 
 
 def test_run_episodes_grows_its_buffers_past_1024_steps():
-    from rl_tformers.agents.common.evaluation import run_episodes
+    from rl_tformers.runtime.evaluation import run_episodes
 
     envs = _vector((1500,), 1)
     rec = run_episodes(StepPolicy(), envs, None, 1, seed=0, record_trajectories=True)
@@ -225,7 +225,7 @@ def test_run_episodes_grows_its_buffers_past_1024_steps():
 
 
 def test_run_episodes_names_its_caller_in_errors():
-    from rl_tformers.agents.common.evaluation import NonFiniteError, run_episodes
+    from rl_tformers.runtime.evaluation import NonFiniteError, run_episodes
 
     class NaNPolicy(StepPolicy):
         def act(self, obs, state, episode_start, last_reward=None):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from rl_tformers.agents.common.loading import load_run
+from rl_tformers.runtime.loading import load_run
 from rl_tformers.envs.loaders import save_d4rl_hdf5
 from rl_tformers.envs.memory_tasks import scripted_dataset
 

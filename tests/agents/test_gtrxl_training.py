@@ -184,7 +184,7 @@ def test_agent_trains_and_evaluates_every_objective(objective):
         opt.step()
     with torch.no_grad():
         result = agent.evaluate(0)
-    assert 0.0 <= result["return_mean"] <= 32.0  # 32 scored answers per episode
+    assert 0.0 <= result["eval/return_mean"] <= 32.0  # 32 scored answers per episode
     assert agent.extra_state()["env_id"] == "rl_tformers.envs.memory_tasks:rl_tformers/Recall-d2-v0"
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-from rl_tformers.agents.common.loading import load_run
+from rl_tformers.runtime.loading import load_run
 from rl_tformers.agents.common.scripted import collect_delayed_expert
 from rl_tformers.agents.decision_transformer.agent import DTAgent
 from rl_tformers.agents.gtrxl.agent import GTRXL_DEFAULTS, GTrXLAgent, GTrXLPolicy
@@ -98,7 +98,7 @@ def test_dt_early_exit_calibration_meets_delta_on_the_held_out_episodes(dt_early
 
 
 def test_dt_early_exit_forward_timing_reports_layers_and_consistency(dt_early_exit_run):
-    from rl_tformers.agents.common.timing import interleaved_timing
+    from rl_tformers.runtime.timing import interleaved_timing
     from rl_tformers.agents.decision_transformer.early_exit_bench import forward_timing
 
     run = load_run(dt_early_exit_run)

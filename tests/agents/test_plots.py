@@ -15,8 +15,8 @@ import pytest
 matplotlib.use("Agg")
 
 from matplotlib import pyplot as plt  # noqa: E402
-from rl_tformers.agents.common.evaluation import TargetResult  # noqa: E402
-from rl_tformers.agents.common.plots import plot_return_conditioning  # noqa: E402
+from rl_tformers.runtime.evaluation import TargetResult  # noqa: E402
+from rl_tformers.runtime.plots import plot_return_conditioning  # noqa: E402
 
 
 def _results() -> list[TargetResult]:

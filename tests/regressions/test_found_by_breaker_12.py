@@ -132,7 +132,7 @@ def test_early_exit_calibration_decides_on_the_acting_context(tmp_path, cartpole
 
 # ------------------------------------ 4. plot evaluates the policy eval evaluates
 def test_plot_applies_the_runs_early_exit_threshold_and_knn_options_like_eval(tmp_path, cartpole_h5, monkeypatch):
-    import rl_tformers.agents.common.evaluation as evaluation
+    import rl_tformers.runtime.evaluation as evaluation
 
     path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
     run_dir = tmp_path / "run"
@@ -240,7 +240,7 @@ def test_training_evaluation_applies_the_early_exit_threshold_and_knn_options(tm
 
 # ------------------------------------ 8. exit statistics count only the evaluated decisions
 def test_exit_statistics_do_not_depend_on_the_number_of_environments(tmp_path, cartpole_h5):
-    from rl_tformers.agents.common.evaluation import evaluate
+    from rl_tformers.runtime.evaluation import evaluate
 
     path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
     agent = _agent(path, "backbone.n_layers=3", "backbone.depth={kind: early_exit, confidence: saturation}",

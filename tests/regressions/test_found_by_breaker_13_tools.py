@@ -44,7 +44,7 @@ def dt_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def no_evaluation(monkeypatch: pytest.MonkeyPatch) -> list:
     """Make any evaluation fail the test: a refusal must come before anything is evaluated."""
-    import rl_tformers.agents.common.evaluation as evaluation
+    import rl_tformers.runtime.evaluation as evaluation
 
     calls: list = []
 
@@ -111,7 +111,7 @@ def _plot_from_json(run_dir: Path, out: Path, saved: Path):
 def test_the_default_sweep_never_repeats_a_target() -> None:
     """Many default targets over a short range were rounded onto each other (1000 targets over
     10 .. 598: 589 distinct); they stay unrounded then, and few targets are rounded as before."""
-    from rl_tformers.agents.common.plots import default_sweep, repeated_target
+    from rl_tformers.runtime.plots import default_sweep, repeated_target
 
     many = default_sweep(500.0, 10.0, 1000)
     assert len(many) == 1000 and len(set(many)) == 1000 and repeated_target(many) is None
@@ -148,7 +148,7 @@ def test_plot_out_with_a_tilde_is_written_where_its_parents_were_checked(
 ) -> None:
     """``~`` in --out (``--out=~/fig.png`` is not expanded by the shell) was checked expanded (a
     file in the way under $HOME) but written to a folder named '~' in the current directory."""
-    from rl_tformers.agents.common.plots import figure_path
+    from rl_tformers.runtime.plots import figure_path
 
     home, cwd = tmp_path / "home", tmp_path / "cwd"
     home.mkdir()

@@ -138,7 +138,7 @@ def test_a_backbone_kind_taken_by_a_builtin_names_the_plugins_line(clean_registr
 HALF = """\
 from dataclasses import dataclass
 
-from rl_tformers.agents.common.loading import register_inference_loader
+from rl_tformers.runtime.loading import register_inference_loader
 from rl_tformers.attention.base import AttentionConfig
 from rl_tformers.registry import ATTENTION, POSITION
 from rl_tformers.position.base import PositionConfig
@@ -168,7 +168,7 @@ raise RuntimeError("half way")
 
 
 def _nothing_of(kind: str) -> None:
-    from rl_tformers.agents.common.loading import _INFERENCE_LOADERS
+    from rl_tformers.runtime.loading import _INFERENCE_LOADERS
 
     assert kind not in REGISTRIES["attention"] and kind not in REGISTRIES["position"]
     assert kind not in agent_registry._AGENTS and kind not in _INFERENCE_LOADERS
@@ -302,7 +302,7 @@ def _needs_plugins(option: str, offline: Path, name: str) -> str:
 
 @pytest.mark.filterwarnings("ignore:agent.init_:UserWarning")  # the config's backbone is not used
 def test_online_dt_fine_tuning_needs_the_plugins_of_the_offline_run(dense_plugin, tmp_path: Path) -> None:
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.loading import load_run
     from rl_tformers.envs.loaders import save_d4rl_hdf5
 
     from tests.pendulum import random_pendulum_dataset
@@ -380,7 +380,7 @@ def test_plugins_given_as_a_mapping_is_refused() -> None:
 def test_a_run_trained_with_a_plugin_cannot_rebuild_itself_without_it(tmp_path: Path, dense_plugin,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Held: a moved plugin is named by ``eval`` (this test guards the loader's order: plugins first)."""
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.loading import load_run
 
     name, kind, folder = dense_plugin
     data = _write_cartpole_h5(tmp_path / "cp.hdf5")

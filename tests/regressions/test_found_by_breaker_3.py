@@ -50,7 +50,7 @@ def _discrete_start_h5(path: Path, start: int, n: int = 3) -> Path:
 
 @pytest.mark.parametrize("kind, start", [("dt", 1), ("dt", -1), ("bc", 1), ("gtrxl", 1)])
 def test_discrete_actions_with_a_start_train_and_act_inside_the_space(tmp_path: Path, kind: str, start: int) -> None:
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.loading import load_run
 
     from rl_tformers.runtime.trainer import train
 

@@ -287,7 +287,7 @@ def test_probe_refuses_a_discrete_dt_run(tmp_path):
 
 
 def test_rtg_probe_function_checks_what_it_is_given(probe_runs):
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.loading import load_run
     from rl_tformers.agents.decision_transformer.rtg_probe import rtg_probe
     from rl_tformers.envs.loaders import load_dataset
 

@@ -85,7 +85,7 @@ def test_target_limit_is_where_the_float32_embedding_still_holds(dt_cont_run: Pa
     """Below the limit every action is finite; far above it (where the old code sent NaN) the
     policy refuses the target."""
     import torch
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.loading import load_run
 
     run = load_run(dt_cont_run, torch.device("cpu"))
     pol = run.agent.policy()
@@ -118,7 +118,7 @@ class _NaNPolicy:
 
 
 def test_evaluate_stops_at_a_non_finite_action_without_sending_it(monkeypatch) -> None:
-    from rl_tformers.agents.common.evaluation import NonFiniteError, evaluate
+    from rl_tformers.runtime.evaluation import NonFiniteError, evaluate
 
     sent: list[np.ndarray] = []
 
@@ -138,8 +138,8 @@ def test_dt_with_nan_predictions_raises_instead_of_acting(dt_cont_run: Path, dt_
     """The backstop behind the up-front check: if the model's output is NaN anyway (here: the
     limit switched off), no action comes out of it, continuous or discrete (argmax of NaN)."""
     import torch
-    from rl_tformers.agents.common.evaluation import NonFiniteError, evaluate
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.evaluation import NonFiniteError, evaluate
+    from rl_tformers.runtime.loading import load_run
     from rl_tformers.agents.decision_transformer.policy import DTPolicy
 
     monkeypatch.setattr(DTPolicy, "target_limit", lambda self: math.inf)
@@ -166,7 +166,7 @@ def test_eval_and_plot_turn_a_non_finite_evaluation_into_an_error(dt_run: Path, 
 
 
 def test_eval_json_is_strict(dt_run: Path, tmp_path: Path) -> None:
-    from rl_tformers.agents.common.evaluation import strict_json
+    from rl_tformers.runtime.evaluation import strict_json
 
     out = tmp_path / "e.json"
     r = runner.invoke(app, ["eval", str(dt_run), "--targets", "10", "--episodes", "2", "--envs", "1", "--json",
@@ -271,7 +271,7 @@ def test_plot_out_without_extension_writes_and_prints_the_png(dt_run: Path, tmp_
 
 def test_save_figure_returns_the_file_it_wrote(tmp_path: Path) -> None:
     import matplotlib.pyplot as plt
-    from rl_tformers.agents.common.plots import figure_path, save_figure
+    from rl_tformers.runtime.plots import figure_path, save_figure
 
     assert save_figure(plt.figure(), tmp_path / "a") == tmp_path / "a.png" and (tmp_path / "a.png").is_file()
     assert save_figure(plt.figure(), tmp_path / "b.svg") == tmp_path / "b.svg"

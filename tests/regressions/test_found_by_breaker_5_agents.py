@@ -87,8 +87,8 @@ def dict_dataset(tmp_path_factory):
 def test_flattened_dict_observations_train_and_evaluate_in_a_flattened_env(dict_dataset, tmp_path, kind) -> None:
     """dataset.flatten_observations=true flattened the data, but the evaluation environment kept
     its Dict observations: every agent refused to train ("... not a Box; set agent.env_id")."""
-    from rl_tformers.agents.common.evaluation import evaluate
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.evaluation import evaluate
+    from rl_tformers.runtime.loading import load_run
     from rl_tformers.envs.loaders import load_dataset
 
     cfg = compose(None, [*TINY[kind], f"dataset.path={dict_dataset}", "dataset.flatten_observations=true", *FAST])
@@ -159,7 +159,7 @@ def _cli_train(*args: str):
 def test_dt_takes_a_single_number_as_agent_targets(tmp_path) -> None:
     """agent.targets=7 (documented as "target returns"; default_targets accepted a scalar) crashed
     with "TypeError: 'int' object is not iterable" before training."""
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.loading import load_run
 
     h5 = _counter_h5(tmp_path / "c.hdf5")
     r = _cli_train(f"dataset.path={h5}", "agent.targets=7", "--run-dir", str(tmp_path / "run"))
@@ -201,8 +201,8 @@ def test_box_with_a_fixed_dimension_or_huge_bounds_trains_and_acts_in_the_box(tm
     """A Box whose low == high in one dimension (gymnasium allows it) made 0 / 0 = NaN targets, and
     bounds of +-3e38 an infinite width: every update's loss was NaN (NonFiniteLossError,
     "try a lower train.lr")."""
-    from rl_tformers.agents.common.evaluation import evaluate
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.evaluation import evaluate
+    from rl_tformers.runtime.loading import load_run
 
     lo, hi = BOUNDS[env_id]
     h5 = _counter_h5(tmp_path / "b.hdf5", env_id=env_id, low=lo, high=hi)
@@ -286,7 +286,7 @@ def test_evaluating_a_sampling_policy_is_reproducible_and_leaves_the_global_rng_
     """A policy that samples its actions (GTrXL agent.deterministic=false) drew them from torch's
     unseeded global generator: `rl-tformers eval RUN --seed 0` gave other returns at every call,
     and the "repeat it exactly" command printed after training did not repeat anything."""
-    from rl_tformers.agents.common.evaluation import evaluate, make_env_factory
+    from rl_tformers.runtime.evaluation import evaluate, make_env_factory
 
     torch.manual_seed(123)
     before = torch.get_rng_state()
@@ -300,7 +300,7 @@ def test_evaluating_a_sampling_policy_is_reproducible_and_leaves_the_global_rng_
 def test_default_sweep_of_equal_returns_spreads_its_targets() -> None:
     """Every episode with return 5 gave six targets 5, 5.0000002, ... (printed as six "5"):
     six evaluations of the same target and a one-point plot."""
-    from rl_tformers.agents.common.plots import default_sweep
+    from rl_tformers.runtime.plots import default_sweep
 
     assert default_sweep(5.0, 5.0, 6) == pytest.approx([0.0, 1.2, 2.4, 3.6, 4.8, 6.0])
     assert default_sweep(0.0, 0.0, 3) == pytest.approx([-1.0, -0.4, 0.2])
@@ -348,7 +348,7 @@ def test_rtg_probe_fit_of_a_last_action_dt_compares_the_last_action_only(tmp_pat
     """In agent.mode=last_action the model predicts one action per window (the last), but the
     probe's fit broadcast it against all K data actions: a wrong number (0.40 instead of 0.49 on
     a Pendulum run), printed without any warning."""
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.loading import load_run
     from rl_tformers.agents.decision_transformer.model import from_env_action
     from rl_tformers.agents.decision_transformer.rtg_probe import rtg_probe
     from rl_tformers.envs.loaders import load_dataset
@@ -407,8 +407,8 @@ def test_gtrxl_trains_on_observations_of_more_than_one_axis(tmp_path, options) -
     """A Box(2, 3) observation reached GTrXL's token embedding unflattened: the first update died
     with "mat1 and mat2 shapes cannot be multiplied (8x3 and 6x16)" (or, with
     agent.prev_action, "Tensors must have same number of dimensions"). DT and BC flattened."""
-    from rl_tformers.agents.common.evaluation import evaluate
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.evaluation import evaluate
+    from rl_tformers.runtime.loading import load_run
     from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
     from rl_tformers.envs.loaders import save_d4rl_hdf5
 

@@ -186,7 +186,7 @@ def test_training_batches_flatten_the_box_in_c_order_like_the_bounds(matrix_h5) 
 @pytest.mark.parametrize("kind", ["dt", "bc", "gtrxl"])
 def test_offline_agents_train_resume_and_evaluate_with_box_actions_in_the_envs_shape(matrix_h5, tmp_path,
                                                                                      kind) -> None:
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.loading import load_run
 
     run_dir = tmp_path / "run"
     cfg = compose(None, [*TINY[kind], f"dataset.path={matrix_h5}", *FAST, "eval.at_end=true"])

@@ -284,7 +284,7 @@ def test_observation_mask_refuses_boolean_masks_and_fractional_indices(indices, 
 def test_ppo_fine_tuning_feeds_the_previous_reward_in_the_offline_units(tmp_path: Path) -> None:
     """The offline encoder learned r_{t-1} as raw / 10 (the recall data's reward scale); PPO fed
     it raw * agent.reward_scale (10x larger here), off the distribution it was trained on."""
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.loading import load_run
     from rl_tformers.envs.loaders import save_d4rl_hdf5
     from rl_tformers.envs.memory_tasks import scripted_dataset
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from rl_tformers.agents.common import evaluation as ev
-from rl_tformers.agents.common.evaluation import TargetResult, evaluate, make_env_factory
+from rl_tformers.runtime.evaluation import TargetResult, evaluate, make_env_factory
 from test_found_by_tester import _train, _write_h5
 from typer.testing import CliRunner
 

@@ -123,7 +123,7 @@ def test_ppo_with_a_scalar_box_action_evaluates_with_scalar_actions() -> None:
     assert actions.shape == (2,) and actions.dtype == np.float32
     assert all(ppo.envs.single_action_space.contains(np.asarray(a)) for a in actions)
     report = ppo.evaluate(0)  # raised "action array([...]) is not in Box(-2.0, 2.0, (), float32)"
-    assert set(report) == {"return_mean", "return_std"} and np.isfinite(report["return_mean"])
+    assert set(report) == {"eval/return_mean", "eval/return_std"} and np.isfinite(report["eval/return_mean"])
 
 
 # ------------------------------------------------- 3. DDP: PPO does not split train.batch_size

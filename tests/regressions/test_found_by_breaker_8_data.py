@@ -275,7 +275,7 @@ def test_a_discarded_filler_episode_does_not_stop_a_dt_evaluation_at_max_ep_len(
     episodes; the DT policy (max_ep_len=15, timestep_overflow=error) counted the fillers' steps on
     and stopped the evaluation at step 15 of a filler ("evaluate on episodes of at most 15
     steps"), though no counted episode is longer than 10."""
-    from rl_tformers.agents.common.evaluation import evaluate
+    from rl_tformers.runtime.evaluation import evaluate
     from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTConfig
     from rl_tformers.agents.decision_transformer.policy import DTPolicy
 

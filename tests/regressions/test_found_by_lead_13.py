@@ -86,8 +86,8 @@ def test_resumed_window_splits_the_saved_samples_over_the_new_ranks() -> None:
 
 def test_summary_of_a_policy_without_target_has_no_target_column() -> None:
     """``eval`` of a BC run printed ``target        -: return ...`` (fresh user 13)."""
-    from rl_tformers.agents.common.evaluation import TargetResult
-    from rl_tformers.agents.common.plots import summary_lines
+    from rl_tformers.runtime.evaluation import TargetResult
+    from rl_tformers.runtime.plots import summary_lines
 
     bc = TargetResult(target_return=None, returns=[1.0, 3.0], lengths=[5, 6], seeds=[0, 1])
     dt = TargetResult(target_return=3600.0, returns=[2.0], lengths=[5], seeds=[0])

@@ -66,7 +66,7 @@ def test_eval_json_writes_every_count_as_an_integer(performer_run):
 
 # -- 2. the Performer attn_dropout advice came again at every eval / plot of the trained run ---------
 def test_the_attention_dropout_advice_is_given_in_training_not_when_the_run_is_loaded(performer_run):
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.loading import load_run
 
     from rl_tformers.runtime.agent_registry import build_agent
 

@@ -147,7 +147,7 @@ def test_dataset_env_observation_mismatch_is_named(tmp_path: Path) -> None:
 
 
 def test_non_finite_targets_refused() -> None:
-    from rl_tformers.agents.common.evaluation import parse_targets
+    from rl_tformers.runtime.evaluation import parse_targets
 
     for text in ("nan", "inf", "100,-inf"):
         with pytest.raises(ValueError, match="--targets"):
@@ -245,7 +245,7 @@ def test_eval_of_a_missing_run_directory_says_so(tmp_path: Path) -> None:
 
 
 def test_non_finite_eval_targets_refused_by_evaluate() -> None:
-    from rl_tformers.agents.common.evaluation import evaluate
+    from rl_tformers.runtime.evaluation import evaluate
 
     with pytest.raises(ValueError, match="finite"):
         evaluate(None, lambda: None, [float("nan")], episodes=1, n_envs=1)

@@ -251,7 +251,7 @@ def test_hdf5_without_a_task_name_says_how_to_set_it(tmp_path: Path) -> None:
 # ------------------------------------------------------------------- 10: --targets ""
 @pytest.mark.parametrize("text", ["", " "])
 def test_empty_targets_are_refused(text: str) -> None:
-    from rl_tformers.agents.common.evaluation import parse_targets
+    from rl_tformers.runtime.evaluation import parse_targets
 
     with pytest.raises(ValueError, match=r"^--targets: '.*' is empty"):
         parse_targets(text)

@@ -2,8 +2,8 @@
 
 The oneDNN path must be the same function as ``F.linear`` (forward and every gradient, up to
 float rounding), keep the module's parameters and state dict, fall back to ``F.linear`` where
-it does not apply, be resolved once into the run's config (a resume keeps the library, a run
-saved before the option keeps MKL), and reach the trainer and ``load_run``.
+it does not apply, be resolved once into the run's config (a resume keeps the library), and
+reach the trainer and ``load_run``.
 """
 
 from __future__ import annotations
@@ -120,16 +120,14 @@ def test_compose_records_the_resolved_library_and_a_saved_run_keeps_its_own() ->
     with pytest.raises(ConfigError, match=r"^cpu_matmul='blas'; use one of auto, mkl, onednn$"):
         compose(None, [*TOY, "cpu_matmul=blas"])
     old = OmegaConf.to_container(cfg)
-    del old["cpu_matmul"]  # a run saved before the option computed with PyTorch's default
-    assert compose(start=old).cpu_matmul == "mkl"
+    assert compose(start={**old, "cpu_matmul": "mkl"}).cpu_matmul == "mkl"
     assert compose(start={**old, "cpu_matmul": "mkl"}, overrides=["cpu_matmul=auto"]).cpu_matmul == cfg.cpu_matmul
 
 
 @needs_onednn
 @pytest.mark.parametrize("library", ["mkl", "onednn"])
 def test_trainer_and_load_run_use_the_run_s_library_and_resume_is_exact(tmp_path: Path, library: str) -> None:
-    from rl_tformers.agents.common.loading import load_run
-
+    from rl_tformers.runtime.loading import load_run
     from rl_tformers.runtime.trainer import resume, train
 
     data = _write_cartpole_h5(tmp_path / "cp.hdf5")

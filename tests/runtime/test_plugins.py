@@ -184,51 +184,11 @@ def test_installed_entry_points_are_imported_and_a_broken_one_only_warns(plugin,
         sys.modules.pop(f"broken_{name}", None)
 
 
-def test_a_config_saved_before_plugins_existed_resumes_unchanged() -> None:
-    """A run saved without a ``plugins`` key composes with the empty default and resumes."""
-    from omegaconf import OmegaConf
-
-    from rl_tformers.runtime.run_config import check_resume_changes, to_container
-
-    new = compose(start={"agent": {"kind": "toy"}, "train": {"steps": 2}})
-    old = to_container(new)
-    del old["plugins"]
-    assert list(new.plugins) == []
-    assert check_resume_changes(OmegaConf.create(old), new) == []
-
-
-def test_a_run_saved_before_plugins_existed_resumes_exactly(tmp_path: Path) -> None:
-    """A checkpoint and config.yaml without ``plugins`` (written before the key existed) resume to the
-    same weights as an uninterrupted run."""
-    import torch
-
-    from rl_tformers.runtime.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-    from rl_tformers.runtime.trainer import resume
-
-    cfg = compose("toy", ["train.steps=8", "train.checkpoint_every=4", "train.progress=false", "device=cpu"])
-    train(cfg, tmp_path / "full")
-    split = tmp_path / "split"
-    train(cfg, split, stop_at=4)
-    for _, path in list_checkpoints(split):
-        state = load_checkpoint(path)
-        assert "plugins: []\n" in state["config"]
-        state["config"] = state["config"].replace("plugins: []\n", "")
-        path.unlink()
-        save_checkpoint(split, state)
-    text = (split / "config.yaml").read_text()
-    (split / "config.yaml").write_text(text.replace("plugins: []\n", ""))
-    resume(split)
-    (step_a, last_a), (step_b, last_b) = list_checkpoints(tmp_path / "full")[0], list_checkpoints(split)[0]
-    assert step_a == step_b == 8
-    a, b = load_checkpoint(last_a)["model"], load_checkpoint(last_b)["model"]
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
 def test_a_run_whose_kind_is_not_registered_here_is_refused_by_name(plugin, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A run whose kind came from an unlisted plugin (an entry point of a package not installed
     here): eval said nothing useful (a RegistryError traceback); now one line names the kind."""
-    from rl_tformers.agents.common.loading import load_run
+    from rl_tformers.runtime.loading import load_run
 
 
     name, kind, folder = plugin

@@ -22,7 +22,8 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from rl_tformers.agents.common.evaluation import TargetResult, repeated_target  # noqa: E402,F401 (re-exported)
+
+from rl_tformers.runtime.evaluation import TargetResult, repeated_target  # noqa: E402,F401 (re-exported)
 
 
 def plot_return_conditioning(

@@ -1,4 +1,4 @@
-"""Evaluation of any :class:`~rl_tformers.agents.common.policy.Policy` in gymnasium vector envs.
+"""Evaluation of any :class:`~rl_tformers.runtime.protocol.Policy` in gymnasium vector envs.
 
 One loop serves every agent (Decision Transformer, GTrXL, BC): per environment step it makes
 **one** ``policy.act`` call for all N environments (one batched forward pass), so the cost of
@@ -45,7 +45,9 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from rl_tformers.agents.common.policy import Policy
+
+from rl_tformers.runtime.protocol import Policy
+from rl_tformers.runtime.seeding import derive_seed
 
 RAW_REWARD_KEY = "raw_reward"
 
@@ -167,15 +169,32 @@ class TargetResult:
         """Mean D4RL-normalised score, or ``None`` without reference returns."""
         return None if self.normalized is None else float(np.mean(self.normalized))
 
-    def to_dict(self, with_rewards: bool = False) -> dict[str, Any]:
-        """JSON-ready dict with ``target_return, returns, return_mean, return_std, normalized_score``."""
-        out = {
-            "target_return": self.target_return,
-            "returns": [float(r) for r in self.returns],
+    @property
+    def normalized_score_std(self) -> float | None:
+        """Population standard deviation of the D4RL-normalised scores, or ``None``."""
+        return None if self.normalized is None else float(np.std(self.normalized))
+
+    def summary(self) -> dict[str, float | None]:
+        """The scalars of this target, by name: ``return_mean``, ``return_std`` (raw units),
+        ``normalized_score``, ``normalized_score_std`` (None without reference returns).
+
+        The one list of a target's scalars: :meth:`to_dict` writes them into ``eval --json``
+        and :func:`report_logs` into the training logs, so a new scalar is one line here.
+        """
+        return {
             "return_mean": self.return_mean,
             "return_std": self.return_std,
             "normalized_score": self.normalized_score,
-            "normalized_score_std": None if self.normalized is None else float(np.std(self.normalized)),
+            "normalized_score_std": self.normalized_score_std,
+        }
+
+    def to_dict(self, with_rewards: bool = False) -> dict[str, Any]:
+        """JSON-ready dict: ``target_return``, ``returns``, the scalars of :meth:`summary`,
+        ``lengths``, ``seeds`` (and ``rewards`` with ``with_rewards`` when recorded)."""
+        out = {
+            "target_return": self.target_return,
+            "returns": [float(r) for r in self.returns],
+            **self.summary(),
             "lengths": [int(n) for n in self.lengths],
             "seeds": [int(s) for s in self.seeds],
         }
@@ -261,6 +280,41 @@ class EvalReport:
         d = {k: v for k, v in asdict(self).items() if k != "results"}
         d["results"] = [r.to_dict(with_rewards) for r in self.results]
         return d
+
+
+#: prefix of every evaluation key in the training logs (TensorBoard, ``metrics.jsonl``)
+EVAL_PREFIX = "eval/"
+
+
+def target_suffix(k: int) -> str:
+    """Key suffix of the ``k``-th target of a report: ``""`` for the first, ``_target{k}`` after."""
+    return "" if k == 0 else f"_target{k}"
+
+
+def report_logs(report: EvalReport) -> dict[str, float]:
+    """The log scalars of an evaluation: the one mapping from a report to log keys.
+
+    For the ``k``-th target (suffix :func:`target_suffix`): ``eval/<name><suffix>`` for every
+    scalar of :meth:`TargetResult.summary` that is not None, and ``eval/target<suffix>`` (raw
+    units) for a return-conditioned target. Example, one unconditioned target without
+    reference returns: ``{"eval/return_mean": ..., "eval/return_std": ...}``.
+    """
+    out: dict[str, float] = {}
+    for k, r in enumerate(report.results):
+        sfx = target_suffix(k)
+        for name, value in r.summary().items():
+            if value is not None:
+                out[f"{EVAL_PREFIX}{name}{sfx}"] = float(value)
+        if r.target_return is not None:
+            out[f"{EVAL_PREFIX}target{sfx}"] = float(r.target_return)
+    return out
+
+
+def eval_seed(seed: int, step: int) -> int:
+    """Base reset seed of the evaluation at training step ``step`` of a run seeded ``seed``:
+    ``derive_seed(seed, "eval", step) mod 2**31`` (31 bits, as gymnasium's ``reset`` takes).
+    Episode ``j`` resets with ``eval_seed(seed, step) + j``, as ``rl-tformers eval --seed`` does."""
+    return derive_seed(seed, "eval", step) % (2**31)
 
 
 def evaluate(

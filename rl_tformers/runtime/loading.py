@@ -10,7 +10,7 @@ the agent through the runtime's agent registry. Two ways, in order:
 2. otherwise the kind's training builder ``builder(cfg, run_dir, device)`` (which may load the
    dataset), then ``model.load_state_dict`` and ``load_extra_state``.
 
-The agent returned must offer the :class:`EvaluableAgent` members. Its extra state should hold
+The agent returned must offer the :class:`~rl_tformers.runtime.protocol.EvaluableAgent` members. Its extra state should hold
 ``env_id`` (normalised scores are looked up from it), and, for the plot, ``dataset_return_max``,
 ``dataset_return_mean`` and ``dataset_return_min`` (raw units).
 
@@ -23,41 +23,18 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
-from rl_tformers.agents.common.policy import Policy
-from torch import nn
 
 from rl_tformers.backbone_config import ConfigAdviceWarning
 from rl_tformers.runtime.cpu_matmul import apply_cpu_matmul
+from rl_tformers.runtime.protocol import EVALUABLE_METHODS, InferenceLoader
 
 #: kind -> loader(cfg, checkpoint state, device) -> agent
-_INFERENCE_LOADERS: dict[str, Callable[[Any, Mapping[str, Any], torch.device], Any]] = {}
-
-
-@runtime_checkable
-class EvaluableAgent(Protocol):
-    """What ``eval`` and ``plot`` need from an agent object.
-
-    Members:
-        model: the trained ``nn.Module``.
-        policy(): a :class:`~rl_tformers.agents.common.policy.Policy` of the current weights.
-        make_env(): zero-argument factory of one evaluation environment.
-        default_targets(): target returns to evaluate when none are given (``[None]`` for
-            agents that are not return-conditioned).
-    """
-
-    model: nn.Module
-
-    def policy(self) -> Policy: ...
-
-    def make_env(self) -> Callable[[], Any]: ...
-
-    def default_targets(self) -> list[float | None]: ...
+_INFERENCE_LOADERS: dict[str, InferenceLoader] = {}
 
 
 def register_inference_loader(kind: str):
@@ -75,7 +52,7 @@ class LoadedRun:
     """A run ready to evaluate.
 
     Attributes:
-        agent: an :class:`EvaluableAgent` with the checkpoint's weights, in eval mode.
+        agent: an :class:`~rl_tformers.runtime.protocol.EvaluableAgent` with the checkpoint's weights, in eval mode.
         cfg: the run's resolved config (OmegaConf, read-only).
         kind: ``cfg.agent.kind``.
         step: optimiser updates of the checkpoint.
@@ -116,11 +93,11 @@ class LoadedRun:
 
 def _run_cpu_matmul(cfg: Any) -> str:
     """The library of the run's float32 CPU ``nn.Linear`` products (``cpu_matmul``, resolved when
-    it was trained; ``mkl`` for a run saved before the option), or ``mkl`` with a warning where
+    it was trained), or ``mkl`` with a warning where
     this PyTorch build lacks oneDNN's operator (the same function, another float rounding)."""
     from rl_tformers.runtime.cpu_matmul import resolve_cpu_matmul
 
-    spec = str(cfg.get("cpu_matmul", "mkl"))
+    spec = str(cfg.cpu_matmul)
     try:
         return resolve_cpu_matmul(spec)
     except ValueError as exc:
@@ -189,7 +166,7 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
             load_extra = getattr(agent, "load_extra_state", None)
             if callable(load_extra):
                 load_extra(state["extra"])
-    missing = [m for m in ("policy", "make_env", "default_targets") if not callable(getattr(agent, m, None))]
+    missing = [m for m in EVALUABLE_METHODS if not callable(getattr(agent, m, None))]
     if missing:
         raise TypeError(f"agent {kind!r} cannot be evaluated: it lacks {', '.join(m + '()' for m in missing)}")
     agent.model.to(dev).eval()

@@ -1,0 +1,36 @@
+"""The evaluation report's log keys and the evaluation seed (rl_tformers.runtime.evaluation)."""
+
+from __future__ import annotations
+
+from rl_tformers.runtime.evaluation import EvalReport, TargetResult, eval_seed, report_logs
+from rl_tformers.runtime.seeding import derive_seed
+
+
+def test_report_logs_maps_every_scalar_of_every_target_to_one_key() -> None:
+    first = TargetResult(target_return=100.0, returns=[1.0, 3.0], lengths=[5, 7], seeds=[0, 1], normalized=[10.0, 30.0])
+    second = TargetResult(target_return=50.0, returns=[2.0, 2.0], lengths=[5, 5], seeds=[0, 1])
+    logs = report_logs(EvalReport([first, second], episodes=2, n_envs=2))
+    assert logs == {
+        "eval/return_mean": 2.0, "eval/return_std": 1.0, "eval/normalized_score": 20.0,
+        "eval/normalized_score_std": 10.0, "eval/target": 100.0,
+        "eval/return_mean_target1": 2.0, "eval/return_std_target1": 0.0, "eval/target_target1": 50.0,
+    }
+    assert all(type(v) is float for v in logs.values())
+
+
+def test_report_logs_of_an_unconditioned_target_has_no_target_key() -> None:
+    r = TargetResult(target_return=None, returns=[4.0], lengths=[9], seeds=[3])
+    assert report_logs(EvalReport([r])) == {"eval/return_mean": 4.0, "eval/return_std": 0.0}
+
+
+def test_json_and_logs_share_the_scalars_of_summary() -> None:
+    r = TargetResult(target_return=None, returns=[1.0, 2.0], lengths=[1, 1], seeds=[0, 1])
+    d = r.to_dict()
+    assert {k: d[k] for k in r.summary()} == r.summary()
+    assert set(d) == {"target_return", "returns", "lengths", "seeds", *r.summary()}
+
+
+def test_eval_seed_is_the_derived_seed_in_31_bits() -> None:
+    assert eval_seed(7, 1000) == derive_seed(7, "eval", 1000) % 2**31
+    assert 0 <= eval_seed(2**63, 5) < 2**31
+    assert eval_seed(7, 1000) != eval_seed(7, 2000)
