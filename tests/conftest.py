@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.datafiles import write_cartpole_h5
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("RL_TFORMERS_SHARED", REPO.parent / "shared"))
 
@@ -38,6 +40,12 @@ def shared_dir() -> Path:
     if not (SHARED / "policies").is_dir():
         pytest.skip(f"needs ../shared/policies (not found at {SHARED}); set RL_TFORMERS_SHARED to point at it")
     return SHARED
+
+
+@pytest.fixture
+def cartpole_h5():
+    """``cartpole_h5(path, *, n=30, seed=0, reward=1.0) -> path``: a CartPole-shaped D4RL file."""
+    return write_cartpole_h5
 
 
 def pytest_collection_modifyitems(config, items):

@@ -77,9 +77,9 @@ def test_plot_command_on_a_return_conditioned_gtrxl_run(tmp_path: Path) -> None:
     from rl_tformers.cli import app
     from rl_tformers.runtime.run_config import compose
     from rl_tformers.runtime.trainer import train
-    from tests.regressions.conftest import _write_cartpole_h5
+    from tests.datafiles import write_cartpole_h5
 
-    data = _write_cartpole_h5(tmp_path / "cp.hdf5", n=60)
+    data = write_cartpole_h5(tmp_path / "cp.hdf5", n=60)
     cfg = compose("gtrxl/recall_bc", [
         f"dataset.path={data}", "agent.objective=rcbc", "agent.env_id=CartPole-v1", "backbone.d_model=16",
         "backbone.n_heads=1", "backbone.n_layers=1", "train.steps=2", "train.batch_size=4", "train.warmup_steps=1",

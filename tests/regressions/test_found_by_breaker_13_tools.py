@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from rl_tformers.cli import app
 from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
-from tests.regressions.conftest import _write_cartpole_h5
+from tests.datafiles import write_cartpole_h5
 
 TINY = [
     "backbone.d_model=16",
@@ -35,7 +35,7 @@ TINY = [
 def dt_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-update Decision Transformer run (module-wide: the plot tests only read it)."""
     root = tmp_path_factory.mktemp("dt")
-    path = _write_cartpole_h5(root / "cp.hdf5")
+    path = write_cartpole_h5(root / "cp.hdf5")
     run_dir = root / "run"
     train(compose("dt/cartpole_demo", [f"dataset.path={path}", *TINY]), run_dir)
     return run_dir
@@ -186,7 +186,7 @@ def test_plot_refuses_to_log_another_runs_checkpoint_to_run_dir(
     from rl_tformers.runtime.tracking import event_files
 
     other = tmp_path / "other"
-    train(compose("dt/cartpole_demo", [f"dataset.path={_write_cartpole_h5(tmp_path / 'cp.hdf5')}", *TINY]), other)
+    train(compose("dt/cartpole_demo", [f"dataset.path={write_cartpole_h5(tmp_path / 'cp.hdf5')}", *TINY]), other)
     ckpt = other / "checkpoints" / "step_000000002.pt"
     before = {p: p.stat().st_size for p in event_files(dt_run)}
     res = CliRunner().invoke(

@@ -58,7 +58,7 @@ from rl_tformers.runtime import agent_registry as agent_registry
 from rl_tformers.runtime.agent_registry import AgentBuildError
 from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import train
-from tests.regressions.conftest import _write_cartpole_h5
+from tests.datafiles import write_cartpole_h5
 from tests.runtime.test_plugins import _fake_distribution, drop_plugins_and_kind
 
 REPO = Path(__file__).resolve().parents[2]
@@ -383,7 +383,7 @@ def test_a_run_trained_with_a_plugin_cannot_rebuild_itself_without_it(tmp_path: 
     from rl_tformers.runtime.loading import load_run
 
     name, kind, folder = dense_plugin
-    data = _write_cartpole_h5(tmp_path / "cp.hdf5")
+    data = write_cartpole_h5(tmp_path / "cp.hdf5")
     run = tmp_path / "bc"
     train(compose("dt/cartpole_demo", [f"dataset.path={data}", *TINY_BB, "agent.context_len=5", "train.steps=2",
                                        "train.batch_size=4", "agent.targets=[10]", *QUIET, f"plugins=[{name}]",

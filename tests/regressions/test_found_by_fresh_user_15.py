@@ -35,7 +35,7 @@ from typer.testing import CliRunner
 from rl_tformers.cli import app
 from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import RunDirError, train
-from tests.regressions.conftest import _write_cartpole_h5
+from tests.datafiles import write_cartpole_h5
 
 runner = CliRunner()
 TOY = ["agent.kind=toy", "device=cpu", "train.progress=false", "train.steps=3", "train.batch_size=4",
@@ -85,7 +85,7 @@ def test_a_second_run_in_a_used_directory_names_the_python_calls_too(tmp_path: P
 
 # ------------------------------------------------- 3 and 4: output layout
 def test_dataset_info_json_is_one_indented_object(tmp_path: Path) -> None:
-    path = _write_cartpole_h5(tmp_path / "cp.hdf5")
+    path = write_cartpole_h5(tmp_path / "cp.hdf5")
     r = runner.invoke(app, ["dataset", "info", str(path), "--json"])
     assert r.exit_code == 0, r.output
     text = r.stdout

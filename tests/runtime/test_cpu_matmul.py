@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from rl_tformers.runtime import cpu_matmul as cm
 from rl_tformers.runtime.run_config import ConfigError, compose
-from tests.regressions.conftest import _write_cartpole_h5
+from tests.datafiles import write_cartpole_h5
 
 needs_onednn = pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
 TOY = ["agent.kind=toy", "device=cpu", "train.progress=false", "train.steps=6", "train.batch_size=4",
@@ -130,7 +130,7 @@ def test_trainer_and_load_run_use_the_run_s_library_and_resume_is_exact(tmp_path
     from rl_tformers.runtime.loading import load_run
     from rl_tformers.runtime.trainer import resume, train
 
-    data = _write_cartpole_h5(tmp_path / "cp.hdf5")
+    data = write_cartpole_h5(tmp_path / "cp.hdf5")
     overrides = [f"dataset.path={data}", "backbone.d_model=16", "backbone.n_heads=1", "backbone.n_layers=1",
                  "agent.context_len=5", "train.batch_size=4", "train.warmup_steps=1", "train.progress=false",
                  "device=cpu", "eval.at_end=false", "train.checkpoint_every=2", "train.log_every=2",

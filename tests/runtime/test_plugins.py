@@ -20,7 +20,7 @@ from rl_tformers.cli import app
 from rl_tformers.registry import REGISTRIES
 from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import train
-from tests.regressions.conftest import _write_cartpole_h5
+from tests.datafiles import write_cartpole_h5
 from tests.regressions.test_found_by_breaker_13_tools import TINY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ def test_a_missing_or_failing_plugin_is_named(tmp_path: Path, monkeypatch: pytes
 def test_compose_imports_the_plugins_before_checking_the_backbone(plugin, monkeypatch: pytest.MonkeyPatch,
                                                                   tmp_path: Path) -> None:
     name, kind, folder = plugin
-    data = _write_cartpole_h5(tmp_path / "cp.hdf5")
+    data = write_cartpole_h5(tmp_path / "cp.hdf5")
     over = [f"dataset.path={data}", *TINY, f"backbone.attention.kind={kind}"]
     monkeypatch.chdir(tmp_path)  # the plugin's folder is not where the command runs
     with pytest.raises(ConfigError, match=rf"backbone.attention.kind='{kind}': unknown attention kind .*a kind of "
@@ -121,7 +121,7 @@ def test_a_run_with_a_plugin_kind_trains_and_evaluates_in_a_fresh_process(plugin
     """The run records ``plugins``: ``eval`` in a new process (another working directory) imports the
     module from PYTHONPATH, and says which module it could not find without it."""
     name, kind, folder = plugin
-    data = _write_cartpole_h5(tmp_path / "cp.hdf5")
+    data = write_cartpole_h5(tmp_path / "cp.hdf5")
     monkeypatch.chdir(folder)
     run_dir = tmp_path / "run"
     cfg = compose("dt/cartpole_demo", [f"dataset.path={data}", *TINY, f"backbone.attention.kind={kind}",
@@ -192,7 +192,7 @@ def test_a_run_whose_kind_is_not_registered_here_is_refused_by_name(plugin, tmp_
 
 
     name, kind, folder = plugin
-    data = _write_cartpole_h5(tmp_path / "cp.hdf5")
+    data = write_cartpole_h5(tmp_path / "cp.hdf5")
     monkeypatch.chdir(folder)
     run_dir = tmp_path / "run"
     train(compose("dt/cartpole_demo", [f"dataset.path={data}", *TINY, f"backbone.attention.kind={kind}",

@@ -1,4 +1,4 @@
-"""Shared data of the regression tests."""
+"""Tiny data files written by tests (imported as ``tests.datafiles``)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,9 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-import pytest
 
 
-def _write_cartpole_h5(path: Path, *, n: int = 30, seed: int = 0, reward: float = 1.0) -> Path:
+def write_cartpole_h5(path: Path, *, n: int = 30, seed: int = 0, reward: float = 1.0) -> Path:
     """CartPole-shaped D4RL file: episodes of 10 steps, every reward ``reward``."""
     rng = np.random.default_rng(seed)
     data = {
@@ -26,9 +25,3 @@ def _write_cartpole_h5(path: Path, *, n: int = 30, seed: int = 0, reward: float 
             f.create_dataset(k, data=v)
         f.attrs["env_id"] = "CartPole-v1"
     return path
-
-
-@pytest.fixture
-def cartpole_h5():
-    """``cartpole_h5(path, *, n=30, seed=0, reward=1.0) -> path``: a CartPole-shaped D4RL file."""
-    return _write_cartpole_h5
