@@ -11,6 +11,46 @@ environments in ``rl_tformers.envs``.
 
 __version__ = "0.1.0"
 
+
+def _map_checkout_packages() -> None:
+    """Make ``rl_tformers.agents``, ``.envs`` and ``.configs`` importable from a source checkout.
+
+    The repository keeps ``agents/``, ``envs/`` and ``configs/`` at its top level; an install
+    maps them to ``rl_tformers.agents`` / ``.envs`` / ``.configs`` (``package-dir`` in
+    pyproject.toml). Run from the checkout without installing it (``PYTHONPATH=<checkout>``, as
+    on a machine that only receives the working tree), those names would not exist, so when the
+    folder beside this package holds them, a finder placed *last* on ``sys.meta_path`` maps
+    exactly these three names to those folders: the files an install maps, and nothing else of
+    the checkout (``tests``, ``setup.py``...) under ``rl_tformers``. An install's own finder comes
+    first and wins; on an installed copy (no such folders beside it) nothing is added.
+    """
+    import sys
+    from importlib.util import spec_from_file_location
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    folders = {f"{__name__}.{top}": root / top for top in ("agents", "envs", "configs")}
+    if not all((d / "__init__.py").is_file() for d in folders.values()):
+        return
+    if any(getattr(f, "rl_tformers_checkout", False) for f in sys.meta_path):
+        return
+
+    class CheckoutFinder:
+        rl_tformers_checkout = True
+
+        @staticmethod
+        def find_spec(fullname, path=None, target=None):
+            folder = folders.get(fullname)
+            if folder is None:
+                return None
+            return spec_from_file_location(fullname, folder / "__init__.py",
+                                           submodule_search_locations=[str(folder)])
+
+    sys.meta_path.append(CheckoutFinder())
+
+
+_map_checkout_packages()
+
 # Register every component (each slot package imports its modules).
 from rl_tformers import attention, blocks, depth, memory, position  # noqa: E402,F401
 from rl_tformers.backbone import Backbone, IncompatibleConfig  # noqa: E402
