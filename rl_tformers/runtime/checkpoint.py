@@ -51,7 +51,10 @@ from typing import Any, BinaryIO
 import torch
 
 FORMAT = "rl-tformers-checkpoint"
-FORMAT_VERSION = 1
+#: The checkpoint format this build writes and reads. A checkpoint of any other version (those of
+#: the pre-release builds of 0.1.0 hold 1) is refused with :class:`CheckpointFormatError`: its
+#: config and state may lack keys this build needs, and no conversion is attempted.
+FORMAT_VERSION = 2
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^step_(\d{9,})\.pt$")
 _REQUIRED = ("format", "version", "step", "model", "optimizer", "scheduler", "rng", "extra", "trainer", "config")
@@ -59,6 +62,18 @@ _REQUIRED = ("format", "version", "step", "model", "optimizer", "scheduler", "rn
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used (unreadable, truncated, corrupt, or not ours); names the file."""
+
+
+class CheckpointFormatError(CheckpointError):
+    """A checkpoint of another format version than :data:`FORMAT_VERSION`: a run saved by
+    another build. One line naming the file, its version and the one this build reads."""
+
+
+def format_version_message(path: str | os.PathLike, version: Any) -> str:
+    """The one-line refusal of a checkpoint of format ``version`` (``None``: none recorded)."""
+    has = "no format version" if version is None else f"format version {version}"
+    return (f"{path}: checkpoint {has}; this build of rl-tformers reads format version {FORMAT_VERSION} only "
+            f"(the run was saved by another build; train it again with this one)")
 
 
 def checkpoint_name(step: int) -> str:
@@ -262,8 +277,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     Raises:
         CheckpointError: naming ``path``, if the file cannot be opened (missing, truncated, not a
             torch file, or holding objects other than tensors and plain containers), lacks a
-            field, was written by another program or format version, or its content does
-            not match its SHA-256.
+            field, was written by another program, or its content does not match its SHA-256.
+        CheckpointFormatError: the checkpoint's format version is not :data:`FORMAT_VERSION`
+            (:func:`format_version_message`).
     """
     path = Path(path)
     try:
@@ -282,7 +298,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not an rl-tformers checkpoint")
     if state.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format version {state.get('version')}, expected {FORMAT_VERSION}")
+        raise CheckpointFormatError(format_version_message(path, state.get("version")))
     missing = [k for k in (*_REQUIRED, "sha256") if k not in state]
     if missing:
         raise CheckpointError(f"{path}: missing field(s) {', '.join(missing)}")
@@ -318,9 +334,13 @@ def find_latest_valid(run_dir: str | os.PathLike, quarantine: bool = False) -> F
     tried, counted or pruned again. Without it (the default: reading another run) nothing is
     changed on disk.
 
+    A checkpoint of another format version is not skipped: the run was saved by another build,
+    so its other checkpoints are of that format too, and renaming them would damage the run.
+
     Raises:
         CheckpointError: if ``RUN_DIR/checkpoints`` holds no checkpoint, or none is valid (the
             message lists each file with its reason).
+        CheckpointFormatError: the newest checkpoint that opens has another format version.
     """
     found = list_checkpoints(run_dir)
     if not found:
@@ -333,6 +353,8 @@ def find_latest_valid(run_dir: str | os.PathLike, quarantine: bool = False) -> F
     for _, path in found:
         try:
             state = load_checkpoint(path)
+        except CheckpointFormatError:
+            raise
         except CheckpointError as exc:
             reason = str(exc)
             skipped.append((path, reason))

@@ -54,12 +54,12 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from rl_tformers.runtime.agent_registry import available_agents, get_agent
+from rl_tformers.runtime.errors import ConfigError
+from rl_tformers.runtime.plugins import check_backbone_kinds, check_plugin_names, load_plugins
+
 BASE_KEY = "_base_"
 DEFAULTS_NAME = "defaults.yaml"
-
-
-class ConfigError(ValueError):
-    """A config cannot be used; the message names the dotted key or the file at fault."""
 
 
 class Schedule(str, Enum):
@@ -167,7 +167,7 @@ class DatasetConfig:
     """``dataset:`` section, read by the offline agents (:mod:`rl_tformers.agents.common.offline`).
 
     Used to *check* the section (unknown keys, types), not to fill it: only the keys a config
-    sets appear in the resolved config, so configs saved by older runs resume unchanged.
+    sets appear in the resolved config, so a saved config composed again compares equal to itself.
 
     Attributes:
         path: Minari id (``rlt/hopper-v5/medium-v0``), Minari dataset folder or D4RL .hdf5 file.
@@ -429,8 +429,6 @@ def _check_dataset_layer(layer: Any, source: str) -> None:
 
 
 def _agent_kind(user: DictConfig) -> str:
-    from rl_tformers.runtime.agent_registry import available_agents
-
     agent = user.get("agent")
     kind = agent.get("kind") if isinstance(agent, DictConfig) and not OmegaConf.is_missing(agent, "kind") else None
     if kind is None or not isinstance(kind, str):
@@ -444,8 +442,6 @@ def _agent_kind(user: DictConfig) -> str:
 def _plugins_of(user: DictConfig) -> list:
     """The user layers' ``plugins`` value, read before the schema checks it (it must be imported
     first: it may register the agent kind and backbone kinds the rest is checked against)."""
-    from rl_tformers.runtime.plugins import check_plugin_names
-
     value = user.get("plugins")
     if isinstance(value, ListConfig):
         value = OmegaConf.to_container(value, resolve=False)
@@ -476,8 +472,6 @@ def compose(
             out of range (e.g. ``train.steps``, ``eval.episodes`` or ``eval.n_envs`` < 1; named),
             a ``plugins`` module that is not found or fails to import (named).
     """
-    from rl_tformers.runtime.agent_registry import get_agent
-
     if config is not None and start is not None:
         raise ConfigError("give either a config file or a starting config, not both")
     user_layers: list[tuple[Any, str]] = []
@@ -486,14 +480,10 @@ def compose(
         user_layers.append((load_yaml(path), str(path)))
     elif start is not None:
         saved = OmegaConf.create(start if isinstance(start, DictConfig) else dict(start))
-        if "cpu_matmul" not in saved:  # saved before the option existed: it ran PyTorch's default
-            saved = OmegaConf.merge(saved, {"cpu_matmul": "mkl"})
         user_layers.append((saved, "saved config"))
     if overrides:
         user_layers.append((parse_overrides(overrides), "command line"))
     user = OmegaConf.merge(*(layer for layer, _ in user_layers)) if user_layers else OmegaConf.create({})
-
-    from rl_tformers.runtime.plugins import load_plugins
 
     plugin_names = _plugins_of(user)  # null counts as empty, repeats are dropped (what is recorded)
     load_plugins(plugin_names, "plugins")  # before the agent and the backbone kinds are looked up
@@ -507,7 +497,9 @@ def compose(
     cfg = _merge_checked(cfg, _defaults_layer(), str(configs_root() / DEFAULTS_NAME))
     if entry.defaults:
         cfg = _merge_checked(cfg, OmegaConf.create(dict(entry.defaults)), f"defaults of agent {kind!r}")
-    agent_closed = bool(entry.defaults and "agent" in entry.defaults)
+    # a kind with a typed config checks its section after the merge (unknown keys included);
+    # one that declares its keys with registered defaults only gets a closed section
+    agent_closed = bool(entry.defaults and "agent" in entry.defaults) and entry.config_cls is None
     OmegaConf.set_struct(cfg.agent, agent_closed)
     for key in FREE_FORM_AGENT_KEYS:  # closed agent sections keep these open (a struct flag is inherited)
         if isinstance(cfg.agent.get(key), DictConfig):
@@ -526,7 +518,12 @@ def compose(
     if "plugins" in user:
         cfg.plugins = plugin_names
     _validate_values(cfg, entry)
-    if entry.defaults and isinstance(entry.defaults.get("agent"), Mapping):
+    if entry.config_cls is not None:
+        try:
+            entry.agent_options(OmegaConf.to_container(cfg.agent, resolve=True))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+    elif entry.defaults and isinstance(entry.defaults.get("agent"), Mapping):
         _check_agent_types(OmegaConf.to_container(cfg.agent, resolve=True), entry.defaults["agent"], "agent")
     OmegaConf.set_readonly(cfg, True)
     return cfg
@@ -570,28 +567,6 @@ def _check_agent_types(values: Mapping[str, Any], defaults: Mapping[str, Any], w
 #: Agent options whose value is a free-form mapping passed on to another library (keyword
 #: arguments of ``gymnasium.make``): any key is accepted inside them, even in a closed section.
 FREE_FORM_AGENT_KEYS = ("env_kwargs",)
-
-
-def check_backbone_kinds(backbone: Mapping[str, Any]) -> None:
-    """Refuse a ``backbone`` section naming a kind no module registered (yet).
-
-    Args:
-        backbone: the plain ``backbone:`` section (slot name -> ``{kind: ..., ...}``).
-
-    Raises:
-        ConfigError: naming ``backbone.<slot>.kind``, the closest registered kind, the registered
-            ones and ``plugins`` (a kind of the user's own registers when its module is imported).
-    """
-    from rl_tformers.registry import REGISTRIES, SLOTS
-
-    for slot in SLOTS:
-        value = backbone.get(slot)
-        if isinstance(value, Mapping) and "kind" in value and str(value["kind"]) not in REGISTRIES[slot].kinds():
-            close = difflib.get_close_matches(str(value["kind"]), REGISTRIES[slot].kinds(), n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            raise ConfigError(f"backbone.{slot}.kind={value['kind']!r}: unknown {slot} kind{hint} "
-                              f"(registered: {', '.join(REGISTRIES[slot].kinds())}; see rl-tformers backbones; "
-                              f"a kind of your own registers when its module is listed in plugins)")
 
 
 def _validate_values(cfg: DictConfig, entry=None) -> None:
@@ -661,8 +636,7 @@ def check_resume_changes(saved: DictConfig, new: DictConfig) -> list[str]:
     Values are compared as the run uses them: a backbone slot field set on one side only
     (``backbone.attention.orthogonal=true`` over a Performer run that left it unset) takes the
     default of the slot's kind on the other side, so setting a field to the value the run
-    already used is no change; so is a key of the schema that a config saved before the key
-    existed lacks, when the other side holds the schema's default (``plugins: []``).
+    already used is no change.
 
     Returns:
         ``["train.steps: 1000 -> 2000", ...]`` for keys in :data:`RESUMABLE_KEYS`.
@@ -672,7 +646,6 @@ def check_resume_changes(saved: DictConfig, new: DictConfig) -> list[str]:
             the message names every such key.
     """
     a, b = flatten(to_container(saved)), flatten(to_container(new))
-    schema = flatten(schema_defaults())
     changes, refused = [], []
     for key in sorted(set(a) | set(b)):
         before, after = a.get(key, "<unset>"), b.get(key, "<unset>")
@@ -680,8 +653,6 @@ def check_resume_changes(saved: DictConfig, new: DictConfig) -> list[str]:
             continue
         if (key in a) != (key in b):
             default = _slot_field_default(key, a, b)
-            if default is _NO_DEFAULT and key in schema:  # a key added since the run was saved (plugins)
-                default = schema[key]
             if default is not _NO_DEFAULT:
                 before, after = a.get(key, default), b.get(key, default)
                 if before == after:
@@ -746,12 +717,10 @@ def display_yaml(cfg: DictConfig) -> str:
     ``rate``...). Only for agent kinds that build a backbone (they register backbone defaults;
     ``bc``'s unused section stays as it is). ``config.yaml`` and checkpoints keep the fields
     that were set (:func:`to_yaml`): resume and sweeps compare a saved config with a newly
-    composed one, and filling defaults into new ones would set them apart from every run saved
-    before (or from one saved before a default changed).
+    composed one, which then differ in what was set only, not in the slot defaults of the
+    build that composes them.
     """
     from rl_tformers.backbone_config import BackboneConfig
-    from rl_tformers.runtime.agent_registry import get_agent
-
     data = to_container(cfg)
     if "backbone" in get_agent(str(cfg.agent.kind)).defaults:
         data["backbone"] = BackboneConfig.from_dict(data["backbone"]).to_dict()

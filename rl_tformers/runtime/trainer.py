@@ -1220,8 +1220,8 @@ def check_config_file(run_dir: Path, found: ckpt.FoundCheckpoint, new: DictConfi
 
     A run resumes with its checkpoint's config (plus the command line's overrides); config.yaml
     is only a copy, rewritten when the run continues. An edited copy would be silently undone,
-    so every key of config.yaml (composed with today's defaults, like the checkpoint's: a file
-    written before a key existed compares equal) must equal the resumed config's, except
+    so every key of config.yaml (composed like the checkpoint's: layout and key order do not
+    count) must equal the resumed config's, except
     ``run_dir`` and the keys the command line sets (the command line decides those). A missing
     config.yaml is fine (it is written again).
 

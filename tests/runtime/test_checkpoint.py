@@ -9,9 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from rl_tformers.cli import app
 from rl_tformers.runtime.checkpoint import (
+    FORMAT,
+    FORMAT_VERSION,
     CheckpointError,
+    CheckpointFormatError,
     atomic_write,
     content_digest,
     find_latest_valid,
@@ -167,3 +172,55 @@ def test_empty_and_non_contiguous_tensors_are_hashed_and_saved(tmp_path: Path) -
     loaded = load_checkpoint(save_checkpoint(tmp_path, state(4, **odd)))
     for k, v in odd.items():
         assert loaded["extra"][k].dtype == v.dtype and torch.equal(loaded["extra"][k], v), k
+
+
+def saved_by_another_build(run_dir: Path, version: int | None) -> Path:
+    """A run directory whose one checkpoint has format ``version`` (``None``: no version field),
+    otherwise sound: its SHA-256 matches, so only the version can be refused."""
+    save_checkpoint(run_dir, state(5))
+    path = run_dir / "checkpoints" / "step_000000005.pt"
+    old = torch.load(path, weights_only=True)
+    old["config"] = "seed: 0\nagent:\n  kind: dt\n"  # no cpu_matmul, plugins...: keys this build writes
+    if version is None:
+        del old["version"]
+    else:
+        old["version"] = version
+    del old["sha256"]
+    old["sha256"] = content_digest(old)
+    torch.save(old, path)
+    (run_dir / "config.yaml").write_text(old["config"])
+    return path
+
+
+@pytest.mark.parametrize(("version", "has"), [(1, "format version 1"), (None, "no format version")])
+def test_a_checkpoint_of_another_format_version_is_refused_in_one_line(tmp_path: Path, version, has) -> None:
+    path = saved_by_another_build(tmp_path, version)
+    expected = (f"{path}: checkpoint {has}; this build of rl-tformers reads format version 2 only "
+                f"(the run was saved by another build; train it again with this one)")
+    assert FORMAT_VERSION == 2
+    with pytest.raises(CheckpointFormatError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value) == expected
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not skipped with a warning, and not moved aside
+        with pytest.raises(CheckpointFormatError) as exc:
+            find_latest_valid(tmp_path, quarantine=True)
+    assert str(exc.value) == expected and path.is_file()
+
+
+def test_the_format_version_is_written_into_every_checkpoint(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, state(2))
+    raw = torch.load(path, weights_only=True)
+    assert (raw["format"], raw["version"]) == (FORMAT, 2)
+
+
+@pytest.mark.parametrize("command", [["eval", "{run}"], ["plot", "{run}", "--out", "{run}/p.png"],
+                                     ["train", "--resume", "{run}"]])
+def test_the_cli_refuses_a_run_of_another_format_version_with_exit_code_2(tmp_path: Path, command) -> None:
+    run = tmp_path / "run"
+    path = saved_by_another_build(run, 1)
+    res = CliRunner().invoke(app, [a.format(run=run) for a in command])
+    assert res.exit_code == 2, res.output
+    assert res.output == (f"error: {path}: checkpoint format version 1; this build of rl-tformers reads format "
+                          f"version 2 only (the run was saved by another build; train it again with this one)\n")
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000000005.pt"]
