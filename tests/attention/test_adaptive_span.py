@@ -1,12 +1,4 @@
-"""Defects found by the decoding breaker (step-by-step decoding with memory kind ``none``).
-
-Dynamic adaptive spans and an empty batch: ``adaptive_span`` with ``dynamic: true`` computes
-one span per query token, z (B, H, T), and sized its band by ``z.max()``; with B = 0 (no
-environment left in a filtered batch of a vector environment) that raised torch's
-"max(): Expected reduction dim to be specified for input.numel() == 0", with and without a
-decoding state, though an empty batch runs through every other kind (the contract test
-``test_an_empty_batch_runs_through_every_registered_kind`` builds the static form only).
-"""
+"""Dynamic adaptive span (rl_tformers.attention.adaptive_span)."""
 
 from __future__ import annotations
 
