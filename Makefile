@@ -16,9 +16,12 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
-# CPU-only machine: install the CPU build of torch (local wheel first, then the CPU index,
-# never a multi-GB CUDA build). Machine with CUDA: the venv sees the system site-packages so
-# the user's own CUDA torch is kept; torch is installed only if it is not importable.
+# Every install uses pip's configured index (PIP_INDEX_URL, pip.conf: a mirror or proxy applies).
+# CPU-only machine: install the CPU build of torch (a local wheel first, else PyTorch's CPU-wheel
+# index as an extra index, never a multi-GB CUDA build: on Linux its torch==X+cpu sorts above the
+# configured index's torch==X, which is the CPU build already on macOS and Windows). Machine with
+# CUDA: the venv sees the system site-packages so the user's own CUDA torch is kept; torch is
+# installed only if it is not importable.
 $(STAMP): pyproject.toml setup.py
 	@if [ ! -x $(PY) ]; then \
 	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
@@ -35,8 +38,7 @@ $(STAMP): pyproject.toml setup.py
 	    if $(PIP) download -q --no-deps --no-index -d $(VENV)/.torch-probe "torch==$(TORCH_VERSION)" >/dev/null 2>&1; then \
 	      $(PIP) install "torch==$(TORCH_VERSION)"; \
 	    else \
-	      $(PIP) install --timeout 30 "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu \
-	        --extra-index-url https://pypi.org/simple; \
+	      $(PIP) install --timeout 30 "torch==$(TORCH_VERSION)" --extra-index-url https://download.pytorch.org/whl/cpu; \
 	    fi; \
 	    rm -rf $(VENV)/.torch-probe; \
 	  fi; \
