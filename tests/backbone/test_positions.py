@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl_tformers import Backbone, BackboneConfig
 from rl_tformers.backbone_config import BuildContext
@@ -202,3 +203,86 @@ def test_every_position_kind_is_documented(kind):
     e = POSITION.get(kind)
     assert e.description and e.paper
     assert e.config_cls.__doc__ or kind in ("none", "alibi")
+
+
+class _Peak(TorchDispatchMode):
+    """Largest output (elements) of any op run inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.peak = max(self.peak, t.numel())
+        return out
+
+
+# ------------------------------------------- 1: Transformer-XL relative term, distance table size
+def _xl_module(d=32, h=4):
+    cfg = BackboneConfig.from_dict({"d_model": d, "n_heads": h, "n_layers": 1, "position": {"kind": "xl_relative"}})
+    torch.manual_seed(0)
+    mod = cfg.position.build(BuildContext(cfg).at_layer(0)).double()
+    with torch.no_grad():
+        mod.u.normal_()
+        mod.v.normal_()
+    return mod
+
+
+def _brute_bias(mod, q, pos_q, pos_k):
+    """(q_i + v)^T W_kR r_{i-j} / sqrt(Dh), terms (b) + (d) of Dai et al. 2019, sec. 3.3, pair by pair."""
+    b, h, t, dh = q.shape
+    s = pos_k.shape[-1]
+    want = torch.empty(b, h, t, s, dtype=q.dtype)
+    for bi in range(b):
+        for i in range(t):
+            for j in range(s):
+                r = sinusoid(pos_q[bi, i] - pos_k[bi, j], mod.d_model, 10000.0, torch.float64)
+                wr = mod.r_proj(r).view(h, dh)  # W_kR r_{i-j}, per head
+                want[bi, :, i, j] = ((q[bi, :, i] + mod.v) * wr).sum(-1) / math.sqrt(dh)
+    return want
+
+
+def _far_apart(case: str, far: int, b: int, t: int):
+    if case == "unfilled_memory":  # 8 unfilled memory slots (position 0) + the segment at step `far`
+        seg = torch.arange(far, far + t).expand(b, t)
+        return seg, torch.cat([torch.zeros(b, 8, dtype=torch.long), seg], 1)
+    # memory of the old episode just before step `far`, then a new episode starting at 0 mid-window
+    pos_k = torch.cat([torch.arange(far - 10, far).expand(b, 10), torch.arange(0, 2).expand(b, 2)], 1)
+    pos_q = torch.cat([torch.arange(far, far + 2).expand(b, 2), torch.arange(0, 2).expand(b, 2)], 1)
+    return pos_q, pos_k
+
+
+@pytest.mark.parametrize("case", ["unfilled_memory", "episode_start_in_window"])
+def test_xl_relative_bias_cost_does_not_depend_on_how_far_apart_positions_are(case):
+    """Dai et al. 2019, sec. 3.3: R_{i-j} is needed only for the distances that occur. The bias
+    projected a sinusoid for every integer in [min(i-j), max(i-j)] and built a (B, H, T, R)
+    table: an empty XL memory (slots at position 0) read by a query at environment step 100,000
+    (GTrXL's burn-in from mid-episode), or a window crossing an episode start (old steps ~1e5,
+    new ones from 0), made R ~ 1e5 for 4 queries and 12 keys (6.4 and 12.8 million elements
+    instead of under 2,000). The values must stay those of the paper; only the table changes."""
+    mod = _xl_module()
+    b, h, t, dh = 2, 4, 4, 8
+    q = torch.randn(b, h, t, dh, dtype=torch.float64)
+    peaks = []
+    for far in (1_000, 100_000):
+        pos_q, pos_k = _far_apart(case, far, b, t)
+        with torch.no_grad(), _Peak() as peak:
+            got = mod.score_bias(q, pos_q, pos_k)
+        peaks.append(peak.peak)
+        with torch.no_grad():
+            torch.testing.assert_close(got, _brute_bias(mod, q, pos_q, pos_k), atol=1e-10, rtol=0)
+    assert peaks[0] == peaks[1], peaks  # independent of the positions' magnitude
+    assert peaks[1] <= 2_000, peaks  # a table over the ~30 distances that occur, not ~1e5
+
+
+def test_xl_relative_bias_contiguous_positions_unchanged():
+    """The usual case (contiguous positions, R = T + S - 1) keeps its exact values."""
+    mod = _xl_module()
+    q = torch.randn(2, 4, 3, 8, dtype=torch.float64)
+    pos_k = torch.arange(20, 29).expand(2, 9)
+    pos_q = pos_k[:, -3:]
+    with torch.no_grad():
+        torch.testing.assert_close(mod.score_bias(q, pos_q, pos_k), _brute_bias(mod, q, pos_q, pos_k), atol=1e-10, rtol=0)

@@ -155,3 +155,55 @@ def test_refuses_memory_and_state():
         Backbone({"d_model": 15, "n_heads": 1, "depth": {"kind": "universal"}})
     with pytest.raises(Exception, match="max_steps"):
         _bb(max_steps=0)
+
+
+# ---------------------------------------------------------- 3: ACT bookkeeping in reduced precision
+def test_act_halting_weights_sum_to_one_in_a_bfloat16_model():
+    """Graves 2016, sec. 2 (eq. 5-7): the halting weights p_1..p_{N-1}, R sum to exactly 1 and
+    N = min{n : sum p >= 1 - eps}. A bfloat16 model accumulated the halting sum in bfloat16:
+    with p = sigmoid(-5) = 0.0067 (148 steps) the increments fell below bfloat16's spacing near
+    1, so it halted at step 142 with weights summing to 0.96 (and N counted in bfloat16 stops at
+    256). The bookkeeping must run in float32 (the float32 model's N and a sum of 1)."""
+    d = 16
+    cfg = {"d_model": d, "n_layers": 2, "n_heads": 2, "dropout": 0.0, "attn_dropout": 0.0,
+           "depth": {"kind": "universal", "max_steps": 400, "epsilon": 0.01}}
+    torch.manual_seed(0)
+    bb = Backbone(cfg).eval()
+    with torch.no_grad():
+        bb.depth.halt.weight.zero_()
+        bb.depth.halt.bias.fill_(-5.0)  # exactly representable: the same logit in both dtypes
+    x = torch.randn(1, 3, d)
+    pos = torch.arange(3)[None]
+    p = torch.sigmoid(torch.tensor(-5.0))
+    n_ref, total = 0, torch.tensor(0.0)
+    while True:  # plain-loop ACT (Graves): the first n with sum_{n' <= n} p >= 1 - eps
+        n_ref += 1
+        if total + p >= 0.99:
+            break
+        total = total + p
+    with torch.no_grad():
+        r32 = bb.depth.run(x, AttnContext(pos_q=pos, pos_k=pos))
+        r16 = bb.to(torch.bfloat16).depth.run(x.bfloat16(), AttnContext(pos_q=pos, pos_k=pos))
+    assert n_ref == 148
+    assert r32.n_updates.tolist() == [[148.0] * 3]
+    assert r16.n_updates.float().tolist() == [[148.0] * 3]
+    torch.testing.assert_close(r16.weights.float().sum(-1), torch.ones(1, 3), atol=1e-5, rtol=0)  # float32 sum of 148
+    torch.testing.assert_close(r16.remainders.float(), 1 - total.expand(1, 3), atol=1e-5, rtol=0)
+    assert r16.hidden.dtype == torch.bfloat16
+
+
+def test_act_halting_with_many_steps_counts_beyond_bfloat16_integers():
+    """N above 256 (bfloat16 represents integers exactly only up to 256)."""
+    d = 16
+    cfg = {"d_model": d, "n_layers": 1, "n_heads": 2, "dropout": 0.0, "attn_dropout": 0.0,
+           "depth": {"kind": "universal", "max_steps": 300, "epsilon": 0.01, "coordinate": False}}
+    torch.manual_seed(0)
+    bb = Backbone(cfg).eval()
+    with torch.no_grad():
+        bb.depth.halt.weight.zero_()
+        bb.depth.halt.bias.fill_(-9.0)  # p = 1.2e-4: every position runs to max_steps
+    pos = torch.arange(2)[None]
+    with torch.no_grad():
+        res = bb.to(torch.bfloat16).depth.run(torch.randn(1, 2, d).bfloat16(), AttnContext(pos_q=pos, pos_k=pos))
+    assert res.steps == 300 and res.n_updates.float().tolist() == [[300.0, 300.0]]
+    torch.testing.assert_close(res.weights.float().sum(-1), torch.ones(1, 2), atol=1e-5, rtol=0)

@@ -274,3 +274,32 @@ def test_an_episode_boundary_inside_a_segment_compresses_the_earlier_episode():
     assert st.pos[0, 6:][st.valid[0, 6:]].tolist() == [7, 8, 9, 10]
     assert "compressive/attention_reconstruction" not in out.aux  # mean pooling: nothing to train
     assert out.metrics["memory/attention_reconstruction"] > 0  # ... but the groups were scored
+
+
+# ------------------------------------------------------- 2: dilated-convolution compressor at init
+@pytest.mark.parametrize("rate", [1, 2, 3, 4, 5, 6, 8])
+def test_dilated_conv_compressor_starts_as_mean_pooling_for_every_rate(rate):
+    """Rae et al. 2019, sec. 3.1 (f_c = dilated convolution) and the module's own contract
+    ("initialised to averaging", like ``conv``). Every kernel-2 layer started at taps (1/2, 1/2),
+    so the readout was sum(members) / 2^L with 2^L = the receptive field: the mean only when
+    c = 2^L. With the default rate 3 each compressed slot was 3/4 of the mean, with rate 1 half
+    the activation. Taps c^(-1/L) make the L-layer stack read exactly the mean of the c members."""
+    torch.manual_seed(0)
+    d = 8
+    x = torch.randn(2, 3, rate, d)  # (B, G, c, D)
+    comp = Compressor("dilated_conv", d, rate, False)
+    out = comp(x, torch.ones(2, 3, rate, dtype=torch.bool))
+    torch.testing.assert_close(out, x.mean(2), atol=1e-6, rtol=0)  # float32 taps: rounding only
+
+
+def test_dilated_conv_compressor_with_excluded_members_matches_conv():
+    """Excluded members are zeroed before both learned compressors: at init both give
+    sum(included) / c (the same value; the pooling kinds divide by the number included)."""
+    torch.manual_seed(1)
+    d, rate = 8, 3
+    x = torch.randn(1, 2, rate, d)
+    inc = torch.tensor([[[True, True, True], [False, True, True]]])
+    conv = Compressor("conv", d, rate, False)(x, inc)
+    dil = Compressor("dilated_conv", d, rate, False)(x, inc)
+    torch.testing.assert_close(dil, conv, atol=1e-6, rtol=0)
+    torch.testing.assert_close(dil[0, 1], x[0, 1, 1:].sum(0) / rate, atol=1e-6, rtol=0)
