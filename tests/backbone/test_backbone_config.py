@@ -1,13 +1,19 @@
-"""The Backbone class (rl_tformers.backbone): dtypes, episode isolation, states, weights, empty inputs."""
+"""Backbone configs (rl_tformers.backbone_config): field types, ranges, numbers and built configs."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 
+import numpy as np
 import pytest
+import torch
+import yaml
+from omegaconf import OmegaConf
 
 from rl_tformers import Backbone, BackboneConfig
+from rl_tformers.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
 from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError
 
 D, H = 16, 2
@@ -111,3 +117,54 @@ def test_out_of_range_values_are_refused_naming_the_field(cfg, message):
     width in torch ('negative dimension')."""
     with pytest.raises(RegistryError, match=message):
         Backbone({**BASE, **cfg})
+
+
+# -- numbers of other types in configs ------------------------------------------------------------
+def test_numpy_numbers_in_a_config_are_stored_as_python_numbers_and_dump_everywhere() -> None:
+    """NumPy scalars (a sweep over ``np.arange`` / ``np.linspace``) were accepted and stored as
+    they came, so ``to_dict()`` could no longer be written: ``yaml.safe_dump`` raised
+    RepresenterError, ``OmegaConf.create`` UnsupportedValueType, ``json.dumps`` TypeError. They
+    are now stored as built-in ints and floats, in the backbone fields and in slot configs."""
+    cfg = BackboneConfig.from_dict({
+        "d_model": np.int64(16), "n_heads": np.int32(2), "n_layers": np.int64(1), "d_ff": np.int16(24),
+        "dropout": np.float64(0.25), "attn_dropout": np.float32(0.5), "activation": np.str_("relu"),
+        "attention": {"kind": "local", "block": np.int64(4), "memory": np.int64(4)},
+        "position": {"kind": "rotary", "base": np.float32(500.0)},
+        "memory": {"kind": "xl", "mem_len": np.int64(6)},
+    })
+    assert [type(v) for v in (cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.d_ff)] == [int] * 4
+    assert (type(cfg.dropout), type(cfg.attn_dropout), type(cfg.activation)) == (float, float, str)
+    assert (cfg.dropout, cfg.attn_dropout, cfg.activation) == (0.25, 0.5, "relu")
+    assert (type(cfg.attention.block), type(cfg.position.base), type(cfg.memory.mem_len)) == (int, float, int)
+    assert (cfg.attention.block, cfg.position.base, cfg.memory.mem_len) == (4, 500.0, 6)
+    d = cfg.to_dict()
+    assert BackboneConfig.from_dict(yaml.safe_load(yaml.safe_dump(d))) == cfg
+    assert BackboneConfig.from_dict(OmegaConf.to_container(OmegaConf.create(d))) == cfg
+    assert BackboneConfig.from_dict(json.loads(json.dumps(d))) == cfg
+    # built in Python, without from_dict
+    direct = BackboneConfig(d_model=np.int64(8), n_heads=np.int64(2), dropout=np.float32(0.5))
+    assert (type(direct.d_model), type(direct.n_heads), type(direct.dropout)) == (int, int, float)
+    yaml.safe_dump(direct.to_dict())
+
+
+# -- config objects where a mapping is expected -----------------------------------------------
+def test_built_configs_are_taken_where_a_config_mapping_is_expected() -> None:
+    """``BackboneConfig.from_dict(cfg)`` and ``EncoderDecoder({"encoder": BackboneConfig(...)})``
+    raised "TypeError: 'BackboneConfig' object is not iterable" (the slot registries take a built
+    config as it is); ``Backbone("sdpa")`` raised "dictionary update sequence element #0 has
+    length 1". Built configs are now taken as they are, and anything else is a TypeError saying
+    what is expected."""
+    cfg = BackboneConfig(d_model=8, n_heads=2, n_layers=1)
+    assert BackboneConfig.from_dict(cfg) is cfg
+    enc, dec = cfg.replace(causal=False), cfg.replace(block={"kind": "pre_norm"})
+    edc = EncoderDecoderConfig.from_dict({"encoder": enc, "decoder": dec})
+    assert edc.encoder is enc and edc.decoder is dec
+    assert EncoderDecoderConfig.from_dict(edc) is edc
+    model = EncoderDecoder({"encoder": enc, "decoder": dec})
+    assert model.config.encoder is enc and model(torch.randn(2, 3, 8), torch.randn(2, 4, 8)).hidden.shape == (2, 4, 8)
+    with pytest.raises(TypeError, match=r"^backbone: expected a BackboneConfig or a mapping of its fields .*got str$"):
+        Backbone("sdpa")
+    with pytest.raises(TypeError, match=r"^encoder: expected a BackboneConfig or a mapping of its fields, got list$"):
+        EncoderDecoderConfig.from_dict({"encoder": [("d_model", 8)]})
+    with pytest.raises(TypeError, match=r"^encoder_decoder: expected an EncoderDecoderConfig or a mapping"):
+        EncoderDecoder("vanilla")
