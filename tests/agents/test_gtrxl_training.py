@@ -18,10 +18,13 @@ from rl_tformers.agents.gtrxl.loss import (
     td_targets,
 )
 from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone
-from rl_tformers.agents.gtrxl.ppo import PPO_DEFAULTS, GTrXLPPO, compute_gae, ppo_loss
+from rl_tformers.agents.gtrxl.ppo import PPO_DEFAULTS, GTrXLPPO
+from rl_tformers.agents.gtrxl.ppo_update import compute_gae, ppo_loss
 from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.memory_tasks import POSITION_INDICES, RecallEnv, scripted_dataset
 from rl_tformers.envs.samplers import SegmentSampler
+
+from rl_tformers.attention._linear import maybe_redraw_random_features
 
 TINY = gtrxl_backbone(d_model=32, n_layers=2, n_heads=2, mem_len=8)
 
@@ -205,14 +208,14 @@ def _ppo(**agent):
     cfg = OmegaConf.create({"seed": 0, **PPO_DEFAULTS})
     cfg.agent.update({"n_envs": 3, "n_steps": 40, "n_minibatches": 2, **agent})
     cfg.backbone = gtrxl_backbone(d_model=16, n_layers=1, n_heads=2, mem_len=4)
-    return GTrXLPPO(cfg, None, torch.device("cpu"))
+    return GTrXLPPO.for_training(cfg, None, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("env_id", ["rl_tformers/PositionOnlyCartPole-v1", "rl_tformers/PositionOnlyPendulum-v1"])
 def test_ppo_update_recomputes_exactly_the_rollout_with_stored_memory(env_id):
     torch.manual_seed(3)
     ppo = _ppo(env_id=env_id, prev_action=True)
-    ro = ppo.collect()
+    ro = ppo.collector.collect()
     assert ro["mem"].shape == (40, 3, 1, 4, 16)  # (S, N, layers, M, D): memory stored per step
     if env_id.endswith("CartPole-v1"):
         assert ro["dones"].any()  # CartPole episodes under a random policy end within 40 steps
@@ -220,7 +223,7 @@ def test_ppo_update_recomputes_exactly_the_rollout_with_stored_memory(env_id):
     loss, logs = ppo.loss(mb)
     assert abs(logs["approx_kl"]) < 1e-6 and logs["clipfrac"] == 0.0
     flat = {k: v.flatten(0, 1) for k, v in ro.items() if isinstance(v, torch.Tensor)}
-    from rl_tformers.agents.gtrxl.ppo import state_from_rows
+    from rl_tformers.agents.gtrxl.ppo_update import state_from_rows
 
     with torch.no_grad():
         st = state_from_rows(flat["mem"], flat["mem_pos"], flat["mem_valid"], flat["mem_seg"], flat["episode"], flat["pos"])
@@ -234,7 +237,7 @@ def test_ppo_update_recomputes_exactly_the_rollout_with_stored_memory(env_id):
 def test_ppo_rollout_resets_only_finished_environments():
     torch.manual_seed(4)
     ppo = _ppo()
-    ro = ppo.collect()
+    ro = ppo.collector.collect()
     dones = ro["dones"]  # (S, N): the episode ended after step t
     for t in range(1, 40):
         for i in range(3):
@@ -248,7 +251,7 @@ def test_ppo_rollout_resets_only_finished_environments():
 def test_ppo_loss_gradient_is_finite():
     torch.manual_seed(5)
     ppo = _ppo()
-    mb = next(ppo.minibatches(ppo.collect()))
+    mb = next(ppo.minibatches(ppo.collector.collect()))
     loss, _ = ppo_loss(ppo.model, mb, clip_coef=0.2, ent_coef=0.01, vf_coef=0.5, norm_adv=True)
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in ppo.model.parameters() if p.grad is not None)
@@ -329,18 +332,68 @@ def test_ppo_refuses_memory_kinds_it_cannot_store_per_step():
     cfg = OmegaConf.create({"seed": 0, **PPO_DEFAULTS})
     cfg.backbone.memory = {"kind": "compressive"}
     with pytest.raises(ValueError, match=r"backbone\.memory\.kind='compressive'"):
-        GTrXLPPO(cfg, None, torch.device("cpu"))
+        GTrXLPPO.for_training(cfg, None, torch.device("cpu"))
 
 
 def test_ppo_critic_warmup_changes_only_the_value_head():
     torch.manual_seed(7)
     ppo = _ppo(critic_warmup=1)
-    mb = next(ppo.minibatches(ppo.collect()))
+    mb = next(ppo.minibatches(ppo.collector.collect()))
     assert mb["critic_only"] is True
     loss, _ = ppo.loss(mb)
     loss.backward()
     grads = {n: p.grad for n, p in ppo.model.named_parameters()}
     assert all(g is None or g.abs().sum() == 0 for n, g in grads.items() if not n.startswith("value."))
     assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if n.startswith("value."))
-    ppo.collect()
-    assert next(ppo.minibatches(ppo.collect()))["critic_only"] is False  # rollout 3 > warm-up
+    ppo.collector.collect()
+    assert next(ppo.minibatches(ppo.collector.collect()))["critic_only"] is False  # rollout 3 > warm-up
+
+
+# ------------------------------------------------- 3: IQL's target encoder and the online critic's buffers
+def _iql_model(attention: dict):
+    from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone
+
+    bb = gtrxl_backbone(d_model=16, n_layers=1, n_heads=2, mem_len=4)
+    bb["position"] = {"kind": "none"}
+    bb["attention"] = attention
+    torch.manual_seed(0)
+    return GTrXLModel(GTrXLConfig(obs_dim=3, act_dim=2, backbone=bb, critic="iql", critic_hidden=8)).train()
+
+
+def _segment(seed: int):
+    from rl_tformers.agents.gtrxl.loss import SegmentBatch
+
+    g = torch.Generator().manual_seed(seed)
+    b, n = 3, 10
+    return SegmentBatch(
+        obs=torch.randn(b, n, 3, generator=g), actions=torch.rand(b, n, 2, generator=g) * 2 - 1,
+        rewards=torch.randn(b, n, generator=g), rtg=torch.randn(b, n, generator=g),
+        prev_action=torch.zeros(b, n, 2), prev_reward=torch.zeros(b, n),
+        terminals=torch.zeros(b, n, dtype=torch.bool), episode_start=torch.zeros(b, n, dtype=torch.bool),
+        timesteps=torch.arange(n).expand(b, n).clone(), mask=torch.ones(b, n, dtype=torch.bool), burn_in=2,
+    )
+
+
+@pytest.mark.parametrize("attention", [
+    {"kind": "routing", "n_clusters": 2, "local_heads": 0, "cluster_window": 4, "ema_decay": 0.5, "seed": 0},
+    {"kind": "performer", "chunk_size": 4, "seed": 0, "redraw_every": 1},
+], ids=["routing-centroids", "performer-redrawn-features"])
+def test_iql_target_encoder_uses_the_online_critic_s_attention_state(attention: dict) -> None:
+    from rl_tformers.agents.gtrxl.loss import iql_loss, polyak_update
+
+    model = _iql_model(attention)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], 1e-3)
+    for step in range(3):  # the agent's update: Polyak step, loss, optimiser step, the trainer's redraw
+        polyak_update(model.target, model.critic_target_modules(), 0.005)
+        loss, _ = iql_loss(model, model.target, _segment(step))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        maybe_redraw_random_features(model, step + 1, torch.Generator().manual_seed(step))
+    polyak_update(model.target, model.critic_target_modules(), 0.005)  # the next update's Polyak step
+    online = dict(model.critic_target_modules()["encoder"].named_buffers())
+    target = dict(model.target["encoder"].named_buffers())
+    name = next(n for n in online if n.endswith(("centroids", "omega")))
+    init = dict(_iql_model(attention).critic_target_modules()["encoder"].named_buffers())[name]
+    assert not torch.equal(online[name], init)  # the online critic's attention state moved
+    assert torch.equal(target[name], online[name])  # routing: target stuck at init; performer: its own draws

@@ -10,6 +10,7 @@ import torch
 from runtime_helpers import assert_same_weights, model_state, toy_cfg
 
 from rl_tformers.attention._linear import maybe_redraw_random_features
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.seeding import derive_seed
 from rl_tformers.runtime.trainer import Trainer, resume, train
 
@@ -101,3 +102,41 @@ def test_resume_with_redraws_is_bit_identical(tmp_path: Path, kind: str) -> None
     first = model_state(split, 7)
     keys = [k for k in a if k.endswith(buf)]
     assert len(keys) == 2 and all(not torch.equal(a[k], first[k]) for k in keys)  # redraws did happen
+
+
+# ------------------------------------------------- 5: the features a checkpoint / evaluation holds
+def test_checkpoints_and_evaluations_hold_the_features_their_weights_were_trained_with(tmp_path: Path) -> None:
+    """redraw_every=5, 10 updates, evaluations every 5: the evaluation of step 5 and 10, and the
+    checkpoint of step 10, must use the random features of update 5 and 10 (measured on the toy
+    task with 400 updates and redraw_every=100: the final model's evaluation MSE was 2-10x that of
+    the same weights with the features they were trained with)."""
+    from rl_tformers.runtime import toy
+    from rl_tformers.runtime.trainer import Trainer
+
+    cfg = compose(None, ["agent.kind=toy", "device=cpu", "train.progress=false", "train.steps=10",
+                         "train.batch_size=4", "train.warmup_steps=2", "train.log_every=5", "train.checkpoint_every=5",
+                         "backbone.attention.kind=performer", "backbone.attention.chunk_size=4",
+                         "backbone.attention.seed=0", "backbone.attention.redraw_every=5", "backbone.attn_dropout=0",
+                         "eval.every=5", "eval.at_end=true"])
+    tr = Trainer(cfg, tmp_path / "run")
+    layer = tr._random_feature_modules[0]
+    trained: list[torch.Tensor] = []  # features of update s (index s - 1)
+    evaluated: dict[int, torch.Tensor] = {}
+    loss, evaluate = tr.agent.loss, toy.ToyAgent.evaluate
+
+    def recording_loss(batch):
+        trained.append(layer.omega.clone())
+        return loss(batch)
+
+    def recording_evaluate(step):
+        evaluated[step] = layer.omega.clone()
+        return evaluate(tr.agent, step)
+
+    tr.agent.loss, tr.agent.evaluate = recording_loss, recording_evaluate
+    tr.fit()
+    assert not torch.equal(trained[4], trained[5])  # the redraw between updates 5 and 6 did happen
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "step_000000010.pt", weights_only=True)["model"]
+    name = next(k for k in ckpt if k.endswith("omega"))
+    assert torch.equal(evaluated[5], trained[4])  # was: step 5's evaluation saw the features of update 6
+    assert torch.equal(evaluated[10], trained[9])  # was: a fresh draw no update ever used
+    assert torch.equal(ckpt[name], trained[9])
