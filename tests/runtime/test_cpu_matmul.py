@@ -8,6 +8,7 @@ reach the trainer and ``load_run``.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 
@@ -16,7 +17,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
+from rl_tformers.blocks.base import FeedForward
 from rl_tformers.runtime import cpu_matmul as cm
 from rl_tformers.runtime.run_config import ConfigError, compose
 from tests.datafiles import write_cartpole_h5
@@ -240,3 +243,185 @@ def test_bench_gemm_times_every_product_of_each_shape() -> None:
     fns = gemm._products(64, 8, 16)
     for product in ("forward", "grad_input", "grad_weight"):
         torch.testing.assert_close(fns[(product, "onednn")](), fns[(product, "mkl")](), rtol=1e-5, atol=1e-5)
+
+
+def _pair(k: int = 5, n: int = 6, bias: bool = True, seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
+    """(the MKL reference, a copy switched to oneDNN) with the same weights."""
+    torch.manual_seed(seed)
+    ref = nn.Linear(k, n, bias=bias)
+    lin = copy.deepcopy(ref)
+    assert cm.apply_cpu_matmul(lin, "onednn") == 1 and type(lin) is cm.OneDNNLinear
+    return ref, lin
+
+
+def _leaf(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().clone().requires_grad_(True)
+
+
+@pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
+def test_1_hessian_and_double_backward_equal_mkl_s() -> None:
+    ref, lin = _pair()
+    v = torch.randn(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "an autograd kernel was not registered ... silently incorrect"
+        h = torch.autograd.functional.hessian(lambda x: lin(x).pow(2).sum(), v)
+    h_ref = torch.autograd.functional.hessian(lambda x: ref(x).pow(2).sum(), v)
+    torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h_ref, 2 * ref.weight.t() @ ref.weight, rtol=1e-5, atol=1e-5)  # d2/dx2 |W x + b|^2
+    # a gradient penalty: |dL/dx|^2 differentiated w.r.t. the input and the parameters, plain and fused ReLU
+    for fused in (False, True):
+        grads = []
+        for m in (ref, lin):
+            m.zero_grad()
+            x = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+            y = (F.relu(m(x)) if m is ref else lin.forward_relu(x)) if fused else m(x)
+            (gx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+            gx.pow(2).sum().backward()
+            grads.append((x.grad, m.weight.grad, m.bias.grad))
+        assert grads[0][0].abs().sum() > 0
+        for a, b in zip(*grads):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
+@pytest.mark.parametrize("shape", [(4, 5), (2, 3, 5), (5,)])
+def test_2_in_place_ops_on_the_output_work_as_on_f_linear_s(shape) -> None:
+    ref, lin = _pair()
+    x = torch.randn(*shape)
+    out = []
+    for m in (ref, lin):
+        xx = _leaf(x)
+        y = m(xx)
+        y.mul_(3.0)
+        y.add_(1.0)
+        F.relu(y, inplace=True)
+        (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        out.append((y.detach(), xx.grad, m.weight.grad, m.bias.grad))
+    for a, b in zip(*out):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    # the fused ReLU saves its output for backward, as F.relu does: modifying it is refused alike
+    for y in (F.relu(ref(_leaf(x))), lin.forward_relu(_leaf(x))):
+        y.mul_(2.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+@pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
+@pytest.mark.parametrize("make_bias", [lambda: torch.randn(12)[::2], lambda: torch.randn(1).expand(6)],
+                         ids=["strided", "expanded"])
+def test_3_a_non_contiguous_bias_gives_f_linear_s_output_and_gradient(make_bias) -> None:
+    ref, lin = _pair()
+    b = make_bias()
+    assert not b.is_contiguous()
+    ref.bias, lin.bias = nn.Parameter(b.clone()), nn.Parameter(b)
+    x = torch.randn(4, 5)
+    y, y_ref = lin(x), ref(x)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lin.forward_relu(x), F.relu(y_ref), rtol=1e-5, atol=1e-6)
+    y.pow(2).sum().backward()
+    y_ref.pow(2).sum().backward()
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
+def test_4_a_layer_without_output_features_trains_as_nn_linear() -> None:
+    ref, lin = _pair(3, 0)
+    for m in (ref, lin):
+        x = torch.randn(4, 3, requires_grad=True)
+        y = m(x)
+        assert y.shape == (4, 0)
+        y.sum().backward()
+        assert torch.equal(x.grad, torch.zeros(4, 3)) and m.bias.grad.shape == (0,)
+
+
+def _hooked_ffn(library: str, calls: list) -> FeedForward:
+    torch.manual_seed(5)
+    ffn = FeedForward(6, 9, "relu", 0.0)
+    cm.apply_cpu_matmul(ffn, library)
+    fc1 = ffn.fc1
+    fc1.register_forward_pre_hook(lambda m, args: calls.append(("pre", tuple(args[0].shape))))
+    fc1.register_forward_hook(lambda m, args, out: calls.append(("fwd", bool((out < 0).any()))))
+    fc1.register_full_backward_hook(lambda m, gin, gout: calls.append(("bwd", tuple(gout[0].shape))))
+    return ffn
+
+
+@pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
+def test_5_hooks_of_the_fused_relu_layer_run_and_see_the_pre_activation_output() -> None:
+    x = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(6))
+    results = {}
+    for library in ("mkl", "onednn"):
+        calls: list = []
+        ffn = _hooked_ffn(library, calls)
+        xx = _leaf(x)
+        y = ffn(xx)
+        y.sum().backward()
+        results[library] = (calls, y.detach(), xx.grad)
+    assert results["mkl"][0] == [("pre", (2, 4, 6)), ("fwd", True), ("bwd", (2, 4, 9))]
+    assert results["onednn"][0] == results["mkl"][0]
+    for a, b in zip(results["mkl"][1:], results["onednn"][1:]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
+def test_5_flop_counter_s_per_module_counts_equal_mkl_s() -> None:
+    counts = {}
+    for library in ("mkl", "onednn"):
+        torch.manual_seed(7)
+        ffn = FeedForward(6, 9, "relu", 0.0)
+        cm.apply_cpu_matmul(ffn, library)
+        with FlopCounterMode(display=False) as fc:
+            ffn(torch.randn(2, 4, 6, requires_grad=True)).sum().backward()
+        counts[library] = {k: sum(v.values()) for k, v in fc.get_flop_counts().items()}
+    # fc1 (6 -> 9) and fc2 (9 -> 6) on 8 rows: 2 M K N forward, twice that backward
+    assert counts["mkl"]["FeedForward.fc1"] == 3 * 2 * 8 * 6 * 9
+    assert counts["onednn"] == counts["mkl"]
+    # without hooks (no FlopCounterMode) the feed-forward network still takes the fused product
+    torch.manual_seed(7)
+    ffn = FeedForward(6, 9, "relu", 0.0)
+    cm.apply_cpu_matmul(ffn, "onednn")
+    used = []
+    original = cm._OneDNNLinearFunction.apply
+    cm._OneDNNLinearFunction.apply = lambda *a, _o=original: used.append(a[3]) or _o(*a)
+    try:
+        ffn(torch.randn(2, 4, 6))
+    finally:
+        cm._OneDNNLinearFunction.apply = original
+    assert used == [True, False]  # fc1 with the ReLU fused, fc2 plain
+
+
+@pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
+def test_6_torch_func_transforms_give_mkl_s_results() -> None:
+    ref, lin = _pair()
+    x = torch.randn(3, 5)
+    torch.testing.assert_close(torch.func.vmap(lin)(x), torch.func.vmap(ref)(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.func.grad(lambda v: lin(v).pow(2).sum())(x[0]),
+                               torch.func.grad(lambda v: ref(v).pow(2).sum())(x[0]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.func.jacrev(lin)(x[0]), ref.weight, rtol=0, atol=0)
+    # per-sample gradients, the torch.func recipe: vmap(grad(functional_call))
+    params = {k: v.detach() for k, v in lin.named_parameters()}
+
+    def loss(m, p, xi):
+        return torch.func.functional_call(m, p, (xi,)).pow(2).sum()
+
+    per = torch.func.vmap(torch.func.grad(lambda p, xi: loss(lin, p, xi)), in_dims=(None, 0))(params, x)
+    per_ref = torch.func.vmap(torch.func.grad(lambda p, xi: loss(ref, p, xi)), in_dims=(None, 0))(params, x)
+    assert per["weight"].shape == (3, 6, 5)
+    for k in per:
+        torch.testing.assert_close(per[k], per_ref[k], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
+def test_7_registering_the_flop_formula_again_keeps_the_first_and_counts_alike() -> None:
+    from torch.utils import flop_counter
+
+    op = torch.ops.mkldnn._linear_pointwise
+    before = flop_counter.flop_registry[op]
+    cm._register_flop_formula()  # what importlib.reload(rl_tformers.runtime.cpu_matmul) runs
+    assert flop_counter.flop_registry[op] is before
+    ref, lin = _pair(8, 3)
+    totals = []
+    for m in (ref, lin):
+        with FlopCounterMode(display=False) as fc:
+            m(torch.randn(2, 7, 8, requires_grad=True)).sum().backward()
+        totals.append(fc.get_total_flops())
+    assert totals == [3 * 2 * 14 * 8 * 3] * 2  # forward + both backward products, 2 M K N each
