@@ -20,9 +20,7 @@ import importlib
 import math
 import os
 import shutil
-import signal
 import sys
-import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -32,62 +30,16 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from rl_tformers.envs.loaders import META_KEY, data_root, load_minari, minari_root, save_d4rl_hdf5
-from rl_tformers.envs.pomdp import ObservationMaskWrapper, masked_step_callback
+from rl_tformers.envs import recipes as R
+from rl_tformers.envs.dataset import META_KEY
+from rl_tformers.envs.loaders import data_root, load_minari, minari_root, save_d4rl_hdf5
+from rl_tformers.envs.policies import NoisyPolicy, RandomPolicy, SB3Policy, load_sb3_policy, train_sb3
+from rl_tformers.envs.pomdp import ObservationMaskWrapper, masked_step_callback, pomdp_record
 from rl_tformers.envs.scores import D4RL_REF_SCORES, task_family
+from rl_tformers.envs.stopping import check_stop
 
 from rl_tformers.runtime.paths import blocking_file
 from rl_tformers.runtime.progress import PlainProgress, is_terminal, progress_bar
-
-
-class _StopRequests:
-    """The stop-signal handler of :func:`stop_signals`: records signals; a second one raises."""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        self.received.append(signum)
-        if len(self.received) > 1:  # asked twice: stop now, wherever the process is
-            raise KeyboardInterrupt
-
-
-_STOP: _StopRequests | None = None
-
-
-def check_stop() -> None:
-    """Raise ``KeyboardInterrupt`` at this safe point (between environment steps) when a stop
-    signal has arrived inside :func:`stop_signals`; otherwise do nothing."""
-    if _STOP is not None and _STOP.received:
-        raise KeyboardInterrupt
-
-
-@contextmanager
-def stop_signals() -> Iterator[list[int]]:
-    """SIGINT, SIGTERM and SIGHUP stop a build at its next environment step (``rl-tformers collect``).
-
-    Python's defaults are unsafe here: SIGTERM/SIGHUP end the process without running ``finally``
-    blocks (leaving Minari's temporary folder ``<data root>/tmpXXXX`` behind), and the
-    ``KeyboardInterrupt`` of SIGINT can land inside a garbage-collection callback (jax's, which
-    Minari's collector imports), where Python prints and drops it: collection went on. Here a
-    signal is only recorded, and the rollout loops (:func:`collect`, :func:`train_and_record`
-    through an SB3 callback) raise ``KeyboardInterrupt`` at their next step, from where the
-    build's cleanup runs; a dataset already complete is kept. A second signal raises at once.
-    Yields the list of received signal numbers. Outside the main thread: a no-op.
-    """
-    global _STOP
-    if threading.current_thread() is not threading.main_thread() or _STOP is not None:
-        yield [] if _STOP is None else _STOP.received
-        return
-    handler = _StopRequests()
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    _STOP = handler
-    try:
-        yield handler.received
-    finally:
-        _STOP = None
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 @dataclass
@@ -490,7 +442,6 @@ def train_and_record(
         ``(policy, replay_result)``: the trained agent as a deterministic
         :class:`~rl_tformers.envs.policies.SB3Policy` and a :class:`CollectResult` (or ``None``).
     """
-    from rl_tformers.envs.policies import SB3Policy, train_sb3
 
     root_path = data_root(root)
     result = None
@@ -529,3 +480,29 @@ def train_and_record(
     if hdf5 is not None:
         result.hdf5_path = save_d4rl_hdf5(ds, hdf5)
     return SB3Policy(model, None, name=f"{algo}-trained-{steps}"), result
+
+
+def build_recipe(recipe: R.Recipe, *, seed: int = 0, root=None, policies=None, hdf5=None, overwrite: bool = False,
+                 progress: bool = True):
+    """Collect one recipe into ``<root>/<recipe.dataset_id>``; returns a :class:`CollectResult`."""
+    env = gym.make(recipe.env_id)
+    loaded: dict[str, object] = {}
+    behaviours = []
+    for i, s in enumerate(recipe.shards):
+        shard_seed = seed * 1000 + i + 1
+        if s.policy == "random":
+            pol = RandomPolicy(env.action_space, seed=shard_seed)
+        else:
+            if s.policy not in loaded:
+                loaded[s.policy] = load_sb3_policy(R.policy_path(s.policy, recipe.env_id, policies), env, algo=s.policy)
+            pol = loaded[s.policy]
+            if s.epsilon > 0 or s.noise > 0:
+                pol = NoisyPolicy(pol, env.action_space, noise_std=s.noise, epsilon=s.epsilon, seed=shard_seed)
+        info = R.shard_record(recipe, s)
+        behaviours.append(Behaviour(pol, steps=s.steps, label=info["policy"], info=info))
+    pomdp = pomdp_record(env, "positions") if recipe.positions else None
+    return collect(recipe.env_id, behaviours, dataset_id=recipe.dataset_id, seed=seed, pomdp=pomdp, root=root,
+                   hdf5=hdf5, overwrite=overwrite, progress=progress,
+                   description=f"rl-tformers recipe {recipe.name}: {recipe.describe()}",
+                   record={"recipe": recipe.name, "recipe_steps": recipe.base_steps,
+                           "algorithm": f"recipe {recipe.name}"})

@@ -36,11 +36,14 @@ from typing import Any, NamedTuple
 
 import gymnasium as gym
 import numpy as np
+from rl_tformers.envs.scores import normalized_score, reference_scores
 
 ArrayLike = Any  # np.ndarray or LazyH5Array (indexable, has .shape/.dtype)
 
 #: Steps per chunk when scanning lazy (HDF5-backed) arrays during validation and statistics.
 SCAN_CHUNK = 1 << 16
+#: Key of the project's own record inside a Minari dataset's metadata.json.
+META_KEY = "rl_tformers"
 #: Largest float32 magnitude: observations and actions beyond it (float64 data) are inf in the agents.
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -740,8 +743,6 @@ class EpisodeDataset:
     # ------------------------------------------------------------------ summaries
     def summary(self) -> dict:
         """The ``rl-tformers dataset info`` record (JSON-serialisable)."""
-        from rl_tformers.envs.scores import normalized_score, reference_scores
-
         ret = self.episode_returns
         last = self.starts + self.lengths - 1  # (E,) each episode's last step
         term, trunc = self.terminations[last], self.truncations[last]

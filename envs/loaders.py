@@ -28,6 +28,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 from rl_tformers.envs.dataset import (
+    META_KEY,
     DatasetError,
     DatasetMetadata,
     EpisodeDataset,
@@ -37,13 +38,12 @@ from rl_tformers.envs.dataset import (
     unbounded_box,
     unsupported_action_space,
 )
+from rl_tformers.envs.recipes import all_recipes, policies_dir
 
 #: Environment variable overriding the project's data root.
 DATA_ROOT_ENV = "RL_TFORMERS_DATA"
 #: Default data root, relative to the current directory (``data/`` is gitignored).
 DEFAULT_DATA_ROOT = Path("data") / "minari"
-#: Key of the project's own record inside a Minari dataset's metadata.json.
-META_KEY = "rl_tformers"
 #: gymnasium ids used for D4RL files of each task family (same observation/action shapes).
 D4RL_ENV_IDS = {"hopper": "Hopper-v5", "halfcheetah": "HalfCheetah-v5", "walker2d": "Walker2d-v5"}
 
@@ -170,8 +170,6 @@ def resolve_minari(spec: str | os.PathLike, root: str | os.PathLike | None = Non
 
 def _policies_hint() -> str:
     """`` --policies DIR`` when the default behaviour-policy folder is not found, else ``""``."""
-    from rl_tformers.envs.recipes import policies_dir
-
     try:
         policies_dir()
     except FileNotFoundError:
@@ -181,8 +179,6 @@ def _policies_hint() -> str:
 
 def _recipe_of(dataset_id: str) -> str:
     """The name of the recipe that builds ``dataset_id`` (``...`` when no recipe does)."""
-    from rl_tformers.envs.recipes import all_recipes
-
     return next((r.name for r in all_recipes().values() if r.dataset_id == dataset_id), "...")
 
 

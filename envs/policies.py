@@ -300,7 +300,7 @@ def train_sb3(algo: str, env: gym.Env, steps: int, *, seed: int = 0, device: str
     Returns the trained model. Nothing is logged: the model gets a logger without outputs (SB3's
     default one would create an empty ``$TMPDIR/SB3-<date>`` folder on every call).
     """
-    from rl_tformers.envs.collect import check_stop
+    from rl_tformers.envs.stopping import check_stop
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.logger import Logger
 

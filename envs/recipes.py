@@ -39,7 +39,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import gymnasium as gym
+from rl_tformers.envs.dataset import META_KEY
 
 #: recipe task -> gymnasium id
 TASKS = {"hopper": "Hopper-v5", "walker2d": "Walker2d-v5", "halfcheetah": "HalfCheetah-v5"}
@@ -233,7 +233,7 @@ def policy_path(algo: str, env_id: str, policies: str | os.PathLike | None = Non
     return policies_dir(policies) / algo / f"{name}-v3" / "model.zip"
 
 
-def _shard_record(recipe: Recipe, s: Shard) -> dict:
+def shard_record(recipe: Recipe, s: Shard) -> dict:
     """What a build of ``recipe`` records of shard ``s`` in its metadata (its ``behaviours``)."""
     policy = "random" if s.policy == "random" else f"{s.policy}/{recipe.env_id.rsplit('-v', 1)[0]}-v3"
     return {"policy": policy, "epsilon": s.epsilon, "noise": s.noise, "steps": s.steps}
@@ -242,8 +242,6 @@ def _shard_record(recipe: Recipe, s: Shard) -> dict:
 def build_record(folder: str | os.PathLike) -> dict | None:
     """The rl-tformers record (``metadata.json`` key ``rl_tformers``) of the Minari dataset in
     ``folder``: what it was built with. ``None`` when it has none or cannot be read."""
-    from rl_tformers.envs.loaders import META_KEY
-
     try:
         own = json.loads((Path(folder) / "data" / "metadata.json").read_text()).get(META_KEY)
         if isinstance(own, str):
@@ -294,7 +292,7 @@ class ExistingBuild:
     def _asked_keys(self, steps: int | None = None) -> list[tuple]:
         r = self.recipe if steps is None else make_recipe(self.recipe.task, self.recipe.level,
                                                           positions=self.recipe.positions, steps=steps)
-        return _shard_keys([_shard_record(r, s) for s in r.shards])
+        return _shard_keys([shard_record(r, s) for s in r.shards])
 
     def built_steps(self) -> int | None:
         """The ``--recipe-steps`` whose shards are exactly the recorded ones, or ``None``."""
@@ -379,33 +377,3 @@ def existing_build(recipe: Recipe, folder: str | os.PathLike, *, steps: int = DE
                    seed: int = 0) -> ExistingBuild:
     """Compare the dataset in ``folder`` with a build of ``recipe`` at ``steps`` and ``seed``."""
     return ExistingBuild(recipe, int(steps), int(seed), Path(folder), build_record(folder))
-
-
-def build_recipe(recipe: Recipe, *, seed: int = 0, root=None, policies=None, hdf5=None, overwrite: bool = False,
-                 progress: bool = True):
-    """Collect one recipe into ``<root>/<recipe.dataset_id>``; returns a :class:`CollectResult`."""
-    from rl_tformers.envs.collect import Behaviour, collect
-    from rl_tformers.envs.policies import NoisyPolicy, RandomPolicy, load_sb3_policy
-    from rl_tformers.envs.pomdp import pomdp_record
-
-    env = gym.make(recipe.env_id)
-    loaded: dict[str, object] = {}
-    behaviours = []
-    for i, s in enumerate(recipe.shards):
-        shard_seed = seed * 1000 + i + 1
-        if s.policy == "random":
-            pol = RandomPolicy(env.action_space, seed=shard_seed)
-        else:
-            if s.policy not in loaded:
-                loaded[s.policy] = load_sb3_policy(policy_path(s.policy, recipe.env_id, policies), env, algo=s.policy)
-            pol = loaded[s.policy]
-            if s.epsilon > 0 or s.noise > 0:
-                pol = NoisyPolicy(pol, env.action_space, noise_std=s.noise, epsilon=s.epsilon, seed=shard_seed)
-        info = _shard_record(recipe, s)
-        behaviours.append(Behaviour(pol, steps=s.steps, label=info["policy"], info=info))
-    pomdp = pomdp_record(env, "positions") if recipe.positions else None
-    return collect(recipe.env_id, behaviours, dataset_id=recipe.dataset_id, seed=seed, pomdp=pomdp, root=root,
-                   hdf5=hdf5, overwrite=overwrite, progress=progress,
-                   description=f"rl-tformers recipe {recipe.name}: {recipe.describe()}",
-                   record={"recipe": recipe.name, "recipe_steps": recipe.base_steps,
-                           "algorithm": f"recipe {recipe.name}"})

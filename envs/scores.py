@@ -67,10 +67,8 @@ def reference_scores(x: Any) -> tuple[float, float] | None:
     For an :class:`EpisodeDataset` without its own references, the task family is that of its
     ``env_id`` when it has one (whatever the file is called or where it is stored); else that of
     its ``dataset_id``, else of its file or folder name (never of a parent folder's name)."""
-    from rl_tformers.envs.dataset import EpisodeDataset
-
     names: list[str | None] = []
-    if isinstance(x, EpisodeDataset):
+    if hasattr(x, "metadata") and hasattr(x.metadata, "ref_min_score"):  # an EpisodeDataset
         m = x.metadata
         if m.ref_min_score is not None and m.ref_max_score is not None:
             return float(m.ref_min_score), float(m.ref_max_score)

@@ -105,9 +105,7 @@ class BuildContext:
 
 
 def _default(slot: str, kind: str) -> Any:
-    def make() -> Any:
-        import rl_tformers  # noqa: F401  (registers the components)
-
+    def make() -> Any:  # the components are registered: importing this module imported rl_tformers
         return REGISTRIES[slot].get(kind).config_cls()
 
     return field(default_factory=make)

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-import numbers
-import types
-import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
+
+from rl_tformers.typed_config import ConfigFieldError, check_fields, plain_number  # noqa: F401  (re-exported)
 
 T = TypeVar("T")
 
@@ -124,82 +122,6 @@ class FieldError(ValueError):
         self.field, self.detail = field, detail
 
 
-def _describe(spec: Any) -> str:
-    """Words for a field annotation: ``int | None`` -> ``an integer or null``."""
-    origin, args = typing.get_origin(spec), typing.get_args(spec)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in args)
-    if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return f"a list of {_describe(args[0]).split(' ', 1)[1]}s"
-        return f"a list of {len(args)} {_describe(args[0]).split(' ', 1)[1]}s"
-    return {
-        int: "an integer",
-        float: "a finite number",
-        bool: "true or false",
-        str: "a string",
-        type(None): "null",
-    }.get(spec, repr(spec))
-
-
-_NO_MATCH = object()
-
-
-def _match(spec: Any, value: Any) -> Any:
-    """``value`` (lists turned into tuples) if it fits the annotation ``spec``, else ``_NO_MATCH``.
-
-    int: an integral number, not a bool (``16.0`` and ``"2"`` do not fit); float: a finite real
-    number, not a bool (ints fit); bool: a bool; str: a string; ``tuple[X, ...]`` / ``tuple[X, Y]``:
-    a tuple or list of such items; unions: any member. Other annotations accept anything.
-    Numbers of other types (NumPy scalars) come back as built-in ``int`` / ``float``
-    (:func:`plain_number`), strings of a ``str`` subclass as ``str``.
-    """
-    origin, args = typing.get_origin(spec), typing.get_args(spec)
-    if origin in (typing.Union, types.UnionType):
-        for a in args:
-            got = _match(a, value)
-            if got is not _NO_MATCH:
-                return got
-        return _NO_MATCH
-    if origin is tuple:
-        if not isinstance(value, (tuple, list)):
-            return _NO_MATCH
-        items = args[:1] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
-        if len(items) != len(value):
-            return _NO_MATCH
-        out = tuple(_match(a, v) for a, v in zip(items, value))
-        return _NO_MATCH if any(o is _NO_MATCH for o in out) else out
-    if spec is type(None):
-        return value if value is None else _NO_MATCH
-    if spec is bool:
-        return value if isinstance(value, bool) else _NO_MATCH
-    if spec is int:
-        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-        return plain_number(value) if ok else _NO_MATCH
-    if spec is float:
-        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-        return plain_number(value) if ok else _NO_MATCH
-    if spec is str:
-        return value if type(value) is str else str(value) if isinstance(value, str) else _NO_MATCH
-    return value
-
-
-def plain_number(value: Any) -> Any:
-    """``value`` as a built-in ``int`` or ``float`` when it is another integral or real number
-    type (NumPy ``int64`` / ``float32`` scalars, ...); built-in numbers are returned as they are.
-
-    Configs hold only built-in types, so that ``to_dict()`` dumps to YAML, OmegaConf and JSON
-    (none of which represents a NumPy scalar) and round-trips through ``from_dict``.
-    """
-    if type(value) in (int, float) or isinstance(value, bool):
-        return value
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    return value
-
-
 def check_field_types(cfg: Any) -> None:
     """Check every field of a slot config against its annotation (lists become tuples).
 
@@ -211,25 +133,10 @@ def check_field_types(cfg: Any) -> None:
             ``attention.block_size must be an integer, got 2.5 (float)``; also for NaN or
             infinite floats.
     """
-    cls = type(cfg)
-    hints = cls.__dict__.get("_field_hints")
-    if hints is None:
-        hints = typing.get_type_hints(cls)
-        cls._field_hints = hints  # type: ignore[attr-defined]
-    for f in dataclasses.fields(cfg):
-        spec = hints.get(f.name)
-        if spec is None or not f.init:
-            continue
-        value = getattr(cfg, f.name)
-        got = _match(spec, value)
-        if got is _NO_MATCH:
-            raise FieldError(
-                getattr(cls, "slot", "?"),
-                f.name,
-                f"must be {_describe(spec)}, got {value!r} ({type(value).__name__})",
-            )
-        if got is not value:
-            object.__setattr__(cfg, f.name, got)  # frozen configs hold tuples
+    try:
+        check_fields(cfg)
+    except ConfigFieldError as exc:
+        raise FieldError(getattr(type(cfg), "slot", "?"), exc.key, exc.detail) from None
 
 
 class RegistryError(KeyError):
@@ -408,7 +315,6 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def all_entries() -> list[Entry[Any]]:
-    """Every registered component of every slot (imports all component modules first)."""
-    import rl_tformers  # noqa: F401  (registers everything)
-
+    """Every registered component of every slot (the package ``rl_tformers``, imported before any of
+    its modules, registers them all)."""
     return [e for slot in SLOTS for e in REGISTRIES[slot]]

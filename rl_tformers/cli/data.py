@@ -91,7 +91,7 @@ def collect(
     With several recipes, existing datasets are checked before anything is built: without --overwrite or --skip-existing the command stops at once, naming them; --skip-existing keeps only a dataset built as asked (same recipe, --recipe-steps, --seed), and refuses the others.
     """
     from rl_tformers.envs import recipes as R
-    from rl_tformers.envs.collect import stop_signals
+    from rl_tformers.envs.stopping import stop_signals
 
     if list_recipes:
         _check_recipe_steps(recipe_steps)
@@ -122,6 +122,7 @@ def collect(
 def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
                  pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe, recipe_steps, policies, overwrite,
                  skip_existing, progress, as_json) -> None:
+    from rl_tformers.envs import collect as C
     from rl_tformers.envs import recipes as R
     from rl_tformers.envs.dataset import DatasetError
 
@@ -187,7 +188,7 @@ def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset
                     typer.echo(_skipped_line(existing[r.name], as_json))
                     continue
                 h = None if hdf5 is None else Path(hdf5) / f"{r.name}.hdf5"
-                report(R.build_recipe(r, seed=seed, root=root, policies=policies, hdf5=h, overwrite=overwrite,
+                report(C.build_recipe(r, seed=seed, root=root, policies=policies, hdf5=h, overwrite=overwrite,
                                       progress=progress))
         else:
             if recipe_steps is not None:

@@ -128,8 +128,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rl_tformers.runtime.errors import ConfigError
 from rl_tformers.runtime.protocol import AgentBuilder, Trainable
-from rl_tformers.runtime.run_config import ConfigError
 
 
 class UnknownAgentError(ConfigError):

@@ -125,8 +125,8 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
 
     from rl_tformers.runtime import checkpoint as ckpt
     from rl_tformers.runtime.agent_registry import get_agent
-    from rl_tformers.runtime.plugins import load_plugins
-    from rl_tformers.runtime.run_config import ConfigError, check_backbone_kinds
+    from rl_tformers.runtime.errors import ConfigError
+    from rl_tformers.runtime.plugins import check_backbone_kinds, load_plugins
 
     run_dir = Path(run_dir)
     if checkpoint is None and not run_dir.is_dir():

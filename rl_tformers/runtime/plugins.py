@@ -37,6 +37,7 @@ accepted (a module name is stable across machines, a path is not).
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
 import os
@@ -48,7 +49,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from rl_tformers.runtime.run_config import ConfigError
+from rl_tformers.registry import REGISTRIES, SLOTS
+from rl_tformers.runtime import agent_registry
+from rl_tformers.runtime.agent_registry import discover_agents
+from rl_tformers.runtime.errors import ConfigError
 
 #: Entry-point group of installed packages imported by every command.
 ENTRY_POINT_GROUP = "rl_tformers.plugins"
@@ -160,8 +164,6 @@ def check_source_plugins(source: Mapping[str, Any], plugins: Iterable[str] | Non
             (``plugins=[mine,theirs]``); or naming ``where`` and the backbone kind of that run
             that no module registered here (e.g. an uninstalled entry point's).
     """
-    from rl_tformers.runtime.run_config import check_backbone_kinds
-
     theirs = check_plugin_names(source.get("plugins"), f"{where}: its plugins")
     ours = check_plugin_names(list(plugins or []), "plugins")
     missing = [m for m in theirs if m not in ours]
@@ -177,19 +179,35 @@ def check_source_plugins(source: Mapping[str, Any], plugins: Iterable[str] | Non
         raise ValueError(f"{where}: that run cannot be rebuilt here: {exc}") from None
 
 
+def check_backbone_kinds(backbone: Mapping[str, Any]) -> None:
+    """Refuse a ``backbone`` section naming a kind no module registered (yet).
+
+    Args:
+        backbone: the plain ``backbone:`` section (slot name -> ``{kind: ..., ...}``).
+
+    Raises:
+        ConfigError: naming ``backbone.<slot>.kind``, the closest registered kind, the registered
+            ones and ``plugins`` (a kind of the user's own registers when its module is imported).
+    """
+    for slot in SLOTS:
+        value = backbone.get(slot)
+        if isinstance(value, Mapping) and "kind" in value and str(value["kind"]) not in REGISTRIES[slot].kinds():
+            close = difflib.get_close_matches(str(value["kind"]), REGISTRIES[slot].kinds(), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"backbone.{slot}.kind={value['kind']!r}: unknown {slot} kind{hint} "
+                              f"(registered: {', '.join(REGISTRIES[slot].kinds())}; see rl-tformers backbones; "
+                              f"a kind of your own registers when its module is listed in plugins)")
+
+
+
 def _discover_builtin_agents() -> None:
     """Register the built-in agents (and their inference loaders) before any plugin is imported."""
-    from rl_tformers.runtime.agent_registry import discover_agents
-
     discover_agents()
 
 
 def _registrations() -> list[tuple[dict, dict]]:
     """``(live dict, copy)`` of every table a plugin registers into: the backbone slots' kinds,
     the agents and the inference loaders."""
-    from rl_tformers.registry import REGISTRIES
-    from rl_tformers.runtime import agent_registry
-
     tables = [reg._entries for reg in REGISTRIES.values()] + [agent_registry._AGENTS]
     loading = sys.modules.get("rl_tformers.runtime.loading")
     if loading is not None:

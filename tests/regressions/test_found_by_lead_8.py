@@ -66,9 +66,8 @@ def test_eval_json_writes_every_count_as_an_integer(performer_run):
 
 # -- 2. the Performer attn_dropout advice came again at every eval / plot of the trained run ---------
 def test_the_attention_dropout_advice_is_given_in_training_not_when_the_run_is_loaded(performer_run):
-    from rl_tformers.runtime.loading import load_run
-
     from rl_tformers.runtime.agent_registry import build_agent
+    from rl_tformers.runtime.loading import load_run
 
     run_dir, trained = performer_run
     assert trained == [DROPOUT_ADVICE]  # training says it, once
@@ -121,12 +120,13 @@ def test_bench_eval_refuses_a_memory_length_that_cannot_fit(monkeypatch):
 
 # -- 4. `collect --recipe-steps 5` built a medium-replay set without its random shard -----------------
 def test_collect_refuses_recipe_steps_that_leave_a_shard_empty(tmp_path, monkeypatch):
+    from rl_tformers.envs import collect as C
     from rl_tformers.envs import recipes as R
 
     def tripwire(*args, **kwargs):
         raise AssertionError("a recipe was built")
 
-    monkeypatch.setattr(R, "build_recipe", tripwire)
+    monkeypatch.setattr(C, "build_recipe", tripwire)
     expected = ("error: --recipe-steps must be >= 6, got {} (the medium-replay recipes split it into 5 shards of "
                 "10-25 %, each of at least 1 step)\n")
     for n in ("5", "1"):
