@@ -627,6 +627,3 @@ def build_dt(cfg: Any, run_dir: Path, device: torch.device) -> DTAgent:
 
 
 register_inference_loader("dt")(load_for_inference)
-
-# Online DT fine-tuning (agent.kind=odt) registers on import; discovery imports only agent.py
-import rl_tformers.agents.decision_transformer.online  # noqa: E402,F401

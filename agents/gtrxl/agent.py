@@ -720,6 +720,3 @@ def build_gtrxl(cfg: Any, run_dir: Path, device: torch.device) -> GTrXLAgent:
 
 
 register_inference_loader("gtrxl")(load_for_inference)
-
-# the online PPO agent (agent.kind=gtrxl_ppo) registers on import; discovery imports only agent.py
-import rl_tformers.agents.gtrxl.ppo  # noqa: E402,F401

@@ -48,19 +48,25 @@ BASELINE = "sdpa"
 
 #: name -> function(**options) returning a list of result rows; filled by the owners of the cases.
 RL_SCALE_CASES: dict[str, Callable[..., list[dict[str, Any]]]] = {}
+#: case name -> its rows as a Markdown table (rows of that case only)
+RL_SCALE_TABLES: dict[str, Callable[[list[dict[str, Any]]], str]] = {}
 
 
-def register_rl_scale_case(name: str, fn: Callable[..., list[dict[str, Any]]]) -> None:
+def register_rl_scale_case(name: str, fn: Callable[..., list[dict[str, Any]]],
+                           table: Callable[[list[dict[str, Any]]], str] | None = None) -> None:
     """Register an RL-scale benchmark case run by ``rl-tformers bench attention --rl-scale``.
 
     ``fn(kinds: list[str], device: str) -> list[dict]`` returns rows such as
     ``{"case": name, "kind": ..., "steps_per_s": ..., "normalised_score": ...}``. Intended for the
     Decision Transformer long-context case (K = 500 steps, 1,500 tokens, dense vs efficient
-    kernels). Raises ValueError if ``name`` is taken.
+    kernels). ``table(rows)`` renders the case's rows as Markdown for the command's output.
+    Raises ValueError if ``name`` is taken.
     """
     if name in RL_SCALE_CASES:
         raise ValueError(f"RL-scale benchmark case {name!r} is already registered")
     RL_SCALE_CASES[name] = fn
+    if table is not None:
+        RL_SCALE_TABLES[name] = table
 
 
 @dataclass
@@ -553,10 +559,10 @@ def register(bench_app) -> None:
             typer.echo(json.dumps(data, indent=2))
         else:
             typer.echo(markdown_table(res))
-            if res.rl_scale:
-                from rl_tformers.bench.attention_rl import markdown_table as rl_table
-
-                typer.echo("\n" + rl_table(res.rl_scale))
+            for case, rl_table in RL_SCALE_TABLES.items():
+                rows = [r for r in res.rl_scale or [] if r.get("case") == case]
+                if rows:
+                    typer.echo("\n" + rl_table(rows))
             for note in res.notes:
                 typer.echo(f"note: {note}")
 

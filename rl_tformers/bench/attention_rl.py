@@ -253,7 +253,7 @@ def check_options(options: dict[str, Any]) -> None:
 
 
 dt_long_context.check_options = check_options  # type: ignore[attr-defined]
-register_rl_scale_case(CASE, dt_long_context)
+register_rl_scale_case(CASE, dt_long_context, table=markdown_table)
 
 
 def _table_main(
