@@ -243,11 +243,11 @@ def test_context_steps_act_as_a_model_with_that_context_length(align, c):
 def test_context_steps_out_of_range_is_refused_by_name():
     with pytest.raises(ValueError, match=r"context_steps=5; give an integer in \[1, 4\]"):
         DTPolicy(_model(), STATS.mean, STATS.std, SCALE, LOW, HIGH, context_steps=5)
-    from rl_tformers.agents.decision_transformer.agent import parse_eval_context_len
+    from rl_tformers.agents.decision_transformer.config import DTAgentConfig
 
-    with pytest.raises(ValueError, match=r"agent.eval_context_len=0: give an integer in \[1, 20\]"):
-        parse_eval_context_len(0, 20)
-    with pytest.raises(ValueError, match=r"agent.eval_context_len='5'"):
-        parse_eval_context_len("5", 20)
-    assert parse_eval_context_len(None, 20) is None and parse_eval_context_len(20, 20) is None
-    assert parse_eval_context_len(5, 20) == 5
+    with pytest.raises(ValueError, match=r"^agent.eval_context_len must be an integer >= 1 or null, got 0$"):
+        DTAgentConfig.from_dict({"eval_context_len": 0}, where="agent")
+    with pytest.raises(ValueError, match=r"^agent.eval_context_len must be an integer >= 1 or null, got '5' \(str\)$"):
+        DTAgentConfig.from_dict({"eval_context_len": "5"}, where="agent")
+    acting = [DTAgentConfig(eval_context_len=n).acting_context for n in (None, 20, 5)]
+    assert acting == [None, None, 5]

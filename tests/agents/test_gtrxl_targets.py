@@ -103,8 +103,8 @@ def _agent_cfg(**agent):
     [
         (1e30, r"^agent\.target_return: 1e\+30 is beyond what this model takes: \|target\| must be at most "),
         (-1e30, r"^agent\.target_return: -1e\+30 is beyond what this model takes"),
-        (".inf", r"^agent\.target_return: inf is not a finite number"),
-        ("many", r"^agent\.target_return: 'many' is not a number"),
+        (".inf", r"^agent\.target_return must be a finite number or null, got inf \(float\)$"),
+        ("many", r"^agent\.target_return must be a finite number or null, got 'many' \(str\)$"),
     ],
 )
 def test_agent_refuses_a_target_return_beyond_the_embedding_when_built(target, says) -> None:

@@ -247,7 +247,8 @@ def test_eval_context_len_is_the_odt_run_s_own_and_reaches_rollouts_and_evaluati
     agent = ODTAgent(_cfg(offline_run, pendulum[1], "agent.eval_context_len=5"), None, "cpu")
     assert agent.model_cfg.context_len == 20
     assert agent.policy().context_steps == 5 and agent.policy(sample=True).context_steps == 5
-    with pytest.raises(ValueError, match=r"agent.eval_context_len=21: give an integer in \[1, 20\]"):
+    with pytest.raises(ValueError, match=r"^agent.eval_context_len must be at most agent.context_len=20 \(the steps "
+                                         r"of context read when acting\) or null \(all K\), got 21$"):
         ODTAgent(_cfg(offline_run, pendulum[1], "agent.eval_context_len=21"), None, "cpu")
 
 

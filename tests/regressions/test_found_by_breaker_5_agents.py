@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
-from rl_tformers.runtime.run_config import compose
+from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import train
 
 runner = CliRunner()
@@ -167,14 +167,19 @@ def test_dt_takes_a_single_number_as_agent_targets(tmp_path) -> None:
     assert load_run(tmp_path / "run").agent.default_targets() == [7.0]
 
 
-@pytest.mark.parametrize("value", ["[]", "abc", "[[1,2]]", "true"])
-def test_dt_bad_agent_targets_is_one_error_line_naming_the_option(tmp_path, value) -> None:
+@pytest.mark.parametrize("value, message", [
+    ("[]", "agent.targets must be a target return or a non-empty list of them"),
+    ("abc", "agent.targets must be a list of finite numbers or a finite number or null, got 'abc' (str)"),
+    ("[[1,2]]", "agent.targets must be a list of finite numbers or a finite number or null, got [[1, 2]] (list)"),
+    ("true", "agent.targets must be a list of finite numbers or a finite number or null, got True (bool)"),
+])
+def test_dt_bad_agent_targets_is_one_error_line_naming_the_option(tmp_path, value, message) -> None:
     """An empty list (IndexError), a nested list or a boolean (TypeError) raised tracebacks; a
     string gave "could not convert string to float" without naming the option."""
     h5 = _counter_h5(tmp_path / "c.hdf5")
     r = _cli_train(f"dataset.path={h5}", f"agent.targets={value}", "--run-dir", str(tmp_path / "run"))
     assert r.exit_code == 2, r.output
-    assert "error: agent.targets must be a target return or a non-empty list of them" in r.output, r.output
+    assert f"error: {message}" in r.output, r.output
     assert "Traceback" not in r.output and not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -215,45 +220,41 @@ def test_box_with_a_fixed_dimension_or_huge_bounds_trains_and_acts_in_the_box(tm
 
 # ------------------------------------------------- 4. IQL and PPO options that trained nothing or crashed
 @pytest.mark.parametrize("option, message", [
-    ("agent.seq_len=1", "agent.seq_len=1: IQL learns Q from (t, t+1) pairs"),
-    ("agent.gamma=2", "agent.gamma must be a number in [0, 1]"),
-    ("agent.expectile=1.5", "agent.expectile must be a number in (0, 1)"),
-    ("agent.tau=0", "agent.tau must be a number in (0, 1]"),
-    ("agent.beta=-1", "agent.beta must be a number >= 0"),
-    ("agent.max_weight=0", "agent.max_weight must be a number > 0"),
+    ("agent.seq_len=1", "agent.seq_len=1: IQL learns Q from (t, t+1) pairs inside the gradient window, and a window "
+                        "of one step has none (the Q loss would stay 0); use agent.seq_len >= 2"),
+    ("agent.gamma=2", "agent.gamma must be a number in [0, 1], got 2"),
+    ("agent.expectile=1.5", "agent.expectile must be a number in (0, 1), got 1.5"),
+    ("agent.tau=0", "agent.tau must be a number in (0, 1], got 0"),
+    ("agent.beta=-1", "agent.beta must be a number >= 0, got -1"),
+    ("agent.max_weight=0", "agent.max_weight must be a number > 0, got 0"),
 ])
 def test_iql_refuses_options_that_train_nothing_before_reading_the_data(tmp_path, option, message) -> None:
     """agent.seq_len=1 left IQL's Q loss at exactly 0 for the whole run (no (t, t+1) pair in a
     one-step window: the advantages were noise from untrained Q heads); the other values
     trained silently into nonsense (negative expectile weights, a frozen target, a zero actor loss)."""
-    from rl_tformers.agents.gtrxl.agent import GTrXLAgent
-
-    cfg = compose(None, [*TINY["gtrxl"], "agent.objective=iql", f"dataset.path={tmp_path / 'never-read.hdf5'}",
-                         option, *FAST])
-    with pytest.raises(ValueError) as info:
-        GTrXLAgent(cfg, None, "cpu")
-    assert message in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        compose(None, [*TINY["gtrxl"], "agent.objective=iql", f"dataset.path={tmp_path / 'never-read.hdf5'}",
+                       option, *FAST])
+    assert str(info.value) == message
 
 
 @pytest.mark.parametrize("option, message", [
-    ("agent.n_minibatches=4", "agent.n_minibatches=4 is more than the agent.n_envs x agent.n_steps = 2 samples"),
-    ("agent.n_envs=0", "agent.n_envs must be >= 1"),
-    ("agent.n_steps=0", "agent.n_steps must be >= 1"),
-    ("agent.n_epochs=0", "agent.n_epochs must be >= 1"),
-    ("agent.gae_lambda=1.5", "agent.gae_lambda must be in [0, 1]"),
-    ("agent.clip_coef=0", "agent.clip_coef must be > 0"),
+    ("agent.n_minibatches=4", "agent.n_minibatches=4 is more than the agent.n_envs x agent.n_steps = 2 samples of a "
+                              "rollout (a minibatch would be empty); use at most 2"),
+    ("agent.n_envs=0", "agent.n_envs must be an integer >= 1, got 0"),
+    ("agent.n_steps=0", "agent.n_steps must be an integer >= 1, got 0"),
+    ("agent.n_epochs=0", "agent.n_epochs must be an integer >= 1, got 0"),
+    ("agent.gae_lambda=1.5", "agent.gae_lambda must be a number in [0, 1], got 1.5"),
+    ("agent.clip_coef=0", "agent.clip_coef must be a number > 0, got 0"),
 ])
 def test_ppo_refuses_rollout_options_that_crash_mid_run(monkeypatch, option, message) -> None:
     """n_minibatches above the rollout's samples crashed at the first update ("min(): Expected
     reduction dim"), n_envs/n_steps/n_epochs = 0 with IndexError / stack / modulo-by-zero tracebacks."""
-    from rl_tformers.agents.gtrxl.ppo import GTrXLPPO
-
     monkeypatch.setattr(gym, "make", lambda *a, **k: pytest.fail("an environment was made before the check"))
-    cfg = compose(None, ["agent.kind=gtrxl_ppo", "agent.n_envs=1", "agent.n_steps=2", "agent.n_minibatches=1",
-                         option, "device=cpu"])
-    with pytest.raises(ValueError) as info:
-        GTrXLPPO(cfg, None, "cpu")
-    assert message in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        compose(None, ["agent.kind=gtrxl_ppo", "agent.n_envs=1", "agent.n_steps=2", "agent.n_minibatches=1",
+                       option, "device=cpu"])
+    assert str(info.value) == message
 
 
 # ------------------------------------------------- 5. learned positions shorter than an episode

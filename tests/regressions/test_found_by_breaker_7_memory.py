@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import typer
 from rl_tformers.agents.bc.agent import BCAgent
-from rl_tformers.agents.decision_transformer.agent import DTAgent
 from rl_tformers.agents.decision_transformer.model import DTConfig
 from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone
 
@@ -18,14 +17,15 @@ from rl_tformers.runtime.run_config import ConfigError, compose
 
 # -- 1: agent options of the wrong type were coerced silently ------------------------------------------
 @pytest.mark.parametrize(("config", "override", "message"), [
-    ("gtrxl/recall_bc", "agent.burn_in=1.5", "agent.burn_in must be an integer, got 1.5 (float)"),  # was 1
-    ("gtrxl/recall_bc", "agent.window=true", "agent.window must be an integer, got True (bool)"),  # was 1
-    ("gtrxl/recall_bc", "agent.seq_len=abc", "agent.seq_len must be an integer, got 'abc' (str)"),  # int() error
+    ("gtrxl/recall_bc", "agent.burn_in=1.5", "agent.burn_in must be an integer >= 0, got 1.5 (float)"),
+    ("gtrxl/recall_bc", "agent.window=true", "agent.window must be an integer >= 0, got True (bool)"),
+    ("gtrxl/recall_bc", "agent.seq_len=abc", "agent.seq_len must be an integer >= 1, got 'abc' (str)"),
     ("gtrxl/recall_bc", "agent.prev_action=maybe", "agent.prev_action must be true or false, got 'maybe' (str)"),
     ("gtrxl/recall_bc", "agent.deterministic=2", "agent.deterministic must be true or false, got 2 (int)"),
-    ("gtrxl/recall_bc", "agent.gamma=.nan", "agent.gamma must be a finite number, got nan (float)"),
-    ("dt/cartpole_demo", "agent.knn.lam=abc", "agent.knn.lam must be a finite number, got 'abc' (str)"),
-    ("dt/cartpole_demo", "agent.early_exit.windows=1.5", "agent.early_exit.windows must be an integer, got 1.5 (float)"),
+    ("gtrxl/recall_bc", "agent.gamma=.nan", "agent.gamma must be a number in [0, 1], got nan (float)"),
+    ("dt/cartpole_demo", "agent.knn.lam=abc", "agent.knn.lam must be a number in [0, 1], got 'abc' (str)"),
+    ("dt/cartpole_demo", "agent.early_exit.windows=1.5",
+     "agent.early_exit.windows must be an integer >= 1, got 1.5 (float)"),
     ("dt/cartpole_demo", "agent.early_exit=5", "agent.early_exit must be a mapping of options"),
 ])
 def test_agent_options_of_the_wrong_type_are_refused_naming_the_option(config, override, message):
@@ -42,38 +42,40 @@ def test_agent_options_of_the_right_type_still_compose():
 # -- 2: DT agent.early_exit.* / agent.knn.* were checked only at evaluation, or never ---------------------
 @pytest.mark.parametrize(("override", "message"), [
     # a reshape error in calibration, after training
-    ("agent.early_exit.windows=0", "agent.early_exit.windows must be an integer >= 1"),
+    ("agent.early_exit.windows=0", "agent.early_exit.windows must be an integer >= 1, got 0"),
     # every second episode held out instead (max(2, round(1 / 0.7)))
-    ("agent.early_exit.heldout_frac=0.7", "agent.early_exit.heldout_frac must be a fraction in [0, 0.5]"),
-    ("agent.early_exit.delta=-1", "agent.early_exit.delta must be in (0, 1)"),
-    ("agent.early_exit.tol=-0.1", "agent.early_exit.tol must be a number >= 0"),
-    ("agent.early_exit.threshold=-0.5", "agent.early_exit.threshold=-0.5: the threshold must be a finite number >= 0"),
-    ("agent.early_exit.threshold=abc", "agent.early_exit.threshold: 'abc' is neither 'calibrate', 'none' nor a threshold"),
-    ("agent.knn.lam=2", "agent.knn.lam must be in [0, 1]"),  # was "lambda must lie in [0, 1]" at eval
-    ("agent.knn.temperature=0", "agent.knn.temperature must be a number > 0"),  # every weight became 0
-    ("agent.knn.k=0", "agent.knn.k must be an integer >= 1"),
-    ("agent.knn.metric=cosine", "agent.knn.metric='cosine'; use one of l2, ip"),
+    ("agent.early_exit.heldout_frac=0.7", "agent.early_exit.heldout_frac must be a number in [0, 0.5], got 0.7"),
+    ("agent.early_exit.delta=-1", "agent.early_exit.delta must be a number in (0, 1), got -1"),
+    ("agent.early_exit.tol=-0.1", "agent.early_exit.tol must be a number >= 0, got -0.1"),
+    ("agent.early_exit.threshold=-0.5", "agent.early_exit.threshold must be a number >= 0 or one of 'calibrate', "
+                                        "'none', 'off' or null, got -0.5"),
+    ("agent.early_exit.threshold=abc", "agent.early_exit.threshold must be a number >= 0 or one of 'calibrate', "
+                                       "'none', 'off' or null, got 'abc'"),
+    ("agent.knn.lam=2", "agent.knn.lam must be a number in [0, 1], got 2"),  # not "lambda must lie in [0, 1]" at eval
+    ("agent.knn.temperature=0", "agent.knn.temperature must be a number > 0, got 0"),  # every weight would be 0
+    ("agent.knn.k=0", "agent.knn.k must be an integer >= 1, got 0"),
+    ("agent.knn.metric=cosine", "agent.knn.metric must be one of 'l2', 'ip', got 'cosine'"),
 ])
 def test_dt_inference_options_are_checked_when_the_agent_is_built(tmp_path, override, message):
-    cfg = compose("dt/cartpole_demo", [f"dataset.path={tmp_path / 'never_read.hdf5'}", override])
-    with pytest.raises(ValueError) as exc:
-        DTAgent(cfg, None, "cpu")
-    assert str(exc.value).startswith(message)
+    with pytest.raises(ConfigError) as exc:
+        compose("dt/cartpole_demo", [f"dataset.path={tmp_path / 'never_read.hdf5'}", override])
+    assert str(exc.value) == message
 
 
 def test_a_negative_early_exit_threshold_is_refused_at_evaluation():
     # `rl-tformers eval RUN --early-exit -1` ran (every step exited after layer 1), while
     # backbone.depth.threshold refuses a negative value
-    from rl_tformers.agents.decision_transformer.agent import parse_exit_threshold
+    from rl_tformers.agents.decision_transformer.config import exit_threshold
 
     with pytest.raises(typer.Exit):
         _check_early_exit("-1")
     _check_early_exit("0")  # the smallest threshold
     _check_early_exit("calibrate")
-    with pytest.raises(ValueError, match=r"^--early-exit=-0\.5: the threshold must be a finite number >= 0"):
-        parse_exit_threshold(-0.5, "--early-exit")
-    assert parse_exit_threshold("0.7", "x") == 0.7 and parse_exit_threshold("None", "x") is None
-    assert parse_exit_threshold(" Calibrate ", "x") == "calibrate" and parse_exit_threshold(0, "x") == 0.0
+    with pytest.raises(ValueError, match=r"^--early-exit must be a number >= 0 or one of 'calibrate', 'none', 'off' "
+                                         r"or null, got -0\.5$"):
+        exit_threshold(-0.5, "--early-exit")
+    assert exit_threshold("0.7", "x") == 0.7 and exit_threshold("None", "x") is None
+    assert exit_threshold(" Calibrate ", "x") == "calibrate" and exit_threshold(0, "x") == 0.0
 
 
 # -- 3: backbone.depth.threshold in an agent's config -------------------------------------------------------

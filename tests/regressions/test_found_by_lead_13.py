@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rl_tformers.agents.decision_transformer.agent import parse_config_targets
+from rl_tformers.agents.decision_transformer.config import DTAgentConfig
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
@@ -51,12 +51,15 @@ def test_eval_out_is_written_where_given(dt_run: Path, tmp_path: Path) -> None: 
 
 def test_agent_targets_given_twice_are_refused() -> None:
     """``agent.targets=[100, 100.0]`` evaluated, logged and plotted one target twice."""
-    assert parse_config_targets([100, 50]) == [100.0, 50.0]
-    with pytest.raises(ValueError, match=r"^agent.targets: the target 100 is given twice \(items 1 and 3 of "
-                                         r"\[100, 50, '1e2'\]\); give each target once"):
-        parse_config_targets([100, 50, "1e2"])
+    def targets(value):
+        return DTAgentConfig.from_dict({"targets": value}, where="agent").targets
+
+    assert targets([100, 50]) == (100.0, 50.0) and targets(3600) == (3600.0,)
+    with pytest.raises(ValueError, match=r"^agent.targets: the target 100 is given twice \(items 1 and 3\); give each "
+                                         r"target once"):
+        targets([100, 50, 1e2])
     with pytest.raises(ValueError, match=r"the target 0 is given twice \(items 1 and 2"):
-        parse_config_targets([0.0, -0.0])
+        targets([0.0, -0.0])
 
 
 def test_resumed_window_splits_the_saved_samples_over_the_new_ranks() -> None:
