@@ -215,3 +215,73 @@ def test_backbone_ffn_chunks_equals_unchunked():
     b.load_state_dict(a.state_dict())
     x = torch.randn(2, 11, D)
     torch.testing.assert_close(b(x).hidden, a(x).hidden, atol=1e-6, rtol=0)
+
+
+# ------------------------------------------------- 4. reversible: per-layer outputs carry gradients
+def test_reversible_hidden_states_backpropagate_as_without_recompute() -> None:
+    from rl_tformers import Backbone
+
+    def grads(recompute: bool, layers: tuple[int, ...]):
+        torch.manual_seed(0)
+        bb = Backbone({"d_model": 16, "n_layers": 3, "n_heads": 2, "dropout": 0.1, "attn_dropout": 0.1,
+                       "position": {"kind": "learned", "per_layer": True},
+                       "block": {"kind": "reversible", "recompute": recompute}}).double().train()
+        x = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+        mask = torch.ones(2, 7, dtype=torch.bool)
+        mask[1, 5:] = False
+        torch.manual_seed(4)  # the same dropout masks in both runs
+        out = bb(x, mask=mask, output_hidden_states=True)
+        assert len(out.hidden_states) == 3 and all(h.requires_grad for h in out.hidden_states)
+        g = torch.Generator().manual_seed(2)
+        loss = sum((out.hidden_states[i] * torch.randn(2, 7, 16, dtype=torch.float64, generator=g)).sum()
+                   for i in layers)
+        if not layers:
+            loss = (out.hidden * torch.randn(2, 7, 16, dtype=torch.float64, generator=g)).sum()
+        loss.backward()
+        return x.grad, {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in bb.named_parameters()}
+
+    for layers in ((0,), (1,), (0, 1, 2), ()):
+        (gx, gp), (hx, hp) = grads(True, layers), grads(False, layers)
+        assert gx.abs().sum() > 0 and sum(g.abs().sum() for g in gp.values()) > 0
+        torch.testing.assert_close(gx, hx, atol=1e-10, rtol=0)
+        for name in gp:
+            torch.testing.assert_close(gp[name], hp[name], atol=1e-10, rtol=0, msg=name)
+
+
+# ------------------------------------------------- 8. reversible: auxiliary attention losses backpropagate
+@pytest.mark.parametrize("attention", [
+    {"kind": "adaptive_span", "max_span": 6, "loss_coef": 0.01},
+    {"kind": "adaptive_span", "max_span": 6, "loss_coef": 0.01, "dynamic": True},
+    {"kind": "routing", "n_clusters": 2, "local_window": 4, "cluster_window": 4, "commitment_weight": 0.5,
+     "ema_decay": 0.9},
+], ids=["span-static", "span-dynamic", "routing-commitment"])
+def test_reversible_recompute_backpropagates_auxiliary_attention_losses(attention) -> None:
+    from rl_tformers import Backbone
+
+    def run(recompute: bool, use_aux: bool):
+        torch.manual_seed(0)
+        bb = Backbone({"d_model": 16, "n_layers": 3, "n_heads": 2, "dropout": 0.1, "attn_dropout": 0.0,
+                       "causal": False, "position": {"kind": "learned", "per_layer": True}, "attention": attention,
+                       "block": {"kind": "reversible", "recompute": recompute}}).double().train()
+        x = torch.randn(2, 12, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+        mask = torch.ones(2, 12, dtype=torch.bool)
+        mask[1, 9:] = False
+        torch.manual_seed(4)  # the same dropout masks in both runs
+        out = bb(x, mask=mask)  # raised RuntimeError here with recompute=true
+        assert len(out.aux) == 1 and all(v.requires_grad for v in out.aux.values())
+        loss = (out.hidden * torch.randn(2, 12, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))).sum()
+        if use_aux:
+            loss = loss + 100 * sum(out.aux.values())
+        loss.backward()
+        params = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in bb.named_parameters()}
+        buffers = {n: b.clone() for n, b in bb.named_buffers()}
+        return {k: v.detach() for k, v in out.aux.items()}, x.grad, params, buffers
+
+    for use_aux in (True, False):
+        (aux, gx, gp, buf), (aux0, hx, hp, buf0) = run(True, use_aux), run(False, use_aux)
+        assert aux.keys() == aux0.keys() and all(torch.equal(aux[k], aux0[k]) for k in aux)
+        torch.testing.assert_close(gx, hx, atol=1e-10, rtol=0)
+        for name in gp:
+            torch.testing.assert_close(gp[name], hp[name], atol=1e-10, rtol=0, msg=name)
+        for name in buf:  # routing's EMA centroids: one update per step either way
+            torch.testing.assert_close(buf[name], buf0[name], atol=1e-12, rtol=0, msg=name)

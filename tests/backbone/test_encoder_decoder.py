@@ -146,3 +146,34 @@ def test_empty_target_gives_an_empty_output_for_every_decoder_kind(kind):
     assert out.hidden.shape == (2, 0, D) and out.memory.shape == (2, 7, D)
     both = m(src[:, :0], tgt[:, :0])
     assert both.hidden.shape == (2, 0, D) and both.memory.shape == (2, 0, D)
+
+
+# ------------------------------------------------- 5. encoder-decoder: no target left without a source
+@pytest.mark.parametrize("kind", ["local", "local_2d", "strided", "fixed", "sliding_window", "adaptive_span"])
+def test_key_index_patterns_are_refused_as_cross_attention(kind) -> None:
+    from rl_tformers.backbone_config import IncompatibleConfig
+    from rl_tformers.encoder_decoder import EncoderDecoderConfig
+
+    with pytest.raises(IncompatibleConfig, match=rf"cross_attention\.kind='{kind}' cannot attend to another sequence: "
+                                                 r"its queries must be the last T of its S keys"):
+        EncoderDecoderConfig.from_dict({"cross_attention": {"kind": kind}})
+
+
+def test_every_accepted_cross_attention_kind_lets_every_target_read_the_source() -> None:
+    from rl_tformers.encoder_decoder import EncoderDecoder
+    from rl_tformers.registry import ATTENTION
+
+    small = {"d_model": 16, "n_layers": 1, "n_heads": 2, "dropout": 0.0, "attn_dropout": 0.0}
+    accepted = [e.kind for e in ATTENTION if e.capabilities.cross_attention and e.capabilities.bidirectional]
+    assert "sdpa" in accepted and "local" not in accepted
+    for kind in accepted:
+        torch.manual_seed(0)
+        model = EncoderDecoder({"encoder": small, "decoder": small, "cross_attention": {"kind": kind}}).eval()
+        for s_len, t_len in ((3, 9), (1, 4), (9, 3)):
+            tgt = torch.randn(1, t_len, 16, generator=torch.Generator().manual_seed(1))
+            memory = torch.randn(1, s_len, 16, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
+            hidden, _, _ = model.decode(tgt, memory)  # the encoder output directly: what cross-attention reads
+            for t in range(t_len):
+                (g,) = torch.autograd.grad((hidden[0, t] * torch.arange(16.0)).sum(), memory, retain_graph=True)
+                reads = int((g[0].abs().sum(-1) > 0).sum())
+                assert reads == s_len, (kind, s_len, t_len, t, reads)  # e.g. local: 0 for the first targets

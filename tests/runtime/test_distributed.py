@@ -258,3 +258,26 @@ def test_nproc_with_world_size_in_the_environment_is_refused(tmp_path: Path, mon
     assert r.exit_code == 2, r.output
     assert "error: --nproc 2 starts its own processes, but WORLD_SIZE=1 is set" in r.output
     assert not run.exists()  # was: one process trained, --nproc ignored
+
+
+# ------------------------------------------------- 7. DDP: more CUDA processes than GPUs
+@pytest.mark.parametrize("device", ["cuda", "auto"], ids=["explicit-gpu", "auto-with-a-gpu"])
+def test_nproc_beyond_the_gpu_count_is_refused_before_any_process_starts(tmp_path, monkeypatch, device) -> None:
+    from typer.testing import CliRunner
+
+    from rl_tformers.cli import app
+    from rl_tformers.cli import train as commands
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    started: list[list[str]] = []
+    monkeypatch.setattr(commands, "_run_torchrun", lambda cmd, *a, **k: started.append(cmd) or 0)
+    run = tmp_path / "run"
+    r = CliRunner().invoke(app, ["train", "-c", "toy", "--nproc", "2", "--run-dir", str(run), f"device={device}"])
+    assert r.exit_code == 2, r.output
+    assert f"error: --nproc 2: device='{device}' runs one process per GPU (rank r on cuda:r) and this machine has " \
+           "1 CUDA device(s); use --nproc <= 1, or device=cpu (gloo) for more processes" in r.output
+    assert started == [] and not run.exists()
+    r = CliRunner().invoke(app, ["train", "-c", "toy", "--nproc", "2", "--run-dir", str(run), "device=cpu"])
+    assert r.exit_code == 0, r.output  # gloo: any number of processes (the launch itself is stubbed here)
+    assert len(started) == 1 and "--nproc-per-node=2" in started[0]

@@ -151,3 +151,35 @@ def test_a_real_local_ray_sweep_gives_the_local_launcher_s_results(tmp_path: Pat
         got[launcher] = {row["run"]: (row["status"], row["step"], row["train/loss"], row["eval/return"]) for row in rows}
     assert len(got["ray"]) == 4 and all(v[0] == "ok" and v[1] == 20 for v in got["ray"].values())
     assert got["ray"] == got["local"]
+
+
+# ------------------------------------------------- 6. sweep: a diverged run's final NaN is not hidden
+def test_sweep_results_report_a_final_non_finite_value_not_an_earlier_finite_one(tmp_path) -> None:
+    import json
+    import math
+
+    from rl_tformers.runtime.sweep import RunOutcome, expand, last_scalars, write_results
+
+    runs = expand({"train.lr": ["1e-3"]}, [0, 1], tmp_path / "sw")
+    for seed, run in enumerate(runs):
+        run.run_dir.mkdir(parents=True)
+        final = {"step": 10, "train/loss": None, "eval/return": None} if seed == 0 else \
+            {"step": 10, "train/loss": 0.4, "eval/return": 20.0}  # (null: how metrics.jsonl writes NaN / inf)
+        records = [{"step": 5, "time": 1.0, "train/loss": 0.5, "eval/return": 10.0}, final]
+        (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    scalars = last_scalars(runs[0].run_dir)
+    assert scalars["step"] == 10.0 and math.isnan(scalars["train/loss"]) and math.isnan(scalars["eval/return"])
+    warned: list[str] = []
+    res = write_results(tmp_path / "sw", runs, {r.name: RunOutcome("ok", 0) for r in runs}, warn=warned.append)
+    assert math.isnan(res.rows[0]["eval/return"]) and math.isnan(res.rows[0]["train/loss"])  # were 10.0 and 0.5
+    (point,) = res.summary
+    assert (point["n"], point["of"], point["mean"], point["std"]) == (1, 2, 20.0, None)  # was n=2, mean 15.0
+    saved = json.loads((tmp_path / "sw" / "results.json").read_text())  # strict JSON: NaN as null
+    assert saved["runs"][0]["eval/return"] is None and saved["runs"][1]["eval/return"] == 20.0
+    assert "| lr=1e-3/seed0 | 0 | ok | 10 | 0 | nan | nan |" in (tmp_path / "sw" / "results.md").read_text()
+    assert warned == []
+    # every completed run diverged: said so, not "only runs that did not complete logged it"
+    res = write_results(tmp_path / "sw", runs[:1], {runs[0].name: RunOutcome("ok", 0)}, warn=warned.append)
+    assert res.summary[0]["mean"] is None and not (tmp_path / "sw" / "results.png").exists()
+    assert warned == ["warning: eval/return: its final value is NaN or infinite in every completed run that "
+                      "logged it (diverged?); no summary values and no plot"]
