@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ import torch
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 
 from rl_tformers.runtime.run_config import compose
-from rl_tformers.runtime.trainer import train
+from rl_tformers.runtime.trainer import resume, train
 
 SHORT = "rl_tformers_breaker8/ShortCartPole-v1"  # time limit 10: a truncation in every rollout below
 
@@ -124,3 +126,116 @@ def test_ppo_critic_warmup_trains_under_two_processes(tmp_path) -> None:
             assert torch.equal(ddp[name], single[name]), name
     end = load_checkpoint(two / "checkpoints" / "step_000000004.pt")["model"]
     assert not torch.equal(end["actor.net.0.weight"], ddp["actor.net.0.weight"])  # then the actor trains
+
+
+# ------------------------------------------------- 1. PPO trains without dropout: the ratio starts at 1
+def _ppo_with(dropout: float):
+    from omegaconf import OmegaConf
+    from rl_tformers.agents.gtrxl.model import gtrxl_backbone
+    from rl_tformers.agents.gtrxl.ppo import PPO_DEFAULTS, GTrXLPPO
+
+    cfg = OmegaConf.create({"seed": 0, **PPO_DEFAULTS})
+    cfg.agent.update({"n_envs": 2, "n_steps": 8, "n_epochs": 1, "n_minibatches": 1})
+    cfg.backbone = gtrxl_backbone(d_model=16, n_layers=1, n_heads=2, mem_len=4, dropout=dropout)
+    torch.manual_seed(0)
+    return GTrXLPPO.for_training(cfg, None, torch.device("cpu"))
+
+
+def test_ppo_with_dropout_configured_recomputes_the_rollout_s_log_probabilities() -> None:
+    """The first update of a rollout must see the log-probabilities and values the rollout stored
+    (ratio 1), in train mode as the trainer runs it. With dropout 0.3 they differed by 0.0099;
+    now the model has no dropout at all, the config's is warned about, and they agree to float
+    rounding (the rollout ran N rows per forward, the update all S x N at once)."""
+    from rl_tformers.agents.gtrxl.ppo_update import state_from_rows
+
+    from rl_tformers.backbone_config import ConfigAdviceWarning
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        ppo = _ppo_with(0.3)
+    ppo.model.train()  # as in the trainer's loop, for the rollout and the update
+    ro = ppo.collector.collect()
+    mb = next(ppo.minibatches(ro))
+    assert mb["x"].shape[0] == 16  # the whole rollout: S x N = 8 x 2
+    m = {k: v for k, v in mb.items() if isinstance(v, torch.Tensor)}
+    st = state_from_rows(m["mem"], m["mem_pos"], m["mem_valid"], m["mem_seg"], m["episode"], m["pos"])
+    h = ppo.model.encoder(m["x"][:, None], m["pos"][:, None], state=st).features[:, 0]
+    torch.testing.assert_close(ppo.model.actor.log_prob(h, m["actions"]), m["logp"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(ppo.model.state_value(h), m["values"], atol=1e-6, rtol=0)
+    _, logs = ppo.loss(mb)
+    assert abs(logs["approx_kl"]) < 1e-7 and logs["clipfrac"] == 0.0
+    assert all(m.p == 0.0 for m in ppo.model.modules() if isinstance(m, torch.nn.Dropout))
+    assert all(m.dropout_p == 0.0 for m in ppo.model.modules() if hasattr(m, "dropout_p"))
+    assert ppo.model_cfg.backbone["dropout"] == ppo.model_cfg.backbone["attn_dropout"] == 0.0
+    advice = [str(w.message) for w in said if issubclass(w.category, ConfigAdviceWarning)]
+    assert len(advice) == 1 and advice[0].startswith(
+        "gtrxl_ppo trains without dropout: backbone.dropout=0.3, backbone.attn_dropout=0.3 set to 0. ")
+    with warnings.catch_warnings():  # a config without dropout (the default) is not warned about
+        warnings.simplefilter("error", ConfigAdviceWarning)
+        _ppo_with(0.0)
+
+
+# ------------------------------------------------- 2. PPO: learned positions, no time limit
+class _EndlessEnv(gym.Env):
+    """Episodes that never end (and no TimeLimit: registered without max_episode_steps)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.np_random.uniform(-1, 1, 3).astype(np.float32), {}
+
+    def step(self, action):
+        return self.np_random.uniform(-1, 1, 3).astype(np.float32), 1.0, False, False, {}
+
+
+ENDLESS = "rl_tformers_breaker8b/Endless-v0"
+
+
+if ENDLESS not in gym.registry:
+    gym.register(ENDLESS, entry_point=_EndlessEnv)
+
+
+# one update per rollout of 6 steps: rollout 3 covers episode steps 12..17, past a 16-row table
+ENDLESS_PPO = ["agent.kind=gtrxl_ppo", "agent.n_envs=2", "agent.n_steps=6", "agent.n_epochs=1",
+               "agent.n_minibatches=1", "train.steps=4", "train.checkpoint_every=1", "train.progress=false",
+               "train.log_every=1", "eval.at_end=false", "eval.every=0", "device=cpu", "backbone.d_model=16",
+               "backbone.n_layers=1", "backbone.n_heads=2", "backbone.memory.mem_len=4", f"agent.env_id={ENDLESS}",
+               "backbone.position.kind=learned", "backbone.max_position=16"]
+
+
+def test_ppo_learned_positions_without_a_time_limit_stop_with_a_clear_error_and_stay_resumable(tmp_path) -> None:
+    """Was: "position.learned: positions must lie in [0, 16) but got [16, 16]" from inside the
+    rollout. Now a ConfigError (the command line's one ``error:`` line) at the step that would need
+    row 16, naming the option, the environment, the step and the fixes; the checkpoints of the
+    updates before that rollout are intact and a resume continues from them exactly (to the same
+    step of the same episode). The time limit the message suggests is checked before training
+    when it is too long, and trains when it fits."""
+    from rl_tformers.runtime import checkpoint as ckpt
+    from rl_tformers.runtime.agent_registry import AgentBuildError
+    from rl_tformers.runtime.run_config import ConfigError
+
+    run = tmp_path / "endless"
+    with pytest.raises(ConfigError) as err:  # (was a plain ValueError from the position table)
+        train(compose(overrides=ENDLESS_PPO), run)
+    msg = str(err.value)
+    assert type(err.value).__name__ == "EpisodeLengthError"
+    assert msg.startswith(f"gtrxl_ppo: an episode of {ENDLESS} (environment 0 of 2) reached episode step 16 in "
+                          f"rollout 3, but backbone.position.kind=learned has table rows for episode steps 0..15 "
+                          f"only (backbone.max_position=16) and {ENDLESS} has no time limit. ")
+    assert "the checkpoints it wrote are intact" in msg
+    assert msg.endswith("Fix it in a new run: agent.env_kwargs.max_episode_steps=15 (or less: a time limit whose "
+                        "cuts are bootstrapped), backbone.max_position > the longest episode, or a relative "
+                        "position kind (backbone.position.kind=xl_relative)")
+    assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 1]  # the two rollouts trained before
+    with pytest.raises(ConfigError) as again:  # exact continuation: the same episode, the same step
+        resume(run)
+    assert str(again.value) == msg
+    assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 1]
+    # the suggested time limit: one too long is refused before anything is written, one that fits trains
+    with pytest.raises(AgentBuildError, match=r"backbone\.max_position=16 but .* episodes run up to 16 steps"):
+        train(compose(overrides=[*ENDLESS_PPO, "agent.env_kwargs={max_episode_steps: 16}"]), tmp_path / "sixteen")
+    assert not (tmp_path / "sixteen").exists()
+    state = train(compose(overrides=[*ENDLESS_PPO, "agent.env_kwargs={max_episode_steps: 15}"]), tmp_path / "fifteen")
+    assert state.step == 4

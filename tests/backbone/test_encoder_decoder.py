@@ -177,3 +177,46 @@ def test_every_accepted_cross_attention_kind_lets_every_target_read_the_source()
                 (g,) = torch.autograd.grad((hidden[0, t] * torch.arange(16.0)).sum(), memory, retain_graph=True)
                 reads = int((g[0].abs().sum(-1) > 0).sum())
                 assert reads == s_len, (kind, s_len, t_len, t, reads)  # e.g. local: 0 for the first targets
+
+
+# ------------------------------------------------- 3. Linformer: the cross-attention's max_len
+def test_linformer_cross_attention_names_its_own_max_len() -> None:
+    """A 12-token source over a cross-attention Linformer with max_len=8 said
+    "12 keys exceed attention.max_len=8": the encoder-decoder has no such option there."""
+    from rl_tformers.encoder_decoder import EncoderDecoder
+
+    stack = {"d_model": 16, "n_heads": 2, "n_layers": 1}
+    model = EncoderDecoder({"encoder": stack, "decoder": stack,
+                            "cross_attention": {"kind": "linformer", "k": 4, "max_len": 8}})
+    with pytest.raises(ValueError) as err:
+        model(torch.randn(1, 12, 16), torch.randn(1, 3, 16))
+    assert str(err.value) == ("attention kind 'linformer': 12 keys exceed cross_attention.max_len=8 "
+                              "(E and F have a fixed length)")
+    # the encoder's own Linformer names the encoder's option
+    model = EncoderDecoder({"encoder": {**stack, "attention": {"kind": "linformer", "k": 4, "max_len": 8}},
+                            "decoder": stack, "cross_attention": {"kind": "linformer", "k": 4, "max_len": 16}})
+    with pytest.raises(ValueError) as err:
+        model(torch.randn(1, 12, 16), torch.randn(1, 3, 16))
+    assert str(err.value) == ("attention kind 'linformer': 12 keys exceed encoder.attention.max_len=8 "
+                              "(E and F have a fixed length)")
+    model(torch.randn(1, 8, 16), torch.randn(1, 3, 16))  # within both: runs
+
+
+# ------------------------------------------------- 4. blockwise: no cross-attention
+def test_blockwise_is_refused_as_cross_attention() -> None:
+    """Accepted before, and source padding changed the real targets' outputs (three trailing pad
+    tokens on a 6-token source moved them by 0.46: blocks of ceil(S / n) cut over the padded S).
+    Refused now when the config is built, naming the option and the kinds that work; blockwise
+    self-attention in the encoder is unchanged."""
+    from rl_tformers.backbone_config import IncompatibleConfig
+    from rl_tformers.encoder_decoder import EncoderDecoder
+    from rl_tformers.registry import ATTENTION
+
+    assert ATTENTION.get("blockwise").capabilities.cross_attention is False
+    with pytest.raises(IncompatibleConfig) as err:
+        EncoderDecoder({"cross_attention": {"kind": "blockwise", "n_blocks": 3}})
+    assert str(err.value).startswith("cross_attention.kind='blockwise' cannot attend to another sequence: ")
+    assert str(err.value).endswith("use one of linformer, performer, reference, rfa, sdpa")
+    stack = {"d_model": 16, "n_heads": 2, "n_layers": 1}
+    model = EncoderDecoder({"encoder": {**stack, "attention": {"kind": "blockwise", "n_blocks": 3}}, "decoder": stack})
+    assert model(torch.randn(1, 6, 16), torch.randn(1, 9, 16)).hidden.shape == (1, 9, 16)

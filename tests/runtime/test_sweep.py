@@ -183,3 +183,29 @@ def test_sweep_results_report_a_final_non_finite_value_not_an_earlier_finite_one
     assert res.summary[0]["mean"] is None and not (tmp_path / "sw" / "results.png").exists()
     assert warned == ["warning: eval/return: its final value is NaN or infinite in every completed run that "
                       "logged it (diverged?); no summary values and no plot"]
+
+
+# ------------------------------------------------- 5. sweep: a run's seconds over all its parts
+def test_sweep_seconds_are_the_total_over_a_run_s_parts(tmp_path) -> None:
+    """A run resumed by a second sweep reported only the second part's wall time (a skipped run
+    0). Each part's time now goes to ``logs/<run>.parts.jsonl`` and the row sums them; a run that
+    starts anew (its directory deleted, or never made) counts anew."""
+    from rl_tformers.runtime import sweep as sw
+
+    out = tmp_path / "sw"
+    (run,) = sw.expand({}, [0], out)
+    logs = out / "logs"
+    sleep = [sys.executable, "-c", "import time; time.sleep(0.3)"]
+    first = sw.run_local([(run, sleep)], jobs=1, threads=1, log_dir=logs, echo=lambda m: None)[run.name]
+    second = sw.run_local([(run, sleep)], jobs=1, threads=1, log_dir=logs, echo=lambda m: None)[run.name]
+    res = sw.write_results(out, [run], {run.name: second}, warn=lambda m: None)
+    assert res.rows[0]["seconds"] == round(first.seconds + second.seconds, 2)  # was round(second.seconds, 2)
+    assert res.rows[0]["seconds"] >= 0.6
+    assert sw.part_seconds(logs / "base_seed0.log") == [first.seconds, second.seconds]
+    skipped = sw.write_results(out, [run], {run.name: sw.RunOutcome("skipped", 0)}, warn=lambda m: None)
+    assert skipped.rows[0]["seconds"] == res.rows[0]["seconds"]  # was 0.0
+    # the run directory does not exist (the stand-ins made none): the sweep trains it anew, from 0 s
+    common = ["agent.kind=toy", "train.steps=2", "train.log_every=1", "eval.at_end=false"]
+    real = sw.sweep(None, {}, [0], out, common, device="cpu", echo=lambda m: None)
+    (part,) = sw.part_seconds(logs / "base_seed0.log")
+    assert real.rows[0]["status"] == "ok" and real.rows[0]["seconds"] == round(part, 2)
