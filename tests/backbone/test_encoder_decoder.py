@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 from rl_tformers.backbone_config import IncompatibleConfig
 from rl_tformers.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
+from rl_tformers.registry import RegistryError
 
 D = 16
 SMALL = {"d_model": D, "n_heads": 2, "n_layers": 2, "dropout": 0.0, "attn_dropout": 0.0}
@@ -220,3 +221,57 @@ def test_blockwise_is_refused_as_cross_attention() -> None:
     stack = {"d_model": 16, "n_heads": 2, "n_layers": 1}
     model = EncoderDecoder({"encoder": {**stack, "attention": {"kind": "blockwise", "n_blocks": 3}}, "decoder": stack})
     assert model(torch.randn(1, 6, 16), torch.randn(1, 9, 16)).hidden.shape == (1, 9, 16)
+
+
+# ------------------------------------------------- 7. encoder-decoder shapes and decoder kinds
+def _encdec() -> EncoderDecoder:
+    torch.manual_seed(0)
+    return EncoderDecoder({"encoder": {"d_model": 16, "n_layers": 1, "n_heads": 2},
+                           "decoder": {"d_model": 16, "n_layers": 1, "n_heads": 2}}).eval()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"memory": (1, 5, 16)}, "memory (the encoder output) must be (2, S, 16) for tgt of shape (2, 4, 16), got (1, 5, 16)"),
+    ({"memory": (2, 5, 8)}, "memory (the encoder output) must be (2, S, 16)"),
+    ({"src_mask": (1, 5)}, "src_mask must be (2, 5) (B, S), got (1, 5)"),
+    ({"src_mask": (2, 6)}, "src_mask must be (2, 5) (B, S), got (2, 6)"),
+    ({"tgt_mask": (4,)}, "tgt_mask must be (2, 4) (B, T), got (4,)"),
+    ({"tgt_pos": (2, 5)}, "tgt_pos must be (2, 4) (B, T), got (2, 5)"),
+    ({"src_pos": (1, 5)}, "src_pos must be (2, 5) (B, S), got (1, 5)"),
+])
+def test_encoder_decoder_decode_refuses_mismatched_shapes(kwargs, message) -> None:
+    """A memory or source mask of batch 1 was broadcast over the batch silently; other
+    mismatches failed deep in the kernels without naming the argument."""
+    m = _encdec()
+    tgt = torch.randn(2, 4, 16)
+    mem = torch.randn(*kwargs.pop("memory", (2, 5, 16)))
+    args = {}
+    for name, shape in kwargs.items():
+        args[name] = torch.ones(shape, dtype=torch.bool) if "mask" in name else torch.zeros(shape, dtype=torch.long)
+    with pytest.raises(ValueError) as info:
+        m.decode(tgt, mem, **args)
+    assert message in str(info.value)
+
+
+def test_encoder_decoder_forward_refuses_different_batch_sizes() -> None:
+    with pytest.raises(ValueError, match=r"src \(3, 5, 16\) and tgt \(2, 4, 16\) must have the same batch size"):
+        _encdec()(torch.randn(3, 5, 16), torch.randn(2, 4, 16))
+
+
+@pytest.mark.parametrize("kind", ["longformer", "bigbird", "blockwise", "linformer"])
+def test_causal_decoder_refuses_a_kernel_without_a_causal_form(kind) -> None:
+    """The decoder stack is no Backbone, so nothing checked it: longformer/bigbird/blockwise ran
+    in a causal decoder (a form their registry entry says they lack) and linformer failed only
+    at the first forward, naming backbone.causal."""
+    with pytest.raises(IncompatibleConfig) as info:
+        EncoderDecoderConfig.from_dict({"decoder": {"attention": {"kind": kind}}})
+    msg = str(info.value)
+    assert msg.startswith(f"decoder.attention.kind={kind!r} has no causal form; set decoder.causal=false")
+    assert "backbone." not in msg and "Decision Transformer" not in msg
+
+
+def test_encoder_decoder_field_errors_name_the_encoder_or_decoder() -> None:
+    with pytest.raises(RegistryError, match=r"^decoder\.attention\.window: unknown key"):
+        EncoderDecoderConfig.from_dict({"decoder": {"attention": {"kind": "local", "window": 3}}})
+    with pytest.raises(RegistryError, match=r"^encoder\.n_layer: unknown backbone field"):
+        EncoderDecoderConfig.from_dict({"encoder": {"n_layer": 3}})
