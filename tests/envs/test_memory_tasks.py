@@ -1,4 +1,4 @@
-"""TODO"""
+"""Memory tasks (rl_tformers.envs.memory_tasks): argument checks."""
 
 from __future__ import annotations
 

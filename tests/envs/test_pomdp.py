@@ -1,4 +1,4 @@
-"""TODO"""
+"""Observation masks (rl_tformers.envs.pomdp): argument checks."""
 
 from __future__ import annotations
 
