@@ -5,17 +5,18 @@ from __future__ import annotations
 import json
 import math
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from rl_tformers.runtime.loading import load_run
 from rl_tformers.agents.common.scripted import collect_delayed_expert
 from rl_tformers.envs.loaders import save_d4rl_hdf5
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
 from rl_tformers.runtime import checkpoint as ckpt
-from rl_tformers.runtime.run_config import compose
+from rl_tformers.runtime.loading import load_run
+from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import train
 
 TINY_BB = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=1"]
@@ -268,3 +269,427 @@ def test_runs_saved_before_an_agent_option_existed_still_load(dt_run):
     assert agent.model_cfg.embed_init == "gpt2"
     for k, v in agent.model.state_dict().items():
         torch.testing.assert_close(v, state["model"][k], rtol=0, atol=0)
+
+
+runner = CliRunner()
+
+
+FAST_AGENTS = ["train.steps=2", "train.batch_size=4", "train.warmup_steps=1", "train.progress=false", "device=cpu",
+        "eval.every=0", "eval.at_end=false", "eval.episodes=2", "eval.n_envs=2"]
+
+
+TINY = {
+    "dt": ["agent.kind=dt", "backbone.d_model=16", "backbone.n_layers=1", "agent.context_len=3", "agent.max_ep_len=20"],
+    "bc": ["agent.kind=bc", "agent.hidden=[8]"],
+    "gtrxl": ["agent.kind=gtrxl", "backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=1",
+              "agent.seq_len=3", "agent.burn_in=1"],
+}
+
+
+# ------------------------------------------------- 1. Dict observations flattened at load time
+class DictObsEnv(gym.Env):
+    """Dict observation {"flag": Discrete(3), "pos": Box(2)}; Discrete(2) actions; 6 steps."""
+
+    def __init__(self):
+        self.observation_space = gym.spaces.Dict({"pos": gym.spaces.Box(-10, 10, (2,), np.float32),
+                                                  "flag": gym.spaces.Discrete(3)})
+        self.action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(), {}
+
+    def _obs(self):
+        return {"pos": np.array([self.t, -self.t], np.float32), "flag": self.t % 3}
+
+    def step(self, action):
+        r = float(int(action) == self.t % 2)
+        self.t += 1
+        return self._obs(), r, False, self.t >= 6, {}
+
+
+DICT_ENV = "B5AgentsDictObs-v0"
+
+
+if DICT_ENV not in gym.registry:
+    gym.register(DICT_ENV, entry_point=f"{__name__}:DictObsEnv")
+
+
+@pytest.fixture(scope="module")
+def dict_dataset(tmp_path_factory):
+    """A Minari dataset folder of 5 random episodes of :class:`DictObsEnv` (Dict observations)."""
+    import minari
+    from minari import DataCollector
+
+    root = tmp_path_factory.mktemp("minari")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MINARI_DATASETS_PATH", str(root))
+    try:
+        env = DataCollector(gym.make(DICT_ENV), record_infos=False)
+        for e in range(5):
+            env.reset(seed=e)
+            env.action_space.seed(e)
+            done = False
+            while not done:
+                *_, term, trunc, _ = env.step(env.action_space.sample())
+                done = term or trunc
+        env.create_dataset(dataset_id="b5agents/dict-v0", algorithm_name="random", eval_env=DICT_ENV,
+                           author="breaker", author_email="breaker@example.org", description="Dict observations")
+        path = root / "b5agents" / "dict-v0"
+        assert minari.MinariDataset(path / "data") is not None
+    finally:
+        mp.undo()
+    return path
+
+
+@pytest.mark.parametrize("kind", ["dt", "bc", "gtrxl"])
+def test_flattened_dict_observations_train_and_evaluate_in_a_flattened_env(dict_dataset, tmp_path, kind) -> None:
+    """dataset.flatten_observations=true flattened the data, but the evaluation environment kept
+    its Dict observations: every agent refused to train ("... not a Box; set agent.env_id")."""
+    from rl_tformers.envs.loaders import load_dataset
+
+    from rl_tformers.runtime.evaluation import evaluate
+    from rl_tformers.runtime.loading import load_run
+
+    cfg = compose(None, [*TINY[kind], f"dataset.path={dict_dataset}", "dataset.flatten_observations=true", *FAST_AGENTS])
+    train(cfg, tmp_path / "run")
+    run = load_run(tmp_path / "run")
+    assert run.agent.info.flatten_observations
+    env = run.agent.make_env()()
+    try:
+        assert isinstance(env.observation_space, gym.spaces.Box) and env.observation_space.shape == (5,)
+        first, _ = env.reset(seed=0)
+    finally:
+        env.close()
+    ds = load_dataset(str(dict_dataset), flatten_observations=True)
+    np.testing.assert_array_equal(first, ds.observations[0])  # the loader's layout: flag one-hot, then pos
+    report = evaluate(run.agent.policy(), run.agent.make_env(), run.agent.default_targets(), episodes=2, n_envs=2)
+    assert report.results[0].lengths == [6, 6]
+
+
+# ------------------------------------------------- 2. agent.targets: one number, bad forms
+def _counter_h5(path, lengths=(3, 4, 5), env_id="B5AgentsBounds-v0", low=(-1.0,), high=(1.0,)):
+    """A D4RL-layout file of episodes with rewards 1, 2, ... (returns 6, 10, 15), obs = step,
+    actions drawn uniformly from the Box ``[low, high]`` (a fixed dimension where low == high)."""
+    from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
+    from rl_tformers.envs.loaders import save_d4rl_hdf5
+
+    space = gym.spaces.Box(np.array(low, np.float32), np.array(high, np.float32))
+    rng = np.random.default_rng(0)
+    eps = []
+    for n in lengths:
+        eps.append({"observations": np.arange(n + 1, dtype=np.float32)[:, None],
+                    "actions": rng.uniform(space.low, space.high, (n, space.shape[0])).astype(np.float32),
+                    "rewards": np.arange(1.0, n + 1), "terminations": np.zeros(n, bool),
+                    "truncations": np.r_[np.zeros(n - 1, bool), True]})
+    ds = EpisodeDataset.from_episodes(eps, action_space=space, metadata=DatasetMetadata(env_id=env_id))
+    return save_d4rl_hdf5(ds, path)
+
+
+class BoundsEnv(gym.Env):
+    """obs = step (Box(1)); Box actions within ``[low, high]`` (asserted); reward 1; 5 steps."""
+
+    def __init__(self, low=(-1.0,), high=(1.0,)):
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float32)
+        self.action_space = gym.spaces.Box(np.array(low, np.float32), np.array(high, np.float32))
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        assert self.action_space.contains(np.asarray(action, np.float32)), action
+        self.t += 1
+        return np.array([self.t], np.float32), 1.0, False, self.t >= 5, {}
+
+
+BOUNDS = {"B5AgentsBounds-v0": ((-1.0,), (1.0,)),
+          "B5AgentsFixedDim-v0": ((-1.0, 2.0), (1.0, 2.0)),  # second dimension fixed at 2
+          "B5AgentsHugeBox-v0": ((-3e38,), (3e38,))}  # high - low overflows float32
+
+
+for _id, (_lo, _hi) in BOUNDS.items():
+    if _id not in gym.registry:
+        gym.register(_id, entry_point=f"{__name__}:BoundsEnv", kwargs={"low": _lo, "high": _hi})
+
+
+def _cli_train(*args: str):
+    return runner.invoke(app, ["train", *TINY["dt"], *FAST_AGENTS, *args])
+
+
+def test_dt_takes_a_single_number_as_agent_targets(tmp_path) -> None:
+    """agent.targets=7 (documented as "target returns"; default_targets accepted a scalar) crashed
+    with "TypeError: 'int' object is not iterable" before training."""
+    from rl_tformers.runtime.loading import load_run
+
+    h5 = _counter_h5(tmp_path / "c.hdf5")
+    r = _cli_train(f"dataset.path={h5}", "agent.targets=7", "--run-dir", str(tmp_path / "run"))
+    assert r.exit_code == 0, r.output
+    assert load_run(tmp_path / "run").agent.default_targets() == [7.0]
+
+
+@pytest.mark.parametrize("value, message", [
+    ("[]", "agent.targets must be a target return or a non-empty list of them"),
+    ("abc", "agent.targets must be a list of finite numbers or a finite number or null, got 'abc' (str)"),
+    ("[[1,2]]", "agent.targets must be a list of finite numbers or a finite number or null, got [[1, 2]] (list)"),
+    ("true", "agent.targets must be a list of finite numbers or a finite number or null, got True (bool)"),
+])
+def test_dt_bad_agent_targets_is_one_error_line_naming_the_option(tmp_path, value, message) -> None:
+    """An empty list (IndexError), a nested list or a boolean (TypeError) raised tracebacks; a
+    string gave "could not convert string to float" without naming the option."""
+    h5 = _counter_h5(tmp_path / "c.hdf5")
+    r = _cli_train(f"dataset.path={h5}", f"agent.targets={value}", "--run-dir", str(tmp_path / "run"))
+    assert r.exit_code == 2, r.output
+    assert f"error: {message}" in r.output, r.output
+    assert "Traceback" not in r.output and not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ------------------------------------------------- 3. Box actions: a fixed dimension, huge bounds
+def test_action_maps_handle_fixed_dimensions_and_overflowing_widths() -> None:
+    from rl_tformers.agents.decision_transformer.model import from_env_action, to_env_action
+
+    low = torch.tensor([-1.0, 2.0, -3e38, 0.1])
+    high = torch.tensor([1.0, 2.0, 3e38, 0.7])
+    for a in (-1.0, -0.3, 0.0, 1.0):
+        env = to_env_action(torch.full((4,), a), low, high)
+        assert torch.isfinite(env).all() and (env >= low).all() and (env <= high).all(), env
+        back = from_env_action(env, low, high)
+        assert torch.isfinite(back).all(), back
+        assert back[1] == 0.0  # the fixed dimension
+        torch.testing.assert_close(back[[0, 2, 3]], torch.full((3,), a), atol=1e-6, rtol=0)
+    assert to_env_action(torch.ones(4), low, high).tolist() == high.tolist()
+    assert to_env_action(-torch.ones(4), low, high).tolist() == low.tolist()
+
+
+@pytest.mark.parametrize("env_id", ["B5AgentsFixedDim-v0", "B5AgentsHugeBox-v0"])
+@pytest.mark.parametrize("kind", ["dt", "bc", "gtrxl"])
+def test_box_with_a_fixed_dimension_or_huge_bounds_trains_and_acts_in_the_box(tmp_path, kind, env_id) -> None:
+    """A Box whose low == high in one dimension (gymnasium allows it) made 0 / 0 = NaN targets, and
+    bounds of +-3e38 an infinite width: every update's loss was NaN (NonFiniteLossError,
+    "try a lower train.lr")."""
+    from rl_tformers.runtime.evaluation import evaluate
+    from rl_tformers.runtime.loading import load_run
+
+    lo, hi = BOUNDS[env_id]
+    h5 = _counter_h5(tmp_path / "b.hdf5", env_id=env_id, low=lo, high=hi)
+    cfg = compose(None, [*TINY[kind], f"dataset.path={h5}", *FAST_AGENTS])
+    train(cfg, tmp_path / "run")  # old code: NonFiniteLossError
+    run = load_run(tmp_path / "run")
+    report = evaluate(run.agent.policy(), run.agent.make_env(), run.agent.default_targets(), episodes=2, n_envs=2)
+    assert report.results[0].lengths == [5, 5]  # BoundsEnv asserts every action is inside its Box
+
+
+# ------------------------------------------------- 4. IQL and PPO options that trained nothing or crashed
+@pytest.mark.parametrize("option, message", [
+    ("agent.seq_len=1", "agent.seq_len=1: IQL learns Q from (t, t+1) pairs inside the gradient window, and a window "
+                        "of one step has none (the Q loss would stay 0); use agent.seq_len >= 2"),
+    ("agent.gamma=2", "agent.gamma must be a number in [0, 1], got 2"),
+    ("agent.expectile=1.5", "agent.expectile must be a number in (0, 1), got 1.5"),
+    ("agent.tau=0", "agent.tau must be a number in (0, 1], got 0"),
+    ("agent.beta=-1", "agent.beta must be a number >= 0, got -1"),
+    ("agent.max_weight=0", "agent.max_weight must be a number > 0, got 0"),
+])
+def test_iql_refuses_options_that_train_nothing_before_reading_the_data(tmp_path, option, message) -> None:
+    """agent.seq_len=1 left IQL's Q loss at exactly 0 for the whole run (no (t, t+1) pair in a
+    one-step window: the advantages were noise from untrained Q heads); the other values
+    trained silently into nonsense (negative expectile weights, a frozen target, a zero actor loss)."""
+    with pytest.raises(ConfigError) as info:
+        compose(None, [*TINY["gtrxl"], "agent.objective=iql", f"dataset.path={tmp_path / 'never-read.hdf5'}",
+                       option, *FAST_AGENTS])
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("option, message", [
+    ("agent.n_minibatches=4", "agent.n_minibatches=4 is more than the agent.n_envs x agent.n_steps = 2 samples of a "
+                              "rollout (a minibatch would be empty); use at most 2"),
+    ("agent.n_envs=0", "agent.n_envs must be an integer >= 1, got 0"),
+    ("agent.n_steps=0", "agent.n_steps must be an integer >= 1, got 0"),
+    ("agent.n_epochs=0", "agent.n_epochs must be an integer >= 1, got 0"),
+    ("agent.gae_lambda=1.5", "agent.gae_lambda must be a number in [0, 1], got 1.5"),
+    ("agent.clip_coef=0", "agent.clip_coef must be a number > 0, got 0"),
+])
+def test_ppo_refuses_rollout_options_that_crash_mid_run(monkeypatch, option, message) -> None:
+    """n_minibatches above the rollout's samples crashed at the first update ("min(): Expected
+    reduction dim"), n_envs/n_steps/n_epochs = 0 with IndexError / stack / modulo-by-zero tracebacks."""
+    monkeypatch.setattr(gym, "make", lambda *a, **k: pytest.fail("an environment was made before the check"))
+    with pytest.raises(ConfigError) as info:
+        compose(None, ["agent.kind=gtrxl_ppo", "agent.n_envs=1", "agent.n_steps=2", "agent.n_minibatches=1",
+                       option, "device=cpu"])
+    assert str(info.value) == message
+
+
+# ------------------------------------------------- 5. learned positions shorter than an episode
+def test_gtrxl_refuses_a_learned_position_table_shorter_than_an_episode(tmp_path) -> None:
+    """GTrXL's positions are episode steps: with backbone.position.kind=learned and
+    backbone.max_position below the longest episode, training died mid-run with a traceback
+    ("position.learned: positions must lie in [0, 4)") when a batch reached a late step."""
+    h5 = _counter_h5(tmp_path / "c.hdf5")  # longest episode: 5 steps
+    r = runner.invoke(app, ["train", *TINY["gtrxl"], *FAST_AGENTS, f"dataset.path={h5}", "backbone.position.kind=learned",
+                            "backbone.max_position=4", "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code == 2, r.output
+    assert "error: backbone.max_position=4 but the dataset has an episode of 5 steps" in r.output
+    r = runner.invoke(app, ["train", *TINY["gtrxl"], *FAST_AGENTS, f"dataset.path={h5}", "backbone.position.kind=learned",
+                            "backbone.max_position=5", "--run-dir", str(tmp_path / "run5")])
+    assert r.exit_code == 0, r.output
+
+
+# ------------------------------------------------- 6. stochastic policies: seeded, reproducible evaluation
+class _CoinPolicy:
+    """Samples CartPole actions with torch's global generator (like GTrXL with deterministic=false)."""
+
+    def initial_state(self, n_envs, target_return=None):
+        return None
+
+    def act(self, obs, state, episode_start, last_reward=None):
+        return torch.randint(0, 2, (len(episode_start),)).numpy(), None
+
+
+def test_evaluating_a_sampling_policy_is_reproducible_and_leaves_the_global_rng_alone() -> None:
+    """A policy that samples its actions (GTrXL agent.deterministic=false) drew them from torch's
+    unseeded global generator: `rl-tformers eval RUN --seed 0` gave other returns at every call,
+    and the "repeat it exactly" command printed after training did not repeat anything."""
+    from rl_tformers.runtime.evaluation import evaluate, make_env_factory
+
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    runs = [evaluate(_CoinPolicy(), make_env_factory("CartPole-v1"), [None], episodes=4, n_envs=2, seed=7)
+            for _ in range(2)]
+    assert runs[0].results[0].returns == runs[1].results[0].returns
+    assert torch.equal(torch.get_rng_state(), before)  # an evaluation inside training shifts nothing
+
+
+# ------------------------------------------------- 7. plot sweep of a dataset whose returns are all equal
+def test_default_sweep_of_equal_returns_spreads_its_targets() -> None:
+    """Every episode with return 5 gave six targets 5, 5.0000002, ... (printed as six "5"):
+    six evaluations of the same target and a one-point plot."""
+    from rl_tformers.runtime.plots import default_sweep
+
+    assert default_sweep(5.0, 5.0, 6) == pytest.approx([0.0, 1.2, 2.4, 3.6, 4.8, 6.0])
+    assert default_sweep(0.0, 0.0, 3) == pytest.approx([-1.0, -0.4, 0.2])
+    assert default_sweep(-1500.0, -1500.0, 2) == [-3000.0, -1200.0]
+    assert default_sweep(3559.0, 1000.0, 6) == [1000.0, 1614.0, 2228.0, 2842.0, 3457.0, 4071.0]  # unchanged
+
+
+# ------------------------------------------------- 8. GTrXL rcbc: the training's evaluation line names its target
+def test_gtrxl_rcbc_evaluation_reports_its_target(tmp_path) -> None:
+    h5 = _counter_h5(tmp_path / "c.hdf5")
+    r = runner.invoke(app, ["train", *TINY["gtrxl"], *[o for o in FAST_AGENTS if not o.startswith("eval.at_end")],
+                            "eval.at_end=true", "agent.objective=rcbc", "agent.target_return=12",
+                            f"dataset.path={h5}", "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code == 0, r.output
+    assert "final evaluation at step 2: target 12: return 5.0" in r.output, r.output
+
+
+# ------------------------------------------------- 9. DT: time limit beyond agent.max_ep_len, said before training
+def test_dt_warns_before_training_when_the_eval_env_outlasts_max_ep_len(tmp_path, caplog) -> None:
+    """A CartPole dataset of short episodes trained with agent.max_ep_len=100 stopped at its first
+    evaluation, after all the training, as soon as an episode reached step 100 (CartPole runs
+    500): nothing said so before."""
+    import logging
+
+    from rl_tformers.agents.decision_transformer.agent import DTAgent
+    from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
+
+    eps = [{"observations": np.zeros((n + 1, 4), np.float32), "actions": np.zeros(n, np.int64),
+            "rewards": np.ones(n), "terminations": np.r_[np.zeros(n - 1, bool), True],
+            "truncations": np.zeros(n, bool)} for n in (5, 8)]
+    ds = EpisodeDataset.from_episodes(eps, action_space=gym.spaces.Discrete(2),
+                                      metadata=DatasetMetadata(env_id="CartPole-v1"))
+    for max_ep_len, overflow, warned in ((100, "error", True), (500, "error", False), (100, "clamp", False)):
+        cfg = compose(None, [*TINY["dt"], "dataset.path=unused", f"agent.max_ep_len={max_ep_len}",
+                             f"agent.timestep_overflow={overflow}", *FAST_AGENTS])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rl_tformers"):
+            DTAgent(cfg, None, "cpu", dataset=ds)
+        text = caplog.text
+        assert ("runs episodes of up to 500 steps but agent.max_ep_len=100" in text) == warned, text
+
+
+# ------------------------------------------------- 10. rtg_probe of a last_action DT
+def test_rtg_probe_fit_of_a_last_action_dt_compares_the_last_action_only(tmp_path) -> None:
+    """In agent.mode=last_action the model predicts one action per window (the last), but the
+    probe's fit broadcast it against all K data actions: a wrong number (0.40 instead of 0.49 on
+    a Pendulum run), printed without any warning."""
+    from rl_tformers.agents.decision_transformer.model import from_env_action
+    from rl_tformers.agents.decision_transformer.rtg_probe import rtg_probe
+    from rl_tformers.envs.loaders import load_dataset
+    from rl_tformers.envs.trajectory import returns_to_go
+
+    from rl_tformers.runtime.loading import load_run
+
+    h5 = _counter_h5(tmp_path / "c.hdf5", lengths=(5, 5, 4))
+    cfg = compose(None, [*TINY["dt"], f"dataset.path={h5}", "agent.mode=last_action", "backbone.causal=false",
+                         "backbone.attention.kind=linformer", *FAST_AGENTS])
+    train(cfg, tmp_path / "run")
+    agent = load_run(tmp_path / "run").agent
+    info, k = agent.info, agent.model_cfg.context_len
+    ds = load_dataset(str(h5))
+    rows = rtg_probe(agent, ds, {"a": [0, 1, 2]}, t0s=(1,), rtgs=(0.5,))
+    obs, act, rtg = [], [], []
+    for i in (0, 1, 2):
+        ep = ds.episode(i)
+        obs.append((np.asarray(ep.observations[1:1 + k]) - info.obs_mean) / info.obs_std)
+        act.append(np.asarray(ep.actions[1:1 + k]))
+        rtg.append(returns_to_go(np.asarray(ep.rewards, np.float64))[1:1 + k] / info.reward_scale)
+    obs, act, rtg = (torch.tensor(np.stack(x), dtype=torch.float32) for x in (obs, act, rtg))
+    act = from_env_action(act, torch.tensor(info.action_low), torch.tensor(info.action_high))
+    with torch.no_grad():
+        last = agent.model(obs, act, rtg, (1 + torch.arange(k)).expand(3, k), torch.ones(3, k, dtype=torch.bool)).action
+    assert last.shape == (3, 1, 1)
+    assert rows[0]["fit"] == pytest.approx(float(((last[:, 0] - act[:, -1]) ** 2).sum(-1).mean()), rel=1e-6)
+
+
+# ------------------------------------------------- 11. GTrXL on observations of more than one axis
+class MatObsEnv(gym.Env):
+    """Box(2, 3) observations, Discrete(2, start=-1) actions (asserted), reward 1 for -1; 5 steps."""
+
+    def __init__(self):
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, (2, 3), np.float32)
+        self.action_space = gym.spaces.Discrete(2, start=-1)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.full((2, 3), 0.0, np.float32), {}
+
+    def step(self, action):
+        assert self.action_space.contains(action), action
+        self.t += 1
+        return np.full((2, 3), float(self.t), np.float32), float(int(action) == -1), False, self.t >= 5, {}
+
+
+MAT_ENV = "B5AgentsMatObs-v0"
+
+
+if MAT_ENV not in gym.registry:
+    gym.register(MAT_ENV, entry_point=f"{__name__}:MatObsEnv")
+
+
+@pytest.mark.parametrize("options", [["agent.objective=bc", "agent.prev_action=true"], ["agent.objective=iql"],
+                                     ["agent.objective=rcbc", "agent.window=3", "agent.burn_in=0",
+                                      "backbone.memory.kind=none"]])
+def test_gtrxl_trains_on_observations_of_more_than_one_axis(tmp_path, options) -> None:
+    """A Box(2, 3) observation reached GTrXL's token embedding unflattened: the first update died
+    with "mat1 and mat2 shapes cannot be multiplied (8x3 and 6x16)" (or, with
+    agent.prev_action, "Tensors must have same number of dimensions"). DT and BC flattened."""
+    from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
+    from rl_tformers.envs.loaders import save_d4rl_hdf5
+
+    from rl_tformers.runtime.evaluation import evaluate
+    from rl_tformers.runtime.loading import load_run
+
+    rng = np.random.default_rng(0)
+    eps = [{"observations": np.repeat(np.arange(6, dtype=np.float32), 6).reshape(6, 2, 3),
+            "actions": rng.integers(-1, 1, 5), "rewards": rng.integers(0, 2, 5).astype(float),
+            "terminations": np.zeros(5, bool), "truncations": np.r_[np.zeros(4, bool), True]} for _ in range(3)]
+    ds = EpisodeDataset.from_episodes(eps, observation_space=gym.spaces.Box(-np.inf, np.inf, (2, 3), np.float32),
+                                      action_space=gym.spaces.Discrete(2, start=-1),
+                                      metadata=DatasetMetadata(env_id=MAT_ENV))
+    h5 = save_d4rl_hdf5(ds, tmp_path / "mat.hdf5")
+    cfg = compose(None, [*TINY["gtrxl"], f"dataset.path={h5}", *options, *FAST_AGENTS])
+    train(cfg, tmp_path / "run")
+    run = load_run(tmp_path / "run")
+    report = evaluate(run.agent.policy(), run.agent.make_env(), run.agent.default_targets(), episodes=2, n_envs=2)
+    assert report.results[0].lengths == [5, 5]
