@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import gymnasium as gym
 import h5py
@@ -19,6 +20,9 @@ from rl_tformers.envs.loaders import (
     minari_root,
     save_d4rl_hdf5,
 )
+from typer.testing import CliRunner
+
+from rl_tformers.cli import app
 
 OBS = gym.spaces.Box(-np.inf, np.inf, (3,), np.float64)
 ACT = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
@@ -209,3 +213,145 @@ def test_episode_dataset_round_trip_from_flags_to_hdf5(tmp_path):
                                    action_space=gym.spaces.Box(-1, 1, (1,), np.float32))
     back = load_d4rl_hdf5(save_d4rl_hdf5(ds, tmp_path / "f.hdf5"))
     assert back.lengths.tolist() == [2, 1, 3] and back.final_observations is None
+
+
+runner = CliRunner()
+
+
+TINY = ["train.batch_size=4", "train.steps=3", "eval.every=0", "eval.at_end=false", "train.progress=false",
+        "train.warmup_steps=1", "train.log_every=1", "--device", "cpu"]
+
+
+def _cartpole_file(path: Path, *, obs=None, actions=None, env_id: str | None = "CartPole-v1", n: int = 40) -> Path:
+    """A CartPole-shaped D4RL file of 4 episodes of 10 steps."""
+    rng = np.random.default_rng(0)
+    term = np.zeros(n, bool)
+    term[np.arange(9, n, 10)] = True
+    with h5py.File(path, "w") as f:
+        f["observations"] = rng.normal(size=(n, 4)).astype(np.float32) if obs is None else obs
+        f["actions"] = rng.integers(0, 2, n) if actions is None else actions
+        f["rewards"] = np.ones(n)
+        f["terminals"] = term
+        f["timeouts"] = np.zeros(n, bool)
+        if env_id:
+            f.attrs["env_id"] = env_id
+    return path
+
+
+# ------------------------------------------- 1. float64 observations outside float32's range
+@pytest.mark.parametrize("agent", [["agent.kind=bc"],
+                                   ["-c", "dt/cartpole_demo", "backbone.d_model=16", "backbone.n_layers=1"]],
+                         ids=["bc", "dt"])
+def test_observations_beyond_float32_are_refused_by_name_not_trained_into_nan(tmp_path: Path, agent) -> None:
+    """A float64 observation of 1e300 is finite, so validation passes; the agents cast
+    observations to float32 (inf), normalise them (NaN) and the run dies at the first update with
+    ``NonFiniteLossError: ... try a lower train.lr``, which points at the wrong cause. The data
+    cannot be trained on: it must be refused before training, naming observations, the episode
+    and the step (like rewards whose returns-to-go are not finite in float32)."""
+    obs = np.random.default_rng(1).normal(size=(40, 4))
+    obs[17, 2] = 1e300  # episode 1, step 7
+    h5 = _cartpole_file(tmp_path / "big.hdf5", obs=obs)
+    r = runner.invoke(app, ["train", *agent, f"dataset.path={h5}", *TINY, "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code == 2, (r.exception, r.output)
+    assert "observations" in r.stderr and "episode 1, step 7" in r.stderr, r.stderr
+
+
+# ------------------------------------------- 3. negative integer actions: no episode, no step
+def test_negative_integer_action_error_names_the_episode_and_the_step(tmp_path: Path) -> None:
+    """``actions: negative integer action -1; pass action_space explicitly``: no episode, no
+    step, ``.episode``/``.step`` None, although docs/data.md promises both for every error."""
+    from rl_tformers.envs.dataset import DatasetError
+    from rl_tformers.envs.loaders import load_dataset
+
+    actions = np.random.default_rng(0).integers(0, 2, 40)
+    actions[13] = -1  # episode 1, step 3
+    h5 = _cartpole_file(tmp_path / "neg.hdf5", actions=actions, env_id=None)
+    with pytest.raises(DatasetError) as info:
+        load_dataset(h5)
+    assert (info.value.field, info.value.episode, info.value.step) == ("actions", 1, 3), str(info.value)
+    assert "episode 1, step 3" in str(info.value)
+
+
+# ------------------------------------------- 4. DT max_ep_len error without the episode
+def test_dt_max_ep_len_error_names_the_episode(tmp_path: Path) -> None:
+    """README: episodes longer than the model's ``max_ep_len`` are refused with an error naming
+    the episode (``lengths: episode 2 has 1000 steps, more than the model's max_ep_len=500``);
+    the DT says only ``agent.max_ep_len=5 but the dataset has an episode of 10 steps``."""
+    h5 = _cartpole_file(tmp_path / "cp.hdf5")
+    r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={h5}", "agent.max_ep_len=5",
+                            "backbone.d_model=16", "backbone.n_layers=1", *TINY, "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code == 2, r.output
+    assert "episode 0" in r.stderr, r.stderr
+
+
+# ------------------------------------------- 7. (N, 1) integer actions of a Discrete task
+def test_n_by_1_integer_actions_of_a_discrete_env_are_not_called_multi_dimensional(tmp_path: Path) -> None:
+    """A CartPole-v1 file (env_id attribute) with actions stored as (N, 1) integers, as rewards
+    (N, 1) are accepted, is refused with "integer actions of shape (40, 1) and no action space
+    ... (1,) integers per step are multi-dimensional discrete actions": the file names a task
+    with a Discrete(2) space and one integer per step is not multi-dimensional. Either accept
+    them as (N,) (like rewards) or say what is wrong with them."""
+    from rl_tformers.envs.dataset import DatasetError
+    from rl_tformers.envs.loaders import load_dataset
+
+    actions = np.random.default_rng(0).integers(0, 2, (40, 1))
+    h5 = _cartpole_file(tmp_path / "cp_n1.hdf5", actions=actions)
+    try:
+        ds = load_dataset(h5)
+    except DatasetError as exc:
+        msg = str(exc)
+        assert "multi-dimensional" not in msg and "no action space" not in msg, msg
+    else:
+        assert ds.discrete_actions and ds.actions.shape == (40,)
+        np.testing.assert_array_equal(ds.actions, actions[:, 0])
+
+
+# ------------------------------------------- 4b. GTrXL's learned-position limit without the episode
+def test_gtrxl_max_position_error_names_the_episode(tmp_path: Path) -> None:
+    """The GTrXL equivalent of 4: ``backbone.max_position=10 but the dataset has an episode of 15
+    steps`` did not say which episode (here episode 2: lengths 5, 5, 15, 15)."""
+    h5 = _cartpole_file(tmp_path / "cp.hdf5")
+    with h5py.File(h5, "r+") as f:
+        term = np.zeros(40, bool)
+        term[[4, 9, 24, 39]] = True
+        f["terminals"][...] = term
+    r = runner.invoke(app, ["train", "agent.kind=gtrxl", f"dataset.path={h5}", "backbone.d_model=16",
+                            "backbone.n_layers=1", "backbone.n_heads=1", "agent.seq_len=3", "agent.burn_in=1",
+                            "backbone.position.kind=learned", "backbone.max_position=10", *TINY,
+                            "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code == 2, r.output
+    assert "backbone.max_position=10 but the dataset has an episode of 15 steps (lengths: episode 2)" in r.stderr, \
+        r.stderr
+
+
+# ------------------------------------------- 7b. (N, 1) Discrete actions read lazily
+def test_n_by_1_discrete_actions_load_lazily_as_one_action_per_step(tmp_path: Path) -> None:
+    """``lazy=True`` gives the same (N,) actions (read into memory: N integers, like rewards)."""
+    from rl_tformers.envs.loaders import load_dataset
+
+    actions = np.random.default_rng(0).integers(0, 2, (40, 1))
+    ds = load_dataset(_cartpole_file(tmp_path / "cp_n1.hdf5", actions=actions), lazy=True)
+    assert ds.discrete_actions and ds.actions.shape == (40,)
+    np.testing.assert_array_equal(ds.actions, actions[:, 0])
+
+
+# ------------------------------------------- 1b. actions and final observations beyond float32
+def test_float64_actions_and_final_observations_beyond_float32_are_refused_by_name() -> None:
+    """The same as 1 for Box actions without bounds (an inferred unbounded float64 Box) and for
+    final observations (``next_observations`` at an episode's end)."""
+    from rl_tformers.envs.dataset import DatasetError, EpisodeDataset
+
+    obs, act = np.zeros((6, 2)), np.zeros((6, 1))
+    term = np.array([0, 0, 1, 0, 0, 1])
+    act[4, 0] = -1e39  # episode 1, step 1
+    with pytest.raises(DatasetError) as info:
+        EpisodeDataset.from_flags(obs, act, np.ones(6), term)
+    assert (info.value.field, info.value.episode, info.value.step) == ("actions", 1, 1), str(info.value)
+    assert "outside float32's range" in str(info.value)
+    nxt = np.zeros((6, 2))
+    nxt[5, 1] = 1e300  # the final observation of episode 1
+    with pytest.raises(DatasetError) as info:
+        EpisodeDataset.from_flags(obs, np.zeros((6, 1)), np.ones(6), term, next_observations=nxt)
+    assert (info.value.field, info.value.episode) == ("final_observations", 1), str(info.value)
+    ok = EpisodeDataset.from_flags(np.full((6, 2), 3e38), np.zeros((6, 1)), np.ones(6), term)  # float32 holds 3e38
+    assert ok.num_steps == 6

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -102,3 +104,47 @@ def test_reward_scale_is_power_of_ten_below_largest_return():
     assert reward_scale(make([[3000.0, 289.0], [10.0]])) == 1000.0
     assert reward_scale(make([[-0.5]])) == 0.1
     assert reward_scale(make([[0.0]])) == 1.0
+
+
+# ------------------------------------------- 5. exact returns-to-go for non-integer rewards
+def test_evaluation_rtg_update_reproduces_training_rtg_for_float_rewards() -> None:
+    """``next_return_to_go`` was said to reproduce ``returns_to_go`` "exactly (tested)", tested with
+    integer rewards only: with rewards [0.1, 0.1, 0.1] the evaluation-time RTG at step 1 is
+    0.20000000000000004 where training saw 0.2 (training sums from the end, the update subtracts
+    from the start; no float64 order of operations makes both exact). The documented guarantee
+    now: exact for integer rewards, within a few ulps of the return otherwise."""
+    from rl_tformers.envs.trajectory import next_return_to_go, returns_to_go
+
+    rng = np.random.default_rng(0)
+    for rewards in ([0.1, 0.1, 0.1], [0.1, 0.7, 0.2], rng.normal(3.0, 1.0, 1000).tolist()):
+        rtg = returns_to_go(rewards)
+        x, seen = float(rtg[0]), []
+        for r in rewards:
+            seen.append(x)
+            x = next_return_to_go(x, r)
+        tol = 8 * np.finfo(np.float64).eps * math.fsum(abs(r) for r in rewards) * len(rewards) ** 0.5
+        assert np.abs(np.array(seen) - rtg).max() <= tol
+        assert rtg[-1] == rewards[-1]  # the last step's RTG is its reward exactly
+    ints = rng.integers(-5, 6, 500).astype(np.float64)
+    rtg = returns_to_go(ints)
+    x, seen = float(rtg[0]), []
+    for r in ints:
+        seen.append(x)
+        x = next_return_to_go(x, r)
+    assert seen == rtg.tolist()  # integer rewards: bit for bit
+
+
+def test_return_to_go_at_step_0_is_the_episode_return() -> None:
+    """``episode_returns`` (math.fsum, used for top_fraction, targets and reward_scale) is 1.0 for
+    rewards [0.1, 0.7, 0.2], the training RTG of step 0 0.9999999999999999: both within float64
+    rounding of the true sum (documented), and equal for integer rewards."""
+    import gymnasium as gym
+    from rl_tformers.envs.dataset import EpisodeDataset
+    from rl_tformers.envs.trajectory import dataset_returns_to_go
+
+    for rewards in (np.array([0.1, 0.7, 0.2]), np.array([3.0, -1.0, 7.0])):
+        ds = EpisodeDataset.from_flags(np.zeros((3, 1), np.float32), np.zeros((3, 1), np.float32), rewards,
+                                       np.array([0, 0, 1]), action_space=gym.spaces.Box(-1.0, 1.0, (1,), np.float32))
+        assert ds.episode_returns[0] == math.fsum(rewards)
+        assert abs(dataset_returns_to_go(ds)[0] - ds.episode_returns[0]) <= 4 * np.finfo(np.float64).eps
+    assert dataset_returns_to_go(ds)[0] == ds.episode_returns[0] == 9.0

@@ -209,3 +209,55 @@ def test_sweep_seconds_are_the_total_over_a_run_s_parts(tmp_path) -> None:
     real = sw.sweep(None, {}, [0], out, common, device="cpu", echo=lambda m: None)
     (part,) = sw.part_seconds(logs / "base_seed0.log")
     assert real.rows[0]["status"] == "ok" and real.rows[0]["seconds"] == round(part, 2)
+
+
+# ------------------------------------------- 6. --grid with a quoted value holding a comma
+def test_grid_keeps_a_quoted_value_with_a_comma_whole() -> None:
+    """Grid values are YAML; a quoted string is one value, yet ``--grid
+    dataset.path='a,b.hdf5',c.hdf5`` gives three values ``'a``, ``b.hdf5'`` and ``c.hdf5``
+    (brackets and braces are respected, quotes are not): a path or any string holding a comma
+    cannot be swept."""
+    from rl_tformers.runtime.sweep import parse_grid
+
+    assert parse_grid(["dataset.path='a,b.hdf5',c.hdf5"]) == {"dataset.path": ["'a,b.hdf5'", "c.hdf5"]}
+    assert parse_grid(['dataset.path="a,b.hdf5",c.hdf5']) == {"dataset.path": ['"a,b.hdf5"', "c.hdf5"]}
+
+
+# ------------------------------------------- 8. a sweep rerun cannot retry a run that failed early
+def test_sweep_rerun_retries_a_run_that_failed_before_its_first_checkpoint(tmp_path: Path) -> None:
+    """A run that fails before its first checkpoint (here: it diverges at update 2) leaves
+    config.yaml and metrics.jsonl in its directory. Running the same sweep again takes it for
+    a ``partial`` run and starts ``train --resume``, which fails at once with ``error: no
+    checkpoint in .../checkpoints``: the run is never retried (sweep --help: "Running the same
+    command again ... resumes unfinished ones"), and the new failure hides the real one."""
+    import json
+
+    from rl_tformers.runtime.sweep import sweep
+
+    out = tmp_path / "sw"
+    common = ["train.steps=4", "train.warmup_steps=1", "train.log_every=1", "eval.every=0", "eval.at_end=false",
+              "train.checkpoint_every=0"]
+    kwargs = dict(jobs=1, threads=1, device="cpu", echo=lambda m: None)
+    first = sweep("toy", {"train.lr": ["1e300"]}, [0], out, common, **kwargs)
+    assert [r["status"] for r in first.rows] == ["failed"]
+    second = sweep("toy", {"train.lr": ["1e300"]}, [0], out, common, **kwargs)
+    assert [r["status"] for r in second.rows] == ["failed"]
+    log = json.loads((out / "results.json").read_text())["failed"]["lr=1e300/seed0"]["log"]
+    assert "no checkpoint" not in log, log
+    assert "non-finite" in log, log
+
+
+# ------------------------------------------- 6b. --grid with an unbalanced bracket or quote
+@pytest.mark.parametrize("item, what", [("train.betas=[0.9,0.95", "unclosed '['"),
+                                        ("dataset.path='a,b.hdf5,c.hdf5", "unclosed ' quote"),
+                                        ("train.betas=0.9]", "']' closes no bracket")])
+def test_grid_with_an_unbalanced_bracket_or_quote_is_refused_naming_the_key(item: str, what: str) -> None:
+    """``[0.9,0.95`` used to be one value holding everything after the bracket (a run with a
+    config nobody asked for, or a confusing compose error): refused, naming the grid key."""
+    from rl_tformers.runtime.sweep import SweepError, parse_grid
+
+    key = item.partition("=")[0]
+    with pytest.raises(SweepError) as info:
+        parse_grid([item])
+    assert str(info.value).startswith(f"--grid {key}: {what}"), str(info.value)
+    assert parse_grid(["agent.note=it's,b"]) == {"agent.note": ["it's", "b"]}  # an apostrophe is not a quote

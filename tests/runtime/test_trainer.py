@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from runtime_helpers import assert_same_weights, model_state, read_events, toy_cfg
+from typer.testing import CliRunner
 
+from rl_tformers.cli import app
 from rl_tformers.runtime import agent_registry as agents_mod
 from rl_tformers.runtime import toy
 from rl_tformers.runtime.agent_registry import register_agent
@@ -168,3 +170,21 @@ def test_cuda_bf16_resume(tmp_path: Path) -> None:
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
     assert torch.isfinite(torch.tensor(full.last_train["train/loss"]))
+
+
+runner = CliRunner()
+
+
+# ------------------------------------------- 2. a diverged run ends in a traceback
+def test_diverged_training_ends_with_one_error_line_not_a_traceback(tmp_path: Path) -> None:
+    """``rl-tformers train -c toy train.lr=1e300`` diverges at update 2 and the CLI lets
+    ``NonFiniteLossError`` escape: ~40 lines of traceback for a user-level outcome whose message
+    already says what to do. Every other refusal of the command is one ``error: ...`` line."""
+    from rl_tformers.runtime.trainer import NonFiniteLossError
+
+    r = runner.invoke(app, ["train", "-c", "toy", "train.lr=1e300", "train.steps=5", "train.warmup_steps=1",
+                            "train.log_every=1", "train.progress=false", "eval.every=0", "eval.at_end=false",
+                            "--device", "cpu", "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code != 0
+    assert not isinstance(r.exception, NonFiniteLossError), "NonFiniteLossError escaped the CLI (a traceback)"
+    assert r.stderr.strip().splitlines()[-1].startswith("error: "), r.stderr
