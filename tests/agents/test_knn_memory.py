@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from rl_tformers.agents.common.knn_memory import (
@@ -14,8 +15,14 @@ from rl_tformers.agents.common.knn_memory import (
     knn_distribution,
     neighbour_weights,
 )
+from rl_tformers.agents.decision_transformer.agent import DTAgent
+from typer.testing import CliRunner
 
+from rl_tformers.cli import app
 from rl_tformers.memory._search import faiss_available
+from rl_tformers.runtime.run_config import compose
+from rl_tformers.runtime.trainer import train
+from tests.threads import one_thread
 
 BACKENDS = ["torch"] + (["faiss"] if faiss_available() else [])
 
@@ -155,3 +162,259 @@ def test_policy_memory_api_and_save_load(tmp_path):
     assert torch.equal(ds2.search(q, 5).index, ds.search(q, 5).index)
     with pytest.raises(ValueError, match="agree"):
         ActionDatastore(torch.randn(3, 2), torch.zeros(4), torch.zeros(3))
+
+
+_one_thread = one_thread
+
+
+TINY = ["backbone.d_model=16", "backbone.n_heads=1", "agent.context_len=5", "train.steps=2", "train.batch_size=4",
+        "device=cpu", "eval.every=0", "eval.at_end=false", "agent.targets=[10]", "backbone.dropout=0.0"]
+
+
+def _agent(path, *extra) -> DTAgent:
+    return DTAgent(compose("dt/cartpole_demo", [f"dataset.path={path}", *TINY, *extra]), None, "cpu")
+
+
+def _replay_features(agent: DTAgent, episodes=(0, 1, 2), steps: int = 9) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(query features, stored key of that dataset step) for every decision of the policy replaying
+    dataset episodes with their own returns (the datastore holds every step, in dataset order)."""
+    mem = agent.knn_memory
+    seen = []
+    mem.neighbours = lambda f, ex=None: (seen.append(f.detach().clone()), type(mem).neighbours(mem, f, ex))[1]
+    pol = agent.policy()
+    ds = agent.dataset
+    pairs = []
+    for i in episodes:
+        ep = ds.episode(i)
+        state = pol.initial_state(1, float(ep.rewards.sum()))
+        for t in range(steps):
+            r = None if t == 0 else ep.rewards[t - 1 : t]
+            _, state = pol.act(ep.observations[t : t + 1], state, np.array([t == 0]), r)
+            pairs.append((seen[-1][0], mem.datastore.keys[int(ds.starts[i]) + t]))
+    return pairs
+
+
+# ------------------------------------- 1. kNN keys on the acting context (agent.eval_context_len)
+@pytest.mark.parametrize("align", ["start", "end"])
+def test_knn_keys_are_computed_on_the_acting_context_with_eval_context_len(tmp_path, cartpole_h5, align):
+    path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
+    agent = _agent(path, "agent.eval_context_len=2", f"agent.align={align}")
+    assert agent.build_knn_memory(lam=1.0, k=1)["entries"] == 30
+    for query, key in _replay_features(agent):
+        torch.testing.assert_close(query, key, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------- 2. kNN keys with the early-exit threshold in use
+def test_knn_keys_are_the_exited_features_when_acting_with_early_exit(tmp_path, cartpole_h5):
+    path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
+    agent = _agent(path, "backbone.n_layers=2", "backbone.depth={kind: early_exit, confidence: saturation}",
+                   "agent.early_exit.heldout_frac=0")
+    info = agent.inference_setup(early_exit=0.0, knn_lambda=1.0, knn_k=1)  # every decision exits at layer 1
+    assert info["early_exit"] == {"threshold": 0.0} and info["knn"]["entries"] == 30
+    for query, key in _replay_features(agent):
+        torch.testing.assert_close(query, key, atol=1e-5, rtol=1e-5)
+
+
+def test_knn_datastore_built_for_another_threshold_is_refused_not_silently_mismatched(tmp_path, cartpole_h5):
+    path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
+    agent = _agent(path, "backbone.n_layers=2", "backbone.depth={kind: early_exit, confidence: saturation}")
+    agent.build_knn_memory(lam=0.5, k=2)  # keys of the full model
+    agent.set_exit_threshold(0.0)  # acting would now query with layer-1 features
+    with pytest.raises(ValueError, match="build_knn_memory"):
+        agent.policy()
+    agent.build_knn_memory(lam=0.5, k=2)  # rebuilt for the threshold in use
+    agent.policy()
+
+
+# ------------------------------------ 3. early-exit calibration on the acting context
+def test_early_exit_calibration_decides_on_the_acting_context(tmp_path, cartpole_h5):
+    path = cartpole_h5(tmp_path / "cp.hdf5", n=60)
+    agent = _agent(path, "backbone.n_layers=2", "backbone.depth={kind: early_exit, confidence: saturation}",
+                   "agent.eval_context_len=1")
+    calls = []
+    forward = agent.model.forward
+
+    def spy(obs, actions, rtg, timesteps, mask, **kw):
+        calls.append((mask.clone(), kw.get("exit_steps")))
+        return forward(obs, actions, rtg, timesteps, mask, **kw)
+
+    agent.model.forward = spy
+    agent.calibrate_early_exit(windows=20, candidates=[0.5])
+    assert calls
+    for mask, decide in calls:  # only the deciding step itself (eval_context_len=1) is in the context
+        assert decide is not None and torch.equal(mask, decide & mask) and bool(mask.any(1).all())
+
+
+# ------------------------------------ 4. plot evaluates the policy eval evaluates
+def test_plot_applies_the_runs_early_exit_threshold_and_knn_options_like_eval(tmp_path, cartpole_h5, monkeypatch):
+    import rl_tformers.runtime.evaluation as evaluation
+
+    path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
+    run_dir = tmp_path / "run"
+    train(compose("dt/cartpole_demo", [f"dataset.path={path}", *TINY, "backbone.n_layers=2", "train.progress=false",
+                                       "train.warmup_steps=1", "agent.env_kwargs={max_episode_steps: 5}",
+                                       "backbone.depth={kind: early_exit, confidence: saturation}",
+                                       "agent.early_exit.threshold=0", "agent.knn.lam=0.5", "agent.knn.k=2"]), run_dir)
+    policies = []
+    real = evaluation.evaluate
+
+    def spy(policy, *args, **kwargs):
+        policies.append(policy)
+        return real(policy, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate", spy)
+    for cmd in (["eval", str(run_dir)], ["plot", str(run_dir), "--out", str(tmp_path / "fig.png"), "--no-tensorboard",
+                                         "--targets", "10"]):
+        res = CliRunner().invoke(app, [*cmd, "--episodes", "1", "--envs", "1"])
+        assert res.exit_code == 0, res.output
+    got = [(getattr(p, "policy", p).exit_threshold, getattr(p, "policy", p).knn is not None) for p in policies]
+    assert got == [(0.0, True), (0.0, True)]
+
+
+# ------------------------------------ 5. the datastore API names what is wrong
+@pytest.mark.parametrize("backend", ["torch", "faiss"])
+def test_knn_datastore_refuses_mismatched_queries_and_actions_by_name(backend):
+    from rl_tformers.agents.common.knn_memory import ActionDatastore, KNNPolicyMemory
+
+    from rl_tformers.memory._search import faiss_available
+
+    if backend == "faiss" and not faiss_available():
+        pytest.skip("faiss is not installed")
+    keys, groups = torch.randn(10, 4), torch.arange(10) // 3
+    ds = ActionDatastore(keys, torch.randint(0, 3, (10,)), groups, backend=backend)
+    for q in (torch.randn(2, 5), torch.randn(4), torch.randn(2, 1, 4)):
+        with pytest.raises(ValueError, match=r"queries must be \(B, D\) with D = 4"):
+            ds.search(q, 3)
+    with pytest.raises(ValueError, match="k must be an integer >= 0"):
+        ds.search(torch.randn(2, 4), -1)
+    assert ds.search(torch.randn(2, 4), 50).valid.sum() == 20  # k above the store: every entry
+    with pytest.raises(ValueError, match="not one of the model's 2 actions"):
+        KNNPolicyMemory(ds, k=10, lam=0.5).discrete(torch.randn(2, 4), torch.randn(2, 2))
+    neg = ActionDatastore(keys, torch.full((10,), -1), groups, backend=backend)
+    with pytest.raises(ValueError, match="action -1 is not one of"):
+        KNNPolicyMemory(neg, k=2, lam=0.5).discrete(torch.randn(2, 4), torch.randn(2, 2))
+    with pytest.raises(ValueError, match=r"continuous actions must be \(N, A\)"):
+        ActionDatastore(keys, torch.randn(10), groups, backend=backend)
+    with pytest.raises(ValueError, match="lambda must lie in"):
+        KNNPolicyMemory(ds, k=2, lam=2.0)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        KNNPolicyMemory(ds, k=2, lam=0.5, temperature=0.0)
+    # (lead) a non-finite query: torch ranked NaN distances, faiss returned no neighbour
+    q = torch.randn(3, 4)
+    q[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="query row 1 is not finite"):
+        ds.search(q, 2)
+
+
+# ------------------------------------ 6. a negative exit-classifier weight is refused
+def test_early_exit_negative_depth_penalty_is_refused():
+    """(lead) depth_penalty is a cost per layer; a negative one rewarded depth."""
+    from rl_tformers.depth.early_exit import EarlyExitConfig
+
+    with pytest.raises(ValueError, match=r"depth.depth_penalty must be >= 0 \(a cost per layer"):
+        EarlyExitConfig(depth_penalty=-0.1)
+    assert EarlyExitConfig(depth_penalty=0.0).depth_penalty == 0.0
+
+
+@pytest.mark.parametrize("weight", [-1.0, -1e-3])
+def test_early_exit_negative_classifier_weight_is_refused(tmp_path, cartpole_h5, weight):
+    from rl_tformers.depth.early_exit import EarlyExitConfig
+
+    with pytest.raises(ValueError, match="depth.classifier_weight must be >= 0"):
+        EarlyExitConfig(classifier_weight=weight)
+    path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
+    res = CliRunner().invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={path}", *TINY,
+                                   f"backbone.depth={{kind: early_exit, classifier_weight: {weight}}}",
+                                   "--run-dir", str(tmp_path / "run")])
+    assert res.exit_code == 2 and "classifier_weight" in res.output, res.output
+    assert EarlyExitConfig(classifier_weight=0.0).classifier_weight == 0.0
+
+
+# ------------------------------------ 7. evaluations during training use the configured policy
+def test_training_evaluation_applies_the_early_exit_threshold_and_knn_options(tmp_path, cartpole_h5, monkeypatch):
+    import rl_tformers.agents.decision_transformer.agent as dt_agent
+
+    path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
+    agent = _agent(path, "backbone.n_layers=2", "backbone.depth={kind: early_exit, confidence: saturation}",
+                   "agent.early_exit.threshold=0", "agent.knn.lam=0.5", "agent.knn.k=2", "eval.episodes=1",
+                   "eval.n_envs=1", "agent.env_kwargs={max_episode_steps: 3}", "agent.eval_figure=false")
+    seen = []
+    real = dt_agent.evaluate
+
+    def spy(policy, *args, **kwargs):
+        seen.append((policy.exit_threshold, policy.knn is not None))
+        return real(policy, *args, **kwargs)
+
+    monkeypatch.setattr(dt_agent, "evaluate", spy)
+    agent.model.train()
+    out = agent.evaluate(step=2)
+    assert seen == [(0.0, True)] and "eval/return_mean" in out
+    # nothing stays behind for training: the model is back in train mode, no datastore is kept
+    assert agent.model.training and agent.knn_memory is None and agent.exit_threshold is None
+
+
+# ------------------------------------ 8. exit statistics count only the evaluated decisions
+def test_exit_statistics_do_not_depend_on_the_number_of_environments(tmp_path, cartpole_h5):
+    from rl_tformers.runtime.evaluation import evaluate
+
+    path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
+    agent = _agent(path, "backbone.n_layers=3", "backbone.depth={kind: early_exit, confidence: saturation}",
+                   "agent.env_kwargs={max_episode_steps: 40}")
+    mixed = 0
+    for thr in (0.9, 0.95, 0.97, 0.98, 0.985, 0.99):
+        agent.set_exit_threshold(thr)
+        got = []
+        for envs in (1, 2, 3):  # 5 episodes of different lengths: idle rows with 2 and 3 envs
+            pol = agent.policy()
+            rep = evaluate(pol, agent.make_env(), [10.0], episodes=5, n_envs=envs, seed=0)
+            st = pol.stats()
+            got.append((list(rep.results[0].returns), st["exit_mean_layer"], st["exit_early_frac"]))
+        assert got[1][0] == got[0][0] and got[2][0] == got[0][0]  # the same episodes
+        if 0 < got[0][2] < 1:
+            mixed += 1
+        for other in got[1:]:
+            assert other[1:] == pytest.approx(got[0][1:], abs=1e-6), (thr, got)
+    assert mixed  # some threshold exits some decisions early and not others
+
+
+# ------------------------------------ 9. a missing training dataset is one error line
+@pytest.mark.parametrize("option", [["--knn-lambda", "0.5"], ["--early-exit", "calibrate"]])
+def test_knn_or_calibration_without_the_training_dataset_is_an_error_line(tmp_path, cartpole_h5, option):
+    path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
+    run_dir = tmp_path / "run"
+    depth = ["backbone.depth={kind: early_exit, confidence: saturation}"] if "--early-exit" in option else []
+    train(compose("dt/cartpole_demo", [f"dataset.path={path}", *TINY, "backbone.n_layers=2", "train.progress=false",
+                                       "train.warmup_steps=1", "agent.env_kwargs={max_episode_steps: 5}", *depth]),
+          run_dir)
+    path.unlink()
+    res = CliRunner().invoke(app, ["eval", str(run_dir), "--episodes", "1", "--envs", "1", *option])
+    assert res.exit_code == 2 and not isinstance(res.exception, OSError), (res.output, res.exception)
+    assert "cannot be read now" in res.output and str(path) in res.output
+
+
+# ---------------------- (lead) inference_setup replaces, not accumulates, the earlier call's setup
+def test_inference_setup_with_the_defaults_after_options_evaluates_what_the_config_says(tmp_path, cartpole_h5):
+    """A second ``inference_setup()`` with the defaults (threshold none, lam 0 in the config)
+    used to keep the threshold and datastore of the first call: the full model, no kNN, now."""
+    path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
+    agent = _agent(path, "backbone.n_layers=2", "backbone.depth={kind: early_exit, confidence: saturation}")
+    agent.inference_setup(early_exit=0.0, knn_lambda=0.5, knn_k=2)
+    assert agent.exit_threshold == 0.0 and agent.knn_memory is not None
+    assert agent.inference_setup() == {}
+    assert agent.exit_threshold is None and agent.knn_memory is None
+    pol = agent.policy()
+    assert pol.exit_threshold is None and pol.knn is None
+
+
+# ---------------------- (lead) count_rows for another number of rows is refused, not ignored
+def test_count_rows_of_another_batch_size_is_refused(tmp_path, cartpole_h5):
+    agent = _agent(cartpole_h5(tmp_path / "cp.hdf5", n=30))
+    pol = agent.policy()
+    obs = agent.dataset.episode(0).observations[:2]
+    state = pol.initial_state(2, 10.0)
+    pol.count_rows(np.array([True, False, True]))
+    with pytest.raises(ValueError, match="count_rows was given 3 rows but act got 2"):
+        pol.act(obs, state, np.array([True, True]), None)
+    pol.count_rows(None)
+    pol.act(obs, state, np.array([True, True]), None)
+    assert pol.stats()["steps"] == 1 and pol._decisions == 2
