@@ -14,6 +14,7 @@ import pytest
 from runtime_helpers import toy_cfg
 from typer.testing import CliRunner
 
+from rl_tformers.cli import app
 from rl_tformers.runtime import sweep as sw
 from rl_tformers.runtime.trainer import train
 
@@ -261,3 +262,168 @@ def test_grid_with_an_unbalanced_bracket_or_quote_is_refused_naming_the_key(item
         parse_grid([item])
     assert str(info.value).startswith(f"--grid {key}: {what}"), str(info.value)
     assert parse_grid(["agent.note=it's,b"]) == {"agent.note": ["it's", "b"]}  # an apostrophe is not a quote
+
+
+def _sweep(*args: str):
+    return CliRunner().invoke(app, ["sweep", "-c", "toy", *args])
+
+
+def test_sweep_override_without_equals_is_refused_not_a_traceback(tmp_path: Path) -> None:
+    """``rl-tformers sweep ... train.steps`` (no ``=VALUE``) stopped with an IndexError traceback in
+    check_overrides; ``rl-tformers train`` says what is wrong, and so does the sweep now."""
+    out = tmp_path / "sw"
+    for item in ("train.steps", "=5"):
+        res = _sweep("--grid", "train.lr=1e-3", "--out", str(out), item)
+        assert res.exit_code == 2, res.output
+        assert res.output == f"error: override {item!r} is not KEY=VALUE (e.g. train.steps=1000)\n"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("metric", "message"),
+    [
+        (
+            "step",
+            "--metric step: that is a column the sweep writes for each run, not a scalar the runs log; ",
+        ),
+        (
+            "seed",
+            "--metric seed: that is a column the sweep writes for each run, not a scalar the runs log; ",
+        ),
+        ("train.lr", "--metric train.lr: that is a grid key, not a scalar the runs log; "),
+        ("", "--metric '' is empty; "),
+    ],
+)
+def test_sweep_refuses_a_metric_that_no_run_logs_before_running(
+    tmp_path: Path, metric: str, message: str
+) -> None:
+    """``--metric step`` ran the whole sweep, then summarised nothing with a warning blaming the
+    runs ("its final value is NaN or infinite in every completed run ... (diverged?)");
+    ``--metric ''`` was silently taken as the default metric."""
+    out = tmp_path / "sw"
+    res = _sweep("--grid", "train.lr=1e-3", "--out", str(out), "--metric", metric, "train.steps=2")
+    assert res.exit_code == 2, res.output
+    hint = "give a scalar the runs log, e.g. eval/return_mean or train/loss (default: the evaluation score, else "
+    tail = "train/loss), or leave --metric out" if not metric else "train/loss)"
+    assert res.output == f"error: {message}{hint}{tail}\n"
+    assert not out.exists()
+
+
+def test_sweep_refuses_grid_keys_inside_each_other() -> None:
+    """``--grid train.lr=... --grid 'train={lr: ...}'``: the later key replaced the earlier one's
+    values in every run; the sweep was then refused as 'the values mean the same once parsed'
+    (or, with other fields, ran a grid that was not the one asked for)."""
+    from rl_tformers.runtime.sweep import SweepError, parse_grid
+
+    with pytest.raises(SweepError) as e:
+        parse_grid(["train.lr=1e-3,3e-3", "train={lr: 0.1}"])
+    assert str(e.value) == (
+        "--grid train.lr=... and --grid train=... set the same option (train.lr is inside train): in every "
+        "run one would replace the other's value; sweep one of them"
+    )
+    with pytest.raises(SweepError, match=r"\(backbone.position.kind is inside backbone.position\)"):
+        parse_grid(["backbone.position={kind: alibi}", "backbone.position.kind=rotary,none"])
+    assert list(parse_grid(["train.lr=1e-3", "train.lr_min=1", "backbone.n_layers=1"])) == [
+        "train.lr",
+        "train.lr_min",
+        "backbone.n_layers",
+    ]  # a shared prefix that is not a dotted parent is fine
+
+
+def test_sweep_refuses_run_names_longer_than_the_file_system_takes(tmp_path: Path) -> None:
+    """A long grid value (a list, a dict, a long number) names run folders and logs longer than 255
+    bytes: the sweep stopped with an ``OSError: File name too long`` traceback."""
+    from rl_tformers.runtime.sweep import SweepError, expand
+
+    out = tmp_path / "sw"
+    value = "0." + "1" * 240
+    res = _sweep("--grid", f"train.lr={value},0.2", "--out", str(out), "train.steps=2")
+    assert res.exit_code == 2, res.output
+    log = f"lr={value}_seed0.parts.jsonl"
+    assert res.output == (
+        f"error: --grid: the point (train.lr={value}) names its runs' files after its values, and its log "
+        f"logs/{log[:60]}...{log[-17:]} would be 263 bytes long, more than the 255 bytes a file name may have "
+        f"here; give shorter values (or sweep fewer keys at once)\n"
+    )
+    assert not out.exists()
+    ok = "0." + "1" * 232  # lr=<234 characters>_seed0.parts.jsonl: 255 bytes
+    assert len(expand({"train.lr": [ok]}, [0], out)) == 1
+    with pytest.raises(SweepError, match="256 bytes long"):
+        expand({"train.lr": [ok]}, [10], out)  # the longest seed counts
+
+
+def test_sweep_out_problems_are_errors_not_tracebacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--out ""`` (an unset shell variable) was read as '.', a sweep into the current folder;
+    an --out name too long for the file system stopped with an OSError traceback."""
+    monkeypatch.chdir(tmp_path)
+    res = _sweep("--grid", "train.lr=1e-3", "--out", "", "train.steps=2")
+    assert res.exit_code == 2, res.output
+    assert (
+        res.output
+        == "error: --out '' is empty; give the sweep folder (or leave --out out for runs/sweep-<time>)\n"
+    )
+    long = tmp_path / ("x" * 300)
+    res = _sweep("--grid", "train.lr=1e-3", "--out", str(long), "train.steps=2")
+    assert res.exit_code == 2, res.output
+    assert res.output == f"error: --out {long}: File name too long\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sweep_refuses_gpus_per_run_that_would_be_ignored(tmp_path: Path) -> None:
+    """``--gpus-per-run 1`` with the local launcher was silently ignored (Ray's num_gpus only)."""
+    out = tmp_path / "sw"
+    res = _sweep("--grid", "train.lr=1e-3", "--out", str(out), "--gpus-per-run", "1", "train.steps=2")
+    assert res.exit_code == 2, res.output
+    assert res.output == (
+        "error: --gpus-per-run 1 is for --launcher ray (Ray's num_gpus per run); local runs take their device "
+        "from --device (e.g. --device cuda, shared by the --jobs runs); drop --gpus-per-run, or add --launcher "
+        "ray\n"
+    )
+    from rl_tformers.runtime.sweep import SweepError, sweep
+
+    with pytest.raises(SweepError, match=r"^--gpus-per-run inf: give a finite number >= 0"):
+        sweep("toy", {}, [0], out, launcher="ray", gpus_per_run=float("inf"))
+    assert not out.exists()
+
+
+def test_sweep_warns_about_completed_runs_that_did_not_log_the_summary_metric(tmp_path: Path) -> None:
+    """A grid over datasets with and without reference returns: eval/normalized_score is the
+    summary's metric, but the completed runs of the point without references never log it, and
+    their point read ``0/2`` seeds with no word why (as if its runs had failed). The table holds
+    exactly each run's last logged values."""
+    from rl_tformers.runtime import sweep as sw
+
+    out = tmp_path / "sw"
+    runs = sw.expand({"dataset.path": ["hopper", "cartpole"]}, [0, 1], out)
+    logged = {
+        "path=hopper/seed0": {"eval/normalized_score": 41.5, "eval/return_mean": 1300.25},
+        "path=hopper/seed1": {"eval/normalized_score": 43.5, "eval/return_mean": 1370.75},
+        "path=cartpole/seed0": {"eval/return_mean": 200.0},
+        "path=cartpole/seed1": {"eval/return_mean": 250.0},
+    }
+    for run in runs:
+        run.run_dir.mkdir(parents=True)
+        lines = [
+            {"step": 5, "time": 1.0, "train/loss": 2.0, "eval/return_mean": -1.0},
+            {"step": 10, "time": 2.0, "train/loss": 0.5, **logged[run.name]},
+        ]
+        (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    warnings: list[str] = []
+    outcomes = {run.name: sw.RunOutcome("ok", 0, 3.0) for run in runs}
+    res = sw.write_results(out, runs, outcomes, warn=warnings.append)
+    assert res.metric == "eval/normalized_score"
+    assert warnings == [
+        "warning: eval/normalized_score: 2 completed runs did not log it (path=cartpole/seed0, path=cartpole/seed1); "
+        "their grid points count only the runs that did (the seeds column)"
+    ]
+    assert [(s["point"], s["n"], s["of"], s["mean"]) for s in res.summary] == [
+        ("dataset.path=hopper", 2, 2, 42.5),
+        ("dataset.path=cartpole", 0, 2, None),
+    ]
+    table = json.loads((out / "results.json").read_text())["runs"]
+    for row in table:
+        assert row["step"] == 10 and row["train/loss"] == 0.5 and row["seconds"] == 3.0
+        assert {k: row[k] for k in logged[row["run"]]} == logged[row["run"]]
+        assert ("eval/normalized_score" in row) == ("hopper" in row["run"])

@@ -1,0 +1,204 @@
+"""Plots of a run (rl_tformers.runtime.plots, rl-tformers plot): targets, output paths, evaluations from JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rl_tformers.cli import app
+from rl_tformers.runtime.run_config import compose
+from rl_tformers.runtime.trainer import train
+from tests.datafiles import write_cartpole_h5
+
+TINY = [
+    "backbone.d_model=16",
+    "backbone.n_heads=1",
+    "backbone.n_layers=1",
+    "agent.context_len=5",
+    "train.steps=2",
+    "train.batch_size=4",
+    "train.warmup_steps=1",
+    "train.progress=false",
+    "device=cpu",
+    "eval.every=0",
+    "eval.at_end=false",
+    "agent.targets=[10]",
+    "backbone.dropout=0.0",
+]
+
+
+@pytest.fixture(scope="module")
+def dt_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-update Decision Transformer run (module-wide: the plot tests only read it)."""
+    root = tmp_path_factory.mktemp("dt")
+    path = write_cartpole_h5(root / "cp.hdf5")
+    run_dir = root / "run"
+    train(compose("dt/cartpole_demo", [f"dataset.path={path}", *TINY]), run_dir)
+    return run_dir
+
+
+@pytest.fixture
+def no_evaluation(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Make any evaluation fail the test: a refusal must come before anything is evaluated."""
+    import rl_tformers.runtime.evaluation as evaluation
+
+    calls: list = []
+
+    def evaluate(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError("evaluated although the command should have been refused first")
+
+    monkeypatch.setattr(evaluation, "evaluate", evaluate)
+    return calls
+
+
+def _plot(*args: str):
+    return CliRunner().invoke(app, ["plot", *args, "--no-tensorboard", "--episodes", "1", "--envs", "1"])
+
+
+@pytest.mark.parametrize(
+    ("targets", "why"),
+    [
+        ("100,100", "items 1 and 2"),
+        ("5,100,1e2", "items 2 and 3: 100 and 1e2 are the same number"),
+        ("0,-0", "items 1 and 2: 0 and -0 are the same number"),
+    ],
+)
+def test_plot_refuses_a_target_given_twice(dt_run: Path, tmp_path: Path, no_evaluation, targets, why) -> None:
+    out = tmp_path / "fig.png"
+    res = _plot(str(dt_run), "--out", str(out), "--targets", targets)
+    value = "100" if "100" in targets else "0"
+    assert res.exit_code == 2, res.output
+    assert res.output == (
+        f"error: --targets {targets}: the target {value} is given twice ({why}); give each target once: "
+        f"each is one point of the plot\n"
+    )
+    assert not out.exists() and no_evaluation == []
+
+
+def test_plot_from_json_with_a_target_twice_is_refused(dt_run: Path, tmp_path: Path) -> None:
+    saved = tmp_path / "eval.json"
+    results = [{"target_return": t, "returns": [float(r)]} for t, r in ((10, 3), (20.0, 4), (10.0, 5))]
+    saved.write_text(json.dumps({"results": results, "env_id": "CartPole-v1"}))
+    out = tmp_path / "fig.png"
+    res = _plot_from_json(dt_run, out, saved)
+    assert res.exit_code == 2, res.output
+    assert res.output == (
+        f"error: --from-json {saved}: results[0] and results[2] both have target_return 10; a plot has one "
+        f"point per target (evaluate each target once: `rl-tformers eval RUN_DIR --targets ...` with distinct "
+        f"targets)\n"
+    )
+    assert not out.exists()
+    results[2]["target_return"] = 30  # distinct targets: plotted
+    saved.write_text(json.dumps({"results": results, "env_id": "CartPole-v1"}))
+    res = _plot_from_json(dt_run, out, saved)
+    assert res.exit_code == 0 and res.output == f"wrote {out}\n", res.output
+
+
+def _plot_from_json(run_dir: Path, out: Path, saved: Path):
+    return CliRunner().invoke(
+        app, ["plot", str(run_dir), "--out", str(out), "--no-tensorboard", "--from-json", str(saved)]
+    )
+
+
+def test_the_default_sweep_never_repeats_a_target() -> None:
+    """Many default targets over a short range were rounded onto each other (1000 targets over
+    10 .. 598: 589 distinct); they stay unrounded then, and few targets are rounded as before."""
+    from rl_tformers.runtime.plots import default_sweep, repeated_target
+
+    many = default_sweep(500.0, 10.0, 1000)
+    assert len(many) == 1000 and len(set(many)) == 1000 and repeated_target(many) is None
+    assert many[0] == 10.0 and many[-1] == pytest.approx(598.0) and many[1] == pytest.approx(10 + 588 / 999)
+    assert default_sweep(500.0, 10.0, 6) == [10.0, 128.0, 245.0, 363.0, 480.0, 598.0]
+    assert default_sweep(500.0, 10.0, 589) == [float(x) for x in range(10, 599)]  # 1 apart: rounded
+    assert repeated_target([1.0, 2.0, 1e0]) == (0, 2) and repeated_target([0.0, -0.0]) == (0, 1)
+
+
+@pytest.mark.parametrize("name", ["dir.png/", "dir.png/.", "figs/", "new/.."])
+def test_plot_refuses_an_out_that_names_a_directory(
+    dt_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_evaluation, name: str
+) -> None:
+    """A path object drops the trailing '/' (or '/.'): the figure went to a *file* dir.png. An
+    --out that names a directory is refused before anything is evaluated, as an existing
+    directory is (docs/dt.md), and nothing is created."""
+    monkeypatch.chdir(tmp_path)
+    res = _plot(str(dt_run), "--out", name, "--targets", "10")
+    tail = "/" if name.endswith("/") else name.rsplit("/", 1)[-1]
+    example = {"dir.png/": "dir.png", "dir.png/.": "dir.png", "figs/": "figs", "new/..": "new/.."}[name]
+    assert res.exit_code == 2, res.output
+    assert res.output == (
+        f"error: --out {name} names a directory (it ends with {tail!r}); give a file name, e.g. "
+        f"{example}/return_conditioning.png\n"
+    )
+    assert list(tmp_path.iterdir()) == [] and no_evaluation == []
+
+
+def test_plot_out_with_a_tilde_is_written_where_its_parents_were_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``~`` in --out (``--out=~/fig.png`` is not expanded by the shell) was checked expanded (a
+    file in the way under $HOME) but written to a folder named '~' in the current directory."""
+    from rl_tformers.runtime.plots import figure_path
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    assert figure_path("~/figs/fig.png") == home / "figs" / "fig.png"
+    assert figure_path("~/fig") == home / "fig.png"
+
+
+def test_plot_refuses_an_out_name_longer_than_the_file_system_takes(
+    dt_run: Path, tmp_path: Path, no_evaluation
+):
+    """An --out whose name is too long stopped with an OSError traceback (from the directory check)."""
+    out = tmp_path / ("x" * 300 + ".png")
+    res = _plot(str(dt_run), "--out", str(out), "--targets", "10")
+    assert res.exit_code == 2, res.output
+    assert res.output == f"error: --out {out}: cannot be written here (File name too long)\n"
+    assert no_evaluation == []
+
+
+def test_plot_n_targets_is_capped(dt_run: Path, tmp_path: Path, no_evaluation) -> None:
+    """A typo such as --n-targets 6000000 built a list of millions of targets and evaluated them."""
+    res = _plot(str(dt_run), "--out", str(tmp_path / "fig.png"), "--n-targets", "6000000")
+    assert res.exit_code == 2 and "--n-targets" in res.output and "1000" in res.output, res.output
+    assert not (tmp_path / "fig.png").exists() and no_evaluation == []
+
+
+def test_plot_refuses_to_log_another_runs_checkpoint_to_run_dir(
+    dt_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_evaluation
+) -> None:
+    """``plot RUN --checkpoint OTHER_RUN/checkpoints/...`` evaluated the other run's model and
+    logged its figure into RUN's TensorBoard files, as RUN's own (--from-json refuses another
+    run's evaluation for that reason)."""
+    from rl_tformers.runtime.tracking import event_files
+
+    other = tmp_path / "other"
+    train(compose("dt/cartpole_demo", [f"dataset.path={write_cartpole_h5(tmp_path / 'cp.hdf5')}", *TINY]), other)
+    ckpt = other / "checkpoints" / "step_000000002.pt"
+    before = {p: p.stat().st_size for p in event_files(dt_run)}
+    res = CliRunner().invoke(
+        app,
+        [
+            "plot",
+            str(dt_run),
+            "--out",
+            str(tmp_path / "fig.png"),
+            "--targets",
+            "10",
+            "--checkpoint",
+            str(ckpt),
+        ],
+    )
+    assert res.exit_code == 2, res.output
+    assert res.output == (
+        f"error: --checkpoint {ckpt} is not inside RUN_DIR {dt_run}: the figure is logged to RUN_DIR's "
+        f"TensorBoard files; give the run directory that holds the checkpoint, or --no-tensorboard\n"
+    )
+    assert {p: p.stat().st_size for p in event_files(dt_run)} == before and no_evaluation == []
+    assert not (tmp_path / "fig.png").exists()
