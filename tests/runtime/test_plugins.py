@@ -24,7 +24,7 @@ from rl_tformers.runtime.agent_registry import AgentBuildError
 from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import train
 from tests.datafiles import write_cartpole_h5
-from tests.regressions.test_found_by_breaker_13_tools import TINY
+from tests.runtime.test_plots import TINY
 
 REPO = Path(__file__).resolve().parents[2]
 
