@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from rl_tformers.agents.common.scripted import collect_delayed_expert
+from rl_tformers.agents.decision_transformer.config import DTAgentConfig
 from rl_tformers.envs.loaders import save_d4rl_hdf5
 from typer.testing import CliRunner
 
@@ -962,3 +963,16 @@ def test_cross_attention_capability_is_truthful_for_every_attention_kind() -> No
         for s, t in ((src, tgt), (src[:, :4], tgt)):
             out = model(s, t).hidden
             assert out.shape == t.shape and torch.isfinite(out).all(), e.kind
+
+
+def test_agent_targets_given_twice_are_refused() -> None:
+    """``agent.targets=[100, 100.0]`` evaluated, logged and plotted one target twice."""
+    def targets(value):
+        return DTAgentConfig.from_dict({"targets": value}, where="agent").targets
+
+    assert targets([100, 50]) == (100.0, 50.0) and targets(3600) == (3600.0,)
+    with pytest.raises(ValueError, match=r"^agent.targets: the target 100 is given twice \(items 1 and 3\); give each "
+                                         r"target once"):
+        targets([100, 50, 1e2])
+    with pytest.raises(ValueError, match=r"the target 0 is given twice \(items 1 and 2"):
+        targets([0.0, -0.0])

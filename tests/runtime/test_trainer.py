@@ -188,3 +188,28 @@ def test_diverged_training_ends_with_one_error_line_not_a_traceback(tmp_path: Pa
     assert r.exit_code != 0
     assert not isinstance(r.exception, NonFiniteLossError), "NonFiniteLossError escaped the CLI (a traceback)"
     assert r.stderr.strip().splitlines()[-1].startswith("error: "), r.stderr
+
+
+def test_resumed_window_splits_the_saved_samples_over_the_new_ranks() -> None:
+    """Resuming a 2-process run in 1 process (or 1 in 2) counted the saved window's samples
+    ``new / saved`` times: ``perf/samples_per_s`` of the first window was off by that factor."""
+    import torch
+
+    from rl_tformers.runtime.trainer import MetricWindow
+
+    ranks = []
+    for loss in (1.0, 3.0):
+        w = MetricWindow()
+        w.add({"loss": torch.tensor(loss)}, samples=4)  # 8 samples in all
+        ranks.append(w.state_dict())
+    mean = MetricWindow.mean_state(ranks)
+    for new in (1, 2, 4):
+        parts = [MetricWindow() for _ in range(new)]
+        for p in parts:
+            p.load_state_dict(MetricWindow.for_ranks(mean, 2, new), torch.device("cpu"))
+        assert sum(p.samples for p in parts) == 8.0  # what reduce sums over the new ranks
+        assert parts[0].means() == {"loss": 2.0}
+    one = MetricWindow()
+    one.add({"loss": torch.tensor(1.0)}, samples=6)  # a one-process run's own window
+    two = [MetricWindow.for_ranks(one.state_dict(), 1, 2)["samples"] for _ in range(2)]
+    assert sum(two) == 6.0
