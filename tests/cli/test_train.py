@@ -1,8 +1,4 @@
-"""Defects found by the breaker (third QA pass): Discrete action spaces with a ``start``, option and
-backbone checks that came late or without the key, unreadable/odd HDF5 files, CLI messages.
-
-Every test is tiny (a few rows of crafted data, a few updates of a tiny model) and runs in seconds.
-"""
+"""rl-tformers train (rl_tformers.cli.train): options and data checked before training, clean one-line errors, warnings."""
 
 from __future__ import annotations
 
@@ -21,6 +17,7 @@ from rl_tformers.cli import app
 from rl_tformers.runtime.run_config import ConfigError, compose
 
 runner = CliRunner()
+
 
 SMALL = ["train.steps=2", "train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1", "eval.every=0",
          "eval.at_end=false", "train.progress=false", "train.warmup_steps=1", "device=cpu"]
@@ -51,7 +48,6 @@ def _discrete_start_h5(path: Path, start: int, n: int = 3) -> Path:
 @pytest.mark.parametrize("kind, start", [("dt", 1), ("dt", -1), ("bc", 1), ("gtrxl", 1)])
 def test_discrete_actions_with_a_start_train_and_act_inside_the_space(tmp_path: Path, kind: str, start: int) -> None:
     from rl_tformers.runtime.loading import load_run
-
     from rl_tformers.runtime.trainer import train
 
     h5 = _discrete_start_h5(tmp_path / "d.hdf5", start)
