@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
+
 import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from rl_tformers.runtime.loading import load_run
 from rl_tformers.agents.decision_transformer.model import from_env_action
 from rl_tformers.agents.decision_transformer.rtg_probe import rtg_probe
 from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
 from rl_tformers.envs.loaders import save_d4rl_hdf5
 from rl_tformers.envs.trajectory import returns_to_go
+from test_found_by_tester import _train, _write_h5
+from typer.testing import CliRunner
 
+from rl_tformers.runtime.loading import load_run
 from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
 
@@ -72,3 +76,131 @@ def test_shift_to_the_windows_own_return_is_zero_and_errors_are_clear(probe_run)
     assert row["shift"][own] == pytest.approx(0.0, abs=1e-10)
     with pytest.raises(ValueError, match="group 'x' has episode indices \\[7\\] outside 0..3"):
         rtg_probe(run.agent, ds, {"x": [7]})
+
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def probe_runs(tmp_path_factory):
+    """A continuous-action DT run (Pendulum-shaped data: 3-dim observations, 1-dim actions), a BC
+    run and a toy run on it, and the data file."""
+    from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
+    from rl_tformers.envs.loaders import save_d4rl_hdf5
+
+    rng = np.random.default_rng(0)
+    eps = [{"observations": rng.normal(size=(n + 1, 3)).astype(np.float32),
+            "actions": rng.uniform(-2, 2, (n, 1)).astype(np.float32), "rewards": rng.uniform(0, 1, n),
+            "terminations": np.eye(1, n, n - 1, dtype=bool)[0], "truncations": np.zeros(n, bool)}
+           for n in (12, 12, 6)]
+    ds = EpisodeDataset.from_episodes(eps, observation_space=gym.spaces.Box(-np.inf, np.inf, (3,), np.float32),
+                                      action_space=gym.spaces.Box(-2.0, 2.0, (1,), np.float32),
+                                      metadata=DatasetMetadata(env_id="Pendulum-v1"))
+    tmp = tmp_path_factory.mktemp("probe")
+    path = save_d4rl_hdf5(ds, tmp / "data.hdf5")
+    tiny = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=1", "train.steps=2", "train.batch_size=4",
+            "train.warmup_steps=1", "train.progress=false", "eval.every=0", "eval.at_end=false", "device=cpu"]
+    train(compose("dt/cartpole_demo", [f"dataset.path={path}", f"agent.context_len={K}", "agent.max_ep_len=20",
+                                       *tiny]), tmp / "dt")
+    train(compose(None, ["agent.kind=bc", f"dataset.path={path}", *tiny]), tmp / "bc")
+    train(compose(None, ["agent.kind=toy", *tiny]), tmp / "toy")
+    return tmp, path
+
+
+def _probe(*args: str):
+    """``python -m rl_tformers.agents.decision_transformer.rtg_probe ARGS`` (its command, in process)."""
+    import typer
+    from rl_tformers.agents.decision_transformer import rtg_probe
+
+    cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    cli.command()(rtg_probe.main)
+    r = runner.invoke(cli, [str(a) for a in args])
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    return r
+
+
+def test_probe_runs_and_prints_rows(probe_runs):
+    tmp, _ = probe_runs
+    r = _probe(tmp / "dt", "--group", "a=0:2", "--group", "b=2:3", "--t0", "0", "--t0", "8", "--json")
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)
+    assert [(x["group"], x["t0"], x["episodes"]) for x in rows] == [("a", 0, 2), ("a", 8, 2), ("b", 0, 1), ("b", 8, 0)]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--group", "a=0:2", "--group", "a=2:3"], "error: --group 'a' is given twice (a=0:2 and a=2:3)"),
+    (["--group", "a=0:2", "--t0", "-2"], "error: --t0 -2: an episode step, an integer >= 0"),
+    (["--group", "a=0:2", "--t0", "0", "--t0", "0"], "error: --t0 0 is given twice"),
+    (["--group", "a=0:2", "--rtg", "nan"], "error: --rtg nan: the first return-to-go must be a finite number"),
+    (["--group", "a=0:2", "--rtg", "inf"], "error: --rtg inf: the first return-to-go must be a finite number"),
+    (["--group", "a=0:2", "--rtg", "1", "--rtg", "1.0"], "error: --rtg 1.0 is given twice"),
+    (["--group", "a=2:1"], "error: --group 'a=2:1': FIRST:STOP must be a non-empty range"),
+    (["--group", "a=-1:2"], "error: --group 'a=-1:2': FIRST:STOP must be a non-empty range"),
+    (["--group", "a"], "error: --group 'a': expected NAME=FIRST:STOP"),
+])
+def test_probe_options_are_checked_before_the_run_is_loaded(tmp_path, args, expected):
+    r = _probe(tmp_path / "no-run", *args)  # the options fail first, whatever RUN_DIR is
+    assert r.exit_code == 2 and r.stderr.startswith(expected), r.output
+
+
+def test_probe_errors_about_the_run_and_the_data(probe_runs, tmp_path):
+    tmp, path = probe_runs
+    r = _probe(tmp / "dt", "--group", "a=0:9")
+    assert r.exit_code == 2
+    assert r.stderr.startswith(f"error: --group 'a' has episode indices [3, 4, 5] outside 0..2 "
+                               f"(the run's dataset.path {path} has 3 episodes)")
+    r = _probe(tmp / "dt", "--group", "a=0:2", "--t0", "9")
+    assert r.exit_code == 2 and "error: --t0 9: no episode of the groups holds a window of K=4 steps" in r.stderr
+    r = _probe(tmp / "dt", "--group", "a=0:2", "--t0", "17")
+    assert r.exit_code == 2 and "error: --t0 17: a window of K=4 steps from step 17 reaches step 20, past the " \
+                                "run's agent.max_ep_len=20" in r.stderr
+    # another dataset: 6-dim observations instead of 3 (the breaker's 6 vs 11)
+    wide = _write_h5(tmp_path / "wide.hdf5", obs_dim=6, env_id="Pendulum-v1", discrete=False)
+    r = _probe(tmp / "dt", "--group", "a=0:2", "--dataset", wide)
+    assert r.exit_code == 2
+    assert r.stderr.startswith(f"error: --dataset {wide}: the dataset does not fit the run: it has observations of "
+                               f"shape (6,) (6 values) and continuous actions of size 1, but the run's model takes "
+                               f"3 observation values and continuous actions of size 1")
+    r = _probe(tmp / "dt", "--group", "a=0:2", "--dataset", tmp_path / "nope.hdf5")
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: --dataset {tmp_path / 'nope.hdf5'}: no such HDF5 file")
+    r = _probe(tmp_path / "no-run", "--group", "a=0:2")
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: {tmp_path / 'no-run'} does not exist")
+    (tmp_path / "empty").mkdir()
+    r = _probe(tmp_path / "empty", "--group", "a=0:2")
+    assert r.exit_code == 2 and r.stderr.startswith("error: no checkpoint in")
+
+
+@pytest.mark.parametrize("kind", ["bc", "toy"])
+def test_probe_names_a_run_that_is_not_a_decision_transformer(probe_runs, kind):
+    tmp, _ = probe_runs
+    r = _probe(tmp / kind, "--group", "a=0:2")
+    assert r.exit_code == 2
+    assert r.stderr == f"error: {tmp / kind} is a {kind} run, not a Decision Transformer run\n"
+
+
+def test_probe_refuses_a_discrete_dt_run(tmp_path):
+    h5 = _write_h5(tmp_path / "cp.hdf5")
+    assert _train(f"dataset.path={h5}", "--run-dir", str(tmp_path / "run")).exit_code == 0
+    r = _probe(tmp_path / "run", "--group", "a=0:2")
+    assert r.exit_code == 2
+    assert r.stderr.startswith(f"error: {tmp_path / 'run'} is a Decision Transformer with discrete actions; the "
+                               f"probe takes continuous actions only")
+
+
+def test_rtg_probe_function_checks_what_it_is_given(probe_runs):
+    from rl_tformers.agents.decision_transformer.rtg_probe import rtg_probe
+    from rl_tformers.envs.loaders import load_dataset
+
+    from rl_tformers.runtime.loading import load_run
+
+    tmp, path = probe_runs
+    run, ds = load_run(tmp / "dt"), load_dataset(path)
+    with pytest.raises(ValueError, match="--t0 -1: an episode step"):
+        rtg_probe(run.agent, ds, {"a": [0]}, t0s=(-1,))
+    with pytest.raises(ValueError, match="--rtg nan"):
+        rtg_probe(run.agent, ds, {"a": [0]}, rtgs=(float("nan"),))
+    wide = _write_h5(tmp / "wide-fn.hdf5", obs_dim=6, env_id="Pendulum-v1", discrete=False)
+    with pytest.raises(ValueError, match="the dataset does not fit the run"):
+        rtg_probe(run.agent, load_dataset(wide), {"a": [0]})
+    with pytest.raises(ValueError, match="is not a Decision Transformer agent"):
+        rtg_probe(load_run(tmp / "bc").agent, ds, {"a": [0]})

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.loaders import load_dataset
+from test_found_by_tester import _write_h5
 
+from rl_tformers.bench import _peer_crosscheck as worker
 from rl_tformers.bench import crosscheck as cc
+from rl_tformers.bench.data import write_synthetic_d4rl
 from rl_tformers.bench.train import default_peer_python
 
 
@@ -83,3 +88,150 @@ def test_worker_end_to_end(tiny_hdf5, tmp_path):
     assert rows == {("dt", res["targets"][0]), ("dt", 3300.0), ("bc", None)}
     for run in res["runs"]:
         assert run["reset_seeds"] == [0, 1] and all(len(r["returns"]) == 2 for r in run["results"])
+
+
+# ------------------------------------------------------------------- 1, 2: the cross-check driver
+class FakeWorker:
+    """Stands in for ``subprocess.run`` of the worker: parses its command line with the worker's
+    own parser and writes what the worker writes (``settings`` included) to ``--out``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def __call__(self, cmd, **kwargs):
+        assert cmd[1] == str(cc.WORKER)
+        args = worker.build_parser().parse_args(cmd[2:])
+        self.calls.append((args.algo, args.seed))
+        targets = [float(t) for t in args.targets.split(",") if t] if args.algo == "dt" else [None]
+        Path(args.out).write_text(json.dumps({
+            "algo": args.algo, "seed": args.seed, "env": args.env, "episodes": args.episodes,
+            "results": [{"target": t, "returns": [1000.0 + args.seed], "lengths": [10]} for t in targets],
+            "train_seconds": 0.0, "eval_seconds": 0.0, "final_lr": 0.0, "versions": {"d3rlpy": "2.8.1"},
+            "settings": worker.recorded_settings(args),
+        }))
+
+        class Done:
+            returncode = 0
+
+        return Done()
+
+
+@pytest.fixture
+def fake_worker(monkeypatch) -> FakeWorker:
+    fake = FakeWorker()
+    monkeypatch.setattr(cc.subprocess, "run", fake)
+    return fake
+
+
+@pytest.fixture(scope="module")
+def hopper_h5(tmp_path_factory) -> Path:
+    """600 synthetic Hopper-shaped steps (the file name tells the loader the task: Hopper-v5)."""
+    return write_synthetic_d4rl(tmp_path_factory.mktemp("cc") / "hopper-synthetic.hdf5", 600, ep_len=100)
+
+
+def _cc(tmp_path: Path, dataset: Path | str, *extra: str) -> list[str]:
+    return ["--dataset", str(dataset), "--python", sys.executable, "--work", str(tmp_path / "work"),
+            "--out", str(tmp_path / "out.json"), "--seeds", "0", "--steps", "5", "--episodes", "1", *extra]
+
+
+def test_crosscheck_reuses_a_run_only_with_the_same_settings_and_data(tmp_path, hopper_h5, fake_worker, capsys):
+    assert cc.main(_cc(tmp_path, hopper_h5)) == 0
+    assert fake_worker.calls == [("dt", 0), ("bc", 0)]
+    first = json.loads((tmp_path / "out.json").read_text())
+    assert first["runs"][0]["data"]["sha256"] == first["dataset_sha256"]
+    # the same command: both runs reused
+    assert cc.main(_cc(tmp_path, hopper_h5)) == 0
+    assert fake_worker.calls == [("dt", 0), ("bc", 0)]
+    assert "reusing" in capsys.readouterr().err
+    # the same data under another name is the same data: reused
+    copy = tmp_path / "hopper-copy.hdf5"
+    copy.write_bytes(hopper_h5.read_bytes())
+    assert cc.main(_cc(tmp_path, copy)) == 0 and len(fake_worker.calls) == 2
+    capsys.readouterr()
+    before = (tmp_path / "out.json").read_text()
+
+    # other steps: refused before anything runs, naming the files and the setting
+    assert cc.main(_cc(tmp_path, hopper_h5, "--steps", "6")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --work {tmp_path / 'work'} holds runs that cannot be reused:")
+    assert f"{tmp_path / 'work' / 'dt-s0.json'} was made with other settings:" in err
+    assert f"{tmp_path / 'work' / 'bc-s0.json'} was made with other settings:" in err
+    assert "steps: 5 (stored) -> 6 (requested)" in err
+    assert "use another --work directory, or delete those files" in err
+    # another DT target: only the DT run differs
+    assert cc.main(_cc(tmp_path, hopper_h5, "--extra-targets", "3300")) == 2
+    err = capsys.readouterr().err
+    assert "dt-s0.json was made with other settings" in err and "bc-s0.json" not in err
+    assert ",3300.0' (requested)" in err
+    # other data with the same settings
+    other = write_synthetic_d4rl(tmp_path / "hopper-other.hdf5", 600, ep_len=100, seed=1)
+    assert cc.main(_cc(tmp_path, other)) == 2
+    assert "dataset sha256: " in capsys.readouterr().err
+    assert len(fake_worker.calls) == 2
+    assert (tmp_path / "out.json").read_text() == before  # nothing rewritten
+
+
+def test_crosscheck_refuses_a_run_json_without_a_data_record(tmp_path, hopper_h5, fake_worker, capsys):
+    """The breaker's repro: a per-run JSON of an older cross-check (or another dataset and steps)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    for algo in ("dt", "bc"):
+        (work / f"{algo}-s0.json").write_text(json.dumps({
+            "algo": algo, "seed": 0, "results": [{"target": None, "returns": [3000.0]}], "train_seconds": 1,
+            "eval_seconds": 1, "versions": {"d3rlpy": "2.8"},
+            "settings": {"steps": 4000, "env": "Hopper-v5", "targets": "3600.0"}}))
+    assert cc.main(_cc(tmp_path, hopper_h5)) == 2
+    err = capsys.readouterr().err
+    assert "steps: 4000 (stored) -> 5 (requested)" in err
+    assert "dataset sha256: not recorded (made by an older cross-check) (stored)" in err
+    assert fake_worker.calls == [] and not (tmp_path / "out.json").exists()
+    assert not (work / "crosscheck_data.npz").exists()
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--seeds", "a,b"], "error: --seeds 'a,b': 'a' is not a seed (an integer >= 0)"),
+    (["--seeds", "0,0"], "error: --seeds '0,0': '0' is given twice"),
+    (["--seeds", "-1"], "error: --seeds '-1': '-1' is not a seed"),
+    (["--extra-targets", "x"], "error: --extra-targets 'x': 'x' is not a finite number"),
+    (["--extra-targets", "nan"], "error: --extra-targets 'nan': 'nan' is not a finite number"),
+    (["--algos", "dt,cql"], "error: --algos 'dt,cql': 'cql' is not an algorithm (dt or bc)"),
+    (["--algos", "bc", "--extra-targets", "3300"], "error: --extra-targets '3300': targets are for dt"),
+    (["--steps", "0"], "error: --steps must be >= 1, got 0"),
+    (["--episodes", "0"], "error: --episodes must be >= 1, got 0"),
+    (["--python", "/nonexistent/python"], "error: --python /nonexistent/python: not an executable file"),
+])
+def test_crosscheck_checks_its_options_before_loading_anything(tmp_path, fake_worker, monkeypatch, capsys,
+                                                                extra, expected):
+    import rl_tformers.envs.loaders as loaders
+
+    def no_load(*a, **k):
+        raise AssertionError("the dataset was loaded before the options were checked")
+
+    monkeypatch.setattr(loaders, "load_dataset", no_load)
+    assert cc.main(_cc(tmp_path, "rlt/hopper-v5/medium-expert-v0", *extra)) == 2
+    assert capsys.readouterr().err.startswith(expected)
+    assert fake_worker.calls == [] and not (tmp_path / "work").exists()
+
+
+def test_crosscheck_checks_the_dataset_and_its_environment_up_front(tmp_path, hopper_h5, fake_worker, capsys):
+    def refused(dataset, *extra) -> str:
+        assert cc.main(_cc(tmp_path, dataset, *extra)) == 2
+        assert fake_worker.calls == [] and not (tmp_path / "work").exists()
+        return capsys.readouterr().err
+
+    err = refused(tmp_path / "nope.hdf5")
+    assert err.startswith(f"error: --dataset {tmp_path / 'nope.hdf5'}: no such HDF5 file")
+    # the breaker's CartPole file (no D4RL references): not run in Hopper-v5
+    cartpole = _write_h5(tmp_path / "cp.hdf5", discrete=True)
+    assert "discrete actions" in refused(cartpole)
+    # a continuous task without D4RL references: named, not an assert
+    pendulum = _write_h5(tmp_path / "pendulum.hdf5", obs_dim=3, env_id="Pendulum-v1", discrete=False)
+    assert refused(pendulum).startswith(
+        f"error: no D4RL reference scores for --dataset {pendulum} or --env Pendulum-v1")
+    # --env other than the dataset's
+    assert refused(hopper_h5, "--env", "Walker2d-v5").startswith(
+        f"error: --env Walker2d-v5, but --dataset {hopper_h5} comes from Hopper-v5")
+    # a dataset that names no task: --env is required, and must fit its shapes
+    anon = _write_h5(tmp_path / "data.hdf5", obs_dim=3, env_id=None, discrete=False)
+    assert "records no environment; name the one it came from with --env" in refused(anon)
+    assert "has observations of shape (3,) and actions of shape (1,)" in refused(anon, "--env", "Hopper-v5")

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from runtime_helpers import assert_same_weights, model_state, scalar_steps, toy_cfg
+from typer.testing import CliRunner
 
+from rl_tformers.cli import app
 from rl_tformers.runtime import trainer as trainer_mod
 from rl_tformers.runtime.checkpoint import list_checkpoints, load_checkpoint
-from rl_tformers.runtime.run_config import compose
+from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import Trainer, resume, train
 
 TRAIN_KEYS = ("train/loss", "train/grad_norm", "train/lr", "train/mae")
@@ -189,3 +191,64 @@ def test_run_dir_with_logs_but_no_checkpoint(run_dir: Path) -> None:
 
     with pytest.raises(CheckpointError, match="no checkpoint in"):
         resume(run_dir)
+
+
+runner = CliRunner()
+
+
+# ------------------------------------------------------------------- 4: a hand-edited config.yaml
+TOY = ["agent.kind=toy", "device=cpu", "train.progress=false", "train.steps=8", "train.batch_size=4",
+       "backbone.n_layers=1", "backbone.d_model=16", "train.log_every=2", "train.checkpoint_every=0",
+       "train.warmup_steps=1", "eval.every=0", "eval.at_end=false"]
+
+
+@pytest.fixture
+def stopped_run(tmp_path) -> Path:
+    run = tmp_path / "run"
+    train(compose(None, TOY), run, stop_at=4)
+    return run
+
+
+def _edit(run: Path, old: str, new: str) -> str:
+    path = run / "config.yaml"
+    text = path.read_text()
+    assert text.count(old) == 1, old
+    path.write_text(text.replace(old, new))
+    return path.read_text()
+
+
+def test_resume_refuses_an_edited_config_yaml(stopped_run):
+    edited = _edit(stopped_run, "d_model: 16", "d_model: 32")
+    with pytest.raises(ConfigError) as info:
+        resume(stopped_run, ["train.steps=10"])
+    msg = str(info.value)
+    assert msg.startswith(f"{stopped_run / 'config.yaml'} differs from the config of checkpoint step_000000004.pt")
+    assert "backbone.d_model: 16 (checkpoint) -> 32 (config.yaml); cannot change when resuming: start a new run" in msg
+    assert "as KEY=VALUE overrides on the command line" in msg
+    assert (stopped_run / "config.yaml").read_text() == edited  # not rewritten
+    r = runner.invoke(app, ["train", "--resume", str(stopped_run), "train.steps=10"])
+    assert r.exit_code == 2 and r.output.startswith(f"error: {stopped_run / 'config.yaml'} differs"), r.output
+    assert sorted(p.name for p in (stopped_run / "checkpoints").glob("*.pt")) == ["step_000000004.pt"]
+
+
+def test_resume_with_a_resumable_key_edited_in_config_yaml_says_to_pass_it(stopped_run):
+    _edit(stopped_run, "steps: 8", "steps: 6")
+    with pytest.raises(ConfigError, match=r"train\.steps: 8 \(checkpoint\) -> 6 \(config.yaml\); to resume with "
+                                          r"it, pass train\.steps=6 on the command line"):
+        resume(stopped_run)
+    assert resume(stopped_run, ["train.steps=6"]).step == 6  # the command line decides the keys it sets
+    assert "steps: 6" in (stopped_run / "config.yaml").read_text()
+
+
+def test_resume_without_config_yaml_or_with_an_older_one_still_works(stopped_run, tmp_path):
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(stopped_run, other)
+    # written before a key existed: the key is absent, and loads with its default (TOY leaves it so)
+    line = next(ln for ln in (other / "config.yaml").read_text().splitlines(True) if "keep_last:" in ln)
+    _edit(other, line, "")
+    assert resume(other).step == 8
+    (stopped_run / "config.yaml").unlink()
+    assert resume(stopped_run).step == 8
+    assert (stopped_run / "config.yaml").is_file()
