@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,14 +15,16 @@ import numpy as np
 import pytest
 import torch
 from runtime_helpers import model_state, toy_cfg
+from test_found_by_tester import _write_h5
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
 from rl_tformers.cli.train import _first_line
 from rl_tformers.runtime import distributed as dist_rt
 from rl_tformers.runtime.checkpoint import list_checkpoints
-from rl_tformers.runtime.trainer import train
-from tests.runtime.ddp_helpers import read_metrics, subprocess_env, two_ranks
+from rl_tformers.runtime.run_config import ConfigError, compose
+from rl_tformers.runtime.trainer import MetricWindow, train
+from tests.runtime.ddp_helpers import read_metrics, subprocess_env, train_cli, two_ranks
 
 
 class Pair(NamedTuple):
@@ -281,3 +284,311 @@ def test_nproc_beyond_the_gpu_count_is_refused_before_any_process_starts(tmp_pat
     r = CliRunner().invoke(app, ["train", "-c", "toy", "--nproc", "2", "--run-dir", str(run), "device=cpu"])
     assert r.exit_code == 0, r.output  # gloo: any number of processes (the launch itself is stubbed here)
     assert len(started) == 1 and "--nproc-per-node=2" in started[0]
+
+
+runner = CliRunner()
+
+
+TOY_DDP = ["agent.kind=toy", "device=cpu", "train.steps=20", "train.batch_size=8", "train.log_every=5",
+       "train.checkpoint_every=10", "train.keep_last=10", "train.lr=3e-3", "train.warmup_steps=5",
+       "eval.at_end=false", "train.progress=false"]
+
+
+PPO = ["-c", "gtrxl/ppo_cartpole", "backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=2",
+       "agent.n_envs=2", "agent.n_steps=16", "agent.n_epochs=2", "agent.n_minibatches=2", "train.log_every=2",
+       "eval.at_end=false", "eval.every=0", "train.progress=false", "--device", "cpu"]
+
+
+def _train_keys(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in m.items() if k == "step" or k.startswith("train/")} for m in read_metrics(run_dir)]
+
+
+def _error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+# ------------------------------------------------ 1: metric windows with different keys per rank
+def test_window_mean_of_a_key_logged_in_some_updates_counts_only_those() -> None:
+    w = MetricWindow()
+    w.add({"train/loss": torch.tensor(1.0), "train/episodic_return": 10.0}, samples=4)
+    w.add({"train/loss": torch.tensor(3.0)}, samples=4)
+    assert w.means() == {"train/loss": 2.0, "train/episodic_return": 10.0}  # not 10 / 2
+
+
+def test_ranks_logging_different_keys_reduce_key_by_key(tmp_path: Path) -> None:
+    outs = two_ranks(tmp_path, """
+        from rl_tformers.runtime.trainer import MetricWindow
+        w = MetricWindow()
+        if rank == 0:
+            w.add({"loss": torch.tensor(1.0), "episodic_return": 10.0}, samples=4)
+            w.add({"loss": torch.tensor(3.0)}, samples=4)
+        else:
+            w.add({"only_rank1": 7.0, "loss": torch.tensor(5.0)}, samples=4)
+            w.add({"loss": torch.tensor(7.0), "episodic_return": 20.0, "only_rank1": 9.0}, samples=4)
+        before = repr(w.state_dict())
+        means, samples = w.reduce(torch.device("cpu"))
+        out = {"means": means, "order": list(means), "samples": samples, "unchanged": repr(w.state_dict()) == before}
+    """)
+    assert outs[0] == outs[1]  # every rank the same numbers, in the same order
+    assert outs[0]["means"] == {"loss": 4.0, "episodic_return": 15.0, "only_rank1": 8.0}
+    assert outs[0]["samples"] == 16 and outs[0]["unchanged"]
+
+
+def test_gtrxl_ppo_trains_on_two_processes(tmp_path: Path) -> None:
+    run = tmp_path / "ppo"
+    r = train_cli("--nproc", "2", *PPO, "train.steps=8", "--run-dir", str(run))
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = read_metrics(run)
+    assert [x["step"] for x in m] == [2, 4, 6, 8]
+    # every process runs its own 2 environments x 16 steps per rollout (a rollout = 4 updates)
+    assert [x["train/env_steps"] for x in m] == [64.0, 64.0, 128.0, 128.0]
+
+
+# ------------------------------------------------------------- 2: DDP resume off a log boundary
+@pytest.mark.slow
+def test_ddp_stop_between_log_lines_and_resume_is_bit_identical(tmp_path: Path) -> None:
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert train_cli("--nproc", "2", *TOY_DDP, "--run-dir", str(full)).returncode == 0
+    first = train_cli("--nproc", "2", *TOY_DDP, "--run-dir", str(split), "--stop-at", "7")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"continue with: rl-tformers train --resume {split} --nproc 2" in first.stderr
+    state = torch.load(split / "checkpoints" / "step_000000007.pt", weights_only=True)
+    assert len(state["trainer"]["window_ranks"]) == 2 and state["trainer"]["window_ranks"][0]["count"] == 2
+    second = train_cli("--nproc", "2", "--resume", str(split))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert _train_keys(full) == _train_keys(split)  # every logged number, bit for bit
+    a = torch.load(full / "checkpoints" / "step_000000020.pt", weights_only=True)["model"]
+    b = torch.load(split / "checkpoints" / "step_000000020.pt", weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ddp_resume_off_a_log_boundary_in_two_plain_processes_is_bit_identical(tmp_path: Path) -> None:
+    """The same as the slow CLI test above, in one pair of processes (no torchrun start-up)."""
+    two_ranks(tmp_path, f"""
+        from pathlib import Path
+        from rl_tformers.runtime.run_config import compose
+        from rl_tformers.runtime.trainer import resume, train
+        torch.set_num_threads(1)
+        cfg = compose(None, {TOY_DDP!r})
+        base = Path({str(tmp_path)!r})
+        train(cfg, base / "full")
+        assert train(cfg, base / "split", stop_at=7).step == 7
+        resume(base / "split")
+    """)
+    assert _train_keys(tmp_path / "full") == _train_keys(tmp_path / "split")
+    assert [m["step"] for m in read_metrics(tmp_path / "split")] == [5, 10, 15, 20]
+
+
+def test_window_of_another_process_count_is_the_mean_of_the_ranks() -> None:
+    ranks = []
+    for loss, ret in ((1.0, 10.0), (3.0, None)):
+        w = MetricWindow()
+        w.add({"loss": torch.tensor(loss), **({"ret": ret} if ret is not None else {})}, samples=4)
+        ranks.append(w.state_dict())
+    one = MetricWindow()
+    one.load_state_dict(MetricWindow.mean_state(ranks), torch.device("cpu"))
+    assert one.means() == {"loss": 2.0, "ret": 10.0}
+    one.add({"loss": torch.tensor(5.0)}, samples=8)  # an update of the resumed single process weighs as much
+    assert one.means()["loss"] == pytest.approx(3.5)
+
+
+# ------------------------------------------------------------------------ 3: PPO resume is honest
+# (it used to restart the environments and say so; since the environments, the running episodes
+# and the rollout in progress are checkpointed, it is exact: tests/agents/test_gtrxl_ppo_resume.py)
+def test_ppo_resume_is_exact_and_counts_env_steps_once(tmp_path: Path) -> None:
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert train_cli(*PPO, "train.steps=12", "--run-dir", str(full)).returncode == 0
+    assert train_cli(*PPO, "train.steps=12", "--run-dir", str(split), "--stop-at", "5").returncode == 0
+    r = train_cli("--resume", str(split))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "not bit-identical" not in r.stderr
+    assert _train_keys(full) == _train_keys(split)
+    # a rollout (2 envs x 16 steps) feeds 4 updates; a counter logs its latest value (the agent's
+    # latest_logs), not the window's mean
+    assert [m["train/env_steps"] for m in read_metrics(split)] == [32, 32, 64, 64, 96, 96]
+    ea = torch.load(full / "checkpoints" / "step_000000012.pt", weights_only=True)["extra"]
+    eb = torch.load(split / "checkpoints" / "step_000000012.pt", weights_only=True)["extra"]
+    assert (ea["rollouts"], eb["rollouts"]) == (3, 3) and eb["env_steps"] == ea["env_steps"]
+
+
+def test_train_help_and_docs_say_ppo_resume_is_exact() -> None:
+    r = runner.invoke(app, ["train", "--help"], terminal_width=400)
+    text = " ".join(r.output.split())
+    assert "on-policy PPO too: its environments are checkpointed" in text
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "runtime.md").read_text()
+    assert "`gtrxl_ppo` checkpoints its environments" in " ".join(docs.split())
+
+
+# ----------------------------------------------------- 4: --nproc checks before torchrun starts
+@pytest.mark.parametrize("args, says", [
+    (["train.batch_size=7", "--run-dir", "RUN"], "train.batch_size=7 is the global batch and must be divisible by"),
+    (["train.batch_size=1", "--run-dir", "RUN"], "train.batch_size=1 is the global batch"),
+    (["train.batch_size=7"], "train.batch_size=7 is the global batch"),
+    (["train.batch_sze=8", "--run-dir", "RUN"], "train.batch_sze: unknown key; did you mean train.batch_size?"),
+])
+def test_nproc_config_errors_are_one_line_before_any_process_starts(tmp_path: Path, args: list[str],
+                                                                   says: str) -> None:
+    args = [str(tmp_path / "run") if a == "RUN" else a for a in args]
+    r = train_cli("--nproc", "2", "-c", "toy", "device=cpu", *args, timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert len(_error_lines(r.stderr)) == 1 and says in _error_lines(r.stderr)[0]
+    assert "launching" not in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_nproc_resume_errors_are_one_line_before_any_process_starts(tmp_path: Path) -> None:
+    r = train_cli("--nproc", "2", "--resume", str(tmp_path / "nonexistent"), timeout=60)
+    assert r.returncode == 2 and _error_lines(r.stderr) == [
+        f"error: --resume {tmp_path / 'nonexistent'} is not a directory: it does not exist (RUN_DIR is the run "
+        f"directory of an earlier run)"]
+    assert "launching" not in r.stderr and "Traceback" not in r.stderr
+    run = tmp_path / "run"  # a 1-process run of batch 8, resumed on 3 processes: 8 is not divisible by 3
+    assert train_cli(*TOY_DDP, "train.steps=2", "--run-dir", str(run)).returncode == 0
+    r = train_cli("--nproc", "3", "--resume", str(run), "train.steps=4", timeout=60)
+    assert r.returncode == 2 and "train.batch_size=8 is the global batch and must be divisible by the 3" in r.stderr
+    assert len(_error_lines(r.stderr)) == 1 and "launching" not in r.stderr
+    r = train_cli("--nproc", "2", "--resume", str(run), "train.lr=1", timeout=60)  # not a resumable key
+    assert r.returncode == 2 and len(_error_lines(r.stderr)) == 1 and "train.lr" in r.stderr
+    assert "launching" not in r.stderr
+
+
+def test_error_inside_the_processes_is_printed_once_without_torchrun_traceback(tmp_path: Path) -> None:
+    r = train_cli("--nproc", "2", "-c", "dt/cartpole_demo", f"dataset.path={tmp_path / 'nope.hdf5'}", "--device", "cpu",
+             "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert _error_lines(r.stderr) == [f"error: no such HDF5 file: {tmp_path / 'nope.hdf5'}"]
+    assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr
+
+
+def test_resume_failure_under_torchrun_by_hand_is_one_line_from_rank_0(tmp_path: Path) -> None:
+    """Without the launcher's checks (torchrun started by hand), rank 0's checkpoint error reaches
+    the other ranks too, which exit quietly instead of dying in a barrier with a gloo traceback."""
+    cmd = [sys.executable, "-m", "rl_tformers.runtime.torchrun", "--standalone", "--nproc-per-node=2",
+           "-m", "rl_tformers.cli", "train", "--resume", str(tmp_path / "nonexistent")]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert len(_error_lines(r.stderr)) == 1 and "is not a directory" in r.stderr
+    assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr
+
+
+# ------------------------------------------------------------------------------------- 6: seeds
+def test_seed_range_is_checked_up_front(tmp_path: Path) -> None:
+    assert int(compose(None, ["agent.kind=toy", f"seed={2**64 - 1}"]).seed) == 2**64 - 1  # torch takes it
+    with pytest.raises(ConfigError, match=r"seed must be an integer in \[0, 2\*\*64 - 1\].*got 99999999999999999999"):
+        compose(None, ["agent.kind=toy", "seed=99999999999999999999"])
+    run = tmp_path / "run"
+    r = runner.invoke(app, ["train", "-c", "toy", "seed=99999999999999999999", "--device", "cpu", "--run-dir", str(run)])
+    assert r.exit_code == 2 and "error: seed must be an integer" in r.output and not run.exists()
+
+
+# -------------------------------------------------------------------------------- 7: DT under DDP
+def test_dt_on_two_processes_equals_one_process_with_the_same_global_batch(tmp_path: Path) -> None:
+    # episodes of 2..11 steps and windows of 4: the two halves of a batch hold different numbers
+    # of padded steps, so the mean of per-shard means over unpadded steps (before the fix) differs
+    # from the global mean: logged losses 2e-4 apart, weights 4e-3 after 10 updates
+    ends = np.zeros(60, bool)
+    ends[[2, 7, 9, 15, 18, 26, 29, 37, 44, 47, 53]] = True
+    h5 = _write_h5(tmp_path / "d.hdf5", n=60, terminals=ends)
+    args = ["-c", "dt/cartpole_demo", f"dataset.path={h5}", "train.steps=10", "train.batch_size=8",
+            "train.log_every=5", "train.warmup_steps=1", "backbone.d_model=16", "backbone.n_layers=1",
+            "agent.context_len=4", "agent.embed_dropout=0", "backbone.dropout=0", "backbone.attn_dropout=0",
+            "eval.every=0", "eval.at_end=false", "train.progress=false", "--device", "cpu"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert train_cli(*args, "--run-dir", str(one)).returncode == 0
+    r = train_cli("--nproc", "2", *args, "--run-dir", str(two))
+    assert r.returncode == 0, r.stderr[-3000:]
+    for ma, mb in zip(read_metrics(one), read_metrics(two), strict=True):  # now within float rounding (~1e-7)
+        for key in ("train/loss", "train/action_acc", "train/grad_norm"):
+            assert mb[key] == pytest.approx(ma[key], rel=1e-6), (ma["step"], key)
+    # weights: Adam divides the float-rounding differences of near-zero gradients by their tiny
+    # sqrt(v), so a few entries move by up to ~5e-6 (lr 1e-3); the per-shard means moved them 4e-3
+    a = torch.load(one / "checkpoints" / "step_000000010.pt", weights_only=True)["model"]
+    b = torch.load(two / "checkpoints" / "step_000000010.pt", weights_only=True)["model"]
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4)
+
+
+_STARTED = "stopping the 2 processes (once training, they finish the current update and save a checkpoint first; " \
+    "press Ctrl-C again to abort at once)"
+
+
+def _launch(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """``rl-tformers train --nproc 2 ARGS`` in a session of its own (so ``os.killpg`` is a Ctrl-C)."""
+    return subprocess.Popen([sys.executable, "-m", "rl_tformers.cli", "train", "--nproc", "2", *args],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+                            start_new_session=True)
+
+
+def _lines_until(proc: subprocess.Popen, done) -> list[str]:
+    """Lines of ``proc``'s stderr up to the first one for which ``done(line)`` holds (or its end)."""
+    lines = []
+    for line in proc.stderr:
+        lines.append(line.rstrip("\n"))
+        if done(line):
+            break
+    return lines
+
+
+def test_ddp_sigint_is_reported_once_with_the_nproc_resume_hint(tmp_path: Path) -> None:
+    from rl_tformers.runtime.checkpoint import list_checkpoints, load_checkpoint
+
+    run = tmp_path / "run"
+    proc = _launch([*TOY_DDP, "train.steps=1000000", "train.checkpoint_every=0", "--run-dir", str(run)], subprocess_env())
+    # rank 0 prints its "run ..." line after every rank has agreed to start: a signal now stops
+    # every rank at the same update boundary, with a checkpoint
+    lines = _lines_until(proc, lambda line: line.startswith("run "))
+    os.killpg(proc.pid, signal.SIGINT)
+    lines += proc.communicate(timeout=300)[1].splitlines()
+    assert proc.returncode == 130, lines
+    (step, path), = list_checkpoints(run)  # the stop's checkpoint, the only one (checkpoint_every=0)
+    state = load_checkpoint(path)  # verifies its digest
+    assert state["step"] == step and len(state["trainer"]["rng_ranks"]) == 2  # saved by both ranks together
+    assert lines[0].startswith("launching 2 processes: torchrun ") and lines[1].startswith(f"run {run} | agent toy")
+    assert lines[2:] == [
+        f"received SIGINT: {_STARTED}",
+        f"stopped by SIGINT at step {step} of 1000000; checkpoint {path}; continue with: "
+        f"rl-tformers train --resume {run} --nproc 2",
+    ]
+    assert all(m["step"] <= step for m in read_metrics(run))  # no log line beyond the checkpoint
+
+
+# one write(2) per line: the two ranks share the pipe, and print() writes the text and the
+# newline separately (lines from the two ranks could interleave)
+_WAIT_IN_STARTUP = """
+import os, signal, time
+if os.environ.get("RANK") is not None:  # a rank: say so, then wait until a stop signal is pending
+    os.write(2, f"rank {os.environ['RANK']} starting\\n".encode())
+    while not set(signal.sigpending()) & {signal.SIGINT, signal.SIGTERM}:
+        time.sleep(0.01)
+"""
+
+
+def test_ddp_sigint_during_the_ranks_start_up_is_one_line_and_130(tmp_path: Path) -> None:
+    """A Ctrl-C while the ranks start (here: in sitecustomize, before `import torch`; the ranks
+    start with SIGINT blocked, so it waits, pending, until `rl-tformers train` can act on it):
+    one line from the launcher, exit 130, no traceback, nothing left in the run directory."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_WAIT_IN_STARTUP)
+    run = tmp_path / "run"
+    proc = _launch([*TOY_DDP, "train.steps=1000000", "--run-dir", str(run)], {**subprocess_env(), "PYTHONPATH": str(site)})
+    starting: set[str] = set()
+    lines = _lines_until(proc, lambda line: starting.add(line.strip()) or starting >= {"rank 0 starting",
+                                                                                        "rank 1 starting"})
+    os.killpg(proc.pid, signal.SIGINT)
+    lines += proc.communicate(timeout=300)[1].splitlines()
+    assert proc.returncode == 130, lines
+    assert lines[0].startswith("launching 2 processes: torchrun ")
+    assert sorted(lines[1:3]) == ["rank 0 starting", "rank 1 starting"]
+    assert lines[3:] == [f"received SIGINT: {_STARTED}",
+                         "interrupted by SIGINT before the first checkpoint: nothing to resume"]
+    assert not run.exists()
+
+
+def test_process_count_change_warning_once_with_the_right_plural(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert train_cli(*TOY_DDP, "train.steps=2", "--run-dir", str(run)).returncode == 0
+    r = train_cli("--nproc", "2", "--resume", str(run), "train.steps=4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("resuming a run of 1 process with 2 processes") == 1, r.stderr
+    assert "1 processes" not in r.stderr

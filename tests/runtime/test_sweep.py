@@ -427,3 +427,44 @@ def test_sweep_warns_about_completed_runs_that_did_not_log_the_summary_metric(tm
         assert row["step"] == 10 and row["train/loss"] == 0.5 and row["seconds"] == 3.0
         assert {k: row[k] for k in logged[row["run"]]} == logged[row["run"]]
         assert ("eval/normalized_score" in row) == ("hopper" in row["run"])
+
+
+runner = CliRunner()
+
+
+# ------------------------------------------------------- 5: run / sweep directory that is a file
+def test_run_dir_or_sweep_out_that_is_a_file_is_a_clean_error(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("hi\n")
+    for run_dir, where in ((afile, f"{afile} is a file"), (afile / "sub", f"{afile} (a folder above it) is a file")):
+        r = runner.invoke(app, ["train", "-c", "toy", "--run-dir", str(run_dir), "train.steps=2", "--device", "cpu"])
+        assert r.exit_code == 2 and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
+        assert f"error: --run-dir {run_dir}: {where}; pick another --run-dir" in r.output
+    r = runner.invoke(app, ["sweep", "-c", "toy", "--out", str(afile), "train.steps=2", "--device", "cpu"])
+    assert r.exit_code == 2 and f"error: --out {afile}: {afile} is a file" in r.output, r.output
+    assert afile.read_text() == "hi\n"
+
+
+@pytest.mark.parametrize("text, says", [
+    ("99999999999999999999", "seed 99999999999999999999 is out of range"),
+    ("1-0", "the range 1-0 is reversed"),
+    ("0,,1", "an empty item"),
+    ("0,1,", "an empty item"),
+    ("-1", "seed -1 is out of range"),
+    ("0-5000", "at most 1000"),
+])
+def test_sweep_seeds_are_checked(tmp_path: Path, text: str, says: str) -> None:
+    with pytest.raises(sw.SweepError, match=says):
+        sw.parse_seeds(text)
+    r = runner.invoke(app, ["sweep", "-c", "toy", "--seeds", text, "--out", str(tmp_path / "sw"), "train.steps=2"])
+    assert r.exit_code == 2 and says in r.output and not (tmp_path / "sw").exists()
+    assert sw.parse_seeds(f"{2**64 - 1}") == [2**64 - 1] and sw.parse_seeds(" 0-2, 7") == [0, 1, 2, 7]
+
+
+def test_sweep_grid_with_an_empty_value_is_refused() -> None:
+    from rl_tformers.runtime.sweep import SweepError, parse_grid
+
+    for item in ("train.lr=1e-3,,3e-3", "train.lr=1e-3,"):
+        with pytest.raises(SweepError, match="empty value"):
+            parse_grid([item])
+    assert parse_grid(["agent.hidden=[64,64],[32]"]) == {"agent.hidden": ["[64,64]", "[32]"]}
