@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import json
+import zipfile
+from pathlib import Path
 
+import gymnasium as gym
 import h5py
 import numpy as np
+import pytest
+import torch
+from rl_tformers.envs import collect as C
+from rl_tformers.envs.collect import Behaviour, collect
+from rl_tformers.envs.dataset import DatasetError
+from rl_tformers.envs.loaders import load_dataset
+from rl_tformers.envs.policies import RandomPolicy, load_sb3_policy, train_sb3
 from typer.testing import CliRunner
 
+from rl_tformers.bench import attention as A
+from rl_tformers.bench import eval as E
+from rl_tformers.bench import reversible as R
 from rl_tformers.cli import app
 
 runner = CliRunner()
@@ -75,3 +88,256 @@ def test_list_recipes_and_unknown_recipe():
     assert len(names) == 30 and "hopper-medium-replay-positions" in names
     r = runner.invoke(app, ["collect", "--recipe", "pong-*"])
     assert r.exit_code == 1 and "no recipe matches 'pong-*'" in r.stderr
+
+
+def _tripwire(*args, **kwargs):
+    raise AssertionError("the expensive part ran before the bad input was refused")
+
+
+def _cartpole(root: Path, dataset_id: str, episodes: int, policy=None, overwrite: bool = False):
+    env = gym.make("CartPole-v1")
+    pol = policy or RandomPolicy(env.action_space, seed=0)
+    return collect("CartPole-v1", [Behaviour(pol, episodes=episodes)], dataset_id=dataset_id, root=root,
+                   overwrite=overwrite, progress=False)
+
+
+# ----------------------------------------------------- 1. an interrupted --overwrite kept nothing
+class _Interrupting:
+    """A policy whose third action raises ``error`` (Ctrl-C, or a failure)."""
+
+    def __init__(self, space, error: type[BaseException]):
+        self.random, self.calls, self.error = RandomPolicy(space, seed=1), 0, error
+
+    def reset(self) -> None:
+        pass
+
+    def __call__(self, obs):
+        self.calls += 1
+        if self.calls == 3:
+            raise self.error("stop")
+        return self.random(obs)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupted_overwrite_keeps_the_dataset_it_was_replacing(tmp_path: Path, error) -> None:
+    old = _cartpole(tmp_path, "tst/keep-v0", episodes=2)
+    before = load_dataset("tst/keep-v0", root=tmp_path)
+    with pytest.raises(error):
+        _cartpole(tmp_path, "tst/keep-v0", episodes=50, overwrite=True,
+                  policy=_Interrupting(gym.make("CartPole-v1").action_space, error))
+    after = load_dataset("tst/keep-v0", root=tmp_path)
+    assert after.num_steps == before.num_steps == old.num_steps
+    assert np.array_equal(after.observations, before.observations)
+    assert sorted(p.name for p in (tmp_path / "tst").iterdir()) == ["keep-v0", "namespace_metadata.json"]
+
+
+def test_a_completed_overwrite_replaces_and_leaves_no_backup(tmp_path: Path) -> None:
+    _cartpole(tmp_path, "tst/keep-v0", episodes=1)
+    new = _cartpole(tmp_path, "tst/keep-v0", episodes=2, overwrite=True)
+    assert load_dataset("tst/keep-v0", root=tmp_path).num_episodes == new.num_episodes == 2
+    assert sorted(p.name for p in (tmp_path / "tst").iterdir()) == ["keep-v0", "namespace_metadata.json"]
+
+
+# ----------------------------------------------------- 2. collect values checked by name
+@pytest.mark.parametrize(("args", "says"), [
+    (["--env", "Pendulum-v1", "--noise", "-1"], "--noise must be a finite number >= 0"),
+    (["--env", "Pendulum-v1", "--noise", "nan"], "--noise must be a finite number >= 0"),
+    (["--env", "Pendulum-v1", "--noise", "inf"], "--noise must be a finite number >= 0"),
+    (["--env", "Pendulum-v1", "--epsilon", "nan"], "--epsilon must be a probability in [0, 1], got nan"),
+    (["--env", "Pendulum-v1", "--epsilon", "-0.5"], "--epsilon must be a probability in [0, 1], got -0.5"),
+    (["--env", "Pendulum-v1", "--train", "ppo", "--train-steps", "0"], "--train-steps must be >= 1, got 0"),
+    (["--env", "CartPole-v1", "--seed", "-1"], "--seed must be >= 0 (it seeds the episode resets), got -1"),
+    (["--env", "CartPole-v1", "--dataset-id", "bad"], "--dataset-id 'bad' is not a Minari dataset id"),
+    (["--env", "CartPole-v1", "--dataset-id", "ns/bad"], "--dataset-id 'ns/bad' is not a Minari dataset id"),
+    (["--env", "CartPole-v1", "--dataset-id", ""], "--dataset-id '' is not a Minari dataset id"),
+    (["--env", "CartPole-v1", "--train", "ppo", "--replay-dataset-id", "ns/bad"],
+     "--replay-dataset-id 'ns/bad' is not a Minari dataset id"),
+    (["--env", "CartPole-v1", "--recipe-steps", "5"], "--recipe-steps needs --recipe"),
+    (["--recipe", "hopper-random", "--recipe-steps", "0"], "--recipe-steps must be >= 6, got 0"),
+    (["--recipe", "hopper-random", "--seed", "-2"], "--seed must be >= 0"),
+    (["--recipe", "hopper-random", "--env", "Hopper-v5", "--steps", "5", "--noise", "0.1"],
+     "--env, --steps, --noise: not used with --recipe"),
+    (["--recipe", "hopper-random", "--dataset-id", "rlt/x-v0"], "--dataset-id: not used with --recipe"),
+])
+def test_collect_refuses_bad_values_by_name_before_collecting(tmp_path: Path, monkeypatch, args, says) -> None:
+    monkeypatch.setattr(C, "_collect", _tripwire)
+    monkeypatch.setattr(C, "train_sb3", _tripwire, raising=False)
+    monkeypatch.setattr("rl_tformers.envs.policies.train_sb3", _tripwire)
+    r = runner.invoke(app, ["collect", "--root", str(tmp_path / "data"), "--episodes", "1", "--no-progress", *args]
+                      if "--recipe" not in args else
+                      ["collect", "--root", str(tmp_path / "data"), "--no-progress", *args])
+    out = " ".join(r.output.replace("│", " ").split())
+    assert r.exit_code != 0 and not isinstance(r.exception, AssertionError), r.output
+    assert says in out, out
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "data").exists() or not any((tmp_path / "data").rglob("metadata.json"))
+
+
+# ----------------------------------------------------- 3. a policy for another environment
+def _fake_sb3_zip(path: Path, obs_shape: list[int], act_shape: list[int]) -> Path:
+    data = {"policy_class": {"__module__": "stable_baselines3.sac.policies"},
+            "observation_space": {"shape": obs_shape}, "action_space": {"shape": act_shape}}
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("data", json.dumps(data))
+    return path
+
+
+def test_a_policy_trained_on_other_shapes_is_refused_naming_both(tmp_path: Path) -> None:
+    env = gym.make("Pendulum-v1")  # observation (3,), action (1,)
+    with pytest.raises(ValueError, match=r"trained with observation space of shape \(11,\), but Pendulum-v1 has Box"):
+        load_sb3_policy(_fake_sb3_zip(tmp_path / "a.zip", [11], [1]), env)
+    with pytest.raises(ValueError, match=r"trained with action space of shape \(3,\), but Pendulum-v1 has Box"):
+        load_sb3_policy(_fake_sb3_zip(tmp_path / "b.zip", [3], [3]), env)
+    r = runner.invoke(app, ["collect", "--root", str(tmp_path / "d"), "--env", "Pendulum-v1", "--episodes", "1",
+                            "--policy", str(tmp_path / "a.zip"), "--no-progress"])
+    assert r.exit_code == 1 and "error: --policy" in r.output and "shape (11,)" in r.output, r.output
+    assert "Traceback" not in r.output
+
+
+def test_training_an_algorithm_on_an_action_space_it_cannot_use_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match=r"--train sac: cannot train on CartPole-v1: .*Discrete\(2\)"):
+        train_sb3("sac", gym.make("CartPole-v1"), 1)
+
+
+# ----------------------------------------------------- 4. malformed pomdp records
+def _h5_with_pomdp(path: Path, pomdp) -> Path:
+    n = 6
+    with h5py.File(path, "w") as f:
+        f["observations"] = np.zeros((n, 2), np.float32)
+        f["actions"] = np.zeros((n, 1), np.float32)
+        f["rewards"] = np.ones(n, np.float32)
+        f["terminals"] = np.array([0, 0, 1, 0, 0, 1], bool)
+        f["timeouts"] = np.zeros(n, bool)
+        f.attrs["rl_tformers_metadata"] = json.dumps({"pomdp": pomdp})
+    return path
+
+
+@pytest.mark.parametrize(("pomdp", "says"), [
+    ("yes", "pomdp: 'yes' is a str, not an object"),
+    ({"kind": "hide", "indices": [0, 1], "source_shape": [4]}, "pomdp: kind 'hide' is not one of positions, mask"),
+    ({"kind": "mask", "indices": [0, 9], "source_shape": [4]}, "pomdp: indices [9] are outside [0, 4)"),
+    ({"kind": "mask", "indices": [1, 1], "source_shape": [4]}, "pomdp: indices [1, 1] repeat"),
+    ({"kind": "mask", "indices": [0, 1, 2], "source_shape": [4]},
+     "pomdp: 3 indices, but the observations have shape (2,)"),
+    ({"kind": "mask", "indices": [0, True], "source_shape": [4]}, "pomdp: indices [0, True] is not a non-empty list"),
+    ({"kind": "mask", "indices": [0, 1]}, "pomdp: source_shape None is not a non-empty list of integers"),
+])
+def test_a_malformed_pomdp_record_is_refused_at_load(tmp_path: Path, pomdp, says) -> None:
+    path = _h5_with_pomdp(tmp_path / "d.hdf5", pomdp)
+    with pytest.raises(DatasetError, match=r"^" + __import__("re").escape(says)) as err:
+        load_dataset(path)
+    assert err.value.field == "pomdp" and "attribute rl_tformers_metadata" in str(err.value)
+    r = runner.invoke(app, ["dataset", "info", str(path)])
+    assert r.exit_code == 1 and f"error: {says}" in r.output, r.output
+
+
+def test_a_well_formed_pomdp_record_loads(tmp_path: Path) -> None:
+    rec = {"kind": "mask", "indices": [0, 3], "source_shape": [4]}
+    assert load_dataset(_h5_with_pomdp(tmp_path / "d.hdf5", rec)).metadata.pomdp == rec
+
+
+def test_a_malformed_pomdp_record_in_minari_metadata_is_refused(tmp_path: Path) -> None:
+    _cartpole(tmp_path, "tst/pomdp-v0", episodes=1)
+    meta = tmp_path / "tst" / "pomdp-v0" / "data" / "metadata.json"
+    m = json.loads(meta.read_text())
+    m["rl_tformers"]["pomdp"] = {"kind": "mask", "indices": [9, 10], "source_shape": [4]}
+    meta.write_text(json.dumps(m))
+    r = runner.invoke(app, ["dataset", "info", "tst/pomdp-v0", "--root", str(tmp_path)])
+    assert r.exit_code == 1, r.output
+    assert "error: pomdp: indices [9, 10] are outside [0, 4) (source_shape [4]) in the Minari metadata of " \
+           "tst/pomdp-v0" in r.output
+
+
+# ----------------------------------------------------- 5. export below a file
+def test_dataset_export_below_a_file_is_refused_before_loading(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("rl_tformers.envs.loaders.load_dataset", _tripwire)
+    blocker = tmp_path / "f.hdf5"
+    blocker.write_text("x")
+    r = runner.invoke(app, ["dataset", "export", str(blocker), str(blocker / "out.hdf5")])
+    assert r.exit_code == 1 and f"error: OUT {blocker / 'out.hdf5'}: {blocker} is a file, not a directory" in r.output
+
+
+# ----------------------------------------------------- 6. bench attention options
+TINY = ["--kinds", "sdpa", "--lengths", "8", "--d-model", "8", "--n-heads", "2", "--repeats", "1"]
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--kinds", ""], "--kinds is empty; give comma-separated attention kinds, or 'all'"),
+    (["--kinds", "sdpa,sdpa"], "--kinds: 'sdpa' is given twice"),
+    (["--lengths", "8,8"], "--lengths: 8 is given twice"),
+    (["--lengths", "1.5"], "--lengths '1.5': expected comma-separated integers"),
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--d-model", "0"], "--d-model must be >= 1, got 0"),
+    (["--n-heads", "0"], "--n-heads must be >= 1, got 0"),
+    (["--d-model", "10", "--n-heads", "4"], "--d-model 10 is not divisible by --n-heads 4"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--memory-budget-gb", "nan"], "--memory-budget-gb must be a positive number, got nan"),
+    (["--memory-budget-gb", "-1"], "--memory-budget-gb must be a positive number, got -1.0"),
+    (["--time-budget-s", "0"], "--time-budget-s must be a positive number, got 0.0"),
+    (["--device", "tpu"], "--device 'tpu': use cpu or cuda"),
+    (["--rl-steps", "5"], "--rl-steps is used by the RL-scale cases only; add --rl-scale"),
+    (["--rl-option", "steps=5"], "--rl-option is used by the RL-scale cases only; add --rl-scale"),
+    (["--rl-scale", "--rl-option", "foo"], "--rl-option: expected key=value, got 'foo'"),
+    (["--rl-scale", "--rl-option", "foo=1"], "unknown dt_long_context options ['foo']"),
+    (["--rl-scale", "--rl-steps", "0"], "--rl-steps must be >= 1, got 0"),
+])
+def test_bench_attention_refuses_bad_options_before_measuring(monkeypatch, args, says) -> None:
+    monkeypatch.setattr(A, "run", _tripwire)
+    monkeypatch.setattr(A, "run_rl_scale", _tripwire)
+    r = runner.invoke(app, ["bench", "attention", *TINY, *args])
+    assert r.exit_code == 2 and f"error: {says}" in r.output, r.output
+
+
+def test_bench_attention_refuses_an_unavailable_cuda_device(monkeypatch) -> None:
+    monkeypatch.setattr(A, "run", _tripwire)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = runner.invoke(app, ["bench", "attention", *TINY, "--device", "cuda"])
+    assert r.exit_code == 2 and "error: --device cuda: CUDA is not available here" in r.output, r.output
+
+
+def test_bench_attention_out_and_plot_paths(tmp_path: Path, monkeypatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setattr(A, "run", _tripwire)
+    for option, path, says in (("--out", tmp_path, f"--out {tmp_path} is a directory"),
+                               ("--out", blocker / "a.json", f"--out {blocker / 'a.json'}: {blocker} is a file, not a directory"),
+                               ("--plot", tmp_path, f"--plot {tmp_path} is a directory"),
+                               ("--plot", blocker / "p.png", f"--plot {blocker / 'p.png'}: {blocker} is a file")):
+        r = runner.invoke(app, ["bench", "attention", *TINY, option, str(path)])
+        assert r.exit_code == 2 and f"error: {says}" in r.output, r.output
+    monkeypatch.undo()
+    out, fig = tmp_path / "new" / "a" / "b.json", tmp_path / "new2" / "p.png"
+    r = runner.invoke(app, ["bench", "attention", *TINY, "--out", str(out), "--plot", str(fig)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["rows"][0]["kind"] == "sdpa" and fig.stat().st_size > 0
+
+
+# ----------------------------------------------------- 7. bench reversible and bench eval
+@pytest.mark.parametrize(("args", "says"), [
+    (["--depths", ""], "--depths: give at least one number of layers"),
+    (["--depths", "0"], "--depths: every depth must be >= 1, got 0"),
+    (["--depths", "1.5"], "--depths '1.5': expected comma-separated integers"),
+    (["--depths", "1,1"], "--depths: 1 is given twice"),
+    (["--depths", "1", "--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--depths", "1", "--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+    (["--depths", "1", "--d-model", "8", "--n-heads", "3"], "--d-model 8 is not divisible by --n-heads 3"),
+    (["--depths", "1", "--device", "tpu"], "--device 'tpu': use cpu or cuda"),
+])
+def test_bench_reversible_refuses_bad_options_by_name(monkeypatch, args, says) -> None:
+    monkeypatch.setattr(R, "run", _tripwire)
+    r = runner.invoke(app, ["bench", "reversible", *args])
+    assert r.exit_code == 2 and f"error: {says}" in r.output, r.output
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--skip-rollouts", "--memory-kinds", ""], "nothing to measure: --skip-rollouts skips part 1 and "
+                                                "--memory-kinds '' skips part 2"),
+    (["--skip-rollouts", "--memory-kinds", "xl,xl"], "--memory-kinds: 'xl' is given twice"),
+    (["--skip-rollouts", "--mem-lens", "4,4"], "--mem-lens: 4 is given twice"),
+    (["--device", "tpu"], "--device 'tpu': use cpu or cuda"),
+])
+def test_bench_eval_refuses_bad_options_by_name(monkeypatch, args, says) -> None:
+    monkeypatch.setattr(E, "run", _tripwire)
+    r = runner.invoke(app, ["bench", "eval", *args])
+    assert r.exit_code == 2 and f"error: {says}" in r.output, r.output
