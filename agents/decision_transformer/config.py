@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rl_tformers.runtime.evaluation import repeated_target
 from rl_tformers.agents.common.knn_memory import METRICS
 from rl_tformers.agents.decision_transformer.model import EMBED_INITS, MODES
 from rl_tformers.agents.decision_transformer.policy import OVERFLOW_POLICIES
 
 from rl_tformers.depth.early_exit import SCHEMES
+from rl_tformers.runtime.evaluation import repeated_target
 from rl_tformers.typed_config import ConfigFieldError, TypedConfig, check_value, option
 
 #: words of ``agent.early_exit.threshold`` that mean the full model

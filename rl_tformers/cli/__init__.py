@@ -33,6 +33,7 @@ COMMAND_MODULES = (
     "rl_tformers.cli.evaluate",  # eval, plot, demo
     "rl_tformers.cli.data",  # collect, dataset
     "rl_tformers.cli.backbones",  # backbones
+    "rl_tformers.cli.agents",  # agents
     "rl_tformers.cli.bench",  # bench
 )
 
