@@ -3,11 +3,15 @@ synthetic D4RL file and its load timings."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import h5py
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 from rl_tformers.bench import data as bd
+from rl_tformers.cli import app
 
 
 def test_synthetic_d4rl_file_loads_with_its_episodes(tmp_path):
@@ -34,3 +38,47 @@ def test_samplers_against_their_trainers(tiny_hdf5):
         assert r["sampler_samples_per_s"] > 0 and r["headroom"] == pytest.approx(
             r["sampler_samples_per_s"] / r["training_samples_per_s"])
     assert "| window (DT), K=20 | 64 |" in bd.markdown(res)
+
+
+runner = CliRunner()
+
+
+def _tripwire(*args, **kwargs):
+    raise AssertionError("the expensive part ran before the bad option was refused")
+
+
+# ------------------------------------------------------------- 2. bench data / bench eval options
+@pytest.mark.parametrize("args, option", [
+    (["--train-steps", "0"], "--train-steps"), (["--train-steps", "-1"], "--train-steps"),
+    (["--batches", "0"], "--batches"), (["--batches", "-1"], "--batches"),
+    (["--batch-size", "0"], "--batch-size"), (["--steps", "0"], "--steps"), (["--steps", "-5"], "--steps"),
+    (["--repeats", "0"], "--repeats"), (["--repeats", "-2"], "--repeats"),
+    (["--threads", "0"], "--threads"), (["--threads", "-1"], "--threads"),
+])
+def test_bench_data_counts_are_checked_before_any_work(monkeypatch, args: list[str], option: str) -> None:
+    from rl_tformers.bench import data as bd
+
+    monkeypatch.setattr(bd, "run", _tripwire)
+    r = runner.invoke(app, ["bench", "data", *args])
+    assert r.exit_code == 2 and option in r.output, r.output
+
+
+def test_bench_data_settings_are_checked_in_python_too(monkeypatch) -> None:
+    from rl_tformers.bench import data as bd
+
+    monkeypatch.setattr(bd, "build_trainer", _tripwire)
+    with pytest.raises(ValueError, match=r"^--train-steps must be >= 1, got 0$"):
+        bd.run(bd.Settings(train_steps=0))
+    with pytest.raises(ValueError, match=r"^--batches must be >= 1, got -1$"):
+        bd.run(bd.Settings(batches=-1))
+
+
+def test_bench_data_keep_and_out_paths_are_checked_first(tmp_path: Path, monkeypatch) -> None:
+    from rl_tformers.bench import data as bd
+
+    monkeypatch.setattr(bd, "run", _tripwire)
+    (tmp_path / "afile").write_text("hi")
+    r = runner.invoke(app, ["bench", "data", "--keep", str(tmp_path / "afile")])
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: --keep {tmp_path / 'afile'} is a file")
+    r = runner.invoke(app, ["bench", "data", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: --out {tmp_path} is a directory")

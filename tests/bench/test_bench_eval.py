@@ -7,6 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rl_tformers.bench import eval as be
+from rl_tformers.cli import app
 
 
 def test_batched_and_sequential_play_the_same_episodes(tiny_hdf5):
@@ -44,3 +45,40 @@ def test_cli_json(tmp_path):
                                  "--mem-envs", "2", "--mem-steps", "1", "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert json.loads(out.read_text())["memory"][0]["mem_len"] == 4
+
+
+runner = CliRunner()
+
+
+def _tripwire(*args, **kwargs):
+    raise AssertionError("the expensive part ran before the bad option was refused")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mem-envs", "0"], "--mem-envs"), (["--mem-envs", "-1"], "--mem-envs"),
+    (["--mem-steps", "0"], "--mem-steps"), (["--mem-steps", "-3"], "--mem-steps"),
+    (["--threads", "0"], "--threads"), (["--threads", "-1"], "--threads"),
+    (["--max-episode-steps", "-1"], "--max-episode-steps"), (["--max-episode-steps", "0"], "--max-episode-steps"),
+    (["--mem-lens", "0"], "error: --mem-lens: every memory length must be >= 1, got 0"),
+    (["--mem-lens", "4,abc"], "error: --mem-lens: 'abc' is not an integer"),
+    (["--mem-lens", ","], "error: --mem-lens: give at least one memory length"),
+    (["--memory-kinds", "xl,bogus"], "error: --memory-kinds: unknown kind 'bogus'; use a comma-separated subset "
+                                     "of xl,gtrxl"),
+])
+def test_bench_eval_options_are_checked_before_any_work(monkeypatch, args: list[str], message: str) -> None:
+    from rl_tformers.bench import eval as be
+
+    monkeypatch.setattr(be, "run", _tripwire)
+    r = runner.invoke(app, ["bench", "eval", "--skip-rollouts", *args])
+    assert r.exit_code == 2 and message in r.output, r.output
+
+
+def test_bench_eval_settings_are_checked_in_python_too(monkeypatch) -> None:
+    from rl_tformers.bench import eval as be
+
+    monkeypatch.setattr(be, "load_agent", _tripwire)
+    monkeypatch.setattr(be, "memory_step_cost", _tripwire)
+    with pytest.raises(ValueError, match=r"^--max-episode-steps must be >= 1, got 0 \(leave the option out"):
+        be.run(be.Settings(max_episode_steps=0))
+    with pytest.raises(ValueError, match=r"^--mem-steps must be >= 1, got 0$"):
+        be.run(be.Settings(mem_steps=0))

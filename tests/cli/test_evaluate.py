@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
+from test_found_by_tester import _train, _write_h5
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
@@ -55,3 +59,120 @@ def test_summary_of_a_policy_without_target_has_no_target_column() -> None:
     dt = TargetResult(target_return=3600.0, returns=[2.0], lengths=[5], seeds=[0])
     assert summary_lines([bc]) == ["return      2.00 +-     1.00 over 2 episodes"]
     assert summary_lines([dt]) == ["target     3600: return      2.00 +-     0.00 over 1 episode"]
+
+
+runner = CliRunner()
+
+
+def _strict_loads(text: str):
+    """``json.loads`` that rejects the non-standard NaN / Infinity tokens."""
+    def bad(token: str):
+        raise ValueError(f"non-standard JSON token {token}")
+
+    return json.loads(text, parse_constant=bad)
+
+
+def _tripwire(*args, **kwargs):
+    raise AssertionError("the expensive part ran before the bad option was refused")
+
+
+@pytest.fixture(scope="module")
+def dt_run_eval(tmp_path_factory) -> Path:
+    """A DT trained for 2 updates on a tiny CartPole file (discrete actions)."""
+    tmp = tmp_path_factory.mktemp("b4dt")
+    h5 = _write_h5(tmp / "cartpole.hdf5")
+    r = _train(f"dataset.path={h5}", "--run-dir", str(tmp / "dt"))
+    assert r.exit_code == 0, r.output
+    return tmp / "dt"
+
+
+@pytest.fixture(scope="module")
+def dt_cont_run(tmp_path_factory) -> Path:
+    """A DT trained for 2 updates on a tiny Pendulum-shaped file (continuous actions)."""
+    tmp = tmp_path_factory.mktemp("b4dtc")
+    h5 = _write_h5(tmp / "pendulum.hdf5", obs_dim=3, env_id="Pendulum-v1", discrete=False)
+    r = _train(f"dataset.path={h5}", "agent.max_ep_len=200", "--run-dir", str(tmp / "dt"))
+    assert r.exit_code == 0, r.output
+    return tmp / "dt"
+
+
+# ------------------------------------------------------------- 1. huge DT targets, NaN, strict JSON
+@pytest.mark.parametrize("target", ["1e25", "1e30", "4e38", "-1e30"])
+def test_eval_refuses_a_target_beyond_the_rtg_embedding_up_front(dt_run_eval: Path, monkeypatch, target: str) -> None:
+    from rl_tformers.runtime import evaluation
+
+    monkeypatch.setattr(evaluation, "evaluate", _tripwire)
+    r = runner.invoke(app, ["eval", str(dt_run_eval), "--targets", f"100,{target}", "--episodes", "1", "--envs", "1",
+                            "--json"])
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith(f"error: --targets: {float(target):g} is beyond what this model takes: |target| "
+                               f"must be at most "), r.stderr
+    assert "reward scale" in r.stderr and "NaN" in r.stderr and r.stdout == ""
+
+
+def test_target_limit_is_where_the_float32_embedding_still_holds(dt_cont_run: Path) -> None:
+    """Below the limit every action is finite; far above it (where the old code sent NaN) the
+    policy refuses the target."""
+    import torch
+
+    from rl_tformers.runtime.loading import load_run
+
+    run = load_run(dt_cont_run, torch.device("cpu"))
+    pol = run.agent.policy()
+    limit = pol.target_limit()
+    assert 1e10 < limit < 1e30
+    obs = np.zeros((2, 3), np.float32)
+    state = pol.initial_state(2, limit)  # the largest accepted target still gives finite actions
+    a, _ = pol.act(obs, state, np.ones(2, bool))
+    assert np.isfinite(a).all()
+    with pytest.raises(ValueError, match=r"target return: 1e\+30 is beyond what this model takes"):
+        pol.initial_state(2, 1e30)
+    pol.check_targets([10.0, -limit])
+    with pytest.raises(ValueError, match=r"^--targets: .* must be at most"):
+        pol.check_targets([10.0, 2 * limit], option="--targets")
+
+
+def test_eval_and_plot_turn_a_non_finite_evaluation_into_an_error(dt_run_eval: Path, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    from rl_tformers.agents.decision_transformer.policy import DTPolicy
+
+    monkeypatch.setattr(DTPolicy, "target_limit", lambda self: math.inf)
+    r = runner.invoke(app, ["eval", str(dt_run_eval), "--targets", "1e30", "--episodes", "1", "--envs", "1", "--json"])
+    assert r.exit_code == 2 and r.stdout == "", r.output
+    assert r.stderr.startswith("error: Decision Transformer: the model's prediction is not finite (NaN/inf) for "
+                               "target return 1e+30")
+    r = runner.invoke(app, ["plot", str(dt_run_eval), "--out", str(tmp_path / "p.png"), "--targets", "10,1e30",
+                            "--episodes", "1", "--envs", "1", "--no-tensorboard"])
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.exit_code == 2 and "error: Decision Transformer: the model's prediction is not finite" in r.stderr
+
+
+def test_eval_json_is_strict(dt_run_eval: Path, tmp_path: Path) -> None:
+    from rl_tformers.runtime.evaluation import strict_json
+
+    out = tmp_path / "e.json"
+    r = runner.invoke(app, ["eval", str(dt_run_eval), "--targets", "10", "--episodes", "2", "--envs", "1", "--json",
+                            "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert _strict_loads(r.stdout)["results"][0]["target_return"] == 10.0
+    assert _strict_loads(out.read_text())["results"][0]["returns"]
+    assert strict_json({"a": [float("nan"), 1.0, float("inf")], "b": np.float32("-inf")}) == \
+        '{"a": [null, 1.0, null], "b": null}'
+
+
+def test_eval_refuses_a_non_finite_early_exit_threshold(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["eval", str(tmp_path / "no_run"), "--early-exit", "inf"])
+    assert r.exit_code == 2
+    assert r.stderr.startswith("error: --early-exit inf: the threshold must be a finite number")
+
+
+def test_eval_out_is_checked_before_evaluating(dt_run_eval: Path, tmp_path: Path, monkeypatch) -> None:
+    from rl_tformers.runtime import evaluation
+
+    monkeypatch.setattr(evaluation, "evaluate", _tripwire)
+    r = runner.invoke(app, ["eval", str(dt_run_eval), "--targets", "10", "--episodes", "1", "--envs", "1",
+                            "--out", str(tmp_path)])
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: --out {tmp_path} is a directory"), r.output
+    (tmp_path / "afile").write_text("hi")
+    r = runner.invoke(app, ["eval", str(dt_run_eval), "--targets", "10", "--out", str(tmp_path / "afile" / "e.json")])
+    assert r.exit_code == 2 and "afile is a file, not a directory" in r.stderr

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gymnasium as gym
+import numpy as np
+import pytest
+
 from rl_tformers.runtime.evaluation import EvalReport, TargetResult, eval_seed, report_logs
 from rl_tformers.runtime.seeding import derive_seed
 
@@ -34,3 +38,35 @@ def test_eval_seed_is_the_derived_seed_in_31_bits() -> None:
     assert eval_seed(7, 1000) == derive_seed(7, "eval", 1000) % 2**31
     assert 0 <= eval_seed(2**63, 5) < 2**31
     assert eval_seed(7, 1000) != eval_seed(7, 2000)
+
+
+class _NaNPolicy:
+    """Finite actions for ``good_steps`` steps, then NaN."""
+
+    def __init__(self, good_steps: int) -> None:
+        self.good_steps = good_steps
+
+    def initial_state(self, n, target=None):
+        return {"t": 0}
+
+    def act(self, obs, state, episode_start, last_reward=None):
+        state["t"] += 1
+        value = 0.0 if state["t"] <= self.good_steps else float("nan")
+        return np.full((len(obs), 1), value, np.float32), state
+
+
+def test_evaluate_stops_at_a_non_finite_action_without_sending_it(monkeypatch) -> None:
+    from rl_tformers.runtime.evaluation import NonFiniteError, evaluate
+
+    sent: list[np.ndarray] = []
+
+    class Spy(gym.Wrapper):
+        def step(self, action):
+            sent.append(np.asarray(action))
+            return self.env.step(action)
+
+    with pytest.raises(NonFiniteError) as info:
+        evaluate(_NaNPolicy(3), lambda: Spy(gym.make("Pendulum-v1")), [250.0], episodes=1, n_envs=1, seed=7)
+    assert str(info.value) == ("evaluate: the policy returned a non-finite action for target return 250 at step 3 "
+                               "of episode 0 (env 0, reset seed 7): [nan]; it was not sent to the environment")
+    assert len(sent) == 3 and all(np.isfinite(a).all() for a in sent)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_found_by_tester import _train, _write_h5
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
@@ -202,3 +203,80 @@ def test_plot_refuses_to_log_another_runs_checkpoint_to_run_dir(
     )
     assert {p: p.stat().st_size for p in event_files(dt_run)} == before and no_evaluation == []
     assert not (tmp_path / "fig.png").exists()
+
+
+runner = CliRunner()
+
+
+def _tripwire(*args, **kwargs):
+    raise AssertionError("the expensive part ran before the bad option was refused")
+
+
+@pytest.fixture(scope="module")
+def dt_run_eval(tmp_path_factory) -> Path:
+    """A DT trained for 2 updates on a tiny CartPole file (discrete actions)."""
+    tmp = tmp_path_factory.mktemp("b4dt")
+    h5 = _write_h5(tmp / "cartpole.hdf5")
+    r = _train(f"dataset.path={h5}", "--run-dir", str(tmp / "dt"))
+    assert r.exit_code == 0, r.output
+    return tmp / "dt"
+
+
+def test_plot_refuses_a_target_beyond_the_rtg_embedding_up_front(dt_run_eval: Path, tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    from rl_tformers.runtime import evaluation
+
+    monkeypatch.setattr(evaluation, "evaluate", _tripwire)
+    r = runner.invoke(app, ["plot", str(dt_run_eval), "--out", str(tmp_path / "p.png"), "--targets", "10,1e30",
+                            "--episodes", "1", "--envs", "1", "--no-tensorboard"])
+    assert r.exit_code == 2 and r.stderr.startswith("error: --targets: 1e+30 is beyond what this model takes")
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_from_json_with_nan_returns_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "eval.json"
+    path.write_text('{"results": [{"target_return": 10, "returns": [NaN, 2.0]}]}')
+    r = runner.invoke(app, ["plot", str(tmp_path / "no_run"), "--out", str(tmp_path / "p.png"),
+                            "--from-json", str(path)])
+    assert r.exit_code == 2 and f"error: --from-json {path}: results[0] is not a per-target result" in r.stderr
+    assert "must be finite numbers" in r.stderr
+
+
+# ------------------------------------------------------------- 3. plot / eval --out paths
+def test_plot_out_without_extension_writes_and_prints_the_png(dt_run_eval: Path, tmp_path: Path) -> None:
+    r = runner.invoke(app, ["plot", str(dt_run_eval), "--out", str(tmp_path / "noext"), "--targets", "10,20",
+                            "--episodes", "1", "--envs", "1", "--no-tensorboard"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[-1] == f"wrote {tmp_path / 'noext.png'}"
+    assert (tmp_path / "noext.png").is_file() and not (tmp_path / "noext").exists()
+
+
+def test_save_figure_returns_the_file_it_wrote(tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    from rl_tformers.runtime.plots import figure_path, save_figure
+
+    assert save_figure(plt.figure(), tmp_path / "a") == tmp_path / "a.png" and (tmp_path / "a.png").is_file()
+    assert save_figure(plt.figure(), tmp_path / "b.svg") == tmp_path / "b.svg"
+    assert figure_path(tmp_path / "c.PDF") == tmp_path / "c.PDF"
+    with pytest.raises(ValueError, match="is a directory"):
+        save_figure(plt.figure(), tmp_path)
+
+
+@pytest.mark.parametrize("make_out, expected", [
+    (lambda t: t, "is a directory; give a file name"),
+    (lambda t: t / "x.jpgx", "matplotlib cannot write '.jpgx' files; use one of the extensions "),
+    (lambda t: t / "afile" / "p.png", "afile is a file, not a directory"),
+])
+def test_plot_out_is_checked_before_loading_or_evaluating(tmp_path: Path, monkeypatch, make_out, expected) -> None:
+    from rl_tformers.runtime import evaluation
+
+    monkeypatch.setattr(evaluation, "evaluate", _tripwire)
+    (tmp_path / "afile").write_text("hi")
+    out = make_out(tmp_path)
+    r = runner.invoke(app, ["plot", str(tmp_path / "no_run"), "--out", str(out), "--targets", "10"])
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: --out {out}"), r.output
+    assert expected in r.stderr
+    if "jpgx" in str(out):
+        assert ".png" in r.stderr and ".pdf" in r.stderr and ".svg" in r.stderr
+    assert not (tmp_path.parent / f"{tmp_path.name}.png").exists()
