@@ -822,3 +822,22 @@ def test_another_d4rl_task_as_agent_env_id_is_scored_with_its_own_references(tmp
         info = DatasetInfo.from_dataset(ds, env_id="Walker2d-v4")
     assert (info.ref_min, info.ref_max) == D4RL_REF_SCORES["walker2d"]
     assert caplog.records == []
+
+
+# ------------------------------------------------------------------- 4: download advice for the project's own ids
+def test_a_missing_recipe_id_is_not_sent_to_the_minari_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rl-tformers train -c gtrxl/hopper_positions_bc` without the dataset says: build it with
+    `collect --recipe hopper-medium-positions`, "... or fetch it from the Minari server:
+    dataset.download=true ... --download for `rl-tformers dataset info/export`". The `rlt/...`
+    ids are this project's own recipes, built locally and published nowhere, so that advice
+    cannot work; following it (`dataset info rlt/hopper-v5/expert-v0 --download`) ends in
+    "huggingface_hub is not installed", which sends the user installing minari[hf] for a
+    download that would then fail again."""
+    from rl_tformers.envs.loaders import load_dataset
+
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari_home"))
+    with pytest.raises(FileNotFoundError) as err:
+        load_dataset("rlt/hopper-v5/expert-v0", root=tmp_path / "data")
+    msg = str(err.value)
+    assert "collect --recipe hopper-expert" in msg, msg
+    assert "Minari server" not in msg and "download" not in msg, msg
