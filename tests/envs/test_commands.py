@@ -22,6 +22,7 @@ from rl_tformers.bench import attention as A
 from rl_tformers.bench import eval as E
 from rl_tformers.bench import reversible as R
 from rl_tformers.cli import app
+from tests.datafiles import write_cartpole_h5
 
 runner = CliRunner()
 
@@ -341,3 +342,21 @@ def test_bench_eval_refuses_bad_options_by_name(monkeypatch, args, says) -> None
     monkeypatch.setattr(E, "run", _tripwire)
     r = runner.invoke(app, ["bench", "eval", *args])
     assert r.exit_code == 2 and f"error: {says}" in r.output, r.output
+
+
+# ------------------------------------------------- 3 and 4: output layout
+def test_dataset_info_json_is_one_indented_object(tmp_path: Path) -> None:
+    path = write_cartpole_h5(tmp_path / "cp.hdf5")
+    r = runner.invoke(app, ["dataset", "info", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    text = r.stdout
+    assert text.startswith('{\n  "') and json.loads(text)["episodes"] == 3
+
+
+def test_list_recipes_keeps_its_columns_for_long_names() -> None:
+    r = runner.invoke(app, ["collect", "--list-recipes"])
+    assert r.exit_code == 0, r.output
+    rows = [line for line in r.stdout.splitlines() if line.strip()]
+    assert any(row.startswith("halfcheetah-medium-replay-positions ") for row in rows)
+    ids = [row.index("rlt/") for row in rows]
+    assert len(set(ids)) == 1  # every dataset id starts in the same column

@@ -7,6 +7,8 @@ import logging
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from rl_tformers.runtime.run_config import compose, to_yaml
 from rl_tformers.runtime.trainer import (
     MetricWindow,
     NonFiniteLossError,
+    RunDirError,
     Trainer,
     _with_run_dir,
     resume,
@@ -444,3 +447,48 @@ def test_last_progress_line_does_not_count_the_final_evaluation_as_training_time
     assert m, lines[-1]
     # 20 toy updates take well under a second; with the 4 s evaluation counted the line shows < 5/s
     assert float(m.group(1)) > 8.0, lines[-1]
+
+
+TOY = ["agent.kind=toy", "device=cpu", "train.progress=false", "train.steps=3", "train.batch_size=4",
+       "train.warmup_steps=1", "train.log_every=1", "eval.at_end=true"]
+
+
+# ------------------------------------------------- 1: a late Ctrl-C
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_a_ctrl_c_after_the_run_finished_leaves_exit_status_0(tmp_path: Path) -> None:
+    """SIGINT as soon as ``done:`` is printed (the summary, then the interpreter's shutdown)."""
+    code = "import sys; from rl_tformers.cli import main; sys.argv = ['rl-tformers', *sys.argv[1:]]; main()"
+    cmd = [sys.executable, "-c", code, "train", *TOY, "--run-dir", str(tmp_path / "run")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("done: 3 steps"):
+            for _ in range(3):  # during the summary and during the shutdown
+                proc.send_signal(signal.SIGINT)
+                time.sleep(0.05)
+    proc.wait(timeout=120)
+    assert any(line.startswith("done: 3 steps") for line in lines), "".join(lines)
+    assert proc.returncode == 0, "".join(lines)  # was 130 (or -2: killed by the signal)
+
+
+def test_the_summary_window_ignores_signals_and_restores_the_handlers() -> None:
+    from rl_tformers.cli.train import finished_run, finished_run_signals
+
+    before = signal.getsignal(signal.SIGINT)
+    with finished_run_signals():
+        signal.raise_signal(signal.SIGINT)  # recorded and ignored: no KeyboardInterrupt
+    assert signal.getsignal(signal.SIGINT) is before
+    assert finished_run()
+
+
+# ------------------------------------------------- 2: the Python API's run directory message
+def test_a_second_run_in_a_used_directory_names_the_python_calls_too(tmp_path: Path) -> None:
+    train(compose(None, [*TOY, "eval.at_end=false"]), tmp_path / "run")
+    with pytest.raises(RunDirError) as info:
+        train(compose(None, [*TOY, "eval.at_end=false"]), tmp_path / "run")
+    msg = str(info.value)
+    assert msg.startswith(f"{tmp_path / 'run'} already holds a run; continue it with --resume {tmp_path / 'run'} ")
+    assert f"rl_tformers.runtime.trainer.resume({str(tmp_path / 'run')!r}, ['train.steps=N'])" in msg
+    assert "train(cfg, run_dir=...)" in msg
