@@ -841,3 +841,19 @@ def test_a_missing_recipe_id_is_not_sent_to_the_minari_server(tmp_path: Path, mo
     msg = str(err.value)
     assert "collect --recipe hopper-expert" in msg, msg
     assert "Minari server" not in msg and "download" not in msg, msg
+
+
+def test_unknown_dataset_id_suggests_close_local_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unknown config names, keys and kinds got a "did you mean"; a mistyped dataset id did not."""
+    from rl_tformers.envs.loaders import load_minari, local_dataset_ids
+
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari_home"))
+    for ds_id in ("rlt/hopper-v5/medium-v0", "rlt/walker2d-v5/expert-v0"):
+        (tmp_path / "root" / ds_id / "data").mkdir(parents=True)
+        (tmp_path / "root" / ds_id / "data" / "metadata.json").write_text("{}")
+    assert local_dataset_ids(tmp_path / "root") == ["rlt/hopper-v5/medium-v0", "rlt/walker2d-v5/expert-v0"]
+    with pytest.raises(FileNotFoundError, match=r"\(did you mean 'rlt/hopper-v5/medium-v0'\?\)"):
+        load_minari("rlt/hopper-v5/medium-v9", root=tmp_path / "root")
+    with pytest.raises(FileNotFoundError) as exc:
+        load_minari("foo/bar-v0", root=tmp_path / "root")
+    assert "did you mean" not in str(exc.value)

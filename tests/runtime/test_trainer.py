@@ -492,3 +492,69 @@ def test_a_second_run_in_a_used_directory_names_the_python_calls_too(tmp_path: P
     assert msg.startswith(f"{tmp_path / 'run'} already holds a run; continue it with --resume {tmp_path / 'run'} ")
     assert f"rl_tformers.runtime.trainer.resume({str(tmp_path / 'run')!r}, ['train.steps=N'])" in msg
     assert "train(cfg, run_dir=...)" in msg
+
+
+SLEEP_S = 0.02  # every update lasts at least this long below
+
+
+def toy_cfg_warmup5(*overrides: str):
+    return compose(None, ["agent.kind=toy", "device=cpu", "train.progress=false", "train.batch_size=8",
+                          "train.lr=3e-3", "train.warmup_steps=5", "eval.at_end=false", *overrides])
+
+
+def _slow_updates(monkeypatch: pytest.MonkeyPatch) -> None:
+    update = trainer_mod.Trainer.update
+
+    def slow(self, batch):
+        time.sleep(SLEEP_S)
+        return update(self, batch)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "update", slow)
+
+
+def _rates(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["perf/steps_per_s"] for r in rows if "perf/steps_per_s" in r}
+
+
+def test_throughput_after_resume_counts_only_updates_timed_since(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first log after a resume divided the whole window (9 updates made before the stop
+    plus 1 after) by the time of the 1 update since the resume: 10x the real rate. Every
+    update here lasts >= 20 ms, so no logged rate may exceed 50 updates/s."""
+    _slow_updates(monkeypatch)
+    cfg = toy_cfg_warmup5("train.log_every=10", "train.checkpoint_every=100", "train.steps=20")
+    train(cfg, tmp_path / "run", stop_at=19)
+    resume(tmp_path / "run")
+    rates = _rates(tmp_path / "run")
+    assert sorted(rates) == [10, 20]
+    assert all(0 < r <= 1 / SLEEP_S for r in rates.values()), rates
+
+
+def test_throughput_window_keeps_the_time_before_a_checkpoint(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint in the middle of a log window restarted the window's clock without
+    forgetting its updates: the rate counted 10 updates over the time of the last 3."""
+    _slow_updates(monkeypatch)
+    cfg = toy_cfg_warmup5("train.log_every=10", "train.checkpoint_every=7", "train.steps=10")
+    train(cfg, tmp_path / "run")
+    rates = _rates(tmp_path / "run")
+    assert sorted(rates) == [10]
+    assert 0 < rates[10] <= 1 / SLEEP_S, rates
+
+
+def test_resume_with_fewer_steps_than_trained_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`train --resume RUN train.steps=N` below the run's step said only "complete" (info)."""
+    import logging
+
+    train(toy_cfg_warmup5("train.steps=10", "train.log_every=5", "train.checkpoint_every=5"), tmp_path / "run")
+    with caplog.at_level(logging.INFO):
+        r = resume(tmp_path / "run", ["train.steps=5"])
+    assert r.step == 10
+    warned = [rec for rec in caplog.records if rec.levelno == logging.WARNING]
+    assert len(warned) == 1 and "train.steps=5 is below the step" in warned[0].getMessage()
+    assert "(10)" in warned[0].getMessage() and "never shortened" in warned[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        resume(tmp_path / "run")  # complete at its own train.steps: no warning
+    assert not [rec for rec in caplog.records if rec.levelno == logging.WARNING]
