@@ -1,0 +1,85 @@
+"""Progress output (rl_tformers.runtime.progress): plain lines without a terminal, the bar with one."""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+import gymnasium as gym
+import pytest
+
+from rl_tformers.runtime.run_config import compose
+from rl_tformers.runtime.trainer import train
+
+
+# ---------------------------------------------------------------------- 2. progress without a tty
+def test_train_progress_without_a_terminal_is_plain_lines(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """stderr is not a terminal under pytest's capture, as in ``nohup rl-tformers train > log``.
+    Before, tqdm's redraws (``\\r``) went there; now each line is a plain line."""
+    cfg = compose(None, ["agent.kind=toy", "device=cpu", "train.steps=6", "train.log_every=3",
+                         "train.warmup_steps=1", "eval.at_end=false", "train.progress=true"])
+    train(cfg, tmp_path / "short")  # shorter than the interval: one line, at the end
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("train: ")]
+    assert len(lines) == 1 and lines[0].startswith("train: 6/6 steps (100%), ") and "loss=" in lines[0]
+
+    from rl_tformers.runtime import progress as progress_mod
+
+    monkeypatch.setattr(progress_mod, "PLAIN_INTERVAL_S", 0.0)  # a long run: a line at every interval
+    train(cfg, tmp_path / "long")
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("train: ")]
+    assert [ln.split(" steps")[0] for ln in lines] == [f"train: {k}/6" for k in range(1, 7)]
+    assert "about " in lines[0] and " left" in lines[0] and "left" not in lines[-1]
+
+    train(compose(None, ["agent.kind=toy", "device=cpu", "train.steps=2", "eval.at_end=false",
+                         "train.progress=false"]), tmp_path / "quiet")
+    assert "train: " not in capsys.readouterr().err
+
+
+def test_a_terminal_keeps_the_bar() -> None:
+    from rl_tformers.runtime import progress as progress_mod
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    from tqdm import tqdm
+
+    bar = progress_mod.progress_bar(10, desc="train", file=Tty())
+    assert isinstance(bar, tqdm)
+    bar.close()
+    plain = progress_mod.progress_bar(10, desc="train", file=io.StringIO())
+    assert isinstance(plain, progress_mod.PlainProgress) and not plain.disable
+
+
+def test_collect_progress_without_a_terminal_is_plain_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from rl_tformers.envs.collect import Behaviour, collect
+    from rl_tformers.envs.policies import RandomPolicy
+
+    env = gym.make("CartPole-v1")
+    collect("CartPole-v1", [Behaviour(RandomPolicy(env.action_space, seed=0), episodes=2)],
+            dataset_id="t/cartpole/random-v0", root=tmp_path, seed=0, progress=True)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("t/cartpole/random-v0: ")]
+    assert len(lines) == 1 and re.match(r"t/cartpole/random-v0: \d+ steps, ", lines[0]) and "episodes=2" in lines[0]
+
+
+def test_plain_progress_line_says_when_its_logged_values_are_from_an_earlier_step() -> None:
+    """Fresh user: the last line after SIGTERM at step 143 showed loss and lr of the step-100 log
+    as if they were current."""
+    import io
+
+    from rl_tformers.runtime.progress import PlainProgress
+
+    bar = PlainProgress(200, desc="train", unit="step", file=io.StringIO())
+    bar.n = 100
+    bar.set_postfix(loss="1.12", lr="1.00e-03")
+    assert bar.line(bar._t0 + 10).endswith("loss=1.12, lr=1.00e-03")
+    bar.n = 143
+    assert bar.line(bar._t0 + 14).endswith("loss=1.12, lr=1.00e-03 (as of step 100)")
