@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 from runtime_helpers import model_state, toy_cfg
-from test_found_by_tester import _write_h5
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
@@ -24,6 +23,7 @@ from rl_tformers.runtime import distributed as dist_rt
 from rl_tformers.runtime.checkpoint import list_checkpoints
 from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import MetricWindow, train
+from tests.cli.test_train import _write_h5
 from tests.runtime.ddp_helpers import read_metrics, subprocess_env, train_cli, two_ranks
 
 

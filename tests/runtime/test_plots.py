@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from test_found_by_tester import _train, _write_h5
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
 from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
+from tests.cli.test_train import _train, _write_h5
 from tests.datafiles import write_cartpole_h5
 
 TINY = [

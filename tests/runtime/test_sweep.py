@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 from runtime_helpers import toy_cfg
-from test_found_by_tester import _train, _write_h5
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
@@ -26,6 +25,7 @@ from rl_tformers.runtime import sweep as sw
 from rl_tformers.runtime.evaluation import TargetResult, evaluate, make_env_factory
 from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
+from tests.cli.test_train import _train, _write_h5
 
 
 def test_grid_and_seed_parsing() -> None:

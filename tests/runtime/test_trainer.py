@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from runtime_helpers import assert_same_weights, model_state, read_events, toy_cfg
-from test_found_by_tester import _write_h5
 from typer.testing import CliRunner
 
 from rl_tformers import Backbone
@@ -35,6 +34,7 @@ from rl_tformers.runtime.trainer import (
     resume,
     train,
 )
+from tests.cli.test_train import _write_h5
 
 
 def test_run_directory_layout(run_dir: Path) -> None:
