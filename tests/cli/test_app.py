@@ -1,9 +1,4 @@
-"""Defects found by the eleventh fresh-user pass (README and docs/*.md walkthrough: a small Hopper
-DT trained, evaluated, plotted, resumed and interrupted; backbone swaps; a sweep; Online DT;
-the GTrXL commands; the Python API; ``backbones``, ``dataset`` and every ``--help``).
-
-None needs ./data, ../shared or the network; each runs in well under 10 s on CPU.
-"""
+"""The rl-tformers command line as a whole (rl_tformers.cli): help layout, paths given to eval, interrupted demo."""
 
 from __future__ import annotations
 
