@@ -1,5 +1,4 @@
-"""Found by a fresh user (session 13) trying the README from a clean clone on the Hopper sets of
-an existing Minari root."""
+"""rl-tformers collect / dataset (rl_tformers.cli.data): dataset ids, roots, help."""
 
 from __future__ import annotations
 
