@@ -8,7 +8,9 @@ the offline run is a tiny gaussian-head DT trained for 6 updates."""
 from __future__ import annotations
 
 import json
+import logging
 import math
+import shutil
 from pathlib import Path
 
 import gymnasium as gym
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from rl_tformers.agents.common.scripted import collect_delayed_expert
+from rl_tformers.agents.decision_transformer.agent import DTAgent
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTConfig
 from rl_tformers.agents.decision_transformer.online import (
     ODTAgent,
@@ -373,3 +376,140 @@ def test_zero_rollouts_is_the_offline_continuation_control(pendulum, offline_run
     assert _same(_ckpt(run)["model"], _ckpt(split)["model"])
     with pytest.raises(ConfigError, match=r"^agent.online.rollouts_per_round must be an integer >= 0, got -1$"):
         train(_cfg(offline_run, pendulum[1], "agent.online.rollouts_per_round=-1"), tmp_path / "neg")
+
+
+OFFLINE_ODT = ["train.steps=4", "train.batch_size=8", "train.warmup_steps=1", "train.progress=false", "device=cpu",
+           "eval.at_end=false", "agent.targets=[-100]", "agent.head=gaussian"]
+
+
+ONLINE_ODT = ["agent.kind=odt", "train.steps=4", "train.batch_size=8", "train.progress=false", "train.warmup_steps=0",
+          "train.checkpoint_every=0", "device=cpu", "eval.at_end=false", "agent.targets=[-100]",
+          "agent.online.updates_per_round=2", "agent.online.rollouts_per_round=2", "agent.online.n_envs=2",
+          "agent.online.buffer_size=10", "agent.online.target_return=-50"]
+
+
+def _data(path: Path, lengths: list[int]) -> Path:
+    return save_d4rl_hdf5(random_pendulum_dataset(lengths), path)
+
+
+@pytest.fixture(scope="module")
+def pendulum_odt(tmp_path_factory) -> Path:
+    return _data(tmp_path_factory.mktemp("data") / "pendulum_odt.hdf5", [30, 18, 25, 22, 30, 20])
+
+
+def _offline_odt(data: Path, run: Path, *extra: str) -> Path:
+    train(compose("dt/cartpole_demo", [f"dataset.path={data}", *TINY_BB, *OFFLINE_ODT, *ENV, *extra]), run)
+    return run
+
+
+@pytest.fixture(scope="module")
+def offline_run_odt(pendulum_odt, tmp_path_factory) -> Path:
+    return _offline_odt(pendulum_odt, tmp_path_factory.mktemp("runs") / "dt-gauss")
+
+
+def _cfg_odt(init: Path | str, data: Path, *extra: str, env: tuple[str, ...] = tuple(ENV)):
+    return compose("dt/cartpole_demo", [f"dataset.path={data}", f"agent.init_from={init}", *TINY_BB, *ONLINE_ODT,
+                                        *env, *extra])
+
+
+def _newest(run: Path) -> dict:
+    return torch.load(sorted((run / "checkpoints").glob("*.pt"))[-1], weights_only=True)
+
+
+def test_checkpoint_is_saved_once_every_offline_episode_left_the_buffer(pendulum_odt, offline_run_odt, tmp_path):
+    """buffer_size=1 with 2 rollouts per round: after round 0 the buffer holds one online
+    episode and no offline one. The final checkpoint must still be written (today: RuntimeError
+    while hashing the empty ``offline_returns`` tensor, no checkpoint at all)."""
+    run = tmp_path / "odt"
+    res = train(_cfg_odt(offline_run_odt, pendulum_odt, "agent.online.buffer_size=1", "train.steps=2"), run)
+    assert res.step == 2 and res.checkpoint is not None and res.checkpoint.exists()
+    buf = _newest(run)["trainer"]["process_ranks"][0]["buffer"]
+    assert buf["order"].tolist() == [-1]  # one online trajectory, no offline one
+
+
+def test_checkpoint_is_saved_when_the_default_sized_run_fills_its_buffer(pendulum_odt, offline_run_odt, tmp_path):
+    """The shipped test's setting (6 offline episodes, buffer 10, 2 episodes a round), just one
+    round longer than the buffer lasts: every later checkpoint used to crash."""
+    run = tmp_path / "odt"
+    res = train(_cfg_odt(offline_run_odt, pendulum_odt, "agent.online.buffer_size=4", "train.steps=6"), run)
+    assert res.step == 6 and res.checkpoint is not None and res.checkpoint.exists()
+
+
+@pytest.mark.parametrize("changed", [["agent.context_len=5"], ["backbone.d_model=32"]], ids=["context_len", "d_model"])
+def test_resume_does_not_adopt_a_changed_init_run(pendulum_odt, tmp_path, changed):
+    """The odt checkpoint holds the model options and backbone it was built with
+    (``extra.odt``). A resume after the offline run at ``agent.init_from`` was retrained with
+    other options must either continue the run as it was, or refuse naming agent.init_from;
+    today K silently becomes 5 (context_len) or a raw RuntimeError (size mismatch) ends it."""
+    init = _offline_odt(pendulum_odt, tmp_path / "offline")
+    run = tmp_path / "odt"
+    train(_cfg_odt(init, pendulum_odt), run)
+    before = _newest(run)["extra"]["odt"]
+    shutil.rmtree(init)
+    _offline_odt(pendulum_odt, init, *changed)  # the same folder now holds another offline run
+    try:
+        resume(run, ["train.steps=6"])
+    except ValueError as exc:  # a refusal is fine when it says why
+        assert "agent.init_from" in str(exc)
+        return
+    after = _newest(run)["extra"]["odt"]
+    assert after["agent"] == before["agent"] and after["backbone"] == before["backbone"]
+
+
+def test_relative_init_from_resumes_from_another_folder(pendulum_odt, tmp_path, monkeypatch):
+    """``dataset.path`` relative to the start folder can be passed as an absolute override on
+    resume; ``agent.init_from`` can neither be found from another folder nor be overridden."""
+    start = tmp_path / "start"
+    start.mkdir()
+    _offline_odt(pendulum_odt, start / "offrun")
+    run = tmp_path / "odt"
+    monkeypatch.chdir(start)
+    train(_cfg_odt("offrun", pendulum_odt), run)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    errors = []
+    for overrides in (["train.steps=6"], ["train.steps=6", f"agent.init_from={start / 'offrun'}"]):
+        try:
+            assert resume(run, overrides).step == 6
+            return
+        except ValueError as exc:
+            errors.append(str(exc))
+    pytest.fail("the run cannot be resumed from another folder:\n" + "\n".join(errors))
+
+
+def test_too_long_offline_episode_is_named_by_its_dataset_index(offline_run_odt, tmp_path):
+    """Dataset episode 2 (60 steps) exceeds the offline run's agent.max_ep_len=30; it is the
+    worst episode, so it sits first in the buffer. The DT's error names the dataset episode
+    (``check_max_ep_len``); the ODT's says "episode 0" and names no option."""
+    long = _data(tmp_path / "long.hdf5", [30, 18, 60, 22])
+    with pytest.raises(ValueError) as info:  # raised when the run's batches are set up
+        train(_cfg_odt(offline_run_odt, long), tmp_path / "odt")
+    msg = str(info.value)
+    assert "episode 2" in msg and "episode 0" not in msg, msg
+    assert "dataset.path" in msg or "agent.max_ep_len" in msg or "agent.init_from" in msg, msg
+
+
+def test_time_limit_beyond_max_ep_len_is_warned_up_front(pendulum_odt, tmp_path, caplog):
+    """The offline run has agent.max_ep_len=30 in Pendulum-v1's own 200-step episodes. The DT
+    warns when it is built; the odt run builds its agent without a word and fails at the first
+    evaluation after training."""
+    init = tmp_path / "offline"
+    offline_cfg = compose("dt/cartpole_demo", [f"dataset.path={pendulum_odt}", *TINY_BB, *OFFLINE_ODT, "agent.max_ep_len=30"])
+    train(offline_cfg, init)
+
+    def warned(build) -> str:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            build()
+        return " ".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+
+    dt = warned(lambda: DTAgent(offline_cfg, None, "cpu"))
+    assert "max_ep_len" in dt and "200" in dt, dt  # the DT's warning (the capture works)
+    odt = warned(lambda: ODTAgent(_cfg_odt(init, pendulum_odt, env=("agent.max_ep_len=30",)), None, "cpu"))
+    assert "max_ep_len" in odt and "200" in odt, odt
+
+
+def test_online_null_is_refused_naming_the_option(pendulum_odt, offline_run_odt):
+    with pytest.raises(ValueError, match=r"agent\.online"):
+        ODTAgent(_cfg_odt(offline_run_odt, pendulum_odt, "agent.online=null"), None, "cpu")
