@@ -432,3 +432,24 @@ def test_reset_state_takes_the_numpy_flags_of_a_vector_environment(memory) -> No
         torch.testing.assert_close(bb(x, state=got).hidden, bb(x, state=want).hidden, atol=0, rtol=0)
     with pytest.raises(ValueError, match=r"^reset: episode_start must have shape \(2,\), got \(3,\)$"):
         bb.reset_state(st, np.array([True, False, True]))
+
+
+def test_a_float64_cache_of_a_float32_model_is_refused_by_every_incremental_kernel() -> None:
+    """A float64 KV cache (``initial_state(..., dtype=torch.float64)``) of a float32 model was
+    refused by ``sdpa`` and ``reference`` but silently promoted the layer to float64 with the other
+    incremental kernels (docs audit 11): every kernel refuses it now, naming the dtypes."""
+    import torch
+
+    from rl_tformers.backbone import Backbone
+    from rl_tformers.registry import REGISTRIES
+
+    kinds = [e.kind for e in REGISTRIES["attention"] if e.capabilities.incremental and e.capabilities.causal]
+    assert {"sdpa", "local", "performer"} <= set(kinds)
+    for kind in kinds:
+        bb = Backbone({"d_model": 16, "n_heads": 2, "n_layers": 1, "attention": {"kind": kind}}).eval()
+        state = bb.initial_state(2, dtype=torch.float64)
+        with pytest.raises(ValueError, match=r"^backbone: the state holds torch.float64 tensors but x and the "
+                                             r"backbone's parameters are torch.float32"):
+            bb(torch.randn(2, 3, 16), positions=torch.arange(3).expand(2, 3), state=state)
+        ok = bb(torch.randn(2, 3, 16), positions=torch.arange(3).expand(2, 3), state=bb.initial_state(2))
+        assert ok.hidden.dtype == torch.float32, kind

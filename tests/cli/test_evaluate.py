@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_found_by_tester import _train, _write_h5
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
+from tests.cli.test_train import _train, _write_h5
 
 
 def _eval(*args: str):
@@ -176,3 +176,69 @@ def test_eval_out_is_checked_before_evaluating(dt_run_eval: Path, tmp_path: Path
     (tmp_path / "afile").write_text("hi")
     r = runner.invoke(app, ["eval", str(dt_run_eval), "--targets", "10", "--out", str(tmp_path / "afile" / "e.json")])
     assert r.exit_code == 2 and "afile is a file, not a directory" in r.stderr
+
+
+def test_eval_context_len_option_reaches_the_policy_and_is_checked(tmp_path: Path) -> None:
+    """``rl-tformers eval --context-len N`` (a DT acting on the last N of its K steps, Online DT's
+    evaluation context): recorded in the JSON; out of range: one error line naming the option and K.
+    (That the policy then reads only N steps: tests/agents/test_dt_policy.py.)"""
+    import json
+
+    import h5py
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from rl_tformers.cli import app
+
+    rng = np.random.default_rng(0)
+    n = 200
+    term = np.zeros(n, bool)
+    term[np.arange(19, n, 20)] = True
+    data = tmp_path / "cartpole.hdf5"
+    with h5py.File(data, "w") as f:
+        f["observations"] = rng.normal(size=(n, 4)).astype(np.float32)
+        f["actions"] = rng.integers(0, 2, n)
+        f["rewards"] = np.ones(n)
+        f["terminals"] = term
+        f["timeouts"] = np.zeros(n, bool)
+        f.attrs["env_id"] = "CartPole-v1"
+    runner = CliRunner()
+    run = tmp_path / "dt"
+    res = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={data}", "backbone.d_model=16",
+                              "backbone.n_layers=1", "agent.context_len=4", "train.steps=2", "train.batch_size=4",
+                              "eval.every=0", "eval.at_end=false", "train.progress=false", "train.warmup_steps=1",
+                              "--run-dir", str(run), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    common = ["eval", str(run), "--targets", "30", "--episodes", "2", "--envs", "2", "--json"]
+    short = runner.invoke(app, [*common, "--context-len", "1"])
+    assert short.exit_code == 0, short.output
+    report = json.loads(short.output)
+    assert report["extra"]["context_len"] == 1
+    full = json.loads(runner.invoke(app, common).output)
+    assert "context_len" not in full["extra"]
+    bad = runner.invoke(app, [*common, "--context-len", "5"])
+    assert bad.exit_code != 0
+    assert "--context-len 5: this run's context holds K = 4 steps (agent.context_len); give 1..4" in bad.output
+    # plot takes it too; with a saved evaluation it would be ignored, so it is refused
+    fig = tmp_path / "fig.png"
+    plot = ["plot", str(run), "--out", str(fig), "--no-tensorboard"]
+    res = runner.invoke(app, [*plot, "--targets", "30", "--episodes", "1", "--envs", "1", "--context-len", "2"])
+    assert res.exit_code == 0, res.output
+    assert fig.stat().st_size > 0
+    assert "give 1..4" in runner.invoke(app, [*plot, "--targets", "30", "--context-len", "9"]).output
+    saved = tmp_path / "eval.json"
+    assert runner.invoke(app, [*common[:-1], "--out", str(saved)]).exit_code == 0
+    res = runner.invoke(app, [*plot, "--from-json", str(saved), "--context-len", "2"])
+    assert res.exit_code != 0 and "--context-len would be ignored" in res.output
+
+
+def test_a_yaml_file_given_as_checkpoint_is_named_not_a_checkpoint(tmp_path: Path) -> None:
+    """``eval --checkpoint RUN/config.yaml`` said "cannot be loaded (IndexError: pop from empty
+    list)" (fresh user 11): a file that is not a zip archive is not a checkpoint, said so."""
+    from rl_tformers.runtime.checkpoint import CheckpointError, load_checkpoint
+
+    f = tmp_path / "config.yaml"
+    f.write_text("seed: 0\nagent:\n  kind: dt\n")
+    with pytest.raises(CheckpointError, match=r"config.yaml: not an rl-tformers checkpoint \(those are the zip "
+                                              r"archives torch.save writes, RUN_DIR/checkpoints/step_\*.pt\)"):
+        load_checkpoint(f)

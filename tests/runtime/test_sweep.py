@@ -852,3 +852,32 @@ def test_seed_range_is_readable_in_help_and_errors(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "does not exist" in r.output and "--seed" not in r.output
     r = runner.invoke(app, ["eval", str(tmp_path / "run"), "--seed", "-1"])
     assert r.exit_code == 2 and "--seed" in r.output
+
+
+def test_sweep_precheck_builds_only_points_with_a_run_to_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import rl_tformers.runtime.sweep as sw
+
+    out = tmp_path / "sw"
+    common = ["train.steps=4", "train.warmup_steps=1", "train.log_every=1", "eval.every=0", "eval.at_end=false",
+              "train.checkpoint_every=2"]
+    kwargs = dict(jobs=1, threads=1, device="cpu", echo=lambda m: None)
+    first = sw.sweep("toy", {"train.lr": ["1e-3"]}, [0], out, common, **kwargs)
+    assert [r["status"] for r in first.rows] == ["ok"]
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir() and p.name != "logs"]
+    ckpts = sorted((run_dir / "seed0" / "checkpoints").glob("step_*.pt"))
+    assert [c.name for c in ckpts] == ["step_000000002.pt", "step_000000004.pt"]
+    ckpts[-1].unlink()  # as if stopped after update 2
+    assert sw.run_state(run_dir / "seed0") == "partial"
+
+    checked: list[dict] = []
+    real = sw.check_points
+
+    def recording(points):
+        checked.append(dict(points))
+        return real(points)
+
+    monkeypatch.setattr(sw, "check_points", recording)
+    second = sw.sweep("toy", {"train.lr": ["1e-3"]}, [0], out, common, **kwargs)  # to resume
+    assert [r["status"] for r in second.rows] == ["ok"]
+    assert checked in ([], [{}])  # nothing built: each --resume rebuilds its run from its checkpoint
+    assert sw.run_state(run_dir / "seed0") == "complete"
