@@ -862,3 +862,61 @@ def test_bigbird_takes_a_large_seed() -> None:
     _, starts, blocks, ok = attn._random(0, 12, 0, torch.device("cpu"))
     ref, ref_ok = random_blocks(starts // 2, 6, 0, 1, 2, 0 * 1_000_003 + 7 * 6, torch.device("cpu"))
     assert torch.equal(blocks, ref) and torch.equal(ok, ref_ok)
+
+
+def _build(kind: str, attn_dropout: float, causal: bool = True) -> list[str]:
+    cfg = BackboneConfig.from_dict(
+        {"d_model": 32, "n_heads": 2, "n_layers": 3, "attn_dropout": attn_dropout, "causal": causal,
+         "attention": {"kind": kind}}
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Backbone(cfg)
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+@pytest.mark.parametrize("kind", ["performer", "rfa"])
+def test_linear_attention_says_once_that_attention_dropout_is_not_applied(kind):
+    # performer/rfa form no probabilities: attn_dropout=0.1 (the DT default) was dropped silently
+    msgs = _build(kind, 0.1)
+    assert msgs == [
+        f"attention kind {kind!r} forms no attention probabilities, so attn_dropout=0.1 is not applied to it "
+        "(residual and feed-forward dropout still are); set attn_dropout=0 to say so and silence this warning"
+    ]
+    assert _build(kind, 0.0) == []
+
+
+def test_kernels_with_probabilities_do_not_warn_about_attention_dropout():
+    assert _build("sdpa", 0.1) == []
+    assert _build("linformer", 0.1, causal=False) == []
+
+
+# -- performer with one 128-wide head (the DT's): the causal key shift exp(-max|w|^2/2) ~ exp(-90)
+#    made 99.9% of key features subnormal (20-50x slower, and precision lost to subnormal rounding)
+def test_performer_causal_key_shift_is_capped():
+    import torch
+
+    from rl_tformers.attention.performer import causal_key_shift
+
+    def omega(sq_norm):  # rows with the given squared norms
+        return torch.sqrt(torch.tensor(sq_norm))[:, None] * torch.nn.functional.one_hot(torch.arange(2), 4).float()
+
+    assert causal_key_shift(omega([40.0, 30.0])).item() == 20.0  # B = 20 <= 60: the bound itself
+    assert causal_key_shift(omega([180.0, 30.0])).item() == 60.0  # B = 90: capped
+    assert causal_key_shift(omega([400.0, 30.0])).item() == 122.0  # B = 200: B - 78
+
+
+def test_performer_key_features_of_a_128_wide_head_are_normal_floats():
+    import torch
+
+    from rl_tformers.backbone import Backbone
+
+    torch.manual_seed(0)
+    bb = Backbone(BackboneConfig.from_dict({"d_model": 128, "n_heads": 1, "n_layers": 1, "attn_dropout": 0.0,
+                                            "attention": {"kind": "performer"}}))
+    attn = bb.depth.blocks[0].attn
+    k = torch.randn(2, 1, 60, 128)  # (B, H, S, Dh): keys of a LayerNorm-scaled width
+    phi = attn.features(k, is_query=False, valid=None)
+    assert phi.shape == (2, 1, 60, attn.m)
+    assert bool((phi >= torch.finfo(torch.float32).tiny).all())  # no subnormals, no zeros
+    assert bool(torch.isfinite(phi).all())

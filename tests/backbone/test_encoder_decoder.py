@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -275,3 +277,15 @@ def test_encoder_decoder_field_errors_name_the_encoder_or_decoder() -> None:
         EncoderDecoderConfig.from_dict({"decoder": {"attention": {"kind": "local", "window": 3}}})
     with pytest.raises(RegistryError, match=r"^encoder\.n_layer: unknown backbone field"):
         EncoderDecoderConfig.from_dict({"encoder": {"n_layer": 3}})
+
+
+def test_the_attention_dropout_warning_names_the_cross_attention_kind():
+    from rl_tformers.encoder_decoder import EncoderDecoder
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        EncoderDecoder({"encoder": {"d_model": 32, "n_heads": 2, "n_layers": 2},
+                        "decoder": {"d_model": 32, "n_heads": 2, "n_layers": 2, "attn_dropout": 0.1},
+                        "cross_attention": {"kind": "performer"}})
+    msgs = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(msgs) == 1 and msgs[0].startswith("attention kind 'performer' forms no attention probabilities")

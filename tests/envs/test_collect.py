@@ -486,3 +486,37 @@ def test_agent_targets_beyond_the_return_embedding_are_refused_before_training(t
     assert r.exit_code == 2, r.output
     assert "agent.targets: 1e+30 is beyond what this model takes" in r.output
     assert not list((tmp_path / "run").glob("checkpoints/*.pt"))
+
+
+# -- collect: SIGTERM ended the process without cleanup, leaving <root>/tmpXXXX of Minari --
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_collect_stopped_by_a_signal_leaves_nothing_in_the_data_root(tmp_path, sig):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path / "root"
+    cmd = [sys.executable, "-m", "rl_tformers.cli", "collect", "--env", "CartPole-v1", "--policy", "random",
+           "--steps", "100000000", "--root", str(root), "--dataset-id", "rlt/cartpole-v1/random-v0", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.name.startswith("tmp") for p in root.glob("*")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        assert any(p.name.startswith("tmp") for p in root.glob("*")), "collection never started"
+        time.sleep(0.5)  # inside the rollout loop
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    signum = int(getattr(signal, sig))
+    assert proc.returncode == 128 + signum, err
+    assert err.strip().splitlines()[-1] == (
+        f"interrupted ({sig}): no half-written dataset is left (Minari's temporary folder removed too); "
+        "datasets reported above are complete")
+    assert [p for p in root.rglob("*") if not p.is_dir() and p.name != "namespace_metadata.json"] == []

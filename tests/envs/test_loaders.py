@@ -857,3 +857,43 @@ def test_unknown_dataset_id_suggests_close_local_ids(tmp_path: Path, monkeypatch
     with pytest.raises(FileNotFoundError) as exc:
         load_minari("foo/bar-v0", root=tmp_path / "root")
     assert "did you mean" not in str(exc.value)
+
+
+# -- save_d4rl_hdf5 wrote in place: an interrupted write left a truncated file under the name --
+def test_a_failed_hdf5_write_leaves_neither_a_partial_file_nor_a_changed_old_one(tmp_path, monkeypatch):
+    from rl_tformers.envs import loaders
+    from rl_tformers.envs.loaders import load_d4rl_hdf5, save_d4rl_hdf5
+    from rl_tformers.envs.memory_tasks import scripted_dataset
+
+    ds = scripted_dataset("recall", 6, delay=2, seed=0)
+    target = tmp_path / "data.hdf5"
+    save_d4rl_hdf5(ds, target)
+    before = target.read_bytes()
+    real = loaders._write_d4rl
+
+    def interrupted(path, *args):
+        real(path, *args)  # the temporary file is complete, the rename has not happened yet
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loaders, "_write_d4rl", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_d4rl_hdf5(scripted_dataset("recall", 9, delay=2, seed=1), target)
+    assert target.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.hdf5"]
+    with pytest.raises(KeyboardInterrupt):
+        save_d4rl_hdf5(ds, tmp_path / "new.hdf5")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.hdf5"]
+    monkeypatch.setattr(loaders, "_write_d4rl", real)
+    assert load_d4rl_hdf5(save_d4rl_hdf5(ds, tmp_path / "new.hdf5")).num_steps == ds.num_steps
+
+
+def test_a_missing_recipe_dataset_names_its_recipe(tmp_path, monkeypatch):
+    from rl_tformers.envs.loaders import load_minari
+
+    (tmp_path / "policies").mkdir()  # found: the hint needs no --policies (a clean clone has no ../shared)
+    monkeypatch.setenv("RL_TFORMERS_POLICIES", str(tmp_path / "policies"))
+
+    with pytest.raises(FileNotFoundError, match=r"`rl-tformers collect --recipe walker2d-medium`"):
+        load_minari("rlt/walker2d-v5/medium-v0", root=tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"`rl-tformers collect --recipe \.\.\.`"):
+        load_minari("rlt/none-v5/nothing-v0", root=tmp_path)

@@ -131,3 +131,37 @@ def test_resume_changes_whitelist() -> None:
 
 def test_flatten() -> None:
     assert flatten({"a": {"b": 1, "c": [1, 2]}, "d": None, "e": {}}) == {"a.b": 1, "a.c": [1, 2], "d": None}
+
+
+def test_env_kwargs_take_any_key_in_a_closed_agent_section():
+    # gtrxl_ppo closes its agent section; its env_kwargs default {} inherited the struct flag, so
+    # agent.env_kwargs={max_episode_steps: 10} was refused as an unknown key
+    from rl_tformers.runtime.run_config import ConfigError, compose
+
+    cfg = compose("gtrxl/ppo_cartpole", overrides=["agent.env_kwargs={max_episode_steps: 10}"])
+    assert dict(cfg.agent.env_kwargs) == {"max_episode_steps": 10}
+    with pytest.raises(ConfigError, match="agent.no_such_option: unknown key"):
+        compose("gtrxl/ppo_cartpole", overrides=["agent.no_such_option=1"])
+
+
+def test_a_command_line_kind_change_names_the_slot_fields_it_drops(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "rl_tformers.cli", "train", "-c", "gtrxl/hopper_positions_bc",
+                        "backbone.memory.kind=compressive", "--print-config"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("warning")]
+    assert lines == [
+        "warning: backbone.memory.kind: 'xl' -> 'compressive' replaces the slot; the fields set for 'xl' are "
+        "dropped (mem_len=16, detach=True) and 'compressive' takes its own defaults; give them again "
+        "(backbone.memory.KEY=VALUE) to set them"]
+    # fields given with the new kind are not dropped; only the rest is named
+    r = subprocess.run([sys.executable, "-m", "rl_tformers.cli", "train", "-c", "gtrxl/hopper_positions_bc",
+                        "backbone.memory={kind: compressive, mem_len: 16}", "--print-config"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "dropped (detach=True)" in r.stderr, r.stderr
+    # a config file's own slot over the agent's defaults (no command line change): no warning
+    r = subprocess.run([sys.executable, "-m", "rl_tformers.cli", "train", "-c", "gtrxl/hopper_positions_bc",
+                        "--print-config"], capture_output=True, text=True)
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr

@@ -38,3 +38,16 @@ def test_disabled_logger_writes_nothing(tmp_path: Path) -> None:
     logger.scalars(1, {"a": 1.0})
     logger.close()
     assert not (tmp_path / "r").exists()
+
+
+def test_metrics_jsonl_writes_every_non_finite_scalar_as_null(tmp_path):
+    import json
+    import math
+
+    from rl_tformers.runtime.tracking import RunLogger
+
+    log = RunLogger(tmp_path)
+    log.scalars(3, {"a": math.inf, "b": -math.inf, "c": math.nan, "d": 1e308, "e": 2.5})
+    log.close()
+    rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {k: rec[k] for k in "abcde"} == {"a": None, "b": None, "c": None, "d": 1e308, "e": 2.5}
