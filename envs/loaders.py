@@ -19,6 +19,7 @@ Every loader validates the data (:meth:`EpisodeDataset.validate`) and raises
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import math
 import os
@@ -38,7 +39,9 @@ from rl_tformers.envs.dataset import (
     unbounded_box,
     unsupported_action_space,
 )
+from rl_tformers.envs.pomdp import POMDP_KINDS
 from rl_tformers.envs.recipes import all_recipes, policies_dir
+from rl_tformers.envs.scores import task_family
 
 #: Environment variable overriding the project's data root.
 DATA_ROOT_ENV = "RL_TFORMERS_DATA"
@@ -79,7 +82,6 @@ def local_dataset_ids(root: str | os.PathLike | None = None) -> list[str]:
 
 def _close_local_ids(spec: str, root: str | os.PathLike | None) -> list[str]:
     """Up to 3 local dataset ids that resemble ``spec`` (a typo in an id, e.g. another version)."""
-    import difflib
 
     return difflib.get_close_matches(spec, local_dataset_ids(root), n=3, cutoff=0.8)
 
@@ -314,7 +316,6 @@ def check_pomdp_record(record, obs_shape: tuple[int, ...], where: str) -> dict |
     Raises:
         DatasetError: field ``pomdp``, saying what is wrong and where (``where``).
     """
-    from rl_tformers.envs.pomdp import POMDP_KINDS
 
     if record is None:
         return None
@@ -431,7 +432,6 @@ def load_d4rl_hdf5(
             or validation fails.
     """
     import h5py
-    from rl_tformers.envs.scores import task_family
 
     path = Path(path).expanduser()
     if not path.is_file():

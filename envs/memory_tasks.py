@@ -39,6 +39,8 @@ import gymnasium as gym
 import numpy as np
 import typer
 from gymnasium import spaces
+from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
+from rl_tformers.envs.loaders import save_d4rl_hdf5
 from rl_tformers.envs.pomdp import ObservationMaskWrapper
 
 #: Indices of the observation entries kept by the position-only variants (the rest are
@@ -316,7 +318,6 @@ def scripted_dataset(
     form (``gym.make`` imports this module first, so any agent's evaluation finds it); the
     behaviour policy is described in ``metadata.extra["behaviour"]``.
     """
-    from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
 
     if task == "recall":
         env_id = recall_id(delay)
@@ -349,7 +350,6 @@ def main(
     seed: int = typer.Option(0, help="collection seed"),
 ) -> None:
     """Write an offline dataset of a memory task (scripted behaviour policy) as D4RL HDF5."""
-    from rl_tformers.envs.loaders import save_d4rl_hdf5
 
     ds = scripted_dataset(task, episodes, epsilon=epsilon, seed=seed, delay=delay)
     path = save_d4rl_hdf5(ds, out)

@@ -16,7 +16,9 @@ SB3 save files contain pickled Python objects: load only files you trust.
 
 from __future__ import annotations
 
+import ast
 import copy
+import importlib
 import json
 import zipfile
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from rl_tformers.envs.stopping import check_stop
 
 #: algorithm name -> (module, class) for SB3 and sb3-contrib.
 ALGORITHMS: dict[str, tuple[str, str]] = {
@@ -51,7 +54,6 @@ _SCHEDULE_KEYS = ("learning_rate", "lr_schedule", "clip_range", "clip_range_vf",
 
 def algorithm_class(name: str):
     """The SB3 / sb3-contrib class of an algorithm name (case-insensitive)."""
-    import importlib
 
     key = name.lower().replace("-", "").replace("_", "")
     if key not in ALGORITHMS:
@@ -211,7 +213,6 @@ def load_sb3_policy(
 
 def _saved_shape(data: dict, key: str) -> tuple[int, ...] | None:
     """The shape an SB3 save file's ``data`` records for space ``key`` (``None`` when unreadable)."""
-    import ast
 
     entry = data.get(key)
     shape = entry.get("shape") if isinstance(entry, dict) else None
@@ -300,7 +301,6 @@ def train_sb3(algo: str, env: gym.Env, steps: int, *, seed: int = 0, device: str
     Returns the trained model. Nothing is logged: the model gets a logger without outputs (SB3's
     default one would create an empty ``$TMPDIR/SB3-<date>`` folder on every call).
     """
-    from rl_tformers.envs.stopping import check_stop
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.logger import Logger
 

@@ -17,6 +17,7 @@ returns D4RL's percentages (0..100), the unit every offline-RL table reports.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,7 +53,6 @@ def _last_component(location: str | None) -> str | None:
     ``mujoco/hopper/medium-v0``, matched component by component)."""
     if not location:
         return None
-    from pathlib import Path
 
     p = Path(location).expanduser()
     if p.exists():

@@ -24,6 +24,7 @@ def _map_checkout_packages() -> None:
     the checkout (``tests``, ``setup.py``...) under ``rl_tformers``. An install's own finder comes
     first and wins; on an installed copy (no such folders beside it) nothing is added.
     """
+    # standard library only, at the one place it is needed: this runs while the package is imported
     import sys
     from importlib.util import spec_from_file_location
     from pathlib import Path

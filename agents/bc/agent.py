@@ -31,8 +31,12 @@ from rl_tformers.agents.common.offline import (
 )
 from rl_tformers.agents.decision_transformer.model import from_env_action, to_env_action
 from rl_tformers.envs.dataset import EpisodeDataset
+from rl_tformers.envs.samplers import WindowSampler
+from rl_tformers.envs.torch_data import StepBatchDataset
+from rl_tformers.envs.trajectory import ObsStats, top_fraction
 from torch import Tensor
 
+from rl_tformers.registry import SLOTS
 from rl_tformers.runtime.agent_registry import register_agent
 from rl_tformers.runtime.evaluation import eval_seed, evaluate, report_logs
 from rl_tformers.runtime.loading import register_inference_loader
@@ -95,7 +99,6 @@ class BCAgent:
 
     def __init__(self, cfg: Any, run_dir: Path | None, device: torch.device | str,
                  dataset: EpisodeDataset | None = None, info: DatasetInfo | None = None) -> None:
-        from rl_tformers.envs.trajectory import top_fraction
 
         a = BCAgentConfig.from_dict({k: v for k, v in plain(cfg.agent).items() if k != "kind"}, where="agent")
         self.options = a
@@ -103,7 +106,6 @@ class BCAgent:
         self.seed = int(cfg.seed)
         self.device = torch.device(device)
         self.dataset = dataset
-        from rl_tformers.registry import SLOTS
 
         # an MLP: a backbone component (memory, depth kind...) would be silently ignored; sizes
         # (backbone.d_model...) shared by the overrides of several agents are let through
@@ -135,9 +137,6 @@ class BCAgent:
 
     def batches(self, start_step: int):
         """Step-indexed dataset of single steps (WindowSampler, K = 1)."""
-        from rl_tformers.envs.samplers import WindowSampler
-        from rl_tformers.envs.torch_data import StepBatchDataset
-        from rl_tformers.envs.trajectory import ObsStats
 
         if self.dataset is None:
             raise RuntimeError("this BC agent was loaded for inference only (no dataset)")

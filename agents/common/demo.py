@@ -19,6 +19,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+import torch
+from rl_tformers.agents.common.scripted import collect_delayed_expert
+from rl_tformers.envs.loaders import save_d4rl_hdf5
+
+from rl_tformers.runtime.evaluation import evaluate
+from rl_tformers.runtime.loading import load_run
+from rl_tformers.runtime.plots import log_figure, plot_return_conditioning, save_figure, summary_lines
+from rl_tformers.runtime.run_config import compose
+from rl_tformers.runtime.trainer import RunDirError, holds_run, train
+
 DEMO_CONFIG = "dt/cartpole_demo"
 DATA_FILE = "cartpole-delayed-expert.hdf5"
 #: evaluation targets of the demo (CartPole-v1 returns are episode lengths, at most 500)
@@ -70,20 +80,7 @@ def run_demo(
         RunDirError: ``out_dir`` already holds a run (checked before anything is written).
         InterruptedError: training was stopped by SIGINT/SIGTERM (a checkpoint was saved).
     """
-    import torch
-    from rl_tformers.runtime.evaluation import evaluate
-    from rl_tformers.runtime.loading import load_run
-    from rl_tformers.runtime.plots import (
-        log_figure,
-        plot_return_conditioning,
-        save_figure,
-        summary_lines,
-    )
-    from rl_tformers.agents.common.scripted import collect_delayed_expert
-    from rl_tformers.envs.loaders import save_d4rl_hdf5
 
-    from rl_tformers.runtime.run_config import compose
-    from rl_tformers.runtime.trainer import RunDirError, holds_run, train
 
     t0 = time.perf_counter()
     if threads is not None:

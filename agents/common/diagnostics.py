@@ -19,9 +19,13 @@ import argparse
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
+import torch
+from rl_tformers.envs.policies import load_sb3_policy
 
 from rl_tformers.runtime.evaluation import EnvFactory, evaluate
+from rl_tformers.runtime.loading import load_run
 from rl_tformers.runtime.protocol import Policy
 
 #: obs (N, *obs_shape) -> actions (N, *act_shape)
@@ -99,8 +103,6 @@ def imitation_report(
 
 def sb3_reference(path: str, env_id: str) -> Reference:
     """Deterministic actions of an SB3 save file (observation normalisation applied) as a reference."""
-    import gymnasium as gym
-    from rl_tformers.envs.policies import load_sb3_policy
 
     env = gym.make(env_id)
     pol = load_sb3_policy(path, env)
@@ -114,9 +116,7 @@ def sb3_reference(path: str, env_id: str) -> Reference:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m rl_tformers.agents.common.diagnostics RUN_DIR --ref NAME=MODEL.zip ... [--target R]``."""
-    import torch
 
-    from rl_tformers.runtime.loading import load_run
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir")

@@ -21,6 +21,8 @@ convention :mod:`rl_tformers.cli.evaluate` reads from any agent's extra state.
 
 from __future__ import annotations
 
+import importlib
+import logging
 import math
 import shlex
 import sys
@@ -32,12 +34,20 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from rl_tformers.envs.dataset import EpisodeDataset
+from rl_tformers.envs.loaders import HDF5_SUFFIXES, load_dataset
+from rl_tformers.envs.pomdp import make_env
+from rl_tformers.envs.scores import D4RL_REF_SCORES, _last_component, reference_scores, task_family
+from rl_tformers.envs.trajectory import dataset_returns_to_go, iter_chunks, observation_stats
+from rl_tformers.envs.trajectory import reward_scale as auto_scale
+
+from rl_tformers.runtime.agent_registry import AgentBuildError
+from rl_tformers.runtime.evaluation import max_episode_steps
 
 
 def plain(x: Any) -> Any:
     """OmegaConf nodes -> plain Python containers (other values unchanged)."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
 
     return OmegaConf.to_container(x, resolve=True) if isinstance(x, (DictConfig, ListConfig)) else x
 
@@ -54,7 +64,6 @@ def load_offline_dataset(spec: Mapping[str, Any] | None) -> EpisodeDataset:
         DatasetError / FileNotFoundError: from the data layer's loaders (a missing file's error
             ends with ``dataset.build``, the command that makes it, when the config has one).
     """
-    from rl_tformers.envs.loaders import HDF5_SUFFIXES, load_dataset
 
     spec = dict(spec or {})
     if not spec.get("path"):
@@ -91,7 +100,6 @@ def action_summary(ds: EpisodeDataset, act_dim: int, action_start: int = 0) -> n
     (action ``action_start + i`` at index i), else the (act_dim,) mean of the flattened actions.
     Part of the data fingerprint that a resumed run compares (:meth:`DatasetInfo.data_differences`).
     """
-    from rl_tformers.envs.trajectory import iter_chunks
 
     total = np.zeros(act_dim, np.float64)
     covered = np.zeros(ds.rewards.shape[0], bool)
@@ -203,9 +211,6 @@ class DatasetInfo:
                 a mapping, or an evaluation environment that does not fit the data
                 (:meth:`check_env`).
         """
-        from rl_tformers.envs.scores import reference_scores
-        from rl_tformers.envs.trajectory import observation_stats
-        from rl_tformers.envs.trajectory import reward_scale as auto_scale
 
         env_kwargs = check_env_kwargs(env_kwargs)
         scale = parse_reward_scale(reward_scale)
@@ -286,8 +291,6 @@ class DatasetInfo:
         """
         if not self.env_id:
             return
-        import importlib
-        import logging
 
         from rl_tformers.envs import memory_tasks  # noqa: F401 - registers the project's tasks
 
@@ -408,8 +411,6 @@ class DatasetInfo:
             return
         changed = self.data_differences(now)
         if changed:
-            from rl_tformers.runtime.agent_registry import AgentBuildError
-
             raise AgentBuildError(
                 f"the dataset {dataset} is not the data this run was trained on: its statistics differ from "
                 f"the checkpoint's ({'; '.join(changed)}; checkpoint -> now); resume with the original "
@@ -457,7 +458,6 @@ class DatasetInfo:
         """Steps of the evaluation environment's time limit (``spec.max_episode_steps``), or
         ``None`` when it has none, the dataset names no environment, or it cannot be made here
         (:meth:`check_env` reports that); for warnings given before training."""
-        from rl_tformers.runtime.evaluation import max_episode_steps
 
         if not self.env_id:
             return None
@@ -478,7 +478,6 @@ class DatasetInfo:
         """
         if not self.env_id:
             raise ValueError("the dataset names no environment; set agent.env_id for evaluation")
-        from rl_tformers.envs.pomdp import make_env
 
         env_id, pomdp, kwargs = self.env_id, (dict(self.pomdp) if self.pomdp else None), dict(self.env_kwargs)
         flatten = self.flatten_observations
@@ -520,9 +519,7 @@ def evaluation_references(ds: EpisodeDataset, env_id: str) -> tuple[float, float
       that they are the dataset's task's and mean something only if ``env_id`` is that task (a
       variant such as a custom ``module:HopperHeavy-v0``); else None.
     """
-    import logging
 
-    from rl_tformers.envs.scores import D4RL_REF_SCORES, _last_component, reference_scores, task_family
 
     own = reference_scores(ds)
     meta = ds.metadata
@@ -628,7 +625,6 @@ def parse_reward_scale(value: Any) -> float | str:
 
 def largest_returns_to_go(ds: EpisodeDataset) -> tuple[float, float]:
     """``(max |return-to-go|, max |reward|)`` over the steps of ``ds`` (undiscounted, float64, raw units)."""
-    from rl_tformers.envs.trajectory import dataset_returns_to_go
 
     rows = ds.flat_indices()
     return (float(np.abs(dataset_returns_to_go(ds)[rows]).max()),

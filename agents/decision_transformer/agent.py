@@ -29,16 +29,20 @@ Which mode a backbone needs (``agent.mode``):
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from rl_tformers.agents.common.knn_memory import ActionDatastore, KNNPolicyMemory
 from rl_tformers.agents.common.offline import (
     DatasetInfo,
     flattens_observations,
+    largest_returns_to_go,
     load_offline_dataset,
     plain,
 )
@@ -47,8 +51,12 @@ from rl_tformers.agents.decision_transformer.loss import dt_loss
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTConfig, from_env_action
 from rl_tformers.agents.decision_transformer.policy import DTPolicy, acting_context_mask
 from rl_tformers.envs.dataset import EpisodeDataset
+from rl_tformers.envs.samplers import WindowSampler
+from rl_tformers.envs.torch_data import StepBatchDataset
+from rl_tformers.envs.trajectory import ObsStats
 from torch import Tensor
 
+from rl_tformers.depth.early_exit import calibrate_threshold
 from rl_tformers.runtime.agent_registry import register_agent
 from rl_tformers.runtime.evaluation import eval_seed, evaluate, report_logs
 from rl_tformers.runtime.loading import register_inference_loader
@@ -90,7 +98,6 @@ def warn_time_limit(info: DatasetInfo, max_ep_len: int, offline_run: str | None 
             offline run (the odt config's value is not used), and that exploration episodes are
             cut there. None: the run's own ``agent.max_ep_len``.
     """
-    import logging
 
     limit = info.time_limit()
     if limit is None or limit <= max_ep_len:
@@ -221,7 +228,6 @@ class DTAgent:
             ValueError: naming ``agent.reward_scale``, the dataset's largest |return-to-go| and the
                 smallest scale that fits.
         """
-        from rl_tformers.agents.common.offline import largest_returns_to_go
 
         scale = float(self.info.reward_scale)
         m_rtg, _ = largest_returns_to_go(self.dataset)
@@ -246,9 +252,6 @@ class DTAgent:
         mode, whose target is that step's action; in causal mode it covers the first K steps of
         each episode far more often, see docs/dt.md).
         """
-        from rl_tformers.envs.samplers import WindowSampler
-        from rl_tformers.envs.torch_data import StepBatchDataset
-        from rl_tformers.envs.trajectory import ObsStats
 
         if self.dataset is None:
             raise RuntimeError("this DT agent was loaded for inference only (no dataset)")
@@ -320,8 +323,6 @@ class DTAgent:
         return self.dataset
 
     def _sampler(self, dataset: EpisodeDataset):
-        from rl_tformers.envs.samplers import WindowSampler
-        from rl_tformers.envs.trajectory import ObsStats
 
         shape = dataset.observation_shape
         stats = ObsStats(self.info.obs_mean.reshape(shape), self.info.obs_std.reshape(shape))
@@ -408,7 +409,6 @@ class DTAgent:
         Raises:
             ValueError: the depth kind is not ``early_exit``.
         """
-        from rl_tformers.depth.early_exit import calibrate_threshold
 
         if not self.model.early_exit:
             raise ValueError("calibration needs backbone.depth.kind=early_exit in the run's config")
@@ -484,9 +484,7 @@ class DTAgent:
         Returns:
             JSON-ready summary: ``entries``, ``lam``, ``k``, ``temperature``, ``metric``, ``build_s``.
         """
-        import time
 
-        from rl_tformers.agents.common.knn_memory import ActionDatastore, KNNPolicyMemory
 
         o = self.knn_options
         lam = float(o.lam if lam is None else lam)
@@ -578,7 +576,7 @@ class DTAgent:
             self.model.train(was_training)
         out: dict[str, Any] = dict(report_logs(report))
         if self.options.eval_figure:
-            from rl_tformers.runtime.plots import plot_return_conditioning
+            from rl_tformers.runtime.plots import plot_return_conditioning  # matplotlib: only for the figure
 
             out["eval/return_conditioning"] = plot_return_conditioning(
                 report.results, dataset_max=self.info.return_max, dataset_mean=self.info.return_mean,

@@ -20,6 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 import typer
+from rl_tformers.agents.decision_transformer.agent import to_model_batch
+
+from rl_tformers.runtime.loading import load_run
+from rl_tformers.runtime.timing import interleaved_timing
 
 
 def forward_timing(agent: Any, batch_sizes: list[int], repeats: int = 200, seed: int = 777) -> dict[str, Any]:
@@ -34,8 +38,6 @@ def forward_timing(agent: Any, batch_sizes: list[int], repeats: int = 200, seed:
         ``{"threshold": float | None, "batches": {N: {"full_ms", "early_ms", "speedup",
         "exit_mean_layer", "consistent"}}}`` (medians in milliseconds).
     """
-    from rl_tformers.runtime.timing import interleaved_timing
-    from rl_tformers.agents.decision_transformer.agent import to_model_batch
 
     data = agent._data(None)
     held = agent.heldout_mask(data)
@@ -82,7 +84,6 @@ def main(
     threads: int = typer.Option(1, min=1, help="torch CPU threads."),
 ) -> None:
     """Print the JSON of :func:`forward_timing` (with the calibration when calibrating)."""
-    from rl_tformers.runtime.loading import load_run
 
     torch.set_num_threads(threads)
     run = load_run(run_dir)

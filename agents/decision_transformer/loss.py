@@ -20,6 +20,8 @@ from rl_tformers.agents.decision_transformer.model import (
 )
 from torch import Tensor
 
+from rl_tformers.depth.early_exit import consistency_labels, exit_loss
+from rl_tformers.runtime.distributed import shard_mean_total
 from rl_tformers.types import sum_aux
 
 
@@ -58,7 +60,6 @@ def dt_loss(model: DecisionTransformer, batch: Mapping[str, Tensor]) -> tuple[Te
     average to the global-batch values). The early-exit terms and the backbone's auxiliary
     losses are still per-shard means.
     """
-    from rl_tformers.runtime.distributed import shard_mean_total
 
     cfg = model.cfg
     early = model.early_exit
@@ -130,7 +131,6 @@ def _exit_terms(model: DecisionTransformer, out, target: Tensor, mask: Tensor, m
     Returns:
         0-d tensor: the combined action loss (replaces the last-layer loss).
     """
-    from rl_tformers.depth.early_exit import consistency_labels, exit_loss
 
     cfg = model.cfg
     bb = model.backbone

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from rl_tformers.backbone import Backbone
 from rl_tformers.backbone_config import BackboneConfig
+from rl_tformers.depth.early_exit import SCHEMES, with_final_norm
 from rl_tformers.position.base import embedding_table
 
 MODES = ("causal", "last_action")
@@ -164,7 +165,6 @@ class DTConfig:
                 "action tokens a_t, a_t+1... would leak into the prediction of a_t); for kernels "
                 "without a causal form use agent.mode=last_action"
             )
-        from rl_tformers.depth.early_exit import SCHEMES
 
         if self.exit_scheme not in SCHEMES:
             raise ValueError(f"agent.early_exit.scheme={self.exit_scheme!r}; use one of {', '.join(SCHEMES)}")
@@ -356,8 +356,6 @@ class DecisionTransformer(nn.Module):
         pos = self.token_pos[:n].expand(b, n)  # (B, n) token index inside the window
         depth_kw: dict[str, Any] = {}
         if self.early_exit:
-            from rl_tformers.depth.early_exit import with_final_norm
-
             depth_kw["exit_head"] = with_final_norm(self.backbone, self.head)
             if exit_threshold is not None:
                 depth_kw["exit_threshold"] = float(exit_threshold)

@@ -86,7 +86,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
-from rl_tformers.runtime.loading import register_inference_loader
+import yaml
+from omegaconf import OmegaConf
 from rl_tformers.agents.common.offline import DatasetInfo, load_offline_dataset, plain
 from rl_tformers.agents.decision_transformer.agent import (
     DT_DEFAULTS,
@@ -97,12 +98,19 @@ from rl_tformers.agents.decision_transformer.agent import (
 from rl_tformers.agents.decision_transformer.config import DTAgentConfig, ODTAgentConfig
 from rl_tformers.agents.decision_transformer.loss import dt_loss
 from rl_tformers.agents.decision_transformer.policy import DTPolicy
-from rl_tformers.envs.dataset import EpisodeDataset
+from rl_tformers.envs.dataset import DatasetError, EpisodeDataset
+from rl_tformers.envs.samplers import WindowSampler
+from rl_tformers.envs.trajectory import ObsStats
 from torch import Tensor
 
-from rl_tformers.backbone_config import ConfigAdviceWarning
+from rl_tformers.backbone_config import BackboneConfig, ConfigAdviceWarning
 from rl_tformers.runtime.agent_registry import register_agent, resume_state
+from rl_tformers.runtime.checkpoint import CheckpointError, find_latest_valid, load_checkpoint
+from rl_tformers.runtime.distributed import dist_info
+from rl_tformers.runtime.evaluation import run_episodes, with_raw_reward
+from rl_tformers.runtime.loading import register_inference_loader
 from rl_tformers.runtime.plugins import check_source_plugins
+from rl_tformers.runtime.seeding import derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +161,7 @@ def read_offline_run(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
             another agent kind than ``dt``, a run on discrete actions, or one trained with
             another head than ``agent.head=gaussian``.
     """
-    import yaml
 
-    from rl_tformers.runtime.checkpoint import CheckpointError, find_latest_valid, load_checkpoint
 
     p = Path(path).expanduser()
     if not p.exists():
@@ -209,7 +215,6 @@ def fine_tune_changes(configured: Mapping[str, Any], saved: Mapping[str, Any]) -
         ``["agent.context_len=10 (the checkpoint's: 20)", "backbone.d_model=64 (...: 128)", ...]``,
         empty when they agree.
     """
-    from rl_tformers.backbone_config import BackboneConfig
 
     ca, sa = configured.get("agent") or {}, saved.get("agent") or {}
     out = []
@@ -227,7 +232,6 @@ def fine_tune_changes(configured: Mapping[str, Any], saved: Mapping[str, Any]) -
 
 def effective_config(cfg: Any, agent_keys: Mapping[str, Any], backbone: Mapping[str, Any]) -> Any:
     """The run config with the offline run's model/data options and backbone (what the DT is built from)."""
-    from omegaconf import OmegaConf
 
     c = plain(cfg) if not isinstance(cfg, dict) else copy.deepcopy(cfg)
     c["agent"].update(copy.deepcopy(dict(agent_keys)))
@@ -461,7 +465,6 @@ def collect_episodes(
             seed and the step.
         RuntimeError: the raw reward is missing from ``info``.
     """
-    from rl_tformers.runtime.evaluation import run_episodes
 
     rec = run_episodes(policy, envs, target, episodes, seed, record_trajectories=True, max_steps=max_ep_len,
                        who="online rollout")
@@ -514,7 +517,6 @@ class ODTAgent(DTAgent):
 
     def __init__(self, cfg: Any, run_dir: Path | None, device: torch.device | str,
                  dataset: EpisodeDataset | None = None) -> None:
-        from rl_tformers.runtime.distributed import dist_info
 
         a = ODTAgentConfig.from_dict({k: v for k, v in plain(cfg.agent).items() if k != "kind"}, where="agent")
         online = a.online
@@ -596,7 +598,6 @@ class ODTAgent(DTAgent):
             DatasetError: (a ValueError) naming ``dataset.path``, the first such episode by its
                 dataset index, its length, and the offline run's ``agent.max_ep_len``.
         """
-        from rl_tformers.envs.dataset import DatasetError
 
         try:
             ds.check_max_ep_len(max_ep_len, "agent.max_ep_len")
@@ -632,8 +633,6 @@ class ODTAgent(DTAgent):
         return self.updates_per_round
 
     def _make_sampler(self):
-        from rl_tformers.envs.samplers import WindowSampler
-        from rl_tformers.envs.trajectory import ObsStats
 
         data = self.buffer.dataset()
         shape = data.observation_shape
@@ -696,8 +695,6 @@ class ODTAgent(DTAgent):
     def _vector_env(self) -> gym.vector.VectorEnv:
         """The N exploration environments (built once; every round resets them with its seeds)."""
         if self._envs is None:
-            from rl_tformers.runtime.evaluation import with_raw_reward
-
             make = self.make_env()
             self._envs = gym.vector.SyncVectorEnv([lambda: with_raw_reward(make()) for _ in range(self.n_envs)],
                                                   autoreset_mode=gym.vector.AutoresetMode.DISABLED)
@@ -705,7 +702,6 @@ class ODTAgent(DTAgent):
 
     def round_seed(self, r: int) -> int:
         """Seed of round r: reset seeds ``seed + j`` and the action noise (31 bits)."""
-        from rl_tformers.runtime.seeding import derive_seed
 
         return derive_seed(self.seed, "online", int(r)) % (2**31)
 

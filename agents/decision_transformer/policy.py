@@ -49,10 +49,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from rl_tformers.agents.common.knn_memory import interpolate_continuous, interpolate_discrete
 from rl_tformers.agents.common.policy import check_return_targets, embedding_target_limit
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer, to_env_action
 from rl_tformers.envs.trajectory import next_return_to_go
 from torch import Tensor
+
+from rl_tformers.runtime.evaluation import NonFiniteError
 
 OVERFLOW_POLICIES = ("error", "clamp")
 
@@ -406,7 +409,6 @@ class DTPolicy:
         bad = ~torch.isfinite(pred.reshape(pred.shape[0], -1)).all(dim=1)
         if not bool(bad.any()):
             return
-        from rl_tformers.runtime.evaluation import NonFiniteError
 
         i = int(torch.nonzero(bad)[0, 0])
         raise NonFiniteError(
@@ -418,7 +420,6 @@ class DTPolicy:
     def _interpolate(self, features: Tensor, pred: Tensor, counted: np.ndarray) -> Tensor:
         """kNN-LM at the decision: features (N, D); pred = logits (N, n_actions) or action (N, A);
         ``counted`` (N,) bool: the rows whose hits :meth:`stats` counts."""
-        from rl_tformers.agents.common.knn_memory import interpolate_continuous, interpolate_discrete
 
         nb = self.knn.neighbours(features)
         self._knn_hits += int(nb.valid.any(-1).cpu()[torch.as_tensor(counted)].sum())

@@ -30,9 +30,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import typer
+from omegaconf import OmegaConf
+from rl_tformers.agents.common.offline import load_offline_dataset, plain
 from rl_tformers.agents.decision_transformer.model import from_env_action
 from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.trajectory import returns_to_go
+
+from rl_tformers.runtime.agent_registry import UnknownAgentError
+from rl_tformers.runtime.checkpoint import CheckpointError, find_latest_valid
+from rl_tformers.runtime.loading import load_run
 
 
 def check_probe_options(t0s: Sequence[int], rtgs: Sequence[float]) -> None:
@@ -193,11 +199,7 @@ def _fail(msg: str) -> typer.Exit:
 def _load_dt_run(run_dir: Path):
     """The run of ``run_dir`` if it is a Decision Transformer run with continuous actions (else an
     ``error:`` exit, before the model is built)."""
-    from omegaconf import OmegaConf
-    from rl_tformers.runtime.loading import load_run
 
-    from rl_tformers.runtime.agent_registry import UnknownAgentError
-    from rl_tformers.runtime.checkpoint import CheckpointError, find_latest_valid
 
     if not run_dir.is_dir():
         what = "is not a directory" if run_dir.exists() else "does not exist"
@@ -230,7 +232,6 @@ def main(
     Exit code 2 (one `error: ...` line): a bad option, a run that is not a continuous-action
     Decision Transformer, or a dataset that does not fit it.
     """
-    from rl_tformers.agents.common.offline import load_offline_dataset, plain
 
     try:  # the options first: nothing is loaded for a typo
         groups = parse_groups(group)

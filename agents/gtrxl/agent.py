@@ -31,6 +31,7 @@ The evaluation environment is the dataset's ``env_id``, masked like its ``pomdp`
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -41,6 +42,7 @@ from typing import Any
 import numpy as np
 import rl_tformers.envs.memory_tasks  # noqa: F401  (registers the memory tasks with gymnasium)
 import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from rl_tformers.agents.common.offline import (
     DatasetInfo,
     flattens_observations,
@@ -60,10 +62,13 @@ from rl_tformers.agents.gtrxl.model import (
     window_recipe,
 )
 from rl_tformers.envs.dataset import DatasetError, EpisodeDataset
-from rl_tformers.envs.trajectory import next_return_to_go
+from rl_tformers.envs.memory_tasks import scripted_dataset
+from rl_tformers.envs.samplers import SegmentSampler
+from rl_tformers.envs.torch_data import StepBatchDataset
+from rl_tformers.envs.trajectory import ObsStats, next_return_to_go
 from torch import Tensor
 
-from rl_tformers.runtime.agent_registry import register_agent
+from rl_tformers.runtime.agent_registry import AgentBuildError, register_agent
 from rl_tformers.runtime.evaluation import eval_seed, evaluate, report_logs
 from rl_tformers.runtime.loading import register_inference_loader
 from rl_tformers.types import BackboneState
@@ -161,7 +166,6 @@ def warn_position_time_limit(info, limit: int) -> None:
         info: the dataset's :class:`DatasetInfo` (its ``env_id`` and ``make_env``).
         limit: rows of the learned position table (``backbone.max_position``).
     """
-    import logging
 
     steps = info.time_limit()
     if steps is not None and steps > limit:
@@ -417,8 +421,6 @@ def load_gtrxl_dataset(spec: Mapping[str, Any], seed: int) -> EpisodeDataset:
     """
     spec = dict(spec or {})
     if spec.get("scripted"):
-        from rl_tformers.envs.memory_tasks import scripted_dataset
-
         s = dict(spec["scripted"])
         return scripted_dataset(
             str(s.get("task", "recall")), int(s.get("episodes", 1000)), epsilon=float(s.get("epsilon", 0.2)),
@@ -436,7 +438,6 @@ def model_config_dict(cfg: GTrXLConfig) -> dict[str, Any]:
 # the trainable agent
 # ---------------------------------------------------------------------------------------------
 def _plain(x: Any) -> Any:
-    from omegaconf import DictConfig, ListConfig, OmegaConf
 
     if isinstance(x, (DictConfig, ListConfig)):
         return OmegaConf.to_container(x, resolve=True)
@@ -590,9 +591,6 @@ class GTrXLAgent:
     # -- Trainable ---------------------------------------------------------------------------
     def batches(self, start_step: int):
         """Step-indexed dataset: batch ``s`` drawn from ``default_rng([seed, s])`` (resume-exact)."""
-        from rl_tformers.envs.samplers import SegmentSampler
-        from rl_tformers.envs.torch_data import StepBatchDataset
-        from rl_tformers.envs.trajectory import ObsStats
 
         if self.dataset is None:
             raise RuntimeError("this GTrXL agent was loaded for inference only (no dataset)")
@@ -683,7 +681,6 @@ class GTrXLAgent:
             AgentBuildError: (a ValueError, reported by ``rl-tformers train`` as one ``error:``
                 line) the statistics of the dataset read now differ from the checkpoint's.
         """
-        from rl_tformers.runtime.agent_registry import AgentBuildError
 
         saved = DatasetInfo.from_extra(state)
         if self.dataset is not None and getattr(self, "info", None) is not None:

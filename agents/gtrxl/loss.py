@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from rl_tformers.agents.gtrxl.model import EncoderOutput, GTrXLEncoder, GTrXLModel, gate_logs
 from torch import Tensor, nn
 
+from rl_tformers.runtime.distributed import shard_mean_total
+
 
 @dataclass
 class SegmentBatch:
@@ -133,7 +135,6 @@ def _global_total(mask: Tensor) -> Tensor | None:
     """:func:`~rl_tformers.runtime.distributed.shard_mean_total` of ``mask.sum()``: the global
     count / W inside a DDP training forward (one all-reduce), None otherwise (one process:
     every mean divides by its own count, exactly as before)."""
-    from rl_tformers.runtime.distributed import shard_mean_total
 
     return shard_mean_total(mask.sum())
 

@@ -41,6 +41,7 @@ from torch.distributions import Categorical, Distribution, Normal
 
 from rl_tformers.backbone import Backbone, IncompatibleConfig
 from rl_tformers.backbone_config import BackboneConfig
+from rl_tformers.position.absolute import LearnedPosition
 from rl_tformers.registry import REGISTRIES
 from rl_tformers.types import BackboneState
 
@@ -531,7 +532,6 @@ def position_limit(module: nn.Module) -> int | None:
     ``backbone.position.kind=learned`` an episode of more than ``backbone.max_position`` steps
     has no table row for its later steps; the other position kinds have no such limit.
     """
-    from rl_tformers.position.absolute import LearnedPosition
 
     limits = [m.max_position for m in module.modules() if isinstance(m, LearnedPosition) and m.table is not None]
     return min(limits) if limits else None

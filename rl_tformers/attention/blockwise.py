@@ -47,6 +47,7 @@ from rl_tformers.attention._blocksparse import (
     tile_blocks,
 )
 from rl_tformers.attention.base import AttentionConfig, AttentionModule
+from rl_tformers.backbone import IncompatibleConfig
 from rl_tformers.registry import ATTENTION, Capabilities
 from rl_tformers.types import AttnContext
 
@@ -145,7 +146,6 @@ class BlockwiseConfig(AttentionConfig):
             )
 
     def check(self, cfg) -> None:
-        from rl_tformers.backbone import IncompatibleConfig
 
         if self.heads_per_shift and sum(self.heads_per_shift) != cfg.n_heads:
             raise IncompatibleConfig(

@@ -36,6 +36,7 @@ from rl_tformers.attention._blocksparse import (
     with_globals,
 )
 from rl_tformers.attention.base import AttentionConfig, AttentionModule
+from rl_tformers.backbone import IncompatibleConfig
 from rl_tformers.registry import ATTENTION, Capabilities
 from rl_tformers.types import AttnContext
 
@@ -126,7 +127,6 @@ class SlidingWindowAttention(BlockSparseAttention):
 
 
 def _check_layers(cfg, name: str, value) -> None:
-    from rl_tformers.backbone import IncompatibleConfig
 
     if isinstance(value, (tuple, list)) and len(value) != cfg.n_layers:
         raise IncompatibleConfig(
@@ -157,7 +157,6 @@ class _WindowFields(AttentionConfig):
     def check(self, cfg) -> None:
         _check_layers(cfg, "window", self.window)
         _check_layers(cfg, "dilation", self.dilation)
-        from rl_tformers.backbone import IncompatibleConfig
 
         if self.dilated_heads is not None and not 0 <= self.dilated_heads <= cfg.n_heads:
             raise IncompatibleConfig(

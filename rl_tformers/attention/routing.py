@@ -4,9 +4,11 @@ Attention with Routing Transformers", TACL 2021)."""
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -34,12 +36,10 @@ def _sum_over_ddp_ranks(sums: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
     centroids: a 2-process run followed rank 0's half of every batch (0.06 centroid difference
     from one process after 10 toy updates).
     """
-    import sys
 
     dist_rt = sys.modules.get("rl_tformers.runtime.distributed")  # only loaded by the trainer
     if dist_rt is None or not getattr(dist_rt, "_IN_DDP_LOSS", False):
         return sums, counts
-    import torch.distributed as dist
 
     flat = torch.cat([sums.reshape(-1), counts.reshape(-1)]).to(torch.float64)  # one all-reduce
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)

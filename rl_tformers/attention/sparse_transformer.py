@@ -41,6 +41,7 @@ from rl_tformers.attention._blocksparse import (
     tile_blocks,
 )
 from rl_tformers.attention.base import AttentionConfig, AttentionModule
+from rl_tformers.backbone import IncompatibleConfig
 from rl_tformers.registry import ATTENTION, Capabilities
 from rl_tformers.types import AttnContext
 
@@ -200,7 +201,6 @@ class _FactorisedFields(AttentionConfig):
             raise ValueError(f"attention.head_patterns: {bad[0]!r} is not one of {', '.join(PATTERNS)}")
 
     def check(self, cfg) -> None:
-        from rl_tformers.backbone import IncompatibleConfig
 
         if self.head_patterns and self.mode != "heads":
             raise IncompatibleConfig("backbone.attention.head_patterns is only used with backbone.attention.mode=heads")

@@ -30,6 +30,7 @@ Command: ``rl-tformers bench attention --kinds sdpa,performer,lsh --lengths 256,
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import statistics
 import time
@@ -39,9 +40,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import typer
 
+from rl_tformers import Backbone
 from rl_tformers.bench.memory import peak_bytes
+from rl_tformers.bench.options import check_counts, check_device, check_out, fail, first_repeat
+from rl_tformers.registry import ATTENTION, all_entries
 from rl_tformers.runtime.paths import blocking_file
+from rl_tformers.types import AttnContext
 
 DEFAULT_LENGTHS = (256, 1024, 4096, 16384)
 BASELINE = "sdpa"
@@ -92,9 +98,8 @@ class Settings:
             ValueError: no ``--lengths``, a length below 1 or given twice, ``--batch``,
                 ``--d-model``, ``--n-heads`` or ``--repeats`` below 1, ``--d-model`` not
                 divisible by ``--n-heads``, a budget that is not a positive number, or a
-                ``--device`` that is not available (:func:`~rl_tformers.cli.bench.check_device`).
+                ``--device`` that is not available (:func:`~rl_tformers.bench.options.check_device`).
         """
-        from rl_tformers.cli.bench import check_counts, check_device, first_repeat
 
         if not self.lengths:
             raise ValueError("--lengths: give at least one sequence length (e.g. 256,1024)")
@@ -136,7 +141,6 @@ class Result:
 
 def all_kinds() -> list[str]:
     """Every registered attention kind (the baseline first)."""
-    from rl_tformers.registry import ATTENTION, all_entries
 
     all_entries()  # import every component module
     kinds = ATTENTION.kinds()
@@ -146,7 +150,6 @@ def all_kinds() -> list[str]:
 def kind_fields(kind: str, length: int) -> dict[str, Any]:
     """Config fields for ``kind`` at length L: the class's ``bench_config(L)`` if it has one,
     else its defaults; a ``max_len`` field is raised to L (fixed-length kernels)."""
-    from rl_tformers.registry import ATTENTION
 
     cls = ATTENTION.get(kind).config_cls
     hook = getattr(cls, "bench_config", None)
@@ -160,7 +163,6 @@ def kind_fields(kind: str, length: int) -> dict[str, Any]:
 
 def mode_for(kind: str, causal: bool) -> bool | None:
     """The masking mode ``kind`` runs in (the requested one if it supports it), or None."""
-    from rl_tformers.registry import ATTENTION
 
     caps = ATTENTION.get(kind).capabilities
     if causal and caps.causal or not causal and caps.bidirectional:
@@ -180,7 +182,6 @@ def dense_bytes_estimate(kind: str, length: int, s: Settings, prev: tuple[int, f
     ``sdpa`` unmasked 0 (fused kernels, O(L)), ``sdpa`` masked the bool mask B L^2, others the
     (B, H, L, L) float32 scores and probabilities.
     """
-    from rl_tformers.registry import ATTENTION
 
     if ATTENTION.get(kind).capabilities.subquadratic:
         return 0
@@ -192,7 +193,6 @@ def dense_bytes_estimate(kind: str, length: int, s: Settings, prev: tuple[int, f
 
 
 def _build(kind: str, length: int, causal: bool, s: Settings):
-    from rl_tformers import Backbone
 
     torch.manual_seed(s.seed)
     bb = Backbone(
@@ -207,7 +207,6 @@ def _build(kind: str, length: int, causal: bool, s: Settings):
 
 def measure(kind: str, length: int, causal: bool, s: Settings) -> dict[str, Any]:
     """One row: forward+backward seconds (median) and peak MiB of ``kind`` at length L."""
-    from rl_tformers.types import AttnContext
 
     dev = torch.device(s.device)
     attn = _build(kind, length, causal, s)
@@ -338,7 +337,6 @@ def run_rl_scale(kinds: Sequence[str], device: str, **options: Any) -> tuple[lis
     500-step context, registers itself when :mod:`rl_tformers.bench.attention_rl` is imported
     (the ``bench`` command group imports every bench module).
     """
-    import inspect
 
     if not RL_SCALE_CASES:
         return [], [
@@ -461,7 +459,6 @@ def parse_list(text: str | None, cast=str) -> list:
 
 def register(bench_app) -> None:
     """Add the ``attention`` command to the ``bench`` Typer group."""
-    import typer
 
     def attention(
         kinds: str = typer.Option("all", help="Comma-separated attention kinds, or 'all' (every registered kind)."),
@@ -485,12 +482,9 @@ def register(bench_app) -> None:
             [], "--rl-option", help="key=value option of the RL-scale cases (repeatable), e.g. batch_size=8."),
     ) -> None:
         """Forward+backward time and peak memory of attention kinds as ratios to dense SDPA."""
-        from rl_tformers.cli.bench import check_out, fail, first_repeat
 
         ks = None if kinds.strip() == "all" else parse_list(kinds)
         if ks is not None:
-            from rl_tformers.registry import ATTENTION
-
             all_kinds()
             unknown = [k for k in ks if k not in ATTENTION]
             if unknown:

@@ -37,13 +37,23 @@ directories (``python -m rl_tformers.bench.attention_rl DIR ...``).
 
 from __future__ import annotations
 
+import itertools
+import json
+import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import typer
+from omegaconf import OmegaConf
 
 from rl_tformers.bench.attention import BASELINE, kind_fields, register_rl_scale_case
+from rl_tformers.registry import ATTENTION
+from rl_tformers.runtime.checkpoint import find_latest_valid
+from rl_tformers.runtime.device import move_to
+from rl_tformers.runtime.run_config import compose
+from rl_tformers.runtime.trainer import Trainer
 
 CASE = "dt_long_context"
 
@@ -91,11 +101,7 @@ def interleaved_update_seconds(trainers: dict[str, Any], rounds: int, updates: i
     kind in turn runs ``updates`` updates (``Trainer.update`` on the run's step-indexed batches,
     cyclically; one untimed warm-up update first). A shared machine's load then hits every kind
     alike, unlike kinds trained one after another. The weights change (timing only)."""
-    import itertools
-    import statistics
-    import time
 
-    from rl_tformers.runtime.device import move_to
 
     streams = {}
     for kind, tr in trainers.items():
@@ -120,9 +126,6 @@ def dt_long_context(kinds: list[str], device: str, **options: Any) -> list[dict[
     Raises:
         ValueError: an unknown option.
     """
-    from rl_tformers.registry import ATTENTION
-    from rl_tformers.runtime.run_config import compose
-    from rl_tformers.runtime.trainer import Trainer
 
     check_options(options)
     o = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
@@ -208,11 +211,8 @@ def summarise_runs(run_dirs: list[str]) -> list[dict[str, Any]]:
 
     Raises:
         ValueError: a run folder inside that is not a Decision Transformer run (named)."""
-    import json
 
-    from omegaconf import OmegaConf
 
-    from rl_tformers.runtime.checkpoint import find_latest_valid
 
     rows = []
     for d in run_dirs:

@@ -39,10 +39,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 
 from rl_tformers.bench import _peer_crosscheck as worker
 from rl_tformers.bench.train import d4rl_arrays, default_peer_python
+from rl_tformers.envs.loaders import load_dataset
+from rl_tformers.envs.scores import reference_scores
 
 WORKER = Path(__file__).with_name("_peer_crosscheck.py")
 
@@ -143,7 +146,6 @@ def check_dataset_env(ds, env: str | None, spec: str) -> str:
     Raises:
         CrosscheckError: naming ``--dataset`` or ``--env``.
     """
-    import gymnasium as gym
 
     if ds.discrete_actions:
         raise CrosscheckError(f"--dataset {spec}: discrete actions ({ds.action_space}); the cross-check runs "
@@ -262,8 +264,6 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
         raise CrosscheckError(f"--python {python}: not an executable file")
 
-    from rl_tformers.envs.loaders import load_dataset
-    from rl_tformers.envs.scores import reference_scores
 
     try:
         ds = load_dataset(args.dataset)

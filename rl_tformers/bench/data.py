@@ -32,8 +32,16 @@ from typing import Any
 
 import numpy as np
 import torch
+import typer
 
+from rl_tformers.bench.options import run_checked
 from rl_tformers.bench.train import DEFAULT_DATASET, machine_info
+from rl_tformers.envs.loaders import load_dataset
+from rl_tformers.envs.samplers import WindowSampler
+from rl_tformers.runtime.agent_registry import AgentBuildError
+from rl_tformers.runtime.device import move_to
+from rl_tformers.runtime.run_config import compose
+from rl_tformers.runtime.trainer import Trainer, _with_run_dir
 
 
 @dataclass
@@ -105,8 +113,6 @@ def sampler_rate(ds: torch.utils.data.Dataset, batches: int, repeats: int, batch
 
 def build_trainer(config: str, overrides: list[str]):
     """A :class:`~rl_tformers.runtime.trainer.Trainer` of ``config`` on CPU (nothing written)."""
-    from rl_tformers.runtime.run_config import compose
-    from rl_tformers.runtime.trainer import Trainer, _with_run_dir
 
     run_dir = Path(tempfile.mkdtemp(prefix="rlt-bench-data-"))
     cfg = compose(config, ["device=cpu", "train.steps=1000000000", *overrides])
@@ -119,7 +125,6 @@ def training_rate(tr: Any, steps: int) -> float:
     Raises:
         ValueError: ``steps`` below 1 (no timed update).
     """
-    from rl_tformers.runtime.device import move_to
 
     if steps < 1:
         raise ValueError(f"training_rate: steps must be >= 1, got {steps}")
@@ -165,8 +170,6 @@ def write_synthetic_d4rl(path: Path, steps: int, obs_dim: int = 11, act_dim: int
 
 def load_times(path: Path, s: Settings) -> list[dict[str, Any]]:
     """Seconds to load ``path`` eagerly and lazily, and to the first DT batch of each."""
-    from rl_tformers.envs.loaders import load_dataset
-    from rl_tformers.envs.samplers import WindowSampler
 
     rows = []
     for lazy in (False, True):
@@ -241,7 +244,6 @@ def markdown(res: Result) -> str:
 
 def register(bench_app) -> None:
     """Add the ``data`` command to the ``bench`` Typer group."""
-    import typer
 
     def data(
         dataset: str = typer.Option(DEFAULT_DATASET, help="Dataset of part 1 (Minari id, folder or .hdf5)."),
@@ -258,8 +260,6 @@ def register(bench_app) -> None:
         out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
     ) -> None:
         """Sampler samples/s vs what training consumes; load time of a 1M-step D4RL HDF5 file."""
-        from rl_tformers.cli.bench import run_checked
-        from rl_tformers.runtime.agent_registry import AgentBuildError
 
         run_checked(lambda: Settings(dataset=dataset, batch_size=batch_size, batches=batches, repeats=repeats,
                                      train_steps=train_steps, threads=threads, steps=steps, keep=keep,

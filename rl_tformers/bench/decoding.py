@@ -22,6 +22,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import typer
+
+from rl_tformers import Backbone
+from rl_tformers.bench.options import check_out, emit_result, fail
+from rl_tformers.memory import none as none_memory
+from rl_tformers.runtime.timing import interleaved_timing
 
 #: the benchmarked kinds: attention config and the position kind it runs with
 KINDS: dict[str, tuple[dict[str, Any], str]] = {
@@ -36,7 +42,6 @@ KINDS: dict[str, tuple[dict[str, Any], str]] = {
 @contextmanager
 def _untrimmed(on: bool):
     """Inside the block, memory ``none`` keeps every key slot (the baseline) when ``on``."""
-    from rl_tformers.memory import none as none_memory
 
     real = none_memory.keys_kept
     if on:
@@ -88,8 +93,6 @@ def run(kinds: Sequence[str] = tuple(KINDS), steps: Sequence[int] = (100, 20000)
     Raises:
         ValueError: bad options (:func:`check_options`).
     """
-    from rl_tformers import Backbone
-    from rl_tformers.runtime.timing import interleaved_timing
 
     check_options(kinds, steps, repeats)
     rows = []
@@ -142,7 +145,6 @@ def markdown(res: dict) -> str:
 
 def register(bench_app) -> None:
     """Hook into a Typer group: ``bench decoding``."""
-    import typer
 
     def decoding(
         kinds: str = typer.Option("all", help="Comma-separated kinds, or all: " + ", ".join(KINDS) + "."),
@@ -153,7 +155,6 @@ def register(bench_app) -> None:
         out: str | None = typer.Option(None, help="Also write the JSON to this file."),
     ) -> None:
         """Cost of one decoding step as the stream grows: trimmed state vs untrimmed bookkeeping."""
-        from rl_tformers.cli.bench import check_out, emit_result, fail
 
         try:
             kind_list = list(KINDS) if kinds.strip() == "all" else [k.strip() for k in kinds.split(",") if k.strip()]

@@ -24,6 +24,7 @@ Command: ``rl-tformers bench eval --episodes 10 --n-envs 10 --out bench_eval.jso
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,9 +32,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 import torch
+import typer
 
+from rl_tformers import Backbone
+from rl_tformers.agents.gtrxl.model import gtrxl_backbone
+from rl_tformers.bench.options import check_device, first_repeat, run_checked
 from rl_tformers.bench.train import DEFAULT_DATASET, machine_info
+from rl_tformers.runtime import evaluation as ev
+from rl_tformers.runtime.agent_registry import AgentBuildError, UnknownAgentError, build_agent
+from rl_tformers.runtime.checkpoint import CheckpointError
+from rl_tformers.runtime.loading import load_run
+from rl_tformers.runtime.run_config import compose
 
 MEMORY_KINDS = ("xl", "gtrxl")
 #: float32 (N, heads, M + 1, M + 1) score-sized tensors counted at the peak of part 2 (measured on
@@ -95,7 +106,6 @@ class Settings:
             raise ValueError(f"--mem-lens: every memory length must be >= 1, got {small[0]}")
         if self.skip_rollouts and not self.memory_kinds:
             raise ValueError("nothing to measure: --skip-rollouts skips part 1 and --memory-kinds '' skips part 2")
-        from rl_tformers.cli.bench import check_device, first_repeat
 
         for option, values in (("--memory-kinds", self.memory_kinds), ("--mem-lens", self.mem_lens)):
             if (twice := first_repeat(values)) is not None:
@@ -150,7 +160,6 @@ def device_memory_bytes(device: str) -> int:
     dev = torch.device(device)
     if dev.type == "cuda":
         return int(torch.cuda.get_device_properties(dev.index or 0).total_memory)
-    import os
 
     return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
 
@@ -174,12 +183,8 @@ class Result:
 def load_agent(s: Settings) -> tuple[Any, str]:
     """The agent to evaluate and a description: ``--run`` (any agent kind) or an untrained DT."""
     if s.run:
-        from rl_tformers.runtime.loading import load_run
-
         loaded = load_run(s.run, device=s.device)
         return loaded.agent, f"{loaded.kind} checkpoint {loaded.checkpoint} (step {loaded.step})"
-    from rl_tformers.runtime.agent_registry import build_agent
-    from rl_tformers.runtime.run_config import compose
 
     cfg = compose("dt/hopper_medium", [f"dataset.path={s.dataset}", f"device={s.device}", f"seed={s.seed}"])
     torch.manual_seed(s.seed)
@@ -195,9 +200,7 @@ def rollout_throughput(agent: Any, s: Settings, n_envs: int) -> dict[str, Any]:
     routine, on a vector env built the same way) and times the loop only: building and closing
     the MuJoCo environments (~50 ms each) is left out, it is not per-step work.
     """
-    import gymnasium as gym
 
-    from rl_tformers.agents.common import evaluation as ev
 
     make = agent.make_env()
     if s.max_episode_steps is not None:
@@ -229,8 +232,6 @@ def rollout_throughput(agent: Any, s: Settings, n_envs: int) -> dict[str, Any]:
 def memory_backbone(kind: str, mem_len: int, s: Settings):
     """A Transformer-XL (``xl``: pre-norm blocks) or GTrXL (``gtrxl``: gated blocks) stack with
     XL memory of ``mem_len`` slots and relative positions, in eval mode on ``s.device``."""
-    from rl_tformers import Backbone
-    from rl_tformers.agents.gtrxl.model import gtrxl_backbone
 
     cfg = gtrxl_backbone(d_model=s.d_model, n_layers=s.n_layers, n_heads=s.n_heads, mem_len=mem_len)
     if kind == "xl":
@@ -349,7 +350,6 @@ def _ints(text: str, option: str = "--mem-lens") -> tuple[int, ...]:
 
 def register(bench_app) -> None:
     """Add the ``eval`` command to the ``bench`` Typer group."""
-    import typer
 
     def eval_(
         run_dir: str = typer.Option(None, "--run", help="Run directory of a trained agent (default: untrained DT)."),
@@ -372,9 +372,6 @@ def register(bench_app) -> None:
         out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
     ) -> None:
         """Env steps/s of batched vs one-env-at-a-time evaluation; memory vs re-encoding cost per step."""
-        from rl_tformers.cli.bench import run_checked
-        from rl_tformers.runtime.agent_registry import AgentBuildError, UnknownAgentError
-        from rl_tformers.runtime.checkpoint import CheckpointError
 
         run_checked(lambda: Settings(run=run_dir, dataset=dataset, episodes=episodes, n_envs=n_envs,
                                      max_episode_steps=max_episode_steps, threads=threads, device=device,

@@ -18,7 +18,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import typer
 from torch.nn import functional as F
+
+from rl_tformers.bench.options import check_out, emit_result, fail
+from rl_tformers.bench.train import matmul_gflops
+from rl_tformers.runtime.cpu_matmul import _lin, onednn_linear_available, weight_grad
+from rl_tformers.runtime.timing import interleaved_timing
 
 #: (K, N) of the default products: first FFN layer, second FFN layer, q/k/v/output projections
 DEFAULT_SHAPES = ((128, 512), (512, 128), (128, 128))
@@ -44,7 +50,6 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def _products(m: int, k: int, n: int) -> dict[tuple[str, str], Callable[[], Any]]:
     """The six timed callables of one shape: (product, library) -> f()."""
-    from rl_tformers.runtime.cpu_matmul import _lin, weight_grad
 
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
@@ -79,9 +84,6 @@ def run(m: int = 3840, shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES, repea
         RuntimeError: this PyTorch build has no oneDNN linear operator.
         ValueError: ``m``, ``repeats`` or a size < 1.
     """
-    from rl_tformers.runtime.timing import interleaved_timing
-    from rl_tformers.bench.train import matmul_gflops
-    from rl_tformers.runtime.cpu_matmul import onednn_linear_available
 
     if not onednn_linear_available():
         raise RuntimeError("this PyTorch build has no oneDNN linear operator (torch.ops.mkldnn._linear_pointwise)")
@@ -118,7 +120,6 @@ def markdown(res: dict) -> str:
 
 def register(bench_app) -> None:
     """Hook into a Typer group: ``bench gemm``."""
-    import typer
 
     def gemm(
         m: int = typer.Option(3840, help="Rows M of x (tokens per batch: 64 x 60 for the DT)."),
@@ -130,7 +131,6 @@ def register(bench_app) -> None:
         out: str | None = typer.Option(None, help="Also write the JSON to this file."),
     ) -> None:
         """MKL vs oneDNN float32 GEMMs on the DT's linear layers (what cpu_matmul chooses)."""
-        from rl_tformers.cli.bench import check_out, emit_result, fail
 
         try:
             shape_list = parse_shapes(shapes)

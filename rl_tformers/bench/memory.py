@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 
 @contextlib.contextmanager
@@ -39,7 +40,6 @@ def quiet_profile(**kwargs: Any) -> Iterator[Any]:
     """``torch.profiler.profile(**kwargs)`` without Kineto's ``USDT: ... profiler_start`` /
     ``profiler_stop`` lines on stderr: only the profiler's own start and stop calls run with
     stderr silenced, so messages of the profiled code still reach the terminal."""
-    from torch.profiler import profile
 
     prof = profile(**kwargs)
     with _stderr_silenced():
@@ -53,7 +53,6 @@ def quiet_profile(**kwargs: Any) -> Iterator[Any]:
 
 def cpu_peak_bytes(fn: Callable[[], Any]) -> int | None:
     """Peak of (allocated - freed) CPU bytes while ``fn()`` runs (profiler memory events)."""
-    from torch.profiler import ProfilerActivity
 
     with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()

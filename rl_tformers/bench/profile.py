@@ -29,7 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import typer
+from torch.profiler import ProfilerActivity
 
+from rl_tformers.bench.memory import quiet_profile
 from rl_tformers.bench.train import OursRunner, Settings, machine_info
 
 ADAMW = ("fused", "foreach", "loop")
@@ -79,9 +82,7 @@ def set_adamw(runner: OursRunner, impl: str) -> None:
 def run(overrides: list[str], steps: int = 20, profile_steps: int = 5, adamw: str = "fused", threads: int = 1,
         device: str = "cpu", dataset: str | None = None) -> dict[str, Any]:
     """Time and profile DT updates (see the module docstring). Returns a JSON-ready dict."""
-    from torch.profiler import ProfilerActivity
 
-    from rl_tformers.bench.memory import quiet_profile
 
     if device == "cpu":
         torch.set_num_threads(max(1, threads))
@@ -126,7 +127,6 @@ def markdown(res: dict[str, Any]) -> str:
 
 def register(bench_app) -> None:
     """Add the ``profile`` command to the ``bench`` Typer group."""
-    import typer
 
     def profile_(
         overrides: list[str] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Overrides of dt/hopper_medium."),

@@ -22,15 +22,18 @@ group picks up :func:`register`), ``python -m rl_tformers.bench.reversible`` or
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import typer
 
 from rl_tformers import Backbone
 from rl_tformers.bench.memory import cpu_peak_bytes
+from rl_tformers.bench.options import check_counts, check_device, fail, first_repeat
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "reversible": {"kind": "reversible", "recompute": True},
@@ -140,7 +143,6 @@ def check_options(depths: str, batch: int, seq_len: int, d_model: int, n_heads: 
             ``--batch``, ``--seq-len``, ``--d-model`` or ``--n-heads`` below 1; ``--d-model``
             not divisible by ``--n-heads``; an unavailable ``--device``.
     """
-    from rl_tformers.cli.bench import check_counts, check_device, first_repeat
 
     items = [d.strip() for d in str(depths).split(",") if d.strip()]
     try:
@@ -181,7 +183,6 @@ def command(
 
 def register(bench_app) -> None:
     """Hook into a Typer group: ``bench_app.command("reversible")(command)`` with typed options."""
-    import typer
 
     def reversible(
         depths: str = typer.Option("2,4,8,16", help="Comma-separated numbers of layers."),
@@ -193,7 +194,6 @@ def register(bench_app) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON rows."),
     ) -> None:
         """Activation memory vs depth of reversible layers (Reformer) against ordinary residual stacks."""
-        from rl_tformers.cli.bench import fail
 
         try:
             check_options(depths, batch, seq_len, d_model, n_heads, device)
@@ -205,7 +205,6 @@ def register(bench_app) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    import argparse
 
     p = argparse.ArgumentParser(description=command.__doc__)
     p.add_argument("--depths", default="2,4,8,16")

@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import venv
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,9 +56,16 @@ from typing import Any
 
 import numpy as np
 import torch
+import typer
+from torch.utils.flop_counter import FlopCounterMode
 
-from rl_tformers.cli.bench import emit_result
+from rl_tformers.agents.decision_transformer.agent import to_model_batch
+from rl_tformers.bench.options import emit_result
 from rl_tformers.runtime.cpu_matmul import onednn_linear_available, resolve_cpu_matmul
+from rl_tformers.runtime.data import batch_stream
+from rl_tformers.runtime.device import move_to
+from rl_tformers.runtime.run_config import compose
+from rl_tformers.runtime.trainer import Trainer, _with_run_dir
 
 PEERS = ("d3rlpy", "hf")
 MODES = ("e2e", "model")
@@ -174,10 +182,6 @@ class OursRunner:
     """One of our variants: a Trainer from ``dt/hopper_medium`` plus overrides, driven step by step."""
 
     def __init__(self, name: str, s: Settings, overrides: Sequence[str], run_dir: Path) -> None:
-        from rl_tformers.runtime.data import batch_stream
-        from rl_tformers.runtime.device import move_to
-        from rl_tformers.runtime.run_config import compose
-        from rl_tformers.runtime.trainer import Trainer, _with_run_dir
 
         self.name = name
         cfg = compose(CONFIG, [f"dataset.path={s.dataset}", f"device={s.device}", f"seed={s.seed}",
@@ -221,7 +225,6 @@ class OursRunner:
 
     def flops(self) -> int:
         """FLOPs of one update (forward + backward matmuls/attention; FlopCounterMode)."""
-        from torch.utils.flop_counter import FlopCounterMode
 
         fc = FlopCounterMode(display=False)
         with fc:
@@ -255,7 +258,6 @@ def build_peer_venv(path: Path = PEER_VENV, echo: Callable[[str], None] = print)
     Raises:
         RuntimeError: a step failed (the message has pip's last output lines).
     """
-    import venv
 
     py = path / "bin" / "python"
     if not py.exists():
@@ -365,7 +367,6 @@ def d4rl_arrays(d) -> dict[str, np.ndarray]:
 def export_peer_data(runner: OursRunner, path: Path, n_batches: int = 8) -> Path:
     """Write what the peers train on to ``path`` (.npz): the flat dataset in D4RL layout and
     ``n_batches`` batches from our sampler, already in model units (see ``_peer_dt``)."""
-    from rl_tformers.agents.decision_transformer.agent import to_model_batch
 
     agent = runner.trainer.agent
     batches = [to_model_batch({k: v for k, v in agent.batches(0)[i].items()}, agent.info) for i in range(n_batches)]
@@ -516,7 +517,6 @@ def markdown(res: Result) -> str:
 
 def register(bench_app) -> None:
     """Add the ``train`` command to the ``bench`` Typer group."""
-    import typer
 
     def train(
         dataset: str = typer.Option(DEFAULT_DATASET, help="Dataset spec (Minari id, folder or D4RL .hdf5)."),
@@ -538,6 +538,7 @@ def register(bench_app) -> None:
         overrides: list[str] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Extra overrides for ours."),
     ) -> None:
         """DT training updates/s vs d3rlpy and Hugging Face (same data, threads, model), and MFU."""
+
         peer_list = tuple(p.strip() for p in peers.split(",") if p.strip())
         unknown = [p for p in peer_list if p not in PEERS]
         if unknown:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from rl_tformers.backbone_config import SlotConfig
-from rl_tformers.types import BackboneState, LayerState
+from rl_tformers.types import BackboneState, LayerState, _map
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,6 @@ class MemoryModule(nn.Module):
 
 def _zero_rows(obj: Any, keep: Tensor) -> Any:
     """Zero the rows (batch axis 0) of every floating tensor inside ``obj`` where keep is False."""
-    from rl_tformers.types import _map
 
     def fn(t: Tensor) -> Tensor:
         if t.is_floating_point() and t.dim() >= 1 and t.shape[0] == keep.shape[0]:

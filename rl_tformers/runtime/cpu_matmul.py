@@ -38,6 +38,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.nn.modules import module as torch_module
+from torch.utils import flop_counter
+from torch.utils.flop_counter import register_flop_formula
 
 CPU_MATMUL = ("auto", "mkl", "onednn")
 
@@ -97,11 +100,7 @@ def _register_flop_formula() -> None:
     keeps the registered formula instead of raising ``duplicate registrations``."""
     if not onednn_linear_available():
         return
-    from torch.utils.flop_counter import register_flop_formula
-
     op = torch.ops.mkldnn._linear_pointwise
-    from torch.utils import flop_counter
-
     registry = getattr(flop_counter, "flop_registry", {})
     if op in registry or op.default in registry:  # keyed by the packet: a reload registers nothing
         return
@@ -173,10 +172,8 @@ class _OneDNNLinearFunction(torch.autograd.Function):
 def _hooked(module: nn.Module) -> bool:
     """True when calling ``module`` runs hooks (its own or global ones: forward pre-hooks,
     forward hooks, backward hooks; ``FlopCounterMode``'s module tracker is one)."""
-    from torch.nn.modules import module as m
-
     names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return any(getattr(module, n, None) or getattr(m, "_global" + n, None) for n in names)
+    return any(getattr(module, n, None) or getattr(torch_module, "_global" + n, None) for n in names)
 
 
 class OneDNNLinear(nn.Linear):

@@ -63,14 +63,19 @@ import contextlib
 import datetime
 import os
 import sys
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
+
+from rl_tformers.runtime.device import batch_size_of
 
 #: Seconds a collective waits for the slowest rank (rank 0 may be evaluating or saving).
 DEFAULT_TIMEOUT_S = 3600
@@ -117,7 +122,6 @@ def dist_info() -> DistInfo:
 
 def is_active() -> bool:
     """True inside an initialised process group with more than one process."""
-    import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -158,7 +162,6 @@ def process_group(device_spec: str | torch.device = "auto") -> Iterator[DistInfo
         :class:`DistInfo`. A group that already exists (a caller set it up) is used as is and
         left alone at exit.
     """
-    import torch.distributed as dist
 
     info = dist_info()
     if not info.distributed or not dist.is_available() or dist.is_initialized():
@@ -187,7 +190,6 @@ def process_group(device_spec: str | torch.device = "auto") -> Iterator[DistInfo
 # -- batches -------------------------------------------------------------------------------------
 
 def _leading(batch: Any) -> int | None:
-    from rl_tformers.runtime.device import batch_size_of
 
     return batch_size_of(batch)
 
@@ -297,7 +299,6 @@ def shard_mean_total(count: Tensor) -> Tensor | None:
     """
     if not _IN_DDP_LOSS:
         return None
-    import torch.distributed as dist
 
     total = count.detach().to(torch.float64).reshape(1).clone()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
@@ -311,7 +312,6 @@ def wrap_ddp(agent: Any, device: torch.device, find_unused_parameters: bool = Fa
     gradient in some updates (adaptive depth, heads unused by the loss); costs one graph
     traversal per update.
     """
-    from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(AgentLoss(agent), device_ids=ids, output_device=ids[0] if ids else None,
@@ -356,7 +356,6 @@ def wait_for_teardown(seconds: float = PEER_FAILURE_WAIT_S) -> None:
     that failed did, and torchrun, which records failures to the second, could name this one as
     the first failure (``rank 0 exited with status 1`` for a crash of rank 1).
     """
-    import time
 
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
@@ -375,7 +374,6 @@ def max_over_ranks(value: int, device: torch.device) -> int:
         RuntimeError: the collective failed (e.g. another rank has exited: gloo's "Connection
             closed by peer").
     """
-    import torch.distributed as dist
 
     t = torch.tensor([int(value)], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -386,7 +384,6 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     """``obj`` from rank ``src`` on every rank (identity outside a process group)."""
     if not is_active():
         return obj
-    import torch.distributed as dist
 
     box = [obj]
     dist.broadcast_object_list(box, src=src)
@@ -397,7 +394,6 @@ def gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order (``[obj]`` outside a process group)."""
     if not is_active():
         return [obj]
-    import torch.distributed as dist
 
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -406,8 +402,6 @@ def gather_objects(obj: Any) -> list[Any]:
 
 def barrier() -> None:
     if is_active():
-        import torch.distributed as dist
-
         dist.barrier()
 
 

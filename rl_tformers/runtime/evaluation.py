@@ -45,6 +45,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import torch
 
 from rl_tformers.runtime.protocol import Policy
 from rl_tformers.runtime.seeding import derive_seed
@@ -407,7 +408,6 @@ def seeded_torch_rng(seed: int):
     The CPU generator and those of the CUDA devices already initialised are saved and restored
     (``torch.random.fork_rng``); other devices' generators are only seeded.
     """
-    import torch
 
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):

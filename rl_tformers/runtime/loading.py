@@ -28,9 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from rl_tformers.backbone_config import ConfigAdviceWarning
-from rl_tformers.runtime.cpu_matmul import apply_cpu_matmul
+from rl_tformers.runtime import checkpoint as ckpt
+from rl_tformers.runtime.agent_registry import get_agent
+from rl_tformers.runtime.cpu_matmul import apply_cpu_matmul, resolve_cpu_matmul
+from rl_tformers.runtime.errors import ConfigError
+from rl_tformers.runtime.plugins import check_backbone_kinds, load_plugins
 from rl_tformers.runtime.protocol import EVALUABLE_METHODS, InferenceLoader
 
 #: kind -> loader(cfg, checkpoint state, device) -> agent
@@ -95,7 +100,6 @@ def _run_cpu_matmul(cfg: Any) -> str:
     """The library of the run's float32 CPU ``nn.Linear`` products (``cpu_matmul``, resolved when
     it was trained), or ``mkl`` with a warning where
     this PyTorch build lacks oneDNN's operator (the same function, another float rounding)."""
-    from rl_tformers.runtime.cpu_matmul import resolve_cpu_matmul
 
     spec = str(cfg.cpu_matmul)
     try:
@@ -121,12 +125,7 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
             run's backbone names a kind that is not registered here (named).
         TypeError: the rebuilt agent lacks ``policy``/``make_env``/``default_targets``.
     """
-    from omegaconf import OmegaConf
 
-    from rl_tformers.runtime import checkpoint as ckpt
-    from rl_tformers.runtime.agent_registry import get_agent
-    from rl_tformers.runtime.errors import ConfigError
-    from rl_tformers.runtime.plugins import check_backbone_kinds, load_plugins
 
     run_dir = Path(run_dir)
     if checkpoint is None and not run_dir.is_dir():

@@ -22,6 +22,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from torch.utils.tensorboard import SummaryWriter
 
 from rl_tformers.runtime.evaluation import TargetResult, repeated_target  # noqa: E402,F401 (re-exported)
 
@@ -177,7 +178,6 @@ def save_figure(fig, out: str | os.PathLike, dpi: int = 110) -> Path:
 
 def log_figure(log_dir: str | Path, tag: str, fig, step: int = 0) -> None:
     """Add ``fig`` as an image to the TensorBoard event files in ``log_dir`` (does not close it)."""
-    from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(log_dir=str(log_dir))
     try:

@@ -16,6 +16,8 @@ import sys
 import time
 from typing import IO, Any
 
+from tqdm.auto import tqdm
+
 #: Seconds between two plain progress lines (when the stream is not a terminal).
 PLAIN_INTERVAL_S = 30.0
 
@@ -133,6 +135,5 @@ def progress_bar(total: int | None, *, initial: int = 0, desc: str = "", unit: s
     stream = sys.stderr if file is None else file
     if not enabled or not is_terminal(stream):
         return PlainProgress(total, initial=initial, desc=desc, unit=unit, file=stream, disable=not enabled)
-    from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc=desc or None, unit=unit, file=stream, **tqdm_options)

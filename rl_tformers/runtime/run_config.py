@@ -41,9 +41,12 @@ agent-specific sections that register themselves.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.resources
+import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -54,9 +57,15 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from rl_tformers.backbone import check_compatible
+from rl_tformers.backbone_config import BackboneConfig
+from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError
 from rl_tformers.runtime.agent_registry import available_agents, get_agent
+from rl_tformers.runtime.cpu_matmul import resolve_cpu_matmul
+from rl_tformers.runtime.device import resolve_device
 from rl_tformers.runtime.errors import ConfigError
 from rl_tformers.runtime.plugins import check_backbone_kinds, check_plugin_names, load_plugins
+from rl_tformers.runtime.seeding import MAX_SEED
 
 BASE_KEY = "_base_"
 DEFAULTS_NAME = "defaults.yaml"
@@ -387,7 +396,6 @@ def _drop_replaced_slots(cfg: DictConfig, layer: Any, source: str = "") -> None:
     warning: ``backbone.memory.kind=compressive`` over a config file's ``memory: {kind: xl,
     mem_len: 16}`` does not keep ``mem_len: 16`` (compressive takes its own default), which a
     user would otherwise not see."""
-    from rl_tformers.registry import SLOTS
 
     bb = layer.get("backbone") if isinstance(layer, (DictConfig, Mapping)) else None
     if not isinstance(bb, (DictConfig, Mapping)):
@@ -398,8 +406,6 @@ def _drop_replaced_slots(cfg: DictConfig, layer: Any, source: str = "") -> None:
                 and old.get("kind") != new.get("kind")):
             dropped = {k: v for k, v in old.items() if k != "kind" and k not in new}
             if dropped and source == "command line":
-                import warnings
-
                 fields = ", ".join(f"{k}={v}" for k, v in dropped.items())
                 warnings.warn(f"backbone.{slot}.kind: {old.get('kind')!r} -> {new.get('kind')!r} replaces the slot; "
                               f"the fields set for {old.get('kind')!r} are dropped ({fields}) and "
@@ -541,7 +547,6 @@ def _check_agent_types(values: Mapping[str, Any], defaults: Mapping[str, Any], w
     Raises:
         ConfigError: naming the dotted option, the value and the type it needs.
     """
-    import math
 
     for key, default in defaults.items():
         if key not in values:
@@ -570,10 +575,6 @@ FREE_FORM_AGENT_KEYS = ("env_kwargs",)
 
 
 def _validate_values(cfg: DictConfig, entry=None) -> None:
-    from rl_tformers.backbone import check_compatible
-    from rl_tformers.backbone_config import BackboneConfig
-    from rl_tformers.registry import RegistryError
-    from rl_tformers.runtime.device import resolve_device
 
     t = cfg.train
     positive = {"train.steps": t.steps, "train.batch_size": t.batch_size, "train.log_every": t.log_every,
@@ -586,7 +587,6 @@ def _validate_values(cfg: DictConfig, entry=None) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
-    from rl_tformers.runtime.seeding import MAX_SEED
 
     if cfg.seed > MAX_SEED:
         raise ConfigError(f"seed must be an integer in [0, 2**64 - 1] (the range torch.manual_seed takes), "
@@ -605,7 +605,6 @@ def _validate_values(cfg: DictConfig, entry=None) -> None:
         resolve_device(cfg.device)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    from rl_tformers.runtime.cpu_matmul import resolve_cpu_matmul
 
     try:  # auto -> the library this machine runs, recorded in the run's config (resume keeps it)
         cfg.cpu_matmul = resolve_cpu_matmul(cfg.cpu_matmul)
@@ -680,10 +679,7 @@ def _slot_field_default(key: str, a: Mapping[str, Any], b: Mapping[str, Any]) ->
     parts = key.split(".")
     if len(parts) != 3 or parts[0] != "backbone" or parts[2] == "kind":
         return _NO_DEFAULT
-    import dataclasses
 
-    from rl_tformers.backbone_config import BackboneConfig
-    from rl_tformers.registry import REGISTRIES, SLOTS
 
     slot, name = parts[1], parts[2]
     if slot not in SLOTS:
@@ -720,7 +716,6 @@ def display_yaml(cfg: DictConfig) -> str:
     composed one, which then differ in what was set only, not in the slot defaults of the
     build that composes them.
     """
-    from rl_tformers.backbone_config import BackboneConfig
     data = to_container(cfg)
     if "backbone" in get_agent(str(cfg.agent.kind)).defaults:
         data["backbone"] = BackboneConfig.from_dict(data["backbone"]).to_dict()

@@ -67,8 +67,13 @@ every node sees (the usual NFS/Lustre home of a cluster).
 from __future__ import annotations
 
 import csv
+import errno
+import fcntl
+import gc
+import importlib
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -78,11 +83,25 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import typer
+from omegaconf import OmegaConf
+
+from rl_tformers.registry import RegistryError
+from rl_tformers.runtime import checkpoint as ckpt
+from rl_tformers.runtime.errors import ConfigError
+from rl_tformers.runtime.run_config import compose, flatten, to_container
+from rl_tformers.runtime.runlock import directory_problem, lock_holder
+from rl_tformers.runtime.seeding import MAX_SEED
+from rl_tformers.runtime.tracking import METRICS_FILE, event_files
+from rl_tformers.runtime.trainer import CONFIG_FILE, check_agent, config_warnings, holds_run
 
 #: Metrics tried, in order, when ``--metric`` is not given.
 DEFAULT_METRICS = ("eval/normalized_score", "eval/return_mean", "eval/return", "train/loss")
@@ -249,7 +268,6 @@ def parse_seeds(text: str) -> list[int]:
             takes, :data:`~rl_tformers.runtime.seeding.MAX_SEED`), more than
             :data:`MAX_SEEDS` seeds, or a repeated seed.
     """
-    from rl_tformers.runtime.seeding import MAX_SEED
 
     seeds: list[int] = []
     for raw in text.split(","):
@@ -430,7 +448,6 @@ def check_distinct_configs(runs: Sequence[SweepRun], requested: dict[str, dict[s
     Raises:
         SweepError: naming the two grid points.
     """
-    from rl_tformers.runtime.run_config import flatten
 
     seen: dict[str, SweepRun] = {}
     for run in runs:
@@ -456,8 +473,6 @@ class _SweepLock:
         self.created: list[Path] = []
 
     def __enter__(self) -> _SweepLock:
-        import errno
-        import fcntl
 
         self.created = [d for d in (self.out, *self.out.parents) if not d.exists()]
         try:
@@ -533,9 +548,7 @@ def _final_eval_logged(run_dir: Path, step: int) -> bool:
 def stored_config(run_dir: Path) -> dict[str, Any] | None:
     """The config a run in ``run_dir`` was trained with: its newest checkpoint's (what ``--resume``
     continues), else its ``config.yaml``; None if it has neither (or they cannot be read)."""
-    from omegaconf import OmegaConf
 
-    from rl_tformers.runtime import checkpoint as ckpt
 
     for _, path in ckpt.list_checkpoints(run_dir)[:1]:
         try:
@@ -551,7 +564,6 @@ def stored_config(run_dir: Path) -> dict[str, Any] | None:
 def config_differences(stored: dict[str, Any], requested: dict[str, Any]) -> list[str]:
     """``["train.steps: 300 (stored) -> 320 (requested)", ...]`` over every key but
     :data:`RERUN_IGNORED_KEYS`."""
-    from rl_tformers.runtime.run_config import flatten
 
     a, b = flatten(stored), flatten(requested)
     out = []
@@ -568,10 +580,7 @@ def run_state(run_dir: Path) -> str:
     evaluation missing: it failed), ``partial`` (has a checkpoint, not finished) or
     ``uncheckpointed`` (the logs of a run that stopped before its first checkpoint: nothing to
     resume, it starts again, see :func:`clear_uncheckpointed`)."""
-    from omegaconf import OmegaConf
 
-    from rl_tformers.runtime import checkpoint as ckpt
-    from rl_tformers.runtime.trainer import holds_run
 
     if not holds_run(run_dir):
         return "new"
@@ -600,8 +609,6 @@ def clear_uncheckpointed(run_dir: Path) -> list[Path]:
     Returns:
         The files removed.
     """
-    from rl_tformers.runtime.tracking import METRICS_FILE, event_files
-    from rl_tformers.runtime.trainer import CONFIG_FILE
 
     removed = []
     for path in [run_dir / METRICS_FILE, run_dir / CONFIG_FILE, *event_files(run_dir)]:
@@ -618,7 +625,6 @@ def requested_config(run: SweepRun, config: str | None, device: str | None = Non
         SweepError: the config does not compose (unknown key, bad value...); the message names
             the run and its grid point.
     """
-    from rl_tformers.runtime.run_config import to_container
 
     out = to_container(_compose_run(run, config, device))
     out["run_dir"] = str(run.run_dir)
@@ -627,7 +633,6 @@ def requested_config(run: SweepRun, config: str | None, device: str | None = Non
 
 def _compose_errors() -> tuple[type[BaseException], ...]:
     """What composing a run's config raises for a bad config (``ConfigError`` is a ``ValueError``)."""
-    from rl_tformers.registry import RegistryError
 
     return (ValueError, RegistryError, FileNotFoundError)
 
@@ -635,7 +640,6 @@ def _compose_errors() -> tuple[type[BaseException], ...]:
 def _compose(run: SweepRun, config: str | None, device: str | None = None) -> Any:
     """The composed config (read-only DictConfig) of ``run`` as ``train_command(run, config, "new",
     device)`` trains it (``run_dir`` not set); raises what :func:`~rl_tformers.runtime.run_config.compose` raises."""
-    from rl_tformers.runtime.run_config import compose
 
     extra = [f"device={device}"] if device else []
     return compose(config, [*run.overrides, *extra, "train.progress=false"])
@@ -660,7 +664,6 @@ def compose_points(runs: Sequence[SweepRun], config: str | None, device: str | N
         composed DictConfig of each good point's first run (by point label), for
         :func:`check_points`.
     """
-    from rl_tformers.runtime.run_config import to_container
 
     requested: dict[str, dict[str, Any]] = {}
     bad: dict[str, str] = {}
@@ -681,7 +684,6 @@ def compose_points(runs: Sequence[SweepRun], config: str | None, device: str | N
 def _package_dirs() -> tuple[str, ...]:
     """The folders of this package's code (``rl_tformers``, its agents and envs), for telling its
     warnings from third-party ones."""
-    import importlib
 
     dirs = []
     for name in ("rl_tformers", "rl_tformers.agents", "rl_tformers.envs"):
@@ -707,11 +709,7 @@ def check_points(points: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, l
         for the warnings this package's code gave while building (e.g. PPO turning dropout
         off): the runs' own logs are not on the sweep's console.
     """
-    import gc
-    import logging
-    import warnings
 
-    from rl_tformers.runtime.trainer import check_agent
 
     bad: dict[str, str] = {}
     warned: dict[str, list[str]] = {}
@@ -731,8 +729,6 @@ def check_points(points: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, l
             with warnings.catch_warnings(record=True) as caught:
                 check_agent(cfg)
         except Exception as exc:  # noqa: BLE001 - every refusal is reported with its point
-            from rl_tformers.runtime.run_config import ConfigError
-
             bad[label] = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
             continue
         finally:
@@ -1222,7 +1218,6 @@ def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], 
             message names each such run and the differing keys), or one being trained by
             another process.
     """
-    from rl_tformers.runtime.runlock import directory_problem
 
     if launcher not in LAUNCHERS:
         raise SweepError(f"--launcher {launcher!r}; use one of {', '.join(LAUNCHERS)}")
@@ -1257,7 +1252,6 @@ def _echo_config_warnings(runs: Sequence[SweepRun], requested: dict[str, dict[st
     """Print each run config's warnings (:func:`~rl_tformers.runtime.trainer.config_warnings`) and
     the warnings of building the agents (``agent_warnings``, :func:`check_points`) once, with the
     grid points they apply to: the runs' own logs are not on the sweep's console."""
-    from rl_tformers.runtime.trainer import config_warnings
 
     points: dict[str, list[str]] = {}
     for run in runs:
@@ -1284,7 +1278,6 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
     a run to start: a run to resume is rebuilt from its checkpoint by ``--resume``; local launcher only: Ray runs may see files this machine does
     not), after the run-directory checks and before anything is started or changed.
     """
-    from rl_tformers.runtime.runlock import lock_holder
 
     bad = dict(bad or {})
     outcomes: dict[str, RunOutcome] = {}
@@ -1392,7 +1385,6 @@ On a Ray cluster (run directories on a shared file system): add --launcher ray (
 
 def register(app) -> None:
     """Add ``sweep`` to the ``rl-tformers`` app."""
-    import typer
 
     def sweep_command(
         overrides: list[str] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Overrides applied to every run."),
@@ -1410,7 +1402,6 @@ def register(app) -> None:
         device: str = typer.Option(None, "--device", help="Device of every run (auto | cpu | cuda...)."),
         metric: str = typer.Option(None, "--metric", help="Summary/plot metric (default: eval score, else train/loss)."),
     ) -> None:
-        from datetime import datetime
 
         try:
             if out is not None and not out.strip():  # a Path would read '' as '.', the current folder

@@ -44,6 +44,10 @@ import sys
 import threading
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
 #: The signals this module handles (torchrun handles the others it is told to).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 #: Seconds torchrun waits for the ranks after each shutdown signal before it SIGKILLs them (a
@@ -110,9 +114,6 @@ def _with_our_settings(args: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv``; returns the exit status described in the module docstring."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
 
     logging.disable(logging.ERROR)  # this process only runs torchrun: its log lines (the ranks are other processes)
     stops = StopRequests(SignalException)

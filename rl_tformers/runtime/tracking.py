@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from torch.utils.tensorboard.summary import hparams
+
 from rl_tformers.runtime.checkpoint import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
@@ -140,6 +142,7 @@ class RunLogger:
         self._writer = None
         self._jsonl = None
         if enabled:
+            # optional tensorboard (seconds to import): only a run that logs loads it
             from torch.utils.tensorboard import SummaryWriter
 
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -175,7 +178,6 @@ class RunLogger:
         """
         if not self.enabled:
             return
-        from torch.utils.tensorboard.summary import hparams
 
         self.text("config", "```yaml\n" + yaml_text + "\n```", 0)
         exp, ssi, sei = hparams({k: _hparam_value(v) for k, v in flat.items()}, {m: 0.0 for m in metrics})

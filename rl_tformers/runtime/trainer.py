@@ -47,9 +47,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
+from tqdm.contrib.logging import logging_redirect_tqdm
 
+from rl_tformers.attention._linear import maybe_redraw_random_features, random_feature_modules
+from rl_tformers.envs.loaders import HDF5_SUFFIXES, data_root
 from rl_tformers.runtime import checkpoint as ckpt
 from rl_tformers.runtime import distributed as dist_rt
 from rl_tformers.runtime.agent_registry import (
@@ -74,6 +78,7 @@ from rl_tformers.runtime.optim import (
 )
 from rl_tformers.runtime.progress import PlainProgress, progress_bar
 from rl_tformers.runtime.run_config import (
+    RESUMABLE_KEYS,
     ConfigError,
     check_resume_changes,
     compose,
@@ -222,7 +227,6 @@ class MetricWindow:
         """
         if not dist_rt.is_active():
             return self.means(), float(self.samples)
-        import torch.distributed as dist
 
         everyone = dist_rt.gather_objects(list(self.sums))
         # the same order on every rank: rank 0's keys, then the other ranks' in sorted order
@@ -465,7 +469,6 @@ class Trainer:
             self.optimizer, LRSchedule(schedule, self.total_steps, int(t.warmup_steps), float(t.min_lr_ratio))
         )
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        from rl_tformers.attention._linear import random_feature_modules
 
         #: attention modules with random features (Performer, RFA, LSH) redrawn on their schedule
         self._random_feature_modules = random_feature_modules(self.model)
@@ -879,7 +882,6 @@ class Trainer:
         unit = max(1, int(getattr(self.agent, "updates_per_rollout", 1) or 1))
         if self.step % unit:
             return 0
-        from rl_tformers.attention._linear import maybe_redraw_random_features
 
         gen = torch.Generator().manual_seed(derive_seed(int(self.cfg.seed), "redraw", self.step))
         return maybe_redraw_random_features(self.model, self.step, gen, since=self.step - unit)
@@ -1016,7 +1018,6 @@ def _log_above_bar(bar: Any) -> Any:
     ``tqdm.write`` (plain progress lines need nothing: they are ordinary lines)."""
     if bar is None or bar.disable or isinstance(bar, PlainProgress):
         return contextlib.nullcontext()
-    from tqdm.contrib.logging import logging_redirect_tqdm
 
     return logging_redirect_tqdm(loggers=[logging.getLogger("rl_tformers")])
 
@@ -1230,7 +1231,6 @@ def check_config_file(run_dir: Path, found: ckpt.FoundCheckpoint, new: DictConfi
             a key that may change when resuming is passed as an override, any other change
             needs a new run.
     """
-    from rl_tformers.runtime.run_config import RESUMABLE_KEYS
 
     path = Path(run_dir) / CONFIG_FILE
     try:
@@ -1349,7 +1349,6 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
 def _relative_data_hint(cfg: DictConfig) -> str:
     """For a resume whose data are not found: the run's relative ``dataset.path`` / ``dataset.root``
     is read from the current folder, which may not be the one the run was started in."""
-    from rl_tformers.envs.loaders import HDF5_SUFFIXES, data_root
 
     ds = cfg.get("dataset") or {}
     path = ds.get("path")

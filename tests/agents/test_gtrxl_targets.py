@@ -156,7 +156,7 @@ def _tripwire(*args, **kwargs):
 def test_eval_and_plot_refuse_a_target_beyond_the_embedding_up_front(
     rcbc_run: Path, tmp_path: Path, monkeypatch, command: str
 ) -> None:
-    from rl_tformers.agents.common import evaluation
+    from rl_tformers.runtime import evaluation
 
     monkeypatch.setattr(evaluation, "evaluate", _tripwire)
     extra = ["--json"] if command == "eval" else ["--out", str(tmp_path / "p.png"), "--no-tensorboard"]
@@ -176,8 +176,9 @@ def test_eval_names_agent_target_return_when_the_runs_default_target_is_refused(
 ) -> None:
     """A run's own default target (``agent.target_return``, e.g. from a run made before the limit
     existed) beyond the embedding: the error names GTrXL's option, not the DT's ``agent.targets``."""
-    from rl_tformers.agents.common import evaluation
     from rl_tformers.agents.gtrxl.agent import GTrXLAgent
+
+    from rl_tformers.runtime import evaluation
 
     monkeypatch.setattr(evaluation, "evaluate", _tripwire)
     monkeypatch.setattr(GTrXLAgent, "default_targets", lambda self: [1e30])
