@@ -15,17 +15,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Runs under -I (no PYTHON* variables, no user site, no script folder on sys.path) and, before any
-# import of the package, drops every trace of an installed copy: the finders of an editable
-# install ("__editable__..." modules, set up by .pth files) and any sys.path entry holding an
-# installed rl_tformers. Only the checkout, put first on sys.path, can then provide it.
+# Runs under -I (no PYTHON* variables, no user site, no script folder on sys.path) with this
+# interpreter's sys.path (where the dependencies are, PYTHONPATH included) passed explicitly and,
+# before any import of the package, drops every trace of an installed copy: the finders of an
+# editable install ("__editable__..." modules, set up by .pth files) and any sys.path entry holding
+# an installed rl_tformers. Only the checkout, put first on sys.path, can then provide it.
 PROBE = r"""
 import importlib.resources, importlib.util, json, os, sys
-repo = sys.argv[1]
+repo, parent_path = sys.argv[1], json.loads(sys.argv[2])
 sys.meta_path[:] = [f for f in sys.meta_path
                     if not getattr(f, "__module__", type(f).__module__).startswith("__editable__")]
 sys.path_hooks[:] = [h for h in sys.path_hooks if "__editable__" not in getattr(h, "__module__", "")]
-sys.path[:] = [p for p in sys.path if not os.path.isdir(os.path.join(p or ".", "rl_tformers"))]
+sys.path[:] = [p for p in parent_path if p and not os.path.isdir(os.path.join(p, "rl_tformers"))]
 sys.path.insert(0, repo)
 sys.path_importer_cache.clear()
 import rl_tformers.agents, rl_tformers.envs, rl_tformers.configs
@@ -46,7 +47,7 @@ print(json.dumps({
 
 
 def test_source_checkout_maps_agents_envs_configs() -> None:
-    r = subprocess.run([sys.executable, "-I", "-c", PROBE, str(REPO)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-I", "-c", PROBE, str(REPO), json.dumps(sys.path)], capture_output=True, text=True,
                        cwd=REPO / "tests", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
