@@ -234,7 +234,7 @@ def load_minari(
             close = _close_local_ids(str(spec), root) if recipe == "..." else []
             hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
             # name the knobs of both roots: a user whose datasets already exist elsewhere needs
-            # them more than a build command (the message used to offer only building it)
+            # them more than a build command
             where = (f"Minari dataset {str(spec)!r} not found in the data root {data_root(root)} (dataset.root=DIR "
                      f"for train/sweep, --root DIR for collect/dataset, else ${DATA_ROOT_ENV}) nor in Minari's root "
                      f"{minari_default_root()} ($MINARI_DATASETS_PATH)")

@@ -99,7 +99,7 @@ class RecallEnv(gym.Env):
 
     def __init__(self, delay: int = 4, n_symbols: int = 4, length: int = 32) -> None:
         for name, value in (("delay", delay), ("n_symbols", n_symbols), ("length", length)):
-            # an integer, never a bool or a float (2.0 from a YAML file used to crash the first
+            # an integer, never a bool or a float (2.0 from a YAML file would crash the first
             # scored step with numpy's "only integers ... are valid indices")
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
                 raise ValueError(f"Recall: {name} must be an integer, got {value!r} ({type(value).__name__})")

@@ -303,7 +303,7 @@ class ExistingBuild:
         sizes = [k[3] for k in keys if isinstance(k[3], int) and not isinstance(k[3], bool)]
         if len(sizes) != len(keys):
             return None
-        told = rec.get("recipe_steps")  # recorded since it was added; older datasets: inferred from the shards
+        told = rec.get("recipe_steps")  # absent from a dataset built without the record: inferred from the shards
         if isinstance(told, int) and not isinstance(told, bool) and told >= MIN_STEPS and self._asked_keys(told) == keys:
             return told
         # medium-replay: the shards are rounded fractions of the base, so nearby sizes may give the

@@ -380,7 +380,7 @@ class DatasetInfo:
             a, b = getattr(self, key), getattr(other, key)
             if not same(a, b):
                 out.append(f"{name}: {show(a)} -> {show(b)}")
-        # recorded since session 9: compared when both sides have them (the same statistics with
+        # optional in a record: compared when both sides have them (the same statistics with
         # other actions, e.g. every action flipped, or another number of steps)
         if self.num_steps is not None and other.num_steps is not None and self.num_steps != other.num_steps:
             out.append(f"num_steps: {self.num_steps} -> {other.num_steps}")

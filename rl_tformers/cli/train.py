@@ -22,9 +22,9 @@ _FINISHED_RUN = False
 
 class finished_run_signals:
     """While the summary of a complete run is printed, SIGINT and SIGTERM are recorded and
-    ignored (the run is saved and complete, so the command still exits 0; a Ctrl-C just after
-    the last update used to end it with status 130 or kill it, as if the run had been cut
-    short); the previous handlers come back on exit, and :func:`finished_run` turns true."""
+    ignored (the run is saved and complete, so the command still exits 0: a Ctrl-C just after
+    the last update does not end it with status 130 as if the run had been cut short); the
+    previous handlers come back on exit, and :func:`finished_run` turns true."""
 
     def __enter__(self) -> finished_run_signals:
         global _FINISHED_RUN
@@ -94,7 +94,7 @@ class _StderrHandler(logging.StreamHandler):
 class _WarningFormatter(logging.Formatter):
     """A captured Python warning as one line: ``warning: MESSAGE``. The package's own warnings
     arrive already formatted so (:func:`rl_tformers.cli.short_warnings`) and get no second
-    prefix (they used to read ``warning: warning: ...``); the trailing newline of
+    prefix (no ``warning: warning: ...``); the trailing newline of
     ``warnings.formatwarning`` is dropped."""
 
     def format(self, record: logging.LogRecord) -> str:
@@ -189,7 +189,7 @@ def train(
         overrides.append(f"device={device}")
     if nproc > 1 and not print_config and "WORLD_SIZE" in os.environ:
         # torchrun's variable in the environment: already a rank (torchrun ... train --nproc N),
-        # or left over in the shell (WORLD_SIZE=1 used to train one process, --nproc ignored)
+        # or left over in the shell (WORLD_SIZE=1 would train one process, --nproc ignored)
         if os.environ.get("RANK", "0") != "0":
             raise typer.Exit(2)
         raise _fail(f"--nproc {nproc} starts its own processes, but WORLD_SIZE={os.environ['WORLD_SIZE']} is set in "

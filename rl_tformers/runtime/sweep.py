@@ -366,8 +366,8 @@ def name_max(folder: str | os.PathLike) -> int:
 def check_name_lengths(folder: str, point: Mapping[str, str], seeds: Sequence[int], limit: int = 255) -> None:
     """Refuse a grid point whose files would have names longer than ``limit`` bytes: the run
     folder ``OUT/<folder>`` and, longer, its log ledger ``OUT/logs/<folder>_seed<k>.parts.jsonl``.
-    (A long list or dict value, or many grid keys, make long folder names: the sweep used to
-    stop with an ``OSError: File name too long`` traceback while checking or running them.)
+    (A long list or dict value, or many grid keys, make long folder names; checking them here
+    turns an ``OSError: File name too long`` while checking or running them into this error.)
 
     Raises:
         SweepError: naming the grid point, the name's length and the limit.
@@ -861,7 +861,7 @@ def _run_subprocess(cmd: list[str], env_updates: dict[str, str], log_path: str) 
 
 def default_threads(jobs: int, environ: Mapping[str, str] | None = None) -> int:
     """Intra-op threads per run for ``--threads 0``: the user's ``OMP_NUM_THREADS`` when it is a
-    positive integer (it used to be replaced by cores / jobs, silently), else CPU cores / ``jobs``
+    positive integer (the user's choice is kept, not replaced by cores / jobs), else CPU cores / ``jobs``
     (at least 1)."""
     value = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").strip()
     if value.isdigit() and int(value) > 0:

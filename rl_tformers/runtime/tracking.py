@@ -114,8 +114,8 @@ def truncate_run_logs(run_dir: str | os.PathLike, max_step: int) -> int:
 
 def _jsonable(v: Any) -> Any:
     """A scalar as strict JSON: NaN and +-inf become ``null`` (TensorBoard keeps the value
-    itself). Infinities used to be written as +-1e308, which a reader cannot tell from a
-    measured number (a sweep would average it)."""
+    itself). A finite stand-in such as +-1e308 would be indistinguishable from a measured number
+    (a sweep would average it)."""
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v

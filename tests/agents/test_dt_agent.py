@@ -340,7 +340,7 @@ def dict_dataset(tmp_path_factory):
                 *_, term, trunc, _ = env.step(env.action_space.sample())
                 done = term or trunc
         env.create_dataset(dataset_id="b5agents/dict-v0", algorithm_name="random", eval_env=DICT_ENV,
-                           author="breaker", author_email="breaker@example.org", description="Dict observations")
+                           author="rl-tformers tests", author_email="tests@example.org", description="Dict observations")
         path = root / "b5agents" / "dict-v0"
         assert minari.MinariDataset(path / "data") is not None
     finally:
@@ -734,7 +734,7 @@ class ShapedActionEnv(gym.Env):
         return np.array([self.t, flat[0], flat[-1]], np.float32), float(flat[0]), False, self.t >= STEPS, {}
 
 
-MATRIX_ENV, VECTOR_ENV = "breaker6actions/Matrix-v0", "breaker6actions/Vector-v0"
+MATRIX_ENV, VECTOR_ENV = "rl_tformers_test/MatrixActions-v0", "rl_tformers_test/VectorActions-v0"
 
 
 for _id_box_actions, _shape in ((MATRIX_ENV, (2, 2)), (VECTOR_ENV, (3,))):

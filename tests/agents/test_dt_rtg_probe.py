@@ -13,12 +13,12 @@ from rl_tformers.agents.decision_transformer.rtg_probe import rtg_probe
 from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
 from rl_tformers.envs.loaders import save_d4rl_hdf5
 from rl_tformers.envs.trajectory import returns_to_go
-from test_found_by_tester import _train, _write_h5
 from typer.testing import CliRunner
 
 from rl_tformers.runtime.loading import load_run
 from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
+from tests.cli.test_train import _train, _write_h5
 
 K = 4
 
@@ -154,7 +154,7 @@ def test_probe_errors_about_the_run_and_the_data(probe_runs, tmp_path):
     r = _probe(tmp / "dt", "--group", "a=0:2", "--t0", "17")
     assert r.exit_code == 2 and "error: --t0 17: a window of K=4 steps from step 17 reaches step 20, past the " \
                                 "run's agent.max_ep_len=20" in r.stderr
-    # another dataset: 6-dim observations instead of 3 (the breaker's 6 vs 11)
+    # another dataset: 6-dim observations instead of 3
     wide = _write_h5(tmp_path / "wide.hdf5", obs_dim=6, env_id="Pendulum-v1", discrete=False)
     r = _probe(tmp / "dt", "--group", "a=0:2", "--dataset", wide)
     assert r.exit_code == 2

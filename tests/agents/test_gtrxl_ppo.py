@@ -23,7 +23,7 @@ from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import resume, train
 from tests.runtime.ddp_helpers import two_ranks
 
-SHORT = "rl_tformers_breaker8/ShortCartPole-v1"  # time limit 10: a truncation in every rollout below
+SHORT = "rl_tformers_test/ShortCartPole-v1"  # time limit 10: a truncation in every rollout below
 
 
 if SHORT not in gym.registry:
@@ -70,7 +70,7 @@ class _ScalarActionEnv(gym.Env):
         return self.np_random.uniform(-1, 1, 3).astype(np.float32), float(action), self.t >= 4, False, {}
 
 
-SCALAR = "rl_tformers_breaker8/ScalarAction-v0"
+SCALAR = "rl_tformers_test/ScalarAction-v0"
 
 
 if SCALAR not in gym.registry:
@@ -200,7 +200,7 @@ class _EndlessEnv(gym.Env):
         return self.np_random.uniform(-1, 1, 3).astype(np.float32), 1.0, False, False, {}
 
 
-ENDLESS = "rl_tformers_breaker8b/Endless-v0"
+ENDLESS = "rl_tformers_test/Endless-v0"
 
 
 if ENDLESS not in gym.registry:
@@ -507,7 +507,7 @@ class PixelEnv(gym.Env):
         return np.array([[0, 50], [200, 255]], np.uint8), 0.0, False, False, {}
 
 
-for _env_id, _env_cls in (("breaker6/MatrixAction-v0", MatrixActionEnv), ("breaker6/Pixels-v0", PixelEnv)):
+for _env_id, _env_cls in (("rl_tformers_test/MatrixAction-v0", MatrixActionEnv), ("rl_tformers_test/Pixels-v0", PixelEnv)):
     if _env_id not in gym.registry:
         gym.register(_env_id, entry_point=_env_cls)
 
@@ -523,7 +523,7 @@ def _ppo_two_envs(**agent) -> GTrXLPPO:
 def test_ppo_and_its_policy_send_box_actions_in_the_environments_shape() -> None:
     """A Box(2, 2) action space got flat (4,) actions from the rollout and the evaluation policy."""
     torch.manual_seed(0)
-    ppo = _ppo_two_envs(env_id="breaker6/MatrixAction-v0")
+    ppo = _ppo_two_envs(env_id="rl_tformers_test/MatrixAction-v0")
     ro = ppo.collector.collect()  # raised in the environment: "got an action of shape (4,)"
     assert ro["actions"].shape == (6, 2, 4)
     env_a = ppo.spec.to_env(ro["actions"][0])
@@ -612,12 +612,12 @@ def test_ppo_refuses_bad_loss_and_scale_options(monkeypatch, option, value, mess
 
 # ------------------------------------------------- 5. obs_norm=false: raw observations, not clipped to 10
 def test_ppo_without_observation_normalisation_feeds_the_raw_observations() -> None:
-    ppo = _ppo_two_envs(env_id="breaker6/Pixels-v0", obs_norm=False)
+    ppo = _ppo_two_envs(env_id="rl_tformers_test/Pixels-v0", obs_norm=False)
     ro = ppo.collector.collect()
     assert ro["x"][0, 0].tolist() == [0.0, 50.0, 200.0, 255.0]  # was [0, 10, 10, 10]
     policy = ppo.policy()
     assert policy.obs_clip is None and policy.obs_mean.tolist() == [0.0] * 4 and policy.obs_std.tolist() == [1.0] * 4
-    assert _ppo_two_envs(env_id="breaker6/Pixels-v0").policy().obs_clip == 10.0  # obs_norm=true still clips
+    assert _ppo_two_envs(env_id="rl_tformers_test/Pixels-v0").policy().obs_clip == 10.0  # obs_norm=true still clips
 
 
 # ------------------------------------------------- 6. fine-tuning an offline run whose memory PPO cannot store

@@ -611,9 +611,9 @@ def test_ppo_fine_tuning_feeds_no_previous_action_at_episode_starts_as_the_offli
 
 
 def test_ppo_fine_tuning_says_which_backbone_settings_it_ignores(tmp_path) -> None:
-    """Fresh user: `train -c gtrxl/ppo_cartpole_finetune backbone.block.gate=highway` ran the
-    checkpoint's GRU-gated backbone silently (a gate sweep gave identical runs) while config.yaml
-    recorded gate: highway."""
+    """`train -c gtrxl/ppo_cartpole_finetune backbone.block.gate=highway` runs the checkpoint's
+    GRU-gated backbone and says that it ignores the setting (silently, a gate sweep would give
+    identical runs while config.yaml records gate: highway)."""
     import warnings
 
     import pytest
@@ -635,7 +635,7 @@ def test_ppo_fine_tuning_says_which_backbone_settings_it_ignores(tmp_path) -> No
     ]), tmp_path / "offline")
     over = ["agent.kind=gtrxl_ppo", "agent.env_id=rl_tformers/Recall-d1-v0", f"agent.init_checkpoint={tmp_path / 'offline'}",
             "agent.n_envs=2", "agent.n_steps=6", "agent.n_minibatches=1", "device=cpu", *tiny,
-            "agent.head_hidden=0"]  # the offline run's (another one is warned about, fresh_user_9)
+            "agent.head_hidden=0"]  # the offline run's (another one is warned about)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         warnings.filterwarnings("ignore", message="gtrxl_ppo trains without dropout")
@@ -655,8 +655,8 @@ def test_ppo_fine_tuning_says_which_backbone_settings_it_ignores(tmp_path) -> No
     (["backbone.depth={kind: universal}"], "backbone.depth.kind='universal' keeps no state between calls"),
 ])
 def test_window_mode_errors_give_the_whole_recipe(tmp_path, overrides, first) -> None:
-    """Fresh user: window mode took two failed attempts (each error named one missing setting), and
-    universal depth failed with a generic error that did not point at the window mode."""
+    """Window-mode errors name every missing setting at once, and universal depth's error points
+    at the window mode."""
     from rl_tformers.envs.loaders import save_d4rl_hdf5
     from rl_tformers.envs.memory_tasks import scripted_dataset
 
@@ -674,8 +674,9 @@ def test_window_mode_errors_give_the_whole_recipe(tmp_path, overrides, first) ->
 
 
 def test_fine_tuning_from_a_run_not_trained_yet_names_the_option_and_the_command(tmp_path) -> None:
-    """Fresh user: `train -c gtrxl/ppo_cartpole_finetune` before the offline run said only
-    "runs/gtrxl/cartpole_gtrxl_bc: cannot be loaded (FileNotFoundError ...)"."""
+    """`train -c gtrxl/ppo_cartpole_finetune` before the offline run exists names the option and
+    the command that trains it, not only "runs/gtrxl/cartpole_gtrxl_bc: cannot be loaded
+    (FileNotFoundError ...)"."""
     from rl_tformers.agents.gtrxl.ppo import GTrXLPPO
 
     from rl_tformers.runtime.run_config import compose

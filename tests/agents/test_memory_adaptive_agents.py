@@ -437,8 +437,8 @@ def test_mlp_bc_refuses_backbone_settings(tmp_path, override, named):
 
 
 def test_gtrxl_window_shorter_than_the_training_segment_warns(tmp_path) -> None:
-    """agent.window=W with agent.seq_len > W trained each step on more context than it acts on,
-    silently (the breaker's note; the docs say to train with seq_len=W)."""
+    """agent.window=W with agent.seq_len > W trains each step on more context than it acts on:
+    warned (the docs say to train with seq_len=W)."""
     import warnings
 
     from rl_tformers.envs.loaders import save_d4rl_hdf5

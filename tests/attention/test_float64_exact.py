@@ -1,7 +1,7 @@
 """A float64 model is exact to float64 rounding: scores, softmax and positional tables run in
-float64 for float64 inputs (float32 only for half types). Found by an audit: the reference
-kernel, the block-sparse engine and rotary/sinusoid tables computed in float32 (errors ~5e-8),
-and the kNN memory's float64 fill became -inf under a float32 softmax (NaN on an empty store).
+float64 for float64 inputs (float32 only for half types). Checked: the reference kernel, the
+block-sparse engine and the rotary/sinusoid tables (in float32 their errors are ~5e-8), and the
+kNN memory's float64 fill (-inf under a float32 softmax: NaN on an empty store).
 """
 
 from __future__ import annotations

@@ -435,9 +435,9 @@ def test_reset_state_takes_the_numpy_flags_of_a_vector_environment(memory) -> No
 
 
 def test_a_float64_cache_of_a_float32_model_is_refused_by_every_incremental_kernel() -> None:
-    """A float64 KV cache (``initial_state(..., dtype=torch.float64)``) of a float32 model was
-    refused by ``sdpa`` and ``reference`` but silently promoted the layer to float64 with the other
-    incremental kernels (docs audit 11): every kernel refuses it now, naming the dtypes."""
+    """A float64 KV cache (``initial_state(..., dtype=torch.float64)``) of a float32 model is
+    refused by every incremental kernel, naming the dtypes (accepting it would silently promote
+    the layer to float64)."""
     import torch
 
     from rl_tformers.backbone import Backbone

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.loaders import load_dataset
-from test_found_by_tester import _write_h5
 
 from rl_tformers.bench import _peer_crosscheck as worker
 from rl_tformers.bench import crosscheck as cc
 from rl_tformers.bench.data import write_synthetic_d4rl
 from rl_tformers.bench.train import default_peer_python
+from tests.cli.test_train import _write_h5
 
 
 def _check_export(ds: EpisodeDataset, path) -> None:
@@ -172,7 +172,8 @@ def test_crosscheck_reuses_a_run_only_with_the_same_settings_and_data(tmp_path, 
 
 
 def test_crosscheck_refuses_a_run_json_without_a_data_record(tmp_path, hopper_h5, fake_worker, capsys):
-    """The breaker's repro: a per-run JSON of an older cross-check (or another dataset and steps)."""
+    """A per-run JSON without a data record (from another cross-check version, or of another
+    dataset and steps) is refused."""
     work = tmp_path / "work"
     work.mkdir()
     for algo in ("dt", "bc"):
@@ -221,7 +222,7 @@ def test_crosscheck_checks_the_dataset_and_its_environment_up_front(tmp_path, ho
 
     err = refused(tmp_path / "nope.hdf5")
     assert err.startswith(f"error: --dataset {tmp_path / 'nope.hdf5'}: no such HDF5 file")
-    # the breaker's CartPole file (no D4RL references): not run in Hopper-v5
+    # a CartPole file (no D4RL references): not run in Hopper-v5
     cartpole = _write_h5(tmp_path / "cp.hdf5", discrete=True)
     assert "discrete actions" in refused(cartpole)
     # a continuous task without D4RL references: named, not an assert

@@ -67,7 +67,7 @@ def test_resuming_a_minari_id_run_without_its_root_says_to_pass_dataset_root(tmp
 
 
 def test_the_hint_for_a_relative_hdf5_path_is_unchanged() -> None:
-    """The Minari-id hint does not replace the one for a relative .hdf5 file (lead 9's fix)."""
+    """The Minari-id hint does not replace the one for a relative .hdf5 file."""
     from omegaconf import OmegaConf
 
     from rl_tformers.runtime.trainer import _relative_data_hint

@@ -51,7 +51,7 @@ def test_eval_out_is_written_where_given(dt_run: Path, tmp_path: Path) -> None: 
 
 
 def test_summary_of_a_policy_without_target_has_no_target_column() -> None:
-    """``eval`` of a BC run printed ``target        -: return ...`` (fresh user 13)."""
+    """``eval`` of a BC run prints no target column (no ``target        -: return ...``)."""
     from rl_tformers.runtime.evaluation import TargetResult
     from rl_tformers.runtime.plots import summary_lines
 
@@ -233,8 +233,8 @@ def test_eval_context_len_option_reaches_the_policy_and_is_checked(tmp_path: Pat
 
 
 def test_a_yaml_file_given_as_checkpoint_is_named_not_a_checkpoint(tmp_path: Path) -> None:
-    """``eval --checkpoint RUN/config.yaml`` said "cannot be loaded (IndexError: pop from empty
-    list)" (fresh user 11): a file that is not a zip archive is not a checkpoint, said so."""
+    """``eval --checkpoint RUN/config.yaml``: a file that is not a zip archive is named as not a
+    checkpoint (not "cannot be loaded (IndexError: pop from empty list)")."""
     from rl_tformers.runtime.checkpoint import CheckpointError, load_checkpoint
 
     f = tmp_path / "config.yaml"

@@ -732,9 +732,9 @@ def test_config_yaml_keeps_the_fields_set_and_resume_prints_the_built_backbone(t
 
 
 def test_a_recipe_dataset_not_built_yet_gets_its_recipe_not_a_typo_hint(tmp_path, monkeypatch) -> None:
-    """Fresh user: training on the not-yet-built position-only Hopper set said "did you mean
-    'rlt/hopper-v5/medium-v0'?" (the full-observation set, the wrong one) and a collect command
-    that failed from a clone without ``--policies``."""
+    """Training on the not-yet-built position-only Hopper set names its recipe and a collect
+    command that works from a clone, not a typo hint ("did you mean 'rlt/hopper-v5/medium-v0'?"
+    would point at the full-observation set, the wrong one)."""
     from rl_tformers.envs.loaders import load_minari
     from rl_tformers.envs.recipes import all_recipes
 

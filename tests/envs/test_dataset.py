@@ -51,7 +51,7 @@ def test_unfinished_last_episode_is_kept_and_marked_truncated():
 
 def test_next_observations_give_final_observations():
     obs, act, rew = flat(6)
-    nxt = np.roll(obs, -1, axis=0)  # observations[t + 1] inside episodes (checked since breaker pass 5)
+    nxt = np.roll(obs, -1, axis=0)  # observations[t + 1] inside episodes (checked)
     nxt[[1, 2, 5]] = obs[[1, 2, 5]] + 100  # the observations after each episode's last action
     ds = EpisodeDataset.from_flags(obs, act, rew, [0, 1, 1, 0, 0, 1], next_observations=nxt, action_space=BOX3)
     np.testing.assert_array_equal(ds.final_observations, nxt[[1, 2, 5]])

@@ -166,7 +166,7 @@ def test_d4rl_hdf5_unfinished_last_episode_and_next_observations(tmp_path):
     term[[9, 19]] = True
     path = write_d4rl(tmp_path / "x.hdf5", terminals=term, timeouts=np.zeros(3000, bool))
     with h5py.File(path, "a") as f:  # next_observations[t] == observations[t + 1] inside episodes (checked
-        nxt = np.roll(f["observations"][()], -1, axis=0)  # since breaker pass 5); ones after each last step
+        nxt = np.roll(f["observations"][()], -1, axis=0)  # by the loader); ones after each last step
         nxt[[9, 19, 2999]] = 1.0
         f["next_observations"] = nxt
     ds = load_d4rl_hdf5(path, action_space=ACT.__class__(-1, 1, (3,), np.float32))

@@ -405,7 +405,7 @@ def test_ppo_fine_tuning_says_which_agent_inputs_it_takes_from_the_checkpoint(tm
     """`train -c gtrxl/ppo_cartpole_finetune` records `agent.head_hidden: 64` (inherited from
     ppo_cartpole.yaml) in config.yaml, but builds the offline run's head_hidden=0 (207,491
     parameters, not 224,131), without a word; a changed backbone setting is warned about
-    (test_found_by_breaker_8_gtrxl), a changed head_hidden / prev_reward is not."""
+    (tests/agents/test_gtrxl_training.py), a changed head_hidden / prev_reward is not."""
     from rl_tformers.agents.gtrxl.ppo import GTrXLPPO
     from rl_tformers.envs.loaders import save_d4rl_hdf5
     from rl_tformers.envs.memory_tasks import scripted_dataset

@@ -71,8 +71,8 @@ def test_collect_progress_without_a_terminal_is_plain_lines(tmp_path: Path, caps
 
 
 def test_plain_progress_line_says_when_its_logged_values_are_from_an_earlier_step() -> None:
-    """Fresh user: the last line after SIGTERM at step 143 showed loss and lr of the step-100 log
-    as if they were current."""
+    """After SIGTERM at step 143 the last line says that its loss and lr are those of the step-100
+    log, not current values."""
     import io
 
     from rl_tformers.runtime.progress import PlainProgress

@@ -1,7 +1,7 @@
 """SIGINT/SIGTERM handling in one process: the start-up modes of GracefulInterrupt, the abort by a
 second signal, a Ctrl-C while ``rl-tformers train`` starts, the torchrun wrapper's handler and the
 ``--nproc`` launcher's report. The multi-process runs (a Ctrl-C to ``train --nproc 2`` while it
-trains and while its ranks start) are in tests/regressions/test_found_by_breaker_4_runtime.py.
+trains and while its ranks start) are in tests/runtime/test_distributed.py.
 
 Signals are sent to this process with ``os.kill``; the handler runs before the next line.
 """

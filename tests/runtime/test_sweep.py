@@ -791,11 +791,9 @@ def test_agents_are_built_only_for_points_with_a_run_to_do(tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The agent check runs once per grid point (not per seed), and not at all when every run of
     the sweep is complete (a rerun that only writes the results builds nothing)."""
-    from rl_tformers.runtime import trainer as trainer_mod
-
     built: list[int] = []
-    real = trainer_mod.check_agent
-    monkeypatch.setattr(trainer_mod, "check_agent", lambda cfg, *a, **k: (built.append(int(cfg.seed)), real(cfg))[1])
+    real = sw.check_agent
+    monkeypatch.setattr(sw, "check_agent", lambda cfg, *a, **k: (built.append(int(cfg.seed)), real(cfg))[1])
     common = ["agent.kind=toy", "train.steps=2", "train.log_every=1", "train.checkpoint_every=0", "eval.at_end=false"]
     out = tmp_path / "sweep"
     res = sw.sweep(None, {"backbone.n_layers": ["1"]}, [0, 1], out, common, jobs=2, device="cpu", echo=lambda m: None)
@@ -1146,8 +1144,8 @@ def test_bc_top_fraction_out_of_range_names_the_key(tmp_path: Path) -> None:
 
 
 def test_short_run_warns_that_warmup_never_ends_and_pctbc_says_what_it_kept(tmp_path, caplog):
-    """Fresh-user pass: a 300-step run of a 10k-warmup config learned nothing without saying why;
-    %BC did not say which episodes it kept."""
+    """A 300-step run of a 10k-warmup config warns that its warmup never ends (it would learn
+    nothing); %BC says which episodes it kept."""
     import logging
 
     import numpy as np
