@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.datafiles import write_cartpole_h5
+from tests.runs import cartpole_dt_run, no_evaluation, pendulum_dt_run, tiny_dt_run  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("RL_TFORMERS_SHARED", REPO.parent / "shared"))

@@ -25,3 +25,27 @@ def write_cartpole_h5(path: Path, *, n: int = 30, seed: int = 0, reward: float =
             f.create_dataset(k, data=v)
         f.attrs["env_id"] = "CartPole-v1"
     return path
+
+
+def write_d4rl_h5(path: Path, *, n: int = 30, obs_dim: int = 4, env_id: str | None = "CartPole-v1",
+                  discrete: bool = True, **override) -> Path:
+    """A small D4RL-layout file: episodes of 10 steps (terminal, terminal, timeout); ``override``
+    replaces whole arrays by key."""
+    rng = np.random.default_rng(0)
+    data = {
+        "observations": (rng.normal(size=(n, obs_dim)) * 0.05).astype(np.float32),
+        "actions": rng.integers(0, 2, n).astype(np.int64) if discrete
+        else rng.uniform(-1, 1, (n, 1)).astype(np.float32),
+        "rewards": np.ones(n, np.float32),
+        "terminals": np.zeros(n, bool),
+        "timeouts": np.zeros(n, bool),
+    }
+    data["terminals"][[9, 19]] = True
+    data["timeouts"][n - 1] = True
+    data.update(override)
+    with h5py.File(path, "w") as f:
+        for k, v in data.items():
+            f.create_dataset(k, data=v)
+        if env_id:
+            f.attrs["env_id"] = env_id
+    return path

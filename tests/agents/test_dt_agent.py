@@ -291,7 +291,7 @@ TINY = {
 }
 
 
-# ------------------------------------------------- 1. Dict observations flattened at load time
+# ------------------------------------------------- Dict observations flattened at load time
 class DictObsEnv(gym.Env):
     """Dict observation {"flag": Discrete(3), "pos": Box(2)}; Discrete(2) actions; 6 steps."""
 
@@ -373,7 +373,7 @@ def test_flattened_dict_observations_train_and_evaluate_in_a_flattened_env(dict_
     assert report.results[0].lengths == [6, 6]
 
 
-# ------------------------------------------------- 2. agent.targets: one number, bad forms
+# ------------------------------------------------- agent.targets: one number, bad forms
 def _counter_h5(path, lengths=(3, 4, 5), env_id="B5AgentsBounds-v0", low=(-1.0,), high=(1.0,)):
     """A D4RL-layout file of episodes with rewards 1, 2, ... (returns 6, 10, 15), obs = step,
     actions drawn uniformly from the Box ``[low, high]`` (a fixed dimension where low == high)."""
@@ -451,7 +451,7 @@ def test_dt_bad_agent_targets_is_one_error_line_naming_the_option(tmp_path, valu
     assert "Traceback" not in r.output and not (tmp_path / "run" / "checkpoints").exists()
 
 
-# ------------------------------------------------- 3. Box actions: a fixed dimension, huge bounds
+# ------------------------------------------------- Box actions: a fixed dimension, huge bounds
 def test_action_maps_handle_fixed_dimensions_and_overflowing_widths() -> None:
     from rl_tformers.agents.decision_transformer.model import from_env_action, to_env_action
 
@@ -480,13 +480,13 @@ def test_box_with_a_fixed_dimension_or_huge_bounds_trains_and_acts_in_the_box(tm
     lo, hi = BOUNDS[env_id]
     h5 = _counter_h5(tmp_path / "b.hdf5", env_id=env_id, low=lo, high=hi)
     cfg = compose(None, [*TINY[kind], f"dataset.path={h5}", *FAST_AGENTS])
-    train(cfg, tmp_path / "run")  # old code: NonFiniteLossError
+    train(cfg, tmp_path / "run")  # trains: no NonFiniteLossError
     run = load_run(tmp_path / "run")
     report = evaluate(run.agent.policy(), run.agent.make_env(), run.agent.default_targets(), episodes=2, n_envs=2)
     assert report.results[0].lengths == [5, 5]  # BoundsEnv asserts every action is inside its Box
 
 
-# ------------------------------------------------- 4. IQL and PPO options that trained nothing or crashed
+# ------------------------------------------------- IQL and PPO options that trained nothing or crashed
 @pytest.mark.parametrize("option, message", [
     ("agent.seq_len=1", "agent.seq_len=1: IQL learns Q from (t, t+1) pairs inside the gradient window, and a window "
                         "of one step has none (the Q loss would stay 0); use agent.seq_len >= 2"),
@@ -525,7 +525,7 @@ def test_ppo_refuses_rollout_options_that_crash_mid_run(monkeypatch, option, mes
     assert str(info.value) == message
 
 
-# ------------------------------------------------- 5. learned positions shorter than an episode
+# ------------------------------------------------- learned positions shorter than an episode
 def test_gtrxl_refuses_a_learned_position_table_shorter_than_an_episode(tmp_path) -> None:
     """GTrXL's positions are episode steps: with backbone.position.kind=learned and
     backbone.max_position below the longest episode, training died mid-run with a traceback
@@ -540,7 +540,7 @@ def test_gtrxl_refuses_a_learned_position_table_shorter_than_an_episode(tmp_path
     assert r.exit_code == 0, r.output
 
 
-# ------------------------------------------------- 6. stochastic policies: seeded, reproducible evaluation
+# ------------------------------------------------- stochastic policies: seeded, reproducible evaluation
 class _CoinPolicy:
     """Samples CartPole actions with torch's global generator (like GTrXL with deterministic=false)."""
 
@@ -565,7 +565,7 @@ def test_evaluating_a_sampling_policy_is_reproducible_and_leaves_the_global_rng_
     assert torch.equal(torch.get_rng_state(), before)  # an evaluation inside training shifts nothing
 
 
-# ------------------------------------------------- 7. plot sweep of a dataset whose returns are all equal
+# ------------------------------------------------- plot sweep of a dataset whose returns are all equal
 def test_default_sweep_of_equal_returns_spreads_its_targets() -> None:
     """Every episode with return 5 gave six targets 5, 5.0000002, ... (printed as six "5"):
     six evaluations of the same target and a one-point plot."""
@@ -577,7 +577,7 @@ def test_default_sweep_of_equal_returns_spreads_its_targets() -> None:
     assert default_sweep(3559.0, 1000.0, 6) == [1000.0, 1614.0, 2228.0, 2842.0, 3457.0, 4071.0]  # unchanged
 
 
-# ------------------------------------------------- 8. GTrXL rcbc: the training's evaluation line names its target
+# ------------------------------------------------- GTrXL rcbc: the training's evaluation line names its target
 def test_gtrxl_rcbc_evaluation_reports_its_target(tmp_path) -> None:
     h5 = _counter_h5(tmp_path / "c.hdf5")
     r = runner.invoke(app, ["train", *TINY["gtrxl"], *[o for o in FAST_AGENTS if not o.startswith("eval.at_end")],
@@ -587,7 +587,7 @@ def test_gtrxl_rcbc_evaluation_reports_its_target(tmp_path) -> None:
     assert "final evaluation at step 2: target 12: return 5.0" in r.output, r.output
 
 
-# ------------------------------------------------- 9. DT: time limit beyond agent.max_ep_len, said before training
+# ------------------------------------------------- DT: time limit beyond agent.max_ep_len, said before training
 def test_dt_warns_before_training_when_the_eval_env_outlasts_max_ep_len(tmp_path, caplog) -> None:
     """A CartPole dataset of short episodes trained with agent.max_ep_len=100 stopped at its first
     evaluation, after all the training, as soon as an episode reached step 100 (CartPole runs
@@ -612,7 +612,7 @@ def test_dt_warns_before_training_when_the_eval_env_outlasts_max_ep_len(tmp_path
         assert ("runs episodes of up to 500 steps but agent.max_ep_len=100" in text) == warned, text
 
 
-# ------------------------------------------------- 10. rtg_probe of a last_action DT
+# ------------------------------------------------- rtg_probe of a last_action DT
 def test_rtg_probe_fit_of_a_last_action_dt_compares_the_last_action_only(tmp_path) -> None:
     """In agent.mode=last_action the model predicts one action per window (the last), but the
     probe's fit broadcast it against all K data actions: a wrong number (0.40 instead of 0.49 on
@@ -646,7 +646,7 @@ def test_rtg_probe_fit_of_a_last_action_dt_compares_the_last_action_only(tmp_pat
     assert rows[0]["fit"] == pytest.approx(float(((last[:, 0] - act[:, -1]) ** 2).sum(-1).mean()), rel=1e-6)
 
 
-# ------------------------------------------------- 11. GTrXL on observations of more than one axis
+# ------------------------------------------------- GTrXL on observations of more than one axis
 class MatObsEnv(gym.Env):
     """Box(2, 3) observations, Discrete(2, start=-1) actions (asserted), reward 1 for -1; 5 steps."""
 
@@ -776,7 +776,7 @@ def matrix_h5(tmp_path_factory):
     return save_d4rl_hdf5(_dataset(MATRIX_ENV), tmp_path_factory.mktemp("data") / "matrix.hdf5")
 
 
-# ------------------------------------------------- 1. the data layer and DatasetInfo
+# ------------------------------------------------- the data layer and DatasetInfo
 def test_loaded_actions_keep_the_box_shape_and_dataset_info_records_it(matrix_h5) -> None:
     from rl_tformers.agents.common.offline import DatasetInfo
     from rl_tformers.envs.loaders import load_dataset
@@ -860,7 +860,7 @@ def test_training_batches_flatten_the_box_in_c_order_like_the_bounds(matrix_h5) 
     assert torch.equal(seg.actions[0], want[1:]) and torch.equal(seg.prev_action[0], want[:2])
 
 
-# ------------------------------------------------- 2. train, resume, evaluate: the env gets (2, 2) actions
+# ------------------------------------------------- train, resume, evaluate: the env gets (2, 2) actions
 @pytest.mark.parametrize("kind", ["dt", "bc", "gtrxl"])
 def test_offline_agents_train_resume_and_evaluate_with_box_actions_in_the_envs_shape(matrix_h5, tmp_path,
                                                                                      kind) -> None:
@@ -938,7 +938,7 @@ def test_policies_return_the_flat_actions_in_the_envs_shape(matrix_h5) -> None:
     assert a.shape == (3, 2, 2) and b.shape == (3, 4) and np.array_equal(a.reshape(3, 4), b)
 
 
-# ------------------------------------------------- 3. encoder-decoder: cross-attention kinds that need S == T
+# ------------------------------------------------- encoder-decoder: cross-attention kinds that need S == T
 def test_sinkhorn_cross_attention_is_refused_at_construction_naming_the_option() -> None:
     from rl_tformers.encoder_decoder import EncoderDecoderConfig
 
@@ -985,7 +985,7 @@ TINY_DT_DATA = ["train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=
         "eval.every=0", "eval.at_end=false", "train.progress=false", "train.warmup_steps=1", "--device", "cpu"]
 
 
-# ------------------------------------------------- 1. short episodes: training layout = acting layout
+# ------------------------------------------------- short episodes: training layout = acting layout
 K, L = 6, 3  # an episode shorter than the window
 
 
@@ -1055,7 +1055,7 @@ def test_policy_actions_equal_the_model_on_training_windows_of_a_short_episode(b
     np.testing.assert_allclose(acted, train, rtol=0, atol=1e-6)
 
 
-# ------------------------------------------------- 2. resume on changed data
+# ------------------------------------------------- resume on changed data
 TINY_BC = ["train.batch_size=4", "agent.hidden=[16]", "eval.every=0", "eval.at_end=false", "train.progress=false",
            "train.warmup_steps=1", "--device", "cpu"]
 
@@ -1102,7 +1102,7 @@ def test_data_differences_of_equal_statistics_is_empty(tmp_path: Path, cartpole_
     assert a.data_differences(b) == []  # the lazy reading of the same file: equal up to rounding
 
 
-# ------------------------------------------------- 3. dataset.env_id and the file's action_space attribute
+# ------------------------------------------------- dataset.env_id and the file's action_space attribute
 def _unbounded_file(tmp_path: Path, env_id: str | None, act_dim: int = 1) -> Path:
     """A file written by save_d4rl_hdf5 from data without bounds: its action_space attribute is
     Box(-inf, inf)."""
@@ -1161,7 +1161,7 @@ def test_unbounded_actions_error_says_why_the_named_task_gave_no_bounds(tmp_path
     assert why + "; set dataset.env_id=<gymnasium id>" in msg, msg
 
 
-# ------------------------------------------------- 4. in-memory datasets of integer observations
+# ------------------------------------------------- in-memory datasets of integer observations
 @pytest.mark.parametrize("build", ["from_flags", "from_episodes"])
 def test_in_memory_uint8_observations_get_their_dtype_range(build) -> None:
     """``EpisodeDataset.from_flags(uint8 images, ...)`` without an observation space (the docs'
@@ -1197,7 +1197,7 @@ def test_in_memory_boolean_columns_are_refused_naming_the_field(field) -> None:
     assert e.value.field == field
 
 
-# ------------------------------------------------- 5. vector evaluation: discarded filler episodes
+# ------------------------------------------------- vector evaluation: discarded filler episodes
 class _SeedLengthEnv(gym.Env):
     """Episode length set by the reset seed (``lengths[seed]``), 100 steps when reset unseeded."""
 
@@ -1240,7 +1240,7 @@ def test_a_discarded_filler_episode_does_not_stop_a_dt_evaluation_at_max_ep_len(
         evaluate(pol, lambda: _SeedLengthEnv({0: 16, 1: 2, 2: 2, 3: 10}), [10.0], episodes=4, n_envs=3, seed=0)
 
 
-# ------------------------------------------------- 6. normalised scores from a parent folder's name
+# ------------------------------------------------- normalised scores from a parent folder's name
 def test_a_parent_folder_named_like_a_d4rl_task_gives_no_reference_scores(tmp_path: Path) -> None:
     """A Pendulum-v1 file stored under ``hopper_experiments/`` got Hopper's D4RL references (every
     component of the file's path was matched against the task families): ``dataset info`` and
@@ -1272,7 +1272,7 @@ def test_a_parent_folder_named_like_a_d4rl_task_gives_no_reference_scores(tmp_pa
     assert reference_scores(load_dataset(folder / "hopper-medium-v2.hdf5")) == (-20.272305, 3234.3)
 
 
-# ------------------------------------------------- 7. a Discrete evaluation env with fewer actions
+# ------------------------------------------------- a Discrete evaluation env with fewer actions
 def test_an_evaluation_env_with_fewer_discrete_actions_than_the_data_is_refused_before_training(tmp_path) -> None:
     """A DT trained on 3 discrete actions with agent.env_id=CartPole-v1 (2 actions) was accepted
     (only the kind and ``start`` of the space were compared); the first time the model chose

@@ -15,7 +15,6 @@ from rl_tformers.agents.decision_transformer.model import DecisionTransformer, D
 from rl_tformers.agents.decision_transformer.policy import DTPolicy
 from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.trajectory import ObsStats, dataset_returns_to_go, returns_to_go
-from test_found_by_tester import _train, _write_h5
 
 from rl_tformers.runtime.evaluation import evaluate
 
@@ -258,27 +257,7 @@ def test_context_steps_out_of_range_is_refused_by_name():
     assert acting == [None, None, 5]
 
 
-@pytest.fixture(scope="module")
-def dt_run_eval(tmp_path_factory) -> Path:
-    """A DT trained for 2 updates on a tiny CartPole file (discrete actions)."""
-    tmp = tmp_path_factory.mktemp("b4dt")
-    h5 = _write_h5(tmp / "cartpole.hdf5")
-    r = _train(f"dataset.path={h5}", "--run-dir", str(tmp / "dt"))
-    assert r.exit_code == 0, r.output
-    return tmp / "dt"
-
-
-@pytest.fixture(scope="module")
-def dt_cont_run(tmp_path_factory) -> Path:
-    """A DT trained for 2 updates on a tiny Pendulum-shaped file (continuous actions)."""
-    tmp = tmp_path_factory.mktemp("b4dtc")
-    h5 = _write_h5(tmp / "pendulum.hdf5", obs_dim=3, env_id="Pendulum-v1", discrete=False)
-    r = _train(f"dataset.path={h5}", "agent.max_ep_len=200", "--run-dir", str(tmp / "dt"))
-    assert r.exit_code == 0, r.output
-    return tmp / "dt"
-
-
-def test_dt_with_nan_predictions_raises_instead_of_acting(dt_cont_run: Path, dt_run_eval: Path, monkeypatch) -> None:
+def test_dt_with_nan_predictions_raises_instead_of_acting(pendulum_dt_run: Path, cartpole_dt_run: Path, monkeypatch) -> None:
     """The backstop behind the up-front check: if the model's output is NaN anyway (here: the
     limit switched off), no action comes out of it, continuous or discrete (argmax of NaN)."""
     import torch
@@ -288,7 +267,7 @@ def test_dt_with_nan_predictions_raises_instead_of_acting(dt_cont_run: Path, dt_
     from rl_tformers.runtime.loading import load_run
 
     monkeypatch.setattr(DTPolicy, "target_limit", lambda self: math.inf)
-    for path in (dt_cont_run, dt_run_eval):
+    for path in (pendulum_dt_run, cartpole_dt_run):
         run = load_run(path, torch.device("cpu"))
         with pytest.raises(NonFiniteError, match=r"not finite \(NaN/inf\) for target return 1e\+30 at episode "
                                                  r"step 0 \(env 0;"):

@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 from rl_tformers.runtime.loading import load_run
 from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
-from tests.cli.test_train import _train, _write_h5
+from tests.datafiles import write_d4rl_h5
+from tests.runs import train_dt
 
 K = 4
 
@@ -155,7 +156,7 @@ def test_probe_errors_about_the_run_and_the_data(probe_runs, tmp_path):
     assert r.exit_code == 2 and "error: --t0 17: a window of K=4 steps from step 17 reaches step 20, past the " \
                                 "run's agent.max_ep_len=20" in r.stderr
     # another dataset: 6-dim observations instead of 3
-    wide = _write_h5(tmp_path / "wide.hdf5", obs_dim=6, env_id="Pendulum-v1", discrete=False)
+    wide = write_d4rl_h5(tmp_path / "wide.hdf5", obs_dim=6, env_id="Pendulum-v1", discrete=False)
     r = _probe(tmp / "dt", "--group", "a=0:2", "--dataset", wide)
     assert r.exit_code == 2
     assert r.stderr.startswith(f"error: --dataset {wide}: the dataset does not fit the run: it has observations of "
@@ -179,8 +180,8 @@ def test_probe_names_a_run_that_is_not_a_decision_transformer(probe_runs, kind):
 
 
 def test_probe_refuses_a_discrete_dt_run(tmp_path):
-    h5 = _write_h5(tmp_path / "cp.hdf5")
-    assert _train(f"dataset.path={h5}", "--run-dir", str(tmp_path / "run")).exit_code == 0
+    h5 = write_d4rl_h5(tmp_path / "cp.hdf5")
+    assert train_dt(f"dataset.path={h5}", "--run-dir", str(tmp_path / "run")).exit_code == 0
     r = _probe(tmp_path / "run", "--group", "a=0:2")
     assert r.exit_code == 2
     assert r.stderr.startswith(f"error: {tmp_path / 'run'} is a Decision Transformer with discrete actions; the "
@@ -199,7 +200,7 @@ def test_rtg_probe_function_checks_what_it_is_given(probe_runs):
         rtg_probe(run.agent, ds, {"a": [0]}, t0s=(-1,))
     with pytest.raises(ValueError, match="--rtg nan"):
         rtg_probe(run.agent, ds, {"a": [0]}, rtgs=(float("nan"),))
-    wide = _write_h5(tmp / "wide-fn.hdf5", obs_dim=6, env_id="Pendulum-v1", discrete=False)
+    wide = write_d4rl_h5(tmp / "wide-fn.hdf5", obs_dim=6, env_id="Pendulum-v1", discrete=False)
     with pytest.raises(ValueError, match="the dataset does not fit the run"):
         rtg_probe(run.agent, load_dataset(wide), {"a": [0]})
     with pytest.raises(ValueError, match="is not a Decision Transformer agent"):

@@ -36,11 +36,11 @@ PPO_TINY = ["agent.kind=gtrxl_ppo", "agent.n_envs=2", "agent.n_steps=12", "agent
             "backbone.memory.mem_len=4", f"agent.env_id={SHORT}"]
 
 
-# ------------------------------------------------- 1. PPO: learned positions and the truncation bootstrap
+# ------------------------------------------------- PPO: learned positions and the truncation bootstrap
 def test_ppo_learned_positions_need_a_row_for_the_bootstrapped_final_observation(tmp_path) -> None:
-    """max_position == time limit passed the check and crashed at the first truncation
-    ("position.learned: positions must lie in [0, 10) but got [10, 10]"); now refused up front,
-    naming the option and the size it needs; time limit + 1 rows train."""
+    """max_position == time limit is refused up front, naming the option and the size it needs
+    (it would crash at the first truncation: "position.learned: positions must lie in [0, 10) but
+    got [10, 10]"); time limit + 1 rows train."""
     from rl_tformers.runtime.agent_registry import AgentBuildError
 
     learned = ["backbone.position.kind=learned"]
@@ -51,7 +51,7 @@ def test_ppo_learned_positions_need_a_row_for_the_bootstrapped_final_observation
     assert state.step == 2
 
 
-# ------------------------------------------------- 2. PPO: a scalar Box action space
+# ------------------------------------------------- PPO: a scalar Box action space
 class _ScalarActionEnv(gym.Env):
     """Box(-2, 2, shape=()) actions; refuses any action its space does not contain."""
 
@@ -97,7 +97,7 @@ def test_ppo_with_a_scalar_box_action_evaluates_with_scalar_actions() -> None:
     assert set(report) == {"eval/return_mean", "eval/return_std"} and np.isfinite(report["eval/return_mean"])
 
 
-# ------------------------------------------------- 3. DDP: PPO does not split train.batch_size
+# ------------------------------------------------- DDP: PPO does not split train.batch_size
 def test_ppo_under_any_process_count_is_not_refused_for_the_unused_batch_size() -> None:
     from rl_tformers.runtime.agent_registry import get_agent
     from rl_tformers.runtime.run_config import ConfigError
@@ -114,7 +114,7 @@ def test_ppo_under_any_process_count_is_not_refused_for_the_unused_batch_size() 
     check_world_size(dt, 4)
 
 
-# ------------------------------------------------- 9. DDP: PPO critic warm-up
+# ------------------------------------------------- DDP: PPO critic warm-up
 def test_ppo_critic_warmup_trains_under_two_processes(tmp_path) -> None:
     from rl_tformers.runtime.checkpoint import load_checkpoint
     from tests.runtime.ddp_helpers import read_metrics, train_cli
@@ -138,7 +138,7 @@ def test_ppo_critic_warmup_trains_under_two_processes(tmp_path) -> None:
     assert not torch.equal(end["actor.net.0.weight"], ddp["actor.net.0.weight"])  # then the actor trains
 
 
-# ------------------------------------------------- 1. PPO trains without dropout: the ratio starts at 1
+# ------------------------------------------------- PPO trains without dropout: the ratio starts at 1
 def _ppo_with(dropout: float):
     from omegaconf import OmegaConf
     from rl_tformers.agents.gtrxl.model import gtrxl_backbone
@@ -185,7 +185,7 @@ def test_ppo_with_dropout_configured_recomputes_the_rollout_s_log_probabilities(
         _ppo_with(0.0)
 
 
-# ------------------------------------------------- 2. PPO: learned positions, no time limit
+# ------------------------------------------------- PPO: learned positions, no time limit
 class _EndlessEnv(gym.Env):
     """Episodes that never end (and no TimeLimit: registered without max_episode_steps)."""
 
@@ -227,7 +227,7 @@ def test_ppo_learned_positions_without_a_time_limit_stop_with_a_clear_error_and_
     from rl_tformers.runtime.run_config import ConfigError
 
     run = tmp_path / "endless"
-    with pytest.raises(ConfigError) as err:  # (was a plain ValueError from the position table)
+    with pytest.raises(ConfigError) as err:  # (not a plain ValueError from the position table)
         train(compose(overrides=ENDLESS_PPO), run)
     msg = str(err.value)
     assert type(err.value).__name__ == "EpisodeLengthError"
@@ -519,7 +519,7 @@ def _ppo_two_envs(**agent) -> GTrXLPPO:
     return GTrXLPPO.for_training(cfg, None, torch.device("cpu"))
 
 
-# ------------------------------------------------- 1. Box actions of more than one axis
+# ------------------------------------------------- Box actions of more than one axis
 def test_ppo_and_its_policy_send_box_actions_in_the_environments_shape() -> None:
     """A Box(2, 2) action space got flat (4,) actions from the rollout and the evaluation policy."""
     torch.manual_seed(0)
@@ -534,7 +534,7 @@ def test_ppo_and_its_policy_send_box_actions_in_the_environments_shape() -> None
     assert actions.shape == (3, 2, 2)
 
 
-# ------------------------------------------------- 2. a_{t-1} input: the clamped action, as GTrXLPolicy feeds it
+# ------------------------------------------------- a_{t-1} input: the clamped action, as GTrXLPolicy feeds it
 def test_ppo_previous_action_input_is_the_action_the_environment_took() -> None:
     """The rollout fed the unclamped Gaussian sample (4.5) as a_{t-1} while the environment got
     1.0 and GTrXLPolicy feeds the clamped 1.0: the rollout policy was not the evaluated one."""
@@ -562,7 +562,7 @@ def test_ppo_previous_action_input_is_the_action_the_environment_took() -> None:
         start = term | trunc
 
 
-# ------------------------------------------------- 3. DDP: one set of observation statistics
+# ------------------------------------------------- DDP: one set of observation statistics
 def test_ppo_ranks_keep_the_observation_statistics_of_all_ranks(tmp_path: Path) -> None:
     """Each rank updated its running mean/std with its own rollout only: the ranks normalised
     their inputs differently and only rank 0's statistics reached the checkpoint."""
@@ -593,7 +593,7 @@ def test_ppo_ranks_keep_the_observation_statistics_of_all_ranks(tmp_path: Path) 
         np.testing.assert_array_equal(o["var"], expected.var)
 
 
-# ------------------------------------------------- 4. options that poison or silently change training
+# ------------------------------------------------- options that poison or silently change training
 @pytest.mark.parametrize("option, value, message", [
     ("ent_coef", float("nan"), "agent.ent_coef must be a number >= 0, got nan (float)"),
     ("vf_coef", -1.0, "agent.vf_coef must be a number >= 0, got -1.0"),
@@ -610,17 +610,17 @@ def test_ppo_refuses_bad_loss_and_scale_options(monkeypatch, option, value, mess
     assert str(info.value) == message
 
 
-# ------------------------------------------------- 5. obs_norm=false: raw observations, not clipped to 10
+# ------------------------------------------------- obs_norm=false: raw observations, not clipped to 10
 def test_ppo_without_observation_normalisation_feeds_the_raw_observations() -> None:
     ppo = _ppo_two_envs(env_id="rl_tformers_test/Pixels-v0", obs_norm=False)
     ro = ppo.collector.collect()
-    assert ro["x"][0, 0].tolist() == [0.0, 50.0, 200.0, 255.0]  # was [0, 10, 10, 10]
+    assert ro["x"][0, 0].tolist() == [0.0, 50.0, 200.0, 255.0]  # not [0, 10, 10, 10]
     policy = ppo.policy()
     assert policy.obs_clip is None and policy.obs_mean.tolist() == [0.0] * 4 and policy.obs_std.tolist() == [1.0] * 4
     assert _ppo_two_envs(env_id="rl_tformers_test/Pixels-v0").policy().obs_clip == 10.0  # obs_norm=true still clips
 
 
-# ------------------------------------------------- 6. fine-tuning an offline run whose memory PPO cannot store
+# ------------------------------------------------- fine-tuning an offline run whose memory PPO cannot store
 def test_ppo_fine_tuning_refuses_an_offline_run_without_xl_memory(tmp_path: Path) -> None:
     """An offline run with compressive memory passed and crashed the first rollout ("stack
     expects each tensor to be equal size")."""
@@ -644,7 +644,7 @@ def test_ppo_fine_tuning_refuses_an_offline_run_without_xl_memory(tmp_path: Path
         GTrXLPPO.for_training(cfg, None, "cpu")
 
 
-# ------------------------------------------------- 9. fine-tuning: r_{t-1} in the offline run's units
+# ------------------------------------------------- fine-tuning: r_{t-1} in the offline run's units
 def test_ppo_fine_tuning_feeds_the_previous_reward_in_the_offline_units(tmp_path: Path) -> None:
     """The offline encoder learned r_{t-1} as raw / 10 (the recall data's reward scale); PPO fed
     it raw * agent.reward_scale (10x larger here), off the distribution it was trained on."""

@@ -431,7 +431,7 @@ def _cfg(**agent) -> OmegaConf:
     })
 
 
-# ------------------------------------------------- 1. resume on changed data
+# ------------------------------------------------- resume on changed data
 def test_resume_refuses_a_dataset_that_changed_since_the_checkpoint(tmp_path: Path) -> None:
     """The recall file behind dataset.path was rewritten between two parts of a GTrXL run (other
     episodes, 30 instead of 20): ``--resume`` trained on it with the checkpoint's observation
@@ -473,7 +473,7 @@ def test_load_extra_state_refuses_changed_statistics_and_keeps_the_checkpoints_w
         other.load_extra_state(saved)
 
 
-# ------------------------------------------------- 2. discrete a_{t-1} at an episode start
+# ------------------------------------------------- discrete a_{t-1} at an episode start
 def _start_segment(agent: GTrXLAgent, episode: int):
     """The training segment whose gradient window starts at the first step of ``episode``."""
     ds, info = agent.dataset, agent.info
@@ -500,7 +500,7 @@ def test_discrete_previous_action_is_zeros_at_an_episode_start_in_training_and_a
     seg = _start_segment(agent, 2)
     assert bool(seg.episode_start[0, 0])
     x = enc.inputs(seg.obs, seg.rtg, seg.prev_action, seg.prev_reward)  # (1, T, O + 4 + 1)
-    assert x[0, 0, o:o + 4].tolist() == [0.0, 0.0, 0.0, 0.0]  # was [1, 0, 0, 0]
+    assert x[0, 0, o:o + 4].tolist() == [0.0, 0.0, 0.0, 0.0]  # not [1, 0, 0, 0]
     data_a = agent.dataset.episode(2).actions
     for t in range(1, agent.seq_len):  # later steps: the one-hot of the data's previous action
         assert x[0, t, o:o + 4].tolist() == np.eye(4)[int(data_a[t - 1])].tolist()
@@ -516,7 +516,7 @@ def test_discrete_previous_action_is_zeros_at_an_episode_start_in_training_and_a
         _, state = pol.act(obs, state, np.array([False, True]), np.array([1.0, 1.0]))
     finally:
         hook.remove()
-    assert seen[0][:, 0, o:o + 4].tolist() == [[0.0] * 4, [0.0] * 4]  # both start: zeros (was action 0)
+    assert seen[0][:, 0, o:o + 4].tolist() == [[0.0] * 4, [0.0] * 4]  # both start: zeros (not action 0)
     assert seen[1][0, 0, o:o + 4].tolist() == [1.0, 0.0, 0.0, 0.0]  # after action 0: its one-hot
     assert seen[1][1, 0, o:o + 4].tolist() == [0.0, 0.0, 0.0, 0.0]  # env 1 started again (action 2 forgotten)
 
@@ -537,7 +537,7 @@ def test_models_without_the_field_keep_the_one_hot_of_action_zero() -> None:
     assert agent.model_cfg.prev_action_zero_at_start is True and agent.extra["model"]["prev_action_zero_at_start"]
 
 
-# ------------------------------------------------- 3. burn-in as long as the dataset
+# ------------------------------------------------- burn-in as long as the dataset
 def test_burn_in_that_leaves_no_real_step_in_any_window_is_refused() -> None:
     """2 recall episodes = 68 steps, agent.burn_in=67: the sampler's leading step plus 67 burn-in
     steps reach the end of the data from any first step, so every window was padding and the run
@@ -558,7 +558,7 @@ def test_burn_in_that_leaves_no_real_step_in_any_window_is_refused() -> None:
         GTrXLAgent(_cfg(burn_in=8), None, "cpu", dataset=ds)  # 9 / 68 = 13% of the segments: no warning
 
 
-# ------------------------------------------------- 4. window longer than the training segment
+# ------------------------------------------------- window longer than the training segment
 def test_gtrxl_window_longer_than_the_training_segment_warns() -> None:
     """agent.window=8 with agent.seq_len=4: when acting each step attends to its 7 earlier steps,
     in training to at most 3 (relative distances never trained), silently."""
@@ -788,7 +788,7 @@ def _build(overrides: list[str], tmp_path: Path):
     return build_agent(compose(overrides=overrides), tmp_path / "run", torch.device("cpu"))
 
 
-# -- 1. offline GTrXL trained with bidirectional attention (future steps leak into each action) ----
+# -- offline GTrXL trained with bidirectional attention (future steps leak into each action) ----
 def test_gtrxl_refuses_or_ignores_a_non_causal_backbone(tmp_path, cartpole_h5) -> None:
     from rl_tformers.runtime.agent_registry import AgentBuildError
 
@@ -813,7 +813,7 @@ def test_gtrxl_refuses_or_ignores_a_non_causal_backbone(tmp_path, cartpole_h5) -
     assert leak == 0.0, f"steps 0..3 changed by {leak:.2e} when only step 4's input changed (future leak)"
 
 
-# -- 2. GTrXL's refusal of a non-causal kernel advises the leaking backbone.causal=false -------------
+# -- GTrXL's refusal of a non-causal kernel advises the leaking backbone.causal=false -------------
 def test_gtrxl_refusal_of_a_non_causal_kernel_does_not_advise_causal_false(tmp_path, cartpole_h5) -> None:
     from rl_tformers.runtime.agent_registry import AgentBuildError
 
@@ -851,7 +851,7 @@ def test_gtrxl_asks_ddp_to_find_parameters_that_some_updates_leave_without_gradi
             f"for ddp_find_unused: rl-tformers train --nproc 2 crashes")
 
 
-# -- 5. the hint "rl-tformers backbones lists them" points to a command that lists no fields --------
+# -- the hint "rl-tformers backbones lists them" points to a command that lists no fields --------
 def test_unknown_field_hint_leads_to_the_kinds_that_have_it() -> None:
     with pytest.raises(ConfigError) as info:
         compose(overrides=["agent.kind=dt", "backbone.attention.window=3"])
@@ -867,7 +867,7 @@ def test_unknown_field_hint_leads_to_the_kinds_that_have_it() -> None:
     assert "window" in listed, f"the error sends the user to `rl-tformers backbones`, which lists no fields: {entry}"
 
 
-# -- 6. resume refuses a kind's field set to the value the run already used --------------------------
+# -- resume refuses a kind's field set to the value the run already used --------------------------
 def test_resume_accepts_a_slot_field_given_its_default_value(tmp_path, cartpole_h5) -> None:
     data = cartpole_h5(tmp_path / "cp.h5")
     run = tmp_path / "run"
@@ -882,7 +882,7 @@ def test_resume_accepts_a_slot_field_given_its_default_value(tmp_path, cartpole_
     assert r.exit_code == 0, r.output  # was: "backbone.attention.orthogonal: <unset> -> True" cannot change
 
 
-# -- 7. docs/backbone.md's type-check example uses a field the kind does not have --------------------
+# -- docs/backbone.md's type-check example uses a field the kind does not have --------------------
 def test_backbone_doc_type_check_example_gives_the_message_it_quotes() -> None:
     import re
 

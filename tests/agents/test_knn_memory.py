@@ -194,7 +194,7 @@ def _replay_features(agent: DTAgent, episodes=(0, 1, 2), steps: int = 9) -> list
     return pairs
 
 
-# ------------------------------------- 1. kNN keys on the acting context (agent.eval_context_len)
+# ------------------------------------- kNN keys on the acting context (agent.eval_context_len)
 @pytest.mark.parametrize("align", ["start", "end"])
 def test_knn_keys_are_computed_on_the_acting_context_with_eval_context_len(tmp_path, cartpole_h5, align):
     path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
@@ -204,7 +204,7 @@ def test_knn_keys_are_computed_on_the_acting_context_with_eval_context_len(tmp_p
         torch.testing.assert_close(query, key, atol=1e-5, rtol=1e-5)
 
 
-# ------------------------------------------------- 2. kNN keys with the early-exit threshold in use
+# ------------------------------------------------- kNN keys with the early-exit threshold in use
 def test_knn_keys_are_the_exited_features_when_acting_with_early_exit(tmp_path, cartpole_h5):
     path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
     agent = _agent(path, "backbone.n_layers=2", "backbone.depth={kind: early_exit, confidence: saturation}",
@@ -226,7 +226,7 @@ def test_knn_datastore_built_for_another_threshold_is_refused_not_silently_misma
     agent.policy()
 
 
-# ------------------------------------ 3. early-exit calibration on the acting context
+# ------------------------------------ early-exit calibration on the acting context
 def test_early_exit_calibration_decides_on_the_acting_context(tmp_path, cartpole_h5):
     path = cartpole_h5(tmp_path / "cp.hdf5", n=60)
     agent = _agent(path, "backbone.n_layers=2", "backbone.depth={kind: early_exit, confidence: saturation}",
@@ -245,7 +245,7 @@ def test_early_exit_calibration_decides_on_the_acting_context(tmp_path, cartpole
         assert decide is not None and torch.equal(mask, decide & mask) and bool(mask.any(1).all())
 
 
-# ------------------------------------ 4. plot evaluates the policy eval evaluates
+# ------------------------------------ plot evaluates the policy eval evaluates
 def test_plot_applies_the_runs_early_exit_threshold_and_knn_options_like_eval(tmp_path, cartpole_h5, monkeypatch):
     import rl_tformers.runtime.evaluation as evaluation
 
@@ -271,7 +271,7 @@ def test_plot_applies_the_runs_early_exit_threshold_and_knn_options_like_eval(tm
     assert got == [(0.0, True), (0.0, True)]
 
 
-# ------------------------------------ 5. the datastore API names what is wrong
+# ------------------------------------ the datastore API names what is wrong
 @pytest.mark.parametrize("backend", ["torch", "faiss"])
 def test_knn_datastore_refuses_mismatched_queries_and_actions_by_name(backend):
     from rl_tformers.agents.common.knn_memory import ActionDatastore, KNNPolicyMemory
@@ -306,7 +306,7 @@ def test_knn_datastore_refuses_mismatched_queries_and_actions_by_name(backend):
         ds.search(q, 2)
 
 
-# ------------------------------------ 6. a negative exit-classifier weight is refused
+# ------------------------------------ a negative exit-classifier weight is refused
 def test_early_exit_negative_depth_penalty_is_refused():
     """(lead) depth_penalty is a cost per layer; a negative one rewarded depth."""
     from rl_tformers.depth.early_exit import EarlyExitConfig
@@ -330,7 +330,7 @@ def test_early_exit_negative_classifier_weight_is_refused(tmp_path, cartpole_h5,
     assert EarlyExitConfig(classifier_weight=0.0).classifier_weight == 0.0
 
 
-# ------------------------------------ 7. evaluations during training use the configured policy
+# ------------------------------------ evaluations during training use the configured policy
 def test_training_evaluation_applies_the_early_exit_threshold_and_knn_options(tmp_path, cartpole_h5, monkeypatch):
     import rl_tformers.agents.decision_transformer.agent as dt_agent
 
@@ -353,7 +353,7 @@ def test_training_evaluation_applies_the_early_exit_threshold_and_knn_options(tm
     assert agent.model.training and agent.knn_memory is None and agent.exit_threshold is None
 
 
-# ------------------------------------ 8. exit statistics count only the evaluated decisions
+# ------------------------------------ exit statistics count only the evaluated decisions
 def test_exit_statistics_do_not_depend_on_the_number_of_environments(tmp_path, cartpole_h5):
     from rl_tformers.runtime.evaluation import evaluate
 
@@ -377,7 +377,7 @@ def test_exit_statistics_do_not_depend_on_the_number_of_environments(tmp_path, c
     assert mixed  # some threshold exits some decisions early and not others
 
 
-# ------------------------------------ 9. a missing training dataset is one error line
+# ------------------------------------ a missing training dataset is one error line
 @pytest.mark.parametrize("option", [["--knn-lambda", "0.5"], ["--early-exit", "calibrate"]])
 def test_knn_or_calibration_without_the_training_dataset_is_an_error_line(tmp_path, cartpole_h5, option):
     path = cartpole_h5(tmp_path / "cp.hdf5", n=30)

@@ -574,8 +574,8 @@ def test_orthogonal_random_features_are_isotropic_and_unbiased():
     w = orthogonal_gaussian(dim * blocks, dim, torch.Generator().manual_seed(0))  # (rows, dim)
     first = w[0::dim, 0]  # first coordinate of the first row of every block
     frac_neg = (first < 0).float().mean().item()
-    assert 0.45 < frac_neg < 0.55, frac_neg  # was 1.0
-    assert w.mean(0).abs().max().item() < 0.05  # was ~0.1 per coordinate
+    assert 0.45 < frac_neg < 0.55, frac_neg  # not 1.0
+    assert w.mean(0).abs().max().item() < 0.05  # not ~0.1 per coordinate
     # still exactly orthogonal inside a block
     blk = w[:dim] / w[:dim].norm(dim=1, keepdim=True)
     torch.testing.assert_close(blk @ blk.T, torch.eye(dim), atol=1e-5, rtol=0)
@@ -606,7 +606,7 @@ def test_gated_rfa_padded_key_does_not_decay_the_state():
     with torch.no_grad():
         a, b = mod(x, x, _ctx(valid)).out, mod(x2, x2, _ctx(valid)).out
         ra, rb = mod.reference_forward(x, x, _ctx(valid)).out, mod.reference_forward(x2, x2, _ctx(valid)).out
-    torch.testing.assert_close(b[valid], a[valid], atol=1e-6, rtol=0)  # was off by ~0.2
+    torch.testing.assert_close(b[valid], a[valid], atol=1e-6, rtol=0)  # not off by ~0.2
     torch.testing.assert_close(rb[valid], ra[valid], atol=1e-6, rtol=0)  # the ground truth agrees
 
 
@@ -651,7 +651,7 @@ def test_blockwise_short_sequence_never_maps_a_query_block_to_an_empty_block():
         pos = torch.arange(t)[None]
         ctx = AttnContext(pos_q=pos, pos_k=pos, causal=False)
         pat = mod.pattern(ctx)  # (1, H, T, S)
-        assert bool(pat.any(-1).all()), (t, (~pat.any(-1)).sum(-1))  # was 2 / 3 empty rows on head 1
+        assert bool(pat.any(-1).all()), (t, (~pat.any(-1)).sum(-1))  # not 2 / 3 empty rows on head 1
         x = torch.randn(1, t, D, generator=torch.Generator().manual_seed(6))
         with torch.no_grad():
             torch.testing.assert_close(mod(x, x, ctx).out, mod.reference_forward(x, x, ctx).out, atol=1e-5, rtol=0)
@@ -793,9 +793,9 @@ def test_routing_centroids_under_ddp_follow_the_global_batch_and_agree_on_every_
     ref = torch.load(single / "checkpoints" / "step_000000010.pt", weights_only=True)["model"][CENTROIDS]
     ddp = torch.load(tmp_path / "ddp" / "checkpoints" / "step_000000010.pt", weights_only=True)["model"][CENTROIDS]
     assert torch.equal(ddp, c0)
-    torch.testing.assert_close(ddp, ref, rtol=0, atol=1e-4)  # was 0.06 apart: rank 0's half batch
+    torch.testing.assert_close(ddp, ref, rtol=0, atol=1e-4)  # not 0.06 apart: rank 0's half batch
     for a, b in zip(read_metrics(single), read_metrics(tmp_path / "ddp"), strict=True):
-        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5)  # was 1e-3 apart
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5)  # not 1e-3 apart
 
 
 # ------------------------------------------------- 2: routing EMA statistics in float32 under autocast
@@ -821,7 +821,7 @@ def test_routing_ema_step_is_float32_under_bf16_autocast() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         attn.ema_step(qn, kn, cq, ck, ok, ok)
     assert attn.centroids.dtype == torch.float32
-    assert torch.equal(attn.centroids, fp32)  # was 1.8e-3 off (bf16 einsums)
+    assert torch.equal(attn.centroids, fp32)  # not 1.8e-3 off (bf16 einsums)
 
 
 # ------------------------------------------------- 4: validation names the option

@@ -199,8 +199,8 @@ def test_lsh_memory_of_a_previous_episode_never_changes_the_new_one():
 
 
 def test_routing_topk_refuses_several_episodes_in_a_row():
-    """Old code: top-k clusters are balanced over the whole row, so either episode's tokens
-    changed the other's outputs (up to 1.3); now refused, as linformer and sinkhorn do."""
+    """Top-k clusters are balanced over the whole row, so either episode's tokens would change
+    the other's outputs (up to 1.3): refused, as linformer and sinkhorn do."""
     bb = _backbone(
         attention={
             "kind": "routing",

@@ -83,7 +83,7 @@ def test_every_slot_field_of_the_wrong_type_is_refused_naming_it(slot, kind, fie
         ),
     ],
 )
-def test_wrong_types_that_old_code_accepted_or_crashed_on(cfg, message):
+def test_wrong_types_are_refused_naming_the_field(cfg, message):
     with pytest.raises(RegistryError, match=message):
         Backbone({**BASE, "causal": False, **cfg})
 

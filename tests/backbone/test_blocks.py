@@ -217,7 +217,7 @@ def test_backbone_ffn_chunks_equals_unchunked():
     torch.testing.assert_close(b(x).hidden, a(x).hidden, atol=1e-6, rtol=0)
 
 
-# ------------------------------------------------- 4. reversible: per-layer outputs carry gradients
+# ------------------------------------------------- reversible: per-layer outputs carry gradients
 def test_reversible_hidden_states_backpropagate_as_without_recompute() -> None:
     from rl_tformers import Backbone
 
@@ -248,7 +248,7 @@ def test_reversible_hidden_states_backpropagate_as_without_recompute() -> None:
             torch.testing.assert_close(gp[name], hp[name], atol=1e-10, rtol=0, msg=name)
 
 
-# ------------------------------------------------- 8. reversible: auxiliary attention losses backpropagate
+# ------------------------------------------------- reversible: auxiliary attention losses backpropagate
 @pytest.mark.parametrize("attention", [
     {"kind": "adaptive_span", "max_span": 6, "loss_coef": 0.01},
     {"kind": "adaptive_span", "max_span": 6, "loss_coef": 0.01, "dynamic": True},

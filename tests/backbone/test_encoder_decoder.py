@@ -151,7 +151,7 @@ def test_empty_target_gives_an_empty_output_for_every_decoder_kind(kind):
     assert both.hidden.shape == (2, 0, D) and both.memory.shape == (2, 0, D)
 
 
-# ------------------------------------------------- 5. encoder-decoder: no target left without a source
+# ------------------------------------------------- encoder-decoder: no target left without a source
 @pytest.mark.parametrize("kind", ["local", "local_2d", "strided", "fixed", "sliding_window", "adaptive_span"])
 def test_key_index_patterns_are_refused_as_cross_attention(kind) -> None:
     from rl_tformers.backbone_config import IncompatibleConfig
@@ -182,7 +182,7 @@ def test_every_accepted_cross_attention_kind_lets_every_target_read_the_source()
                 assert reads == s_len, (kind, s_len, t_len, t, reads)  # e.g. local: 0 for the first targets
 
 
-# ------------------------------------------------- 3. Linformer: the cross-attention's max_len
+# ------------------------------------------------- Linformer: the cross-attention's max_len
 def test_linformer_cross_attention_names_its_own_max_len() -> None:
     """A 12-token source over a cross-attention Linformer with max_len=8 said
     "12 keys exceed attention.max_len=8": the encoder-decoder has no such option there."""
@@ -205,7 +205,7 @@ def test_linformer_cross_attention_names_its_own_max_len() -> None:
     model(torch.randn(1, 8, 16), torch.randn(1, 3, 16))  # within both: runs
 
 
-# ------------------------------------------------- 4. blockwise: no cross-attention
+# ------------------------------------------------- blockwise: no cross-attention
 def test_blockwise_is_refused_as_cross_attention() -> None:
     """Accepted before, and source padding changed the real targets' outputs (three trailing pad
     tokens on a 6-token source moved them by 0.46: blocks of ceil(S / n) cut over the padded S).
@@ -225,7 +225,7 @@ def test_blockwise_is_refused_as_cross_attention() -> None:
     assert model(torch.randn(1, 6, 16), torch.randn(1, 9, 16)).hidden.shape == (1, 9, 16)
 
 
-# ------------------------------------------------- 7. encoder-decoder shapes and decoder kinds
+# ------------------------------------------------- encoder-decoder shapes and decoder kinds
 def _encdec() -> EncoderDecoder:
     torch.manual_seed(0)
     return EncoderDecoder({"encoder": {"d_model": 16, "n_layers": 1, "n_heads": 2},

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from rl_tformers.bench import data as bd
 from rl_tformers.cli import app
+from tests.runs import tripwire
 
 
 def test_synthetic_d4rl_file_loads_with_its_episodes(tmp_path):
@@ -43,11 +44,7 @@ def test_samplers_against_their_trainers(tiny_hdf5):
 runner = CliRunner()
 
 
-def _tripwire(*args, **kwargs):
-    raise AssertionError("the expensive part ran before the bad option was refused")
-
-
-# ------------------------------------------------------------- 2. bench data / bench eval options
+# ------------------------------------------------------------- bench data / bench eval options
 @pytest.mark.parametrize("args, option", [
     (["--train-steps", "0"], "--train-steps"), (["--train-steps", "-1"], "--train-steps"),
     (["--batches", "0"], "--batches"), (["--batches", "-1"], "--batches"),
@@ -58,7 +55,7 @@ def _tripwire(*args, **kwargs):
 def test_bench_data_counts_are_checked_before_any_work(monkeypatch, args: list[str], option: str) -> None:
     from rl_tformers.bench import data as bd
 
-    monkeypatch.setattr(bd, "run", _tripwire)
+    monkeypatch.setattr(bd, "run", tripwire)
     r = runner.invoke(app, ["bench", "data", *args])
     assert r.exit_code == 2 and option in r.output, r.output
 
@@ -66,7 +63,7 @@ def test_bench_data_counts_are_checked_before_any_work(monkeypatch, args: list[s
 def test_bench_data_settings_are_checked_in_python_too(monkeypatch) -> None:
     from rl_tformers.bench import data as bd
 
-    monkeypatch.setattr(bd, "build_trainer", _tripwire)
+    monkeypatch.setattr(bd, "build_trainer", tripwire)
     with pytest.raises(ValueError, match=r"^--train-steps must be >= 1, got 0$"):
         bd.run(bd.Settings(train_steps=0))
     with pytest.raises(ValueError, match=r"^--batches must be >= 1, got -1$"):
@@ -76,7 +73,7 @@ def test_bench_data_settings_are_checked_in_python_too(monkeypatch) -> None:
 def test_bench_data_keep_and_out_paths_are_checked_first(tmp_path: Path, monkeypatch) -> None:
     from rl_tformers.bench import data as bd
 
-    monkeypatch.setattr(bd, "run", _tripwire)
+    monkeypatch.setattr(bd, "run", tripwire)
     (tmp_path / "afile").write_text("hi")
     r = runner.invoke(app, ["bench", "data", "--keep", str(tmp_path / "afile")])
     assert r.exit_code == 2 and r.stderr.startswith(f"error: --keep {tmp_path / 'afile'} is a file")

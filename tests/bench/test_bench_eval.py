@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from rl_tformers.bench import eval as be
 from rl_tformers.cli import app
+from tests.runs import tripwire
 
 
 def test_batched_and_sequential_play_the_same_episodes(tiny_hdf5):
@@ -50,10 +51,6 @@ def test_cli_json(tmp_path):
 runner = CliRunner()
 
 
-def _tripwire(*args, **kwargs):
-    raise AssertionError("the expensive part ran before the bad option was refused")
-
-
 @pytest.mark.parametrize("args, message", [
     (["--mem-envs", "0"], "--mem-envs"), (["--mem-envs", "-1"], "--mem-envs"),
     (["--mem-steps", "0"], "--mem-steps"), (["--mem-steps", "-3"], "--mem-steps"),
@@ -68,7 +65,7 @@ def _tripwire(*args, **kwargs):
 def test_bench_eval_options_are_checked_before_any_work(monkeypatch, args: list[str], message: str) -> None:
     from rl_tformers.bench import eval as be
 
-    monkeypatch.setattr(be, "run", _tripwire)
+    monkeypatch.setattr(be, "run", tripwire)
     r = runner.invoke(app, ["bench", "eval", "--skip-rollouts", *args])
     assert r.exit_code == 2 and message in r.output, r.output
 
@@ -76,8 +73,8 @@ def test_bench_eval_options_are_checked_before_any_work(monkeypatch, args: list[
 def test_bench_eval_settings_are_checked_in_python_too(monkeypatch) -> None:
     from rl_tformers.bench import eval as be
 
-    monkeypatch.setattr(be, "load_agent", _tripwire)
-    monkeypatch.setattr(be, "memory_step_cost", _tripwire)
+    monkeypatch.setattr(be, "load_agent", tripwire)
+    monkeypatch.setattr(be, "memory_step_cost", tripwire)
     with pytest.raises(ValueError, match=r"^--max-episode-steps must be >= 1, got 0 \(leave the option out"):
         be.run(be.Settings(max_episode_steps=0))
     with pytest.raises(ValueError, match=r"^--mem-steps must be >= 1, got 0$"):

@@ -18,7 +18,7 @@ from rl_tformers.bench import _peer_crosscheck as worker
 from rl_tformers.bench import crosscheck as cc
 from rl_tformers.bench.data import write_synthetic_d4rl
 from rl_tformers.bench.train import default_peer_python
-from tests.cli.test_train import _write_h5
+from tests.datafiles import write_d4rl_h5
 
 
 def _check_export(ds: EpisodeDataset, path) -> None:
@@ -223,16 +223,16 @@ def test_crosscheck_checks_the_dataset_and_its_environment_up_front(tmp_path, ho
     err = refused(tmp_path / "nope.hdf5")
     assert err.startswith(f"error: --dataset {tmp_path / 'nope.hdf5'}: no such HDF5 file")
     # a CartPole file (no D4RL references): not run in Hopper-v5
-    cartpole = _write_h5(tmp_path / "cp.hdf5", discrete=True)
+    cartpole = write_d4rl_h5(tmp_path / "cp.hdf5", discrete=True)
     assert "discrete actions" in refused(cartpole)
     # a continuous task without D4RL references: named, not an assert
-    pendulum = _write_h5(tmp_path / "pendulum.hdf5", obs_dim=3, env_id="Pendulum-v1", discrete=False)
+    pendulum = write_d4rl_h5(tmp_path / "pendulum.hdf5", obs_dim=3, env_id="Pendulum-v1", discrete=False)
     assert refused(pendulum).startswith(
         f"error: no D4RL reference scores for --dataset {pendulum} or --env Pendulum-v1")
     # --env other than the dataset's
     assert refused(hopper_h5, "--env", "Walker2d-v5").startswith(
         f"error: --env Walker2d-v5, but --dataset {hopper_h5} comes from Hopper-v5")
     # a dataset that names no task: --env is required, and must fit its shapes
-    anon = _write_h5(tmp_path / "data.hdf5", obs_dim=3, env_id=None, discrete=False)
+    anon = write_d4rl_h5(tmp_path / "data.hdf5", obs_dim=3, env_id=None, discrete=False)
     assert "records no environment; name the one it came from with --env" in refused(anon)
     assert "has observations of shape (3,) and actions of shape (1,)" in refused(anon, "--env", "Hopper-v5")

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
-from tests.cli.test_train import _train, _write_h5
+from tests.runs import tripwire
 
 
 def _eval(*args: str):
@@ -22,9 +22,9 @@ def _eval(*args: str):
     ("targets", "why"),
     [("10,10", "items 1 and 2"), ("5,10,1e1", "items 2 and 3: 10 and 1e1 are the same number")],
 )
-def test_eval_refuses_a_target_given_twice(dt_run: Path, no_evaluation, targets, why) -> None:  # noqa: F811
+def test_eval_refuses_a_target_given_twice(tiny_dt_run: Path, no_evaluation, targets, why) -> None:
     """``eval --targets 10,10`` evaluated the same target twice on the same episodes."""
-    res = _eval(str(dt_run), "--targets", targets)
+    res = _eval(str(tiny_dt_run), "--targets", targets)
     assert res.exit_code == 2, res.output
     assert res.output == (f"error: --targets {targets}: the target 10 is given twice ({why}); give each target "
                           f"once: each is evaluated on the same episodes (reset seeds)\n")
@@ -32,20 +32,20 @@ def test_eval_refuses_a_target_given_twice(dt_run: Path, no_evaluation, targets,
 
 
 @pytest.mark.parametrize("out", ["ev.json/", "ev.json/.", "sub/.."])
-def test_eval_refuses_an_out_that_names_a_directory(dt_run: Path, tmp_path: Path, no_evaluation, out) -> None:  # noqa: F811
+def test_eval_refuses_an_out_that_names_a_directory(tiny_dt_run: Path, tmp_path: Path, no_evaluation, out) -> None:
     """``eval --out ev.json/`` wrote a file ``ev.json`` (a Path option drops the trailing '/')."""
     text = f"{tmp_path}/{out}"  # (tmp_path / out would drop the trailing '/' itself)
-    res = _eval(str(dt_run), "--out", text)
+    res = _eval(str(tiny_dt_run), "--out", text)
     assert res.exit_code == 2, res.output
     assert res.output.startswith(f"error: --out {text} names a directory; give a file name, e.g. ")
     assert no_evaluation == [] and not (tmp_path / "ev.json").exists()
-    res = _eval(str(dt_run), "--out", "")
+    res = _eval(str(tiny_dt_run), "--out", "")
     assert res.exit_code == 2 and res.output == "error: --out '' is empty; give a file name, e.g. eval.json\n"
 
 
-def test_eval_out_is_written_where_given(dt_run: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_eval_out_is_written_where_given(tiny_dt_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "new" / "ev.json"
-    res = _eval(str(dt_run), "--out", str(out), "--targets", "10")
+    res = _eval(str(tiny_dt_run), "--out", str(out), "--targets", "10")
     assert res.exit_code == 0, res.output
     assert out.is_file() and '"results"' in out.read_text()
 
@@ -72,37 +72,13 @@ def _strict_loads(text: str):
     return json.loads(text, parse_constant=bad)
 
 
-def _tripwire(*args, **kwargs):
-    raise AssertionError("the expensive part ran before the bad option was refused")
-
-
-@pytest.fixture(scope="module")
-def dt_run_eval(tmp_path_factory) -> Path:
-    """A DT trained for 2 updates on a tiny CartPole file (discrete actions)."""
-    tmp = tmp_path_factory.mktemp("b4dt")
-    h5 = _write_h5(tmp / "cartpole.hdf5")
-    r = _train(f"dataset.path={h5}", "--run-dir", str(tmp / "dt"))
-    assert r.exit_code == 0, r.output
-    return tmp / "dt"
-
-
-@pytest.fixture(scope="module")
-def dt_cont_run(tmp_path_factory) -> Path:
-    """A DT trained for 2 updates on a tiny Pendulum-shaped file (continuous actions)."""
-    tmp = tmp_path_factory.mktemp("b4dtc")
-    h5 = _write_h5(tmp / "pendulum.hdf5", obs_dim=3, env_id="Pendulum-v1", discrete=False)
-    r = _train(f"dataset.path={h5}", "agent.max_ep_len=200", "--run-dir", str(tmp / "dt"))
-    assert r.exit_code == 0, r.output
-    return tmp / "dt"
-
-
-# ------------------------------------------------------------- 1. huge DT targets, NaN, strict JSON
+# ------------------------------------------------------------- huge DT targets, NaN, strict JSON
 @pytest.mark.parametrize("target", ["1e25", "1e30", "4e38", "-1e30"])
-def test_eval_refuses_a_target_beyond_the_rtg_embedding_up_front(dt_run_eval: Path, monkeypatch, target: str) -> None:
+def test_eval_refuses_a_target_beyond_the_rtg_embedding_up_front(cartpole_dt_run: Path, monkeypatch, target: str) -> None:
     from rl_tformers.runtime import evaluation
 
-    monkeypatch.setattr(evaluation, "evaluate", _tripwire)
-    r = runner.invoke(app, ["eval", str(dt_run_eval), "--targets", f"100,{target}", "--episodes", "1", "--envs", "1",
+    monkeypatch.setattr(evaluation, "evaluate", tripwire)
+    r = runner.invoke(app, ["eval", str(cartpole_dt_run), "--targets", f"100,{target}", "--episodes", "1", "--envs", "1",
                             "--json"])
     assert r.exit_code == 2, r.output
     assert r.stderr.startswith(f"error: --targets: {float(target):g} is beyond what this model takes: |target| "
@@ -110,14 +86,14 @@ def test_eval_refuses_a_target_beyond_the_rtg_embedding_up_front(dt_run_eval: Pa
     assert "reward scale" in r.stderr and "NaN" in r.stderr and r.stdout == ""
 
 
-def test_target_limit_is_where_the_float32_embedding_still_holds(dt_cont_run: Path) -> None:
-    """Below the limit every action is finite; far above it (where the old code sent NaN) the
+def test_target_limit_is_where_the_float32_embedding_still_holds(pendulum_dt_run: Path) -> None:
+    """Below the limit every action is finite; far above it (where the embedding gives NaN) the
     policy refuses the target."""
     import torch
 
     from rl_tformers.runtime.loading import load_run
 
-    run = load_run(dt_cont_run, torch.device("cpu"))
+    run = load_run(pendulum_dt_run, torch.device("cpu"))
     pol = run.agent.policy()
     limit = pol.target_limit()
     assert 1e10 < limit < 1e30
@@ -132,26 +108,26 @@ def test_target_limit_is_where_the_float32_embedding_still_holds(dt_cont_run: Pa
         pol.check_targets([10.0, 2 * limit], option="--targets")
 
 
-def test_eval_and_plot_turn_a_non_finite_evaluation_into_an_error(dt_run_eval: Path, tmp_path: Path,
+def test_eval_and_plot_turn_a_non_finite_evaluation_into_an_error(cartpole_dt_run: Path, tmp_path: Path,
                                                                   monkeypatch) -> None:
     from rl_tformers.agents.decision_transformer.policy import DTPolicy
 
     monkeypatch.setattr(DTPolicy, "target_limit", lambda self: math.inf)
-    r = runner.invoke(app, ["eval", str(dt_run_eval), "--targets", "1e30", "--episodes", "1", "--envs", "1", "--json"])
+    r = runner.invoke(app, ["eval", str(cartpole_dt_run), "--targets", "1e30", "--episodes", "1", "--envs", "1", "--json"])
     assert r.exit_code == 2 and r.stdout == "", r.output
     assert r.stderr.startswith("error: Decision Transformer: the model's prediction is not finite (NaN/inf) for "
                                "target return 1e+30")
-    r = runner.invoke(app, ["plot", str(dt_run_eval), "--out", str(tmp_path / "p.png"), "--targets", "10,1e30",
+    r = runner.invoke(app, ["plot", str(cartpole_dt_run), "--out", str(tmp_path / "p.png"), "--targets", "10,1e30",
                             "--episodes", "1", "--envs", "1", "--no-tensorboard"])
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     assert r.exit_code == 2 and "error: Decision Transformer: the model's prediction is not finite" in r.stderr
 
 
-def test_eval_json_is_strict(dt_run_eval: Path, tmp_path: Path) -> None:
+def test_eval_json_is_strict(cartpole_dt_run: Path, tmp_path: Path) -> None:
     from rl_tformers.runtime.evaluation import strict_json
 
     out = tmp_path / "e.json"
-    r = runner.invoke(app, ["eval", str(dt_run_eval), "--targets", "10", "--episodes", "2", "--envs", "1", "--json",
+    r = runner.invoke(app, ["eval", str(cartpole_dt_run), "--targets", "10", "--episodes", "2", "--envs", "1", "--json",
                             "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert _strict_loads(r.stdout)["results"][0]["target_return"] == 10.0
@@ -166,15 +142,15 @@ def test_eval_refuses_a_non_finite_early_exit_threshold(tmp_path: Path) -> None:
     assert r.stderr.startswith("error: --early-exit inf: the threshold must be a finite number")
 
 
-def test_eval_out_is_checked_before_evaluating(dt_run_eval: Path, tmp_path: Path, monkeypatch) -> None:
+def test_eval_out_is_checked_before_evaluating(cartpole_dt_run: Path, tmp_path: Path, monkeypatch) -> None:
     from rl_tformers.runtime import evaluation
 
-    monkeypatch.setattr(evaluation, "evaluate", _tripwire)
-    r = runner.invoke(app, ["eval", str(dt_run_eval), "--targets", "10", "--episodes", "1", "--envs", "1",
+    monkeypatch.setattr(evaluation, "evaluate", tripwire)
+    r = runner.invoke(app, ["eval", str(cartpole_dt_run), "--targets", "10", "--episodes", "1", "--envs", "1",
                             "--out", str(tmp_path)])
     assert r.exit_code == 2 and r.stderr.startswith(f"error: --out {tmp_path} is a directory"), r.output
     (tmp_path / "afile").write_text("hi")
-    r = runner.invoke(app, ["eval", str(dt_run_eval), "--targets", "10", "--out", str(tmp_path / "afile" / "e.json")])
+    r = runner.invoke(app, ["eval", str(cartpole_dt_run), "--targets", "10", "--out", str(tmp_path / "afile" / "e.json")])
     assert r.exit_code == 2 and "afile is a file, not a directory" in r.stderr
 
 

@@ -18,6 +18,8 @@ from rl_tformers.backbone_config import BackboneConfig
 from rl_tformers.cli import app
 from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import train
+from tests.datafiles import write_d4rl_h5
+from tests.runs import TINY_DT, train_dt
 
 runner = CliRunner()
 
@@ -104,7 +106,7 @@ def test_discrete_start_is_subtracted_from_the_training_labels(tmp_path: Path) -
     ("agent.reward_scale=0", "agent.reward_scale must be 'auto' or a number > 0, got 0"),
 ])
 def test_dt_options_are_checked_before_the_dataset_is_read(tmp_path: Path, override: str, expected: str) -> None:
-    r = _train(f"dataset.path={tmp_path / 'not_read_yet.hdf5'}", override, "--run-dir", str(tmp_path / "run"))
+    r = train_dt(f"dataset.path={tmp_path / 'not_read_yet.hdf5'}", override, "--run-dir", str(tmp_path / "run"))
     _clean_exit(r, 2)
     assert f"error: {expected}" in r.output and "not_read_yet" not in r.output
     assert not (tmp_path / "run").exists()
@@ -112,7 +114,7 @@ def test_dt_options_are_checked_before_the_dataset_is_read(tmp_path: Path, overr
 
 # ------------------------------------------------------------------- 3, 4, 5: HDF5 files that are not D4RL arrays
 def _truncated(path: Path) -> Path:
-    data = _write_h5(path.with_name("whole.hdf5")).read_bytes()
+    data = write_d4rl_h5(path.with_name("whole.hdf5")).read_bytes()
     path.write_bytes(data[: len(data) // 2])
     return path
 
@@ -132,7 +134,7 @@ def test_an_unreadable_hdf5_file_is_a_dataset_error(tmp_path: Path, make: str) -
     r = runner.invoke(app, ["dataset", "info", str(path)])
     _clean_exit(r, 1)  # the dataset commands' exit status for a bad dataset
     assert f"error: {path}: not a readable HDF5 file (" in r.output
-    r = _train(f"dataset.path={path}", "--run-dir", str(tmp_path / "run"))
+    r = train_dt(f"dataset.path={path}", "--run-dir", str(tmp_path / "run"))
     _clean_exit(r, 2)
     assert f"error: {path}: not a readable HDF5 file (" in r.output
 
@@ -141,7 +143,7 @@ def test_an_hdf5_group_where_a_dataset_belongs_is_named(tmp_path: Path) -> None:
     from rl_tformers.envs.dataset import DatasetError
     from rl_tformers.envs.loaders import load_dataset
 
-    path = _write_h5(tmp_path / "g.hdf5")
+    path = write_d4rl_h5(tmp_path / "g.hdf5")
     with h5py.File(path, "a") as f:
         obs = f["observations"][()]
         del f["observations"]
@@ -163,7 +165,7 @@ def test_non_numeric_hdf5_arrays_are_named_up_front(tmp_path: Path, key: str, va
     from rl_tformers.envs.dataset import DatasetError
     from rl_tformers.envs.loaders import load_dataset
 
-    path = _write_h5(tmp_path / "bad.hdf5", **{key: values})
+    path = write_d4rl_h5(tmp_path / "bad.hdf5", **{key: values})
     expected = f"{key}: dtype {dtype} is not numeric (integer or floating point) in {path}"
     with pytest.raises(DatasetError) as info:
         load_dataset(path)
@@ -171,7 +173,7 @@ def test_non_numeric_hdf5_arrays_are_named_up_front(tmp_path: Path, key: str, va
     r = runner.invoke(app, ["dataset", "info", str(path)])
     _clean_exit(r, 1)
     assert f"error: {expected}" in r.output
-    r = _train(f"dataset.path={path}", "--run-dir", str(tmp_path / "run"))
+    r = train_dt(f"dataset.path={path}", "--run-dir", str(tmp_path / "run"))
     _clean_exit(r, 2)
     assert f"error: {expected}" in r.output
 
@@ -210,7 +212,7 @@ def test_backbone_d_ff_default_and_dt_embed_dropout() -> None:
     (["agent.kind=dt", "agent.env_kwargs=[1]"], "agent.env_kwargs must be a mapping or null, got [1] (list)"),
 ])
 def test_wrongly_typed_agent_options_are_named(tmp_path: Path, args: list[str], expected: str) -> None:
-    h5 = _write_h5(tmp_path / "ok.hdf5")
+    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
     r = runner.invoke(app, ["train", *args, f"dataset.path={h5}", *SMALL, "--run-dir", str(tmp_path / "run")])
     _clean_exit(r, 2)
     assert f"error: {expected}" in r.output
@@ -240,7 +242,7 @@ def test_dt_window_longer_than_linformer_max_len_is_refused_at_build() -> None:
 ])
 def test_gtrxl_seq_len_and_burn_in_are_named_with_the_typed_value(tmp_path: Path, override: str,
                                                                   expected: str) -> None:
-    h5 = _write_h5(tmp_path / "ok.hdf5")
+    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
     r = runner.invoke(app, ["train", "agent.kind=gtrxl", f"dataset.path={h5}", override, *SMALL,
                             "--run-dir", str(tmp_path / "run")])
     _clean_exit(r, 2)
@@ -249,7 +251,7 @@ def test_gtrxl_seq_len_and_burn_in_are_named_with_the_typed_value(tmp_path: Path
 
 # ------------------------------------------------------------------- 11: export into a directory
 def test_dataset_export_to_a_directory_is_a_clean_error(tmp_path: Path) -> None:
-    h5 = _write_h5(tmp_path / "ok.hdf5")
+    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
     (tmp_path / "out").mkdir()
     r = runner.invoke(app, ["dataset", "export", str(h5), str(tmp_path / "out")])
     _clean_exit(r, 1)
@@ -273,7 +275,7 @@ def test_unknown_dt_head_is_refused_for_discrete_actions_too() -> None:
 
 # ------------------------------------------------------------------- 13: messages
 def test_dataset_info_max_ep_len_must_be_positive(tmp_path: Path) -> None:
-    h5 = _write_h5(tmp_path / "ok.hdf5")
+    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
     r = runner.invoke(app, ["dataset", "info", str(h5), "--max-ep-len", "-5"])
     _clean_exit(r, 2)  # a usage error naming the option
     assert "--max-ep-len" in r.output and "max_ep_len=-5" not in r.output
@@ -293,63 +295,32 @@ def test_all_corrupt_checkpoints_name_each_file_once(tmp_path: Path) -> None:
     assert lines[1].startswith(f"  {bad}: cannot be loaded") and lines[1].count(str(bad)) == 1
 
 
-TINY_DT = ["train.steps=2", "train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1",
-           "agent.context_len=4", "eval.every=0", "eval.at_end=false", "train.progress=false", "--device", "cpu"]
-
-
-def _write_h5(path: Path, *, n: int = 30, obs_dim: int = 4, env_id: str | None = "CartPole-v1",
-              discrete: bool = True, **override) -> Path:
-    """A small D4RL-layout file: episodes of 10 steps (terminal, terminal, timeout)."""
-    rng = np.random.default_rng(0)
-    data = {
-        "observations": (rng.normal(size=(n, obs_dim)) * 0.05).astype(np.float32),
-        "actions": rng.integers(0, 2, n).astype(np.int64) if discrete
-        else rng.uniform(-1, 1, (n, 1)).astype(np.float32),
-        "rewards": np.ones(n, np.float32),
-        "terminals": np.zeros(n, bool),
-        "timeouts": np.zeros(n, bool),
-    }
-    data["terminals"][[9, 19]] = True
-    data["timeouts"][n - 1] = True
-    data.update(override)
-    with h5py.File(path, "w") as f:
-        for k, v in data.items():
-            f.create_dataset(k, data=v)
-        if env_id:
-            f.attrs["env_id"] = env_id
-    return path
-
-
-def _train(*args: str):
-    return runner.invoke(app, ["train", "-c", "dt/cartpole_demo", *args, *TINY_DT])
-
-
 # ------------------------------------------------------------------------------------------ CLI
 def test_train_bad_dataset_is_a_clean_error(tmp_path: Path) -> None:
     obs = (np.random.default_rng(0).normal(size=(30, 4)) * 0.05).astype(np.float32)
     obs[12, 1] = np.nan
-    h5 = _write_h5(tmp_path / "nan.hdf5", observations=obs)
-    r = _train(f"dataset.path={h5}", "--run-dir", str(tmp_path / "run"))
+    h5 = write_d4rl_h5(tmp_path / "nan.hdf5", observations=obs)
+    r = train_dt(f"dataset.path={h5}", "--run-dir", str(tmp_path / "run"))
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     assert r.exit_code == 2
     assert "error: observations: episode 1, step 2" in r.output
 
 
 def test_train_missing_dataset_is_a_clean_error(tmp_path: Path) -> None:
-    r = _train(f"dataset.path={tmp_path / 'nope.hdf5'}", "--run-dir", str(tmp_path / "run"))
+    r = train_dt(f"dataset.path={tmp_path / 'nope.hdf5'}", "--run-dir", str(tmp_path / "run"))
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     assert r.exit_code == 2 and "nope.hdf5" in r.output
 
 
 def test_train_bad_agent_option_is_a_clean_error(tmp_path: Path) -> None:
-    h5 = _write_h5(tmp_path / "ok.hdf5")
-    r = _train(f"dataset.path={h5}", "agent.max_ep_len=5", "--run-dir", str(tmp_path / "run"))
+    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
+    r = train_dt(f"dataset.path={h5}", "agent.max_ep_len=5", "--run-dir", str(tmp_path / "run"))
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     assert r.exit_code == 2 and "agent.max_ep_len" in r.output
 
 
 def test_gtrxl_memoryless_is_a_clean_error(tmp_path: Path) -> None:
-    h5 = _write_h5(tmp_path / "ok.hdf5")
+    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
     r = runner.invoke(app, ["train", "-c", "gtrxl/cartpole_positions_bc", f"dataset.path={h5}",
                             "backbone.memory.kind=none", "train.steps=2", "train.batch_size=4",
                             "backbone.d_model=16", "backbone.n_layers=1", "eval.every=0", "eval.at_end=false",
@@ -405,7 +376,7 @@ def test_eval_failure_mid_run_saves_that_step_and_resumes_exactly(tmp_path: Path
 
 
 def test_unknown_env_id_refused_before_training(tmp_path: Path) -> None:
-    h5 = _write_h5(tmp_path / "ok.hdf5")
+    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
     r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={h5}", "agent.env_id=NoSuchEnv-v9",
                             *[a for a in TINY_DT if not a.startswith("eval.")], "eval.every=0", "eval.at_end=true",
                             "eval.episodes=1", "eval.n_envs=1", "--run-dir", str(tmp_path / "run")])
@@ -414,9 +385,9 @@ def test_unknown_env_id_refused_before_training(tmp_path: Path) -> None:
 
 
 def test_dataset_env_observation_mismatch_is_named(tmp_path: Path) -> None:
-    h5 = _write_h5(tmp_path / "obs3.hdf5", obs_dim=3)  # CartPole observations have 4 entries
+    h5 = write_d4rl_h5(tmp_path / "obs3.hdf5", obs_dim=3)  # CartPole observations have 4 entries
     run = tmp_path / "run"
-    r = _train(f"dataset.path={h5}", "--run-dir", str(run))
+    r = train_dt(f"dataset.path={h5}", "--run-dir", str(run))
     if r.exit_code == 0:  # not refused at train time: eval must refuse
         r = runner.invoke(app, ["eval", str(run), "--episodes", "2", "--envs", "2"])
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
@@ -500,7 +471,7 @@ def test_next_observations_shape_mismatch_is_refused(tmp_path: Path) -> None:
     from rl_tformers.envs.dataset import DatasetError
     from rl_tformers.envs.loaders import load_d4rl_hdf5
 
-    h5 = _write_h5(tmp_path / "next.hdf5", obs_dim=4, next_observations=np.zeros((30, 5), np.float32))
+    h5 = write_d4rl_h5(tmp_path / "next.hdf5", obs_dim=4, next_observations=np.zeros((30, 5), np.float32))
     with pytest.raises(DatasetError) as info:
         load_d4rl_hdf5(h5)
     assert info.value.field in ("next_observations", "final_observations")
@@ -510,7 +481,7 @@ def test_two_dimensional_rewards_blame_rewards(tmp_path: Path) -> None:
     from rl_tformers.envs.dataset import DatasetError
     from rl_tformers.envs.loaders import load_d4rl_hdf5
 
-    h5 = _write_h5(tmp_path / "rew2d.hdf5", rewards=np.ones((30, 2), np.float32))
+    h5 = write_d4rl_h5(tmp_path / "rew2d.hdf5", rewards=np.ones((30, 2), np.float32))
     with pytest.raises(DatasetError) as info:
         load_d4rl_hdf5(h5)
     assert info.value.field == "rewards"
@@ -570,7 +541,7 @@ def performer_run(tmp_path_factory):
     return root / "run", _advice(caught)
 
 
-# -- 1. `eval --json` wrote the counts of `extra` as floats (act_calls 34.0, steps 34.0) -------------
+# -- `eval --json` wrote the counts of `extra` as floats (act_calls 34.0, steps 34.0) -------------
 def test_eval_json_writes_every_count_as_an_integer(performer_run):
     run_dir, _ = performer_run
     r = runner.invoke(app, ["eval", str(run_dir), "--episodes", "3", "--envs", "3", "--json"])
@@ -589,7 +560,7 @@ def test_eval_json_writes_every_count_as_an_integer(performer_run):
                                            x["act_ms_per_step"], x["forward_ms_per_step"]])
 
 
-# -- 2. the Performer attn_dropout advice came again at every eval / plot of the trained run ---------
+# -- the Performer attn_dropout advice came again at every eval / plot of the trained run ---------
 def test_the_attention_dropout_advice_is_given_in_training_not_when_the_run_is_loaded(performer_run):
     from rl_tformers.runtime.agent_registry import build_agent
     from rl_tformers.runtime.loading import load_run
@@ -615,7 +586,7 @@ def test_the_attention_dropout_advice_is_given_in_training_not_when_the_run_is_l
     assert issubclass(ConfigAdviceWarning, UserWarning)
 
 
-# -- 3. `bench eval --mem-lens 1000000000` died in the allocator with a traceback ---------------------
+# -- `bench eval --mem-lens 1000000000` died in the allocator with a traceback ---------------------
 def test_bench_eval_refuses_a_memory_length_that_cannot_fit(monkeypatch):
     from rl_tformers.bench import eval as be
 
@@ -643,7 +614,7 @@ def test_bench_eval_refuses_a_memory_length_that_cannot_fit(monkeypatch):
         "environments in memory, more than the 16.00 GiB of this machine; lower --mem-steps\n")
 
 
-# -- 4. `collect --recipe-steps 5` built a medium-replay set without its random shard -----------------
+# -- `collect --recipe-steps 5` built a medium-replay set without its random shard -----------------
 def test_collect_refuses_recipe_steps_that_leave_a_shard_empty(tmp_path, monkeypatch):
     from rl_tformers.envs import collect as C
     from rl_tformers.envs import recipes as R
@@ -669,7 +640,7 @@ def test_collect_refuses_recipe_steps_that_leave_a_shard_empty(tmp_path, monkeyp
     assert [s.steps for s in R.make_recipe("hopper", "random", steps=6).shards] == [6]
 
 
-# -- 5. `dataset info` did not compare the data with the environment it names ----------------------
+# -- `dataset info` did not compare the data with the environment it names ----------------------
 def _hdf5(path, obs_dim: int, env_id: str = "CartPole-v1"):
     with h5py.File(path, "w") as f:
         f["observations"] = np.zeros((6, obs_dim), np.float32)
@@ -696,7 +667,7 @@ def test_dataset_info_warns_when_the_data_does_not_match_its_environment(tmp_pat
         assert (r.exit_code, r.stderr) == (0, ""), r.output
 
 
-# -- 6. --print-config showed `memory: {kind: compressive}`, not what compressive is built with -------
+# -- --print-config showed `memory: {kind: compressive}`, not what compressive is built with -------
 def test_print_config_shows_each_slot_with_its_kinds_defaults(tmp_path):
     r = runner.invoke(app, ["train", "-c", "gtrxl/recall_bc", "backbone.memory.kind=compressive", "--print-config"])
     assert r.exit_code == 0, r.output

@@ -417,9 +417,9 @@ def test_every_config_with_a_data_memory_file_says_how_to_build_it() -> None:
 
 def _tiny_cartpole_run(tmp_path: Path, *overrides: str):
     """Train a tiny DT on a crafted CartPole file into ``tmp_path/run``; returns (run, CLI output)."""
-    from tests.cli.test_train import _write_h5
+    from tests.datafiles import write_d4rl_h5
 
-    h5 = _write_h5(tmp_path / "cp.hdf5")
+    h5 = write_d4rl_h5(tmp_path / "cp.hdf5")
     run = tmp_path / "run"
     r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={h5}", "train.batch_size=4",
                             "backbone.d_model=16", "backbone.n_layers=1", "agent.context_len=4", "eval.every=0",
@@ -476,9 +476,9 @@ def test_package_warnings_print_as_one_line_without_source(tmp_path: Path) -> No
 
 # ------------------------------------------------------------------- huge agent.targets: before training
 def test_agent_targets_beyond_the_return_embedding_are_refused_before_training(tmp_path: Path) -> None:
-    from tests.cli.test_train import _write_h5
+    from tests.datafiles import write_d4rl_h5
 
-    h5 = _write_h5(tmp_path / "cp.hdf5")
+    h5 = write_d4rl_h5(tmp_path / "cp.hdf5")
     r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={h5}", "train.steps=3",
                             "train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1", "agent.context_len=4",
                             "agent.targets=[20,1e30]", "eval.every=0", "eval.at_end=true", "train.progress=false",

@@ -102,7 +102,7 @@ def _cartpole(root: Path, dataset_id: str, episodes: int, policy=None, overwrite
                    overwrite=overwrite, progress=False)
 
 
-# ----------------------------------------------------- 1. an interrupted --overwrite kept nothing
+# ----------------------------------------------------- an interrupted --overwrite kept nothing
 class _Interrupting:
     """A policy whose third action raises ``error`` (Ctrl-C, or a failure)."""
 
@@ -139,7 +139,7 @@ def test_a_completed_overwrite_replaces_and_leaves_no_backup(tmp_path: Path) -> 
     assert sorted(p.name for p in (tmp_path / "tst").iterdir()) == ["keep-v0", "namespace_metadata.json"]
 
 
-# ----------------------------------------------------- 2. collect values checked by name
+# ----------------------------------------------------- collect values checked by name
 @pytest.mark.parametrize(("args", "says"), [
     (["--env", "Pendulum-v1", "--noise", "-1"], "--noise must be a finite number >= 0"),
     (["--env", "Pendulum-v1", "--noise", "nan"], "--noise must be a finite number >= 0"),
@@ -174,7 +174,7 @@ def test_collect_refuses_bad_values_by_name_before_collecting(tmp_path: Path, mo
     assert not (tmp_path / "data").exists() or not any((tmp_path / "data").rglob("metadata.json"))
 
 
-# ----------------------------------------------------- 3. a policy for another environment
+# ----------------------------------------------------- a policy for another environment
 def _fake_sb3_zip(path: Path, obs_shape: list[int], act_shape: list[int]) -> Path:
     data = {"policy_class": {"__module__": "stable_baselines3.sac.policies"},
             "observation_space": {"shape": obs_shape}, "action_space": {"shape": act_shape}}
@@ -200,7 +200,7 @@ def test_training_an_algorithm_on_an_action_space_it_cannot_use_is_a_value_error
         train_sb3("sac", gym.make("CartPole-v1"), 1)
 
 
-# ----------------------------------------------------- 4. malformed pomdp records
+# ----------------------------------------------------- malformed pomdp records
 def _h5_with_pomdp(path: Path, pomdp) -> Path:
     n = 6
     with h5py.File(path, "w") as f:
@@ -249,7 +249,7 @@ def test_a_malformed_pomdp_record_in_minari_metadata_is_refused(tmp_path: Path) 
            "tst/pomdp-v0" in r.output
 
 
-# ----------------------------------------------------- 5. export below a file
+# ----------------------------------------------------- export below a file
 def test_dataset_export_below_a_file_is_refused_before_loading(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr("rl_tformers.envs.loaders.load_dataset", _tripwire)
     blocker = tmp_path / "f.hdf5"
@@ -258,7 +258,7 @@ def test_dataset_export_below_a_file_is_refused_before_loading(tmp_path: Path, m
     assert r.exit_code == 1 and f"error: OUT {blocker / 'out.hdf5'}: {blocker} is a file, not a directory" in r.output
 
 
-# ----------------------------------------------------- 6. bench attention options
+# ----------------------------------------------------- bench attention options
 TINY = ["--kinds", "sdpa", "--lengths", "8", "--d-model", "8", "--n-heads", "2", "--repeats", "1"]
 
 
@@ -314,7 +314,7 @@ def test_bench_attention_out_and_plot_paths(tmp_path: Path, monkeypatch) -> None
     assert json.loads(out.read_text())["rows"][0]["kind"] == "sdpa" and fig.stat().st_size > 0
 
 
-# ----------------------------------------------------- 7. bench reversible and bench eval
+# ----------------------------------------------------- bench reversible and bench eval
 @pytest.mark.parametrize(("args", "says"), [
     (["--depths", ""], "--depths: give at least one number of layers"),
     (["--depths", "0"], "--depths: every depth must be >= 1, got 0"),

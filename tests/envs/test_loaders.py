@@ -242,7 +242,7 @@ def _cartpole_file(path: Path, *, obs=None, actions=None, env_id: str | None = "
     return path
 
 
-# ------------------------------------------- 1. float64 observations outside float32's range
+# ------------------------------------------- float64 observations outside float32's range
 @pytest.mark.parametrize("agent", [["agent.kind=bc"],
                                    ["-c", "dt/cartpole_demo", "backbone.d_model=16", "backbone.n_layers=1"]],
                          ids=["bc", "dt"])
@@ -260,7 +260,7 @@ def test_observations_beyond_float32_are_refused_by_name_not_trained_into_nan(tm
     assert "observations" in r.stderr and "episode 1, step 7" in r.stderr, r.stderr
 
 
-# ------------------------------------------- 3. negative integer actions: no episode, no step
+# ------------------------------------------- negative integer actions: no episode, no step
 def test_negative_integer_action_error_names_the_episode_and_the_step(tmp_path: Path) -> None:
     """``actions: negative integer action -1; pass action_space explicitly``: no episode, no
     step, ``.episode``/``.step`` None, although docs/data.md promises both for every error."""
@@ -276,7 +276,7 @@ def test_negative_integer_action_error_names_the_episode_and_the_step(tmp_path: 
     assert "episode 1, step 3" in str(info.value)
 
 
-# ------------------------------------------- 4. DT max_ep_len error without the episode
+# ------------------------------------------- DT max_ep_len error without the episode
 def test_dt_max_ep_len_error_names_the_episode(tmp_path: Path) -> None:
     """README: episodes longer than the model's ``max_ep_len`` are refused with an error naming
     the episode (``lengths: episode 2 has 1000 steps, more than the model's max_ep_len=500``);
@@ -288,7 +288,7 @@ def test_dt_max_ep_len_error_names_the_episode(tmp_path: Path) -> None:
     assert "episode 0" in r.stderr, r.stderr
 
 
-# ------------------------------------------- 7. (N, 1) integer actions of a Discrete task
+# ------------------------------------------- (N, 1) integer actions of a Discrete task
 def test_n_by_1_integer_actions_of_a_discrete_env_are_not_called_multi_dimensional(tmp_path: Path) -> None:
     """A CartPole-v1 file (env_id attribute) with actions stored as (N, 1) integers, as rewards
     (N, 1) are accepted, is refused with "integer actions of shape (40, 1) and no action space
@@ -310,7 +310,7 @@ def test_n_by_1_integer_actions_of_a_discrete_env_are_not_called_multi_dimension
         np.testing.assert_array_equal(ds.actions, actions[:, 0])
 
 
-# ------------------------------------------- 4b. GTrXL's learned-position limit without the episode
+# ------------------------------------------- GTrXL's learned-position limit without the episode
 def test_gtrxl_max_position_error_names_the_episode(tmp_path: Path) -> None:
     """The GTrXL equivalent of 4: ``backbone.max_position=10 but the dataset has an episode of 15
     steps`` did not say which episode (here episode 2: lengths 5, 5, 15, 15)."""
@@ -328,7 +328,7 @@ def test_gtrxl_max_position_error_names_the_episode(tmp_path: Path) -> None:
         r.stderr
 
 
-# ------------------------------------------- 7b. (N, 1) Discrete actions read lazily
+# ------------------------------------------- (N, 1) Discrete actions read lazily
 def test_n_by_1_discrete_actions_load_lazily_as_one_action_per_step(tmp_path: Path) -> None:
     """``lazy=True`` gives the same (N,) actions (read into memory: N integers, like rewards)."""
     from rl_tformers.envs.loaders import load_dataset
@@ -339,7 +339,7 @@ def test_n_by_1_discrete_actions_load_lazily_as_one_action_per_step(tmp_path: Pa
     np.testing.assert_array_equal(ds.actions, actions[:, 0])
 
 
-# ------------------------------------------- 1b. actions and final observations beyond float32
+# ------------------------------------------- actions and final observations beyond float32
 def test_float64_actions_and_final_observations_beyond_float32_are_refused_by_name() -> None:
     """The same as 1 for Box actions without bounds (an inferred unbounded float64 Box) and for
     final observations (``next_observations`` at an episode's end)."""
@@ -606,7 +606,7 @@ def test_collect_refuses_bad_arguments_before_collecting_and_without_tracebacks(
     r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--episodes", "0"])
     assert r.exit_code == 2 and "collects nothing" in r.output  # was: exit 0, nothing written, nothing said
     # was: the episodes were collected and the Minari dataset written, then IsADirectoryError; a rerun
-    # was refused as "already exists"
+    # not refused as "already exists"
     r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--episodes", "1", "--hdf5", str(tmp_path)])
     assert r.exit_code == 1 and "is a directory" in r.output
     assert not (root / "rlt").exists()
@@ -628,7 +628,7 @@ def test_train_sb3_leaves_no_sb3_folder_in_the_temp_dir(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("SB3-")] == []  # (torch may add its own)
 
 
-# ------------------------------------------------- 2. dataset info: an episode both terminated and truncated
+# ------------------------------------------------- dataset info: an episode both terminated and truncated
 def test_dataset_info_counts_a_terminal_timeout_step_once_as_a_termination(tmp_path: Path) -> None:
     """A last step flagged both ``terminals`` and ``timeouts`` (a terminal state on the time limit's
     last step) was counted under both terminations and truncations: 3 episodes gave
@@ -651,11 +651,11 @@ def test_dataset_info_counts_a_terminal_timeout_step_once_as_a_termination(tmp_p
     r = runner.invoke(app, ["dataset", "info", str(path), "--json"])
     assert r.exit_code == 0, r.output
     info = json.loads(r.stdout)
-    assert (info["episodes"], info["terminations"], info["truncations"]) == (3, 2, 1)  # was (3, 2, 2)
+    assert (info["episodes"], info["terminations"], info["truncations"]) == (3, 2, 1)  # not (3, 2, 2)
     assert info["terminated_and_truncated"] == 1
 
 
-# ------------------------------------------------- 3. reward scales that break the scaled returns-to-go
+# ------------------------------------------------- reward scales that break the scaled returns-to-go
 TINY_DT = ["train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1", "agent.context_len=4",
            "eval.every=0", "eval.at_end=false", "train.progress=false", "train.warmup_steps=1", "train.steps=1",
            "--device", "cpu"]
@@ -713,7 +713,7 @@ def test_auto_reward_scale_of_returns_below_the_smallest_power_of_ten_names_the_
     assert DatasetInfo.from_dataset(ds, reward_scale=1e-300).reward_scale == 1e-300  # explicit: accepted
 
 
-# ------------------------------------------------- 4. multi-dimensional discrete actions
+# ------------------------------------------------- multi-dimensional discrete actions
 FIXES = ("to train on them, either treat the actions as continuous values with a Box action space of their per-step "
          "shape (an HDF5 file: action_space=gym.spaces.Box(low, high, shape) for load_dataset, or dataset.env_id / "
          "the file's env_id attribute naming an environment whose action space is that Box; evaluation then needs "
@@ -781,7 +781,7 @@ def test_minari_multi_discrete_action_space_is_refused_saying_what_to_do(tmp_pat
         f"and load that; {FIXES}")
 
 
-# ------------------------------------------------- 5. normalised scores of the evaluated task
+# ------------------------------------------------- normalised scores of the evaluated task
 def _mujoco_h5(path: Path, env_id: str, n: int = 20) -> Path:
     """A (17,)-observation, (6,)-action file (Walker2d's and HalfCheetah's shapes) naming ``env_id``."""
     rng = np.random.default_rng(0)

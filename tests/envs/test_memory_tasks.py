@@ -7,7 +7,7 @@ import pytest
 from rl_tformers.envs.memory_tasks import RecallEnv
 
 
-# ------------------------------------------------- 8. memory / POMDP task arguments
+# ------------------------------------------------- memory / POMDP task arguments
 @pytest.mark.parametrize("kwargs, message", [
     ({"delay": 2.0}, "Recall: delay must be an integer, got 2.0 (float)"),
     ({"delay": True}, "Recall: delay must be an integer, got True (bool)"),

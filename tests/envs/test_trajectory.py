@@ -106,7 +106,7 @@ def test_reward_scale_is_power_of_ten_below_largest_return():
     assert reward_scale(make([[0.0]])) == 1.0
 
 
-# ------------------------------------------- 5. exact returns-to-go for non-integer rewards
+# ------------------------------------------- exact returns-to-go for non-integer rewards
 def test_evaluation_rtg_update_reproduces_training_rtg_for_float_rewards() -> None:
     """``next_return_to_go`` was said to reproduce ``returns_to_go`` "exactly (tested)", tested with
     integer rewards only: with rewards [0.1, 0.1, 0.1] the evaluation-time RTG at step 1 is

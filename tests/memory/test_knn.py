@@ -289,7 +289,7 @@ def _knn(**mem) -> Backbone:
     return bb
 
 
-# ------------------------------------------------- 1. same-pass retrieval must stay causal
+# ------------------------------------------------- same-pass retrieval must stay causal
 @pytest.mark.parametrize("positions", [
     [0, 1, 2, 3, 4, 0, 1, 2, 3, 4],  # positions restart (a second episode, no episode_start flag)
     [9, 8, 7, 6, 5, 4, 3, 2, 1, 0],  # positions counting down
@@ -322,7 +322,7 @@ def test_knn_steps_retrieval_never_reads_later_tokens_of_the_pass(positions, sea
     assert max(leaks) < 1e-12, f"earlier outputs changed by up to {max(leaks):.3g} when one later token changed: {leaks}"
 
 
-# ------------------------------------------------- 2. a retrieval window that is empty by construction
+# ------------------------------------------------- a retrieval window that is empty by construction
 @pytest.mark.parametrize(("store_size", "min_age"), [(8, 9), (16, 17), (64, 65)])
 def test_knn_min_age_beyond_the_store_is_refused(store_size: int, min_age: int) -> None:
     """With ``retrieval: steps`` a query reads entries aged in ``[min_age, store_size]``; with

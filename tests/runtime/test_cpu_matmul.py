@@ -259,7 +259,7 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
-def test_1_hessian_and_double_backward_equal_mkl_s() -> None:
+def test_hessian_and_double_backward_equal_mkl_s() -> None:
     ref, lin = _pair()
     v = torch.randn(5)
     with warnings.catch_warnings():
@@ -285,7 +285,7 @@ def test_1_hessian_and_double_backward_equal_mkl_s() -> None:
 
 @pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
 @pytest.mark.parametrize("shape", [(4, 5), (2, 3, 5), (5,)])
-def test_2_in_place_ops_on_the_output_work_as_on_f_linear_s(shape) -> None:
+def test_in_place_ops_on_the_output_work_as_on_f_linear_s(shape) -> None:
     ref, lin = _pair()
     x = torch.randn(*shape)
     out = []
@@ -309,7 +309,7 @@ def test_2_in_place_ops_on_the_output_work_as_on_f_linear_s(shape) -> None:
 @pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
 @pytest.mark.parametrize("make_bias", [lambda: torch.randn(12)[::2], lambda: torch.randn(1).expand(6)],
                          ids=["strided", "expanded"])
-def test_3_a_non_contiguous_bias_gives_f_linear_s_output_and_gradient(make_bias) -> None:
+def test_a_non_contiguous_bias_gives_f_linear_s_output_and_gradient(make_bias) -> None:
     ref, lin = _pair()
     b = make_bias()
     assert not b.is_contiguous()
@@ -324,7 +324,7 @@ def test_3_a_non_contiguous_bias_gives_f_linear_s_output_and_gradient(make_bias)
 
 
 @pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
-def test_4_a_layer_without_output_features_trains_as_nn_linear() -> None:
+def test_a_layer_without_output_features_trains_as_nn_linear() -> None:
     ref, lin = _pair(3, 0)
     for m in (ref, lin):
         x = torch.randn(4, 3, requires_grad=True)
@@ -346,7 +346,7 @@ def _hooked_ffn(library: str, calls: list) -> FeedForward:
 
 
 @pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
-def test_5_hooks_of_the_fused_relu_layer_run_and_see_the_pre_activation_output() -> None:
+def test_hooks_of_the_fused_relu_layer_run_and_see_the_pre_activation_output() -> None:
     x = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(6))
     results = {}
     for library in ("mkl", "onednn"):
@@ -363,7 +363,7 @@ def test_5_hooks_of_the_fused_relu_layer_run_and_see_the_pre_activation_output()
 
 
 @pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
-def test_5_flop_counter_s_per_module_counts_equal_mkl_s() -> None:
+def test_flop_counter_s_per_module_counts_equal_mkl_s() -> None:
     counts = {}
     for library in ("mkl", "onednn"):
         torch.manual_seed(7)
@@ -390,7 +390,7 @@ def test_5_flop_counter_s_per_module_counts_equal_mkl_s() -> None:
 
 
 @pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
-def test_6_torch_func_transforms_give_mkl_s_results() -> None:
+def test_torch_func_transforms_give_mkl_s_results() -> None:
     ref, lin = _pair()
     x = torch.randn(3, 5)
     torch.testing.assert_close(torch.func.vmap(lin)(x), torch.func.vmap(ref)(x), rtol=1e-5, atol=1e-6)
@@ -411,7 +411,7 @@ def test_6_torch_func_transforms_give_mkl_s_results() -> None:
 
 
 @pytest.mark.skipif(not cm.onednn_linear_available(), reason="this PyTorch build has no oneDNN linear op")
-def test_7_registering_the_flop_formula_again_keeps_the_first_and_counts_alike() -> None:
+def test_registering_the_flop_formula_again_keeps_the_first_and_counts_alike() -> None:
     from torch.utils import flop_counter
 
     op = torch.ops.mkldnn._linear_pointwise

@@ -23,7 +23,7 @@ from rl_tformers.runtime import distributed as dist_rt
 from rl_tformers.runtime.checkpoint import list_checkpoints
 from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import MetricWindow, train
-from tests.cli.test_train import _write_h5
+from tests.datafiles import write_d4rl_h5
 from tests.runtime.ddp_helpers import read_metrics, subprocess_env, train_cli, two_ranks
 
 
@@ -247,7 +247,7 @@ def test_a_crash_of_rank_1_is_reported_as_rank_1_without_a_traceback_of_rank_0(t
     assert r.returncode == 1, r.stderr[-3000:]
     assert "rank 1 crashed on purpose" in r.stderr  # its own traceback
     assert "error: rank 1 exited with status 1 (its output is above)" in r.stderr
-    assert "[rank0]: Traceback" not in r.stderr  # was gloo's "Connection closed by peer" traceback
+    assert "[rank0]: Traceback" not in r.stderr  # not gloo's "Connection closed by peer" traceback
     assert "rank 0: stopped: another process of the run failed or was killed" in r.stderr
 
 
@@ -263,7 +263,7 @@ def test_nproc_with_world_size_in_the_environment_is_refused(tmp_path: Path, mon
     assert not run.exists()  # was: one process trained, --nproc ignored
 
 
-# ------------------------------------------------- 7. DDP: more CUDA processes than GPUs
+# ------------------------------------------------- DDP: more CUDA processes than GPUs
 @pytest.mark.parametrize("device", ["cuda", "auto"], ids=["explicit-gpu", "auto-with-a-gpu"])
 def test_nproc_beyond_the_gpu_count_is_refused_before_any_process_starts(tmp_path, monkeypatch, device) -> None:
     from typer.testing import CliRunner
@@ -488,7 +488,7 @@ def test_dt_on_two_processes_equals_one_process_with_the_same_global_batch(tmp_p
     # from the global mean: logged losses 2e-4 apart, weights 4e-3 after 10 updates
     ends = np.zeros(60, bool)
     ends[[2, 7, 9, 15, 18, 26, 29, 37, 44, 47, 53]] = True
-    h5 = _write_h5(tmp_path / "d.hdf5", n=60, terminals=ends)
+    h5 = write_d4rl_h5(tmp_path / "d.hdf5", n=60, terminals=ends)
     args = ["-c", "dt/cartpole_demo", f"dataset.path={h5}", "train.steps=10", "train.batch_size=8",
             "train.log_every=5", "train.warmup_steps=1", "backbone.d_model=16", "backbone.n_layers=1",
             "agent.context_len=4", "agent.embed_dropout=0", "backbone.dropout=0", "backbone.attn_dropout=0",

@@ -13,49 +13,8 @@ from typer.testing import CliRunner
 from rl_tformers.cli import app
 from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import resume, train
-from tests.cli.test_train import _train, _write_h5
 from tests.datafiles import write_cartpole_h5
-
-TINY = [
-    "backbone.d_model=16",
-    "backbone.n_heads=1",
-    "backbone.n_layers=1",
-    "agent.context_len=5",
-    "train.steps=2",
-    "train.batch_size=4",
-    "train.warmup_steps=1",
-    "train.progress=false",
-    "device=cpu",
-    "eval.every=0",
-    "eval.at_end=false",
-    "agent.targets=[10]",
-    "backbone.dropout=0.0",
-]
-
-
-@pytest.fixture(scope="module")
-def dt_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-update Decision Transformer run (module-wide: the plot tests only read it)."""
-    root = tmp_path_factory.mktemp("dt")
-    path = write_cartpole_h5(root / "cp.hdf5")
-    run_dir = root / "run"
-    train(compose("dt/cartpole_demo", [f"dataset.path={path}", *TINY]), run_dir)
-    return run_dir
-
-
-@pytest.fixture
-def no_evaluation(monkeypatch: pytest.MonkeyPatch) -> list:
-    """Make any evaluation fail the test: a refusal must come before anything is evaluated."""
-    import rl_tformers.runtime.evaluation as evaluation
-
-    calls: list = []
-
-    def evaluate(*args, **kwargs):
-        calls.append(args)
-        raise AssertionError("evaluated although the command should have been refused first")
-
-    monkeypatch.setattr(evaluation, "evaluate", evaluate)
-    return calls
+from tests.runs import TINY_DT_OVERRIDES, tripwire
 
 
 def _plot(*args: str):
@@ -70,9 +29,9 @@ def _plot(*args: str):
         ("0,-0", "items 1 and 2: 0 and -0 are the same number"),
     ],
 )
-def test_plot_refuses_a_target_given_twice(dt_run: Path, tmp_path: Path, no_evaluation, targets, why) -> None:
+def test_plot_refuses_a_target_given_twice(tiny_dt_run: Path, tmp_path: Path, no_evaluation, targets, why) -> None:
     out = tmp_path / "fig.png"
-    res = _plot(str(dt_run), "--out", str(out), "--targets", targets)
+    res = _plot(str(tiny_dt_run), "--out", str(out), "--targets", targets)
     value = "100" if "100" in targets else "0"
     assert res.exit_code == 2, res.output
     assert res.output == (
@@ -82,12 +41,12 @@ def test_plot_refuses_a_target_given_twice(dt_run: Path, tmp_path: Path, no_eval
     assert not out.exists() and no_evaluation == []
 
 
-def test_plot_from_json_with_a_target_twice_is_refused(dt_run: Path, tmp_path: Path) -> None:
+def test_plot_from_json_with_a_target_twice_is_refused(tiny_dt_run: Path, tmp_path: Path) -> None:
     saved = tmp_path / "eval.json"
     results = [{"target_return": t, "returns": [float(r)]} for t, r in ((10, 3), (20.0, 4), (10.0, 5))]
     saved.write_text(json.dumps({"results": results, "env_id": "CartPole-v1"}))
     out = tmp_path / "fig.png"
-    res = _plot_from_json(dt_run, out, saved)
+    res = _plot_from_json(tiny_dt_run, out, saved)
     assert res.exit_code == 2, res.output
     assert res.output == (
         f"error: --from-json {saved}: results[0] and results[2] both have target_return 10; a plot has one "
@@ -97,7 +56,7 @@ def test_plot_from_json_with_a_target_twice_is_refused(dt_run: Path, tmp_path: P
     assert not out.exists()
     results[2]["target_return"] = 30  # distinct targets: plotted
     saved.write_text(json.dumps({"results": results, "env_id": "CartPole-v1"}))
-    res = _plot_from_json(dt_run, out, saved)
+    res = _plot_from_json(tiny_dt_run, out, saved)
     assert res.exit_code == 0 and res.output == f"wrote {out}\n", res.output
 
 
@@ -122,13 +81,13 @@ def test_the_default_sweep_never_repeats_a_target() -> None:
 
 @pytest.mark.parametrize("name", ["dir.png/", "dir.png/.", "figs/", "new/.."])
 def test_plot_refuses_an_out_that_names_a_directory(
-    dt_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_evaluation, name: str
+    tiny_dt_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_evaluation, name: str
 ) -> None:
     """A path object drops the trailing '/' (or '/.'): the figure went to a *file* dir.png. An
     --out that names a directory is refused before anything is evaluated, as an existing
     directory is (docs/dt.md), and nothing is created."""
     monkeypatch.chdir(tmp_path)
-    res = _plot(str(dt_run), "--out", name, "--targets", "10")
+    res = _plot(str(tiny_dt_run), "--out", name, "--targets", "10")
     tail = "/" if name.endswith("/") else name.rsplit("/", 1)[-1]
     example = {"dir.png/": "dir.png", "dir.png/.": "dir.png", "figs/": "figs", "new/..": "new/.."}[name]
     assert res.exit_code == 2, res.output
@@ -156,25 +115,25 @@ def test_plot_out_with_a_tilde_is_written_where_its_parents_were_checked(
 
 
 def test_plot_refuses_an_out_name_longer_than_the_file_system_takes(
-    dt_run: Path, tmp_path: Path, no_evaluation
+    tiny_dt_run: Path, tmp_path: Path, no_evaluation
 ):
     """An --out whose name is too long stopped with an OSError traceback (from the directory check)."""
     out = tmp_path / ("x" * 300 + ".png")
-    res = _plot(str(dt_run), "--out", str(out), "--targets", "10")
+    res = _plot(str(tiny_dt_run), "--out", str(out), "--targets", "10")
     assert res.exit_code == 2, res.output
     assert res.output == f"error: --out {out}: cannot be written here (File name too long)\n"
     assert no_evaluation == []
 
 
-def test_plot_n_targets_is_capped(dt_run: Path, tmp_path: Path, no_evaluation) -> None:
+def test_plot_n_targets_is_capped(tiny_dt_run: Path, tmp_path: Path, no_evaluation) -> None:
     """A typo such as --n-targets 6000000 built a list of millions of targets and evaluated them."""
-    res = _plot(str(dt_run), "--out", str(tmp_path / "fig.png"), "--n-targets", "6000000")
+    res = _plot(str(tiny_dt_run), "--out", str(tmp_path / "fig.png"), "--n-targets", "6000000")
     assert res.exit_code == 2 and "--n-targets" in res.output and "1000" in res.output, res.output
     assert not (tmp_path / "fig.png").exists() and no_evaluation == []
 
 
 def test_plot_refuses_to_log_another_runs_checkpoint_to_run_dir(
-    dt_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_evaluation
+    tiny_dt_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_evaluation
 ) -> None:
     """``plot RUN --checkpoint OTHER_RUN/checkpoints/...`` evaluated the other run's model and
     logged its figure into RUN's TensorBoard files, as RUN's own (--from-json refuses another
@@ -182,14 +141,14 @@ def test_plot_refuses_to_log_another_runs_checkpoint_to_run_dir(
     from rl_tformers.runtime.tracking import event_files
 
     other = tmp_path / "other"
-    train(compose("dt/cartpole_demo", [f"dataset.path={write_cartpole_h5(tmp_path / 'cp.hdf5')}", *TINY]), other)
+    train(compose("dt/cartpole_demo", [f"dataset.path={write_cartpole_h5(tmp_path / 'cp.hdf5')}", *TINY_DT_OVERRIDES]), other)
     ckpt = other / "checkpoints" / "step_000000002.pt"
-    before = {p: p.stat().st_size for p in event_files(dt_run)}
+    before = {p: p.stat().st_size for p in event_files(tiny_dt_run)}
     res = CliRunner().invoke(
         app,
         [
             "plot",
-            str(dt_run),
+            str(tiny_dt_run),
             "--out",
             str(tmp_path / "fig.png"),
             "--targets",
@@ -200,36 +159,22 @@ def test_plot_refuses_to_log_another_runs_checkpoint_to_run_dir(
     )
     assert res.exit_code == 2, res.output
     assert res.output == (
-        f"error: --checkpoint {ckpt} is not inside RUN_DIR {dt_run}: the figure is logged to RUN_DIR's "
+        f"error: --checkpoint {ckpt} is not inside RUN_DIR {tiny_dt_run}: the figure is logged to RUN_DIR's "
         f"TensorBoard files; give the run directory that holds the checkpoint, or --no-tensorboard\n"
     )
-    assert {p: p.stat().st_size for p in event_files(dt_run)} == before and no_evaluation == []
+    assert {p: p.stat().st_size for p in event_files(tiny_dt_run)} == before and no_evaluation == []
     assert not (tmp_path / "fig.png").exists()
 
 
 runner = CliRunner()
 
 
-def _tripwire(*args, **kwargs):
-    raise AssertionError("the expensive part ran before the bad option was refused")
-
-
-@pytest.fixture(scope="module")
-def dt_run_eval(tmp_path_factory) -> Path:
-    """A DT trained for 2 updates on a tiny CartPole file (discrete actions)."""
-    tmp = tmp_path_factory.mktemp("b4dt")
-    h5 = _write_h5(tmp / "cartpole.hdf5")
-    r = _train(f"dataset.path={h5}", "--run-dir", str(tmp / "dt"))
-    assert r.exit_code == 0, r.output
-    return tmp / "dt"
-
-
-def test_plot_refuses_a_target_beyond_the_rtg_embedding_up_front(dt_run_eval: Path, tmp_path: Path,
+def test_plot_refuses_a_target_beyond_the_rtg_embedding_up_front(cartpole_dt_run: Path, tmp_path: Path,
                                                                  monkeypatch) -> None:
     from rl_tformers.runtime import evaluation
 
-    monkeypatch.setattr(evaluation, "evaluate", _tripwire)
-    r = runner.invoke(app, ["plot", str(dt_run_eval), "--out", str(tmp_path / "p.png"), "--targets", "10,1e30",
+    monkeypatch.setattr(evaluation, "evaluate", tripwire)
+    r = runner.invoke(app, ["plot", str(cartpole_dt_run), "--out", str(tmp_path / "p.png"), "--targets", "10,1e30",
                             "--episodes", "1", "--envs", "1", "--no-tensorboard"])
     assert r.exit_code == 2 and r.stderr.startswith("error: --targets: 1e+30 is beyond what this model takes")
     assert not (tmp_path / "p.png").exists()
@@ -244,9 +189,9 @@ def test_plot_from_json_with_nan_returns_is_refused(tmp_path: Path) -> None:
     assert "must be finite numbers" in r.stderr
 
 
-# ------------------------------------------------------------- 3. plot / eval --out paths
-def test_plot_out_without_extension_writes_and_prints_the_png(dt_run_eval: Path, tmp_path: Path) -> None:
-    r = runner.invoke(app, ["plot", str(dt_run_eval), "--out", str(tmp_path / "noext"), "--targets", "10,20",
+# ------------------------------------------------------------- plot / eval --out paths
+def test_plot_out_without_extension_writes_and_prints_the_png(cartpole_dt_run: Path, tmp_path: Path) -> None:
+    r = runner.invoke(app, ["plot", str(cartpole_dt_run), "--out", str(tmp_path / "noext"), "--targets", "10,20",
                             "--episodes", "1", "--envs", "1", "--no-tensorboard"])
     assert r.exit_code == 0, r.output
     assert r.stdout.splitlines()[-1] == f"wrote {tmp_path / 'noext.png'}"
@@ -273,7 +218,7 @@ def test_save_figure_returns_the_file_it_wrote(tmp_path: Path) -> None:
 def test_plot_out_is_checked_before_loading_or_evaluating(tmp_path: Path, monkeypatch, make_out, expected) -> None:
     from rl_tformers.runtime import evaluation
 
-    monkeypatch.setattr(evaluation, "evaluate", _tripwire)
+    monkeypatch.setattr(evaluation, "evaluate", tripwire)
     (tmp_path / "afile").write_text("hi")
     out = make_out(tmp_path)
     r = runner.invoke(app, ["plot", str(tmp_path / "no_run"), "--out", str(out), "--targets", "10"])
@@ -324,7 +269,7 @@ def test_plot_from_json_labels_the_saved_evaluation_not_the_runs_newest_checkpoi
     r = runner.invoke(app, ["plot", str(run), "--from-json", str(saved), "--out", str(tmp_path / "f.png"),
                             "--no-tensorboard"])
     assert r.exit_code == 0, r.output
-    assert titles and "step 1" in titles[0], titles  # was "dt on CartPole-v1 (step 2)"
+    assert titles and "step 1" in titles[0], titles  # not "dt on CartPole-v1 (step 2)"
 
 
 def test_plot_from_json_refuses_an_evaluation_of_another_environment(tmp_path: Path, cartpole_h5) -> None:

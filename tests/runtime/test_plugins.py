@@ -24,7 +24,7 @@ from rl_tformers.runtime.agent_registry import AgentBuildError
 from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import train
 from tests.datafiles import write_cartpole_h5
-from tests.runtime.test_plots import TINY
+from tests.runs import TINY_DT_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -108,7 +108,7 @@ def test_compose_imports_the_plugins_before_checking_the_backbone(plugin, monkey
                                                                   tmp_path: Path) -> None:
     name, kind, folder = plugin
     data = write_cartpole_h5(tmp_path / "cp.hdf5")
-    over = [f"dataset.path={data}", *TINY, f"backbone.attention.kind={kind}"]
+    over = [f"dataset.path={data}", *TINY_DT_OVERRIDES, f"backbone.attention.kind={kind}"]
     monkeypatch.chdir(tmp_path)  # the plugin's folder is not where the command runs
     with pytest.raises(ConfigError, match=rf"backbone.attention.kind='{kind}': unknown attention kind .*a kind of "
                                           rf"your own registers when its module is listed in plugins\)$"):
@@ -127,7 +127,7 @@ def test_a_run_with_a_plugin_kind_trains_and_evaluates_in_a_fresh_process(plugin
     data = write_cartpole_h5(tmp_path / "cp.hdf5")
     monkeypatch.chdir(folder)
     run_dir = tmp_path / "run"
-    cfg = compose("dt/cartpole_demo", [f"dataset.path={data}", *TINY, f"backbone.attention.kind={kind}",
+    cfg = compose("dt/cartpole_demo", [f"dataset.path={data}", *TINY_DT_OVERRIDES, f"backbone.attention.kind={kind}",
                                        f"plugins=[{name}]"])
     train(cfg, run_dir)
     assert f"plugins:\n- {name}\n" in (run_dir / "config.yaml").read_text()
@@ -198,7 +198,7 @@ def test_a_run_whose_kind_is_not_registered_here_is_refused_by_name(plugin, tmp_
     data = write_cartpole_h5(tmp_path / "cp.hdf5")
     monkeypatch.chdir(folder)
     run_dir = tmp_path / "run"
-    train(compose("dt/cartpole_demo", [f"dataset.path={data}", *TINY, f"backbone.attention.kind={kind}",
+    train(compose("dt/cartpole_demo", [f"dataset.path={data}", *TINY_DT_OVERRIDES, f"backbone.attention.kind={kind}",
                                        f"plugins=[{name}]"]), run_dir)
     drop_plugins_and_kind(run_dir, name, kind)
     sys.modules.pop(name)
@@ -237,7 +237,7 @@ def clean_registries(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
             sys.modules.pop(name, None)
 
 
-# -- 1. an agent kind taken by a built-in -----------------------------------------------------------------
+# -- an agent kind taken by a built-in -----------------------------------------------------------------
 def test_a_plugin_agent_named_like_a_builtin_one_is_refused_in_a_fresh_process(tmp_path: Path) -> None:
     """In a new process ``compose`` imports the plugins before the agents are discovered: the
     plugin's ``dt`` replaced the Decision Transformer (its module then failed to import, unseen)."""
@@ -277,7 +277,7 @@ def test_a_backbone_kind_taken_by_a_builtin_names_the_plugins_line(clean_registr
     assert REGISTRIES["attention"].get("sdpa").config_cls.__module__ == "rl_tformers.attention.sdpa"
 
 
-# -- 2. a plugin failing halfway --------------------------------------------------------------------------
+# -- a plugin failing halfway --------------------------------------------------------------------------
 HALF = """\
 from dataclasses import dataclass
 
@@ -377,7 +377,7 @@ def test_a_broken_entry_point_is_skipped_with_nothing_of_it_registered(clean_reg
     assert res.exit_code == 0 and kind not in {e["kind"] for e in json.loads(res.stdout)}
 
 
-# -- 3. the current directory on sys.path ----------------------------------------------------------------
+# -- the current directory on sys.path ----------------------------------------------------------------
 def test_the_current_directory_never_shadows_modules_imported_later(clean_registries: Path, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A module installed on sys.path and a file of the same name in the current directory: the
@@ -400,7 +400,7 @@ def test_the_current_directory_never_shadows_modules_imported_later(clean_regist
     assert sys.modules[probe].WHERE == "installed"
 
 
-# -- 4. fine-tuning a run trained with plugins -------------------------------------------------------------
+# -- fine-tuning a run trained with plugins -------------------------------------------------------------
 DENSE = """\
 from dataclasses import dataclass
 
@@ -502,7 +502,7 @@ def test_ppo_fine_tuning_needs_the_plugins_of_the_offline_run(dense_plugin, tmp_
     assert yaml.safe_load((run / "config.yaml").read_text())["plugins"] == [name]
 
 
-# -- 5. train --list-agents and installed plugins ----------------------------------------------------------
+# -- train --list-agents and installed plugins ----------------------------------------------------------
 def test_list_agents_lists_the_agents_of_installed_plugins(clean_registries: Path, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     name = _unique("ep_agent")
@@ -518,7 +518,7 @@ def test_list_agents_lists_the_agents_of_installed_plugins(clean_registries: Pat
     assert f"{name:16s} an installed agent" in res.stdout.splitlines()
 
 
-# -- 6. plugins as a mapping ---------------------------------------------------------------------------------
+# -- plugins as a mapping ---------------------------------------------------------------------------------
 def test_plugins_given_as_a_mapping_is_refused() -> None:
     with pytest.raises(ConfigError) as err:
         compose("toy", ["plugins={a: 1}"])

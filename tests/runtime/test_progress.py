@@ -13,7 +13,7 @@ from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
 
 
-# ---------------------------------------------------------------------- 2. progress without a tty
+# ---------------------------------------------------------------------- progress without a tty
 def test_train_progress_without_a_terminal_is_plain_lines(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """stderr is not a terminal under pytest's capture, as in ``nohup rl-tformers train > log``.

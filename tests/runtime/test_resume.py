@@ -320,7 +320,7 @@ def test_plot_from_json_with_an_out_of_range_step_is_a_clean_error_not_a_traceba
 
 
 #: evaluations every 2 updates, checkpoints every 4: step 4 is both, step 6 an evaluation step only
-TOY_RESUME11 = ["agent.kind=toy", "device=cpu", "train.progress=false", "train.steps=12", "train.batch_size=4",
+TOY_12_STEPS = ["agent.kind=toy", "device=cpu", "train.progress=false", "train.steps=12", "train.batch_size=4",
        "train.warmup_steps=2", "train.log_every=2", "train.checkpoint_every=4", "train.keep_last=10",
        "backbone.d_model=16", "backbone.n_layers=1", "backbone.dropout=0.1", "eval.every=2", "eval.at_end=true"]
 
@@ -342,7 +342,7 @@ def _final(run: Path) -> dict:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("straight") / "run"
-    train(compose(None, TOY_RESUME11), run)
+    train(compose(None, TOY_12_STEPS), run)
     return run
 
 
@@ -362,7 +362,7 @@ def test_a_mid_run_evaluation_that_failed_is_logged_by_the_resume(straight: Path
 
     monkeypatch.setattr(toy.ToyAgent, "evaluate", broken)
     with pytest.raises(RuntimeError, match="evaluation environment broke"):
-        train(compose(None, TOY_RESUME11), tmp_path / "run")
+        train(compose(None, TOY_12_STEPS), tmp_path / "run")
     monkeypatch.setattr(toy.ToyAgent, "evaluate", real)
     result = resume(tmp_path / "run")
     assert result.complete
@@ -376,7 +376,7 @@ def test_a_mid_run_evaluation_aborted_by_a_second_signal_is_logged_by_the_resume
     """A second Ctrl-C during the evaluation of a checkpoint step (4) aborts it; the resume
     continues from that checkpoint and must run the evaluation it cut short."""
     run = tmp_path / "run"
-    trainer = Trainer(compose(None, TOY_RESUME11), run)
+    trainer = Trainer(compose(None, TOY_12_STEPS), run)
     real = trainer.agent.evaluate
 
     def evaluate_with_two_ctrl_c(step: int):
@@ -397,12 +397,12 @@ def test_a_mid_run_evaluation_aborted_by_a_second_signal_is_logged_by_the_resume
 def test_a_run_stopped_at_an_evaluation_step_is_not_evaluated_twice(straight: Path, tmp_path: Path) -> None:
     """Control: --stop-at an evaluation step evaluates before stopping; the resume does not repeat it."""
     run = tmp_path / "run"
-    train(compose(None, TOY_RESUME11), run, stop_at=4)
+    train(compose(None, TOY_12_STEPS), run, stop_at=4)
     resume(run)
     assert _rows(run) == _rows(straight)
 
 
-TINY_DT_RESUME10 = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=1", "train.batch_size=4",
+TINY_DT_DEFAULT_WARMUP = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=1", "train.batch_size=4",
            "train.progress=false", "eval.at_end=false", "device=cpu"]
 
 
@@ -413,7 +413,7 @@ def test_a_refused_resume_does_not_first_warn_that_the_schedule_is_re_stretched(
     warning about a run that never continues. The warning now follows the data and agent checks."""
     data = cartpole_h5(tmp_path / "cp.hdf5", seed=0)
     cfg = ["train.schedule=warmup_cosine", "train.warmup_steps=1", "train.steps=4", "train.lr=1e-2"]
-    train(compose("dt/cartpole_demo", [f"dataset.path={data}", *TINY_DT_RESUME10, *cfg]), tmp_path / "run")
+    train(compose("dt/cartpole_demo", [f"dataset.path={data}", *TINY_DT_DEFAULT_WARMUP, *cfg]), tmp_path / "run")
     cartpole_h5(data, seed=1)  # other episodes at the same path
     with caplog.at_level(logging.INFO), pytest.raises(Exception, match="dataset|data"):
         resume(tmp_path / "run", ["train.steps=40"])

@@ -31,7 +31,8 @@ from rl_tformers.runtime.evaluation import TargetResult, evaluate, make_env_fact
 from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.runlock import hold_run, lock_holder
 from rl_tformers.runtime.trainer import RunDirError, resume, train
-from tests.cli.test_train import TINY_DT, _train, _write_h5
+from tests.datafiles import write_d4rl_h5
+from tests.runs import TINY_DT, train_dt
 
 
 def test_grid_and_seed_parsing() -> None:
@@ -169,7 +170,7 @@ def test_a_real_local_ray_sweep_gives_the_local_launcher_s_results(tmp_path: Pat
     assert got["ray"] == got["local"]
 
 
-# ------------------------------------------------- 6. sweep: a diverged run's final NaN is not hidden
+# ------------------------------------------------- sweep: a diverged run's final NaN is not hidden
 def test_sweep_results_report_a_final_non_finite_value_not_an_earlier_finite_one(tmp_path) -> None:
     import json
     import math
@@ -189,7 +190,7 @@ def test_sweep_results_report_a_final_non_finite_value_not_an_earlier_finite_one
     res = write_results(tmp_path / "sw", runs, {r.name: RunOutcome("ok", 0) for r in runs}, warn=warned.append)
     assert math.isnan(res.rows[0]["eval/return"]) and math.isnan(res.rows[0]["train/loss"])  # were 10.0 and 0.5
     (point,) = res.summary
-    assert (point["n"], point["of"], point["mean"], point["std"]) == (1, 2, 20.0, None)  # was n=2, mean 15.0
+    assert (point["n"], point["of"], point["mean"], point["std"]) == (1, 2, 20.0, None)  # not n=2, mean 15.0
     saved = json.loads((tmp_path / "sw" / "results.json").read_text())  # strict JSON: NaN as null
     assert saved["runs"][0]["eval/return"] is None and saved["runs"][1]["eval/return"] == 20.0
     assert "| lr=1e-3/seed0 | 0 | ok | 10 | 0 | nan | nan |" in (tmp_path / "sw" / "results.md").read_text()
@@ -201,7 +202,7 @@ def test_sweep_results_report_a_final_non_finite_value_not_an_earlier_finite_one
                       "logged it (diverged?); no summary values and no plot"]
 
 
-# ------------------------------------------------- 5. sweep: a run's seconds over all its parts
+# ------------------------------------------------- sweep: a run's seconds over all its parts
 def test_sweep_seconds_are_the_total_over_a_run_s_parts(tmp_path) -> None:
     """A run resumed by a second sweep reported only the second part's wall time (a skipped run
     0). Each part's time now goes to ``logs/<run>.parts.jsonl`` and the row sums them; a run that
@@ -215,11 +216,11 @@ def test_sweep_seconds_are_the_total_over_a_run_s_parts(tmp_path) -> None:
     first = sw.run_local([(run, sleep)], jobs=1, threads=1, log_dir=logs, echo=lambda m: None)[run.name]
     second = sw.run_local([(run, sleep)], jobs=1, threads=1, log_dir=logs, echo=lambda m: None)[run.name]
     res = sw.write_results(out, [run], {run.name: second}, warn=lambda m: None)
-    assert res.rows[0]["seconds"] == round(first.seconds + second.seconds, 2)  # was round(second.seconds, 2)
+    assert res.rows[0]["seconds"] == round(first.seconds + second.seconds, 2)  # not round(second.seconds, 2)
     assert res.rows[0]["seconds"] >= 0.6
     assert sw.part_seconds(logs / "base_seed0.log") == [first.seconds, second.seconds]
     skipped = sw.write_results(out, [run], {run.name: sw.RunOutcome("skipped", 0)}, warn=lambda m: None)
-    assert skipped.rows[0]["seconds"] == res.rows[0]["seconds"]  # was 0.0
+    assert skipped.rows[0]["seconds"] == res.rows[0]["seconds"]  # not 0.0
     # the run directory does not exist (the stand-ins made none): the sweep trains it anew, from 0 s
     common = ["agent.kind=toy", "train.steps=2", "train.log_every=1", "eval.at_end=false"]
     real = sw.sweep(None, {}, [0], out, common, device="cpu", echo=lambda m: None)
@@ -227,7 +228,7 @@ def test_sweep_seconds_are_the_total_over_a_run_s_parts(tmp_path) -> None:
     assert real.rows[0]["status"] == "ok" and real.rows[0]["seconds"] == round(part, 2)
 
 
-# ------------------------------------------- 6. --grid with a quoted value holding a comma
+# ------------------------------------------- --grid with a quoted value holding a comma
 def test_grid_keeps_a_quoted_value_with_a_comma_whole() -> None:
     """Grid values are YAML; a quoted string is one value, yet ``--grid
     dataset.path='a,b.hdf5',c.hdf5`` gives three values ``'a``, ``b.hdf5'`` and ``c.hdf5``
@@ -239,7 +240,7 @@ def test_grid_keeps_a_quoted_value_with_a_comma_whole() -> None:
     assert parse_grid(['dataset.path="a,b.hdf5",c.hdf5']) == {"dataset.path": ['"a,b.hdf5"', "c.hdf5"]}
 
 
-# ------------------------------------------- 8. a sweep rerun cannot retry a run that failed early
+# ------------------------------------------- a sweep rerun cannot retry a run that failed early
 def test_sweep_rerun_retries_a_run_that_failed_before_its_first_checkpoint(tmp_path: Path) -> None:
     """A run that fails before its first checkpoint (here: it diverges at update 2) leaves
     config.yaml and metrics.jsonl in its directory. Running the same sweep again takes it for
@@ -263,7 +264,7 @@ def test_sweep_rerun_retries_a_run_that_failed_before_its_first_checkpoint(tmp_p
     assert "non-finite" in log, log
 
 
-# ------------------------------------------- 6b. --grid with an unbalanced bracket or quote
+# ------------------------------------------- --grid with an unbalanced bracket or quote
 @pytest.mark.parametrize("item, what", [("train.betas=[0.9,0.95", "unclosed '['"),
                                         ("dataset.path='a,b.hdf5,c.hdf5", "unclosed ' quote"),
                                         ("train.betas=0.9]", "']' closes no bracket")])
@@ -496,12 +497,12 @@ def _tripwire(*args, **kwargs):
 def dt_run(tmp_path_factory) -> Path:
     """A DT trained for 2 updates on a tiny CartPole file."""
     tmp = tmp_path_factory.mktemp("b6dt")
-    r = _train(f"dataset.path={_write_h5(tmp / 'cartpole.hdf5')}", "--run-dir", str(tmp / "dt"))
+    r = train_dt(f"dataset.path={write_d4rl_h5(tmp / 'cartpole.hdf5')}", "--run-dir", str(tmp / "dt"))
     assert r.exit_code == 0, r.output
     return tmp / "dt"
 
 
-# ------------------------------------------------ 1. the summary averaged runs that did not finish
+# ------------------------------------------------ the summary averaged runs that did not finish
 def test_sweep_summary_counts_only_completed_runs(tmp_path: Path) -> None:
     runs = sw.expand({"train.lr": ["1e-3"]}, [0, 1, 2, 3], tmp_path)
     values = [1.0, 2.0, 50.0, 70.0]  # seeds 2 and 3: intermediate evaluations of unfinished runs
@@ -526,7 +527,7 @@ def test_sweep_summary_counts_only_completed_runs(tmp_path: Path) -> None:
     assert not (tmp_path / "results.png").exists()
 
 
-# ------------------------------------------- 2. two spellings of one value trained the same config
+# ------------------------------------------- two spellings of one value trained the same config
 @pytest.mark.parametrize("grid", [{"train.lr": ["1e-3", "0.001"]}, {"backbone.n_layers": ["1", "+1"]}])
 def test_sweep_refuses_grid_values_with_the_same_config(tmp_path: Path, grid: dict) -> None:
     a, b = (f"{k}={v}" for k in grid for v in grid[k])
@@ -535,7 +536,7 @@ def test_sweep_refuses_grid_values_with_the_same_config(tmp_path: Path, grid: di
     assert not (tmp_path / "s").exists()
 
 
-# --------------------------------------------- 3. overrides the sweep replaced without a word
+# --------------------------------------------- overrides the sweep replaced without a word
 @pytest.mark.parametrize(("grid", "override", "says"), [
     ({}, "seed=5", "override 'seed=5': the sweep sets each run's seed from --seeds"),
     ({}, "run_dir=elsewhere", "override 'run_dir=elsewhere': the sweep puts each run in OUT/<point>/seed<k>"),
@@ -552,7 +553,7 @@ def test_sweep_refuses_an_override_each_run_would_replace(tmp_path: Path, grid: 
     assert not (tmp_path / "s").exists()
 
 
-# ----------------------------------------------------- 4. two sweeps trained in one folder at once
+# ----------------------------------------------------- two sweeps trained in one folder at once
 def test_a_second_sweep_in_the_same_folder_is_refused(tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "s"
     monkeypatch.setattr(sw, "run_local", _tripwire)
@@ -567,7 +568,7 @@ def test_a_second_sweep_in_the_same_folder_is_refused(tmp_path: Path, monkeypatc
     assert [r["status"] for r in res.rows] == ["ok"] and (out / "results.csv").is_file()
 
 
-# ------------------------------------------------------------- 5. reset seeds beyond torch's range
+# ------------------------------------------------------------- reset seeds beyond torch's range
 class _OneStepEnv(gym.Env):
     observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
     action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
@@ -601,7 +602,7 @@ def test_eval_seed_range_is_checked_and_large_seeds_work(tmp_path: Path) -> None
         assert r.exit_code == 2 and "--seed" in r.output and "18446744073709551615" in r.output, r.output
 
 
-# ------------------------------------------------- 6. an evaluation environment that cannot be built
+# ------------------------------------------------- an evaluation environment that cannot be built
 def test_an_environment_that_cannot_be_built_is_a_clean_error(dt_run: Path, tmp_path: Path) -> None:
     from rl_tformers.runtime.checkpoint import content_digest
 
@@ -622,7 +623,7 @@ def test_an_environment_that_cannot_be_built_is_a_clean_error(dt_run: Path, tmp_
         assert "error: evaluate: cannot build the evaluation environment 'Nope-v0' here" in r.output, r.output
 
 
-# ------------------------------------------------------------- 7. --from-json with odd per-episode data
+# ------------------------------------------------------------- --from-json with odd per-episode data
 @pytest.mark.parametrize(("result", "says"), [
     ({"target_return": 10, "returns": []}, "returns is empty"),
     ({"target_return": 10, "returns": [1, 2], "rewards": "ab"}, "rewards must be 2 lists (one per return), got str"),
@@ -654,7 +655,7 @@ def test_from_dict_reads_back_what_eval_writes() -> None:
     assert (back.returns, back.lengths, back.seeds, back.rewards) == (res.returns, [3, 1], [0, 1], rewards)
 
 
-# ------------------------------------- 8. plot --checkpoint with a RUN_DIR that is not a directory
+# ------------------------------------- plot --checkpoint with a RUN_DIR that is not a directory
 @pytest.mark.parametrize("make", ["missing", "file"])
 def test_plot_checkpoint_with_a_run_dir_that_is_not_a_directory(tmp_path: Path, monkeypatch, make: str) -> None:
     from rl_tformers.runtime import loading
@@ -671,7 +672,7 @@ def test_plot_checkpoint_with_a_run_dir_that_is_not_a_directory(tmp_path: Path, 
     assert run_dir.exists() == (make == "file") and not (tmp_path / "p.png").exists()
 
 
-# ------------------------------------------- 9. plot --from-json ignored the evaluation options given
+# ------------------------------------------- plot --from-json ignored the evaluation options given
 @pytest.mark.parametrize(("extra", "names"), [(["--targets", "5", "--episodes", "3"], "--targets, --episodes"),
                                               (["--seed", "0"], "--seed"), (["--n-targets", "4", "--envs", "2"],
                                                                             "--n-targets, --envs")])
@@ -742,7 +743,7 @@ def _flat(text: str) -> str:
     return " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())
 
 
-# ------------------------------------------------------------------ 1. bad grid points, all at once
+# ------------------------------------------------------------------ bad grid points, all at once
 def test_sweep_names_every_bad_grid_point_before_any_run_starts(tmp_path: Path) -> None:
     """The user's grid: a kernel without a causal form (refused by the backbone check when the
     config is composed) and ``backbone.causal=false`` under the DT's causal mode (refused by the
@@ -813,11 +814,11 @@ def test_warnings_of_building_the_agents_reach_the_sweep_console() -> None:
         ("gtrxl_ppo trains without dropout", ["backbone.dropout=0.1"])]
 
 
-# ------------------------------------------------------------------------- 3. run folder names
+# ------------------------------------------------------------------------- run folder names
 def test_run_folders_name_keys_by_their_shortest_distinct_suffix_and_old_sweeps_resume(tmp_path: Path) -> None:
     names = [r.name for r in sw.expand({"backbone.attention.kind": ["sdpa"], "backbone.position.kind": ["none"]},
                                        [0], tmp_path)]
-    assert names == ["attention.kind=sdpa__position.kind=none/seed0"]  # was backbone.attention.kind=...
+    assert names == ["attention.kind=sdpa__position.kind=none/seed0"]  # not backbone.attention.kind=...
     assert [r.name for r in sw.expand({"backbone.attention.kind": ["sdpa"]}, [0], tmp_path)] == ["kind=sdpa/seed0"]
     assert sw.short_keys(["x.a.kind", "y.a.kind", "train.lr"]) == {"x.a.kind": "x.a.kind", "y.a.kind": "y.a.kind",
                                                                    "train.lr": "lr"}
@@ -838,7 +839,7 @@ def test_run_folders_name_keys_by_their_shortest_distinct_suffix_and_old_sweeps_
     assert f"skipped {old}/seed0 (complete)" in messages
 
 
-# ------------------------------------------------------------------------------- 4. --seed range
+# ------------------------------------------------------------------------------- --seed range
 def test_seed_range_is_readable_in_help_and_errors(tmp_path: Path) -> None:
     from rl_tformers.cli import readable_int
 
@@ -887,7 +888,7 @@ def test_sweep_precheck_builds_only_points_with_a_run_to_start(tmp_path: Path, m
     assert sw.run_state(run_dir / "seed0") == "complete"
 
 
-TOY_SWEEP2 = ["agent.kind=toy", "train.steps=4", "train.batch_size=4", "backbone.n_layers=1", "train.log_every=2",
+TOY_4_STEPS = ["agent.kind=toy", "train.steps=4", "train.batch_size=4", "backbone.n_layers=1", "train.log_every=2",
        "train.checkpoint_every=0", "train.warmup_steps=1", "eval.every=0"]
 
 
@@ -900,12 +901,12 @@ def _train_as_sweep_would(run: sw.SweepRun) -> None:
 def test_sweep_rerun_with_another_config_is_refused_naming_run_and_keys(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     grid = {"backbone.n_layers": ["1"]}
-    run = sw.expand(grid, [0], out, [*TOY_SWEEP2, "eval.at_end=false"])[0]
+    run = sw.expand(grid, [0], out, [*TOY_4_STEPS, "eval.at_end=false"])[0]
     _train_as_sweep_would(run)
-    res = sw.sweep(None, grid, [0], out, [*TOY_SWEEP2, "eval.at_end=false"], device="cpu", echo=lambda m: None)
+    res = sw.sweep(None, grid, [0], out, [*TOY_4_STEPS, "eval.at_end=false"], device="cpu", echo=lambda m: None)
     assert [r["status"] for r in res.rows] == ["skipped"]  # the same config: complete, skipped
     with pytest.raises(sw.SweepError) as info:
-        sw.sweep(None, grid, [0], out, [*TOY_SWEEP2, "eval.at_end=false", "train.steps=6"], device="cpu",
+        sw.sweep(None, grid, [0], out, [*TOY_4_STEPS, "eval.at_end=false", "train.steps=6"], device="cpu",
                  echo=lambda m: None)
     msg = str(info.value)
     assert f"{run.run_dir} holds a complete run with another config" in msg
@@ -914,11 +915,11 @@ def test_sweep_rerun_with_another_config_is_refused_naming_run_and_keys(tmp_path
 
 def test_sweep_resumes_an_unfinished_run_only_with_its_own_config(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
-    run = sw.expand({}, [0], out, [*TOY_SWEEP2, "eval.at_end=false", "train.steps=8"])[0]
+    run = sw.expand({}, [0], out, [*TOY_4_STEPS, "eval.at_end=false", "train.steps=8"])[0]
     train(compose(None, [*run.overrides, "device=cpu", "train.progress=false"]), run.run_dir, stop_at=4)
     assert sw.run_state(run.run_dir) == "partial"
     with pytest.raises(sw.SweepError, match=r"holds a partial run with another config:\n    train.lr: "):
-        sw.sweep(None, {}, [0], out, [*TOY_SWEEP2, "eval.at_end=false", "train.steps=8", "train.lr=0.01"], device="cpu",
+        sw.sweep(None, {}, [0], out, [*TOY_4_STEPS, "eval.at_end=false", "train.steps=8", "train.lr=0.01"], device="cpu",
                  echo=lambda m: None)
     assert sw.train_command(run, None, "partial", "cpu")[4:] == [
         "--resume", str(run.run_dir), "device=cpu", "train.progress=false"]
@@ -928,7 +929,7 @@ def test_sweep_run_without_its_final_evaluation_is_not_complete(tmp_path: Path, 
     from rl_tformers.runtime import toy
 
     out = tmp_path / "sweep"
-    run = sw.expand({}, [0], out, [*TOY_SWEEP2, "eval.at_end=true"])[0]
+    run = sw.expand({}, [0], out, [*TOY_4_STEPS, "eval.at_end=true"])[0]
 
     def boom(self, step):
         raise RuntimeError("evaluation environment broke")
@@ -938,7 +939,7 @@ def test_sweep_run_without_its_final_evaluation_is_not_complete(tmp_path: Path, 
         _train_as_sweep_would(run)
     assert sw.run_state(run.run_dir) == "unevaluated"
     lines: list[str] = []
-    res = sw.sweep(None, {}, [0], out, [*TOY_SWEEP2, "eval.at_end=true"], device="cpu", echo=lines.append)
+    res = sw.sweep(None, {}, [0], out, [*TOY_4_STEPS, "eval.at_end=true"], device="cpu", echo=lines.append)
     assert [r["status"] for r in res.rows] == ["incomplete"]
     assert any(ln.startswith("incomplete base/seed0") and "has no final evaluation" in ln for ln in lines)
     assert not any("skipped" in ln for ln in lines)
@@ -955,7 +956,7 @@ def test_sweep_refuses_grid_values_that_share_a_run_directory(tmp_path: Path) ->
 
 def test_sweep_checks_every_grid_point_before_starting(tmp_path: Path) -> None:
     with pytest.raises(sw.SweepError, match=r"n_layrs=1/seed0 .*did you mean backbone.n_layers"):
-        sw.sweep(None, {"backbone.n_layrs": ["1"]}, [0], tmp_path / "s", TOY_SWEEP2, echo=lambda m: None)
+        sw.sweep(None, {"backbone.n_layrs": ["1"]}, [0], tmp_path / "s", TOY_4_STEPS, echo=lambda m: None)
     assert not (tmp_path / "s").exists()
 
 
@@ -1019,7 +1020,7 @@ def test_sweep_forwards_sigterm_and_sighup_to_its_runs(tmp_path: Path, sig: int)
 
 # ------------------------------------------------------------------- 3: one trainer per run directory
 def test_a_run_directory_being_trained_is_refused(tmp_path: Path) -> None:
-    cfg = compose(None, [*TOY_SWEEP2, "eval.at_end=false", "device=cpu", "train.progress=false"])
+    cfg = compose(None, [*TOY_4_STEPS, "eval.at_end=false", "device=cpu", "train.progress=false"])
     train(cfg, tmp_path / "run", stop_at=2)
     with hold_run(tmp_path / "run"):
         assert lock_holder(tmp_path / "run") == os.getpid()
@@ -1049,7 +1050,7 @@ def test_the_run_lock_is_released_when_its_process_dies(tmp_path: Path) -> None:
 
 
 def test_a_refused_run_leaves_no_directory_behind(tmp_path: Path) -> None:
-    r = _train(f"dataset.path={tmp_path / 'nope.hdf5'}", "--run-dir", str(tmp_path / "run"))
+    r = train_dt(f"dataset.path={tmp_path / 'nope.hdf5'}", "--run-dir", str(tmp_path / "run"))
     assert r.exit_code == 2 and not (tmp_path / "run").exists()
 
 
@@ -1058,8 +1059,8 @@ def test_a_refused_run_leaves_no_directory_behind(tmp_path: Path) -> None:
 def test_eval_counts_must_be_positive(tmp_path: Path, key: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{key} must be >= 1, got 0$"):
         compose(None, ["agent.kind=toy", f"{key}=0"])
-    h5 = _write_h5(tmp_path / "ok.hdf5")
-    r = _train(f"dataset.path={h5}", f"{key}=-1", "--run-dir", str(tmp_path / "run"))
+    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
+    r = train_dt(f"dataset.path={h5}", f"{key}=-1", "--run-dir", str(tmp_path / "run"))
     assert r.exit_code == 2 and f"error: {key} must be >= 1, got -1" in r.output
     assert not (tmp_path / "run").exists()
 
@@ -1067,8 +1068,8 @@ def test_eval_counts_must_be_positive(tmp_path: Path, key: str) -> None:
 # ------------------------------------------------------------------- 6: DT and backbone memory
 @pytest.mark.parametrize("kind", ["xl", "compressive", "knn"])
 def test_dt_refuses_a_backbone_memory_it_would_ignore(tmp_path: Path, kind: str) -> None:
-    h5 = _write_h5(tmp_path / "ok.hdf5")
-    r = _train(f"dataset.path={h5}", f"backbone.memory.kind={kind}", "--run-dir", str(tmp_path / "run"))
+    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
+    r = train_dt(f"dataset.path={h5}", f"backbone.memory.kind={kind}", "--run-dir", str(tmp_path / "run"))
     assert r.exit_code == 2, r.output
     assert f"backbone.memory.kind={kind!r}: the Decision Transformer" in r.output
     assert "agent.kind=gtrxl" in r.output
@@ -1096,8 +1097,8 @@ def test_plot_from_json_errors_name_the_file(tmp_path: Path, content: str | None
 def test_hdf5_without_a_task_name_says_how_to_set_it(tmp_path: Path) -> None:
     from rl_tformers.agents.common.offline import load_offline_dataset
 
-    h5 = _write_h5(tmp_path / "data.hdf5", obs_dim=3, env_id=None, discrete=False)
-    r = _train(f"dataset.path={h5}", "--run-dir", str(tmp_path / "run"))
+    h5 = write_d4rl_h5(tmp_path / "data.hdf5", obs_dim=3, env_id=None, discrete=False)
+    r = train_dt(f"dataset.path={h5}", "--run-dir", str(tmp_path / "run"))
     assert r.exit_code == 2
     assert "continuous actions need a bounded Box action space" in r.output
     assert "guessed from the file name" in r.output and "dataset.env_id=" in r.output and "env_id attribute" in r.output
@@ -1135,7 +1136,7 @@ def test_backbone_typos_name_the_key_and_suggest(override: str, expected: str) -
 
 # ------------------------------------------------------------------- 13: %BC fraction
 def test_bc_top_fraction_out_of_range_names_the_key(tmp_path: Path) -> None:
-    h5 = _write_h5(tmp_path / "ok.hdf5")
+    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
     r = runner.invoke(app, ["train", "agent.kind=bc", f"dataset.path={h5}", "agent.top_fraction=0",
                             *[a for a in TINY_DT if not a.startswith(("backbone.", "agent."))],
                             "--run-dir", str(tmp_path / "run")])

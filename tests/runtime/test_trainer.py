@@ -34,7 +34,7 @@ from rl_tformers.runtime.trainer import (
     resume,
     train,
 )
-from tests.cli.test_train import _write_h5
+from tests.datafiles import write_d4rl_h5
 
 
 def test_run_directory_layout(run_dir: Path) -> None:
@@ -193,7 +193,7 @@ def test_cuda_bf16_resume(tmp_path: Path) -> None:
 runner = CliRunner()
 
 
-# ------------------------------------------- 2. a diverged run ends in a traceback
+# ------------------------------------------- a diverged run ends in a traceback
 def test_diverged_training_ends_with_one_error_line_not_a_traceback(tmp_path: Path) -> None:
     """``rl-tformers train -c toy train.lr=1e300`` diverges at update 2 and the CLI lets
     ``NonFiniteLossError`` escape: ~40 lines of traceback for a user-level outcome whose message
@@ -247,7 +247,7 @@ def test_final_eval_bad_input_is_one_error_line_and_keeps_the_model(tmp_path: Pa
     """agent.max_ep_len=10 < CartPole's 500 steps with agent.timestep_overflow=error: the final
     evaluation raises the DT's ValueError. Was: a traceback (exit 1) and the suggestion
     `rl-tformers eval RUN`, which fails the same way."""
-    h5 = _write_h5(tmp_path / "ok.hdf5")
+    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
     run = tmp_path / "run"
     r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={h5}", *TINY_DT, "eval.every=0",
                             "eval.at_end=true", "eval.episodes=1", "eval.n_envs=1", "agent.max_ep_len=10",
@@ -297,7 +297,7 @@ def test_metric_window_latest_keys_keep_the_last_value_across_a_resume() -> None
         return out
 
     straight = run(False)
-    assert [m["train/env_steps"] for m in straight] == [32.0, 64.0]  # was the mean: 32, 53.33
+    assert [m["train/env_steps"] for m in straight] == [32.0, 64.0]  # not the mean: 32, 53.33
     assert [m["train/loss"] for m in straight] == [2.0, 5.0]  # other keys are still averaged
     assert run(True) == straight
 
@@ -323,7 +323,7 @@ def test_backbone_refuses_non_integer_positions(dtype: torch.dtype) -> None:
     bb = Backbone({"d_model": 16, "n_heads": 2, "n_layers": 1, "d_ff": 32, "dropout": 0.0,
                    "position": {"kind": "learned"}}).eval()
     x = torch.randn(2, 5, 16)
-    pos = torch.arange(5).expand(2, 5) + 0.7  # was truncated silently to arange(5)
+    pos = torch.arange(5).expand(2, 5) + 0.7  # not truncated silently to arange(5)
     with pytest.raises(ValueError, match=r"positions.*integer dtype.*int64.*got torch\.(float|bool)"):
         bb(x, positions=pos.to(dtype))
 
@@ -426,7 +426,7 @@ def test_abort_during_the_final_evaluation_does_not_send_the_user_to_a_resume_th
 def test_last_progress_line_does_not_count_the_final_evaluation_as_training_time(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Without a terminal, `rl-tformers train` prints its last line after the final evaluation
-    (the bar is closed in ``_train``'s ``finally``), so the evaluation's time enters the shown
+    (the bar is closed in ``train_dt``'s ``finally``), so the evaluation's time enters the shown
     rate: a Hopper DT that trained at 20 steps/s (``perf/steps_per_s`` in metrics.jsonl) ended
     with "train: 10/10 steps (100%), 0.0967 steps/s, elapsed 1m43s"; the README demo's
     300-update run at ~4.7 steps/s ended with "3.74 steps/s, elapsed 1m20s"."""
@@ -470,7 +470,7 @@ def test_a_ctrl_c_after_the_run_finished_leaves_exit_status_0(tmp_path: Path) ->
                 time.sleep(0.05)
     proc.wait(timeout=120)
     assert any(line.startswith("done: 3 steps") for line in lines), "".join(lines)
-    assert proc.returncode == 0, "".join(lines)  # was 130 (or -2: killed by the signal)
+    assert proc.returncode == 0, "".join(lines)  # not 130 (or -2: killed by the signal)
 
 
 def test_the_summary_window_ignores_signals_and_restores_the_handlers() -> None:
