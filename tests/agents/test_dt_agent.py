@@ -17,7 +17,6 @@ from rl_tformers.agents.decision_transformer.config import DTAgentConfig
 from rl_tformers.envs.loaders import save_d4rl_hdf5
 from typer.testing import CliRunner
 
-from rl_tformers.backbone_config import IncompatibleConfig
 from rl_tformers.cli import app
 from rl_tformers.runtime import checkpoint as ckpt
 from rl_tformers.runtime.loading import load_run
@@ -506,25 +505,6 @@ def test_iql_refuses_options_that_train_nothing_before_reading_the_data(tmp_path
     assert str(info.value) == message
 
 
-@pytest.mark.parametrize("option, message", [
-    ("agent.n_minibatches=4", "agent.n_minibatches=4 is more than the agent.n_envs x agent.n_steps = 2 samples of a "
-                              "rollout (a minibatch would be empty); use at most 2"),
-    ("agent.n_envs=0", "agent.n_envs must be an integer >= 1, got 0"),
-    ("agent.n_steps=0", "agent.n_steps must be an integer >= 1, got 0"),
-    ("agent.n_epochs=0", "agent.n_epochs must be an integer >= 1, got 0"),
-    ("agent.gae_lambda=1.5", "agent.gae_lambda must be a number in [0, 1], got 1.5"),
-    ("agent.clip_coef=0", "agent.clip_coef must be a number > 0, got 0"),
-])
-def test_ppo_refuses_rollout_options_that_crash_mid_run(monkeypatch, option, message) -> None:
-    """n_minibatches above the rollout's samples crashed at the first update ("min(): Expected
-    reduction dim"), n_envs/n_steps/n_epochs = 0 with IndexError / stack / modulo-by-zero tracebacks."""
-    monkeypatch.setattr(gym, "make", lambda *a, **k: pytest.fail("an environment was made before the check"))
-    with pytest.raises(ConfigError) as info:
-        compose(None, ["agent.kind=gtrxl_ppo", "agent.n_envs=1", "agent.n_steps=2", "agent.n_minibatches=1",
-                       option, "device=cpu"])
-    assert str(info.value) == message
-
-
 # ------------------------------------------------- learned positions shorter than an episode
 def test_gtrxl_refuses_a_learned_position_table_shorter_than_an_episode(tmp_path) -> None:
     """GTrXL's positions are episode steps: with backbone.position.kind=learned and
@@ -538,31 +518,6 @@ def test_gtrxl_refuses_a_learned_position_table_shorter_than_an_episode(tmp_path
     r = runner.invoke(app, ["train", *TINY["gtrxl"], *FAST_AGENTS, f"dataset.path={h5}", "backbone.position.kind=learned",
                             "backbone.max_position=5", "--run-dir", str(tmp_path / "run5")])
     assert r.exit_code == 0, r.output
-
-
-# ------------------------------------------------- stochastic policies: seeded, reproducible evaluation
-class _CoinPolicy:
-    """Samples CartPole actions with torch's global generator (like GTrXL with deterministic=false)."""
-
-    def initial_state(self, n_envs, target_return=None):
-        return None
-
-    def act(self, obs, state, episode_start, last_reward=None):
-        return torch.randint(0, 2, (len(episode_start),)).numpy(), None
-
-
-def test_evaluating_a_sampling_policy_is_reproducible_and_leaves_the_global_rng_alone() -> None:
-    """A policy that samples its actions (GTrXL agent.deterministic=false) drew them from torch's
-    unseeded global generator: `rl-tformers eval RUN --seed 0` gave other returns at every call,
-    and the "repeat it exactly" command printed after training did not repeat anything."""
-    from rl_tformers.runtime.evaluation import evaluate, make_env_factory
-
-    torch.manual_seed(123)
-    before = torch.get_rng_state()
-    runs = [evaluate(_CoinPolicy(), make_env_factory("CartPole-v1"), [None], episodes=4, n_envs=2, seed=7)
-            for _ in range(2)]
-    assert runs[0].results[0].returns == runs[1].results[0].returns
-    assert torch.equal(torch.get_rng_state(), before)  # an evaluation inside training shifts nothing
 
 
 # ------------------------------------------------- plot sweep of a dataset whose returns are all equal
@@ -938,36 +893,6 @@ def test_policies_return_the_flat_actions_in_the_envs_shape(matrix_h5) -> None:
     assert a.shape == (3, 2, 2) and b.shape == (3, 4) and np.array_equal(a.reshape(3, 4), b)
 
 
-# ------------------------------------------------- encoder-decoder: cross-attention kinds that need S == T
-def test_sinkhorn_cross_attention_is_refused_at_construction_naming_the_option() -> None:
-    from rl_tformers.encoder_decoder import EncoderDecoderConfig
-
-    with pytest.raises(IncompatibleConfig, match=r"cross_attention\.kind='sinkhorn' .*its queries must be its keys"):
-        EncoderDecoderConfig.from_dict({"cross_attention": {"kind": "sinkhorn", "block_size": 2, "max_len": 16}})
-
-
-def test_cross_attention_capability_is_truthful_for_every_attention_kind() -> None:
-    """Kinds declaring ``cross_attention`` run with S > T and S < T source keys; the others are
-    refused when the config is built."""
-    from rl_tformers.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
-    from rl_tformers.registry import ATTENTION
-
-    small = {"d_model": 16, "n_layers": 1, "n_heads": 2, "attn_dropout": 0.0, "dropout": 0.0}
-    src = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(0))
-    tgt = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
-    for e in ATTENTION:
-        spec = {"encoder": small, "decoder": small, "cross_attention": {"kind": e.kind}}
-        if not (e.capabilities.cross_attention and e.capabilities.bidirectional):
-            with pytest.raises(IncompatibleConfig, match=rf"cross_attention\.kind='{e.kind}'"):
-                EncoderDecoderConfig.from_dict(spec)
-            continue
-        torch.manual_seed(0)
-        model = EncoderDecoder(spec).eval()
-        for s, t in ((src, tgt), (src[:, :4], tgt)):
-            out = model(s, t).hidden
-            assert out.shape == t.shape and torch.isfinite(out).all(), e.kind
-
-
 def test_agent_targets_given_twice_are_refused() -> None:
     """``agent.targets=[100, 100.0]`` evaluated, logged and plotted one target twice."""
     def targets(value):
@@ -1161,42 +1086,6 @@ def test_unbounded_actions_error_says_why_the_named_task_gave_no_bounds(tmp_path
     assert why + "; set dataset.env_id=<gymnasium id>" in msg, msg
 
 
-# ------------------------------------------------- in-memory datasets of integer observations
-@pytest.mark.parametrize("build", ["from_flags", "from_episodes"])
-def test_in_memory_uint8_observations_get_their_dtype_range(build) -> None:
-    """``EpisodeDataset.from_flags(uint8 images, ...)`` without an observation space (the docs'
-    recipe for concatenating datasets) raised gymnasium's "Box unsigned int dtype don't support
-    `-np.inf`", naming no field: the loaders' Box over the dtype's range was not used in memory."""
-    from rl_tformers.envs.dataset import EpisodeDataset
-
-    n = 6
-    obs = np.arange(n * 4, dtype=np.uint8).reshape(n, 2, 2)
-    act, rew, term = np.arange(n) % 2, np.ones(n), np.eye(1, n, n - 1, dtype=bool)[0]
-    if build == "from_flags":
-        ds = EpisodeDataset.from_flags(obs, act, rew, term)
-    else:
-        ds = EpisodeDataset.from_episodes([{"observations": np.concatenate([obs, obs[:1]]), "actions": act,
-                                            "rewards": rew, "terminations": term, "truncations": np.zeros(n, bool)}])
-    assert ds.observation_space == gym.spaces.Box(0, 255, (2, 2), np.uint8)
-    assert ds.action_space == gym.spaces.Discrete(2)
-
-
-@pytest.mark.parametrize("field", ["observations", "actions", "rewards"])
-def test_in_memory_boolean_columns_are_refused_naming_the_field(field) -> None:
-    """Boolean observations hit the same gymnasium error; boolean rewards were silently read as
-    0/1 (the HDF5 and Minari loaders refuse both as not numeric)."""
-    from rl_tformers.envs.dataset import DatasetError, EpisodeDataset
-
-    n = 6
-    cols = {"observations": np.zeros((n, 2), np.float32), "actions": np.zeros((n, 1), np.float32),
-            "rewards": np.ones(n)}
-    cols[field] = cols[field].astype(bool)
-    with pytest.raises(DatasetError, match=rf"^{field}: dtype bool is not numeric \(integer or floating point\)$") as e:
-        EpisodeDataset.from_flags(cols["observations"], cols["actions"], cols["rewards"], np.eye(1, n, n - 1)[0],
-                                  action_space=gym.spaces.Box(-1.0, 1.0, (1,), np.float32))
-    assert e.value.field == field
-
-
 # ------------------------------------------------- vector evaluation: discarded filler episodes
 class _SeedLengthEnv(gym.Env):
     """Episode length set by the reset seed (``lengths[seed]``), 100 steps when reset unseeded."""
@@ -1238,38 +1127,6 @@ def test_a_discarded_filler_episode_does_not_stop_a_dt_evaluation_at_max_ep_len(
     # a counted episode past max_ep_len is still refused
     with pytest.raises(ValueError, match=r"episode step 15 >= agent.max_ep_len=15"):
         evaluate(pol, lambda: _SeedLengthEnv({0: 16, 1: 2, 2: 2, 3: 10}), [10.0], episodes=4, n_envs=3, seed=0)
-
-
-# ------------------------------------------------- normalised scores from a parent folder's name
-def test_a_parent_folder_named_like_a_d4rl_task_gives_no_reference_scores(tmp_path: Path) -> None:
-    """A Pendulum-v1 file stored under ``hopper_experiments/`` got Hopper's D4RL references (every
-    component of the file's path was matched against the task families): ``dataset info`` and
-    every evaluation reported a "normalised score" of a Pendulum agent on Hopper's scale."""
-    from rl_tformers.agents.common.offline import DatasetInfo
-    from rl_tformers.envs.loaders import load_dataset
-    from rl_tformers.envs.scores import reference_scores
-
-    folder = tmp_path / "hopper_experiments"
-    folder.mkdir()
-    n = 12
-    with h5py.File(folder / "pendulum.hdf5", "w") as f:
-        f["observations"] = np.zeros((n, 3), np.float32)
-        f["actions"] = np.zeros((n, 1), np.float32)
-        f["rewards"] = -np.ones(n)
-        f["terminals"] = np.eye(1, n, n - 1, dtype=bool)[0]
-        f.attrs["env_id"] = "Pendulum-v1"
-    ds = load_dataset(folder / "pendulum.hdf5")
-    assert reference_scores(ds) is None
-    s = ds.summary()
-    assert (s["ref_min_score"], s["ref_max_score"], s["normalized_return_mean"]) == (None, None, None)
-    info = DatasetInfo.from_dataset(ds)
-    assert (info.ref_min, info.ref_max) == (None, None)
-
-    # the file's own name still names its task (no env_id: recognised from the name, as before)
-    shutil.copy(folder / "pendulum.hdf5", folder / "hopper-medium-v2.hdf5")
-    with h5py.File(folder / "hopper-medium-v2.hdf5", "a") as f:
-        del f.attrs["env_id"]
-    assert reference_scores(load_dataset(folder / "hopper-medium-v2.hdf5")) == (-20.272305, 3234.3)
 
 
 # ------------------------------------------------- a Discrete evaluation env with fewer actions

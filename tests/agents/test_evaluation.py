@@ -7,7 +7,9 @@ import itertools
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 from gymnasium import spaces
+
 from rl_tformers.runtime.evaluation import evaluate, parse_targets, with_raw_reward
 
 
@@ -269,3 +271,28 @@ def test_run_episodes_tells_the_policy_its_counted_rows_and_resets_them_even_on_
     with pytest.raises(RuntimeError, match="policy failed"):
         evaluate(failing, _alternating_factory(), [None], episodes=3, n_envs=2, seed=0)
     assert failing.told[-1] is None
+
+
+# ------------------------------------------------- stochastic policies: seeded, reproducible evaluation
+class _CoinPolicy:
+    """Samples CartPole actions with torch's global generator (like GTrXL with deterministic=false)."""
+
+    def initial_state(self, n_envs, target_return=None):
+        return None
+
+    def act(self, obs, state, episode_start, last_reward=None):
+        return torch.randint(0, 2, (len(episode_start),)).numpy(), None
+
+
+def test_evaluating_a_sampling_policy_is_reproducible_and_leaves_the_global_rng_alone() -> None:
+    """A policy that samples its actions (GTrXL agent.deterministic=false) drew them from torch's
+    unseeded global generator: `rl-tformers eval RUN --seed 0` gave other returns at every call,
+    and the "repeat it exactly" command printed after training did not repeat anything."""
+    from rl_tformers.runtime.evaluation import evaluate, make_env_factory
+
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    runs = [evaluate(_CoinPolicy(), make_env_factory("CartPole-v1"), [None], episodes=4, n_envs=2, seed=7)
+            for _ in range(2)]
+    assert runs[0].results[0].returns == runs[1].results[0].returns
+    assert torch.equal(torch.get_rng_state(), before)  # an evaluation inside training shifts nothing

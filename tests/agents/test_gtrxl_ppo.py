@@ -19,7 +19,7 @@ from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
 from rl_tformers.envs.loaders import save_d4rl_hdf5
 
 from rl_tformers.backbone_config import ConfigAdviceWarning
-from rl_tformers.runtime.run_config import compose
+from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import resume, train
 from tests.runtime.ddp_helpers import two_ranks
 
@@ -676,3 +676,22 @@ def test_ppo_fine_tuning_feeds_the_previous_reward_in_the_offline_units(tmp_path
     assert torch.equal(prev_r, ro["rewards"][:-1] * torch.tensor(mult, dtype=torch.float32))
     assert ppo.policy().reward_mult == mult
     assert ppo.extra_state()["input_reward_mult"] == mult  # and a reloaded policy keeps it
+
+
+@pytest.mark.parametrize("option, message", [
+    ("agent.n_minibatches=4", "agent.n_minibatches=4 is more than the agent.n_envs x agent.n_steps = 2 samples of a "
+                              "rollout (a minibatch would be empty); use at most 2"),
+    ("agent.n_envs=0", "agent.n_envs must be an integer >= 1, got 0"),
+    ("agent.n_steps=0", "agent.n_steps must be an integer >= 1, got 0"),
+    ("agent.n_epochs=0", "agent.n_epochs must be an integer >= 1, got 0"),
+    ("agent.gae_lambda=1.5", "agent.gae_lambda must be a number in [0, 1], got 1.5"),
+    ("agent.clip_coef=0", "agent.clip_coef must be a number > 0, got 0"),
+])
+def test_ppo_refuses_rollout_options_that_crash_mid_run(monkeypatch, option, message) -> None:
+    """n_minibatches above the rollout's samples crashed at the first update ("min(): Expected
+    reduction dim"), n_envs/n_steps/n_epochs = 0 with IndexError / stack / modulo-by-zero tracebacks."""
+    monkeypatch.setattr(gym, "make", lambda *a, **k: pytest.fail("an environment was made before the check"))
+    with pytest.raises(ConfigError) as info:
+        compose(None, ["agent.kind=gtrxl_ppo", "agent.n_envs=1", "agent.n_steps=2", "agent.n_minibatches=1",
+                       option, "device=cpu"])
+    assert str(info.value) == message

@@ -289,3 +289,33 @@ def test_the_attention_dropout_warning_names_the_cross_attention_kind():
                         "cross_attention": {"kind": "performer"}})
     msgs = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     assert len(msgs) == 1 and msgs[0].startswith("attention kind 'performer' forms no attention probabilities")
+
+
+# ------------------------------------------------- encoder-decoder: cross-attention kinds that need S == T
+def test_sinkhorn_cross_attention_is_refused_at_construction_naming_the_option() -> None:
+    from rl_tformers.encoder_decoder import EncoderDecoderConfig
+
+    with pytest.raises(IncompatibleConfig, match=r"cross_attention\.kind='sinkhorn' .*its queries must be its keys"):
+        EncoderDecoderConfig.from_dict({"cross_attention": {"kind": "sinkhorn", "block_size": 2, "max_len": 16}})
+
+
+def test_cross_attention_capability_is_truthful_for_every_attention_kind() -> None:
+    """Kinds declaring ``cross_attention`` run with S > T and S < T source keys; the others are
+    refused when the config is built."""
+    from rl_tformers.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
+    from rl_tformers.registry import ATTENTION
+
+    small = {"d_model": 16, "n_layers": 1, "n_heads": 2, "attn_dropout": 0.0, "dropout": 0.0}
+    src = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(0))
+    tgt = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    for e in ATTENTION:
+        spec = {"encoder": small, "decoder": small, "cross_attention": {"kind": e.kind}}
+        if not (e.capabilities.cross_attention and e.capabilities.bidirectional):
+            with pytest.raises(IncompatibleConfig, match=rf"cross_attention\.kind='{e.kind}'"):
+                EncoderDecoderConfig.from_dict(spec)
+            continue
+        torch.manual_seed(0)
+        model = EncoderDecoder(spec).eval()
+        for s, t in ((src, tgt), (src[:, :4], tgt)):
+            out = model(s, t).hidden
+            assert out.shape == t.shape and torch.isfinite(out).all(), e.kind

@@ -189,3 +189,39 @@ def test_lazy_h5_array_gathers_like_numpy_and_pickles_without_handle(tmp_path):
     np.testing.assert_array_equal(clone[idx], data[idx])
     with pytest.raises(IndexError):
         lazy[np.array([50])]
+
+
+# ------------------------------------------------- in-memory datasets of integer observations
+@pytest.mark.parametrize("build", ["from_flags", "from_episodes"])
+def test_in_memory_uint8_observations_get_their_dtype_range(build) -> None:
+    """``EpisodeDataset.from_flags(uint8 images, ...)`` without an observation space (the docs'
+    recipe for concatenating datasets) raised gymnasium's "Box unsigned int dtype don't support
+    `-np.inf`", naming no field: the loaders' Box over the dtype's range was not used in memory."""
+    from rl_tformers.envs.dataset import EpisodeDataset
+
+    n = 6
+    obs = np.arange(n * 4, dtype=np.uint8).reshape(n, 2, 2)
+    act, rew, term = np.arange(n) % 2, np.ones(n), np.eye(1, n, n - 1, dtype=bool)[0]
+    if build == "from_flags":
+        ds = EpisodeDataset.from_flags(obs, act, rew, term)
+    else:
+        ds = EpisodeDataset.from_episodes([{"observations": np.concatenate([obs, obs[:1]]), "actions": act,
+                                            "rewards": rew, "terminations": term, "truncations": np.zeros(n, bool)}])
+    assert ds.observation_space == gym.spaces.Box(0, 255, (2, 2), np.uint8)
+    assert ds.action_space == gym.spaces.Discrete(2)
+
+
+@pytest.mark.parametrize("field", ["observations", "actions", "rewards"])
+def test_in_memory_boolean_columns_are_refused_naming_the_field(field) -> None:
+    """Boolean observations hit the same gymnasium error; boolean rewards were silently read as
+    0/1 (the HDF5 and Minari loaders refuse both as not numeric)."""
+    from rl_tformers.envs.dataset import DatasetError, EpisodeDataset
+
+    n = 6
+    cols = {"observations": np.zeros((n, 2), np.float32), "actions": np.zeros((n, 1), np.float32),
+            "rewards": np.ones(n)}
+    cols[field] = cols[field].astype(bool)
+    with pytest.raises(DatasetError, match=rf"^{field}: dtype bool is not numeric \(integer or floating point\)$") as e:
+        EpisodeDataset.from_flags(cols["observations"], cols["actions"], cols["rewards"], np.eye(1, n, n - 1)[0],
+                                  action_space=gym.spaces.Box(-1.0, 1.0, (1,), np.float32))
+    assert e.value.field == field

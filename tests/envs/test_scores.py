@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import gymnasium as gym
+import h5py
 import numpy as np
 import pytest
 from rl_tformers.envs.dataset import DatasetMetadata, EpisodeDataset
@@ -46,3 +50,35 @@ def test_dataset_references_take_precedence_over_d4rl():
     assert reference_scores(by_id) == (1.629008, 4592.3)
     assert normalized_score(tiny(DatasetMetadata(env_id="Pendulum-v1")), 1.0) is None
     assert tiny(DatasetMetadata(env_id="Pendulum-v1")).summary()["normalized_return_mean"] is None
+
+
+# ------------------------------------------------- normalised scores from a parent folder's name
+def test_a_parent_folder_named_like_a_d4rl_task_gives_no_reference_scores(tmp_path: Path) -> None:
+    """A Pendulum-v1 file stored under ``hopper_experiments/`` got Hopper's D4RL references (every
+    component of the file's path was matched against the task families): ``dataset info`` and
+    every evaluation reported a "normalised score" of a Pendulum agent on Hopper's scale."""
+    from rl_tformers.agents.common.offline import DatasetInfo
+    from rl_tformers.envs.loaders import load_dataset
+    from rl_tformers.envs.scores import reference_scores
+
+    folder = tmp_path / "hopper_experiments"
+    folder.mkdir()
+    n = 12
+    with h5py.File(folder / "pendulum.hdf5", "w") as f:
+        f["observations"] = np.zeros((n, 3), np.float32)
+        f["actions"] = np.zeros((n, 1), np.float32)
+        f["rewards"] = -np.ones(n)
+        f["terminals"] = np.eye(1, n, n - 1, dtype=bool)[0]
+        f.attrs["env_id"] = "Pendulum-v1"
+    ds = load_dataset(folder / "pendulum.hdf5")
+    assert reference_scores(ds) is None
+    s = ds.summary()
+    assert (s["ref_min_score"], s["ref_max_score"], s["normalized_return_mean"]) == (None, None, None)
+    info = DatasetInfo.from_dataset(ds)
+    assert (info.ref_min, info.ref_max) == (None, None)
+
+    # the file's own name still names its task (no env_id: recognised from the name, as before)
+    shutil.copy(folder / "pendulum.hdf5", folder / "hopper-medium-v2.hdf5")
+    with h5py.File(folder / "hopper-medium-v2.hdf5", "a") as f:
+        del f.attrs["env_id"]
+    assert reference_scores(load_dataset(folder / "hopper-medium-v2.hdf5")) == (-20.272305, 3234.3)
