@@ -5,6 +5,13 @@ and RLlib's attention nets): N vector environments step together, one token per 
 and step goes through the backbone with its memory, and the policy is trained with the clipped
 surrogate of Schulman et al. 2017 plus a value loss and an entropy bonus on the same encoder.
 
+The parts (as Stable-Baselines3's on-policy algorithm: collect a rollout, then train on it):
+:mod:`~rl_tformers.agents.gtrxl.rollout` collects rollouts into a buffer (the running episodes
+of the N environments), :mod:`~rl_tformers.agents.gtrxl.ppo_update` holds GAE, the clipped loss
+and the minibatch epochs, :mod:`~rl_tformers.agents.gtrxl.env_state` checkpoints each process's
+environments, :mod:`~rl_tformers.agents.gtrxl.fine_tune` starts from an offline run, and
+:class:`GTrXLPPO` wires them for the trainer.
+
 Memory during updates: **stored per rollout step**. At every step the collector records the
 backbone state each environment acted with (per layer (N, M, D) memory plus slot positions,
 validity and episode ids, after the reset of finished rows). The update recomputes each sample
@@ -45,7 +52,7 @@ a rollout too): weights, ``metrics.jsonl`` values and final state. Besides the r
 counters: :meth:`GTrXLPPO.extra_state`) every checkpoint holds each process's own state
 (:meth:`GTrXLPPO.process_state`, the trainer's per-process hook): the N environments, pickled
 (gymnasium environments and wrappers by their attributes, so MuJoCo's simulator state and each
-environment's random generator carry over; :class:`_EnvPickler`), the vector environment's
+environment's random generator carry over; :class:`~rl_tformers.agents.gtrxl.env_state._EnvPickler`), the vector environment's
 autoreset flags, the running episodes (last observation, backbone memory, a_{t-1}, r_{t-1},
 step, start flags, return and length so far), the recent episode returns and lengths, and,
 when the run stopped after update j of a rollout's U = ``n_epochs x n_minibatches`` (0 < j <
@@ -62,7 +69,7 @@ Size: the environments and running episodes of configs/gtrxl/ppo_cartpole.yaml a
 0.16 MB to a checkpoint (2.8 -> 3.0 MB; the backbone memory, N x layers x M x D floats, is
 most of it; a MuJoCo environment pickles its model and data, about 1.2 MB each); a rollout in
 progress adds about 2.0 MB (the per-step memories, S x N x layers x M x D floats = 16.8 MB, are
-stored as the one new slot per step, :func:`fifo_encode`, losslessly). The shipped config
+stored as the one new slot per step, :func:`~rl_tformers.agents.gtrxl.env_state.fifo_encode`, losslessly). The shipped config
 checkpoints every 160 updates, at rollout boundaries, so only a stop (SIGINT/SIGTERM,
 ``--stop-at``) inside a rollout saves one.
 
@@ -86,7 +93,7 @@ One update's global minibatch is therefore the union of the ranks' minibatches, 
 that union: the loss terms are means over equal-sized minibatches (every rank splits its
 rollout the same way, so DDP's gradient average is the global mean) and the advantages are
 normalised with the mean and standard deviation of the whole global minibatch
-(:func:`normalize_advantages`, three scalar all-reduces; tested against one process). The
+(:func:`~rl_tformers.agents.gtrxl.ppo_update.normalize_advantages`, three scalar all-reduces; tested against one process). The
 only difference from one process with ``W x n_envs`` environments: each rank draws its
 minibatches from its own rollout (a global minibatch takes the same number of rows from
 every rank's rollout, not a uniform draw over their union).

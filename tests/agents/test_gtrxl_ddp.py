@@ -111,7 +111,7 @@ def test_ppo_on_two_processes_computes_the_gradient_of_one_process_on_the_whole_
         tmp_path,
         """
         from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone
-        from rl_tformers.agents.gtrxl.ppo import normalize_advantages, ppo_loss
+        from rl_tformers.agents.gtrxl.ppo_update import normalize_advantages, ppo_loss
         from rl_tformers.runtime.distributed import shard_batch, wrap_ddp
 
         torch.manual_seed(0)

@@ -695,3 +695,33 @@ def test_ppo_refuses_rollout_options_that_crash_mid_run(monkeypatch, option, mes
         compose(None, ["agent.kind=gtrxl_ppo", "agent.n_envs=1", "agent.n_steps=2", "agent.n_minibatches=1",
                        option, "device=cpu"])
     assert str(info.value) == message
+
+
+# ------------------------------------------------------------------- 5: PPO fine-tuning inputs
+def test_ppo_fine_tuning_says_which_agent_inputs_it_takes_from_the_checkpoint(tmp_path: Path) -> None:
+    """`train -c gtrxl/ppo_cartpole_finetune` records `agent.head_hidden: 64` (inherited from
+    ppo_cartpole.yaml) in config.yaml, but builds the offline run's head_hidden=0 (207,491
+    parameters, not 224,131), without a word; a changed backbone setting is warned about
+    (tests/agents/test_gtrxl_training.py), a changed head_hidden / prev_reward is not."""
+    from rl_tformers.agents.gtrxl.ppo import GTrXLPPO
+    from rl_tformers.envs.loaders import save_d4rl_hdf5
+    from rl_tformers.envs.memory_tasks import scripted_dataset
+
+    data = tmp_path / "recall.hdf5"
+    save_d4rl_hdf5(scripted_dataset("recall", 6, delay=1, seed=0), data)
+    tiny = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=2", "backbone.memory.mem_len=4",
+            "backbone.dropout=0", "backbone.attn_dropout=0", "backbone.ffn_dropout=0"]
+    train(compose(overrides=[
+        "agent.kind=gtrxl", "agent.seq_len=2", "agent.burn_in=0", f"dataset.path={data}", "train.steps=1",
+        "train.batch_size=2", "train.warmup_steps=0", "train.progress=false", "eval.at_end=false", "device=cpu",
+        *tiny,
+    ]), tmp_path / "offline")
+    over = ["agent.kind=gtrxl_ppo", "agent.env_id=rl_tformers/Recall-d1-v0", f"agent.init_checkpoint={tmp_path / 'offline'}",
+            "agent.n_envs=2", "agent.n_steps=6", "agent.n_minibatches=1", "device=cpu", *tiny,
+            "agent.head_hidden=32", "agent.prev_reward=true"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ppo = GTrXLPPO.for_training(compose(overrides=over), None, "cpu")
+    assert ppo.model_cfg.head_hidden == 0  # the checkpoint's, as docs/gtrxl.md says
+    said = " ".join(str(w.message) for w in caught)
+    assert "agent.head_hidden" in said and "agent.prev_reward" in said, said

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
-from rl_tformers.agents.gtrxl.ppo import GTrXLPPO, fifo_decode, fifo_encode, load_envs
+from rl_tformers.agents.gtrxl.env_state import fifo_decode, fifo_encode, load_envs
+from rl_tformers.agents.gtrxl.ppo import GTrXLPPO
 
 from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import resume, train
@@ -130,21 +131,21 @@ def test_restored_environments_continue_exactly(env_id: str) -> None:
         pytest.importorskip("mujoco")
     cfg = _cfg(env_id, "agent.n_steps=8", "agent.prev_action=true", "agent.prev_reward=true")
     torch.manual_seed(0)
-    a = GTrXLPPO(cfg, None, "cpu")
+    a = GTrXLPPO.for_training(cfg, None, "cpu")
     for _ in range(2):
-        a.collect()  # mid-episode: running memory, counters and (Hopper) simulator state
-    b = GTrXLPPO(cfg, None, "cpu")
+        a.collector.collect()  # mid-episode: running memory, counters and (Hopper) simulator state
+    b = GTrXLPPO.for_training(cfg, None, "cpu")
     b.model.load_state_dict(a.model.state_dict())
     b.load_extra_state(a.extra_state())
     b.load_process_state([a.process_state()])
     assert b.resume_note(8) is None
-    fresh = GTrXLPPO(cfg, None, "cpu")
+    fresh = GTrXLPPO.for_training(cfg, None, "cpu")
     fresh.model.load_state_dict(a.model.state_dict())
     fresh.load_extra_state(a.extra_state())  # counters and statistics only: fresh environments
     outs = []
     for agent in (a, b, fresh):
         torch.manual_seed(1)
-        ro = agent.collect()
+        ro = agent.collector.collect()
         outs.append(({k: v for k, v in ro.items() if k != "stats"}, ro["stats"]))
     assert _same(outs[0], outs[1])
     assert not _same(outs[0][0]["x"], outs[2][0]["x"])  # without the saved state: other observations
@@ -189,13 +190,13 @@ def test_a_checkpoint_without_process_state_resumes_as_before(tmp_path: Path, ca
 
 
 def test_another_number_of_processes_restarts_the_environments_and_says_so() -> None:
-    a = GTrXLPPO(_cfg(), None, "cpu")
-    a.collect()
-    b = GTrXLPPO(_cfg(), None, "cpu")
+    a = GTrXLPPO.for_training(_cfg(), None, "cpu")
+    a.collector.collect()
+    b = GTrXLPPO.for_training(_cfg(), None, "cpu")
     b.load_extra_state(a.extra_state())
     b.load_process_state([a.process_state(), a.process_state()])  # written by 2 processes
     note = b.resume_note(4)
-    assert b.envs is None and "written by 2 process(es) and this run has 1" in note
+    assert b.collector.envs is None and "written by 2 process(es) and this run has 1" in note
     assert note.endswith("restart with fresh resets (and empty backbone memory) and a fresh rollout")
 
 

@@ -92,11 +92,11 @@ def test_ppo_fine_tunes_an_offline_checkpoint(tmp_path, recall_file):
     ])
     from rl_tformers.agents.gtrxl.ppo import GTrXLPPO
 
-    ppo = GTrXLPPO(ppo_cfg, None, "cpu")
+    ppo = GTrXLPPO.for_training(ppo_cfg, None, "cpu")
     own = ppo.model.state_dict()
     for k, v in offline.agent.model.state_dict().items():
         assert torch.equal(own[k], v), k  # encoder and actor copied
-    assert ppo.model.value is not None and not ppo.update_obs_stats
+    assert ppo.model.value is not None and not ppo.collector.update_obs_stats
     np.testing.assert_allclose(ppo.obs_rms.std, offline.extra["obs_std"].numpy(), rtol=1e-5)
 
 

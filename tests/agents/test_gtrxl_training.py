@@ -895,3 +895,19 @@ def test_backbone_doc_type_check_example_gives_the_message_it_quotes() -> None:
     with pytest.raises(Exception) as info:
         BackboneConfig.from_dict({"attention": {"kind": kind, field: float(value)}})
     assert f"{quoted_field} must be an integer, got {quoted_value} (float)" in str(info.value), str(info.value)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------- 6: docs
+def test_gtrxl_known_limits_do_not_contradict_the_default_knn_retrieval() -> None:
+    """README and docs/memory_adaptive.md: kNN memory's default `retrieval: steps` makes acting
+    one step at a time equal the training forward. docs/gtrxl.md "Known limits" still says
+    acting does not equal the segment computation "even within mem_len steps" (the old
+    `segments` rule) without naming the retrieval rule."""
+    text = (ROOT / "docs" / "gtrxl.md").read_text()
+    known = text[text.index("## Known limits"):]
+    bullets = [b for b in known.split("\n- ") if "memory.kind=knn" in b]
+    for b in bullets:
+        assert "does not equal" not in b or "segments" in b, b

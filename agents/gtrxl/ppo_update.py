@@ -1,0 +1,186 @@
+"""The PPO update of PPO-GTrXL: advantages, the clipped-surrogate loss and the minibatch epochs.
+
+Given a rollout (:mod:`rl_tformers.agents.gtrxl.rollout`), :func:`compute_gae` gives the
+advantages and returns (Schulman et al. 2016), :func:`minibatches` splits the S x N samples into
+``n_epochs`` passes of ``n_minibatches`` random minibatches, and :func:`ppo_loss` is the loss of
+one minibatch (Schulman et al. 2017, eq. 9), each sample recomputed as one query over the backbone
+memory it acted with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from rl_tformers.agents.gtrxl.model import GTrXLModel, gate_logs
+from torch import Tensor
+
+from rl_tformers.runtime.distributed import is_active, shard_mean_total
+from rl_tformers.types import BackboneState, LayerState
+
+
+def compute_gae(
+    rewards: Tensor, values: Tensor, dones: Tensor, last_value: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16).
+
+    Args:
+        rewards: (S, N) reward of step t (truncation bootstraps already added).
+        values: (S, N) V(s_t) at collection.
+        dones: (S, N) bool, the episode ended after step t (s_{t+1} starts a new one).
+        last_value: (N,) V(s_S) of the observation after the rollout.
+        gamma, lam: discount and GAE lambda.
+
+    Returns:
+        advantages (S, N) and returns = advantages + values (S, N).
+    """
+    s = rewards.shape[0]
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros_like(last_value)
+    nonterm = (~dones).to(rewards.dtype)
+    for t in reversed(range(s)):  # the recursion over rollout steps is inherent
+        next_v = last_value if t == s - 1 else values[t + 1]
+        delta = rewards[t] + gamma * next_v * nonterm[t] - values[t]
+        last = delta + gamma * lam * nonterm[t] * last
+        adv[t] = last
+    return adv, adv + values
+
+
+def state_from_rows(mem: Tensor, pos: Tensor, valid: Tensor, seg: Tensor, episode: Tensor, next_pos: Tensor) -> BackboneState:
+    """Rebuild a :class:`BackboneState` from stored per-sample tensors.
+
+    Args:
+        mem: (B, L, M, D) per-layer memory; pos, valid, seg: (B, M); episode, next_pos: (B,).
+    """
+    return BackboneState(
+        layers=[LayerState(memory=m) for m in mem.unbind(1)],
+        pos=pos, valid=valid, seg=seg, episode=episode, next_pos=next_pos,
+    )
+
+
+def normalize_advantages(adv: Tensor, eps: float = 1e-8) -> Tensor:
+    """Advantage normalisation of a minibatch: (adv - mean) / (std + eps), (B,) -> (B,).
+
+    ``std`` is the unbiased sample standard deviation (``Tensor.std``, as CleanRL's PPO). With
+    one process (or outside a DDP training forward) the statistics are this minibatch's, exactly
+    as ``(adv - adv.mean()) / (adv.std() + eps)``; a minibatch of one row is returned unchanged
+    (a run's ``agent.norm_adv`` with such minibatches is refused: :func:`check_ppo_options`).
+    Inside a DDP training forward (the trainer's
+    :class:`~rl_tformers.runtime.distributed.AgentLoss`, where every rank holds a shard of the
+    global minibatch) the mean and standard deviation are those of the global minibatch, every
+    rank's rows (float64 sums over the ranks: :func:`~rl_tformers.runtime.distributed.shard_mean_total`
+    for the count, then two all-reduces, every rank in step), so each rank normalises its rows
+    exactly as one process normalises the whole minibatch.
+    """
+    # N / W inside a DDP training forward; None otherwise (no process group: no tensor made at all)
+    total = shard_mean_total(adv.new_tensor(float(adv.numel()))) if is_active() else None
+    if total is None:
+        if adv.numel() <= 1:
+            return adv
+        return (adv - adv.mean()) / (adv.std() + eps)
+    n = round(float(total) * dist.get_world_size())  # N: rows of the global minibatch
+    moments = adv.detach().to(torch.float64).sum().reshape(1)
+    dist.all_reduce(moments, op=dist.ReduceOp.SUM)
+    mean = moments / max(n, 1)
+    sq = (adv.detach().to(torch.float64) - mean).pow(2).sum().reshape(1)
+    dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+    if n <= 1:
+        return adv
+    std = (sq / (n - 1)).sqrt()
+    return (adv - mean.to(adv.dtype)) / (std.to(adv.dtype) + eps)
+
+
+def ppo_loss(
+    model: GTrXLModel,
+    mb: Mapping[str, Tensor],
+    *,
+    clip_coef: float,
+    ent_coef: float,
+    vf_coef: float,
+    norm_adv: bool,
+    critic_only: bool = False,
+) -> tuple[Tensor, dict[str, Tensor | float]]:
+    """Clipped-surrogate PPO loss on a minibatch of single steps, each with its stored memory.
+
+    Args:
+        model: :class:`GTrXLModel` with ``critic="value"``.
+        mb: ``x (B, input_dim)``, ``pos (B,)``, ``mem (B, L, M, D)``, ``mem_pos/mem_valid/mem_seg
+            (B, M)``, ``episode (B,)``, ``actions (B, A) or (B,)``, ``logp (B,)``, ``adv (B,)``,
+            ``returns (B,)``.
+        critic_only: train only the value head, on detached features (the critic warm-up of
+            fine-tuning: encoder and actor keep their offline weights).
+
+    Returns:
+        (loss, logs): L = L_clip - ent_coef * H + vf_coef * 0.5 (V - R)^2 (Schulman et al. 2017,
+        eq. 9); with ``critic_only``, vf_coef * 0.5 (V - R)^2. With ``norm_adv`` the advantages
+        are normalised first (:func:`normalize_advantages`).
+
+    Under DDP each rank holds an equal-sized shard of the global minibatch: every term is a mean
+    over the shard (so DDP's gradient average is the mean over the global minibatch) and the
+    advantages are normalised with the global minibatch's statistics, so W processes compute
+    the gradient one process computes on the whole minibatch.
+    """
+    enc = model.encoder
+    state = state_from_rows(mb["mem"], mb["mem_pos"], mb["mem_valid"], mb["mem_seg"], mb["episode"], mb["pos"])
+    out = enc(mb["x"][:, None], mb["pos"][:, None], state=state)
+    h = out.features[:, 0]  # (B, D)
+    logp = model.actor.log_prob(h, mb["actions"])
+    entropy = model.actor.entropy(h).mean()
+    value = model.state_value(h.detach() if critic_only else h)
+    log_ratio = logp - mb["logp"]
+    ratio = log_ratio.exp()
+    adv = mb["adv"]
+    if norm_adv:
+        adv = normalize_advantages(adv)
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_coef, 1.0 + clip_coef)).mean()
+    v_loss = 0.5 * (value - mb["returns"]).pow(2).mean()
+    if critic_only:
+        loss = vf_coef * v_loss
+    else:
+        loss = pg - ent_coef * entropy + vf_coef * v_loss + sum(out.aux.values(), torch.zeros((), device=h.device))
+    with torch.no_grad():
+        logs = {
+            "loss_policy": pg.detach(),
+            "loss_value": v_loss.detach(),
+            "entropy": entropy.detach(),
+            "approx_kl": ((ratio - 1) - log_ratio).mean().detach(),
+            "clipfrac": ((ratio - 1.0).abs() > clip_coef).float().mean(),
+        }
+        logs.update(gate_logs(out.metrics))
+    return loss, logs
+
+
+def minibatches(ro: Mapping[str, Any], *, seed: int, rollout: int, n_epochs: int, n_minibatches: int,
+                critic_only: bool, device: torch.device, skip: int = 0) -> Iterator[dict[str, Any]]:
+    """``n_epochs`` passes over a rollout's S x N samples in ``n_minibatches`` random minibatches.
+
+    Args:
+        ro: the rollout: (S, N, ...) tensors and ``stats`` (floats for logging).
+        seed, rollout: the permutation of epoch e is drawn from ``default_rng([seed, rollout, e])``
+            (a pure function of the rollout's number), so ``skip`` (the first minibatches, already
+            trained on before a resume) leaves the rest unchanged.
+        n_epochs, n_minibatches: passes and minibatches per pass (``np.array_split`` sizes).
+        critic_only: set on every minibatch (the critic warm-up of fine-tuning: :func:`ppo_loss`).
+        device: where the row indices are made.
+        skip: minibatches to leave out at the start.
+
+    Yields:
+        dict of (B, ...) tensors (the rollout's rows of the minibatch), ``stats`` and ``critic_only``.
+    """
+    flat = {k: v.flatten(0, 1) for k, v in ro.items() if isinstance(v, Tensor)}  # (S * N, ...)
+    total = next(iter(flat.values())).shape[0]
+    served = 0
+    for epoch in range(n_epochs):
+        perm = np.random.default_rng([seed, rollout, epoch]).permutation(total)
+        for idx in np.array_split(perm, n_minibatches):
+            served += 1
+            if served <= skip:
+                continue
+            ix = torch.as_tensor(idx, device=device)
+            mb = {k: v[ix] for k, v in flat.items()}
+            mb["stats"] = ro["stats"]
+            mb["critic_only"] = critic_only
+            yield mb
