@@ -67,3 +67,20 @@ def test_every_documented_recipe_line_is_reproduced_by_its_command(row, shared_d
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert (got["episodes"], got["steps"]) == (episodes, steps), name
     assert f"{got['return_mean']:.1f} ± {got['return_std']:.1f}" == f"{mean:.1f} ± {std:.1f}", name
+
+
+runner = CliRunner()
+
+
+# ------------------------------------------------------------------- 2: collect --skip-existing
+def test_skip_existing_does_not_silently_keep_a_recipe_built_with_another_size(tmp_path: Path) -> None:
+    """The README's path: `collect --recipe hopper-medium --recipe-steps 5000` (a small set to
+    try things), later `collect --recipe 'hopper-*'`, which stops and suggests --skip-existing.
+    That keeps the 5k-step set under the full recipe's id with a bare "exists ..., skipped",
+    although the dataset's metadata records the size it was built with."""
+    args = ["collect", "--recipe", "hopper-random", "--root", str(tmp_path), "--no-progress"]
+    r = runner.invoke(app, [*args, "--recipe-steps", "6"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, [*args, "--skip-existing"])  # the recipe's own 100k steps
+    line = next((ln for ln in r.output.splitlines() if "random-v0" in ln), r.output)
+    assert any(s in line for s in ("--recipe-steps", "--overwrite", "100k", "100000")), r.output

@@ -229,9 +229,6 @@ def test_plot_out_is_checked_before_loading_or_evaluating(tmp_path: Path, monkey
     assert not (tmp_path.parent / f"{tmp_path.name}.png").exists()
 
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
 TINY_DT = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=1", "train.batch_size=4",
            "train.warmup_steps=0", "train.progress=false", "eval.at_end=false", "device=cpu"]
 
@@ -291,20 +288,6 @@ def test_plot_from_json_refuses_an_evaluation_of_another_environment(tmp_path: P
     assert "Hopper-v5" in r.output
 
 
-# ------------------------------------------------------------------- 2: collect --skip-existing
-def test_skip_existing_does_not_silently_keep_a_recipe_built_with_another_size(tmp_path: Path) -> None:
-    """The README's path: `collect --recipe hopper-medium --recipe-steps 5000` (a small set to
-    try things), later `collect --recipe 'hopper-*'`, which stops and suggests --skip-existing.
-    That keeps the 5k-step set under the full recipe's id with a bare "exists ..., skipped",
-    although the dataset's metadata records the size it was built with."""
-    args = ["collect", "--recipe", "hopper-random", "--root", str(tmp_path), "--no-progress"]
-    r = runner.invoke(app, [*args, "--recipe-steps", "6"])
-    assert r.exit_code == 0, r.output
-    r = runner.invoke(app, [*args, "--skip-existing"])  # the recipe's own 100k steps
-    line = next((ln for ln in r.output.splitlines() if "random-v0" in ln), r.output)
-    assert any(s in line for s in ("--recipe-steps", "--overwrite", "100k", "100000")), r.output
-
-
 # ------------------------------------------------------------------- 3: resume train.steps=N, cosine
 def test_resume_that_stretches_a_cosine_schedule_does_not_jump_the_learning_rate_silently(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -343,46 +326,3 @@ def test_a_run_on_a_relative_dataset_path_resumes_from_another_directory(
     monkeypatch.chdir(tmp_path)
     r = resume(work / "run", ["train.steps=2", f"dataset.path={work / 'cartpole.hdf5'}"])
     assert r.step == 2
-
-
-# ------------------------------------------------------------------- 5: PPO fine-tuning inputs
-def test_ppo_fine_tuning_says_which_agent_inputs_it_takes_from_the_checkpoint(tmp_path: Path) -> None:
-    """`train -c gtrxl/ppo_cartpole_finetune` records `agent.head_hidden: 64` (inherited from
-    ppo_cartpole.yaml) in config.yaml, but builds the offline run's head_hidden=0 (207,491
-    parameters, not 224,131), without a word; a changed backbone setting is warned about
-    (tests/agents/test_gtrxl_training.py), a changed head_hidden / prev_reward is not."""
-    from rl_tformers.agents.gtrxl.ppo import GTrXLPPO
-    from rl_tformers.envs.loaders import save_d4rl_hdf5
-    from rl_tformers.envs.memory_tasks import scripted_dataset
-
-    data = tmp_path / "recall.hdf5"
-    save_d4rl_hdf5(scripted_dataset("recall", 6, delay=1, seed=0), data)
-    tiny = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=2", "backbone.memory.mem_len=4",
-            "backbone.dropout=0", "backbone.attn_dropout=0", "backbone.ffn_dropout=0"]
-    train(compose(overrides=[
-        "agent.kind=gtrxl", "agent.seq_len=2", "agent.burn_in=0", f"dataset.path={data}", "train.steps=1",
-        "train.batch_size=2", "train.warmup_steps=0", "train.progress=false", "eval.at_end=false", "device=cpu",
-        *tiny,
-    ]), tmp_path / "offline")
-    over = ["agent.kind=gtrxl_ppo", "agent.env_id=rl_tformers/Recall-d1-v0", f"agent.init_checkpoint={tmp_path / 'offline'}",
-            "agent.n_envs=2", "agent.n_steps=6", "agent.n_minibatches=1", "device=cpu", *tiny,
-            "agent.head_hidden=32", "agent.prev_reward=true"]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ppo = GTrXLPPO.for_training(compose(overrides=over), None, "cpu")
-    assert ppo.model_cfg.head_hidden == 0  # the checkpoint's, as docs/gtrxl.md says
-    said = " ".join(str(w.message) for w in caught)
-    assert "agent.head_hidden" in said and "agent.prev_reward" in said, said
-
-
-# ------------------------------------------------------------------- 6: docs
-def test_gtrxl_known_limits_do_not_contradict_the_default_knn_retrieval() -> None:
-    """README and docs/memory_adaptive.md: kNN memory's default `retrieval: steps` makes acting
-    one step at a time equal the training forward. docs/gtrxl.md "Known limits" still says
-    acting does not equal the segment computation "even within mem_len steps" (the old
-    `segments` rule) without naming the retrieval rule."""
-    text = (ROOT / "docs" / "gtrxl.md").read_text()
-    known = text[text.index("## Known limits"):]
-    bullets = [b for b in known.split("\n- ") if "memory.kind=knn" in b]
-    for b in bullets:
-        assert "does not equal" not in b or "segments" in b, b
