@@ -82,7 +82,7 @@ class AttnContext:
     # of one forward: additive_mask's (mask, row_ok) keyed by dtype, and the XL-relative
     # distance tables (sinusoids of the allowed distances + each pair's row) keyed by
     # ("xl_relative", d_model, base, dtype). Not an init field, so every dataclasses.replace
-    # (select, with_keys...) starts a fresh cache: nothing derived from other queries or keys
+    # (select, select_queries...) starts a fresh cache: nothing derived from other queries or keys
     # is ever reused
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -141,10 +141,6 @@ class AttnContext:
             mask.masked_fill_(~(allowed | ~row_ok), neg_inf(dtype))
             hit = self._derived[dtype] = (mask, row_ok.to(dtype))
         return hit
-
-    def with_keys(self, pos_k: Tensor, key_valid: Tensor | None, seg_k: Tensor | None) -> AttnContext:
-        """Copy of this context with other keys (e.g. a KV cache or memory in front)."""
-        return dataclasses.replace(self, pos_k=pos_k, key_valid=key_valid, seg_k=seg_k, _allowed=None)
 
     def select(self, start: int, end: int) -> AttnContext:
         """Context restricted to queries ``start:end`` (keys unchanged)."""

@@ -312,11 +312,7 @@ def expand(grid: dict[str, list[str]], seeds: Sequence[int], out_dir: str | os.P
     A point's folder names each grid key by its shortest dotted suffix that no other grid key
     shares (:func:`short_keys`), with one key or many: ``kind=sdpa`` for
     ``--grid backbone.attention.kind=...`` alone, ``attention.kind=sdpa__position.kind=none``
-    with ``backbone.position.kind`` too. A folder of the naming used before (the whole dotted
-    keys when two keys shared their last part:
-    ``backbone.attention.kind=sdpa__backbone.position.kind=none``) that exists in ``out_dir``
-    while the new name does not is kept, so a sweep started before still resumes into its runs
-    (:func:`legacy_label`).
+    with ``backbone.position.kind`` too.
 
     Raises:
         SweepError: two grid points map to the same run directory (the same value twice, or
@@ -333,9 +329,6 @@ def expand(grid: dict[str, list[str]], seeds: Sequence[int], out_dir: str | os.P
     for values in itertools.product(*(grid[k] for k in keys)):
         point = dict(zip(keys, values))
         folder = _slug("__".join(f"{short[k]}={v}" for k, v in point.items())) if point else "base"
-        legacy = _slug(legacy_label(point)) if point else "base"
-        if legacy != folder and (out / legacy).is_dir() and not (out / folder).exists():
-            folder = legacy  # a sweep started with the earlier naming: resume into its runs
         if folder in folders:
             a = ", ".join(f"{k}={v}" for k, v in folders[folder].items())
             b = ", ".join(f"{k}={v}" for k, v in point.items())
@@ -397,14 +390,6 @@ def short_keys(keys: Sequence[str]) -> dict[str, str]:
         n = next((n for n in range(1, len(parts) + 1) if all(o[-n:] != parts[-n:] for o in others)), len(parts))
         out[key] = ".".join(parts[-n:])
     return out
-
-
-def legacy_label(point: Mapping[str, str]) -> str:
-    """A point's folder label as sweeps named it before :func:`short_keys`: each key's last part
-    when no other key has the same last part, else the whole dotted key (kept to resume the
-    sweeps started then; see :func:`expand`)."""
-    last = [k.split(".")[-1] for k in point]
-    return "__".join(f"{k.split('.')[-1] if last.count(k.split('.')[-1]) == 1 else k}={v}" for k, v in point.items())
 
 
 #: Config keys the sweep sets for every run itself (``seed`` from --seeds, ``run_dir`` its folder).
@@ -618,19 +603,6 @@ def clear_uncheckpointed(run_dir: Path) -> list[Path]:
     return removed
 
 
-def requested_config(run: SweepRun, config: str | None, device: str | None = None) -> dict[str, Any]:
-    """The resolved config ``train_command(run, config, "new", device)`` would train (plain dict).
-
-    Raises:
-        SweepError: the config does not compose (unknown key, bad value...); the message names
-            the run and its grid point.
-    """
-
-    out = to_container(_compose_run(run, config, device))
-    out["run_dir"] = str(run.run_dir)
-    return out
-
-
 def _compose_errors() -> tuple[type[BaseException], ...]:
     """What composing a run's config raises for a bad config (``ConfigError`` is a ``ValueError``)."""
 
@@ -645,21 +617,13 @@ def _compose(run: SweepRun, config: str | None, device: str | None = None) -> An
     return compose(config, [*run.overrides, *extra, "train.progress=false"])
 
 
-def _compose_run(run: SweepRun, config: str | None, device: str | None = None) -> Any:
-    """:func:`_compose`, a bad config raised as :class:`SweepError` naming the run (:func:`requested_config`)."""
-    try:
-        return _compose(run, config, device)
-    except _compose_errors() as exc:
-        raise SweepError(f"run {run.name} ({run.point_label}, seed {run.seed}): {exc}") from None
-
-
 def compose_points(runs: Sequence[SweepRun], config: str | None, device: str | None = None
                    ) -> tuple[dict[str, dict[str, Any]], dict[str, str], dict[str, Any]]:
     """Compose every run's config, going on past a grid point that does not compose.
 
     Returns:
         ``(requested, bad, composed)``: the plain config of every run whose grid point composes
-        (:func:`requested_config`, by run name); ``{point label: why}`` for each grid point that
+        (resolved, with its ``run_dir``; by run name); ``{point label: why}`` for each grid point that
         does not (composed once: the seed does not change whether a config composes); the
         composed DictConfig of each good point's first run (by point label), for
         :func:`check_points`.

@@ -179,11 +179,7 @@ def test_runtime_md_sweep_folder_names_are_what_expand_gives(tmp_path: Path) -> 
     for grid, name in cases:
         assert f"`{name}`" in text, name
         assert folders(grid) == [name]
-    # a sweep started with the earlier naming resumes into its folder
-    legacy = "backbone.attention.kind=sdpa__backbone.position.kind=none"
-    assert f"`{legacy}`" in text
-    (tmp_path / "old" / legacy).mkdir(parents=True)
-    assert folders(cases[1][0], tmp_path / "old") == [legacy]
+    assert "backbone.attention.kind=sdpa__backbone.position.kind=none" not in text  # no other naming
     # the refusal example's folder names
     grid = {"backbone.attention.kind": ["sdpa", "linformer"], "backbone.causal": ["true", "false"]}
     names = folders(grid)

@@ -815,28 +815,13 @@ def test_warnings_of_building_the_agents_reach_the_sweep_console() -> None:
 
 
 # ------------------------------------------------------------------------- run folder names
-def test_run_folders_name_keys_by_their_shortest_distinct_suffix_and_old_sweeps_resume(tmp_path: Path) -> None:
+def test_run_folders_name_keys_by_their_shortest_distinct_suffix(tmp_path: Path) -> None:
     names = [r.name for r in sw.expand({"backbone.attention.kind": ["sdpa"], "backbone.position.kind": ["none"]},
                                        [0], tmp_path)]
     assert names == ["attention.kind=sdpa__position.kind=none/seed0"]  # not backbone.attention.kind=...
     assert [r.name for r in sw.expand({"backbone.attention.kind": ["sdpa"]}, [0], tmp_path)] == ["kind=sdpa/seed0"]
     assert sw.short_keys(["x.a.kind", "y.a.kind", "train.lr"]) == {"x.a.kind": "x.a.kind", "y.a.kind": "y.a.kind",
                                                                    "train.lr": "lr"}
-
-    # a sweep started with the earlier naming resumes into its folders
-    out = tmp_path / "sweep"
-    grid = {"backbone.attention.kind": ["sdpa"], "backbone.position.kind": ["learned"]}
-    common = ["agent.kind=toy", "train.steps=2", "train.log_every=1", "train.checkpoint_every=0", "eval.at_end=false"]
-    sw.sweep(None, grid, [0], out, common, device="cpu", echo=lambda m: None)
-    new, old = "attention.kind=sdpa__position.kind=learned", "backbone.attention.kind=sdpa__backbone.position.kind=learned"
-    (out / new).rename(out / old)  # as the earlier naming left it, logs included
-    for log in (out / "logs").glob(f"{new}_seed0*"):
-        log.rename(log.with_name(log.name.replace(new, old)))
-    messages: list[str] = []
-    res = sw.sweep(None, grid, [0], out, common, device="cpu", echo=messages.append)
-    assert [(r["run"], r["status"]) for r in res.rows] == [(f"{old}/seed0", "skipped")]
-    assert not (out / new).exists() and res.rows[0]["seconds"] > 0  # its parts ledger was found too
-    assert f"skipped {old}/seed0 (complete)" in messages
 
 
 # ------------------------------------------------------------------------------- --seed range
