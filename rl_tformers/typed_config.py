@@ -301,7 +301,7 @@ class TypedConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | TypedConfig | None, where: str = "") -> Any:
         """Build from a (possibly partial) mapping; missing keys take their defaults, nested
-        sections are built from mappings (``None`` for a section: its defaults).
+        sections are built from mappings (a section given as null is refused).
 
         Args:
             data: a mapping, an instance (returned as it is) or None (all defaults).
@@ -328,7 +328,7 @@ class TypedConfig:
         for name, value in data.items():
             section = _section_cls(hints.get(name))
             sub = f"{where}.{name}" if where else name
-            if section is not None and (value is None or isinstance(value, Mapping)):
+            if section is not None and isinstance(value, Mapping):
                 value = section.from_dict(value, sub)
             kwargs[name] = value
         try:
