@@ -446,12 +446,9 @@ class DatasetInfo:
             return_min=float(d["dataset_return_min"]), longest_episode=int(d["longest_episode"]),
             env_id=d.get("env_id"), env_kwargs=dict(d.get("env_kwargs") or {}), pomdp=d.get("pomdp"),
             ref_min=d.get("ref_min"), ref_max=d.get("ref_max"), dataset=d.get("dataset"),
-            action_start=int(d.get("action_start", 0)),  # checkpoints from before the field: 0
-            flatten_observations=bool(d.get("flatten_observations", False)),
-            # checkpoints from before the field: None -> the flat (act_dim,) (1-D Boxes only trained then)
-            action_shape=None if d.get("action_shape") is None else tuple(int(k) for k in d["action_shape"]),
-            # checkpoints from before these fields: None (not compared on resume)
-            num_steps=None if d.get("num_steps") is None else int(d["num_steps"]), action_mean=a(d.get("action_mean")),
+            action_start=int(d["action_start"]), flatten_observations=bool(d["flatten_observations"]),
+            action_shape=tuple(int(k) for k in d["action_shape"]),
+            num_steps=None if d["num_steps"] is None else int(d["num_steps"]), action_mean=a(d["action_mean"]),
         )
 
     def time_limit(self) -> int | None:

@@ -749,18 +749,18 @@ def test_loaded_actions_keep_the_box_shape_and_dataset_info_records_it(matrix_h5
     assert DatasetInfo.from_extra(extra).action_shape == (2, 2)
 
 
-def test_checkpoints_without_the_field_read_as_flat_box_or_scalar_discrete(matrix_h5) -> None:
-    """Extra state written before ``action_shape`` existed (only 1-D Boxes could be trained)."""
+def test_extra_state_keeps_flat_box_and_scalar_discrete_shapes_and_refuses_mismatches(matrix_h5) -> None:
+    """``action_shape`` in the extra state: (3,) for a 1-D Box, () for discrete actions."""
     from rl_tformers.agents.common.offline import DatasetInfo
     from rl_tformers.envs.loaders import load_dataset
 
     box = DatasetInfo.from_dataset(_dataset(VECTOR_ENV)).to_extra()
-    assert box.pop("action_shape") == [3]
+    assert box["action_shape"] == [3]
     assert DatasetInfo.from_extra(box).action_shape == (3,)
     from rl_tformers.envs.memory_tasks import scripted_dataset
 
     disc = DatasetInfo.from_dataset(scripted_dataset("recall", 4, delay=2, seed=0)).to_extra()
-    assert disc.pop("action_shape") == []
+    assert disc["action_shape"] == []
     assert DatasetInfo.from_extra(disc).action_shape == ()
     good = DatasetInfo.from_dataset(load_dataset(str(matrix_h5))).to_extra()
     with pytest.raises(ValueError, match=r"action_shape=\(3, 2\) does not hold act_dim=4"):
@@ -837,28 +837,6 @@ def test_offline_agents_train_resume_and_evaluate_with_box_actions_in_the_envs_s
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["results"][0]["lengths"] == [STEPS, STEPS]
     assert len(ShapedActionEnv.received) >= 2 * STEPS and set(ShapedActionEnv.received) == {(2, 2)}
-
-
-@pytest.mark.parametrize("kind", ["dt", "bc", "gtrxl"])
-def test_eval_of_a_checkpoint_from_before_the_field_acts_with_flat_box_actions(tmp_path, kind) -> None:
-    """A run saved before ``action_shape`` was recorded (1-D Box actions then): `rl-tformers eval RUN`
-    reads it as the flat shape and acts exactly as before."""
-    from rl_tformers.envs.loaders import save_d4rl_hdf5
-
-    from rl_tformers.runtime.checkpoint import find_latest_valid, load_checkpoint, save_checkpoint
-
-    h5 = save_d4rl_hdf5(_dataset(VECTOR_ENV, episodes=2), tmp_path / "vector.hdf5")
-    run_dir = tmp_path / "run"
-    train(compose(None, [*TINY_BOX_ACTIONS[kind], f"dataset.path={h5}", *FAST_BOX_ACTIONS, "train.steps=1", "eval.at_end=false"]), run_dir)
-    found = find_latest_valid(run_dir)
-    state = load_checkpoint(found.path)
-    assert state["extra"].pop("action_shape") == [3]
-    save_checkpoint(run_dir, state)
-    assert "action_shape" not in load_checkpoint(find_latest_valid(run_dir).path)["extra"]
-    ShapedActionEnv.received.clear()
-    r = runner.invoke(app, ["eval", str(run_dir), "--episodes", "2", "--envs", "2"])
-    assert r.exit_code == 0, r.output
-    assert len(ShapedActionEnv.received) >= 2 * STEPS and set(ShapedActionEnv.received) == {(3,)}
 
 
 def test_policies_return_the_flat_actions_in_the_envs_shape(matrix_h5) -> None:
