@@ -14,9 +14,9 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def _python_api_block() -> str:
     text = README.read_text()
-    section = text[text.index("### Python API"):]
+    section = text[text.index("## Python API"):]
     match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "README: no python block under '### Python API'"
+    assert match, "README: no python block under '## Python API'"
     return match.group(1)
 
 
