@@ -42,6 +42,12 @@ def train_dt(*args: str):
     return runner.invoke(app, ["train", "-c", "dt/cartpole_demo", *args, *TINY_DT])
 
 
+def assert_clean_exit(r, code: int) -> None:
+    """The command ended with ``code`` through typer (an ``error: ...`` line), not a traceback."""
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.exit_code == code, r.output
+
+
 def tripwire(*args, **kwargs):
     """A stand-in for an expensive function that a refusal must come before."""
     raise AssertionError("the expensive part ran before the bad option was refused")

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from rl_tformers import Backbone, BackboneConfig
 from rl_tformers.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
 from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError
+from rl_tformers.runtime.run_config import ConfigError, compose
 
 D, H = 16, 2
 
@@ -168,3 +169,22 @@ def test_built_configs_are_taken_where_a_config_mapping_is_expected() -> None:
         EncoderDecoderConfig.from_dict({"encoder": [("d_model", 8)]})
     with pytest.raises(TypeError, match=r"^encoder_decoder: expected an EncoderDecoderConfig or a mapping"):
         EncoderDecoder("vanilla")
+
+
+# ------------------------------------------------------------------- 6: backbone numbers
+@pytest.mark.parametrize("override, expected", [
+    ("backbone.attn_dropout=2", "backbone.attn_dropout must be a probability in [0, 1), got 2"),
+    ("backbone.dropout=1.5", "backbone.dropout must be a probability in [0, 1), got 1.5"),
+    ("backbone.ffn_dropout=-0.1", "backbone.ffn_dropout must be a probability in [0, 1) or null (= backbone.dropout), "
+                                  "got -0.1"),
+    ("backbone.d_ff=-4", "backbone.d_ff must be an integer >= 1 or null (4 * d_model), got -4"),
+    ("backbone.d_ff=0", "backbone.d_ff must be an integer >= 1 or null (4 * d_model), got 0"),
+    ("backbone.d_model=16.0", "backbone.d_model must be an integer >= 1, got 16.0"),
+    ("backbone.max_position=-1", "backbone.max_position must be an integer >= 1, got -1"),
+    ("backbone.n_heads='2'", "backbone.n_heads must be an integer >= 1, got '2'"),
+    ("backbone.causal=maybe", "backbone.causal must be true or false, got 'maybe'"),
+])
+def test_backbone_numbers_are_checked_with_their_key(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        compose(None, ["agent.kind=toy", override])
+    assert str(info.value) == expected

@@ -79,3 +79,31 @@ def test_bench_eval_settings_are_checked_in_python_too(monkeypatch) -> None:
         be.run(be.Settings(max_episode_steps=0))
     with pytest.raises(ValueError, match=r"^--mem-steps must be >= 1, got 0$"):
         be.run(be.Settings(mem_steps=0))
+
+
+# -- `bench eval --mem-lens 1000000000` died in the allocator with a traceback ---------------------
+def test_bench_eval_refuses_a_memory_length_that_cannot_fit(monkeypatch):
+    from rl_tformers.bench import eval as be
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("part 2 ran")
+
+    monkeypatch.setattr(be, "memory_step_cost", tripwire)
+    monkeypatch.setattr(be, "device_memory_bytes", lambda device: 16 * 2**30, raising=False)
+    r = runner.invoke(app, ["bench", "eval", "--skip-rollouts", "--memory-kinds", "xl", "--mem-lens", "32,1000000000"])
+    assert r.exit_code == 2, r.output
+    assert r.stderr == (
+        "error: --mem-lens: M = 1000000000 needs about 1.49e+12 GiB in part 2 (re-encoding M + 1 tokens forms about "
+        "10 float32 score tensors of --mem-envs 10 x 4 heads x (M + 1)^2), more than the 16.00 GiB of this machine; "
+        "the largest M that fits is 3274 (keep M to the memory length an agent would use, e.g. up to its episode "
+        "length)\n")
+    assert "Traceback" not in r.output
+    # the limit is the estimate's: 3274 fits in 16 GiB, 3275 does not; the defaults (up to 512) need 0.33 GiB
+    s = be.Settings(memory_kinds=("xl",), mem_lens=(3274,), skip_rollouts=True)
+    assert be.part2_bytes(3274, s) <= 16 * 2**30 < be.part2_bytes(3275, s)
+    s.check_memory(16 * 2**30)
+    assert be.part2_bytes(512, be.Settings()) == 4 * 10 * (10 * 4 * 513**2 + (512 + 50 + 1) * 128)
+    r = runner.invoke(app, ["bench", "eval", "--skip-rollouts", "--mem-lens", "4", "--mem-steps", str(10**12)])
+    assert r.exit_code == 2 and r.stderr == (
+        "error: --mem-steps 1000000000000: part 2 keeps all M + 1000000000000 input tokens of --mem-envs 10 "
+        "environments in memory, more than the 16.00 GiB of this machine; lower --mem-steps\n")

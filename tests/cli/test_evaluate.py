@@ -218,3 +218,8 @@ def test_a_yaml_file_given_as_checkpoint_is_named_not_a_checkpoint(tmp_path: Pat
     with pytest.raises(CheckpointError, match=r"config.yaml: not an rl-tformers checkpoint \(those are the zip "
                                               r"archives torch.save writes, RUN_DIR/checkpoints/step_\*.pt\)"):
         load_checkpoint(f)
+
+
+def test_eval_of_a_missing_run_directory_says_so(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["eval", str(tmp_path / "no_such_run")])
+    assert r.exit_code == 2 and "no_such_run does not exist" in r.output

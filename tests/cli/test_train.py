@@ -7,7 +7,6 @@ import warnings
 from pathlib import Path
 
 import gymnasium as gym
-import h5py
 import numpy as np
 import pytest
 import torch
@@ -16,22 +15,16 @@ from typer.testing import CliRunner
 
 from rl_tformers.backbone_config import BackboneConfig
 from rl_tformers.cli import app
-from rl_tformers.runtime.run_config import ConfigError, compose
+from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
 from tests.datafiles import write_d4rl_h5
-from tests.runs import TINY_DT, train_dt
+from tests.runs import TINY_DT, assert_clean_exit, train_dt
 
 runner = CliRunner()
 
 
 SMALL = ["train.steps=2", "train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1", "eval.every=0",
          "eval.at_end=false", "train.progress=false", "train.warmup_steps=1", "device=cpu"]
-
-
-def _clean_exit(r, code: int) -> None:
-    """The command ended with ``code`` through typer (an ``error: ...`` line), not a traceback."""
-    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
-    assert r.exit_code == code, r.output
 
 
 # ------------------------------------------------------------------- 1: Discrete(n, start != 0)
@@ -107,94 +100,9 @@ def test_discrete_start_is_subtracted_from_the_training_labels(tmp_path: Path) -
 ])
 def test_dt_options_are_checked_before_the_dataset_is_read(tmp_path: Path, override: str, expected: str) -> None:
     r = train_dt(f"dataset.path={tmp_path / 'not_read_yet.hdf5'}", override, "--run-dir", str(tmp_path / "run"))
-    _clean_exit(r, 2)
+    assert_clean_exit(r, 2)
     assert f"error: {expected}" in r.output and "not_read_yet" not in r.output
     assert not (tmp_path / "run").exists()
-
-
-# ------------------------------------------------------------------- 3, 4, 5: HDF5 files that are not D4RL arrays
-def _truncated(path: Path) -> Path:
-    data = write_d4rl_h5(path.with_name("whole.hdf5")).read_bytes()
-    path.write_bytes(data[: len(data) // 2])
-    return path
-
-
-@pytest.mark.parametrize("make", ["garbage", "truncated"])
-def test_an_unreadable_hdf5_file_is_a_dataset_error(tmp_path: Path, make: str) -> None:
-    from rl_tformers.envs.dataset import DatasetError
-    from rl_tformers.envs.loaders import load_dataset
-
-    path = tmp_path / f"{make}.hdf5"
-    if make == "garbage":
-        path.write_bytes(b"this is not an HDF5 file\n" * 10)
-    else:
-        _truncated(path)
-    with pytest.raises(DatasetError, match=rf"^{path}: not a readable HDF5 file \(.+\)$"):
-        load_dataset(path)
-    r = runner.invoke(app, ["dataset", "info", str(path)])
-    _clean_exit(r, 1)  # the dataset commands' exit status for a bad dataset
-    assert f"error: {path}: not a readable HDF5 file (" in r.output
-    r = train_dt(f"dataset.path={path}", "--run-dir", str(tmp_path / "run"))
-    _clean_exit(r, 2)
-    assert f"error: {path}: not a readable HDF5 file (" in r.output
-
-
-def test_an_hdf5_group_where_a_dataset_belongs_is_named(tmp_path: Path) -> None:
-    from rl_tformers.envs.dataset import DatasetError
-    from rl_tformers.envs.loaders import load_dataset
-
-    path = write_d4rl_h5(tmp_path / "g.hdf5")
-    with h5py.File(path, "a") as f:
-        obs = f["observations"][()]
-        del f["observations"]
-        f.create_group("observations").create_dataset("a", data=obs)
-    with pytest.raises(DatasetError, match=rf"^{path}: 'observations' is an HDF5 group, not a dataset;"):
-        load_dataset(path)
-    r = runner.invoke(app, ["dataset", "info", str(path)])
-    _clean_exit(r, 1)
-    assert "'observations' is an HDF5 group, not a dataset" in r.output
-
-
-@pytest.mark.parametrize("key, values, dtype", [
-    ("actions", np.array([b"abc"] * 30), "|S3"),
-    ("actions", np.arange(30) % 2 == 0, "bool"),
-    ("observations", np.array([[b"x"] * 4] * 30), "|S1"),
-    ("rewards", np.array([b"r"] * 30), "|S1"),
-])
-def test_non_numeric_hdf5_arrays_are_named_up_front(tmp_path: Path, key: str, values, dtype: str) -> None:
-    from rl_tformers.envs.dataset import DatasetError
-    from rl_tformers.envs.loaders import load_dataset
-
-    path = write_d4rl_h5(tmp_path / "bad.hdf5", **{key: values})
-    expected = f"{key}: dtype {dtype} is not numeric (integer or floating point) in {path}"
-    with pytest.raises(DatasetError) as info:
-        load_dataset(path)
-    assert str(info.value) == expected
-    r = runner.invoke(app, ["dataset", "info", str(path)])
-    _clean_exit(r, 1)
-    assert f"error: {expected}" in r.output
-    r = train_dt(f"dataset.path={path}", "--run-dir", str(tmp_path / "run"))
-    _clean_exit(r, 2)
-    assert f"error: {expected}" in r.output
-
-
-# ------------------------------------------------------------------- 6: backbone numbers
-@pytest.mark.parametrize("override, expected", [
-    ("backbone.attn_dropout=2", "backbone.attn_dropout must be a probability in [0, 1), got 2"),
-    ("backbone.dropout=1.5", "backbone.dropout must be a probability in [0, 1), got 1.5"),
-    ("backbone.ffn_dropout=-0.1", "backbone.ffn_dropout must be a probability in [0, 1) or null (= backbone.dropout), "
-                                  "got -0.1"),
-    ("backbone.d_ff=-4", "backbone.d_ff must be an integer >= 1 or null (4 * d_model), got -4"),
-    ("backbone.d_ff=0", "backbone.d_ff must be an integer >= 1 or null (4 * d_model), got 0"),
-    ("backbone.d_model=16.0", "backbone.d_model must be an integer >= 1, got 16.0"),
-    ("backbone.max_position=-1", "backbone.max_position must be an integer >= 1, got -1"),
-    ("backbone.n_heads='2'", "backbone.n_heads must be an integer >= 1, got '2'"),
-    ("backbone.causal=maybe", "backbone.causal must be true or false, got 'maybe'"),
-])
-def test_backbone_numbers_are_checked_with_their_key(override: str, expected: str) -> None:
-    with pytest.raises(ConfigError) as info:
-        compose(None, ["agent.kind=toy", override])
-    assert str(info.value) == expected
 
 
 def test_backbone_d_ff_default_and_dt_embed_dropout() -> None:
@@ -214,7 +122,7 @@ def test_backbone_d_ff_default_and_dt_embed_dropout() -> None:
 def test_wrongly_typed_agent_options_are_named(tmp_path: Path, args: list[str], expected: str) -> None:
     h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
     r = runner.invoke(app, ["train", *args, f"dataset.path={h5}", *SMALL, "--run-dir", str(tmp_path / "run")])
-    _clean_exit(r, 2)
+    assert_clean_exit(r, 2)
     assert f"error: {expected}" in r.output
 
 
@@ -245,17 +153,8 @@ def test_gtrxl_seq_len_and_burn_in_are_named_with_the_typed_value(tmp_path: Path
     h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
     r = runner.invoke(app, ["train", "agent.kind=gtrxl", f"dataset.path={h5}", override, *SMALL,
                             "--run-dir", str(tmp_path / "run")])
-    _clean_exit(r, 2)
+    assert_clean_exit(r, 2)
     assert f"error: {expected}" in r.output
-
-
-# ------------------------------------------------------------------- 11: export into a directory
-def test_dataset_export_to_a_directory_is_a_clean_error(tmp_path: Path) -> None:
-    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
-    (tmp_path / "out").mkdir()
-    r = runner.invoke(app, ["dataset", "export", str(h5), str(tmp_path / "out")])
-    _clean_exit(r, 1)
-    assert f"error: {tmp_path / 'out'} is a directory; OUT is the .hdf5 file to write" in r.output
 
 
 # ------------------------------------------------------------------- 12: agent.head typos
@@ -271,28 +170,6 @@ def test_unknown_dt_head_is_refused_for_discrete_actions_too() -> None:
     for head in ("deterministic", "categorical"):  # valid values work as before
         assert DTConfig(obs_dim=3, act_dim=2, discrete=True, head=head).head == "categorical"
     assert DTConfig(obs_dim=3, act_dim=2, head="gaussian").head == "gaussian"
-
-
-# ------------------------------------------------------------------- 13: messages
-def test_dataset_info_max_ep_len_must_be_positive(tmp_path: Path) -> None:
-    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
-    r = runner.invoke(app, ["dataset", "info", str(h5), "--max-ep-len", "-5"])
-    _clean_exit(r, 2)  # a usage error naming the option
-    assert "--max-ep-len" in r.output and "max_ep_len=-5" not in r.output
-
-
-def test_all_corrupt_checkpoints_name_each_file_once(tmp_path: Path) -> None:
-    from rl_tformers.runtime.checkpoint import CheckpointError, checkpoint_dir, find_latest_valid
-
-    d = checkpoint_dir(tmp_path / "run")
-    d.mkdir(parents=True)
-    bad = d / "step_000000008.pt"
-    bad.write_bytes(b"not a checkpoint")
-    with pytest.warns(UserWarning), pytest.raises(CheckpointError) as info:
-        find_latest_valid(tmp_path / "run")
-    lines = str(info.value).splitlines()
-    assert lines[0] == f"no valid checkpoint in {d}:"
-    assert lines[1].startswith(f"  {bad}: cannot be loaded") and lines[1].count(str(bad)) == 1
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -443,62 +320,6 @@ def test_dict_observations_can_be_flattened_from_the_run_config(tmp_path: Path, 
     assert ds.observation_shape == (4,)
 
 
-# ------------------------------------------------------------------------------------------ data
-def test_nan_in_terminals_is_refused() -> None:
-    from rl_tformers.envs.dataset import DatasetError, EpisodeDataset
-
-    n = 10
-    terminals = np.zeros(n, np.float32)
-    terminals[3] = np.nan
-    terminals[-1] = 1
-    with pytest.raises(DatasetError) as info:
-        EpisodeDataset.from_flags(np.zeros((n, 2), np.float32), np.zeros(n, np.int64), np.ones(n), terminals)
-    assert info.value.field == "terminals" and "3" in str(info.value)
-
-
-def test_non_binary_terminals_are_refused() -> None:
-    from rl_tformers.envs.dataset import DatasetError, EpisodeDataset
-
-    n = 10
-    terminals = np.zeros(n, np.float32)
-    terminals[4] = 0.5
-    terminals[-1] = 1
-    with pytest.raises(DatasetError, match="terminals"):
-        EpisodeDataset.from_flags(np.zeros((n, 2), np.float32), np.zeros(n, np.int64), np.ones(n), terminals)
-
-
-def test_next_observations_shape_mismatch_is_refused(tmp_path: Path) -> None:
-    from rl_tformers.envs.dataset import DatasetError
-    from rl_tformers.envs.loaders import load_d4rl_hdf5
-
-    h5 = write_d4rl_h5(tmp_path / "next.hdf5", obs_dim=4, next_observations=np.zeros((30, 5), np.float32))
-    with pytest.raises(DatasetError) as info:
-        load_d4rl_hdf5(h5)
-    assert info.value.field in ("next_observations", "final_observations")
-
-
-def test_two_dimensional_rewards_blame_rewards(tmp_path: Path) -> None:
-    from rl_tformers.envs.dataset import DatasetError
-    from rl_tformers.envs.loaders import load_d4rl_hdf5
-
-    h5 = write_d4rl_h5(tmp_path / "rew2d.hdf5", rewards=np.ones((30, 2), np.float32))
-    with pytest.raises(DatasetError) as info:
-        load_d4rl_hdf5(h5)
-    assert info.value.field == "rewards"
-
-
-def test_eval_of_a_missing_run_directory_says_so(tmp_path: Path) -> None:
-    r = runner.invoke(app, ["eval", str(tmp_path / "no_such_run")])
-    assert r.exit_code == 2 and "no_such_run does not exist" in r.output
-
-
-def test_non_finite_eval_targets_refused_by_evaluate() -> None:
-    from rl_tformers.runtime.evaluation import evaluate
-
-    with pytest.raises(ValueError, match="finite"):
-        evaluate(None, lambda: None, [float("nan")], episodes=1, n_envs=1)
-
-
 def test_demo_prints_training_progress_without_a_terminal(tmp_path: Path) -> None:
     from rl_tformers.agents.common.demo import run_demo
 
@@ -584,87 +405,6 @@ def test_the_attention_dropout_advice_is_given_in_training_not_when_the_run_is_l
 
     assert [w.category for w in caught if str(w.message) == DROPOUT_ADVICE] == [ConfigAdviceWarning]
     assert issubclass(ConfigAdviceWarning, UserWarning)
-
-
-# -- `bench eval --mem-lens 1000000000` died in the allocator with a traceback ---------------------
-def test_bench_eval_refuses_a_memory_length_that_cannot_fit(monkeypatch):
-    from rl_tformers.bench import eval as be
-
-    def tripwire(*args, **kwargs):
-        raise AssertionError("part 2 ran")
-
-    monkeypatch.setattr(be, "memory_step_cost", tripwire)
-    monkeypatch.setattr(be, "device_memory_bytes", lambda device: 16 * 2**30, raising=False)
-    r = runner.invoke(app, ["bench", "eval", "--skip-rollouts", "--memory-kinds", "xl", "--mem-lens", "32,1000000000"])
-    assert r.exit_code == 2, r.output
-    assert r.stderr == (
-        "error: --mem-lens: M = 1000000000 needs about 1.49e+12 GiB in part 2 (re-encoding M + 1 tokens forms about "
-        "10 float32 score tensors of --mem-envs 10 x 4 heads x (M + 1)^2), more than the 16.00 GiB of this machine; "
-        "the largest M that fits is 3274 (keep M to the memory length an agent would use, e.g. up to its episode "
-        "length)\n")
-    assert "Traceback" not in r.output
-    # the limit is the estimate's: 3274 fits in 16 GiB, 3275 does not; the defaults (up to 512) need 0.33 GiB
-    s = be.Settings(memory_kinds=("xl",), mem_lens=(3274,), skip_rollouts=True)
-    assert be.part2_bytes(3274, s) <= 16 * 2**30 < be.part2_bytes(3275, s)
-    s.check_memory(16 * 2**30)
-    assert be.part2_bytes(512, be.Settings()) == 4 * 10 * (10 * 4 * 513**2 + (512 + 50 + 1) * 128)
-    r = runner.invoke(app, ["bench", "eval", "--skip-rollouts", "--mem-lens", "4", "--mem-steps", str(10**12)])
-    assert r.exit_code == 2 and r.stderr == (
-        "error: --mem-steps 1000000000000: part 2 keeps all M + 1000000000000 input tokens of --mem-envs 10 "
-        "environments in memory, more than the 16.00 GiB of this machine; lower --mem-steps\n")
-
-
-# -- `collect --recipe-steps 5` built a medium-replay set without its random shard -----------------
-def test_collect_refuses_recipe_steps_that_leave_a_shard_empty(tmp_path, monkeypatch):
-    from rl_tformers.envs import collect as C
-    from rl_tformers.envs import recipes as R
-
-    def tripwire(*args, **kwargs):
-        raise AssertionError("a recipe was built")
-
-    monkeypatch.setattr(C, "build_recipe", tripwire)
-    expected = ("error: --recipe-steps must be >= 6, got {} (the medium-replay recipes split it into 5 shards of "
-                "10-25 %, each of at least 1 step)\n")
-    for n in ("5", "1"):
-        r = runner.invoke(app, ["collect", "--recipe", "hopper-medium-replay", "--recipe-steps", n,
-                                "--root", str(tmp_path / "data"), "--no-progress"])
-        assert (r.exit_code, r.stderr) == (1, expected.format(n)), r.output
-        r = runner.invoke(app, ["collect", "--list-recipes", "--recipe-steps", n])
-        assert (r.exit_code, r.stderr, r.stdout) == (1, expected.format(n), "")
-    assert not (tmp_path / "data").exists()
-    assert R.MIN_STEPS == 6
-    with pytest.raises(ValueError, match=r"^hopper-medium-replay: steps must be >= 6 \(its 5 shards take 10-25 % "
-                                          r"of them each, and none may be empty\), got 5$"):
-        R.make_recipe("hopper", "medium-replay", steps=5)
-    assert [s.steps for s in R.make_recipe("hopper", "medium-replay", steps=6).shards] == [1, 1, 1, 2, 2]
-    assert [s.steps for s in R.make_recipe("hopper", "random", steps=6).shards] == [6]
-
-
-# -- `dataset info` did not compare the data with the environment it names ----------------------
-def _hdf5(path, obs_dim: int, env_id: str = "CartPole-v1"):
-    with h5py.File(path, "w") as f:
-        f["observations"] = np.zeros((6, obs_dim), np.float32)
-        f["actions"] = np.array([0, 1, 0, 1, 0, 1], np.int64)
-        f["rewards"] = np.ones(6, np.float32)
-        f["terminals"] = np.array([0, 0, 1, 0, 0, 1], bool)
-        f.attrs["env_id"] = env_id
-    return path
-
-
-def test_dataset_info_warns_when_the_data_does_not_match_its_environment(tmp_path):
-    bad = _hdf5(tmp_path / "bad.hdf5", 3)
-    for extra in ([], ["--json"]):
-        r = runner.invoke(app, ["dataset", "info", str(bad), *extra])
-        assert r.exit_code == 0, r.output
-        assert r.stderr == (
-            "warning: the dataset does not match its environment CartPole-v1: observations of shape (3,) per step "
-            "in the data, of shape (4,) in the environment; training on it needs agent.env_id set to the "
-            "environment the data came from\n")
-    assert json.loads(r.stdout)["observation_shape"] == [3]  # --json: stdout is still one JSON object
-    # a dataset that fits its environment, or one whose environment cannot be made here: no warning
-    for path in (_hdf5(tmp_path / "good.hdf5", 4), _hdf5(tmp_path / "unknown.hdf5", 3, env_id="NoSuchEnv-v0")):
-        r = runner.invoke(app, ["dataset", "info", str(path)])
-        assert (r.exit_code, r.stderr) == (0, ""), r.output
 
 
 # -- --print-config showed `memory: {kind: compressive}`, not what compressive is built with -------

@@ -22,7 +22,8 @@ from rl_tformers.bench import attention as A
 from rl_tformers.bench import eval as E
 from rl_tformers.bench import reversible as R
 from rl_tformers.cli import app
-from tests.datafiles import write_cartpole_h5
+from tests.datafiles import write_cartpole_h5, write_d4rl_h5
+from tests.runs import assert_clean_exit
 
 runner = CliRunner()
 
@@ -360,3 +361,73 @@ def test_list_recipes_keeps_its_columns_for_long_names() -> None:
     assert any(row.startswith("halfcheetah-medium-replay-positions ") for row in rows)
     ids = [row.index("rlt/") for row in rows]
     assert len(set(ids)) == 1  # every dataset id starts in the same column
+
+
+# ------------------------------------------------------------------- 11: export into a directory
+def test_dataset_export_to_a_directory_is_a_clean_error(tmp_path: Path) -> None:
+    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
+    (tmp_path / "out").mkdir()
+    r = runner.invoke(app, ["dataset", "export", str(h5), str(tmp_path / "out")])
+    assert_clean_exit(r, 1)
+    assert f"error: {tmp_path / 'out'} is a directory; OUT is the .hdf5 file to write" in r.output
+
+
+# ------------------------------------------------------------------- 13: messages
+def test_dataset_info_max_ep_len_must_be_positive(tmp_path: Path) -> None:
+    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
+    r = runner.invoke(app, ["dataset", "info", str(h5), "--max-ep-len", "-5"])
+    assert_clean_exit(r, 2)  # a usage error naming the option
+    assert "--max-ep-len" in r.output and "max_ep_len=-5" not in r.output
+
+
+# -- `collect --recipe-steps 5` built a medium-replay set without its random shard -----------------
+def test_collect_refuses_recipe_steps_that_leave_a_shard_empty(tmp_path, monkeypatch):
+    from rl_tformers.envs import collect as C
+    from rl_tformers.envs import recipes as R
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("a recipe was built")
+
+    monkeypatch.setattr(C, "build_recipe", tripwire)
+    expected = ("error: --recipe-steps must be >= 6, got {} (the medium-replay recipes split it into 5 shards of "
+                "10-25 %, each of at least 1 step)\n")
+    for n in ("5", "1"):
+        r = runner.invoke(app, ["collect", "--recipe", "hopper-medium-replay", "--recipe-steps", n,
+                                "--root", str(tmp_path / "data"), "--no-progress"])
+        assert (r.exit_code, r.stderr) == (1, expected.format(n)), r.output
+        r = runner.invoke(app, ["collect", "--list-recipes", "--recipe-steps", n])
+        assert (r.exit_code, r.stderr, r.stdout) == (1, expected.format(n), "")
+    assert not (tmp_path / "data").exists()
+    assert R.MIN_STEPS == 6
+    with pytest.raises(ValueError, match=r"^hopper-medium-replay: steps must be >= 6 \(its 5 shards take 10-25 % "
+                                          r"of them each, and none may be empty\), got 5$"):
+        R.make_recipe("hopper", "medium-replay", steps=5)
+    assert [s.steps for s in R.make_recipe("hopper", "medium-replay", steps=6).shards] == [1, 1, 1, 2, 2]
+    assert [s.steps for s in R.make_recipe("hopper", "random", steps=6).shards] == [6]
+
+
+# -- `dataset info` did not compare the data with the environment it names ----------------------
+def _hdf5(path, obs_dim: int, env_id: str = "CartPole-v1"):
+    with h5py.File(path, "w") as f:
+        f["observations"] = np.zeros((6, obs_dim), np.float32)
+        f["actions"] = np.array([0, 1, 0, 1, 0, 1], np.int64)
+        f["rewards"] = np.ones(6, np.float32)
+        f["terminals"] = np.array([0, 0, 1, 0, 0, 1], bool)
+        f.attrs["env_id"] = env_id
+    return path
+
+
+def test_dataset_info_warns_when_the_data_does_not_match_its_environment(tmp_path):
+    bad = _hdf5(tmp_path / "bad.hdf5", 3)
+    for extra in ([], ["--json"]):
+        r = runner.invoke(app, ["dataset", "info", str(bad), *extra])
+        assert r.exit_code == 0, r.output
+        assert r.stderr == (
+            "warning: the dataset does not match its environment CartPole-v1: observations of shape (3,) per step "
+            "in the data, of shape (4,) in the environment; training on it needs agent.env_id set to the "
+            "environment the data came from\n")
+    assert json.loads(r.stdout)["observation_shape"] == [3]  # --json: stdout is still one JSON object
+    # a dataset that fits its environment, or one whose environment cannot be made here: no warning
+    for path in (_hdf5(tmp_path / "good.hdf5", 4), _hdf5(tmp_path / "unknown.hdf5", 3, env_id="NoSuchEnv-v0")):
+        r = runner.invoke(app, ["dataset", "info", str(path)])
+        assert (r.exit_code, r.stderr) == (0, ""), r.output

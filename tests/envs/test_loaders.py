@@ -27,6 +27,8 @@ from rl_tformers.envs.trajectory import observation_stats, returns_to_go, top_fr
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
+from tests.datafiles import write_d4rl_h5
+from tests.runs import assert_clean_exit, train_dt
 
 OBS = gym.spaces.Box(-np.inf, np.inf, (3,), np.float64)
 ACT = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
@@ -897,3 +899,113 @@ def test_a_missing_recipe_dataset_names_its_recipe(tmp_path, monkeypatch):
         load_minari("rlt/walker2d-v5/medium-v0", root=tmp_path)
     with pytest.raises(FileNotFoundError, match=r"`rl-tformers collect --recipe \.\.\.`"):
         load_minari("rlt/none-v5/nothing-v0", root=tmp_path)
+
+
+# ------------------------------------------------------------------- 3, 4, 5: HDF5 files that are not D4RL arrays
+def _truncated(path: Path) -> Path:
+    data = write_d4rl_h5(path.with_name("whole.hdf5")).read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+@pytest.mark.parametrize("make", ["garbage", "truncated"])
+def test_an_unreadable_hdf5_file_is_a_dataset_error(tmp_path: Path, make: str) -> None:
+    from rl_tformers.envs.dataset import DatasetError
+    from rl_tformers.envs.loaders import load_dataset
+
+    path = tmp_path / f"{make}.hdf5"
+    if make == "garbage":
+        path.write_bytes(b"this is not an HDF5 file\n" * 10)
+    else:
+        _truncated(path)
+    with pytest.raises(DatasetError, match=rf"^{path}: not a readable HDF5 file \(.+\)$"):
+        load_dataset(path)
+    r = runner.invoke(app, ["dataset", "info", str(path)])
+    assert_clean_exit(r, 1)  # the dataset commands' exit status for a bad dataset
+    assert f"error: {path}: not a readable HDF5 file (" in r.output
+    r = train_dt(f"dataset.path={path}", "--run-dir", str(tmp_path / "run"))
+    assert_clean_exit(r, 2)
+    assert f"error: {path}: not a readable HDF5 file (" in r.output
+
+
+def test_an_hdf5_group_where_a_dataset_belongs_is_named(tmp_path: Path) -> None:
+    from rl_tformers.envs.dataset import DatasetError
+    from rl_tformers.envs.loaders import load_dataset
+
+    path = write_d4rl_h5(tmp_path / "g.hdf5")
+    with h5py.File(path, "a") as f:
+        obs = f["observations"][()]
+        del f["observations"]
+        f.create_group("observations").create_dataset("a", data=obs)
+    with pytest.raises(DatasetError, match=rf"^{path}: 'observations' is an HDF5 group, not a dataset;"):
+        load_dataset(path)
+    r = runner.invoke(app, ["dataset", "info", str(path)])
+    assert_clean_exit(r, 1)
+    assert "'observations' is an HDF5 group, not a dataset" in r.output
+
+
+@pytest.mark.parametrize("key, values, dtype", [
+    ("actions", np.array([b"abc"] * 30), "|S3"),
+    ("actions", np.arange(30) % 2 == 0, "bool"),
+    ("observations", np.array([[b"x"] * 4] * 30), "|S1"),
+    ("rewards", np.array([b"r"] * 30), "|S1"),
+])
+def test_non_numeric_hdf5_arrays_are_named_up_front(tmp_path: Path, key: str, values, dtype: str) -> None:
+    from rl_tformers.envs.dataset import DatasetError
+    from rl_tformers.envs.loaders import load_dataset
+
+    path = write_d4rl_h5(tmp_path / "bad.hdf5", **{key: values})
+    expected = f"{key}: dtype {dtype} is not numeric (integer or floating point) in {path}"
+    with pytest.raises(DatasetError) as info:
+        load_dataset(path)
+    assert str(info.value) == expected
+    r = runner.invoke(app, ["dataset", "info", str(path)])
+    assert_clean_exit(r, 1)
+    assert f"error: {expected}" in r.output
+    r = train_dt(f"dataset.path={path}", "--run-dir", str(tmp_path / "run"))
+    assert_clean_exit(r, 2)
+    assert f"error: {expected}" in r.output
+
+
+# ------------------------------------------------------------------------------------------ data
+def test_nan_in_terminals_is_refused() -> None:
+    from rl_tformers.envs.dataset import DatasetError, EpisodeDataset
+
+    n = 10
+    terminals = np.zeros(n, np.float32)
+    terminals[3] = np.nan
+    terminals[-1] = 1
+    with pytest.raises(DatasetError) as info:
+        EpisodeDataset.from_flags(np.zeros((n, 2), np.float32), np.zeros(n, np.int64), np.ones(n), terminals)
+    assert info.value.field == "terminals" and "3" in str(info.value)
+
+
+def test_non_binary_terminals_are_refused() -> None:
+    from rl_tformers.envs.dataset import DatasetError, EpisodeDataset
+
+    n = 10
+    terminals = np.zeros(n, np.float32)
+    terminals[4] = 0.5
+    terminals[-1] = 1
+    with pytest.raises(DatasetError, match="terminals"):
+        EpisodeDataset.from_flags(np.zeros((n, 2), np.float32), np.zeros(n, np.int64), np.ones(n), terminals)
+
+
+def test_next_observations_shape_mismatch_is_refused(tmp_path: Path) -> None:
+    from rl_tformers.envs.dataset import DatasetError
+    from rl_tformers.envs.loaders import load_d4rl_hdf5
+
+    h5 = write_d4rl_h5(tmp_path / "next.hdf5", obs_dim=4, next_observations=np.zeros((30, 5), np.float32))
+    with pytest.raises(DatasetError) as info:
+        load_d4rl_hdf5(h5)
+    assert info.value.field in ("next_observations", "final_observations")
+
+
+def test_two_dimensional_rewards_blame_rewards(tmp_path: Path) -> None:
+    from rl_tformers.envs.dataset import DatasetError
+    from rl_tformers.envs.loaders import load_d4rl_hdf5
+
+    h5 = write_d4rl_h5(tmp_path / "rew2d.hdf5", rewards=np.ones((30, 2), np.float32))
+    with pytest.raises(DatasetError) as info:
+        load_d4rl_hdf5(h5)
+    assert info.value.field == "rewards"

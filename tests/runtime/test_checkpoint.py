@@ -224,3 +224,17 @@ def test_the_cli_refuses_a_run_of_another_format_version_with_exit_code_2(tmp_pa
     assert res.output == (f"error: {path}: checkpoint format version 1; this build of rl-tformers reads format "
                           f"version 2 only (the run was saved by another build; train it again with this one)\n")
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000000005.pt"]
+
+
+def test_all_corrupt_checkpoints_name_each_file_once(tmp_path: Path) -> None:
+    from rl_tformers.runtime.checkpoint import CheckpointError, checkpoint_dir, find_latest_valid
+
+    d = checkpoint_dir(tmp_path / "run")
+    d.mkdir(parents=True)
+    bad = d / "step_000000008.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError) as info:
+        find_latest_valid(tmp_path / "run")
+    lines = str(info.value).splitlines()
+    assert lines[0] == f"no valid checkpoint in {d}:"
+    assert lines[1].startswith(f"  {bad}: cannot be loaded") and lines[1].count(str(bad)) == 1

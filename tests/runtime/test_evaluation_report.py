@@ -70,3 +70,10 @@ def test_evaluate_stops_at_a_non_finite_action_without_sending_it(monkeypatch) -
     assert str(info.value) == ("evaluate: the policy returned a non-finite action for target return 250 at step 3 "
                                "of episode 0 (env 0, reset seed 7): [nan]; it was not sent to the environment")
     assert len(sent) == 3 and all(np.isfinite(a).all() for a in sent)
+
+
+def test_non_finite_eval_targets_refused_by_evaluate() -> None:
+    from rl_tformers.runtime.evaluation import evaluate
+
+    with pytest.raises(ValueError, match="finite"):
+        evaluate(None, lambda: None, [float("nan")], episodes=1, n_envs=1)
