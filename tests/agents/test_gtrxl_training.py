@@ -880,34 +880,3 @@ def test_resume_accepts_a_slot_field_given_its_default_value(tmp_path, cartpole_
     # Performer's default is orthogonal=true: the resumed run builds exactly the same backbone
     r = runner.invoke(app, ["train", "--resume", str(run), "train.steps=3", "backbone.attention.orthogonal=true"])
     assert r.exit_code == 0, r.output  # was: "backbone.attention.orthogonal: <unset> -> True" cannot change
-
-
-# -- docs/backbone.md's type-check example uses a field the kind does not have --------------------
-def test_backbone_doc_type_check_example_gives_the_message_it_quotes() -> None:
-    import re
-
-    from rl_tformers.backbone_config import BackboneConfig
-
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "backbone.md").read_text()
-    m = re.search(r"`(\w+)` with `(\w+): ([0-9.]+)`: \"\.\.\. (\w+) must be an integer, got ([0-9.]+) \(float\)\"", doc)
-    assert m, "the example of the field type check is no longer in docs/backbone.md"
-    kind, field, value, quoted_field, quoted_value = m.groups()
-    with pytest.raises(Exception) as info:
-        BackboneConfig.from_dict({"attention": {"kind": kind, field: float(value)}})
-    assert f"{quoted_field} must be an integer, got {quoted_value} (float)" in str(info.value), str(info.value)
-
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-# ------------------------------------------------------------------- 6: docs
-def test_gtrxl_known_limits_do_not_contradict_the_default_knn_retrieval() -> None:
-    """README and docs/memory_adaptive.md: kNN memory's default `retrieval: steps` makes acting
-    one step at a time equal the training forward. docs/gtrxl.md "Known limits" still says
-    acting does not equal the segment computation "even within mem_len steps" (the old
-    `segments` rule) without naming the retrieval rule."""
-    text = (ROOT / "docs" / "gtrxl.md").read_text()
-    known = text[text.index("## Known limits"):]
-    bullets = [b for b in known.split("\n- ") if "memory.kind=knn" in b]
-    for b in bullets:
-        assert "does not equal" not in b or "segments" in b, b

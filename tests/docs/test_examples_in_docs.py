@@ -11,8 +11,12 @@ from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
+import pytest
 import torch
+from typer.testing import CliRunner
 
+from rl_tformers.backbone_config import BackboneConfig
+from rl_tformers.cli import app
 from tests.docs.markdown import DOCS_DIR, REPO, flat
 
 DOCS = DOCS_DIR
@@ -152,3 +156,32 @@ def test_data_md_trajectory_examples_print_what_the_comments_say() -> None:
     assert (
         "next_return_to_go(15.0, 1.0)               # 14.0" in text and next_return_to_go(15.0, 1.0) == 14.0
     )
+
+
+def test_backbone_doc_type_check_example_gives_the_message_it_quotes() -> None:
+    doc = (DOCS_DIR / "backbone.md").read_text()
+    m = re.search(r"`(\w+)` with `(\w+): ([0-9.]+)`: \"\.\.\. (\w+) must be an integer, got ([0-9.]+) \(float\)\"", doc)
+    assert m, "the example of the field type check is no longer in docs/backbone.md"
+    kind, field, value, quoted_field, quoted_value = m.groups()
+    with pytest.raises(Exception) as info:
+        BackboneConfig.from_dict({"attention": {"kind": kind, field: float(value)}})
+    assert f"{quoted_field} must be an integer, got {quoted_value} (float)" in str(info.value), str(info.value)
+
+
+def test_gtrxl_known_limits_do_not_contradict_the_default_knn_retrieval() -> None:
+    """kNN memory's default `retrieval: steps` makes acting one step at a time equal the training
+    forward (docs/memory_adaptive.md), so a "Known limits" bullet of docs/gtrxl.md that says acting
+    does not equal the segment computation must name the `segments` rule it is about."""
+    text = (DOCS_DIR / "gtrxl.md").read_text()
+    known = text[text.index("## Known limits"):]
+    bullets = [b for b in known.split("\n- ") if "memory.kind=knn" in b]
+    for b in bullets:
+        assert "does not equal" not in b or "segments" in b, b
+
+
+def test_train_help_and_docs_say_ppo_resume_is_exact() -> None:
+    r = CliRunner().invoke(app, ["train", "--help"], terminal_width=400)
+    text = " ".join(r.output.split())
+    assert "on-policy PPO too: its environments are checkpointed" in text
+    docs = (DOCS_DIR / "runtime.md").read_text()
+    assert "`gtrxl_ppo` checkpoints its environments" in " ".join(docs.split())

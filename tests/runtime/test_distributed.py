@@ -411,14 +411,6 @@ def test_ppo_resume_is_exact_and_counts_env_steps_once(tmp_path: Path) -> None:
     assert (ea["rollouts"], eb["rollouts"]) == (3, 3) and eb["env_steps"] == ea["env_steps"]
 
 
-def test_train_help_and_docs_say_ppo_resume_is_exact() -> None:
-    r = runner.invoke(app, ["train", "--help"], terminal_width=400)
-    text = " ".join(r.output.split())
-    assert "on-policy PPO too: its environments are checkpointed" in text
-    docs = (Path(__file__).resolve().parents[2] / "docs" / "runtime.md").read_text()
-    assert "`gtrxl_ppo` checkpoints its environments" in " ".join(docs.split())
-
-
 # ----------------------------------------------------- 4: --nproc checks before torchrun starts
 @pytest.mark.parametrize("args, says", [
     (["train.batch_size=7", "--run-dir", "RUN"], "train.batch_size=7 is the global batch and must be divisible by"),
