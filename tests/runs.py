@@ -50,7 +50,7 @@ def assert_clean_exit(r, code: int) -> None:
 
 def tripwire(*args, **kwargs):
     """A stand-in for an expensive function that a refusal must come before."""
-    raise AssertionError("the expensive part ran before the bad option was refused")
+    raise AssertionError("the expensive part ran before the bad input was refused")
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,8 @@ from rl_tformers.runtime import checkpoint as ckpt
 from rl_tformers.runtime.loading import load_run
 from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import resume, train
+from tests.datafiles import write_d4rl_h5
+from tests.runs import TINY_DT, train_dt
 
 TINY_BB = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=1"]
 FAST = ["train.steps=6", "train.batch_size=8", "train.warmup_steps=2", "train.progress=false", "train.log_every=3",
@@ -1141,3 +1143,33 @@ def test_an_evaluation_env_with_fewer_discrete_actions_than_the_data_is_refused_
     ds = load_dataset(two)
     assert ds.action_space == gym.spaces.Discrete(2)
     assert DatasetInfo.from_dataset(ds, env_id="MountainCar-v0").act_dim == 2
+
+
+# ------------------------------------------------------------------- 6: DT and backbone memory
+@pytest.mark.parametrize("kind", ["xl", "compressive", "knn"])
+def test_dt_refuses_a_backbone_memory_it_would_ignore(tmp_path: Path, kind: str) -> None:
+    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
+    r = train_dt(f"dataset.path={h5}", f"backbone.memory.kind={kind}", "--run-dir", str(tmp_path / "run"))
+    assert r.exit_code == 2, r.output
+    assert f"backbone.memory.kind={kind!r}: the Decision Transformer" in r.output
+    assert "agent.kind=gtrxl" in r.output
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------- 10: --targets ""
+@pytest.mark.parametrize("text", ["", " "])
+def test_empty_targets_are_refused(text: str) -> None:
+    from rl_tformers.runtime.evaluation import parse_targets
+
+    with pytest.raises(ValueError, match=r"^--targets: '.*' is empty"):
+        parse_targets(text)
+
+
+# ------------------------------------------------------------------- 13: %BC fraction
+def test_bc_top_fraction_out_of_range_names_the_key(tmp_path: Path) -> None:
+    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
+    r = runner.invoke(app, ["train", "agent.kind=bc", f"dataset.path={h5}", "agent.top_fraction=0",
+                            *[a for a in TINY_DT if not a.startswith(("backbone.", "agent."))],
+                            "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code == 2
+    assert "error: agent.top_fraction must be a number in (0, 1], got 0" in r.output

@@ -6,12 +6,18 @@ import json
 import math
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
-from tests.runs import tripwire
+from rl_tformers.runtime import evaluation as ev
+from rl_tformers.runtime.evaluation import TargetResult, evaluate, make_env_factory
+from rl_tformers.runtime.run_config import ConfigError, compose
+from tests.datafiles import write_d4rl_h5
+from tests.runs import train_dt, tripwire
 
 
 def _eval(*args: str):
@@ -223,3 +229,85 @@ def test_a_yaml_file_given_as_checkpoint_is_named_not_a_checkpoint(tmp_path: Pat
 def test_eval_of_a_missing_run_directory_says_so(tmp_path: Path) -> None:
     r = runner.invoke(app, ["eval", str(tmp_path / "no_such_run")])
     assert r.exit_code == 2 and "no_such_run does not exist" in r.output
+
+
+@pytest.fixture(scope="module")
+def dt_run(tmp_path_factory) -> Path:
+    """A DT trained for 2 updates on a tiny CartPole file."""
+    tmp = tmp_path_factory.mktemp("b6dt")
+    r = train_dt(f"dataset.path={write_d4rl_h5(tmp / 'cartpole.hdf5')}", "--run-dir", str(tmp / "dt"))
+    assert r.exit_code == 0, r.output
+    return tmp / "dt"
+
+
+# ------------------------------------------------------------- reset seeds beyond torch's range
+class _OneStepEnv(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(1, np.float32), float(self.np_random.uniform()), True, False, {}
+
+
+class _ZeroPolicy:
+    def initial_state(self, n, target=None):
+        return n
+
+    def act(self, obs, state, episode_start, last_reward=None):
+        return np.zeros((state, 1), np.float32), state
+
+
+def test_eval_seed_range_is_checked_and_large_seeds_work(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"evaluate: seed 18446744073709551616 is not an integer in \[0, 2\*\*64 - 1\]"):
+        evaluate(_ZeroPolicy(), _OneStepEnv, episodes=2, n_envs=2, seed=2**64)
+    big = 2**63  # reset seeds used to be numpy int64 sums: OverflowError past 2**63 - 1
+    rep = evaluate(_ZeroPolicy(), _OneStepEnv, episodes=3, n_envs=2, seed=big)
+    assert rep.results[0].seeds == [big, big + 1, big + 2]
+    again = evaluate(_ZeroPolicy(), _OneStepEnv, episodes=1, n_envs=1, seed=big + 1)
+    assert again.results[0].returns == rep.results[0].returns[1:2]  # episode j is seeded seed + j
+    for cmd in ("eval", "plot"):
+        r = runner.invoke(app, [cmd, str(tmp_path), "--seed", str(2**64), "--out", str(tmp_path / "x.png")])
+        assert r.exit_code == 2 and "--seed" in r.output and "18446744073709551615" in r.output, r.output
+
+
+# ------------------------------------------------- an evaluation environment that cannot be built
+def test_an_environment_that_cannot_be_built_is_a_clean_error(dt_run: Path, tmp_path: Path) -> None:
+    from rl_tformers.runtime.checkpoint import content_digest
+
+    with pytest.raises(ev.EnvironmentBuildError, match=r"cannot build the evaluation environment 'Nope-v0' here "
+                                                    r"\(NameNotFound: Environment `Nope` doesn't exist"):
+        evaluate(_ZeroPolicy(), make_env_factory("Nope-v0"), episodes=2, n_envs=2, env_id="Nope-v0")
+    # a run trained with an environment this machine lacks (here: its checkpoint names another one)
+    path = next((dt_run / "checkpoints").glob("*.pt"))
+    state = torch.load(path, weights_only=False)
+    state["extra"]["env_id"] = "Nope-v0"
+    state["sha256"] = content_digest(state)
+    ckpt = tmp_path / "other.pt"
+    torch.save(state, ckpt)
+    for cmd in (["eval", str(dt_run), "--episodes", "1"],
+                ["plot", str(dt_run), "--episodes", "1", "--out", str(tmp_path / "p.png"), "--no-tensorboard"]):
+        r = runner.invoke(app, [*cmd, "--checkpoint", str(ckpt)])
+        assert r.exit_code == 2 and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
+        assert "error: evaluate: cannot build the evaluation environment 'Nope-v0' here" in r.output, r.output
+
+
+def test_from_dict_reads_back_what_eval_writes() -> None:
+    rewards = [[0.1, 0.2, 0.7000000000000001], [1.5]]
+    res = TargetResult(10.0, [sum(rewards[0]), 1.5], [3, 1], [0, 1], rewards=rewards)
+    back = TargetResult.from_dict(json.loads(json.dumps(res.to_dict(with_rewards=True))))
+    assert (back.returns, back.lengths, back.seeds, back.rewards) == (res.returns, [3, 1], [0, 1], rewards)
+
+
+# ------------------------------------------------------------------- 4: eval options checked up front
+@pytest.mark.parametrize("key", ["eval.episodes", "eval.n_envs"])
+def test_eval_counts_must_be_positive(tmp_path: Path, key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{key} must be >= 1, got 0$"):
+        compose(None, ["agent.kind=toy", f"{key}=0"])
+    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
+    r = train_dt(f"dataset.path={h5}", f"{key}=-1", "--run-dir", str(tmp_path / "run"))
+    assert r.exit_code == 2 and f"error: {key} must be >= 1, got -1" in r.output
+    assert not (tmp_path / "run").exists()

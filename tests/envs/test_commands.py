@@ -23,7 +23,7 @@ from rl_tformers.bench import eval as E
 from rl_tformers.bench import reversible as R
 from rl_tformers.cli import app
 from tests.datafiles import write_cartpole_h5, write_d4rl_h5
-from tests.runs import assert_clean_exit
+from tests.runs import assert_clean_exit, tripwire
 
 runner = CliRunner()
 
@@ -92,10 +92,6 @@ def test_list_recipes_and_unknown_recipe():
     assert r.exit_code == 1 and "no recipe matches 'pong-*'" in r.stderr
 
 
-def _tripwire(*args, **kwargs):
-    raise AssertionError("the expensive part ran before the bad input was refused")
-
-
 def _cartpole(root: Path, dataset_id: str, episodes: int, policy=None, overwrite: bool = False):
     env = gym.make("CartPole-v1")
     pol = policy or RandomPolicy(env.action_space, seed=0)
@@ -162,9 +158,9 @@ def test_a_completed_overwrite_replaces_and_leaves_no_backup(tmp_path: Path) -> 
     (["--recipe", "hopper-random", "--dataset-id", "rlt/x-v0"], "--dataset-id: not used with --recipe"),
 ])
 def test_collect_refuses_bad_values_by_name_before_collecting(tmp_path: Path, monkeypatch, args, says) -> None:
-    monkeypatch.setattr(C, "_collect", _tripwire)
-    monkeypatch.setattr(C, "train_sb3", _tripwire, raising=False)
-    monkeypatch.setattr("rl_tformers.envs.policies.train_sb3", _tripwire)
+    monkeypatch.setattr(C, "_collect", tripwire)
+    monkeypatch.setattr(C, "train_sb3", tripwire, raising=False)
+    monkeypatch.setattr("rl_tformers.envs.policies.train_sb3", tripwire)
     r = runner.invoke(app, ["collect", "--root", str(tmp_path / "data"), "--episodes", "1", "--no-progress", *args]
                       if "--recipe" not in args else
                       ["collect", "--root", str(tmp_path / "data"), "--no-progress", *args])
@@ -252,7 +248,7 @@ def test_a_malformed_pomdp_record_in_minari_metadata_is_refused(tmp_path: Path) 
 
 # ----------------------------------------------------- export below a file
 def test_dataset_export_below_a_file_is_refused_before_loading(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr("rl_tformers.envs.loaders.load_dataset", _tripwire)
+    monkeypatch.setattr("rl_tformers.envs.loaders.load_dataset", tripwire)
     blocker = tmp_path / "f.hdf5"
     blocker.write_text("x")
     r = runner.invoke(app, ["dataset", "export", str(blocker), str(blocker / "out.hdf5")])
@@ -285,14 +281,14 @@ TINY = ["--kinds", "sdpa", "--lengths", "8", "--d-model", "8", "--n-heads", "2",
     (["--rl-scale", "--rl-steps", "0"], "--rl-steps must be >= 1, got 0"),
 ])
 def test_bench_attention_refuses_bad_options_before_measuring(monkeypatch, args, says) -> None:
-    monkeypatch.setattr(A, "run", _tripwire)
-    monkeypatch.setattr(A, "run_rl_scale", _tripwire)
+    monkeypatch.setattr(A, "run", tripwire)
+    monkeypatch.setattr(A, "run_rl_scale", tripwire)
     r = runner.invoke(app, ["bench", "attention", *TINY, *args])
     assert r.exit_code == 2 and f"error: {says}" in r.output, r.output
 
 
 def test_bench_attention_refuses_an_unavailable_cuda_device(monkeypatch) -> None:
-    monkeypatch.setattr(A, "run", _tripwire)
+    monkeypatch.setattr(A, "run", tripwire)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     r = runner.invoke(app, ["bench", "attention", *TINY, "--device", "cuda"])
     assert r.exit_code == 2 and "error: --device cuda: CUDA is not available here" in r.output, r.output
@@ -301,7 +297,7 @@ def test_bench_attention_refuses_an_unavailable_cuda_device(monkeypatch) -> None
 def test_bench_attention_out_and_plot_paths(tmp_path: Path, monkeypatch) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    monkeypatch.setattr(A, "run", _tripwire)
+    monkeypatch.setattr(A, "run", tripwire)
     for option, path, says in (("--out", tmp_path, f"--out {tmp_path} is a directory"),
                                ("--out", blocker / "a.json", f"--out {blocker / 'a.json'}: {blocker} is a file, not a directory"),
                                ("--plot", tmp_path, f"--plot {tmp_path} is a directory"),
@@ -327,7 +323,7 @@ def test_bench_attention_out_and_plot_paths(tmp_path: Path, monkeypatch) -> None
     (["--depths", "1", "--device", "tpu"], "--device 'tpu': use cpu or cuda"),
 ])
 def test_bench_reversible_refuses_bad_options_by_name(monkeypatch, args, says) -> None:
-    monkeypatch.setattr(R, "run", _tripwire)
+    monkeypatch.setattr(R, "run", tripwire)
     r = runner.invoke(app, ["bench", "reversible", *args])
     assert r.exit_code == 2 and f"error: {says}" in r.output, r.output
 
@@ -340,7 +336,7 @@ def test_bench_reversible_refuses_bad_options_by_name(monkeypatch, args, says) -
     (["--device", "tpu"], "--device 'tpu': use cpu or cuda"),
 ])
 def test_bench_eval_refuses_bad_options_by_name(monkeypatch, args, says) -> None:
-    monkeypatch.setattr(E, "run", _tripwire)
+    monkeypatch.setattr(E, "run", tripwire)
     r = runner.invoke(app, ["bench", "eval", *args])
     assert r.exit_code == 2 and f"error: {says}" in r.output, r.output
 

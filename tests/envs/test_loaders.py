@@ -27,6 +27,7 @@ from rl_tformers.envs.trajectory import observation_stats, returns_to_go, top_fr
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
+from rl_tformers.runtime.run_config import compose
 from tests.datafiles import write_d4rl_h5
 from tests.runs import assert_clean_exit, train_dt
 
@@ -1009,3 +1010,19 @@ def test_two_dimensional_rewards_blame_rewards(tmp_path: Path) -> None:
     with pytest.raises(DatasetError) as info:
         load_d4rl_hdf5(h5)
     assert info.value.field == "rewards"
+
+
+# ------------------------------------------------------------------- 9: dataset.env_id
+def test_hdf5_without_a_task_name_says_how_to_set_it(tmp_path: Path) -> None:
+    from rl_tformers.agents.common.offline import load_offline_dataset
+
+    h5 = write_d4rl_h5(tmp_path / "data.hdf5", obs_dim=3, env_id=None, discrete=False)
+    r = train_dt(f"dataset.path={h5}", "--run-dir", str(tmp_path / "run"))
+    assert r.exit_code == 2
+    assert "continuous actions need a bounded Box action space" in r.output
+    assert "guessed from the file name" in r.output and "dataset.env_id=" in r.output and "env_id attribute" in r.output
+    ds = load_offline_dataset({"path": str(h5), "env_id": "Pendulum-v1"})
+    assert ds.metadata.env_id == "Pendulum-v1" and ds.action_space.high.tolist() == [2.0]
+    with pytest.raises(ValueError, match="dataset.env_id='Pendulum-v1' applies to HDF5 files only"):
+        load_offline_dataset({"path": "rlt/pendulum-v1/x-v0", "env_id": "Pendulum-v1"})
+    assert compose("dt/cartpole_demo", ["dataset.env_id=Pendulum-v1"]).dataset.env_id == "Pendulum-v1"

@@ -165,3 +165,19 @@ def test_a_command_line_kind_change_names_the_slot_fields_it_drops(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rl_tformers.cli", "train", "-c", "gtrxl/hopper_positions_bc",
                         "--print-config"], capture_output=True, text=True)
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------- 12: typos get a suggestion
+@pytest.mark.parametrize("override, expected", [
+    ("backbone.attention.knd=sdpa", "backbone.attention.knd: unknown key: attention kind 'sdpa' (the default: "
+                                    "backbone.attention.kind is not set) has no field 'knd'; did you mean "
+                                    "backbone.attention.kind?"),
+    ("backbone.attention.window=4", "backbone.attention.window: unknown key: attention kind 'sdpa' (the default: "
+                                    "backbone.attention.kind is not set) has no field 'window'; set "
+                                    "backbone.attention.kind to a kind that has it"),
+    ("backbone.dmodel=32", "backbone.dmodel: unknown backbone field; did you mean backbone.d_model?"),
+])
+def test_backbone_typos_name_the_key_and_suggest(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        compose(None, ["agent.kind=toy", override])
+    assert str(info.value).startswith(expected)

@@ -326,3 +326,77 @@ def test_a_run_on_a_relative_dataset_path_resumes_from_another_directory(
     monkeypatch.chdir(tmp_path)
     r = resume(work / "run", ["train.steps=2", f"dataset.path={work / 'cartpole.hdf5'}"])
     assert r.step == 2
+
+
+# ------------------------------------------------------------- --from-json with odd per-episode data
+@pytest.mark.parametrize(("result", "says"), [
+    ({"target_return": 10, "returns": []}, "returns is empty"),
+    ({"target_return": 10, "returns": [1, 2], "rewards": "ab"}, "rewards must be 2 lists (one per return), got str"),
+    ({"target_return": 10, "returns": [1, 2], "rewards": [[1, None], [2]]},
+     "rewards of episode 0 must be a list of finite numbers"),
+    ({"target_return": 10, "returns": [5, 6], "rewards": [[1, 2, 3]]}, "rewards must be 2 lists (one per return), got 1"),
+    ({"target_return": 10, "returns": [5, 6], "rewards": [[2, 3], [1, 2]]},
+     "rewards of episode 1 sum to 3.0, but its return is 6"),
+    ({"target_return": 10, "returns": [5], "lengths": [3], "rewards": [[2, 3]]},
+     "rewards of episode 0: 2 rewards, but its length is 3"),
+    ({"target_return": 10, "returns": [5, 6], "lengths": [3]}, "lengths must be 2 non-negative integers"),
+])
+def test_plot_from_json_checks_each_result(tmp_path: Path, monkeypatch, result: dict, says: str) -> None:
+    from rl_tformers.runtime import loading
+
+    monkeypatch.setattr(loading, "load_run", tripwire)
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps({"results": [result]}))
+    r = runner.invoke(app, ["plot", str(tmp_path), "--from-json", str(path), "--out", str(tmp_path / "p.png")])
+    assert r.exit_code == 2 and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
+    assert f"error: --from-json {path}: results[0] is not a per-target result" in r.output and says in r.output, r.output
+    assert not (tmp_path / "p.png").exists()
+
+
+# ------------------------------------- plot --checkpoint with a RUN_DIR that is not a directory
+@pytest.mark.parametrize("make", ["missing", "file"])
+def test_plot_checkpoint_with_a_run_dir_that_is_not_a_directory(tmp_path: Path, monkeypatch, make: str) -> None:
+    from rl_tformers.runtime import loading
+
+    monkeypatch.setattr(loading, "load_run", tripwire)
+    run_dir = tmp_path / "run"
+    if make == "file":
+        run_dir.write_text("x")
+    r = runner.invoke(app, ["plot", str(run_dir), "--checkpoint", str(tmp_path / "c.pt"), "--out",
+                            str(tmp_path / "p.png")])
+    what = "does not exist" if make == "missing" else "is not a directory"
+    assert r.exit_code == 2 and f"error: {run_dir} {what}: the figure is logged to RUN_DIR's TensorBoard" in r.output
+    assert "--no-tensorboard" in r.output
+    assert run_dir.exists() == (make == "file") and not (tmp_path / "p.png").exists()
+
+
+# ------------------------------------------- plot --from-json ignored the evaluation options given
+@pytest.mark.parametrize(("extra", "names"), [(["--targets", "5", "--episodes", "3"], "--targets, --episodes"),
+                                              (["--seed", "0"], "--seed"), (["--n-targets", "4", "--envs", "2"],
+                                                                            "--n-targets, --envs")])
+def test_plot_from_json_refuses_evaluation_options(tmp_path: Path, monkeypatch, extra: list, names: str) -> None:
+    from rl_tformers.runtime import loading
+
+    monkeypatch.setattr(loading, "load_run", tripwire)
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps({"results": [{"target_return": 10, "returns": [5, 6]}]}))
+    r = runner.invoke(app, ["plot", str(tmp_path), "--from-json", str(path), "--out", str(tmp_path / "p.png"), *extra])
+    assert r.exit_code == 2, r.output
+    assert f"error: --from-json {path} plots a saved evaluation: {names} would be ignored" in r.output
+
+
+# ------------------------------------------------------------------- 7: plot --from-json
+@pytest.mark.parametrize("content, expected", [
+    (None, "cannot read it"),
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "got list"),
+    ('{"results": [{"returns": [1.0]}]}', "results[0] is not a per-target result"),
+])
+def test_plot_from_json_errors_name_the_file(tmp_path: Path, content: str | None, expected: str) -> None:
+    path = tmp_path / "eval.json"
+    if content is not None:
+        path.write_text(content)
+    r = runner.invoke(app, ["plot", str(tmp_path / "no_run"), "--out", str(tmp_path / "p.png"),
+                            "--from-json", str(path)])
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.exit_code == 2 and f"error: --from-json {path}: {expected}" in r.output

@@ -9,30 +9,23 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
 import types
 from pathlib import Path
 
-import gymnasium as gym
 import h5py
 import numpy as np
 import pytest
-import torch
 from runtime_helpers import toy_cfg
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
-from rl_tformers.runtime import evaluation as ev
 from rl_tformers.runtime import sweep as sw
-from rl_tformers.runtime.evaluation import TargetResult, evaluate, make_env_factory
-from rl_tformers.runtime.run_config import ConfigError, compose
-from rl_tformers.runtime.runlock import hold_run, lock_holder
-from rl_tformers.runtime.trainer import RunDirError, resume, train
-from tests.datafiles import write_d4rl_h5
-from tests.runs import TINY_DT, train_dt
+from rl_tformers.runtime.run_config import compose
+from rl_tformers.runtime.trainer import train
+from tests.runs import tripwire
 
 
 def test_grid_and_seed_parsing() -> None:
@@ -489,19 +482,6 @@ def test_sweep_grid_with_an_empty_value_is_refused() -> None:
 TOY = ["agent.kind=toy", "train.steps=2", "train.batch_size=4", "eval.every=0"]
 
 
-def _tripwire(*args, **kwargs):
-    raise AssertionError("the expensive part ran before the bad input was refused")
-
-
-@pytest.fixture(scope="module")
-def dt_run(tmp_path_factory) -> Path:
-    """A DT trained for 2 updates on a tiny CartPole file."""
-    tmp = tmp_path_factory.mktemp("b6dt")
-    r = train_dt(f"dataset.path={write_d4rl_h5(tmp / 'cartpole.hdf5')}", "--run-dir", str(tmp / "dt"))
-    assert r.exit_code == 0, r.output
-    return tmp / "dt"
-
-
 # ------------------------------------------------ the summary averaged runs that did not finish
 def test_sweep_summary_counts_only_completed_runs(tmp_path: Path) -> None:
     runs = sw.expand({"train.lr": ["1e-3"]}, [0, 1, 2, 3], tmp_path)
@@ -511,7 +491,7 @@ def test_sweep_summary_counts_only_completed_runs(tmp_path: Path) -> None:
         (run.run_dir / "metrics.jsonl").write_text(json.dumps({"step": 4, "eval/return": v}) + "\n")
     statuses = ["ok", "skipped", "stopped", "failed"]
     outcomes = {r.name: sw.RunOutcome(s, 0) for r, s in zip(runs, statuses)}
-    res = sw.write_results(tmp_path, runs, outcomes, warn=_tripwire)
+    res = sw.write_results(tmp_path, runs, outcomes, warn=tripwire)
     (s,) = res.summary
     assert (s["n"], s["of"], s["mean"], s["std"]) == (2, 4, 1.5, pytest.approx(0.7071067811865476))
     assert "| train.lr=1e-3 | 1.5 | 0.7071 | 2/4 |" in (tmp_path / "results.md").read_text()
@@ -532,7 +512,7 @@ def test_sweep_summary_counts_only_completed_runs(tmp_path: Path) -> None:
 def test_sweep_refuses_grid_values_with_the_same_config(tmp_path: Path, grid: dict) -> None:
     a, b = (f"{k}={v}" for k in grid for v in grid[k])
     with pytest.raises(sw.SweepError, match=re.escape(f"the points ({a}) and ({b}) give the same config")):
-        sw.sweep(None, grid, [0, 1], tmp_path / "s", TOY, echo=_tripwire)
+        sw.sweep(None, grid, [0, 1], tmp_path / "s", TOY, echo=tripwire)
     assert not (tmp_path / "s").exists()
 
 
@@ -556,135 +536,16 @@ def test_sweep_refuses_an_override_each_run_would_replace(tmp_path: Path, grid: 
 # ----------------------------------------------------- two sweeps trained in one folder at once
 def test_a_second_sweep_in_the_same_folder_is_refused(tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "s"
-    monkeypatch.setattr(sw, "run_local", _tripwire)
+    monkeypatch.setattr(sw, "run_local", tripwire)
     with sw._SweepLock(out):  # the first sweep, running
         with pytest.raises(sw.SweepError, match=rf"--out {out}: another sweep \(pid \d+\) is running in this folder"):
-            sw.sweep(None, {}, [0], out, TOY, echo=_tripwire)
+            sw.sweep(None, {}, [0], out, TOY, echo=tripwire)
         assert sorted(p.name for p in out.iterdir()) == [".sweep.lock"]  # nothing started
     assert not out.exists()  # the first one created the folder and wrote nothing: removed
     # once the first sweep is gone, the second proceeds (here: up to the runs, which are stubbed out)
     monkeypatch.setattr(sw, "run_local", lambda todo, *a, **k: {run.name: sw.RunOutcome("ok", 0) for run, _ in todo})
     res = sw.sweep(None, {}, [0], out, TOY, echo=lambda m: None)
     assert [r["status"] for r in res.rows] == ["ok"] and (out / "results.csv").is_file()
-
-
-# ------------------------------------------------------------- reset seeds beyond torch's range
-class _OneStepEnv(gym.Env):
-    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
-    action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        return np.zeros(1, np.float32), {}
-
-    def step(self, action):
-        return np.zeros(1, np.float32), float(self.np_random.uniform()), True, False, {}
-
-
-class _ZeroPolicy:
-    def initial_state(self, n, target=None):
-        return n
-
-    def act(self, obs, state, episode_start, last_reward=None):
-        return np.zeros((state, 1), np.float32), state
-
-
-def test_eval_seed_range_is_checked_and_large_seeds_work(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"evaluate: seed 18446744073709551616 is not an integer in \[0, 2\*\*64 - 1\]"):
-        evaluate(_ZeroPolicy(), _OneStepEnv, episodes=2, n_envs=2, seed=2**64)
-    big = 2**63  # reset seeds used to be numpy int64 sums: OverflowError past 2**63 - 1
-    rep = evaluate(_ZeroPolicy(), _OneStepEnv, episodes=3, n_envs=2, seed=big)
-    assert rep.results[0].seeds == [big, big + 1, big + 2]
-    again = evaluate(_ZeroPolicy(), _OneStepEnv, episodes=1, n_envs=1, seed=big + 1)
-    assert again.results[0].returns == rep.results[0].returns[1:2]  # episode j is seeded seed + j
-    for cmd in ("eval", "plot"):
-        r = runner.invoke(app, [cmd, str(tmp_path), "--seed", str(2**64), "--out", str(tmp_path / "x.png")])
-        assert r.exit_code == 2 and "--seed" in r.output and "18446744073709551615" in r.output, r.output
-
-
-# ------------------------------------------------- an evaluation environment that cannot be built
-def test_an_environment_that_cannot_be_built_is_a_clean_error(dt_run: Path, tmp_path: Path) -> None:
-    from rl_tformers.runtime.checkpoint import content_digest
-
-    with pytest.raises(ev.EnvironmentBuildError, match=r"cannot build the evaluation environment 'Nope-v0' here "
-                                                    r"\(NameNotFound: Environment `Nope` doesn't exist"):
-        evaluate(_ZeroPolicy(), make_env_factory("Nope-v0"), episodes=2, n_envs=2, env_id="Nope-v0")
-    # a run trained with an environment this machine lacks (here: its checkpoint names another one)
-    path = next((dt_run / "checkpoints").glob("*.pt"))
-    state = torch.load(path, weights_only=False)
-    state["extra"]["env_id"] = "Nope-v0"
-    state["sha256"] = content_digest(state)
-    ckpt = tmp_path / "other.pt"
-    torch.save(state, ckpt)
-    for cmd in (["eval", str(dt_run), "--episodes", "1"],
-                ["plot", str(dt_run), "--episodes", "1", "--out", str(tmp_path / "p.png"), "--no-tensorboard"]):
-        r = runner.invoke(app, [*cmd, "--checkpoint", str(ckpt)])
-        assert r.exit_code == 2 and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
-        assert "error: evaluate: cannot build the evaluation environment 'Nope-v0' here" in r.output, r.output
-
-
-# ------------------------------------------------------------- --from-json with odd per-episode data
-@pytest.mark.parametrize(("result", "says"), [
-    ({"target_return": 10, "returns": []}, "returns is empty"),
-    ({"target_return": 10, "returns": [1, 2], "rewards": "ab"}, "rewards must be 2 lists (one per return), got str"),
-    ({"target_return": 10, "returns": [1, 2], "rewards": [[1, None], [2]]},
-     "rewards of episode 0 must be a list of finite numbers"),
-    ({"target_return": 10, "returns": [5, 6], "rewards": [[1, 2, 3]]}, "rewards must be 2 lists (one per return), got 1"),
-    ({"target_return": 10, "returns": [5, 6], "rewards": [[2, 3], [1, 2]]},
-     "rewards of episode 1 sum to 3.0, but its return is 6"),
-    ({"target_return": 10, "returns": [5], "lengths": [3], "rewards": [[2, 3]]},
-     "rewards of episode 0: 2 rewards, but its length is 3"),
-    ({"target_return": 10, "returns": [5, 6], "lengths": [3]}, "lengths must be 2 non-negative integers"),
-])
-def test_plot_from_json_checks_each_result(tmp_path: Path, monkeypatch, result: dict, says: str) -> None:
-    from rl_tformers.runtime import loading
-
-    monkeypatch.setattr(loading, "load_run", _tripwire)
-    path = tmp_path / "eval.json"
-    path.write_text(json.dumps({"results": [result]}))
-    r = runner.invoke(app, ["plot", str(tmp_path), "--from-json", str(path), "--out", str(tmp_path / "p.png")])
-    assert r.exit_code == 2 and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
-    assert f"error: --from-json {path}: results[0] is not a per-target result" in r.output and says in r.output, r.output
-    assert not (tmp_path / "p.png").exists()
-
-
-def test_from_dict_reads_back_what_eval_writes() -> None:
-    rewards = [[0.1, 0.2, 0.7000000000000001], [1.5]]
-    res = TargetResult(10.0, [sum(rewards[0]), 1.5], [3, 1], [0, 1], rewards=rewards)
-    back = TargetResult.from_dict(json.loads(json.dumps(res.to_dict(with_rewards=True))))
-    assert (back.returns, back.lengths, back.seeds, back.rewards) == (res.returns, [3, 1], [0, 1], rewards)
-
-
-# ------------------------------------- plot --checkpoint with a RUN_DIR that is not a directory
-@pytest.mark.parametrize("make", ["missing", "file"])
-def test_plot_checkpoint_with_a_run_dir_that_is_not_a_directory(tmp_path: Path, monkeypatch, make: str) -> None:
-    from rl_tformers.runtime import loading
-
-    monkeypatch.setattr(loading, "load_run", _tripwire)
-    run_dir = tmp_path / "run"
-    if make == "file":
-        run_dir.write_text("x")
-    r = runner.invoke(app, ["plot", str(run_dir), "--checkpoint", str(tmp_path / "c.pt"), "--out",
-                            str(tmp_path / "p.png")])
-    what = "does not exist" if make == "missing" else "is not a directory"
-    assert r.exit_code == 2 and f"error: {run_dir} {what}: the figure is logged to RUN_DIR's TensorBoard" in r.output
-    assert "--no-tensorboard" in r.output
-    assert run_dir.exists() == (make == "file") and not (tmp_path / "p.png").exists()
-
-
-# ------------------------------------------- plot --from-json ignored the evaluation options given
-@pytest.mark.parametrize(("extra", "names"), [(["--targets", "5", "--episodes", "3"], "--targets, --episodes"),
-                                              (["--seed", "0"], "--seed"), (["--n-targets", "4", "--envs", "2"],
-                                                                            "--n-targets, --envs")])
-def test_plot_from_json_refuses_evaluation_options(tmp_path: Path, monkeypatch, extra: list, names: str) -> None:
-    from rl_tformers.runtime import loading
-
-    monkeypatch.setattr(loading, "load_run", _tripwire)
-    path = tmp_path / "eval.json"
-    path.write_text(json.dumps({"results": [{"target_return": 10, "returns": [5, 6]}]}))
-    r = runner.invoke(app, ["plot", str(tmp_path), "--from-json", str(path), "--out", str(tmp_path / "p.png"), *extra])
-    assert r.exit_code == 2, r.output
-    assert f"error: --from-json {path} plots a saved evaluation: {names} would be ignored" in r.output
 
 
 def test_sweep_prints_the_runs_config_warnings_and_one_seed_has_no_std(tmp_path: Path) -> None:
@@ -1001,166 +862,6 @@ def test_sweep_forwards_sigterm_and_sighup_to_its_runs(tmp_path: Path, sig: int)
     assert outcomes[runs[0].name].status == "stopped" and outcomes[runs[0].name].returncode == 143
     assert outcomes[runs[1].name].status == "not run" and not (tmp_path / "ready1").exists()
     assert signal.getsignal(sig) is not None and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-
-
-# ------------------------------------------------------------------- 3: one trainer per run directory
-def test_a_run_directory_being_trained_is_refused(tmp_path: Path) -> None:
-    cfg = compose(None, [*TOY_4_STEPS, "eval.at_end=false", "device=cpu", "train.progress=false"])
-    train(cfg, tmp_path / "run", stop_at=2)
-    with hold_run(tmp_path / "run"):
-        assert lock_holder(tmp_path / "run") == os.getpid()
-        with pytest.raises(RunDirError, match=f"run is being trained by pid {os.getpid()}"):
-            resume(tmp_path / "run")
-        with pytest.raises(RunDirError, match=f"run is being trained by pid {os.getpid()}"):
-            train(cfg, tmp_path / "run")
-        r = runner.invoke(app, ["train", "--resume", str(tmp_path / "run")])
-        assert r.exit_code == 2 and f"is being trained by pid {os.getpid()}" in r.output
-    assert lock_holder(tmp_path / "run") is None
-    assert resume(tmp_path / "run").complete
-
-
-def test_the_run_lock_is_released_when_its_process_dies(tmp_path: Path) -> None:
-    code = ("import sys, time; from rl_tformers.runtime.runlock import hold_run\n"
-            "with hold_run(sys.argv[1]):\n    print('locked', flush=True); time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "locked"
-        assert lock_holder(tmp_path / "run") == proc.pid
-    finally:
-        proc.kill()
-        proc.wait()
-    assert lock_holder(tmp_path / "run") is None
-    with hold_run(tmp_path / "run"):
-        pass
-
-
-def test_a_refused_run_leaves_no_directory_behind(tmp_path: Path) -> None:
-    r = train_dt(f"dataset.path={tmp_path / 'nope.hdf5'}", "--run-dir", str(tmp_path / "run"))
-    assert r.exit_code == 2 and not (tmp_path / "run").exists()
-
-
-# ------------------------------------------------------------------- 4: eval options checked up front
-@pytest.mark.parametrize("key", ["eval.episodes", "eval.n_envs"])
-def test_eval_counts_must_be_positive(tmp_path: Path, key: str) -> None:
-    with pytest.raises(ConfigError, match=rf"^{key} must be >= 1, got 0$"):
-        compose(None, ["agent.kind=toy", f"{key}=0"])
-    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
-    r = train_dt(f"dataset.path={h5}", f"{key}=-1", "--run-dir", str(tmp_path / "run"))
-    assert r.exit_code == 2 and f"error: {key} must be >= 1, got -1" in r.output
-    assert not (tmp_path / "run").exists()
-
-
-# ------------------------------------------------------------------- 6: DT and backbone memory
-@pytest.mark.parametrize("kind", ["xl", "compressive", "knn"])
-def test_dt_refuses_a_backbone_memory_it_would_ignore(tmp_path: Path, kind: str) -> None:
-    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
-    r = train_dt(f"dataset.path={h5}", f"backbone.memory.kind={kind}", "--run-dir", str(tmp_path / "run"))
-    assert r.exit_code == 2, r.output
-    assert f"backbone.memory.kind={kind!r}: the Decision Transformer" in r.output
-    assert "agent.kind=gtrxl" in r.output
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
-
-
-# ------------------------------------------------------------------- 7: plot --from-json
-@pytest.mark.parametrize("content, expected", [
-    (None, "cannot read it"),
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "got list"),
-    ('{"results": [{"returns": [1.0]}]}', "results[0] is not a per-target result"),
-])
-def test_plot_from_json_errors_name_the_file(tmp_path: Path, content: str | None, expected: str) -> None:
-    path = tmp_path / "eval.json"
-    if content is not None:
-        path.write_text(content)
-    r = runner.invoke(app, ["plot", str(tmp_path / "no_run"), "--out", str(tmp_path / "p.png"),
-                            "--from-json", str(path)])
-    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
-    assert r.exit_code == 2 and f"error: --from-json {path}: {expected}" in r.output
-
-
-# ------------------------------------------------------------------- 9: dataset.env_id
-def test_hdf5_without_a_task_name_says_how_to_set_it(tmp_path: Path) -> None:
-    from rl_tformers.agents.common.offline import load_offline_dataset
-
-    h5 = write_d4rl_h5(tmp_path / "data.hdf5", obs_dim=3, env_id=None, discrete=False)
-    r = train_dt(f"dataset.path={h5}", "--run-dir", str(tmp_path / "run"))
-    assert r.exit_code == 2
-    assert "continuous actions need a bounded Box action space" in r.output
-    assert "guessed from the file name" in r.output and "dataset.env_id=" in r.output and "env_id attribute" in r.output
-    ds = load_offline_dataset({"path": str(h5), "env_id": "Pendulum-v1"})
-    assert ds.metadata.env_id == "Pendulum-v1" and ds.action_space.high.tolist() == [2.0]
-    with pytest.raises(ValueError, match="dataset.env_id='Pendulum-v1' applies to HDF5 files only"):
-        load_offline_dataset({"path": "rlt/pendulum-v1/x-v0", "env_id": "Pendulum-v1"})
-    assert compose("dt/cartpole_demo", ["dataset.env_id=Pendulum-v1"]).dataset.env_id == "Pendulum-v1"
-
-
-# ------------------------------------------------------------------- 10: --targets ""
-@pytest.mark.parametrize("text", ["", " "])
-def test_empty_targets_are_refused(text: str) -> None:
-    from rl_tformers.runtime.evaluation import parse_targets
-
-    with pytest.raises(ValueError, match=r"^--targets: '.*' is empty"):
-        parse_targets(text)
-
-
-# ------------------------------------------------------------------- 12: typos get a suggestion
-@pytest.mark.parametrize("override, expected", [
-    ("backbone.attention.knd=sdpa", "backbone.attention.knd: unknown key: attention kind 'sdpa' (the default: "
-                                    "backbone.attention.kind is not set) has no field 'knd'; did you mean "
-                                    "backbone.attention.kind?"),
-    ("backbone.attention.window=4", "backbone.attention.window: unknown key: attention kind 'sdpa' (the default: "
-                                    "backbone.attention.kind is not set) has no field 'window'; set "
-                                    "backbone.attention.kind to a kind that has it"),
-    ("backbone.dmodel=32", "backbone.dmodel: unknown backbone field; did you mean backbone.d_model?"),
-])
-def test_backbone_typos_name_the_key_and_suggest(override: str, expected: str) -> None:
-    with pytest.raises(ConfigError) as info:
-        compose(None, ["agent.kind=toy", override])
-    assert str(info.value).startswith(expected)
-
-
-# ------------------------------------------------------------------- 13: %BC fraction
-def test_bc_top_fraction_out_of_range_names_the_key(tmp_path: Path) -> None:
-    h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
-    r = runner.invoke(app, ["train", "agent.kind=bc", f"dataset.path={h5}", "agent.top_fraction=0",
-                            *[a for a in TINY_DT if not a.startswith(("backbone.", "agent."))],
-                            "--run-dir", str(tmp_path / "run")])
-    assert r.exit_code == 2
-    assert "error: agent.top_fraction must be a number in (0, 1], got 0" in r.output
-
-
-def test_short_run_warns_that_warmup_never_ends_and_pctbc_says_what_it_kept(tmp_path, caplog):
-    """A 300-step run of a 10k-warmup config warns that its warmup never ends (it would learn
-    nothing); %BC says which episodes it kept."""
-    import logging
-
-    import numpy as np
-    from rl_tformers.agents.common.scripted import collect_delayed_expert
-    from rl_tformers.envs.loaders import save_d4rl_hdf5
-
-    from rl_tformers.runtime.run_config import compose
-    from rl_tformers.runtime.trainer import train
-
-    ds = collect_delayed_expert(20, seed=0, n_envs=10)
-    path = save_d4rl_hdf5(ds, tmp_path / "cp.hdf5")
-    ret = np.sort(ds.episode_returns)[::-1]
-    common = [f"dataset.path={path}", "train.steps=3", "train.batch_size=4", "train.progress=false",
-              "eval.every=0", "eval.at_end=false", "device=cpu", "agent.kind=bc", "agent.top_fraction=0.1"]
-    lg = logging.getLogger("rl_tformers")  # the CLI sets propagate=False: listen on it directly
-    level = lg.level
-    lg.addHandler(caplog.handler)
-    lg.setLevel(logging.INFO)
-    try:
-        train(compose(None, [*common, "train.warmup_steps=10", "train.schedule=linear_warmup"]), tmp_path / "a")
-        text = caplog.text
-        caplog.clear()
-        train(compose(None, [*common, "train.warmup_steps=2"]), tmp_path / "b")
-    finally:
-        lg.removeHandler(caplog.handler)
-        lg.setLevel(level)
-    assert "train.warmup_steps=10 >= train.steps=3: the learning rate stays in its linear warmup" in text
-    assert "agent.top_fraction=0.1: training on 2 of 20 episodes" in text and f"returns >= {ret[1]:.1f}" in text
-    assert "warmup" not in caplog.text
 
 
 def test_sweep_markdown_escapes_a_pipe_in_a_grid_value():

@@ -558,3 +558,37 @@ def test_resume_with_fewer_steps_than_trained_warns(tmp_path: Path, caplog: pyte
     with caplog.at_level(logging.INFO):
         resume(tmp_path / "run")  # complete at its own train.steps: no warning
     assert not [rec for rec in caplog.records if rec.levelno == logging.WARNING]
+
+
+def test_short_run_warns_that_warmup_never_ends_and_pctbc_says_what_it_kept(tmp_path, caplog):
+    """A 300-step run of a 10k-warmup config warns that its warmup never ends (it would learn
+    nothing); %BC says which episodes it kept."""
+    import logging
+
+    import numpy as np
+    from rl_tformers.agents.common.scripted import collect_delayed_expert
+    from rl_tformers.envs.loaders import save_d4rl_hdf5
+
+    from rl_tformers.runtime.run_config import compose
+    from rl_tformers.runtime.trainer import train
+
+    ds = collect_delayed_expert(20, seed=0, n_envs=10)
+    path = save_d4rl_hdf5(ds, tmp_path / "cp.hdf5")
+    ret = np.sort(ds.episode_returns)[::-1]
+    common = [f"dataset.path={path}", "train.steps=3", "train.batch_size=4", "train.progress=false",
+              "eval.every=0", "eval.at_end=false", "device=cpu", "agent.kind=bc", "agent.top_fraction=0.1"]
+    lg = logging.getLogger("rl_tformers")  # the CLI sets propagate=False: listen on it directly
+    level = lg.level
+    lg.addHandler(caplog.handler)
+    lg.setLevel(logging.INFO)
+    try:
+        train(compose(None, [*common, "train.warmup_steps=10", "train.schedule=linear_warmup"]), tmp_path / "a")
+        text = caplog.text
+        caplog.clear()
+        train(compose(None, [*common, "train.warmup_steps=2"]), tmp_path / "b")
+    finally:
+        lg.removeHandler(caplog.handler)
+        lg.setLevel(level)
+    assert "train.warmup_steps=10 >= train.steps=3: the learning rate stays in its linear warmup" in text
+    assert "agent.top_fraction=0.1: training on 2 of 20 episodes" in text and f"returns >= {ret[1]:.1f}" in text
+    assert "warmup" not in caplog.text
