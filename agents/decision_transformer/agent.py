@@ -30,7 +30,6 @@ Which mode a backbone needs (``agent.mode``):
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from rl_tformers.agents.common.knn_memory import ActionDatastore, KNNPolicyMemory
+from rl_tformers.agents.common.knn_memory import KNNPolicyMemory
 from rl_tformers.agents.common.offline import (
     DatasetInfo,
     flattens_observations,
@@ -47,16 +46,17 @@ from rl_tformers.agents.common.offline import (
     plain,
 )
 from rl_tformers.agents.decision_transformer.config import DTAgentConfig, exit_threshold
+from rl_tformers.agents.decision_transformer.early_exit import calibrate_exit_threshold, heldout_mask
+from rl_tformers.agents.decision_transformer.knn_lm import build_datastore
 from rl_tformers.agents.decision_transformer.loss import dt_loss
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTConfig, from_env_action
-from rl_tformers.agents.decision_transformer.policy import DTPolicy, acting_context_mask
+from rl_tformers.agents.decision_transformer.policy import DTPolicy
 from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.samplers import WindowSampler
 from rl_tformers.envs.torch_data import StepBatchDataset
 from rl_tformers.envs.trajectory import ObsStats
 from torch import Tensor
 
-from rl_tformers.depth.early_exit import calibrate_threshold
 from rl_tformers.runtime.agent_registry import register_agent
 from rl_tformers.runtime.evaluation import eval_seed, evaluate, report_logs
 from rl_tformers.runtime.loading import register_inference_loader
@@ -303,12 +303,7 @@ class DTAgent:
         deterministic and spread over the dataset; none when ``heldout_frac`` is 0 or the depth
         kind is not ``early_exit``.
         """
-        frac = float(self.early_exit_options.heldout_frac)
-        n = dataset.num_episodes
-        if not self.model.early_exit or frac <= 0 or n < 2:
-            return np.zeros(n, dtype=bool)
-        every = max(2, round(1.0 / frac))
-        return (np.arange(n) % every) == every - 1
+        return heldout_mask(dataset.num_episodes, float(self.early_exit_options.heldout_frac), self.model.early_exit)
 
     def _data(self, dataset: EpisodeDataset | None) -> EpisodeDataset:
         if dataset is not None:
@@ -328,11 +323,6 @@ class DTAgent:
         stats = ObsStats(self.info.obs_mean.reshape(shape), self.info.obs_std.reshape(shape))
         return WindowSampler(dataset, self.model_cfg.context_len, align=self.align, reward_scale=self.info.reward_scale,
                              obs_stats=stats)
-
-    def _acting_mask(self, mask: Tensor, slot: Tensor) -> Tensor:
-        """(W, K) mask of windows whose deciding step sits at ``slot`` (W,), cut to the context the
-        policy reads when acting (:func:`~.policy.acting_context_mask` with ``agent.eval_context_len``)."""
-        return acting_context_mask(mask, slot, self.eval_context_len)
 
     def _knn_built_for(self) -> tuple[float | None, int | None]:
         """What the datastore keys depend on besides the weights: the exit threshold and the acting context."""
@@ -422,41 +412,13 @@ class DTAgent:
         dev = next(self.model.parameters()).device
         raw = self._sampler(cal_data).sample(windows, np.random.default_rng(seed))
         batch = to_model_batch({k: torch.as_tensor(v, device=dev) for k, v in raw.items()}, self.info)
-        mask = batch["mask"]
-        k = mask.shape[1]
-        last = k - 1 - mask.flip(1).long().argmax(1)  # (W,) slot of the last real step
-        decide = torch.zeros_like(mask)
-        decide[torch.arange(mask.shape[0], device=dev), last] = True
-        mask = self._acting_mask(mask, last)  # the context the policy reads when acting (eval_context_len)
-        was = self.model.training
-        self.model.eval()
-        args = (batch["obs"], batch["actions"], batch["rtg"], batch["timesteps"], mask)
-        discrete, tol = self.model_cfg.discrete, float(o.tol)
-
-        chunks = [slice(i, i + 512) for i in range(0, mask.shape[0], 512)]
-
-        def run(threshold: float | None) -> Tensor:
-            return torch.cat([pick_chunk(c, threshold) for c in chunks])
-
-        def pick_chunk(c: slice, threshold: float | None) -> Tensor:
-            out = self.model(*(x[c] for x in args), exit_steps=decide[c], exit_threshold=threshold)
-            if self.model_cfg.mode == "last_action":
-                return out.action[:, -1]
-            return out.action[torch.arange(out.action.shape[0], device=dev), last[c]]  # (w, A) or (w,)
-
-        full = run(None)
-
-        def evaluate(threshold: float) -> Tensor:
-            a = run(threshold)
-            return (a == full) if discrete else ((a - full).abs().amax(-1) <= tol)
-
-        cands = [i / 20 for i in range(21)] if candidates is None else list(candidates)
-        cal = calibrate_threshold(evaluate, cands, delta=delta, epsilon=epsilon)
-        self.model.train(was)
-        thr = None if math.isinf(cal.threshold) else float(cal.threshold)
+        tol = float(o.tol)
+        thr, cal = calibrate_exit_threshold(self.model, batch, context_steps=self.eval_context_len, tol=tol,
+                                            delta=delta, epsilon=epsilon, candidates=candidates)
         self.set_exit_threshold(thr)
         return {
-            "threshold": thr, "delta": delta, "epsilon": epsilon, "n": cal.n, "tol": None if discrete else tol,
+            "threshold": thr, "delta": delta, "epsilon": epsilon, "n": cal.n,
+            "tol": None if self.model_cfg.discrete else tol,
             "heldout_episodes": int(held.sum()), "risks": {str(t): r for t, r in sorted(cal.risks.items())},
         }
 
@@ -468,15 +430,10 @@ class DTAgent:
     ) -> dict[str, Any]:
         """Build the kNN-LM datastore from the training dataset and act with it.
 
-        Khandelwal et al. 2020 with next actions: key = the model's feature at the state token
-        that predicts a_t (``DTOutput.features``, what the head reads), computed on the context
-        the policy would hold at step t (``align`` start: steps ``max(0, t-K+1) .. t`` from slot
-        0; end: left-padded, ending at slot K-1), value = a_t in model units (normalised to
-        [-1, 1] when continuous), group = the episode. At most ``max_entries`` steps (a seeded
-        uniform subset of the dataset's steps). The policy then interpolates its action with
-        the neighbours' (:class:`~rl_tformers.agents.common.knn_memory.KNNPolicyMemory`):
-        probability space for discrete actions, the documented weighted form
-        ``(1 - lam) a_model + lam sum_i w_i a_i`` for continuous ones.
+        The datastore of :func:`~rl_tformers.agents.decision_transformer.knn_lm.build_datastore`
+        (keys: the features the head reads when acting at each step, with this agent's acting
+        context and exit threshold; values: the next actions), queried by the policy through
+        :class:`~rl_tformers.agents.common.knn_memory.KNNPolicyMemory`.
 
         Args:
             dataset: default: read from ``cfg.dataset``.
@@ -494,51 +451,10 @@ class DTAgent:
         metric = str(o.metric if metric is None else metric)
         t0 = time.perf_counter()
         data = self._data(dataset)
-        sampler = self._sampler(data)
-        K = self.model_cfg.context_len
-        lengths = np.asarray(data.lengths, dtype=np.int64)
-        ep = np.repeat(np.arange(data.num_episodes), lengths)  # (N,) episode of every step
-        t = np.concatenate([np.arange(n) for n in lengths])  # (N,) step inside its episode
-        if max_entries < ep.shape[0]:
-            keep = np.sort(np.random.default_rng(seed).choice(ep.shape[0], max_entries, replace=False))
-            ep, t = ep[keep], t[keep]
-        dev = next(self.model.parameters()).device
-        was = self.model.training
-        self.model.eval()
-        keys, acts = [], []
-        slots = np.arange(K)[None, :]  # (1, K)
-        for s in range(0, ep.shape[0], batch_windows):
-            e, tt = ep[s : s + batch_windows], t[s : s + batch_windows]
-            if self.align == "start":
-                first = np.maximum(tt - K + 1, 0)  # (W,) step at slot 0
-                slot = tt - first  # (W,) slot of step t
-                local = first[:, None] + slots  # (W, K)
-                m = slots <= slot[:, None]
-            else:
-                slot = np.full(tt.shape, K - 1)
-                local = tt[:, None] - (K - 1) + slots  # (W, K), negative = padding on the left
-                m = local >= 0
-            local = np.where(m, local, 0)
-            flat = np.asarray(data.starts)[e][:, None] + local  # (W, K) dataset rows
-            raw = sampler._gather(flat, m, local)  # the training sampler's units (obs stats, RTG / scale)
-            batch = to_model_batch({n: torch.as_tensor(v, device=dev) for n, v in raw.items()}, self.info)
-            rows = torch.arange(len(e), device=dev)
-            sl = torch.as_tensor(slot, device=dev)
-            # exactly the policy's forward pass at step t (DTPolicy.act): the context it reads
-            # (agent.eval_context_len) and, with early exit, the threshold it acts with, so that a
-            # key is the feature the head reads when acting (the exited layer's, when it exits)
-            mask = self._acting_mask(batch["mask"], sl)
-            kw: dict[str, Any] = {}
-            if self.model.early_exit:
-                decide = torch.zeros_like(mask)
-                decide[rows, sl] = True
-                kw = {"exit_steps": decide, "exit_threshold": self.exit_threshold}
-            out = self.model(batch["obs"], batch["actions"], batch["rtg"], batch["timesteps"], mask, **kw)
-            feats = out.features[:, -1] if self.model_cfg.mode == "last_action" else out.features[rows, sl]
-            keys.append(feats)
-            acts.append(batch["actions"][rows, sl])
-        self.model.train(was)
-        store = ActionDatastore(torch.cat(keys), torch.cat(acts), torch.as_tensor(ep), metric=metric)
+        store = build_datastore(
+            self.model, data, self._sampler(data), lambda raw: to_model_batch(raw, self.info), align=self.align,
+            context_steps=self.eval_context_len, exit_threshold=self.exit_threshold, max_entries=max_entries,
+            metric=metric, seed=seed, batch_windows=batch_windows)
         self.knn_memory = KNNPolicyMemory(store, k=k_nb, lam=lam, temperature=temperature)
         self._knn_for = self._knn_built_for()
         return {"entries": len(store), "lam": lam, "k": k_nb, "temperature": temperature, "metric": metric,

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import typer
 from rl_tformers.agents.decision_transformer.agent import to_model_batch
+from rl_tformers.agents.decision_transformer.policy import acting_context_mask
 
 from rl_tformers.runtime.loading import load_run
 from rl_tformers.runtime.timing import interleaved_timing
@@ -51,18 +52,18 @@ def forward_timing(agent: Any, batch_sizes: list[int], repeats: int = 200, seed:
         b = to_model_batch({k: torch.as_tensor(v, device=dev) for k, v in raw.items()}, agent.info)
         mask = b["mask"]
         last = mask.shape[1] - 1 - mask.flip(1).long().argmax(1)  # (N,) slot of the last real step
-        mask = agent._acting_mask(mask, last)  # the context the policy reads (agent.eval_context_len)
+        mask = acting_context_mask(mask, last, agent.eval_context_len)  # the context the policy reads
         decide = torch.zeros_like(mask)
         rows = torch.arange(n, device=dev)
         decide[rows, last] = True
         args = (b["obs"], b["actions"], b["rtg"], b["timesteps"], mask)
         with torch.no_grad():
-            full = model(*args, exit_steps=decide, exit_threshold=float("inf"))
-            early = model(*args, exit_steps=decide, exit_threshold=agent.exit_threshold)
+            full = model.forward_early_exit(*args, exit_steps=decide, exit_threshold=float("inf"))
+            early = model.forward_early_exit(*args, exit_steps=decide, exit_threshold=agent.exit_threshold)
             thr = agent.exit_threshold
             t = interleaved_timing({
-                "full": lambda a=args, d=decide: model(*a, exit_steps=d, exit_threshold=float("inf")),
-                "early": lambda a=args, d=decide, th=thr: model(*a, exit_steps=d, exit_threshold=th),
+                "full": lambda a=args, d=decide: model.forward_early_exit(*a, exit_steps=d, exit_threshold=float("inf")),
+                "early": lambda a=args, d=decide, th=thr: model.forward_early_exit(*a, exit_steps=d, exit_threshold=th),
             }, repeats=repeats)
         a_full, a_early = full.action[rows, last], early.action[rows, last]
         agree = (a_full == a_early) if agent.model_cfg.discrete else ((a_full - a_early).abs().amax(-1) <= tol)

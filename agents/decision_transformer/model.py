@@ -302,9 +302,9 @@ class DecisionTransformer(nn.Module):
 
     def forward(
         self, obs: Tensor, actions: Tensor, rtg: Tensor, timesteps: Tensor, mask: Tensor, *,
-        output_hidden_states: bool = False, exit_steps: Tensor | None = None, exit_threshold: float | None = None,
+        output_hidden_states: bool = False,
     ) -> DTOutput:
-        """Predict actions from a window of K steps.
+        """Predict actions from a window of K steps (Chen et al. 2021, Algorithm 1).
 
         Args:
             obs: (B, K, obs_dim) normalised observations.
@@ -317,19 +317,60 @@ class DecisionTransformer(nn.Module):
             mask: (B, K) bool, True = real step, False = padding (any place in the window).
             output_hidden_states: also return every layer's output at the predicting state
                 tokens (``DTOutput.hidden_states``).
-            exit_steps: (B, K) bool, depth kind ``early_exit`` only: the steps whose state
-                token decides (the ones whose action is used, e.g. the current step when
-                acting); the exit loop stops once they all exited. ``None``: every real step.
-            exit_threshold: early-exit confidence threshold for this call (``None``: the
-                backbone's stored one, +inf unless calibrated; ``early_exit`` only).
 
         Returns:
             :class:`DTOutput` with predictions for every step (causal) or the last one.
 
         Raises:
-            ValueError: wrong shapes, a window of more than ``context_len`` steps, a timestep
-                outside ``[0, max_ep_len)``, or ``exit_steps`` / ``exit_threshold`` without
-                depth kind ``early_exit``.
+            ValueError: wrong shapes, a window of more than ``context_len`` steps, or a timestep
+                outside ``[0, max_ep_len)``.
+        """
+        x, tok_mask, pos = self.embed(obs, actions, rtg, timesteps, mask)  # (R_t, s_t, a_t) tokens
+        return self._decode(x, tok_mask, pos, output_hidden_states, self.exit_kwargs(x, obs.shape[1]))
+
+    def forward_early_exit(
+        self, obs: Tensor, actions: Tensor, rtg: Tensor, timesteps: Tensor, mask: Tensor, *,
+        exit_steps: Tensor | None = None, exit_threshold: float | None = None, output_hidden_states: bool = False,
+    ) -> DTOutput:
+        """:meth:`forward` whose backbone runs layer by layer and stops early (depth kind ``early_exit``).
+
+        The same tokens go through the backbone's early-exit depth slot, which applies the final
+        norm and action head after each layer and stops once every deciding state token is
+        confident (:mod:`rl_tformers.depth.early_exit`; CALM, Schuster et al. 2022).
+
+        Args:
+            obs, actions, rtg, timesteps, mask, output_hidden_states: as :meth:`forward`.
+            exit_steps: (B, K) bool, the steps whose state token decides (the ones whose action is
+                used, e.g. the current step when acting); the exit loop stops once they all
+                exited. ``None``: every predicting state token.
+            exit_threshold: confidence threshold for this call (``None``: the backbone's stored
+                one, +inf unless calibrated; +inf runs every layer).
+
+        Returns:
+            :class:`DTOutput`; ``metrics`` hold ``exit/mean_layer`` and ``exit/early_frac``.
+
+        Raises:
+            ValueError: as :meth:`forward`, or a backbone whose depth kind is not ``early_exit``.
+        """
+        if not self.early_exit:
+            raise ValueError("DT: exit_steps / exit_threshold need backbone.depth.kind=early_exit")
+        x, tok_mask, pos = self.embed(obs, actions, rtg, timesteps, mask)
+        depth_kw = self.exit_kwargs(x, obs.shape[1], exit_steps, exit_threshold)
+        return self._decode(x, tok_mask, pos, output_hidden_states, depth_kw)
+
+    def embed(self, obs: Tensor, actions: Tensor, rtg: Tensor, timesteps: Tensor,
+              mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The token sequence of a window: (R_t, s_t, a_t) per step, each plus its timestep embedding.
+
+        Args: as :meth:`forward`.
+
+        Returns:
+            x (B, n, D) tokens after the embedding LayerNorm and dropout (n = 3K, or 3K - 1 in
+            ``last_action`` mode: the sequence ends with s_{K-1}), their mask (B, n) bool and
+            positions (B, n) (the token index inside the window).
+
+        Raises:
+            ValueError: as :meth:`forward`.
         """
         cfg = self.cfg
         b, k = obs.shape[:2]
@@ -346,36 +387,46 @@ class DecisionTransformer(nn.Module):
         tokens = torch.stack(
             (self.embed_return(rtg) + time_emb, self.embed_state(obs) + time_emb, act_emb + time_emb), dim=2
         )  # (B, K, 3, D)
-        d = tokens.shape[-1]
-        tokens = tokens.reshape(b, 3 * k, d)  # (B, 3K, D): R_0, s_0, a_0, R_1, ...
+        tokens = tokens.reshape(b, 3 * k, tokens.shape[-1])  # (B, 3K, D): R_0, s_0, a_0, R_1, ...
         tok_mask = mask.repeat_interleave(3, dim=1)  # (B, 3K)
         if cfg.mode == "last_action":
             tokens, tok_mask = tokens[:, :-1], tok_mask[:, :-1]  # (B, 3K-1, D): ends with s_{K-1}
         x = self.embed_drop(self.embed_ln(tokens))
         n = x.shape[1]
-        pos = self.token_pos[:n].expand(b, n)  # (B, n) token index inside the window
-        depth_kw: dict[str, Any] = {}
-        if self.early_exit:
-            depth_kw["exit_head"] = with_final_norm(self.backbone, self.head)
-            if exit_threshold is not None:
-                depth_kw["exit_threshold"] = float(exit_threshold)
-            if exit_steps is not None:
-                em = torch.zeros(b, 3 * k, dtype=torch.bool, device=x.device)  # (B, 3K)
-                em[:, 1::3] = exit_steps.to(device=x.device, dtype=torch.bool)  # state tokens decide
-                depth_kw["exit_mask"] = em[:, :n]
-            else:
-                depth_kw["exit_mask"] = self._state_token_mask(b, k, n, x.device)
-        elif exit_steps is not None or exit_threshold is not None:
-            raise ValueError("DT: exit_steps / exit_threshold need backbone.depth.kind=early_exit")
+        return x, tok_mask, self.token_pos[:n].expand(b, n)
+
+    def _decode(self, x: Tensor, tok_mask: Tensor, pos: Tensor, output_hidden_states: bool,
+                depth_kw: dict[str, Any]) -> DTOutput:
+        """The backbone over the tokens, then the action head at the predicting state tokens."""
         # only the state tokens' outputs are needed: the backbone's last layer skips the others
         out = self.backbone(x, positions=pos, mask=tok_mask, output_hidden_states=output_hidden_states,
-                            output_tokens=self._token_slice(n), **depth_kw)
+                            output_tokens=self._token_slice(x.shape[1]), **depth_kw)
         hs = None
         if out.hidden_states is not None:
             hs = tuple(self._select(hl) for hl in out.hidden_states)
         res = self.predict(out.hidden)  # (B, P, D) state tokens
         res.aux, res.metrics, res.hidden_states = out.aux, out.metrics, hs
         return res
+
+    def exit_kwargs(self, x: Tensor, k: int, exit_steps: Tensor | None = None,
+                    exit_threshold: float | None = None) -> dict[str, Any]:
+        """The early-exit depth slot's arguments for tokens ``x`` (B, n, D) of a K-step window
+        (empty for other depth kinds): the exit head (final norm + action head), the deciding
+        tokens (the state tokens of ``exit_steps``, default every predicting state token) and
+        the threshold (when given)."""
+        if not self.early_exit:
+            return {}
+        b, n = x.shape[:2]
+        depth_kw: dict[str, Any] = {"exit_head": with_final_norm(self.backbone, self.head)}
+        if exit_threshold is not None:
+            depth_kw["exit_threshold"] = float(exit_threshold)
+        if exit_steps is not None:
+            em = torch.zeros(b, 3 * k, dtype=torch.bool, device=x.device)  # (B, 3K)
+            em[:, 1::3] = exit_steps.to(device=x.device, dtype=torch.bool)  # state tokens decide
+            depth_kw["exit_mask"] = em[:, :n]
+        else:
+            depth_kw["exit_mask"] = self._state_token_mask(b, k, n, x.device)
+        return depth_kw
 
     @property
     def early_exit(self) -> bool:

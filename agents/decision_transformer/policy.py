@@ -376,7 +376,8 @@ class DTPolicy:
             decide[rows, slot] = torch.as_tensor(counted, device=dev)  # (rows whose decisions count)
             kw = {"exit_steps": decide, "exit_threshold": self.exit_threshold}
         mask = acting_context_mask(state.mask, slot, self.context_steps)
-        out = self.model(state.obs, state.actions, state.rtg, state.timesteps, mask, **kw)
+        forward = self.model.forward_early_exit if kw else self.model
+        out = forward(state.obs, state.actions, state.rtg, state.timesteps, mask, **kw)
         p = (rows, slot) if cfg.mode == "causal" else (slice(None), -1)  # the deciding state token
         a = out.action[p]  # (N, A) or (N,)
         if self.sample:  # a draw of the tanh-squashed Gaussian instead of its mean

@@ -222,3 +222,29 @@ def test_embed_init_gpt2_or_the_official_codes_pytorch_defaults():
         assert p.abs().max().item() <= 1.0 and p.abs().max().item() > 0.9
     with pytest.raises(ValueError, match="agent.embed_init='xavier'"):
         DTConfig(obs_dim=OBS, act_dim=ACT, embed_init="xavier")
+
+
+@pytest.mark.parametrize("discrete", [False, True])
+def test_forward_early_exit_runs_the_same_tokens_layer_by_layer(discrete):
+    """``forward`` is the full model; ``forward_early_exit`` at threshold +inf gives its outputs bit
+    for bit, and at threshold 0 every deciding state token exits after layer 1 with the head's
+    prediction from that layer's output (final norm, then head)."""
+    torch.manual_seed(0)
+    m = _model(backbone={"n_layers": 3, "depth": {"kind": "early_exit", "confidence": "saturation"}},
+               discrete=discrete)
+    b = _batch(discrete=discrete)
+    args = (b["obs"], b["actions"], b["rtg"], b["timesteps"], b["mask"])
+    with torch.no_grad():
+        full = m(*args, output_hidden_states=True)
+        never = m.forward_early_exit(*args, exit_threshold=float("inf"))
+        first = m.forward_early_exit(*args, exit_threshold=0.0)
+    assert torch.equal(never.action, full.action) and torch.equal(never.features, full.features)
+    assert float(never.metrics["exit/mean_layer"]) == 3.0 and float(first.metrics["exit/mean_layer"]) == 1.0
+    layer1 = m.predict(m.backbone.final_norm(full.hidden_states[0]))  # hidden_states[n]: after layer n + 1
+    assert torch.equal(first.action, layer1.action)
+
+
+def test_forward_early_exit_needs_the_early_exit_depth_kind():
+    b = _batch()
+    with pytest.raises(ValueError, match="backbone.depth.kind=early_exit"):
+        _model().forward_early_exit(b["obs"], b["actions"], b["rtg"], b["timesteps"], b["mask"], exit_threshold=0.0)

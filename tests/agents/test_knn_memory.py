@@ -232,13 +232,13 @@ def test_early_exit_calibration_decides_on_the_acting_context(tmp_path, cartpole
     agent = _agent(path, "backbone.n_layers=2", "backbone.depth={kind: early_exit, confidence: saturation}",
                    "agent.eval_context_len=1")
     calls = []
-    forward = agent.model.forward
+    forward = agent.model.forward_early_exit
 
     def spy(obs, actions, rtg, timesteps, mask, **kw):
         calls.append((mask.clone(), kw.get("exit_steps")))
         return forward(obs, actions, rtg, timesteps, mask, **kw)
 
-    agent.model.forward = spy
+    agent.model.forward_early_exit = spy
     agent.calibrate_early_exit(windows=20, candidates=[0.5])
     assert calls
     for mask, decide in calls:  # only the deciding step itself (eval_context_len=1) is in the context
