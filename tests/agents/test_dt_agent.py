@@ -1173,3 +1173,17 @@ def test_bc_top_fraction_out_of_range_names_the_key(tmp_path: Path) -> None:
                             "--run-dir", str(tmp_path / "run")])
     assert r.exit_code == 2
     assert "error: agent.top_fraction must be a number in (0, 1], got 0" in r.output
+
+
+# ------------------------------------------------------------------- huge agent.targets: before training
+def test_agent_targets_beyond_the_return_embedding_are_refused_before_training(tmp_path: Path) -> None:
+    from tests.datafiles import write_d4rl_h5
+
+    h5 = write_d4rl_h5(tmp_path / "cp.hdf5")
+    r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={h5}", "train.steps=3",
+                            "train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1", "agent.context_len=4",
+                            "agent.targets=[20,1e30]", "eval.every=0", "eval.at_end=true", "train.progress=false",
+                            "--device", "cpu", "--run-dir", str(tmp_path / "run")])
+    assert r.exit_code == 2, r.output
+    assert "agent.targets: 1e+30 is beyond what this model takes" in r.output
+    assert not list((tmp_path / "run").glob("checkpoints/*.pt"))

@@ -205,3 +205,13 @@ def test_rtg_probe_function_checks_what_it_is_given(probe_runs):
         rtg_probe(run.agent, load_dataset(wide), {"a": [0]})
     with pytest.raises(ValueError, match="is not a Decision Transformer agent"):
         rtg_probe(load_run(tmp / "bc").agent, ds, {"a": [0]})
+
+
+# ------------------------------------------------------------------- 4: -h like every rl-tformers command
+def test_rtg_probe_has_the_short_help_option() -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "rl_tformers.agents.decision_transformer.rtg_probe", "-h"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--group" in r.stdout

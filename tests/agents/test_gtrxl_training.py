@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import warnings
 from pathlib import Path
@@ -747,34 +746,6 @@ def test_gtrxl_learned_positions_shorter_than_the_time_limit_warn(tmp_path: Path
         assert msgs == []
 
 
-def test_resume_from_another_folder_names_the_relative_dataset_path(tmp_path: Path, cartpole_h5,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """A run started on a relative dataset.path and resumed from another folder failed with only
-    "no such HDF5 file: cp.hdf5"; the error now says the path is relative, read from which folder,
-    and how to pass the absolute one (dataset.path may change on resume)."""
-    from typer.testing import CliRunner
-
-    from rl_tformers.cli import app
-
-    work, other = tmp_path / "work", tmp_path / "other"
-    work.mkdir()
-    other.mkdir()
-    cartpole_h5(work / "cp.hdf5")
-    monkeypatch.chdir(work)
-    runner = CliRunner()
-    r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", "dataset.path=cp.hdf5", "train.steps=1",
-                            "train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1", "agent.context_len=3",
-                            "eval.at_end=false", "train.progress=false", "--run-dir", str(work / "run")])
-    assert r.exit_code == 0, r.output
-    monkeypatch.chdir(other)
-    r = runner.invoke(app, ["train", "--resume", str(work / "run"), "train.steps=2"])
-    assert r.exit_code == 2, r.output
-    assert (f"error: no such HDF5 file: cp.hdf5 (the run's dataset.path=cp.hdf5 is relative and is read from the "
-            f"current folder {other}: resume from the folder the run was started in, or pass the absolute path") in r.output
-    r = runner.invoke(app, ["train", "--resume", str(work / "run"), "train.steps=2", f"dataset.path={work / 'cp.hdf5'}"])
-    assert r.exit_code == 0, r.output
-
-
 def _gtrxl(path: Path, *extra: str) -> list[str]:
     return ["agent.kind=gtrxl", "agent.objective=bc", f"dataset.path={path}", "agent.seq_len=4", "agent.burn_in=2",
             "backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=2", "train.batch_size=4",
@@ -849,34 +820,3 @@ def test_gtrxl_asks_ddp_to_find_parameters_that_some_updates_leave_without_gradi
         assert getattr(agent, "ddp_find_unused", False), (
             f"{swap}: parameters {sorted(unused)} got no gradient in some updates, but the agent does not ask "
             f"for ddp_find_unused: rl-tformers train --nproc 2 crashes")
-
-
-# -- the hint "rl-tformers backbones lists them" points to a command that lists no fields --------
-def test_unknown_field_hint_leads_to_the_kinds_that_have_it() -> None:
-    with pytest.raises(ConfigError) as info:
-        compose(overrides=["agent.kind=dt", "backbone.attention.window=3"])
-    msg = str(info.value)
-    assert "backbone.attention.window" in msg
-    if "sliding_window" in msg:  # the message itself names a kind with a `window` field
-        return
-    assert "rl-tformers backbones" in msg
-    r = runner.invoke(app, ["backbones", "--slot", "attention", "--json"])
-    assert r.exit_code == 0, r.output
-    entry = next(e for e in json.loads(r.stdout) if e["kind"] == "sliding_window")
-    listed = json.dumps({k: v for k, v in entry.items() if k not in ("description", "paper", "kind", "slot")})
-    assert "window" in listed, f"the error sends the user to `rl-tformers backbones`, which lists no fields: {entry}"
-
-
-# -- resume refuses a kind's field set to the value the run already used --------------------------
-def test_resume_accepts_a_slot_field_given_its_default_value(tmp_path, cartpole_h5) -> None:
-    data = cartpole_h5(tmp_path / "cp.h5")
-    run = tmp_path / "run"
-    base = ["-c", "dt/cartpole_demo", f"dataset.path={data}", "train.steps=2", "train.batch_size=4",
-            "train.warmup_steps=1", "train.progress=false", "backbone.d_model=16", "backbone.n_layers=1",
-            "backbone.attn_dropout=0", "agent.context_len=3", "agent.max_ep_len=20", "eval.at_end=false",
-            "device=cpu", "backbone.attention.kind=performer"]
-    r = runner.invoke(app, ["train", *base, "--run-dir", str(run)])
-    assert r.exit_code == 0, r.output
-    # Performer's default is orthogonal=true: the resumed run builds exactly the same backbone
-    r = runner.invoke(app, ["train", "--resume", str(run), "train.steps=3", "backbone.attention.orthogonal=true"])
-    assert r.exit_code == 0, r.output  # was: "backbone.attention.orthogonal: <unset> -> True" cannot change

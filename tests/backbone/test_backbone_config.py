@@ -11,8 +11,10 @@ import pytest
 import torch
 import yaml
 from omegaconf import OmegaConf
+from typer.testing import CliRunner
 
 from rl_tformers import Backbone, BackboneConfig
+from rl_tformers.cli import app
 from rl_tformers.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
 from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError
 from rl_tformers.runtime.run_config import ConfigError, compose
@@ -188,3 +190,22 @@ def test_backbone_numbers_are_checked_with_their_key(override: str, expected: st
     with pytest.raises(ConfigError) as info:
         compose(None, ["agent.kind=toy", override])
     assert str(info.value) == expected
+
+
+runner = CliRunner()
+
+
+# -- the hint "rl-tformers backbones lists them" points to a command that lists no fields --------
+def test_unknown_field_hint_leads_to_the_kinds_that_have_it() -> None:
+    with pytest.raises(ConfigError) as info:
+        compose(overrides=["agent.kind=dt", "backbone.attention.window=3"])
+    msg = str(info.value)
+    assert "backbone.attention.window" in msg
+    if "sliding_window" in msg:  # the message itself names a kind with a `window` field
+        return
+    assert "rl-tformers backbones" in msg
+    r = runner.invoke(app, ["backbones", "--slot", "attention", "--json"])
+    assert r.exit_code == 0, r.output
+    entry = next(e for e in json.loads(r.stdout) if e["kind"] == "sliding_window")
+    listed = json.dumps({k: v for k, v in entry.items() if k not in ("description", "paper", "kind", "slot")})
+    assert "window" in listed, f"the error sends the user to `rl-tformers backbones`, which lists no fields: {entry}"

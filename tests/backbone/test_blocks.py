@@ -285,3 +285,19 @@ def test_reversible_recompute_backpropagates_auxiliary_attention_losses(attentio
             torch.testing.assert_close(gp[name], hp[name], atol=1e-10, rtol=0, msg=name)
         for name in buf:  # routing's EMA centroids: one update per step either way
             torch.testing.assert_close(buf[name], buf0[name], atol=1e-12, rtol=0, msg=name)
+
+
+# ------------------------------------------------------------------- 3: reversible block with a memory
+def test_reversible_block_with_a_memory_says_what_to_use_instead() -> None:
+    """`rl-tformers train -c gtrxl/hopper_positions_bc backbone.block.kind=reversible` stopped with
+    only "backbone.memory.kind='xl' is not supported by backbone.block.kind='reversible'": the
+    generic capability check fired before the block's own check, whose advice was never shown."""
+    from rl_tformers import Backbone
+    from rl_tformers.backbone import IncompatibleConfig
+
+    with pytest.raises(IncompatibleConfig) as exc:
+        Backbone({"d_model": 16, "n_heads": 2, "block": {"kind": "reversible"}, "memory": {"kind": "xl"}})
+    assert str(exc.value) == (
+        "backbone.memory.kind='xl' is not supported by backbone.block.kind='reversible' (it keeps no per-layer "
+        "memory); blocks that do: gated, post_norm, pre_norm; or use backbone.memory.kind=none (GTrXL then runs "
+        "in its plain-window mode: agent.window=W backbone.memory.kind=none agent.burn_in=0 agent.seq_len=W)")

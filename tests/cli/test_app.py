@@ -45,59 +45,6 @@ def test_the_backbones_line_of_the_main_help_is_not_cut() -> None:
     assert "capabilities, fields (with their defaults)." in line
 
 
-# ------------------------------------------------------------------- 2: a run's checkpoints folder or file as RUN_DIR
-def _run_with_a_checkpoint(tmp_path: Path) -> Path:
-    from rl_tformers.runtime.checkpoint import save_checkpoint
-
-    run = tmp_path / "run"
-    save_checkpoint(run, {"step": 3, "config": {"agent": {"kind": "toy"}}})
-    return run
-
-
-def test_eval_of_the_checkpoints_folder_names_the_run_directory(tmp_path: Path) -> None:
-    """`rl-tformers eval runs/dt1/checkpoints` said "no checkpoint in runs/dt1/checkpoints/checkpoints"
-    about a folder full of checkpoints (the same for plot, train --resume and bench eval)."""
-    run = _run_with_a_checkpoint(tmp_path)
-    ckpts = run / "checkpoints"
-    want = f"error: {ckpts} is the checkpoint folder of the run {run}; pass the run directory {run}\n"
-    r = runner.invoke(app, ["eval", str(ckpts)])
-    assert r.exit_code == 2 and r.stderr == want
-    r = runner.invoke(app, ["plot", str(ckpts), "--out", str(tmp_path / "f.png")])
-    assert r.exit_code == 2 and r.stderr == want
-    # an empty run directory keeps its message
-    (tmp_path / "empty").mkdir()
-    r = runner.invoke(app, ["eval", str(tmp_path / "empty")])
-    assert r.exit_code == 2 and r.stderr.startswith(f"error: no checkpoint in {tmp_path / 'empty' / 'checkpoints'} ")
-
-
-def test_eval_of_a_checkpoint_file_says_how_to_evaluate_that_checkpoint(tmp_path: Path) -> None:
-    """`rl-tformers eval runs/dt1/checkpoints/step_000000300.pt` said only "is not a directory
-    (expected a run directory ...)"; the file belongs to a run, and eval/plot take it as --checkpoint."""
-    run = _run_with_a_checkpoint(tmp_path)
-    f = next((run / "checkpoints").glob("step_*.pt"))
-    r = runner.invoke(app, ["eval", str(f)])
-    assert r.exit_code == 2
-    assert r.stderr == (f"error: {f} is not a directory (expected a run directory written by rl-tformers train); "
-                        f"it is a checkpoint of the run {run}: pass that run directory (rl-tformers eval and "
-                        f"plot take a specific checkpoint as --checkpoint FILE)\n")
-
-
-# ------------------------------------------------------------------- 3: reversible block with a memory
-def test_reversible_block_with_a_memory_says_what_to_use_instead() -> None:
-    """`rl-tformers train -c gtrxl/hopper_positions_bc backbone.block.kind=reversible` stopped with
-    only "backbone.memory.kind='xl' is not supported by backbone.block.kind='reversible'": the
-    generic capability check fired before the block's own check, whose advice was never shown."""
-    from rl_tformers import Backbone
-    from rl_tformers.backbone import IncompatibleConfig
-
-    with pytest.raises(IncompatibleConfig) as exc:
-        Backbone({"d_model": 16, "n_heads": 2, "block": {"kind": "reversible"}, "memory": {"kind": "xl"}})
-    assert str(exc.value) == (
-        "backbone.memory.kind='xl' is not supported by backbone.block.kind='reversible' (it keeps no per-layer "
-        "memory); blocks that do: gated, post_norm, pre_norm; or use backbone.memory.kind=none (GTrXL then runs "
-        "in its plain-window mode: agent.window=W backbone.memory.kind=none agent.burn_in=0 agent.seq_len=W)")
-
-
 # ------------------------------------------------------------------- 4: an interrupted demo
 def test_interrupted_demo_says_how_to_get_its_evaluation_and_plot(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:

@@ -311,3 +311,40 @@ def test_eval_counts_must_be_positive(tmp_path: Path, key: str) -> None:
     r = train_dt(f"dataset.path={h5}", f"{key}=-1", "--run-dir", str(tmp_path / "run"))
     assert r.exit_code == 2 and f"error: {key} must be >= 1, got -1" in r.output
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------- 2: a run's checkpoints folder or file as RUN_DIR
+def _run_with_a_checkpoint(tmp_path: Path) -> Path:
+    from rl_tformers.runtime.checkpoint import save_checkpoint
+
+    run = tmp_path / "run"
+    save_checkpoint(run, {"step": 3, "config": {"agent": {"kind": "toy"}}})
+    return run
+
+
+def test_eval_of_the_checkpoints_folder_names_the_run_directory(tmp_path: Path) -> None:
+    """`rl-tformers eval runs/dt1/checkpoints` said "no checkpoint in runs/dt1/checkpoints/checkpoints"
+    about a folder full of checkpoints (the same for plot, train --resume and bench eval)."""
+    run = _run_with_a_checkpoint(tmp_path)
+    ckpts = run / "checkpoints"
+    want = f"error: {ckpts} is the checkpoint folder of the run {run}; pass the run directory {run}\n"
+    r = runner.invoke(app, ["eval", str(ckpts)])
+    assert r.exit_code == 2 and r.stderr == want
+    r = runner.invoke(app, ["plot", str(ckpts), "--out", str(tmp_path / "f.png")])
+    assert r.exit_code == 2 and r.stderr == want
+    # an empty run directory keeps its message
+    (tmp_path / "empty").mkdir()
+    r = runner.invoke(app, ["eval", str(tmp_path / "empty")])
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: no checkpoint in {tmp_path / 'empty' / 'checkpoints'} ")
+
+
+def test_eval_of_a_checkpoint_file_says_how_to_evaluate_that_checkpoint(tmp_path: Path) -> None:
+    """`rl-tformers eval runs/dt1/checkpoints/step_000000300.pt` said only "is not a directory
+    (expected a run directory ...)"; the file belongs to a run, and eval/plot take it as --checkpoint."""
+    run = _run_with_a_checkpoint(tmp_path)
+    f = next((run / "checkpoints").glob("step_*.pt"))
+    r = runner.invoke(app, ["eval", str(f)])
+    assert r.exit_code == 2
+    assert r.stderr == (f"error: {f} is not a directory (expected a run directory written by rl-tformers train); "
+                        f"it is a checkpoint of the run {run}: pass that run directory (rl-tformers eval and "
+                        f"plot take a specific checkpoint as --checkpoint FILE)\n")

@@ -13,7 +13,11 @@ import minari
 import numpy as np
 import pytest
 from rl_tformers.envs.collect import Behaviour, collect, train_and_record
-from rl_tformers.envs.loaders import load_d4rl_hdf5, load_dataset, load_minari
+from rl_tformers.envs.loaders import (
+    load_d4rl_hdf5,
+    load_dataset,
+    load_minari,
+)
 from rl_tformers.envs.policies import NoisyPolicy, RandomPolicy, detect_algorithm, load_sb3_policy
 from rl_tformers.envs.pomdp import ObservationMaskWrapper, make_env, pomdp_record, position_indices
 from rl_tformers.envs.recipes import policies_dir
@@ -304,23 +308,6 @@ def test_dataset_export_refuses_an_existing_out_file(tmp_path):
     assert load_dataset(str(out)).num_episodes == 2
 
 
-# ------------------------------------------------- 3: an empty DATASET argument is named
-@pytest.mark.parametrize("command", [["dataset", "info", ""], ["dataset", "export", " ", "x.hdf5"]])
-def test_empty_dataset_argument_is_named(tmp_path, monkeypatch, command):
-    monkeypatch.chdir(tmp_path)
-    r = CliRunner().invoke(app, command)
-    assert r.exit_code == 1
-    assert "error: DATASET is empty" in r.output and "not a Minari dataset folder" not in r.output
-    assert not (tmp_path / "x.hdf5").exists()
-
-
-def test_load_dataset_of_an_empty_spec_says_so():
-    from rl_tformers.envs.dataset import DatasetError
-
-    with pytest.raises(DatasetError, match="spec is empty"):
-        load_dataset("")
-
-
 runner = CliRunner()
 
 
@@ -386,35 +373,6 @@ def test_skip_existing_misuse(tmp_path: Path, args, msg) -> None:
     assert r.exit_code == 1 and msg in r.output
 
 
-# ------------------------------------------------------------------- 5: a missing scripted-task file
-def test_missing_memory_task_file_names_the_command_that_builds_it(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.chdir(tmp_path)  # no data/ here
-    r = runner.invoke(app, ["train", "-c", "gtrxl/recall_bc", "train.steps=2"])
-    assert r.exit_code != 0
-    assert "python -m rl_tformers.envs.memory_tasks recall --delay 8 --episodes 2000 --out data/memory/recall-d8.hdf5" \
-        in r.output
-    assert not (tmp_path / "runs").exists()  # no run directory (nor its runs/ parent) left behind
-    # another file on the command line does not get recall-d8's recipe
-    r = runner.invoke(app, ["train", "-c", "gtrxl/recall_bc", "dataset.path=other.hdf5", "train.steps=2"])
-    assert r.exit_code != 0 and "other.hdf5" in r.output and "memory_tasks" not in r.output
-
-
-def test_every_config_with_a_data_memory_file_says_how_to_build_it() -> None:
-    import re
-
-    from rl_tformers.runtime.run_config import available_configs, compose
-
-    checked = 0
-    for name in available_configs():
-        cfg = compose(name, [])
-        path = str(cfg.get("dataset", {}).get("path") or "")
-        if path.startswith("data/memory/"):
-            build = str(cfg.dataset.get("build") or "")
-            assert re.search(rf"--out {re.escape(path)}$", build), (name, build)
-            checked += 1
-    assert checked >= 9
-
-
 def _tiny_cartpole_run(tmp_path: Path, *overrides: str):
     """Train a tiny DT on a crafted CartPole file into ``tmp_path/run``; returns (run, CLI output)."""
     from tests.datafiles import write_d4rl_h5
@@ -445,16 +403,6 @@ def test_the_printed_eval_command_repeats_the_final_evaluation_exactly(tmp_path:
     assert res[0]["return_mean"] == pytest.approx(final["eval/return_mean"], abs=1e-9)
 
 
-# ------------------------------------------------------------------- 4: -h like every rl-tformers command
-def test_rtg_probe_has_the_short_help_option() -> None:
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-m", "rl_tformers.agents.decision_transformer.rtg_probe", "-h"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "--group" in r.stdout
-
-
 # ------------------------------------------------------------------- 10: our warnings as one line
 def test_package_warnings_print_as_one_line_without_source(tmp_path: Path) -> None:
     import subprocess
@@ -472,20 +420,6 @@ def test_package_warnings_print_as_one_line_without_source(tmp_path: Path) -> No
     lines = [x for x in e.stderr.splitlines() if "skipping unusable checkpoint" in x]
     assert len(lines) == 1 and lines[0].startswith("warning: skipping unusable checkpoint"), e.stderr
     assert "UserWarning" not in e.stderr and "find_latest_valid" not in e.stderr
-
-
-# ------------------------------------------------------------------- huge agent.targets: before training
-def test_agent_targets_beyond_the_return_embedding_are_refused_before_training(tmp_path: Path) -> None:
-    from tests.datafiles import write_d4rl_h5
-
-    h5 = write_d4rl_h5(tmp_path / "cp.hdf5")
-    r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={h5}", "train.steps=3",
-                            "train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1", "agent.context_len=4",
-                            "agent.targets=[20,1e30]", "eval.every=0", "eval.at_end=true", "train.progress=false",
-                            "--device", "cpu", "--run-dir", str(tmp_path / "run")])
-    assert r.exit_code == 2, r.output
-    assert "agent.targets: 1e+30 is beyond what this model takes" in r.output
-    assert not list((tmp_path / "run").glob("checkpoints/*.pt"))
 
 
 # -- collect: SIGTERM ended the process without cleanup, leaving <root>/tmpXXXX of Minari --
@@ -520,3 +454,39 @@ def test_collect_stopped_by_a_signal_leaves_nothing_in_the_data_root(tmp_path, s
         f"interrupted ({sig}): no half-written dataset is left (Minari's temporary folder removed too); "
         "datasets reported above are complete")
     assert [p for p in root.rglob("*") if not p.is_dir() and p.name != "namespace_metadata.json"] == []
+
+
+# ------------------------------------------------- 10: rl-tformers collect
+def test_collect_refuses_bad_arguments_before_collecting_and_without_tracebacks(tmp_path):
+    runner = CliRunner()
+    root = tmp_path / "root"
+    base = ["collect", "--root", str(root), "--no-progress"]
+    not_zip = tmp_path / "model.zip"
+    not_zip.write_text("not a zip")
+    r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--policy", str(not_zip), "--episodes", "1"])
+    assert r.exit_code == 1 and "not a Stable-Baselines3 save file" in r.output  # was: BadZipFile traceback
+    r = runner.invoke(app, [*base, "--env", "NoSuchEnv-v0", "--episodes", "1"])
+    assert r.exit_code == 2 and "NoSuchEnv" in r.output and "--env" in r.output  # was: NameNotFound traceback
+    r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--episodes", "0"])
+    assert r.exit_code == 2 and "collects nothing" in r.output  # was: exit 0, nothing written, nothing said
+    # was: the episodes were collected and the Minari dataset written, then IsADirectoryError; a rerun
+    # not refused as "already exists"
+    r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--episodes", "1", "--hdf5", str(tmp_path)])
+    assert r.exit_code == 1 and "is a directory" in r.output
+    assert not (root / "rlt").exists()
+    r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--episodes", "1", "--hdf5", str(tmp_path / "cp.hdf5")])
+    assert r.exit_code == 0, r.output
+    assert load_dataset(tmp_path / "cp.hdf5").num_episodes == 1  # its next_observations pass the new check
+
+
+def test_train_sb3_leaves_no_sb3_folder_in_the_temp_dir(tmp_path, monkeypatch):
+    # was: every call (collect --train, train_and_record) left an empty $TMPDIR/SB3-<date> folder behind
+    import tempfile
+
+    from rl_tformers.envs.policies import train_sb3
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("SB3_LOGDIR", raising=False)
+    model = train_sb3("a2c", gym.make("CartPole-v1"), 10, seed=0)
+    assert model.num_timesteps >= 10
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("SB3-")] == []  # (torch may add its own)

@@ -595,42 +595,6 @@ def test_make_dataloader_refuses_a_start_step_outside_the_run(tmp_path, start):
     assert len(list(make_dataloader(sampler, 4, seed=0, num_steps=10, start_step=10))) == 0  # resume at the end
 
 
-# ------------------------------------------------- 10: rl-tformers collect
-def test_collect_refuses_bad_arguments_before_collecting_and_without_tracebacks(tmp_path):
-    runner = CliRunner()
-    root = tmp_path / "root"
-    base = ["collect", "--root", str(root), "--no-progress"]
-    not_zip = tmp_path / "model.zip"
-    not_zip.write_text("not a zip")
-    r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--policy", str(not_zip), "--episodes", "1"])
-    assert r.exit_code == 1 and "not a Stable-Baselines3 save file" in r.output  # was: BadZipFile traceback
-    r = runner.invoke(app, [*base, "--env", "NoSuchEnv-v0", "--episodes", "1"])
-    assert r.exit_code == 2 and "NoSuchEnv" in r.output and "--env" in r.output  # was: NameNotFound traceback
-    r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--episodes", "0"])
-    assert r.exit_code == 2 and "collects nothing" in r.output  # was: exit 0, nothing written, nothing said
-    # was: the episodes were collected and the Minari dataset written, then IsADirectoryError; a rerun
-    # not refused as "already exists"
-    r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--episodes", "1", "--hdf5", str(tmp_path)])
-    assert r.exit_code == 1 and "is a directory" in r.output
-    assert not (root / "rlt").exists()
-    r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--episodes", "1", "--hdf5", str(tmp_path / "cp.hdf5")])
-    assert r.exit_code == 0, r.output
-    assert load_dataset(tmp_path / "cp.hdf5").num_episodes == 1  # its next_observations pass the new check
-
-
-def test_train_sb3_leaves_no_sb3_folder_in_the_temp_dir(tmp_path, monkeypatch):
-    # was: every call (collect --train, train_and_record) left an empty $TMPDIR/SB3-<date> folder behind
-    import tempfile
-
-    from rl_tformers.envs.policies import train_sb3
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.delenv("SB3_LOGDIR", raising=False)
-    model = train_sb3("a2c", gym.make("CartPole-v1"), 10, seed=0)
-    assert model.num_timesteps >= 10
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("SB3-")] == []  # (torch may add its own)
-
-
 # ------------------------------------------------- dataset info: an episode both terminated and truncated
 def test_dataset_info_counts_a_terminal_timeout_step_once_as_a_termination(tmp_path: Path) -> None:
     """A last step flagged both ``terminals`` and ``timeouts`` (a terminal state on the time limit's
@@ -782,49 +746,6 @@ def test_minari_multi_discrete_action_space_is_refused_saying_what_to_do(tmp_pat
         "supported (the agents take one Discrete action per step or a Box); a Minari dataset carries its own action "
         "space: write its episodes to a D4RL-layout .hdf5 file (observations, actions, rewards, terminals, timeouts) "
         f"and load that; {FIXES}")
-
-
-# ------------------------------------------------- normalised scores of the evaluated task
-def _mujoco_h5(path: Path, env_id: str, n: int = 20) -> Path:
-    """A (17,)-observation, (6,)-action file (Walker2d's and HalfCheetah's shapes) naming ``env_id``."""
-    rng = np.random.default_rng(0)
-    with h5py.File(path, "w") as f:
-        f.create_dataset("observations", data=rng.normal(size=(n, 17)))
-        f.create_dataset("actions", data=rng.uniform(-1, 1, (n, 6)).astype(np.float32))
-        f.create_dataset("rewards", data=np.ones(n, np.float32))
-        f.create_dataset("terminals", data=np.zeros(n, bool))
-        f.create_dataset("timeouts", data=np.arange(n) % 10 == 9)
-        f.attrs["env_id"] = env_id
-    return path
-
-
-def test_another_d4rl_task_as_agent_env_id_is_scored_with_its_own_references(tmp_path: Path, caplog) -> None:
-    """Walker2d data evaluated in HalfCheetah-v5 (``agent.env_id``, same shapes): the normalised
-    score used Walker2d's reference returns (1.629008, 4592.3) for HalfCheetah returns. The score
-    is a property of the evaluated task: HalfCheetah's references, with a warning saying so."""
-    import logging
-
-    from rl_tformers.agents.common.offline import DatasetInfo
-    from rl_tformers.envs.loaders import load_dataset
-    from rl_tformers.envs.scores import D4RL_REF_SCORES
-
-    ds = load_dataset(str(_mujoco_h5(tmp_path / "w.hdf5", "Walker2d-v5")))
-    info = DatasetInfo.from_dataset(ds)
-    assert (info.ref_min, info.ref_max) == D4RL_REF_SCORES["walker2d"]
-    with caplog.at_level(logging.WARNING, logger="rl_tformers.agents.common.offline"):
-        info = DatasetInfo.from_dataset(ds, env_id="HalfCheetah-v5")
-    assert (info.ref_min, info.ref_max) == D4RL_REF_SCORES["halfcheetah"] == (-280.178953, 12135.0)
-    assert info.normalizer()(np.array([12135.0]))[0] == 100.0
-    assert [r.getMessage() for r in caplog.records] == [
-        f"agent.env_id=HalfCheetah-v5 is another task than the dataset {tmp_path / 'w.hdf5'} (Walker2d-v5): "
-        "normalised scores use the D4RL references of halfcheetah (-280.179, 12135), the evaluated task's, not the "
-        "dataset's (1.62901, 4592.3)"]
-    # the same task family (another version of the environment): the dataset's references, no warning
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="rl_tformers.agents.common.offline"):
-        info = DatasetInfo.from_dataset(ds, env_id="Walker2d-v4")
-    assert (info.ref_min, info.ref_max) == D4RL_REF_SCORES["walker2d"]
-    assert caplog.records == []
 
 
 # ------------------------------------------------------------------- 4: download advice for the project's own ids
@@ -1026,3 +947,20 @@ def test_hdf5_without_a_task_name_says_how_to_set_it(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="dataset.env_id='Pendulum-v1' applies to HDF5 files only"):
         load_offline_dataset({"path": "rlt/pendulum-v1/x-v0", "env_id": "Pendulum-v1"})
     assert compose("dt/cartpole_demo", ["dataset.env_id=Pendulum-v1"]).dataset.env_id == "Pendulum-v1"
+
+
+# ------------------------------------------------- 3: an empty DATASET argument is named
+@pytest.mark.parametrize("command", [["dataset", "info", ""], ["dataset", "export", " ", "x.hdf5"]])
+def test_empty_dataset_argument_is_named(tmp_path, monkeypatch, command):
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, command)
+    assert r.exit_code == 1
+    assert "error: DATASET is empty" in r.output and "not a Minari dataset folder" not in r.output
+    assert not (tmp_path / "x.hdf5").exists()
+
+
+def test_load_dataset_of_an_empty_spec_says_so():
+    from rl_tformers.envs.dataset import DatasetError
+
+    with pytest.raises(DatasetError, match="spec is empty"):
+        load_dataset("")

@@ -82,3 +82,46 @@ def test_a_parent_folder_named_like_a_d4rl_task_gives_no_reference_scores(tmp_pa
     with h5py.File(folder / "hopper-medium-v2.hdf5", "a") as f:
         del f.attrs["env_id"]
     assert reference_scores(load_dataset(folder / "hopper-medium-v2.hdf5")) == (-20.272305, 3234.3)
+
+
+# ------------------------------------------------- normalised scores of the evaluated task
+def _mujoco_h5(path: Path, env_id: str, n: int = 20) -> Path:
+    """A (17,)-observation, (6,)-action file (Walker2d's and HalfCheetah's shapes) naming ``env_id``."""
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("observations", data=rng.normal(size=(n, 17)))
+        f.create_dataset("actions", data=rng.uniform(-1, 1, (n, 6)).astype(np.float32))
+        f.create_dataset("rewards", data=np.ones(n, np.float32))
+        f.create_dataset("terminals", data=np.zeros(n, bool))
+        f.create_dataset("timeouts", data=np.arange(n) % 10 == 9)
+        f.attrs["env_id"] = env_id
+    return path
+
+
+def test_another_d4rl_task_as_agent_env_id_is_scored_with_its_own_references(tmp_path: Path, caplog) -> None:
+    """Walker2d data evaluated in HalfCheetah-v5 (``agent.env_id``, same shapes): the normalised
+    score used Walker2d's reference returns (1.629008, 4592.3) for HalfCheetah returns. The score
+    is a property of the evaluated task: HalfCheetah's references, with a warning saying so."""
+    import logging
+
+    from rl_tformers.agents.common.offline import DatasetInfo
+    from rl_tformers.envs.loaders import load_dataset
+    from rl_tformers.envs.scores import D4RL_REF_SCORES
+
+    ds = load_dataset(str(_mujoco_h5(tmp_path / "w.hdf5", "Walker2d-v5")))
+    info = DatasetInfo.from_dataset(ds)
+    assert (info.ref_min, info.ref_max) == D4RL_REF_SCORES["walker2d"]
+    with caplog.at_level(logging.WARNING, logger="rl_tformers.agents.common.offline"):
+        info = DatasetInfo.from_dataset(ds, env_id="HalfCheetah-v5")
+    assert (info.ref_min, info.ref_max) == D4RL_REF_SCORES["halfcheetah"] == (-280.178953, 12135.0)
+    assert info.normalizer()(np.array([12135.0]))[0] == 100.0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"agent.env_id=HalfCheetah-v5 is another task than the dataset {tmp_path / 'w.hdf5'} (Walker2d-v5): "
+        "normalised scores use the D4RL references of halfcheetah (-280.179, 12135), the evaluated task's, not the "
+        "dataset's (1.62901, 4592.3)"]
+    # the same task family (another version of the environment): the dataset's references, no warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rl_tformers.agents.common.offline"):
+        info = DatasetInfo.from_dataset(ds, env_id="Walker2d-v4")
+    assert (info.ref_min, info.ref_max) == D4RL_REF_SCORES["walker2d"]
+    assert caplog.records == []

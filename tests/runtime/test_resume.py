@@ -457,3 +457,46 @@ def test_a_ppo_fine_tuning_run_resumes_without_reading_its_offline_run_again(tmp
     # retrained with another width at the same path: still the run's own model
     train(compose(None, [*offline, *[t.replace("d_model=16", "d_model=8") for t in tiny]]), tmp_path / "offline")
     assert resume(tmp_path / "cut", ["train.steps=6"]).step == 6
+
+
+def test_resume_from_another_folder_names_the_relative_dataset_path(tmp_path: Path, cartpole_h5,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run started on a relative dataset.path and resumed from another folder failed with only
+    "no such HDF5 file: cp.hdf5"; the error now says the path is relative, read from which folder,
+    and how to pass the absolute one (dataset.path may change on resume)."""
+    from typer.testing import CliRunner
+
+    from rl_tformers.cli import app
+
+    work, other = tmp_path / "work", tmp_path / "other"
+    work.mkdir()
+    other.mkdir()
+    cartpole_h5(work / "cp.hdf5")
+    monkeypatch.chdir(work)
+    runner = CliRunner()
+    r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", "dataset.path=cp.hdf5", "train.steps=1",
+                            "train.batch_size=4", "backbone.d_model=16", "backbone.n_layers=1", "agent.context_len=3",
+                            "eval.at_end=false", "train.progress=false", "--run-dir", str(work / "run")])
+    assert r.exit_code == 0, r.output
+    monkeypatch.chdir(other)
+    r = runner.invoke(app, ["train", "--resume", str(work / "run"), "train.steps=2"])
+    assert r.exit_code == 2, r.output
+    assert (f"error: no such HDF5 file: cp.hdf5 (the run's dataset.path=cp.hdf5 is relative and is read from the "
+            f"current folder {other}: resume from the folder the run was started in, or pass the absolute path") in r.output
+    r = runner.invoke(app, ["train", "--resume", str(work / "run"), "train.steps=2", f"dataset.path={work / 'cp.hdf5'}"])
+    assert r.exit_code == 0, r.output
+
+
+# -- resume refuses a kind's field set to the value the run already used --------------------------
+def test_resume_accepts_a_slot_field_given_its_default_value(tmp_path, cartpole_h5) -> None:
+    data = cartpole_h5(tmp_path / "cp.h5")
+    run = tmp_path / "run"
+    base = ["-c", "dt/cartpole_demo", f"dataset.path={data}", "train.steps=2", "train.batch_size=4",
+            "train.warmup_steps=1", "train.progress=false", "backbone.d_model=16", "backbone.n_layers=1",
+            "backbone.attn_dropout=0", "agent.context_len=3", "agent.max_ep_len=20", "eval.at_end=false",
+            "device=cpu", "backbone.attention.kind=performer"]
+    r = runner.invoke(app, ["train", *base, "--run-dir", str(run)])
+    assert r.exit_code == 0, r.output
+    # Performer's default is orthogonal=true: the resumed run builds exactly the same backbone
+    r = runner.invoke(app, ["train", "--resume", str(run), "train.steps=3", "backbone.attention.orthogonal=true"])
+    assert r.exit_code == 0, r.output  # was: "backbone.attention.orthogonal: <unset> -> True" cannot change
