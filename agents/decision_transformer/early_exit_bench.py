@@ -28,7 +28,7 @@ from rl_tformers.runtime.timing import interleaved_timing
 
 
 def forward_timing(agent: Any, batch_sizes: list[int], repeats: int = 200, seed: int = 777) -> dict[str, Any]:
-    """Time the DT forward pass at ``agent.exit_threshold`` vs the full model (see module docstring).
+    """Time the DT forward pass at ``agent.inference.exit_threshold`` vs the full model (see module docstring).
 
     Args:
         agent: a :class:`~rl_tformers.agents.decision_transformer.agent.DTAgent` whose threshold
@@ -40,12 +40,12 @@ def forward_timing(agent: Any, batch_sizes: list[int], repeats: int = 200, seed:
         "exit_mean_layer", "consistent"}}}`` (medians in milliseconds).
     """
 
-    data = agent._data(None)
-    held = agent.heldout_mask(data)
-    sampler = agent._sampler(data.select(held) if held.any() else data)
+    data = agent.inference.training_data(None)
+    held = agent.inference.heldout_mask(data)
+    sampler = agent.inference.sampler(data.select(held) if held.any() else data)
     dev = next(agent.model.parameters()).device
     model = agent.model.eval()
-    out: dict[str, Any] = {"threshold": agent.exit_threshold, "batches": {}}
+    out: dict[str, Any] = {"threshold": agent.inference.exit_threshold, "batches": {}}
     tol = float(agent.early_exit_options.tol)
     for n in batch_sizes:
         raw = sampler.sample(n, np.random.default_rng([seed, n]))
@@ -59,8 +59,8 @@ def forward_timing(agent: Any, batch_sizes: list[int], repeats: int = 200, seed:
         args = (b["obs"], b["actions"], b["rtg"], b["timesteps"], mask)
         with torch.no_grad():
             full = model.forward_early_exit(*args, exit_steps=decide, exit_threshold=float("inf"))
-            early = model.forward_early_exit(*args, exit_steps=decide, exit_threshold=agent.exit_threshold)
-            thr = agent.exit_threshold
+            early = model.forward_early_exit(*args, exit_steps=decide, exit_threshold=agent.inference.exit_threshold)
+            thr = agent.inference.exit_threshold
             t = interleaved_timing({
                 "full": lambda a=args, d=decide: model.forward_early_exit(*a, exit_steps=d, exit_threshold=float("inf")),
                 "early": lambda a=args, d=decide, th=thr: model.forward_early_exit(*a, exit_steps=d, exit_threshold=th),

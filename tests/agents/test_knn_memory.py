@@ -178,7 +178,7 @@ def _agent(path, *extra) -> DTAgent:
 def _replay_features(agent: DTAgent, episodes=(0, 1, 2), steps: int = 9) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(query features, stored key of that dataset step) for every decision of the policy replaying
     dataset episodes with their own returns (the datastore holds every step, in dataset order)."""
-    mem = agent.knn_memory
+    mem = agent.inference.knn_memory
     seen = []
     mem.neighbours = lambda f, ex=None: (seen.append(f.detach().clone()), type(mem).neighbours(mem, f, ex))[1]
     pol = agent.policy()
@@ -199,7 +199,7 @@ def _replay_features(agent: DTAgent, episodes=(0, 1, 2), steps: int = 9) -> list
 def test_knn_keys_are_computed_on_the_acting_context_with_eval_context_len(tmp_path, cartpole_h5, align):
     path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
     agent = _agent(path, "agent.eval_context_len=2", f"agent.align={align}")
-    assert agent.build_knn_memory(lam=1.0, k=1)["entries"] == 30
+    assert agent.inference.build_knn_memory(lam=1.0, k=1)["entries"] == 30
     for query, key in _replay_features(agent):
         torch.testing.assert_close(query, key, atol=1e-5, rtol=1e-5)
 
@@ -218,11 +218,11 @@ def test_knn_keys_are_the_exited_features_when_acting_with_early_exit(tmp_path, 
 def test_knn_datastore_built_for_another_threshold_is_refused_not_silently_mismatched(tmp_path, cartpole_h5):
     path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
     agent = _agent(path, "backbone.n_layers=2", "backbone.depth={kind: early_exit, confidence: saturation}")
-    agent.build_knn_memory(lam=0.5, k=2)  # keys of the full model
-    agent.set_exit_threshold(0.0)  # acting would now query with layer-1 features
+    agent.inference.build_knn_memory(lam=0.5, k=2)  # keys of the full model
+    agent.inference.set_exit_threshold(0.0)  # acting would now query with layer-1 features
     with pytest.raises(ValueError, match="build_knn_memory"):
         agent.policy()
-    agent.build_knn_memory(lam=0.5, k=2)  # rebuilt for the threshold in use
+    agent.inference.build_knn_memory(lam=0.5, k=2)  # rebuilt for the threshold in use
     agent.policy()
 
 
@@ -239,7 +239,7 @@ def test_early_exit_calibration_decides_on_the_acting_context(tmp_path, cartpole
         return forward(obs, actions, rtg, timesteps, mask, **kw)
 
     agent.model.forward_early_exit = spy
-    agent.calibrate_early_exit(windows=20, candidates=[0.5])
+    agent.inference.calibrate_early_exit(windows=20, candidates=[0.5])
     assert calls
     for mask, decide in calls:  # only the deciding step itself (eval_context_len=1) is in the context
         assert decide is not None and torch.equal(mask, decide & mask) and bool(mask.any(1).all())
@@ -350,7 +350,7 @@ def test_training_evaluation_applies_the_early_exit_threshold_and_knn_options(tm
     out = agent.evaluate(step=2)
     assert seen == [(0.0, True)] and "eval/return_mean" in out
     # nothing stays behind for training: the model is back in train mode, no datastore is kept
-    assert agent.model.training and agent.knn_memory is None and agent.exit_threshold is None
+    assert agent.model.training and agent.inference.knn_memory is None and agent.inference.exit_threshold is None
 
 
 # ------------------------------------ exit statistics count only the evaluated decisions
@@ -362,7 +362,7 @@ def test_exit_statistics_do_not_depend_on_the_number_of_environments(tmp_path, c
                    "agent.env_kwargs={max_episode_steps: 40}")
     mixed = 0
     for thr in (0.9, 0.95, 0.97, 0.98, 0.985, 0.99):
-        agent.set_exit_threshold(thr)
+        agent.inference.set_exit_threshold(thr)
         got = []
         for envs in (1, 2, 3):  # 5 episodes of different lengths: idle rows with 2 and 3 envs
             pol = agent.policy()
@@ -399,9 +399,9 @@ def test_inference_setup_with_the_defaults_after_options_evaluates_what_the_conf
     path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
     agent = _agent(path, "backbone.n_layers=2", "backbone.depth={kind: early_exit, confidence: saturation}")
     agent.inference_setup(early_exit=0.0, knn_lambda=0.5, knn_k=2)
-    assert agent.exit_threshold == 0.0 and agent.knn_memory is not None
+    assert agent.inference.exit_threshold == 0.0 and agent.inference.knn_memory is not None
     assert agent.inference_setup() == {}
-    assert agent.exit_threshold is None and agent.knn_memory is None
+    assert agent.inference.exit_threshold is None and agent.inference.knn_memory is None
     pol = agent.policy()
     assert pol.exit_threshold is None and pol.knn is None
 

@@ -107,7 +107,7 @@ def test_dt_early_exit_forward_timing_reports_layers_and_consistency(dt_early_ex
     from rl_tformers.runtime.timing import interleaved_timing
 
     run = load_run(dt_early_exit_run)
-    run.agent.set_exit_threshold(0.0)
+    run.agent.inference.set_exit_threshold(0.0)
     res = forward_timing(run.agent, [1, 4], repeats=3)
     assert res["threshold"] == 0.0 and set(res["batches"]) == {"1", "4"}
     for b in res["batches"].values():
@@ -196,7 +196,7 @@ def test_dt_knn_datastore_keys_are_the_policys_contexts_for_end_aligned_windows(
     ds, path = cartpole_path
     cfg = compose("dt/cartpole_demo", [f"dataset.path={path}", *DT_TINY, *FAST, "backbone.n_layers=1", *layout])
     agent = DTAgent(cfg, None, "cpu", dataset=ds)
-    assert agent.build_knn_memory(lam=1.0, k=1)["entries"] == ds.num_steps
+    assert agent.inference.build_knn_memory(lam=1.0, k=1)["entries"] == ds.num_steps
     pol = agent.policy()
     for i in range(3):  # replaying an episode with its own return: every context is a stored key
         ep = ds.episode(i)
@@ -216,7 +216,7 @@ def test_dt_early_exit_in_last_action_mode(cartpole_path):
     loss, metrics = agent.loss(agent.batches(0)[0])
     assert torch.isfinite(loss) and set(k for k in metrics if k.startswith("exit/loss")) == {
         "exit/loss_layer1", "exit/loss_layer2"}
-    agent.set_exit_threshold(0.0)
+    agent.inference.set_exit_threshold(0.0)
     pol = agent.policy()
     state = pol.initial_state(2, 100.0)
     for t in range(4):
