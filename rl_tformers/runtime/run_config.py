@@ -539,8 +539,8 @@ def _check_agent_types(values: Mapping[str, Any], defaults: Mapping[str, Any], w
     """Refuse agent options whose value has another type than the agent's default for them.
 
     The agent section is plain YAML (its defaults are a dict, not a schema), so without this an
-    ``agent.burn_in=1.5`` was truncated to 1, ``agent.window=true`` became 1 and
-    ``agent.prev_action=maybe`` became True, silently. An integer default takes an integer
+    ``agent.burn_in=1.5`` would be truncated to 1, ``agent.window=true`` would become 1 and
+    ``agent.prev_action=maybe`` True, silently. An integer default takes an integer
     (not a boolean), a boolean default a boolean, a float default a finite number (not a
     boolean); options whose default is ``None``, a string or a list are the agent's to check.
 

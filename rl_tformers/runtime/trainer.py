@@ -288,8 +288,8 @@ class MetricWindow:
         ``state`` of a run saved with ``saved_ranks`` processes (or the one window of a
         one-process run, ``saved_ranks`` = 1): the means carry over as they are, and the samples
         (a count, which :meth:`reduce` sums over the ranks) are split so that the ranks' sum is
-        the saved total (``perf/samples_per_s`` of the first window after a resume with another
-        process count was off by ``ranks / saved_ranks``)."""
+        the saved total (otherwise ``perf/samples_per_s`` of the first window after a resume with
+        another process count would be off by ``ranks / saved_ranks``)."""
         return {**state, "samples": float(state["samples"]) * saved_ranks / max(ranks, 1)}
 
 
