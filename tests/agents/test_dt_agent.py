@@ -1145,7 +1145,7 @@ def test_an_evaluation_env_with_fewer_discrete_actions_than_the_data_is_refused_
     assert DatasetInfo.from_dataset(ds, env_id="MountainCar-v0").act_dim == 2
 
 
-# ------------------------------------------------------------------- 6: DT and backbone memory
+# ------------------------------------------------------------------- DT and backbone memory
 @pytest.mark.parametrize("kind", ["xl", "compressive", "knn"])
 def test_dt_refuses_a_backbone_memory_it_would_ignore(tmp_path: Path, kind: str) -> None:
     h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
@@ -1156,7 +1156,7 @@ def test_dt_refuses_a_backbone_memory_it_would_ignore(tmp_path: Path, kind: str)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-# ------------------------------------------------------------------- 10: --targets ""
+# ------------------------------------------------------------------- --targets ""
 @pytest.mark.parametrize("text", ["", " "])
 def test_empty_targets_are_refused(text: str) -> None:
     from rl_tformers.runtime.evaluation import parse_targets
@@ -1165,7 +1165,7 @@ def test_empty_targets_are_refused(text: str) -> None:
         parse_targets(text)
 
 
-# ------------------------------------------------------------------- 13: %BC fraction
+# ------------------------------------------------------------------- %BC fraction
 def test_bc_top_fraction_out_of_range_names_the_key(tmp_path: Path) -> None:
     h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
     r = runner.invoke(app, ["train", "agent.kind=bc", f"dataset.path={h5}", "agent.top_fraction=0",

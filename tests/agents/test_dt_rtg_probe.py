@@ -207,7 +207,7 @@ def test_rtg_probe_function_checks_what_it_is_given(probe_runs):
         rtg_probe(load_run(tmp / "bc").agent, ds, {"a": [0]})
 
 
-# ------------------------------------------------------------------- 4: -h like every rl-tformers command
+# ------------------------------------------------------------------- -h like every rl-tformers command
 def test_rtg_probe_has_the_short_help_option() -> None:
     import subprocess
     import sys

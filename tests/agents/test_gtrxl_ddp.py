@@ -169,8 +169,8 @@ def test_ppo_on_two_processes_computes_the_gradient_of_one_process_on_the_whole_
 
 def test_ppo_on_two_processes_trains_on_every_row_of_each_ranks_minibatches(tmp_path: Path) -> None:
     """W processes act as one with W x n_envs environments: each rank's loss sees all
-    n_envs x n_steps / n_minibatches rows of its own minibatch (the trainer used to cut it in W
-    again, so each rank learned from 1/W of its own rollout), and the ranks' rollouts differ."""
+    n_envs x n_steps / n_minibatches rows of its own minibatch (not cut in W again by the
+    trainer, which would teach each rank from 1/W of its own rollout), and the ranks' rollouts differ."""
     outs = two_ranks(tmp_path, f"""
         from rl_tformers.agents.gtrxl.ppo import GTrXLPPO
         from rl_tformers.runtime.run_config import compose

@@ -126,7 +126,7 @@ def test_ppo_critic_warmup_trains_under_two_processes(tmp_path) -> None:
             "train.steps=4"]  # 2 updates per rollout: rollout 1 trains the value head only, rollout 2 everything
     two, one = tmp_path / "two", tmp_path / "one"
     r = train_cli("--nproc", "2", *args, "--run-dir", str(two))
-    assert r.returncode == 0, r.stderr[-3000:]  # was: rank 1 ... "Expected to have finished reduction"
+    assert r.returncode == 0, r.stderr[-3000:]  # not rank 1 ... "Expected to have finished reduction"
     assert [m["step"] for m in read_metrics(two)] == [1, 2, 3, 4]
     r = train_cli(*args, "train.steps=2", "--run-dir", str(one))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -153,9 +153,9 @@ def _ppo_with(dropout: float):
 
 def test_ppo_with_dropout_configured_recomputes_the_rollout_s_log_probabilities() -> None:
     """The first update of a rollout must see the log-probabilities and values the rollout stored
-    (ratio 1), in train mode as the trainer runs it. With dropout 0.3 they differed by 0.0099;
-    now the model has no dropout at all, the config's is warned about, and they agree to float
-    rounding (the rollout ran N rows per forward, the update all S x N at once)."""
+    (ratio 1), in train mode as the trainer runs it. With dropout 0.3 they would differ by
+    0.0099, so the model has no dropout at all, the config's is warned about, and they agree to
+    float rounding (the rollout ran N rows per forward, the update all S x N at once)."""
     from rl_tformers.agents.gtrxl.ppo_update import state_from_rows
 
     from rl_tformers.backbone_config import ConfigAdviceWarning
@@ -216,8 +216,8 @@ ENDLESS_PPO = ["agent.kind=gtrxl_ppo", "agent.n_envs=2", "agent.n_steps=6", "age
 
 
 def test_ppo_learned_positions_without_a_time_limit_stop_with_a_clear_error_and_stay_resumable(tmp_path) -> None:
-    """Was: "position.learned: positions must lie in [0, 16) but got [16, 16]" from inside the
-    rollout. Now a ConfigError (the command line's one ``error:`` line) at the step that would need
+    """A ConfigError (the command line's one ``error:`` line, not "position.learned: positions
+    must lie in [0, 16) but got [16, 16]" from inside the rollout) at the step that would need
     row 16, naming the option, the environment, the step and the fixes; the checkpoints of the
     updates before that rollout are intact and a resume continues from them exactly (to the same
     step of the same episode). The time limit the message suggests is checked before training
@@ -697,7 +697,7 @@ def test_ppo_refuses_rollout_options_that_crash_mid_run(monkeypatch, option, mes
     assert str(info.value) == message
 
 
-# ------------------------------------------------------------------- 5: PPO fine-tuning inputs
+# ------------------------------------------------------------------- PPO fine-tuning inputs
 def test_ppo_fine_tuning_says_which_agent_inputs_it_takes_from_the_checkpoint(tmp_path: Path) -> None:
     """`train -c gtrxl/ppo_cartpole_finetune` records `agent.head_hidden: 64` (inherited from
     ppo_cartpole.yaml) in config.yaml, but builds the offline run's head_hidden=0 (207,491

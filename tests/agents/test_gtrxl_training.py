@@ -361,7 +361,7 @@ def test_ppo_critic_warmup_changes_only_the_value_head():
     assert next(ppo.minibatches(ppo.collector.collect()))["critic_only"] is False  # rollout 3 > warm-up
 
 
-# ------------------------------------------------- 3: IQL's target encoder and the online critic's buffers
+# ------------------------------------------------- IQL's target encoder and the online critic's buffers
 def _iql_model(attention: dict):
     from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone
 
@@ -575,9 +575,10 @@ def test_gtrxl_window_longer_than_the_training_segment_warns() -> None:
 
 
 def test_ppo_fine_tuning_feeds_no_previous_action_at_episode_starts_as_the_offline_encoder_learned(tmp_path) -> None:
-    """The offline agent now encodes a discrete a_{t-1} at an episode start as zeros
-    (prev_action_zero_at_start); PPO fine-tuned from it fed the one-hot of action 0 there, off
-    the distribution its encoder was trained on. PPO from scratch keeps action 0's one-hot."""
+    """The offline agent encodes a discrete a_{t-1} at an episode start as zeros
+    (prev_action_zero_at_start); PPO fine-tuned from it feeds zeros there too (the one-hot of
+    action 0 would be off the distribution its encoder was trained on). PPO from scratch keeps
+    action 0's one-hot."""
     import torch
     from rl_tformers.agents.gtrxl.ppo import GTrXLPPO
     from rl_tformers.envs.loaders import save_d4rl_hdf5

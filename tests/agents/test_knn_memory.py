@@ -299,7 +299,7 @@ def test_knn_datastore_refuses_mismatched_queries_and_actions_by_name(backend):
         KNNPolicyMemory(ds, k=2, lam=2.0)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         KNNPolicyMemory(ds, k=2, lam=0.5, temperature=0.0)
-    # (lead) a non-finite query: torch ranked NaN distances, faiss returned no neighbour
+    # a non-finite query is refused (torch would rank NaN distances, faiss return no neighbour)
     q = torch.randn(3, 4)
     q[1, 2] = float("nan")
     with pytest.raises(ValueError, match="query row 1 is not finite"):
@@ -308,7 +308,7 @@ def test_knn_datastore_refuses_mismatched_queries_and_actions_by_name(backend):
 
 # ------------------------------------ a negative exit-classifier weight is refused
 def test_early_exit_negative_depth_penalty_is_refused():
-    """(lead) depth_penalty is a cost per layer; a negative one rewarded depth."""
+    """depth_penalty is a cost per layer; a negative one would reward depth."""
     from rl_tformers.depth.early_exit import EarlyExitConfig
 
     with pytest.raises(ValueError, match=r"depth.depth_penalty must be >= 0 \(a cost per layer"):
@@ -392,10 +392,10 @@ def test_knn_or_calibration_without_the_training_dataset_is_an_error_line(tmp_pa
     assert "cannot be read now" in res.output and str(path) in res.output
 
 
-# ---------------------- (lead) inference_setup replaces, not accumulates, the earlier call's setup
+# ---------------------- inference_setup replaces, not accumulates, the earlier call's setup
 def test_inference_setup_with_the_defaults_after_options_evaluates_what_the_config_says(tmp_path, cartpole_h5):
     """A second ``inference_setup()`` with the defaults (threshold none, lam 0 in the config)
-    used to keep the threshold and datastore of the first call: the full model, no kNN, now."""
+    replaces the first call's threshold and datastore: the full model, no kNN."""
     path = cartpole_h5(tmp_path / "cp.hdf5", n=30)
     agent = _agent(path, "backbone.n_layers=2", "backbone.depth={kind: early_exit, confidence: saturation}")
     agent.inference_setup(early_exit=0.0, knn_lambda=0.5, knn_k=2)
@@ -406,7 +406,7 @@ def test_inference_setup_with_the_defaults_after_options_evaluates_what_the_conf
     assert pol.exit_threshold is None and pol.knn is None
 
 
-# ---------------------- (lead) count_rows for another number of rows is refused, not ignored
+# ---------------------- count_rows for another number of rows is refused, not ignored
 def test_count_rows_of_another_batch_size_is_refused(tmp_path, cartpole_h5):
     agent = _agent(cartpole_h5(tmp_path / "cp.hdf5", n=30))
     pol = agent.policy()

@@ -331,7 +331,7 @@ def test_dt_early_exit_threshold_is_printed_in_the_text_report(dt_early_exit_run
     assert res.exit_code == 0 and "early-exit threshold 0.25 (given)" in res.output
 
 
-# -- 1: agent options of the wrong type were coerced silently ------------------------------------------
+# -- agent options of the wrong type were coerced silently ------------------------------------------
 @pytest.mark.parametrize(("config", "override", "message"), [
     ("gtrxl/recall_bc", "agent.burn_in=1.5", "agent.burn_in must be an integer >= 0, got 1.5 (float)"),
     ("gtrxl/recall_bc", "agent.window=true", "agent.window must be an integer >= 0, got True (bool)"),
@@ -355,7 +355,7 @@ def test_agent_options_of_the_right_type_still_compose():
     assert cfg.agent.gamma == 1 and cfg.agent.burn_in == 0 and cfg.agent.prev_action is True
 
 
-# -- 2: DT agent.early_exit.* / agent.knn.* were checked only at evaluation, or never ---------------------
+# -- DT agent.early_exit.* / agent.knn.* were checked only at evaluation, or never ---------------------
 @pytest.mark.parametrize(("override", "message"), [
     # a reshape error in calibration, after training
     ("agent.early_exit.windows=0", "agent.early_exit.windows must be an integer >= 1, got 0"),
@@ -394,7 +394,7 @@ def test_a_negative_early_exit_threshold_is_refused_at_evaluation():
     assert exit_threshold(" Calibrate ", "x") == "calibrate" and exit_threshold(0, "x") == 0.0
 
 
-# -- 3: backbone.depth.threshold in an agent's config -------------------------------------------------------
+# -- backbone.depth.threshold in an agent's config -------------------------------------------------------
 def test_dt_refuses_a_backbone_exit_threshold():
     # with it, every training forward exited at layer 1 (exit/loss_layer1 == ..._layer3, the layers
     # above never trained) and `rl-tformers eval --early-exit none` ("the full model") still
@@ -426,7 +426,7 @@ def test_gtrxl_refuses_negative_head_widths():
         GTrXLConfig(obs_dim=3, act_dim=2, critic="iql", critic_hidden=-1)
 
 
-# -- 4: the MLP BC ignored backbone settings ---------------------------------------------------------------
+# -- the MLP BC ignored backbone settings ---------------------------------------------------------------
 @pytest.mark.parametrize(("override", "named"), [("backbone.memory.kind=xl", "backbone.memory"),
                                                  ("backbone.depth.kind=universal", "backbone.depth")])
 def test_mlp_bc_refuses_backbone_settings(tmp_path, override, named):

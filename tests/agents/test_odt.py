@@ -429,7 +429,7 @@ def test_checkpoint_is_saved_once_every_offline_episode_left_the_buffer(pendulum
 
 def test_checkpoint_is_saved_when_the_default_sized_run_fills_its_buffer(pendulum_odt, offline_run_odt, tmp_path):
     """The shipped test's setting (6 offline episodes, buffer 10, 2 episodes a round), just one
-    round longer than the buffer lasts: every later checkpoint used to crash."""
+    round longer than the buffer lasts: every later checkpoint is saved."""
     run = tmp_path / "odt"
     res = train(_cfg_odt(offline_run_odt, pendulum_odt, "agent.online.buffer_size=4", "train.steps=6"), run)
     assert res.step == 6 and res.checkpoint is not None and res.checkpoint.exists()

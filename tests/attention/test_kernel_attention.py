@@ -565,7 +565,7 @@ def _module(kind: str, causal: bool, **fields):
     return bcfg.attention.build(ctx, bcfg.position.build(ctx)).eval()
 
 
-# ------------------------------------------------- 1: Performer's orthogonal features (FAVOR+)
+# ------------------------------------------------- Performer's orthogonal features (FAVOR+)
 def test_orthogonal_random_features_are_isotropic_and_unbiased():
     """Choromanski et al. 2021, sec. 2.4: every row must be marginally N(0, I). The raw Q of
     torch.linalg.qr (Householder) always gave the first row of a block a non-positive first
@@ -586,7 +586,7 @@ def test_orthogonal_random_features_are_isotropic_and_unbiased():
         assert abs(est / torch.exp((x * x).sum() / 2).item() - 1) < 0.01, (s, est)
 
 
-# ------------------------------------------------------------ 2: gated RFA and key padding
+# ------------------------------------------------------------ gated RFA and key padding
 def _ctx(valid: torch.Tensor) -> AttnContext:
     pos = torch.arange(valid.shape[1]).expand(valid.shape[0], -1)
     return AttnContext(pos_q=pos, pos_k=pos, key_valid=valid, causal=True)
@@ -623,7 +623,7 @@ def test_gated_rfa_with_a_padded_key_equals_the_sequence_without_it():
     torch.testing.assert_close(padded, short, atol=1e-5, rtol=0)
 
 
-# ---------------------------------------------- 3: sliding window as cross-attention (S < T)
+# ---------------------------------------------- sliding window as cross-attention (S < T)
 def test_sliding_window_reference_with_fewer_keys_than_queries():
     """``sliding_window`` declares cross_attention; its pattern() (the reference's mask) sliced the
     global-token table by a negative prefix length when S < T and raised a shape error."""
@@ -641,7 +641,7 @@ def test_sliding_window_reference_with_fewer_keys_than_queries():
         torch.testing.assert_close(mod(x, y, ctx).out, mod.reference_forward(x, y, ctx).out, atol=1e-5, rtol=0)
 
 
-# --------------------------------------- 4: blockwise permutations over blocks that exist
+# --------------------------------------- blockwise permutations over blocks that exist
 def test_blockwise_short_sequence_never_maps_a_query_block_to_an_empty_block():
     """BlockBERT: head h attends block pi_h(i) = (i + k) mod n. With S = 6 and n_blocks = 4 the
     blocks of ceil(6 / 4) = 2 keys are only 3; block 2 (shift 1) mapped to block 3, which holds no
@@ -682,10 +682,10 @@ def _with_seg(state: BackboneState, seg: torch.Tensor) -> BackboneState:
 @pytest.mark.parametrize("attention", ["performer", "rfa"])
 def test_linear_kernels_read_a_compressive_memory_whose_unfilled_slots_have_no_episode(attention, causal):
     """The compressive memory keeps ``[compressed; FIFO]`` with unfilled FIFO slots (episode id
-    -1) after filled compressed ones. Linear attention took every change of episode id along the
-    keys for an episode boundary and refused ids that decrease, so a second or third segment
-    raised "episode ids ... must be non-decreasing" (GTrXL with ``performer`` + ``compressive``
-    could not run). Invalid slots must not count: the ids they carry change nothing."""
+    -1) after filled compressed ones, so episode ids decrease along the keys. Linear attention
+    must not read those invalid slots as episode boundaries (that would refuse a second or third
+    segment with "episode ids ... must be non-decreasing": GTrXL with ``performer`` +
+    ``compressive`` could not run): the ids they carry change nothing."""
     bb = _compressive_linear(attention, causal)
     torch.manual_seed(1)
     x = torch.randn(2, 12, D)
@@ -693,7 +693,7 @@ def test_linear_kernels_read_a_compressive_memory_whose_unfilled_slots_have_no_e
         st = bb.initial_state(2)
         for s in range(0, 12, 3):
             st = bb(x[:, s : s + 3], state=st).state
-        assert bool((st.seg[:, 1:] < st.seg[:, :-1]).any())  # the layout that used to be refused
+        assert bool((st.seg[:, 1:] < st.seg[:, :-1]).any())  # episode ids that decrease along the keys
         y = torch.randn(2, 3, D)
         out = bb(y, state=st).hidden
         # the same state with its invalid slots given other ids (none decreasing, or all 99)
@@ -728,10 +728,10 @@ def test_linear_kernels_with_compressive_memory_reset_a_row_to_a_fresh_stream(at
 
 @pytest.mark.parametrize("fields", [{"kind": "performer"}, {"kind": "rfa"}, {"kind": "rfa", "gate": True}])
 def test_linear_kernels_of_a_float64_model_keep_float64_precision(fields):
-    """Performer and RFA computed their features, sums and incremental state in float32 whatever
-    the model's dtype: a float64 model got float32 results (chunked pass vs one chunk and
-    step-by-step decoding vs the full pass differed by ~1e-7) and a float32 cache. They now
-    accumulate in at least float32 (bf16 and fp16 still accumulate in float32)."""
+    """Performer and RFA compute their features, sums and incremental state in the model's dtype,
+    at least float32 (bf16 and fp16 accumulate in float32): a float64 model gets float64 results
+    and a float64 cache (in float32, chunked pass vs one chunk and step-by-step decoding vs the
+    full pass differ by ~1e-7)."""
     def build(chunk: int) -> Backbone:
         torch.manual_seed(0)
         return Backbone({"d_model": D, "n_heads": 2, "n_layers": 1, "dropout": 0.0, "attn_dropout": 0.0,
@@ -769,7 +769,7 @@ ROUTING_TOY = ["agent.kind=toy", "device=cpu", "train.steps=10", "train.batch_si
 CENTROIDS = "backbone.depth.blocks.0.attn.centroids"
 
 
-# ------------------------------------------------- 1: routing centroids under DDP
+# ------------------------------------------------- routing centroids under DDP
 def test_routing_centroids_under_ddp_follow_the_global_batch_and_agree_on_every_rank(tmp_path: Path) -> None:
     single = tmp_path / "single"
     train(compose(None, ROUTING_TOY), single)
@@ -789,7 +789,7 @@ def test_routing_centroids_under_ddp_follow_the_global_batch_and_agree_on_every_
         out["centroids"] = dict(models[0].named_buffers())[{CENTROIDS!r}].tolist()
     """)
     c0, c1 = (torch.tensor(o["centroids"]) for o in outs)
-    assert torch.equal(c0, c1)  # was: rank 1 kept its own last EMA step (DDP broadcasts before forwards only)
+    assert torch.equal(c0, c1)  # not rank 1 kept its own last EMA step (DDP broadcasts before forwards only)
     ref = torch.load(single / "checkpoints" / "step_000000010.pt", weights_only=True)["model"][CENTROIDS]
     ddp = torch.load(tmp_path / "ddp" / "checkpoints" / "step_000000010.pt", weights_only=True)["model"][CENTROIDS]
     assert torch.equal(ddp, c0)
@@ -798,7 +798,7 @@ def test_routing_centroids_under_ddp_follow_the_global_batch_and_agree_on_every_
         assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5)  # not 1e-3 apart
 
 
-# ------------------------------------------------- 2: routing EMA statistics in float32 under autocast
+# ------------------------------------------------- routing EMA statistics in float32 under autocast
 def _routing_backbone() -> Backbone:
     return Backbone({"d_model": 32, "n_layers": 1, "n_heads": 2, "dropout": 0.0, "attn_dropout": 0.0, "causal": True,
                      "attention": {"kind": "routing", "n_clusters": 4, "local_heads": 0, "cluster_window": 4,
@@ -824,7 +824,7 @@ def test_routing_ema_step_is_float32_under_bf16_autocast() -> None:
     assert torch.equal(attn.centroids, fp32)  # not 1.8e-3 off (bf16 einsums)
 
 
-# ------------------------------------------------- 4: validation names the option
+# ------------------------------------------------- validation names the option
 @pytest.mark.parametrize(("attention", "option"), [
     ({"kind": "rfa", "redraw_every": -1}, "attention.redraw_every"),
     ({"kind": "lsh", "redraw_every": -2}, "attention.redraw_every"),

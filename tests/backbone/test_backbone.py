@@ -30,7 +30,7 @@ def test_sinusoidal_with_an_odd_width_is_refused_at_construction():
         Backbone({**BASE, "d_model": 15, "n_heads": 3, "position": {"kind": "sinusoidal"}})
 
 
-# ------------------------------------------------- 2: float64 models
+# ------------------------------------------------- float64 models
 @pytest.mark.parametrize(
     ("attention", "causal"),
     [
@@ -127,7 +127,7 @@ def test_universal_coordinate_embedding_in_float64():
     assert np.abs(got.numpy() - want).max() < 1e-9
 
 
-# ------------------------------------------------- 3: reversible recomputation under autocast
+# ------------------------------------------------- reversible recomputation under autocast
 def test_reversible_recompute_under_bf16_autocast_equals_plain_autograd():
     """Old code: the backward recomputed F and G without autocast (float32), so the inverted
     inputs and every gradient differed from recompute=false by ~1% (bf16 rounding)."""
@@ -154,7 +154,7 @@ def test_reversible_recompute_under_bf16_autocast_equals_plain_autograd():
             assert (ga - gb).abs().max().item() <= tol, f"{name}: {(ga - gb).abs().max().item():.3g}"
 
 
-# ------------------------------------------------- 4: episodes never change each other (LSH, routing)
+# ------------------------------------------------- episodes never change each other (LSH, routing)
 def _two_episodes(bb: Backbone, t: int = 24, start: int = 10, seed: int = 0, **kw):
     """Max change of episode 2's outputs when episode 1's tokens change, and vice versa."""
     g = torch.Generator().manual_seed(seed)
@@ -223,7 +223,7 @@ def test_routing_topk_refuses_several_episodes_in_a_row():
     assert max(_two_episodes(one)) < 1e-5  # one cluster: every key, no competition (sum order only)
 
 
-# ------------------------------------------------- 5: empty segments
+# ------------------------------------------------- empty segments
 @pytest.mark.parametrize(
     "cfg",
     [
@@ -279,10 +279,9 @@ def test_a_state_of_another_batch_size_is_refused_naming_both(memory, with_start
 
 # -- need_weights -----------------------------------------------------------------------------
 def test_need_weights_returns_every_layers_attention_probabilities() -> None:
-    """``forward(..., need_weights=True)`` made the kernels compute probabilities (the slower
-    path) but ``BackboneOutput`` had no field for them: a caller could reach them only through
-    forward hooks on the attention modules. They are now ``out.attentions``, one (B, H, T, S)
-    tensor per layer over the memory keys and the segment."""
+    """``forward(..., need_weights=True)`` makes the kernels compute probabilities (the slower
+    path) and returns them as ``out.attentions``, one (B, H, T, S) tensor per layer over the
+    memory keys and the segment (no forward hooks on the attention modules needed)."""
     bb = _bb()
     x = torch.randn(2, 5, D)
     mask = torch.ones(2, 5, dtype=torch.bool)
@@ -336,10 +335,10 @@ _VARIANTS = all_variants()
 
 @pytest.mark.parametrize("v", _VARIANTS, ids=[v.id for v in _VARIANTS])
 def test_an_empty_batch_runs_through_every_registered_kind(v) -> None:
-    """B = 0 (no environment left in a filtered batch) raised inside ``xl_relative`` (GTrXL's
-    positional kind: "aminmax(): cannot compute aminmax over an empty dimension"), ``lsh`` and
-    ``routing`` ("cannot reshape tensor of 0 elements into shape [0, 2, -1]"). Every kind now
-    returns (0, T, D), with and without a state, and with ``need_weights``."""
+    """B = 0 (no environment left in a filtered batch): every kind returns (0, T, D), with and
+    without a state, and with ``need_weights`` (torch's reductions and reshapes of empty tensors
+    in ``xl_relative``, ``lsh`` and ``routing`` would raise "aminmax(): cannot compute aminmax
+    over an empty dimension" or "cannot reshape tensor of 0 elements into shape [0, 2, -1]")."""
     causal = v.modes()[0]
     bb = v.build(causal).eval()
     kw = v.forward_kwargs(bb)
@@ -357,10 +356,10 @@ def test_an_empty_batch_runs_through_every_registered_kind(v) -> None:
 @pytest.mark.parametrize("memory", [{"kind": "none"}, {"kind": "xl", "mem_len": 4}])
 def test_an_input_or_state_of_another_dtype_is_refused_naming_both_dtypes(memory) -> None:
     """``initial_state(B, dtype=torch.float64)`` on a float32 model (or a state kept across
-    ``model.double()``) and a float64 ``x`` failed deep inside with torch's "mixed dtype (CPU):
-    all inputs must share same datatype" or "Expected query, key, and value to have the same
-    dtype", naming neither the argument nor the dtypes. The forward now says which input has
-    which dtype and how to convert it; a state of another dtype still runs under autocast."""
+    ``model.double()``) and a float64 ``x``: the forward says which input has which dtype and how
+    to convert it (not torch's "mixed dtype (CPU): all inputs must share same datatype" or
+    "Expected query, key, and value to have the same dtype" from deep inside); a state of another
+    dtype still runs under autocast."""
     bb = _bb(memory=memory)
     x = torch.randn(2, 3, D)
     with pytest.raises(ValueError, match=r"^backbone: x is torch\.float64 but the backbone's parameters are "
@@ -384,10 +383,9 @@ def test_an_input_or_state_of_another_dtype_is_refused_naming_both_dtypes(memory
     ({"kind": "performer"}, False, "incremental decoding needs backbone.causal=true"),
 ])
 def test_initial_state_of_a_kernel_without_a_cache_names_the_kind(attention, causal, says) -> None:
-    """``initial_state`` with memory ``none`` of a kernel without an incremental form said
-    "attention kind LSHAttention has no incremental (cached) form": a class name, not the option.
-    It now names ``backbone.attention.kind`` and ``backbone.memory.kind``, what to do, and the
-    kernels that have a cache."""
+    """``initial_state`` with memory ``none`` of a kernel without an incremental form names
+    ``backbone.attention.kind`` and ``backbone.memory.kind`` (the options, not a class name such
+    as LSHAttention), what to do, and the kernels that have a cache."""
     bb = _bb(attention=attention, causal=causal)
     kind = attention["kind"]
     with pytest.raises(NotImplementedError) as info:
@@ -404,10 +402,9 @@ def test_initial_state_of_a_kernel_without_a_cache_names_the_kind(attention, cau
 @pytest.mark.parametrize("offset", [10**6, 10**9])
 @pytest.mark.parametrize("memory", [None, {"kind": "xl", "mem_len": 4}])
 def test_rotary_output_is_shift_invariant_at_large_positions(offset, memory) -> None:
-    """RoPE scores depend on i - j only (docs/backbone.md), but the angles m * theta were formed
-    in float32: shifting every position by 1e6 changed the output by 2.5e-4, by 1e9 by 0.16 (the
-    angle lost to float32 rounding). They are now formed in float64 and reduced modulo 2 pi: the
-    shifted output equals the unshifted one to float32 rounding."""
+    """RoPE scores depend on i - j only (docs/backbone.md): the angles m * theta are formed in
+    float64 and reduced modulo 2 pi, so shifting every position by 1e6 or 1e9 leaves the output
+    equal to float32 rounding (angles formed in float32 would move it by 2.5e-4 and 0.16)."""
     bb = _bb(position={"kind": "rotary"}, max_position=2**40, **({"memory": memory} if memory else {}))
     x = torch.randn(2, 6, D)
     pos = torch.arange(6).expand(2, 6)
@@ -418,9 +415,8 @@ def test_rotary_output_is_shift_invariant_at_large_positions(offset, memory) -> 
 # -- reset_state with the arrays a vector environment returns --------------------------------------
 @pytest.mark.parametrize("memory", [{"kind": "xl", "mem_len": 4}, {"kind": "knn", "mem_len": 4, "store_size": 8}])
 def test_reset_state_takes_the_numpy_flags_of_a_vector_environment(memory) -> None:
-    """``bb.reset_state(state, terminated | truncated)`` with gymnasium's NumPy flags (or a list)
-    raised "AttributeError: 'numpy.ndarray' object has no attribute 'to'". Array-likes are now
-    taken, with the same result as the tensor."""
+    """``bb.reset_state(state, terminated | truncated)`` takes gymnasium's NumPy flags (or a
+    list) with the same result as the tensor."""
     bb = _bb(memory=memory)
     st = bb(torch.randn(2, 3, D), state=bb.initial_state(2)).state
     want = bb.reset_state(st, torch.tensor([True, False]))

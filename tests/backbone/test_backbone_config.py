@@ -25,7 +25,7 @@ D, H = 16, 2
 BASE = {"d_model": D, "n_heads": H, "n_layers": 2, "d_ff": 32, "dropout": 0.0, "attn_dropout": 0.0}
 
 
-# ------------------------------------------------- 1: slot config fields are checked by type
+# ------------------------------------------------- slot config fields are checked by type
 def _typed_fields():
     """(slot, kind, field, bad value) for every field of every registered kind: a string where
     the field takes no string, a number where it takes only strings."""
@@ -124,10 +124,9 @@ def test_out_of_range_values_are_refused_naming_the_field(cfg, message):
 
 # -- numbers of other types in configs ------------------------------------------------------------
 def test_numpy_numbers_in_a_config_are_stored_as_python_numbers_and_dump_everywhere() -> None:
-    """NumPy scalars (a sweep over ``np.arange`` / ``np.linspace``) were accepted and stored as
-    they came, so ``to_dict()`` could no longer be written: ``yaml.safe_dump`` raised
-    RepresenterError, ``OmegaConf.create`` UnsupportedValueType, ``json.dumps`` TypeError. They
-    are now stored as built-in ints and floats, in the backbone fields and in slot configs."""
+    """NumPy scalars (a sweep over ``np.arange`` / ``np.linspace``) are stored as built-in ints
+    and floats, in the backbone fields and in slot configs, so ``to_dict()`` can be written
+    (``yaml.safe_dump``, ``OmegaConf.create`` and ``json.dumps`` refuse NumPy scalars)."""
     cfg = BackboneConfig.from_dict({
         "d_model": np.int64(16), "n_heads": np.int32(2), "n_layers": np.int64(1), "d_ff": np.int16(24),
         "dropout": np.float64(0.25), "attn_dropout": np.float32(0.5), "activation": np.str_("relu"),
@@ -153,10 +152,8 @@ def test_numpy_numbers_in_a_config_are_stored_as_python_numbers_and_dump_everywh
 # -- config objects where a mapping is expected -----------------------------------------------
 def test_built_configs_are_taken_where_a_config_mapping_is_expected() -> None:
     """``BackboneConfig.from_dict(cfg)`` and ``EncoderDecoder({"encoder": BackboneConfig(...)})``
-    raised "TypeError: 'BackboneConfig' object is not iterable" (the slot registries take a built
-    config as it is); ``Backbone("sdpa")`` raised "dictionary update sequence element #0 has
-    length 1". Built configs are now taken as they are, and anything else is a TypeError saying
-    what is expected."""
+    take a built config as it is (as the slot registries do); anything else, such as
+    ``Backbone("sdpa")``, is a TypeError saying what is expected."""
     cfg = BackboneConfig(d_model=8, n_heads=2, n_layers=1)
     assert BackboneConfig.from_dict(cfg) is cfg
     enc, dec = cfg.replace(causal=False), cfg.replace(block={"kind": "pre_norm"})
@@ -173,7 +170,7 @@ def test_built_configs_are_taken_where_a_config_mapping_is_expected() -> None:
         EncoderDecoder("vanilla")
 
 
-# ------------------------------------------------------------------- 6: backbone numbers
+# ------------------------------------------------------------------- backbone numbers
 @pytest.mark.parametrize("override, expected", [
     ("backbone.attn_dropout=2", "backbone.attn_dropout must be a probability in [0, 1), got 2"),
     ("backbone.dropout=1.5", "backbone.dropout must be a probability in [0, 1), got 1.5"),

@@ -287,7 +287,7 @@ def test_reversible_recompute_backpropagates_auxiliary_attention_losses(attentio
             torch.testing.assert_close(buf[name], buf0[name], atol=1e-12, rtol=0, msg=name)
 
 
-# ------------------------------------------------------------------- 3: reversible block with a memory
+# ------------------------------------------------------------------- reversible block with a memory
 def test_reversible_block_with_a_memory_says_what_to_use_instead() -> None:
     """`rl-tformers train -c gtrxl/hopper_positions_bc backbone.block.kind=reversible` stopped with
     only "backbone.memory.kind='xl' is not supported by backbone.block.kind='reversible'": the

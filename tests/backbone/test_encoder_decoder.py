@@ -207,10 +207,10 @@ def test_linformer_cross_attention_names_its_own_max_len() -> None:
 
 # ------------------------------------------------- blockwise: no cross-attention
 def test_blockwise_is_refused_as_cross_attention() -> None:
-    """Accepted before, and source padding changed the real targets' outputs (three trailing pad
-    tokens on a 6-token source moved them by 0.46: blocks of ceil(S / n) cut over the padded S).
-    Refused now when the config is built, naming the option and the kinds that work; blockwise
-    self-attention in the encoder is unchanged."""
+    """Refused when the config is built, naming the option and the kinds that work: source
+    padding would change the real targets' outputs (three trailing pad tokens on a 6-token
+    source move them by 0.46: blocks of ceil(S / n) cut over the padded S). Blockwise
+    self-attention in the encoder is accepted."""
     from rl_tformers.backbone_config import IncompatibleConfig
     from rl_tformers.encoder_decoder import EncoderDecoder
     from rl_tformers.registry import ATTENTION

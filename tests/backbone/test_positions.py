@@ -220,7 +220,7 @@ class _Peak(TorchDispatchMode):
         return out
 
 
-# ------------------------------------------- 1: Transformer-XL relative term, distance table size
+# ------------------------------------------- Transformer-XL relative term, distance table size
 def _xl_module(d=32, h=4):
     cfg = BackboneConfig.from_dict({"d_model": d, "n_heads": h, "n_layers": 1, "position": {"kind": "xl_relative"}})
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ def _commands(cmd, path=()):
         yield from _commands(sub, (*path, name))
 
 
-# ------------------------------------------------------------------- 1: help text broken mid-sentence
+# ------------------------------------------------------------------- help text broken mid-sentence
 def test_no_help_paragraph_is_broken_mid_sentence() -> None:
     """`rl-tformers dataset info --help` printed "... is also compared with it: a" and then
     "per-step observation shape ..." on the next line (likewise `demo --help`, `collect --help`
@@ -45,7 +45,7 @@ def test_the_backbones_line_of_the_main_help_is_not_cut() -> None:
     assert "capabilities, fields (with their defaults)." in line
 
 
-# ------------------------------------------------------------------- 4: an interrupted demo
+# ------------------------------------------------------------------- an interrupted demo
 def test_interrupted_demo_says_how_to_get_its_evaluation_and_plot(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """`make demo` stopped with Ctrl-C (it took 9 min for 200 of its 2000 updates on the loaded
@@ -69,7 +69,7 @@ def test_interrupted_demo_says_how_to_get_its_evaluation_and_plot(tmp_path: Path
         f"--out {run / 'return_conditioning.png'})")
 
 
-# ------------------------------------------------------------------- 5: option help cut with an ellipsis
+# ------------------------------------------------------------------- option help cut with an ellipsis
 def test_no_option_help_is_cut_with_an_ellipsis_on_an_80_column_terminal() -> None:
     """On an 80-column terminal `rl-tformers eval --help` showed "DT with
     backbone.depth.kind=ea…" and "(default: agent.early_exit.thres…", and `collect --help`

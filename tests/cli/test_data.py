@@ -17,9 +17,9 @@ runner = CliRunner()
 
 
 def test_a_missing_minari_id_names_the_options_that_point_at_an_existing_root(tmp_path: Path, monkeypatch) -> None:
-    """The error for an id that is not in the data root offered only to build or download it; a
-    user whose datasets already exist in another folder (another clone's data/minari) had to
-    find `dataset.root=` in the docs. It now names the knobs of both roots."""
+    """The error for an id that is not in the data root names the knobs of both roots, not only
+    how to build or download it: a user whose datasets already exist in another folder (another
+    clone's data/minari) needs `dataset.root=`."""
     from rl_tformers.envs.loaders import load_minari
 
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari_home"))
@@ -43,7 +43,7 @@ def test_resuming_a_minari_id_run_without_its_root_says_to_pass_dataset_root(tmp
     """A run trained on a Minari id found through $MINARI_DATASETS_PATH, resumed without it, said
     "the run's dataset.path=rlt/... is relative and is read from the current folder ...: pass the
     absolute path": an id is no path, and the fix is the data root (dataset.root=, which resume
-    accepts). The hint now says so, and that override resumes the run."""
+    accepts). The hint says so, and that override resumes the run."""
     root = tmp_path / "minari"
     _cartpole_minari(root)
     monkeypatch.chdir(tmp_path)
@@ -78,9 +78,9 @@ def test_the_hint_for_a_relative_hdf5_path_is_unchanged() -> None:
 
 
 def test_a_stopped_run_ends_its_output_with_the_continue_line(tmp_path: Path, monkeypatch) -> None:
-    """A SIGINT during `rl-tformers train` printed "stopped at step 199 by SIGINT; ...; continue
-    with: ..." and then, as the last line, the progress line (`train: 199/300 steps (66%), ...,
-    about 17s left`): the progress report is now closed before the stop is announced."""
+    """After a SIGINT during `rl-tformers train` the last line is "stopped at step 199 by SIGINT;
+    ...; continue with: ...": the progress report is closed before the stop is announced (no
+    progress line such as `train: 199/300 steps (66%), ..., about 17s left` after it)."""
     from rl_tformers.runtime import trainer as trainer_mod
     from rl_tformers.runtime.run_config import compose
     from rl_tformers.runtime.trainer import GracefulInterrupt, Trainer

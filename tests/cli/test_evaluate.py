@@ -264,7 +264,7 @@ class _ZeroPolicy:
 def test_eval_seed_range_is_checked_and_large_seeds_work(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"evaluate: seed 18446744073709551616 is not an integer in \[0, 2\*\*64 - 1\]"):
         evaluate(_ZeroPolicy(), _OneStepEnv, episodes=2, n_envs=2, seed=2**64)
-    big = 2**63  # reset seeds used to be numpy int64 sums: OverflowError past 2**63 - 1
+    big = 2**63  # reset seeds as numpy int64 sums would raise OverflowError past 2**63 - 1
     rep = evaluate(_ZeroPolicy(), _OneStepEnv, episodes=3, n_envs=2, seed=big)
     assert rep.results[0].seeds == [big, big + 1, big + 2]
     again = evaluate(_ZeroPolicy(), _OneStepEnv, episodes=1, n_envs=1, seed=big + 1)
@@ -302,7 +302,7 @@ def test_from_dict_reads_back_what_eval_writes() -> None:
     assert (back.returns, back.lengths, back.seeds, back.rewards) == (res.returns, [3, 1], [0, 1], rewards)
 
 
-# ------------------------------------------------------------------- 4: eval options checked up front
+# ------------------------------------------------------------------- eval options checked up front
 @pytest.mark.parametrize("key", ["eval.episodes", "eval.n_envs"])
 def test_eval_counts_must_be_positive(tmp_path: Path, key: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{key} must be >= 1, got 0$"):
@@ -313,7 +313,7 @@ def test_eval_counts_must_be_positive(tmp_path: Path, key: str) -> None:
     assert not (tmp_path / "run").exists()
 
 
-# ------------------------------------------------------------------- 2: a run's checkpoints folder or file as RUN_DIR
+# ------------------------------------------------------------------- a run's checkpoints folder or file as RUN_DIR
 def _run_with_a_checkpoint(tmp_path: Path) -> Path:
     from rl_tformers.runtime.checkpoint import save_checkpoint
 

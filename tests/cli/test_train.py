@@ -27,7 +27,7 @@ SMALL = ["train.steps=2", "train.batch_size=4", "backbone.d_model=16", "backbone
          "eval.at_end=false", "train.progress=false", "train.warmup_steps=1", "device=cpu"]
 
 
-# ------------------------------------------------------------------- 1: Discrete(n, start != 0)
+# ------------------------------------------------------------------- Discrete(n, start != 0)
 def _discrete_start_h5(path: Path, start: int, n: int = 3) -> Path:
     """Four 8-step episodes whose actions lie in ``Discrete(n, start=start)`` (saved with the space)."""
     from rl_tformers.envs.dataset import EpisodeDataset
@@ -113,7 +113,7 @@ def test_backbone_d_ff_default_and_dt_embed_dropout() -> None:
         DTConfig(obs_dim=3, act_dim=2, embed_dropout=3.0)
 
 
-# ------------------------------------------------------------------- 7: agent options of the wrong type
+# ------------------------------------------------------------------- agent options of the wrong type
 @pytest.mark.parametrize("args, expected", [
     (["agent.kind=bc", "agent.hidden=32"], "agent.hidden must be a list of integers >= 1, got 32 (int)"),
     (["agent.kind=bc", "agent.env_kwargs=5"], "agent.env_kwargs must be a mapping or null, got 5 (int)"),
@@ -126,7 +126,7 @@ def test_wrongly_typed_agent_options_are_named(tmp_path: Path, args: list[str], 
     assert f"error: {expected}" in r.output
 
 
-# ------------------------------------------------------------------- 8: DT windows vs a fixed-length attention
+# ------------------------------------------------------------------- DT windows vs a fixed-length attention
 def test_dt_window_longer_than_linformer_max_len_is_refused_at_build() -> None:
     from rl_tformers.agents.decision_transformer.model import DTConfig
 
@@ -143,7 +143,7 @@ def test_dt_window_longer_than_linformer_max_len_is_refused_at_build() -> None:
     assert cfg(8, "pool").n_tokens == 11  # segment pooling has no fixed length
 
 
-# ------------------------------------------------------------------- 9: GTrXL window options
+# ------------------------------------------------------------------- GTrXL window options
 @pytest.mark.parametrize("override, expected", [
     ("agent.seq_len=0", "agent.seq_len must be an integer >= 1, got 0"),
     ("agent.burn_in=-3", "agent.burn_in must be an integer >= 0, got -3"),
@@ -157,7 +157,7 @@ def test_gtrxl_seq_len_and_burn_in_are_named_with_the_typed_value(tmp_path: Path
     assert f"error: {expected}" in r.output
 
 
-# ------------------------------------------------------------------- 12: agent.head typos
+# ------------------------------------------------------------------- agent.head typos
 def test_unknown_dt_head_is_refused_for_discrete_actions_too() -> None:
     from rl_tformers.agents.decision_transformer.model import DTConfig
 

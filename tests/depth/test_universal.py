@@ -157,7 +157,7 @@ def test_refuses_memory_and_state():
         _bb(max_steps=0)
 
 
-# ---------------------------------------------------------- 3: ACT bookkeeping in reduced precision
+# ---------------------------------------------------------- ACT bookkeeping in reduced precision
 def test_act_halting_weights_sum_to_one_in_a_bfloat16_model():
     """Graves 2016, sec. 2 (eq. 5-7): the halting weights p_1..p_{N-1}, R sum to exactly 1 and
     N = min{n : sum p >= 1 - eps}. A bfloat16 model accumulated the halting sum in bfloat16:

@@ -193,9 +193,9 @@ def user_env(tmp_path, monkeypatch, request):
     sys.modules.pop(module, None)
 
 
-# ------------------------------------------------- 1: a user's "module:EnvId" environment
+# ------------------------------------------------- a user's "module:EnvId" environment
 def test_collect_records_a_module_prefixed_user_env_that_loads_back(tmp_path, user_env):
-    # was: "Malformed dataset ID: rlt/<module>:toy...-v0/random-v0"
+    # not "Malformed dataset ID: rlt/<module>:toy...-v0/random-v0"
     r = CliRunner().invoke(app, ["collect", "--env", user_env, "--policy", "random", "--steps", "30", "--root",
                                  str(tmp_path / "data"), "--no-progress", "--json"])
     assert r.exit_code == 0, r.output
@@ -211,7 +211,7 @@ def test_collect_records_a_module_prefixed_user_env_that_loads_back(tmp_path, us
 
 
 def test_collect_with_dataset_id_and_module_env_leaves_no_partial_folder(tmp_path, user_env):
-    # was: NameNotFound traceback from minari's create_dataset after the rollout; the folder stayed
+    # not NameNotFound traceback from minari's create_dataset after the rollout; the folder stayed
     root = tmp_path / "data"
     r = CliRunner().invoke(app, ["collect", "--env", user_env, "--steps", "20", "--root", str(root),
                                  "--dataset-id", "me/toy-v0", "--no-progress", "--hdf5", str(tmp_path / "t.hdf5")])
@@ -262,7 +262,7 @@ def test_an_env_minari_cannot_record_is_refused_before_collecting(tmp_path):
     assert "Traceback" not in r.output and not any(tmp_path.iterdir())
 
 
-# ------------------------------------------------- 2: existing output files are not replaced silently
+# ------------------------------------------------- existing output files are not replaced silently
 def test_collect_refuses_an_existing_hdf5_file_before_collecting(tmp_path):
     out = tmp_path / "keep.hdf5"
     out.write_bytes(b"precious")
@@ -311,7 +311,7 @@ def test_dataset_export_refuses_an_existing_out_file(tmp_path):
 runner = CliRunner()
 
 
-# ------------------------------------------------------------------- 1: RL_TFORMERS_SHARED
+# ------------------------------------------------------------------- RL_TFORMERS_SHARED
 def test_policies_are_found_through_rl_tformers_shared(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "shared" / "policies").mkdir(parents=True)
     monkeypatch.delenv("RL_TFORMERS_POLICIES", raising=False)
@@ -334,7 +334,7 @@ def test_policies_not_found_lists_each_place_once(tmp_path: Path, monkeypatch) -
         assert "RL_TFORMERS_SHARED" in str(exc)
 
 
-# ------------------------------------------------------------------- 2: suites with existing datasets
+# ------------------------------------------------------------------- suites with existing datasets
 def _fake_existing(root: Path, dataset_id: str) -> Path:
     d = root / dataset_id
     d.mkdir(parents=True)
@@ -386,7 +386,7 @@ def _tiny_cartpole_run(tmp_path: Path, *overrides: str):
     return run, r.output
 
 
-# ------------------------------------------------------------------- 3: final evaluation vs `eval`
+# ------------------------------------------------------------------- final evaluation vs `eval`
 def test_the_printed_eval_command_repeats_the_final_evaluation_exactly(tmp_path: Path) -> None:
     import re
 
@@ -403,7 +403,7 @@ def test_the_printed_eval_command_repeats_the_final_evaluation_exactly(tmp_path:
     assert res[0]["return_mean"] == pytest.approx(final["eval/return_mean"], abs=1e-9)
 
 
-# ------------------------------------------------------------------- 10: our warnings as one line
+# ------------------------------------------------------------------- our warnings as one line
 def test_package_warnings_print_as_one_line_without_source(tmp_path: Path) -> None:
     import subprocess
     import sys
@@ -456,7 +456,7 @@ def test_collect_stopped_by_a_signal_leaves_nothing_in_the_data_root(tmp_path, s
     assert [p for p in root.rglob("*") if not p.is_dir() and p.name != "namespace_metadata.json"] == []
 
 
-# ------------------------------------------------- 10: rl-tformers collect
+# ------------------------------------------------- rl-tformers collect
 def test_collect_refuses_bad_arguments_before_collecting_and_without_tracebacks(tmp_path):
     runner = CliRunner()
     root = tmp_path / "root"
@@ -464,12 +464,12 @@ def test_collect_refuses_bad_arguments_before_collecting_and_without_tracebacks(
     not_zip = tmp_path / "model.zip"
     not_zip.write_text("not a zip")
     r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--policy", str(not_zip), "--episodes", "1"])
-    assert r.exit_code == 1 and "not a Stable-Baselines3 save file" in r.output  # was: BadZipFile traceback
+    assert r.exit_code == 1 and "not a Stable-Baselines3 save file" in r.output  # not BadZipFile traceback
     r = runner.invoke(app, [*base, "--env", "NoSuchEnv-v0", "--episodes", "1"])
-    assert r.exit_code == 2 and "NoSuchEnv" in r.output and "--env" in r.output  # was: NameNotFound traceback
+    assert r.exit_code == 2 and "NoSuchEnv" in r.output and "--env" in r.output  # not NameNotFound traceback
     r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--episodes", "0"])
-    assert r.exit_code == 2 and "collects nothing" in r.output  # was: exit 0, nothing written, nothing said
-    # was: the episodes were collected and the Minari dataset written, then IsADirectoryError; a rerun
+    assert r.exit_code == 2 and "collects nothing" in r.output  # not exit 0, nothing written, nothing said
+    # not the episodes were collected and the Minari dataset written, then IsADirectoryError; a rerun
     # not refused as "already exists"
     r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--episodes", "1", "--hdf5", str(tmp_path)])
     assert r.exit_code == 1 and "is a directory" in r.output
@@ -480,7 +480,7 @@ def test_collect_refuses_bad_arguments_before_collecting_and_without_tracebacks(
 
 
 def test_train_sb3_leaves_no_sb3_folder_in_the_temp_dir(tmp_path, monkeypatch):
-    # was: every call (collect --train, train_and_record) left an empty $TMPDIR/SB3-<date> folder behind
+    # not every call (collect --train, train_and_record) left an empty $TMPDIR/SB3-<date> folder behind
     import tempfile
 
     from rl_tformers.envs.policies import train_sb3

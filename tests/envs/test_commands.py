@@ -359,7 +359,7 @@ def test_list_recipes_keeps_its_columns_for_long_names() -> None:
     assert len(set(ids)) == 1  # every dataset id starts in the same column
 
 
-# ------------------------------------------------------------------- 11: export into a directory
+# ------------------------------------------------------------------- export into a directory
 def test_dataset_export_to_a_directory_is_a_clean_error(tmp_path: Path) -> None:
     h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
     (tmp_path / "out").mkdir()
@@ -368,7 +368,7 @@ def test_dataset_export_to_a_directory_is_a_clean_error(tmp_path: Path) -> None:
     assert f"error: {tmp_path / 'out'} is a directory; OUT is the .hdf5 file to write" in r.output
 
 
-# ------------------------------------------------------------------- 13: messages
+# ------------------------------------------------------------------- messages
 def test_dataset_info_max_ep_len_must_be_positive(tmp_path: Path) -> None:
     h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
     r = runner.invoke(app, ["dataset", "info", str(h5), "--max-ep-len", "-5"])

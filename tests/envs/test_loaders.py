@@ -384,29 +384,29 @@ def _h5(path, n=6, terminals=(0, 1, 0, 0, 0, 1), **override):
     return path
 
 
-# ------------------------------------------------- 1: integer observations get their dtype's range
+# ------------------------------------------------- integer observations get their dtype's range
 @pytest.mark.parametrize("lazy", [False, True])
 def test_uint8_observations_in_a_d4rl_file_load(tmp_path, lazy):
-    # was: ValueError "Box unsigned int dtype don't support `-np.inf`" from gymnasium
+    # not ValueError "Box unsigned int dtype don't support `-np.inf`" from gymnasium
     obs = np.arange(18, dtype=np.uint8).reshape(6, 3)
     ds = load_dataset(_h5(tmp_path / "u8.hdf5", observations=obs), lazy=lazy)
     assert ds.observation_space == gym.spaces.Box(0, 255, (3,), np.uint8)
     np.testing.assert_array_equal(ds.episode(1).observations, obs[2:])
 
 
-# ------------------------------------------------- 2: scalar HDF5 datasets are refused by name
+# ------------------------------------------------- scalar HDF5 datasets are refused by name
 @pytest.mark.parametrize("key", ["observations", "actions", "next_observations"])
 def test_a_scalar_dataset_in_a_d4rl_file_is_refused_naming_the_key(tmp_path, key):
-    # was: IndexError "tuple index out of range" for observations, actions and next_observations
+    # not IndexError "tuple index out of range" for observations, actions and next_observations
     path = _h5(tmp_path / "s.hdf5", **{key: np.float32(1.0)})
     with pytest.raises(DatasetError, match=f"{key}: a scalar") as err:
         load_dataset(path)
     assert err.value.field == key
 
 
-# ------------------------------------------------- 3: steps without a vector observation / action
+# ------------------------------------------------- steps without a vector observation / action
 def test_one_scalar_observation_per_step_is_refused_at_load(tmp_path):
-    # was: loaded (observation space Box((),)), then GTrXL training failed in a Linear layer
+    # not loaded (observation space Box((),)), then GTrXL training failed in a Linear layer
     path = _h5(tmp_path / "o1.hdf5", observations=np.arange(6, dtype=np.float32))
     with pytest.raises(DatasetError, match=r"one scalar per step .*\(N, 1\)") as err:
         load_dataset(path)
@@ -416,14 +416,14 @@ def test_one_scalar_observation_per_step_is_refused_at_load(tmp_path):
 
 @pytest.mark.parametrize("key", ["observations", "actions"])
 def test_zero_width_observations_or_actions_are_refused(tmp_path, key):
-    # was: loaded; the models refused obs_dim/act_dim 0 only when built
+    # not loaded; the models refused obs_dim/act_dim 0 only when built
     path = _h5(tmp_path / "w0.hdf5", **{key: np.zeros((6, 0), np.float32)})
     with pytest.raises(DatasetError, match="holds no value per step") as err:
         load_dataset(path)
     assert err.value.field == key
 
 
-# ------------------------------------------------- 4: next_observations are validated, not ignored
+# ------------------------------------------------- next_observations are validated, not ignored
 @pytest.mark.parametrize("lazy", [False, True])
 def test_next_observations_must_match_the_next_observation_inside_episodes(tmp_path, lazy):
     obs = np.repeat(np.arange(6, dtype=np.float32)[:, None], 3, axis=1)
@@ -456,13 +456,13 @@ def test_from_flags_checks_next_observations_and_validate_false_skips_it():
     EpisodeDataset.from_flags(obs, act, rew, [0, 0, 0, 1], next_observations=obs + 1, validate=False, **kw)
 
 
-# ------------------------------------------------- 5: unreadable attributes are DatasetErrors
+# ------------------------------------------------- unreadable attributes are DatasetErrors
 @pytest.mark.parametrize("attr, value, field", [
-    ("rl_tformers_metadata", "{not json", "rl_tformers_metadata"),   # was: JSONDecodeError
-    ("rl_tformers_metadata", "[1, 2]", "rl_tformers_metadata"),      # was: AttributeError 'list' ... 'get'
-    ("rl_tformers_metadata", '{"ref_min_score": "abc"}', "ref_min_score"),  # was: bare float() ValueError
-    ("rl_tformers_metadata", '{"ref_min_score": 5, "ref_max_score": 5}', "ref_max_score"),  # was: inf/NaN scores
-    ("action_space", "garbage", "action_space"),                     # was: JSONDecodeError
+    ("rl_tformers_metadata", "{not json", "rl_tformers_metadata"),   # not JSONDecodeError
+    ("rl_tformers_metadata", "[1, 2]", "rl_tformers_metadata"),      # not AttributeError 'list' ... 'get'
+    ("rl_tformers_metadata", '{"ref_min_score": "abc"}', "ref_min_score"),  # not bare float() ValueError
+    ("rl_tformers_metadata", '{"ref_min_score": 5, "ref_max_score": 5}', "ref_max_score"),  # not inf/NaN scores
+    ("action_space", "garbage", "action_space"),                     # not JSONDecodeError
     ("observation_space", '{"type": "NoSuchSpace"}', "observation_space"),
 ])
 def test_unreadable_file_attributes_raise_dataset_errors_naming_them(tmp_path, attr, value, field):
@@ -483,7 +483,7 @@ def test_dataset_info_prints_an_attribute_error_without_a_traceback(tmp_path):
     assert not isinstance(r.exception, json.JSONDecodeError)
 
 
-# ------------------------------------------------- 6: Minari-style episodes
+# ------------------------------------------------- Minari-style episodes
 def _episode(n, obs_dim=3, act_dim=2, rewards=None):
     return {"observations": np.zeros((n + 1, obs_dim)), "actions": np.zeros((n, act_dim), np.float32),
             "rewards": np.ones(n) if rewards is None else rewards, "terminations": [False] * (n - 1) + [True],
@@ -491,9 +491,9 @@ def _episode(n, obs_dim=3, act_dim=2, rewards=None):
 
 
 @pytest.mark.parametrize("bad, field", [
-    (_episode(2, act_dim=3), "actions"),        # was: numpy concatenate ValueError
-    (_episode(2, obs_dim=4), "observations"),   # was: numpy concatenate ValueError
-    (_episode(1, rewards=np.array([b"x"])), "rewards"),  # was: "could not convert string to float"
+    (_episode(2, act_dim=3), "actions"),        # not numpy concatenate ValueError
+    (_episode(2, obs_dim=4), "observations"),   # not numpy concatenate ValueError
+    (_episode(1, rewards=np.array([b"x"])), "rewards"),  # not "could not convert string to float"
 ])
 def test_minari_episodes_name_the_episode_with_another_shape_or_non_numeric_data(bad, field):
     with pytest.raises(DatasetError) as err:
@@ -520,10 +520,10 @@ def _minari(root, dataset_id="test/tiny-v0"):
 
 
 @pytest.mark.parametrize("damage, match", [
-    ("no_main_data", "not a readable Minari dataset"),   # was: ValueError "No data found in data path"
-    ("bad_metadata", "not a readable Minari dataset"),   # was: JSONDecodeError
-    ("no_rewards", "cannot read the episodes"),          # was: KeyError "object 'rewards' doesn't exist"
-    ("no_episode", "cannot read the episodes"),          # was: KeyError "object 'episode_1' doesn't exist"
+    ("no_main_data", "not a readable Minari dataset"),   # not ValueError "No data found in data path"
+    ("bad_metadata", "not a readable Minari dataset"),   # not JSONDecodeError
+    ("no_rewards", "cannot read the episodes"),          # not KeyError "object 'rewards' doesn't exist"
+    ("no_episode", "cannot read the episodes"),          # not KeyError "object 'episode_1' doesn't exist"
 ])
 def test_a_damaged_minari_folder_raises_a_dataset_error(tmp_path, damage, match):
     from pathlib import Path
@@ -542,10 +542,10 @@ def test_a_damaged_minari_folder_raises_a_dataset_error(tmp_path, damage, match)
     assert r.exit_code == 1 and match in r.output
 
 
-# ------------------------------------------------- 7: observation statistics, lazy or filtered
+# ------------------------------------------------- observation statistics, lazy or filtered
 @pytest.mark.parametrize("lazy", [False, True])
 def test_observation_stats_of_filtered_or_lazy_data_match_the_in_memory_numbers(tmp_path, lazy):
-    # was: E[x^2] - E[x]^2 on the chunked path: std 1.27 instead of 0.0102 for a feature at 3e7
+    # not E[x^2] - E[x]^2 on the chunked path: std 1.27 instead of 0.0102 for a feature at 3e7
     n = 1000
     rng = np.random.default_rng(0)
     obs = np.array([1e4, 1e6, 3e7]) + rng.normal(0, 0.01, (n, 3))
@@ -560,35 +560,35 @@ def test_observation_stats_of_filtered_or_lazy_data_match_the_in_memory_numbers(
     np.testing.assert_allclose(observation_stats(ds.select([1, 0])).std, obs.std(axis=0), rtol=1e-5)
 
 
-# ------------------------------------------------- 8: reward scale and RTG inputs
+# ------------------------------------------------- reward scale and RTG inputs
 @pytest.mark.parametrize("scale", [float("nan"), float("inf")])
 @pytest.mark.parametrize("sampler", [WindowSampler, SegmentSampler])
 def test_nan_or_inf_reward_scale_is_refused(tmp_path, scale, sampler):
-    # was: accepted; every reward and RTG of every batch was NaN (or 0)
+    # not accepted; every reward and RTG of every batch was NaN (or 0)
     ds = load_dataset(_h5(tmp_path / "r.hdf5"))
     with pytest.raises(ValueError, match="reward_scale must be a finite number > 0"):
         sampler(ds, 2, reward_scale=scale)
 
 
 def test_returns_to_go_refuses_rewards_that_are_not_one_episode_column():
-    # was: [[1, 2], [3, 4]] silently flattened into a 4-step episode
+    # not [[1, 2], [3, 4]] silently flattened into a 4-step episode
     with pytest.raises(ValueError, match=r"shape \(L,\) or \(L, 1\)"):
         returns_to_go([[1.0, 2.0], [3.0, 4.0]])
     assert returns_to_go([[1.0], [2.0]]).tolist() == [3.0, 2.0]
 
 
 def test_an_episode_whose_reward_sum_overflows_is_refused_at_load(tmp_path):
-    # was: loaded; then episode_returns raised OverflowError ("intermediate overflow in fsum") and RTGs were inf
+    # not loaded; then episode_returns raised OverflowError ("intermediate overflow in fsum") and RTGs were inf
     rew = np.array([1.0, 1.0, 1e308, 1e308, 1.0, 1.0])
     with pytest.raises(DatasetError, match="episode 1: the sum of \\|rewards\\|") as err:
         load_dataset(_h5(tmp_path / "o.hdf5", rewards=rew, terminals=(0, 1, 0, 1, 0, 1)))
     assert (err.value.field, err.value.episode) == ("rewards", 1)
 
 
-# ------------------------------------------------- 9: DataLoader resume step
+# ------------------------------------------------- DataLoader resume step
 @pytest.mark.parametrize("start", [-1, 11])
 def test_make_dataloader_refuses_a_start_step_outside_the_run(tmp_path, start):
-    # was: 11 -> an empty loader (a resume past the end trained on nothing); -1 -> IndexError at the first batch
+    # not 11 -> an empty loader (a resume past the end trained on nothing); -1 -> IndexError at the first batch
     sampler = WindowSampler(load_dataset(_h5(tmp_path / "d.hdf5")), 2)
     with pytest.raises(ValueError, match=r"start_step must be in \[0, num_steps=10\]"):
         make_dataloader(sampler, 4, seed=0, num_steps=10, start_step=start)
@@ -661,8 +661,8 @@ def test_a_reward_scale_that_overflows_the_scaled_returns_to_go_is_refused_by_na
 
 def test_auto_reward_scale_of_returns_below_the_smallest_power_of_ten_names_the_returns(tmp_path: Path) -> None:
     """Every |episode return| below ~1e-323: ``reward_scale: auto`` (10 ** floor(log10 max|R|))
-    underflowed to 0.0 and the sampler then said "reward_scale must be a finite number > 0, got 0.0"
-    although the user had set "auto". The error now names the dataset's returns."""
+    underflows to 0.0; the error names the dataset's returns (not "reward_scale must be a finite
+    number > 0, got 0.0", which the user did not set)."""
     from rl_tformers.agents.common.offline import DatasetInfo
     from rl_tformers.envs.dataset import EpisodeDataset
 
@@ -748,7 +748,7 @@ def test_minari_multi_discrete_action_space_is_refused_saying_what_to_do(tmp_pat
         f"and load that; {FIXES}")
 
 
-# ------------------------------------------------------------------- 4: download advice for the project's own ids
+# ------------------------------------------------------------------- download advice for the project's own ids
 def test_a_missing_recipe_id_is_not_sent_to_the_minari_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`rl-tformers train -c gtrxl/hopper_positions_bc` without the dataset says: build it with
     `collect --recipe hopper-medium-positions`, "... or fetch it from the Minari server:
@@ -933,7 +933,7 @@ def test_two_dimensional_rewards_blame_rewards(tmp_path: Path) -> None:
     assert info.value.field == "rewards"
 
 
-# ------------------------------------------------------------------- 9: dataset.env_id
+# ------------------------------------------------------------------- dataset.env_id
 def test_hdf5_without_a_task_name_says_how_to_set_it(tmp_path: Path) -> None:
     from rl_tformers.agents.common.offline import load_offline_dataset
 
@@ -949,7 +949,7 @@ def test_hdf5_without_a_task_name_says_how_to_set_it(tmp_path: Path) -> None:
     assert compose("dt/cartpole_demo", ["dataset.env_id=Pendulum-v1"]).dataset.env_id == "Pendulum-v1"
 
 
-# ------------------------------------------------- 3: an empty DATASET argument is named
+# ------------------------------------------------- an empty DATASET argument is named
 @pytest.mark.parametrize("command", [["dataset", "info", ""], ["dataset", "export", " ", "x.hdf5"]])
 def test_empty_dataset_argument_is_named(tmp_path, monkeypatch, command):
     monkeypatch.chdir(tmp_path)

@@ -32,7 +32,7 @@ def test_recall_refuses_arguments_that_are_not_integers(kwargs, message) -> None
 runner = CliRunner()
 
 
-# ------------------------------------------------------------------- 5: a missing scripted-task file
+# ------------------------------------------------------------------- a missing scripted-task file
 def test_missing_memory_task_file_names_the_command_that_builds_it(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # no data/ here
     r = runner.invoke(app, ["train", "-c", "gtrxl/recall_bc", "train.steps=2"])

@@ -72,7 +72,7 @@ def test_every_documented_recipe_line_is_reproduced_by_its_command(row, shared_d
 runner = CliRunner()
 
 
-# ------------------------------------------------------------------- 2: collect --skip-existing
+# ------------------------------------------------------------------- collect --skip-existing
 def test_skip_existing_does_not_silently_keep_a_recipe_built_with_another_size(tmp_path: Path) -> None:
     """The README's path: `collect --recipe hopper-medium --recipe-steps 5000` (a small set to
     try things), later `collect --recipe 'hopper-*'`, which stops and suggests --skip-existing.

@@ -108,11 +108,10 @@ def test_reward_scale_is_power_of_ten_below_largest_return():
 
 # ------------------------------------------- exact returns-to-go for non-integer rewards
 def test_evaluation_rtg_update_reproduces_training_rtg_for_float_rewards() -> None:
-    """``next_return_to_go`` was said to reproduce ``returns_to_go`` "exactly (tested)", tested with
-    integer rewards only: with rewards [0.1, 0.1, 0.1] the evaluation-time RTG at step 1 is
-    0.20000000000000004 where training saw 0.2 (training sums from the end, the update subtracts
-    from the start; no float64 order of operations makes both exact). The documented guarantee
-    now: exact for integer rewards, within a few ulps of the return otherwise."""
+    """``next_return_to_go`` reproduces ``returns_to_go`` exactly for integer rewards and within a
+    few ulps of the return otherwise: with rewards [0.1, 0.1, 0.1] the evaluation-time RTG at step
+    1 is 0.20000000000000004 where training saw 0.2 (training sums from the end, the update
+    subtracts from the start; no float64 order of operations makes both exact)."""
     from rl_tformers.envs.trajectory import next_return_to_go, returns_to_go
 
     rng = np.random.default_rng(0)

@@ -276,7 +276,7 @@ def test_an_episode_boundary_inside_a_segment_compresses_the_earlier_episode():
     assert out.metrics["memory/attention_reconstruction"] > 0  # ... but the groups were scored
 
 
-# ------------------------------------------------------- 2: dilated-convolution compressor at init
+# ------------------------------------------------------- dilated-convolution compressor at init
 @pytest.mark.parametrize("rate", [1, 2, 3, 4, 5, 6, 8])
 def test_dilated_conv_compressor_starts_as_mean_pooling_for_every_rate(rate):
     """Rae et al. 2019, sec. 3.1 (f_c = dilated convolution) and the module's own contract

@@ -153,7 +153,7 @@ def test_no_valid_checkpoint_lists_reasons(tmp_path: Path) -> None:
 def test_empty_and_non_contiguous_tensors_are_hashed_and_saved(tmp_path: Path) -> None:
     """An agent's extra/process state may hold tensors of any strides: an empty one with stride 0
     (``torch.from_numpy`` of an empty NumPy fancy index: Online DT's buffer once no offline episode
-    is left used to crash the save), a transpose, an ``expand``. Each hashes like its row-major
+    is left), a transpose, an ``expand``. Each hashes like its row-major
     copy, and saves and loads back."""
     odd = {
         "empty_stride0": torch.from_numpy(np.zeros(5)[np.zeros(0, np.int64)]),

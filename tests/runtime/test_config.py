@@ -167,7 +167,7 @@ def test_a_command_line_kind_change_names_the_slot_fields_it_drops(tmp_path):
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
 
 
-# ------------------------------------------------------------------- 12: typos get a suggestion
+# ------------------------------------------------------------------- typos get a suggestion
 @pytest.mark.parametrize("override, expected", [
     ("backbone.attention.knd=sdpa", "backbone.attention.knd: unknown key: attention kind 'sdpa' (the default: "
                                     "backbone.attention.kind is not set) has no field 'knd'; did you mean "

@@ -172,7 +172,7 @@ def _logged(run_dir: Path) -> list[dict]:
             for m in read_metrics(run_dir)]
 
 
-# ------------------------------------------------- 1: a failed evaluation under DDP saves its step
+# ------------------------------------------------- a failed evaluation under DDP saves its step
 def test_failed_evaluation_on_rank_0_saves_the_step_on_every_rank_and_resumes_exactly(tmp_path: Path) -> None:
     outs = two_ranks(tmp_path, f"""
         from pathlib import Path
@@ -202,7 +202,7 @@ def test_failed_evaluation_on_rank_0_saves_the_step_on_every_rank_and_resumes_ex
     """)
     assert outs[0]["error"] == "RuntimeError" and outs[1]["error"] == "PeerFailure"
     split = tmp_path / "split"
-    assert "checkpoints/step_000000004.pt" in outs[0]["text"]  # the step it failed at, saved (was: nothing)
+    assert "checkpoints/step_000000004.pt" in outs[0]["text"]  # the step it failed at, saved (not nothing)
     assert outs[0]["resumed"] == outs[1]["resumed"] == 10
     assert sorted(s for s, _ in list_checkpoints(split)) == [4, 5, 10]
     state = torch.load(split / "checkpoints" / "step_000000004.pt", weights_only=True)
@@ -215,7 +215,7 @@ def test_failed_evaluation_on_rank_0_saves_the_step_on_every_rank_and_resumes_ex
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-# ------------------------------------------------------------- 2: the rank that failed is named
+# ------------------------------------------------------------- the rank that failed is named
 def test_a_lost_peer_is_recognised_and_summed_up_in_one_line() -> None:
     gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
                         "peer [127.0.0.1]:24450. This is typically caused by a remote worker crashing. GLHF!")
@@ -251,7 +251,7 @@ def test_a_crash_of_rank_1_is_reported_as_rank_1_without_a_traceback_of_rank_0(t
     assert "rank 0: stopped: another process of the run failed or was killed" in r.stderr
 
 
-# ---------------------------------------------------------------- 3: a stale WORLD_SIZE and --nproc
+# ---------------------------------------------------------------- a stale WORLD_SIZE and --nproc
 def test_nproc_with_world_size_in_the_environment_is_refused(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.delenv("RANK", raising=False)
@@ -260,7 +260,7 @@ def test_nproc_with_world_size_in_the_environment_is_refused(tmp_path: Path, mon
                                  "--run-dir", str(run)])
     assert r.exit_code == 2, r.output
     assert "error: --nproc 2 starts its own processes, but WORLD_SIZE=1 is set" in r.output
-    assert not run.exists()  # was: one process trained, --nproc ignored
+    assert not run.exists()  # not one process trained, --nproc ignored
 
 
 # ------------------------------------------------- DDP: more CUDA processes than GPUs
@@ -307,7 +307,7 @@ def _error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error:")]
 
 
-# ------------------------------------------------ 1: metric windows with different keys per rank
+# ------------------------------------------------ metric windows with different keys per rank
 def test_window_mean_of_a_key_logged_in_some_updates_counts_only_those() -> None:
     w = MetricWindow()
     w.add({"train/loss": torch.tensor(1.0), "train/episodic_return": 10.0}, samples=4)
@@ -344,7 +344,7 @@ def test_gtrxl_ppo_trains_on_two_processes(tmp_path: Path) -> None:
     assert [x["train/env_steps"] for x in m] == [64.0, 64.0, 128.0, 128.0]
 
 
-# ------------------------------------------------------------- 2: DDP resume off a log boundary
+# ------------------------------------------------------------- DDP resume off a log boundary
 @pytest.mark.slow
 def test_ddp_stop_between_log_lines_and_resume_is_bit_identical(tmp_path: Path) -> None:
     full, split = tmp_path / "full", tmp_path / "split"
@@ -392,9 +392,9 @@ def test_window_of_another_process_count_is_the_mean_of_the_ranks() -> None:
     assert one.means()["loss"] == pytest.approx(3.5)
 
 
-# ------------------------------------------------------------------------ 3: PPO resume is honest
-# (it used to restart the environments and say so; since the environments, the running episodes
-# and the rollout in progress are checkpointed, it is exact: tests/agents/test_gtrxl_ppo_resume.py)
+# ------------------------------------------------------------------------ PPO resume is honest
+# (the environments, the running episodes and the rollout in progress are checkpointed, so it is
+# exact: tests/agents/test_gtrxl_ppo_resume.py)
 def test_ppo_resume_is_exact_and_counts_env_steps_once(tmp_path: Path) -> None:
     full, split = tmp_path / "full", tmp_path / "split"
     assert train_cli(*PPO, "train.steps=12", "--run-dir", str(full)).returncode == 0
@@ -411,7 +411,7 @@ def test_ppo_resume_is_exact_and_counts_env_steps_once(tmp_path: Path) -> None:
     assert (ea["rollouts"], eb["rollouts"]) == (3, 3) and eb["env_steps"] == ea["env_steps"]
 
 
-# ----------------------------------------------------- 4: --nproc checks before torchrun starts
+# ----------------------------------------------------- --nproc checks before torchrun starts
 @pytest.mark.parametrize("args, says", [
     (["train.batch_size=7", "--run-dir", "RUN"], "train.batch_size=7 is the global batch and must be divisible by"),
     (["train.batch_size=1", "--run-dir", "RUN"], "train.batch_size=1 is the global batch"),
@@ -463,7 +463,7 @@ def test_resume_failure_under_torchrun_by_hand_is_one_line_from_rank_0(tmp_path:
     assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr
 
 
-# ------------------------------------------------------------------------------------- 6: seeds
+# ------------------------------------------------------------------------------------- seeds
 def test_seed_range_is_checked_up_front(tmp_path: Path) -> None:
     assert int(compose(None, ["agent.kind=toy", f"seed={2**64 - 1}"]).seed) == 2**64 - 1  # torch takes it
     with pytest.raises(ConfigError, match=r"seed must be an integer in \[0, 2\*\*64 - 1\].*got 99999999999999999999"):
@@ -473,7 +473,7 @@ def test_seed_range_is_checked_up_front(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "error: seed must be an integer" in r.output and not run.exists()
 
 
-# -------------------------------------------------------------------------------- 7: DT under DDP
+# -------------------------------------------------------------------------------- DT under DDP
 def test_dt_on_two_processes_equals_one_process_with_the_same_global_batch(tmp_path: Path) -> None:
     # episodes of 2..11 steps and windows of 4: the two halves of a batch hold different numbers
     # of padded steps, so the mean of per-shard means over unpadded steps (before the fix) differs

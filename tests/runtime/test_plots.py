@@ -237,7 +237,7 @@ def _cartpole_dt(data: Path, run_dir: Path, *extra: str):
     return train(compose("dt/cartpole_demo", [f"dataset.path={data}", *TINY_DT, *extra]), run_dir)
 
 
-# ------------------------------------------------------------------- 1: plot --from-json
+# ------------------------------------------------------------------- plot --from-json
 def test_plot_from_json_labels_the_saved_evaluation_not_the_runs_newest_checkpoint(
         tmp_path: Path, cartpole_h5, monkeypatch: pytest.MonkeyPatch) -> None:
     """`plot RUN --from-json FILE` titled (and logged to TensorBoard) the figure with the run's
@@ -288,7 +288,7 @@ def test_plot_from_json_refuses_an_evaluation_of_another_environment(tmp_path: P
     assert "Hopper-v5" in r.output
 
 
-# ------------------------------------------------------------------- 3: resume train.steps=N, cosine
+# ------------------------------------------------------------------- resume train.steps=N, cosine
 def test_resume_that_stretches_a_cosine_schedule_does_not_jump_the_learning_rate_silently(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """docs/runtime.md: `train --resume RUN train.steps=5000  # ... and train longer`. With
@@ -310,7 +310,7 @@ def test_resume_that_stretches_a_cosine_schedule_does_not_jump_the_learning_rate
                              for m in said), (lr[10], lr[11], said)
 
 
-# ------------------------------------------------------------------- 4: resume from another folder
+# ------------------------------------------------------------------- resume from another folder
 def test_a_run_on_a_relative_dataset_path_resumes_from_another_directory(
         tmp_path: Path, cartpole_h5, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run trained with `dataset.path=cartpole.hdf5` (the README's Python API block) resumed
@@ -385,7 +385,7 @@ def test_plot_from_json_refuses_evaluation_options(tmp_path: Path, monkeypatch, 
     assert f"error: --from-json {path} plots a saved evaluation: {names} would be ignored" in r.output
 
 
-# ------------------------------------------------------------------- 7: plot --from-json
+# ------------------------------------------------------------------- plot --from-json
 @pytest.mark.parametrize("content, expected", [
     (None, "cannot read it"),
     ("{not json", "not valid JSON"),

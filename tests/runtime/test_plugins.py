@@ -190,7 +190,7 @@ def test_installed_entry_points_are_imported_and_a_broken_one_only_warns(plugin,
 def test_a_run_whose_kind_is_not_registered_here_is_refused_by_name(plugin, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A run whose kind came from an unlisted plugin (an entry point of a package not installed
-    here): eval said nothing useful (a RegistryError traceback); now one line names the kind."""
+    here): eval says in one line which kind is missing (not a RegistryError traceback)."""
     from rl_tformers.runtime.loading import load_run
 
 
@@ -325,7 +325,7 @@ def test_a_plugin_failing_halfway_leaves_nothing_registered_and_fails_the_same_w
     monkeypatch.chdir(clean_registries)
     expected = (f"plugins[0]={name!r} failed to import: RuntimeError: half way "
                 f"({clean_registries / f'{name}.py'}:28)")
-    for _ in range(2):  # the second import ran the module again (was: "already registered by <name>")
+    for _ in range(2):  # the second import ran the module again (not "already registered by <name>")
         with pytest.raises(ConfigError) as err:
             plugins.load_plugins([name])
         assert str(err.value) == expected
@@ -548,7 +548,7 @@ def test_a_run_trained_with_a_plugin_cannot_rebuild_itself_without_it(tmp_path: 
                               f"to PYTHONPATH)")
 
 
-# ------------------------------------------------- 8: null, repeats, resume
+# ------------------------------------------------- null, repeats, resume
 def test_null_plugins_count_as_empty_repeats_are_recorded_once_and_a_resume_may_list_plugins(tmp_path: Path) -> None:
     from rl_tformers.runtime.trainer import resume
 

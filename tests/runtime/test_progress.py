@@ -17,7 +17,7 @@ from rl_tformers.runtime.trainer import train
 def test_train_progress_without_a_terminal_is_plain_lines(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """stderr is not a terminal under pytest's capture, as in ``nohup rl-tformers train > log``.
-    Before, tqdm's redraws (``\\r``) went there; now each line is a plain line."""
+    Each line is a plain line there (tqdm's redraws, ``\\r``, would fill the log)."""
     cfg = compose(None, ["agent.kind=toy", "device=cpu", "train.steps=6", "train.log_every=3",
                          "train.warmup_steps=1", "eval.at_end=false", "train.progress=true"])
     train(cfg, tmp_path / "short")  # shorter than the interval: one line, at the end

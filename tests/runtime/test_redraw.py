@@ -104,7 +104,7 @@ def test_resume_with_redraws_is_bit_identical(tmp_path: Path, kind: str) -> None
     assert len(keys) == 2 and all(not torch.equal(a[k], first[k]) for k in keys)  # redraws did happen
 
 
-# ------------------------------------------------- 5: the features a checkpoint / evaluation holds
+# ------------------------------------------------- the features a checkpoint / evaluation holds
 def test_checkpoints_and_evaluations_hold_the_features_their_weights_were_trained_with(tmp_path: Path) -> None:
     """redraw_every=5, 10 updates, evaluations every 5: the evaluation of step 5 and 10, and the
     checkpoint of step 10, must use the random features of update 5 and 10 (measured on the toy
@@ -137,6 +137,6 @@ def test_checkpoints_and_evaluations_hold_the_features_their_weights_were_traine
     assert not torch.equal(trained[4], trained[5])  # the redraw between updates 5 and 6 did happen
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "step_000000010.pt", weights_only=True)["model"]
     name = next(k for k in ckpt if k.endswith("omega"))
-    assert torch.equal(evaluated[5], trained[4])  # was: step 5's evaluation saw the features of update 6
-    assert torch.equal(evaluated[10], trained[9])  # was: a fresh draw no update ever used
+    assert torch.equal(evaluated[5], trained[4])  # not step 5's evaluation saw the features of update 6
+    assert torch.equal(evaluated[10], trained[9])  # not a fresh draw no update ever used
     assert torch.equal(ckpt[name], trained[9])

@@ -200,7 +200,7 @@ def test_run_dir_with_logs_but_no_checkpoint(run_dir: Path) -> None:
 runner = CliRunner()
 
 
-# ------------------------------------------------------------------- 4: a hand-edited config.yaml
+# ------------------------------------------------------------------- a hand-edited config.yaml
 TOY = ["agent.kind=toy", "device=cpu", "train.progress=false", "train.steps=8", "train.batch_size=4",
        "backbone.n_layers=1", "backbone.d_model=16", "train.log_every=2", "train.checkpoint_every=0",
        "train.warmup_steps=1", "eval.every=0", "eval.at_end=false"]
@@ -408,9 +408,9 @@ TINY_DT_DEFAULT_WARMUP = ["backbone.d_model=16", "backbone.n_layers=1", "backbon
 
 def test_a_refused_resume_does_not_first_warn_that_the_schedule_is_re_stretched(
         tmp_path: Path, cartpole_h5, caplog: pytest.LogCaptureFixture) -> None:
-    """`train --resume RUN train.steps=N` with a warmup_cosine schedule warned "train.steps ... re-stretches
-    the warmup_cosine schedule ..." and only then refused the resume because the data had changed: a
-    warning about a run that never continues. The warning now follows the data and agent checks."""
+    """`train --resume RUN train.steps=N` with a warmup_cosine schedule on changed data is refused
+    without first warning "train.steps ... re-stretches the warmup_cosine schedule ..." (a warning
+    about a run that never continues): the warning follows the data and agent checks."""
     data = cartpole_h5(tmp_path / "cp.hdf5", seed=0)
     cfg = ["train.schedule=warmup_cosine", "train.warmup_steps=1", "train.steps=4", "train.lr=1e-2"]
     train(compose("dt/cartpole_demo", [f"dataset.path={data}", *TINY_DT_DEFAULT_WARMUP, *cfg]), tmp_path / "run")
@@ -461,9 +461,9 @@ def test_a_ppo_fine_tuning_run_resumes_without_reading_its_offline_run_again(tmp
 
 def test_resume_from_another_folder_names_the_relative_dataset_path(tmp_path: Path, cartpole_h5,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """A run started on a relative dataset.path and resumed from another folder failed with only
-    "no such HDF5 file: cp.hdf5"; the error now says the path is relative, read from which folder,
-    and how to pass the absolute one (dataset.path may change on resume)."""
+    """A run started on a relative dataset.path and resumed from another folder gets an error
+    that says the path is relative, read from which folder, and how to pass the absolute one
+    (dataset.path may change on resume), not only "no such HDF5 file: cp.hdf5"."""
     from typer.testing import CliRunner
 
     from rl_tformers.cli import app
@@ -499,4 +499,4 @@ def test_resume_accepts_a_slot_field_given_its_default_value(tmp_path, cartpole_
     assert r.exit_code == 0, r.output
     # Performer's default is orthogonal=true: the resumed run builds exactly the same backbone
     r = runner.invoke(app, ["train", "--resume", str(run), "train.steps=3", "backbone.attention.orthogonal=true"])
-    assert r.exit_code == 0, r.output  # was: "backbone.attention.orthogonal: <unset> -> True" cannot change
+    assert r.exit_code == 0, r.output  # not "backbone.attention.orthogonal: <unset> -> True" cannot change

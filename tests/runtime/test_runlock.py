@@ -23,7 +23,7 @@ TOY_4_STEPS = ["agent.kind=toy", "train.steps=4", "train.batch_size=4", "backbon
        "train.checkpoint_every=0", "train.warmup_steps=1", "eval.every=0"]
 
 
-# ------------------------------------------------------------------- 3: one trainer per run directory
+# ------------------------------------------------------------------- one trainer per run directory
 def test_a_run_directory_being_trained_is_refused(tmp_path: Path) -> None:
     cfg = compose(None, [*TOY_4_STEPS, "eval.at_end=false", "device=cpu", "train.progress=false"])
     train(cfg, tmp_path / "run", stop_at=2)

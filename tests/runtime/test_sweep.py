@@ -197,9 +197,9 @@ def test_sweep_results_report_a_final_non_finite_value_not_an_earlier_finite_one
 
 # ------------------------------------------------- sweep: a run's seconds over all its parts
 def test_sweep_seconds_are_the_total_over_a_run_s_parts(tmp_path) -> None:
-    """A run resumed by a second sweep reported only the second part's wall time (a skipped run
-    0). Each part's time now goes to ``logs/<run>.parts.jsonl`` and the row sums them; a run that
-    starts anew (its directory deleted, or never made) counts anew."""
+    """A run resumed by a second sweep reports the wall time of all its parts (not only the
+    second part's, nor 0 for a skipped run): each part's time goes to ``logs/<run>.parts.jsonl``
+    and the row sums them; a run that starts anew (its directory deleted, or never made) counts anew."""
     from rl_tformers.runtime import sweep as sw
 
     out = tmp_path / "sw"
@@ -262,8 +262,8 @@ def test_sweep_rerun_retries_a_run_that_failed_before_its_first_checkpoint(tmp_p
                                         ("dataset.path='a,b.hdf5,c.hdf5", "unclosed ' quote"),
                                         ("train.betas=0.9]", "']' closes no bracket")])
 def test_grid_with_an_unbalanced_bracket_or_quote_is_refused_naming_the_key(item: str, what: str) -> None:
-    """``[0.9,0.95`` used to be one value holding everything after the bracket (a run with a
-    config nobody asked for, or a confusing compose error): refused, naming the grid key."""
+    """``[0.9,0.95`` is refused, naming the grid key (read as one value holding everything after
+    the bracket it would give a run with a config nobody asked for, or a confusing compose error)."""
     from rl_tformers.runtime.sweep import SweepError, parse_grid
 
     key = item.partition("=")[0]
@@ -278,8 +278,8 @@ def _sweep(*args: str):
 
 
 def test_sweep_override_without_equals_is_refused_not_a_traceback(tmp_path: Path) -> None:
-    """``rl-tformers sweep ... train.steps`` (no ``=VALUE``) stopped with an IndexError traceback in
-    check_overrides; ``rl-tformers train`` says what is wrong, and so does the sweep now."""
+    """``rl-tformers sweep ... train.steps`` (no ``=VALUE``) says what is wrong, as
+    ``rl-tformers train`` does, not an IndexError traceback from check_overrides."""
     out = tmp_path / "sw"
     for item in ("train.steps", "=5"):
         res = _sweep("--grid", "train.lr=1e-3", "--out", str(out), item)
@@ -441,7 +441,7 @@ def test_sweep_warns_about_completed_runs_that_did_not_log_the_summary_metric(tm
 runner = CliRunner()
 
 
-# ------------------------------------------------------- 5: run / sweep directory that is a file
+# ------------------------------------------------------- run / sweep directory that is a file
 def test_run_dir_or_sweep_out_that_is_a_file_is_a_clean_error(tmp_path: Path) -> None:
     afile = tmp_path / "afile"
     afile.write_text("hi\n")
@@ -630,9 +630,9 @@ def test_sweep_names_every_bad_grid_point_before_any_run_starts(tmp_path: Path) 
 
 def test_an_agent_refusal_alone_stops_the_sweep_before_any_run(tmp_path: Path) -> None:
     """A grid whose every config composes, one point of which the DT refuses when it is built,
-    and one point whose dataset does not exist: before, the good point trained and the two others
-    failed in their runs (exit status 1); now the command exits with status 2 before starting
-    anything, naming both points."""
+    and one point whose dataset does not exist: the command exits with status 2 before starting
+    anything, naming both points (not: the good point trains and the two others fail in their
+    runs with exit status 1)."""
     data = _write_cartpole_30(tmp_path / "d.hdf5")
     missing = tmp_path / "missing.hdf5"
     out = tmp_path / "sweep"
@@ -827,7 +827,7 @@ def test_sweep_results_metric_warnings_and_stale_plot(tmp_path: Path) -> None:
     assert str(tmp_path / "results.png") not in res.files
 
 
-# ------------------------------------------------------------------- 2: signals reach the runs
+# ------------------------------------------------------------------- signals reach the runs
 _CHILD = """
 import pathlib, signal, sys, time
 out = pathlib.Path(sys.argv[1])

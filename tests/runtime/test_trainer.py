@@ -242,11 +242,11 @@ def _clean_exit(r) -> None:
     assert "Traceback" not in r.output
 
 
-# ------------------------------------------------- 1: a final evaluation that refuses its input
+# ------------------------------------------------- a final evaluation that refuses its input
 def test_final_eval_bad_input_is_one_error_line_and_keeps_the_model(tmp_path: Path) -> None:
     """agent.max_ep_len=10 < CartPole's 500 steps with agent.timestep_overflow=error: the final
-    evaluation raises the DT's ValueError. Was: a traceback (exit 1) and the suggestion
-    `rl-tformers eval RUN`, which fails the same way."""
+    evaluation raises the DT's ValueError: one error line, the model kept, and no suggestion of
+    `rl-tformers eval RUN`, which would fail the same way."""
     h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
     run = tmp_path / "run"
     r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={h5}", *TINY_DT, "eval.every=0",
@@ -281,7 +281,7 @@ def test_mid_run_eval_bad_input_saves_and_suggests_a_resume_that_works(tmp_path:
     assert (run / "checkpoints" / "step_000000003.pt").is_file()  # not a scheduled checkpoint
 
 
-# ------------------------------------------------------------- 2: counters keep their latest value
+# ------------------------------------------------------------- counters keep their latest value
 def test_metric_window_latest_keys_keep_the_last_value_across_a_resume() -> None:
     def run(split: bool) -> list[dict[str, float]]:
         w, out = MetricWindow(latest=["train/env_steps"]), []
@@ -304,7 +304,8 @@ def test_metric_window_latest_keys_keep_the_last_value_across_a_resume() -> None
 
 def test_ppo_env_steps_logs_the_latest_count(tmp_path: Path) -> None:
     """4 updates per rollout of 2 envs x 16 steps, logged every 3 updates: the window of updates
-    4..6 spans rollouts 1 and 2 (32 and 64 steps). Was: 53.33 (the window's mean)."""
+    4..6 spans rollouts 1 and 2 (32 and 64 steps): the latest count, 64, not the window's mean
+    (53.33)."""
     cfg = compose("gtrxl/ppo_cartpole", [
         "backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=2", "agent.n_envs=2", "agent.n_steps=16",
         "agent.n_epochs=2", "agent.n_minibatches=2", "train.log_every=3", "train.steps=8", "eval.at_end=false",
@@ -316,7 +317,7 @@ def test_ppo_env_steps_logs_the_latest_count(tmp_path: Path) -> None:
     assert logged == [(3, 32.0), (6, 64.0), (8, 64.0)]
 
 
-# ----------------------------------------------------------- 3: float positions are refused
+# ----------------------------------------------------------- float positions are refused
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
 def test_backbone_refuses_non_integer_positions(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
@@ -365,7 +366,7 @@ def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records]
 
 
-# ------------------------------------------------------------------- 1: Ctrl-C during the final evaluation
+# ------------------------------------------------------------------- Ctrl-C during the final evaluation
 def test_ctrl_c_during_the_final_evaluation_does_not_promise_a_stop_it_never_makes(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """`rl-tformers train ... eval.episodes=400` (Hopper DT), Ctrl-C 5 s after the last update:
@@ -388,7 +389,7 @@ def test_ctrl_c_during_the_final_evaluation_does_not_promise_a_stop_it_never_mak
     assert result.interrupted == signal.SIGINT or not promised, (result.interrupted, promised)
 
 
-# ------------------------------------------------------------------- 2: second Ctrl-C during the final evaluation
+# ------------------------------------------------------------------- second Ctrl-C during the final evaluation
 def test_abort_during_the_final_evaluation_does_not_send_the_user_to_a_resume_that_does_nothing(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A second Ctrl-C during the final evaluation printed "aborted at once ... the run continues
@@ -422,7 +423,7 @@ def test_abort_during_the_final_evaluation_does_not_send_the_user_to_a_resume_th
     assert result.last_eval or told, (note[0], said)
 
 
-# ------------------------------------------------------------------- 3: the last progress line
+# ------------------------------------------------------------------- the last progress line
 def test_last_progress_line_does_not_count_the_final_evaluation_as_training_time(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Without a terminal, `rl-tformers train` prints its last line after the final evaluation
@@ -453,7 +454,7 @@ TOY = ["agent.kind=toy", "device=cpu", "train.progress=false", "train.steps=3", 
        "train.warmup_steps=1", "train.log_every=1", "eval.at_end=true"]
 
 
-# ------------------------------------------------- 1: a late Ctrl-C
+# ------------------------------------------------- a late Ctrl-C
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_a_ctrl_c_after_the_run_finished_leaves_exit_status_0(tmp_path: Path) -> None:
     """SIGINT as soon as ``done:`` is printed (the summary, then the interpreter's shutdown)."""
@@ -483,7 +484,7 @@ def test_the_summary_window_ignores_signals_and_restores_the_handlers() -> None:
     assert finished_run()
 
 
-# ------------------------------------------------- 2: the Python API's run directory message
+# ------------------------------------------------- the Python API's run directory message
 def test_a_second_run_in_a_used_directory_names_the_python_calls_too(tmp_path: Path) -> None:
     train(compose(None, [*TOY, "eval.at_end=false"]), tmp_path / "run")
     with pytest.raises(RunDirError) as info:
