@@ -323,9 +323,34 @@ class DTPolicy:
                 row that has never started an episode.
             NonFiniteError: (a ValueError) the model's prediction of a row is NaN/inf.
         """
-        cfg, k = self.cfg, self.cfg.context_len
         start = np.asarray(episode_start, dtype=bool)
         n = start.shape[0]
+        t = self._advance(state, start, last_reward)
+        rows, slot = self._write_step(state, obs, start, t)
+        if self._counted is not None and self._counted.shape != (n,):
+            raise ValueError(f"DTPolicy.act: count_rows was given {self._counted.shape[0]} rows but act got {n}; "
+                             f"call count_rows(None) to count every row")
+        counted = np.ones(n, bool) if self._counted is None else self._counted
+        a = self._decide(state, rows, slot, counted)
+        state.actions[rows, slot] = a
+        if self.cfg.discrete:  # class index -> environment action
+            return a.cpu().numpy().astype(np.int64) + self.action_start, state
+        env_a = to_env_action(a, self.low, self.high).cpu().numpy().astype(np.float32)  # (N, A)
+        if self.action_shape is not None:
+            env_a = env_a.reshape(n, *self.action_shape)
+        return env_a, state
+
+    def _advance(self, state: DTState, start: np.ndarray, last_reward: np.ndarray | None) -> np.ndarray:
+        """Start rows at their target (step 0), move the others one step on (R_{t+1} = R_t - r_t).
+
+        Returns:
+            (N,) int64 episode steps now.
+
+        Raises:
+            ValueError: a row continues an episode that never started, or a step at or past
+                ``max_ep_len`` with ``timestep_overflow="error"``.
+        """
+        cfg = self.cfg
         cont = ~start
         if (cont & (state.t < 0)).any():
             raise ValueError("DTPolicy.act: a row continues an episode that never started (episode_start must be True first)")
@@ -344,9 +369,15 @@ class DTPolicy:
                     f"timestep_overflow='clamp' to reuse the last timestep index (agent.timestep_overflow=clamp "
                     f"in the run config, `rl-tformers eval --timestep-overflow clamp`)"
                 )
-        dev = self.device
+        return t
+
+    def _write_step(self, state: DTState, obs: np.ndarray, start: np.ndarray, t: np.ndarray) -> tuple[Tensor, Tensor]:
+        """Shift full windows, clear starting rows and write step t (observation, return-to-go,
+        timestep; action 0 until decided) at its slot. Returns (rows (N,), slot (N,)) long tensors."""
+        cfg, k, dev = self.cfg, self.cfg.context_len, self.device
+        n = start.shape[0]
         # shift rows whose window is full (align start) or that continue (align end) one slot left
-        shift_np = (t >= k) if self.align == "start" else cont
+        shift_np = (t >= k) if self.align == "start" else ~start
         shift = torch.as_tensor(shift_np, device=dev)
         st = torch.as_tensor(start, device=dev)
         for name in ("obs", "actions", "rtg", "timesteps", "mask"):
@@ -364,10 +395,14 @@ class DTPolicy:
         state.timesteps[rows, slot] = torch.as_tensor(np.minimum(t, cfg.max_ep_len - 1), device=dev)
         state.mask[rows, slot] = True
         state.actions[rows, slot] = 0
-        if self._counted is not None and self._counted.shape != (n,):
-            raise ValueError(f"DTPolicy.act: count_rows was given {self._counted.shape[0]} rows but act got {n}; "
-                             f"call count_rows(None) to count every row")
-        counted = np.ones(n, bool) if self._counted is None else self._counted
+        return rows, slot
+
+    def _decide(self, state: DTState, rows: Tensor, slot: Tensor, counted: np.ndarray) -> Tensor:
+        """One forward pass over the windows: the action (N, A) or (N,) at each row's deciding
+        state token (mean or a draw, then the kNN-LM interpolation), counted in :meth:`stats`
+        for the ``counted`` (N,) rows."""
+        cfg, dev = self.cfg, self.device
+        n, k = rows.shape[0], cfg.context_len
         n_counted = int(counted.sum())
         t0 = time.perf_counter()
         kw: dict[str, Any] = {}
@@ -395,13 +430,7 @@ class DTPolicy:
         if self.model.early_exit:  # means over the deciding (counted) rows
             self._exit_layer_sum += float(out.metrics["exit/mean_layer"]) * n_counted
             self._early_sum += float(out.metrics["exit/early_frac"]) * n_counted
-        state.actions[rows, slot] = a
-        if cfg.discrete:  # class index -> environment action
-            return a.cpu().numpy().astype(np.int64) + self.action_start, state
-        env_a = to_env_action(a, self.low, self.high).cpu().numpy().astype(np.float32)  # (N, A)
-        if self.action_shape is not None:
-            env_a = env_a.reshape(n, *self.action_shape)
-        return env_a, state
+        return a
 
     def _check_finite(self, pred: Tensor, state: DTState) -> None:
         """Raise (:class:`~rl_tformers.runtime.evaluation.NonFiniteError`) if the model's
