@@ -40,10 +40,9 @@ def _cartpole_minari(root: Path) -> None:
 
 
 def test_resuming_a_minari_id_run_without_its_root_says_to_pass_dataset_root(tmp_path: Path, monkeypatch) -> None:
-    """A run trained on a Minari id found through $MINARI_DATASETS_PATH, resumed without it, said
-    "the run's dataset.path=rlt/... is relative and is read from the current folder ...: pass the
-    absolute path": an id is no path, and the fix is the data root (dataset.root=, which resume
-    accepts). The hint says so, and that override resumes the run."""
+    """A run trained on a Minari id found through $MINARI_DATASETS_PATH, resumed without it, is
+    told to pass the data root (dataset.root=, which resume accepts), not an absolute path (an id
+    is no path); that override resumes the run."""
     root = tmp_path / "minari"
     _cartpole_minari(root)
     monkeypatch.chdir(tmp_path)
@@ -121,8 +120,8 @@ def test_a_stopped_run_ends_its_output_with_the_continue_line(tmp_path: Path, mo
 
 
 def test_collect_help_gives_the_policies_default_the_readme_gives() -> None:
-    """`collect --help` said --policies defaults to ../shared/policies; the command also reads
-    $RL_TFORMERS_POLICIES and $RL_TFORMERS_SHARED first (README, `policies_dir`)."""
+    """`collect --help` gives the --policies default the command uses: $RL_TFORMERS_POLICIES, then
+    $RL_TFORMERS_SHARED, then ../shared/policies (README, `policies_dir`)."""
     import inspect
 
     from rl_tformers.cli.data import collect

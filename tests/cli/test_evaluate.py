@@ -323,8 +323,9 @@ def _run_with_a_checkpoint(tmp_path: Path) -> Path:
 
 
 def test_eval_of_the_checkpoints_folder_names_the_run_directory(tmp_path: Path) -> None:
-    """`rl-tformers eval runs/dt1/checkpoints` said "no checkpoint in runs/dt1/checkpoints/checkpoints"
-    about a folder full of checkpoints (the same for plot, train --resume and bench eval)."""
+    """`rl-tformers eval runs/dt1/checkpoints` names the run directory to pass (not "no checkpoint
+    in runs/dt1/checkpoints/checkpoints" about a folder full of checkpoints); the same for plot,
+    train --resume and bench eval."""
     run = _run_with_a_checkpoint(tmp_path)
     ckpts = run / "checkpoints"
     want = f"error: {ckpts} is the checkpoint folder of the run {run}; pass the run directory {run}\n"
@@ -339,8 +340,9 @@ def test_eval_of_the_checkpoints_folder_names_the_run_directory(tmp_path: Path) 
 
 
 def test_eval_of_a_checkpoint_file_says_how_to_evaluate_that_checkpoint(tmp_path: Path) -> None:
-    """`rl-tformers eval runs/dt1/checkpoints/step_000000300.pt` said only "is not a directory
-    (expected a run directory ...)"; the file belongs to a run, and eval/plot take it as --checkpoint."""
+    """`rl-tformers eval runs/dt1/checkpoints/step_000000300.pt` says how to evaluate that
+    checkpoint (the file belongs to a run, and eval/plot take it as --checkpoint), not only "is
+    not a directory (expected a run directory ...)"."""
     run = _run_with_a_checkpoint(tmp_path)
     f = next((run / "checkpoints").glob("step_*.pt"))
     r = runner.invoke(app, ["eval", str(f)])

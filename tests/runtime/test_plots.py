@@ -101,8 +101,8 @@ def test_plot_refuses_an_out_that_names_a_directory(
 def test_plot_out_with_a_tilde_is_written_where_its_parents_were_checked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``~`` in --out (``--out=~/fig.png`` is not expanded by the shell) was checked expanded (a
-    file in the way under $HOME) but written to a folder named '~' in the current directory."""
+    """``~`` in --out (``--out=~/fig.png`` is not expanded by the shell) is expanded both where it
+    is checked and where it is written (not written to a folder named '~' in the current directory)."""
     from rl_tformers.runtime.plots import figure_path
 
     home, cwd = tmp_path / "home", tmp_path / "cwd"

@@ -339,8 +339,9 @@ def test_a_plugin_failing_halfway_leaves_nothing_registered_and_fails_the_same_w
 
 def test_a_package_plugin_failing_in_a_submodule_forgets_the_package(clean_registries: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``pkg/__init__.py`` registers a kind and imports ``pkg.sub``, which fails: the kind of the
-    package was left registered and ``pkg`` cached (a second import did not register it again)."""
+    """``pkg/__init__.py`` registers a kind and imports ``pkg.sub``, which fails: the package's kind
+    is unregistered and ``pkg`` is forgotten, so a later import runs it again and registers the
+    kind (a cached ``pkg`` would not)."""
     pkg = _unique("pkg")
     kind = f"k_{pkg}"
     (clean_registries / pkg).mkdir()

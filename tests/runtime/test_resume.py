@@ -350,9 +350,9 @@ def straight(tmp_path_factory) -> Path:
 def test_a_mid_run_evaluation_that_failed_is_logged_by_the_resume(straight: Path, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch,
                                                                   bad_step: int) -> None:
-    """An evaluation that raised mid-run saved its step (as promised) and named `--resume`, but the
-    resume started training after that step: the evaluation of that step was never logged, so
-    metrics.jsonl lacked the row an uninterrupted run has (weights were equal)."""
+    """An evaluation that raises mid-run saves its step and names `--resume`; the resume runs that
+    step's evaluation before training on, so metrics.jsonl has the row an uninterrupted run has
+    (and equal weights)."""
     real = toy.ToyAgent.evaluate
 
     def broken(self, step):
@@ -426,11 +426,10 @@ def test_a_refused_resume_does_not_first_warn_that_the_schedule_is_re_stretched(
 
 
 def test_a_ppo_fine_tuning_run_resumes_without_reading_its_offline_run_again(tmp_path: Path) -> None:
-    """`--resume` of a PPO fine-tuning run (agent.init_checkpoint) read the offline run again to build
-    its model: with that run retrained (another backbone) the resume crashed on a state_dict size
-    mismatch, and with it deleted the resume was refused ("no such run directory"), although the
-    run's own checkpoint holds the model config, weights and statistics. Now it rebuilds from its
-    checkpoint and continues exactly as an uninterrupted run."""
+    """`--resume` of a PPO fine-tuning run (agent.init_checkpoint) rebuilds its model from its own
+    checkpoint (model config, weights and statistics) and continues exactly as an uninterrupted
+    run, without reading the offline run again: retrained with another backbone, or deleted, the
+    offline run does not matter."""
     import shutil
 
     import torch

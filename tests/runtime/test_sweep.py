@@ -306,9 +306,9 @@ def test_sweep_override_without_equals_is_refused_not_a_traceback(tmp_path: Path
 def test_sweep_refuses_a_metric_that_no_run_logs_before_running(
     tmp_path: Path, metric: str, message: str
 ) -> None:
-    """``--metric step`` ran the whole sweep, then summarised nothing with a warning blaming the
-    runs ("its final value is NaN or infinite in every completed run ... (diverged?)");
-    ``--metric ''`` was silently taken as the default metric."""
+    """``--metric step`` (a metric no run logs) is refused before any run starts, not after the
+    whole sweep with a warning blaming the runs ("its final value is NaN or infinite in every
+    completed run ... (diverged?)"); ``--metric ''`` is refused, not taken as the default metric."""
     out = tmp_path / "sw"
     res = _sweep("--grid", "train.lr=1e-3", "--out", str(out), "--metric", metric, "train.steps=2")
     assert res.exit_code == 2, res.output
@@ -319,9 +319,9 @@ def test_sweep_refuses_a_metric_that_no_run_logs_before_running(
 
 
 def test_sweep_refuses_grid_keys_inside_each_other() -> None:
-    """``--grid train.lr=... --grid 'train={lr: ...}'``: the later key replaced the earlier one's
-    values in every run; the sweep was then refused as 'the values mean the same once parsed'
-    (or, with other fields, ran a grid that was not the one asked for)."""
+    """``--grid train.lr=... --grid 'train={lr: ...}'`` is refused naming both keys: the later key
+    would replace the earlier one's values in every run (a confusing 'the values mean the same
+    once parsed', or, with other fields, a grid that is not the one asked for)."""
     from rl_tformers.runtime.sweep import SweepError, parse_grid
 
     with pytest.raises(SweepError) as e:
@@ -364,8 +364,9 @@ def test_sweep_refuses_run_names_longer_than_the_file_system_takes(tmp_path: Pat
 def test_sweep_out_problems_are_errors_not_tracebacks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``--out ""`` (an unset shell variable) was read as '.', a sweep into the current folder;
-    an --out name too long for the file system stopped with an OSError traceback."""
+    """``--out ""`` (an unset shell variable) is refused, not read as '.' (a sweep into the
+    current folder); an --out name too long for the file system is an error line, not an OSError
+    traceback."""
     monkeypatch.chdir(tmp_path)
     res = _sweep("--grid", "train.lr=1e-3", "--out", "", "train.steps=2")
     assert res.exit_code == 2, res.output
@@ -381,7 +382,7 @@ def test_sweep_out_problems_are_errors_not_tracebacks(
 
 
 def test_sweep_refuses_gpus_per_run_that_would_be_ignored(tmp_path: Path) -> None:
-    """``--gpus-per-run 1`` with the local launcher was silently ignored (Ray's num_gpus only)."""
+    """``--gpus-per-run 1`` with the local launcher is refused (only Ray's num_gpus reads it)."""
     out = tmp_path / "sw"
     res = _sweep("--grid", "train.lr=1e-3", "--out", str(out), "--gpus-per-run", "1", "train.steps=2")
     assert res.exit_code == 2, res.output
@@ -608,8 +609,8 @@ def _flat(text: str) -> str:
 def test_sweep_names_every_bad_grid_point_before_any_run_starts(tmp_path: Path) -> None:
     """The user's grid: a kernel without a causal form (refused by the backbone check when the
     config is composed) and ``backbone.causal=false`` under the DT's causal mode (refused by the
-    DT when it is built). Before, the sweep stopped at the first point that did not compose and
-    named only it; the sdpa/causal=false point would have started and failed in its run."""
+    DT when it is built). The sweep names both before any run starts (not only the first point
+    that does not compose, with the sdpa/causal=false point left to fail in its run)."""
     data = _write_cartpole_30(tmp_path / "d.hdf5")
     out = tmp_path / "sweep"
     with pytest.raises(sw.SweepError) as err:

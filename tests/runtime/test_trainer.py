@@ -209,8 +209,9 @@ def test_diverged_training_ends_with_one_error_line_not_a_traceback(tmp_path: Pa
 
 
 def test_resumed_window_splits_the_saved_samples_over_the_new_ranks() -> None:
-    """Resuming a 2-process run in 1 process (or 1 in 2) counted the saved window's samples
-    ``new / saved`` times: ``perf/samples_per_s`` of the first window was off by that factor."""
+    """Resuming a 2-process run in 1 process (or 1 in 2) counts the saved window's samples once
+    (counted ``new / saved`` times, ``perf/samples_per_s`` of the first window would be off by
+    that factor)."""
     import torch
 
     from rl_tformers.runtime.trainer import MetricWindow
@@ -545,7 +546,7 @@ def test_throughput_window_keeps_the_time_before_a_checkpoint(tmp_path: Path,
 
 
 def test_resume_with_fewer_steps_than_trained_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """`train --resume RUN train.steps=N` below the run's step said only "complete" (info)."""
+    """`train --resume RUN train.steps=N` below the run's step warns (not only "complete" at info level)."""
     import logging
 
     train(toy_cfg_warmup5("train.steps=10", "train.log_every=5", "train.checkpoint_every=5"), tmp_path / "run")
