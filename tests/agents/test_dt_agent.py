@@ -426,8 +426,8 @@ def _cli_train(*args: str):
 
 
 def test_dt_takes_a_single_number_as_agent_targets(tmp_path) -> None:
-    """agent.targets=7 (documented as "target returns"; default_targets accepted a scalar) crashed
-    with "TypeError: 'int' object is not iterable" before training."""
+    """agent.targets=7 (documented as "target returns"; default_targets accepts a scalar) trains,
+    as the list [7] does."""
     from rl_tformers.runtime.loading import load_run
 
     h5 = _counter_h5(tmp_path / "c.hdf5")
@@ -443,8 +443,8 @@ def test_dt_takes_a_single_number_as_agent_targets(tmp_path) -> None:
     ("true", "agent.targets must be a list of finite numbers or a finite number or null, got True (bool)"),
 ])
 def test_dt_bad_agent_targets_is_one_error_line_naming_the_option(tmp_path, value, message) -> None:
-    """An empty list (IndexError), a nested list or a boolean (TypeError) raised tracebacks; a
-    string gave "could not convert string to float" without naming the option."""
+    """An empty list, a nested list, a boolean or a string is one error line naming the option
+    (not an IndexError / TypeError traceback or "could not convert string to float")."""
     h5 = _counter_h5(tmp_path / "c.hdf5")
     r = _cli_train(f"dataset.path={h5}", f"agent.targets={value}", "--run-dir", str(tmp_path / "run"))
     assert r.exit_code == 2, r.output
@@ -546,9 +546,9 @@ def test_gtrxl_rcbc_evaluation_reports_its_target(tmp_path) -> None:
 
 # ------------------------------------------------- DT: time limit beyond agent.max_ep_len, said before training
 def test_dt_warns_before_training_when_the_eval_env_outlasts_max_ep_len(tmp_path, caplog) -> None:
-    """A CartPole dataset of short episodes trained with agent.max_ep_len=100 stopped at its first
-    evaluation, after all the training, as soon as an episode reached step 100 (CartPole runs
-    500): nothing said so before."""
+    """A CartPole dataset of short episodes trained with agent.max_ep_len=100 warns before
+    training that its evaluation environment runs 500 steps (the first evaluation would stop, after
+    all the training, as soon as an episode reaches step 100)."""
     import logging
 
     from rl_tformers.agents.decision_transformer.agent import DTAgent
@@ -931,10 +931,11 @@ def test_start_aligned_window_of_a_short_episode_starts_at_slot_0() -> None:
     {"attention": {"kind": "fixed", "stride": 4, "summary": 1}},
 ], ids=["learned-positions", "sinusoidal-positions", "fixed-attention"])
 def test_policy_actions_equal_the_model_on_training_windows_of_a_short_episode(backbone) -> None:
-    """With absolute positions or a pattern laid over token indices, the action the policy took at
-    step t of a short episode differed from the model's prediction at step t of the training
-    window of that episode (e.g. 0.0254 vs 0.02364 with learned positions, 0.0351 vs 0.06656 with
-    fixed attention): the docs' "same context layout as training" did not hold below K steps."""
+    """With absolute positions or a pattern laid over token indices, the action the policy takes at
+    step t of a short episode equals the model's prediction at step t of the training window of
+    that episode (a different layout would give e.g. 0.0254 vs 0.02364 with learned positions,
+    0.0351 vs 0.06656 with fixed attention): the docs' "same context layout as training" holds
+    below K steps."""
     from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTConfig
     from rl_tformers.agents.decision_transformer.policy import DTPolicy
     from rl_tformers.envs.samplers import WindowSampler
@@ -967,10 +968,9 @@ TINY_BC = ["train.batch_size=4", "agent.hidden=[16]", "eval.every=0", "eval.at_e
 
 @pytest.mark.parametrize(("config", "tiny"), [("dt/cartpole_demo", TINY_DT_DATA), ("bc/hopper_medium", TINY_BC)], ids=["dt", "bc"])
 def test_resume_refuses_a_dataset_that_changed_since_the_checkpoint(tmp_path: Path, cartpole_h5, config, tiny) -> None:
-    """The data behind dataset.path was rewritten between two parts of a run (rewards x 100, other
-    observations): ``--resume`` went on training on it with the checkpoint's reward scale, observation
-    statistics and default target (10, the old best return) and said nothing (the DT first; BC
-    kept doing so after the DT refused it)."""
+    """The data behind dataset.path is rewritten between two parts of a run (rewards x 100, other
+    observations): ``--resume`` of a DT or a BC run refuses it, instead of training on it with the
+    checkpoint's reward scale, observation statistics and default target (10, the old best return)."""
     h5 = cartpole_h5(tmp_path / "d.hdf5")
     keep = tmp_path / "original.hdf5"
     shutil.copy(h5, keep)
@@ -1025,8 +1025,8 @@ def _unbounded_file(tmp_path: Path, env_id: str | None, act_dim: int = 1) -> Pat
 
 def test_dataset_env_id_bounds_the_actions_of_a_file_with_an_unbounded_action_space_attribute(tmp_path) -> None:
     """``dataset.env_id=Pendulum-v1`` (documented: the task whose action space bounds the actions)
-    was ignored: the file's own unbounded action_space attribute came first, and training was
-    refused with "... set dataset.env_id=<gymnasium id>", the option already set."""
+    bounds the actions of a file whose own action_space attribute is unbounded (the attribute
+    does not come first, which would ask to "set dataset.env_id=<gymnasium id>", already set)."""
     from rl_tformers.agents.common.offline import DatasetInfo, load_offline_dataset
 
     h5 = _unbounded_file(tmp_path, "Pendulum-v1")
@@ -1051,9 +1051,8 @@ def test_dataset_env_id_bounds_the_actions_of_a_file_with_an_unbounded_action_sp
                        "another shape than the file's actions, (2,) per step"),
 ])
 def test_unbounded_actions_error_says_why_the_named_task_gave_no_bounds(tmp_path, env_id, act_dim, why) -> None:
-    """The loader silently fell back to an unbounded Box when dataset.env_id's environment could
-    not be made or did not fit, and training then asked the user to "set dataset.env_id" (set
-    already) without saying why it gave no bounds."""
+    """When dataset.env_id's environment cannot be made or does not fit, the error says why it
+    gave no bounds (not only "set dataset.env_id", which is set already)."""
     from rl_tformers.agents.common.offline import DatasetInfo, load_offline_dataset
 
     h5 = _unbounded_file(tmp_path, None, act_dim)
@@ -1111,9 +1110,9 @@ def test_a_discarded_filler_episode_does_not_stop_a_dt_evaluation_at_max_ep_len(
 
 # ------------------------------------------------- a Discrete evaluation env with fewer actions
 def test_an_evaluation_env_with_fewer_discrete_actions_than_the_data_is_refused_before_training(tmp_path) -> None:
-    """A DT trained on 3 discrete actions with agent.env_id=CartPole-v1 (2 actions) was accepted
-    (only the kind and ``start`` of the space were compared); the first time the model chose
-    action 2 the environment failed with an AssertionError, after training."""
+    """A DT trained on 3 discrete actions with agent.env_id=CartPole-v1 (2 actions) is refused
+    before training (comparing only the kind and ``start`` of the space, the environment would
+    fail with an AssertionError the first time the model chose action 2, after training)."""
     n = 30
     h5 = tmp_path / "three.hdf5"
     with h5py.File(h5, "w") as f:  # no env_id: the loader infers Discrete(3) from the actions

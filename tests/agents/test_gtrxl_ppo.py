@@ -292,8 +292,9 @@ def _ppo(**agent) -> GTrXLPPO:
 
 # -- advantage normalisation over a minibatch of one row ------------------------------------------------
 def test_ppo_refuses_advantage_normalisation_over_one_row_minibatches() -> None:
-    """1 x 3 samples in 2 minibatches are minibatches of 2 and 1 rows: the one-row minibatch's advantage
-    was used unnormalised (normalize_advantages returns a single row unchanged) next to normalised ones."""
+    """1 x 3 samples in 2 minibatches are minibatches of 2 and 1 rows: refused, since the one-row
+    minibatch's advantage would be used unnormalised (normalize_advantages returns a single row
+    unchanged) next to normalised ones."""
     with pytest.raises(
         ValueError,
         match=r"agent\.norm_adv=true .* agent\.n_minibatches=2 .* 3 samples .* "
@@ -536,8 +537,8 @@ def test_ppo_and_its_policy_send_box_actions_in_the_environments_shape() -> None
 
 # ------------------------------------------------- a_{t-1} input: the clamped action, as GTrXLPolicy feeds it
 def test_ppo_previous_action_input_is_the_action_the_environment_took() -> None:
-    """The rollout fed the unclamped Gaussian sample (4.5) as a_{t-1} while the environment got
-    1.0 and GTrXLPolicy feeds the clamped 1.0: the rollout policy was not the evaluated one."""
+    """The rollout feeds the clamped action the environment got (1.0, not the Gaussian sample 4.5)
+    as a_{t-1}, as GTrXLPolicy does: the rollout policy is the evaluated one."""
     env_id = "rl_tformers/PositionOnlyPendulum-v1"
     torch.manual_seed(0)
     ppo = _ppo_two_envs(env_id=env_id, n_envs=2, n_steps=12, prev_action=True, prev_reward=True, reward_scale=0.5)
@@ -622,8 +623,8 @@ def test_ppo_without_observation_normalisation_feeds_the_raw_observations() -> N
 
 # ------------------------------------------------- fine-tuning an offline run whose memory PPO cannot store
 def test_ppo_fine_tuning_refuses_an_offline_run_without_xl_memory(tmp_path: Path) -> None:
-    """An offline run with compressive memory passed and crashed the first rollout ("stack
-    expects each tensor to be equal size")."""
+    """An offline run with compressive memory is refused up front (its first rollout would crash
+    with "stack expects each tensor to be equal size")."""
     from rl_tformers.envs.loaders import save_d4rl_hdf5
     from rl_tformers.envs.memory_tasks import scripted_dataset
 
@@ -688,8 +689,9 @@ def test_ppo_fine_tuning_feeds_the_previous_reward_in_the_offline_units(tmp_path
     ("agent.clip_coef=0", "agent.clip_coef must be a number > 0, got 0"),
 ])
 def test_ppo_refuses_rollout_options_that_crash_mid_run(monkeypatch, option, message) -> None:
-    """n_minibatches above the rollout's samples crashed at the first update ("min(): Expected
-    reduction dim"), n_envs/n_steps/n_epochs = 0 with IndexError / stack / modulo-by-zero tracebacks."""
+    """n_minibatches above the rollout's samples and n_envs/n_steps/n_epochs = 0 are refused naming
+    the option (they would crash mid-run with "min(): Expected reduction dim", IndexError, stack or
+    modulo-by-zero tracebacks)."""
     monkeypatch.setattr(gym, "make", lambda *a, **k: pytest.fail("an environment was made before the check"))
     with pytest.raises(ConfigError) as info:
         compose(None, ["agent.kind=gtrxl_ppo", "agent.n_envs=1", "agent.n_steps=2", "agent.n_minibatches=1",

@@ -432,9 +432,9 @@ def _cfg(**agent) -> OmegaConf:
 
 # ------------------------------------------------- resume on changed data
 def test_resume_refuses_a_dataset_that_changed_since_the_checkpoint(tmp_path: Path) -> None:
-    """The recall file behind dataset.path was rewritten between two parts of a GTrXL run (other
-    episodes, 30 instead of 20): ``--resume`` trained on it with the checkpoint's observation
-    statistics, reward scale and default target and said nothing (exit 0); the DT refused."""
+    """The recall file behind dataset.path is rewritten between two parts of a GTrXL run (other
+    episodes, 30 instead of 20): ``--resume`` refuses it, as the DT does, instead of training on
+    it with the checkpoint's observation statistics, reward scale and default target."""
     h5 = tmp_path / "recall.hdf5"
     save_d4rl_hdf5(scripted_dataset("recall", 20, delay=2, seed=0), h5)
     run = tmp_path / "run"
@@ -539,8 +539,8 @@ def test_models_without_the_field_keep_the_one_hot_of_action_zero() -> None:
 # ------------------------------------------------- burn-in as long as the dataset
 def test_burn_in_that_leaves_no_real_step_in_any_window_is_refused() -> None:
     """2 recall episodes = 68 steps, agent.burn_in=67: the sampler's leading step plus 67 burn-in
-    steps reach the end of the data from any first step, so every window was padding and the run
-    trained on loss 0 with gradient 0, silently."""
+    steps reach the end of the data from any first step, so every window would be padding (loss 0,
+    gradient 0): refused."""
     ds = scripted_dataset("recall", 2, delay=2, seed=0)
     assert ds.num_steps == 68
     with pytest.raises(ValueError, match=r"^agent\.burn_in=67: a training segment's gradient window starts 68 steps "

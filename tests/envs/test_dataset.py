@@ -195,8 +195,8 @@ def test_lazy_h5_array_gathers_like_numpy_and_pickles_without_handle(tmp_path):
 @pytest.mark.parametrize("build", ["from_flags", "from_episodes"])
 def test_in_memory_uint8_observations_get_their_dtype_range(build) -> None:
     """``EpisodeDataset.from_flags(uint8 images, ...)`` without an observation space (the docs'
-    recipe for concatenating datasets) raised gymnasium's "Box unsigned int dtype don't support
-    `-np.inf`", naming no field: the loaders' Box over the dtype's range was not used in memory."""
+    recipe for concatenating datasets) gets the loaders' Box over the dtype's range (an unbounded
+    Box raises gymnasium's "Box unsigned int dtype don't support `-np.inf`")."""
     from rl_tformers.envs.dataset import EpisodeDataset
 
     n = 6
@@ -213,8 +213,8 @@ def test_in_memory_uint8_observations_get_their_dtype_range(build) -> None:
 
 @pytest.mark.parametrize("field", ["observations", "actions", "rewards"])
 def test_in_memory_boolean_columns_are_refused_naming_the_field(field) -> None:
-    """Boolean observations hit the same gymnasium error; boolean rewards were silently read as
-    0/1 (the HDF5 and Minari loaders refuse both as not numeric)."""
+    """Boolean observations and boolean rewards are refused naming the field, as the HDF5 and
+    Minari loaders refuse them as not numeric."""
     from rl_tformers.envs.dataset import DatasetError, EpisodeDataset
 
     n = 6

@@ -315,8 +315,8 @@ def test_n_by_1_integer_actions_of_a_discrete_env_are_not_called_multi_dimension
 
 # ------------------------------------------- GTrXL's learned-position limit without the episode
 def test_gtrxl_max_position_error_names_the_episode(tmp_path: Path) -> None:
-    """The GTrXL equivalent of 4: ``backbone.max_position=10 but the dataset has an episode of 15
-    steps`` did not say which episode (here episode 2: lengths 5, 5, 15, 15)."""
+    """As for the DT's max_ep_len: ``backbone.max_position=10 but the dataset has an episode of 15
+    steps`` says which episode (here episode 2: lengths 5, 5, 15, 15)."""
     h5 = _cartpole_file(tmp_path / "cp.hdf5")
     with h5py.File(h5, "r+") as f:
         term = np.zeros(40, bool)
@@ -598,8 +598,8 @@ def test_make_dataloader_refuses_a_start_step_outside_the_run(tmp_path, start):
 # ------------------------------------------------- dataset info: an episode both terminated and truncated
 def test_dataset_info_counts_a_terminal_timeout_step_once_as_a_termination(tmp_path: Path) -> None:
     """A last step flagged both ``terminals`` and ``timeouts`` (a terminal state on the time limit's
-    last step) was counted under both terminations and truncations: 3 episodes gave
-    ``terminations 2, truncations 2``. It is a termination (gymnasium: terminated decides; the
+    last step) is counted once, as a termination, not under both terminations and truncations
+    (3 episodes: ``terminations 2, truncations 1``, not 2 and 2). It is a termination (gymnasium: terminated decides; the
     loader keeps both flags and the agents read the terminal one), counted once."""
     path = tmp_path / "both.hdf5"
     n = 12
@@ -699,9 +699,9 @@ def _integer_actions_h5(path: Path, n: int = 8) -> Path:
 
 
 def test_integer_actions_of_shape_n_k_say_multi_dimensional_discrete_actions_are_not_supported(tmp_path: Path) -> None:
-    """Integer actions of shape (N, 3) without an action space (MultiDiscrete-like) were refused
-    as "integer actions must have shape (N,), got (8, 3)": neither that such actions are not
-    supported nor what to do. The way out the message gives (an explicit Box) loads them."""
+    """Integer actions of shape (N, 3) without an action space (MultiDiscrete-like) are refused
+    saying that such actions are not supported and what to do (not only "integer actions must
+    have shape (N,), got (8, 3)"); the way out the message gives (an explicit Box) loads them."""
     from rl_tformers.envs.dataset import DatasetError
     from rl_tformers.envs.loaders import load_dataset
 
@@ -720,9 +720,9 @@ def test_integer_actions_of_shape_n_k_say_multi_dimensional_discrete_actions_are
 @pytest.mark.parametrize("space", [gym.spaces.MultiDiscrete([3, 2]), gym.spaces.MultiBinary(3)],
                          ids=["MultiDiscrete", "MultiBinary"])
 def test_minari_multi_discrete_action_space_is_refused_saying_what_to_do(tmp_path: Path, space) -> None:
-    """A Minari dataset with a MultiDiscrete / MultiBinary action space was refused as "unsupported
-    action space ...; supported: Box, Discrete", without saying what to do with such data (a Minari
-    dataset's own space cannot be replaced by an option)."""
+    """A Minari dataset with a MultiDiscrete / MultiBinary action space is refused saying what to
+    do with such data (a Minari dataset's own space cannot be replaced by an option), not only
+    "unsupported action space ...; supported: Box, Discrete"."""
     import warnings
 
     import minari
@@ -768,7 +768,8 @@ def test_a_missing_recipe_id_is_not_sent_to_the_minari_server(tmp_path: Path, mo
 
 
 def test_unknown_dataset_id_suggests_close_local_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Unknown config names, keys and kinds got a "did you mean"; a mistyped dataset id did not."""
+    """A mistyped dataset id gets a "did you mean" with close local ids, as unknown config names,
+    keys and kinds do."""
     from rl_tformers.envs.loaders import load_minari, local_dataset_ids
 
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari_home"))

@@ -19,8 +19,8 @@ from rl_tformers.cli import app
     ({"length": "10"}, "Recall: length must be an integer, got '10' (str)"),
 ])
 def test_recall_refuses_arguments_that_are_not_integers(kwargs, message) -> None:
-    """delay=2.0 (a YAML float) built an env that crashed at its first scored step with numpy's
-    "only integers ... are valid indices"; delay=True silently meant 1."""
+    """delay=2.0 (a YAML float) and delay=True are refused (the first would crash at the first
+    scored step with numpy's "only integers ... are valid indices", the second silently mean 1)."""
     with pytest.raises(ValueError) as info:
         RecallEnv(**kwargs)
     assert str(info.value) == message

@@ -12,8 +12,8 @@ from rl_tformers.envs.pomdp import ObservationMaskWrapper
     ([0.5, 2], "observation indices must be integers, got [0.5, 2.0]"),
 ])
 def test_observation_mask_refuses_boolean_masks_and_fractional_indices(indices, message) -> None:
-    """[False, True, True] was read as indices [0, 1, 1] / [True, False] as [1, 0] (every entry
-    kept, reordered); 0.5 silently became index 0."""
+    """Boolean masks and fractional indices are refused: [False, True, True] would read as indices
+    [0, 1, 1] and [True, False] as [1, 0] (every entry kept, reordered), 0.5 as index 0."""
     env = gym.make("CartPole-v1")
     with pytest.raises(ValueError) as info:
         ObservationMaskWrapper(env, indices)
