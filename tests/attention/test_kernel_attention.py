@@ -625,8 +625,8 @@ def test_gated_rfa_with_a_padded_key_equals_the_sequence_without_it():
 
 # ---------------------------------------------- sliding window as cross-attention (S < T)
 def test_sliding_window_reference_with_fewer_keys_than_queries():
-    """``sliding_window`` declares cross_attention; its pattern() (the reference's mask) sliced the
-    global-token table by a negative prefix length when S < T and raised a shape error."""
+    """``sliding_window`` declares cross_attention; its pattern() (the reference's mask) works when
+    S < T (slicing the global-token table by a negative prefix length would raise a shape error)."""
     mod = _module("sliding_window", False, window=3)
     t, s = 12, 7
     x = torch.randn(2, t, D, generator=torch.Generator().manual_seed(4))
@@ -847,8 +847,8 @@ def test_lsh_bucket_caps_that_remain_valid_still_run() -> None:
 
 
 def test_bigbird_takes_a_large_seed() -> None:
-    """attention.seed=2**45 was accepted by the config, then the first forward failed with
-    "Overflow when unpacking long long" (seed * 1_000_003 beyond torch's 64-bit seed range)."""
+    """attention.seed=2**45, accepted by the config, also runs: seed * 1_000_003 is beyond torch's
+    64-bit seed range ("Overflow when unpacking long long" if passed on as it is)."""
     cfg = {"d_model": 16, "n_layers": 1, "n_heads": 2, "causal": False, "attn_dropout": 0.0}
     x, pos = torch.randn(1, 12, 16), torch.arange(12)[None]
     torch.manual_seed(0)

@@ -289,9 +289,9 @@ def test_reversible_recompute_backpropagates_auxiliary_attention_losses(attentio
 
 # ------------------------------------------------------------------- reversible block with a memory
 def test_reversible_block_with_a_memory_says_what_to_use_instead() -> None:
-    """`rl-tformers train -c gtrxl/hopper_positions_bc backbone.block.kind=reversible` stopped with
-    only "backbone.memory.kind='xl' is not supported by backbone.block.kind='reversible'": the
-    generic capability check fired before the block's own check, whose advice was never shown."""
+    """`rl-tformers train -c gtrxl/hopper_positions_bc backbone.block.kind=reversible` gives the
+    block's own advice, not only the generic capability check's "backbone.memory.kind='xl' is not
+    supported by backbone.block.kind='reversible'" (the block's check runs first)."""
     from rl_tformers import Backbone
     from rl_tformers.backbone import IncompatibleConfig
 

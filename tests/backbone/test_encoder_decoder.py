@@ -126,8 +126,8 @@ def test_learns_to_copy_through_cross_attention():
 
 
 def test_constructor_takes_mappings_like_from_dict():
-    """``EncoderDecoderConfig(cross_attention={...})`` built the attention config from the dict
-    (it raised AttributeError: 'dict' object has no attribute 'kind')."""
+    """``EncoderDecoderConfig(cross_attention={...})`` builds the attention config from the dict
+    (not AttributeError: 'dict' object has no attribute 'kind')."""
     cfg = EncoderDecoderConfig(encoder={"d_model": 32, "n_heads": 4}, decoder={"d_model": 32, "n_heads": 4},
                                cross_attention={"kind": "reference"})
     want = EncoderDecoderConfig.from_dict({"encoder": {"d_model": 32, "n_heads": 4},
@@ -140,8 +140,8 @@ def test_constructor_takes_mappings_like_from_dict():
 
 @pytest.mark.parametrize("kind", ["sdpa", "strided", "sliding_window", "performer", "lsh", "local_2d"])
 def test_empty_target_gives_an_empty_output_for_every_decoder_kind(kind):
-    """An empty target (T = 0) returns (B, 0, D) as Backbone.forward does for an empty segment
-    (the sparse decoder kernels crashed on it); an empty source leaves cross rows empty."""
+    """An empty target (T = 0) returns (B, 0, D) as Backbone.forward does for an empty segment,
+    with the sparse decoder kernels too; an empty source leaves cross rows empty."""
     torch.manual_seed(0)
     m = EncoderDecoder({"encoder": SMALL, "decoder": {**SMALL, "block": {"kind": "pre_norm"}, "attention": {"kind": kind}}})
     src, tgt = torch.randn(2, 7, D), torch.randn(2, 5, D)
@@ -184,8 +184,9 @@ def test_every_accepted_cross_attention_kind_lets_every_target_read_the_source()
 
 # ------------------------------------------------- Linformer: the cross-attention's max_len
 def test_linformer_cross_attention_names_its_own_max_len() -> None:
-    """A 12-token source over a cross-attention Linformer with max_len=8 said
-    "12 keys exceed attention.max_len=8": the encoder-decoder has no such option there."""
+    """A 12-token source over a cross-attention Linformer with max_len=8 names the
+    encoder-decoder's own option (not "12 keys exceed attention.max_len=8": there is no such
+    option there)."""
     from rl_tformers.encoder_decoder import EncoderDecoder
 
     stack = {"d_model": 16, "n_heads": 2, "n_layers": 1}
@@ -242,8 +243,8 @@ def _encdec() -> EncoderDecoder:
     ({"src_pos": (1, 5)}, "src_pos must be (2, 5) (B, S), got (1, 5)"),
 ])
 def test_encoder_decoder_decode_refuses_mismatched_shapes(kwargs, message) -> None:
-    """A memory or source mask of batch 1 was broadcast over the batch silently; other
-    mismatches failed deep in the kernels without naming the argument."""
+    """A memory or source mask of batch 1 is refused, not broadcast over the batch silently;
+    other mismatches name the argument instead of failing deep in the kernels."""
     m = _encdec()
     tgt = torch.randn(2, 4, 16)
     mem = torch.randn(*kwargs.pop("memory", (2, 5, 16)))
