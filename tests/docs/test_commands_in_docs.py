@@ -251,7 +251,7 @@ def test_config_keys_named_in_prose_exist() -> None:
         for key in re.findall(
             r"(?<![\w./-])((?:agent|backbone|dataset|train|eval)\.[a-z_]\w*(?:\.[a-z_]\w*)*)", prose(path)
         ):
-            if key not in known and key not in NOT_KEYS and not key.endswith((".py", ".json")):
+            if key not in known and key not in NOT_KEYS and not key.endswith((".py", ".json", ".md")):
                 bad.append(f"{path.name}: {key}")
     assert not bad, "\n".join(sorted(set(bad)))
 
