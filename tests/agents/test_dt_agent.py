@@ -472,9 +472,9 @@ def test_action_maps_handle_fixed_dimensions_and_overflowing_widths() -> None:
 @pytest.mark.parametrize("env_id", ["B5AgentsFixedDim-v0", "B5AgentsHugeBox-v0"])
 @pytest.mark.parametrize("kind", ["dt", "bc", "gtrxl"])
 def test_box_with_a_fixed_dimension_or_huge_bounds_trains_and_acts_in_the_box(tmp_path, kind, env_id) -> None:
-    """A Box whose low == high in one dimension (gymnasium allows it) made 0 / 0 = NaN targets, and
-    bounds of +-3e38 an infinite width: every update's loss was NaN (NonFiniteLossError,
-    "try a lower train.lr")."""
+    """A Box whose low == high in one dimension (gymnasium allows it), or bounds of +-3e38 (an
+    infinite width), trains and acts inside the box (a plain scaling would give 0 / 0 = NaN
+    targets or an infinite width: NonFiniteLossError, "try a lower train.lr")."""
     from rl_tformers.runtime.evaluation import evaluate
     from rl_tformers.runtime.loading import load_run
 
@@ -498,9 +498,10 @@ def test_box_with_a_fixed_dimension_or_huge_bounds_trains_and_acts_in_the_box(tm
     ("agent.max_weight=0", "agent.max_weight must be a number > 0, got 0"),
 ])
 def test_iql_refuses_options_that_train_nothing_before_reading_the_data(tmp_path, option, message) -> None:
-    """agent.seq_len=1 left IQL's Q loss at exactly 0 for the whole run (no (t, t+1) pair in a
-    one-step window: the advantages were noise from untrained Q heads); the other values
-    trained silently into nonsense (negative expectile weights, a frozen target, a zero actor loss)."""
+    """Refused before the data is read: agent.seq_len=1 would leave IQL's Q loss at exactly 0 for
+    the whole run (no (t, t+1) pair in a one-step window: the advantages would be noise from
+    untrained Q heads); the other values would train silently into nonsense (negative expectile
+    weights, a frozen target, a zero actor loss)."""
     with pytest.raises(ConfigError) as info:
         compose(None, [*TINY["gtrxl"], "agent.objective=iql", f"dataset.path={tmp_path / 'never-read.hdf5'}",
                        option, *FAST_AGENTS])
@@ -524,8 +525,8 @@ def test_gtrxl_refuses_a_learned_position_table_shorter_than_an_episode(tmp_path
 
 # ------------------------------------------------- plot sweep of a dataset whose returns are all equal
 def test_default_sweep_of_equal_returns_spreads_its_targets() -> None:
-    """Every episode with return 5 gave six targets 5, 5.0000002, ... (printed as six "5"):
-    six evaluations of the same target and a one-point plot."""
+    """Every episode with return 5: the default targets are spread, not six targets 5, 5.0000002,
+    ... (printed as six "5", six evaluations of the same target and a one-point plot)."""
     from rl_tformers.runtime.plots import default_sweep
 
     assert default_sweep(5.0, 5.0, 6) == pytest.approx([0.0, 1.2, 2.4, 3.6, 4.8, 6.0])
@@ -571,9 +572,9 @@ def test_dt_warns_before_training_when_the_eval_env_outlasts_max_ep_len(tmp_path
 
 # ------------------------------------------------- rtg_probe of a last_action DT
 def test_rtg_probe_fit_of_a_last_action_dt_compares_the_last_action_only(tmp_path) -> None:
-    """In agent.mode=last_action the model predicts one action per window (the last), but the
-    probe's fit broadcast it against all K data actions: a wrong number (0.40 instead of 0.49 on
-    a Pendulum run), printed without any warning."""
+    """In agent.mode=last_action the model predicts one action per window (the last), and the
+    probe's fit compares it with the last data action only (broadcast against all K it would
+    print a wrong number, 0.40 instead of 0.49 on a Pendulum run)."""
     from rl_tformers.agents.decision_transformer.model import from_env_action
     from rl_tformers.agents.decision_transformer.rtg_probe import rtg_probe
     from rl_tformers.envs.loaders import load_dataset
@@ -772,9 +773,9 @@ def test_extra_state_keeps_flat_box_and_scalar_discrete_shapes_and_refuses_misma
 
 
 def test_a_file_of_flat_actions_for_a_matrix_box_is_refused_naming_both_shapes(tmp_path) -> None:
-    """(N, 4) actions for an environment whose actions are Box(2, 2): the loader dropped the
-    environment's space silently (then: "continuous actions need a bounded Box ... set
-    dataset.env_id", though it was set); never reshaped silently either."""
+    """(N, 4) actions for an environment whose actions are Box(2, 2): refused naming both shapes
+    (not dropping the environment's space, which would ask to "set dataset.env_id" though it is
+    set), and never reshaped silently."""
     import h5py
     from rl_tformers.envs.dataset import DatasetError
     from rl_tformers.envs.loaders import load_d4rl_hdf5

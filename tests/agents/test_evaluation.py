@@ -285,9 +285,10 @@ class _CoinPolicy:
 
 
 def test_evaluating_a_sampling_policy_is_reproducible_and_leaves_the_global_rng_alone() -> None:
-    """A policy that samples its actions (GTrXL agent.deterministic=false) drew them from torch's
-    unseeded global generator: `rl-tformers eval RUN --seed 0` gave other returns at every call,
-    and the "repeat it exactly" command printed after training did not repeat anything."""
+    """A policy that samples its actions (GTrXL agent.deterministic=false) draws them from a
+    generator seeded by the evaluation, not torch's global one: `rl-tformers eval RUN --seed 0`
+    gives the same returns at every call, as the "repeat it exactly" command printed after
+    training promises."""
     from rl_tformers.runtime.evaluation import evaluate, make_env_factory
 
     torch.manual_seed(123)

@@ -370,8 +370,9 @@ def _fine_tune(run: Path, env_id: str) -> GTrXLPPO:
 def test_ppo_fine_tuning_refuses_an_environment_whose_spaces_the_offline_run_does_not_fit(
     continuous_offline_run: Path,
 ) -> None:
-    """PositionOnlyCartPole has 2-dim observations and 2 discrete actions: the offline continuous actor's
-    2 tanh-mean outputs were loaded silently as the logits of a discrete policy (same parameter shapes)."""
+    """PositionOnlyCartPole has 2-dim observations and 2 discrete actions: refused, since the offline
+    continuous actor's 2 tanh-mean outputs would load as the logits of a discrete policy (same
+    parameter shapes)."""
     with pytest.raises(
         ValueError,
         match=r"agent\.init_checkpoint=.* was trained on rl_tformers_test/Box2Actions-v0 "
@@ -404,8 +405,9 @@ def test_ppo_fine_tuning_says_when_the_environment_maps_the_actions_to_other_bou
 # -- train.compile ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("critic", ["value", "iql"])
 def test_train_compile_compiles_the_modules_gtrxl_calls(critic: str) -> None:
-    """The trainer's train.compile=true calls model.compile(); GTrXLModel has no forward (the losses and
-    policies call the encoder and heads), so nothing that runs was compiled."""
+    """The trainer's train.compile=true compiles the modules GTrXL calls: GTrXLModel has no forward
+    (the losses and policies call the encoder and heads), so model.compile() alone would compile
+    nothing that runs."""
     model = GTrXLModel(
         GTrXLConfig(
             obs_dim=3,
@@ -603,8 +605,8 @@ def test_ppo_ranks_keep_the_observation_statistics_of_all_ranks(tmp_path: Path) 
     ("head_hidden", -3, "agent.head_hidden must be an integer >= 0, got -3"),
 ])
 def test_ppo_refuses_bad_loss_and_scale_options(monkeypatch, option, value, message) -> None:
-    """ent_coef=nan trained on a NaN loss, vf_coef < 0 ascended the value error, reward_scale=0
-    zeroed every reward, head_hidden < 0 silently gave linear heads."""
+    """Refused naming the option: ent_coef=nan would train on a NaN loss, vf_coef < 0 ascend the
+    value error, reward_scale=0 zero every reward, head_hidden < 0 silently give linear heads."""
     monkeypatch.setattr(gym, "make", lambda *a, **k: pytest.fail("an environment was made before the check"))
     with pytest.raises(ValueError) as info:
         _ppo_two_envs(**{option: value})
@@ -647,8 +649,9 @@ def test_ppo_fine_tuning_refuses_an_offline_run_without_xl_memory(tmp_path: Path
 
 # ------------------------------------------------- fine-tuning: r_{t-1} in the offline run's units
 def test_ppo_fine_tuning_feeds_the_previous_reward_in_the_offline_units(tmp_path: Path) -> None:
-    """The offline encoder learned r_{t-1} as raw / 10 (the recall data's reward scale); PPO fed
-    it raw * agent.reward_scale (10x larger here), off the distribution it was trained on."""
+    """The offline encoder learned r_{t-1} as raw / 10 (the recall data's reward scale); PPO feeds
+    it in those units, not raw * agent.reward_scale (10x larger here, off the distribution it was
+    trained on)."""
     from rl_tformers.envs.loaders import save_d4rl_hdf5
     from rl_tformers.envs.memory_tasks import scripted_dataset
 

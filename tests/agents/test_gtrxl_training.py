@@ -491,8 +491,8 @@ def _start_segment(agent: GTrXLAgent, episode: int):
 
 def test_discrete_previous_action_is_zeros_at_an_episode_start_in_training_and_acting() -> None:
     """The recall data (4 actions) with agent.prev_action: the a_{t-1} columns of the first token of
-    an episode were [1, 0, 0, 0] (action 0) in the training segment and in GTrXLPolicy.act; the
-    docs say zeros. Now both are zeros, and a step after action 0 still gets [1, 0, 0, 0]."""
+    an episode are zeros (as the docs say, not [1, 0, 0, 0], action 0) in the training segment and
+    in GTrXLPolicy.act, and a step after action 0 gets [1, 0, 0, 0]."""
     agent = GTrXLAgent(_cfg(prev_action=True, prev_reward=True), None, "cpu")
     enc = agent.model.encoder
     o = agent.info.obs_dim
@@ -521,8 +521,8 @@ def test_discrete_previous_action_is_zeros_at_an_episode_start_in_training_and_a
 
 
 def test_models_without_the_field_keep_the_one_hot_of_action_zero() -> None:
-    """Checkpoints written before the fix (no ``prev_action_zero_at_start`` in their model config)
-    and PPO (whose rollouts feed action 0 at a start) keep the encoding they were trained with."""
+    """Models whose config has no ``prev_action_zero_at_start`` and PPO (whose rollouts feed
+    action 0 at a start) keep the encoding they were trained with."""
     cfg = GTrXLConfig(obs_dim=2, act_dim=3, discrete=True, prev_action_input=True,
                       backbone=gtrxl_backbone(d_model=16, n_layers=1, n_heads=2, mem_len=4))
     assert cfg.prev_action_zero_at_start is False

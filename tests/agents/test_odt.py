@@ -439,8 +439,8 @@ def test_checkpoint_is_saved_when_the_default_sized_run_fills_its_buffer(pendulu
 def test_resume_does_not_adopt_a_changed_init_run(pendulum_odt, tmp_path, changed):
     """The odt checkpoint holds the model options and backbone it was built with
     (``extra.odt``). A resume after the offline run at ``agent.init_from`` was retrained with
-    other options must either continue the run as it was, or refuse naming agent.init_from;
-    today K silently becomes 5 (context_len) or a raw RuntimeError (size mismatch) ends it."""
+    other options must either continue the run as it was, or refuse naming agent.init_from (not
+    silently change K to 5, the new context_len, nor end with a raw RuntimeError on a size mismatch)."""
     init = _offline_odt(pendulum_odt, tmp_path / "offline")
     run = tmp_path / "odt"
     train(_cfg_odt(init, pendulum_odt), run)

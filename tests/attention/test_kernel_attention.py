@@ -568,8 +568,8 @@ def _module(kind: str, causal: bool, **fields):
 # ------------------------------------------------- Performer's orthogonal features (FAVOR+)
 def test_orthogonal_random_features_are_isotropic_and_unbiased():
     """Choromanski et al. 2021, sec. 2.4: every row must be marginally N(0, I). The raw Q of
-    torch.linalg.qr (Householder) always gave the first row of a block a non-positive first
-    coordinate (fraction 1.0), so E[exp(w . x)] missed exp(|x|^2 / 2) by ~5% at |x| = 0.6."""
+    torch.linalg.qr (Householder) gives the first row of a block a non-positive first coordinate
+    (fraction 1.0), which would make E[exp(w . x)] miss exp(|x|^2 / 2) by ~5% at |x| = 0.6."""
     dim, blocks = 4, 4000
     w = orthogonal_gaussian(dim * blocks, dim, torch.Generator().manual_seed(0))  # (rows, dim)
     first = w[0::dim, 0]  # first coordinate of the first row of every block

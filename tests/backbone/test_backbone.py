@@ -173,8 +173,8 @@ def _two_episodes(bb: Backbone, t: int = 24, start: int = 10, seed: int = 0, **k
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("fields", [{"bucket_size": 2, "n_hashes": 2}, {"bucket_size": 4, "n_hashes": 1}])
 def test_lsh_tokens_of_one_episode_never_change_another(causal, fields):
-    """Old code: buckets were shared by the episodes of a row, so the tokens of the previous
-    episode decided which keys of the next one shared its chunk (changes up to 1.9; GTrXL
+    """Buckets are not shared by the episodes of a row (if they were, the tokens of the previous
+    episode would decide which keys of the next one share its chunk: changes up to 1.9; GTrXL
     trains on rows that cross episode boundaries)."""
     bb = _backbone(attention={"kind": "lsh", "seed": 0, **fields}, position={"kind": "rotary"}, causal=causal)
     for seed in range(3):
@@ -267,10 +267,9 @@ def _bb(**cfg) -> Backbone:
 @pytest.mark.parametrize("memory", [{"kind": "none"}, {"kind": "xl", "mem_len": 4}])
 @pytest.mark.parametrize("with_starts", [False, True])
 def test_a_state_of_another_batch_size_is_refused_naming_both(memory, with_starts) -> None:
-    """The check ``state is for batch 3, x has batch 2`` ran after the episode ids of the state
-    were broadcast against the segment's, so the caller got torch's "The size of tensor a (3)
-    must match the size of tensor b (2) at non-singleton dimension 0" instead (only an empty
-    segment got the message)."""
+    """The check ``state is for batch 3, x has batch 2`` runs before the episode ids of the state
+    are broadcast against the segment's (after, the caller would get torch's "The size of tensor
+    a (3) must match the size of tensor b (2) at non-singleton dimension 0")."""
     bb = _bb(memory=memory)
     kw = {"episode_start": torch.zeros(2, 5, dtype=torch.bool)} if with_starts else {}
     with pytest.raises(ValueError, match=r"^backbone: state is for batch 3, x has batch 2$"):

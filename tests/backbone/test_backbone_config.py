@@ -41,8 +41,8 @@ def _typed_fields():
 
 @pytest.mark.parametrize(("slot", "kind", "field", "bad"), _typed_fields())
 def test_every_slot_field_of_the_wrong_type_is_refused_naming_it(slot, kind, field, bad):
-    """Old code: wrong types got deep TypeErrors without the field ('<' not supported between
-    'str' and 'int'), were accepted and failed in forward, or were silently accepted."""
+    """Each wrong type is refused naming the field (not a deep TypeError such as "'<' not
+    supported between 'str' and 'int'", nor accepted to fail in forward or silently)."""
     with pytest.raises(RegistryError, match=rf"backbone\.{slot}\.{field} must be "):
         BackboneConfig.from_dict({slot: {"kind": kind, field: bad}})
 

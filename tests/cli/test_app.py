@@ -22,10 +22,9 @@ def _commands(cmd, path=()):
 
 # ------------------------------------------------------------------- help text broken mid-sentence
 def test_no_help_paragraph_is_broken_mid_sentence() -> None:
-    """`rl-tformers dataset info --help` printed "... is also compared with it: a" and then
-    "per-step observation shape ..." on the next line (likewise `demo --help`, `collect --help`
-    and the `backbones` line of `rl-tformers --help`): Typer keeps the single line breaks of a
-    docstring paragraph, so a paragraph wrapped in the source is broken at that place on screen.
+    """Typer keeps the single line breaks of a docstring paragraph, so a paragraph wrapped in the
+    source is broken at that place on screen (`rl-tformers dataset info --help` would print "...
+    is also compared with it: a" and "per-step observation shape ..." on the next line).
     Every prose paragraph of every command's help must be one line (indented example lines and
     \\b blocks may keep theirs)."""
     broken = []
@@ -48,10 +47,9 @@ def test_the_backbones_line_of_the_main_help_is_not_cut() -> None:
 # ------------------------------------------------------------------- an interrupted demo
 def test_interrupted_demo_says_how_to_get_its_evaluation_and_plot(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """`make demo` stopped with Ctrl-C (it took 9 min for 200 of its 2000 updates on the loaded
-    machine) printed "continue it with: rl-tformers train --resume RUN"; that resume trains the
-    remaining updates silently (the demo's run has train.progress=false and eval.at_end=false)
-    and ends without the demo's evaluation and plot, which nothing pointed to."""
+    """`make demo` stopped with Ctrl-C says how to get its evaluation and plot: "rl-tformers train
+    --resume RUN" alone trains the remaining updates silently (the demo's run has
+    train.progress=false and eval.at_end=false) and ends without them."""
     from types import SimpleNamespace
 
     from rl_tformers.agents.common import demo
@@ -71,10 +69,9 @@ def test_interrupted_demo_says_how_to_get_its_evaluation_and_plot(tmp_path: Path
 
 # ------------------------------------------------------------------- option help cut with an ellipsis
 def test_no_option_help_is_cut_with_an_ellipsis_on_an_80_column_terminal() -> None:
-    """On an 80-column terminal `rl-tformers eval --help` showed "DT with
-    backbone.depth.kind=ea…" and "(default: agent.early_exit.thres…", and `collect --help`
-    "(default rlt/<env>/<policy>-v…": Rich cuts a word longer than the help column instead of
-    wrapping it, so the option and the default were unreadable."""
+    """On an 80-column terminal no option help is cut: Rich cuts a word longer than the help
+    column instead of wrapping it (e.g. "DT with backbone.depth.kind=ea…", "(default:
+    agent.early_exit.thres…"), so such words must not be in the help."""
     cut = {}
     for path, _ in _commands(typer.main.get_command(app)):
         r = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "80"})

@@ -76,8 +76,8 @@ runner = CliRunner()
 def test_skip_existing_does_not_silently_keep_a_recipe_built_with_another_size(tmp_path: Path) -> None:
     """The README's path: `collect --recipe hopper-medium --recipe-steps 5000` (a small set to
     try things), later `collect --recipe 'hopper-*'`, which stops and suggests --skip-existing.
-    That keeps the 5k-step set under the full recipe's id with a bare "exists ..., skipped",
-    although the dataset's metadata records the size it was built with."""
+    --skip-existing does not keep the 5k-step set under the full recipe's id with a bare
+    "exists ..., skipped": the dataset's metadata records the size it was built with."""
     args = ["collect", "--recipe", "hopper-random", "--root", str(tmp_path), "--no-progress"]
     r = runner.invoke(app, [*args, "--recipe-steps", "6"])
     assert r.exit_code == 0, r.output

@@ -54,9 +54,9 @@ def test_dataset_references_take_precedence_over_d4rl():
 
 # ------------------------------------------------- normalised scores from a parent folder's name
 def test_a_parent_folder_named_like_a_d4rl_task_gives_no_reference_scores(tmp_path: Path) -> None:
-    """A Pendulum-v1 file stored under ``hopper_experiments/`` got Hopper's D4RL references (every
-    component of the file's path was matched against the task families): ``dataset info`` and
-    every evaluation reported a "normalised score" of a Pendulum agent on Hopper's scale."""
+    """A Pendulum-v1 file stored under ``hopper_experiments/`` gets no D4RL references (matching
+    every component of the file's path against the task families would give it Hopper's, and
+    a "normalised score" of a Pendulum agent on Hopper's scale)."""
     from rl_tformers.agents.common.offline import DatasetInfo
     from rl_tformers.envs.loaders import load_dataset
     from rl_tformers.envs.scores import reference_scores

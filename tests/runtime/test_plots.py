@@ -67,8 +67,8 @@ def _plot_from_json(run_dir: Path, out: Path, saved: Path):
 
 
 def test_the_default_sweep_never_repeats_a_target() -> None:
-    """Many default targets over a short range were rounded onto each other (1000 targets over
-    10 .. 598: 589 distinct); they stay unrounded then, and few targets are rounded as before."""
+    """Many default targets over a short range stay unrounded (rounded, 1000 targets over
+    10 .. 598 would give 589 distinct ones); few targets are rounded."""
     from rl_tformers.runtime.plots import default_sweep, repeated_target
 
     many = default_sweep(500.0, 10.0, 1000)
@@ -83,8 +83,8 @@ def test_the_default_sweep_never_repeats_a_target() -> None:
 def test_plot_refuses_an_out_that_names_a_directory(
     tiny_dt_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_evaluation, name: str
 ) -> None:
-    """A path object drops the trailing '/' (or '/.'): the figure went to a *file* dir.png. An
-    --out that names a directory is refused before anything is evaluated, as an existing
+    """A path object drops the trailing '/' (or '/.'), which would write the figure to a *file*
+    dir.png: an --out that names a directory is refused before anything is evaluated, as an existing
     directory is (docs/dt.md), and nothing is created."""
     monkeypatch.chdir(tmp_path)
     res = _plot(str(tiny_dt_run), "--out", name, "--targets", "10")
@@ -117,7 +117,7 @@ def test_plot_out_with_a_tilde_is_written_where_its_parents_were_checked(
 def test_plot_refuses_an_out_name_longer_than_the_file_system_takes(
     tiny_dt_run: Path, tmp_path: Path, no_evaluation
 ):
-    """An --out whose name is too long stopped with an OSError traceback (from the directory check)."""
+    """An --out whose name is too long is an error line, not an OSError traceback (from the directory check)."""
     out = tmp_path / ("x" * 300 + ".png")
     res = _plot(str(tiny_dt_run), "--out", str(out), "--targets", "10")
     assert res.exit_code == 2, res.output
@@ -270,9 +270,9 @@ def test_plot_from_json_labels_the_saved_evaluation_not_the_runs_newest_checkpoi
 
 
 def test_plot_from_json_refuses_an_evaluation_of_another_environment(tmp_path: Path, cartpole_h5) -> None:
-    """A Hopper evaluation plotted onto a CartPole run gave a figure titled "dt on CartPole-v1"
-    with the CartPole dataset's best/mean lines over Hopper returns (and logged it into the
-    CartPole run's TensorBoard)."""
+    """A Hopper evaluation plotted onto a CartPole run is refused (it would give a figure titled
+    "dt on CartPole-v1" with the CartPole dataset's best/mean lines over Hopper returns, logged
+    into the CartPole run's TensorBoard)."""
     run = tmp_path / "run"
     _cartpole_dt(cartpole_h5(tmp_path / "cp.hdf5"), run, "train.steps=1")
     saved = tmp_path / "e.json"

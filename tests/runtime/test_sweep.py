@@ -341,7 +341,7 @@ def test_sweep_refuses_grid_keys_inside_each_other() -> None:
 
 def test_sweep_refuses_run_names_longer_than_the_file_system_takes(tmp_path: Path) -> None:
     """A long grid value (a list, a dict, a long number) names run folders and logs longer than 255
-    bytes: the sweep stopped with an ``OSError: File name too long`` traceback."""
+    bytes: refused before running, not an ``OSError: File name too long`` traceback."""
     from rl_tformers.runtime.sweep import SweepError, expand
 
     out = tmp_path / "sw"
@@ -550,10 +550,9 @@ def test_a_second_sweep_in_the_same_folder_is_refused(tmp_path: Path, monkeypatc
 
 
 def test_sweep_prints_the_runs_config_warnings_and_one_seed_has_no_std(tmp_path: Path) -> None:
-    """A sweep whose train.steps is below the shipped warm-up trained nothing useful, and the
-    trainer's warning went only to OUT/logs/<run>.log; the console showed a neat table. A
-    single seed's std was 0 (a measured zero spread) instead of none. A rerun of a stopped
-    run overwrote its log's first part."""
+    """A sweep whose train.steps is below the shipped warm-up trains nothing useful: the
+    trainer's warning reaches the console, not only OUT/logs/<run>.log. A single seed's std is
+    none (not 0, a measured zero spread). A rerun of a stopped run keeps its log's first part."""
     from rl_tformers.runtime import sweep as sw
 
     out = tmp_path / "sweep"

@@ -370,11 +370,10 @@ def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
 # ------------------------------------------------------------------- Ctrl-C during the final evaluation
 def test_ctrl_c_during_the_final_evaluation_does_not_promise_a_stop_it_never_makes(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """`rl-tformers train ... eval.episodes=400` (Hopper DT), Ctrl-C 5 s after the last update:
-    the command printed "received SIGINT: finishing the current update, saving a checkpoint,
-    then stopping", then went on evaluating for 100 s more and exited 0 (the signal is dropped:
-    ``_loop`` sets ``stopped_by = None`` once ``self.step >= end``). Either stop (exit 130, the
-    run trained but not evaluated) or do not say it will."""
+    """`rl-tformers train ... eval.episodes=400` (Hopper DT), Ctrl-C 5 s after the last update,
+    during the final evaluation: the command either stops (exit 130, the run trained but not
+    evaluated) or does not say it will (no "received SIGINT: finishing the current update, saving
+    a checkpoint, then stopping" followed by 100 s more of evaluation and exit 0)."""
     run = tmp_path / "run"
     trainer = _trainer(run)
     real = trainer.agent.evaluate
@@ -393,11 +392,10 @@ def test_ctrl_c_during_the_final_evaluation_does_not_promise_a_stop_it_never_mak
 # ------------------------------------------------------------------- second Ctrl-C during the final evaluation
 def test_abort_during_the_final_evaluation_does_not_send_the_user_to_a_resume_that_does_nothing(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A second Ctrl-C during the final evaluation printed "aborted at once ... the run continues
-    from its last checkpoint, step 10: rl-tformers train --resume RUN". That resume prints
-    "RUN is complete (step 10 of train.steps=10); pass train.steps=N to train longer" and
-    exits 0: the final evaluation is never run, nor is the user told to run `rl-tformers eval`.
-    (The sweep knows this state: "unevaluated".)"""
+    """A second Ctrl-C during the final evaluation does not point to `rl-tformers train --resume
+    RUN`: that resume says "RUN is complete (step 10 of train.steps=10); pass train.steps=N to
+    train longer" and exits 0 without running the final evaluation. Either the evaluation runs,
+    or the user is told to run `rl-tformers eval`. (The sweep knows this state: "unevaluated".)"""
     run = tmp_path / "run"
     trainer = _trainer(run)
     real = trainer.agent.evaluate
