@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +95,67 @@ def acting_context_mask(mask: Tensor, slot: Tensor, context_steps: int | None) -
         return mask
     keep = torch.arange(mask.shape[1], device=mask.device)[None, :] > slot[:, None] - context_steps  # (N, K)
     return mask & keep
+
+
+def _check_acting_options(model: DecisionTransformer, sample: bool, context_steps: int | None,
+                          exit_threshold: float | None, align: str | None,
+                          timestep_overflow: str) -> tuple[int | None, str]:
+    """Refuse :class:`DTPolicy` options that do not fit ``model``; returns (context_steps, align) in
+    effect (``None`` for a context of all K steps; the mode's default alignment).
+
+    Raises:
+        ValueError: as :class:`DTPolicy` says, naming the option.
+    """
+    if sample and model.cfg.head != "gaussian":
+        raise ValueError(f"DTPolicy: sample=True draws from the stochastic head and needs agent.head=gaussian; "
+                         f"this model's head is {model.cfg.head!r}")
+    k = model.cfg.context_len
+    if context_steps is not None and (isinstance(context_steps, bool) or not 1 <= int(context_steps) <= k):
+        raise ValueError(f"DTPolicy: context_steps={context_steps!r}; give an integer in [1, {k}] "
+                         f"(agent.eval_context_len, at most agent.context_len) or None")
+    if exit_threshold is not None and not model.early_exit:
+        raise ValueError("DTPolicy: exit_threshold needs backbone.depth.kind=early_exit")
+    align = align or ("start" if model.cfg.mode == "causal" else "end")
+    if align not in ("start", "end") or (align == "start" and model.cfg.mode != "causal"):
+        raise ValueError(f"DTPolicy: align={align!r}; use 'start' (causal mode only) or 'end'")
+    if timestep_overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"timestep_overflow={timestep_overflow!r}; use one of {', '.join(OVERFLOW_POLICIES)}")
+    return (None if context_steps is None or int(context_steps) == k else int(context_steps)), align
+
+
+class ActingCounters:
+    """What :meth:`DTPolicy.stats` reports: forward passes, their wall time, decisions, exit layers, kNN hits."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.forward_s = 0.0
+        self.decisions = 0
+        self.exit_layer_sum = 0.0
+        self.early_sum = 0.0
+        self.knn_hits = 0
+
+    def add(self, seconds: float, decisions: int, exit_metrics: Mapping[str, Any] | None) -> None:
+        """One forward pass of ``seconds`` deciding ``decisions`` rows; with early exit its
+        ``exit/mean_layer`` and ``exit/early_frac`` (means over the deciding rows)."""
+        self.forward_s += seconds
+        self.steps += 1
+        self.decisions += decisions
+        if exit_metrics is not None:
+            self.exit_layer_sum += float(exit_metrics["exit/mean_layer"]) * decisions
+            self.early_sum += float(exit_metrics["exit/early_frac"]) * decisions
+
+    def as_dict(self, early_exit: bool, knn: bool) -> dict[str, float | int]:
+        """``steps``, ``forward_ms_per_step``; with early exit ``exit_mean_layer`` (1-based) and
+        ``exit_early_frac``; with kNN ``knn_hit_frac``."""
+        out: dict[str, float | int] = {"steps": int(self.steps)}  # a count: an int in the JSON
+        if self.steps:
+            out["forward_ms_per_step"] = 1000.0 * self.forward_s / self.steps
+        if early_exit and self.decisions:
+            out["exit_mean_layer"] = self.exit_layer_sum / self.decisions
+            out["exit_early_frac"] = self.early_sum / self.decisions
+        if knn and self.decisions:
+            out["knn_hit_frac"] = self.knn_hits / self.decisions
+        return out
 
 
 class DTPolicy:
@@ -166,29 +227,15 @@ class DTPolicy:
         generator: torch.Generator | None = None,
         context_steps: int | None = None,
     ) -> None:
-        if sample and model.cfg.head != "gaussian":
-            raise ValueError(f"DTPolicy: sample=True draws from the stochastic head and needs agent.head=gaussian; "
-                             f"this model's head is {model.cfg.head!r}")
+        self.context_steps, self.align = _check_acting_options(
+            model, sample, context_steps, exit_threshold, align, timestep_overflow)
         self.sample = bool(sample)
         self.generator = generator
-        k = model.cfg.context_len
-        if context_steps is not None and (isinstance(context_steps, bool) or not 1 <= int(context_steps) <= k):
-            raise ValueError(f"DTPolicy: context_steps={context_steps!r}; give an integer in [1, {k}] "
-                             f"(agent.eval_context_len, at most agent.context_len) or None")
-        self.context_steps = None if context_steps is None or int(context_steps) == k else int(context_steps)
-        if exit_threshold is not None and not model.early_exit:
-            raise ValueError("DTPolicy: exit_threshold needs backbone.depth.kind=early_exit")
         self.exit_threshold = exit_threshold
         self.knn = knn
         self.action_start = int(action_start)
         self._counted: np.ndarray | None = None  # count_rows: rows whose decisions stats() counts
-        self.reset_stats()
-        align = align or ("start" if model.cfg.mode == "causal" else "end")
-        if align not in ("start", "end") or (align == "start" and model.cfg.mode != "causal"):
-            raise ValueError(f"DTPolicy: align={align!r}; use 'start' (causal mode only) or 'end'")
-        self.align = align
-        if timestep_overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"timestep_overflow={timestep_overflow!r}; use one of {', '.join(OVERFLOW_POLICIES)}")
+        self.counters = ActingCounters()
         self.model = model.eval()
         self.cfg = model.cfg
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -222,12 +269,7 @@ class DTPolicy:
 
     def reset_stats(self) -> None:
         """Zero the counters of :meth:`stats`."""
-        self._steps = 0
-        self._forward_s = 0.0
-        self._decisions = 0
-        self._exit_layer_sum = 0.0
-        self._early_sum = 0.0
-        self._knn_hits = 0
+        self.counters = ActingCounters()
 
     def stats(self) -> dict[str, float | int]:
         """Counters since :meth:`reset_stats` (means over forward passes / decisions).
@@ -236,15 +278,7 @@ class DTPolicy:
         forward pass incl. kNN search); with early exit ``exit_mean_layer`` (1-based) and
         ``exit_early_frac``; with kNN ``knn_hit_frac``.
         """
-        out: dict[str, float | int] = {"steps": int(self._steps)}  # a count: an int in the JSON
-        if self._steps:
-            out["forward_ms_per_step"] = 1000.0 * self._forward_s / self._steps
-        if self.model.early_exit and self._decisions:
-            out["exit_mean_layer"] = self._exit_layer_sum / self._decisions
-            out["exit_early_frac"] = self._early_sum / self._decisions
-        if self.knn is not None and self._decisions:
-            out["knn_hit_frac"] = self._knn_hits / self._decisions
-        return out
+        return self.counters.as_dict(early_exit=self.model.early_exit, knn=self.knn is not None)
 
     def target_limit(self) -> float:
         """Largest ``|target return|`` (raw units) the float32 RTG embedding takes without overflow.
@@ -424,12 +458,7 @@ class DTPolicy:
             a = self._interpolate(out.features[p], out.logits[p] if cfg.discrete else a, counted)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        self._forward_s += time.perf_counter() - t0
-        self._steps += 1
-        self._decisions += n_counted
-        if self.model.early_exit:  # means over the deciding (counted) rows
-            self._exit_layer_sum += float(out.metrics["exit/mean_layer"]) * n_counted
-            self._early_sum += float(out.metrics["exit/early_frac"]) * n_counted
+        self.counters.add(time.perf_counter() - t0, n_counted, out.metrics if self.model.early_exit else None)
         return a
 
     def _check_finite(self, pred: Tensor, state: DTState) -> None:
@@ -452,7 +481,7 @@ class DTPolicy:
         ``counted`` (N,) bool: the rows whose hits :meth:`stats` counts."""
 
         nb = self.knn.neighbours(features)
-        self._knn_hits += int(nb.valid.any(-1).cpu()[torch.as_tensor(counted)].sum())
+        self.counters.knn_hits += int(nb.valid.any(-1).cpu()[torch.as_tensor(counted)].sum())
         if self.cfg.discrete:
             return interpolate_discrete(pred, nb, self.knn.lam, self.knn.temperature).argmax(-1)
         return interpolate_continuous(pred, nb, self.knn.lam, self.knn.temperature).clamp(-1.0, 1.0)

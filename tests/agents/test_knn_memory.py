@@ -417,4 +417,4 @@ def test_count_rows_of_another_batch_size_is_refused(tmp_path, cartpole_h5):
         pol.act(obs, state, np.array([True, True]), None)
     pol.count_rows(None)
     pol.act(obs, state, np.array([True, True]), None)
-    assert pol.stats()["steps"] == 1 and pol._decisions == 2
+    assert pol.stats()["steps"] == 1 and pol.counters.decisions == 2
