@@ -1291,7 +1291,7 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
     agent_warnings: dict[str, list[str]] = {}
     if launcher == "local" and composed:
         # points with a run to start: a run to resume is rebuilt from its own checkpoint by
-        # `train --resume` (an ODT or fine-tuning run no longer reads agent.init_from /
+        # `train --resume` (a resumed ODT or fine-tuning run does not read agent.init_from /
         # init_checkpoint, which may since have been moved or deleted), so it is not built here
         to_check = {run.point_label: composed[run.point_label] for run in fresh if run.point_label in composed}
         refused, agent_warnings = check_points(to_check)
