@@ -105,19 +105,6 @@ def test_python_blocks_parse_and_their_imports_and_keywords_exist() -> None:
     assert n >= 6 and not bad, "\n".join(bad)
 
 
-def test_data_md_trajectory_examples_print_what_the_comments_say() -> None:
-    from rl_tformers.envs.trajectory import next_return_to_go, returns_to_go
-
-    text = (REPO / "docs/data.md").read_text()
-    assert "returns_to_go([1, 2, 3, 4, 5])             # [15, 14, 12, 9, 5]" in text
-    assert returns_to_go([1, 2, 3, 4, 5]).tolist() == [15, 14, 12, 9, 5]
-    assert "returns_to_go([1, 1, 1], gamma=0.5)        # [1.75, 1.5, 1.0]" in text
-    assert returns_to_go([1, 1, 1], gamma=0.5).tolist() == [1.75, 1.5, 1.0]
-    assert (
-        "next_return_to_go(15.0, 1.0)               # 14.0" in text and next_return_to_go(15.0, 1.0) == 14.0
-    )
-
-
 def test_data_md_dataset_info_example_is_the_command_s_output() -> None:
     from rl_tformers.envs.loaders import load_dataset
 
