@@ -113,6 +113,52 @@ def action_summary(ds: EpisodeDataset, act_dim: int, action_start: int = 0) -> n
     return (total / max(int(covered.sum()), 1)).astype(np.float32)
 
 
+def _action_space(ds: EpisodeDataset) -> tuple[bool, int, np.ndarray | None, np.ndarray | None, int]:
+    """(discrete, act_dim, low (A,) or None, high (A,) or None, action_start) of ``ds``'s actions.
+
+    Raises:
+        ValueError: unbounded Box actions (with where the bounds of a D4RL file come from).
+    """
+    discrete = ds.discrete_actions
+    action_start = 0
+    if discrete:
+        act_dim, low, high = int(ds.action_space.n), None, None
+        action_start = int(ds.action_space.start)
+    else:
+        low = np.asarray(ds.action_space.low, np.float32).reshape(-1)
+        high = np.asarray(ds.action_space.high, np.float32).reshape(-1)
+        if not (np.isfinite(low).all() and np.isfinite(high).all()):
+            hint = ""
+            if ds.metadata.source == "d4rl-hdf5":
+                hint = (
+                    f"; {ds.metadata.location}: the action bounds come from the task the data came from "
+                    f"(env_id {ds.metadata.env_id!r}), taken from dataset.env_id, else the file's env_id "
+                    f"attribute, else guessed from the file name (e.g. hopper-medium-v2.hdf5 -> Hopper-v5)"
+                    f"{_no_bounds_reason(ds)}; set dataset.env_id=<gymnasium id> (e.g. dataset.env_id=Hopper-v5) "
+                    f"or write an env_id attribute into the file"
+                )
+            raise ValueError(f"continuous actions need a bounded Box action space, got {ds.action_space}{hint}")
+        act_dim = low.size
+    return discrete, act_dim, low, high, action_start
+
+
+def _auto_scale(ds: EpisodeDataset, where: str) -> float:
+    """``agent.reward_scale='auto'``: the power of ten at or below the largest |episode return| of ``ds``.
+
+    Raises:
+        ValueError: the returns are too small for a power of ten (all |returns| below ~1e-323).
+    """
+    scale = auto_scale(ds)
+    if not scale > 0:  # 10 ** floor(log10(m)) underflows to 0.0 for m below ~1e-323
+        m = float(np.abs(ds.episode_returns).max())
+        raise ValueError(
+            f"rewards: agent.reward_scale='auto' cannot scale the dataset {where}: its largest |episode "
+            f"return| is {m:g}, so the power of ten at or below it underflows to 0 in float64; its rewards "
+            f"are too small to condition on: rescale them (multiply the dataset's rewards), or set "
+            f"agent.reward_scale to a number > 0 where the agent takes it (dt, gtrxl)")
+    return scale
+
+
 @dataclass
 class DatasetInfo:
     """Statistics of the training data that inference needs (stored in every checkpoint).
@@ -214,26 +260,7 @@ class DatasetInfo:
 
         env_kwargs = check_env_kwargs(env_kwargs)
         scale = parse_reward_scale(reward_scale)
-        discrete = ds.discrete_actions
-        action_start = 0
-        if discrete:
-            act_dim, low, high = int(ds.action_space.n), None, None
-            action_start = int(ds.action_space.start)
-        else:
-            low = np.asarray(ds.action_space.low, np.float32).reshape(-1)
-            high = np.asarray(ds.action_space.high, np.float32).reshape(-1)
-            if not (np.isfinite(low).all() and np.isfinite(high).all()):
-                hint = ""
-                if ds.metadata.source == "d4rl-hdf5":
-                    hint = (
-                        f"; {ds.metadata.location}: the action bounds come from the task the data came from "
-                        f"(env_id {ds.metadata.env_id!r}), taken from dataset.env_id, else the file's env_id "
-                        f"attribute, else guessed from the file name (e.g. hopper-medium-v2.hdf5 -> Hopper-v5)"
-                        f"{_no_bounds_reason(ds)}; set dataset.env_id=<gymnasium id> (e.g. dataset.env_id=Hopper-v5) "
-                        f"or write an env_id attribute into the file"
-                    )
-                raise ValueError(f"continuous actions need a bounded Box action space, got {ds.action_space}{hint}")
-            act_dim = low.size
+        discrete, act_dim, low, high, action_start = _action_space(ds)
         obs_dim = int(np.prod(ds.observation_shape))
         if normalize_obs:
             st = observation_stats(ds)
@@ -242,14 +269,7 @@ class DatasetInfo:
             mean, std = np.zeros(obs_dim, np.float32), np.ones(obs_dim, np.float32)
         where = spec or ds.metadata.location or "(in memory)"
         if scale == "auto":
-            scale = auto_scale(ds)
-            if not scale > 0:  # 10 ** floor(log10(m)) underflows to 0.0 for m below ~1e-323
-                m = float(np.abs(ds.episode_returns).max())
-                raise ValueError(
-                    f"rewards: agent.reward_scale='auto' cannot scale the dataset {where}: its largest |episode "
-                    f"return| is {m:g}, so the power of ten at or below it underflows to 0 in float64; its rewards "
-                    f"are too small to condition on: rescale them (multiply the dataset's rewards), or set "
-                    f"agent.reward_scale to a number > 0 where the agent takes it (dt, gtrxl)")
+            scale = _auto_scale(ds, where)
         check_scaled_returns(ds, scale, where)
         ret = ds.episode_returns
         meta = ds.metadata
@@ -291,51 +311,10 @@ class DatasetInfo:
         """
         if not self.env_id:
             return
-
-        from rl_tformers.envs import memory_tasks  # noqa: F401 - registers the project's tasks
-
-        name = str(self.env_id)
         where = f"the dataset {self.dataset or ds.metadata.location or '(in memory)'}"
-        fix = "set agent.env_id to the environment the data came from"
-        try:
-            if ":" in name:
-                module, _, name = name.partition(":")
-                importlib.import_module(module)
-            gym.spec(name)
-        except (gym.error.Error, ImportError) as exc:
-            raise ValueError(f"{source}={self.env_id!r} is not a registered gymnasium environment ({exc}); "
-                             f"{fix} (e.g. agent.env_id=Hopper-v5)") from exc
-        try:
-            env = self.make_env()()
-        except (gym.error.DependencyNotInstalled, ImportError) as exc:
-            logging.getLogger(__name__).warning(
-                "cannot make the evaluation environment %s to check it against %s (%s); evaluation will fail "
-                "until its dependencies are installed", self.env_id, where, exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - any failure of the env's constructor, reported with its config
-            raise ValueError(f"{source}={self.env_id!r}: cannot make the evaluation environment with "
-                             f"agent.env_kwargs={self.env_kwargs} ({type(exc).__name__}: {exc})") from exc
-        try:
-            obs_space, act_space = env.observation_space, env.action_space
-        finally:
-            env.close()
-        shape = tuple(ds.observation_shape)
-        if not isinstance(obs_space, gym.spaces.Box) or tuple(obs_space.shape) != shape:
-            pomdp = f" (masked by the dataset's POMDP record {self.pomdp})" if self.pomdp else ""
-            env_obs = (f"observations of shape {tuple(obs_space.shape)}" if isinstance(obs_space, gym.spaces.Box)
-                       else f"observation space {obs_space}, not a Box")
-            raise ValueError(
-                f"observations: {where} has observations of shape {shape} per step, but the evaluation "
-                f"environment {self.env_id} ({source}){pomdp} has {env_obs}; {fix}")
-        if isinstance(act_space, gym.spaces.Discrete) != ds.discrete_actions or (
-                isinstance(act_space, gym.spaces.Box) and tuple(act_space.shape) != tuple(ds.action_shape)) or (
-                ds.discrete_actions and int(act_space.start) != int(ds.action_space.start)) or (
-                # the model picks among the dataset's n actions: the environment must have them all
-                # (fewer in the data is fine: an action the behaviour policy never took)
-                ds.discrete_actions and int(act_space.n) < int(ds.action_space.n)):
-            raise ValueError(
-                f"actions: {where} has actions in {ds.action_space}, but the evaluation environment "
-                f"{self.env_id} ({source}) has action space {act_space}; {fix}")
+        spaces = _eval_env_spaces(self, where, source)
+        if spaces is not None:
+            _check_env_spaces(self, ds, *spaces, where, source)
 
     def data_differences(self, other: DatasetInfo) -> list[str]:
         """The statistics of the training data that ``other`` changes from this one.
@@ -656,3 +635,62 @@ def check_scaled_returns(ds: EpisodeDataset, scale: float, where: str | None = N
             f"|return-to-go| {m_rtg:g}, |reward| {m_r:g}): {m:g} / {scale:g} = {float(scaled):g} is not finite "
             f"in float32 (max {limit:g}), so training would see inf/NaN; use agent.reward_scale >= {m / limit:g} "
             f"('auto' picks the power of ten at or below the largest |episode return|)")
+
+
+def _eval_env_spaces(info: DatasetInfo, where: str, source: str) -> tuple[gym.Space, gym.Space] | None:
+    """The observation and action spaces of ``info``'s evaluation environment (made once and
+    closed); None, with a warning, when its dependencies are not installed.
+
+    Raises:
+        ValueError: the id is not registered, or the environment cannot be made with its kwargs.
+    """
+    from rl_tformers.envs import memory_tasks  # noqa: F401 - registers the project's tasks
+
+    name = str(info.env_id)
+    fix = "set agent.env_id to the environment the data came from"
+    try:
+        if ":" in name:
+            module, _, name = name.partition(":")
+            importlib.import_module(module)
+        gym.spec(name)
+    except (gym.error.Error, ImportError) as exc:
+        raise ValueError(f"{source}={info.env_id!r} is not a registered gymnasium environment ({exc}); "
+                         f"{fix} (e.g. agent.env_id=Hopper-v5)") from exc
+    try:
+        env = info.make_env()()
+    except (gym.error.DependencyNotInstalled, ImportError) as exc:
+        logging.getLogger(__name__).warning(
+            "cannot make the evaluation environment %s to check it against %s (%s); evaluation will fail "
+            "until its dependencies are installed", info.env_id, where, exc)
+        return None
+    except Exception as exc:  # noqa: BLE001 - any failure of the env's constructor, reported with its config
+        raise ValueError(f"{source}={info.env_id!r}: cannot make the evaluation environment with "
+                         f"agent.env_kwargs={info.env_kwargs} ({type(exc).__name__}: {exc})") from exc
+    try:
+        obs_space, act_space = env.observation_space, env.action_space
+    finally:
+        env.close()
+    return obs_space, act_space
+
+
+def _check_env_spaces(info: DatasetInfo, ds: EpisodeDataset, obs_space: gym.Space, act_space: gym.Space,
+                      where: str, source: str) -> None:
+    """Refuse evaluation spaces that do not fit ``ds`` (see :meth:`DatasetInfo.check_env`)."""
+    fix = "set agent.env_id to the environment the data came from"
+    shape = tuple(ds.observation_shape)
+    if not isinstance(obs_space, gym.spaces.Box) or tuple(obs_space.shape) != shape:
+        pomdp = f" (masked by the dataset's POMDP record {info.pomdp})" if info.pomdp else ""
+        env_obs = (f"observations of shape {tuple(obs_space.shape)}" if isinstance(obs_space, gym.spaces.Box)
+                   else f"observation space {obs_space}, not a Box")
+        raise ValueError(
+            f"observations: {where} has observations of shape {shape} per step, but the evaluation "
+            f"environment {info.env_id} ({source}){pomdp} has {env_obs}; {fix}")
+    if isinstance(act_space, gym.spaces.Discrete) != ds.discrete_actions or (
+            isinstance(act_space, gym.spaces.Box) and tuple(act_space.shape) != tuple(ds.action_shape)) or (
+            ds.discrete_actions and int(act_space.start) != int(ds.action_space.start)) or (
+            # the model picks among the dataset's n actions: the environment must have them all
+            # (fewer in the data is fine: an action the behaviour policy never took)
+            ds.discrete_actions and int(act_space.n) < int(ds.action_space.n)):
+        raise ValueError(
+            f"actions: {where} has actions in {ds.action_space}, but the evaluation environment "
+            f"{info.env_id} ({source}) has action space {act_space}; {fix}")
