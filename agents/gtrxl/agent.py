@@ -478,6 +478,59 @@ def check_burn_in(burn_in: int, num_steps: int) -> None:
             f"gradient window and add nothing to the loss; lower agent.burn_in or use more data", stacklevel=3)
 
 
+def offline_model_config(a: GTrXLAgentConfig, info: DatasetInfo, backbone: Mapping[str, Any]) -> tuple[GTrXLConfig, float]:
+    """The offline GTrXL model of options ``a`` on a dataset of ``info``, and the r_{t-1} input
+    multiplier (IQL's 1000 / return spread with ``iql_reward_norm``, else 1 / reward scale)."""
+    if a.objective == "iql" and a.iql_reward_norm:
+        spread = info.return_max - info.return_min
+        reward_mult = 1000.0 / spread if spread > 0 else 1.0  # IQL's locomotion normalisation
+    else:
+        reward_mult = 1.0 / info.reward_scale
+    model_cfg = GTrXLConfig(
+        obs_dim=info.obs_dim,
+        act_dim=info.act_dim,
+        discrete=info.discrete,
+        backbone=backbone,
+        rtg_input=a.objective == "rcbc",
+        prev_action_input=a.prev_action,
+        prev_reward_input=a.prev_reward,
+        head_hidden=a.head_hidden,
+        critic="iql" if a.objective == "iql" else "none",
+        critic_hidden=a.critic_hidden,
+        share_critic_encoder=a.share_critic_encoder,
+        window=a.window,
+        prev_action_zero_at_start=True,  # discrete a_{t-1} at an episode start: zeros, not action 0
+    )
+    return model_cfg, reward_mult
+
+
+def check_window(window: int, seq_len: int, burn_in: int) -> None:
+    """Refuse a burn-in with a plain window (no memory to rebuild); warn when the gradient window
+    ``seq_len`` is not the acting window.
+
+    Raises:
+        ValueError: ``window`` > 0 with ``burn_in`` > 0.
+    """
+    if window and burn_in:
+        raise ValueError(
+            f"agent.window={window} keeps no memory to rebuild, so agent.burn_in="
+            f"{burn_in} has nothing to warm up; the whole window recipe: "
+            f"{window_recipe(window)}"
+        )
+    if window and seq_len > window:
+        w = window
+        warnings.warn(
+            f"agent.seq_len={seq_len} > agent.window={w}: in training a step attends to up to "
+            f"{seq_len - 1} earlier steps of its segment, when acting to only the {w - 1} of its "
+            f"window; set agent.seq_len={w} so training sees the acting window", stacklevel=3)
+    if window and seq_len < window:
+        w = window
+        warnings.warn(
+            f"agent.seq_len={seq_len} < agent.window={w}: when acting a step attends to its {w - 1} "
+            f"earlier steps, in training to at most {seq_len - 1}; set agent.seq_len={w} so training "
+            f"sees the acting window", stacklevel=3)
+
+
 class GTrXLAgent:
     """Offline GTrXL agent (the runtime's ``Trainable``); see the module docstring.
 
@@ -527,44 +580,8 @@ class GTrXLAgent:
                 self.dataset, env_id=a.env_id, env_kwargs=a.env_kwargs, spec=_plain(cfg.dataset).get("path"),
                 flatten_observations=flattens_observations(_plain(cfg.dataset)),
             )
-            if self.objective == "iql" and a.iql_reward_norm:
-                spread = info.return_max - info.return_min
-                reward_mult = 1000.0 / spread if spread > 0 else 1.0  # IQL's locomotion normalisation
-            else:
-                reward_mult = 1.0 / info.reward_scale
-            self.model_cfg = GTrXLConfig(
-                obs_dim=info.obs_dim,
-                act_dim=info.act_dim,
-                discrete=info.discrete,
-                backbone=_plain(cfg.backbone),
-                rtg_input=self.objective == "rcbc",
-                prev_action_input=a.prev_action,
-                prev_reward_input=a.prev_reward,
-                head_hidden=a.head_hidden,
-                critic="iql" if self.objective == "iql" else "none",
-                critic_hidden=a.critic_hidden,
-                share_critic_encoder=a.share_critic_encoder,
-                window=a.window,
-                prev_action_zero_at_start=True,  # discrete a_{t-1} at an episode start: zeros, not action 0
-            )
-            if self.model_cfg.window and self.burn_in:
-                raise ValueError(
-                    f"agent.window={self.model_cfg.window} keeps no memory to rebuild, so agent.burn_in="
-                    f"{self.burn_in} has nothing to warm up; the whole window recipe: "
-                    f"{window_recipe(self.model_cfg.window)}"
-                )
-            if self.model_cfg.window and self.seq_len > self.model_cfg.window:
-                w = self.model_cfg.window
-                warnings.warn(
-                    f"agent.seq_len={self.seq_len} > agent.window={w}: in training a step attends to up to "
-                    f"{self.seq_len - 1} earlier steps of its segment, when acting to only the {w - 1} of its "
-                    f"window; set agent.seq_len={w} so training sees the acting window", stacklevel=2)
-            if self.model_cfg.window and self.seq_len < self.model_cfg.window:
-                w = self.model_cfg.window
-                warnings.warn(
-                    f"agent.seq_len={self.seq_len} < agent.window={w}: when acting a step attends to its {w - 1} "
-                    f"earlier steps, in training to at most {self.seq_len - 1}; set agent.seq_len={w} so training "
-                    f"sees the acting window", stacklevel=2)
+            self.model_cfg, reward_mult = offline_model_config(a, info, _plain(cfg.backbone))
+            check_window(self.model_cfg.window, self.seq_len, self.burn_in)
             check_burn_in(self.burn_in, self.dataset.num_steps)
             self.info = info
             self.extra = {**info.to_extra(), "reward_mult": float(reward_mult), "model": model_config_dict(self.model_cfg)}
