@@ -386,28 +386,41 @@ class GTrXLPolicy:
             prev_a[:, None],  # (N, 1, A) or (N, 1)
             (r * self.reward_mult)[:, None],  # (N, 1)
         )
-        win: dict[str, Tensor] = {}
+        h, new_memory, win = self._features(x, t, memory, start, state)
+        a = self.model.actor.mode(h) if self.deterministic else self.model.actor.dist(h).sample()
+        if not self.discrete:
+            a = a.clamp(-1.0, 1.0)
+        return self._to_env(a), GTrXLState(memory=new_memory, prev_action=a, rtg=rtg, t=t + 1, target=state.target,
+                                           **win)
+
+    def _features(self, x: Tensor, t: Tensor, memory: Any, start: Tensor,
+                  state: GTrXLState) -> tuple[Tensor, Any, dict[str, Tensor]]:
+        """(N, D) features of the new step's tokens ``x`` (N, 1, input_dim) at steps ``t`` (N,):
+        with the backbone memory, or (plain window) over the shifted window of the last W steps.
+        Returns the features, the next memory and the new window tensors (empty with memory)."""
+        enc = self.model.encoder
         if enc.stateful:
             out = enc(x, t[:, None], state=memory)
-            h = out.features[:, 0]  # (N, D)
-        else:  # plain window: shift left, write the new step at slot W-1, re-encode the W steps
-            keep_w = (~start)[:, None]  # (N, 1): a starting row forgets its window
-            win = {
-                "window_x": torch.cat([state.window_x[:, 1:], x], 1),  # (N, W, input_dim)
-                "window_pos": torch.cat([state.window_pos[:, 1:], t[:, None]], 1),  # (N, W)
-                "window_valid": torch.cat([state.window_valid[:, 1:] & keep_w, torch.ones_like(keep_w)], 1),
-            }
-            out = enc(win["window_x"], win["window_pos"], mask=win["window_valid"])
-            h = out.features[:, -1]  # (N, D)
-        a = self.model.actor.mode(h) if self.deterministic else self.model.actor.dist(h).sample()
+            return out.features[:, 0], out.state, {}
+        # plain window: shift left, write the new step at slot W-1, re-encode the W steps
+        keep_w = (~start)[:, None]  # (N, 1): a starting row forgets its window
+        win = {
+            "window_x": torch.cat([state.window_x[:, 1:], x], 1),  # (N, W, input_dim)
+            "window_pos": torch.cat([state.window_pos[:, 1:], t[:, None]], 1),  # (N, W)
+            "window_valid": torch.cat([state.window_valid[:, 1:] & keep_w, torch.ones_like(keep_w)], 1),
+        }
+        out = enc(win["window_x"], win["window_pos"], mask=win["window_valid"])
+        return out.features[:, -1], out.state, win
+
+    def _to_env(self, a: Tensor) -> np.ndarray:
+        """Class indices (N,) -> int64 environment actions, or actions (N, A) in [-1, 1] -> float32
+        within the Box bounds (``(N, *action_shape)`` when given)."""
         if self.discrete:
-            env_a = a.cpu().numpy().astype(np.int64) + self.action_start
-        else:
-            a = a.clamp(-1.0, 1.0)
-            env_a = to_env_action(a, self.low, self.high).cpu().numpy()  # (N, A)
-            if self.action_shape is not None:
-                env_a = env_a.reshape(n, *self.action_shape)
-        return env_a, GTrXLState(memory=out.state, prev_action=a, rtg=rtg, t=t + 1, target=state.target, **win)
+            return a.cpu().numpy().astype(np.int64) + self.action_start
+        env_a = to_env_action(a, self.low, self.high).cpu().numpy()  # (N, A)
+        if self.action_shape is not None:
+            env_a = env_a.reshape(len(env_a), *self.action_shape)
+        return env_a
 
 
 # ---------------------------------------------------------------------------------------------
