@@ -18,7 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from rl_tformers.agents.common.scripted import collect_delayed_expert
 from rl_tformers.envs.loaders import save_d4rl_hdf5
@@ -46,6 +48,61 @@ class DemoResult:
     eval_json: Path
     seconds: float
     results: list
+
+
+def _train_demo(cfg: Any, run_dir: Path, targets: list[float], eval_episodes: int,
+                echo: Callable[[str], None]) -> None:
+    """Step 2: train, echoing a line at each tenth of the updates.
+
+    Raises:
+        InterruptedError: training was stopped by SIGINT/SIGTERM (with the commands that continue it).
+    """
+    t_train = time.perf_counter()
+    total = int(cfg.train.steps)
+    marks = [max(1, round(total * k / 10)) for k in range(1, 10)]  # a line at each tenth (not the last)
+
+    def progress(step: int, scalars: dict[str, float]) -> None:
+        if marks and step >= marks[0]:
+            while marks and step >= marks[0]:
+                marks.pop(0)
+            echo(f"[2/4] ... update {step}/{total}, loss {scalars.get('train/loss', float('nan')):.4f}, "
+                 f"{time.perf_counter() - t_train:.0f} s")
+
+    result = train(cfg, run_dir, config_name="demo", on_log=progress)
+    if result.interrupted is not None:
+        raise InterruptedError(
+            f"training stopped by signal {result.interrupted} at update {result.step}; "
+            f"continue it with: rl-tformers train --resume {run_dir} (it trains only: the demo's evaluation and "
+            f"plot are then rl-tformers eval {run_dir} --seed {EVAL_SEED} --episodes {eval_episodes} and "
+            f"rl-tformers plot {run_dir} --targets {','.join(f'{t:g}' for t in targets)} --seed {EVAL_SEED} "
+            f"--episodes {eval_episodes} --out {run_dir / 'return_conditioning.png'})"
+        )
+    loss = result.last_train.get("train/loss", float("nan"))
+    echo(f"      done in {time.perf_counter() - t_train:.0f} s, final training loss {loss:.4f}")
+
+
+def _evaluate_and_plot(run_dir: Path, device: str, targets: list[float], eval_episodes: int, ret: np.ndarray,
+                       echo: Callable[[str], None]) -> tuple[Path, Path, list[Any]]:
+    """Steps 3 and 4: evaluate the saved run at ``targets`` (``eval.json``) and plot achieved vs
+    target return against the dataset's episode returns ``ret``. Returns (plot, eval.json, results)."""
+    run = load_run(run_dir, device)
+    echo(f"[3/4] evaluating at targets {targets}, {eval_episodes} episodes each ...")
+    n_envs = min(10, eval_episodes)
+    report = evaluate(run.agent.policy(), run.agent.make_env(), targets, episodes=eval_episodes,
+                      n_envs=n_envs, seed=EVAL_SEED, record_rewards=True, env_id=run.env_id)
+    report.extra = {"run_dir": str(run_dir), "step": run.step, "kind": run.kind}
+    eval_json = run_dir / "eval.json"
+    eval_json.write_text(json.dumps(report.to_dict(with_rewards=True), indent=1))
+    for line in summary_lines(report.results):
+        echo("      " + line)
+    echo(f"      (repeat: rl-tformers eval {run_dir} --seed {EVAL_SEED} --episodes {eval_episodes} --envs {n_envs})")
+
+    echo("[4/4] plotting achieved vs target return ...")
+    fig = plot_return_conditioning(report.results, dataset_max=float(ret.max()), dataset_mean=float(ret.mean()),
+                                   title=f"Decision Transformer on CartPole-v1 ({run.step} updates)")
+    log_figure(run_dir, "plot/return_conditioning", fig, run.step)
+    plot = save_figure(fig, run_dir / "return_conditioning.png")
+    return plot, eval_json, report.results
 
 
 def run_demo(
@@ -107,45 +164,7 @@ def run_demo(
     overrides += list(extra_overrides or [])
     cfg = compose(DEMO_CONFIG, overrides)
     echo(f"[2/4] training a Decision Transformer for {cfg.train.steps} updates (config {DEMO_CONFIG}) ...")
-    t_train = time.perf_counter()
-    total = int(cfg.train.steps)
-    marks = [max(1, round(total * k / 10)) for k in range(1, 10)]  # a line at each tenth (not the last)
-
-    def progress(step: int, scalars: dict[str, float]) -> None:
-        if marks and step >= marks[0]:
-            while marks and step >= marks[0]:
-                marks.pop(0)
-            echo(f"[2/4] ... update {step}/{total}, loss {scalars.get('train/loss', float('nan')):.4f}, "
-                 f"{time.perf_counter() - t_train:.0f} s")
-
-    result = train(cfg, run_dir, config_name="demo", on_log=progress)
-    if result.interrupted is not None:
-        raise InterruptedError(
-            f"training stopped by signal {result.interrupted} at update {result.step}; "
-            f"continue it with: rl-tformers train --resume {run_dir} (it trains only: the demo's evaluation and "
-            f"plot are then rl-tformers eval {run_dir} --seed {EVAL_SEED} --episodes {eval_episodes} and "
-            f"rl-tformers plot {run_dir} --targets {','.join(f'{t:g}' for t in targets)} --seed {EVAL_SEED} "
-            f"--episodes {eval_episodes} --out {run_dir / 'return_conditioning.png'})"
-        )
-    loss = result.last_train.get("train/loss", float("nan"))
-    echo(f"      done in {time.perf_counter() - t_train:.0f} s, final training loss {loss:.4f}")
-
-    run = load_run(run_dir, device)
-    echo(f"[3/4] evaluating at targets {targets}, {eval_episodes} episodes each ...")
-    n_envs = min(10, eval_episodes)
-    report = evaluate(run.agent.policy(), run.agent.make_env(), targets, episodes=eval_episodes,
-                      n_envs=n_envs, seed=EVAL_SEED, record_rewards=True, env_id=run.env_id)
-    report.extra = {"run_dir": str(run_dir), "step": run.step, "kind": run.kind}
-    eval_json = run_dir / "eval.json"
-    eval_json.write_text(json.dumps(report.to_dict(with_rewards=True), indent=1))
-    for line in summary_lines(report.results):
-        echo("      " + line)
-    echo(f"      (repeat: rl-tformers eval {run_dir} --seed {EVAL_SEED} --episodes {eval_episodes} --envs {n_envs})")
-
-    echo("[4/4] plotting achieved vs target return ...")
-    fig = plot_return_conditioning(report.results, dataset_max=float(ret.max()), dataset_mean=float(ret.mean()),
-                                   title=f"Decision Transformer on CartPole-v1 ({run.step} updates)")
-    log_figure(run_dir, "plot/return_conditioning", fig, run.step)
-    plot = save_figure(fig, run_dir / "return_conditioning.png")
+    _train_demo(cfg, run_dir, targets, eval_episodes, echo)
+    plot, eval_json, results = _evaluate_and_plot(run_dir, device, targets, eval_episodes, ret, echo)
     return DemoResult(run_dir=run_dir, plot=plot, eval_json=eval_json, seconds=time.perf_counter() - t0,
-                      results=report.results)
+                      results=results)
