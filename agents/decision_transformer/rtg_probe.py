@@ -26,6 +26,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from rl_tformers.agents.common.offline import load_offline_dataset, plain
 from rl_tformers.agents.decision_transformer.model import from_env_action
 from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.trajectory import returns_to_go
+from torch import Tensor
 
 from rl_tformers.runtime.agent_registry import UnknownAgentError
 from rl_tformers.runtime.checkpoint import CheckpointError, find_latest_valid
@@ -77,6 +79,68 @@ def check_dataset_fits(agent, dataset: EpisodeDataset) -> None:
             f"{info.obs_dim} observation values and {kind(info.discrete)} actions of size {info.act_dim}")
 
 
+def _check_probe(agent: Any, dataset: EpisodeDataset, groups: Mapping[str, Sequence[int]], t0s: Sequence[int],
+                 rtgs: Sequence[float]) -> int:
+    """Refuse what :func:`rtg_probe` cannot probe (its Raises); returns the context length K."""
+    info, model = agent.info, agent.model
+    k = getattr(getattr(model, "cfg", None), "context_len", None)
+    if k is None or not hasattr(info, "reward_scale"):
+        raise ValueError(f"rtg_probe: {type(agent).__name__} is not a Decision Transformer agent")
+    if info.discrete:
+        raise ValueError("rtg_probe: continuous actions only (the fit is a squared action error)")
+    check_dataset_fits(agent, dataset)
+    check_probe_options(t0s, rtgs)
+    for name, idx in groups.items():
+        bad = [i for i in idx if not 0 <= i < dataset.num_episodes]
+        if bad:
+            raise ValueError(f"rtg_probe: group {name!r} has episode indices {bad[:3]} outside 0..{dataset.num_episodes - 1}")
+    longest = max((int(dataset.lengths[i]) for idx in groups.values() for i in idx), default=0)
+    max_ep_len = int(model.cfg.max_ep_len)
+    for t0 in t0s:
+        if t0 + k > max_ep_len:
+            raise ValueError(f"--t0 {t0}: a window of K={k} steps from step {t0} reaches step {t0 + k - 1}, past the "
+                             f"run's agent.max_ep_len={max_ep_len} (the largest t0 is {max_ep_len - k})")
+        if t0 + k > longest:
+            most = (f"the largest useful t0 is {longest - k}" if longest >= k
+                    else "fewer than K, so none holds a window at any t0")
+            raise ValueError(f"--t0 {t0}: no episode of the groups holds a window of K={k} steps from step {t0} "
+                             f"(the longest has {longest} steps; {most})")
+    return k
+
+
+def _probe_group(model: Any, info: Any, dataset: EpisodeDataset, name: str, idx: Sequence[int], t0: int,
+                 rtgs: Sequence[float], bounds: tuple[Tensor, Tensor]) -> dict:
+    """One row of :func:`rtg_probe`: the windows of K steps from ``t0`` of the episodes ``idx``
+    long enough, their fit and their action shift under each first return-to-go in ``rtgs``."""
+    k = int(model.cfg.context_len)
+    dev = next(model.parameters()).device
+    low, high = bounds
+    wins = []
+    for i in idx:
+        ep = dataset.episode(i)
+        if len(ep.rewards) < t0 + k:
+            continue
+        sl = slice(t0, t0 + k)
+        obs = (np.asarray(ep.observations[sl], np.float32).reshape(k, -1) - info.obs_mean) / info.obs_std
+        act = np.asarray(ep.actions[sl], np.float32).reshape(k, -1)
+        rtg = returns_to_go(np.asarray(ep.rewards, np.float64))[sl] / info.reward_scale
+        wins.append((obs, act, rtg))
+    row = {"group": name, "t0": int(t0), "episodes": len(wins), "fit": None, "shift": {}}
+    if wins:
+        obs, act, rtg = (torch.as_tensor(np.stack(x), dtype=torch.float32, device=dev) for x in zip(*wins))
+        act = from_env_action(act, low, high)  # the training batches' mapping to [-1, 1]
+        steps = (t0 + torch.arange(k, device=dev)).expand(len(wins), k)
+        mask = torch.ones(len(wins), k, dtype=torch.bool, device=dev)
+        with torch.no_grad():
+            base = model(obs, act, rtg, steps, mask).action  # (W, P, A), P = K or 1
+            # P = 1 in last_action mode: the prediction is the window's last action only
+            row["fit"] = float(((base - act[:, k - base.shape[1]:]) ** 2).sum(-1).mean())
+            for r in rtgs:
+                moved = model(obs, act, rtg - rtg[:, :1] + float(r), steps, mask).action
+                row["shift"][float(r)] = float(((moved - base) ** 2).sum(-1).mean())
+    return row
+
+
 def rtg_probe(
     agent, dataset: EpisodeDataset, groups: Mapping[str, Sequence[int]], t0s: Sequence[int] = (0,),
     rtgs: Sequence[float] = (1.0, 4.0),
@@ -105,28 +169,7 @@ def rtg_probe(
             window; a non-finite or repeated ``R`` (:func:`check_probe_options`).
     """
     info, model = agent.info, agent.model
-    k = getattr(getattr(model, "cfg", None), "context_len", None)
-    if k is None or not hasattr(info, "reward_scale"):
-        raise ValueError(f"rtg_probe: {type(agent).__name__} is not a Decision Transformer agent")
-    if info.discrete:
-        raise ValueError("rtg_probe: continuous actions only (the fit is a squared action error)")
-    check_dataset_fits(agent, dataset)
-    check_probe_options(t0s, rtgs)
-    for name, idx in groups.items():
-        bad = [i for i in idx if not 0 <= i < dataset.num_episodes]
-        if bad:
-            raise ValueError(f"rtg_probe: group {name!r} has episode indices {bad[:3]} outside 0..{dataset.num_episodes - 1}")
-    longest = max((int(dataset.lengths[i]) for idx in groups.values() for i in idx), default=0)
-    max_ep_len = int(model.cfg.max_ep_len)
-    for t0 in t0s:
-        if t0 + k > max_ep_len:
-            raise ValueError(f"--t0 {t0}: a window of K={k} steps from step {t0} reaches step {t0 + k - 1}, past the "
-                             f"run's agent.max_ep_len={max_ep_len} (the largest t0 is {max_ep_len - k})")
-        if t0 + k > longest:
-            most = (f"the largest useful t0 is {longest - k}" if longest >= k
-                    else "fewer than K, so none holds a window at any t0")
-            raise ValueError(f"--t0 {t0}: no episode of the groups holds a window of K={k} steps from step {t0} "
-                             f"(the longest has {longest} steps; {most})")
+    _check_probe(agent, dataset, groups, t0s, rtgs)
     dev = next(model.parameters()).device
     low, high = (torch.as_tensor(np.asarray(b, np.float32), device=dev) for b in (info.action_low, info.action_high))
     was_training = model.training
@@ -135,29 +178,7 @@ def rtg_probe(
     try:
         for name, idx in groups.items():
             for t0 in t0s:
-                wins = []
-                for i in idx:
-                    ep = dataset.episode(i)
-                    if len(ep.rewards) < t0 + k:
-                        continue
-                    sl = slice(t0, t0 + k)
-                    obs = (np.asarray(ep.observations[sl], np.float32).reshape(k, -1) - info.obs_mean) / info.obs_std
-                    act = np.asarray(ep.actions[sl], np.float32).reshape(k, -1)
-                    rtg = returns_to_go(np.asarray(ep.rewards, np.float64))[sl] / info.reward_scale
-                    wins.append((obs, act, rtg))
-                row = {"group": name, "t0": int(t0), "episodes": len(wins), "fit": None, "shift": {}}
-                if wins:
-                    obs, act, rtg = (torch.as_tensor(np.stack(x), dtype=torch.float32, device=dev) for x in zip(*wins))
-                    act = from_env_action(act, low, high)  # the training batches' mapping to [-1, 1]
-                    steps = (t0 + torch.arange(k, device=dev)).expand(len(wins), k)
-                    mask = torch.ones(len(wins), k, dtype=torch.bool, device=dev)
-                    with torch.no_grad():
-                        base = model(obs, act, rtg, steps, mask).action  # (W, P, A), P = K or 1
-                        # P = 1 in last_action mode: the prediction is the window's last action only
-                        row["fit"] = float(((base - act[:, k - base.shape[1]:]) ** 2).sum(-1).mean())
-                        for r in rtgs:
-                            moved = model(obs, act, rtg - rtg[:, :1] + float(r), steps, mask).action
-                            row["shift"][float(r)] = float(((moved - base) ** 2).sum(-1).mean())
+                row = _probe_group(model, info, dataset, name, idx, int(t0), rtgs, (low, high))
                 out.append(row)
     finally:
         model.train(was_training)
