@@ -472,6 +472,42 @@ def collect_episodes(
              "terminated": bool(rec.terminated[j])} for j in range(episodes)]
 
 
+def check_episode_lengths(ds: EpisodeDataset, max_ep_len: int, where: str | None, init_from: str) -> None:
+    """Refuse dataset episodes longer than the offline run's ``agent.max_ep_len`` (the timestep
+    embedding the fine-tuned model keeps), up front and by dataset index.
+
+    Raises:
+        DatasetError: (a ValueError) naming ``dataset.path``, the first such episode by its
+            dataset index, its length, and the offline run's ``agent.max_ep_len``.
+    """
+
+    try:
+        ds.check_max_ep_len(max_ep_len, "agent.max_ep_len")
+    except DatasetError as exc:
+        e = int(exc.episode)
+        raise DatasetError(
+            f"dataset.path={where}: episode {e} has {int(ds.lengths[e])} steps, more than agent.max_ep_len="
+            f"{max_ep_len} of the offline run (agent.init_from={init_from}): Online DT keeps that run's timestep "
+            f"embedding, which has no entry for step {max_ep_len} (the odt config's agent.max_ep_len is not "
+            f"used); train the offline run with agent.max_ep_len >= {int(ds.lengths.max())}, or fine-tune on "
+            f"data without longer episodes", field="lengths", episode=e, step=max_ep_len) from None
+
+
+def check_fine_tune_data(ds: EpisodeDataset, info: DatasetInfo, where: str | None) -> None:
+    """Refuse data of another layout than the offline run's; warn when it is other data."""
+    obs_dim = int(np.prod(ds.observation_shape))
+    act_dim = int(np.prod(ds.action_shape)) if not ds.discrete_actions else -1
+    if ds.discrete_actions or obs_dim != info.obs_dim or act_dim != info.act_dim:
+        raise ValueError(
+            f"dataset.path={where}: observations of {obs_dim} values and actions {ds.action_space}, but the "
+            f"offline run of agent.init_from was trained on {info.obs_dim} and {info.act_dim} continuous values "
+            f"({info.dataset}); fine-tune on data of the same task")
+    if info.num_steps is not None and (ds.num_steps != info.num_steps
+                                       or float(ds.episode_returns.max()) != info.return_max):
+        log.warning("dataset.path=%s is not the data the offline run was trained on (%s): Online DT keeps that "
+                    "run's observation statistics and reward scale", where, info.dataset)
+
+
 # -- the agent ----------------------------------------------------------------------------------
 
 class ODTAgent(DTAgent):
@@ -528,28 +564,7 @@ class ODTAgent(DTAgent):
             raise ValueError("agent.init_from is required: the offline Decision Transformer run (directory or "
                              "checkpoint file) to fine-tune, trained with agent.head=gaussian")
         self.init_from = a.init_from
-        resumed = resume_state()
-        if resumed is None:  # a new run: the offline run's checkpoint
-            state, saved = read_offline_run(self.init_from)
-            # its backbone may name kinds of its plugins: this run lists them too (eval, resume)
-            check_source_plugins(saved, cfg.get("plugins"), f"agent.init_from={self.init_from}")
-            sa = saved.get("agent") or {}
-            self.offline_agent = {k: copy.deepcopy(sa.get(k, getattr(DT_OPTIONS, k))) for k in OFFLINE_AGENT_KEYS}
-            self.offline_backbone = dict(saved.get("backbone") or {})
-            src = f"agent.init_from={self.init_from}: Online DT fine-tunes that run's model"
-        else:  # --resume: this run's own checkpoint holds everything (agent.init_from is not read)
-            state = resumed
-            odt = (state.get("extra") or {}).get("odt")
-            if not isinstance(odt, Mapping) or not isinstance(odt.get("agent"), Mapping) \
-                    or not isinstance(odt.get("backbone"), Mapping):
-                raise ValueError("--resume: the checkpoint holds no Online DT model options (extra.odt.agent / "
-                                 "extra.odt.backbone); it was not written by agent.kind=odt and cannot be resumed as one")
-            self.offline_agent = {k: copy.deepcopy(odt["agent"].get(k, getattr(DT_OPTIONS, k)))
-                                  for k in OFFLINE_AGENT_KEYS}
-            self.offline_backbone = copy.deepcopy(dict(odt["backbone"]))
-            saved = {"agent": self.offline_agent, "backbone": self.offline_backbone}
-            src = (f"resume: Online DT fine-tunes the model this run started from (agent.init_from={self.init_from}, "
-                   f"as saved in its checkpoint)")
+        state, saved, src = self._starting_state(cfg)
         configured = plain(cfg)
         changes = fine_tune_changes(configured, saved)
         if changes:
@@ -563,8 +578,8 @@ class ODTAgent(DTAgent):
         where = plain(cfg.dataset).get("path")
         if dataset is None:
             dataset = load_offline_dataset(plain(cfg.dataset))
-        self._check_dataset(dataset, info, where)
-        self._check_episode_lengths(dataset, int(self.offline_agent["max_ep_len"]), where, self.init_from)
+        check_fine_tune_data(dataset, info, where)
+        check_episode_lengths(dataset, int(self.offline_agent["max_ep_len"]), where, self.init_from)
         super().__init__(effective_config(configured, self.offline_agent, self.offline_backbone), run_dir, device,
                          dataset=dataset, info=info, options=a.replace(where="agent.init_from", **self.offline_agent))
         if self.options.timestep_overflow == "error":
@@ -589,41 +604,42 @@ class ODTAgent(DTAgent):
         self._envs: gym.vector.VectorEnv | None = None
         self._sampler = None
 
-    @staticmethod
-    def _check_episode_lengths(ds: EpisodeDataset, max_ep_len: int, where: str | None, init_from: str) -> None:
-        """Refuse dataset episodes longer than the offline run's ``agent.max_ep_len`` (the timestep
-        embedding the fine-tuned model keeps), up front and by dataset index.
+    def _starting_state(self, cfg: Any) -> tuple[Mapping[str, Any], Mapping[str, Any], str]:
+        """The checkpoint this run starts from: the offline run's (a new run) or this run's own
+        (``--resume``, which never reads ``agent.init_from`` again). Sets :attr:`offline_agent`
+        and :attr:`offline_backbone`, the offline model's options.
+
+        Returns:
+            (checkpoint state, the offline run's config (``agent`` and ``backbone``), where the
+            model comes from, for messages).
 
         Raises:
-            DatasetError: (a ValueError) naming ``dataset.path``, the first such episode by its
-                dataset index, its length, and the offline run's ``agent.max_ep_len``.
+            ValueError: the offline run lists plugins this run does not, or a resumed checkpoint
+                that was not written by ``agent.kind=odt``.
         """
-
-        try:
-            ds.check_max_ep_len(max_ep_len, "agent.max_ep_len")
-        except DatasetError as exc:
-            e = int(exc.episode)
-            raise DatasetError(
-                f"dataset.path={where}: episode {e} has {int(ds.lengths[e])} steps, more than agent.max_ep_len="
-                f"{max_ep_len} of the offline run (agent.init_from={init_from}): Online DT keeps that run's timestep "
-                f"embedding, which has no entry for step {max_ep_len} (the odt config's agent.max_ep_len is not "
-                f"used); train the offline run with agent.max_ep_len >= {int(ds.lengths.max())}, or fine-tune on "
-                f"data without longer episodes", field="lengths", episode=e, step=max_ep_len) from None
-
-    @staticmethod
-    def _check_dataset(ds: EpisodeDataset, info: DatasetInfo, where: str | None) -> None:
-        """Refuse data of another layout than the offline run's; warn when it is other data."""
-        obs_dim = int(np.prod(ds.observation_shape))
-        act_dim = int(np.prod(ds.action_shape)) if not ds.discrete_actions else -1
-        if ds.discrete_actions or obs_dim != info.obs_dim or act_dim != info.act_dim:
-            raise ValueError(
-                f"dataset.path={where}: observations of {obs_dim} values and actions {ds.action_space}, but the "
-                f"offline run of agent.init_from was trained on {info.obs_dim} and {info.act_dim} continuous values "
-                f"({info.dataset}); fine-tune on data of the same task")
-        if info.num_steps is not None and (ds.num_steps != info.num_steps
-                                           or float(ds.episode_returns.max()) != info.return_max):
-            log.warning("dataset.path=%s is not the data the offline run was trained on (%s): Online DT keeps that "
-                        "run's observation statistics and reward scale", where, info.dataset)
+        resumed = resume_state()
+        if resumed is None:  # a new run: the offline run's checkpoint
+            state, saved = read_offline_run(self.init_from)
+            # its backbone may name kinds of its plugins: this run lists them too (eval, resume)
+            check_source_plugins(saved, cfg.get("plugins"), f"agent.init_from={self.init_from}")
+            sa = saved.get("agent") or {}
+            self.offline_agent = {k: copy.deepcopy(sa.get(k, getattr(DT_OPTIONS, k))) for k in OFFLINE_AGENT_KEYS}
+            self.offline_backbone = dict(saved.get("backbone") or {})
+            src = f"agent.init_from={self.init_from}: Online DT fine-tunes that run's model"
+        else:  # --resume: this run's own checkpoint holds everything (agent.init_from is not read)
+            state = resumed
+            odt = (state.get("extra") or {}).get("odt")
+            if not isinstance(odt, Mapping) or not isinstance(odt.get("agent"), Mapping) \
+                    or not isinstance(odt.get("backbone"), Mapping):
+                raise ValueError("--resume: the checkpoint holds no Online DT model options (extra.odt.agent / "
+                                 "extra.odt.backbone); it was not written by agent.kind=odt and cannot be resumed as one")
+            self.offline_agent = {k: copy.deepcopy(odt["agent"].get(k, getattr(DT_OPTIONS, k)))
+                                  for k in OFFLINE_AGENT_KEYS}
+            self.offline_backbone = copy.deepcopy(dict(odt["backbone"]))
+            saved = {"agent": self.offline_agent, "backbone": self.offline_backbone}
+            src = (f"resume: Online DT fine-tunes the model this run started from (agent.init_from={self.init_from}, "
+                   f"as saved in its checkpoint)")
+        return state, saved, src
 
     # -- Trainable -------------------------------------------------------------------------------
     @property
