@@ -232,6 +232,27 @@ def td_targets(w: SegmentBatch, v: Tensor, gamma: float) -> tuple[Tensor, Tensor
     return target, pair_ok
 
 
+def _q_loss(model: GTrXLModel, hc: Tensor, w: Any, v: Tensor, gamma: float) -> Tensor:
+    """IQL's Q loss: both Q heads (B, T) regressed on r_t + gamma V(s_{t+1}) over the usable
+    (t, t + 1) pairs of window ``w`` (global means under DDP); ``v`` (B, T) detached values."""
+    td_target, pair_ok = td_targets(w, v, gamma)  # (B, T-1) each
+    q1, q2 = model.q(hc, w.actions)  # (B, T) each
+    pair_total = _global_total(pair_ok)
+    return 0.5 * (
+        _masked_mean((q1[:, :-1] - td_target).pow(2), pair_ok, pair_total)
+        + _masked_mean((q2[:, :-1] - td_target).pow(2), pair_ok, pair_total)
+    )
+
+
+def _actor_features(model: GTrXLModel, batch: SegmentBatch, critic: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    """The actor's (B, T, D) features and the auxiliary losses: the critic's encoder output
+    ``critic`` when shared, else the actor encoder's (its losses under ``actor/``)."""
+    if model.critic_encoder is None:
+        return critic.features, critic.aux  # shared encoder
+    actor_out = encode_segment(model.encoder, batch)
+    return actor_out.features, {**critic.aux, **{f"actor/{k}": v for k, v in actor_out.aux.items()}}
+
+
 def iql_loss(
     model: GTrXLModel,
     target: nn.ModuleDict,
@@ -275,21 +296,8 @@ def iql_loss(
     total = _global_total(w.mask)  # None with one process
     v_loss = _masked_mean(expectile_loss(adv, expectile), w.mask, total)
 
-    td_target, pair_ok = td_targets(w, v.detach(), gamma)  # (B, T-1) each
-    q1, q2 = model.q(hc, w.actions)  # (B, T) each
-    pair_total = _global_total(pair_ok)
-    q_loss = 0.5 * (
-        _masked_mean((q1[:, :-1] - td_target).pow(2), pair_ok, pair_total)
-        + _masked_mean((q2[:, :-1] - td_target).pow(2), pair_ok, pair_total)
-    )
-
-    if model.critic_encoder is None:
-        ha = hc  # shared encoder
-        aux = critic.aux
-    else:
-        actor_out = encode_segment(model.encoder, batch)
-        ha = actor_out.features
-        aux = {**critic.aux, **{f"actor/{k}": v for k, v in actor_out.aux.items()}}
+    q_loss = _q_loss(model, hc, w, v.detach(), gamma)
+    ha, aux = _actor_features(model, batch, critic)
     weight = torch.exp(beta * adv.detach()).clamp(max=max_weight)  # (B, T)
     logp = model.actor.log_prob(ha, w.actions)  # (B, T)
     pi_loss = _masked_mean(-weight * logp, w.mask, total)
