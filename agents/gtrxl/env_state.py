@@ -233,3 +233,30 @@ def restore_process_state(col: RolloutCollector, st: Mapping[str, Any]) -> str |
     col.t, col.start = run["t"].to(dev), run["start"].to(dev)
     col.ep_ret, col.ep_len = run["ep_ret"].numpy().copy(), run["ep_len"].numpy().copy()
     return None
+
+
+def resume_note(problem: str, step: int, u: int, *, resumes_rollout: bool, env_steps: int, rollouts: int,
+                rollout_steps: int) -> str:
+    """The warning of a resume at ``step`` that is not bit-identical, because of ``problem``.
+
+    Args:
+        problem: why the environments cannot come back.
+        step: the update the run resumes after; ``u``: updates per rollout.
+        resumes_rollout: the checkpoint holds the rollout of a resume inside one (it is finished exactly).
+        env_steps, rollouts: the restored counters (environment steps of every process).
+        rollout_steps: environment steps of one rollout of every process.
+    """
+    j = step % u
+    note = (f"resume of gtrxl_ppo (on-policy) at step {step} is not bit-identical to an uninterrupted run: "
+            f"{problem}. The weights, optimiser, observation statistics and counters "
+            f"(env_steps={env_steps}, rollouts={rollouts}) are restored; the "
+            f"environments restart with fresh resets (and empty backbone memory)")
+    if not j:
+        return note + " and a fresh rollout"
+    if resumes_rollout:
+        return note + (f" after updates {step + 1}..{step + u - j}, which learn from the last {u - j} "
+                       f"minibatches of the checkpointed rollout {rollouts} exactly")
+    return note + (f" with a fresh rollout: the run stopped after update {j} of the {u} of rollout "
+                   f"{rollouts}, so updates {step + 1}..{step + u - j} learn from the last {u - j} "
+                   f"minibatches of a fresh rollout and train/env_steps counts the "
+                   f"{rollout_steps} steps of the cut rollout too")

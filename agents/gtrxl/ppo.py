@@ -437,25 +437,14 @@ class GTrXLPPO:
         Exact when the checkpoint holds this process's environments (:meth:`process_state`);
         otherwise one line saying what is restored, what restarts and why.
         """
-        problem = self._resume_problem
-        if problem is None:
+        if self._resume_problem is None:
             return None
-        u = self.updates_per_rollout
-        j = step % u
         col = self.collector
-        note = (f"resume of gtrxl_ppo (on-policy) at step {step} is not bit-identical to an uninterrupted run: "
-                f"{problem}. The weights, optimiser, observation statistics and counters "
-                f"(env_steps={col.env_steps * self.world_size}, rollouts={col.rollouts}) are restored; the "
-                f"environments restart with fresh resets (and empty backbone memory)")
-        if not j:
-            return note + " and a fresh rollout"
-        if self._rollout is not None and self._served == j:
-            return note + (f" after updates {step + 1}..{step + u - j}, which learn from the last {u - j} "
-                           f"minibatches of the checkpointed rollout {col.rollouts} exactly")
-        return note + (f" with a fresh rollout: the run stopped after update {j} of the {u} of rollout "
-                       f"{col.rollouts}, so updates {step + 1}..{step + u - j} learn from the last {u - j} "
-                       f"minibatches of a fresh rollout and train/env_steps counts the "
-                       f"{self.n_steps * self.n_envs * self.world_size} steps of the cut rollout too")
+        return env_state.resume_note(
+            self._resume_problem, step, self.updates_per_rollout,
+            resumes_rollout=self._rollout is not None and self._served == step % self.updates_per_rollout,
+            env_steps=col.env_steps * self.world_size, rollouts=col.rollouts,
+            rollout_steps=self.n_steps * self.n_envs * self.world_size)
 
     # -- inference side -------------------------------------------------------------------------
     def policy(self, deterministic: bool | None = None) -> GTrXLPolicy:
