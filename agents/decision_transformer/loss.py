@@ -38,6 +38,25 @@ def masked_mean(x: Tensor, w: Tensor, total: Tensor | None = None) -> Tensor:
     return (x * w).sum() / w.sum().clamp_min(1.0)
 
 
+def _gaussian_loss(model: DecisionTransformer, out: Any, target: Tensor, mask: Tensor, total: Tensor | None,
+                   exits: Tensor | None, metrics: dict[str, Any]) -> Tensor:
+    """Online DT's loss of the gaussian head: NLL of the actions (or the early-exit terms
+    ``exits``) minus temperature x entropy (a one-sample estimate), plus the temperature loss
+    toward ``model.target_entropy`` (Zheng et al. 2022); logs into ``metrics``."""
+    nll = -masked_mean(squashed_gaussian_log_prob(out.mean, out.log_std, target), mask, total)
+    metrics["nll_last"] = nll.detach()
+    if exits is not None:
+        nll = exits
+    sample = squashed_gaussian_sample(out.mean, out.log_std)
+    entropy = -masked_mean(squashed_gaussian_log_prob(out.mean, out.log_std, sample), mask, total)  # MC estimate
+    temperature = model.log_temperature.exp()
+    # policy term uses a fixed temperature; the temperature term moves it toward the target entropy
+    loss = nll - temperature.detach() * entropy + temperature * (entropy.detach() - model.target_entropy)
+    metrics.update(nll=nll.detach(), entropy=entropy.detach(), temperature=temperature.detach())
+    metrics["action_mse"] = masked_mean((out.action - target).pow(2).mean(-1), mask, total).detach()
+    return loss
+
+
 def dt_loss(model: DecisionTransformer, batch: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Any]]:
     """Training loss of a :class:`DecisionTransformer` on one batch of windows.
 
@@ -79,17 +98,7 @@ def dt_loss(model: DecisionTransformer, batch: Mapping[str, Tensor]) -> tuple[Te
         if exits is not None:
             loss = exits
     elif cfg.head == "gaussian":
-        nll = -masked_mean(squashed_gaussian_log_prob(out.mean, out.log_std, target), mask, total)
-        metrics["nll_last"] = nll.detach()
-        if exits is not None:
-            nll = exits
-        sample = squashed_gaussian_sample(out.mean, out.log_std)
-        entropy = -masked_mean(squashed_gaussian_log_prob(out.mean, out.log_std, sample), mask, total)  # MC estimate
-        temperature = model.log_temperature.exp()
-        # policy term uses a fixed temperature; the temperature term moves it toward the target entropy
-        loss = nll - temperature.detach() * entropy + temperature * (entropy.detach() - model.target_entropy)
-        metrics.update(nll=nll.detach(), entropy=entropy.detach(), temperature=temperature.detach())
-        metrics["action_mse"] = masked_mean((out.action - target).pow(2).mean(-1), mask, total).detach()
+        loss = _gaussian_loss(model, out, target, mask, total, exits, metrics)
     else:
         loss = masked_mean((out.action - target).pow(2).mean(-1), mask, total)  # (B, P) -> scalar
         metrics["action_mse"] = loss.detach()
