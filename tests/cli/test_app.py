@@ -54,9 +54,7 @@ def test_interrupted_demo_says_how_to_get_its_evaluation_and_plot(tmp_path: Path
 
     from rl_tformers.agents.common import demo
 
-    from rl_tformers.runtime import trainer
-
-    monkeypatch.setattr(trainer, "train", lambda cfg, run_dir, **kw: SimpleNamespace(interrupted=2, step=139))
+    monkeypatch.setattr(demo, "train", lambda cfg, run_dir, **kw: SimpleNamespace(interrupted=2, step=139))
     run = tmp_path / "demo"
     with pytest.raises(InterruptedError) as exc:
         demo.run_demo(out_dir=run, n_episodes=3, eval_episodes=4, echo=lambda s: None)
