@@ -134,11 +134,20 @@ def match_type(spec: Any, value: Any) -> Any:
         ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
         return plain_number(value) if ok else NO_MATCH
     if spec is float:
-        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and _finite(value)
         return plain_number(value) if ok else NO_MATCH
     if spec is str:
         return value if type(value) is str else str(value) if isinstance(value, str) else NO_MATCH
     return value
+
+
+def _finite(value: numbers.Real) -> bool:
+    """``value`` is a finite number a float can hold (an integer beyond ~1.8e308 is not: math.isfinite
+    would raise OverflowError on it)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 # -- fields -----------------------------------------------------------------------------------------

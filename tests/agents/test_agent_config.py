@@ -40,6 +40,22 @@ def test_wrong_type_is_refused_naming_the_key() -> None:
         "agent.prev_action must be true or false, got 'maybe' (str)")
 
 
+def test_an_integer_too_large_for_a_float_field_is_refused_naming_the_key() -> None:
+    big = "1" + "0" * 400  # beyond the largest float: math.isfinite raises OverflowError on it
+    assert _refused("agent.kind=dt", f"agent.target_entropy={big}") == (
+        f"agent.target_entropy must be a finite number or null, got {big} (int)")
+
+
+def test_a_list_given_for_a_nested_section_is_refused_naming_the_section(tmp_path) -> None:
+    f = tmp_path / "knn.yaml"
+    f.write_text("agent:\n  kind: dt\n  knn: [1, 2]\n")
+    with pytest.raises(ConfigError) as exc:
+        compose(f)
+    assert str(exc.value) == (f"agent.knn must be a mapping (keys: lam, k, temperature, max_entries, metric), "
+                              f"got [1, 2] [{f}]")
+    assert _refused("agent.kind=bc", "agent.hidden={a: 1}") == "agent.hidden must be a list, got {'a': 1} [command line]"
+
+
 def test_out_of_range_is_refused_naming_the_key() -> None:
     assert _refused("agent.kind=gtrxl_ppo", "agent.gamma=1.5") == "agent.gamma must be a number in [0, 1], got 1.5"
     assert _refused("agent.kind=dt", "agent.knn.metric=cosine") == "agent.knn.metric must be one of 'l2', 'ip', got 'cosine'"
