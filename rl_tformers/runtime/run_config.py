@@ -54,6 +54,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -349,6 +350,18 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
         return OmegaConf.from_dotlist(items)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"bad override: {exc}") from exc
+    except yaml.YAMLError as exc:  # a value that is not YAML, e.g. {lam:[1]} (YAML needs "lam: [1]")
+        bad = next((item for item in items if not _parses(item)), ", ".join(items))
+        problem = str(getattr(exc, "problem", None) or exc).strip().splitlines()[0]
+        raise ConfigError(f"override {bad!r}: the value is not YAML ({problem})") from exc
+
+
+def _parses(item: str) -> bool:
+    try:
+        OmegaConf.from_dotlist([item])
+    except (OmegaConfBaseException, yaml.YAMLError):
+        return False
+    return True
 
 
 # -- composing -------------------------------------------------------------------------------------
@@ -385,6 +398,33 @@ def _merge_checked(base: DictConfig, layer: Any, source: str) -> DictConfig:
         return OmegaConf.merge(base, layer)
     except OmegaConfBaseException as exc:
         raise _translate(exc, base, source) from exc
+    except TypeError as exc:  # OmegaConf names no key when a list meets a mapping
+        clash = _container_clash(base, layer)
+        if clash is None:
+            raise
+        raise ConfigError(f"{clash} [{source}]") from exc
+
+
+def _container_clash(base: Any, layer: Any, prefix: str = "") -> str | None:
+    """Where ``layer`` puts a list on a mapping of ``base`` or a mapping on a list: ``"agent.knn
+    must be a mapping (keys: lam, k, ...), got [1, 2]"``; None if it does not."""
+    if not isinstance(base, DictConfig) or not isinstance(layer, DictConfig):
+        return None
+    for key in layer.keys():
+        if key not in base:
+            continue
+        old, new, full = base._get_node(key), layer._get_node(key), f"{prefix}{key}"
+        if isinstance(new, (DictConfig, ListConfig)) and new._is_none():
+            continue
+        if isinstance(old, DictConfig) and isinstance(new, ListConfig):
+            keys = ", ".join(str(k) for k in old.keys())
+            return f"{full} must be a mapping (keys: {keys}), got {OmegaConf.to_container(new)}"
+        if isinstance(old, ListConfig) and isinstance(new, DictConfig):
+            return f"{full} must be a list, got {OmegaConf.to_container(new)}"
+        found = _container_clash(old, new, f"{full}.")
+        if found is not None:
+            return found
+    return None
 
 
 def _drop_replaced_slots(cfg: DictConfig, layer: Any, source: str = "") -> None:
@@ -436,13 +476,23 @@ def _check_dataset_layer(layer: Any, source: str) -> None:
 
 def _agent_kind(user: DictConfig) -> str:
     agent = user.get("agent")
+    if agent is not None and not isinstance(agent, DictConfig):
+        raise ConfigError(f"agent must be a mapping with a kind key (e.g. agent: {{kind: dt}}), got "
+                          f"{_plain_value(agent)!r}; registered kinds: {', '.join(available_agents())}")
     kind = agent.get("kind") if isinstance(agent, DictConfig) and not OmegaConf.is_missing(agent, "kind") else None
-    if kind is None or not isinstance(kind, str):
+    if kind is not None and not isinstance(kind, str):
+        raise ConfigError(f"agent.kind must be the name of a registered kind ({', '.join(available_agents())}), "
+                          f"got {_plain_value(kind)!r}")
+    if kind is None:
         raise ConfigError(
             f"agent.kind is required (set it in the config file or as agent.kind=...); "
             f"registered kinds: {', '.join(available_agents())}"
         )
     return kind
+
+
+def _plain_value(value: Any) -> Any:
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
 
 
 def _plugins_of(user: DictConfig) -> list:

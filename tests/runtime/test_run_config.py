@@ -68,6 +68,9 @@ def test_packaged_config_by_name() -> None:
         ("train.betas=[0.9]", r"train\.betas must be two numbers"),
         ("device=tpu", r"device='tpu'"),
         ("eval.every=-1", r"eval\.every must be >= 0"),
+        ("backbone=[1]", r"^backbone must be a mapping \(keys: d_model, .*\), got \[1\] \[command line\]$"),
+        ("train.betas={a: 1}", r"^train\.betas must be a list, got \{'a': 1\} \[command line\]$"),
+        ("train.lr={a:[1]}", r"^override 'train\.lr=\{a:\[1\]\}': the value is not YAML \(found unexpected ':'\)$"),
     ],
 )
 def test_bad_overrides_name_the_dotted_key(override: str, pattern: str) -> None:
@@ -87,6 +90,23 @@ def test_unknown_agent_lists_registered_kinds() -> None:
         compose(None, ["agent.kind=nope"])
     with pytest.raises(ConfigError, match=r"agent\.kind is required.*toy"):
         compose(None, ["train.steps=3"])
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("agent=5", "agent must be a mapping with a kind key (e.g. agent: {kind: dt}), got 5; registered kinds: "),
+        ("agent=[toy]", "agent must be a mapping with a kind key (e.g. agent: {kind: dt}), got ['toy']; registered "
+                        "kinds: "),
+        ("agent.kind=5", "agent.kind must be the name of a registered kind ("),
+        ("agent.kind=[toy]", "agent.kind must be the name of a registered kind ("),
+    ],
+)
+def test_an_agent_kind_of_the_wrong_type_is_named_not_called_missing(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        compose(None, [override])
+    assert str(exc.value).startswith(expected), str(exc.value)
+    assert "toy" in str(exc.value) and "\n" not in str(exc.value)
 
 
 def test_override_syntax() -> None:
