@@ -149,13 +149,13 @@ def embedding_table(rows: int, dim: int, option: str) -> nn.Embedding:
 
     Raises:
         ValueError: the (rows, dim) float32 table cannot be allocated (a config value far beyond
-            the data); the message gives its size in bytes and the option to lower, instead of
+            the data, or beyond int64); the message gives its size in bytes and the option to lower, instead of
             the allocator's bare RuntimeError.
     """
     try:
         return nn.Embedding(rows, dim)
-    except RuntimeError as err:
-        if "alloc" not in str(err):
+    except (RuntimeError, TypeError) as err:  # TypeError: a size beyond int64 ("Overflow when unpacking long")
+        if "alloc" not in str(err) and "Overflow" not in str(err):
             raise
         raise ValueError(
             f"the ({rows}, {dim}) float32 table sized by {option} ({rows * dim * 4:,} bytes) cannot be "

@@ -13,6 +13,7 @@ from rl_tformers import Backbone, BackboneConfig
 from rl_tformers.backbone_config import BuildContext
 from rl_tformers.position.absolute import sinusoid
 from rl_tformers.position.alibi import alibi_slopes
+from rl_tformers.position.base import embedding_table
 from rl_tformers.position.distance_aware import da_weight
 from rl_tformers.registry import POSITION
 
@@ -286,3 +287,12 @@ def test_xl_relative_bias_contiguous_positions_unchanged():
     pos_q = pos_k[:, -3:]
     with torch.no_grad():
         torch.testing.assert_close(mod.score_bias(q, pos_q, pos_k), _brute_bias(mod, q, pos_q, pos_k), atol=1e-10, rtol=0)
+
+
+def test_an_embedding_table_beyond_int64_rows_is_refused_naming_the_option() -> None:
+    """10**20 rows do not fit torch's int64 sizes: a ValueError naming the option, not torch's TypeError."""
+    rows = 10**20
+    with pytest.raises(ValueError) as exc:
+        embedding_table(rows, 16, "agent.max_ep_len")
+    assert str(exc.value) == (f"the ({rows}, 16) float32 table sized by agent.max_ep_len ({rows * 64:,} bytes) cannot "
+                              f"be allocated; lower agent.max_ep_len to the largest position/step the data really has")
