@@ -117,6 +117,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import importlib
 import pkgutil
 import traceback
@@ -332,7 +333,9 @@ def get_agent(kind: str) -> AgentEntry:
     discover_agents()
     if kind in _AGENTS:
         return _AGENTS[kind]
-    msg = (f"agent.kind={kind!r} is not registered; registered kinds: {', '.join(sorted(_AGENTS)) or '(none)'} "
+    close = difflib.get_close_matches(str(kind), sorted(_AGENTS), n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    msg = (f"agent.kind={kind!r} is not registered; {hint}registered kinds: {', '.join(sorted(_AGENTS)) or '(none)'} "
            f"(an agent of your own registers when its module is listed in plugins)")
     if _IMPORT_FAILURES:
         msg += "\nagent modules that failed to import:\n" + "\n".join(f"  {m}: {e}" for m, e in _IMPORT_FAILURES.items())
