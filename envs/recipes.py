@@ -33,6 +33,7 @@ same returns) with only joint positions recorded, the memory benchmark for GTrXL
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import json
 import os
@@ -185,14 +186,17 @@ def match_recipes(patterns: list[str], steps: int = DEFAULT_STEPS) -> list[Recip
     """Recipes whose names match any of ``patterns`` (exact names or shell globs, e.g. ``hopper-*``).
 
     Raises:
-        ValueError: a pattern matches nothing (the message lists the recipes).
+        ValueError: a pattern matches nothing (the message names the closest recipe name, if
+            any, and lists the recipes).
     """
     recipes = all_recipes(steps)
     out: list[Recipe] = []
     for pat in patterns:
         hits = [r for name, r in recipes.items() if fnmatch.fnmatchcase(name, pat)]
         if not hits:
-            raise ValueError(f"no recipe matches {pat!r}; recipes: {', '.join(recipes)}")
+            close = difflib.get_close_matches(pat, list(recipes), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ValueError(f"no recipe matches {pat!r}; {hint}recipes: {', '.join(recipes)}")
         out.extend(h for h in hits if h not in out)
     return out
 

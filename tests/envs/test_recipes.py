@@ -30,6 +30,15 @@ def test_recipe_catalogue():
         "hopper-medium", "hopper-medium-positions"]
 
 
+def test_a_misspelt_recipe_name_is_refused_naming_the_closest_recipe():
+    with pytest.raises(ValueError) as exc:
+        match_recipes(["hoper-medium"])
+    assert str(exc.value).startswith("no recipe matches 'hoper-medium'; did you mean hopper-medium? recipes: hopper-random, ")
+    with pytest.raises(ValueError) as exc:
+        match_recipes(["pong-*"])
+    assert str(exc.value).startswith("no recipe matches 'pong-*'; recipes: hopper-random, ")
+
+
 def documented_rows():
     """Rows of the recipe table in docs/data.md that carry measured numbers."""
     rows = []
