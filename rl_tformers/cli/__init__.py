@@ -153,19 +153,35 @@ def short_warnings() -> None:
     warnings.formatwarning = fmt
 
 
+def _run_finished() -> bool:
+    """True once a ``train`` command of this process saved a complete run."""
+    import sys
+
+    train_commands = sys.modules.get("rl_tformers.cli.train")  # loaded only by commands that train
+    return train_commands is not None and train_commands.finished_run()
+
+
+def _interrupt_unless_finished(signum, frame) -> None:
+    """SIGINT handler of the console script: Python's KeyboardInterrupt, except once a ``train``
+    command has saved a complete run (the summary, then the interpreter's shutdown of torch and
+    the environments: up to a second), when a Ctrl-C changes nothing and the exit status stays 0
+    rather than 130."""
+    if not _run_finished():
+        raise KeyboardInterrupt
+
+
 def main() -> None:
+    import signal
+
     short_warnings()
+    # installed before the command runs, so no moment exists between "the run is saved" and
+    # "a Ctrl-C is ignored" in which the default handler could still end the process
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt_unless_finished)
     try:
         app()
     finally:
-        import sys
-
-        train_commands = sys.modules.get("rl_tformers.cli.train")  # loaded only by commands that train
-        if train_commands is not None and train_commands.finished_run():
-            # the run is complete and saved: a Ctrl-C while the interpreter shuts down (torch,
-            # environments: up to a second) must not turn the exit status into 130 or a kill
-            import signal
-
+        if _run_finished():  # the interpreter's shutdown resets Python-level handlers; SIG_IGN survives it
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 

@@ -9,17 +9,20 @@ package is edited to add it.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import pytest
 import torch
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
+from rl_tformers.runtime import agent_registry
 from rl_tformers.runtime.agent_registry import get_agent, register_agent
 from rl_tformers.runtime.evaluation import eval_seed, evaluate, report_logs
 from rl_tformers.runtime.protocol import EvaluableAgent, Policy, Trainable
@@ -104,9 +107,17 @@ class LinearAgent:
         assert state == {"env_id": "CartPole-v1"}
 
 
-@register_agent(KIND, description="linear CartPole policy (protocol test)", config_cls=LinearConfig)
 def build(cfg: Any, run_dir: Path, device: torch.device) -> LinearAgent:
     return LinearAgent(cfg)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def registered() -> Iterator[None]:
+    """The kind is registered while this module's tests run, and only then: other tests see
+    the package's own registry."""
+    register_agent(KIND, description="linear CartPole policy (protocol test)", config_cls=LinearConfig)(build)
+    yield
+    agent_registry._AGENTS.pop(KIND, None)
 
 
 def test_the_test_agent_implements_both_sides_of_the_protocol() -> None:
