@@ -5,7 +5,8 @@ Modules (import them directly; this package imports nothing heavy):
 * :mod:`~rl_tformers.envs.dataset`: :class:`EpisodeDataset` (flat step arrays + episode table),
   :class:`DatasetError`, :class:`DatasetMetadata`, :class:`LazyH5Array`.
 * :mod:`~rl_tformers.envs.loaders`: ``load_dataset`` (Minari id / folder / D4RL HDF5),
-  ``load_minari``, ``load_d4rl_hdf5``, ``save_d4rl_hdf5``, ``data_root``.
+  ``load_minari``, ``open_minari`` (lazy: :mod:`~rl_tformers.envs.minari_episodes`),
+  ``load_d4rl_hdf5``, ``save_d4rl_hdf5``, ``data_root``.
 * :mod:`~rl_tformers.envs.trajectory`: ``returns_to_go``, ``next_return_to_go``,
   ``observation_stats``, ``reward_scale``, ``top_fraction``.
 * :mod:`~rl_tformers.envs.samplers`: ``WindowSampler`` (Decision Transformer), ``SegmentSampler``

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import json
 import math
 import os
@@ -39,6 +40,7 @@ from rl_tformers.envs.dataset import (
     unbounded_box,
     unsupported_action_space,
 )
+from rl_tformers.envs.minari_episodes import MinariEpisodes
 from rl_tformers.envs.pomdp import POMDP_KINDS
 from rl_tformers.envs.recipes import all_recipes, policies_dir
 from rl_tformers.envs.scores import task_family
@@ -193,7 +195,8 @@ def load_minari(
     max_ep_len: int | None = None,
     validate: bool = True,
 ) -> EpisodeDataset:
-    """Load a Minari dataset (by id or folder) into memory.
+    """Load a Minari dataset (by id or folder) into memory: :func:`open_minari` then
+    :meth:`MinariEpisodes.load() <rl_tformers.envs.minari_episodes.MinariEpisodes.load>`.
 
     Args:
         spec: Minari id (``"namespace/name-vN"``) or a dataset folder (its ``data/`` subfolder or
@@ -211,15 +214,40 @@ def load_minari(
         dataset's ``ref_min_score``/``ref_max_score`` when its metadata has them.
 
     Raises:
+        FileNotFoundError, RuntimeError: as :func:`open_minari`.
+        DatasetError: what :func:`open_minari` refuses, episodes that cannot be read (a missing
+            episode group or array), malformed data (see :meth:`EpisodeDataset.validate` and
+            :meth:`EpisodeDataset.from_episodes`), an episode whose observation count is not its
+            action count + 1, or (``validate=True``) episodes holding another number of steps
+            than the metadata's ``total_steps``.
+    """
+    return open_minari(spec, download=download, flatten_observations=flatten_observations, root=root).load(
+        validate=validate, max_ep_len=max_ep_len)
+
+
+def open_minari(
+    spec: str | os.PathLike,
+    *,
+    download: bool = False,
+    flatten_observations: bool = False,
+    root: str | os.PathLike | None = None,
+) -> MinariEpisodes:
+    """Open a Minari dataset (by id or folder) without reading its episodes.
+
+    Reads ``metadata.json`` only: spaces, ``total_episodes`` / ``total_steps``, reference
+    scores and the project's own record. Episodes are read when asked for
+    (:class:`~rl_tformers.envs.minari_episodes.MinariEpisodes`: ``episodes``,
+    ``sample_episodes``, ``load``). Arguments as :func:`load_minari`.
+
+    Raises:
         FileNotFoundError: id not found locally and ``download`` is False (the message says
             where it looked and how to download or build it).
         RuntimeError: ``download=True`` but the download failed (e.g. no network).
         DatasetError: a folder Minari cannot open (no ``main_data.hdf5``, ``metadata.json`` not
-            JSON) or whose episodes cannot be read (a missing episode group or array), malformed data (see :meth:`EpisodeDataset.validate` and
-            :meth:`EpisodeDataset.from_episodes`), an episode whose observation count is not its
-            action count + 1, metadata ``ref_min_score``/``ref_max_score`` that are not finite
-            numbers with ``ref_max_score > ref_min_score``, or a malformed ``pomdp`` record
-            (:func:`check_pomdp_record`).
+            JSON), an action space other than Box/Discrete, a Dict/Tuple observation space
+            without ``flatten_observations``, metadata ``ref_min_score``/``ref_max_score`` that
+            are not finite numbers with ``ref_max_score > ref_min_score``, or a malformed
+            ``pomdp`` record (:func:`check_pomdp_record`).
     """
     import minari
 
@@ -262,12 +290,6 @@ def load_minari(
     flat_space = _check_spaces(obs_space, act_space, flatten_observations)
     needs_flatten = flat_space is not obs_space
 
-    def episodes():
-        for ep in md.iterate_episodes():
-            obs = flatten_batch(obs_space, ep.observations) if needs_flatten else ep.observations
-            yield {"observations": obs, "actions": ep.actions, "rewards": ep.rewards,
-                   "terminations": ep.terminations, "truncations": ep.truncations}
-
     own = meta.get(META_KEY) or {}
     if isinstance(own, str):
         try:
@@ -277,12 +299,6 @@ def load_minari(
     if not isinstance(own, dict):
         raise DatasetError(f"{path}: metadata {META_KEY!r} is a {type(own).__name__}, expected an object",
                            field=META_KEY)
-    try:
-        eps = list(episodes())
-    except DatasetError:
-        raise
-    except Exception as exc:  # an episode group or array missing from main_data.hdf5, unreadable data
-        raise DatasetError(f"{path}: cannot read the episodes ({type(exc).__name__}: {exc})") from exc
     env_spec = md.env_spec
     env_id = getattr(env_spec, "id", None)
     recorded = own.get("env_id")
@@ -298,11 +314,9 @@ def load_minari(
         extra={k: meta[k] for k in ("algorithm_name", "description") if k in meta} | {
             k: v for k, v in own.items() if k != "pomdp"},
     )
-    ds = EpisodeDataset.from_episodes(eps, observation_space=flat_space, action_space=act_space,
-                                      metadata=metadata, validate=False)
-    if validate:
-        ds.validate(max_ep_len=max_ep_len)
-    return ds
+    return MinariEpisodes(md, observation_space=flat_space, action_space=act_space, metadata=metadata,
+                          flatten=functools.partial(flatten_batch, obs_space) if needs_flatten else None,
+                          where=str(path))
 
 
 def check_pomdp_record(record, obs_shape: tuple[int, ...], where: str) -> dict | None:
