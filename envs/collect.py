@@ -301,7 +301,7 @@ def collect(
         hdf5: also write a D4RL-layout HDF5 file there.
         overwrite: replace an existing dataset of that id.
         progress: show progress on stderr: a tqdm bar on a terminal, else a plain line every
-            30 s and at the end (:func:`~rl_tformers.runtime.progress.progress_bar`).
+            10 s or 5% of the steps and at the end (:func:`~rl_tformers.runtime.progress.progress_bar`).
         description: stored in the Minari metadata.
         record: extra JSON facts for the metadata (recipe name, policies...).
         env_kwargs: passed to ``gym.make``.

@@ -4,22 +4,29 @@ on a terminal, plain lines elsewhere.
 A tqdm bar redraws itself with carriage returns; written to a file (``nohup rl-tformers train
 ... > log``, a batch job's output, a sweep's run log) every redraw stays in it as a fragment
 of one endless line. So :func:`progress_bar` draws the bar only when its stream is a terminal
-and otherwise prints one ordinary line every :data:`PLAIN_INTERVAL_S` seconds and one at the
-end (``train: 1200/5000 steps (24%), 41.3 steps/s, elapsed 29s, about 1m32s left, loss=0.0312``).
+and otherwise prints one ordinary line every :data:`PLAIN_INTERVAL_S` seconds or every
+:data:`PLAIN_FRACTION` of the run, whichever comes first, and one at the end
+(``train: 1200/5000 steps (24%), 41.3 steps/s, elapsed 29s, about 1m32s left, loss=0.0312``).
 
 No heavy imports: tqdm is imported only for a terminal.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 from tqdm.auto import tqdm
 
-#: Seconds between two plain progress lines (when the stream is not a terminal).
-PLAIN_INTERVAL_S = 30.0
+#: Most seconds between two plain progress lines (when the stream is not a terminal).
+PLAIN_INTERVAL_S = 10.0
+
+#: Most progress, as a fraction of the total count, between two plain progress lines (5%:
+#: about 20 lines over a run of known length, however fast it runs).
+PLAIN_FRACTION = 0.05
 
 
 def is_terminal(stream: Any) -> bool:
@@ -44,9 +51,11 @@ class PlainProgress:
     """A progress report in plain lines, with the part of tqdm's interface the commands use
     (``update``, ``set_postfix``, ``close``, ``n``, ``disable``).
 
-    A line is printed when :meth:`update` finds ``interval_s`` seconds passed since the last one,
-    and by :meth:`close` when the count moved since the last line (so a run shorter than the
-    interval prints one line, at its end). Nothing is printed when ``disable`` is True.
+    A line is printed when :meth:`update` finds ``interval_s`` seconds passed since the last one
+    or the count advanced by ``fraction`` of ``total`` (rounded up to a whole unit) since it,
+    whichever comes first, and by :meth:`close` when the count moved since the last line (so a
+    run of unknown length shorter than the interval prints one line, at its end). Nothing is
+    printed when ``disable`` is True.
 
     Args:
         total: the count at completion (None: unknown; no percentage or time left; a count past
@@ -55,29 +64,37 @@ class PlainProgress:
         desc: the line's prefix (``train``, a dataset id).
         unit: what is counted (``step``).
         file: the stream (default ``sys.stderr`` at the time of the call).
-        interval_s: seconds between two lines (default :data:`PLAIN_INTERVAL_S`).
+        interval_s: most seconds between two lines (default :data:`PLAIN_INTERVAL_S`).
+        fraction: most progress between two lines, a fraction of ``total`` (default
+            :data:`PLAIN_FRACTION`; not used when ``total`` is unknown).
         disable: print nothing.
+        clock: the time source, in seconds (default ``time.monotonic``).
     """
 
     def __init__(self, total: int | None = None, *, initial: int = 0, desc: str = "", unit: str = "step",
-                 file: IO[str] | None = None, interval_s: float | None = None, disable: bool = False) -> None:
+                 file: IO[str] | None = None, interval_s: float | None = None, fraction: float | None = None,
+                 disable: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         self.total = total
         self.n = self._start = self._printed = int(initial)
         self.desc, self.unit = desc, unit
         self.file = file
         self.interval_s = PLAIN_INTERVAL_S if interval_s is None else float(interval_s)
+        share = PLAIN_FRACTION if fraction is None else float(fraction)
+        #: count between two lines (None: by time only)
+        self.every = max(1, math.ceil(share * total)) if total and share > 0 else None
         self.disable = disable
         self.postfix: dict[str, Any] = {}
         self._postfix_at = self.n  # the count when the postfix was set (its values are from then)
-        self._t0 = self._last = time.monotonic()
+        self._clock = clock
+        self._t0 = self._last = clock()
         self._closed = False
 
     def update(self, n: int = 1) -> None:
         self.n += n
         if self.disable:
             return
-        now = time.monotonic()
-        if now - self._last >= self.interval_s:
+        now = self._clock()
+        if now - self._last >= self.interval_s or (self.every is not None and self.n - self._printed >= self.every):
             self._print(now)
 
     def set_postfix(self, ordered_dict: dict[str, Any] | None = None, refresh: bool = True, **kwargs: Any) -> None:
@@ -87,12 +104,12 @@ class PlainProgress:
 
     def close(self) -> None:
         if not self.disable and not self._closed and self.n != self._printed:
-            self._print(time.monotonic())
+            self._print(self._clock())
         self._closed = True
 
     def line(self, now: float | None = None) -> str:
-        """The progress line at ``now`` (``time.monotonic()``; default: now)."""
-        now = time.monotonic() if now is None else now
+        """The progress line at ``now`` (a time of the clock; default: now)."""
+        now = self._clock() if now is None else now
         elapsed = now - self._t0
         units = f"{self.unit}s"
         known = bool(self.total) and self.n <= self.total  # (SB3 may run past the steps asked for)

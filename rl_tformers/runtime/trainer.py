@@ -67,6 +67,7 @@ from rl_tformers.runtime.agent_registry import (
 from rl_tformers.runtime.cpu_matmul import apply_cpu_matmul
 from rl_tformers.runtime.data import batch_stream
 from rl_tformers.runtime.device import autocast, batch_size_of, move_to, resolve_device
+from rl_tformers.runtime.evaluation import logs_line
 from rl_tformers.runtime.optim import (
     LRSchedule,
     build_optimizer,
@@ -630,6 +631,7 @@ class Trainer:
                 log.warning("evaluate() returned %s=%r: not a scalar or figure, not logged", key, type(value).__name__)
         scalars["eval/time_s"] = time.perf_counter() - t0
         logger.scalars(self.step, scalars)
+        log.info("%s", logs_line(self.step, scalars))  # the console's record, as metrics.jsonl's
         return scalars
 
     def _evaluate_or_save(self, logger: RunLogger, *, saved: bool, checkpoint: Path | None) -> dict[str, float]:

@@ -77,3 +77,19 @@ def test_non_finite_eval_targets_refused_by_evaluate() -> None:
 
     with pytest.raises(ValueError, match="finite"):
         evaluate(None, lambda: None, [float("nan")], episodes=1, n_envs=1)
+
+
+def test_console_line_of_an_evaluation_gives_each_target_return_and_score() -> None:
+    from rl_tformers.runtime.evaluation import logs_line
+
+    a = TargetResult(target_return=3600.0, returns=[1000.0, 1100.0], lengths=[5, 5], seeds=[0, 1],
+                     normalized=[30.0, 32.0])
+    b = TargetResult(target_return=1800.0, returns=[900.0, 900.0], lengths=[5, 5], seeds=[0, 1],
+                     normalized=[27.0, 27.0])
+    logs = {**report_logs(EvalReport([a, b], env_id="Hopper-v5", episodes=2, n_envs=2, seed=0)), "eval/time_s": 4.25}
+    assert logs_line(1000, logs) == ("eval at step 1000: target 3600: return 1050.0 +- 50.0, normalised score 31.0; "
+                                     "target 1800: return 900.0 +- 0.0, normalised score 27.0 (4.2 s)")
+    plain = report_logs(EvalReport([TargetResult(target_return=None, returns=[7.0], lengths=[7], seeds=[0])],
+                                   env_id="CartPole-v1", episodes=1, n_envs=1, seed=0))
+    assert logs_line(5, plain) == "eval at step 5: return 7.0 +- 0.0"
+    assert logs_line(3, {"eval/mse": 0.0123, "eval/time_s": 0.5}) == "eval at step 3: mse=0.0123 (0.5 s)"

@@ -14,31 +14,76 @@ from rl_tformers.runtime.trainer import train
 
 
 # ---------------------------------------------------------------------- progress without a tty
-def test_train_progress_without_a_terminal_is_plain_lines(tmp_path: Path, capsys: pytest.CaptureFixture,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_train_progress_without_a_terminal_is_plain_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """stderr is not a terminal under pytest's capture, as in ``nohup rl-tformers train > log``.
-    Each line is a plain line there (tqdm's redraws, ``\\r``, would fill the log)."""
+    Each line is a plain line there (tqdm's redraws, ``\\r``, would fill the log); a 6-step run
+    prints a line at every step (5% of the run rounds up to one step)."""
     cfg = compose(None, ["agent.kind=toy", "device=cpu", "train.steps=6", "train.log_every=3",
                          "train.warmup_steps=1", "eval.at_end=false", "train.progress=true"])
-    train(cfg, tmp_path / "short")  # shorter than the interval: one line, at the end
-    err = capsys.readouterr().err
-    assert "\r" not in err
-    lines = [ln for ln in err.splitlines() if ln.startswith("train: ")]
-    assert len(lines) == 1 and lines[0].startswith("train: 6/6 steps (100%), ") and "loss=" in lines[0]
-
-    from rl_tformers.runtime import progress as progress_mod
-
-    monkeypatch.setattr(progress_mod, "PLAIN_INTERVAL_S", 0.0)  # a long run: a line at every interval
-    train(cfg, tmp_path / "long")
+    train(cfg, tmp_path / "short")
     err = capsys.readouterr().err
     assert "\r" not in err
     lines = [ln for ln in err.splitlines() if ln.startswith("train: ")]
     assert [ln.split(" steps")[0] for ln in lines] == [f"train: {k}/6" for k in range(1, 7)]
+    assert lines[-1].startswith("train: 6/6 steps (100%), ") and "loss=" in lines[-1]
     assert "about " in lines[0] and " left" in lines[0] and "left" not in lines[-1]
 
     train(compose(None, ["agent.kind=toy", "device=cpu", "train.steps=2", "eval.at_end=false",
                          "train.progress=false"]), tmp_path / "quiet")
     assert "train: " not in capsys.readouterr().err
+
+
+class FakeClock:
+    """A clock the test moves by hand (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _counts(text: str) -> list[int]:
+    return [int(ln.split(": ")[1].split("/")[0].split(" ")[0]) for ln in text.splitlines()]
+
+
+def test_plain_progress_prints_every_5_percent_of_a_fast_run() -> None:
+    """1000 updates at one instant: a line at every 50 (5%), none in between, none again at close."""
+    from rl_tformers.runtime.progress import PlainProgress
+
+    out, clock = io.StringIO(), FakeClock()
+    bar = PlainProgress(1000, desc="train", file=out, clock=clock)
+    for _ in range(1000):
+        bar.update(1)
+    bar.close()
+    assert _counts(out.getvalue()) == list(range(50, 1001, 50))
+
+
+def test_plain_progress_prints_every_10_seconds_of_a_slow_run() -> None:
+    """3 s per update of a 1000-step run: a line after 4 updates (12 s), then every 4 (5% would be 50)."""
+    from rl_tformers.runtime.progress import PlainProgress
+
+    out, clock = io.StringIO(), FakeClock()
+    bar = PlainProgress(1000, desc="train", file=out, clock=clock)
+    for _ in range(13):
+        clock.now += 3.0
+        bar.update(1)
+    assert _counts(out.getvalue()) == [4, 8, 12]
+    assert out.getvalue().splitlines()[0] == "train: 4/1000 steps (0%), 0.333 steps/s, elapsed 12s, about 49m48s left"
+    bar.close()
+    assert _counts(out.getvalue()) == [4, 8, 12, 13]
+
+
+def test_plain_progress_of_unknown_length_prints_by_time_only() -> None:
+    from rl_tformers.runtime.progress import PlainProgress
+
+    out, clock = io.StringIO(), FakeClock()
+    bar = PlainProgress(None, desc="collect", file=out, clock=clock)
+    for _ in range(100):
+        clock.now += 0.25
+        bar.update(1)
+    assert _counts(out.getvalue()) == [40, 80]
+    assert out.getvalue().splitlines()[0] == "collect: 40 steps, 4 steps/s, elapsed 10s"
 
 
 def test_a_terminal_keeps_the_bar() -> None:

@@ -592,3 +592,17 @@ def test_short_run_warns_that_warmup_never_ends_and_pctbc_says_what_it_kept(tmp_
     assert "train.warmup_steps=10 >= train.steps=3: the learning rate stays in its linear warmup" in text
     assert "agent.top_fraction=0.1: training on 2 of 20 episodes" in text and f"returns >= {ret[1]:.1f}" in text
     assert "warmup" not in caplog.text
+
+
+# ------------------------------------------------------------------- evaluations on the console
+def test_each_periodic_evaluation_prints_one_console_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """eval.every=2 over 5 steps evaluates at steps 2, 4 and (eval.at_end) 5: one console line
+    each, with the values metrics.jsonl records for that step."""
+    trainer = _trainer(tmp_path / "run", "eval.every=2")
+    with caplog.at_level(logging.INFO, logger="rl_tformers"):
+        trainer.fit()
+    lines = [m for m in _messages(caplog) if m.startswith("eval at step ")]
+    assert [ln.split(":")[0] for ln in lines] == ["eval at step 2", "eval at step 4", "eval at step 5"]
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    at4 = next(r for r in logged if r.get("step") == 4 and "eval/mse" in r)
+    assert lines[1].startswith(f"eval at step 4: mse={at4['eval/mse']:.4g}, return={at4['eval/return']:.4g} (")
