@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from rl_tformers.envs.loaders import open_minari
 from typer.testing import CliRunner
 
 from rl_tformers.bench import minari_sampling as bm
 from rl_tformers.cli import app
-from rl_tformers.envs.loaders import open_minari
 
 
 def test_synthetic_dataset_holds_the_episodes_asked_for(tmp_path):
