@@ -1,20 +1,31 @@
 """Environment checkpointing of PPO-GTrXL: each process's environments, running episodes and rollout.
 
 A checkpoint holds, per process (the trainer's per-process hook, :func:`process_state`): the
-sub-environments of the vector environment, pickled attribute by attribute (:class:`_EnvPickler`,
-so MuJoCo's simulator state and each environment's random generator carry over), the vector
-environment's autoreset flags, the running episodes (last observation, backbone memory, a_{t-1},
+sub-environments of the vector environment as plain data (:func:`env_snapshot`: each wrapper's
+and the environment's attributes, their numpy random generators' states and MuJoCo's
+integration state), restored onto new environments made from the run's id and kwargs
+(:func:`restore_env`), the vector environment's autoreset flags, the running episodes (last observation, backbone memory, a_{t-1},
 r_{t-1}, step, start flags, return and length so far), the recent episode returns and lengths,
 and a rollout in progress with the number of its minibatches already served (its per-step FIFO
-memories stored losslessly as the new slot per step: :func:`fifo_encode`). Unpickling
-environments is only for checkpoints of runs you trust (``--resume``).
+memories stored losslessly as the new slot per step: :func:`fifo_encode`).
+
+Nothing of it is unpickled by default. An environment holding state that is not plain data (a
+Box2D world, an object of the environment's own classes) cannot be restored so; its checkpoint
+also holds the environments pickled attribute by attribute (:class:`_EnvPickler`), which a
+resume unpickles only when asked to (``--unsafe-unpickle-envs``,
+:func:`~rl_tformers.runtime.checkpoint.allow_unpickling`): unpickling runs whatever code the
+checkpoint names, so it is for runs you made or trust. Otherwise those environments restart
+with fresh resets, and the resume says why.
 """
 
 from __future__ import annotations
 
 import copyreg
+import functools
 import io
 import pickle
+import types
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,10 +35,14 @@ import torch
 from rl_tformers.agents.gtrxl.rollout import RolloutCollector
 from torch import Tensor
 
+from rl_tformers.runtime.checkpoint import unpickling_allowed
 from rl_tformers.types import BackboneState, LayerState
 
-#: format of :func:`process_state` (a checkpoint of another version restarts the environments)
-PROCESS_STATE_VERSION = 1
+#: format of :func:`process_state` (a checkpoint of another version restarts the environments;
+#: version 1 held the pickled environments only)
+PROCESS_STATE_VERSION = 2
+#: the versions :func:`restore_process_state` reads
+_READ_VERSIONS = (1, 2)
 #: SyncVectorEnv bookkeeping saved with the sub-environments
 _VECTOR_FIELDS = ("_autoreset_envs", "_terminations", "_truncations", "_rewards")
 
@@ -65,8 +80,168 @@ def dump_envs(envs: list[gym.Env]) -> bytes:
 
 
 def load_envs(blob: bytes) -> list[gym.Env]:
-    """Inverse of :func:`dump_envs` (unpickling: only for checkpoints of runs you trust)."""
-    return pickle.loads(blob)
+    """Inverse of :func:`dump_envs`: unpickling runs whatever code ``blob`` names, so it is only
+    for checkpoints of runs you trust (called only inside
+    :func:`~rl_tformers.runtime.checkpoint.allow_unpickling`).
+
+    Raises:
+        PermissionError: outside :func:`~rl_tformers.runtime.checkpoint.allow_unpickling`.
+    """
+    if not unpickling_allowed():
+        raise PermissionError("unpickling the checkpointed environments was not allowed")
+    return pickle.loads(blob)  # noqa: S301 - the caller opted in (--unsafe-unpickle-envs)
+
+
+# -- environments as plain data: restored without unpickling ------------------------------------------------
+#: attributes a new environment gets from its constructor (``gym.make(env_id, **env_kwargs)``): not saved
+_CONSTRUCTED = frozenset({"env", "spec", "_saved_kwargs", "_ezpickle_args", "_ezpickle_kwargs"})
+
+
+class _NotPlain(Exception):
+    """A value that is not plain data (its type's name is the message)."""
+
+
+def _structural(value: Any) -> bool:
+    """Objects a new environment builds the same from its id and kwargs: spaces, specs, code
+    (functions, classes, modules), MuJoCo's model and renderer (state lives in ``MjData``)."""
+    if isinstance(value, (gym.Space, gym.envs.registration.EnvSpec, type, types.ModuleType, types.FunctionType,
+                          types.MethodType, types.BuiltinFunctionType, functools.partial)):
+        return True
+    name = f"{type(value).__module__}.{type(value).__qualname__}"
+    return name in ("mujoco._structs.MjModel",
+                    "gymnasium.envs.mujoco.mujoco_rendering.MujocoRenderer")
+
+
+def _encode(value: Any) -> Any:
+    """``value`` as tensors, numbers, strings, None, lists and dicts (``weights_only`` loads them).
+
+    Raises:
+        _NotPlain: ``value`` holds an object that is none of these, an array, a numpy scalar, a
+            tuple, a deque, a numpy random generator or MuJoCo's ``MjData``.
+    """
+    if value is None or isinstance(value, (bool, int, float, str)) and type(value) in (bool, int, float, str):
+        return value
+    if isinstance(value, np.ndarray) or isinstance(value, np.generic):
+        arr = np.asarray(value)
+        if arr.dtype.hasobject:
+            raise _NotPlain(f"{type(value).__name__} of Python objects")
+        return {"~": "array", "scalar": isinstance(value, np.generic), "dtype": arr.dtype.str,
+                "shape": list(arr.shape), "bytes": torch.frombuffer(bytearray(arr.tobytes()), dtype=torch.uint8)
+                if arr.nbytes else torch.zeros(0, dtype=torch.uint8)}
+    if type(value) in (list, tuple):
+        return {"~": type(value).__name__, "items": [_encode(v) for v in value]}
+    if type(value) is dict:
+        return {"~": "dict", "items": [[_encode(k), _encode(v)] for k, v in value.items()]}
+    if type(value) is deque:
+        return {"~": "deque", "items": [_encode(v) for v in value], "maxlen": value.maxlen}
+    if isinstance(value, np.random.Generator):
+        return {"~": "generator", "state": _encode(value.bit_generator.state)}
+    if isinstance(value, np.random.RandomState):
+        return {"~": "random_state", "state": _encode(value.get_state(legacy=False))}
+    if f"{type(value).__module__}.{type(value).__qualname__}" == "mujoco._structs.MjData":
+        import mujoco  # noqa: PLC0415 - optional: only an environment holding MjData has it
+
+        spec = mujoco.mjtState.mjSTATE_INTEGRATION
+        state = np.empty(mujoco.mj_stateSize(value.model, spec), np.float64)
+        mujoco.mj_getState(value.model, value, state, spec)
+        return {"~": "mjdata", "state": torch.from_numpy(state)}
+    raise _NotPlain(type(value).__name__)
+
+
+def _decode(enc: Any, current: Any) -> Any:
+    """Inverse of :func:`_encode`; ``current`` is the new environment's value (MuJoCo's ``MjData``
+    is set in place, so whatever shares it, e.g. the renderer, sees the restored state)."""
+    if not isinstance(enc, dict):
+        return enc
+    tag = enc["~"]
+    if tag == "array":
+        arr = np.frombuffer(enc["bytes"].numpy().tobytes(), dtype=np.dtype(enc["dtype"])).reshape(enc["shape"]).copy()
+        return arr[()] if enc["scalar"] else arr
+    if tag in ("list", "tuple"):
+        items = [_decode(v, None) for v in enc["items"]]
+        return items if tag == "list" else tuple(items)
+    if tag == "dict":
+        return {_decode(k, None): _decode(v, None) for k, v in enc["items"]}
+    if tag == "deque":
+        return deque((_decode(v, None) for v in enc["items"]), maxlen=enc["maxlen"])
+    if tag == "generator":
+        state = _decode(enc["state"], None)
+        gen = np.random.Generator(_bit_generator(state["bit_generator"])())
+        gen.bit_generator.state = state
+        return gen
+    if tag == "random_state":
+        rs = np.random.RandomState()
+        rs.set_state(_decode(enc["state"], None))
+        return rs
+    if tag == "mjdata":
+        import mujoco  # noqa: PLC0415 - optional: only an environment holding MjData has it
+
+        if f"{type(current).__module__}.{type(current).__qualname__}" != "mujoco._structs.MjData":
+            raise TypeError("a saved MuJoCo state for an attribute that is not MjData in the new environment")
+        mujoco.mj_setState(current.model, current, enc["state"].numpy(), mujoco.mjtState.mjSTATE_INTEGRATION)
+        return current
+    raise ValueError(f"unknown saved value {tag!r}")
+
+
+def _bit_generator(name: str) -> type:
+    """numpy's bit generator class ``name`` (PCG64, MT19937, Philox, SFC64, PCG64DXSM) only."""
+    if name not in ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64"):
+        raise ValueError(f"unknown numpy bit generator {name!r}")
+    return getattr(np.random, name)
+
+
+def _layers(env: gym.Env) -> list[Any]:
+    """The wrappers of ``env``, outermost first, then the base environment."""
+    layers = [env]
+    while isinstance(layers[-1], gym.Wrapper):
+        layers.append(layers[-1].env)
+    return layers
+
+
+def _type_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def env_snapshot(env: gym.Env) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every layer's state (wrappers, then the base environment) as plain data.
+
+    Saved per layer: its type's name and every attribute that is plain data (numbers, strings,
+    arrays, containers of them, numpy random generators, MuJoCo's integration state,
+    ``mj_getState``); skipped: what the constructor builds the same (spaces, the spec, MuJoCo's
+    model, functions). Restored by :func:`restore_env` onto ``gym.make(env_id, **env_kwargs)``.
+
+    Returns:
+        ``(layers, missing)``: ``missing`` names each attribute that is none of these
+        (``LunarLander.world (b2World)``): only unpickling restores it.
+    """
+    out: list[dict[str, Any]] = []
+    missing: list[str] = []
+    for layer in _layers(env):
+        attrs: dict[str, Any] = {}
+        for name, value in vars(layer).items():
+            if name in _CONSTRUCTED or _structural(value):
+                continue
+            try:
+                attrs[name] = _encode(value)
+            except _NotPlain as exc:
+                missing.append(f"{type(layer).__qualname__}.{name} ({exc})")
+        out.append({"type": _type_name(layer), "attrs": attrs})
+    return out, missing
+
+
+def restore_env(env: gym.Env, layers: list[Mapping[str, Any]]) -> None:
+    """Set an :func:`env_snapshot` on the new environment ``env`` (made from the same id and kwargs).
+
+    Raises:
+        ValueError: ``env``'s layers are not the snapshot's (other wrappers or environment classes).
+    """
+    mine = _layers(env)
+    if [_type_name(x) for x in mine] != [str(x["type"]) for x in layers]:
+        raise ValueError(f"the environment is made of {[_type_name(x) for x in mine]} here and of "
+                         f"{[str(x['type']) for x in layers]} in the checkpoint")
+    for layer, saved in zip(mine, layers):
+        for name, enc in saved["attrs"].items():
+            layer.__dict__[name] = _decode(enc, layer.__dict__.get(name))
 
 
 #: rollout keys that hold each step's FIFO memory, and their slot axis in the (S, N, ...) tensor
@@ -154,15 +329,17 @@ def process_state(col: RolloutCollector, rollout: Mapping[str, Any] | None, serv
 
     Returns:
         a dict of tensors and plain values (loads with ``weights_only=True``): ``version``,
-        ``n_envs``, ``env_id``, recent returns/lengths, ``started``, ``envs`` (the pickled
-        sub-environments as a uint8 tensor, or None with the reason in ``envs_problem`` when they
-        cannot be pickled), ``rollout``, and once started ``vector`` and ``running``.
+        ``n_envs``, ``env_id``, recent returns/lengths, ``started``, ``env_states`` (each
+        sub-environment's :func:`env_snapshot`), ``envs_problem`` (None, or the attributes that
+        only unpickling restores), ``envs`` (only then: the sub-environments pickled, a uint8
+        tensor, or None with the reason in ``envs_problem`` when they cannot be pickled either),
+        ``rollout``, and once started ``vector`` and ``running``.
     """
     st: dict[str, Any] = {
         "version": PROCESS_STATE_VERSION, "n_envs": col.n_envs, "env_id": col.spec.env_id,
         "recent_returns": [float(x) for x in col.returns_window],
         "recent_lengths": [float(x) for x in col.lengths_window],
-        "started": col.envs is not None, "envs": None, "envs_problem": None, "rollout": None,
+        "started": col.envs is not None, "env_states": None, "envs": None, "envs_problem": None, "rollout": None,
     }
     if rollout is not None:
         ro = {k: v.cpu() for k, v in rollout.items() if isinstance(v, Tensor)}
@@ -170,12 +347,17 @@ def process_state(col: RolloutCollector, rollout: Mapping[str, Any] | None, serv
         st["rollout"] = {"tensors": ro, "fifo": fifo, "stats": dict(rollout["stats"]), "served": int(served)}
     if col.envs is None:
         return st
-    try:
-        blob = dump_envs(col.envs.envs)
-    except Exception as exc:  # noqa: BLE001 - any environment that does not pickle: say why, keep going
-        st["envs_problem"] = f"the environments of {col.spec.env_id} cannot be pickled ({type(exc).__name__}: {exc})"
-        return st
-    st["envs"] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    snapshots = [env_snapshot(e) for e in col.envs.envs]
+    missing = sorted({m for _, miss in snapshots for m in miss})
+    st["env_states"] = [layers for layers, _ in snapshots]
+    if missing:
+        st["envs_problem"] = (f"the environments of {col.spec.env_id} hold state that is not plain data "
+                              f"({', '.join(missing)})")
+        try:
+            st["envs"] = torch.frombuffer(bytearray(dump_envs(col.envs.envs)), dtype=torch.uint8)
+        except Exception as exc:  # noqa: BLE001 - any environment that does not pickle: say why, keep going
+            st["envs_problem"] = (f"the environments of {col.spec.env_id} hold state that is not plain data "
+                                  f"({', '.join(missing)}) and cannot be pickled ({type(exc).__name__}: {exc})")
     st["vector"] = {k: torch.from_numpy(np.array(getattr(col.envs, k))) for k in _VECTOR_FIELDS}
     st["running"] = {
         "obs": torch.from_numpy(np.array(col.obs)), "memory": _state_dict_of(col.memory),
@@ -187,7 +369,7 @@ def process_state(col: RolloutCollector, rollout: Mapping[str, Any] | None, serv
 
 def format_problem(st: Mapping[str, Any], n_envs: int) -> str | None:
     """Why a :func:`process_state` does not fit a run of ``n_envs`` environments (None: it fits)."""
-    if st.get("version") != PROCESS_STATE_VERSION or int(st["n_envs"]) != n_envs:
+    if st.get("version") not in _READ_VERSIONS or int(st["n_envs"]) != n_envs:
         return (f"the checkpoint's environment state (format {st.get('version')}, "
                 f"{st.get('n_envs')} environments) does not fit this run")
     return None
@@ -206,9 +388,15 @@ def saved_rollout(st: Mapping[str, Any], device: torch.device) -> tuple[dict[str
 def restore_process_state(col: RolloutCollector, st: Mapping[str, Any]) -> str | None:
     """Put a :func:`process_state`'s recent episodes, environments and running episodes into ``col``.
 
+    The environments are made anew (``gym.make(env_id, **env_kwargs)``) and given their saved
+    state (:func:`restore_env`). Where that state is incomplete (``envs_problem``), the pickled
+    environments are loaded instead, only inside
+    :func:`~rl_tformers.runtime.checkpoint.allow_unpickling`.
+
     Returns:
-        None when the continuation is exact; else why not (environments that could not be
-        pickled when saved, or not unpickled here), leaving ``col``'s environments unstarted.
+        None when the continuation is exact; else why not (environments whose state could not be
+        saved, or not restored here, or that only unpickling restores and it was not allowed),
+        leaving ``col``'s environments unstarted.
     """
     col.returns_window.clear()
     col.returns_window.extend(float(x) for x in st["recent_returns"])
@@ -216,13 +404,27 @@ def restore_process_state(col: RolloutCollector, st: Mapping[str, Any]) -> str |
     col.lengths_window.extend(float(x) for x in st["recent_lengths"])
     if not st["started"]:  # saved before the first rollout: the environments start as in a new run
         return None
-    if st["envs"] is None:
-        return st["envs_problem"]
-    try:
-        envs = load_envs(st["envs"].numpy().tobytes())
-        vec = col.vector_env(envs)
-    except Exception as exc:  # noqa: BLE001 - e.g. an environment package missing here
-        return f"the checkpointed environments could not be unpickled ({type(exc).__name__}: {exc})"
+    problem = st.get("envs_problem")
+    if problem is None and st.get("env_states") is not None:
+        try:
+            envs = [col.spec.make() for _ in range(col.n_envs)]
+            for env, layers in zip(envs, st["env_states"]):
+                restore_env(env, layers)
+            vec = col.vector_env(envs)
+        except Exception as exc:  # noqa: BLE001 - e.g. another version of the environment's package here
+            return f"the checkpointed environments could not be restored ({type(exc).__name__}: {exc})"
+    elif st.get("envs") is None:
+        return problem or "the checkpoint holds no environment state"
+    elif not unpickling_allowed():
+        return (f"{problem or 'the checkpoint holds its environments pickled only'}: only unpickling restores "
+                f"them, which runs code stored in the checkpoint; resume with --unsafe-unpickle-envs to do it, "
+                f"for a run you trust")
+    else:
+        try:
+            envs = load_envs(st["envs"].numpy().tobytes())
+            vec = col.vector_env(envs)
+        except Exception as exc:  # noqa: BLE001 - e.g. an environment package missing here
+            return f"the checkpointed environments could not be unpickled ({type(exc).__name__}: {exc})"
     for k in _VECTOR_FIELDS:
         setattr(vec, k, st["vector"][k].numpy().copy())
     run, dev = st["running"], col.device

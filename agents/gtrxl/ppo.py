@@ -50,9 +50,10 @@ Resuming (``--resume``) is bit-identical to an uninterrupted run, stopped at any
 a rollout too): weights, ``metrics.jsonl`` values and final state. Besides the run-wide state
 (weights, optimiser, RNG states, observation statistics, the ``env_steps``/``rollouts``
 counters: :meth:`GTrXLPPO.extra_state`) every checkpoint holds each process's own state
-(:meth:`GTrXLPPO.process_state`, the trainer's per-process hook): the N environments, pickled
-(gymnasium environments and wrappers by their attributes, so MuJoCo's simulator state and each
-environment's random generator carry over; :class:`~rl_tformers.agents.gtrxl.env_state._EnvPickler`), the vector environment's
+(:meth:`GTrXLPPO.process_state`, the trainer's per-process hook): the N environments as plain
+data (every wrapper's and the environment's attributes, their random generators' states and
+MuJoCo's integration state, restored onto environments made anew from the run's id and kwargs;
+:func:`~rl_tformers.agents.gtrxl.env_state.env_snapshot`: nothing is unpickled), the vector environment's
 autoreset flags, the running episodes (last observation, backbone memory, a_{t-1}, r_{t-1},
 step, start flags, return and length so far), the recent episode returns and lengths, and,
 when the run stopped after update j of a rollout's U = ``n_epochs x n_minibatches`` (0 < j <
@@ -74,14 +75,16 @@ checkpoints every 160 updates, at rollout boundaries, so only a stop (SIGINT/SIG
 ``--stop-at``) inside a rollout saves one.
 
 Not exact, and said so by the warning ``--resume`` prints (:meth:`GTrXLPPO.resume_note`):
-an environment that cannot be pickled (one holding a lambda, a lock, an open file...; a warning
-says so at the first checkpoint), a resume with another number of processes than the
-checkpoint's, or a checkpoint written before this state was saved. Then the environments
+an environment holding state that is not plain data (a Box2D world, an object of its own
+classes; a warning names the attributes at the first checkpoint), a resume with another number
+of processes than the checkpoint's, or a checkpoint written before this state was saved. Such
+an environment is also saved pickled (attribute by attribute, :class:`~rl_tformers.agents.gtrxl.env_state._EnvPickler`), and
+``--resume --unsafe-unpickle-envs`` unpickles it, which runs code stored in the checkpoint: only
+for runs you made or trust. Otherwise the environments
 restart with fresh resets (and empty memory) at the next rollout; a checkpointed rollout in
 progress is still finished exactly (from an old checkpoint: a fresh rollout feeds the last U - j updates, and its
-``n_envs x n_steps`` steps are counted in ``train/env_steps`` on top of the cut one's). The
-environments are unpickled only by ``--resume`` (loading a checkpoint for evaluation or
-inference stays ``weights_only``): resume only runs you trust.
+``n_envs x n_steps`` steps are counted in ``train/env_steps`` on top of the cut one's). Loading
+a checkpoint for evaluation or inference never reads the environments.
 
 Under DDP (``--nproc W``) W processes act as one process with ``W x n_envs`` environments:
 every process runs its own ``n_envs`` environments (rank r seeds them after rank r - 1's, the
@@ -510,13 +513,14 @@ class GTrXLPPO:
     def process_state(self) -> dict[str, Any]:
         """This process's running state, saved in every checkpoint (the trainer's per-process hook):
         :func:`env_state.process_state` of the collector, with the rollout in progress between the
-        first and last update of a rollout. An environment that cannot be pickled is left out, with
-        the reason (logged once; a resume then restarts the environments and says so)."""
+        first and last update of a rollout. An environment whose state is not all plain data is
+        named (logged once): a resume restores it only by unpickling (``--unsafe-unpickle-envs``),
+        else restarts the environments and says so."""
         in_progress = 0 < self._served < self.updates_per_rollout and self._rollout is not None
         st = env_state.process_state(self.collector, self._rollout if in_progress else None, self._served)
         if st["envs_problem"] is not None and not self._envs_problem_logged and self.rank == 0:
-            log.warning("gtrxl_ppo: %s; checkpoints leave them out, so a --resume of this run restarts them "
-                        "(not bit-identical)", st["envs_problem"])
+            log.warning("gtrxl_ppo: %s; a --resume of this run restores them only by unpickling them "
+                        "(--unsafe-unpickle-envs), else restarts them (not bit-identical)", st["envs_problem"])
             self._envs_problem_logged = True
         return st
 
@@ -525,7 +529,7 @@ class GTrXLPPO:
 
         Sets :attr:`_resume_problem` (None: the continuation is exact) when the environments
         cannot come back: no state in the checkpoint, another number of processes, another
-        format, or environments that could not be pickled or unpickled. The checkpointed
+        format, or environments that could not be restored (or only by unpickling, not allowed). The checkpointed
         rollout, if any, is served by :meth:`batches` either way.
         """
         if states is None:

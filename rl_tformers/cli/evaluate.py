@@ -46,14 +46,20 @@ def _fail(msg: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _load(run_dir: Path, device: str, checkpoint: Path | None):
+#: help of ``--plugin`` on the commands that open a run
+PLUGIN_HELP = ("Import this module (repeatable) before the run is rebuilt: a module the run's plugins list is "
+               "imported only when named here (it runs that module's code) or installed as an entry point; "
+               "never from the current directory.")
+
+
+def _load(run_dir: Path, device: str, checkpoint: Path | None, plugins: list[str] | None = None):
     from rl_tformers.runtime.agent_registry import UnknownAgentError
     from rl_tformers.runtime.checkpoint import CheckpointError
     from rl_tformers.runtime.device import resolve_device
     from rl_tformers.runtime.loading import load_run
 
     try:
-        return load_run(run_dir, resolve_device(device), checkpoint)
+        return load_run(run_dir, resolve_device(device), checkpoint, plugins=plugins or ())
     except (CheckpointError, UnknownAgentError, TypeError, ValueError) as exc:
         raise _fail(str(exc)) from None
 
@@ -194,7 +200,7 @@ def eval_cmd(
     out = _check_out_file(out)
     _check_early_exit(early_exit)
     _threads(threads)
-    run = _load(run_dir, device, checkpoint)
+    run = _load(run_dir, device, checkpoint, plugin)
     _set_context_len(run, context_len)
     conditioned = run.agent.default_targets() != [None]
     if tlist is None:
@@ -206,6 +212,7 @@ def eval_cmd(
         raise _fail(f"agent {run.kind!r} is not return-conditioned; drop --targets")
     else:
         _check_targets(run, tlist, "--targets")
+    plugin: list[str] = typer.Option([], "--plugin", metavar="MODULE", help=PLUGIN_HELP),
     options = {"early_exit": early_exit, "knn_lambda": knn_lambda, "knn_k": knn_k, "knn_max_entries": knn_max_entries}
     setup = getattr(run.agent, "inference_setup", None)
     if setup is None and any(v is not None for v in options.values()):
@@ -405,11 +412,12 @@ def plot_cmd(
                                                               "context_len")
                   if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
         if unused:
+    plugin: list[str] = typer.Option([], "--plugin", metavar="MODULE", help=PLUGIN_HELP),
             raise _fail(f"--from-json {from_json} plots a saved evaluation: {', '.join(unused)} would be ignored; "
                         f"drop {'them' if len(unused) > 1 else 'it'}, or drop --from-json to evaluate")
     saved = _read_eval_json(from_json) if from_json is not None else None  # before the run is loaded
     _threads(threads)
-    run = _load(run_dir, device, checkpoint)
+    run = _load(run_dir, device, checkpoint, plugin)
     if saved is None:
         _set_context_len(run, context_len)
     dmax, dmean = run.dataset_return_max, run.dataset_return_mean

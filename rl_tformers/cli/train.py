@@ -7,6 +7,7 @@ stays fast.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -61,7 +62,7 @@ Examples:
 
   rl-tformers train -c toy --print-config   (show the resolved config)
 
-Continue a run where it stopped, optionally for longer; exactly (on-policy PPO too: its environments are checkpointed; one that cannot be pickled restarts, and the resume says so):
+Continue a run where it stopped, optionally for longer; exactly (on-policy PPO too: its environments are checkpointed as plain data; one holding other state restarts, and the resume says so). Nothing of the run runs as code: its plugins are imported only when named with --plugin, and pickled environments are unpickled only with --unsafe-unpickle-envs:
 
   rl-tformers train --resume runs/try1
 
@@ -145,6 +146,15 @@ def train(
                                       help="Print the resolved config and exit (the backbone as built: every "
                                            "slot with its kind's defaults; config.yaml keeps the fields set)."),
     list_agents: bool = typer.Option(False, "--list-agents", help="List the registered agent kinds (installed plugins' too) and exit."),
+    plugin: list[str] = typer.Option(
+        [], "--plugin", metavar="MODULE",
+        help="With --resume: import this module (repeatable); a module the run's plugins list is imported only "
+             "when named here (it runs that module's code) or installed as an entry point; never from the "
+             "current directory."),
+    unsafe_unpickle_envs: bool = typer.Option(
+        False, "--unsafe-unpickle-envs",
+        help="With --resume: unpickle the checkpointed environments that are not plain data (PPO; the resume "
+             "names them). UNSAFE: unpickling runs any code the checkpoint holds; only for runs you made or trust."),
 ) -> None:
     _setup_logging()
     from rl_tformers.registry import RegistryError
@@ -195,8 +205,13 @@ def train(
         raise _fail(f"--nproc {nproc} starts its own processes, but WORLD_SIZE={os.environ['WORLD_SIZE']} is set in "
                     f"the environment (torchrun's variable): under torchrun drop --nproc (torchrun's "
                     f"--nproc-per-node sets the processes); otherwise unset WORLD_SIZE, RANK and LOCAL_RANK")
+    if resume is None and (plugin or unsafe_unpickle_envs):
+        given = "--plugin" if plugin else "--unsafe-unpickle-envs"
+        raise _fail(f"{given} is for --resume RUN_DIR (a new run lists its modules in plugins=[...], which records "
+                    f"them)")
+    trusted = TrustedInputs(plugin, unsafe_unpickle_envs)
     if nproc > 1 and not print_config:
-        raise typer.Exit(_launch_torchrun(nproc, overrides, config, resume, run_dir, stop_at))
+        raise typer.Exit(_launch_torchrun(nproc, overrides, config, resume, run_dir, stop_at, trusted))
     info = dist_info()
     # who reports a stop by SIGINT/SIGTERM: rank 0, unless `train --nproc` started this rank (it reports)
     report = info.is_main and not (info.distributed and LAUNCHER_ENV in os.environ)
@@ -204,7 +219,7 @@ def train(
     # (one line below), a rank of several ends silently even inside a collective (GracefulInterrupt)
     stop = GracefulInterrupt(announce=report, startup="default" if info.distributed else "raise")
     try:
-        with stop:
+        with stop, trusted.entered() if resume is not None else contextlib.nullcontext():
             if resume is not None:
                 if config is not None or run_dir is not None:
                     raise _fail("--resume takes its config and run directory from RUN_DIR; drop --config/--run-dir")
@@ -345,8 +360,30 @@ def eval_summary(scalars: dict[str, float]) -> str:
     return "; ".join(parts)
 
 
+class TrustedInputs:
+    """What the user trusts of a resumed run, named on the command line: the modules of its
+    ``plugins`` to import (``--plugin``) and whether its pickled environments may be unpickled."""
+
+    def __init__(self, plugins: list[str], unpickle_envs: bool) -> None:
+        self.plugins, self.unpickle_envs = list(plugins), bool(unpickle_envs)
+
+    @contextlib.contextmanager
+    def entered(self):
+        """The block in which the run is resumed (or checked): only these modules, and unpickling if asked."""
+        from rl_tformers.runtime.checkpoint import allow_unpickling
+        from rl_tformers.runtime.plugins import named_plugins_only
+
+        with named_plugins_only(self.plugins, "--plugin"), allow_unpickling(self.unpickle_envs):
+            yield
+
+    def args(self) -> list[str]:
+        """The same as command-line arguments (for the processes of ``--nproc``)."""
+        return [a for m in self.plugins for a in ("--plugin", m)] + (
+            ["--unsafe-unpickle-envs"] if self.unpickle_envs else [])
+
+
 def _launch_torchrun(nproc: int, overrides: list[str], config: str | None, resume: Path | None,
-                     run_dir: Path | None, stop_at: int | None) -> int:
+                     run_dir: Path | None, stop_at: int | None, trusted: TrustedInputs | None = None) -> int:
     """Run this command again under torchrun on ``nproc`` processes; returns the exit status.
 
     Before any process starts, the command is checked as far as it can be without building the
@@ -379,9 +416,10 @@ def _launch_torchrun(nproc: int, overrides: list[str], config: str | None, resum
                 raise _fail("--resume takes its config and run directory from RUN_DIR; drop --config/--run-dir")
             if Path(resume).is_dir() and (pid := lock_holder(resume)) is not None:
                 raise _fail(str(RunBusyError(Path(resume), pid or None)))
-            cfg, _, _ = load_resume_config(resume, overrides, repair=False)  # reads, repairs nothing
+            with (trusted or TrustedInputs([], False)).entered():
+                cfg, _, _ = load_resume_config(resume, overrides, repair=False)  # reads, repairs nothing
             check_world_size(cfg, nproc)
-            args += ["--resume", str(resume)]
+            args += ["--resume", str(resume), *(trusted.args() if trusted is not None else [])]
             run_dir = Path(resume)
         else:
             cfg = compose(config, overrides)

@@ -29,7 +29,11 @@ Safety and integrity:
   over the final name with ``os.replace`` (atomic on POSIX and Windows): a crash leaves either
   the old state or the new checkpoint, never a half-written file under a checkpoint name.
 - Loading uses ``torch.load(weights_only=True)``: unpickling can build tensors and plain
-  containers only, never call arbitrary code.
+  containers only, never call arbitrary code. The SHA-256 below is a checksum against damage,
+  not a signature: anyone can write a checkpoint whose digest matches, so nothing in a
+  checkpoint is trusted as code. Bytes an agent stores for its own use (the pickled
+  environments of a PPO run that only unpickling restores) are unpickled only inside
+  :func:`allow_unpickling`, which ``--resume --unsafe-unpickle-envs`` enters.
 - A truncated file fails to open (the zip directory sits at its end). A flipped byte inside
   tensor data would load silently, so every checkpoint carries a SHA-256 over its decoded
   content, recomputed and compared on load.
@@ -43,7 +47,9 @@ import pickle
 import re
 import struct
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -269,6 +275,29 @@ def _head(path: Path) -> bytes:
             return fh.read(4)
     except OSError:
         return b""
+
+
+_UNPICKLING: ContextVar[bool] = ContextVar("rl_tformers_unpickling", default=False)
+
+
+@contextmanager
+def allow_unpickling(allowed: bool = True) -> Iterator[None]:
+    """Let agents unpickle bytes they stored in a checkpoint, inside this block (when ``allowed``).
+
+    Unpickling runs whatever code the bytes name: enter it only for runs you made or trust
+    (``rl-tformers train --resume RUN --unsafe-unpickle-envs``). Outside it,
+    :func:`unpickling_allowed` is False and agents restore their state from plain data only.
+    """
+    token = _UNPICKLING.set(bool(allowed))
+    try:
+        yield
+    finally:
+        _UNPICKLING.reset(token)
+
+
+def unpickling_allowed() -> bool:
+    """Whether the caller is inside :func:`allow_unpickling` (False by default)."""
+    return _UNPICKLING.get()
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from rl_tformers.runtime import checkpoint as ckpt
 from rl_tformers.runtime.agent_registry import get_agent
 from rl_tformers.runtime.cpu_matmul import apply_cpu_matmul, resolve_cpu_matmul
 from rl_tformers.runtime.errors import ConfigError
-from rl_tformers.runtime.plugins import check_backbone_kinds, load_plugins
+from rl_tformers.runtime.plugins import check_backbone_kinds, load_plugins, named_plugins_only
 from rl_tformers.runtime.protocol import EVALUABLE_METHODS, InferenceLoader
 
 #: kind -> loader(cfg, checkpoint state, device) -> agent
@@ -110,19 +111,26 @@ def _run_cpu_matmul(cfg: Any) -> str:
 
 
 def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
-             checkpoint: str | os.PathLike | None = None) -> LoadedRun:
+             checkpoint: str | os.PathLike | None = None, plugins: Iterable[str] = ()) -> LoadedRun:
     """Rebuild the agent of ``run_dir`` from a checkpoint (see the module docstring).
+
+    Nothing the run holds is run as code: the checkpoint is read with ``weights_only=True``
+    (:func:`~rl_tformers.runtime.checkpoint.load_checkpoint`), and a module of the run's
+    ``plugins`` is imported only when ``plugins`` names it (or it is an installed entry point:
+    :func:`~rl_tformers.runtime.plugins.named_plugins_only`), never from the current directory.
 
     Args:
         run_dir: a run directory written by ``rl-tformers train``.
         device: where the model runs.
         checkpoint: a specific checkpoint file (default: the newest valid one).
+        plugins: the modules the caller trusts (``--plugin``), imported first.
 
     Raises:
         CheckpointError: ``run_dir`` is not a directory, or no valid checkpoint (message names the files).
         UnknownAgentError: the run's agent kind is not registered here.
-        ConfigError: a module of the run's ``plugins`` is not found or fails to import, or the
-            run's backbone names a kind that is not registered here (named).
+        ConfigError: a module of the run's ``plugins`` is not named in ``plugins`` (nor installed),
+            is not found or fails to import, or the run's backbone names a kind that is not
+            registered here (named).
         TypeError: the rebuilt agent lacks ``policy``/``make_env``/``default_targets``.
     """
 
@@ -144,7 +152,8 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
     cfg = OmegaConf.create(state["config"])
     OmegaConf.set_readonly(cfg, True)
     kind = str(cfg.agent.kind)
-    load_plugins(cfg.get("plugins") or [], "plugins (of the checkpoint's config)")  # its own kinds first
+    with named_plugins_only(plugins, "--plugin"):  # its own kinds first, if the caller named them
+        load_plugins(cfg.get("plugins") or [], "plugins (of the checkpoint's config)")
     try:
         backbone = cfg.get("backbone")  # an agent without a backbone (MLP BC) may have none or an empty one
         check_backbone_kinds(OmegaConf.to_container(backbone, resolve=True) if OmegaConf.is_config(backbone) else {})

@@ -8,16 +8,20 @@ config::
     plugins: [my_project.attention]          # or: rl-tformers train ... plugins=[my_attn]
     backbone: {attention: {kind: my_attn}}
 
-Every command that builds a run imports the listed modules first: ``train`` (and its resume,
-its DDP processes and the runs of a ``sweep``, which compose the same config), ``eval``,
-``plot`` and ``bench`` (from the checkpoint's config, which records ``plugins``); a fine-tuning
-agent (``odt``'s ``agent.init_from``, ``gtrxl_ppo``'s ``agent.init_checkpoint``) requires the
-plugins of the run it starts from (:func:`check_source_plugins`). A module is
-imported by its dotted name, with the current directory first on ``sys.path`` (as ``python -m``
-does), so ``my_attn.py`` next to where you run the command works; otherwise install it or put
-its folder on ``PYTHONPATH``. The current directory goes first only while the listed modules are
-imported (and only when there are some): afterwards it is searched last, so a file of it named
-like a module imported later (``profile.py``, ``secrets.py``) never replaces that module.
+``train`` (new runs, and the runs of a ``sweep``) imports the modules its config lists: that
+config is the one you give. A run you open (``eval``, ``plot``, ``bench``, ``train --resume``,
+:func:`~rl_tformers.runtime.loading.load_run`) records its ``plugins`` too, but they are code,
+and a run directory may come from anyone: a module a run lists is imported only when you name it
+(``--plugin MODULE``, the ``plugins`` argument of the Python loaders) or when it is an installed
+entry point (:func:`named_plugins_only`); otherwise the command stops naming the option to give.
+A fine-tuning agent (``odt``'s ``agent.init_from``, ``gtrxl_ppo``'s ``agent.init_checkpoint``)
+only checks that the run it starts from lists no plugin this run lacks (:func:`check_source_plugins`).
+
+A module is imported by its dotted name from ``sys.path`` (installed, or its folder on
+``PYTHONPATH``), never from the current directory: its entries (``""``, ``.``, the directory's
+own path, which ``python -m`` and ``PYTHONPATH=.`` add) are left out while plugins are imported,
+so a file that came with a run directory or a dataset (``x.py`` next to where you run the
+command) is never imported by its name.
 
 The built-in agents are registered before any plugin is imported, so a plugin registering a
 kind (agent or backbone) that is already taken fails to import with the name of the module
@@ -45,7 +49,10 @@ import re
 import sys
 import traceback
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +108,10 @@ def load_plugins(names: Iterable[str] = (), where: str = "plugins") -> list[str]
     """Import the installed entry-point plugins (once per process) and the modules ``names``.
 
     The built-in agents are registered first (so a plugin's kind never silently replaces one);
-    the current directory is first on ``sys.path`` while ``names`` are imported, last afterwards
-    (module docstring). A module that fails leaves nothing registered (:func:`_import_atomically`).
+    the current directory is left out of ``sys.path`` while ``names`` are imported (module
+    docstring). A module that fails leaves nothing registered (:func:`_import_atomically`).
+    Inside :func:`named_plugins_only`, a module not named there (and not imported already) is
+    refused before anything of it runs.
 
     Args:
         names: dotted module names (checked by :func:`check_plugin_names`).
@@ -112,19 +121,28 @@ def load_plugins(names: Iterable[str] = (), where: str = "plugins") -> list[str]
         The names imported (or already imported).
 
     Raises:
-        ConfigError: a name is not a module name, cannot be found (naming it and where it was
-            looked for) or raises while it is imported (naming the exception and the plugin's
-            line: a kind already registered names the module that registered it).
+        ConfigError: a name is not a module name, is not named by the user inside
+            :func:`named_plugins_only`, cannot be found (naming it and where it was looked for)
+            or raises while it is imported (naming the exception and the plugin's line: a kind
+            already registered names the module that registered it).
     """
     load_entry_point_plugins()
     names = check_plugin_names(list(names), where)
     if not names:
         return names
+    named = _NAMED.get()
+    if named is not None:
+        for i, name in enumerate(names):
+            if name not in named.names and name not in sys.modules:
+                raise ConfigError(
+                    f"{where}[{i}]={name!r} is not imported: a run's plugins are code, imported only when you "
+                    f"name them ({named.option} {name}, if you trust that module) or install them as a "
+                    f"{ENTRY_POINT_GROUP} entry point")
     _discover_builtin_agents()
     cwd = os.getcwd()
-    added = cwd not in sys.path and "" not in sys.path
-    if added:
-        sys.path.insert(0, cwd)  # as `python -m` does: a module next to where the command runs
+    saved = list(sys.path)
+    searched = [p for p in saved if not _is_directory(p, cwd)]
+    sys.path[:] = searched  # never a module of the current directory
     try:
         for i, name in enumerate(names):
             try:
@@ -132,18 +150,58 @@ def load_plugins(names: Iterable[str] = (), where: str = "plugins") -> list[str]
             except ModuleNotFoundError as exc:
                 if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
                     raise ConfigError(
-                        f"{where}[{i}]={name!r}: no module named {exc.name!r} (looked in the current directory "
-                        f"{cwd} and on sys.path; install it or add its folder to PYTHONPATH)") from exc
+                        f"{where}[{i}]={name!r}: no module named {exc.name!r} (looked on sys.path, not in the "
+                        f"current directory {cwd}; install it or add its folder to PYTHONPATH)") from exc
                 raise ConfigError(f"{where}[{i}]={name!r} failed to import: {_plugin_trace(exc)}") from exc
             except Exception as exc:  # noqa: BLE001 - any import-time failure of user code, named
                 raise ConfigError(f"{where}[{i}]={name!r} failed to import: {_plugin_trace(exc)}") from exc
     finally:
-        if added and cwd in sys.path:
-            # searched last from now on: a module imported later (lazily, by this package or a
-            # library) is never replaced by a file of the current directory with its name
-            sys.path.remove(cwd)
-            sys.path.append(cwd)
+        added = [p for p in sys.path if p not in searched and p not in saved]
+        sys.path[:] = saved + added  # as before, with what the plugins added (a vendored folder) after it
     return names
+
+
+def _is_directory(entry: str, cwd: str) -> bool:
+    """Whether the ``sys.path`` entry ``entry`` names the directory ``cwd`` (``""`` and ``.`` do)."""
+    try:
+        return os.path.realpath(entry or ".") == os.path.realpath(cwd)
+    except (OSError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class _Named:
+    names: frozenset[str]
+    option: str
+
+
+_NAMED: ContextVar[_Named | None] = ContextVar("rl_tformers_named_plugins", default=None)
+
+
+@contextmanager
+def named_plugins_only(names: Iterable[str] = (), option: str = "--plugin") -> Iterator[list[str]]:
+    """Import the modules the user named, then let :func:`load_plugins` import only those.
+
+    For opening a run that came from elsewhere: its config's ``plugins`` are imported inside
+    this block only if named here (or imported already: an installed entry point, a module of
+    this process), so a run directory never makes a command run a module it merely lists.
+
+    Args:
+        names: the modules the user named (``--plugin``), imported first (:func:`load_plugins`).
+        option: the command-line option that names them, for error messages.
+
+    Yields:
+        The names imported.
+
+    Raises:
+        ConfigError: as :func:`load_plugins` (a named module not found or failing), naming ``option``.
+    """
+    imported = load_plugins(names, option)
+    token = _NAMED.set(_Named(frozenset(imported), option))
+    try:
+        yield imported
+    finally:
+        _NAMED.reset(token)
 
 
 def check_source_plugins(source: Mapping[str, Any], plugins: Iterable[str] | None, where: str) -> None:
@@ -283,4 +341,4 @@ def load_entry_point_plugins() -> None:
 
 
 __all__ = ["ENTRY_POINT_GROUP", "PluginWarning", "check_plugin_names", "check_source_plugins",
-           "load_entry_point_plugins", "load_plugins"]
+           "load_entry_point_plugins", "load_plugins", "named_plugins_only"]

@@ -1,11 +1,13 @@
-"""PPO-GTrXL resumes bit-identically: the environments, the running episodes and the rollout in
-progress are checkpointed (``GTrXLPPO.process_state``), so a run stopped at any update and
-resumed gives the uninterrupted run's weights, logged values and final state."""
+"""PPO-GTrXL resumes bit-identically: the environments (as plain data, nothing unpickled), the
+running episodes and the rollout in progress are checkpointed (``GTrXLPPO.process_state``), so a
+run stopped at any update and resumed gives the uninterrupted run's weights, logged values and
+final state. Environments that only unpickling restores are unpickled only when asked."""
 
 from __future__ import annotations
 
 import logging
 import pickle
+import threading
 from pathlib import Path
 
 import gymnasium as gym
@@ -13,9 +15,12 @@ import numpy as np
 import pytest
 import torch
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
-from rl_tformers.agents.gtrxl.env_state import fifo_decode, fifo_encode, load_envs
+from rl_tformers.agents.gtrxl.env_state import fifo_decode, fifo_encode
 from rl_tformers.agents.gtrxl.ppo import GTrXLPPO
+from typer.testing import CliRunner
 
+from rl_tformers.cli import app
+from rl_tformers.runtime.checkpoint import allow_unpickling, save_checkpoint
 from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import resume, train
 from tests.bitwise import same_bits
@@ -23,15 +28,38 @@ from tests.runtime.ddp_helpers import read_metrics, two_ranks
 
 SHORT = "rl_tformers_test/ShortCartPole-v1"  # time limit 10: truncations (bootstrapped) and resets in every rollout
 UNPICKLABLE = "rl_tformers_test/UnpicklableCartPole-v1"
+OPAQUE = "rl_tformers_test/OpaqueCartPole-v1"
+
+
+class StepCounter:
+    """State of an environment's own class: not plain data, pickles."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+
+class OpaqueCartPole(CartPoleEnv):
+    """CartPole whose observation's velocity is offset by a counter object (only unpickling restores it)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.counter = StepCounter()
+
+    def step(self, action):
+        self.counter.steps += 1
+        obs, r, term, trunc, info = super().step(action)
+        obs = obs.copy()
+        obs[1] += np.float32(1e-3 * self.counter.steps)
+        return obs, r, term, trunc, info
 
 
 class UnpicklableCartPole(CartPoleEnv):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.hook = lambda: None  # a lambda does not pickle
+        self.lock = threading.Lock()  # not plain data, and a lock does not pickle
 
 
-for _id, _entry in ((SHORT, CartPoleEnv), (UNPICKLABLE, UnpicklableCartPole)):
+for _id, _entry in ((SHORT, CartPoleEnv), (UNPICKLABLE, UnpicklableCartPole), (OPAQUE, OpaqueCartPole)):
     if _id not in gym.registry:
         gym.register(_id, entry_point=_entry, max_episode_steps=10)
 
@@ -59,34 +87,10 @@ def _final(run: Path, step: int = 12) -> dict:
 _same = same_bits
 
 
-def _env_tree(obj, path: str = "") -> dict:
-    """The attributes of unpickled environments down to their leaves, each leaf as pickle bytes (the
-    bytes of a whole pickle depend on which equal strings happen to be one object)."""
-    if isinstance(obj, gym.spaces.Space):  # its sampling generator: entropy-seeded, unused by the run
-        return {path: pickle.dumps({k: v for k, v in vars(obj).items() if k != "_np_random"})}
-    if type(obj).__name__ == "MjData":  # every field but the wall-clock profiling timers
-        fields = {}
-        for name in dir(obj):
-            value = None if name.startswith("_") or name in ("timer", "model") else getattr(obj, name)
-            if value is not None and not callable(value):
-                arr = np.asarray(value)
-                fields[name] = repr(value) if arr.dtype == object else (arr.dtype.str, arr.shape, arr.tobytes())
-        return {path: pickle.dumps(fields)}
-    if hasattr(obj, "__dict__") and not isinstance(obj, type):
-        return {k: v for name, value in vars(obj).items() for k, v in _env_tree(value, f"{path}.{name}").items()}
-    if isinstance(obj, list):
-        return {k: v for i, value in enumerate(obj) for k, v in _env_tree(value, f"{path}[{i}]").items()}
-    return {path: pickle.dumps(obj)}
-
-
 def _same_process_states(a: list[dict], b: list[dict]) -> bool:
-    """Every rank's process state equal: tensors bit for bit, environments attribute by attribute."""
-    def envs(st: dict) -> dict:
-        return _env_tree(load_envs(st["envs"].numpy().tobytes()))
-
-    return (len(a) == len(b) and all(_same({k: v for k, v in x.items() if k != "envs"},
-                                           {k: v for k, v in y.items() if k != "envs"}) for x, y in zip(a, b))
-            and all(envs(x) == envs(y) for x, y in zip(a, b)))
+    """Every rank's process state equal: tensors bit for bit, the environments' saved attributes
+    (random generators and MuJoCo's integration state included) value for value."""
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +115,8 @@ def test_stopped_run_resumes_bit_identically(full_run: Path, tmp_path: Path, sto
     for key in ("model", "optimizer", "extra", "rng"):
         assert _same(a[key], b[key]), key
     pa, pb = a["trainer"]["process_ranks"], b["trainer"]["process_ranks"]
-    assert len(pa) == 1 and pa[0]["rollout"] is None and pa[0]["envs"] is not None  # the end is a rollout boundary
+    assert len(pa) == 1 and pa[0]["rollout"] is None  # the end is a rollout boundary
+    assert pa[0]["env_states"] is not None and pa[0]["envs"] is None  # plain data only: nothing pickled
     assert _same_process_states(pa, pb)  # the same environments, episodes and memory
 
 
@@ -152,24 +157,117 @@ def test_restored_environments_continue_exactly(env_id: str) -> None:
     assert _same_process_states([a.process_state()], [b.process_state()])
 
 
-def test_an_environment_that_cannot_be_pickled_restarts_and_says_so(tmp_path: Path, caplog) -> None:
+def test_an_environment_that_cannot_be_saved_restarts_and_says_so(tmp_path: Path, caplog) -> None:
     full, split = tmp_path / "full", tmp_path / "split"
     with caplog.at_level(logging.WARNING):
         train(_cfg(UNPICKLABLE), full)
-    saved = [r.getMessage() for r in caplog.records if "cannot be pickled" in r.getMessage()]
-    assert len(saved) == 1 and "a --resume of this run restarts them (not bit-identical)" in saved[0]  # once
+    saved = [r.getMessage() for r in caplog.records if "not plain data" in r.getMessage()]
+    assert len(saved) == 1 and "UnpicklableCartPole.lock (lock)" in saved[0] and "cannot be pickled (" in saved[0]
     train(_cfg(UNPICKLABLE), split, stop_at=5)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         resume(split)
     notes = [r.getMessage() for r in caplog.records if "resume of gtrxl_ppo" in r.getMessage()]
-    assert len(notes) == 1 and "not bit-identical" in notes[0] and "cannot be pickled (" in notes[0] and "lambda" in notes[0]
+    assert len(notes) == 1 and "not bit-identical" in notes[0] and "cannot be pickled (" in notes[0]
     assert ("after updates 6..8, which learn from the last 3 minibatches of the checkpointed rollout 2 exactly"
             in notes[0])
     ma, mb = _metrics(full), _metrics(split)
     assert ma[:8] == mb[:8]  # the checkpointed rollout is finished exactly
     assert ma[8:] != mb[8:]  # then fresh environments
     assert [m["train/env_steps"] for m in mb] == [m["train/env_steps"] for m in ma]  # nothing counted twice
+
+
+@pytest.fixture(scope="module")
+def opaque_runs(tmp_path_factory) -> tuple[Path, Path]:
+    """``(full, split)``: an uninterrupted run of OpaqueCartPole and one stopped at update 5."""
+    base = tmp_path_factory.mktemp("opaque")
+    train(_cfg(OPAQUE), base / "full")
+    train(_cfg(OPAQUE), base / "split", stop_at=5)
+    return base / "full", base / "split"
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_environments_that_only_unpickling_restores_restart_unless_unpickling_is_allowed(
+        opaque_runs, tmp_path: Path, caplog) -> None:
+    full, split = opaque_runs
+    st = _final(split, 5)["trainer"]["process_ranks"][0]
+    assert st["envs_problem"] == ("the environments of rl_tformers_test/OpaqueCartPole-v1 hold state that is not "
+                                  "plain data (OpaqueCartPole.counter (StepCounter))")
+    assert st["envs"] is not None  # pickled too, for --unsafe-unpickle-envs
+    refused = _copy_run(split, tmp_path / "refused")
+    with caplog.at_level(logging.WARNING):
+        resume(refused)
+    notes = [r.getMessage() for r in caplog.records if "resume of gtrxl_ppo" in r.getMessage()]
+    assert len(notes) == 1 and ("OpaqueCartPole.counter (StepCounter)): only unpickling restores them, which runs "
+                                "code stored in the checkpoint; resume with --unsafe-unpickle-envs to do it, for "
+                                "a run you trust") in notes[0]
+    assert _metrics(refused)[8:] != _metrics(full)[8:]  # fresh environments
+    allowed = _copy_run(split, tmp_path / "allowed")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), allow_unpickling():
+        resume(allowed)
+    assert not [r for r in caplog.records if "resume of gtrxl_ppo" in r.getMessage()]
+    assert _metrics(allowed) == _metrics(full)  # unpickled: exact
+
+
+class WritesAFile:
+    """A pickle payload: unpickling it writes ``path`` (what a hostile checkpoint could do)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.path)!r}, 'w').write('unpickled')",)
+
+
+def _plant_payload(run: Path, marker: Path, step: int = 5) -> None:
+    """Replace the pickled environments of ``run``'s checkpoint at ``step`` by :class:`WritesAFile`."""
+    path = run / "checkpoints" / f"step_{step:09d}.pt"
+    state = torch.load(path, weights_only=True)
+    blob = pickle.dumps(WritesAFile(marker))
+    for st in state["trainer"]["process_ranks"]:
+        st["envs"] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    path.unlink()
+    save_checkpoint(run, {k: v for k, v in state.items() if k not in ("format", "version", "sha256")})
+
+
+def test_resume_never_unpickles_a_planted_environment_payload(opaque_runs, tmp_path: Path) -> None:
+    """A checkpoint whose pickled environments are a payload that writes a file: ``--resume``
+    (Python and CLI) writes nothing and says the environments restart; only the opt-in unpickles."""
+    marker = tmp_path / "written-by-the-checkpoint"
+    run, opted_in = _copy_run(opaque_runs[1], tmp_path / "run"), _copy_run(opaque_runs[1], tmp_path / "opted-in")
+    for r in (run, opted_in):
+        _plant_payload(r, marker)
+    res = CliRunner().invoke(app, ["train", "--resume", str(run), "train.steps=6"])
+    assert res.exit_code == 0, res.output
+    assert not marker.exists()
+    # a plain-data environment (CartPole) never reads the pickled bytes, even when allowed
+    plain = tmp_path / "plain"
+    train(_cfg(), plain, stop_at=5)
+    _plant_payload(plain, marker)
+    with allow_unpickling():
+        resume(plain, ["train.steps=6"])
+    assert not marker.exists()
+    # the opt-in is what unpickles (so it runs the payload): its name and help say so
+    CliRunner().invoke(app, ["train", "--resume", str(opted_in), "--unsafe-unpickle-envs", "train.steps=6"])
+    assert marker.read_text() == "unpickled"
+    import typer
+
+    params = {p.name: p for p in typer.main.get_command(app).commands["train"].params}
+    assert "UNSAFE: unpickling runs any code the checkpoint holds" in params["unsafe_unpickle_envs"].help
+
+
+def test_unsafe_unpickle_envs_needs_resume() -> None:
+    res = CliRunner().invoke(app, ["train", "agent.kind=toy", "--unsafe-unpickle-envs"])
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines()[-1] == ("error: --unsafe-unpickle-envs is for --resume RUN_DIR (a new run "
+                                                   "lists its modules in plugins=[...], which records them)")
 
 
 def test_a_checkpoint_without_process_state_resumes_as_before(tmp_path: Path, caplog) -> None:

@@ -1,6 +1,8 @@
 """Plugins: a user's own module registers an attention kind (or an agent) and every command that
 builds a run imports it first (``plugins:`` in the config, installed entry points, ``backbones
---plugin``). The plugin is docs/backbone.md's worked example, QK-norm attention (Henry et al. 2020)."""
+--plugin``); a run that is opened (``eval``, ``plot``, ``--resume``, ``load_run``) imports a module
+it lists only when the user names it, and no module is ever imported from the current directory.
+The plugin is docs/backbone.md's worked example, QK-norm attention (Henry et al. 2020)."""
 
 from __future__ import annotations
 
@@ -85,10 +87,10 @@ def test_plugin_names_are_checked() -> None:
 
 
 def test_a_missing_or_failing_plugin_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError, match=rf"^plugins\[0\]='no_such_plugin_x': no module named 'no_such_plugin_x' "
-                                          rf"\(looked in the current directory {tmp_path}"):
+                                          rf"\(looked on sys.path, not in the current directory {os.getcwd()}"):
         plugins.load_plugins(["no_such_plugin_x"])
     (tmp_path / "broken_plugin_x.py").write_text("import math\nraise RuntimeError('bad plugin')\n")
     (tmp_path / "needs_dep_x.py").write_text("import not_installed_dependency_x\n")
@@ -113,7 +115,7 @@ def test_compose_imports_the_plugins_before_checking_the_backbone(plugin, monkey
     with pytest.raises(ConfigError, match=rf"backbone.attention.kind='{kind}': unknown attention kind .*a kind of "
                                           rf"your own registers when its module is listed in plugins\)$"):
         compose("dt/cartpole_demo", over)
-    monkeypatch.chdir(folder)  # next to the module, as `python -m` would find it
+    monkeypatch.syspath_prepend(str(folder))  # its folder on PYTHONPATH
     cfg = compose("dt/cartpole_demo", [*over, f"plugins=[{name}]"])
     assert list(cfg.plugins) == [name] and cfg.backbone.attention.kind == kind
     assert compose("dt/cartpole_demo", over) is not None  # registered now (one import per process)
@@ -121,11 +123,12 @@ def test_compose_imports_the_plugins_before_checking_the_backbone(plugin, monkey
 
 def test_a_run_with_a_plugin_kind_trains_and_evaluates_in_a_fresh_process(plugin, tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The run records ``plugins``: ``eval`` in a new process (another working directory) imports the
-    module from PYTHONPATH, and says which module it could not find without it."""
+    """The run records ``plugins``: ``eval --plugin`` in a new process imports the module from
+    PYTHONPATH; without ``--plugin`` it is not imported, and without PYTHONPATH it is not found,
+    even in the current directory."""
     name, kind, folder = plugin
     data = write_cartpole_h5(tmp_path / "cp.hdf5")
-    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
     run_dir = tmp_path / "run"
     cfg = compose("dt/cartpole_demo", [f"dataset.path={data}", *TINY_DT_OVERRIDES, f"backbone.attention.kind={kind}",
                                        f"plugins=[{name}]"])
@@ -133,19 +136,25 @@ def test_a_run_with_a_plugin_kind_trains_and_evaluates_in_a_fresh_process(plugin
     assert f"plugins:\n- {name}\n" in (run_dir / "config.yaml").read_text()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(REPO)]), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "rl_tformers.cli", "eval", str(run_dir), "--episodes", "1", "--envs", "1",
-           "--out", str(tmp_path / "ev.json")]
+           "--out", str(tmp_path / "ev.json"), "--plugin", name]
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert json.loads((tmp_path / "ev.json").read_text())["results"]
-    env["PYTHONPATH"] = str(REPO)
-    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd[:-2], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2
-    assert f"plugins (of the checkpoint's config)[0]='{name}': no module named '{name}'" in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: plugins (of the checkpoint's config)[0]='{name}' is not imported: a run's plugins are code, imported "
+        f"only when you name them (--plugin {name}, if you trust that module) or install them as a "
+        f"rl_tformers.plugins entry point")
+    env["PYTHONPATH"] = str(REPO)  # `python -m` puts the current directory (the plugin's folder) on sys.path
+    res = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2
+    assert f"error: --plugin[0]='{name}': no module named '{name}' (looked on sys.path, not in the current " in res.stderr
 
 
 def test_backbones_lists_the_kinds_of_a_plugin(plugin, monkeypatch: pytest.MonkeyPatch) -> None:
     name, kind, folder = plugin
-    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
     res = CliRunner().invoke(app, ["backbones", "--json", "--slot", "attention", "--plugin", name])
     assert res.exit_code == 0, res.output
     entry = {e["kind"]: e for e in json.loads(res.output)}[kind]
@@ -196,7 +205,7 @@ def test_a_run_whose_kind_is_not_registered_here_is_refused_by_name(plugin, tmp_
 
     name, kind, folder = plugin
     data = write_cartpole_h5(tmp_path / "cp.hdf5")
-    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
     run_dir = tmp_path / "run"
     train(compose("dt/cartpole_demo", [f"dataset.path={data}", *TINY_DT_OVERRIDES, f"backbone.attention.kind={kind}",
                                        f"plugins=[{name}]"]), run_dir)
@@ -241,20 +250,21 @@ def clean_registries(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 def test_a_plugin_agent_named_like_a_builtin_one_is_refused_in_a_fresh_process(tmp_path: Path) -> None:
     """In a new process ``compose`` imports the plugins before the agents are discovered: the
     plugin's ``dt`` replaced the Decision Transformer (its module then failed to import, unseen)."""
-    (tmp_path / "collide_dt.py").write_text(
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "collide_dt.py").write_text(
         "from rl_tformers.runtime.agent_registry import register_agent\n\n"
         "@register_agent('dt', description='not the Decision Transformer')\n"
         "def build(cfg, run_dir, device):\n    raise RuntimeError('the plugin builder ran')\n")
     code = ("from rl_tformers.runtime.run_config import compose, ConfigError\n"
             "try:\n    compose('toy', ['plugins=[collide_dt]'])\nexcept ConfigError as e:\n    print('refused:', e)\n"
             "from rl_tformers.runtime.agent_registry import get_agent\nprint('dt:', get_agent('dt').description)\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "mods"), str(REPO)]), "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[0] == (f"refused: plugins[0]='collide_dt' failed to import: ValueError: agent kind 'dt' is already "
-                        f"registered by rl_tformers.agents.decision_transformer.agent ({tmp_path / 'collide_dt.py'}:3)")
+                        f"registered by rl_tformers.agents.decision_transformer.agent ({tmp_path / 'mods' / 'collide_dt.py'}:3)")
     assert lines[1] == "dt: Decision Transformer (Chen et al. 2021) on any backbone"
 
 
@@ -268,7 +278,7 @@ def test_a_backbone_kind_taken_by_a_builtin_names_the_plugins_line(clean_registr
         "@ATTENTION.register('sdpa', description='mine', paper='-')\n"
         "@dataclass(frozen=True)\n"
         "class Mine(AttentionConfig):\n    pass\n")
-    monkeypatch.chdir(clean_registries)
+    monkeypatch.syspath_prepend(str(clean_registries))
     with pytest.raises(ConfigError) as err:
         plugins.load_plugins([name])
     assert str(err.value) == (f"plugins[0]={name!r} failed to import: RegistryError: attention kind 'sdpa' is already "
@@ -322,7 +332,7 @@ def test_a_plugin_failing_halfway_leaves_nothing_registered_and_fails_the_same_w
     name = _unique("half")
     kind = f"k_{name}"
     (clean_registries / f"{name}.py").write_text(HALF.format(kind=kind))
-    monkeypatch.chdir(clean_registries)
+    monkeypatch.syspath_prepend(str(clean_registries))
     expected = (f"plugins[0]={name!r} failed to import: RuntimeError: half way "
                 f"({clean_registries / f'{name}.py'}:28)")
     for _ in range(2):  # the second import ran the module again (not "already registered by <name>")
@@ -348,7 +358,7 @@ def test_a_package_plugin_failing_in_a_submodule_forgets_the_package(clean_regis
     (clean_registries / pkg / "__init__.py").write_text(
         HALF.format(kind=kind).replace('raise RuntimeError("half way")\n', f"from {pkg} import sub  # noqa\n"))
     (clean_registries / pkg / "sub.py").write_text("raise ImportError('sub is broken')\n")
-    monkeypatch.chdir(clean_registries)
+    monkeypatch.syspath_prepend(str(clean_registries))
     with pytest.raises(ConfigError, match=rf"^plugins\[0\]='{pkg}.sub' failed to import: ImportError: sub is broken "):
         plugins.load_plugins([f"{pkg}.sub"])
     _nothing_of(kind)
@@ -379,26 +389,27 @@ def test_a_broken_entry_point_is_skipped_with_nothing_of_it_registered(clean_reg
 
 
 # -- the current directory on sys.path ----------------------------------------------------------------
-def test_the_current_directory_never_shadows_modules_imported_later(clean_registries: Path, tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A module installed on sys.path and a file of the same name in the current directory: the
-    installed one is imported after ``compose`` (without plugins, and with one), as without them."""
-    probe, plugin = _unique("shadow_probe"), _unique("shadow_plugin")
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / f"{probe}.py").write_text("WHERE = 'installed'\n")
-    (clean_registries / f"{probe}.py").write_text("WHERE = 'current directory'\n")
-    (clean_registries / f"{plugin}.py").write_text("WHERE = 'plugin'\n")
-    sys.path[:] = [p for p in sys.path if p not in ("", str(clean_registries))] + [str(site)]
+def test_a_plugin_is_never_imported_from_the_current_directory(clean_registries: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module file in the current directory (also when ``""`` or its path is on sys.path, as
+    under ``python -m``) is not imported as a plugin; sys.path is as before afterwards, and a
+    module installed on sys.path is imported by the same name."""
+    plugin = _unique("shadow_plugin")
+    marker = tmp_path / "imported"
+    (clean_registries / f"{plugin}.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    sys.path[:] = ["", str(clean_registries), *sys.path]
     monkeypatch.chdir(clean_registries)
     before = list(sys.path)
-    compose("toy", ["train.steps=1"])
-    assert sys.path == before  # no plugins: the current directory is not added
+    with pytest.raises(ConfigError, match=rf"^plugins\[0\]='{plugin}': no module named '{plugin}' \(looked on "
+                                          rf"sys.path, not in the current directory {clean_registries};"):
+        compose("toy", ["train.steps=1", f"plugins=[{plugin}]"])
+    assert not marker.exists() and sys.path == before
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / f"{plugin}.py").write_text("WHERE = 'installed'\n")
+    sys.path.append(str(site))
     compose("toy", ["train.steps=1", f"plugins=[{plugin}]"])
-    assert sys.modules[plugin].WHERE == "plugin"  # found in the current directory
-    assert sys.path == [*before, str(clean_registries)]  # searched last afterwards
-    __import__(probe)
-    assert sys.modules[probe].WHERE == "installed"
+    assert sys.modules[plugin].WHERE == "installed" and not marker.exists()
 
 
 # -- fine-tuning a run trained with plugins -------------------------------------------------------------
@@ -422,11 +433,11 @@ class DenseConfig(AttentionConfig):
 @pytest.fixture
 def dense_plugin(clean_registries: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, Path]:
     """``(module, kind, folder)`` of a plugin registering a dense attention kind, imported from
-    the current directory (``folder``)."""
+    ``folder`` on sys.path."""
     name = _unique("dense")
     kind = f"k_{name}"
     (clean_registries / f"{name}.py").write_text(DENSE.format(kind=kind))
-    monkeypatch.chdir(clean_registries)
+    monkeypatch.syspath_prepend(str(clean_registries))
     return name, kind, clean_registries
 
 
@@ -543,10 +554,9 @@ def test_a_run_trained_with_a_plugin_cannot_rebuild_itself_without_it(tmp_path: 
     sys.modules.pop(name)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as err:
-        load_run(run, checkpoint=run / "checkpoints" / "step_000000002.pt")
-    assert str(err.value) == (f"plugins (of the checkpoint's config)[0]={name!r}: no module named {name!r} (looked "
-                              f"in the current directory {tmp_path} and on sys.path; install it or add its folder "
-                              f"to PYTHONPATH)")
+        load_run(run, checkpoint=run / "checkpoints" / "step_000000002.pt", plugins=[name])
+    assert str(err.value) == (f"--plugin[0]={name!r}: no module named {name!r} (looked on sys.path, not in the "
+                              f"current directory {tmp_path}; install it or add its folder to PYTHONPATH)")
 
 
 # ------------------------------------------------- null, repeats, resume
