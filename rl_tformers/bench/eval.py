@@ -43,6 +43,7 @@ from rl_tformers.bench.train import DEFAULT_DATASET, machine_info
 from rl_tformers.runtime import evaluation as ev
 from rl_tformers.runtime.agent_registry import AgentBuildError, UnknownAgentError, build_agent
 from rl_tformers.runtime.checkpoint import CheckpointError
+from rl_tformers.runtime.errors import ConfigError
 from rl_tformers.runtime.loading import load_run
 from rl_tformers.runtime.run_config import compose
 
@@ -59,6 +60,7 @@ class Settings:
     """Benchmark settings (times in seconds)."""
 
     run: str | None = None
+    plugins: tuple[str, ...] = ()  # modules of the run's plugins the user names (--plugin)
     dataset: str = DEFAULT_DATASET
     episodes: int = 10
     n_envs: int = 10
@@ -183,7 +185,7 @@ class Result:
 def load_agent(s: Settings) -> tuple[Any, str]:
     """The agent to evaluate and a description: ``--run`` (any agent kind) or an untrained DT."""
     if s.run:
-        loaded = load_run(s.run, device=s.device)
+        loaded = load_run(s.run, device=s.device, plugins=s.plugins)
         return loaded.agent, f"{loaded.kind} checkpoint {loaded.checkpoint} (step {loaded.step})"
 
     cfg = compose("dt/hopper_medium", [f"dataset.path={s.dataset}", f"device={s.device}", f"seed={s.seed}"])
@@ -370,17 +372,21 @@ def register(bench_app) -> None:
         skip_rollouts: bool = typer.Option(False, "--skip-rollouts", help="Only part 2."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
         out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
+        plugin: list[str] = typer.Option([], "--plugin", metavar="MODULE",
+                                         help="With --run: import this module (repeatable); a module the run's "
+                                              "plugins list is imported only when named here (it runs that "
+                                              "module's code) or installed as an entry point."),
     ) -> None:
         """Env steps/s of batched vs one-env-at-a-time evaluation; memory vs re-encoding cost per step."""
 
-        run_checked(lambda: Settings(run=run_dir, dataset=dataset, episodes=episodes, n_envs=n_envs,
+        run_checked(lambda: Settings(run=run_dir, plugins=tuple(plugin), dataset=dataset, episodes=episodes, n_envs=n_envs,
                                      max_episode_steps=max_episode_steps, threads=threads, device=device,
                                      memory_kinds=tuple(k.strip() for k in memory_kinds.split(",") if k.strip()),
                                      mem_lens=_ints(mem_lens), mem_envs=mem_envs, mem_steps=mem_steps,
                                      skip_rollouts=skip_rollouts),
                     run, markdown, out=out, as_json=as_json,
                     # loading the policy, before any timing
-                    load_errors=(AgentBuildError, CheckpointError, UnknownAgentError),
+                    load_errors=(AgentBuildError, CheckpointError, UnknownAgentError, ConfigError),
                     source=f"{'--run' if run_dir else '--dataset'} {run_dir or dataset}")
 
     bench_app.command("eval")(eval_)

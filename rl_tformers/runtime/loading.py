@@ -22,6 +22,7 @@ it here does not repeat it.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -110,6 +111,35 @@ def _run_cpu_matmul(cfg: Any) -> str:
         return "mkl"
 
 
+def check_env_modules(tree: Any, where: str) -> None:
+    """Refuse an environment id of a run that would import a module not imported yet.
+
+    gymnasium's ``gym.make("module:EnvId")`` imports ``module`` first; an id read from a run
+    (its config or checkpoint) must not make a command import code the user did not name.
+
+    Args:
+        tree: plain nested mappings and lists (a config, a checkpoint's extra state).
+        where: the dotted prefix of ``tree``'s keys in error messages.
+
+    Raises:
+        ConfigError: naming the key (``agent.env_id``) and the module, with the ``--plugin`` to
+            give when that module is trusted.
+    """
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            name = f"{where}.{key}" if where else str(key)
+            if str(key).endswith("env_id") and isinstance(value, str) and ":" in value:
+                module = value.rpartition(":")[0]
+                if module not in sys.modules:
+                    raise ConfigError(
+                        f"{name}={value!r} names the module {module!r}, which making the environment imports: a "
+                        f"run's modules are imported only when you name them (--plugin {module}, if you trust it)")
+            check_env_modules(value, name)
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            check_env_modules(value, f"{where}[{i}]")
+
+
 def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
              checkpoint: str | os.PathLike | None = None, plugins: Iterable[str] = ()) -> LoadedRun:
     """Rebuild the agent of ``run_dir`` from a checkpoint (see the module docstring).
@@ -154,6 +184,8 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
     kind = str(cfg.agent.kind)
     with named_plugins_only(plugins, "--plugin"):  # its own kinds first, if the caller named them
         load_plugins(cfg.get("plugins") or [], "plugins (of the checkpoint's config)")
+    check_env_modules(OmegaConf.to_container(cfg, resolve=False), "")
+    check_env_modules(state.get("extra") or {}, "extra (of the checkpoint)")
     try:
         backbone = cfg.get("backbone")  # an agent without a backbone (MLP BC) may have none or an empty one
         check_backbone_kinds(OmegaConf.to_container(backbone, resolve=True) if OmegaConf.is_config(backbone) else {})

@@ -66,16 +66,16 @@ def test_a_named_plugin_is_still_not_imported_from_the_current_directory(receive
 
 
 @pytest.mark.parametrize("command", [
-    ["eval", "--episodes", "1", "--envs", "1"],
-    ["plot", "--out", "fig.png", "--no-tensorboard"],
-    ["eval", "--plugin", PAYLOAD],
-    ["train", "--resume"],
-    ["train", "--resume", "--plugin", PAYLOAD],
-], ids=["eval", "plot", "eval --plugin", "train --resume", "train --resume --plugin"])
+    ["eval", "RUN", "--episodes", "1", "--envs", "1"],
+    ["plot", "RUN", "--out", "fig.png", "--no-tensorboard"],
+    ["eval", "RUN", "--plugin", PAYLOAD],
+    ["train", "--resume", "RUN"],
+    ["train", "--resume", "RUN", "--plugin", PAYLOAD],
+    ["bench", "eval", "--run", "RUN", "--episodes", "1", "--memory-kinds", ""],
+], ids=["eval", "plot", "eval --plugin", "train --resume", "train --resume --plugin", "bench eval"])
 def test_commands_opening_a_run_run_none_of_its_plugins(received, command: list[str]) -> None:
     run, marker = received
-    args = [*command[:2], str(run), *command[2:]] if command[0] == "train" else [command[0], str(run), *command[1:]]
-    res = runner.invoke(app, args)
+    res = runner.invoke(app, [str(run) if a == "RUN" else a for a in command])
     assert_clean_exit(res, 2)
     last = res.output.strip().splitlines()[-1]
     assert last.startswith("error: ") and PAYLOAD in last
@@ -109,4 +109,24 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_unread(tiny_dt_run: Pa
                               f"tensors and plain containers, which weights_only loading refuses)")
     res = runner.invoke(app, ["eval", str(run), "--checkpoint", str(path)])
     assert_clean_exit(res, 2)
+    assert not marker.exists()
+
+
+def test_an_environment_id_naming_a_module_is_not_made_unless_named(received, tiny_dt_run: Path,
+                                                                     tmp_path: Path) -> None:
+    """gymnasium's ``module:EnvId`` imports ``module`` when the environment is made: a run whose
+    env_id names one is refused (the module file in the current directory never runs)."""
+    _, marker = received
+    run = tmp_path / "env-module"
+    shutil.copytree(tiny_dt_run, run)
+    (_, path), = list_checkpoints(run)
+    state = load_checkpoint(path)
+    state["extra"]["env_id"] = f"{PAYLOAD}:CartPole-v1"
+    path.unlink()
+    save_checkpoint(run, {k: v for k, v in state.items() if k not in ("format", "version", "sha256")})
+    with pytest.raises(ConfigError) as err:
+        load_run(run)
+    assert str(err.value) == (f"extra (of the checkpoint).env_id='{PAYLOAD}:CartPole-v1' names the module "
+                              f"'{PAYLOAD}', which making the environment imports: a run's modules are imported "
+                              f"only when you name them (--plugin {PAYLOAD}, if you trust it)")
     assert not marker.exists()
