@@ -46,7 +46,7 @@ from rl_tformers.agents.decision_transformer.config import DTAgentConfig
 from rl_tformers.agents.decision_transformer.inference import DTInference
 from rl_tformers.agents.decision_transformer.loss import dt_loss
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTConfig, from_env_action
-from rl_tformers.agents.decision_transformer.policy import DTPolicy
+from rl_tformers.agents.decision_transformer.policy import DTPolicy, DTPolicyWrapper
 from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.samplers import WindowSampler
 from rl_tformers.envs.torch_data import StepBatchDataset
@@ -268,21 +268,22 @@ class DTAgent:
 
     # -- acting and evaluation -------------------------------------------------------------------
     def policy(self, timestep_overflow: str | None = None, sample: bool = False,
-               generator: torch.Generator | None = None) -> DTPolicy:
-        """The :class:`DTPolicy` of the current weights (shares the model; puts it in eval mode).
+               generator: torch.Generator | None = None) -> DTPolicy | DTPolicyWrapper:
+        """The :class:`DTPolicy` of the current weights (shares the model; puts it in eval mode),
+        wrapped with the inference options in use (early exit, kNN-LM: :meth:`DTInference.wrap`).
 
         ``sample``/``generator``: act with draws of the gaussian head (:class:`DTPolicy`; Online DT's
         rollouts) instead of its mean (evaluation).
         """
         i = self.info
-        return DTPolicy(
+        return self.inference.wrap(DTPolicy(
             self.model, i.obs_mean, i.obs_std, i.reward_scale, i.action_low, i.action_high,
             default_target=self.default_targets()[0],
             timestep_overflow=timestep_overflow or self.options.timestep_overflow, align=self.align,
             action_start=i.action_start,
             action_shape=None if i.discrete else i.action_shape, sample=sample, generator=generator,
-            context_steps=self.eval_context_len, **self.inference.policy_options(),
-        )
+            context_steps=self.eval_context_len,
+        ))
 
     def inference_setup(self, **options: Any) -> dict[str, Any]:
         """Evaluation options (``rl-tformers eval --early-exit / --knn-lambda``): :meth:`DTInference.setup`."""

@@ -1,4 +1,5 @@
-"""Early exit for the Decision Transformer at inference: held-out episodes and threshold calibration.
+"""Early exit for the Decision Transformer at inference: the acting wrapper, held-out episodes and
+threshold calibration.
 
 A DT whose backbone has depth kind ``early_exit`` trains its head on every layer's output
 (:mod:`rl_tformers.depth.early_exit`); acting, it can stop after the first layer whose prediction
@@ -6,23 +7,88 @@ is confident (:meth:`~rl_tformers.agents.decision_transformer.model.DecisionTran
 The confidence threshold is calibrated on episodes held out from training (CALM, Schuster et al.
 2022, sec. 4): the smallest threshold whose early actions agree with the full model's on
 held-out decisions, with Learn-then-Test guarantees (:func:`~rl_tformers.depth.early_exit.calibrate_threshold`).
+:class:`EarlyExitPolicy` wraps a :class:`~rl_tformers.agents.decision_transformer.policy.DTPolicy`
+and acts with that threshold.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
+from rl_tformers.agents.decision_transformer.context import DTState, acting_context_mask
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer
-from rl_tformers.agents.decision_transformer.policy import acting_context_mask
+from rl_tformers.agents.decision_transformer.policy import Decision, DTPolicy, DTPolicyWrapper
 from torch import Tensor
 
 from rl_tformers.depth.early_exit import Calibration, calibrate_threshold
 
 #: thresholds tested by default: 0, 0.05, ..., 1
 DEFAULT_CANDIDATES = tuple(i / 20 for i in range(21))
+
+
+class EarlyExitPolicy(DTPolicyWrapper):
+    """A :class:`DTPolicy` that acts with early exit (depth kind ``early_exit``).
+
+    Each step's forward pass is
+    :meth:`~rl_tformers.agents.decision_transformer.model.DecisionTransformer.forward_early_exit`
+    on the policy's acting context: only the current step's state token of the counted rows
+    (``DTPolicy.count_rows``) decides, and the layer loop stops once every one of them exited at
+    ``threshold``. The action is then chosen as the plain policy chooses it (mean or draw).
+    :meth:`stats` adds ``exit_mean_layer`` (1-based) and ``exit_early_frac``, means over the
+    counted decisions.
+
+    Args:
+        policy: the plain DT policy (early exit changes its forward pass, so it wraps no other
+            wrapper; a :class:`~rl_tformers.agents.decision_transformer.knn_lm.KNNLMPolicy` goes
+            on top of it).
+        threshold: the confidence threshold (``None``: the backbone's stored one, +inf unless
+            calibrated or configured; +inf runs every layer).
+
+    Raises:
+        TypeError: ``policy`` is not a :class:`DTPolicy`.
+        ValueError: the model's depth kind is not ``early_exit``.
+    """
+
+    def __init__(self, policy: DTPolicy, threshold: float | None = None) -> None:
+        if not isinstance(policy, DTPolicy):
+            raise TypeError(f"EarlyExitPolicy wraps a DTPolicy (it changes the forward pass), got {type(policy).__name__}")
+        if not policy.model.early_exit:
+            raise ValueError("EarlyExitPolicy: exit_threshold needs backbone.depth.kind=early_exit")
+        super().__init__(policy)
+        self.exit_threshold = threshold
+        self.reset_own_stats()
+
+    def decide(self, state: DTState, rows: Tensor, slot: Tensor, counted: np.ndarray) -> Decision:
+        """The plain policy's choice from an early-exit forward pass (arguments as
+        :meth:`DTPolicy.decide`); the exit layers of the counted rows go to :meth:`stats`."""
+        pol = self.inner
+        decide = torch.zeros_like(state.mask)  # (N, K): the current step decides
+        decide[rows, slot] = torch.as_tensor(counted, device=decide.device)  # (rows whose decisions count)
+        mask = acting_context_mask(state.mask, slot, pol.context_steps)
+        out = pol.model.forward_early_exit(state.obs, state.actions, state.rtg, state.timesteps, mask,
+                                           exit_steps=decide, exit_threshold=self.exit_threshold)
+        d = pol.choose(out, state, rows, slot)
+        n = int(counted.sum())
+        self.decisions += n
+        self.exit_layer_sum += float(out.metrics["exit/mean_layer"]) * n
+        self.early_sum += float(out.metrics["exit/early_frac"]) * n
+        return d
+
+    def own_stats(self) -> dict[str, Any]:
+        """``exit_mean_layer`` and ``exit_early_frac`` once a decision was counted."""
+        if not self.decisions:
+            return {}
+        return {"exit_mean_layer": self.exit_layer_sum / self.decisions, "exit_early_frac": self.early_sum / self.decisions}
+
+    def reset_own_stats(self) -> None:
+        """Zero the decisions and their exit layers."""
+        self.decisions = 0
+        self.exit_layer_sum = 0.0
+        self.early_sum = 0.0
 
 
 def heldout_mask(num_episodes: int, frac: float, enabled: bool) -> np.ndarray:

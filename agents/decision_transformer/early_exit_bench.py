@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import typer
 from rl_tformers.agents.decision_transformer.agent import to_model_batch
-from rl_tformers.agents.decision_transformer.policy import acting_context_mask
+from rl_tformers.agents.decision_transformer.context import acting_context_mask
 
 from rl_tformers.runtime.loading import load_run
 from rl_tformers.runtime.timing import interleaved_timing

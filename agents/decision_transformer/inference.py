@@ -2,7 +2,7 @@
 
 :class:`DTInference` holds the inference options of one :class:`~rl_tformers.agents.decision_transformer.agent.DTAgent`
 (the exit threshold, calibrated or set, and the datastore with what its keys were computed for)
-and hands them to the policy (:meth:`DTInference.policy_options`). The training side of the
+and wraps the plain policy with them (:meth:`DTInference.wrap`). The training side of the
 agent does not use them. The algorithms are in
 :mod:`~rl_tformers.agents.decision_transformer.early_exit` and
 :mod:`~rl_tformers.agents.decision_transformer.knn_lm`.
@@ -19,8 +19,13 @@ import torch
 from rl_tformers.agents.common.knn_memory import KNNPolicyMemory
 from rl_tformers.agents.common.offline import load_offline_dataset, plain
 from rl_tformers.agents.decision_transformer.config import exit_threshold
-from rl_tformers.agents.decision_transformer.early_exit import calibrate_exit_threshold, heldout_mask
-from rl_tformers.agents.decision_transformer.knn_lm import build_datastore
+from rl_tformers.agents.decision_transformer.early_exit import (
+    EarlyExitPolicy,
+    calibrate_exit_threshold,
+    heldout_mask,
+)
+from rl_tformers.agents.decision_transformer.knn_lm import KNNLMPolicy, build_datastore
+from rl_tformers.agents.decision_transformer.policy import DTPolicy, DTPolicyWrapper
 from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.samplers import WindowSampler
 from rl_tformers.envs.trajectory import ObsStats
@@ -48,8 +53,12 @@ class DTInference:
         self.knn_memory: KNNPolicyMemory | None = None  # set by build_knn_memory
         self._knn_for: tuple[float | None, int | None] | None = None  # what its keys were computed for
 
-    def policy_options(self) -> dict[str, Any]:
-        """``exit_threshold`` and ``knn`` for :class:`~rl_tformers.agents.decision_transformer.policy.DTPolicy`.
+    def wrap(self, policy: DTPolicy) -> DTPolicy | DTPolicyWrapper:
+        """``policy`` with the inference options in use: an
+        :class:`~rl_tformers.agents.decision_transformer.early_exit.EarlyExitPolicy` at
+        :attr:`exit_threshold` when the depth kind is ``early_exit`` (``None``: the backbone's
+        stored threshold), then a :class:`~rl_tformers.agents.decision_transformer.knn_lm.KNNLMPolicy`
+        with :attr:`knn_memory` when there is one.
 
         Raises:
             ValueError: the datastore was built for another threshold or acting context than the
@@ -62,7 +71,12 @@ class DTInference:
                 f"{ctx or 'K'} but the policy now acts with threshold {now_thr} and context {now_ctx or 'K'}: its "
                 f"keys would not be the features the policy queries with; call build_knn_memory() again "
                 f"(or set the threshold / agent.eval_context_len before building it)")
-        return {"exit_threshold": self.exit_threshold, "knn": self.knn_memory}
+        out: DTPolicy | DTPolicyWrapper = policy
+        if policy.model.early_exit:
+            out = EarlyExitPolicy(policy, self.exit_threshold)
+        if self.knn_memory is not None:
+            out = KNNLMPolicy(out, self.knn_memory)
+        return out
 
     def snapshot(self) -> tuple[Any, ...]:
         """The current options (for :meth:`restore`)."""

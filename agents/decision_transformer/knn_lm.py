@@ -5,21 +5,73 @@ predicts a_t (``DTOutput.features``, what the head reads), computed on the conte
 would hold at step t; the value is a_t in model units. Acting, the policy interpolates its
 prediction with the neighbours' (:class:`~rl_tformers.agents.common.knn_memory.KNNPolicyMemory`):
 in probability space for discrete actions, ``(1 - lam) a_model + lam sum_i w_i a_i`` for
-continuous ones.
+continuous ones: :class:`KNNLMPolicy` wraps a DT policy and interpolates its decisions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
-from rl_tformers.agents.common.knn_memory import ActionDatastore
+from rl_tformers.agents.common.knn_memory import (
+    ActionDatastore,
+    KNNPolicyMemory,
+    interpolate_continuous,
+    interpolate_discrete,
+)
+from rl_tformers.agents.decision_transformer.context import DTState, acting_context_mask
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer
-from rl_tformers.agents.decision_transformer.policy import acting_context_mask
+from rl_tformers.agents.decision_transformer.policy import Decision, DTPolicy, DTPolicyWrapper
 from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.samplers import WindowSampler
 from torch import Tensor
+
+
+class KNNLMPolicy(DTPolicyWrapper):
+    """A DT policy whose actions are interpolated with their nearest neighbours in a datastore.
+
+    The wrapped policy decides (the plain DT, or early exit under an
+    :class:`~rl_tformers.agents.decision_transformer.early_exit.EarlyExitPolicy`); the feature its
+    head read queries ``knn`` and the prediction is interpolated with the neighbours' actions
+    (:func:`~rl_tformers.agents.common.knn_memory.interpolate_discrete` on the logits, then the
+    argmax, for discrete actions; :func:`~rl_tformers.agents.common.knn_memory.interpolate_continuous`
+    on the action, clamped to [-1, 1], for continuous ones) with weight ``knn.lam``.
+    :meth:`stats` adds ``knn_hit_frac``: the fraction of counted decisions with a neighbour.
+
+    Args:
+        policy: the wrapped DT policy.
+        knn: the memory whose datastore was built for that policy's features
+            (:func:`build_datastore` with its acting context and exit threshold).
+    """
+
+    def __init__(self, policy: DTPolicy | DTPolicyWrapper, knn: KNNPolicyMemory) -> None:
+        super().__init__(policy)
+        self.knn = knn
+        self.reset_own_stats()
+
+    def decide(self, state: DTState, rows: Tensor, slot: Tensor, counted: np.ndarray) -> Decision:
+        """The wrapped policy's decision, interpolated with the neighbours of its feature
+        (arguments as :meth:`DTPolicy.decide`); the counted rows' hits go to :meth:`stats`."""
+        d = self.inner.decide(state, rows, slot, counted)
+        nb = self.knn.neighbours(d.features)
+        self.hits += int(nb.valid.any(-1).cpu()[torch.as_tensor(counted)].sum())
+        if self.base.cfg.discrete:
+            a = interpolate_discrete(d.logits, nb, self.knn.lam, self.knn.temperature).argmax(-1)
+        else:
+            a = interpolate_continuous(d.action, nb, self.knn.lam, self.knn.temperature).clamp(-1.0, 1.0)
+        self.decisions += int(counted.sum())
+        return d._replace(action=a)
+
+    def own_stats(self) -> dict[str, Any]:
+        """``knn_hit_frac`` once a decision was counted."""
+        return {"knn_hit_frac": self.hits / self.decisions} if self.decisions else {}
+
+    def reset_own_stats(self) -> None:
+        """Zero the decisions and their hits."""
+        self.decisions = 0
+        self.hits = 0
 
 
 def datastore_steps(data: EpisodeDataset, max_entries: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -46,6 +46,7 @@ from rl_tformers.backbone import Backbone
 from rl_tformers.backbone_config import BackboneConfig
 from rl_tformers.depth.early_exit import SCHEMES, with_final_norm
 from rl_tformers.position.base import embedding_table
+from rl_tformers.types import BackboneOutput
 
 MODES = ("causal", "last_action")
 HEADS = ("deterministic", "gaussian", "categorical")
@@ -127,6 +128,12 @@ class DTConfig:
     def __post_init__(self) -> None:
         if isinstance(self.backbone, Mapping):
             object.__setattr__(self, "backbone", BackboneConfig.from_dict(self.backbone))
+        self._check_backbone_slots()
+        self._check_mode_and_head()
+        self._check_window()
+
+    def _check_backbone_slots(self) -> None:
+        """Refuse a memory kind (the DT passes no state between windows) and a stored exit threshold."""
         memory = getattr(self.backbone.memory, "kind", "none")
         if memory != "none":
             raise ValueError(
@@ -145,6 +152,10 @@ class DTConfig:
                 f"and picks the exit threshold at evaluation; leave backbone.depth.threshold unset and give "
                 f"agent.early_exit.threshold (a number or 'calibrate') or rl-tformers eval --early-exit"
             )
+
+    def _check_mode_and_head(self) -> None:
+        """Refuse unknown names (embed_init, mode, head, exit scheme) and a head that does not fit the
+        action space; a discrete space's head becomes ``categorical``."""
         if self.embed_init not in EMBED_INITS:
             raise ValueError(f"agent.embed_init={self.embed_init!r}; use one of {', '.join(EMBED_INITS)}")
         if self.mode not in MODES:
@@ -159,15 +170,19 @@ class DTConfig:
             object.__setattr__(self, "head", "categorical")
         if not self.discrete and self.head == "categorical":
             raise ValueError(f"agent.head={self.head!r}; use deterministic or gaussian for continuous actions")
+        if self.exit_scheme not in SCHEMES:
+            raise ValueError(f"agent.early_exit.scheme={self.exit_scheme!r}; use one of {', '.join(SCHEMES)}")
+
+    def _check_window(self) -> None:
+        """Refuse windows the backbone cannot take: a non-causal backbone in causal mode, sizes
+        below 1, more token positions than ``backbone.max_position`` or the attention kind's fixed
+        length; and an ``embed_dropout`` outside [0, 1)."""
         if self.mode == "causal" and not self.backbone.causal:
             raise ValueError(
                 "agent.mode=causal needs backbone.causal=true (with bidirectional attention the "
                 "action tokens a_t, a_t+1... would leak into the prediction of a_t); for kernels "
                 "without a causal form use agent.mode=last_action"
             )
-
-        if self.exit_scheme not in SCHEMES:
-            raise ValueError(f"agent.early_exit.scheme={self.exit_scheme!r}; use one of {', '.join(SCHEMES)}")
         if self.context_len < 1 or self.max_ep_len < 1:
             raise ValueError(f"agent.context_len and agent.max_ep_len must be >= 1, got {self.context_len}, {self.max_ep_len}")
         if 3 * self.context_len > self.backbone.max_position:
@@ -325,8 +340,10 @@ class DecisionTransformer(nn.Module):
             ValueError: wrong shapes, a window of more than ``context_len`` steps, or a timestep
                 outside ``[0, max_ep_len)``.
         """
-        x, tok_mask, pos = self.embed(obs, actions, rtg, timesteps, mask)  # (R_t, s_t, a_t) tokens
-        return self._decode(x, tok_mask, pos, output_hidden_states, self.exit_kwargs(x, obs.shape[1]))
+        x, tok_mask, pos = self.embed(obs, actions, rtg, timesteps, mask)  # (B, n, D): R_t, s_t, a_t per step
+        out = self.backbone(x, positions=pos, mask=tok_mask, output_hidden_states=output_hidden_states,
+                            output_tokens=self._token_slice(x.shape[1]), **self.exit_kwargs(x, obs.shape[1]))
+        return self.predict_states(out)  # the action head at the state tokens s_t
 
     def forward_early_exit(
         self, obs: Tensor, actions: Tensor, rtg: Tensor, timesteps: Tensor, mask: Tensor, *,
@@ -356,7 +373,9 @@ class DecisionTransformer(nn.Module):
             raise ValueError("DT: exit_steps / exit_threshold need backbone.depth.kind=early_exit")
         x, tok_mask, pos = self.embed(obs, actions, rtg, timesteps, mask)
         depth_kw = self.exit_kwargs(x, obs.shape[1], exit_steps, exit_threshold)
-        return self._decode(x, tok_mask, pos, output_hidden_states, depth_kw)
+        out = self.backbone(x, positions=pos, mask=tok_mask, output_hidden_states=output_hidden_states,
+                            output_tokens=self._token_slice(x.shape[1]), **depth_kw)
+        return self.predict_states(out)
 
     def embed(self, obs: Tensor, actions: Tensor, rtg: Tensor, timesteps: Tensor,
               mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -395,12 +414,10 @@ class DecisionTransformer(nn.Module):
         n = x.shape[1]
         return x, tok_mask, self.token_pos[:n].expand(b, n)
 
-    def _decode(self, x: Tensor, tok_mask: Tensor, pos: Tensor, output_hidden_states: bool,
-                depth_kw: dict[str, Any]) -> DTOutput:
-        """The backbone over the tokens, then the action head at the predicting state tokens."""
-        # only the state tokens' outputs are needed: the backbone's last layer skips the others
-        out = self.backbone(x, positions=pos, mask=tok_mask, output_hidden_states=output_hidden_states,
-                            output_tokens=self._token_slice(x.shape[1]), **depth_kw)
+    def predict_states(self, out: BackboneOutput) -> DTOutput:
+        """The action head at the predicting state tokens of the backbone's output (its last layer
+        computed only those: ``output_tokens``); their per-layer states, aux losses and metrics
+        ride along."""
         hs = None
         if out.hidden_states is not None:
             hs = tuple(self._select(hl) for hl in out.hidden_states)
