@@ -180,7 +180,8 @@ def _num(x: float) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)
 
 
-def _range_words(meta: Mapping[str, Any]) -> str:
+def range_words(meta: Mapping[str, Any]) -> str:
+    """A field's bounds in words (``"in [0, 1)"``, ``"> 0"``, ``">= 1"``; ``""`` without bounds)."""
     lo = ("[", meta["ge"]) if "ge" in meta else ("(", meta["gt"]) if "gt" in meta else None
     hi = ("]", meta["le"]) if "le" in meta else (")", meta["lt"]) if "lt" in meta else None
     if lo and hi:
@@ -194,7 +195,7 @@ def _range_words(meta: Mapping[str, Any]) -> str:
 
 def expected_words(spec: Any, meta: Mapping[str, Any]) -> str:
     """What a field takes, in words: ``"an integer >= 1 or null"``, ``"'auto' or a number > 0"``."""
-    rng = _range_words(meta)
+    rng = range_words(meta)
     parts = []
     for m in _members(spec):
         if m is str and meta.get("choices"):

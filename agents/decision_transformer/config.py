@@ -21,6 +21,9 @@ from rl_tformers.typed_config import ConfigFieldError, TypedConfig, check_value,
 
 #: words of ``agent.early_exit.threshold`` that mean the full model
 FULL_MODEL_WORDS = ("none", "off")
+#: |agent.log_std_min|, |agent.log_std_max| at most this: exp(2 log_std), the gaussian head's
+#: variance, stays a normal float32 (exp(-87.3) is the smallest, exp(88.7) the largest)
+LOG_STD_BOUND = 40.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,8 @@ class DTAgentConfig(TypedConfig):
     """``agent:`` of ``agent.kind=dt``; defaults are the paper's for MuJoCo (Chen et al. 2021, table 8).
 
     Raises (on construction):
-        ConfigFieldError: a field of the wrong type or out of range; ``eval_context_len`` above
+        ConfigFieldError: a field of the wrong type or out of range; ``log_std_max`` not above
+            ``log_std_min``; ``eval_context_len`` above
             ``context_len``; ``align=start`` with ``mode=last_action``; ``targets`` empty or with
             a target given twice.
     """
@@ -93,8 +97,10 @@ class DTAgentConfig(TypedConfig):
     embed_dropout: float = option(0.1, "dropout after the embedding LayerNorm", ge=0, lt=1)
     embed_init: str = option("gpt2", "embeddings and action head init: gpt2 (N(0, 0.02)) or paper (official "
                              "code)", choices=EMBED_INITS)
-    log_std_min: float = option(-5.0, "gaussian head: lower bound of the log standard deviation")
-    log_std_max: float = option(2.0, "gaussian head: upper bound of the log standard deviation")
+    log_std_min: float = option(-5.0, "gaussian head: lower bound of the log standard deviation (exp(2 log_std) "
+                                "stays a normal float32)", ge=-LOG_STD_BOUND, le=LOG_STD_BOUND)
+    log_std_max: float = option(2.0, "gaussian head: upper bound of the log standard deviation",
+                                ge=-LOG_STD_BOUND, le=LOG_STD_BOUND)
     init_temperature: float = option(0.1, "gaussian head: initial entropy temperature", gt=0)
     target_entropy: float | None = option(None, "gaussian head: target entropy; null = -act_dim")
     reward_scale: str | float = option("auto", "divisor of returns-to-go: auto = power of ten at or below the "
@@ -113,6 +119,10 @@ class DTAgentConfig(TypedConfig):
     knn: KNNOptions = option(factory=KNNOptions, doc="kNN-LM action memory at evaluation")
 
     def __post_init__(self) -> None:
+        if self.log_std_min >= self.log_std_max:
+            raise ConfigFieldError("log_std_max", f"must be above agent.log_std_min={self.log_std_min:g} (the gaussian "
+                                                  f"head's log standard deviation lies between them), got "
+                                                  f"{self.log_std_max:g}")
         if self.eval_context_len is not None and self.eval_context_len > self.context_len:
             raise ConfigFieldError(
                 "eval_context_len", f"must be at most agent.context_len={self.context_len} (the steps of context "

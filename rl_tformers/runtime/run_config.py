@@ -67,6 +67,7 @@ from rl_tformers.runtime.device import resolve_device
 from rl_tformers.runtime.errors import ConfigError
 from rl_tformers.runtime.plugins import check_backbone_kinds, check_plugin_names, load_plugins
 from rl_tformers.runtime.seeding import MAX_SEED
+from rl_tformers.typed_config import option, range_words
 
 BASE_KEY = "_base_"
 DEFAULTS_NAME = "defaults.yaml"
@@ -117,23 +118,23 @@ class TrainConfig:
             in some updates; costs a graph traversal per update).
     """
 
-    steps: int = 1000
-    batch_size: int = 64
-    lr: float = 1.0e-4
-    weight_decay: float = 1.0e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1.0e-8
-    grad_clip: float | None = 0.25
+    steps: int = option(1000, ge=1)
+    batch_size: int = option(64, ge=1)
+    lr: float = option(1.0e-4, gt=0)
+    weight_decay: float = option(1.0e-4, ge=0)
+    betas: list[float] = option(factory=lambda: [0.9, 0.999], ge=0, lt=1)
+    eps: float = option(1.0e-8, gt=0)
+    grad_clip: float | None = option(0.25, ge=0)
     schedule: Schedule = Schedule.warmup_cosine
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.1
+    warmup_steps: int = option(100, ge=0)
+    min_lr_ratio: float = option(0.1, ge=0, le=1)
     amp: Amp = Amp.none
     compile: bool = False
     deterministic: bool = False
-    num_workers: int = 0
-    log_every: int = 10
-    checkpoint_every: int = 1000
-    keep_last: int = 3
+    num_workers: int = option(0, ge=0)
+    log_every: int = option(10, ge=1)
+    checkpoint_every: int = option(1000, ge=0)
+    keep_last: int = option(3, ge=1)
     progress: bool = True
     ddp_find_unused: bool = False
 
@@ -149,10 +150,10 @@ class EvalConfig:
         n_envs: parallel environments (gymnasium vector env) for evaluation (>= 1).
     """
 
-    every: int = 0
+    every: int = option(0, ge=0)
     at_end: bool = True
-    episodes: int = 10
-    n_envs: int = 5
+    episodes: int = option(10, ge=1)
+    n_envs: int = option(5, ge=1)
 
 
 @dataclass
@@ -166,10 +167,10 @@ class ScriptedDatasetConfig:
     """
 
     task: str = "recall"
-    episodes: int = 1000
-    epsilon: float = 0.2
-    seed: int | None = None
-    delay: int = 8
+    episodes: int = option(1000, ge=1)
+    epsilon: float = option(0.2, ge=0, le=1)
+    seed: int | None = option(None, ge=0, le=MAX_SEED)
+    delay: int = option(8, ge=1)
 
 
 @dataclass
@@ -216,7 +217,7 @@ class _DatasetSection:
 class RunConfig:
     """The whole config tree (see the module docstring)."""
 
-    seed: int = 0
+    seed: int = option(0, ge=0, le=MAX_SEED)
     device: str = "auto"
     cpu_matmul: str = "auto"
     run_dir: str | None = None
@@ -627,30 +628,18 @@ FREE_FORM_AGENT_KEYS = ("env_kwargs",)
 def _validate_values(cfg: DictConfig, entry=None) -> None:
 
     t = cfg.train
-    positive = {"train.steps": t.steps, "train.batch_size": t.batch_size, "train.log_every": t.log_every,
-                "train.keep_last": t.keep_last, "eval.episodes": cfg.eval.episodes, "eval.n_envs": cfg.eval.n_envs}
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    non_negative = {"train.checkpoint_every": t.checkpoint_every, "train.warmup_steps": t.warmup_steps,
-                    "train.num_workers": t.num_workers, "eval.every": cfg.eval.every, "seed": cfg.seed}
-    for key, value in non_negative.items():
-        if value < 0:
-            raise ConfigError(f"{key} must be >= 0, got {value}")
-
-    if cfg.seed > MAX_SEED:
-        raise ConfigError(f"seed must be an integer in [0, 2**64 - 1] (the range torch.manual_seed takes), "
-                          f"got {cfg.seed}")
-    if not (t.lr > 0):
-        raise ConfigError(f"train.lr must be > 0, got {t.lr}")
-    if t.weight_decay < 0:
-        raise ConfigError(f"train.weight_decay must be >= 0, got {t.weight_decay}")
-    if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):
+    _check_ranges(RunConfig, {"seed": cfg.seed}, "")
+    if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):  # NaN is in no range
         raise ConfigError(f"train.betas must be two numbers in [0, 1), got {list(t.betas)}")
-    if t.grad_clip is not None and t.grad_clip < 0:
-        raise ConfigError(f"train.grad_clip must be >= 0 or null, got {t.grad_clip}")
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    _check_ranges(TrainConfig, t, "train.")
+    _check_ranges(EvalConfig, cfg.eval, "eval.")
+    scripted = cfg.dataset.get("scripted") if isinstance(cfg.dataset, DictConfig) else None
+    if isinstance(scripted, DictConfig):
+        _check_ranges(ScriptedDatasetConfig, scripted, "dataset.scripted.")
+    if t.lr * t.weight_decay >= 1.0:
+        raise ConfigError(f"train.weight_decay={t.weight_decay:g} with train.lr={t.lr:g}: AdamW multiplies the "
+                          f"decayed weights by 1 - lr * weight_decay = {1.0 - t.lr * t.weight_decay:g} every update, "
+                          f"which zeroes or flips them; lr * weight_decay must be < 1")
     try:
         resolve_device(cfg.device)
     except ValueError as exc:
@@ -677,6 +666,38 @@ def _validate_values(cfg: DictConfig, entry=None) -> None:
     except (RegistryError, ValueError, TypeError) as exc:
         msg = str(exc)
         raise ConfigError(msg if msg.startswith("backbone") else f"backbone: {msg}") from exc
+
+
+def _check_ranges(cls: type, values: Any, prefix: str) -> None:
+    """Hold every numeric field of the section ``values`` to the bounds its ``cls`` field declares
+    (:func:`~rl_tformers.typed_config.option`'s ``ge``/``gt``/``le``/``lt``); a float must also be
+    finite (``train.lr=inf``, ``train.eps=.nan``). A list's items are held to them (``train.betas``);
+    null passes (``train.grad_clip=null``).
+
+    Raises:
+        ConfigError: ``"train.eps must be a finite number > 0, got 0.0"``, ``"train.steps must be
+            >= 1, got 0"``, or the seed's range (the one ``torch.manual_seed`` takes).
+    """
+    for f in dataclasses.fields(cls):
+        rng = range_words(f.metadata)
+        if not rng or f.name not in values:
+            continue
+        value, key = values[f.name], prefix + f.name
+        items = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+        for v in items:
+            if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            ok = (math.isfinite(v) if isinstance(v, float) else True) and (
+                ("ge" not in f.metadata or v >= f.metadata["ge"]) and ("gt" not in f.metadata or v > f.metadata["gt"])
+                and ("le" not in f.metadata or v <= f.metadata["le"]) and ("lt" not in f.metadata or v < f.metadata["lt"]))
+            if ok:
+                continue
+            shown = list(value) if len(items) > 1 or not isinstance(v, type(value)) else value
+            if f.name == "seed":
+                raise ConfigError(f"{key} must be an integer in [0, 2**64 - 1] (the range torch.manual_seed takes), "
+                                  f"got {shown}")
+            kind = "a finite number " if "float" in str(f.type) else ""
+            raise ConfigError(f"{key} must be {kind}{rng}, got {shown}")
 
 
 def check_resume_changes(saved: DictConfig, new: DictConfig) -> list[str]:

@@ -1127,6 +1127,37 @@ def _held_run_problem(path: Path) -> str:
             f"delete it or pick another --run-dir")
 
 
+def write_paths_problem(run_dir: str | os.PathLike, option: str = "--run-dir") -> str | None:
+    """Why the run cannot write its files in the existing folder ``run_dir`` (None if it can):
+    its checkpoint folder (``RUN_DIR/checkpoints``) exists and is not a folder, an entry of it
+    named like a checkpoint (``step_*.pt``) is not a file, or ``config.yaml`` /
+    ``metrics.jsonl`` exists and is not a file. Checked before training starts, so that the first
+    save does not fail after the run has started. Creates nothing.
+
+    Args:
+        option: the command-line option that named ``run_dir`` (``--run-dir``, ``--resume``).
+    """
+    run_dir = Path(run_dir)
+    fix = "move it away" if option == "--resume" else f"move it away or pick another {option}"
+
+    def what(p: Path) -> str:
+        return "a folder" if p.is_dir() else "a file" if p.is_file() else "not a regular file"
+
+    def occupied(p: Path) -> bool:
+        return p.exists() or p.is_symlink()
+
+    folder = ckpt.checkpoint_dir(run_dir)
+    if occupied(folder) and not folder.is_dir():
+        return f"{option} {run_dir}: {folder} is {what(folder)}, not the folder the run keeps its checkpoints in; {fix}"
+    named = [e for e in sorted(folder.iterdir()) if e.name.startswith("step_") and e.name.endswith(".pt")] \
+        if folder.is_dir() else []
+    for p in [*named, run_dir / CONFIG_FILE, run_dir / METRICS_FILE]:
+        if occupied(p) and not p.is_file():
+            return (f"{option} {run_dir}: {p} is {what(p)}, not {'a checkpoint' if p.parent == folder else 'a file'}; "
+                    f"the run writes {'its checkpoints' if p.parent == folder else 'that file'} under that name: {fix}")
+    return None
+
+
 def new_run_problem(path: str | os.PathLike) -> str | None:
     """Why a new run cannot start in ``path`` (None if it can), without creating or locking
     anything: the path (or a folder above it) is a file, another process is training there,
@@ -1134,6 +1165,9 @@ def new_run_problem(path: str | os.PathLike) -> str | None:
     path = Path(path)
     problem = directory_problem(path, "--run-dir")
     if problem is not None or not path.is_dir():
+        return problem
+    problem = write_paths_problem(path, "--run-dir")
+    if problem is not None:
         return problem
     pid = lock_holder(path)
     if pid is not None:
@@ -1170,6 +1204,8 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike | None = None, config_name
                 Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg, config_name)
             )
             problem = directory_problem(path, "--run-dir")
+            if problem is None and path.is_dir():
+                problem = write_paths_problem(path, "--run-dir")
             if problem is None:
                 try:
                     lock.enter_context(hold_run(path))
@@ -1300,6 +1336,8 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
                 lock.enter_context(hold_run(run_dir))
             except RunBusyError as exc:
                 problem = str(exc)
+            if problem is None:
+                problem = write_paths_problem(run_dir, "--resume")
         problem = dist_rt.broadcast_object(problem)
         if problem is not None:
             raise RunDirError(problem)

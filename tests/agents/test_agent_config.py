@@ -76,6 +76,35 @@ def test_cross_field_rule_is_one_line_naming_the_key() -> None:
         "or null (all K), got 5")
 
 
+def test_gaussian_log_std_bounds_keep_the_variance_a_normal_float32() -> None:
+    assert _refused("agent.kind=odt", "agent.log_std_min=-50") == "agent.log_std_min must be a number in [-40, 40], got -50"
+    assert _refused("agent.kind=odt", "agent.log_std_max=.inf") == (
+        "agent.log_std_max must be a number in [-40, 40], got inf (float)")
+    assert _refused("agent.kind=dt", "agent.log_std_min=3") == (
+        "agent.log_std_max must be above agent.log_std_min=3 (the gaussian head's log standard deviation lies "
+        "between them), got 2")
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_every_numeric_agent_option_declares_its_range_or_any_finite_value(kind: str) -> None:
+    """Every int/float option of an agent has bounds, except those any finite number fits (targets in raw
+    return units, a target entropy)."""
+    any_finite = {"targets", "target_entropy", "target_return"}
+
+    def unbounded(cls: type) -> list[str]:
+        out = []
+        for f in dataclasses.fields(cls):
+            hint = str(f.type)
+            section = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            if section is not None and dataclasses.is_dataclass(section):
+                out += unbounded(type(section))
+            elif any(t in hint for t in ("int", "float")) and not (set(f.metadata) & {"ge", "gt", "le", "lt"}):
+                out += [] if f.name in any_finite else [f.name]
+        return out
+
+    assert unbounded(CONFIGS[kind]) == []
+
+
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 def test_every_agent_kind_registers_its_config_and_its_defaults(kind: str) -> None:
     entry = get_agent(kind)

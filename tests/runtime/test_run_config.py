@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ from omegaconf import OmegaConf
 from rl_tformers.runtime.agent_registry import UnknownAgentError
 from rl_tformers.runtime.run_config import (
     ConfigError,
+    EvalConfig,
+    TrainConfig,
     available_configs,
     check_resume_changes,
     compose,
@@ -21,6 +24,7 @@ from rl_tformers.runtime.run_config import (
     to_container,
     to_yaml,
 )
+from rl_tformers.typed_config import range_words
 
 
 def test_defaults_yaml_mirrors_the_schema() -> None:
@@ -201,3 +205,50 @@ def test_backbone_typos_name_the_key_and_suggest(override: str, expected: str) -
     with pytest.raises(ConfigError) as info:
         compose(None, ["agent.kind=toy", override])
     assert str(info.value).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.lr=inf", "train.lr must be a finite number > 0, got inf"),
+        ("train.lr=.nan", "train.lr must be a finite number > 0, got nan"),
+        ("train.eps=0", "train.eps must be a finite number > 0, got 0.0"),
+        ("train.eps=-1e-8", "train.eps must be a finite number > 0, got -1e-08"),
+        ("train.weight_decay=inf", "train.weight_decay must be a finite number >= 0, got inf"),
+        ("train.grad_clip=inf", "train.grad_clip must be a finite number >= 0, got inf"),
+        ("train.min_lr_ratio=1.5", "train.min_lr_ratio must be a finite number in [0, 1], got 1.5"),
+        ("train.betas=[0.9,1.0]", "train.betas must be two numbers in [0, 1), got [0.9, 1.0]"),
+        ("train.betas=[.nan,0.9]", "train.betas must be two numbers in [0, 1), got [nan, 0.9]"),
+        ("train.batch_size=0", "train.batch_size must be >= 1, got 0"),
+        ("train.warmup_steps=-1", "train.warmup_steps must be >= 0, got -1"),
+        ("train.num_workers=-1", "train.num_workers must be >= 0, got -1"),
+        ("train.checkpoint_every=-5", "train.checkpoint_every must be >= 0, got -5"),
+        ("train.keep_last=0", "train.keep_last must be >= 1, got 0"),
+        ("eval.n_envs=0", "eval.n_envs must be >= 1, got 0"),
+        ("seed=-1", "seed must be an integer in [0, 2**64 - 1] (the range torch.manual_seed takes), got -1"),
+        ("dataset.scripted.epsilon=1.5", "dataset.scripted.epsilon must be a finite number in [0, 1], got 1.5"),
+        ("dataset.scripted.episodes=0", "dataset.scripted.episodes must be >= 1, got 0"),
+        ("dataset.scripted.seed=-3", "dataset.scripted.seed must be an integer in [0, 2**64 - 1] (the range "
+                                     "torch.manual_seed takes), got -3"),
+    ],
+)
+def test_numeric_options_outside_their_range_are_refused_by_name(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        compose(None, ["agent.kind=toy", override])
+    assert str(info.value) == message
+
+
+def test_a_weight_decay_that_zeroes_the_weights_every_update_is_refused() -> None:
+    with pytest.raises(ConfigError) as info:
+        compose(None, ["agent.kind=toy", "train.lr=2.0", "train.weight_decay=0.5"])
+    assert str(info.value) == ("train.weight_decay=0.5 with train.lr=2: AdamW multiplies the decayed weights by "
+                               "1 - lr * weight_decay = 0 every update, which zeroes or flips them; lr * weight_decay "
+                               "must be < 1")
+    cfg = compose(None, ["agent.kind=toy", "train.lr=1.0", "train.weight_decay=0.99", "train.grad_clip=null"])
+    assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.grad_clip) == (1.0, 0.99, None)
+
+
+def test_every_numeric_train_and_eval_option_declares_its_range() -> None:
+    unbounded = [f.name for cls in (TrainConfig, EvalConfig) for f in dataclasses.fields(cls)
+                 if any(t in str(f.type) for t in ("int", "float")) and not range_words(f.metadata)]
+    assert unbounded == []

@@ -606,3 +606,44 @@ def test_each_periodic_evaluation_prints_one_console_line(tmp_path: Path, caplog
     logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     at4 = next(r for r in logged if r.get("step") == 4 and "eval/mse" in r)
     assert lines[1].startswith(f"eval at step 4: mse={at4['eval/mse']:.4g}, return={at4['eval/return']:.4g} (")
+
+
+# ------------------------------------------- a run directory whose write paths are taken
+_TOY = ["train", "-c", "toy", "train.steps=4", "train.checkpoint_every=2", "train.progress=false", "eval.every=0",
+        "eval.at_end=false", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("taken", ["checkpoints/step_000000002.pt/", "checkpoints", "config.yaml/", "metrics.jsonl/"])
+def test_a_checkpoint_or_log_path_taken_by_something_else_is_refused_before_training(tmp_path: Path,
+                                                                                       taken: str) -> None:
+    run = tmp_path / "run"
+    target = run / taken.rstrip("/")
+    if taken.endswith("/"):
+        target.mkdir(parents=True)
+    else:
+        target.parent.mkdir(parents=True)
+        target.write_text("not a folder")
+    before = sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
+    r = runner.invoke(app, [*_TOY, "--run-dir", str(run)])
+    kind = "a folder" if taken.endswith("/") else "a file"
+    if taken == "checkpoints":
+        want = (f"error: --run-dir {run}: {target} is a file, not the folder the run keeps its checkpoints in; "
+                f"move it away or pick another --run-dir")
+    else:
+        what = ("a checkpoint; the run writes its checkpoints" if taken.startswith("checkpoints/") else
+                "a file; the run writes that file")
+        want = f"error: --run-dir {run}: {target} is {kind}, not {what} under that name: move it away or pick another --run-dir"
+    assert (r.exit_code, r.stderr.strip()) == (2, want)
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == before  # nothing written
+
+
+def test_a_resumed_run_whose_next_checkpoint_name_is_a_folder_is_refused_before_training(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert runner.invoke(app, [*_TOY, "--run-dir", str(run)]).exit_code == 0
+    (run / "checkpoints" / "step_000000006.pt").mkdir()
+    r = runner.invoke(app, ["train", "--resume", str(run), "train.steps=8"])
+    assert (r.exit_code, r.stderr.strip()) == (2, f"error: --resume {run}: {run}/checkpoints/step_000000006.pt is a "
+                                                  f"folder, not a checkpoint; the run writes its checkpoints under "
+                                                  f"that name: move it away")
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step_000000002.pt", "step_000000004.pt",
+                                                                         "step_000000006.pt"]
