@@ -7,6 +7,7 @@ Heavy imports happen inside the commands, so ``rl-tformers --help`` stays fast.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -31,7 +32,7 @@ Examples:
 
 PLOT_HELP = """Plot achieved vs target return over a sweep of targets (return conditioning).
 
-The Decision Transformer paper's figure 4, with y = x, the dataset's best and mean return and the spread over episodes, plus per-episode traces of remaining return-to-go vs cumulative reward. Also logged to the run's TensorBoard files as an image (RUN_DIR must then be a directory, also with --checkpoint; --no-tensorboard writes only --out). --out is checked before anything is evaluated; targets beyond what the model's float32 return embedding takes are refused up front, and a non-finite action or reward stops the evaluation with an error (as in `rl-tformers eval`). The policy is the one `rl-tformers eval RUN_DIR` evaluates without options: a DT run's agent.early_exit.threshold and agent.knn.* apply. --from-json FILE plots a saved `eval --out` file: the figure carries (and TensorBoard logs it at) the step of the checkpoint that file evaluated, and a file evaluating another environment, agent kind or run than RUN_DIR is refused.
+The Decision Transformer paper's figure 4, with y = x, the targets within the dataset's returns shaded, its best and mean return and the spread over episodes, plus per-episode traces of remaining return-to-go vs cumulative reward. Also logged to the run's TensorBoard files as an image (RUN_DIR must then be a directory, also with --checkpoint; --no-tensorboard writes only --out). --out is checked before anything is evaluated; targets beyond what the model's float32 return embedding takes are refused up front, and a non-finite action or reward stops the evaluation with an error (as in `rl-tformers eval`). The policy is the one `rl-tformers eval RUN_DIR` evaluates without options: a DT run's agent.early_exit.threshold and agent.knn.* apply. --from-json FILE plots a saved `eval --out` file: the figure carries (and TensorBoard logs it at) the step of the checkpoint that file evaluated, and a file evaluating another environment, agent kind or run than RUN_DIR is refused.
 
 Examples:
 
@@ -159,6 +160,47 @@ def _normalizer(run):
     return (lambda r: normalized_score(env_id, r)) if env_id else None
 
 
+@contextlib.contextmanager
+def _episodes_progress(desc: str, total: int, enabled: bool = True):
+    """Progress of an evaluation on stderr, counted in episodes: a bar on a terminal, else a
+    plain line every 10 s or 5% of the episodes (:func:`~rl_tformers.runtime.progress.progress_bar`);
+    closed (its last line printed) before the results are."""
+    from rl_tformers.runtime.progress import progress_bar
+
+    bar = progress_bar(total, desc=desc, unit="episode", enabled=enabled, leave=False)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def _random_return(run) -> float | None:
+    """The random policy's return in the run's environment (the lower D4RL reference of its
+    normalised score: the dataset's own, else its task family's), or None when unknown."""
+    info = getattr(run.agent, "info", None)
+    if info is not None and hasattr(info, "normalizer"):
+        ref = getattr(info, "ref_min", None)
+        return None if ref is None else float(ref)
+    from rl_tformers.envs.scores import reference_scores
+
+    refs = reference_scores(run.env_id) if run.env_id else None
+    return None if refs is None else float(refs[0])
+
+
+def outside_data_note(targets: list, best: float | None, worst: float | None) -> str | None:
+    """A one-line note on the targets far above the training data's returns: above its best by
+    more than the data's own range (``best - worst``; any target above the best when every
+    episode has the same return), or None. The agent has seen no episode near such a target."""
+    if best is None or worst is None:
+        return None
+    far = [t for t in targets if t is not None and t > best + max(best - worst, 0.0)]
+    if not far:
+        return None
+    which = ", ".join(f"{t:g}" for t in far)
+    return (f"note: target{'s' if len(far) > 1 else ''} {which} lie{'' if len(far) > 1 else 's'} outside the training "
+            f"data (its best episode return is {best:g}, its worst {worst:g})")
+
+
 def eval_cmd(
     run_dir: Path = typer.Argument(..., help="Run directory written by rl-tformers train."),
     targets: str = typer.Option(None, "--targets", help="Comma-separated target returns, raw units (default: the run's)."),
@@ -185,6 +227,7 @@ def eval_cmd(
     context_len: int = typer.Option(None, "--context-len", min=1,
                                     help="DT: act on the last N steps of the context, at most its K (default: "
                                          "the run's agent.eval_context_len, else K; Online DT uses 5 on Hopper)."),
+    plugin: list[str] = typer.Option([], "--plugin", metavar="MODULE", help=PLUGIN_HELP),
 ) -> None:
     """``rl-tformers eval``; its help text is :data:`EVAL_HELP`."""
     from rl_tformers.runtime.evaluation import evaluate, parse_targets, strict_json
@@ -212,7 +255,6 @@ def eval_cmd(
         raise _fail(f"agent {run.kind!r} is not return-conditioned; drop --targets")
     else:
         _check_targets(run, tlist, "--targets")
-    plugin: list[str] = typer.Option([], "--plugin", metavar="MODULE", help=PLUGIN_HELP),
     options = {"early_exit": early_exit, "knn_lambda": knn_lambda, "knn_k": knn_k, "knn_max_entries": knn_max_entries}
     setup = getattr(run.agent, "inference_setup", None)
     if setup is None and any(v is not None for v in options.values()):
@@ -220,12 +262,17 @@ def eval_cmd(
     try:
         inference = setup(**options) if setup is not None else {}
         policy = TimedPolicy(_policy(run, timestep_overflow))
-        report = evaluate(
-            policy, run.agent.make_env(), tlist, episodes=episodes, n_envs=envs,
-            seed=seed, record_rewards=out is not None, normalize=_normalizer(run), env_id=run.env_id,
-        )
+        with _episodes_progress("eval", len(tlist) * episodes, enabled=not as_json) as bar:
+            report = evaluate(
+                policy, run.agent.make_env(), tlist, episodes=episodes, n_envs=envs,
+                seed=seed, record_rewards=out is not None, normalize=_normalizer(run), env_id=run.env_id,
+                progress=bar,
+            )
     except ValueError as exc:
         raise _fail(str(exc)) from None
+    note = outside_data_note(tlist, run.dataset_return_max, run.dataset_return_min)
+    if note is not None and not as_json:  # with the results (a failed evaluation ends with its error alone)
+        typer.echo(note, err=True)
     # absolute paths: `plot --from-json` run from another folder must find the same run
     report.extra = {"run_dir": str(Path(run_dir).resolve()), "checkpoint": str(Path(run.checkpoint).resolve()),
                     "step": run.step, "kind": run.kind,
@@ -366,8 +413,9 @@ def plot_cmd(
                                                 ".pdf, .svg, ...), none: .png is added (the path printed is "
                                                 "the file written); a directory is refused."),
     targets: str = typer.Option(None, "--targets",
-                                help="Comma-separated targets, each once (default: dataset worst to best + 20% "
-                                     "of the range)."),
+                                help="Comma-separated targets, each once (default: from the random policy's "
+                                     "return where known, else the dataset's worst, to 20% of that span beyond "
+                                     "the dataset's best)."),
     n_targets: int = typer.Option(6, "--n-targets", min=2, max=MAX_TARGETS, help="Targets in the default sweep."),
     episodes: int = typer.Option(5, "--episodes", min=1, help="Episodes per target."),
     envs: int = typer.Option(10, "--envs", min=1, help="Parallel environments."),
@@ -381,6 +429,7 @@ def plot_cmd(
     threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's choice)."),
     context_len: int = typer.Option(None, "--context-len", min=1,
                                     help="DT: act on the last N steps of the context (as eval --context-len)."),
+    plugin: list[str] = typer.Option([], "--plugin", metavar="MODULE", help=PLUGIN_HELP),
 ) -> None:
     """``rl-tformers plot``; its help text is :data:`PLOT_HELP`."""
     from rl_tformers.runtime.evaluation import evaluate, parse_targets
@@ -412,7 +461,6 @@ def plot_cmd(
                                                               "context_len")
                   if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
         if unused:
-    plugin: list[str] = typer.Option([], "--plugin", metavar="MODULE", help=PLUGIN_HELP),
             raise _fail(f"--from-json {from_json} plots a saved evaluation: {', '.join(unused)} would be ignored; "
                         f"drop {'them' if len(unused) > 1 else 'it'}, or drop --from-json to evaluate")
     saved = _read_eval_json(from_json) if from_json is not None else None  # before the run is loaded
@@ -444,7 +492,7 @@ def plot_cmd(
             dmin = run.dataset_return_min
             if dmax is None or dmin is None:
                 raise _fail("the run stores no dataset_return_max/min; give --targets")
-            tlist = default_sweep(dmax, dmin, n_targets)
+            tlist = default_sweep(dmax, dmin, n_targets, random_return=_random_return(run))
             _check_targets(run, tlist, "the default sweep (from the run's dataset returns; give --targets)")
         else:
             _refuse_repeated_targets(targets, tlist, "each is one point of the plot")
@@ -455,22 +503,24 @@ def plot_cmd(
             setup = getattr(run.agent, "inference_setup", None)
             if setup is not None:
                 setup()
-            report = evaluate(
-                run.agent.policy(), run.agent.make_env(), tlist, episodes=episodes, n_envs=envs, seed=seed,
-                record_rewards=True, normalize=_normalizer(run), env_id=run.env_id,
-            )
+            with _episodes_progress("plot", len(tlist) * episodes) as bar:
+                report = evaluate(
+                    run.agent.policy(), run.agent.make_env(), tlist, episodes=episodes, n_envs=envs, seed=seed,
+                    record_rewards=True, normalize=_normalizer(run), env_id=run.env_id, progress=bar,
+                )
         except ValueError as exc:
             raise _fail(str(exc)) from None
         results = report.results
         for line in summary_lines(results):
             typer.echo("  " + line)
     try:
-        fig = plot_return_conditioning(results, dataset_max=dmax, dataset_mean=dmean,
+        fig = plot_return_conditioning(results, dataset_max=dmax, dataset_mean=dmean, dataset_min=run.dataset_return_min,
                                        title=f"{run.kind} on {run.env_id}"
                                              + ("" if step is None else f" (step {step})"))
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    if tensorboard:  # a saved evaluation that records no step: logged at the run's step, as before
+    if tensorboard:  # a saved evaluation that records no step: logged at the run's step
+        # a second plot at the same step gets a tag of its own (log_figure): no image is replaced
         log_figure(run_dir, "plot/return_conditioning", fig, run.step if step is None else step)
     try:
         path = save_figure(fig, out_path)

@@ -354,6 +354,7 @@ def evaluate(
     record_rewards: bool = False,
     normalize: Callable[[np.ndarray], np.ndarray | None] | None = None,
     env_id: str | None = None,
+    progress: Any = None,
 ) -> EvalReport:
     """Run ``episodes`` episodes per target with N = min(n_envs, episodes) vector environments.
 
@@ -369,6 +370,8 @@ def evaluate(
         record_rewards: keep each episode's raw reward sequence (for RTG traces).
         normalize: maps raw returns (E,) to normalised scores, or returns ``None``.
         env_id: recorded in the report.
+        progress: told of finished episodes, ``progress.update(k)`` (a
+            :func:`~rl_tformers.runtime.progress.progress_bar` of ``len(targets) * episodes``).
 
     Returns:
         :class:`EvalReport` with one :class:`TargetResult` per target, in the given order.
@@ -416,7 +419,7 @@ def evaluate(
         results = []
         for target in targets:
             with seeded_torch_rng(seed):  # a sampling policy's draws (see the module docstring)
-                results.append(_run_target(policy, envs, target, episodes, seed, record_rewards))
+                results.append(_run_target(policy, envs, target, episodes, seed, record_rewards, progress))
     finally:
         envs.close()
     if normalize is not None:
@@ -474,6 +477,7 @@ def run_episodes(
     record_trajectories: bool = False,
     max_steps: int | None = None,
     who: str = "evaluate",
+    on_finished: Callable[[int], None] | None = None,
 ) -> EpisodeRecord:
     """Run exactly ``episodes`` episodes of ``policy`` on the N environments of ``envs``.
 
@@ -496,6 +500,8 @@ def run_episodes(
         max_steps: cut (truncate) an episode after this many steps; ``None``: the environment's
             own limits only.
         who: the prefix of error messages (``evaluate``, ``online rollout``).
+        on_finished: called with the number of counted episodes that ended at a step (a
+            progress report's ``update``).
 
     Returns:
         :class:`EpisodeRecord`.
@@ -588,6 +594,8 @@ def run_episodes(
                     observations[j] = obs_buf[i, :length].copy()
                     actions_out[j] = act_buf[i, :length].copy()
             remaining -= len(finished)
+            if on_finished is not None and len(finished):
+                on_finished(len(finished))
             job[done] += n
             active = job < episodes
             ep_ret[done] = 0.0
@@ -609,10 +617,12 @@ def _grow(buf: np.ndarray | None) -> np.ndarray | None:
 
 
 def _run_target(
-    policy: Policy, envs: gym.vector.VectorEnv, target: float | None, episodes: int, seed: int, record: bool
+    policy: Policy, envs: gym.vector.VectorEnv, target: float | None, episodes: int, seed: int, record: bool,
+    progress: Any = None,
 ) -> TargetResult:
     """Episodes of one target on ``envs`` (N envs); see :func:`evaluate`."""
-    rec = run_episodes(policy, envs, target, episodes, seed, record_rewards=record)
+    rec = run_episodes(policy, envs, target, episodes, seed, record_rewards=record,
+                       on_finished=None if progress is None else progress.update)
     return TargetResult(
         target_return=None if target is None else float(target),
         returns=rec.returns.tolist(),

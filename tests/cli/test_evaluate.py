@@ -350,3 +350,37 @@ def test_eval_of_a_checkpoint_file_says_how_to_evaluate_that_checkpoint(tmp_path
     assert r.stderr == (f"error: {f} is not a directory (expected a run directory written by rl-tformers train); "
                         f"it is a checkpoint of the run {run}: pass that run directory (rl-tformers eval and "
                         f"plot take a specific checkpoint as --checkpoint FILE)\n")
+
+
+def test_eval_notes_a_target_far_above_the_datasets_best(tiny_dt_run: Path) -> None:
+    """Every episode of the tiny run's data returns 10: --targets 1e9 gets one note line naming
+    the data's best; a target within the data gets none."""
+    res = _eval(str(tiny_dt_run), "--targets", "10,1e9")
+    assert res.exit_code == 0, res.output
+    notes = [ln for ln in res.output.splitlines() if ln.startswith("note:")]
+    assert notes == ["note: target 1e+09 lies outside the training data (its best episode return is 10, its worst 10)"]
+    res = _eval(str(tiny_dt_run), "--targets", "10")
+    assert res.exit_code == 0 and "note:" not in res.output, res.output
+
+
+def test_outside_data_note_counts_a_target_far_above_by_the_datas_range() -> None:
+    from rl_tformers.cli.evaluate import outside_data_note
+
+    assert outside_data_note([1074.0, 1168.0], 1121.0, 1074.0) is None  # up to best + range (47): near the data
+    assert outside_data_note([1169.0, 3600.0, 1800.0], 1121.0, 1074.0) == (
+        "note: targets 1169, 3600, 1800 lie outside the training data (its best episode return is 1121, its worst 1074)")
+    assert outside_data_note([1e9], None, None) is None
+
+
+def test_eval_progress_without_a_terminal_is_plain_lines_before_the_results(tiny_dt_run: Path) -> None:
+    """2 targets x 4 episodes: progress lines counted in episodes (each episode is over 5% of 8)
+    on stderr, the last at 8/8, all before the results; none with --json."""
+    res = CliRunner().invoke(app, ["eval", str(tiny_dt_run), "--targets", "10,20", "--episodes", "4", "--envs", "2"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    progress = [ln for ln in lines if ln.startswith("eval: ")]
+    counts = [int(ln.split()[1].split("/")[0]) for ln in progress]
+    assert counts == sorted(set(counts)) and counts[-1] == 8 and progress[-1].startswith("eval: 8/8 episodes (100%)")
+    assert max(lines.index(ln) for ln in progress) < min(k for k, ln in enumerate(lines) if ln.startswith("dt run "))
+    res = CliRunner().invoke(app, ["eval", str(tiny_dt_run), "--targets", "10", "--episodes", "2", "--json"])
+    assert res.exit_code == 0 and res.stderr == "", res.stderr

@@ -477,3 +477,102 @@ def test_plot_command_on_a_return_conditioned_gtrxl_run(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["plot", str(tmp_path / "run"), "--out", str(out), "--targets", "5,10", "--episodes", "2"])
     assert r.exit_code == 0, r.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+# ------------------------------------------------------------------- a plot that tests conditioning
+def test_the_default_sweep_starts_at_the_random_policys_return_when_it_is_lower() -> None:
+    """A one-policy Hopper set (returns 1074 .. 1121) with D4RL's random return -20.27: the sweep
+    runs from -20 to 1349, not 1074 to 1130 (one blob on the diagonal)."""
+    from rl_tformers.envs.scores import D4RL_REF_SCORES
+    from rl_tformers.runtime.plots import default_sweep
+
+    random_hopper = D4RL_REF_SCORES["hopper"][0]
+    assert default_sweep(1121.0, 1074.0, 6, random_return=random_hopper) == [-20.0, 254.0, 528.0, 801.0, 1075.0,
+                                                                             1349.0]
+    assert default_sweep(1121.0, 1074.0, 6) == [1074.0, 1085.0, 1097.0, 1108.0, 1119.0, 1130.0]
+    # a random return above the data's worst changes nothing; equal returns reach down to it
+    assert default_sweep(500.0, 10.0, 6, random_return=100.0) == default_sweep(500.0, 10.0, 6)
+    assert default_sweep(5.0, 5.0, 3, random_return=-1.0) == pytest.approx([-1.0, 2.6, 6.2])
+
+
+def test_plot_sweeps_from_the_datasets_random_reference_to_beyond_its_best(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CartPole file whose every episode returns 30 and whose metadata gives the random policy's
+    return 0 (ref_min_score): the default targets run 0 .. 36, and the figure shades 30 .. 30."""
+    import h5py
+
+    from rl_tformers.runtime import evaluation, plots
+
+    data = write_cartpole_h5(tmp_path / "cp.hdf5", reward=3.0)
+    with h5py.File(data, "a") as f:
+        f.attrs["rl_tformers_metadata"] = json.dumps({"ref_min_score": 0.0, "ref_max_score": 500.0})
+    run = tmp_path / "run"
+    train(compose("dt/cartpole_demo", [f"dataset.path={data}", *TINY_DT_OVERRIDES]), run)
+    asked, drawn = [], []
+    real_evaluate, real_plot = evaluation.evaluate, plots.plot_return_conditioning
+
+    def spy_evaluate(policy, make_env, targets, **kwargs):
+        asked.append(list(targets))
+        return real_evaluate(policy, make_env, targets, **kwargs)
+
+    def spy_plot(results, **kwargs):
+        drawn.append(kwargs)
+        return real_plot(results, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate", spy_evaluate)
+    monkeypatch.setattr(plots, "plot_return_conditioning", spy_plot)
+    res = _plot(str(run), "--out", str(tmp_path / "fig.png"))
+    assert res.exit_code == 0, res.output
+    assert asked == [[0.0, 7.0, 14.0, 22.0, 29.0, 36.0]]
+    assert (drawn[0]["dataset_min"], drawn[0]["dataset_max"]) == (30.0, 30.0)
+
+
+def _overlap(a, b) -> bool:
+    """Whether two display-space boxes share an area (touching edges do not count)."""
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+@pytest.mark.parametrize("n_targets", [2, 20])
+def test_the_legends_lie_outside_every_axes_data_area(n_targets: int) -> None:
+    from rl_tformers.runtime.plots import default_sweep
+
+    targets = default_sweep(1121.0, 1074.0, n_targets, random_return=-20.0)
+    res = [TargetResult(target_return=t, returns=[min(t, 1100.0)], lengths=[2], seeds=[0],
+                        rewards=[[min(t, 1100.0) / 2] * 2]) for t in targets]
+    fig = plot_return_conditioning(res, dataset_max=1121.0, dataset_mean=1100.0, dataset_min=1074.0)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+        data_axes = fig.axes[:2]  # (a colour bar, with 20 targets, is a third axes)
+        assert len(legends) == 2
+        for legend in legends:
+            box = legend.get_window_extent(renderer)
+            assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0  # inside the figure
+            for ax in data_axes:
+                assert not _overlap(box, ax.get_window_extent(renderer)), (legend, ax)
+        labels = [t.get_text() for t in legends[1].get_texts()]
+        assert sum(label.startswith("target ") for label in labels) == (2 if n_targets == 2 else 0)
+        band = next(p for p in data_axes[0].patches if p.get_label().startswith("targets within the dataset"))
+        assert (band.get_x(), band.get_x() + band.get_width()) == (1074.0, 1121.0)  # target (x) data units
+        assert band.get_label() == "targets within the dataset's returns (1074 .. 1121)"
+    finally:
+        plt.close(fig)
+
+
+def test_two_plots_at_the_same_step_keep_both_tensorboard_images(tmp_path: Path) -> None:
+    from rl_tformers.runtime.plots import _image_tags, log_figure
+
+    tags = []
+    for _ in range(3):
+        fig = plot_return_conditioning(_results())
+        try:
+            tags.append(log_figure(tmp_path, "plot/return_conditioning", fig, 7))
+        finally:
+            plt.close(fig)
+    fig = plot_return_conditioning(_results())
+    tags.append(log_figure(tmp_path, "plot/return_conditioning", fig, 8))
+    plt.close(fig)
+    assert tags == ["plot/return_conditioning", "plot/return_conditioning_2", "plot/return_conditioning_3",
+                    "plot/return_conditioning"]
+    assert _image_tags(tmp_path, 7) == set(tags[:3]) and _image_tags(tmp_path, 8) == {tags[0]}

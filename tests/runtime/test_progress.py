@@ -128,3 +128,16 @@ def test_plain_progress_line_says_when_its_logged_values_are_from_an_earlier_ste
     assert bar.line(bar._t0 + 10).endswith("loss=1.12, lr=1.00e-03")
     bar.n = 143
     assert bar.line(bar._t0 + 14).endswith("loss=1.12, lr=1.00e-03 (as of step 100)")
+
+
+def test_collect_by_steps_prints_a_line_every_5_percent(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--steps 200 without a terminal: a line at every 10 steps (5%), however fast the rollout."""
+    from rl_tformers.envs.collect import Behaviour, collect
+    from rl_tformers.envs.policies import RandomPolicy
+
+    env = gym.make("CartPole-v1")
+    collect("CartPole-v1", [Behaviour(RandomPolicy(env.action_space, seed=0), steps=200)],
+            dataset_id="t/cartpole/steps-v0", root=tmp_path, seed=0, progress=True)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("t/cartpole/steps-v0: ")]
+    counts = [int(re.match(r"t/cartpole/steps-v0: (\d+)", ln).group(1)) for ln in lines]
+    assert counts[:20] == list(range(10, 201, 10)) and lines[19].startswith("t/cartpole/steps-v0: 200/200 steps (100%)")
