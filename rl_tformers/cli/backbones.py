@@ -5,6 +5,8 @@ entry points and of the modules given with ``--plugin``."""
 from __future__ import annotations
 
 import json
+import shutil
+import textwrap
 
 import typer
 
@@ -31,6 +33,23 @@ def backbones(
     if as_json:
         typer.echo(json.dumps([e.as_dict() for e in entries], indent=2))
         return
+    width = shutil.get_terminal_size((80, 24)).columns  # $COLUMNS, the terminal, else 80 (a pipe)
+    if width >= TABLE_MIN_WIDTH:
+        _print_table(entries, width)
+    else:
+        typer.echo("\n".join(component_lines(entries, width)))
+
+
+#: Fewest columns the six-column table is drawn in; narrower output lists each component as a block.
+TABLE_MIN_WIDTH = 140
+
+
+def _fields_text(entry, sep: str) -> str:
+    return sep.join(f"{k}={json.dumps(v)}" for k, v in entry.fields().items())
+
+
+def _print_table(entries, width: int) -> None:
+    """The components as a Rich table ``width`` columns wide."""
     from rich.console import Console
     from rich.table import Table
 
@@ -38,9 +57,23 @@ def backbones(
     for col in ("slot", "kind", "description", "paper", "capabilities", "fields (defaults)"):
         table.add_column(col, overflow="fold")
     for e in entries:
-        fields = "\n".join(f"{k}={json.dumps(v)}" for k, v in e.fields().items())
-        table.add_row(e.slot, e.kind, e.description, e.paper, ", ".join(e.capabilities.flags()), fields)
-    Console(width=200).print(table)
+        table.add_row(e.slot, e.kind, e.description, e.paper, ", ".join(e.capabilities.flags()), _fields_text(e, "\n"))
+    Console(width=width).print(table)
+
+
+def component_lines(entries, width: int) -> list[str]:
+    """The components as blocks of lines at most ``width`` wide (a word longer than a line is
+    kept whole): ``slot/kind``, then the description, paper, capabilities and fields (defaults),
+    each wrapped under a two-space indent; a blank line between components."""
+    out = ["rl-tformers backbone components"]
+    for e in entries:
+        out += ["", f"{e.slot}/{e.kind}"]
+        for label, text in (("", e.description), ("paper: ", e.paper),
+                            ("capabilities: ", ", ".join(e.capabilities.flags()) or "none"),
+                            ("fields: ", _fields_text(e, ", ") or "none")):
+            out += textwrap.wrap(text, width, initial_indent="  " + label, subsequent_indent="    ",
+                                 break_long_words=False, break_on_hyphens=False)
+    return out
 
 
 def register(app: typer.Typer) -> None:

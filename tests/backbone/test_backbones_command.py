@@ -75,3 +75,25 @@ def test_the_installed_cli_has_the_command():
     res = CliRunner().invoke(app, ["backbones", "--json", "--slot", "position"])
     assert res.exit_code == 0, res.output
     assert {r["kind"] for r in json.loads(res.output)} == {e.kind for e in all_entries() if e.slot == "position"}
+
+
+def test_piped_listing_fits_80_columns_and_names_every_component():
+    """Piped (no terminal, no $COLUMNS): 80 columns, one block per component, no line wider."""
+    res = CliRunner().invoke(_app(), ["backbones"], env={"COLUMNS": None})
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert max(len(ln) for ln in lines) <= 80, [ln for ln in lines if len(ln) > 80]
+    for e in all_entries():
+        assert f"{e.slot}/{e.kind}" in lines, (e.slot, e.kind)
+    xl = lines.index("memory/xl")
+    block = lines[xl:lines.index("", xl)]
+    assert block[1].startswith("  ") and any(ln.startswith("  paper: ") for ln in block)
+    assert "mem_len=64" in " ".join(block)
+
+
+def test_listing_fits_the_terminal_width_it_is_given():
+    """$COLUMNS (a terminal's width) 160: the table, no line wider than 160 characters."""
+    res = CliRunner().invoke(_app(), ["backbones"], env={"COLUMNS": "160"})
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert max(len(ln) for ln in lines) <= 160 and "┃ slot" in res.output
