@@ -16,9 +16,64 @@ import importlib
 import os
 from pathlib import Path
 
+import sys
+
 import typer
+from typer.core import TyperGroup
+
+#: Exit status of bad input (arguments, configs, datasets, files): one ``error: ...`` line on
+#: stderr names what is at fault. A failure inside the computation exits 1.
+BAD_INPUT = 2
+
+
+#: click's exception classes, as the click that Typer runs on raises them (Typer >= 0.29 ships its
+#: own copy of click, whose classes are not those of the ``click`` package)
+_CLICK_ERRORS = sys.modules[typer.BadParameter.__module__]
+ClickException = _CLICK_ERRORS.ClickException
+UsageError = _CLICK_ERRORS.UsageError
+_HELP_REQUESTS = tuple(c for c in (getattr(_CLICK_ERRORS, "NoArgsIsHelpError", None),) if c is not None)
+
+
+def usage_error_line(exc: ClickException) -> str:
+    """A click usage error (unknown option, missing argument, ``typer.BadParameter``...) as one
+    ``error: ...`` line: click's message, then the ``--help`` of the command it concerns."""
+    text = " ".join(exc.format_message().split())  # one line: click may wrap or break it
+    ctx = getattr(exc, "ctx", None)
+    if isinstance(exc, UsageError) and ctx is not None:
+        text += f" (see: {ctx.command_path} --help)"
+    return f"error: {text}"
+
+
+class OneLineErrors(TyperGroup):
+    """The root command group: a click usage error of any command (parsing, a parameter
+    callback, a ``typer.BadParameter`` raised by a command) prints one ``error: ...`` line on
+    stderr (:func:`usage_error_line`) and exits with click's status (2 for a usage error), in
+    place of click's usage block and boxed message. ``no_args_is_help`` still prints the help."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except ClickException as exc:
+            raise _as_exit(exc) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except ClickException as exc:
+            raise _as_exit(exc) from None
+
+
+def _as_exit(exc: ClickException) -> BaseException:
+    """Print ``exc`` as one line and return the ``typer.Exit`` of its status; a request for
+    help (a command given without its arguments) is returned unchanged."""
+    if isinstance(exc, _HELP_REQUESTS):
+        return exc
+    typer.echo(usage_error_line(exc), err=True)
+    return typer.Exit(exc.exit_code)
+
 
 app = typer.Typer(
+    cls=OneLineErrors,
     name="rl-tformers",
     help="Offline RL with Transformers: Decision Transformer and GTrXL on a swappable backbone library.",
     no_args_is_help=True,

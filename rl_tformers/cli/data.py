@@ -16,8 +16,9 @@ dataset_app = typer.Typer(help="Inspect offline datasets (Minari ids, Minari fol
 
 
 def _fail(message: str) -> None:
+    """Bad input (an option, a dataset, a file): one ``error: message`` line, exit status 2."""
     typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(1)
+    raise typer.Exit(2)
 
 
 def _check_recipe_steps(recipe_steps: int | None) -> None:
@@ -78,7 +79,7 @@ def collect(
                                   help="Show progress on stderr: a bar on a terminal, else a plain line every 30 s."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Roll out a behaviour policy and write a Minari dataset (minari.DataCollector).
+    """Roll out a behaviour policy and write a Minari dataset.
 
     \b
     Examples:
@@ -112,8 +113,8 @@ def collect(
                          overwrite, skip_existing, progress, as_json)
     except KeyboardInterrupt:
         signum = received[0] if received else signal.SIGINT
-        typer.echo(f"interrupted ({signal.Signals(signum).name}): no half-written dataset is left (Minari's temporary "
-                   "folder removed too); datasets reported above are complete", err=True)
+        typer.echo(f"interrupted ({signal.Signals(signum).name}): no half-written dataset is left; datasets reported "
+                   "above are complete", err=True)
         raise typer.Exit(128 + int(signum)) from None
     finally:
         torch.set_num_threads(threads)
@@ -343,7 +344,7 @@ def info(
     root: Path = typer.Option(None, "--root", help="Data root searched first for Minari ids."),
     max_ep_len: int = typer.Option(None, "--max-ep-len", min=1, help="Also refuse episodes longer than this."),
 ) -> None:
-    """Validate a dataset and print its statistics (exit 1 with the validation error on stderr if it is bad).
+    """Validate a dataset and print its statistics (exit 2 with the validation error on stderr if it is bad).
 
     A dataset whose env_id names an environment that can be made here is also compared with it: a per-step observation shape or action space that does not match is a warning line on stderr.
     """

@@ -76,11 +76,11 @@ def test_bad_dataset_exits_nonzero_with_the_validation_error_on_stderr(tmp_path)
         f["terminals"] = np.array([0, 0, 0, 1])
         f["timeouts"] = np.zeros(4)
     r = runner.invoke(app, ["dataset", "info", str(path), "--json"])
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     assert r.stdout == ""
     assert "rewards: episode 0, step 1" in r.stderr
     r = runner.invoke(app, ["dataset", "info", "nobody/nothing-v0", "--root", str(tmp_path)])
-    assert r.exit_code == 1 and "not found" in r.stderr
+    assert r.exit_code == 2 and "not found" in r.stderr
 
 
 def test_list_recipes_and_unknown_recipe():
@@ -89,7 +89,7 @@ def test_list_recipes_and_unknown_recipe():
     names = [line.split()[0] for line in r.stdout.splitlines()]
     assert len(names) == 30 and "hopper-medium-replay-positions" in names
     r = runner.invoke(app, ["collect", "--recipe", "pong-*"])
-    assert r.exit_code == 1 and "no recipe matches 'pong-*'" in r.stderr
+    assert r.exit_code == 2 and "no recipe matches 'pong-*'" in r.stderr
 
 
 def _cartpole(root: Path, dataset_id: str, episodes: int, policy=None, overwrite: bool = False):
@@ -188,7 +188,7 @@ def test_a_policy_trained_on_other_shapes_is_refused_naming_both(tmp_path: Path)
         load_sb3_policy(_fake_sb3_zip(tmp_path / "b.zip", [3], [3]), env)
     r = runner.invoke(app, ["collect", "--root", str(tmp_path / "d"), "--env", "Pendulum-v1", "--episodes", "1",
                             "--policy", str(tmp_path / "a.zip"), "--no-progress"])
-    assert r.exit_code == 1 and "error: --policy" in r.output and "shape (11,)" in r.output, r.output
+    assert r.exit_code == 2 and "error: --policy" in r.output and "shape (11,)" in r.output, r.output
     assert "Traceback" not in r.output
 
 
@@ -226,7 +226,7 @@ def test_a_malformed_pomdp_record_is_refused_at_load(tmp_path: Path, pomdp, says
         load_dataset(path)
     assert err.value.field == "pomdp" and "attribute rl_tformers_metadata" in str(err.value)
     r = runner.invoke(app, ["dataset", "info", str(path)])
-    assert r.exit_code == 1 and f"error: {says}" in r.output, r.output
+    assert r.exit_code == 2 and f"error: {says}" in r.output, r.output
 
 
 def test_a_well_formed_pomdp_record_loads(tmp_path: Path) -> None:
@@ -241,7 +241,7 @@ def test_a_malformed_pomdp_record_in_minari_metadata_is_refused(tmp_path: Path) 
     m["rl_tformers"]["pomdp"] = {"kind": "mask", "indices": [9, 10], "source_shape": [4]}
     meta.write_text(json.dumps(m))
     r = runner.invoke(app, ["dataset", "info", "tst/pomdp-v0", "--root", str(tmp_path)])
-    assert r.exit_code == 1, r.output
+    assert r.exit_code == 2, r.output
     assert "error: pomdp: indices [9, 10] are outside [0, 4) (source_shape [4]) in the Minari metadata of " \
            "tst/pomdp-v0" in r.output
 
@@ -252,7 +252,7 @@ def test_dataset_export_below_a_file_is_refused_before_loading(tmp_path: Path, m
     blocker = tmp_path / "f.hdf5"
     blocker.write_text("x")
     r = runner.invoke(app, ["dataset", "export", str(blocker), str(blocker / "out.hdf5")])
-    assert r.exit_code == 1 and f"error: OUT {blocker / 'out.hdf5'}: {blocker} is a file, not a directory" in r.output
+    assert r.exit_code == 2 and f"error: OUT {blocker / 'out.hdf5'}: {blocker} is a file, not a directory" in r.output
 
 
 # ----------------------------------------------------- bench attention options
@@ -364,7 +364,7 @@ def test_dataset_export_to_a_directory_is_a_clean_error(tmp_path: Path) -> None:
     h5 = write_d4rl_h5(tmp_path / "ok.hdf5")
     (tmp_path / "out").mkdir()
     r = runner.invoke(app, ["dataset", "export", str(h5), str(tmp_path / "out")])
-    assert_clean_exit(r, 1)
+    assert_clean_exit(r, 2)
     assert f"error: {tmp_path / 'out'} is a directory; OUT is the .hdf5 file to write" in r.output
 
 
@@ -390,9 +390,9 @@ def test_collect_refuses_recipe_steps_that_leave_a_shard_empty(tmp_path, monkeyp
     for n in ("5", "1"):
         r = runner.invoke(app, ["collect", "--recipe", "hopper-medium-replay", "--recipe-steps", n,
                                 "--root", str(tmp_path / "data"), "--no-progress"])
-        assert (r.exit_code, r.stderr) == (1, expected.format(n)), r.output
+        assert (r.exit_code, r.stderr) == (2, expected.format(n)), r.output
         r = runner.invoke(app, ["collect", "--list-recipes", "--recipe-steps", n])
-        assert (r.exit_code, r.stderr, r.stdout) == (1, expected.format(n), "")
+        assert (r.exit_code, r.stderr, r.stdout) == (2, expected.format(n), "")
     assert not (tmp_path / "data").exists()
     assert R.MIN_STEPS == 6
     with pytest.raises(ValueError, match=r"^hopper-medium-replay: steps must be >= 6 \(its 5 shards take 10-25 % "
