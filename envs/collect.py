@@ -1,4 +1,5 @@
-"""Building datasets: roll out behaviour policies and write Minari datasets (``minari.DataCollector``).
+"""Building datasets: roll out behaviour policies and write Minari datasets
+(:class:`~rl_tformers.envs.recording.EpisodeRecorder`: Minari's writer, without jax).
 
 One dataset may hold several *behaviours* in sequence (a D4RL medium-expert set is a medium
 shard followed by an expert shard). Every episode starts from ``env.reset(seed=s)`` with ``s``
@@ -6,7 +7,7 @@ drawn from ``numpy.random.default_rng([seed, 0])``, and each behaviour's noise u
 generator, so a build is a pure function of its arguments and ``seed``.
 
 Partially observed datasets (``pomdp``): the behaviour policy acts on the full observation and
-the collector records the masked one (a ``StepDataCallback``), with the masked space as the
+the recorder records the masked one, with the masked space as the
 dataset's observation space and the masked environment as its evaluation environment
 (``MinariDataset.recover_environment(eval_env=True)`` rebuilds it).
 
@@ -34,7 +35,8 @@ from rl_tformers.envs import recipes as R
 from rl_tformers.envs.dataset import META_KEY
 from rl_tformers.envs.loaders import data_root, load_minari, minari_root, save_d4rl_hdf5
 from rl_tformers.envs.policies import NoisyPolicy, RandomPolicy, SB3Policy, load_sb3_policy, train_sb3
-from rl_tformers.envs.pomdp import ObservationMaskWrapper, masked_step_callback, pomdp_record
+from rl_tformers.envs.pomdp import ObservationMaskWrapper, pomdp_record
+from rl_tformers.envs.recording import EpisodeRecorder
 from rl_tformers.envs.scores import D4RL_REF_SCORES, task_family
 from rl_tformers.envs.stopping import check_stop
 
@@ -103,7 +105,7 @@ class SeededResets(gym.Wrapper):
     """Give every ``reset()`` without a seed the next draw, in [0, 2**31 - 1), of a NumPy
     generator seeded from ``seed`` (``numpy.random.default_rng([seed, 7])``).
 
-    ``minari.DataCollector`` draws a random seed from the OS when none is given; training loops
+    The recorder (as ``minari.DataCollector``) draws a random seed from the OS when none is given; training loops
     (SB3's VecEnv auto-reset) reset without one. Putting this wrapper outside the collector
     makes recorded training data reproducible.
     """
@@ -213,14 +215,13 @@ def check_hdf5_target(path: str | Path | None, overwrite: bool = False) -> None:
         raise ValueError(f"--hdf5 {p}: {parent} is a file, not a directory")
 
 
-def _make_collector(env: gym.Env, pomdp: dict | None):
-    import minari
-
+def _make_collector(env: gym.Env, pomdp: dict | None) -> EpisodeRecorder:
+    """A recorder of ``env``'s steps; with ``pomdp`` it records the masked observations."""
     if pomdp is None:
-        return minari.DataCollector(env, record_infos=False)
-    masked_space = ObservationMaskWrapper(gym.make(env.spec.id), pomdp["indices"]).observation_space
-    return minari.DataCollector(env, step_data_callback=masked_step_callback(pomdp["indices"]),
-                                observation_space=masked_space, record_infos=False)
+        return EpisodeRecorder(env)
+    masked = ObservationMaskWrapper(gym.make(env.spec.id), pomdp["indices"])
+    idx = np.asarray(pomdp["indices"], dtype=np.int64)
+    return EpisodeRecorder(env, observation=lambda o: np.asarray(o)[idx], observation_space=masked.observation_space)
 
 
 def registered_spec(env_id: str) -> gym.envs.registration.EnvSpec:
@@ -433,7 +434,8 @@ def train_and_record(
 ):
     """Train an SB3 agent for ``steps`` environment steps; optionally record its training data.
 
-    With ``replay_dataset_id`` the training environment is wrapped in ``minari.DataCollector``,
+    With ``replay_dataset_id`` the training environment is wrapped in an
+    :class:`~rl_tformers.envs.recording.EpisodeRecorder`,
     so the dataset holds every transition the agent experienced while learning, in order:
     for SAC this is exactly its replay buffer (buffer size 1M >= steps), i.e. a D4RL-style
     *medium-replay* set. The episode running when training stops is kept, marked truncated.

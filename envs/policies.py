@@ -296,8 +296,9 @@ def train_sb3(algo: str, env: gym.Env, steps: int, *, seed: int = 0, device: str
               **kwargs):
     """Train an SB3 agent (``"sac"``, ``"ppo"``, ... with ``MlpPolicy`` and SB3 defaults) on ``env``.
 
-    Every transition the agent experiences passes through ``env``; wrap it in a
-    ``minari.DataCollector`` to record the replay data (what SAC's replay buffer holds).
+    Every transition the agent experiences passes through ``env``; wrap it in an
+    :class:`~rl_tformers.envs.recording.EpisodeRecorder` to record the replay data (what SAC's
+    replay buffer holds).
     Returns the trained model. Nothing is logged: the model gets a logger without outputs (SB3's
     default one would create an empty ``$TMPDIR/SB3-<date>`` folder on every call).
     """

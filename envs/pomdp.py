@@ -10,8 +10,6 @@ the agent must infer velocities from its history. Pieces:
   Box observation (records its constructor arguments, so ``env.spec`` rebuilds it).
 * :func:`make_env`: build an environment, masked like a dataset's metadata ``pomdp`` record
   says, for evaluating agents trained on partially observed data.
-* :func:`masked_step_callback`: a ``minari.StepDataCallback`` class that records masked
-  observations while the behaviour policy still acts on the full ones.
 """
 
 from __future__ import annotations
@@ -128,21 +126,3 @@ def apply_pomdp(env: gym.Env, pomdp: dict | None) -> gym.Env:
 def make_env(env_id: str, pomdp: dict | None = None, **kwargs) -> gym.Env:
     """``gym.make(env_id, **kwargs)`` masked as the ``pomdp`` record says (see :func:`pomdp_record`)."""
     return apply_pomdp(gym.make(env_id, **kwargs), pomdp)
-
-
-def masked_step_callback(indices: Sequence[int]):
-    """A ``minari.StepDataCallback`` subclass that stores ``observation[indices]``.
-
-    ``minari.DataCollector`` takes a callback *class*; this returns one bound to ``indices``.
-    """
-    from minari import StepDataCallback
-
-    idx = np.asarray(list(indices), dtype=np.int64)
-
-    class MaskedStepDataCallback(StepDataCallback):
-        def __call__(self, env, **kwargs):
-            data = super().__call__(env, **kwargs)
-            data["observation"] = np.asarray(data["observation"])[idx]
-            return data
-
-    return MaskedStepDataCallback

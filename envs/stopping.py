@@ -38,9 +38,9 @@ def stop_signals() -> Iterator[list[int]]:
     """SIGINT, SIGTERM and SIGHUP stop a build at its next environment step (``rl-tformers collect``).
 
     Python's defaults are unsafe here: SIGTERM/SIGHUP end the process without running ``finally``
-    blocks (leaving Minari's temporary folder ``<data root>/tmpXXXX`` behind), and the
-    ``KeyboardInterrupt`` of SIGINT can land inside a garbage-collection callback (jax's, which
-    Minari's collector imports), where Python prints and drops it: collection went on. Here a
+    blocks (leaving a half-written dataset folder behind), and the ``KeyboardInterrupt`` of SIGINT
+    can land inside a garbage-collection callback, where Python prints and drops it and the
+    collection goes on. Here a
     signal is only recorded, and the rollout loops (:func:`collect`, :func:`train_and_record`
     through an SB3 callback) raise ``KeyboardInterrupt`` at their next step, from where the
     build's cleanup runs; a dataset already complete is kept. A second signal raises at once.

@@ -295,8 +295,8 @@ def test_dataset_key_typo_is_refused() -> None:
 
 def test_dict_observations_can_be_flattened_from_the_run_config(tmp_path: Path, monkeypatch) -> None:
     import gymnasium as gym
-    import minari
     from rl_tformers.agents.common.offline import load_offline_dataset
+    from rl_tformers.envs.recording import EpisodeRecorder
 
     class DictObs(gym.ObservationWrapper):
         def __init__(self, env):
@@ -309,7 +309,7 @@ def test_dict_observations_can_be_flattened_from_the_run_config(tmp_path: Path, 
             return {"pos": o[:2].astype(np.float32), "vel": o[2:].astype(np.float32)}
 
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path))
-    env = minari.DataCollector(DictObs(gym.make("CartPole-v1")))
+    env = EpisodeRecorder(DictObs(gym.make("CartPole-v1")))
     env.reset(seed=0)
     done = False
     while not done:
