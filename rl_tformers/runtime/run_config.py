@@ -433,10 +433,11 @@ def _drop_replaced_slots(cfg: DictConfig, layer: Any, source: str = "") -> None:
     previous kind (e.g. GTrXL's default ``memory: {kind: xl, detach: true}``) do not carry over
     to the new kind, which starts from its own defaults plus the layer's fields.
 
-    On the command line (``source == "command line"``) the dropped fields are named in a
-    warning: ``backbone.memory.kind=compressive`` over a config file's ``memory: {kind: xl,
-    mem_len: 16}`` does not keep ``mem_len: 16`` (compressive takes its own default), which a
-    user would otherwise not see."""
+    On the command line (``source == "command line"``) the dropped fields that the new kind
+    also has are named in a warning: ``backbone.memory.kind=compressive`` over a config file's
+    ``memory: {kind: xl, mem_len: 16, detach: true}`` does not keep ``mem_len: 16`` (compressive
+    takes its own default), which a user would otherwise not see; ``detach``, a field
+    compressive does not have, is dropped without a word (there is nothing to give again)."""
 
     bb = layer.get("backbone") if isinstance(layer, (DictConfig, Mapping)) else None
     if not isinstance(bb, (DictConfig, Mapping)):
@@ -445,7 +446,9 @@ def _drop_replaced_slots(cfg: DictConfig, layer: Any, source: str = "") -> None:
         new, old = bb.get(slot), cfg.backbone.get(slot)
         if (isinstance(new, (DictConfig, Mapping)) and "kind" in new and isinstance(old, (DictConfig, Mapping))
                 and old.get("kind") != new.get("kind")):
-            dropped = {k: v for k, v in old.items() if k != "kind" and k not in new}
+            kind = new.get("kind")
+            takes = set(REGISTRIES[slot].get(kind).fields()) if kind in REGISTRIES[slot] else None
+            dropped = {k: v for k, v in old.items() if k != "kind" and k not in new and (takes is None or k in takes)}
             if dropped and source == "command line":
                 fields = ", ".join(f"{k}={v}" for k, v in dropped.items())
                 warnings.warn(f"backbone.{slot}.kind: {old.get('kind')!r} -> {new.get('kind')!r} replaces the slot; "

@@ -289,3 +289,32 @@ def test_medium_rows_config_equals_the_task_config() -> None:
         a = to_container(compose(f"{algo}/{task}_medium"))
         b = to_container(compose(f"{algo}/hopper_medium", [f"dataset.path=rlt/{task}-v5/medium-v0"]))
         assert a == b, (algo, task)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash to expand the shell blocks")
+def test_no_readme_train_or_sweep_config_warns(tmp_path_factory, docs_plugin) -> None:
+    """Every `train` / `sweep` config the README shows composes without a Python warning (a slot
+    swap that drops fields, ...) and without a warning of the trainer's config check."""
+    import warnings
+
+    from rl_tformers.runtime.trainer import config_warnings
+
+    calls = [args for _, argv in doc_commands(tmp_path_factory, [README_PATH]) if (args := cli_argv(argv))]
+    checked, noisy = 0, []
+    for args in calls:
+        cmd, path, rest = resolve(list(args))
+        if path not in (["train"], ["sweep"]):
+            continue
+        p = cmd.make_context(" ".join(path), list(rest)).params
+        if p.get("resume") or p.get("list_agents"):
+            continue
+        grid = [g.split("=", 1) for g in p.get("grid") or ()]
+        for point in itertools.product(*[[f"{k}={v}" for v in vs.split(",")] for k, vs in grid]):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                cfg = compose(p.get("config"), [*(p.get("overrides") or ()), *point])
+            said = [str(w.message) for w in caught] + config_warnings(cfg)
+            checked += 1
+            if said:
+                noisy.append(f"rl-tformers {' '.join(args)}: {said}")
+    assert checked >= 10 and not noisy, "\n".join(noisy)
