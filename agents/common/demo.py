@@ -50,6 +50,18 @@ class DemoResult:
     results: list
 
 
+def _collect_demo_data(n_episodes: int, data_path: Path, echo: Callable[[str], None]) -> np.ndarray:
+    """Step 1: ``n_episodes`` scripted CartPole-v1 episodes written to ``data_path`` (D4RL layout).
+    Returns their (n_episodes,) returns."""
+    echo(f"[1/4] collecting {n_episodes} CartPole-v1 episodes with a scripted controller ...")
+    ds = collect_delayed_expert(n_episodes, seed=0)
+    save_d4rl_hdf5(ds, data_path)
+    ret = ds.episode_returns
+    echo(f"      {ds.num_steps} steps, episode return min {ret.min():.0f} / mean {ret.mean():.0f} / best {ret.max():.0f}"
+         f" -> {data_path}")
+    return ret
+
+
 def _train_demo(cfg: Any, run_dir: Path, targets: list[float], eval_episodes: int,
                 echo: Callable[[str], None]) -> None:
     """Step 2: train, echoing a line at each tenth of the updates.
@@ -148,21 +160,14 @@ def run_demo(
     data_path = run_dir / "data" / DATA_FILE
     n_episodes = 300 if n_episodes is None else n_episodes
 
-    echo(f"[1/4] collecting {n_episodes} CartPole-v1 episodes with a scripted controller ...")
-    ds = collect_delayed_expert(n_episodes, seed=0)
-    save_d4rl_hdf5(ds, data_path)
-    ret = ds.episode_returns
-    echo(f"      {ds.num_steps} steps, episode return min {ret.min():.0f} / mean {ret.mean():.0f} / best {ret.max():.0f}"
-         f" -> {data_path}")
-
+    ret = _collect_demo_data(n_episodes, data_path, echo)
     targets = list(DEMO_TARGETS if targets is None else targets)
     # the run's own agent.targets are the demo's, so `rl-tformers eval RUN_DIR` evaluates the same ones
     overrides = [f"dataset.path={data_path}", f"device={device}", "train.progress=false", "eval.at_end=false",
                  f"agent.targets=[{', '.join(f'{t:g}' for t in targets)}]"]
     if steps is not None:
         overrides.append(f"train.steps={steps}")
-    overrides += list(extra_overrides or [])
-    cfg = compose(DEMO_CONFIG, overrides)
+    cfg = compose(DEMO_CONFIG, overrides + list(extra_overrides or []))
     echo(f"[2/4] training a Decision Transformer for {cfg.train.steps} updates (config {DEMO_CONFIG}) ...")
     _train_demo(cfg, run_dir, targets, eval_episodes, echo)
     plot, eval_json, results = _evaluate_and_plot(run_dir, device, targets, eval_episodes, ret, echo)

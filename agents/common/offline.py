@@ -98,7 +98,7 @@ def action_summary(ds: EpisodeDataset, act_dim: int, action_start: int = 0) -> n
     """Mean action of every step of ``ds`` (float64 sums, streamed over chunks for lazy or
     filtered data): for discrete actions the frequency of each of the ``act_dim`` actions
     (action ``action_start + i`` at index i), else the (act_dim,) mean of the flattened actions.
-    Part of the data fingerprint that a resumed run compares (:meth:`DatasetInfo.data_differences`).
+    Part of the data fingerprint that a resumed run compares (:func:`data_differences`).
     """
 
     total = np.zeros(act_dim, np.float64)
@@ -316,58 +316,6 @@ class DatasetInfo:
         if spaces is not None:
             _check_env_spaces(self, ds, *spaces, where, source)
 
-    def data_differences(self, other: DatasetInfo) -> list[str]:
-        """The statistics of the training data that ``other`` changes from this one.
-
-        Compared: observation and action layout (``obs_dim``, ``act_dim``, ``discrete``,
-        ``action_start``, ``action_shape``), action bounds, observation mean/std, reward scale,
-        dataset returns (max, mean, min) and the longest episode. Equal data read through the same
-        config gives equal statistics (floats compared to a relative 1e-6, so a re-read never
-        differs by rounding alone).
-
-        Returns:
-            ``["dataset_return_max: 10 -> 1000", ...]`` (this one's value first), empty when equal.
-        """
-        def arr(x) -> np.ndarray | None:
-            return None if x is None else np.asarray(x, np.float64).reshape(-1)
-
-        def same(a, b) -> bool:
-            a, b = arr(a), arr(b)
-            if a is None or b is None:
-                return a is None and b is None
-            return a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-6, atol=0.0, equal_nan=True))
-
-        def show(x) -> str:
-            if x is None or isinstance(x, (bool, int, tuple)):
-                return str(x)
-            a = arr(x)
-            if a.size == 1:
-                return f"{float(a[0]):g}"
-            return "[" + ", ".join(f"{v:g}" for v in a[:4]) + (", ...]" if a.size > 4 else "]")
-
-        out = []
-        for name, key in (("obs_dim", "obs_dim"), ("act_dim", "act_dim"), ("discrete", "discrete"),
-                          ("action_start", "action_start"), ("action_shape", "action_shape"),
-                          ("longest_episode", "longest_episode")):
-            a, b = getattr(self, key), getattr(other, key)
-            if a != b:
-                out.append(f"{name}: {show(a)} -> {show(b)}")
-        for name, key in (("action_low", "action_low"), ("action_high", "action_high"), ("obs_mean", "obs_mean"),
-                          ("obs_std", "obs_std"), ("reward_scale", "reward_scale"),
-                          ("dataset_return_max", "return_max"), ("dataset_return_mean", "return_mean"),
-                          ("dataset_return_min", "return_min")):
-            a, b = getattr(self, key), getattr(other, key)
-            if not same(a, b):
-                out.append(f"{name}: {show(a)} -> {show(b)}")
-        # optional in a record: compared when both sides have them (the same statistics with
-        # other actions, e.g. every action flipped, or another number of steps)
-        if self.num_steps is not None and other.num_steps is not None and self.num_steps != other.num_steps:
-            out.append(f"num_steps: {self.num_steps} -> {other.num_steps}")
-        if self.action_mean is not None and other.action_mean is not None and not same(self.action_mean,
-                                                                                        other.action_mean):
-            out.append(f"action_mean: {show(self.action_mean)} -> {show(other.action_mean)}")
-        return out
-
     def check_resumed_data(self, now: DatasetInfo | None, dataset: Any = None) -> None:
         """Refuse resuming a run saved with these statistics (the checkpoint's) on data whose
         statistics ``now`` (:meth:`from_dataset` of the dataset read at resume) differ.
@@ -388,7 +336,7 @@ class DatasetInfo:
         """
         if now is None:
             return
-        changed = self.data_differences(now)
+        changed = data_differences(self, now)
         if changed:
             raise AgentBuildError(
                 f"the dataset {dataset} is not the data this run was trained on: its statistics differ from "
@@ -476,6 +424,59 @@ class DatasetInfo:
             return 100.0 * (np.asarray(r, np.float64) - lo) / (hi - lo)
 
         return norm
+
+
+def data_differences(saved: DatasetInfo, other: DatasetInfo) -> list[str]:
+    """The statistics of the training data that ``other`` changes from ``saved`` (a checkpoint's).
+
+    Compared: observation and action layout (``obs_dim``, ``act_dim``, ``discrete``,
+    ``action_start``, ``action_shape``), action bounds, observation mean/std, reward scale,
+    dataset returns (max, mean, min) and the longest episode. Equal data read through the same
+    config gives equal statistics (floats compared to a relative 1e-6, so a re-read never
+    differs by rounding alone).
+
+    Returns:
+        ``["dataset_return_max: 10 -> 1000", ...]`` (``saved``'s value first), empty when equal.
+    """
+    def arr(x) -> np.ndarray | None:
+        return None if x is None else np.asarray(x, np.float64).reshape(-1)
+
+    def same(a, b) -> bool:
+        a, b = arr(a), arr(b)
+        if a is None or b is None:
+            return a is None and b is None
+        return a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-6, atol=0.0, equal_nan=True))
+
+    def show(x) -> str:
+        if x is None or isinstance(x, (bool, int, tuple)):
+            return str(x)
+        a = arr(x)
+        if a.size == 1:
+            return f"{float(a[0]):g}"
+        return "[" + ", ".join(f"{v:g}" for v in a[:4]) + (", ...]" if a.size > 4 else "]")
+
+    out = []
+    for name, key in (("obs_dim", "obs_dim"), ("act_dim", "act_dim"), ("discrete", "discrete"),
+                      ("action_start", "action_start"), ("action_shape", "action_shape"),
+                      ("longest_episode", "longest_episode")):
+        a, b = getattr(saved, key), getattr(other, key)
+        if a != b:
+            out.append(f"{name}: {show(a)} -> {show(b)}")
+    for name, key in (("action_low", "action_low"), ("action_high", "action_high"), ("obs_mean", "obs_mean"),
+                      ("obs_std", "obs_std"), ("reward_scale", "reward_scale"),
+                      ("dataset_return_max", "return_max"), ("dataset_return_mean", "return_mean"),
+                      ("dataset_return_min", "return_min")):
+        a, b = getattr(saved, key), getattr(other, key)
+        if not same(a, b):
+            out.append(f"{name}: {show(a)} -> {show(b)}")
+    # optional in a record: compared when both sides have them (the same statistics with
+    # other actions, e.g. every action flipped, or another number of steps)
+    if saved.num_steps is not None and other.num_steps is not None and saved.num_steps != other.num_steps:
+        out.append(f"num_steps: {saved.num_steps} -> {other.num_steps}")
+    if saved.action_mean is not None and other.action_mean is not None and not same(saved.action_mean,
+                                                                                    other.action_mean):
+        out.append(f"action_mean: {show(saved.action_mean)} -> {show(other.action_mean)}")
+    return out
 
 
 def evaluation_references(ds: EpisodeDataset, env_id: str) -> tuple[float, float] | None:

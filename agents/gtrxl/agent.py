@@ -45,6 +45,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from rl_tformers.agents.common.offline import (
     DatasetInfo,
+    data_differences,
     flattens_observations,
     load_offline_dataset,
 )
@@ -705,7 +706,7 @@ class GTrXLAgent:
         behind ``dataset.path`` that changed since the checkpoint (a rebuilt or overwritten file)
         would be trained on with stale statistics, and the resume would not continue the run.
         That is refused, naming what changed (the Decision Transformer's check,
-        :meth:`~rl_tformers.agents.common.offline.DatasetInfo.data_differences`).
+        :func:`~rl_tformers.agents.common.offline.data_differences`).
 
         Raises:
             AgentBuildError: (a ValueError, reported by ``rl-tformers train`` as one ``error:``
@@ -714,7 +715,7 @@ class GTrXLAgent:
 
         saved = DatasetInfo.from_extra(state)
         if self.dataset is not None and getattr(self, "info", None) is not None:
-            changed = saved.data_differences(self.info)
+            changed = data_differences(saved, self.info)
             if changed:
                 spec = _plain(self.cfg.dataset) or {}
                 where = spec.get("path") or f"built by dataset.scripted={dict(spec.get('scripted') or {})}"

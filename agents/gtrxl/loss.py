@@ -253,6 +253,15 @@ def _actor_features(model: GTrXLModel, batch: SegmentBatch, critic: Any) -> tupl
     return actor_out.features, {**critic.aux, **{f"actor/{k}": v for k, v in actor_out.aux.items()}}
 
 
+@torch.no_grad()
+def _target_q(target: nn.ModuleDict, batch: SegmentBatch, actions: Tensor) -> Tensor:
+    """min(Q1, Q2) of the target network (IQL's clipped double Q, no gradient) at the window's
+    ``actions``: (B, T)."""
+    ht = encode_segment(target["encoder"], batch).features  # (B, T, D)
+    tq1, tq2 = target["q"](ht, actions)
+    return torch.minimum(tq1, tq2)  # (B, T)
+
+
 def iql_loss(
     model: GTrXLModel,
     target: nn.ModuleDict,
@@ -286,11 +295,7 @@ def iql_loss(
     w = batch.window()
     critic = encode_segment(model.critic_net, batch)
     hc = critic.features  # (B, T, D)
-    with torch.no_grad():
-        ht = encode_segment(target["encoder"], batch).features  # (B, T, D)
-        tq1, tq2 = target["q"](ht, w.actions)
-        q_target = torch.minimum(tq1, tq2)  # (B, T)
-
+    q_target = _target_q(target, batch, w.actions)  # (B, T)
     v = model.state_value(hc)  # (B, T)
     adv = q_target - v
     total = _global_total(w.mask)  # None with one process

@@ -484,13 +484,9 @@ class GTrXLPPO:
     def extra_state(self) -> dict[str, Any]:
         """Observation statistics, step counters (environment steps, rollouts), recent episode
         returns/lengths, reward multiplier, environment and model config for a checkpoint."""
-        col = self.collector
         return {
             "obs_mean": torch.as_tensor(self.obs_rms.mean), "obs_var": torch.as_tensor(self.obs_rms.var),
-            "obs_count": float(self.obs_rms.count), "env_steps": int(col.env_steps), "rollouts": int(col.rollouts),
-            "recent_returns": [float(x) for x in col.returns_window],
-            "recent_lengths": [float(x) for x in col.lengths_window],
-            "input_reward_mult": float(col.input_reward_mult),
+            "obs_count": float(self.obs_rms.count), **self.collector.counters_state(),
             "env_id": self.env_id, "env_kwargs": dict(self.env_kwargs), "model": model_config_dict(self.model_cfg),
         }
 
@@ -502,13 +498,7 @@ class GTrXLPPO:
         self.obs_rms.mean = np.asarray(state["obs_mean"], np.float64)
         self.obs_rms.var = np.asarray(state["obs_var"], np.float64)
         self.obs_rms.count = float(state["obs_count"])
-        col = self.collector
-        col.env_steps, col.rollouts = int(state["env_steps"]), int(state["rollouts"])
-        col.input_reward_mult = float(state.get("input_reward_mult", col.reward_scale))
-        col.returns_window.clear()
-        col.returns_window.extend(float(x) for x in state.get("recent_returns", ()))
-        col.lengths_window.clear()
-        col.lengths_window.extend(float(x) for x in state.get("recent_lengths", ()))
+        self.collector.load_counters_state(state)
 
     def process_state(self) -> dict[str, Any]:
         """This process's running state, saved in every checkpoint (the trainer's per-process hook):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -407,6 +408,26 @@ class RolloutCollector:
         for i, w in enumerate(weights):
             stats[f"attention_entropy/layer{i}"] = float(attention_entropy(w))
         return stats
+
+    def counters_state(self) -> dict[str, Any]:
+        """Step counters (environment steps, rollouts), recent episode returns/lengths and the
+        reward input multiplier, checkpoint-safe (plain numbers and lists)."""
+        return {
+            "env_steps": int(self.env_steps), "rollouts": int(self.rollouts),
+            "recent_returns": [float(x) for x in self.returns_window],
+            "recent_lengths": [float(x) for x in self.lengths_window],
+            "input_reward_mult": float(self.input_reward_mult),
+        }
+
+    def load_counters_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`counters_state` saved (a missing reward multiplier: ``reward_scale``;
+        missing windows: empty)."""
+        self.env_steps, self.rollouts = int(state["env_steps"]), int(state["rollouts"])
+        self.input_reward_mult = float(state.get("input_reward_mult", self.reward_scale))
+        self.returns_window.clear()
+        self.returns_window.extend(float(x) for x in state.get("recent_returns", ()))
+        self.lengths_window.clear()
+        self.lengths_window.extend(float(x) for x in state.get("recent_lengths", ()))
 
     def rollout_observations(self, raw: np.ndarray) -> np.ndarray:
         """The observations the running statistics learn from: (S, N, *obs_shape) -> (S x N, O).
