@@ -224,6 +224,30 @@ class Registry(Generic[T]):
         return [k for k, e in sorted(self._entries.items())
                 if any(f.name == name and f.init for f in dataclasses.fields(e.config_cls))]  # type: ignore[arg-type]
 
+    def _unknown_field(self, key: Any, entry: Entry[T], names: set[str], where: str, implied: bool) -> RegistryError:
+        """The error of a field ``key`` that kind ``entry`` does not have (its fields: ``names``):
+        a close field name (``kind`` included), else the slot's other kinds that have the field,
+        else the nearest fields of any kind; then the valid fields."""
+        close = (difflib.get_close_matches(str(key), sorted(names), n=1)
+                 or difflib.get_close_matches(str(key), ["kind"], n=1, cutoff=0.75))
+        hint = f"; did you mean {where}.{close[0]}?" if close else ""
+        having = [k for k in self.kinds_with_field(str(key)) if k != entry.kind]
+        if having:
+            hint += (f"{' Or' if close else ';'} set {where}.kind to a kind that has it ({self.slot} kinds "
+                     f"with a {key!r} field: {', '.join(having)})")
+        elif not close:
+            others = sorted({f.name for e in self._entries.values()
+                             for f in dataclasses.fields(e.config_cls) if f.init} - names)  # type: ignore[arg-type]
+            near = difflib.get_close_matches(str(key), others, n=3)
+            hint = f"; no {self.slot} kind has a field {key!r}" + (
+                "; nearest: " + ", ".join(f"{n} ({', '.join(self.kinds_with_field(n))})" for n in near)
+                if near else "")
+        kind = f"{entry.kind!r} (the default: {where}.kind is not set)" if implied else repr(entry.kind)
+        return RegistryError(
+            f"{where}.{key}: unknown key: {self.slot} kind {kind} has no field {key!r}{hint} "
+            f"(fields: {', '.join(sorted(names)) or '(none)'})"
+        )
+
     def from_dict(self, data: Mapping[str, Any] | T, where: str | None = None,
                   default_kind: str | None = None) -> T:
         """Build the config of one slot from ``{"kind": ..., **fields}``.
@@ -260,25 +284,7 @@ class Registry(Generic[T]):
         kwargs = {k: v for k, v in data.items() if k != "kind"}
         unknown = sorted(set(kwargs) - names)
         if unknown:
-            close = (difflib.get_close_matches(str(unknown[0]), sorted(names), n=1)
-                     or difflib.get_close_matches(str(unknown[0]), ["kind"], n=1, cutoff=0.75))
-            hint = f"; did you mean {where}.{close[0]}?" if close else ""
-            having = [k for k in self.kinds_with_field(str(unknown[0])) if k != entry.kind]
-            if having:
-                hint += (f"{' Or' if close else ';'} set {where}.kind to a kind that has it ({self.slot} kinds "
-                         f"with a {unknown[0]!r} field: {', '.join(having)})")
-            elif not close:
-                others = sorted({f.name for e in self._entries.values()
-                                 for f in dataclasses.fields(e.config_cls) if f.init} - names)  # type: ignore[arg-type]
-                near = difflib.get_close_matches(str(unknown[0]), others, n=3)
-                hint = f"; no {self.slot} kind has a field {unknown[0]!r}" + (
-                    "; nearest: " + ", ".join(f"{n} ({', '.join(self.kinds_with_field(n))})" for n in near)
-                    if near else "")
-            kind = f"{entry.kind!r} (the default: {where}.kind is not set)" if implied else repr(entry.kind)
-            raise RegistryError(
-                f"{where}.{unknown[0]}: unknown key: {self.slot} kind {kind} has no field {unknown[0]!r}{hint} "
-                f"(fields: {', '.join(sorted(names)) or '(none)'})"
-            )
+            raise self._unknown_field(unknown[0], entry, names, where, implied)
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
             if f.name in kwargs and isinstance(kwargs[f.name], list):
                 kwargs[f.name] = tuple(kwargs[f.name])  # frozen configs hold tuples, YAML gives lists

@@ -237,24 +237,36 @@ class EarlyExitDepth(DepthModule):
                     any_decide = bool(decide.any())
                 if any_decide and bool((exited | ~decide).all()) and self._can_skip(i, layer_states):
                     run = i + 1
-                    for j in range(i + 1, n):  # layers above keep the copied states (memories see them)
-                        out.layer_inputs.append(self.blocks[j].attn.position.embed(h, ctx.pos_q))
-                        out.caches.append(None)
-                        out.weights.append(None)
-                        out.extras.append(None)
-                        if need_hidden:
-                            hidden.append(h)
+                    self._skip_above(i, h, ctx, out, hidden if need_hidden else None)
                     x = h
                     break
             x = h
         out.hidden = x
         out.hidden_states = tuple(hidden) if need_hidden else None
+        self._exit_metrics(out, decide, exit_at, run)
+        return out
+
+    def _exit_metrics(self, out: DepthOutput, decide: Tensor, exit_at: Tensor, run: int) -> None:
+        """``out.metrics``: ``exit/mean_layer`` (mean 1-based exit layer of the deciding tokens
+        ``decide`` (B, T), exit layers ``exit_at`` (B, T) 0-based), ``exit/early_frac`` and
+        ``exit/layers_run`` (``run``)."""
         nd = decide.sum().clamp_min(1)
         layer = (exit_at + 1).float()
         out.metrics["exit/mean_layer"] = ((layer * decide).sum() / nd).detach()
-        out.metrics["exit/early_frac"] = (((exit_at < n - 1) & decide).sum() / nd).detach().float()
+        out.metrics["exit/early_frac"] = (((exit_at < self.n_layers - 1) & decide).sum() / nd).detach().float()
         out.metrics["exit/layers_run"] = float(run)
-        return out
+
+    def _skip_above(self, i: int, h: Tensor, ctx: AttnContext, out: DepthOutput, hidden: list[Tensor] | None) -> None:
+        """Every token exited after layer ``i``: the layers above are not run and keep the copied
+        states ``h`` (B, T, D) (their inputs, for memories; no cache, weights or extras; ``hidden``
+        gets ``h`` once per skipped layer when given)."""
+        for j in range(i + 1, self.n_layers):
+            out.layer_inputs.append(self.blocks[j].attn.position.embed(h, ctx.pos_q))
+            out.caches.append(None)
+            out.weights.append(None)
+            out.extras.append(None)
+            if hidden is not None:
+                hidden.append(h)
 
     @staticmethod
     def _can_skip(i: int, layer_states: list[LayerState] | None) -> bool:
@@ -311,12 +323,7 @@ class EarlyExitDepth(DepthModule):
             return w * (bce * mf).sum() / (mf.sum() * (n - 1)).clamp_min(1)
         score = self._oracle_score(token_loss, correct)  # (N, B, T), higher = better
         if self.kind == "geometric":
-            target = oracle_depth(score, m, self.cfg.depth_penalty, self.cfg.oracle_sigma)  # (B, T)
-            chi_logit = torch.stack([self._binary(i, hs[i]) for i in range(n - 1)]).float()  # (N-1, B, T)
-            log_chi, log_not = F.logsigmoid(chi_logit), F.logsigmoid(-chi_logit)
-            cum_not = torch.cat([torch.zeros_like(log_not[:1]), log_not.cumsum(0)])  # (N, B, T): sum_{n'<n}
-            log_q = cum_not + torch.cat([log_chi, torch.zeros_like(log_chi[:1])])  # (N, B, T) log q(n)
-            nll = -log_q.gather(0, target[None])[0]
+            nll = self._geometric_nll(hs, score, m)  # (B, T)
             return w * (nll * mf).sum() / mf.sum().clamp_min(1)
         level = "sequence" if self.kind == "sequence" else "token"
         target = oracle_depth(score, m, self.cfg.depth_penalty, self.cfg.oracle_sigma, level=level)
@@ -327,6 +334,18 @@ class EarlyExitDepth(DepthModule):
             return w * (ce * rows).sum() / rows.sum().clamp_min(1)
         ce = -logq.gather(-1, target[..., None])[..., 0]  # (B, T)
         return w * (ce * mf).sum() / mf.sum().clamp_min(1)
+
+    def _geometric_nll(self, hs: list[Tensor], score: Tensor, m: Tensor) -> Tensor:
+        """(B, T) -log q(n*) of Elbayad's geometric exit distribution ``q(n) = chi_n prod_{n'<n}
+        (1 - chi_n')`` from the per-layer classifiers on the detached states ``hs``; n* is the
+        oracle depth of ``score`` (N, B, T) over the tokens ``m`` (B, T)."""
+        n = self.n_layers
+        target = oracle_depth(score, m, self.cfg.depth_penalty, self.cfg.oracle_sigma)  # (B, T)
+        chi_logit = torch.stack([self._binary(i, hs[i]) for i in range(n - 1)]).float()  # (N-1, B, T)
+        log_chi, log_not = F.logsigmoid(chi_logit), F.logsigmoid(-chi_logit)
+        cum_not = torch.cat([torch.zeros_like(log_not[:1]), log_not.cumsum(0)])  # (N, B, T): sum_{n'<n}
+        log_q = cum_not + torch.cat([log_chi, torch.zeros_like(log_chi[:1])])  # (N, B, T) log q(n)
+        return -log_q.gather(0, target[None])[0]  # (B, T)
 
     def _oracle_score(self, token_loss: Tensor | None, correct: Tensor | None) -> Tensor:
         if self.cfg.oracle == "correctness":
