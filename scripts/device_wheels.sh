@@ -9,8 +9,8 @@
 #                    first one on the peer's PYTHONPATH; scripts/gpu_check.sh does that)
 # The image is assumed to have Python 3.12, its own CUDA torch and the packages of IMAGE below;
 # every wheel's Requires-Dist (extras aside) is checked against them and the wheels, and the
-# script fails on anything missing. jax (Minari's `create` extra, used only by
-# `rl-tformers collect`) and Hugging Face transformers (the `hf` peer) are left out for size.
+# script fails on anything missing. Hugging Face transformers (the `hf` peer) is left out for
+# size; jax (Minari's `create` extra) is not needed: datasets are written without it.
 #
 # Usage: scripts/device_wheels.sh          (needs the package index; PYTHON=... picks the pip)
 # Then carry .whl to the device and run scripts/gpu_check.sh there (its header has the command).
