@@ -31,6 +31,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -59,10 +60,54 @@ class DatasetError(ValueError):
 
     def __init__(self, message: str, *, field: str | None = None, episode: int | None = None,
                  step: int | None = None):
-        super().__init__(message)
+        super().__init__(_original_message(message))
         self.field = field
         self.episode = episode
         self.step = step
+
+
+def _original_message(message: str) -> str:
+    """``message``, or, for the copy a ``torch.utils.data.DataLoader`` worker's error is re-raised
+    as in the main process ("Caught DatasetError in DataLoader worker process 0. Original
+    Traceback ... DatasetError: MESSAGE"), the worker's own one-line MESSAGE."""
+    head = f"Caught {DatasetError.__name__} in DataLoader worker"
+    if isinstance(message, str) and message.startswith(head) and f"{DatasetError.__name__}: " in message:
+        return message.rsplit(f"{DatasetError.__name__}: ", 1)[1].strip()
+    return message
+
+
+#: what h5py raises reading a damaged file: a broken object header (KeyError "Unable to open
+#: object"), a chunk whose filter fails or a truncated file (OSError), a corrupt B-tree or heap
+#: (RuntimeError)
+H5_READ_ERRORS = (KeyError, OSError, RuntimeError)
+
+
+@contextmanager
+def reading_hdf5(path: str | os.PathLike, field: str | None) -> Iterator[None]:
+    """Turn h5py's errors inside the block into one :class:`DatasetError` naming ``path`` and ``field``.
+
+    Wraps every read of an HDF5 dataset file (eager, lazy, Minari's): a file with a flipped
+    byte in an object header or a corrupted compressed chunk fails in one line, not in an h5py
+    traceback.
+
+    Raises:
+        DatasetError: ``"{path}: cannot read {field}: the file is damaged ({h5py's error}); ..."``.
+    """
+    try:
+        yield
+    except DatasetError:
+        raise
+    except H5_READ_ERRORS as exc:
+        raise DatasetError(damaged_message(path, field, exc), field=field) from exc
+
+
+def damaged_message(path: str | os.PathLike, field: str | None, exc: BaseException) -> str:
+    """The one line of :func:`reading_hdf5`: the file, the field and h5py's own reason."""
+    reason = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+    reason = " ".join(str(reason).split()) or type(exc).__name__
+    what = f"cannot read {field!r}" if field else "cannot read it"
+    return (f"{os.fspath(path)}: {what}: the file is damaged ({type(exc).__name__}: {reason}); "
+            f"re-create or re-download it")
 
 
 @dataclass(frozen=True)
@@ -128,7 +173,7 @@ class LazyH5Array:
 
         self.path = os.fspath(path)
         self.key = key
-        with h5py.File(self.path, "r") as f:
+        with reading_hdf5(self.path, key), h5py.File(self.path, "r") as f:
             if key not in f:
                 raise DatasetError(f"{self.path}: HDF5 file has no dataset {key!r}", field=key)
             d = f[key]
@@ -149,9 +194,11 @@ class LazyH5Array:
         if self._h5 is None or self._pid != os.getpid():
             import h5py
 
-            self._h5 = h5py.File(self.path, "r")
+            with reading_hdf5(self.path, self.key):
+                self._h5 = h5py.File(self.path, "r")
             self._pid = os.getpid()
-        return self._h5[self.key]
+        with reading_hdf5(self.path, self.key):
+            return self._h5[self.key]
 
     def close(self) -> None:
         """Close this process's handle (it reopens on the next access)."""
@@ -167,12 +214,20 @@ class LazyH5Array:
         return state
 
     def __array__(self, dtype=None, copy=None):
-        out = self._dataset()[()]
+        with reading_hdf5(self.path, self.key):
+            out = self._dataset()[()]
         return out if dtype is None else out.astype(dtype)
 
     def __getitem__(self, idx):
+        """Rows ``idx`` (see the class docstring).
+
+        Raises:
+            DatasetError: the file cannot be read there (damaged: :func:`reading_hdf5`).
+            IndexError, TypeError: an index out of range or of another kind.
+        """
         if isinstance(idx, (int, np.integer, slice)):
-            return self._dataset()[idx]
+            with reading_hdf5(self.path, self.key):
+                return self._dataset()[idx]
         idx = np.asarray(idx)
         if idx.dtype == bool or not np.issubdtype(idx.dtype, np.integer):
             raise TypeError(f"LazyH5Array supports int, slice or integer-array indices, got {idx.dtype}")
@@ -186,7 +241,8 @@ class LazyH5Array:
         run_starts = np.concatenate(([0], breaks))
         run_ends = np.concatenate((breaks, [uniq.size]))
         d = self._dataset()
-        parts = [d[int(uniq[a]): int(uniq[b - 1]) + 1] for a, b in zip(run_starts, run_ends)]
+        with reading_hdf5(self.path, self.key):
+            parts = [d[int(uniq[a]): int(uniq[b - 1]) + 1] for a, b in zip(run_starts, run_ends)]
         rows = np.concatenate(parts, axis=0)  # (U, *row_shape) rows of uniq in order
         return rows[inverse].reshape(idx.shape + self.shape[1:])
 

@@ -37,6 +37,7 @@ from rl_tformers.envs.dataset import (
     LazyH5Array,
     check_next_observations,
     per_step_column,
+    reading_hdf5,
     unbounded_box,
     unsupported_action_space,
 )
@@ -455,28 +456,31 @@ def load_d4rl_hdf5(
     except OSError as exc:  # not HDF5 at all, truncated, unreadable
         raise DatasetError(f"{path}: not a readable HDF5 file ({exc})") from exc
     with f:
+        with reading_hdf5(path, "the file's list of datasets"):
+            keys = set(f.keys())
         for key in ("observations", "actions", "rewards", "terminals"):
-            if key not in f:
+            if key not in keys:
                 raise DatasetError(f"{path}: missing dataset {key!r} (D4RL layout needs observations, actions, "
                                    "rewards, terminals, timeouts)", field=key)
-        _check_h5_datasets(f, path)
-        rewards = per_step_column("rewards", f["rewards"][()]).astype(np.float64)
+        _check_h5_datasets(f, path, keys)
+        rewards = per_step_column("rewards", _read(f, "rewards", path)).astype(np.float64)
         n = rewards.shape[0]
-        terminals = per_step_column("terminals", f["terminals"][()])
-        timeouts = per_step_column("timeouts", f["timeouts"][()]) if "timeouts" in f else None
+        terminals = per_step_column("terminals", _read(f, "terminals", path))
+        timeouts = per_step_column("timeouts", _read(f, "timeouts", path)) if "timeouts" in keys else None
         for key in ("observations", "actions", "terminals", "timeouts", "next_observations"):
-            if key in f and f[key].shape[0] != n:
+            if key in keys and f[key].shape[0] != n:
                 raise DatasetError(f"{key}: {f[key].shape[0]} rows but rewards has {n}", field=key)
-        attrs = dict(f.attrs)
-        has_next = "next_observations" in f
+        with reading_hdf5(path, "the file's attributes"):
+            attrs = dict(f.attrs)
+        has_next = "next_observations" in keys
         if lazy:
             obs = LazyH5Array(path, "observations")
             act = LazyH5Array(path, "actions")
             nxt = LazyH5Array(path, "next_observations") if has_next else None
         else:
-            obs = f["observations"][()]
-            act = f["actions"][()]
-            nxt = f["next_observations"][()] if has_next else None
+            obs = _read(f, "observations", path)
+            act = _read(f, "actions", path)
+            nxt = _read(f, "next_observations", path) if has_next else None
     own = _own_metadata(attrs, path)
     if observation_space is None and "observation_space" in attrs:
         observation_space = _attr_space(attrs, "observation_space", path)
@@ -514,6 +518,17 @@ def load_d4rl_hdf5(
             if isinstance(arr, LazyH5Array):
                 arr.close()  # no open handle is left to be inherited by forked workers
     return ds
+
+
+def _read(f, key: str, path: Path) -> np.ndarray:
+    """The whole dataset ``key`` of the open file ``f``.
+
+    Raises:
+        DatasetError: naming ``path`` and ``key`` when h5py cannot read it (a damaged object
+            header or compressed chunk: :func:`~rl_tformers.envs.dataset.reading_hdf5`).
+    """
+    with reading_hdf5(path, key):
+        return f[key][()]
 
 
 def _own_metadata(attrs: dict, path: Path) -> dict:
@@ -555,7 +570,7 @@ _H5_KEYS = {"observations": True, "actions": True, "rewards": True, "next_observ
             "terminals": False, "timeouts": False}
 
 
-def _check_h5_datasets(f, path: Path) -> None:
+def _check_h5_datasets(f, path: Path, keys: set[str]) -> None:
     """Refuse D4RL keys that are HDF5 groups, and non-numeric observations/actions/rewards.
 
     Every key must hold one row per step (a scalar dataset is refused). Observations, actions,
@@ -564,14 +579,15 @@ def _check_h5_datasets(f, path: Path) -> None:
     by :func:`~rl_tformers.envs.dataset.binary_flags` (boolean or numeric 0/1).
 
     Raises:
-        DatasetError: naming the file and the key.
+        DatasetError: naming the file and the key (also when its object header cannot be read).
     """
     import h5py
 
     for key, numeric in _H5_KEYS.items():
-        if key not in f:
+        if key not in keys:
             continue
-        node = f[key]
+        with reading_hdf5(path, key):
+            node = f[key]
         if not isinstance(node, h5py.Dataset):
             raise DatasetError(f"{path}: {key!r} is an HDF5 {type(node).__name__.lower()}, not a dataset; the D4RL "
                                f"layout stores each of {', '.join(_H5_KEYS)} as one array (dataset)", field=key)

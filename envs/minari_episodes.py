@@ -19,10 +19,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
-from rl_tformers.envs.dataset import DatasetError, DatasetMetadata, EpisodeDataset
+from rl_tformers.envs.dataset import (
+    H5_READ_ERRORS,
+    DatasetError,
+    DatasetMetadata,
+    EpisodeDataset,
+    damaged_message,
+    reading_hdf5,
+)
+
+#: the arrays of one episode group of Minari's ``main_data.hdf5``
+EPISODE_FIELDS = ("observations", "actions", "rewards", "terminations", "truncations")
 
 
 class MinariEpisodes:
@@ -67,12 +78,48 @@ class MinariEpisodes:
                    "terminations": ep["terminations"], "truncations": ep["truncations"]}
 
     def _read_all(self, indices: Sequence[int]) -> list[dict]:
+        """Every episode of ``indices`` (Minari's reader).
+
+        Raises:
+            DatasetError: an episode that cannot be read, naming the data file, the episode id
+                and the field where h5py fails (:meth:`_unreadable`).
+        """
         try:
             return list(self._read(indices))
         except DatasetError:
             raise
         except Exception as exc:  # an episode group or array missing from main_data.hdf5, unreadable data
-            raise DatasetError(f"{self._where}: cannot read the episodes ({type(exc).__name__}: {exc})") from exc
+            raise self._unreadable(indices, exc) from exc
+
+    def _unreadable(self, indices: Sequence[int], exc: BaseException) -> DatasetError:
+        """Why Minari could not read ``indices`` (it raised ``exc``): the first episode and field
+        of its ``main_data.hdf5`` that h5py cannot read (a damaged object header or compressed
+        chunk), each read again on its own; else ``exc`` itself, with the dataset's folder."""
+        path = Path(self.minari_dataset.storage.data_path) / "main_data.hdf5"
+        fallback = DatasetError(f"{self._where}: cannot read the episodes ({type(exc).__name__}: {exc})")
+        if not path.is_file():
+            return fallback
+        import h5py  # noqa: PLC0415 - Minari's own dependency, needed only to name a damaged field
+
+        try:
+            with reading_hdf5(path, None), h5py.File(path, "r") as f:
+                for i in map(int, indices):
+                    if f"episode_{i}" not in f:
+                        return DatasetError(f"{path}: episode {i}: no group 'episode_{i}' though metadata.json "
+                                            f"counts it; the file is incomplete or damaged", episode=i)
+                    group = f[f"episode_{i}"]
+                    for key in EPISODE_FIELDS:
+                        if key not in group:
+                            return DatasetError(f"{path}: episode {i}: no array {key!r} in its group; the file is "
+                                                f"incomplete or damaged", field=key, episode=i)
+                        try:
+                            _read_node(group[key])
+                        except H5_READ_ERRORS as err:
+                            return DatasetError(f"{damaged_message(path, key, err)} (episode {i})",
+                                                field=key, episode=i)
+        except DatasetError as err:  # the file itself cannot be opened
+            return err
+        return fallback
 
     def _build(self, episodes: list[dict], validate: bool, max_ep_len: int | None) -> EpisodeDataset:
         ds = EpisodeDataset.from_episodes(episodes, observation_space=self.observation_space,
@@ -141,6 +188,15 @@ class MinariEpisodes:
         """``n`` distinct episodes drawn uniformly (:meth:`sample_indices`), read now
         (:meth:`episodes`): the same draws as Minari's ``sample_episodes`` for the same generator."""
         return self.episodes(self.sample_indices(n, rng), validate=validate)
+
+
+def _read_node(node) -> None:
+    """Read every array under ``node`` (an h5py Dataset, or a Group of a Dict/Tuple space)."""
+    if hasattr(node, "keys"):
+        for key in node:
+            _read_node(node[key])
+    else:
+        node[()]
 
 
 def _renumbered(exc: DatasetError, episode: int, where: str) -> DatasetError:

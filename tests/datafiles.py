@@ -49,3 +49,37 @@ def write_d4rl_h5(path: Path, *, n: int = 30, obs_dim: int = 4, env_id: str | No
         if env_id:
             f.attrs["env_id"] = env_id
     return path
+
+
+def write_compressed_copy(src: Path, dst: Path, *, chunk_rows: int = 500) -> Path:
+    """``src``'s datasets and attributes written again gzip-compressed, ``chunk_rows`` rows per chunk."""
+    with h5py.File(src, "r") as f, h5py.File(dst, "w") as g:
+        for key in f:
+            g.create_dataset(key, data=f[key][()], compression="gzip",
+                             chunks=(min(chunk_rows, f[key].shape[0]),) + f[key].shape[1:])
+        g.attrs.update(f.attrs)
+    return dst
+
+
+def flip_object_header(path: Path, key: str) -> Path:
+    """Flip every bit of the first byte (the version) of the object header of ``key`` (a dataset
+    path inside the file): h5py can then no longer open that dataset."""
+    with h5py.File(path, "r") as f:
+        addr = h5py.h5o.get_info(f[key].id).addr
+    with open(path, "r+b") as fh:
+        fh.seek(addr)
+        byte = fh.read(1)[0]
+        fh.seek(addr)
+        fh.write(bytes([byte ^ 0xFF]))
+    return path
+
+
+def corrupt_chunk(path: Path, key: str, index: int = 0) -> Path:
+    """Overwrite 16 bytes in the middle of chunk ``index`` of the compressed dataset ``key``
+    (located with h5py's ``get_chunk_info``): its gzip filter then fails when it is read."""
+    with h5py.File(path, "r") as f:
+        info = f[key].id.get_chunk_info(index)
+    with open(path, "r+b") as fh:
+        fh.seek(info.byte_offset + info.size // 2)
+        fh.write(b"\xff" * 16)
+    return path

@@ -157,6 +157,7 @@ def train(
              "names them). UNSAFE: unpickling runs any code the checkpoint holds; only for runs you made or trust."),
 ) -> None:
     _setup_logging()
+    from rl_tformers.envs.dataset import DatasetError
     from rl_tformers.registry import RegistryError
     from rl_tformers.runtime import agent_registry as agent_registry
     from rl_tformers.runtime.checkpoint import CheckpointError
@@ -242,6 +243,10 @@ def train(
         # EvaluationInputError: the run is saved; the message names the option at fault
         if os.environ.get("RANK", "0") != "0":
             raise typer.Exit(2) from None  # under torchrun every rank meets the same bad input: rank 0 says it
+        raise _fail(str(exc)) from None
+    except DatasetError as exc:
+        # a dataset file that cannot be read while training (a lazy read of a damaged chunk);
+        # the rank that read it says so (the others may not have met it); earlier checkpoints are kept
         raise _fail(str(exc)) from None
     except NonFiniteLossError as exc:  # diverged: the message says what to try; earlier checkpoints are kept
         if os.environ.get("RANK", "0") == "0":  # every rank sees the same reduced window: rank 0 says it

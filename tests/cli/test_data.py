@@ -130,3 +130,43 @@ def test_collect_help_gives_the_policies_default_the_readme_gives() -> None:
     assert "$RL_TFORMERS_POLICIES" in text and "policies/ in $RL_TFORMERS_SHARED" in text and "../shared/policies" in text
     r = runner.invoke(app, ["collect", "--help"], terminal_width=80)  # no name cut to "$RL_TFORMERS_POLICIE…"
     assert "$RL_TFORMERS_POLICIES" in r.output and "$RL_TFORMERS_SHARED" in r.output, r.output
+
+
+@pytest.mark.filterwarnings("ignore:.*(eval_env|env_spec).*:UserWarning")  # a dataset without an environment
+@pytest.mark.parametrize("damage", ["object header", "compressed chunk", "minari episode"])
+def test_dataset_info_of_a_damaged_file_is_one_error_line_and_exit_2(tmp_path: Path, damage: str) -> None:
+    import minari
+    from minari.data_collector import EpisodeBuffer
+
+    from rl_tformers.envs.loaders import minari_root
+    from tests.datafiles import corrupt_chunk, flip_object_header, write_compressed_copy, write_d4rl_h5
+
+    if damage == "minari episode":
+        import gymnasium as gym
+        import numpy as np
+
+        bufs = [EpisodeBuffer(id=i, observations=np.zeros((4, 2)), actions=np.zeros((3, 1), np.float32),
+                              rewards=[1.0] * 3, terminations=[False, False, True], truncations=[False] * 3)
+                for i in range(3)]
+        with minari_root(tmp_path):
+            md = minari.create_dataset_from_buffers(
+                "test/info-v0", bufs, observation_space=gym.spaces.Box(-1, 1, (2,)),
+                action_space=gym.spaces.Box(-1, 1, (1,)), algorithm_name="t", author="t", author_email="t",
+                code_permalink="t", description="t")
+        target = md.spec.data_path
+        path = flip_object_header(Path(target) / "main_data.hdf5", "episode_2/observations")
+        field, reason, tail = ("observations", "KeyError: Unable to synchronously open object (bad object header "
+                               "version number)", " (episode 2)")
+    elif damage == "object header":
+        target = path = flip_object_header(write_d4rl_h5(tmp_path / "d.hdf5", n=300), "actions")
+        field, reason, tail = "actions", ("KeyError: Unable to synchronously open object (bad object header "
+                                          "version number)"), ""
+    else:
+        target = path = corrupt_chunk(write_compressed_copy(write_d4rl_h5(tmp_path / "p.hdf5", n=3000),
+                                                            tmp_path / "gz.hdf5"), "rewards", 3)
+        field, reason, tail = "rewards", ("OSError: Can't synchronously read data (filter returned failure during "
+                                          "read)"), ""
+    res = CliRunner().invoke(app, ["dataset", "info", str(target)])
+    assert res.exit_code == 2 and (res.exception is None or isinstance(res.exception, SystemExit))
+    assert res.output.strip().splitlines() == [
+        f"error: {path}: cannot read {field!r}: the file is damaged ({reason}); re-create or re-download it{tail}"]

@@ -464,3 +464,41 @@ def test_a_recipe_dataset_not_built_yet_gets_its_recipe_not_a_typo_hint(tmp_path
     monkeypatch.setenv("RL_TFORMERS_POLICIES", str(tmp_path / "policies"))  # found: no --policies hint
     with pytest.raises(FileNotFoundError, match=rf"build it \(`rl-tformers collect --recipe {recipe.name}`\)"):
         load_minari(recipe.dataset_id, root=tmp_path / "root")
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_training_on_a_damaged_file_is_one_error_line_and_exit_2(tmp_path: Path, lazy: bool) -> None:
+    from tests.datafiles import flip_object_header
+
+    path = flip_object_header(write_d4rl_h5(tmp_path / "d.hdf5", n=300), "observations")
+    res = train_dt(f"dataset.path={path}", f"dataset.lazy={str(lazy).lower()}", "--run-dir", str(tmp_path / "run"))
+    assert_clean_exit(res, 2)
+    assert res.output.strip().splitlines()[-1] == (
+        f"error: {path}: cannot read 'observations': the file is damaged (KeyError: Unable to synchronously open "
+        f"object (bad object header version number)); re-create or re-download it")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_chunk_damaged_while_training_lazily_is_one_error_line_and_exit_2(tmp_path: Path, monkeypatch) -> None:
+    """The file passes its checks when loaded and its compressed chunks are damaged when training
+    starts (a disk or network file system going bad): the lazy read of the first batch fails in
+    one line, exit 2, after the run was started."""
+    from rl_tformers.envs.torch_data import StepBatchDataset
+    from tests.datafiles import corrupt_chunk, write_cartpole_h5, write_compressed_copy
+
+    path = write_compressed_copy(write_cartpole_h5(tmp_path / "p.hdf5", n=3000), tmp_path / "gz.hdf5", chunk_rows=100)
+    real = StepBatchDataset.__getitem__
+
+    def damage_then_read(self, step: int):
+        if step == 0:
+            for i in range(30):
+                corrupt_chunk(path, "observations", i)
+        return real(self, step)
+
+    monkeypatch.setattr(StepBatchDataset, "__getitem__", damage_then_read)
+    res = train_dt(f"dataset.path={path}", "dataset.lazy=true", "--run-dir", str(tmp_path / "run"))
+    assert_clean_exit(res, 2)
+    assert res.output.strip().splitlines()[-1] == (
+        f"error: {path}: cannot read 'observations': the file is damaged (OSError: Can't synchronously read data "
+        f"(filter returned failure during read)); re-create or re-download it")
+    assert (tmp_path / "run" / "config.yaml").is_file()  # the run had started

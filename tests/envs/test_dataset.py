@@ -225,3 +225,35 @@ def test_in_memory_boolean_columns_are_refused_naming_the_field(field) -> None:
         EpisodeDataset.from_flags(cols["observations"], cols["actions"], cols["rewards"], np.eye(1, n, n - 1)[0],
                                   action_space=gym.spaces.Box(-1.0, 1.0, (1,), np.float32))
     assert e.value.field == field
+
+
+def test_the_lazy_reader_names_a_chunk_damaged_after_loading(tmp_path):
+    """A compressed chunk damaged once the file was loaded: reading it (directly, or in a
+    DataLoader worker, whose error the main process re-raises) is one DatasetError line naming
+    the file and the field; the other chunks are read as before."""
+    import torch
+
+    from rl_tformers.envs.loaders import load_d4rl_hdf5
+    from tests.datafiles import corrupt_chunk, write_compressed_copy, write_d4rl_h5
+
+    path = write_compressed_copy(write_d4rl_h5(tmp_path / "plain.hdf5", n=3000), tmp_path / "gz.hdf5")
+    ds = load_d4rl_hdf5(path, lazy=True)
+    corrupt_chunk(path, "observations", 1)  # rows 500..999
+    expected = (f"{path}: cannot read 'observations': the file is damaged (OSError: Can't synchronously read data "
+                f"(filter returned failure during read)); re-create or re-download it")
+    assert ds.observations[np.arange(10, 20)].shape == (10, 4)
+    for idx in (600, slice(490, 510), np.array([[3, 700], [701, 4]])):
+        with pytest.raises(DatasetError) as err:
+            ds.observations[idx]
+        assert str(err.value) == expected and err.value.field == "observations"
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 1
+
+        def __getitem__(self, i: int):
+            return ds.observations[np.arange(600, 610)]
+
+    with pytest.raises(DatasetError) as err:
+        next(iter(torch.utils.data.DataLoader(Rows(), batch_size=None, num_workers=1)))
+    assert str(err.value) == expected

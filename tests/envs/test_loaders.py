@@ -19,6 +19,7 @@ from rl_tformers.envs.loaders import (
     load_dataset,
     load_minari,
     minari_root,
+    open_minari,
     save_d4rl_hdf5,
 )
 from rl_tformers.envs.samplers import SegmentSampler, WindowSampler
@@ -29,6 +30,7 @@ from typer.testing import CliRunner
 from rl_tformers.cli import app
 from rl_tformers.runtime.run_config import compose
 from tests.datafiles import write_d4rl_h5
+from tests.datafiles import corrupt_chunk, flip_object_header, write_compressed_copy
 from tests.runs import assert_clean_exit, train_dt
 
 OBS = gym.spaces.Box(-np.inf, np.inf, (3,), np.float64)
@@ -522,8 +524,8 @@ def _minari(root, dataset_id="test/tiny-v0"):
 @pytest.mark.parametrize("damage, match", [
     ("no_main_data", "not a readable Minari dataset"),   # not ValueError "No data found in data path"
     ("bad_metadata", "not a readable Minari dataset"),   # not JSONDecodeError
-    ("no_rewards", "cannot read the episodes"),          # not KeyError "object 'rewards' doesn't exist"
-    ("no_episode", "cannot read the episodes"),          # not KeyError "object 'episode_1' doesn't exist"
+    ("no_rewards", "episode 1: no array 'rewards' in its group"),  # not KeyError "object 'rewards' doesn't exist"
+    ("no_episode", "episode 1: no group 'episode_1'"),   # not KeyError "object 'episode_1' doesn't exist"
 ])
 def test_a_damaged_minari_folder_raises_a_dataset_error(tmp_path, damage, match):
     from pathlib import Path
@@ -965,3 +967,47 @@ def test_load_dataset_of_an_empty_spec_says_so():
 
     with pytest.raises(DatasetError, match="spec is empty"):
         load_dataset("")
+
+
+# -- damaged files: one DatasetError naming the file and the field --------------------------------------
+HEADER_ERROR = "KeyError: Unable to synchronously open object (bad object header version number)"
+CHUNK_ERROR = "OSError: Can't synchronously read data (filter returned failure during read)"
+
+
+def _damaged(path: Path, field: str, reason: str) -> str:
+    return f"{path}: cannot read {field!r}: the file is damaged ({reason}); re-create or re-download it"
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_a_flipped_object_header_byte_is_one_dataset_error_naming_file_and_field(tmp_path, lazy) -> None:
+    for field in ("rewards", "observations"):
+        path = flip_object_header(write_d4rl_h5(tmp_path / f"{field}.hdf5", n=300), field)
+        with pytest.raises(DatasetError) as err:
+            load_d4rl_hdf5(path, lazy=lazy)
+        assert str(err.value) == _damaged(path, field, HEADER_ERROR) and err.value.field == field
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_a_corrupted_compressed_chunk_is_one_dataset_error_naming_file_and_field(tmp_path, lazy) -> None:
+    path = write_compressed_copy(write_d4rl_h5(tmp_path / "plain.hdf5", n=3000), tmp_path / "gz.hdf5")
+    assert load_d4rl_hdf5(path, lazy=lazy).num_steps == 3000  # readable before the damage
+    corrupt_chunk(path, "observations", 2)
+    with pytest.raises(DatasetError) as err:
+        load_d4rl_hdf5(path, lazy=lazy)  # lazy: validation streams every chunk
+    assert str(err.value) == _damaged(path, "observations", CHUNK_ERROR) and err.value.field == "observations"
+
+
+def test_a_damaged_minari_episode_names_the_data_file_the_field_and_the_episode(tmp_path) -> None:
+    md = make_minari(tmp_path, "test/damaged-v0", buffers([4, 2, 5]))
+    data = Path(md.spec.data_path) / "main_data.hdf5"
+    flip_object_header(data, "episode_1/rewards")
+    expected = f"{_damaged(data, 'rewards', HEADER_ERROR)} (episode 1)"
+    with pytest.raises(DatasetError) as err:
+        load_minari("test/damaged-v0", root=tmp_path)
+    assert str(err.value) == expected and (err.value.field, err.value.episode) == ("rewards", 1)
+    opened = open_minari("test/damaged-v0", root=tmp_path)
+    assert opened.episodes([0, 2]).num_episodes == 2  # the others are read as before
+    with pytest.raises(DatasetError) as err:
+        opened.episodes([2, 1])
+    assert str(err.value) == expected
+
