@@ -39,7 +39,8 @@ ALLOWED = frozenset({
     "rl_tformers/attention/_linear.py::KernelAttention.forward",
     "rl_tformers/attention/_linear.py::causal_linear",
     "rl_tformers/attention/lsh.py::LSHAttention.forward",
-    # the backbone's loop over blocks (states, masks, memories, depth slot)
+    # the backbone's public forward: its signature and API docstring alone take 58 lines (the body
+    # splits into input checks, attention context, depth call and memory update)
     "rl_tformers/backbone.py::Backbone.forward",
     # benchmarks (the peer script runs alone in another library's environment)
     "rl_tformers/bench/_peer_crosscheck.py::main",
@@ -56,8 +57,6 @@ ALLOWED = frozenset({
     "rl_tformers/cli/train.py::_launch_torchrun",
     "rl_tformers/cli/train.py::_run_torchrun",
     "rl_tformers/cli/train.py::train",
-    # the compressive memory's update (compression of the evicted states)
-    "rl_tformers/memory/compressive.py::CompressiveMemory.update",
     # runtime: evaluation loop, run loading, config composition, sweeps, the trainer
     "rl_tformers/runtime/evaluation.py::evaluate",
     "rl_tformers/runtime/evaluation.py::run_episodes",

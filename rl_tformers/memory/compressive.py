@@ -240,6 +240,35 @@ def content_attention(attn: nn.Module, h: Tensor, mem: Tensor, mem_valid: Tensor
     return attention_reference(q, k, v, mask, scale=base.scale)
 
 
+@dataclass
+class _Eviction:
+    """One segment's update of the slot bookkeeping (:meth:`CompressiveMemory._evict`), shared by
+    every layer: L = ``n_all`` slots of ``[fifo; segment]``, G = ``g`` groups of c.
+
+    Attributes:
+        gidx: (B, G*c) long, the slot of ``[fifo; segment]`` of each group member.
+        include: (B, G, c) bool, the members the compressor pools.
+        gval: (B, G) bool, groups with a valid member (they enter the compressed memory).
+        order: (B, G) long, valid groups first, oldest first.
+        push: (B, m_cm) long, the compressed slots kept from ``[compressed; ordered groups]``.
+        kept: (B, keep_len) bool, the kept FIFO slots (each row's last ones, right-aligned).
+        pos, valid, seg: (B, m_cm + keep_len) the next state's positions, validity and episodes.
+    """
+
+    n_all: int
+    g: int
+    keep_len: int
+    gidx: Tensor
+    include: Tensor
+    gval: Tensor
+    order: Tensor
+    push: Tensor
+    kept: Tensor
+    pos: Tensor
+    valid: Tensor
+    seg: Tensor
+
+
 class CompressiveMemory(MemoryModule):
     """Per layer: ``[compressed (m_cm); FIFO (>= m_m)]`` memory; see the module docstring.
 
@@ -309,10 +338,40 @@ class CompressiveMemory(MemoryModule):
         Returns (next state, aux {"compressive/attention_reconstruction",
         "compressive/autoencoding"} weighted and summed over layers when computed, metrics).
         """
+        ev = self._evict(state, rec)
+        aux_ar: list[Tensor] = []
+        aux_ae: list[Tensor] = []
+        layers = []
+        any_group = bool(ev.gval.any())  # some row made a group (one sync per segment)
+        for i, (ls, h) in enumerate(zip(state.layers, rec.layer_inputs)):
+            layer, ar, ae = self._update_layer(i, ls, h.detach(), state, rec, ev, any_group)
+            layers.append(layer)
+            aux_ar += [ar] if ar is not None else []
+            aux_ae += [ae] if ae is not None else []
+        new_state = BackboneState(
+            layers=layers, pos=ev.pos, valid=ev.valid, seg=ev.seg, episode=state.episode, next_pos=state.next_pos,
+        )
+        aux: dict[str, Tensor] = {}
+        metrics: dict[str, object] = {
+            "memory/temporal_range": float(self.temporal_range),
+            "memory/compressed_fill": ev.valid[:, : self.m_cm].float().mean().detach(),
+        }
+        learned = self.compressors[0].learned
+        for name, vals in (("attention_reconstruction", aux_ar), ("autoencoding", aux_ae)):
+            if vals:
+                total = torch.stack(vals).sum()
+                metrics[f"memory/{name}"] = total.detach()
+                if learned:
+                    aux[f"compressive/{name}"] = self.loss_weight * total
+        return new_state, aux, metrics
+
+    def _evict(self, state: BackboneState, rec: SegmentRecord) -> _Eviction:
+        """Where each slot of ``[fifo; segment]`` goes (the same for every layer): the groups of c
+        evicted slots, which of them enter the compressed memory, the kept FIFO, and the next
+        state's positions, validity and episodes."""
         mc, c = self.m_cm, self.rate
-        b, t = rec.pos.shape
         dev = rec.pos.device
-        n_all = state.pos.shape[1] - mc + t  # L = F + T slots of [fifo; segment]
+        n_all = state.pos.shape[1] - mc + rec.pos.shape[1]  # L = F + T slots of [fifo; segment]
         fpos = torch.cat([state.pos[:, mc:], rec.pos], 1)  # (B, L)
         fval = torch.cat([state.valid[:, mc:], rec.valid], 1)
         fseg = torch.cat([state.seg[:, mc:], rec.seg], 1)
@@ -351,61 +410,40 @@ class CompressiveMemory(MemoryModule):
         fpos = fpos[:, n_all - keep_len :] * kept
         fval = fval[:, n_all - keep_len :] & kept
         fseg = torch.where(kept, fseg[:, n_all - keep_len :], -1)
+        return _Eviction(n_all=n_all, g=g, keep_len=keep_len, gidx=gidx, include=include, gval=gval, order=order,
+                         push=push, kept=kept, pos=torch.cat([cpos, fpos], 1), valid=torch.cat([cval, fval], 1),
+                         seg=torch.cat([cseg, fseg], 1))
 
-        aux_ar: list[Tensor] = []
-        aux_ae: list[Tensor] = []
-        layers = []
-        any_group = bool(gval.any())  # some row made a group (one sync per segment)
-        for i, (ls, h) in enumerate(zip(state.layers, rec.layer_inputs)):
-            h = h.detach()  # (B, T, D)
-            mem = ls.memory.to(h.dtype)
-            cm, fifo = mem[:, :mc], mem[:, mc:]
-            allf = torch.cat([fifo, h], 1)  # (B, L, D)
-            usage = None
-            if self.compression == "most_used":
-                usage = self._accumulate_usage(i, ls, state, rec, h)
-            # without a group with a valid member (most steps of one-step rollouts) nothing is
-            # compressed and the compressed memory stays as it is
-            if any_group:
-                idx = gidx[..., None].expand(b, g * c, self.d_model)
-                old = allf.gather(1, idx).view(b, g, c, self.d_model)  # (B, G, c, D)
-                avg = None
-                if usage is not None:
-                    avg = (usage.usage / usage.seen.clamp_min(1)).gather(1, gidx).view(b, g, c)  # (B, G, c)
-                comp = self.compressors[i]
-                new = comp(old, include, avg)  # (B, G, D)
-                ar, ae = self._losses(comp, rec.blocks[i] if rec.blocks else None, h, rec.valid, old, include, new, gval)
-                aux_ar += [ar] if ar is not None else []
-                aux_ae += [ae] if ae is not None else []
-                new = new.detach().to(cm.dtype).gather(1, order[..., None].expand(b, g, self.d_model))
-                cm = torch.cat([cm, new], 1).gather(1, push[..., None].expand(b, mc, self.d_model))
-            extra = None
+    def _update_layer(self, i: int, ls: LayerState, h: Tensor, state: BackboneState, rec: SegmentRecord,
+                      ev: _Eviction, any_group: bool) -> tuple[LayerState, Tensor | None, Tensor | None]:
+        """Layer ``i``'s next memory ``[compressed; kept FIFO]`` from its state ``ls`` and the
+        segment's detached layer inputs ``h`` (B, T, D), with its unweighted losses (attention
+        reconstruction, auto-encoding; None when not computed)."""
+        b, mc, c, d = h.shape[0], self.m_cm, self.rate, self.d_model
+        mem = ls.memory.to(h.dtype)
+        cm, fifo = mem[:, :mc], mem[:, mc:]
+        allf = torch.cat([fifo, h], 1)  # (B, L, D)
+        usage = self._accumulate_usage(i, ls, state, rec, h) if self.compression == "most_used" else None
+        ar = ae = None
+        # without a group with a valid member (most steps of one-step rollouts) nothing is
+        # compressed and the compressed memory stays as it is
+        if any_group:
+            old = allf.gather(1, ev.gidx[..., None].expand(b, ev.g * c, d)).view(b, ev.g, c, d)  # (B, G, c, D)
+            avg = None
             if usage is not None:
-                extra = FifoUsage(usage.usage[:, n_all - keep_len :] * kept, usage.seen[:, n_all - keep_len :] * kept)
-            fifo = allf[:, n_all - keep_len :] * kept[..., None].to(allf.dtype)
-            layers.append(LayerState(memory=torch.cat([cm, fifo.to(cm.dtype)], 1), extra=extra))
-
-        new_state = BackboneState(
-            layers=layers,
-            pos=torch.cat([cpos, fpos], 1),
-            valid=torch.cat([cval, fval], 1),
-            seg=torch.cat([cseg, fseg], 1),
-            episode=state.episode,
-            next_pos=state.next_pos,
-        )
-        aux: dict[str, Tensor] = {}
-        metrics: dict[str, object] = {
-            "memory/temporal_range": float(self.temporal_range),
-            "memory/compressed_fill": cval.float().mean().detach(),
-        }
-        learned = self.compressors[0].learned
-        for name, vals in (("attention_reconstruction", aux_ar), ("autoencoding", aux_ae)):
-            if vals:
-                total = torch.stack(vals).sum()
-                metrics[f"memory/{name}"] = total.detach()
-                if learned:
-                    aux[f"compressive/{name}"] = self.loss_weight * total
-        return new_state, aux, metrics
+                avg = (usage.usage / usage.seen.clamp_min(1)).gather(1, ev.gidx).view(b, ev.g, c)  # (B, G, c)
+            comp = self.compressors[i]
+            new = comp(old, ev.include, avg)  # (B, G, D)
+            ar, ae = self._losses(comp, rec.blocks[i] if rec.blocks else None, h, rec.valid, old, ev.include, new,
+                                  ev.gval)
+            new = new.detach().to(cm.dtype).gather(1, ev.order[..., None].expand(b, ev.g, d))
+            cm = torch.cat([cm, new], 1).gather(1, ev.push[..., None].expand(b, mc, d))
+        cut = ev.n_all - ev.keep_len
+        extra = None
+        if usage is not None:
+            extra = FifoUsage(usage.usage[:, cut:] * ev.kept, usage.seen[:, cut:] * ev.kept)
+        fifo = allf[:, cut:] * ev.kept[..., None].to(allf.dtype)
+        return LayerState(memory=torch.cat([cm, fifo.to(cm.dtype)], 1), extra=extra), ar, ae
 
     def _losses(self, comp: Compressor, block, h, h_valid, old, include, new, new_valid):
         """Attention-reconstruction and auto-encoding losses of one layer (sec. 3.2).
