@@ -58,8 +58,8 @@ class MinariEpisodes:
         self.metadata = metadata
         self._flatten = flatten
         self._where = where
-        self.num_episodes = int(md.storage.total_episodes)  # (E,) Minari's metadata: no episode read
-        self.num_steps = int(md.storage.total_steps)
+        self.num_episodes = int(md.total_episodes)  # E, from the metadata Minari read when opening: no episode read
+        self.num_steps = int(md.total_steps)
 
     def __len__(self) -> int:
         return self.num_episodes
@@ -146,9 +146,9 @@ class MinariEpisodes:
                  max_ep_len: int | None = None) -> EpisodeDataset:
         """The episodes ``indices`` (Minari episode ids, in the order given), read now.
 
-        Only these episodes are read. Each is validated on its own (its observation count,
-        flags, finiteness, action bounds: :meth:`EpisodeDataset.validate`); a message names the
-        Minari episode id.
+        Only these episodes are read. They are validated (observation counts, flags,
+        finiteness, action bounds: :meth:`EpisodeDataset.validate`); a message names the Minari
+        episode id (the episodes are checked one by one once the whole set has failed).
 
         Returns:
             An :class:`EpisodeDataset` of ``len(indices)`` episodes, episode ``j`` of it being
@@ -165,13 +165,15 @@ class MinariEpisodes:
         if out.size:
             raise IndexError(f"episode {int(out[0])} out of range for {self.num_episodes} episodes")
         eps = self._read_all(idx.tolist())
-        if validate:
-            for i, ep in zip(idx.tolist(), eps):
+        try:
+            return self._build(eps, validate, max_ep_len)
+        except DatasetError:
+            for i, ep in zip(idx.tolist(), eps):  # the first malformed episode, named by its Minari id
                 try:
                     self._build([ep], True, max_ep_len)
                 except DatasetError as exc:
                     raise _renumbered(exc, i, self._where) from exc
-        return self._build(eps, False, None)
+            raise
 
     def sample_indices(self, n: int, rng: np.random.Generator) -> np.ndarray:
         """(n,) distinct episode ids drawn uniformly by ``rng.choice(num_episodes, n, replace=False)``
