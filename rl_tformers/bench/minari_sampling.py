@@ -13,8 +13,8 @@ from it, timed from the open (nothing cached between repeats):
 * **ours, full read**: :func:`~rl_tformers.envs.loaders.load_minari` (every episode read and
   validated, the dataset training uses) then the same episodes selected.
 
-Each row reports the median seconds over ``--repeats`` and its ratio to Minari's (lower is
-faster; 1.0x = as fast as Minari).
+Each row reports the median seconds over ``--repeats`` (Minari's and the lazy reader's
+interleaved round by round) and its ratio to Minari's (lower is faster; 1.0x = as fast as Minari).
 
 Command: ``rl-tformers bench minari --episodes 10000 --out bench_minari.json``.
 """
@@ -110,14 +110,16 @@ def write_synthetic_minari(root: Path, episodes: int, episode_len: int, seed: in
     return Path(md.storage.data_path)
 
 
-def median_seconds(fn: Callable[[int], Any], repeats: int) -> float:
-    """Median wall seconds of ``fn(r)`` over ``r = 0 .. repeats - 1``."""
-    times = []
+def median_seconds(fns: list[Callable[[int], Any]], repeats: int) -> list[float]:
+    """Median wall seconds of each ``fn(r)`` over ``r = 0 .. repeats - 1``, the functions
+    interleaved round by round (a change of machine load hits them alike)."""
+    times: list[list[float]] = [[] for _ in fns]
     for r in range(repeats):
-        t0 = time.perf_counter()
-        fn(r)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, t in zip(fns, times):
+            t0 = time.perf_counter()
+            fn(r)
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def measure(path: Path, s: Settings, log: Callable[[str], None]) -> list[dict[str, Any]]:
@@ -137,10 +139,11 @@ def measure(path: Path, s: Settings, log: Callable[[str], None]) -> list[dict[st
         ds.select(np.random.default_rng(s.seed + r).choice(ds.num_episodes, s.sample, replace=False))
 
     theirs(0)  # warm-up: imports, the file in the page cache
+    lazy(0)
     rows = []
-    for name, fn, repeats in (("minari sample_episodes", theirs, s.repeats), ("ours, lazy (open_minari)", lazy, s.repeats),
-                              ("ours, full read (load_minari)", full, s.full_repeats)):
-        sec = median_seconds(fn, repeats)
+    timed = zip(("minari sample_episodes", "ours, lazy (open_minari)"), median_seconds([theirs, lazy], s.repeats))
+    for name, sec in [*timed, ("ours, full read (load_minari)", median_seconds([full], s.full_repeats)[0])]:
+        repeats = s.full_repeats if name.startswith("ours, full") else s.repeats
         rows.append({"reader": name, "seconds": sec, "repeats": repeats})
         log(f"{name}: {sec:.4f} s")
     base = rows[0]["seconds"]
