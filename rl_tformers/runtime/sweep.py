@@ -726,14 +726,17 @@ def points_error(bad: Mapping[str, str], runs: Sequence[SweepRun]) -> SweepError
         + "\n  ".join(lines) + "\nfix or drop those values, then run the same command again")
 
 
-def train_command(run: SweepRun, config: str | None, state: str, device: str | None = None) -> list[str]:
+def train_command(run: SweepRun, config: str | None, state: str, device: str | None = None,
+                  plugins: Sequence[str] = ()) -> list[str]:
     """The ``rl-tformers train`` command line of ``run`` (``--resume`` when it has a checkpoint,
     ``state == "partial"``; the sweep resumes only runs whose stored config is the requested one,
-    see :func:`sweep`; any other state starts the run in its directory)."""
+    see :func:`sweep`; any other state starts the run in its directory). ``plugins``: the
+    requested config's modules, named with ``--plugin`` to a resume (a resumed run imports only
+    the plugins named on its command line)."""
     base = [sys.executable, "-m", "rl_tformers.cli", "train"]
     if state == "partial":
-        return [*base, "--resume", str(run.run_dir), *([f"device={device}"] if device else []),
-                "train.progress=false"]
+        return [*base, "--resume", str(run.run_dir), *[a for m in plugins for a in ("--plugin", str(m))],
+                *([f"device={device}"] if device else []), "train.progress=false"]
     cmd = [*base, "--run-dir", str(run.run_dir)]
     if config:
         cmd += ["--config", config]
@@ -1280,7 +1283,8 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
                 fresh.append(run)
             if state == "uncheckpointed":
                 restart.append(run)
-            todo.append((run, train_command(run, config, state, device)))
+            todo.append((run, train_command(run, config, state, device,
+                                            plugins=requested[run.name].get("plugins") or ())))
     if problems:
         text = ("cannot rerun the sweep in " + str(out) + ": its run directories must hold the requested runs\n  "
                 + "\n  ".join(problems) + "\nuse another --out, rerun with the values those runs were started with, "

@@ -771,6 +771,29 @@ def test_sweep_resumes_an_unfinished_run_only_with_its_own_config(tmp_path: Path
         "--resume", str(run.run_dir), "device=cpu", "train.progress=false"]
 
 
+def test_sweep_resumes_a_run_with_plugins_naming_them_to_the_resume(tmp_path: Path, monkeypatch) -> None:
+    """A resumed run imports only the plugins named on its command line: the sweep names its
+    config's plugins with --plugin, so its unfinished run resumes and completes."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    name = "sweep_resume_plugin_x"
+    (mods / f"{name}.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(mods))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(mods), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "sweep"
+    over = [*TOY_4_STEPS, "eval.at_end=false", "train.steps=8", f"plugins=[{name}]"]
+    run = sw.expand({}, [0], out, over)[0]
+    try:
+        train(compose(None, [*run.overrides, "device=cpu", "train.progress=false"]), run.run_dir, stop_at=4)
+        assert sw.train_command(run, None, "partial", "cpu", plugins=[name])[4:] == [
+            "--resume", str(run.run_dir), "--plugin", name, "device=cpu", "train.progress=false"]
+        sys.modules.pop(name)  # the resume's own process imports it, named
+        res = sw.sweep(None, {}, [0], out, over, device="cpu", echo=lambda m: None)
+    finally:
+        sys.modules.pop(name, None)
+    assert [r["status"] for r in res.rows] == ["ok"] and sw.run_state(run.run_dir) == "complete"
+
+
 def test_sweep_run_without_its_final_evaluation_is_not_complete(tmp_path: Path, monkeypatch) -> None:
     from rl_tformers.runtime import toy
 
@@ -885,3 +908,33 @@ def test_sweep_default_threads_keep_the_users_omp_num_threads():
     cores = os.cpu_count() or 1
     for bad in ({}, {"OMP_NUM_THREADS": ""}, {"OMP_NUM_THREADS": "0"}, {"OMP_NUM_THREADS": "x"}):
         assert default_threads(2, bad) == max(1, cores // 2)
+
+
+def test_a_local_sweep_prints_progress_while_its_runs_go(tmp_path: Path) -> None:
+    """A progress line every 10 s of the (fake) clock while runs go, naming each running run's
+    last logged step, then one line per run as it ends. The clock moves only once the first run
+    has logged its step, and stops at 125 s, when the runs are let finish."""
+    runs = sw.expand({"x": ["1", "2"]}, [0], tmp_path)
+    go = tmp_path / "go"
+    child = ("import json, pathlib, sys, time\n"
+             "d = pathlib.Path(sys.argv[1]); d.mkdir(parents=True, exist_ok=True)\n"
+             "(d / 'metrics.jsonl').write_text(json.dumps({'step': 7}) + '\\n')\n"
+             "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.01)\n")
+    cmds = [(r, [sys.executable, "-c", child, str(r.run_dir), str(go)]) for r in runs]
+
+    class Clock:
+        t = 100.0
+
+        def __call__(self) -> float:
+            if self.t < 125 and (runs[0].run_dir / "metrics.jsonl").exists():
+                self.t += 1
+            if self.t >= 125:
+                go.touch()
+            return self.t
+
+    said: list[str] = []
+    out = sw.run_local(cmds, jobs=1, threads=1, log_dir=tmp_path / "logs", echo=said.append, clock=Clock(),
+                       poll_s=0.01)
+    assert [o.status for o in out.values()] == ["ok", "ok"]
+    assert said[:2] == [f"sweep: 0/2 runs (0%), elapsed {s}s, running: {runs[0].name} at step 7" for s in (10, 20)]
+    assert [ln.split(" (")[0] for ln in said[2:]] == [f"ok      {runs[0].name}", f"ok      {runs[1].name}"]
