@@ -46,6 +46,7 @@ import difflib
 import importlib.resources
 import math
 import os
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -346,7 +347,7 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
     for item in items:
         key = item.split("=", 1)[0].strip()
         if "=" not in item or not key:
-            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. train.steps=1000)")
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. train.steps=1000){_config_hint(item)}")
     try:
         return OmegaConf.from_dotlist(items)
     except OmegaConfBaseException as exc:
@@ -355,6 +356,27 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
         bad = next((item for item in items if not _parses(item)), ", ".join(items))
         problem = str(getattr(exc, "problem", None) or exc).strip().splitlines()[0]
         raise ConfigError(f"override {bad!r}: the value is not YAML ({problem})") from exc
+
+
+def _config_hint(item: str) -> str:
+    """``; a config is given with -c: -c dt/hopper_medium`` when ``item`` (an override without
+    ``=``) names a config file or resembles a packaged config's name (``hopper-medium``), else ''."""
+    try:
+        path = resolve_config_path(item)
+    except ConfigError:
+        path = None
+    if path is not None:
+        return f"; a config is given with -c: -c {item}"
+    names = available_configs()
+    wanted = item.strip().removesuffix(".yaml").replace("-", "_")
+    by_leaf = [n for n in names if n.rsplit("/", 1)[-1] == wanted.rsplit("/", 1)[-1]]
+    leaves = {n.rsplit("/", 1)[-1] for n in names}
+    close = by_leaf or difflib.get_close_matches(wanted, names, n=2) or [
+        n for leaf in difflib.get_close_matches(wanted, sorted(leaves), n=1) for n in names
+        if n.rsplit("/", 1)[-1] == leaf]
+    if not close:
+        return ""
+    return f"; a config is given with -c: {' or '.join(f'-c {n}' for n in close)}"
 
 
 def _parses(item: str) -> bool:
@@ -391,7 +413,42 @@ def _translate(exc: OmegaConfBaseException, schema: DictConfig, source: str) -> 
         hint = f"; did you mean {(parent + '.' if parent else '') + close[0]}?" if close else ""
         where = f"{parent}" if parent else "the top level"
         return ConfigError(f"{full}: unknown key{hint} (keys of {where}: {', '.join(keys)}) [{source}]")
-    return ConfigError(f"{full or '<config>'}: {msg} [{source}]")
+    return ConfigError(f"{full or '<config>'}: {_type_problem(msg) or msg} [{source}]")
+
+
+#: How a value of each type OmegaConf names in its messages is described to the user.
+_TYPE_WORDS = {"Integer": "an integer", "int": "an integer", "Float": "a number", "float": "a number",
+               "Boolean": "true or false", "bool": "true or false", "String": "a string", "str": "a string",
+               "ListConfig": "a list", "list": "a list", "DictConfig": "a mapping", "dict": "a mapping"}
+
+#: OmegaConf's messages for a value of the wrong type, and their parts.
+_TYPE_MESSAGES = (
+    re.compile(r"^Value '(?P<value>.*)' of type '(?P<got>\w+)' could not be converted to (?P<want>\w+)$"),
+    re.compile(r"^Value '(?P<value>.*)' is not a valid (?P<want>bool) \(type (?P<got>\w+)\)$"),
+    re.compile(r"^Incompatible value '(?P<value>None)' for field of type '(?P<want>\w+)'$"),
+    re.compile(r"^Cannot convert '(?P<got>\w+)' to (?P<want>string): '(?P<value>.*)'$"),
+    re.compile(r"^Invalid value assigned: (?P<got>AnyNode) is not a (?P<want>ListConfig), .*$"),
+)
+
+
+def _type_problem(msg: str) -> str | None:
+    """OmegaConf's message for a value of the wrong type as ``expected an integer, got 'abc'``;
+    None for any other message."""
+    for pattern in _TYPE_MESSAGES:
+        m = pattern.match(msg)
+        if m is None:
+            continue
+        parts = m.groupdict()
+        want = _TYPE_WORDS.get(parts["want"], "a string" if parts["want"] == "string" else parts["want"])
+        value, got = parts.get("value"), parts.get("got")
+        if value == "None":
+            return f"expected {want}, got null (this key takes no null)"
+        if got == "AnyNode":
+            return f"expected {want}, got a single value (write a list: [a, b])"
+        if got in ("ListConfig", "DictConfig"):
+            return f"expected {want}, got {_TYPE_WORDS[got]} {value}"
+        return f"expected {want}, got {value!r}" if got in (None, "str") else f"expected {want}, got {value}"
+    return None
 
 
 def _merge_checked(base: DictConfig, layer: Any, source: str) -> DictConfig:

@@ -62,7 +62,7 @@ def test_packaged_config_by_name() -> None:
     [
         ("train.lrr=1", r"train\.lrr: unknown key; did you mean train\.lr\?"),
         ("trian.steps=1", r"trian: unknown key; did you mean train\?"),
-        ("train.steps=abc", r"train\.steps: Value 'abc'.*Integer"),
+        ("train.steps=abc", r"^train\.steps: expected an integer, got 'abc' \[command line\]$"),
         ("train.amp=fp16", r"train\.amp: Invalid value 'fp16', expected one of \[none, bf16\]"),
         ("train.schedule=step", r"train\.schedule: Invalid value 'step'"),
         ("agent.bogus=1", r"agent\.bogus: unknown key"),  # toy declares its agent keys
@@ -111,6 +111,42 @@ def test_an_agent_kind_of_the_wrong_type_is_named_not_called_missing(override: s
         compose(None, [override])
     assert str(exc.value).startswith(expected), str(exc.value)
     assert "toy" in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("train.steps=abc", "train.steps: expected an integer, got 'abc' [command line]"),
+        ("train.steps=1.5", "train.steps: expected an integer, got 1.5 [command line]"),
+        ("train.steps=null", "train.steps: expected an integer, got null (this key takes no null) [command line]"),
+        ("train.lr=fast", "train.lr: expected a number, got 'fast' [command line]"),
+        ("train.progress=maybe", "train.progress: expected true or false, got 'maybe' [command line]"),
+        ("train.betas=x", "train.betas: expected a list, got a single value (write a list: [a, b]) [command line]"),
+        ("train.betas=[a,b]", "train.betas[0]: expected a number, got 'a' [command line]"),
+        ("device=[1]", "device: expected a string, got a list [1] [command line]"),
+        ("train.steps=[1]", "train.steps: expected an integer, got a list [1] [command line]"),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_the_key_and_the_type_it_takes(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        compose(None, ["agent.kind=toy", override])
+    assert str(exc.value) == expected
+
+
+@pytest.mark.parametrize(
+    ("item", "hint"),
+    [
+        ("hopper-medium", "; a config is given with -c: -c bc/hopper_medium or -c dt/hopper_medium"),
+        ("dt/hopper_medium", "; a config is given with -c: -c dt/hopper_medium"),
+        ("recall_bc", "; a config is given with -c: -c gtrxl/recall_bc"),
+        ("hoper_medum", "; a config is given with -c: -c dt/hopper_medium or -c bc/hopper_medium"),
+        ("xyzzy", ""),
+    ],
+)
+def test_a_config_name_given_as_an_override_gets_a_hint_to_add_c(item: str, hint: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_overrides([item])
+    assert str(exc.value) == f"override {item!r} is not KEY=VALUE (e.g. train.steps=1000){hint}"
 
 
 def test_override_syntax() -> None:
