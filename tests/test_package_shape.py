@@ -34,10 +34,8 @@ ALLOWED = frozenset({
     "envs/loaders.py::load_d4rl_hdf5",
     "envs/loaders.py::open_minari",
     "envs/memory_tasks.py::collect_episodes",
-    # attention kernels: the inner loops of block-sparse, kernel (linear) and LSH attention
+    # attention kernels: the inner loops of block-sparse and LSH attention
     "rl_tformers/attention/_blocksparse.py::run_piece",
-    "rl_tformers/attention/_linear.py::KernelAttention.forward",
-    "rl_tformers/attention/_linear.py::causal_linear",
     "rl_tformers/attention/lsh.py::LSHAttention.forward",
     # the backbone's public forward: its signature and API docstring alone take 58 lines (the body
     # splits into input checks, attention context, depth call and memory update)

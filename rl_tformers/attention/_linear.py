@@ -134,6 +134,31 @@ def decayed_scan(decay: Tensor, value: Tensor) -> Tensor:
     return value
 
 
+def _decayed_chunks(fq: Tensor, fk: Tensor, v: Tensor, scores: Tensor, log_decay: Tensor | None,
+                    reset: Tensor | None, state0: Tensor, strict: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`causal_linear` with decay or resets, on chunked inputs ``fq``, ``fk`` (B, H, n, C, m),
+    ``v`` (B, H, n, C, E), ``scores`` = fq fk^T (B, H, n, C, C) and ``log_decay`` (B, H, n C) /
+    ``reset`` (B, n C) padded to whole chunks: (intra-chunk part (B, H, n, C, E), inter-chunk part
+    (B, H, n, C, E), state after each chunk (B, H, n, m, E))."""
+    b, h, n, c, _ = fq.shape
+    x = fq.new_zeros(b, h, n * c) if log_decay is None else log_decay.to(fq.dtype)
+    if reset is not None:
+        x = x.masked_fill(reset[:, None, :], float("-inf"))  # log decay of an episode reset: log(0)
+    x = x.reshape(b, h, n, c)  # (B, H, n, C) log a_t
+    a_in = x.cumsum(dim=-1)  # (B, H, n, C): log decay from the chunk start through t
+    w = segsum(x).exp()  # (B, H, n, C, C): prod_{j<l<=t} a_l, 0 above the diagonal
+    if strict:
+        w = w * (1.0 - torch.eye(c, device=w.device, dtype=w.dtype))
+    intra = (scores * w) @ v  # (B, H, n, C, E)
+    tail = F.pad(x.flip(-1).cumsum(-1)[..., :-1], (1, 0)).flip(-1)  # sum_{l>j} x_l in the chunk
+    u = (fk * tail.exp()[..., None]).transpose(-1, -2) @ v  # (B, H, n, m, E)
+    d = a_in[..., -1].exp()  # (B, H, n): decay across a whole chunk
+    s_end = decayed_scan(d, u) + d.cumprod(dim=2)[..., None, None] * state0[:, :, None]
+    s_prev = torch.cat([state0[:, :, None], s_end[:, :, :-1]], dim=2)  # (B, H, n, m, E)
+    inter = (fq * a_in.exp()[..., None]) @ s_prev  # (B, H, n, C, E)
+    return intra, inter, s_end
+
+
 def causal_linear(
     fq: Tensor,
     fk: Tensor,
@@ -189,21 +214,7 @@ def causal_linear(
         s_prev = torch.cat([state0[:, :, None], s_end[:, :, :-1]], dim=2)  # state before chunk c
         inter = fq @ s_prev  # (B, H, n, C, E)
     else:
-        x = fq.new_zeros(b, h, n * c) if log_decay is None else log_decay.to(fq.dtype)
-        if reset is not None:
-            x = x.masked_fill(reset[:, None, :], float("-inf"))  # log decay of an episode reset: log(0)
-        x = x.reshape(b, h, n, c)  # (B, H, n, C) log a_t
-        a_in = x.cumsum(dim=-1)  # (B, H, n, C): log decay from the chunk start through t
-        w = segsum(x).exp()  # (B, H, n, C, C): prod_{j<l<=t} a_l, 0 above the diagonal
-        if strict:
-            w = w * (1.0 - torch.eye(c, device=w.device, dtype=w.dtype))
-        intra = (scores * w) @ v  # (B, H, n, C, E)
-        tail = F.pad(x.flip(-1).cumsum(-1)[..., :-1], (1, 0)).flip(-1)  # sum_{l>j} x_l in the chunk
-        u = (fk * tail.exp()[..., None]).transpose(-1, -2) @ v  # (B, H, n, m, E)
-        d = a_in[..., -1].exp()  # (B, H, n): decay across a whole chunk
-        s_end = decayed_scan(d, u) + d.cumprod(dim=2)[..., None, None] * state0[:, :, None]
-        s_prev = torch.cat([state0[:, :, None], s_end[:, :, :-1]], dim=2)  # (B, H, n, m, E)
-        inter = (fq * a_in.exp()[..., None]) @ s_prev  # (B, H, n, C, E)
+        intra, inter, s_end = _decayed_chunks(fq, fk, v, scores, log_decay, reset, state0, strict)
     out = (intra + inter).reshape(b, h, n * c, e)[:, :, :n_tok]  # (B, H, L, E)
     return out, s_end[:, :, -1]
 
@@ -375,6 +386,41 @@ class KernelAttention(AttentionModule):
         raise NotImplementedError
 
     # -- forward -----------------------------------------------------------------------------------
+    @staticmethod
+    def _cached_run(cache: LinearCache, ctx: AttnContext, p: int, b: int) -> tuple[Tensor, Tensor]:
+        """(last_seg, seen) (B,) of the keys ``cache`` summarises: stored with it, or derived from
+        the ``p`` cached keys at hand in ``ctx`` for a cache saved without them.
+
+        Raises:
+            ValueError: a cache without them and a context that does not hold every cached key.
+        """
+        if cache.last_seg is not None:
+            return cache.last_seg, cache.seen
+        if ctx.key_offset:
+            raise ValueError("linear attention: a cache without last_seg/seen needs every cached key's bookkeeping")
+        old = ctx.pos_k[:, :p]  # (B, P)
+        kv0 = torch.ones_like(old, dtype=torch.bool) if ctx.key_valid is None else ctx.key_valid[:, :p]
+        seg0 = None if ctx.seg_k is None else ctx.seg_k[:, :p]
+        zero = torch.zeros(b, dtype=torch.long, device=old.device)
+        return last_valid_seg(seg0, kv0, zero, zero.bool())
+
+    def _bidirectional(self, fq: Tensor, fk: Tensor, v_aug: Tensor, reset: Tensor | None, valid: Tensor | None,
+                       seg_k: Tensor | None, p: int, m_new: int) -> Tensor:
+        """Non-causal numerators and normaliser (B, H, T, E) of queries ``fq`` (B, H, T, m) over
+        keys ``fk`` (B, H, S_new, m), ``v_aug`` (B, H, S_new, E): every key, or with ``reset``
+        (B, S_new) every key of the query's run (a causal pass plus a reversed strict one)."""
+        if reset is None:
+            kv = fk.transpose(-1, -2) @ v_aug  # (B, H, m, E)
+            return fq @ kv  # (B, H, T, E)
+        fq_full = F.pad(fq, (0, 0, m_new, 0))  # (B, H, S, m)
+        fwd, _ = causal_linear(fq_full, fk, v_aug, reset=reset, chunk=self.chunk_size)
+        rev_valid = None if valid is None else valid.flip(1)
+        rev_reset = valid_run_starts(seg_k[:, p:].flip(1).neg(), rev_valid)  # runs seen right to left
+        bwd, _ = causal_linear(
+            fq_full.flip(2), fk.flip(2), v_aug.flip(2), reset=rev_reset, chunk=self.chunk_size, strict=True
+        )
+        return (fwd + bwd.flip(2))[:, :, m_new:]  # (B, H, T, E)
+
     def forward(self, x_q: Tensor, x_kv: Tensor, ctx: AttnContext, cache: LinearCache | None = None) -> AttnOutput:
         q, k, v = self.project(x_q, x_kv)  # (B, H, T, Dh), (B, H, S_new, Dh) x2
         b, _, t, _ = q.shape
@@ -384,20 +430,7 @@ class KernelAttention(AttentionModule):
             raise ValueError(f"attention: {s_new} keys given but the context describes {ctx.k_len} and there is no cache")
         if cache is not None and not ctx.causal:
             raise ValueError("linear attention: a cache (incremental decoding) needs a causal context")
-        prev = None  # (last_seg, seen) (B,) of the keys the cache summarises
-        if cache is not None:
-            if cache.last_seg is not None:
-                prev = (cache.last_seg, cache.seen)
-            elif ctx.key_offset:
-                raise ValueError(
-                    "linear attention: a cache without last_seg/seen needs every cached key's bookkeeping"
-                )
-            else:  # a cache saved before those fields: derive them from the cached keys at hand
-                old = ctx.pos_k[:, :p]  # (B, P)
-                kv0 = torch.ones_like(old, dtype=torch.bool) if ctx.key_valid is None else ctx.key_valid[:, :p]
-                seg0 = None if ctx.seg_k is None else ctx.seg_k[:, :p]
-                zero = torch.zeros(b, dtype=torch.long, device=old.device)
-                prev = last_valid_seg(seg0, kv0, zero, zero.bool())
+        prev = None if cache is None else self._cached_run(cache, ctx, p, b)  # (last_seg, seen) (B,)
         m_new = s_new - t  # prefix keys among the given ones (memory)
         pos = self.position
         q = pos.rotate(pos.content_query(q), ctx.pos_q)
@@ -441,18 +474,7 @@ class KernelAttention(AttentionModule):
             else:
                 if log_decay is not None:
                     raise ValueError(f"{type(self).__name__}: the gated form is causal only")
-                if reset is None:
-                    kv = fk.transpose(-1, -2) @ v_aug  # (B, H, m, E)
-                    out = fq @ kv  # (B, H, T, E)
-                else:  # every key of the query's run: causal part (j <= i) + reversed strict part (j > i)
-                    fq_full = F.pad(fq, (0, 0, m_new, 0))  # (B, H, S, m)
-                    fwd, _ = causal_linear(fq_full, fk, v_aug, reset=reset, chunk=self.chunk_size)
-                    rev_valid = None if valid is None else valid.flip(1)
-                    rev_reset = valid_run_starts(ctx.seg_k[:, p:].flip(1).neg(), rev_valid)  # runs seen right to left
-                    bwd, _ = causal_linear(
-                        fq_full.flip(2), fk.flip(2), v_aug.flip(2), reset=rev_reset, chunk=self.chunk_size, strict=True
-                    )
-                    out = (fwd + bwd.flip(2))[:, :, m_new:]  # (B, H, T, E)
+                out = self._bidirectional(fq, fk, v_aug, reset, valid, ctx.seg_k, p, m_new)
             y = safe_divide(out[..., :-1], out[..., -1:], self.eps).to(q.dtype)  # (B, H, T, Dh)
         return AttnOutput(self.o_proj(self.merge_heads(y)), cache=new_cache)
 
