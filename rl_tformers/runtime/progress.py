@@ -69,11 +69,13 @@ class PlainProgress:
             :data:`PLAIN_FRACTION`; not used when ``total`` is unknown).
         disable: print nothing.
         clock: the time source, in seconds (default ``time.monotonic``).
+        echo: where the lines go instead of ``file`` (a command's ``echo``), when given.
     """
 
     def __init__(self, total: int | None = None, *, initial: int = 0, desc: str = "", unit: str = "step",
                  file: IO[str] | None = None, interval_s: float | None = None, fraction: float | None = None,
-                 disable: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+                 disable: bool = False, clock: Callable[[], float] = time.monotonic,
+                 echo: Callable[[str], None] | None = None) -> None:
         self.total = total
         self.n = self._start = self._printed = int(initial)
         self.desc, self.unit = desc, unit
@@ -84,7 +86,9 @@ class PlainProgress:
         self.every = max(1, math.ceil(share * total)) if total and share > 0 else None
         self.disable = disable
         self.postfix: dict[str, Any] = {}
+        self.postfix_str = ""
         self._postfix_at = self.n  # the count when the postfix was set (its values are from then)
+        self._echo = echo
         self._clock = clock
         self._t0 = self._last = clock()
         self._closed = False
@@ -101,6 +105,19 @@ class PlainProgress:
         """Values shown at the end of the next line (``loss=0.0312``); ``refresh`` is ignored."""
         self.postfix = {**(ordered_dict or {}), **kwargs}
         self._postfix_at = self.n
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        """Text shown at the end of the next line, after the ``set_postfix`` values (``running:
+        ...``); ``refresh`` is ignored."""
+        self.postfix_str = str(s)
+
+    def poll(self) -> None:
+        """Print a line if ``interval_s`` seconds passed since the last one (for a caller that
+        waits between updates, such as a sweep waiting on its runs)."""
+        if not self.disable and not self._closed:
+            now = self._clock()
+            if now - self._last >= self.interval_s:
+                self._print(now)
 
     def close(self) -> None:
         if not self.disable and not self._closed and self.n != self._printed:
@@ -125,13 +142,18 @@ class PlainProgress:
             text += ", " + ", ".join(f"{k}={v}" for k, v in self.postfix.items())
             if self._postfix_at != self.n:  # e.g. the line printed on an interrupt, between two logs
                 text += f" (as of {self.unit} {self._postfix_at})"
+        if self.postfix_str:
+            text += ", " + self.postfix_str
         return f"{self.desc}: {text}" if self.desc else text
 
     def _print(self, now: float) -> None:
         self._last, self._printed = now, self.n
         stream = self.file if self.file is not None else sys.stderr
         try:
-            print(self.line(now), file=stream, flush=True)
+            if self._echo is not None:
+                self._echo(self.line(now))
+            else:
+                print(self.line(now), file=stream, flush=True)
         except (OSError, ValueError):  # a closed or broken stream: progress is not worth failing for
             pass
 

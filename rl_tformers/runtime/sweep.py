@@ -85,7 +85,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -97,6 +97,7 @@ from omegaconf import OmegaConf
 from rl_tformers.registry import RegistryError
 from rl_tformers.runtime import checkpoint as ckpt
 from rl_tformers.runtime.errors import ConfigError
+from rl_tformers.runtime.progress import PlainProgress
 from rl_tformers.runtime.run_config import compose, flatten, to_container
 from rl_tformers.runtime.runlock import directory_problem, lock_holder
 from rl_tformers.runtime.seeding import MAX_SEED
@@ -867,8 +868,15 @@ def _echo_outcome(echo: Callable[[str], None], name: str, o: RunOutcome) -> None
 
 
 def run_local(commands: Sequence[tuple[SweepRun, list[str]]], jobs: int, threads: int, log_dir: Path,
-              echo: Callable[[str], None] = print) -> dict[str, RunOutcome]:
+              echo: Callable[[str], None] = print, *, clock: Callable[[], float] = time.monotonic,
+              poll_s: float = 0.5) -> dict[str, RunOutcome]:
     """Run the commands ``jobs`` at a time in local subprocesses (a thread pool waits on them).
+
+    One line per run as it ends (``ok      kind=sdpa/seed0 (41 s)``), in the order the runs end,
+    and, while runs are going, a progress line at least every
+    :data:`~rl_tformers.runtime.progress.PLAIN_INTERVAL_S` seconds (``sweep: 1/4 runs (25%),
+    ..., running: kind=performer/seed0 at step 300``: each running run's last logged step,
+    from its ``metrics.jsonl``), checked every ``poll_s`` seconds of ``clock``.
 
     While it runs (when called from the main thread), SIGINT, SIGTERM and SIGHUP are forwarded
     to every running child (SIGHUP as SIGTERM: each saves a checkpoint and stops; a second
@@ -878,25 +886,79 @@ def run_local(commands: Sequence[tuple[SweepRun, list[str]]], jobs: int, threads
     """
     outcomes: dict[str, RunOutcome] = {}
     _CHILDREN.stopped = None
+    running: dict[str, Path] = {}  # run name -> run directory, while its process may run
+    lock = threading.Lock()
 
     def one(item: tuple[SweepRun, list[str]]) -> tuple[str, RunOutcome]:
         run, cmd = item
-        rc, seconds, tail = _run_subprocess(cmd, thread_env(threads), str(log_dir / f"{_slug(run.name)}.log"))
+        with lock:
+            running[run.name] = run.run_dir
+        try:
+            rc, seconds, tail = _run_subprocess(cmd, thread_env(threads), str(log_dir / f"{_slug(run.name)}.log"))
+        finally:
+            with lock:
+                running.pop(run.name, None)
         return run.name, _outcome(rc, seconds, tail, _CHILDREN.stopped)
 
+    # the run lines mark every run's end (each at least 5% of a sweep of up to 20 runs): by time only
+    bar = PlainProgress(len(commands), desc="sweep", unit="run", fraction=0.0, clock=clock, echo=echo)
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for s in STOP_SIGNALS:
             previous[s] = signal.signal(s, lambda signum, frame: _CHILDREN.stop(signum))
     try:
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            for name, outcome in pool.map(one, commands):
-                outcomes[name] = outcome
-                _echo_outcome(echo, name, outcome)
+            order = {pool.submit(one, item): k for k, item in enumerate(commands)}
+            pending = set(order)
+            while pending:
+                done, pending = wait(pending, timeout=poll_s, return_when=FIRST_COMPLETED)
+                for future in sorted(done, key=order.__getitem__):
+                    name, outcome = future.result()
+                    outcomes[name] = outcome
+                    _echo_outcome(echo, name, outcome)
+                    bar.n += 1  # counted; the line above says it
+                if pending:
+                    with lock:
+                        now_running = dict(running)
+                    bar.set_postfix_str(_running_text(now_running))
+                    bar.poll()
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
     return outcomes
+
+
+def _running_text(running: Mapping[str, Path]) -> str:
+    """``running: a/seed0 at step 300, b/seed0 (starting)``: each run's last step in its
+    ``metrics.jsonl``."""
+    if not running:
+        return ""
+    parts = []
+    for name, run_dir in running.items():
+        step = _last_logged_step(run_dir)
+        parts.append(f"{name} at step {step}" if step is not None else f"{name} (starting)")
+    return "running: " + ", ".join(parts)
+
+
+def _last_logged_step(run_dir: Path, tail_bytes: int = 4096) -> int | None:
+    """The ``step`` of the last complete record of ``run_dir/metrics.jsonl`` (its last
+    ``tail_bytes`` are read), or None when there is none yet."""
+    try:
+        with open(Path(run_dir) / METRICS_FILE, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - tail_bytes))
+            lines = fh.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue  # a record being written, or the cut first line
+        if isinstance(step, int) and not isinstance(step, bool):
+            return step
+    return None
 
 
 def stop_signal() -> int | None:
