@@ -113,7 +113,7 @@ class TrainConfig:
         checkpoint_every: save a checkpoint every this many updates (0: only at the end and on
             interruption).
         keep_last: keep this many newest checkpoints.
-        progress: show a progress bar with ETA (on a terminal; a plain line every 30 s otherwise).
+        progress: show a progress bar with ETA (on a terminal; a plain line every 10 s or 5% of the run otherwise).
         ddp_find_unused: multi-process runs only: let DistributedDataParallel look for
             parameters without a gradient in each update (needed when some parameters are unused
             in some updates; costs a graph traversal per update).
