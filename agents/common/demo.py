@@ -111,6 +111,7 @@ def _evaluate_and_plot(run_dir: Path, device: str, targets: list[float], eval_ep
 
     echo("[4/4] plotting achieved vs target return ...")
     fig = plot_return_conditioning(report.results, dataset_max=float(ret.max()), dataset_mean=float(ret.mean()),
+                                   dataset_min=float(ret.min()),
                                    title=f"Decision Transformer on CartPole-v1 ({run.step} updates)")
     log_figure(run_dir, "plot/return_conditioning", fig, run.step)
     plot = save_figure(fig, run_dir / "return_conditioning.png")

@@ -325,6 +325,7 @@ class DTAgent:
 
             out["eval/return_conditioning"] = plot_return_conditioning(
                 report.results, dataset_max=self.info.return_max, dataset_mean=self.info.return_mean,
+                dataset_min=self.info.return_min,
                 title=f"Decision Transformer, step {step}",
             )
         return out
