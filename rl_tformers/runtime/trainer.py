@@ -1026,8 +1026,9 @@ def _log_above_bar(bar: Any) -> Any:
 
 def _progress(start: int, total: int, enabled: bool) -> Any:
     """The run's progress on stderr: a tqdm bar on a terminal; otherwise (a log file, a pipe) a
-    plain line every :data:`~rl_tformers.runtime.progress.PLAIN_INTERVAL_S` seconds and at the
-    end, without the bar's carriage returns (:func:`~rl_tformers.runtime.progress.progress_bar`)."""
+    plain line every :data:`~rl_tformers.runtime.progress.PLAIN_INTERVAL_S` seconds or every
+    :data:`~rl_tformers.runtime.progress.PLAIN_FRACTION` of the run, whichever comes first, and at
+    the end, without the bar's carriage returns (:func:`~rl_tformers.runtime.progress.progress_bar`)."""
     return progress_bar(total, initial=start, desc="train", unit="step", enabled=enabled, file=sys.stderr,
                         dynamic_ncols=True, mininterval=0.5, smoothing=0.05)
 
