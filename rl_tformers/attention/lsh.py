@@ -135,6 +135,49 @@ class LSHAttention(AttentionModule):
         v = self.split_heads(self.v_proj(x_kv))
         return qk, F.normalize(qk.float(), dim=-1).to(qk.dtype), v
 
+    def _chunk_layout(self, groups: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
+        """Sort the S items of every hash round by (group, position) and lay each group out from
+        a chunk boundary (chunks of ``bucket_size`` m). ``groups`` (B, H, R, S) long.
+
+        Returns:
+            item_at (B, H, R, slots): the item in each slot (S = an empty slot); slot_of_item
+            (B, H, R, S): the slot of each item.
+        """
+        b, h, r, s = groups.shape
+        m = self.cfg.bucket_size
+        idx = torch.arange(s, device=groups.device)
+        perm = torch.argsort(groups * s + idx, dim=-1)  # (B, H, R, S) item at sorted position p
+        sorted_g = groups.gather(-1, perm)  # (B, H, R, S)
+        first = F.pad(sorted_g[..., 1:] != sorted_g[..., :-1], (1, 0), value=True)  # a group starts at p
+        rank = idx - torch.where(first, idx, 0).cummax(-1).values  # (B, H, R, S) rank of p in its group
+        chunk = ((rank % m) == 0).long().cumsum(-1) - 1  # chunk of p: a group's every m-th item opens one
+        slot = chunk * m + rank % m  # (B, H, R, S)
+        # bound on the chunks used: sum_g ceil(count_g / m) <= (S + G (m - 1)) / m, and <= S
+        n_slots = min(s, -(-(s + min(s, n_groups) * (m - 1)) // m)) * m
+        item_at = torch.full((b, h, r, n_slots), s, dtype=torch.long, device=groups.device).scatter_(-1, slot, perm)
+        return item_at, torch.empty_like(perm).scatter_(-1, perm, slot)
+
+    @staticmethod
+    def _allowed(i_s: Tensor, i_w: Tensor, same_bucket: Tensor, valid: Tensor, ctx: AttnContext) -> Tensor:
+        """(B, H, R, nC, m, 2m) bool: which of its chunk's and the previous chunk's 2m keys (items
+        ``i_w``) each query slot (items ``i_s`` (B, H, R, nC, m); S = empty) attends to: a real
+        query, a ``valid`` (B, S) key of the ``same_bucket``, not later (causal), of its episode;
+        itself only when nothing else is allowed."""
+        b, h, s = i_s.shape[0], i_s.shape[1], valid.shape[1]
+        key_ok = gather_rows(F.pad(valid, (0, 1), value=False)[:, None], i_w.flatten(2)).view(i_w.shape)
+        allowed = (i_s[..., :, None] < s) & key_ok[..., None, :]  # real query slot, valid key
+        allowed &= same_bucket
+        if ctx.causal:
+            allowed &= i_w[..., None, :] <= i_s[..., :, None]
+        if ctx.seg_k is not None:
+            seg = F.pad(ctx.seg_k, (0, 1), value=-(2**62))  # (B, S + 1)
+            seg_q = seg[:, None].expand(b, h, -1).gather(2, i_s.flatten(2)).view(i_s.shape)
+            seg_k = seg[:, None].expand(b, h, -1).gather(2, i_w.flatten(2)).view(i_w.shape)
+            allowed &= seg_q[..., :, None] == seg_k[..., None, :]
+        is_self = i_w[..., None, :] == i_s[..., :, None]  # (B, H, R, nC, m, 2m)
+        others = allowed & ~is_self
+        return torch.where(others.any(-1, keepdim=True), others, allowed)  # self only if alone
+
     def forward(self, x_q: Tensor, x_kv: Tensor, ctx: AttnContext, cache=None) -> AttnOutput:
         if cache is not None:
             raise NotImplementedError("attention kind 'lsh' has no incremental (cached) form")
@@ -151,18 +194,8 @@ class LSHAttention(AttentionModule):
         buckets = torch.where(valid[:, None, None, :], buckets, nb)  # padding: bucket nb of its own
         groups, n_groups = self.groups(buckets, nb, valid, ctx.seg_k)  # (B, H, R, S)
 
-        # sort by (group, position) and lay each group out from a chunk boundary
-        idx = torch.arange(s, device=dev)
-        perm = torch.argsort(groups * s + idx, dim=-1)  # (B, H, R, S) item at sorted position p
-        sorted_g = groups.gather(-1, perm)  # (B, H, R, S)
-        first = F.pad(sorted_g[..., 1:] != sorted_g[..., :-1], (1, 0), value=True)  # a group starts at p
-        rank = idx - torch.where(first, idx, 0).cummax(-1).values  # (B, H, R, S) rank of p in its group
-        chunk = ((rank % m) == 0).long().cumsum(-1) - 1  # chunk of p: a group's every m-th item opens one
-        slot = chunk * m + rank % m  # (B, H, R, S)
-        # bound on the chunks used: sum_g ceil(count_g / m) <= (S + G (m - 1)) / m, and <= S
-        n_slots = min(s, -(-(s + min(s, n_groups) * (m - 1)) // m)) * m
-        item_at = torch.full((b, h, r, n_slots), s, dtype=torch.long, device=dev).scatter_(-1, slot, perm)
-        slot_of_item = torch.empty_like(perm).scatter_(-1, perm, slot)  # (B, H, R, S)
+        item_at, slot_of_item = self._chunk_layout(groups, n_groups)  # (B, H, R, slots), (B, H, R, S)
+        n_slots = item_at.shape[-1]
 
         # gather per slot; index s is a padding row (invalid, bucket -1)
         def pad_row(x: Tensor, value: float = 0.0) -> Tensor:
@@ -188,19 +221,8 @@ class LSHAttention(AttentionModule):
         own_b = bk_s.gather(-1, rnd.expand(b, h, r, n_c, m, 1)).squeeze(-1)  # (B, H, R, nC, m)
         key_b = bk_w.gather(-1, rnd.expand(b, h, r, n_c, 2 * m, 1)).squeeze(-1)  # (B, H, R, nC, 2m)
 
-        key_ok = gather_rows(F.pad(valid, (0, 1), value=False)[:, None], i_w.flatten(2)).view(i_w.shape)
-        allowed = (i_s[..., :, None] < s) & key_ok[..., None, :]  # real query slot, valid key
-        allowed &= own_b[..., :, None] == key_b[..., None, :]  # same bucket in this round
-        if ctx.causal:
-            allowed &= i_w[..., None, :] <= i_s[..., :, None]
-        if ctx.seg_k is not None:
-            seg = F.pad(ctx.seg_k, (0, 1), value=-(2**62))  # (B, S + 1)
-            seg_q = seg[:, None].expand(b, h, -1).gather(2, i_s.flatten(2)).view(i_s.shape)
-            seg_k = seg[:, None].expand(b, h, -1).gather(2, i_w.flatten(2)).view(i_w.shape)
-            allowed &= seg_q[..., :, None] == seg_k[..., None, :]
-        is_self = i_w[..., None, :] == i_s[..., :, None]  # (B, H, R, nC, m, 2m)
-        others = allowed & ~is_self
-        allowed = torch.where(others.any(-1, keepdim=True), others, allowed)  # self only if alone
+        same_bucket = own_b[..., :, None] == key_b[..., None, :]  # (B, H, R, nC, m, 2m): in this round
+        allowed = self._allowed(i_s, i_w, same_bucket, valid, ctx)  # (B, H, R, nC, m, 2m)
         bias = None
         if r > 1:  # duplicate correction of appendix A: -log N_ij
             n_ij = (bk_s[..., :, None, :] == bk_w[..., None, :, :]).sum(-1).clamp_min(1)  # (.., m, 2m)
