@@ -24,6 +24,7 @@ import functools
 import json
 import math
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -495,7 +496,9 @@ def load_d4rl_hdf5(
     if env_id is None:
         fam = task_family(path.stem)
         env_id = D4RL_ENV_IDS.get(fam) if fam else None
-    if action_space is None and env_id is not None:
+    if action_space is None and env_id is not None and not names_unimported_module(env_id):
+        # an id the file names is made only if making it imports nothing new ("module:EnvId"
+        # imports module: code the file would choose, e.g. a module next to it)
         action_space = _env_action_space(env_id, act, path)
     if observation_space is None:
         observation_space = unbounded_box(tuple(obs.shape[1:]), obs.dtype)
@@ -602,6 +605,12 @@ def _check_h5_datasets(f, path: Path, keys: set[str]) -> None:
 
 def _attr_str(v) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def names_unimported_module(env_id: str) -> bool:
+    """Whether ``gym.make(env_id)`` would import a module first (``"module:EnvId"``, module not imported)."""
+    module = env_id.rpartition(":")[0]
+    return bool(module) and module not in sys.modules
 
 
 def _env_action_space(env_id: str, actions, path: Path) -> gym.Space | None:

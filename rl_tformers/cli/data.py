@@ -382,8 +382,8 @@ def _env_mismatch(ds, flatten_observations: bool = False) -> str | None:
     from rl_tformers.envs.pomdp import make_env
 
     meta = ds.metadata
-    if not meta.env_id:
-        return None
+    if not meta.env_id or names_unimported_module(str(meta.env_id)):
+        return None  # a "module:EnvId" whose module the dataset (not the user) names is not imported
     try:
         env = make_env(str(meta.env_id), dict(meta.pomdp) if meta.pomdp else None,
                        **dict(meta.extra.get("env_kwargs") or {}))
@@ -448,3 +448,4 @@ def register(app: typer.Typer) -> None:
     """Add ``collect`` and the ``dataset`` command group to the ``rl-tformers`` app."""
     app.command("collect")(collect)
     app.add_typer(dataset_app, name="dataset")
+    from rl_tformers.envs.loaders import names_unimported_module

@@ -1011,3 +1011,21 @@ def test_a_damaged_minari_episode_names_the_data_file_the_field_and_the_episode(
         opened.episodes([2, 1])
     assert str(err.value) == expected
 
+
+
+def test_reading_a_file_whose_env_id_names_a_module_imports_nothing(tmp_path, monkeypatch) -> None:
+    """``env_id="module:EnvId"`` in a file: gym.make would import ``module`` (here a file next to
+    the dataset, found through the current directory): reading the file makes no environment."""
+    import sys
+
+    path = write_d4rl_h5(tmp_path / "d.hdf5", env_id="payload_env_module_x:CartPole-v1")
+    marker = tmp_path / "imported"
+    (tmp_path / "payload_env_module_x.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", ["", *sys.path])
+    ds = load_d4rl_hdf5(path)
+    assert ds.metadata.env_id == "payload_env_module_x:CartPole-v1" and not marker.exists()
+    assert isinstance(ds.action_space, gym.spaces.Discrete)  # inferred from the data
+    r = CliRunner().invoke(app, ["dataset", "info", str(path)])
+    assert r.exit_code == 0, r.output
+    assert not marker.exists()
