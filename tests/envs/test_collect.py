@@ -269,7 +269,7 @@ def test_collect_refuses_an_existing_hdf5_file_before_collecting(tmp_path):
     args = ["collect", "--env", "CartPole-v1", "--episodes", "1", "--root", str(tmp_path / "data"), "--no-progress",
             "--hdf5", str(out)]
     r = CliRunner().invoke(app, args)
-    assert r.exit_code == 1, r.output
+    assert r.exit_code == 2, r.output
     assert "--hdf5" in r.output and "--overwrite" in r.output and "already exists" in r.output
     assert out.read_bytes() == b"precious" and not (tmp_path / "data").exists()  # nothing collected
     r = CliRunner().invoke(app, [*args, "--overwrite"])
@@ -285,7 +285,7 @@ def test_recipe_build_refuses_existing_hdf5_files_before_building(tmp_path):
     (tmp_path / "h5" / f"{name}.hdf5").write_bytes(b"precious")
     r = CliRunner().invoke(app, ["collect", "--recipe", name, "--recipe-steps", "10", "--root", str(tmp_path / "data"),
                                  "--hdf5", str(tmp_path / "h5"), "--no-progress"])
-    assert r.exit_code == 1, r.output
+    assert r.exit_code == 2, r.output
     assert "--hdf5" in r.output and "--overwrite" in r.output and "nothing was built" in r.output
     assert (tmp_path / "h5" / f"{name}.hdf5").read_bytes() == b"precious" and not (tmp_path / "data").exists()
 
@@ -301,7 +301,7 @@ def test_dataset_export_refuses_an_existing_out_file(tmp_path):
     out = tmp_path / "out.hdf5"
     out.write_bytes(b"precious")
     r = CliRunner().invoke(app, ["dataset", "export", str(src), str(out)])
-    assert r.exit_code == 1, r.output
+    assert r.exit_code == 2, r.output
     assert "OUT" in r.output and "--overwrite" in r.output and out.read_bytes() == b"precious"
     r = CliRunner().invoke(app, ["dataset", "export", str(src), str(out), "--overwrite"])
     assert r.exit_code == 0, r.output
@@ -346,7 +346,7 @@ def test_recipe_suite_with_an_existing_dataset_stops_before_building_anything(tm
     _fake_existing(tmp_path, "rlt/hopper-v5/medium-v0")
     r = runner.invoke(app, ["collect", "--recipe", "hopper-random", "--recipe", "hopper-medium", "--root",
                             str(tmp_path), "--recipe-steps", "100", "--no-progress"])
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     assert "rlt/hopper-v5/medium-v0" in r.output and "--skip-existing" in r.output and "--overwrite" in r.output
     assert "nothing was built" in r.output
     assert not (tmp_path / "rlt/hopper-v5/random-v0").exists()
@@ -370,7 +370,7 @@ def test_skip_existing_builds_only_the_missing_recipes(tmp_path: Path) -> None:
 ])
 def test_skip_existing_misuse(tmp_path: Path, args, msg) -> None:
     r = runner.invoke(app, ["collect", *args, "--root", str(tmp_path), "--no-progress"])
-    assert r.exit_code == 1 and msg in r.output
+    assert r.exit_code == 2 and msg in r.output
 
 
 def _tiny_cartpole_run(tmp_path: Path, *overrides: str):
@@ -463,7 +463,7 @@ def test_collect_refuses_bad_arguments_before_collecting_and_without_tracebacks(
     not_zip = tmp_path / "model.zip"
     not_zip.write_text("not a zip")
     r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--policy", str(not_zip), "--episodes", "1"])
-    assert r.exit_code == 1 and "not a Stable-Baselines3 save file" in r.output  # not BadZipFile traceback
+    assert r.exit_code == 2 and "not a Stable-Baselines3 save file" in r.output  # not BadZipFile traceback
     r = runner.invoke(app, [*base, "--env", "NoSuchEnv-v0", "--episodes", "1"])
     assert r.exit_code == 2 and "NoSuchEnv" in r.output and "--env" in r.output  # not NameNotFound traceback
     r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--episodes", "0"])
@@ -471,7 +471,7 @@ def test_collect_refuses_bad_arguments_before_collecting_and_without_tracebacks(
     # not the episodes were collected and the Minari dataset written, then IsADirectoryError; a rerun
     # not refused as "already exists"
     r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--episodes", "1", "--hdf5", str(tmp_path)])
-    assert r.exit_code == 1 and "is a directory" in r.output
+    assert r.exit_code == 2 and "is a directory" in r.output
     assert not (root / "rlt").exists()
     r = runner.invoke(app, [*base, "--env", "CartPole-v1", "--episodes", "1", "--hdf5", str(tmp_path / "cp.hdf5")])
     assert r.exit_code == 0, r.output

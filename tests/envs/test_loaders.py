@@ -481,7 +481,7 @@ def test_dataset_info_prints_an_attribute_error_without_a_traceback(tmp_path):
     with h5py.File(path, "a") as f:
         f.attrs["rl_tformers_metadata"] = "{not json"
     r = CliRunner().invoke(app, ["dataset", "info", str(path), "--json"])
-    assert r.exit_code == 1 and "rl_tformers_metadata is not valid JSON" in r.output
+    assert r.exit_code == 2 and "rl_tformers_metadata is not valid JSON" in r.output
     assert not isinstance(r.exception, json.JSONDecodeError)
 
 
@@ -541,7 +541,7 @@ def test_a_damaged_minari_folder_raises_a_dataset_error(tmp_path, damage, match)
     with pytest.raises(DatasetError, match=match):
         load_dataset(str(data))
     r = CliRunner().invoke(app, ["dataset", "info", str(data), "--json"])
-    assert r.exit_code == 1 and match in r.output
+    assert r.exit_code == 2 and match in r.output
 
 
 # ------------------------------------------------- observation statistics, lazy or filtered
@@ -846,7 +846,7 @@ def test_an_unreadable_hdf5_file_is_a_dataset_error(tmp_path: Path, make: str) -
     with pytest.raises(DatasetError, match=rf"^{path}: not a readable HDF5 file \(.+\)$"):
         load_dataset(path)
     r = runner.invoke(app, ["dataset", "info", str(path)])
-    assert_clean_exit(r, 1)  # the dataset commands' exit status for a bad dataset
+    assert_clean_exit(r, 2)  # bad input, as in train
     assert f"error: {path}: not a readable HDF5 file (" in r.output
     r = train_dt(f"dataset.path={path}", "--run-dir", str(tmp_path / "run"))
     assert_clean_exit(r, 2)
@@ -865,7 +865,7 @@ def test_an_hdf5_group_where_a_dataset_belongs_is_named(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=rf"^{path}: 'observations' is an HDF5 group, not a dataset;"):
         load_dataset(path)
     r = runner.invoke(app, ["dataset", "info", str(path)])
-    assert_clean_exit(r, 1)
+    assert_clean_exit(r, 2)
     assert "'observations' is an HDF5 group, not a dataset" in r.output
 
 
@@ -885,7 +885,7 @@ def test_non_numeric_hdf5_arrays_are_named_up_front(tmp_path: Path, key: str, va
         load_dataset(path)
     assert str(info.value) == expected
     r = runner.invoke(app, ["dataset", "info", str(path)])
-    assert_clean_exit(r, 1)
+    assert_clean_exit(r, 2)
     assert f"error: {expected}" in r.output
     r = train_dt(f"dataset.path={path}", "--run-dir", str(tmp_path / "run"))
     assert_clean_exit(r, 2)
@@ -957,7 +957,7 @@ def test_hdf5_without_a_task_name_says_how_to_set_it(tmp_path: Path) -> None:
 def test_empty_dataset_argument_is_named(tmp_path, monkeypatch, command):
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(app, command)
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     assert "error: DATASET is empty" in r.output and "not a Minari dataset folder" not in r.output
     assert not (tmp_path / "x.hdf5").exists()
 
