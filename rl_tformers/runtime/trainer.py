@@ -77,6 +77,7 @@ from rl_tformers.runtime.optim import (
     restretch_message,
     scheduler_state,
 )
+from rl_tformers.runtime.plugins import named_plugins_only, plugins_named_in
 from rl_tformers.runtime.progress import PlainProgress, progress_bar
 from rl_tformers.runtime.run_config import (
     RESUMABLE_KEYS,
@@ -631,7 +632,8 @@ class Trainer:
                 log.warning("evaluate() returned %s=%r: not a scalar or figure, not logged", key, type(value).__name__)
         scalars["eval/time_s"] = time.perf_counter() - t0
         logger.scalars(self.step, scalars)
-        log.info("%s", logs_line(self.step, scalars))  # the console's record, as metrics.jsonl's
+        if self.step < self.total_steps:  # the final one is summarised by `rl-tformers train` (with how to repeat it)
+            log.info("%s", logs_line(self.step, scalars))  # the console's record, as metrics.jsonl's
         return scalars
 
     def _evaluate_or_save(self, logger: RunLogger, *, saved: bool, checkpoint: Path | None) -> dict[str, float]:
@@ -1223,17 +1225,24 @@ def train(cfg: DictConfig, run_dir: str | os.PathLike | None = None, config_name
 
 
 def load_resume_config(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = (),
-                       repair: bool = True) -> tuple[DictConfig, ckpt.FoundCheckpoint, list[str]]:
+                       repair: bool = True, plugins: Iterable[str] = ()) -> tuple[DictConfig, ckpt.FoundCheckpoint,
+                                                                            list[str]]:
     """The config a run resumes with, the checkpoint it resumes from and the changed keys.
+
+    A module the run's ``plugins`` list (its checkpoint's config, or ``config.yaml``) is imported
+    only when named: in ``plugins`` (``--plugin``), in a ``plugins=[...]`` override, or imported
+    already (an installed entry point): :func:`~rl_tformers.runtime.plugins.named_plugins_only`.
 
     Args:
         repair: remove stale temporary files and quarantine damaged checkpoints (what one
             process resuming does; under DDP only rank 0 repairs, the others only read).
+        plugins: the modules the user names (``--plugin``), imported first.
 
     Raises:
         CheckpointError: no valid checkpoint in ``RUN_DIR/checkpoints``.
         ConfigError: an override touches a key outside ``RESUMABLE_KEYS``; ``RUN_DIR/config.yaml``
-            differs from the checkpoint's config (:func:`check_config_file`).
+            differs from the checkpoint's config (:func:`check_config_file`); a module of the
+            run's plugins is not named, not found or fails to import.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -1244,9 +1253,10 @@ def load_resume_config(run_dir: str | os.PathLike, overrides: tuple[str, ...] | 
         ckpt.remove_stale_temporaries(run_dir)
     found = ckpt.find_latest_valid(run_dir, quarantine=repair)
     saved = OmegaConf.create(found.state["config"])  # resolved plain values, as written
-    new = _with_run_dir(compose(start=saved, overrides=list(overrides)), run_dir)
-    changes = check_resume_changes(saved, new)
-    check_config_file(run_dir, found, new, overrides)
+    with named_plugins_only(plugins, "--plugin", allowed=plugins_named_in(overrides)):
+        new = _with_run_dir(compose(start=saved, overrides=list(overrides)), run_dir)
+        changes = check_resume_changes(saved, new)
+        check_config_file(run_dir, found, new, overrides)
     return new, found, changes
 
 
@@ -1314,7 +1324,8 @@ def check_config_file(run_dir: Path, found: ckpt.FoundCheckpoint, new: DictConfi
 
 
 def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = (),
-           stop_at: int | None = None, interrupt: GracefulInterrupt | None = None) -> TrainResult:
+           stop_at: int | None = None, interrupt: GracefulInterrupt | None = None,
+           plugins: Iterable[str] = ()) -> TrainResult:
     """Continue a run from its newest valid checkpoint (damaged newer ones are warned about and skipped).
 
     ``overrides`` may change only :data:`rl_tformers.runtime.run_config.RESUMABLE_KEYS` (e.g.
@@ -1324,6 +1335,8 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
     touches the directory until the run ends.
 
     ``interrupt``: the caller's signal handling, already entered; see :meth:`Trainer.fit`.
+    ``plugins``: the modules of the run's ``plugins`` the caller trusts (``--plugin``); no other
+    module the run lists is imported (:func:`load_resume_config`).
 
     Raises:
         RunDirError: another process is training ``run_dir`` (``... is being trained by pid N``).
@@ -1345,7 +1358,7 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
         failure: Exception | None = None
         if info.is_main:  # repairs the run directory before the other ranks read it
             try:
-                cfg, found, changes = load_resume_config(run_dir, overrides)
+                cfg, found, changes = load_resume_config(run_dir, overrides, plugins=plugins)
             except (ckpt.CheckpointError, ConfigError) as exc:
                 failure = exc
         # every rank learns of rank 0's failure (instead of waiting for it in a barrier, then dying
@@ -1354,7 +1367,7 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
         if failure is not None:
             raise failure
         if not info.is_main:
-            cfg, found, changes = load_resume_config(run_dir, overrides, repair=False)
+            cfg, found, changes = load_resume_config(run_dir, overrides, repair=False, plugins=plugins)
         for line in changes:
             if not line.startswith("run_dir:") and info.is_main:
                 log.info("resume: %s", line)

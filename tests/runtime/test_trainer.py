@@ -597,12 +597,13 @@ def test_short_run_warns_that_warmup_never_ends_and_pctbc_says_what_it_kept(tmp_
 # ------------------------------------------------------------------- evaluations on the console
 def test_each_periodic_evaluation_prints_one_console_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """eval.every=2 over 5 steps evaluates at steps 2, 4 and (eval.at_end) 5: one console line
-    each, with the values metrics.jsonl records for that step."""
+    for each periodic one, with the values metrics.jsonl records for that step (the final one is
+    the `rl-tformers train` summary's line: not said twice)."""
     trainer = _trainer(tmp_path / "run", "eval.every=2")
     with caplog.at_level(logging.INFO, logger="rl_tformers"):
         trainer.fit()
     lines = [m for m in _messages(caplog) if m.startswith("eval at step ")]
-    assert [ln.split(":")[0] for ln in lines] == ["eval at step 2", "eval at step 4", "eval at step 5"]
+    assert [ln.split(":")[0] for ln in lines] == ["eval at step 2", "eval at step 4"]
     logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     at4 = next(r for r in logged if r.get("step") == 4 and "eval/mse" in r)
     assert lines[1].startswith(f"eval at step 4: mse={at4['eval/mse']:.4g}, return={at4['eval/return']:.4g} (")
