@@ -457,108 +457,143 @@ def parse_list(text: str | None, cast=str) -> list:
     return [cast(t.strip()) for t in (text or "").split(",") if t.strip()]
 
 
+def _check_kinds(kinds: str) -> list[str] | None:
+    """``--kinds``: the kinds named (None for 'all'); exits with an error line on an unknown,
+    repeated or empty list."""
+    if kinds.strip() == "all":
+        return None
+    ks = parse_list(kinds)
+    all_kinds()
+    unknown = [k for k in ks if k not in ATTENTION]
+    if unknown:
+        raise typer.BadParameter(f"unknown attention kinds {unknown}; registered: {', '.join(ATTENTION.kinds())}")
+    if not ks:
+        fail("--kinds is empty; give comma-separated attention kinds, or 'all'")
+    if (twice := first_repeat(ks)) is not None:
+        fail(f"--kinds: {twice!r} is given twice")
+    return ks
+
+
+def _check_lengths(lengths: str) -> tuple[int, ...]:
+    """``--lengths``: positive integers; exits with an error line otherwise."""
+    try:
+        ls = tuple(parse_list(lengths, int))
+    except ValueError:
+        fail(f"--lengths {lengths!r}: expected comma-separated integers, e.g. 256,1024")
+    if not ls or min(ls) < 1:
+        raise typer.BadParameter("lengths must be positive integers", param_hint="--lengths")
+    return ls
+
+
+def _rl_options(rl_scale: bool, rl_steps: int | None, rl_option: list[str]) -> dict[str, Any]:
+    """The RL-scale cases' options (``--rl-option key=value``), checked by the cases that can.
+
+    Raises:
+        ValueError: naming the option at fault.
+    """
+    if not rl_scale and (rl_steps is not None or rl_option):
+        raise ValueError(f"{'--rl-steps' if rl_steps is not None else '--rl-option'} is used by the RL-scale "
+                         "cases only; add --rl-scale")
+    if rl_steps is not None and rl_steps < 1:
+        raise ValueError(f"--rl-steps must be >= 1, got {rl_steps}")
+    opts: dict[str, Any] = {}
+    for item in rl_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--rl-option: expected key=value, got {item!r}")
+        opts[key.strip()] = _parse_value(value.strip())
+    if rl_scale:  # cases that can check their options do so now, not after the whole benchmark
+        for case in RL_SCALE_CASES.values():
+            hook = getattr(case, "check_options", None)
+            if hook is not None:
+                hook({**opts, **({} if rl_steps is None else {"steps": rl_steps})})
+    return opts
+
+
+def _check_plot_path(plot_path: str | None) -> None:
+    """``--plot``: a file name whose folders are not files.
+
+    Raises:
+        ValueError: naming ``--plot``.
+    """
+    if plot_path and Path(plot_path).is_dir():
+        raise ValueError(f"--plot {plot_path} is a directory; give a file name, e.g. "
+                         f"{Path(plot_path) / 'attention.png'}")
+    above = blocking_file(plot_path) if plot_path else None
+    if above is not None:
+        raise ValueError(f"--plot {plot_path}: {above} is a file, not a directory")
+
+
+def _report(res: Any, as_json: bool, out: str | None, plot_path: str | None) -> None:
+    """Write ``--out`` and ``--plot``, then print the JSON or the tables and notes."""
+    data = res.as_dict()
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w") as fh:
+            json.dump(data, fh, indent=2)
+    if plot_path:
+        Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
+        plot(res, plot_path)
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    typer.echo(markdown_table(res))
+    for case, rl_table in RL_SCALE_TABLES.items():
+        rows = [r for r in res.rl_scale or [] if r.get("case") == case]
+        if rows:
+            typer.echo("\n" + rl_table(rows))
+    for note in res.notes:
+        typer.echo(f"note: {note}")
+
+
+def attention_cmd(
+    kinds: str = typer.Option("all", help="Comma-separated attention kinds, or 'all' (every registered kind)."),
+    lengths: str = typer.Option(",".join(map(str, DEFAULT_LENGTHS)), help="Comma-separated sequence lengths."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
+    out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
+    plot_path: str = typer.Option(None, "--plot", help="Write a time/memory vs length plot (PNG)."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    batch: int = typer.Option(1, help="Batch size B."),
+    d_model: int = typer.Option(128, help="Model width D."),
+    n_heads: int = typer.Option(4, help="Heads H."),
+    bidirectional: bool = typer.Option(False, "--bidirectional", help="Measure without a causal mask."),
+    repeats: int = typer.Option(3, help="Timed runs per point (median)."),
+    memory_budget_gb: float = typer.Option(4.0, help="Skip dense-like kinds whose L x L scores exceed this."),
+    time_budget_s: float = typer.Option(120.0, help="Stop a kind's longer lengths once one run exceeds this."),
+    padded: bool = typer.Option(False, "--padded", help="Left-pad 1/8 of every row (a key-padding mask)."),
+    threads: int = typer.Option(1, help="torch.set_num_threads on CPU (1: stable timings on a shared machine)."),
+    rl_scale: bool = typer.Option(False, "--rl-scale", help="Also run the registered RL-scale cases."),
+    rl_steps: int = typer.Option(None, "--rl-steps", help="Training updates per kind of the RL-scale cases."),
+    rl_option: list[str] = typer.Option(
+        [], "--rl-option", help="key=value option of the RL-scale cases (repeatable), e.g. batch_size=8."),
+) -> None:
+    """Forward+backward time and peak memory of attention kinds as ratios to dense SDPA."""
+    ks = _check_kinds(kinds)
+    settings = Settings(
+        lengths=_check_lengths(lengths), batch=batch, d_model=d_model, n_heads=n_heads, causal=not bidirectional,
+        device=device, repeats=repeats, memory_budget_gb=memory_budget_gb, time_budget_s=time_budget_s, padded=padded,
+    )
+    try:
+        settings.check()
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        opts = _rl_options(rl_scale, rl_steps, rl_option)
+        _check_plot_path(plot_path)
+    except ValueError as exc:
+        fail(str(exc))
+    check_out(out)
+    if device == "cpu":
+        torch.set_num_threads(threads)
+    res = run(ks, settings, log=None if as_json else (lambda line: typer.echo(line, err=True)))
+    if rl_scale:
+        if rl_steps is not None:
+            opts["steps"] = rl_steps
+        rows, notes = run_rl_scale(ks or all_kinds(), device, **opts)
+        res.rl_scale, res.notes = rows, res.notes + notes
+    _report(res, as_json, out, plot_path)
+
+
 def register(bench_app) -> None:
-    """Add the ``attention`` command to the ``bench`` Typer group."""
-
-    def attention(
-        kinds: str = typer.Option("all", help="Comma-separated attention kinds, or 'all' (every registered kind)."),
-        lengths: str = typer.Option(",".join(map(str, DEFAULT_LENGTHS)), help="Comma-separated sequence lengths."),
-        as_json: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
-        out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
-        plot_path: str = typer.Option(None, "--plot", help="Write a time/memory vs length plot (PNG)."),
-        device: str = typer.Option("cpu", help="cpu or cuda."),
-        batch: int = typer.Option(1, help="Batch size B."),
-        d_model: int = typer.Option(128, help="Model width D."),
-        n_heads: int = typer.Option(4, help="Heads H."),
-        bidirectional: bool = typer.Option(False, "--bidirectional", help="Measure without a causal mask."),
-        repeats: int = typer.Option(3, help="Timed runs per point (median)."),
-        memory_budget_gb: float = typer.Option(4.0, help="Skip dense-like kinds whose L x L scores exceed this."),
-        time_budget_s: float = typer.Option(120.0, help="Stop a kind's longer lengths once one run exceeds this."),
-        padded: bool = typer.Option(False, "--padded", help="Left-pad 1/8 of every row (a key-padding mask)."),
-        threads: int = typer.Option(1, help="torch.set_num_threads on CPU (1: stable timings on a shared machine)."),
-        rl_scale: bool = typer.Option(False, "--rl-scale", help="Also run the registered RL-scale cases."),
-        rl_steps: int = typer.Option(None, "--rl-steps", help="Training updates per kind of the RL-scale cases."),
-        rl_option: list[str] = typer.Option(
-            [], "--rl-option", help="key=value option of the RL-scale cases (repeatable), e.g. batch_size=8."),
-    ) -> None:
-        """Forward+backward time and peak memory of attention kinds as ratios to dense SDPA."""
-
-        ks = None if kinds.strip() == "all" else parse_list(kinds)
-        if ks is not None:
-            all_kinds()
-            unknown = [k for k in ks if k not in ATTENTION]
-            if unknown:
-                raise typer.BadParameter(f"unknown attention kinds {unknown}; registered: {', '.join(ATTENTION.kinds())}")
-            if not ks:
-                fail("--kinds is empty; give comma-separated attention kinds, or 'all'")
-            if (twice := first_repeat(ks)) is not None:
-                fail(f"--kinds: {twice!r} is given twice")
-        try:
-            ls = tuple(parse_list(lengths, int))
-        except ValueError:
-            fail(f"--lengths {lengths!r}: expected comma-separated integers, e.g. 256,1024")
-        if not ls or min(ls) < 1:
-            raise typer.BadParameter("lengths must be positive integers", param_hint="--lengths")
-        settings = Settings(
-            lengths=ls, batch=batch, d_model=d_model, n_heads=n_heads, causal=not bidirectional, device=device,
-            repeats=repeats, memory_budget_gb=memory_budget_gb, time_budget_s=time_budget_s, padded=padded,
-        )
-        opts: dict[str, Any] = {}
-        try:
-            settings.check()
-            if threads < 1:
-                raise ValueError(f"--threads must be >= 1, got {threads}")
-            if not rl_scale and (rl_steps is not None or rl_option):
-                raise ValueError(f"{'--rl-steps' if rl_steps is not None else '--rl-option'} is used by the RL-scale "
-                                 "cases only; add --rl-scale")
-            if rl_steps is not None and rl_steps < 1:
-                raise ValueError(f"--rl-steps must be >= 1, got {rl_steps}")
-            for item in rl_option:
-                key, sep, value = item.partition("=")
-                if not sep or not key.strip():
-                    raise ValueError(f"--rl-option: expected key=value, got {item!r}")
-                opts[key.strip()] = _parse_value(value.strip())
-            if rl_scale:  # cases that can check their options do so now, not after the whole benchmark
-                for case in RL_SCALE_CASES.values():
-                    hook = getattr(case, "check_options", None)
-                    if hook is not None:
-                        hook({**opts, **({} if rl_steps is None else {"steps": rl_steps})})
-            if plot_path and Path(plot_path).is_dir():
-                raise ValueError(f"--plot {plot_path} is a directory; give a file name, e.g. "
-                                 f"{Path(plot_path) / 'attention.png'}")
-            above = blocking_file(plot_path) if plot_path else None
-            if above is not None:
-                raise ValueError(f"--plot {plot_path}: {above} is a file, not a directory")
-        except ValueError as exc:
-            fail(str(exc))
-        check_out(out)
-        if device == "cpu":
-            torch.set_num_threads(threads)
-        log = None if as_json else (lambda line: typer.echo(line, err=True))
-        res = run(ks, settings, log=log)
-        if rl_scale:
-            if rl_steps is not None:
-                opts["steps"] = rl_steps
-            rows, notes = run_rl_scale(ks or all_kinds(), device, **opts)
-            res.rl_scale, res.notes = rows, res.notes + notes
-        data = res.as_dict()
-        if out:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            with open(out, "w") as fh:
-                json.dump(data, fh, indent=2)
-        if plot_path:
-            Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
-            plot(res, plot_path)
-        if as_json:
-            typer.echo(json.dumps(data, indent=2))
-        else:
-            typer.echo(markdown_table(res))
-            for case, rl_table in RL_SCALE_TABLES.items():
-                rows = [r for r in res.rl_scale or [] if r.get("case") == case]
-                if rows:
-                    typer.echo("\n" + rl_table(rows))
-            for note in res.notes:
-                typer.echo(f"note: {note}")
-
-    bench_app.command("attention")(attention)
+    """Add the ``attention`` command (:func:`attention_cmd`) to the ``bench`` Typer group."""
+    bench_app.command("attention")(attention_cmd)
 
