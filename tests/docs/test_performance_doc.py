@@ -216,3 +216,15 @@ def test_performance_md_tables_equal_their_json() -> None:
     text = PERF_MD.read_text()
     missing = "\n".join(claim for claim in performance_md_claims() if claim not in text)
     assert not missing, f"docs/performance.md rows not found (numbers differ from their JSON):\n{missing}"
+
+
+def test_minari_sampling_table_equals_its_json() -> None:
+    d = _load("bench_minari.json")
+    s = d["settings"]
+    claims = [f"| {r['reader']} | {r['seconds']:.4f} | {r['repeats']} | {r['ratio_to_minari']:.2f}x |" for r in d["rows"]]
+    claims += [f"load average {d['machine']['loadavg_1_5_15'][0]:.1f}",
+               f"rl-tformers bench minari --episodes {s['episodes']} --repeats {s['repeats']} ",
+               f"{s['sample']} of {s['episodes']:,} episodes, {s['repeats']} rounds ({s['full_repeats']} full read)"]
+    text = flat(PERF_MD.read_text())
+    missing = "\n".join(c for c in claims if flat(c) not in text)
+    assert not missing, f"docs/performance.md text not found (numbers differ from bench_minari.json):\n{missing}"
