@@ -254,17 +254,84 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc))
 
 
-def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
-    # every option first, then the dataset, then the --work directory: nothing is exported or
-    # started before all of them are known to be right
-    seeds, algos, extra = parse_options(args)
-    python = args.python or default_peer_python()
+def _peer_python(given: str | None) -> str:
+    """The interpreter of the peers' environment: ``--python``, else the one ``bench train
+    --build-peers`` made.
+
+    Raises:
+        CrosscheckError: there is none, or it is not an executable file.
+    """
+    python = given or default_peer_python()
     if not python:
         raise CrosscheckError("no peers' environment: run `rl-tformers bench train --build-peers` first, or pass --python")
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
         raise CrosscheckError(f"--python {python}: not an executable file")
+    return python
 
 
+def _plan(args: argparse.Namespace, seeds: list[int], algos: list[str], work: Path, data_path: Path, env_id: str,
+          targets: list[float], sha256: str) -> list[tuple[str, int, Path, list[str], bool]]:
+    """(algo, seed, result file, worker arguments, reuse) of every run; a result file in ``work``
+    is reused when it holds the same settings and data.
+
+    Raises:
+        CrosscheckError: ``--work`` holds result files that cannot be reused (each named).
+    """
+    plan, problems = [], []
+    for seed in seeds:
+        for algo in algos:
+            out = work / f"{algo}-s{seed}.json"
+            wargs = worker_argv(algo, seed, data_path, out.resolve().with_name(out.name + ".tmp"), args.steps,
+                                args.episodes, env_id, targets)
+            settings = worker.recorded_settings(worker.build_parser().parse_args(wargs))
+            reuse = out.exists()
+            if reuse:
+                problem = reuse_problem(out, settings, sha256)
+                if problem is not None:
+                    problems.append(problem)
+            plan.append((algo, seed, out, wargs, reuse))
+    if problems:
+        raise CrosscheckError(
+            f"--work {work} holds runs that cannot be reused:\n  " + "\n  ".join(problems)
+            + "\nuse another --work directory, or delete those files to run them again")
+    return plan
+
+
+def _run_worker(python: str, algo: str, seed: int, out: Path, wargs: list[str], work: Path, env: dict[str, str],
+                record: dict[str, Any]) -> bool:
+    """Run one worker in the peers' ``python`` (its log in ``work``) and move its result to
+    ``out`` with the data ``record``. False (the log's tail printed) when the worker failed."""
+    cmd = [os.path.abspath(python), str(WORKER), *wargs]
+    t0 = time.perf_counter()
+    with open(work / f"{algo}-s{seed}.log", "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(work))
+    if proc.returncode != 0:
+        tail = (work / f"{algo}-s{seed}.log").read_text(errors="replace").splitlines()[-20:]
+        print(f"{algo} seed {seed} failed ({proc.returncode}):\n" + "\n".join(tail), file=sys.stderr)
+        return False
+    tmp = out.with_name(out.name + ".tmp")
+    result = json.loads(tmp.read_text())
+    result["data"] = record  # what the reuse check compares, besides the worker's settings
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.rename(out)
+    print(f"{algo} seed {seed}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return True
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    """The summary rows as a Markdown table on stdout."""
+    print("\n| d3rlpy | target | per seed (normalised) | normalised mean ± std | return mean ± std |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['algo']} | {'-' if r['target'] is None else round(r['target'])} | "
+              f"{', '.join(f'{v:.1f}' for v in r['per_seed_normalised'])} | "
+              f"{r['normalised_mean']:.1f} ± {r['normalised_std']:.1f} | {r['return_mean']:.0f} ± {r['return_std']:.0f} |")
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    # every option first, then the dataset, then the --work directory: nothing is exported or
+    # started before all of them are known to be right
+    seeds, algos, extra = parse_options(args)
+    python = _peer_python(args.python)
     try:
         ds = load_dataset(args.dataset)
     except (OSError, ValueError) as exc:  # FileNotFoundError, DatasetError, h5py's OSError
@@ -283,23 +350,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     sha256 = data_fingerprint(arrays)
     work = Path(args.work)
     data_path = (work / "crosscheck_data.npz").resolve()
-    plan, problems = [], []
-    for seed in seeds:
-        for algo in algos:
-            out = work / f"{algo}-s{seed}.json"
-            wargs = worker_argv(algo, seed, data_path, out.resolve().with_name(out.name + ".tmp"), args.steps,
-                                args.episodes, env_id, targets)
-            settings = worker.recorded_settings(worker.build_parser().parse_args(wargs))
-            reuse = out.exists()
-            if reuse:
-                problem = reuse_problem(out, settings, sha256)
-                if problem is not None:
-                    problems.append(problem)
-            plan.append((algo, seed, out, wargs, reuse))
-    if problems:
-        raise CrosscheckError(
-            f"--work {work} holds runs that cannot be reused:\n  " + "\n  ".join(problems)
-            + "\nuse another --work directory, or delete those files to run them again")
+    plan = _plan(args, seeds, algos, work, data_path, env_id, targets, sha256)
 
     print(f"{args.dataset}: {info['steps']} steps, {info['episodes']} episodes, top return {info['top_return']:.1f}; "
           f"env {env_id}; DT targets {targets}; data sha256 {sha256[:12]}", file=sys.stderr)
@@ -312,21 +363,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     for algo, seed, out, wargs, reuse in plan:
         if reuse:
             print(f"reusing {out} (same settings and data)", file=sys.stderr)
-        else:
-            cmd = [os.path.abspath(python), str(WORKER), *wargs]
-            t0 = time.perf_counter()
-            with open(work / f"{algo}-s{seed}.log", "w") as log:
-                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(work))
-            if proc.returncode != 0:
-                tail = (work / f"{algo}-s{seed}.log").read_text(errors="replace").splitlines()[-20:]
-                print(f"{algo} seed {seed} failed ({proc.returncode}):\n" + "\n".join(tail), file=sys.stderr)
-                return 1
-            tmp = out.with_name(out.name + ".tmp")
-            result = json.loads(tmp.read_text())
-            result["data"] = record  # what the reuse check compares, besides the worker's settings
-            tmp.write_text(json.dumps(result, indent=1))
-            tmp.rename(out)
-            print(f"{algo} seed {seed}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        elif not _run_worker(python, algo, seed, out, wargs, work, env, record):
+            return 1
         run = json.loads(out.read_text())
         runs.append(run)
         for r in run["results"]:
@@ -341,11 +379,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print("\n| d3rlpy | target | per seed (normalised) | normalised mean ± std | return mean ± std |\n|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['algo']} | {'-' if r['target'] is None else round(r['target'])} | "
-              f"{', '.join(f'{v:.1f}' for v in r['per_seed_normalised'])} | "
-              f"{r['normalised_mean']:.1f} ± {r['normalised_std']:.1f} | {r['return_mean']:.0f} ± {r['return_std']:.0f} |")
+    _print_table(rows)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
