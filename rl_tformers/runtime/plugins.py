@@ -56,6 +56,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from rl_tformers.registry import REGISTRIES, SLOTS
 from rl_tformers.runtime import agent_registry
 from rl_tformers.runtime.agent_registry import discover_agents
@@ -169,6 +171,27 @@ def _is_directory(entry: str, cwd: str) -> bool:
         return False
 
 
+def plugins_named_in(overrides: Iterable[str]) -> list[str]:
+    """The modules a ``plugins=[...]`` command-line override names (the user's own naming).
+
+    Args:
+        overrides: ``KEY=VALUE`` strings; only ``plugins=`` ones are read (as YAML), others and
+            values that are not a list of strings are skipped (composing the config reports them).
+    """
+    names: list[str] = []
+    for item in overrides:
+        key, _, value = str(item).partition("=")
+        if key.strip() != "plugins":
+            continue
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            continue
+        if isinstance(parsed, list):
+            names += [v for v in parsed if isinstance(v, str)]
+    return names
+
+
 @dataclass(frozen=True)
 class _Named:
     names: frozenset[str]
@@ -179,7 +202,8 @@ _NAMED: ContextVar[_Named | None] = ContextVar("rl_tformers_named_plugins", defa
 
 
 @contextmanager
-def named_plugins_only(names: Iterable[str] = (), option: str = "--plugin") -> Iterator[list[str]]:
+def named_plugins_only(names: Iterable[str] = (), option: str = "--plugin",
+                       allowed: Iterable[str] = ()) -> Iterator[list[str]]:
     """Import the modules the user named, then let :func:`load_plugins` import only those.
 
     For opening a run that came from elsewhere: its config's ``plugins`` are imported inside
@@ -189,6 +213,8 @@ def named_plugins_only(names: Iterable[str] = (), option: str = "--plugin") -> I
     Args:
         names: the modules the user named (``--plugin``), imported first (:func:`load_plugins`).
         option: the command-line option that names them, for error messages.
+        allowed: modules the user named otherwise (a ``plugins=[...]`` override), not imported
+            here but allowed inside the block.
 
     Yields:
         The names imported.
@@ -197,7 +223,7 @@ def named_plugins_only(names: Iterable[str] = (), option: str = "--plugin") -> I
         ConfigError: as :func:`load_plugins` (a named module not found or failing), naming ``option``.
     """
     imported = load_plugins(names, option)
-    token = _NAMED.set(_Named(frozenset(imported), option))
+    token = _NAMED.set(_Named(frozenset(imported) | frozenset(allowed), option))
     try:
         yield imported
     finally:
@@ -341,4 +367,4 @@ def load_entry_point_plugins() -> None:
 
 
 __all__ = ["ENTRY_POINT_GROUP", "PluginWarning", "check_plugin_names", "check_source_plugins",
-           "load_entry_point_plugins", "load_plugins", "named_plugins_only"]
+           "load_entry_point_plugins", "load_plugins", "named_plugins_only", "plugins_named_in"]

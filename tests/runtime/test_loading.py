@@ -130,3 +130,18 @@ def test_an_environment_id_naming_a_module_is_not_made_unless_named(received, ti
                               f"'{PAYLOAD}', which making the environment imports: a run's modules are imported "
                               f"only when you name them (--plugin {PAYLOAD}, if you trust it)")
     assert not marker.exists()
+
+
+def test_resume_in_python_imports_only_the_plugins_it_is_given(received, tmp_path: Path) -> None:
+    """``trainer.resume`` (and ``load_resume_config``) refuse a run's unnamed plugin as the CLI
+    does; one named in a ``plugins=[...]`` override counts as named (here it is then not found:
+    never from the current directory)."""
+    from rl_tformers.runtime.trainer import load_resume_config, resume
+
+    run, marker = received
+    with pytest.raises(ConfigError, match=rf"^plugins\[0\]='{PAYLOAD}' is not imported: a run's plugins are code"):
+        resume(run)
+    with pytest.raises(ConfigError, match=rf"^plugins\[0\]='{PAYLOAD}': no module named '{PAYLOAD}' \(looked on "
+                                          rf"sys.path, not in the current directory"):
+        load_resume_config(run, [f"plugins=[{PAYLOAD}]"])
+    assert not marker.exists()
