@@ -41,7 +41,6 @@ ALLOWED = frozenset({
     "rl_tformers/backbone.py::Backbone.forward",
     # benchmarks (the peer script runs alone in another library's environment)
     "rl_tformers/bench/_peer_crosscheck.py::main",
-    "rl_tformers/bench/train.py::run",
     # CLI commands: option declarations plus their checks
     "rl_tformers/cli/data.py::_collect_one",
     "rl_tformers/cli/data.py::_run_collect",

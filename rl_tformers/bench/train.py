@@ -400,6 +400,41 @@ def our_variants(s: Settings) -> list[tuple[str, list[str]]]:
     return out
 
 
+def _start_peers(s: Settings, first: Any, work: Path, impls: dict[str, Any], res: Result,
+                 log: Callable[[str], None]) -> None:
+    """Start the peer libraries' processes on the data of ``first`` (our first implementation)
+    into ``impls``; a peer that cannot start, or no peer environment, is a note in ``res``."""
+    peer_python = s.peer_python or default_peer_python()
+    if s.peers and peer_python is None:
+        res.notes.append("peers skipped: no peer environment (run with --build-peers, or give --peer-python)")
+    elif s.peers:
+        data = export_peer_data(first, work / "bench_data.npz")
+        for peer in s.peers:
+            log(f"starting peer {peer} ({peer_python})")
+            try:
+                impls[peer] = PeerProcess(peer, peer_python, data, s, work / f"{peer}.log")
+            except Exception as exc:  # a peer that cannot start is reported, not fatal
+                res.notes.append(f"peer {peer} skipped: {exc}")
+                log(res.notes[-1])
+
+
+def _row(name: str, mode: str, ts: list[float], steps: int, f: float | None, impl: Any,
+         peak_gflops: dict[str, float]) -> dict[str, Any]:
+    """One implementation's row in one mode: ``steps`` updates took ``ts`` seconds per round;
+    ``f`` its FLOPs per update (None: not counted), MFU against the peak of its dtype."""
+    rate = [steps / t for t in ts]
+    amp = "bf16" if name.endswith("+bf16") else "fp32"
+    med = statistics.median(rate)
+    info = getattr(impl, "info", {})
+    return {
+        "impl": name, "mode": mode, "steps_per_s": med, "steps_per_s_all": rate,
+        "flops_per_step": f, "gflops_per_s": None if f is None else f * med / 1e9,
+        "mfu": None if f is None else f * med / 1e9 / peak_gflops[amp], "peak_dtype": amp,
+        "params": info.get("params", getattr(impl, "params", None)),
+        "versions": info.get("versions"), "attention": info.get("attn_implementation"),
+    }
+
+
 def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
     """Measure every implementation (see the module docstring); never raises for a peer that
     cannot run: it is left out with a note."""
@@ -416,18 +451,7 @@ def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
         first = next(iter(impls.values()))
         device = first.device
         res.machine = machine_info(device)
-        peer_python = s.peer_python or default_peer_python()
-        if s.peers and peer_python is None:
-            res.notes.append("peers skipped: no peer environment (run with --build-peers, or give --peer-python)")
-        elif s.peers:
-            data = export_peer_data(first, work / "bench_data.npz")
-            for peer in s.peers:
-                log(f"starting peer {peer} ({peer_python})")
-                try:
-                    impls[peer] = PeerProcess(peer, peer_python, data, s, work / f"{peer}.log")
-                except Exception as exc:  # a peer that cannot start is reported, not fatal
-                    res.notes.append(f"peer {peer} skipped: {exc}")
-                    log(res.notes[-1])
+        _start_peers(s, first, work, impls, res, log)
         modes = {name: ([m for m in MODES if m != "e2e"] if name == "hf" else list(MODES)) for name in impls}
         flops = {}
         for name, impl in impls.items():
@@ -456,19 +480,8 @@ def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
         res.peak_by_size = {k: {n: statistics.median(v) for n, v in by.items()} for k, by in peaks.items()}
         res.peak_gflops = {k: max(max(by.values()) for key, by in res.peak_by_size.items() if key.split("/")[0] == k)
                            for k in dtypes}  # the faster GEMM library of each dtype
-        for (name, mode), ts in times.items():
-            rate = [s.steps / t for t in ts]
-            amp = "bf16" if name.endswith("+bf16") else "fp32"
-            f = flops.get(name)
-            med = statistics.median(rate)
-            info = getattr(impls[name], "info", {})
-            res.rows.append({
-                "impl": name, "mode": mode, "steps_per_s": med, "steps_per_s_all": rate,
-                "flops_per_step": f, "gflops_per_s": None if f is None else f * med / 1e9,
-                "mfu": None if f is None else f * med / 1e9 / res.peak_gflops[amp], "peak_dtype": amp,
-                "params": info.get("params", getattr(impls[name], "params", None)),
-                "versions": info.get("versions"), "attention": info.get("attn_implementation"),
-            })
+        res.rows.extend(_row(name, mode, ts, s.steps, flops.get(name), impls[name], res.peak_gflops)
+                        for (name, mode), ts in times.items())
         res.ratios = ratios(res.rows)
         res.machine["loadavg_1_5_15_end"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     finally:
