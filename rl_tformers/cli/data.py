@@ -11,6 +11,12 @@ import typer
 
 from rl_tformers.runtime.paths import blocking_file
 
+#: ``collect --memory-task`` choices (:func:`rl_tformers.envs.memory_tasks.scripted_dataset`).
+MEMORY_TASKS = ("recall", "cartpole")
+#: Delays of the registered recall variants (``rl_tformers.envs.memory_tasks.RECALL_DELAYS``,
+#: checked equal in tests; repeated here so that ``--help`` imports no gymnasium).
+RECALL_DELAYS = (1, 2, 4, 8, 16, 32, 64)
+
 dataset_app = typer.Typer(help="Inspect offline datasets (Minari ids, Minari folders, D4RL .hdf5 files).",
                           no_args_is_help=True)
 
@@ -57,7 +63,9 @@ def collect(
     steps: int = typer.Option(None, "--steps", help="Collect whole episodes until at least this many steps (default 10000 when neither --steps nor --episodes is given; 0 with --train and --replay-dataset-id: the replay set only)."),
     episodes: int = typer.Option(None, "--episodes", help="Collect exactly this many episodes."),
     noise: float = typer.Option(0.0, "--noise", help="Gaussian action noise std (units of half the action range), clipped to the space."),
-    epsilon: float = typer.Option(0.0, "--epsilon", help="Probability of a uniform random action at each step."),
+    epsilon: float = typer.Option(None, "--epsilon",
+                                  help="Probability of a uniform random action at each step (default 0; 0.2 with "
+                                       "--memory-task)."),
     pomdp: str = typer.Option("none", "--pomdp", help="Record partial observations: none, positions (MuJoCo qpos only)."),
     obs_indices: str = typer.Option(None, "--obs-indices", help="Record only these observation indices (e.g. '0,1,2')."),
     seed: int = typer.Option(0, "--seed", help="Seed of episode resets, noise and random actions."),
@@ -70,6 +78,13 @@ def collect(
                                                                 "else policies/ in $RL_TFORMERS_SHARED else ../shared/policies next "
                                                                 "to the current folder or to the repository)."),
     list_recipes: bool = typer.Option(False, "--list-recipes", help="List the recipes and exit."),
+    memory_task: str = typer.Option(None, "--memory-task",
+                                    help="Write a memory task's dataset to --hdf5 FILE instead: recall (repeat the "
+                                         "symbol shown --delay steps ago; oracle answers) or cartpole (position-only "
+                                         "CartPole; a linear controller on the full state), with --epsilon random "
+                                         "actions; --episodes (default 2000), --seed."),
+    delay: int = typer.Option(None, "--delay", help=f"With --memory-task recall: the delay d, one of "
+                                                     f"{', '.join(map(str, RECALL_DELAYS))} (default 8)."),
     overwrite: bool = typer.Option(False, "--overwrite",
                                    help="Replace an existing dataset of the same id (and an existing --hdf5 file)."),
     skip_existing: bool = typer.Option(False, "--skip-existing",
@@ -88,6 +103,7 @@ def collect(
       rl-tformers collect --env Hopper-v5 --train sac --train-steps 50000 --steps 10000 --replay-dataset-id rlt/hopper-v5/sac-replay-v0
       rl-tformers collect --recipe 'hopper-*'
       rl-tformers collect --recipe 'hopper-*' --skip-existing     (finish an interrupted suite)
+      rl-tformers collect --memory-task recall --delay 8 --episodes 2000 --hdf5 data/memory/recall-d8.hdf5
 
     With several recipes, existing datasets are checked before anything is built: without --overwrite or --skip-existing the command stops at once, naming them; --skip-existing keeps only a dataset built as asked (same recipe, --recipe-steps, --seed), and refuses the others.
     """
@@ -108,9 +124,19 @@ def collect(
     received: list[int] = []
     try:
         with stop_signals() as received:
+            if memory_task is not None or delay is not None:
+                _collect_memory_task(memory_task, delay, episodes, epsilon, seed, hdf5, overwrite, as_json, {
+                    "--env": env is not None, "--policy": policy != "random", "--algo": algo is not None,
+                    "--obs-norm": obs_norm != "auto", "--train": train is not None,
+                    "--train-steps": train_steps != 100_000, "--replay-dataset-id": replay_dataset_id is not None,
+                    "--steps": steps is not None, "--noise": noise != 0.0, "--pomdp": pomdp != "none",
+                    "--obs-indices": obs_indices is not None, "--dataset-id": dataset_id is not None,
+                    "--root": root is not None, "--recipe": bool(recipe), "--recipe-steps": recipe_steps is not None,
+                    "--policies": policies is not None, "--skip-existing": skip_existing})
+                return
             _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise,
-                         epsilon, pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe, recipe_steps, policies,
-                         overwrite, skip_existing, progress, as_json)
+                         0.0 if epsilon is None else epsilon, pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe,
+                         recipe_steps, policies, overwrite, skip_existing, progress, as_json)
     except KeyboardInterrupt:
         signum = received[0] if received else signal.SIGINT
         typer.echo(f"interrupted ({signal.Signals(signum).name}): no half-written dataset is left; datasets reported "
@@ -200,6 +226,57 @@ def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset
                 report(res)
     except (DatasetError, FileExistsError, FileNotFoundError, ValueError) as exc:
         _fail(str(exc))
+
+
+def _collect_memory_task(task: str | None, delay: int | None, episodes: int | None, epsilon: float | None,
+                         seed: int, hdf5: Path | None, overwrite: bool, as_json: bool, given: dict[str, bool]) -> None:
+    """``collect --memory-task TASK``: a scripted dataset of a memory task
+    (:func:`rl_tformers.envs.memory_tasks.scripted_dataset`) written as one D4RL-layout file.
+
+    ``given`` maps the options a memory task does not use to whether they were given; any given
+    one is refused, as are a missing ``--hdf5``, an unknown task, ``--delay`` without recall or
+    outside :data:`~rl_tformers.envs.memory_tasks.RECALL_DELAYS`, and counts out of range.
+    """
+    from rl_tformers.envs.collect import check_hdf5_target
+    from rl_tformers.envs.loaders import save_d4rl_hdf5
+    from rl_tformers.envs.memory_tasks import scripted_dataset
+
+    if task is None:
+        _fail("--delay needs --memory-task recall")
+    if task not in MEMORY_TASKS:
+        _fail(f"--memory-task {task!r} is not a memory task; choose {' or '.join(MEMORY_TASKS)}")
+    unused = [name for name, was_given in given.items() if was_given]
+    if unused:
+        _fail(f"{', '.join(unused)}: not used with --memory-task (it writes the scripted behaviour's episodes to "
+              f"--hdf5 FILE; its options are --episodes, --epsilon, --seed, --delay for recall and --overwrite)")
+    if delay is not None and task != "recall":
+        _fail(f"--delay is the recall task's; --memory-task {task} has none")
+    if delay is not None and delay not in RECALL_DELAYS:
+        _fail(f"--delay {delay}: the recall task is registered with d in {', '.join(map(str, RECALL_DELAYS))}")
+    if episodes is not None and episodes < 1:
+        _fail(f"--episodes must be >= 1, got {episodes}")
+    if epsilon is not None and not 0.0 <= epsilon <= 1.0:  # NaN fails too
+        _fail(f"--epsilon must be a probability in [0, 1], got {epsilon}")
+    if seed < 0:
+        _fail(f"--seed must be >= 0 (it seeds the episode resets), got {seed}")
+    if hdf5 is None:
+        example = f"data/memory/recall-d{delay or 8}.hdf5" if task == "recall" else "data/memory/cartpole-positions.hdf5"
+        _fail(f"--memory-task writes one D4RL-layout file: give it with --hdf5 FILE (e.g. --hdf5 {example})")
+    try:
+        check_hdf5_target(hdf5, overwrite)
+    except (FileExistsError, ValueError) as exc:
+        _fail(str(exc))
+    ds = scripted_dataset(task, 2000 if episodes is None else episodes, seed=seed, delay=8 if delay is None else delay,
+                          epsilon=0.2 if epsilon is None else epsilon)
+    path = save_d4rl_hdf5(ds, hdf5)
+    r = ds.episode_returns
+    summary = {"dataset_id": ds.metadata.dataset_id, "env_id": ds.metadata.env_id, "episodes": ds.num_episodes,
+               "steps": ds.num_steps, "return_mean": float(r.mean()), "return_std": float(r.std()), "path": str(path)}
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        typer.echo(f"{summary['dataset_id']}: {ds.num_episodes} episodes, {ds.num_steps} steps, return "
+                   f"{summary['return_mean']:.1f} ± {summary['return_std']:.1f} -> {path} (env {ds.metadata.env_id})")
 
 
 def _check_skipped_builds(differing: list) -> None:
@@ -379,6 +456,7 @@ def _env_mismatch(ds, flatten_observations: bool = False) -> str | None:
     import gymnasium as gym
 
     from rl_tformers.envs import memory_tasks  # noqa: F401 - registers the project's own tasks
+    from rl_tformers.envs.loaders import names_unimported_module
     from rl_tformers.envs.pomdp import make_env
 
     meta = ds.metadata
@@ -448,4 +526,3 @@ def register(app: typer.Typer) -> None:
     """Add ``collect`` and the ``dataset`` command group to the ``rl-tformers`` app."""
     app.command("collect")(collect)
     app.add_typer(dataset_app, name="dataset")
-    from rl_tformers.envs.loaders import names_unimported_module

@@ -170,3 +170,57 @@ def test_dataset_info_of_a_damaged_file_is_one_error_line_and_exit_2(tmp_path: P
     assert res.exit_code == 2 and (res.exception is None or isinstance(res.exception, SystemExit))
     assert res.output.strip().splitlines() == [
         f"error: {path}: cannot read {field!r}: the file is damaged ({reason}); re-create or re-download it{tail}"]
+
+
+# ------------------------------------------------------------------- collect --memory-task
+def test_collect_memory_task_writes_the_scripted_dataset_the_configs_train_on(tmp_path: Path) -> None:
+    """`collect --memory-task recall --delay D` writes the same episodes as
+    memory_tasks.scripted_dataset (the data of configs/memory/*), readable by every agent."""
+    import numpy as np
+
+    from rl_tformers.envs.loaders import load_d4rl_hdf5
+    from rl_tformers.envs.memory_tasks import scripted_dataset
+
+    out = tmp_path / "memory" / "recall-d4.hdf5"
+    r = runner.invoke(app, ["collect", "--memory-task", "recall", "--delay", "4", "--episodes", "6", "--seed", "3",
+                            "--hdf5", str(out)])
+    assert r.exit_code == 0, r.output
+    ds, ref = load_d4rl_hdf5(out), scripted_dataset("recall", 6, epsilon=0.2, seed=3, delay=4)
+    assert (ds.num_episodes, ds.num_steps) == (6, 6 * 36)
+    assert np.array_equal(ds.actions, ref.actions) and np.array_equal(ds.rewards, ref.rewards)
+    assert ds.metadata.env_id == "rl_tformers.envs.memory_tasks:rl_tformers/Recall-d4-v0"
+    assert r.stdout.startswith(f"Recall-d4-v0-scripted: 6 episodes, 216 steps, return ") and str(out) in r.stdout
+    again = runner.invoke(app, ["collect", "--memory-task", "recall", "--delay", "4", "--episodes", "6",
+                                "--hdf5", str(out)])
+    assert (again.exit_code, again.stderr) == (2, f"error: --hdf5 {out} already exists; pass overwrite=True (CLI: "
+                                                  f"--overwrite) to replace it, or choose another file\n")
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (["--memory-task", "pong", "--hdf5", "x.hdf5"], "--memory-task 'pong' is not a memory task; choose recall or cartpole"),
+    (["--delay", "8", "--hdf5", "x.hdf5"], "--delay needs --memory-task recall"),
+    (["--memory-task", "recall", "--delay", "3", "--hdf5", "x.hdf5"],
+     "--delay 3: the recall task is registered with d in 1, 2, 4, 8, 16, 32, 64"),
+    (["--memory-task", "cartpole", "--delay", "8", "--hdf5", "x.hdf5"],
+     "--delay is the recall task's; --memory-task cartpole has none"),
+    (["--memory-task", "recall"], "--memory-task writes one D4RL-layout file: give it with --hdf5 FILE (e.g. --hdf5 "
+                                  "data/memory/recall-d8.hdf5)"),
+    (["--memory-task", "recall", "--episodes", "0", "--hdf5", "x.hdf5"], "--episodes must be >= 1, got 0"),
+    (["--memory-task", "recall", "--epsilon", "1.5", "--hdf5", "x.hdf5"],
+     "--epsilon must be a probability in [0, 1], got 1.5"),
+    (["--memory-task", "recall", "--env", "CartPole-v1", "--noise", "0.1", "--hdf5", "x.hdf5"],
+     "--env, --noise: not used with --memory-task (it writes the scripted behaviour's episodes to --hdf5 FILE; its "
+     "options are --episodes, --epsilon, --seed, --delay for recall and --overwrite)"),
+])
+def test_collect_memory_task_refuses_bad_options_in_one_line(tmp_path: Path, monkeypatch, args, error) -> None:
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(app, ["collect", *args])
+    assert (r.exit_code, r.stderr) == (2, f"error: {error}\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_collect_knows_the_registered_recall_delays() -> None:
+    from rl_tformers.cli.data import RECALL_DELAYS
+    from rl_tformers.envs import memory_tasks
+
+    assert RECALL_DELAYS == memory_tasks.RECALL_DELAYS

@@ -37,12 +37,12 @@ def test_missing_memory_task_file_names_the_command_that_builds_it(tmp_path: Pat
     monkeypatch.chdir(tmp_path)  # no data/ here
     r = runner.invoke(app, ["train", "-c", "gtrxl/recall_bc", "train.steps=2"])
     assert r.exit_code != 0
-    assert "python -m rl_tformers.envs.memory_tasks recall --delay 8 --episodes 2000 --out data/memory/recall-d8.hdf5" \
-        in r.output
+    assert ("build it with (dataset.build): rl-tformers collect --memory-task recall --delay 8 --episodes 2000 "
+            "--hdf5 data/memory/recall-d8.hdf5") in r.output
     assert not (tmp_path / "runs").exists()  # no run directory (nor its runs/ parent) left behind
     # another file on the command line does not get recall-d8's recipe
     r = runner.invoke(app, ["train", "-c", "gtrxl/recall_bc", "dataset.path=other.hdf5", "train.steps=2"])
-    assert r.exit_code != 0 and "other.hdf5" in r.output and "memory_tasks" not in r.output
+    assert r.exit_code != 0 and "other.hdf5" in r.output and "--memory-task" not in r.output
 
 
 def test_every_config_with_a_data_memory_file_says_how_to_build_it() -> None:
@@ -56,6 +56,6 @@ def test_every_config_with_a_data_memory_file_says_how_to_build_it() -> None:
         path = str(cfg.get("dataset", {}).get("path") or "")
         if path.startswith("data/memory/"):
             build = str(cfg.dataset.get("build") or "")
-            assert re.search(rf"--out {re.escape(path)}$", build), (name, build)
+            assert re.fullmatch(rf"rl-tformers collect --memory-task \w+ .*--hdf5 {re.escape(path)}", build), (name, build)
             checked += 1
     assert checked >= 9
