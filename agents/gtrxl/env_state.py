@@ -232,8 +232,13 @@ def env_snapshot(env: gym.Env) -> tuple[list[dict[str, Any]], list[str]]:
 def restore_env(env: gym.Env, layers: list[Mapping[str, Any]]) -> None:
     """Set an :func:`env_snapshot` on the new environment ``env`` (made from the same id and kwargs).
 
+    Only plain data is set (nothing of the checkpoint is run as code); attributes the
+    constructor builds (:data:`_CONSTRUCTED`) and dunder names are never set.
+
     Raises:
-        ValueError: ``env``'s layers are not the snapshot's (other wrappers or environment classes).
+        ValueError: ``env``'s layers are not the snapshot's (other wrappers or environment
+            classes), or the snapshot names an attribute it never holds, or holds a value no
+            :func:`env_snapshot` writes (an unknown numpy bit generator...).
     """
     mine = _layers(env)
     if [_type_name(x) for x in mine] != [str(x["type"]) for x in layers]:
@@ -241,6 +246,9 @@ def restore_env(env: gym.Env, layers: list[Mapping[str, Any]]) -> None:
                          f"{[str(x['type']) for x in layers]} in the checkpoint")
     for layer, saved in zip(mine, layers):
         for name, enc in saved["attrs"].items():
+            if not isinstance(name, str) or name.startswith("__") or name in _CONSTRUCTED:
+                raise ValueError(f"{type(layer).__qualname__}: the checkpoint sets the attribute {name!r}, which a "
+                                 f"snapshot never holds")
             layer.__dict__[name] = _decode(enc, layer.__dict__.get(name))
 
 

@@ -342,3 +342,31 @@ def test_two_processes_resume_their_own_environments_bit_identically(tmp_path: P
     ranks = b["trainer"]["process_ranks"]
     assert len(ranks) == 2 and not _same(ranks[0]["running"]["obs"], ranks[1]["running"]["obs"])  # each its own
     assert _metrics(tmp_path / "split")[-1]["train/env_steps"] == 128.0  # 2 rollouts x 2 ranks x 2 envs x 16 steps
+
+
+def test_a_hostile_environment_snapshot_is_refused_and_the_environments_restart(tmp_path: Path) -> None:
+    """Snapshots naming a constructed or dunder attribute, an unknown bit generator or an object
+    dtype: the resume runs nothing of them, the environments restart, and the note says why."""
+    a = GTrXLPPO.for_training(_cfg(), None, "cpu")
+    a.collector.collect()
+    st = a.process_state()
+    layers = st["env_states"][0]
+    base = layers[-1]["attrs"]
+    cases = {
+        "attribute": lambda: base.__setitem__("spec", None),
+        "dunder": lambda: base.__setitem__("__class__", 1),
+        "generator": lambda: base["_np_random"]["state"]["items"][0].__setitem__(1, "os.system"),
+        "dtype": lambda: base["state"].__setitem__("dtype", "|O"),
+    }
+    import copy
+
+    for name, spoil in cases.items():
+        saved = copy.deepcopy(base)
+        spoil()
+        b = GTrXLPPO.for_training(_cfg(), None, "cpu")
+        b.load_extra_state(a.extra_state())
+        b.load_process_state([st])
+        note = b.resume_note(4)
+        assert b.collector.envs is None and "the checkpointed environments could not be restored (" in note, name
+        base.clear()
+        base.update(saved)
