@@ -980,21 +980,35 @@ def import_ray() -> Any:
 
 
 def run_ray(commands: Sequence[tuple[SweepRun, list[str]]], threads: int, gpus_per_run: float, log_dir: Path,
-            echo: Callable[[str], None] = print) -> dict[str, RunOutcome]:
+            echo: Callable[[str], None] = print, *, clock: Callable[[], float] = time.monotonic,
+            poll_s: float = 0.5) -> dict[str, RunOutcome]:
     """Run every command as a Ray task (``num_cpus=threads``, ``num_gpus=gpus_per_run``); Ray
-    schedules them on the cluster. ``ray.init()`` joins ``RAY_ADDRESS`` or starts a local Ray."""
+    schedules them on the cluster. ``ray.init()`` joins ``RAY_ADDRESS`` or starts a local Ray.
+
+    One line per run as it ends, in the order the runs end (``ray.wait``), and a progress line
+    (``sweep: 1/4 runs (25%), ...``) at least every
+    :data:`~rl_tformers.runtime.progress.PLAIN_INTERVAL_S` seconds of ``clock`` until the last ends."""
     ray = import_ray()
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None)
     task = ray.remote(num_cpus=max(1, threads), num_gpus=gpus_per_run)(_run_subprocess)
     refs = {run.name: task.remote(cmd, thread_env(threads), str(log_dir / f"{_slug(run.name)}.log"))
             for run, cmd in commands}
+    names = {ref: name for name, ref in refs.items()}  # (ObjectRefs hash by their id)
+    bar = PlainProgress(len(refs), desc="sweep", unit="run", fraction=0.0, clock=clock, echo=echo)
     outcomes: dict[str, RunOutcome] = {}
-    for name, ref in refs.items():
-        rc, seconds, tail = ray.get(ref)
-        outcomes[name] = _outcome(rc, seconds, tail, None)
-        _echo_outcome(echo, name, outcomes[name])
-    return outcomes
+    pending = list(refs.values())
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
+        for ref in ready:
+            rc, seconds, tail = ray.get(ref)
+            name = names[ref]
+            outcomes[name] = _outcome(rc, seconds, tail, None)
+            _echo_outcome(echo, name, outcomes[name])
+            bar.n += 1  # counted; the line above says it
+        if pending:
+            bar.poll()
+    return {name: outcomes[name] for name in refs}  # in the order of the runs
 
 
 # -- results ---------------------------------------------------------------------------------------

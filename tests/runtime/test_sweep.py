@@ -131,8 +131,13 @@ def test_ray_launcher_submits_one_task_per_run(tmp_path: Path, monkeypatch: pyte
             return types.SimpleNamespace(remote=lambda *a: Ref(fn(*a)))
         return wrap
 
+    def wait(refs, num_returns, timeout):  # Ray's: the refs done within timeout (here: all), the rest
+        calls["wait"].append((len(refs), num_returns, timeout))
+        return list(refs), []
+
+    calls["wait"] = []
     fake = types.SimpleNamespace(is_initialized=lambda: False, init=lambda **kw: calls["init"].append(kw),
-                                 remote=remote, get=lambda ref: ref.value)
+                                 remote=remote, get=lambda ref: ref.value, wait=wait)
     monkeypatch.setitem(sys.modules, "ray", fake)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     runs = sw.expand({"x": ["1", "2"]}, [0], tmp_path)
@@ -140,6 +145,7 @@ def test_ray_launcher_submits_one_task_per_run(tmp_path: Path, monkeypatch: pyte
     out = sw.run_ray(cmds, threads=2, gpus_per_run=0.5, log_dir=tmp_path / "logs", echo=lambda m: None)
     assert calls["init"] == [{"address": None}] and calls["remote"] == [{"num_cpus": 2, "num_gpus": 0.5}]
     assert [o.status for o in out.values()] == ["ok", "ok"] and "1" in out[runs[1].name].log
+    assert calls["wait"] == [(2, 2, 0.5)]
 
 
 @pytest.mark.slow
