@@ -217,7 +217,7 @@ def _fail(msg: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _load_dt_run(run_dir: Path):
+def _load_dt_run(run_dir: Path, plugins: list[str] | None = None):
     """The run of ``run_dir`` if it is a Decision Transformer run with continuous actions (else an
     ``error:`` exit, before the model is built)."""
 
@@ -231,7 +231,7 @@ def _load_dt_run(run_dir: Path):
         kind = OmegaConf.create(found.state["config"]).agent.kind
         if kind != "dt":
             raise _fail(f"{run_dir} is a {kind} run, not a Decision Transformer run")
-        run = load_run(run_dir, checkpoint=found.path)
+        run = load_run(run_dir, checkpoint=found.path, plugins=plugins or ())
     except (CheckpointError, UnknownAgentError, TypeError, ValueError) as exc:
         raise _fail(str(exc)) from None
     if run.agent.info.discrete:
@@ -247,6 +247,9 @@ def main(
     rtg: list[float] = typer.Option([1.0, 4.0], help="First return-to-go of the shifted windows, scaled (repeat)."),
     dataset: str = typer.Option(None, help="Dataset spec (default: the run's dataset.path)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    plugin: list[str] = typer.Option([], "--plugin", metavar="MODULE",
+                                     help="Import this module (repeatable): a module the run's plugins list is "
+                                          "imported only when named here (it runs that module's code)."),
 ) -> None:
     """Print the fit and return-to-go sensitivity of a trained DT on its data's windows.
 
@@ -259,7 +262,7 @@ def main(
         check_probe_options(t0, rtg)
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    run = _load_dt_run(run_dir)
+    run = _load_dt_run(run_dir, plugin)
     spec = plain(run.cfg.dataset) if dataset is None else {**plain(run.cfg.dataset), "path": dataset}
     where = f"--dataset {dataset}" if dataset is not None else f"the run's dataset.path {spec.get('path')}"
     if not spec.get("path"):

@@ -215,3 +215,38 @@ def test_rtg_probe_has_the_short_help_option() -> None:
     r = subprocess.run([sys.executable, "-m", "rl_tformers.agents.decision_transformer.rtg_probe", "-h"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "--group" in r.stdout
+
+
+def test_probe_imports_a_plugin_of_the_run_only_when_named(probe_runs, tmp_path, monkeypatch):
+    """A run listing ``plugins: [m]`` (``m.py`` sits in the current directory and writes a file
+    when imported): the probe refuses it naming ``--plugin``; named, ``m`` comes from sys.path."""
+    import shutil
+    import sys
+
+    from rl_tformers.runtime.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+
+    tmp, _ = probe_runs
+    run = tmp_path / "dt"
+    shutil.copytree(tmp / "dt", run)
+    name = "probe_plugin_x"
+    for _, path in list_checkpoints(run):
+        state = load_checkpoint(path)
+        state["config"] = state["config"].replace("plugins: []\n", f"plugins:\n- {name}\n")
+        path.unlink()
+        save_checkpoint(run, {k: v for k, v in state.items() if k not in ("format", "version", "sha256")})
+    marker = tmp_path / "imported-from-the-current-directory"
+    (tmp_path / f"{name}.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    monkeypatch.chdir(tmp_path)
+    r = _probe(run, "--group", "a=0:2")
+    assert r.exit_code == 2 and "is not imported: a run's plugins are code" in r.stderr and f"--plugin {name}" in r.stderr
+    installed = tmp_path / "site"
+    installed.mkdir()
+    (installed / f"{name}.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(installed))
+    try:
+        r = _probe(run, "--group", "a=0:2", "--plugin", name)
+        assert r.exit_code == 0, r.output
+        assert sys.modules[name].VALUE == 1
+    finally:
+        sys.modules.pop(name, None)
+    assert not marker.exists()

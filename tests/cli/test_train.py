@@ -484,6 +484,7 @@ def test_a_chunk_damaged_while_training_lazily_is_one_error_line_and_exit_2(tmp_
     starts (a disk or network file system going bad): the lazy read of the first batch fails in
     one line, exit 2, after the run was started."""
     from rl_tformers.envs.torch_data import StepBatchDataset
+
     from tests.datafiles import corrupt_chunk, write_cartpole_h5, write_compressed_copy
 
     path = write_compressed_copy(write_cartpole_h5(tmp_path / "p.hdf5", n=3000), tmp_path / "gz.hdf5", chunk_rows=100)

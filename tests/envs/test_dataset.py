@@ -232,8 +232,8 @@ def test_the_lazy_reader_names_a_chunk_damaged_after_loading(tmp_path):
     DataLoader worker, whose error the main process re-raises) is one DatasetError line naming
     the file and the field; the other chunks are read as before."""
     import torch
-
     from rl_tformers.envs.loaders import load_d4rl_hdf5
+
     from tests.datafiles import corrupt_chunk, write_compressed_copy, write_d4rl_h5
 
     path = write_compressed_copy(write_d4rl_h5(tmp_path / "plain.hdf5", n=3000), tmp_path / "gz.hdf5")

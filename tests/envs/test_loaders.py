@@ -29,8 +29,7 @@ from typer.testing import CliRunner
 
 from rl_tformers.cli import app
 from rl_tformers.runtime.run_config import compose
-from tests.datafiles import write_d4rl_h5
-from tests.datafiles import corrupt_chunk, flip_object_header, write_compressed_copy
+from tests.datafiles import corrupt_chunk, flip_object_header, write_compressed_copy, write_d4rl_h5
 from tests.runs import assert_clean_exit, train_dt
 
 OBS = gym.spaces.Box(-np.inf, np.inf, (3,), np.float64)
