@@ -34,8 +34,6 @@ ALLOWED = frozenset({
     "envs/loaders.py::load_d4rl_hdf5",
     "envs/loaders.py::open_minari",
     "envs/memory_tasks.py::collect_episodes",
-    # attention kernels: the inner loop of block-sparse attention
-    "rl_tformers/attention/_blocksparse.py::run_piece",
     # the backbone's public forward: its signature and API docstring alone take 58 lines (the body
     # splits into input checks, attention context, depth call and memory update)
     "rl_tformers/backbone.py::Backbone.forward",

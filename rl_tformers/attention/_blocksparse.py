@@ -321,11 +321,8 @@ def run_piece(
         queries with no allowed key), and lse (B, h, T) float32 log-sum-exp of the piece's
         allowed scores (-inf where none), or None when not ``need_lse``.
     """
-    ctx = h.ctx
-    b, n_heads, t, dh = h.q.shape
+    t = h.q.shape[2]
     s, q0, k0 = h.n_k, h.q0, h.k0
-    n, bq = piece.q_idx.shape
-    kk = piece.k_idx.shape[1]
 
     # Which heads to compute: score-based positional hooks have per-head parameters and need
     # all heads, so a head subset is then computed in full and sliced at the end.
@@ -334,6 +331,31 @@ def run_piece(
     if not all_heads:
         q, k, v = q.index_select(1, heads), k.index_select(1, heads), v.index_select(1, heads)
 
+    q_live, k_live, q_loc, k_ctx = _piece_index(h, piece)
+    qg = gather_tokens(q, piece.q_idx - q0)  # (B, h, N, bq, Dh)
+    kg = gather_tokens(k, piece.k_idx - k0)  # (B, h, N|1, K, Dh)
+    vg = gather_tokens(v, piece.k_idx - k0)  # (B, h, N|1, K, Dh)
+
+    allowed = _piece_mask(piece, h.ctx, q_live, k_live, q_loc, k_ctx)  # (B|1, h|1, N, bq, K)
+    row_ok = allowed.any(dim=-1)  # (B|1, h|1, N, bq)
+    if not position.needs_scores and piece.bias is None and not need_lse:
+        out, lse = _fused_blocks(qg, kg, vg, allowed, row_ok, scale, dropout_p), None
+    else:
+        out, lse = _scored_blocks(h, piece, position, qg, kg, vg, allowed, row_ok, q_loc, k_ctx, scale=scale,
+                                  dropout_p=dropout_p, need_lse=need_lse)
+    out = out * row_ok[..., None].to(out.dtype)  # rows with no allowed key -> 0
+    if all_heads and heads is not None:
+        out = out.index_select(1, heads)
+        lse = None if lse is None else lse.index_select(1, heads)
+    return _token_order(out, lse, piece, q_live, q0, t, s)
+
+
+def _piece_index(h: Heads, piece: Piece) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Where a piece's blocks sit among the call's tokens: q_live (N, bq) and k_live (N|1, K)
+    bool (the query / key is one of the call's, and the piece keeps it), q_loc (N, bq) index into
+    the T queries and k_ctx (N|1, K) index into the context's key arrays (absolute, clamped into
+    the keys at hand)."""
+    t, s, q0, k0 = h.q.shape[2], h.n_k, h.q0, h.k0
     q_live = (piece.q_idx >= q0) & (piece.q_idx < s)  # (N, bq)
     if piece.q_ok is not None:
         q_live = q_live & piece.q_ok
@@ -341,14 +363,13 @@ def run_piece(
     if piece.k_ok is not None:
         k_live = k_live & piece.k_ok
     q_loc = (piece.q_idx - q0).clamp(0, max(t - 1, 0))  # (N, bq) index into the T queries
-    # (N|1, K) index into the context's key arrays: absolute, clamped into the keys at hand
-    k_ctx = piece.k_idx.clamp(max(k0, 0), s - 1) - ctx.key_offset
+    k_ctx = piece.k_idx.clamp(max(k0, 0), s - 1) - h.ctx.key_offset  # (N|1, K)
+    return q_live, k_live, q_loc, k_ctx
 
-    qg = gather_tokens(q, piece.q_idx - q0)  # (B, h, N, bq, Dh)
-    kg = gather_tokens(k, piece.k_idx - k0)  # (B, h, N|1, K, Dh)
-    vg = gather_tokens(v, piece.k_idx - k0)  # (B, h, N|1, K, Dh)
 
-    # -- mask, built per block ------------------------------------------------------------------
+def _piece_mask(piece: Piece, ctx: AttnContext, q_live: Tensor, k_live: Tensor, q_loc: Tensor, k_ctx: Tensor) -> Tensor:
+    """(B|1, 1|h, N, bq, K) bool: the key each query of a piece may attend to, built per block
+    (live query and key, causal order, the piece's own ``keep``, key validity, same episode)."""
     allowed = q_live[:, :, None] & k_live[:, None, :]  # (N, bq, K)
     if ctx.causal:
         allowed = allowed & (piece.k_idx[:, None, :] <= piece.q_idx[:, :, None])
@@ -363,61 +384,72 @@ def run_piece(
         sq = take(ctx.seg_q, 1, q_loc)  # (B, N, bq)
         sk = take(ctx.seg_k, 1, k_ctx)  # (B, N|1, K)
         allowed = allowed & (sq[:, :, :, None] == sk[:, :, None, :])[:, None]  # (B, 1, N, bq, K)
+    return allowed
 
-    # -- scores ---------------------------------------------------------------------------------
-    row_ok = allowed.any(dim=-1)  # (B|1, h|1, N, bq)
+
+def _fused_blocks(qg: Tensor, kg: Tensor, vg: Tensor, allowed: Tensor, row_ok: Tensor, scale: float,
+                  dropout_p: float) -> Tensor:
+    """Fused SDPA on the gathered blocks ``qg`` (B, h, N, bq, Dh), ``kg``, ``vg`` (B, h, N|1, K, Dh),
+    laid out as a batch of B * N blocks of 4-D attention (the fused CPU kernels take 4-D input);
+    rows with no allowed key attend everything and are zeroed by the caller (SDPA would return
+    NaN for them). Returns (B, h, N, bq, Dh)."""
+    b, hh, n, bq, dh = qg.shape
+    kk = kg.shape[3]
+    mask = (allowed | ~row_ok[..., None]).expand(b, -1, n, bq, kk)  # (B, 1|h, N, bq, K)
+    out = F.scaled_dot_product_attention(
+        qg.transpose(1, 2).reshape(b * n, hh, bq, dh),  # (B N, h, bq, Dh)
+        kg.expand(-1, -1, n, -1, -1).transpose(1, 2).reshape(b * n, hh, kk, dh),  # (B N, h, K, Dh)
+        vg.expand(-1, -1, n, -1, -1).transpose(1, 2).reshape(b * n, hh, kk, dh),
+        attn_mask=mask.transpose(1, 2).reshape(b * n, mask.shape[1], bq, kk),  # (B N, 1|h, bq, K)
+        dropout_p=dropout_p, scale=scale,
+    )
+    return out.view(b, n, hh, bq, dh).transpose(1, 2)  # (B, h, N, bq, Dh)
+
+
+def _scored_blocks(h: Heads, piece: Piece, position: PositionModule, qg: Tensor, kg: Tensor, vg: Tensor,
+                   allowed: Tensor, row_ok: Tensor, q_loc: Tensor, k_ctx: Tensor, *, scale: float,
+                   dropout_p: float, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """Explicit scores of the gathered blocks (with the positional module's score hooks and the
+    piece's bias), softmax, dropout, values (and the positional value term). Returns out
+    (B, h, N, bq, Dh) and, when ``need_lse``, the log-sum-exp (B, h, N, bq) (-inf for empty rows)."""
+    ctx = h.ctx
+    b, n, kk = qg.shape[0], qg.shape[2], kg.shape[3]
     pq = pk = None
-    plain = not position.needs_scores and piece.bias is None and not need_lse
-    if plain:
-        # fused SDPA on the gathered blocks, laid out as a batch of B * N blocks of 4-D
-        # attention (the fused CPU kernels take 4-D input); rows with no allowed key attend
-        # everything and are zeroed below (SDPA would return NaN for them)
-        hh = qg.shape[1]
-        mask = (allowed | ~row_ok[..., None]).expand(b, -1, n, bq, kk)  # (B, 1|h, N, bq, K)
-        out = F.scaled_dot_product_attention(
-            qg.transpose(1, 2).reshape(b * n, hh, bq, dh),  # (B N, h, bq, Dh)
-            kg.expand(-1, -1, n, -1, -1).transpose(1, 2).reshape(b * n, hh, kk, dh),  # (B N, h, K, Dh)
-            vg.expand(-1, -1, n, -1, -1).transpose(1, 2).reshape(b * n, hh, kk, dh),
-            attn_mask=mask.transpose(1, 2).reshape(b * n, mask.shape[1], bq, kk),  # (B N, 1|h, bq, K)
-            dropout_p=dropout_p, scale=scale,
-        )
-        out = out.view(b, n, hh, bq, dh).transpose(1, 2)  # (B, h, N, bq, Dh)
-        lse = None
-    else:
-        scores = to_acc(torch.matmul(qg * scale, kg.transpose(-1, -2)))  # (B, h, N, bq, K)
-        if position.needs_scores:
-            pq = take(ctx.pos_q, 1, q_loc)  # (B, N, bq)
-            pk = take(ctx.pos_k, 1, k_ctx).expand(b, n, kk)  # (B, N, K)
-            if position.additive_bias:
-                bias = position.score_bias(take(h.q_raw, 2, q_loc), pq, pk)  # (B, H, N, bq, K)
-                if bias is not None:
-                    scores = scores + to_acc(bias)
-            if position.transforms_scores:
-                scores = to_acc(position.transform_scores(scores, pq, pk))
-        if piece.bias is not None:
-            scores = scores + piece.bias
-        scores = scores.masked_fill(~allowed, neg_inf(scores.dtype))
-        probs = torch.softmax(scores, dim=-1)  # (B, h, N, bq, K) float32
-        lse = None
-        if need_lse:
-            lse = torch.logsumexp(scores, dim=-1)  # (B, h, N, bq)
-            lse = lse.masked_fill(~row_ok, float("-inf"))
-        p = F.dropout(probs, dropout_p) if dropout_p > 0 else probs
-        p = p.to(vg.dtype)
-        if position.value_bias:
-            p = p * row_ok[..., None]  # the value term must not see an empty row's uniform probs
-        out = torch.matmul(p, vg)  # (B, h, N, bq, Dh)
-        if position.value_bias:
-            extra = position.value_term(p, pq, pk)  # (B, H, N, bq, Dh)
-            if extra is not None:
-                out = out + extra.to(out.dtype)
-    out = out * row_ok[..., None].to(out.dtype)  # rows with no allowed key -> 0
-    if all_heads and heads is not None:
-        out = out.index_select(1, heads)
-        lse = None if lse is None else lse.index_select(1, heads)
-    hh = out.shape[1]
+    scores = to_acc(torch.matmul(qg * scale, kg.transpose(-1, -2)))  # (B, h, N, bq, K)
+    if position.needs_scores:
+        pq = take(ctx.pos_q, 1, q_loc)  # (B, N, bq)
+        pk = take(ctx.pos_k, 1, k_ctx).expand(b, n, kk)  # (B, N, K)
+        if position.additive_bias:
+            bias = position.score_bias(take(h.q_raw, 2, q_loc), pq, pk)  # (B, H, N, bq, K)
+            if bias is not None:
+                scores = scores + to_acc(bias)
+        if position.transforms_scores:
+            scores = to_acc(position.transform_scores(scores, pq, pk))
+    if piece.bias is not None:
+        scores = scores + piece.bias
+    scores = scores.masked_fill(~allowed, neg_inf(scores.dtype))
+    probs = torch.softmax(scores, dim=-1)  # (B, h, N, bq, K) float32
+    lse = None
+    if need_lse:
+        lse = torch.logsumexp(scores, dim=-1)  # (B, h, N, bq)
+        lse = lse.masked_fill(~row_ok, float("-inf"))
+    p = F.dropout(probs, dropout_p) if dropout_p > 0 else probs
+    p = p.to(vg.dtype)
+    if position.value_bias:
+        p = p * row_ok[..., None]  # the value term must not see an empty row's uniform probs
+    out = torch.matmul(p, vg)  # (B, h, N, bq, Dh)
+    if position.value_bias:
+        extra = position.value_term(p, pq, pk)  # (B, H, N, bq, Dh)
+        if extra is not None:
+            out = out + extra.to(out.dtype)
+    return out, lse
 
-    # -- back to token order (queries a piece does not tile get the zero / -inf dummy slot) --
+
+def _token_order(out: Tensor, lse: Tensor | None, piece: Piece, q_live: Tensor, q0: int, t: int,
+                 s: int) -> tuple[Tensor, Tensor | None]:
+    """A piece's block results ``out`` (B, h, N, bq, Dh), ``lse`` (B|1, h, N, bq) back in token
+    order: (B, h, T, Dh), (B, h, T); queries the piece does not tile get the zero / -inf dummy slot."""
+    b, hh, n, bq, dh = out.shape
     out = out.reshape(b, hh, n * bq, dh)  # (B, h, N * bq, Dh)
     win = _windows(piece.q_idx.reshape(1, -1)) if piece.q_ok is None else None
     if win is not None and win[0] <= q0 and win[0] + n * bq >= s:  # consecutive tiling: a slice
