@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 import sys
+import traceback
 
 import typer
 from typer.core import TyperGroup
@@ -89,6 +90,7 @@ COMMAND_MODULES = (
     "rl_tformers.cli.data",  # collect, dataset
     "rl_tformers.cli.backbones",  # backbones
     "rl_tformers.cli.agents",  # agents
+    "rl_tformers.cli.configs",  # configs
     "rl_tformers.cli.bench",  # bench
 )
 
@@ -225,6 +227,13 @@ def _interrupt_unless_finished(signum, frame) -> None:
         raise KeyboardInterrupt
 
 
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ.get(name) or 0)
+    except ValueError:
+        return 0
+
+
 def main() -> None:
     import signal
 
@@ -235,6 +244,14 @@ def main() -> None:
         signal.signal(signal.SIGINT, _interrupt_unless_finished)
     try:
         app()
+    except (SystemExit, Exception) as exc:
+        if _env_int("WORLD_SIZE") > 1:  # a torchrun rank: end it without the interpreter's shutdown
+            from rl_tformers.runtime.distributed import exit_rank  # imported already by the rank's command
+
+            if not isinstance(exc, SystemExit):
+                traceback.print_exc()  # as Python prints an uncaught exception; its status is 1
+            exit_rank(exc.code if isinstance(exc, SystemExit) else 1)
+        raise
     finally:
         if _run_finished():  # the interpreter's shutdown resets Python-level handlers; SIG_IGN survives it
             signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -306,6 +306,75 @@ def config_display_name(path: Path) -> str:
         return path.stem
 
 
+@dataclass(frozen=True)
+class ConfigSummary:
+    """One shipped config as ``rl-tformers configs`` lists it.
+
+    Attributes:
+        name: the ``--config`` name (``dt/hopper_medium``).
+        agent: its ``agent.kind`` (with its ``_base_`` files), ``-`` when it sets none.
+        data: what it trains on: ``dataset.path``, ``scripted TASK`` for generated data, ``online
+            ENV_ID`` for an agent that acts in ``agent.env_id`` without a dataset, else ``-``.
+        description: the first sentence of the file's header comment (:func:`config_header`).
+        path: the file.
+    """
+
+    name: str
+    agent: str
+    data: str
+    description: str
+    path: Path
+
+    def as_dict(self) -> dict[str, str]:
+        return {"name": self.name, "agent": self.agent, "data": self.data, "description": self.description,
+                "path": str(self.path)}
+
+
+#: The end of a sentence: a full stop before a capital (or ``%``, ``(``) or the end of the text,
+#: not the one of "et al." or "e.g.".
+_SENTENCE_END = re.compile(r"(?<!\bal)(?<!\be\.g)(?<!\bi\.e)\.(?=\s+[A-Z%(]|\s*$)")
+
+
+def config_header(path: Path) -> str:
+    """The prose of a config file's header comment, on one line: the ``#`` lines before its first
+    key, up to an empty comment line or an indented one (a command, ``#   rl-tformers ...``)."""
+    lines = []
+    for line in Path(path).read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        text = line[1:]
+        if not text.strip() or text.startswith("   "):
+            break
+        lines.append(text.strip())
+    return " ".join(lines)
+
+
+def config_summary(name: str) -> ConfigSummary:
+    """The :class:`ConfigSummary` of the config ``name`` (a packaged name or a path), read with
+    its ``_base_`` files; the description is the first sentence of the file's own header.
+
+    Raises:
+        ConfigError: the config is not found or cannot be read (:func:`load_yaml`).
+    """
+    path = resolve_config_path(name)
+    node = OmegaConf.to_container(load_yaml(path), resolve=False)
+    agent = node.get("agent") if isinstance(node.get("agent"), dict) else {}
+    dataset = node.get("dataset") if isinstance(node.get("dataset"), dict) else {}
+    if dataset.get("path"):
+        data = str(dataset["path"])
+    elif isinstance(dataset.get("scripted"), dict):
+        data = f"scripted {dataset['scripted'].get('task', ScriptedDatasetConfig.task)}"
+    elif agent.get("env_id"):
+        data = f"online {agent['env_id']}"
+    else:
+        data = "-"
+    header = config_header(path)
+    first = _SENTENCE_END.search(header)
+    description = header[:first.end()] if first else header
+    return ConfigSummary(name=config_display_name(path), agent=str(agent.get("kind") or "-"), data=data,
+                         description=description, path=path)
+
+
 def load_yaml(path: Path, _stack: tuple[Path, ...] = ()) -> DictConfig:
     """Load one YAML config file, merged over the files its ``_base_`` key names (recursively).
 

@@ -43,6 +43,7 @@ def _bad_inputs(tmp: Path) -> dict[str, list[str]]:
         "sweep": ["sweep", "-c", "toy", "--grid", "train.steps=1,2", "--seeds", "x"],
         "backbones": ["backbones", "--slot", "nope"],
         "agents": ["agents", "no_such_agent"],
+        "configs": ["configs", "no_such_group/*"],
         "bench": ["bench", "attention", "--lengths", "x"],
         "demo": ["demo", "--episodes", "0"],
     }
