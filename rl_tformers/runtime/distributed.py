@@ -61,12 +61,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -178,13 +179,39 @@ def process_group(device_spec: str | torch.device = "auto") -> Iterator[DistInfo
         ok = True
     finally:
         if ok:
-            # Normal exit: every rank first finishes its outstanding collectives (a barrier),
-            # then the group is destroyed while the interpreter is fully alive. Without the
-            # barrier a rank that finished early could tear gloo down while a peer's last
-            # collective was in flight, and gloo's worker threads then abort the process at
-            # exit ("terminate called without an active exception": seen once in our DDP test).
+            # every rank finishes its outstanding collectives before any rank leaves the group
             dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_rank(code: Any = 0) -> NoReturn:
+    """End this torchrun rank now with ``code`` (SystemExit's convention: None is 0, an int is
+    itself, anything else is printed to stderr and gives 1), after flushing the logging
+    handlers, stdout and stderr, without the interpreter's shutdown.
+
+    Why: a :class:`~torch.nn.parallel.DistributedDataParallel` keeps its gloo process group
+    alive after :func:`torch.distributed.destroy_process_group` (its C++ reducer holds it), so
+    the group's worker threads (``pt_gloo_runloop``, ``gloo_tcp_loop``) still run when the
+    interpreter shuts down. A thread of them that wakes then (the peer rank closing its
+    connections) meets a finalising interpreter or destroyed C++ statics, and the process aborts
+    with "terminate called without an active exception" (SIGABRT) after the run was saved and
+    reported. ``os._exit`` ends the process without that shutdown. Everything a rank writes is
+    written and closed before the command returns (checkpoints, ``metrics.jsonl``,
+    TensorBoard), and DataLoader workers are shut down with the training loop.
+    """
+
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code & 0xFF
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 # -- batches -------------------------------------------------------------------------------------
@@ -441,7 +468,8 @@ def torchrun_command(nproc: int, train_args: Sequence[str]) -> list[str]:
 
 __all__ = [
     "LAUNCHER_ENV", "AgentLoss", "DistInfo", "PeerFailure", "ShardedBatches", "backend_for", "barrier",
-    "broadcast_object", "dist_info", "gather_objects", "gpu_count_problem", "is_active", "max_over_ranks",
+    "broadcast_object", "dist_info", "exit_rank", "gather_objects", "gpu_count_problem", "is_active",
+    "max_over_ranks",
     "peer_failed", "process_group",
     "rank_device", "shard_batch", "shard_mean_total", "shard_source", "torchrun_command", "wait_for_teardown", "wrap_ddp",
 ]

@@ -584,3 +584,41 @@ def test_process_count_change_warning_once_with_the_right_plural(tmp_path: Path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("resuming a run of 1 process with 2 processes") == 1, r.stderr
     assert "1 processes" not in r.stderr
+
+
+# -- how a rank ends ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("code", "status", "stderr"), [(None, 0, ""), (0, 0, ""), (2, 2, ""), (-1, 255, ""),
+                                                          ("bad input", 1, "bad input\n")])
+def test_exit_rank_flushes_the_output_and_exits_with_systemexits_status(code, status: int, stderr: str) -> None:
+    script = ("import atexit, logging, sys\nfrom rl_tformers.runtime.distributed import exit_rank\n"
+              "atexit.register(lambda: print('shutdown ran'))\nlogging.basicConfig(stream=sys.stderr, format='%(message)s')\n"
+              "print('partial', end='')\nlogging.getLogger('x').warning('logged')\n"
+              f"exit_rank({code!r})\n")
+    env = {**subprocess_env(), "PYTHONUNBUFFERED": ""}  # buffered output must be flushed by exit_rank
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert (r.returncode, r.stdout, r.stderr) == (status, "partial", "logged\n" + stderr)
+
+
+_ATEXIT_MARK = """
+import atexit, os
+if os.environ.get("RANK") is not None:
+    atexit.register(lambda: open(os.path.join(os.environ["MARK_DIR"], "rank" + os.environ["RANK"]), "w").close())
+"""
+
+
+def test_ddp_ranks_end_without_the_interpreter_shutdown(tmp_path: Path) -> None:
+    """A DDP rank's gloo threads outlive destroy_process_group (DDP's reducer holds the group); a rank
+    that met them in the interpreter's shutdown aborted (SIGABRT) after the run was saved. The ranks
+    end with exit_rank instead: no atexit handler runs in them, the command exits 0 with every line."""
+    site, marks, run = tmp_path / "site", tmp_path / "marks", tmp_path / "run"
+    site.mkdir()
+    marks.mkdir()
+    (site / "sitecustomize.py").write_text(_ATEXIT_MARK)
+    env = {**subprocess_env(), "PYTHONPATH": str(site), "MARK_DIR": str(marks)}
+    r = subprocess.run([sys.executable, "-m", "rl_tformers.cli", "train", "--nproc", "2", *TOY_DDP, "train.steps=4",
+                        "--run-dir", str(run)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.splitlines()[-1].startswith(f"done: 4 steps in {run}")
+    assert sorted(p.name for p in marks.iterdir()) == []
+    assert [m["step"] for m in read_metrics(run)] == [4]
