@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import importlib
 import os
-from pathlib import Path
-
 import sys
 import traceback
+from pathlib import Path
 
 import typer
 from typer.core import TyperGroup
