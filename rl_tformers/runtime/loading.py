@@ -22,7 +22,6 @@ it here does not repeat it.
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -37,7 +36,12 @@ from rl_tformers.runtime import checkpoint as ckpt
 from rl_tformers.runtime.agent_registry import get_agent
 from rl_tformers.runtime.cpu_matmul import apply_cpu_matmul, resolve_cpu_matmul
 from rl_tformers.runtime.errors import ConfigError
-from rl_tformers.runtime.plugins import check_backbone_kinds, load_plugins, named_plugins_only
+from rl_tformers.runtime.plugins import (
+    check_backbone_kinds,
+    check_env_modules,
+    load_plugins,
+    named_plugins_only,
+)
 from rl_tformers.runtime.protocol import EVALUABLE_METHODS, InferenceLoader
 
 #: kind -> loader(cfg, checkpoint state, device) -> agent
@@ -109,35 +113,6 @@ def _run_cpu_matmul(cfg: Any) -> str:
     except ValueError as exc:
         warnings.warn(f"{exc}; evaluating with mkl (PyTorch's default)", stacklevel=3)
         return "mkl"
-
-
-def check_env_modules(tree: Any, where: str) -> None:
-    """Refuse an environment id of a run that would import a module not imported yet.
-
-    gymnasium's ``gym.make("module:EnvId")`` imports ``module`` first; an id read from a run
-    (its config or checkpoint) must not make a command import code the user did not name.
-
-    Args:
-        tree: plain nested mappings and lists (a config, a checkpoint's extra state).
-        where: the dotted prefix of ``tree``'s keys in error messages.
-
-    Raises:
-        ConfigError: naming the key (``agent.env_id``) and the module, with the ``--plugin`` to
-            give when that module is trusted.
-    """
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            name = f"{where}.{key}" if where else str(key)
-            if str(key).endswith("env_id") and isinstance(value, str) and ":" in value:
-                module = value.rpartition(":")[0]
-                if module not in sys.modules:
-                    raise ConfigError(
-                        f"{name}={value!r} names the module {module!r}, which making the environment imports: a "
-                        f"run's modules are imported only when you name them (--plugin {module}, if you trust it)")
-            check_env_modules(value, name)
-    elif isinstance(tree, (list, tuple)):
-        for i, value in enumerate(tree):
-            check_env_modules(value, f"{where}[{i}]")
 
 
 def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",

@@ -171,6 +171,35 @@ def _is_directory(entry: str, cwd: str) -> bool:
         return False
 
 
+def check_env_modules(tree: Any, where: str) -> None:
+    """Refuse an environment id of a run that would import a module not imported yet.
+
+    gymnasium's ``gym.make("module:EnvId")`` imports ``module`` first; an id read from a run
+    (its config or checkpoint) must not make a command import code the user did not name.
+
+    Args:
+        tree: plain nested mappings and lists (a config, a checkpoint's extra state).
+        where: the dotted prefix of ``tree``'s keys in error messages.
+
+    Raises:
+        ConfigError: naming the key (``agent.env_id``) and the module, with the ``--plugin`` to
+            give when that module is trusted.
+    """
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            name = f"{where}.{key}" if where else str(key)
+            if str(key).endswith("env_id") and isinstance(value, str) and ":" in value:
+                module = value.rpartition(":")[0]
+                if module not in sys.modules:
+                    raise ConfigError(
+                        f"{name}={value!r} names the module {module!r}, which making the environment imports: a "
+                        f"run's modules are imported only when you name them (--plugin {module}, if you trust it)")
+            check_env_modules(value, name)
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            check_env_modules(value, f"{where}[{i}]")
+
+
 def plugins_named_in(overrides: Iterable[str]) -> list[str]:
     """The modules a ``plugins=[...]`` command-line override names (the user's own naming).
 
@@ -366,5 +395,5 @@ def load_entry_point_plugins() -> None:
                           f"and is skipped: {_plugin_trace(exc)}", PluginWarning, stacklevel=2)
 
 
-__all__ = ["ENTRY_POINT_GROUP", "PluginWarning", "check_plugin_names", "check_source_plugins",
+__all__ = ["ENTRY_POINT_GROUP", "PluginWarning", "check_env_modules", "check_plugin_names", "check_source_plugins",
            "load_entry_point_plugins", "load_plugins", "named_plugins_only", "plugins_named_in"]

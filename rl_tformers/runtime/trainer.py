@@ -77,7 +77,7 @@ from rl_tformers.runtime.optim import (
     restretch_message,
     scheduler_state,
 )
-from rl_tformers.runtime.plugins import named_plugins_only, plugins_named_in
+from rl_tformers.runtime.plugins import check_env_modules, named_plugins_only, plugins_named_in
 from rl_tformers.runtime.progress import PlainProgress, progress_bar
 from rl_tformers.runtime.run_config import (
     RESUMABLE_KEYS,
@@ -1242,7 +1242,8 @@ def load_resume_config(run_dir: str | os.PathLike, overrides: tuple[str, ...] | 
         CheckpointError: no valid checkpoint in ``RUN_DIR/checkpoints``.
         ConfigError: an override touches a key outside ``RESUMABLE_KEYS``; ``RUN_DIR/config.yaml``
             differs from the checkpoint's config (:func:`check_config_file`); a module of the
-            run's plugins is not named, not found or fails to import.
+            run's plugins is not named, not found or fails to import; an environment id of the
+            run names a module (``module:EnvId``) not imported (:func:`~rl_tformers.runtime.plugins.check_env_modules`).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -1280,6 +1281,7 @@ def check_config_file(run_dir: Path, found: ckpt.FoundCheckpoint, new: DictConfi
             a key that may change when resuming is passed as an override, any other change
             needs a new run.
     """
+    check_env_modules(to_container(new), "")  # a module:EnvId the run (not the user) names
 
     path = Path(run_dir) / CONFIG_FILE
     try:

@@ -145,3 +145,24 @@ def test_resume_in_python_imports_only_the_plugins_it_is_given(received, tmp_pat
                                           rf"sys.path, not in the current directory"):
         load_resume_config(run, [f"plugins=[{PAYLOAD}]"])
     assert not marker.exists()
+
+
+def test_resume_refuses_an_environment_id_naming_a_module(received, tiny_dt_run: Path, tmp_path: Path) -> None:
+    from rl_tformers.runtime.trainer import load_resume_config
+
+    _, marker = received
+    run = tmp_path / "env-module-resume"
+    shutil.copytree(tiny_dt_run, run)
+    (_, path), = list_checkpoints(run)
+    state = load_checkpoint(path)
+    assert state["config"].count("  env_id: null\n") == 1
+    state["config"] = state["config"].replace("  env_id: null\n", f"  env_id: {PAYLOAD}:CartPole-v1\n")
+    path.unlink()
+    save_checkpoint(run, {k: v for k, v in state.items() if k not in ("format", "version", "sha256")})
+    (run / "config.yaml").unlink()
+    with pytest.raises(ConfigError, match=rf"^agent.env_id='{PAYLOAD}:CartPole-v1' names the module '{PAYLOAD}', "
+                                          rf"which making the environment imports"):
+        load_resume_config(run)
+    res = runner.invoke(app, ["train", "--resume", str(run)])
+    assert_clean_exit(res, 2)
+    assert not marker.exists()
