@@ -1258,6 +1258,7 @@ def load_resume_config(run_dir: str | os.PathLike, overrides: tuple[str, ...] | 
         new = _with_run_dir(compose(start=saved, overrides=list(overrides)), run_dir)
         changes = check_resume_changes(saved, new)
         check_config_file(run_dir, found, new, overrides)
+    check_env_modules(to_container(new), "")  # a module:EnvId the run (not the user) names
     return new, found, changes
 
 
@@ -1281,8 +1282,6 @@ def check_config_file(run_dir: Path, found: ckpt.FoundCheckpoint, new: DictConfi
             a key that may change when resuming is passed as an override, any other change
             needs a new run.
     """
-    check_env_modules(to_container(new), "")  # a module:EnvId the run (not the user) names
-
     path = Path(run_dir) / CONFIG_FILE
     try:
         text = path.read_text()
