@@ -15,6 +15,15 @@ from rl_tformers.registry import REGISTRIES, SLOTS
 from rl_tformers.types import AttnContext, BackboneOutput, BackboneState, _map, merge_into
 
 
+def kinds_with(slot: str, capability: str, position: str | None = None) -> list[str]:
+    """The registered kinds of ``slot`` whose declared :class:`~rl_tformers.registry.Capabilities`
+    have ``capability`` true (``"causal"``, ``"memory"``, ``"incremental"``...), in registry
+    order; with ``position``, only those that can apply that positional kind (``positions`` None
+    or listing it). What a refusal names as the kinds that would work."""
+    return [e.kind for e in REGISTRIES[slot] if getattr(e.capabilities, capability)
+            and (position is None or e.capabilities.positions is None or position in e.capabilities.positions)]
+
+
 def check_compatible(cfg: BackboneConfig) -> None:
     """Refuse combinations a component declares it cannot do, naming the option at fault.
 
@@ -33,10 +42,16 @@ def check_compatible(cfg: BackboneConfig) -> None:
         raise IncompatibleConfig(
             f"backbone.attention.kind={a!r} has no causal form; set backbone.causal=false (for the Decision "
             f"Transformer both backbone.causal=false and agent.mode=last_action, which predicts only the last "
-            f"action of each window, so no step attends to a later one)"
+            f"action of each window, so no step attends to a later one), or use a kind that has one (with "
+            f"backbone.position.kind={cfg.position.kind!r}): "
+            f"{', '.join(kinds_with('attention', 'causal', position=cfg.position.kind))}"
         )
     if not cfg.causal and not att.bidirectional:
-        raise IncompatibleConfig(f"backbone.attention.kind={a!r} is causal-only; set backbone.causal=true")
+        raise IncompatibleConfig(
+            f"backbone.attention.kind={a!r} is causal-only; set backbone.causal=true, or use a kind with a "
+            f"bidirectional form (with backbone.position.kind={cfg.position.kind!r}): "
+            f"{', '.join(kinds_with('attention', 'bidirectional', position=cfg.position.kind))}"
+        )
     if mem.stateful and not att.memory:
         fits = [
             e.kind for e in REGISTRIES["attention"]
@@ -57,17 +72,20 @@ def check_compatible(cfg: BackboneConfig) -> None:
                     f"backbone.memory.kind=none (GTrXL then runs in its plain-window mode: agent.window=W "
                     f"backbone.memory.kind=none agent.burn_in=0 agent.seq_len=W)")
         if bad == "depth":  # e.g. universal: a halting loop over one shared block, recomputed per call
-            hint = (f"; backbone.depth.kind={cfg.depth.kind!r} keeps no state between calls: use "
-                    f"backbone.memory.kind=none (GTrXL then runs it in its plain-window mode: agent.window=W "
-                    f"backbone.memory.kind=none agent.burn_in=0 agent.seq_len=W)")
+            hint = (f"; backbone.depth.kind={cfg.depth.kind!r} keeps no state between calls; depth kinds that "
+                    f"do: {', '.join(kinds_with('depth', 'memory'))}; or use backbone.memory.kind=none (GTrXL then "
+                    f"runs it in its plain-window mode: agent.window=W backbone.memory.kind=none agent.burn_in=0 "
+                    f"agent.seq_len=W)")
         raise IncompatibleConfig(
             f"backbone.memory.kind={cfg.memory.kind!r} is not supported by "
             f"backbone.{bad}.kind={getattr(cfg, bad).kind!r}{hint}"
         )
     if att.positions is not None and cfg.position.kind not in att.positions:
+        others = kinds_with("attention", "causal" if cfg.causal else "bidirectional", position=cfg.position.kind)
         raise IncompatibleConfig(
             f"backbone.position.kind={cfg.position.kind!r} cannot be used with backbone.attention.kind={a!r}; "
-            f"it supports: {', '.join(att.positions)}"
+            f"it supports: {', '.join(att.positions)}; attention kinds that apply {cfg.position.kind!r}: "
+            f"{', '.join(others)}"
         )
     for slot in SLOTS:  # each slot config may refuse combinations itself: check(backbone_cfg)
         hook = getattr(getattr(cfg, slot), "check", None)
@@ -136,7 +154,7 @@ class Backbone(nn.Module):
             cfg = self.config
             if cfg.memory.kind != "none":
                 raise
-            fits = [e.kind for e in REGISTRIES["attention"] if e.capabilities.incremental]
+            fits = kinds_with("attention", "incremental")
             raise NotImplementedError(
                 f"Backbone.initial_state: with backbone.memory.kind='none' the state is a key/value cache for "
                 f"incremental decoding, which backbone.attention.kind={cfg.attention.kind!r} cannot keep here "

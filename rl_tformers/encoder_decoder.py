@@ -126,12 +126,13 @@ class EncoderDecoderConfig:
         attn = REGISTRIES["attention"]
         kind = self.cross_attention.kind
         caps = attn.get(kind).capabilities
+        usable = [e.kind for e in attn if e.capabilities.cross_attention and e.capabilities.bidirectional]
         if not caps.bidirectional:
             raise IncompatibleConfig(
-                f"cross_attention.kind={kind!r} is causal-only; cross-attention sees every source key"
+                f"cross_attention.kind={kind!r} is causal-only; cross-attention sees every source key; kinds that "
+                f"can: {', '.join(usable)}"
             )
         if not caps.cross_attention:
-            usable = [e.kind for e in attn if e.capabilities.cross_attention and e.capabilities.bidirectional]
             why = ("its queries must be its keys (S == T; no other keys)" if not caps.memory
                    else "its queries must be the last T of its S keys (S >= T)")
             raise IncompatibleConfig(

@@ -243,7 +243,9 @@ def build_backbone(cfg: Mapping[str, Any] | BackboneConfig, window: int = 0) -> 
     elif not mem.stateful:
         raise IncompatibleConfig(
             f"gtrxl: backbone.memory.kind={bb_cfg.memory.kind!r} keeps no memory between steps; "
-            f"GTrXL needs a stateful memory such as 'xl', or a plain context window (agent.window=W)"
+            f"GTrXL needs a memory kind that carries state ("
+            f"{', '.join(e.kind for e in REGISTRIES['memory'] if e.capabilities.stateful)}), or a plain context "
+            f"window: {window_recipe('W')}"
         )
     elif not REGISTRIES["attention"].get(bb_cfg.attention.kind).capabilities.memory:
         raise IncompatibleConfig(

@@ -318,7 +318,8 @@ class ReversibleConfig(BlockConfig):
         if REGISTRIES["memory"].get(cfg.memory.kind).capabilities.stateful:
             raise IncompatibleConfig(
                 f"backbone.memory.kind={cfg.memory.kind!r} is not supported by backbone.block.kind='reversible' "
-                f"(it keeps no per-layer memory); use block.kind=pre_norm or gated"
+                f"(it keeps no per-layer memory); blocks that keep it: "
+                f"{', '.join(e.kind for e in REGISTRIES['block'] if e.capabilities.memory)}"
             )
         if cfg.depth.kind != "fixed":
             raise IncompatibleConfig(

@@ -448,3 +448,54 @@ def test_a_float64_cache_of_a_float32_model_is_refused_by_every_incremental_kern
             bb(torch.randn(2, 3, 16), positions=torch.arange(3).expand(2, 3), state=state)
         ok = bb(torch.randn(2, 3, 16), positions=torch.arange(3).expand(2, 3), state=bb.initial_state(2))
         assert ok.hidden.dtype == torch.float32, kind
+
+
+# ------------------------------------------------------------------- capability refusals list what works
+def _with_extra_attention_kind(monkeypatch, kind: str, **capabilities) -> None:
+    """Register ``kind`` (a copy of sdpa's config class with these capabilities) in the attention
+    registry for the test only."""
+    import dataclasses
+
+    from rl_tformers.registry import REGISTRIES, Capabilities, Entry
+
+    sdpa = REGISTRIES["attention"].get("sdpa")
+    caps = dataclasses.replace(Capabilities(), **capabilities)
+    monkeypatch.setitem(REGISTRIES["attention"]._entries, kind,
+                        Entry("attention", kind, sdpa.config_cls, "test kind", "", caps))
+
+
+def test_a_kernel_without_a_causal_form_names_the_kinds_that_have_one_and_the_last_action_route(monkeypatch):
+    from rl_tformers.backbone import IncompatibleConfig, check_compatible, kinds_with
+    from rl_tformers.backbone_config import BackboneConfig
+
+    _with_extra_attention_kind(monkeypatch, "zz_causal", causal=True, positions=("rotary",))
+    causal = kinds_with("attention", "causal", position="none")
+    assert {"local", "sliding_window", "strided", "fixed", "sdpa"} <= set(causal)
+    assert not {"linformer", "longformer", "bigbird", "zz_causal"} & set(causal)  # zz_causal: no 'none' position
+    assert "zz_causal" in kinds_with("attention", "causal", position="rotary")
+    with pytest.raises(IncompatibleConfig) as exc:
+        check_compatible(BackboneConfig.from_dict({"attention": {"kind": "linformer"}, "causal": True}))
+    assert str(exc.value) == (
+        "backbone.attention.kind='linformer' has no causal form; set backbone.causal=false (for the Decision "
+        "Transformer both backbone.causal=false and agent.mode=last_action, which predicts only the last action of "
+        "each window, so no step attends to a later one), or use a kind that has one (with "
+        f"backbone.position.kind='none'): {', '.join(causal)}")
+
+
+def test_other_capability_refusals_name_the_kinds_that_have_the_capability(monkeypatch):
+    from rl_tformers.backbone import IncompatibleConfig, check_compatible, kinds_with
+    from rl_tformers.backbone_config import BackboneConfig
+
+    _with_extra_attention_kind(monkeypatch, "zz_alibi", causal=True, positions=("alibi",))
+    with pytest.raises(IncompatibleConfig) as exc:
+        check_compatible(BackboneConfig.from_dict({"attention": {"kind": "linformer"}, "causal": False,
+                                                   "position": {"kind": "alibi"}}))
+    applies = kinds_with("attention", "bidirectional", position="alibi")
+    assert "zz_alibi" in applies and "linformer" not in applies
+    assert str(exc.value) == ("backbone.position.kind='alibi' cannot be used with backbone.attention.kind='linformer'; "
+                              f"it supports: none, sinusoidal, learned, rotary; attention kinds that apply 'alibi': "
+                              f"{', '.join(applies)}")
+    with pytest.raises(IncompatibleConfig) as exc:
+        check_compatible(BackboneConfig.from_dict({"depth": {"kind": "universal"}, "memory": {"kind": "xl"}}))
+    assert "; depth kinds that do: early_exit, fixed; or use backbone.memory.kind=none" in str(exc.value)
+    assert kinds_with("depth", "memory") == ["early_exit", "fixed"]
