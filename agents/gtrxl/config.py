@@ -33,7 +33,8 @@ class GTrXLAgentConfig(TypedConfig):
     deterministic: bool = option(True, "evaluate with the mode of the actor")
     target_return: float | None = option(None, "rcbc: evaluation target in raw units (null: best dataset return)")
     env_id: str | None = option(None, "evaluation environment (null: the dataset's, masked like its pomdp record)")
-    env_kwargs: dict | None = option(factory=dict, doc="gym.make keyword arguments of the evaluation environment")
+    env_kwargs: dict | None = option(None, "gym.make keyword arguments of the evaluation environment; null = the "
+                                      "dataset's")
     gamma: float = option(0.99, "iql: discount", ge=0, le=1)
     expectile: float = option(0.7, "iql: expectile of the value loss", gt=0, lt=1)
     beta: float = option(3.0, "iql: inverse temperature of the advantage weights", ge=0)

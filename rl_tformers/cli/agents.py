@@ -8,7 +8,7 @@ import typer
 from rl_tformers.runtime import agent_registry
 from rl_tformers.runtime.errors import ConfigError
 from rl_tformers.runtime.plugins import load_entry_point_plugins
-from rl_tformers.typed_config import format_fields
+from rl_tformers.typed_config import format_fields, repr_default
 
 
 def agents(kind: str = typer.Argument(None, help="Only this agent kind (e.g. dt).")) -> None:
@@ -25,10 +25,23 @@ def agents(kind: str = typer.Argument(None, help="Only this agent kind (e.g. dt)
             typer.echo("")
         typer.echo(f"{name}: {entry.description}")
         if entry.config_cls is None:
-            typer.echo("  (no typed options: the kind declares its agent.* keys with its registered defaults)")
+            for line in _default_lines(entry):
+                typer.echo(f"  {line}")
             continue
         for line in format_fields(entry.config_cls, "agent"):
             typer.echo(f"  {line}")
+
+
+def _default_lines(entry: agent_registry.AgentEntry) -> list[str]:
+    """``agent.KEY = DEFAULT`` lines of a kind without a typed config: the ``agent:`` keys of its
+    registered defaults (every key it accepts), aligned, with a note that they are untyped."""
+    section = dict(entry.defaults.get("agent") or {})
+    section.pop("kind", None)
+    if not section:
+        return ["(no agent.* options)"]
+    rows = [f"agent.{k} = {repr_default(v)}" for k, v in section.items()]
+    width = max(len(r) for r in rows)
+    return [f"{r:<{width}}  (registered default; no type or range declared)" for r in rows]
 
 
 def register(app: typer.Typer) -> None:
