@@ -153,17 +153,25 @@ def observation_stats(dataset: EpisodeDataset, eps: float = 1e-6) -> ObsStats:
     return ObsStats(mean.astype(np.float32), np.maximum(std, eps).astype(np.float32))
 
 
-def reward_scale(dataset: EpisodeDataset) -> float:
-    """Divisor for rewards and returns-to-go: the power of ten at or below the largest |return|.
+#: The largest scale :func:`reward_scale` picks: the Decision Transformer's reward scale on every
+#: MuJoCo task (Chen et al. 2021, the official code's ``scale = 1000.``).
+REWARD_SCALE_MAX = 1000.0
 
-    ``10 ** floor(log10(max_e |R_e|))``: 1000 for Hopper/Walker2d/HalfCheetah returns in the
-    thousands, which is the scale the Decision Transformer used on MuJoCo; 1.0 when every return
-    is 0. Divide rewards by it for training and the evaluation target by the same number.
+
+def reward_scale(dataset: EpisodeDataset) -> float:
+    """Divisor for rewards and returns-to-go (``agent.reward_scale: auto``): the power of ten at or
+    below the largest |episode return|, at most 1000.
+
+    ``min(1000, 10 ** floor(log10(max_e |R_e|)))``: 1000 for every dataset whose returns reach
+    the thousands, the scale the Decision Transformer used on all of MuJoCo (Hopper, Walker2d,
+    HalfCheetah, expert returns above 10,000 included); 100 for returns in [100, 1000) (CartPole),
+    0.1 for a largest |return| in [0.1, 1); 1.0 when every return is 0. Divide rewards by it
+    for training and the evaluation target by the same number.
     """
     m = float(np.abs(dataset.episode_returns).max()) if dataset.num_episodes else 0.0
     if m == 0.0:
         return 1.0
-    return float(10.0 ** math.floor(math.log10(m)))
+    return min(REWARD_SCALE_MAX, float(10.0 ** math.floor(math.log10(m))))
 
 
 def top_fraction(dataset: EpisodeDataset, fraction: float) -> EpisodeDataset:

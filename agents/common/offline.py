@@ -62,7 +62,8 @@ def load_offline_dataset(spec: Mapping[str, Any] | None) -> EpisodeDataset:
         ValueError: no ``dataset.path``; ``dataset.env_id`` with a Minari dataset (which carries
             its own environment spec).
         DatasetError / FileNotFoundError: from the data layer's loaders (a missing file's error
-            ends with ``dataset.build``, the command that makes it, when the config has one).
+            starts with ``dataset.path:`` and ends with ``dataset.build``, the command that makes
+            it, when the config has one).
     """
 
     spec = dict(spec or {})
@@ -84,14 +85,14 @@ def load_offline_dataset(spec: Mapping[str, Any] | None) -> EpisodeDataset:
             root=spec.get("root"), flatten_observations=bool(spec.get("flatten_observations", False)),
             env_id=str(env_id) if env_id else None,
         )
-    except FileNotFoundError as exc:
+    except FileNotFoundError as exc:  # named by the key that gave the path
         build = spec.get("build")
         if build and str(spec["path"]) in str(build):
             cmd = str(build)
             if cmd.startswith("python "):  # the interpreter that runs rl-tformers, which has the package
                 cmd = f"{shlex.quote(sys.executable)} {cmd[len('python '):]}"
-            raise FileNotFoundError(f"{exc}; build it with (dataset.build): {cmd}") from None
-        raise
+            raise FileNotFoundError(f"dataset.path: {exc}; build it with (dataset.build): {cmd}") from None
+        raise FileNotFoundError(f"dataset.path: {exc}") from exc
 
 
 def action_summary(ds: EpisodeDataset, act_dim: int, action_start: int = 0) -> np.ndarray:
@@ -139,11 +140,63 @@ def _action_space(ds: EpisodeDataset) -> tuple[bool, int, np.ndarray | None, np.
                 )
             raise ValueError(f"continuous actions need a bounded Box action space, got {ds.action_space}{hint}")
         act_dim = low.size
+        _check_action_resolution(ds, low, high)
     return discrete, act_dim, low, high, action_start
 
 
+def _covered_extremes(ds: EpisodeDataset, arr: Any, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-feature (min, max) (float64, (width,)) of ``arr``'s rows that ``ds``'s episodes cover,
+    streamed over chunks (+inf / -inf when no row is covered)."""
+    lo, hi = np.full(width, np.inf), np.full(width, -np.inf)
+    covered = np.zeros(ds.rewards.shape[0], bool)
+    covered[ds.flat_indices()] = True
+    for off, chunk in iter_chunks(arr):
+        c = np.asarray(chunk)[covered[off: off + chunk.shape[0]]].reshape(-1, width).astype(np.float64)
+        if c.size:
+            lo, hi = np.minimum(lo, c.min(axis=0)), np.maximum(hi, c.max(axis=0))
+    return lo, hi
+
+
+#: Normalised to [-1, 1] by their Box, a dimension's actions must spread at least this much:
+#: sqrt of float32's smallest normal number, so that squared differences of the training targets
+#: (the loss, AdamW's second moments) do not underflow float32 to 0.
+ACTION_SPREAD_MIN = float(np.sqrt(np.finfo(np.float32).tiny))
+
+
+def _check_action_resolution(ds: EpisodeDataset, low: np.ndarray, high: np.ndarray) -> None:
+    """Refuse Box bounds so wide for the dataset's actions that their normalisation to [-1, 1]
+    loses them: a dimension whose actions vary, but over less than :data:`ACTION_SPREAD_MIN`
+    of the half-width ``(high - low) / 2`` (``Box(-3e38, 3e38)`` for actions in [-1, 1]: targets
+    about 3e-39, a loss that underflows to 0, and a policy that acts on the scale of the bounds).
+
+    Raises:
+        ValueError: naming the dataset, the dimension, its actions' range and the bounds.
+    """
+    a_lo, a_hi = _covered_extremes(ds, ds.actions, low.size)
+    half = high.astype(np.float64) / 2 - low.astype(np.float64) / 2  # no float32 overflow
+    spread = (a_hi - a_lo) / np.where(half > 0, half, 1.0)
+    bad = np.flatnonzero((a_hi > a_lo) & (half > 0) & (spread < ACTION_SPREAD_MIN))
+    if bad.size:
+        i = int(bad[0])
+        where = ds.metadata.location or "(in memory)"
+        raise ValueError(
+            f"dataset {where}: action dimension {i} has bounds [{low[i]:g}, {high[i]:g}] and its actions span "
+            f"[{a_lo[i]:g}, {a_hi[i]:g}], {spread[i]:.3g} of the half-width: normalised to [-1, 1] by those bounds "
+            f"they differ by less than {ACTION_SPREAD_MIN:.3g}, whose square underflows float32, so the model would "
+            f"train on targets of about 0 and act on the scale of the bounds; give the data an action space whose "
+            f"bounds fit its actions (dataset.env_id for a D4RL file, the dataset's action_space for Minari)")
+
+
+def largest_observation(ds: EpisodeDataset) -> float:
+    """max |observation| over the steps of ``ds`` (float64, raw units; NaN-free data assumed)."""
+    width = int(np.prod(ds.observation_shape))
+    lo, hi = _covered_extremes(ds, ds.observations, width)
+    return float(max(np.abs(lo).max(initial=0.0), np.abs(hi).max(initial=0.0)))
+
+
 def _auto_scale(ds: EpisodeDataset, where: str) -> float:
-    """``agent.reward_scale='auto'``: the power of ten at or below the largest |episode return| of ``ds``.
+    """``agent.reward_scale='auto'``: the power of ten at or below the largest |episode return| of ``ds``,
+    at most 1000 (:func:`~rl_tformers.envs.trajectory.reward_scale`).
 
     Raises:
         ValueError: the returns are too small for a power of ten (all |returns| below ~1e-323).
@@ -240,7 +293,8 @@ class DatasetInfo:
         """Compute the statistics of ``ds``.
 
         Args:
-            reward_scale: ``"auto"`` (the data layer's power of ten below the largest |return|)
+            reward_scale: ``"auto"`` (the data layer's power of ten at or below the largest |return|,
+                at most 1000)
                 or a positive number (divisor).
             normalize_obs: False stores mean 0 and std 1.
             env_id, env_kwargs: override the dataset's environment.
@@ -635,7 +689,7 @@ def check_scaled_returns(ds: EpisodeDataset, scale: float, where: str | None = N
             f"returns-to-go and rewards are divided by it, and its largest |episode return| is {ret:g} (largest "
             f"|return-to-go| {m_rtg:g}, |reward| {m_r:g}): {m:g} / {scale:g} = {float(scaled):g} is not finite "
             f"in float32 (max {limit:g}), so training would see inf/NaN; use agent.reward_scale >= {m / limit:g} "
-            f"('auto' picks the power of ten at or below the largest |episode return|)")
+            f"('auto' picks the power of ten at or below the largest |episode return|, at most 1000)")
 
 
 def _eval_env_spaces(info: DatasetInfo, where: str, source: str) -> tuple[gym.Space, gym.Space] | None:

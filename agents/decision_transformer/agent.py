@@ -38,10 +38,12 @@ import torch
 from rl_tformers.agents.common.offline import (
     DatasetInfo,
     flattens_observations,
+    largest_observation,
     largest_returns_to_go,
     load_offline_dataset,
     plain,
 )
+from rl_tformers.agents.common.policy import embedding_target_limit
 from rl_tformers.agents.decision_transformer.config import DTAgentConfig
 from rl_tformers.agents.decision_transformer.inference import DTInference
 from rl_tformers.agents.decision_transformer.loss import dt_loss
@@ -206,11 +208,44 @@ class DTAgent:
         self.align = ("start" if self.model_cfg.mode == "causal" else "end") if a.align == "auto" else a.align
         if self.dataset is not None:
             self._check_data_returns()
+            if not a.normalize_obs:
+                self._check_raw_observations()
         if self.info is not None and self.config_targets is not None:
             # before training, not at the first evaluation: agent.targets the float32 return
             # embedding cannot take (DTPolicy.target_limit; rechecked at every evaluation)
             self.policy().check_targets(self.config_targets, "agent.targets")
             self.model.train()
+
+    def resolved_options(self) -> dict[str, Any]:
+        """The effective values of ``agent.reward_scale`` and ``agent.align`` (``auto`` resolved
+        from the data and ``agent.mode``), recorded by the trainer (:mod:`rl_tformers.runtime.resolved`)."""
+        out: dict[str, Any] = {"agent.align": self.align}
+        if self.info is not None:
+            out["agent.reward_scale"] = float(self.info.reward_scale)
+        return out
+
+    def _check_raw_observations(self) -> None:
+        """With ``agent.normalize_obs=false``, refuse observations whose raw values overflow the
+        new model's observation embedding: ``|W x + b + E_time|`` must stay below the bound of
+        :func:`~rl_tformers.agents.common.policy.embedding_target_limit` (the embedding LayerNorm
+        squares it), checked with the row sums of ``|W|`` on the dataset's largest |observation|.
+
+        Raises:
+            ValueError: naming ``agent.normalize_obs``, the dataset's largest |observation| and
+                the limit (the first loss would be NaN whatever the learning rate).
+        """
+        m = self.model
+        w = m.embed_state.weight.detach().float().abs().sum(dim=1)  # (d,): |W x|_i <= |W_i|_1 max|x|
+        c = (m.embed_state.bias.detach().float() + m.embed_timestep.weight.detach().float()).abs().max()
+        limit = embedding_target_limit(w, float(c), 1.0)
+        m_obs = largest_observation(self.dataset)
+        if m_obs > limit:
+            where = plain(self.cfg.dataset).get("path") if self.cfg is not None else None
+            raise ValueError(
+                f"agent.normalize_obs=false: the dataset {where or self.info.dataset}'s largest |observation| "
+                f"{m_obs:g} would overflow float32 in this model's observation embedding (its LayerNorm), which takes "
+                f"raw observations up to {limit:g}: the first loss would be NaN whatever train.lr is; set "
+                f"agent.normalize_obs=true (observations standardised by the dataset's mean/std) or rescale them")
 
     def _check_data_returns(self) -> None:
         """Refuse training data whose largest |return-to-go| the new model's return embedding cannot
@@ -236,7 +271,7 @@ class DTAgent:
                 f"|return-to-go| {m_rtg:g} / {scale:g} = {m_rtg / scale:g} would overflow float32 in this model's "
                 f"return embedding (its LayerNorm), which takes |return-to-go| up to {limit:g} at this scale, and "
                 f"the first loss would be NaN; {need} ('auto' picks the power of ten at or below the largest "
-                f"|episode return|)")
+                f"|episode return|, at most 1000)")
 
     # -- Trainable ---------------------------------------------------------------------------
     def batches(self, start_step: int):

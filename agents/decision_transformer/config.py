@@ -104,7 +104,7 @@ class DTAgentConfig(TypedConfig):
     init_temperature: float = option(0.1, "gaussian head: initial entropy temperature", gt=0)
     target_entropy: float | None = option(None, "gaussian head: target entropy; null = -act_dim")
     reward_scale: str | float = option("auto", "divisor of returns-to-go: auto = power of ten at or below the "
-                                       "largest |episode return|", gt=0, choices=("auto",))
+                                       "largest |episode return|, at most 1000 (the paper's MuJoCo scale)", gt=0, choices=("auto",))
     normalize_obs: bool = option(True, "standardise observations with the dataset's mean/std")
     targets: tuple[float, ...] | float | None = option(None, "evaluation target returns, raw units; null = "
                                                        "[dataset best]")

@@ -80,6 +80,12 @@ The protocol (optional methods, detected with ``getattr``)
     the key (under DDP the mean over the ranks of each rank's latest value, so a counter that
     already counts every process, as PPO's does, is logged as is). Keys are named as in
     ``logs`` (``train/`` is added the same way). Default: none (every key is averaged).
+``resolved_options() -> Mapping[str, Any]``
+    The effective values of the agent's options that its build resolved (``"auto"`` chosen from
+    the data, a null default filled in), by dotted key: ``{"agent.reward_scale": 1000.0,
+    "agent.align": "start"}``. The trainer records them with its own (device, threads) at the top
+    of ``config.yaml``, in the first log line and in the TensorBoard hparams
+    (:mod:`rl_tformers.runtime.resolved`). Default: none.
 ``resume_note(step) -> str | None``
     Agents whose ``--resume`` is not bit-identical to an uninterrupted run (e.g. an on-policy
     agent whose environments could not be checkpointed) return one line saying what is and is

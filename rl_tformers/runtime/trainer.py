@@ -79,6 +79,7 @@ from rl_tformers.runtime.optim import (
 )
 from rl_tformers.runtime.plugins import check_env_modules, named_plugins_only, plugins_named_in
 from rl_tformers.runtime.progress import PlainProgress, progress_bar
+from rl_tformers.runtime.resolved import resolved_block, resolved_line, split_resolved
 from rl_tformers.runtime.run_config import (
     RESUMABLE_KEYS,
     ConfigError,
@@ -505,6 +506,24 @@ class Trainer:
         """True on the process that logs and checkpoints (rank 0; always True without DDP)."""
         return self.rank == 0
 
+    def resolved_values(self) -> dict[str, Any]:
+        """The effective values of what this start resolved (dotted key -> value): ``device``
+        (the torch device of this rank), ``cpu_matmul``, ``processes``, ``torch.num_threads``,
+        ``torch.num_interop_threads`` and the agent's own (``resolved_options()``, e.g.
+        ``agent.reward_scale``). Recorded in ``config.yaml``, the first log line and the
+        TensorBoard hparams (:mod:`rl_tformers.runtime.resolved`)."""
+        values: dict[str, Any] = {
+            "device": str(self.device), "processes": int(self.world_size),
+            "torch.num_threads": int(torch.get_num_threads()),
+            "torch.num_interop_threads": int(torch.get_num_interop_threads()),
+        }
+        if self.device.type == "cpu":
+            values["cpu_matmul"] = str(self.cfg.get("cpu_matmul", "mkl"))
+        own = getattr(self.agent, "resolved_options", None)
+        if callable(own):
+            values.update({str(k): v for k, v in dict(own()).items()})
+        return values
+
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint content at the current step (see :mod:`rl_tformers.runtime.checkpoint`)."""
@@ -716,11 +735,13 @@ class Trainer:
                            last_eval=last_eval)
 
     # -- the loop -------------------------------------------------------------------------------
-    def _prepare_run_dir(self, logger: RunLogger) -> None:
+    def _prepare_run_dir(self, logger: RunLogger, resolved: Mapping[str, Any]) -> None:
         yaml_text = self.config_yaml
-        ckpt.atomic_write(self.run_dir / CONFIG_FILE, lambda f: f.write(yaml_text.encode()))
+        text = resolved_block(resolved) + yaml_text
+        ckpt.atomic_write(self.run_dir / CONFIG_FILE, lambda f: f.write(text.encode()))
         if self._resumed_from is None:
-            logger.config(yaml_text, flatten(to_container(self.cfg)))
+            flat = flatten(to_container(self.cfg))
+            logger.config(yaml_text, {**flat, **{f"resolved.{k}": v for k, v in resolved.items()}})
         else:
             logger.text("resume", f"resumed at step {self.step} from `{self._resumed_from.name}`", self.step)
 
@@ -815,13 +836,15 @@ class Trainer:
         stream: Any = None
         bar = None
         try:
+            resolved = self.resolved_values() if self.is_main else {}
             if self.is_main:
-                self._prepare_run_dir(logger)
+                self._prepare_run_dir(logger, resolved)
             n_params = sum(p.numel() for p in self.params)
             if self.is_main:
                 procs = f" x {self.world_size} processes" if self.world_size > 1 else ""
-                log.info("run %s | agent %s | %d trainable parameters | device %s%s | steps %d -> %d",
-                         self.run_dir, self.cfg.agent.kind, n_params, self.device, procs, self.step, self.total_steps)
+                log.info("run %s | agent %s | %d trainable parameters | device %s%s | steps %d -> %d | resolved: %s",
+                         self.run_dir, self.cfg.agent.kind, n_params, self.device, procs, self.step, self.total_steps,
+                         resolved_line(resolved))
                 for message in config_warnings(self.cfg):
                     log.warning("warning: %s", message)
             if t.compile:
@@ -1282,6 +1305,7 @@ def check_config_file(run_dir: Path, found: ckpt.FoundCheckpoint, new: DictConfi
             a key that may change when resuming is passed as an override, any other change
             needs a new run.
     """
+
     path = Path(run_dir) / CONFIG_FILE
     try:
         text = path.read_text()
@@ -1290,8 +1314,8 @@ def check_config_file(run_dir: Path, found: ckpt.FoundCheckpoint, new: DictConfi
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read it ({exc}); fix or delete it (--resume takes the config from the "
                           f"checkpoint and writes config.yaml again)") from None
-    if text == found.state["config"]:
-        return  # written with this checkpoint's config
+    if split_resolved(text)[1] == found.state["config"]:
+        return  # written with this checkpoint's config (under the resolved values of a start)
     undo = f"undo the edit, or delete {path} (it is written again from the checkpoint's config)"
     try:
         on_disk = OmegaConf.load(path)

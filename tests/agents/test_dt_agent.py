@@ -12,8 +12,11 @@ import h5py
 import numpy as np
 import pytest
 import torch
+import yaml
+from rl_tformers.agents.common.offline import DatasetInfo
 from rl_tformers.agents.common.scripted import collect_delayed_expert
 from rl_tformers.agents.decision_transformer.config import DTAgentConfig
+from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.loaders import save_d4rl_hdf5
 from rl_tformers.envs.recording import EpisodeRecorder
 from typer.testing import CliRunner
@@ -21,6 +24,7 @@ from typer.testing import CliRunner
 from rl_tformers.cli import app
 from rl_tformers.runtime import checkpoint as ckpt
 from rl_tformers.runtime.loading import load_run
+from rl_tformers.runtime.resolved import read_resolved
 from rl_tformers.runtime.run_config import ConfigError, compose
 from rl_tformers.runtime.trainer import resume, train
 from tests.datafiles import write_d4rl_h5
@@ -1187,3 +1191,52 @@ def test_agent_targets_beyond_the_return_embedding_are_refused_before_training(t
     assert r.exit_code == 2, r.output
     assert "agent.targets: 1e+30 is beyond what this model takes" in r.output
     assert not list((tmp_path / "run").glob("checkpoints/*.pt"))
+
+
+# ------------------------------------------- resolved values, wide action bounds, raw observations
+def test_auto_reward_scale_and_align_are_recorded_in_config_yaml(dt_run) -> None:
+    text = (dt_run / "config.yaml").read_text()
+    resolved = read_resolved(text)
+    assert (resolved["agent.reward_scale"], resolved["agent.align"]) == (100.0, "start")
+    assert yaml.safe_load(text)["agent"]["reward_scale"] == "auto"  # the config keeps what was asked
+    assert ckpt.find_latest_valid(dt_run).state["extra"]["reward_scale"] == 100.0
+
+
+def _box_dataset(low: float, high: float, returns: float = 1.0) -> EpisodeDataset:
+    n = 6
+    actions = np.linspace(-1.0, 1.0, n, dtype=np.float32)[:, None]
+    rewards = np.full(n, returns / n)
+    term = np.zeros(n, bool)
+    term[-1] = True
+    return EpisodeDataset.from_flags(np.zeros((n, 2), np.float32), actions, rewards, term,
+                                     action_space=gym.spaces.Box(low, high, (1,), np.float32))
+
+
+def test_action_bounds_too_wide_for_float32_normalisation_are_refused_naming_the_dimension() -> None:
+    with pytest.raises(ValueError) as info:
+        DatasetInfo.from_dataset(_box_dataset(-3e38, 3e38))
+    assert str(info.value) == (
+        "dataset (in memory): action dimension 0 has bounds [-3e+38, 3e+38] and its actions span [-1, 1], 6.67e-39 of "
+        "the half-width: normalised to [-1, 1] by those bounds they differ by less than 1.08e-19, whose square "
+        "underflows float32, so the model would train on targets of about 0 and act on the scale of the bounds; give "
+        "the data an action space whose bounds fit its actions (dataset.env_id for a D4RL file, the dataset's "
+        "action_space for Minari)")
+    assert DatasetInfo.from_dataset(_box_dataset(-1e18, 1e18)).action_high.tolist() == [float(np.float32(1e18))]  # kept
+    assert DatasetInfo.from_dataset(_box_dataset(-1.0, 1.0, returns=12_000.0)).reward_scale == 1000.0  # paper's
+
+
+def test_raw_observations_that_overflow_the_embedding_are_refused_naming_normalize_obs(tmp_path: Path) -> None:
+    big = np.full((30, 4), 3.0e38, np.float32)
+    h5 = write_d4rl_h5(tmp_path / "big.hdf5", observations=big)
+    r = train_dt(f"dataset.path={h5}", "agent.normalize_obs=false", "--run-dir", str(tmp_path / "run"))
+    assert r.exit_code == 2, r.output
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: agent.normalize_obs=false: the dataset {h5}'s largest |observation| 3e+38 would "
+                           f"overflow float32 in this model's observation embedding (its LayerNorm), which takes raw "
+                           f"observations up to "), line
+    assert line.endswith(": the first loss would be NaN whatever train.lr is; set agent.normalize_obs=true "
+                         "(observations standardised by the dataset's mean/std) or rescale them"), line
+    assert not (tmp_path / "run").exists()
+    small = train_dt(f"dataset.path={write_d4rl_h5(tmp_path / 'ok.hdf5')}", "agent.normalize_obs=false",
+                     "--run-dir", str(tmp_path / "ok"))
+    assert small.exit_code == 0, small.output

@@ -642,7 +642,7 @@ def test_a_reward_scale_that_overflows_the_scaled_returns_to_go_is_refused_by_na
         f"error: agent.reward_scale=1e-40 is too small for the dataset {h5}: returns-to-go and rewards are divided "
         "by it, and its largest |episode return| is 10 (largest |return-to-go| 10, |reward| 1): 10 / 1e-40 = 1e+41 "
         "is not finite in float32 (max 3.40282e+38), so training would see inf/NaN; use agent.reward_scale >= "
-        "2.93874e-38 ('auto' picks the power of ten at or below the largest |episode return|)"), line
+        "2.93874e-38 ('auto' picks the power of ten at or below the largest |episode return|, at most 1000)"), line
     assert "Traceback" not in r.output
     # finite in float32 (1e31) but beyond what the return embedding's LayerNorm takes: refused too
     r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={h5}", "agent.reward_scale=1e-30",

@@ -100,8 +100,13 @@ def test_observation_stats_match_numpy_and_floor_std():
     assert ObsStats.from_dict(st.to_dict()).mean.tolist() == st.mean.tolist()
 
 
-def test_reward_scale_is_power_of_ten_below_largest_return():
+def test_reward_scale_is_power_of_ten_below_largest_return_at_most_the_papers_1000():
     assert reward_scale(make([[3000.0, 289.0], [10.0]])) == 1000.0
+    assert reward_scale(make([[999.0]])) == 100.0
+    assert reward_scale(make([[1000.0]])) == 1000.0
+    assert reward_scale(make([[6000.0, 4999.0]])) == 1000.0  # HalfCheetah expert returns reach ~11,000
+    assert reward_scale(make([[-12000.0], [50.0]])) == 1000.0
+    assert reward_scale(make([[1.0e9]])) == 1000.0
     assert reward_scale(make([[-0.5]])) == 0.1
     assert reward_scale(make([[0.0]])) == 1.0
 

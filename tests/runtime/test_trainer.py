@@ -24,6 +24,7 @@ from rl_tformers.runtime import toy
 from rl_tformers.runtime import trainer as trainer_mod
 from rl_tformers.runtime.agent_registry import register_agent
 from rl_tformers.runtime.checkpoint import list_checkpoints, load_checkpoint
+from rl_tformers.runtime.resolved import read_resolved, resolved_block, split_resolved
 from rl_tformers.runtime.run_config import compose, to_yaml
 from rl_tformers.runtime.trainer import (
     MetricWindow,
@@ -48,7 +49,9 @@ def test_run_directory_layout(run_dir: Path) -> None:
     assert names[3:] == ["metrics.jsonl"]
     assert [s for s, _ in list_checkpoints(run_dir)] == [10]  # keep_last=1
     saved = (run_dir / "config.yaml").read_text()
-    assert saved == to_yaml(_with_run_dir(cfg, run_dir)) == load_checkpoint(result.checkpoint)["config"]
+    block, body = split_resolved(saved)
+    assert body == to_yaml(_with_run_dir(cfg, run_dir)) == load_checkpoint(result.checkpoint)["config"]
+    assert block == resolved_block(read_resolved(saved)) and read_resolved(saved)["device"] == "cpu"
     assert compose(start=__import__("omegaconf").OmegaConf.create(saved)).run_dir == str(run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "train/loss" in r]
@@ -648,3 +651,33 @@ def test_a_resumed_run_whose_next_checkpoint_name_is_a_folder_is_refused_before_
                                                   f"that name: move it away")
     assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step_000000002.pt", "step_000000004.pt",
                                                                          "step_000000006.pt"]
+
+
+# ------------------------------------------- the values resolved at start are recorded
+def _hparams(run_dir: Path) -> dict:
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    for ev in read_events(run_dir):
+        for v in ev.summary.value:
+            if v.tag == "_hparams_/session_start_info":
+                info = plugin_data_pb2.HParamsPluginData.FromString(v.metadata.plugin_data.content).session_start_info
+                return {k: (h.string_value or h.number_value) for k, h in info.hparams.items()}
+    return {}
+
+
+def test_resolved_values_are_in_config_yaml_the_hparams_and_the_first_log_line(
+        run_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = toy_cfg("train.steps=2", "cpu_matmul=auto")
+    with caplog.at_level(logging.INFO, logger="rl_tformers.runtime.trainer"):
+        train(cfg, run_dir)
+    want = {"cpu_matmul": str(cfg.cpu_matmul), "device": "cpu", "processes": 1,
+            "torch.num_interop_threads": torch.get_num_interop_threads(), "torch.num_threads": torch.get_num_threads()}
+    assert cfg.cpu_matmul in ("mkl", "onednn")  # auto is resolved when the config is composed
+    text = (run_dir / "config.yaml").read_text()
+    assert read_resolved(text) == want
+    assert text.startswith("# resolved at start (the values this run uses where its config leaves the choice to "
+                           "it;\n# recorded, never read back):\n#   cpu_matmul: ")
+    hp = _hparams(run_dir)
+    assert {k: hp[f"resolved.{k}"] for k in want} == want
+    first = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("run "))
+    assert first.endswith(" | resolved: " + ", ".join(f"{k}={want[k]}" for k in sorted(want)))
