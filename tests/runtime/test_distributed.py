@@ -448,7 +448,7 @@ def test_error_inside_the_processes_is_printed_once_without_torchrun_traceback(t
     r = train_cli("--nproc", "2", "-c", "dt/cartpole_demo", f"dataset.path={tmp_path / 'nope.hdf5'}", "--device", "cpu",
              "--run-dir", str(tmp_path / "run"))
     assert r.returncode == 2, r.stderr[-3000:]
-    assert _error_lines(r.stderr) == [f"error: no such HDF5 file: {tmp_path / 'nope.hdf5'}"]
+    assert _error_lines(r.stderr) == [f"error: dataset.path: no such HDF5 file: {tmp_path / 'nope.hdf5'}"]
     assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr
 
 

@@ -480,7 +480,7 @@ def test_resume_from_another_folder_names_the_relative_dataset_path(tmp_path: Pa
     monkeypatch.chdir(other)
     r = runner.invoke(app, ["train", "--resume", str(work / "run"), "train.steps=2"])
     assert r.exit_code == 2, r.output
-    assert (f"error: no such HDF5 file: cp.hdf5 (the run's dataset.path=cp.hdf5 is relative and is read from the "
+    assert (f"error: dataset.path: no such HDF5 file: cp.hdf5 (the run's dataset.path=cp.hdf5 is relative and is read from the "
             f"current folder {other}: resume from the folder the run was started in, or pass the absolute path") in r.output
     r = runner.invoke(app, ["train", "--resume", str(work / "run"), "train.steps=2", f"dataset.path={work / 'cp.hdf5'}"])
     assert r.exit_code == 0, r.output

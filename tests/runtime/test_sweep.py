@@ -647,10 +647,10 @@ def test_an_agent_refusal_alone_stops_the_sweep_before_any_run(tmp_path: Path) -
                             "--device", "cpu", *TINY_DT_SWEEP])
     assert r.exit_code == 2, r.output
     assert "error: 3 of 4 grid points cannot run; nothing was started:" in r.output
-    assert f"/seed* (backbone.causal=true, dataset.path={missing}): no such HDF5 file: {missing}\n" in r.output
+    assert f"/seed* (backbone.causal=true, dataset.path={missing}): dataset.path: no such HDF5 file: {missing}\n" in r.output
     assert (f"/seed* (backbone.causal=false, dataset.path={data}): agent.mode=causal needs backbone.causal=true"
             in r.output)
-    assert f"/seed* (backbone.causal=false, dataset.path={missing}): no such HDF5 file: {missing}\n" in r.output
+    assert f"/seed* (backbone.causal=false, dataset.path={missing}): dataset.path: no such HDF5 file: {missing}\n" in r.output
     assert f"(backbone.causal=true, dataset.path={data}):" not in r.output
     assert not out.exists()
 
