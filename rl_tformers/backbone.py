@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from rl_tformers.backbone_config import BackboneConfig, BuildContext, IncompatibleConfig
 from rl_tformers.memory.base import SegmentRecord
 from rl_tformers.position.base import check_position_dtype
-from rl_tformers.registry import REGISTRIES, SLOTS
+from rl_tformers.registry import REGISTRIES, SLOTS, Capabilities
 from rl_tformers.types import AttnContext, BackboneOutput, BackboneState, _map, merge_into
 
 
@@ -24,19 +24,8 @@ def kinds_with(slot: str, capability: str, position: str | None = None) -> list[
             and (position is None or e.capabilities.positions is None or position in e.capabilities.positions)]
 
 
-def check_compatible(cfg: BackboneConfig) -> None:
-    """Refuse combinations a component declares it cannot do, naming the option at fault.
-
-    Raises:
-        IncompatibleConfig: e.g. a kernel without a causal form used causally, a memory kind
-            with a kernel that takes no prefix keys, a positional kind a kernel cannot apply, or
-            whatever a slot config's own ``check(backbone_cfg)`` hook refuses (every slot's
-            hook is called, attention first).
-    """
-    att = REGISTRIES["attention"].get(cfg.attention.kind).capabilities
-    mem = REGISTRIES["memory"].get(cfg.memory.kind).capabilities
-    blk = REGISTRIES["block"].get(cfg.block.kind).capabilities
-    dep = REGISTRIES["depth"].get(cfg.depth.kind).capabilities
+def _check_direction(cfg: BackboneConfig, att: Capabilities) -> None:
+    """Refuse a kernel without the direction ``backbone.causal`` asks for (naming the kinds with it)."""
     a = cfg.attention.kind
     if cfg.causal and not att.causal:
         raise IncompatibleConfig(
@@ -52,6 +41,15 @@ def check_compatible(cfg: BackboneConfig) -> None:
             f"bidirectional form (with backbone.position.kind={cfg.position.kind!r}): "
             f"{', '.join(kinds_with('attention', 'bidirectional', position=cfg.position.kind))}"
         )
+
+
+def _check_memory(cfg: BackboneConfig, att: Capabilities) -> None:
+    """Refuse a stateful memory kind with a kernel that takes no memory keys, or with a block or
+    depth kind that keeps no per-layer state (naming the kinds that would work)."""
+    a = cfg.attention.kind
+    mem = REGISTRIES["memory"].get(cfg.memory.kind).capabilities
+    blk = REGISTRIES["block"].get(cfg.block.kind).capabilities
+    dep = REGISTRIES["depth"].get(cfg.depth.kind).capabilities
     if mem.stateful and not att.memory:
         fits = [
             e.kind for e in REGISTRIES["attention"]
@@ -80,6 +78,21 @@ def check_compatible(cfg: BackboneConfig) -> None:
             f"backbone.memory.kind={cfg.memory.kind!r} is not supported by "
             f"backbone.{bad}.kind={getattr(cfg, bad).kind!r}{hint}"
         )
+
+
+def check_compatible(cfg: BackboneConfig) -> None:
+    """Refuse combinations a component declares it cannot do, naming the option at fault.
+
+    Raises:
+        IncompatibleConfig: e.g. a kernel without a causal form used causally, a memory kind
+            with a kernel that takes no prefix keys, a positional kind a kernel cannot apply, or
+            whatever a slot config's own ``check(backbone_cfg)`` hook refuses (every slot's
+            hook is called, attention first).
+    """
+    att = REGISTRIES["attention"].get(cfg.attention.kind).capabilities
+    a = cfg.attention.kind
+    _check_direction(cfg, att)
+    _check_memory(cfg, att)
     if att.positions is not None and cfg.position.kind not in att.positions:
         others = kinds_with("attention", "causal" if cfg.causal else "bidirectional", position=cfg.position.kind)
         raise IncompatibleConfig(
