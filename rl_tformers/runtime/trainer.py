@@ -483,6 +483,8 @@ class Trainer:
         self.elapsed_s = 0.0
         self._rng_to_restore: dict[str, Any] | None = None
         self._resumed_from: Path | None = None
+        #: whether the loss of a new run's first update (before any parameter changed) was finite
+        self._first_loss_finite: bool | None = None
         if self.rank > 0:  # different dropout masks on different shards (checkpoints keep each rank's RNG)
             seed_everything(derive_seed(int(cfg.seed), "rank", self.rank), deterministic=bool(t.deterministic))
         if resume_from is not None:
@@ -571,7 +573,7 @@ class Trainer:
         if bad:
             raise NonFiniteLossError(
                 f"non-finite {', '.join(bad)} at or before step {self.step}; not saving a checkpoint "
-                f"(try a lower train.lr, train.grad_clip, or train.amp=none)"
+                f"{self._divergence_hint()}"
             )
         if not self.is_main:
             return None
@@ -868,6 +870,16 @@ class Trainer:
             logger.close()
         return result
 
+    def _divergence_hint(self) -> str:
+        """What a non-finite loss or gradient norm asks the user to try: the optimiser's options,
+        unless the loss of the run's first update, computed before any parameter changed, was
+        already not finite (then the data's scale or the initial model is the cause)."""
+        if self._first_loss_finite is False:
+            return ("(the loss of the first update, computed before any parameter changed, is not finite, so the "
+                    "learning rate is not the cause: the data or the initial model overflow float32; check the "
+                    "scale of the observations, rewards and actions, e.g. agent.normalize_obs=true)")
+        return "(try a lower train.lr, train.grad_clip, or train.amp=none)"
+
     def update(self, batch: Any) -> tuple[Tensor, Tensor, Mapping[str, Any]]:
         """One optimiser update on ``batch`` (already on the device; this rank's shard under DDP).
 
@@ -968,6 +980,8 @@ class Trainer:
             batch = move_to(batch, self.device)
             lr = float(self.optimizer.param_groups[0]["lr"])  # of this update (before the scheduler steps)
             loss, grad_norm, logs = self.update(batch)
+            if self.step == 0:  # a new run's first loss, computed before any parameter changed (one sync)
+                self._first_loss_finite = bool(torch.isfinite(loss.detach()).all())
             self.step += 1
             self.window.add({"train/loss": loss, "train/grad_norm": grad_norm,
                              **{(k if "/" in k else f"train/{k}"): v for k, v in dict(logs).items()}},
@@ -983,7 +997,7 @@ class Trainer:
                 if bad:
                     raise NonFiniteLossError(
                         f"non-finite {', '.join(bad)} in updates {self.step - self.window.count + 1}..{self.step} "
-                        f"(try a lower train.lr, train.grad_clip, or train.amp=none)"
+                        f"{self._divergence_hint()}"
                     )
                 scalars["train/lr"] = lr  # of the last update
                 dt = max(window_elapsed + time.perf_counter() - window_t0, 1e-9)

@@ -107,6 +107,29 @@ def test_non_finite_loss_stops_without_checkpoint(run_dir: Path) -> None:
     assert [s for s, _ in list_checkpoints(run_dir)] == [2]
 
 
+@pytest.mark.parametrize(("nan_call", "keys", "hint"), [
+    (1, "train/loss, train/grad_norm, train/mae", "(the loss of the first update, computed before any parameter changed, is not finite, so the learning rate "
+        "is not the cause: the data or the initial model overflow float32; check the scale of the observations, "
+        "rewards and actions, e.g. agent.normalize_obs=true)"),
+    (3, "train/loss, train/grad_norm, train/mae", "(try a lower train.lr, train.grad_clip, or train.amp=none)"),
+])
+def test_a_non_finite_first_loss_does_not_blame_the_learning_rate(run_dir: Path, nan_call: int, keys: str,
+                                                                   hint: str) -> None:
+    cfg = _with_run_dir(toy_cfg("train.log_every=5"), run_dir)
+    trainer = Trainer(cfg, run_dir)
+    loss, calls = trainer.agent.loss, {"n": 0}
+
+    def nan_at(batch):
+        calls["n"] += 1
+        out, logs = loss(batch)
+        return (out * float("inf") if calls["n"] == nan_call else out), logs
+
+    trainer.agent.loss = nan_at
+    with pytest.raises(NonFiniteLossError) as info:
+        trainer.fit()
+    assert str(info.value) == f"non-finite {keys} in updates 1..5 {hint}"
+
+
 def test_bf16_autocast_on_cpu(run_dir: Path) -> None:
     result = train(toy_cfg("train.steps=5", "train.amp=bf16", "train.checkpoint_every=0"), run_dir)
     assert result.complete and torch.isfinite(torch.tensor(result.last_train["train/loss"]))
