@@ -189,10 +189,11 @@ def exit_rank(code: Any = 0) -> NoReturn:
     itself, anything else is printed to stderr and gives 1), after flushing the logging
     handlers, stdout and stderr, without the interpreter's shutdown.
 
-    Why: a :class:`~torch.nn.parallel.DistributedDataParallel` keeps its gloo process group
-    alive after :func:`torch.distributed.destroy_process_group` (its C++ reducer holds it), so
-    the group's worker threads (``pt_gloo_runloop``, ``gloo_tcp_loop``) still run when the
-    interpreter shuts down. A thread of them that wakes then (the peer rank closing its
+    Why: a process that built a :class:`~torch.nn.parallel.DistributedDataParallel` on a gloo
+    group keeps that group alive after :func:`torch.distributed.destroy_process_group`, even once
+    the DDP module is garbage-collected (torch 2.13: its worker threads ``pt_gloo_runloop`` and
+    ``gloo_tcp_loop`` are still listed in ``/proc/self/task``; a group that only ran collectives
+    is torn down), so those threads still run when the interpreter shuts down. A thread of them that wakes then (the peer rank closing its
     connections) meets a finalising interpreter or destroyed C++ statics, and the process aborts
     with "terminate called without an active exception" (SIGABRT) after the run was saved and
     reported. ``os._exit`` ends the process without that shutdown. Everything a rank writes is

@@ -608,7 +608,7 @@ if os.environ.get("RANK") is not None:
 
 
 def test_ddp_ranks_end_without_the_interpreter_shutdown(tmp_path: Path) -> None:
-    """A DDP rank's gloo threads outlive destroy_process_group (DDP's reducer holds the group); a rank
+    """A DDP rank's gloo threads outlive destroy_process_group (a DDP built on the group keeps it); a rank
     that met them in the interpreter's shutdown aborted (SIGABRT) after the run was saved. The ranks
     end with exit_rank instead: no atexit handler runs in them, the command exits 0 with every line."""
     site, marks, run = tmp_path / "site", tmp_path / "marks", tmp_path / "run"
