@@ -4,8 +4,9 @@ Sources:
 
 * **Minari** datasets by id (``"rlt/hopper-v5/medium-v0"``, ``"mujoco/hopper/medium-v0"``) or by
   folder, read with ``minari.MinariDataset``. An id is looked up in the project's data root
-  (:func:`data_root`) and then in Minari's own root (``$MINARI_DATASETS_PATH`` or
-  ``~/.minari/datasets``). Nothing is downloaded unless ``download=True`` is passed.
+  (:func:`data_root`: Minari's own root unless ``root`` or ``$RL_TFORMERS_DATA`` names another)
+  and then in Minari's own root (``$MINARI_DATASETS_PATH`` or ``~/.minari/datasets``). Nothing
+  is downloaded unless ``download=True`` is passed.
 * **D4RL HDF5** files (``observations``, ``actions``, ``rewards``, ``terminals``, ``timeouts``,
   optional ``next_observations``), read with h5py. The ``d4rl`` package itself is not needed
   (and cannot be installed on current Python: it pins ``gym<0.25`` and ``mujoco-py``); its file
@@ -47,10 +48,8 @@ from rl_tformers.envs.pomdp import POMDP_KINDS
 from rl_tformers.envs.recipes import all_recipes, policies_dir
 from rl_tformers.envs.scores import task_family
 
-#: Environment variable overriding the project's data root.
+#: Environment variable naming another data root than Minari's own.
 DATA_ROOT_ENV = "RL_TFORMERS_DATA"
-#: Default data root, relative to the current directory (``data/`` is gitignored).
-DEFAULT_DATA_ROOT = Path("data") / "minari"
 #: gymnasium ids used for D4RL files of each task family (same observation/action shapes).
 D4RL_ENV_IDS = {"hopper": "Hopper-v5", "halfcheetah": "HalfCheetah-v5", "walker2d": "Walker2d-v5"}
 
@@ -58,20 +57,23 @@ HDF5_SUFFIXES = (".hdf5", ".h5", ".hdf")
 
 
 def data_root(root: str | os.PathLike | None = None) -> Path:
-    """The folder where ``rl-tformers collect`` writes Minari datasets.
+    """The folder where ``rl-tformers collect`` writes Minari datasets, searched first for ids.
 
-    ``root`` if given, else ``$RL_TFORMERS_DATA``, else ``./data/minari``.
+    ``root`` if given, else ``$RL_TFORMERS_DATA``, else Minari's own root
+    (:func:`minari_default_root`), where ``minari`` and other tools of the ecosystem find them.
     """
     if root is not None:
         return Path(root).expanduser()
     env = os.environ.get(DATA_ROOT_ENV)
-    return Path(env).expanduser() if env else DEFAULT_DATA_ROOT
+    return Path(env).expanduser() if env else minari_default_root()
 
 
 def minari_default_root() -> Path:
-    """Minari's own dataset root: ``$MINARI_DATASETS_PATH`` or ``~/.minari/datasets``."""
-    env = os.environ.get("MINARI_DATASETS_PATH")
-    return Path(env).expanduser() if env else Path.home() / ".minari" / "datasets"
+    """Minari's own dataset root as Minari computes it (``minari.storage.get_dataset_path``):
+    ``$MINARI_DATASETS_PATH``, else ``~/.minari/datasets`` (Minari creates the folder)."""
+    from minari.storage import get_dataset_path  # minari loads h5py and its storage backends
+
+    return Path(get_dataset_path()).expanduser()
 
 
 def local_dataset_ids(root: str | os.PathLike | None = None) -> list[str]:
@@ -174,6 +176,17 @@ def resolve_minari(spec: str | os.PathLike, root: str | os.PathLike | None = Non
     return None
 
 
+def _not_found_where(spec: str, root: str | os.PathLike | None) -> str:
+    """``Minari dataset 'ID' not found in ...``: the roots searched and the knobs that name them."""
+    ours, minari_root_path = data_root(root), minari_default_root()
+    knobs = f"dataset.root=DIR for train/sweep, --root DIR for collect/dataset, else ${DATA_ROOT_ENV}"
+    if ours.resolve() == minari_root_path.resolve():
+        return (f"Minari dataset {spec!r} not found in Minari's root {minari_root_path} ($MINARI_DATASETS_PATH; "
+                f"another data root: {knobs})")
+    return (f"Minari dataset {spec!r} not found in the data root {ours} ({knobs}) nor in Minari's root "
+            f"{minari_root_path} ($MINARI_DATASETS_PATH)")
+
+
 def _policies_hint() -> str:
     """`` --policies DIR`` when the default behaviour-policy folder is not found, else ``""``."""
     try:
@@ -265,9 +278,7 @@ def open_minari(
             hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
             # name the knobs of both roots: a user whose datasets already exist elsewhere needs
             # them more than a build command
-            where = (f"Minari dataset {str(spec)!r} not found in the data root {data_root(root)} (dataset.root=DIR "
-                     f"for train/sweep, --root DIR for collect/dataset, else ${DATA_ROOT_ENV}) nor in Minari's root "
-                     f"{minari_default_root()} ($MINARI_DATASETS_PATH)")
+            where = _not_found_where(str(spec), root)
             if recipe != "...":  # this package's own id: built locally, published on no server
                 raise FileNotFoundError(
                     f"{where}; build it (`rl-tformers collect --recipe {recipe}{_policies_hint()}`), or pass a folder "

@@ -4,14 +4,17 @@
 #   scripts/build_datasets.sh                    # the Hopper suite (10 datasets, ~1.2M steps)
 #   scripts/build_datasets.sh 'walker2d-*' 'halfcheetah-medium'
 #
-# Datasets land in $RL_TFORMERS_DATA (default data/minari, gitignored); one JSON line per
-# dataset (episodes, steps, return mean/std) is appended to <root>/recipes.jsonl.
+# Datasets land in the data root of `rl-tformers collect` ($RL_TFORMERS_DATA, else Minari's own
+# root: $MINARI_DATASETS_PATH or ~/.minari/datasets); one JSON line per dataset (episodes,
+# steps, return mean/std) is appended to <root>/recipes.jsonl.
 # Extra options for `rl-tformers collect` go in $COLLECT_ARGS (e.g. "--overwrite --seed 1").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROOT=${RL_TFORMERS_DATA:-data/minari}
 RLT=${RLT:-.venv/bin/rl-tformers}
 [ -x "$RLT" ] || RLT=rl-tformers
+PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+ROOT=$("$PY" -c 'from rl_tformers.envs.loaders import data_root; print(data_root())')
 if [ $# -eq 0 ]; then set -- 'hopper-*'; fi
 args=()
 for pattern in "$@"; do args+=(--recipe "$pattern"); done

@@ -144,7 +144,7 @@ tail -n 3 "$LOGS/cuda-tests.log" >> "$SUMMARY"
 
 # 2. training throughput: the Hopper dataset of the data layer if it is here, else a synthetic
 #    Hopper-shaped D4RL file (throughput does not depend on the data's values), outside OUT_DIR
-DATA=data/minari/rlt/hopper-v5/medium-v0
+DATA=$("$PY" -c "from rl_tformers.envs.loaders import data_root; print(data_root() / 'rlt/hopper-v5/medium-v0')")
 if [ -d "$DATA" ]; then
   DATASET=rlt/hopper-v5/medium-v0
 else

@@ -35,6 +35,14 @@ def _seed_everything():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _minari_root_per_test(tmp_path_factory, monkeypatch):
+    """Minari's own root (where `rl-tformers collect` writes by default) is a fresh temporary
+    folder in every test: no test reads or writes the user's ~/.minari/datasets."""
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path_factory.mktemp("minari_root")))
+    yield
+
+
 @pytest.fixture
 def shared_dir() -> Path:
     """../shared/ (pretrained policies); tests using it skip with a reason when it is absent."""

@@ -5,7 +5,7 @@ stored with every checkpoint, and the evaluation environment.
 
     dataset:
       path: rlt/hopper-v5/medium-expert-v0   # Minari id, Minari folder or D4RL .hdf5 (load_dataset)
-      root: null                             # data root for Minari ids (default $RL_TFORMERS_DATA or ./data/minari)
+      root: null                             # data root for Minari ids (default $RL_TFORMERS_DATA, else Minari's root)
       download: false                        # let Minari download a remote id
       lazy: false                            # HDF5 only: read windows from disk
       flatten_observations: false            # Minari Dict/Tuple observations: flatten them (and the

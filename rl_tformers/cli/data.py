@@ -70,7 +70,7 @@ def collect(
     obs_indices: str = typer.Option(None, "--obs-indices", help="Record only these observation indices (e.g. '0,1,2')."),
     seed: int = typer.Option(0, "--seed", help="Seed of episode resets, noise and random actions."),
     dataset_id: str = typer.Option(None, "--dataset-id", help="Minari id to write (default rlt/ENV/POLICY-v0, e.g. rlt/hopper-v5/sac-v0 for a SAC policy on Hopper-v5)."),
-    root: Path = typer.Option(None, "--root", help="Data root (default $RL_TFORMERS_DATA or ./data/minari)."),
+    root: Path = typer.Option(None, "--root", help="Data root (default $RL_TFORMERS_DATA, else Minari's own root: $MINARI_DATASETS_PATH or ~/.minari/datasets)."),
     hdf5: Path = typer.Option(None, "--hdf5", help="Also write a D4RL-layout HDF5 file (a folder with --recipe)."),
     recipe: list[str] = typer.Option(None, "--recipe", help="Build recipe(s) by name or glob (hopper-medium, 'hopper-*')."),
     recipe_steps: int = typer.Option(None, "--recipe-steps", help="Override the recipes' base size (default 100000, at least 6)."),

@@ -184,7 +184,7 @@ class DatasetConfig:
     Attributes:
         path: Minari id (``rlt/hopper-v5/medium-v0``), Minari dataset folder or D4RL .hdf5 file.
         root: data root searched first for Minari ids (null: ``$RL_TFORMERS_DATA``, else
-            ``./data/minari``).
+            Minari's own root, ``$MINARI_DATASETS_PATH`` or ``~/.minari/datasets``).
         download: let Minari download an id that is not found locally (needs network).
         lazy: HDF5 files only: read observation/action windows from disk.
         flatten_observations: flatten Dict/Tuple observation spaces of Minari datasets

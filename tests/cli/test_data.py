@@ -33,6 +33,42 @@ def test_a_missing_minari_id_names_the_options_that_point_at_an_existing_root(tm
     assert "rl-tformers collect --recipe hopper-medium" in msg  # building it is still offered
 
 
+def test_collect_writes_to_minaris_own_root_by_default(tmp_path: Path, monkeypatch) -> None:
+    """Without --root (and $RL_TFORMERS_DATA) a dataset goes where Minari keeps its datasets
+    ($MINARI_DATASETS_PATH), not under the current folder, and Minari lists it; --root still
+    names another folder."""
+    import minari
+
+    home = tmp_path / "minari_home"
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(home))
+    monkeypatch.delenv("RL_TFORMERS_DATA", raising=False)
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    r = runner.invoke(app, ["collect", "--env", "CartPole-v1", "--episodes", "2", "--dataset-id", "test/cp-v0",
+                            "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert (home / "test" / "cp-v0" / "data" / "metadata.json").is_file()
+    assert not (tmp_path / "work" / "data").exists()
+    assert "test/cp-v0" in minari.list_local_datasets()
+    r = runner.invoke(app, ["dataset", "info", "test/cp-v0", "--json"])
+    assert r.exit_code == 0 and '"episodes": 2' in r.stdout, r.output
+    r = runner.invoke(app, ["collect", "--env", "CartPole-v1", "--episodes", "1", "--dataset-id", "test/cp-v0",
+                            "--root", str(tmp_path / "mine"), "--no-progress"])
+    assert r.exit_code == 0 and (tmp_path / "mine" / "test" / "cp-v0" / "data" / "metadata.json").is_file()
+
+
+def test_a_missing_id_names_minaris_root_once_when_it_is_the_data_root(tmp_path: Path, monkeypatch) -> None:
+    from rl_tformers.envs.loaders import load_minari
+
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari_home"))
+    monkeypatch.delenv("RL_TFORMERS_DATA", raising=False)
+    with pytest.raises(FileNotFoundError) as exc:
+        load_minari("test/none-v0")
+    assert str(exc.value).startswith(
+        f"Minari dataset 'test/none-v0' not found in Minari's root {tmp_path / 'minari_home'} ($MINARI_DATASETS_PATH; "
+        "another data root: dataset.root=DIR for train/sweep, --root DIR for collect/dataset, else $RL_TFORMERS_DATA)")
+
+
 def _cartpole_minari(root: Path) -> None:
     r = runner.invoke(app, ["collect", "--env", "CartPole-v1", "--policy", "random", "--episodes", "8",
                             "--dataset-id", "test/cartpole-v0", "--root", str(root), "--no-progress"])
@@ -57,9 +93,9 @@ def test_resuming_a_minari_id_run_without_its_root_says_to_pass_dataset_root(tmp
     r = runner.invoke(app, ["train", "--resume", str(run), "train.steps=2"])
     assert r.exit_code == 2, r.output
     out = " ".join(r.output.split())
-    assert ("the run's dataset.path=test/cartpole-v0 is read as a Minari id from the data root data/minari, "
-            f"relative to the current folder {tmp_path}, then from Minari's root: name the data root that holds it, "
-            "e.g. --resume RUN dataset.root=/abs/data/root") in out, out
+    assert (f"the run's dataset.path=test/cartpole-v0 is read as a Minari id from the data root {tmp_path / 'elsewhere'}, "
+            "then from Minari's root: name the data root that holds it, e.g. --resume RUN dataset.root=/abs/data/root"
+            ) in out, out
     assert "is relative and is read from the current folder" not in out
     r = runner.invoke(app, ["train", "--resume", str(run), "train.steps=2", f"dataset.root={root}"])
     assert r.exit_code == 0, r.output
@@ -137,8 +173,8 @@ def test_collect_help_gives_the_policies_default_the_readme_gives() -> None:
 def test_dataset_info_of_a_damaged_file_is_one_error_line_and_exit_2(tmp_path: Path, damage: str) -> None:
     import minari
     from minari.data_collector import EpisodeBuffer
-
     from rl_tformers.envs.loaders import minari_root
+
     from tests.datafiles import corrupt_chunk, flip_object_header, write_compressed_copy, write_d4rl_h5
 
     if damage == "minari episode":
@@ -177,7 +213,6 @@ def test_collect_memory_task_writes_the_scripted_dataset_the_configs_train_on(tm
     """`collect --memory-task recall --delay D` writes the same episodes as
     memory_tasks.scripted_dataset (the data of configs/memory/*), readable by every agent."""
     import numpy as np
-
     from rl_tformers.envs.loaders import load_d4rl_hdf5
     from rl_tformers.envs.memory_tasks import scripted_dataset
 
@@ -189,7 +224,7 @@ def test_collect_memory_task_writes_the_scripted_dataset_the_configs_train_on(tm
     assert (ds.num_episodes, ds.num_steps) == (6, 6 * 36)
     assert np.array_equal(ds.actions, ref.actions) and np.array_equal(ds.rewards, ref.rewards)
     assert ds.metadata.env_id == "rl_tformers.envs.memory_tasks:rl_tformers/Recall-d4-v0"
-    assert r.stdout.startswith(f"Recall-d4-v0-scripted: 6 episodes, 216 steps, return ") and str(out) in r.stdout
+    assert r.stdout.startswith("Recall-d4-v0-scripted: 6 episodes, 216 steps, return ") and str(out) in r.stdout
     again = runner.invoke(app, ["collect", "--memory-task", "recall", "--delay", "4", "--episodes", "6",
                                 "--hdf5", str(out)])
     assert (again.exit_code, again.stderr) == (2, f"error: --hdf5 {out} already exists; pass overwrite=True (CLI: "
@@ -220,7 +255,8 @@ def test_collect_memory_task_refuses_bad_options_in_one_line(tmp_path: Path, mon
 
 
 def test_collect_knows_the_registered_recall_delays() -> None:
-    from rl_tformers.cli.data import RECALL_DELAYS
     from rl_tformers.envs import memory_tasks
+
+    from rl_tformers.cli.data import RECALL_DELAYS
 
     assert RECALL_DELAYS == memory_tasks.RECALL_DELAYS
