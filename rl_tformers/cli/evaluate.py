@@ -543,6 +543,13 @@ def demo_cmd(
     """
     from rl_tformers.agents.common.demo import run_demo
 
+    if out_dir is not None:  # before the dataset is built: the run directory must be one
+        target = Path(out_dir).expanduser()
+        if target.exists() and not target.is_dir():
+            raise _fail(f"--out-dir {out_dir} is a file; give the run directory to create (e.g. runs/demo)")
+        above = blocking_file(target)
+        if above is not None:
+            raise _fail(f"--out-dir {out_dir}: {above} is a file, not a directory")
     try:
         result = run_demo(out_dir=out_dir, steps=steps, n_episodes=episodes, eval_episodes=eval_episodes,
                           threads=threads, device=device, echo=typer.echo)

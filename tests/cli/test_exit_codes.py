@@ -88,3 +88,14 @@ def test_a_bad_parameter_raised_by_a_command_is_one_line(tmp_path: Path) -> None
 def test_a_command_group_without_a_subcommand_shows_its_help() -> None:
     r = runner.invoke(app, ["dataset"])
     assert "Usage: rl-tformers dataset" in r.output and "error:" not in r.output
+
+
+def test_a_demo_run_directory_that_is_a_file_is_refused_before_anything_is_built(tmp_path: Path) -> None:
+    blocker = tmp_path / "f"
+    blocker.write_text("x")
+    r = runner.invoke(app, ["demo", "--out-dir", str(blocker)])
+    assert (r.exit_code, r.stderr) == (2, f"error: --out-dir {blocker} is a file; give the run directory to create "
+                                          f"(e.g. runs/demo)\n")
+    r = runner.invoke(app, ["demo", "--out-dir", str(blocker / "run")])
+    assert (r.exit_code, r.stderr) == (2, f"error: --out-dir {blocker / 'run'}: {blocker} is a file, not a directory\n")
+    assert blocker.read_text() == "x"
