@@ -103,7 +103,7 @@ def collect(
       rl-tformers collect --env Hopper-v5 --train sac --train-steps 50000 --steps 10000 --replay-dataset-id rlt/hopper-v5/sac-replay-v0
       rl-tformers collect --recipe 'hopper-*'
       rl-tformers collect --recipe 'hopper-*' --skip-existing     (finish an interrupted suite)
-      rl-tformers collect --memory-task recall --delay 8 --episodes 2000 --hdf5 data/memory/recall-d8.hdf5
+      rl-tformers collect --memory-task recall --delay 8 --hdf5 data/memory/recall-d8.hdf5
 
     With several recipes, existing datasets are checked before anything is built: without --overwrite or --skip-existing the command stops at once, naming them; --skip-existing keeps only a dataset built as asked (same recipe, --recipe-steps, --seed), and refuses the others.
     """
