@@ -27,7 +27,8 @@ state, recorded through the position-only mask); :func:`collect_episodes` rolls 
 :func:`scripted_dataset` makes a dataset of them. Command line (D4RL-layout HDF5 that every
 agent's ``dataset.path`` accepts)::
 
-    python -m rl_tformers.envs.memory_tasks recall --delay 8 --episodes 2000 --out data/recall-d8.hdf5
+    rl-tformers collect --memory-task recall --delay 8 --episodes 2000 --hdf5 data/memory/recall-d8.hdf5
+    python -m rl_tformers.envs.memory_tasks recall --delay 8 --episodes 2000 --out data/memory/recall-d8.hdf5
 """
 
 from __future__ import annotations
