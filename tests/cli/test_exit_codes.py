@@ -58,6 +58,13 @@ def test_bad_input_exits_2_with_one_error_line(tmp_path: Path, monkeypatch, name
     assert "Traceback" not in r.output and r.stdout == "", r.output
 
 
+def test_every_command_has_a_bad_input_above() -> None:
+    """A new command (or sub-command of ``dataset``) gets its bad input in :func:`_bad_inputs`."""
+    covered = {" ".join(args[:2]) if args[0] == "dataset" else args[0] for args in _bad_inputs(Path(".")).values()}
+    commands = {" ".join(path[:2]) if path[0] == "dataset" else path[0] for path in _leaf_commands()}
+    assert commands - covered == set()
+
+
 @pytest.mark.parametrize("path", list(_leaf_commands()), ids=lambda p: " ".join(p))
 def test_an_unknown_option_exits_2_with_one_error_line_naming_it(path: tuple[str, ...]) -> None:
     """click's usage errors print one line (not its usage block and boxed message) that names
