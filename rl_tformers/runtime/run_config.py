@@ -416,7 +416,7 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
     for item in items:
         key = item.split("=", 1)[0].strip()
         if "=" not in item or not key:
-            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. train.steps=1000){_config_hint(item)}")
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. train.steps=1000){config_name_hint(item)}")
     try:
         return OmegaConf.from_dotlist(items)
     except OmegaConfBaseException as exc:
@@ -427,7 +427,7 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
         raise ConfigError(f"override {bad!r}: the value is not YAML ({problem})") from exc
 
 
-def _config_hint(item: str) -> str:
+def config_name_hint(item: str) -> str:
     """``; a config is given with -c: -c dt/hopper_medium`` when ``item`` (an override without
     ``=``) names a config file or resembles a packaged config's name (``hopper-medium``), else ''."""
     try:

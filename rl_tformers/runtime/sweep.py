@@ -98,7 +98,7 @@ from rl_tformers.registry import RegistryError
 from rl_tformers.runtime import checkpoint as ckpt
 from rl_tformers.runtime.errors import ConfigError
 from rl_tformers.runtime.progress import PlainProgress
-from rl_tformers.runtime.run_config import compose, flatten, to_container
+from rl_tformers.runtime.run_config import compose, config_name_hint, flatten, to_container
 from rl_tformers.runtime.runlock import directory_problem, lock_holder
 from rl_tformers.runtime.seeding import MAX_SEED
 from rl_tformers.runtime.tracking import METRICS_FILE, event_files
@@ -412,7 +412,7 @@ def check_overrides(grid: dict[str, list[str]], overrides: Sequence[str]) -> Non
     for item in overrides:
         key = item.split("=", 1)[0].strip()
         if "=" not in item or not key:  # as `rl-tformers train` words it (an IndexError traceback before)
-            raise SweepError(f"override {item!r} is not KEY=VALUE (e.g. train.steps=1000)")
+            raise SweepError(f"override {item!r} is not KEY=VALUE (e.g. train.steps=1000){config_name_hint(item)}")
         if key == "seed":
             raise SweepError(f"override {item!r}: the sweep sets each run's seed from --seeds "
                              f"(e.g. --seeds 5); drop {key}=")

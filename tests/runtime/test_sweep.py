@@ -291,6 +291,10 @@ def test_sweep_override_without_equals_is_refused_not_a_traceback(tmp_path: Path
         res = _sweep("--grid", "train.lr=1e-3", "--out", str(out), item)
         assert res.exit_code == 2, res.output
         assert res.output == f"error: override {item!r} is not KEY=VALUE (e.g. train.steps=1000)\n"
+    res = _sweep("--grid", "train.lr=1e-3", "--out", str(out), "hopper-medium")  # a config name without -c
+    assert (res.exit_code, res.output) == (2, "error: override 'hopper-medium' is not KEY=VALUE (e.g. "
+                                              "train.steps=1000); a config is given with -c: -c bc/hopper_medium "
+                                              "or -c dt/hopper_medium\n")
     assert not out.exists()
 
 
