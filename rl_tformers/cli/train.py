@@ -50,7 +50,7 @@ def finished_run() -> bool:
 
 TRAIN_HELP = """Train an agent from a config file plus KEY=VALUE overrides, or resume a run.
 
-A config is a YAML path or a name under the packaged configs/ (e.g. dt/hopper_medium). Overrides use dotted keys and YAML values and are applied last. The run directory gets config.yaml (the resolved config), checkpoints/, TensorBoard event files and metrics.jsonl.
+A config is a YAML path or a name under the packaged configs/ (e.g. dt/hopper_medium; `rl-tformers configs` lists them). Overrides use dotted keys and YAML values and are applied last. The run directory gets config.yaml (the resolved config), checkpoints/, TensorBoard event files and metrics.jsonl.
 
 Examples:
 
@@ -126,7 +126,8 @@ def train(
         None, metavar="[KEY=VALUE]...", help="Dotted config overrides, e.g. train.steps=1000 backbone.n_layers=4."
     ),
     config: str = typer.Option(
-        None, "--config", "-c", help="YAML config: a path, or a name in the packaged configs (e.g. dt/hopper_medium)."
+        None, "--config", "-c", help="YAML config: a path, or a name in the packaged configs (e.g. dt/hopper_medium; "
+                                     "rl-tformers configs lists them)."
     ),
     resume: Path = typer.Option(
         None, "--resume", help="Continue RUN_DIR from its newest valid checkpoint (config comes from it).",
