@@ -270,7 +270,8 @@ def main(
     try:
         data = load_offline_dataset(spec)
     except (OSError, ValueError) as exc:  # FileNotFoundError, DatasetError, h5py's OSError
-        raise _fail(f"{where}: {exc}") from None
+        msg = str(exc).removeprefix("dataset.path: ") if dataset is not None else str(exc)
+        raise _fail(f"{where}: {msg}") from None
     try:
         check_dataset_fits(run.agent, data)
         rows = rtg_probe(run.agent, data, groups, t0, rtg)

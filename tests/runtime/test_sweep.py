@@ -252,7 +252,7 @@ def test_sweep_rerun_retries_a_run_that_failed_before_its_first_checkpoint(tmp_p
 
     out = tmp_path / "sw"
     common = ["train.steps=4", "train.warmup_steps=1", "train.log_every=1", "eval.every=0", "eval.at_end=false",
-              "train.checkpoint_every=0"]
+              "train.checkpoint_every=0", "train.weight_decay=0"]  # lr * weight_decay < 1 is checked at compose
     kwargs = dict(jobs=1, threads=1, device="cpu", echo=lambda m: None)
     first = sweep("toy", {"train.lr": ["1e300"]}, [0], out, common, **kwargs)
     assert [r["status"] for r in first.rows] == ["failed"]
