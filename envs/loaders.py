@@ -43,7 +43,7 @@ from rl_tformers.envs.dataset import (
     unbounded_box,
     unsupported_action_space,
 )
-from rl_tformers.envs.minari_episodes import MinariEpisodes
+from rl_tformers.envs.minari_episodes import MinariEpisodes, check_counts
 from rl_tformers.envs.pomdp import POMDP_KINDS
 from rl_tformers.envs.recipes import all_recipes, policies_dir
 from rl_tformers.envs.scores import task_family
@@ -295,9 +295,11 @@ def open_minari(
     else:
         try:
             md = minari.MinariDataset(path)
-        except Exception as exc:  # no main_data.hdf5, metadata.json not JSON, unknown space...
+        except Exception as exc:  # no main_data.hdf5, metadata.json not JSON, unknown space, a count not a number...
+            _check_counts_of(path)
             raise DatasetError(f"{path}: not a readable Minari dataset ({type(exc).__name__}: {exc})") from exc
     meta = md.storage.metadata
+    check_counts(meta, str(path))
     obs_space = md.observation_space
     act_space = md.action_space
     flat_space = _check_spaces(obs_space, act_space, flatten_observations)
@@ -330,6 +332,17 @@ def open_minari(
     return MinariEpisodes(md, observation_space=flat_space, action_space=act_space, metadata=metadata,
                           flatten=functools.partial(flatten_batch, obs_space) if needs_flatten else None,
                           where=str(path))
+
+
+def _check_counts_of(path: Path) -> None:
+    """:func:`check_counts` of the ``metadata.json`` in ``path`` when it is a readable JSON
+    object (a folder Minari could not open: name the count at fault, when one is)."""
+    try:
+        meta = json.loads((Path(path) / "metadata.json").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(meta, dict):
+        check_counts(meta, str(path))
 
 
 def check_pomdp_record(record, obs_shape: tuple[int, ...], where: str) -> dict | None:

@@ -192,6 +192,23 @@ class MinariEpisodes:
         return self.episodes(self.sample_indices(n, rng), validate=validate)
 
 
+def check_counts(meta: dict, where: str) -> None:
+    """Refuse ``metadata.json`` counts (``total_episodes``, ``total_steps``) that are not whole
+    numbers >= 0, before Minari uses them (it would take ``total_episodes=2.5`` as 3 episodes
+    and ``-1`` as none). An absent ``total_steps`` passes (Minari sums the episodes' own counts).
+
+    Raises:
+        DatasetError: field ``total_episodes`` or ``total_steps``, naming the value and ``where``.
+    """
+    for key in ("total_episodes", "total_steps"):
+        value = meta.get(key)
+        if value is None and key == "total_steps":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise DatasetError(f"{where}: metadata.json {key}={value!r} is not a count (a whole number >= 0); "
+                               f"the metadata is damaged or was edited", field=key)
+
+
 def _read_node(node) -> None:
     """Read every array under ``node`` (an h5py Dataset, or a Group of a Dict/Tuple space)."""
     if hasattr(node, "keys"):

@@ -4,6 +4,7 @@ the same draws as Minari's own sampling, and the same training batches as the fu
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import minari
@@ -105,6 +106,20 @@ def test_load_refuses_a_total_steps_the_episodes_do_not_hold(tmp_path):
         load_minari("test/many-v0", root=tmp_path)
     assert info.value.field == "total_steps"
 
+
+
+@pytest.mark.parametrize(("key", "value"), [("total_episodes", 2.5), ("total_episodes", -1), ("total_episodes", "3"),
+                                            ("total_episodes", None), ("total_steps", -4), ("total_steps", "x"),
+                                            ("total_steps", 1e30), ("total_steps", True)])
+def test_open_minari_refuses_metadata_counts_that_are_not_whole_numbers(tmp_path, key, value):
+    md = make_minari(tmp_path, "test/many-v0", buffers([4, 2, 5]))
+    meta_path = md.storage.data_path / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta[key] = value
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(DatasetError, match=re.escape(f"metadata.json {key}={value!r} is not a count")) as info:
+        open_minari("test/many-v0", root=tmp_path)
+    assert info.value.field == key
 
 def _minari_eager(path) -> EpisodeDataset:
     """Every episode through Minari's own ``iterate_episodes``, built as one dataset."""
