@@ -43,6 +43,17 @@ def stack_steps(steps: list) -> Any:
     return np.asarray(steps)
 
 
+def copy_leaves(value: Any) -> Any:
+    """``value`` with every NumPy array in it (a Dict/Tuple space's leaves included) copied, so
+    that an environment or policy that later writes into the array it handed over (one buffer
+    reused every step) leaves the recorded step as it was."""
+    if isinstance(value, dict):
+        return {k: copy_leaves(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(copy_leaves(v) for v in value)
+    return value.copy() if isinstance(value, np.ndarray) else value
+
+
 class EpisodeRecorder(gym.Wrapper):
     """Records the episodes stepped through ``env`` and writes them as a Minari dataset.
 
@@ -88,7 +99,7 @@ class EpisodeRecorder(gym.Wrapper):
         if seed is None and ((not options) or options.get("minari_autoseed", True)):
             seed = secrets.randbits(AUTOSEED_BITS)
         obs, info = self.env.reset(seed=seed, options=options)
-        self._start(self._record(obs), seed, options)
+        self._start(copy_leaves(self._record(obs)), seed, options)
         return obs, info
 
     def step(self, action):
@@ -96,9 +107,9 @@ class EpisodeRecorder(gym.Wrapper):
         if not self._obs:
             raise RuntimeError("EpisodeRecorder.step before reset(): the episode has no first observation")
         obs, rew, terminated, truncated, info = self.env.step(action)
-        recorded = self._record(obs)
+        recorded = copy_leaves(self._record(obs))
         self._obs.append(recorded)
-        self._actions.append(action)
+        self._actions.append(copy_leaves(action))
         self._rewards.append(rew)
         self._terms.append(terminated)
         self._truncs.append(truncated)

@@ -148,6 +148,39 @@ def test_recorded_arrays_are_the_steps_taken(tmp_path):
     np.testing.assert_array_equal(ds.observations[:6], np.stack(seen_obs[:6]))
 
 
+
+class OneBuffer(gym.Env):
+    """Hands out one observation buffer, written in place each step (t at step t), with a Dict
+    observation {"pos": that buffer}; episodes end after 3 steps."""
+
+    def __init__(self):
+        self.observation_space = gym.spaces.Dict({"pos": gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)})
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.buf, self.t = np.zeros(2, np.float32), 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        self.buf[:] = 0
+        return {"pos": self.buf}, {}
+
+    def step(self, action):
+        self.t += 1
+        self.buf[:] = self.t
+        return {"pos": self.buf}, 1.0, self.t == 3, False, {}
+
+
+def test_recorder_keeps_each_step_when_the_env_and_policy_reuse_their_arrays():
+    env = EpisodeRecorder(OneBuffer())
+    action = np.zeros(2, np.float32)
+    env.reset(seed=0)
+    for t in range(3):
+        action[:] = t / 4  # the policy writes each action into the same array
+        env.step(action)
+    ep = env.episodes[0]
+    assert ep.observations["pos"][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert ep.actions[:, 1].tolist() == [0.0, 0.25, 0.5]
+
 def test_recorder_step_before_reset_is_refused():
     env = EpisodeRecorder(gym.make("CartPole-v1"))
     with pytest.raises(RuntimeError, match="step before reset"):
