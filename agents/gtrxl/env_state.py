@@ -233,23 +233,55 @@ def restore_env(env: gym.Env, layers: list[Mapping[str, Any]]) -> None:
     """Set an :func:`env_snapshot` on the new environment ``env`` (made from the same id and kwargs).
 
     Only plain data is set (nothing of the checkpoint is run as code); attributes the
-    constructor builds (:data:`_CONSTRUCTED`) and dunder names are never set.
+    constructor builds (:data:`_CONSTRUCTED`) and dunder names are never set. ``env`` is reset
+    first (seed 0), so that each attribute a reset gives a value holds one to compare with: a
+    saved value must be of the same kind (:func:`_kind`: array, number, string, list, ...) and an
+    array of the same dtype and shape, or ``None`` where either holds ``None``.
 
     Raises:
         ValueError: ``env``'s layers are not the snapshot's (other wrappers or environment
-            classes), or the snapshot names an attribute it never holds, or holds a value no
-            :func:`env_snapshot` writes (an unknown numpy bit generator...).
+            classes), or the snapshot names an attribute it never holds, holds a value no
+            :func:`env_snapshot` writes (an unknown numpy bit generator...), or a value of
+            another kind, dtype or shape than the new environment's (naming the attribute).
     """
     mine = _layers(env)
     if [_type_name(x) for x in mine] != [str(x["type"]) for x in layers]:
         raise ValueError(f"the environment is made of {[_type_name(x) for x in mine]} here and of "
                          f"{[str(x['type']) for x in layers]} in the checkpoint")
+    env.reset(seed=0)
     for layer, saved in zip(mine, layers):
         for name, enc in saved["attrs"].items():
             if not isinstance(name, str) or name.startswith("__") or name in _CONSTRUCTED:
                 raise ValueError(f"{type(layer).__qualname__}: the checkpoint sets the attribute {name!r}, which a "
                                  f"snapshot never holds")
-            layer.__dict__[name] = _decode(enc, layer.__dict__.get(name))
+            current = layer.__dict__.get(name)
+            value = _decode(enc, current)
+            _check_same_kind(value, current, f"{type(layer).__qualname__}.{name}")
+            layer.__dict__[name] = value
+
+
+def _kind(value: Any) -> str:
+    """What a saved value is, for :func:`_check_same_kind` (Python and NumPy numbers alike)."""
+    if isinstance(value, (bool, int, float, np.generic)):
+        return "number"
+    return type(value).__name__
+
+
+def _check_same_kind(value: Any, current: Any, where: str) -> None:
+    """Refuse a restored ``value`` of another kind than the new environment's ``current``
+    (arrays: another dtype or shape); either being ``None`` passes.
+
+    Raises:
+        ValueError: naming ``where`` and both kinds.
+    """
+    if value is None or current is None:
+        return
+    if _kind(value) != _kind(current):
+        raise ValueError(f"{where}: the checkpoint holds a {_kind(value)} where the environment holds a "
+                         f"{_kind(current)}")
+    if isinstance(current, np.ndarray) and (value.dtype != current.dtype or value.shape != current.shape):
+        raise ValueError(f"{where}: the checkpoint holds a {value.dtype} array of shape {value.shape} where the "
+                         f"environment holds {current.dtype} {current.shape}")
 
 
 #: rollout keys that hold each step's FIFO memory, and their slot axis in the (S, N, ...) tensor
@@ -406,11 +438,15 @@ def restore_process_state(col: RolloutCollector, st: Mapping[str, Any]) -> str |
         saved, or not restored here, or that only unpickling restores and it was not allowed),
         leaving ``col``'s environments unstarted.
     """
+    try:
+        recent = [[float(x) for x in st[k]] for k in ("recent_returns", "recent_lengths")]
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"the checkpoint's recent episodes are not numbers ({type(exc).__name__}: {exc})"
     col.returns_window.clear()
-    col.returns_window.extend(float(x) for x in st["recent_returns"])
+    col.returns_window.extend(recent[0])
     col.lengths_window.clear()
-    col.lengths_window.extend(float(x) for x in st["recent_lengths"])
-    if not st["started"]:  # saved before the first rollout: the environments start as in a new run
+    col.lengths_window.extend(recent[1])
+    if not st.get("started"):  # saved before the first rollout: the environments start as in a new run
         return None
     problem = st.get("envs_problem")
     if problem is None and st.get("env_states") is not None:
@@ -433,6 +469,9 @@ def restore_process_state(col: RolloutCollector, st: Mapping[str, Any]) -> str |
             vec = col.vector_env(envs)
         except Exception as exc:  # noqa: BLE001 - e.g. an environment package missing here
             return f"the checkpointed environments could not be unpickled ({type(exc).__name__}: {exc})"
+    problem = running_problem(col, vec, st)
+    if problem is not None:
+        return f"the checkpoint's running episodes do not fit this run ({problem})"
     for k in _VECTOR_FIELDS:
         setattr(vec, k, st["vector"][k].numpy().copy())
     run, dev = st["running"], col.device
@@ -442,6 +481,57 @@ def restore_process_state(col: RolloutCollector, st: Mapping[str, Any]) -> str |
     col.prev_a, col.prev_r = run["prev_a"].to(dev), run["prev_r"].to(dev)
     col.t, col.start = run["t"].to(dev), run["start"].to(dev)
     col.ep_ret, col.ep_len = run["ep_ret"].numpy().copy(), run["ep_len"].numpy().copy()
+    return None
+
+
+def running_problem(col: RolloutCollector, vec: gym.vector.SyncVectorEnv, st: Mapping[str, Any]) -> str | None:
+    """Why the ``vector`` and ``running`` parts of a :func:`process_state` do not fit ``col``'s
+    run (None: they fit): a missing key, a value that is not a tensor, or a tensor of another
+    dtype or shape than the vector environment's flags and
+    :meth:`~RolloutCollector.blank_running` give (N environments, the observation space, the
+    encoder's memory), or a negative step or episode length.
+    """
+    space = vec.observation_space
+    blank = col.blank_running(np.zeros(space.shape, space.dtype), "cpu")
+    want = {"vector": {k: torch.from_numpy(np.array(getattr(vec, k))) for k in _VECTOR_FIELDS},
+            "running": {**{k: torch.as_tensor(v) for k, v in blank.items() if k != "memory"},
+                        "memory": _state_dict_of(blank["memory"])}}
+    problem = _layout_problem(st, want, "")
+    if problem is None:
+        run = st["running"]
+        for k in ("t", "ep_len"):
+            if bool((run[k] < 0).any()):
+                return f"running.{k} holds a negative count"
+    return problem
+
+
+def _layout_problem(value: Any, want: Any, where: str) -> str | None:
+    """The first key of ``want`` (nested dicts and lists of tensors) that ``value`` lacks or holds
+    with another type, dtype or shape, as a message (None: same layout)."""
+    if isinstance(want, Tensor):
+        if not isinstance(value, Tensor):
+            return f"{where}: {type(value).__name__}, expected a tensor"
+        if value.dtype != want.dtype or tuple(value.shape) != tuple(want.shape):
+            return f"{where}: {value.dtype} {tuple(value.shape)}, expected {want.dtype} {tuple(want.shape)}"
+        return None
+    if isinstance(want, Mapping):
+        if not isinstance(value, Mapping):
+            return f"{where or 'the state'}: {type(value).__name__}, expected a dict"
+        for k, w in want.items():
+            key = f"{where}.{k}" if where else k
+            if k not in value:
+                return f"{key}: missing"
+            problem = _layout_problem(value[k], w, key)
+            if problem is not None:
+                return problem
+        return None
+    if isinstance(want, list):
+        if not isinstance(value, list) or len(value) != len(want):
+            return f"{where}: expected a list of {len(want)}"
+        return next((p for p in (_layout_problem(v, w, f"{where}[{i}]") for i, (v, w) in enumerate(zip(value, want)))
+                     if p is not None), None)
+    if want is None:
+        return None if value is None else f"{where}: expected None"
     return None
 
 

@@ -205,16 +205,21 @@ class RolloutCollector:
         # under DDP each process runs its own N environments: rank r resets them with seeds after rank r - 1's
         first = self.seed * 10_000 + self.rank * self.n_envs
         obs, _ = self.envs.reset(seed=[first + i for i in range(self.n_envs)])
-        dev, n, discrete = self.device, self.n_envs, self.spec.discrete
-        self.obs = obs
-        self.memory = self.model.encoder.initial_state(n, dev)
+        for name, value in self.blank_running(obs, self.device).items():
+            setattr(self, name, value)
+
+    def blank_running(self, obs: np.ndarray, device: torch.device | str) -> dict[str, Any]:
+        """The running episodes of N environments just reset to ``obs`` (N, ...): ``obs``,
+        ``memory`` (the encoder's initial state), ``prev_a`` ((N,) long, or (N, act_dim) float32),
+        ``prev_r``, ``t``, ``start`` ((N,) float32, long, bool), ``ep_ret``, ``ep_len`` ((N,)
+        float64 and int64 NumPy arrays)."""
+        n, discrete = self.n_envs, self.spec.discrete
         a_shape = (n,) if discrete else (n, self.model.cfg.act_dim)
-        self.prev_a = torch.zeros(a_shape, dtype=torch.long if discrete else torch.float32, device=dev)
-        self.prev_r = torch.zeros(n, device=dev)
-        self.t = torch.zeros(n, dtype=torch.long, device=dev)
-        self.start = torch.ones(n, dtype=torch.bool, device=dev)
-        self.ep_ret = np.zeros(n)
-        self.ep_len = np.zeros(n, dtype=np.int64)
+        return {"obs": obs, "memory": self.model.encoder.initial_state(n, device),
+                "prev_a": torch.zeros(a_shape, dtype=torch.long if discrete else torch.float32, device=device),
+                "prev_r": torch.zeros(n, device=device), "t": torch.zeros(n, dtype=torch.long, device=device),
+                "start": torch.ones(n, dtype=torch.bool, device=device),
+                "ep_ret": np.zeros(n), "ep_len": np.zeros(n, dtype=np.int64)}
 
     def check_time_limit(self, init_checkpoint: str | None = None) -> None:
         """Refuse a learned position table without a row for every step up to and including the

@@ -370,3 +370,43 @@ def test_a_hostile_environment_snapshot_is_refused_and_the_environments_restart(
         assert b.collector.envs is None and "the checkpointed environments could not be restored (" in note, name
         base.clear()
         base.update(saved)
+
+
+def _spoil_array(enc: dict, dtype: str, shape: list[int]) -> None:
+    enc.update(dtype=dtype, shape=shape, bytes=torch.zeros(int(np.prod(shape)) * np.dtype(dtype).itemsize,
+                                                           dtype=torch.uint8))
+
+
+@pytest.mark.parametrize(("spoil", "said"), [
+    (lambda st: _spoil_array(st["env_states"][0][-1]["attrs"]["state"], "<f4", [1]),
+     "CartPoleEnv.state: the checkpoint holds a float32 array of shape (1,) where the environment holds float64 (4,)"),
+    (lambda st: st["env_states"][0][-1]["attrs"].__setitem__("state", "hello"),
+     "CartPoleEnv.state: the checkpoint holds a str where the environment holds a ndarray"),
+    (lambda st: st["running"].__setitem__("obs", torch.zeros(2, 7)),
+     "running.obs: torch.float32 (2, 7), expected torch.float32 (2, 4)"),
+    (lambda st: st["running"].__setitem__("obs", st["running"]["obs"].double()),
+     "running.obs: torch.float64 (2, 4), expected torch.float32 (2, 4)"),
+    (lambda st: st["running"].__setitem__("prev_a", torch.zeros(5, dtype=torch.long)),
+     "running.prev_a: torch.int64 (5,), expected torch.int64 (2,)"),
+    (lambda st: st["running"]["t"].fill_(-5), "running.t holds a negative count"),
+    (lambda st: st["running"]["memory"].pop("pos"), "running.memory.pos: missing"),
+    (lambda st: st["running"]["memory"]["memory"].append(None), "running.memory.memory: expected a list of 1"),
+    (lambda st: st.pop("vector"), "vector: missing"),
+    (lambda st: st["vector"].__setitem__("_autoreset_envs", torch.zeros(9, dtype=torch.bool)),
+     "vector._autoreset_envs: torch.bool (9,), expected torch.bool (2,)"),
+    (lambda st: st.__setitem__("recent_returns", ["x"]), "the checkpoint's recent episodes are not numbers"),
+])
+def test_a_snapshot_of_another_layout_restarts_the_environments_naming_the_value(spoil, said) -> None:
+    """A snapshot whose environment attributes, running episodes or vector flags are of another
+    kind, dtype or shape than this run's (or missing, or negative counts) restarts the
+    environments, naming the value, instead of failing later in a rollout or running on."""
+    a = GTrXLPPO.for_training(_cfg(), None, "cpu")
+    a.collector.collect()
+    st = a.process_state()
+    spoil(st)
+    b = GTrXLPPO.for_training(_cfg(), None, "cpu")
+    b.load_extra_state(a.extra_state())
+    b.load_process_state([st])
+    note = b.resume_note(4)
+    assert b.collector.envs is None and said in note
+    b.collector.collect()  # the environments restart
