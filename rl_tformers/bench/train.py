@@ -205,7 +205,7 @@ class OursRunner:
 
     def step(self, mode: str) -> None:
         tr = self.trainer
-        if mode == "e2e":  # the body of Trainer._loop: next batch, to device, update, window
+        if mode == "e2e":  # the body of Trainer._train_step: next batch, to device, update, window
             batch = self.move_to(next(self.stream), tr.device)
             loss, grad_norm, logs = tr.update(batch)
             tr.window.add({"train/loss": loss, "train/grad_norm": grad_norm, **dict(logs)}, samples=64)

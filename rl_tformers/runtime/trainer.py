@@ -426,107 +426,46 @@ class GracefulInterrupt:
         self._previous.clear()
 
 
-class Trainer:
-    """Runs one training run of any registered agent.
+class _TrainerState:
+    """The state the parts of :class:`Trainer` share, set up by :meth:`Trainer.__init__`: the run
+    (``cfg``, ``run_dir``, ``total_steps``), the process (``rank``, ``world_size``, ``device``),
+    the training objects (``agent``, ``model``, ``optimizer``, ``scheduler``, ``params``,
+    ``ddp``) and the progress (``step``, ``elapsed_s``, ``window``)."""
 
-    Args:
-        cfg: a resolved config from :func:`rl_tformers.runtime.run_config.compose`.
-        run_dir: the run directory (created if needed).
-        resume_from: a verified checkpoint of this run to continue from (see :func:`resume`).
-        on_log: called as ``on_log(step, scalars)`` (main rank) each time training scalars are
-            logged (every ``train.log_every`` updates), e.g. for progress lines without a terminal.
+    cfg: DictConfig
+    config_yaml: str
+    on_log: Callable[[int, dict[str, float]], None] | None
+    run_dir: Path
+    dist: dist_rt.DistInfo
+    rank: int
+    world_size: int
+    total_steps: int
+    device: torch.device
+    amp: str
+    agent: Trainable
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    params: list[Tensor]
+    ddp: torch.nn.Module | None
+    window: MetricWindow
+    step: int
+    elapsed_s: float
+    _random_feature_modules: Any
+    _rng_to_restore: dict[str, Any] | None
+    _resumed_from: Path | None
+    _first_loss_finite: bool | None
 
-    Raises:
-        ConfigError / ValueError: bad device or schedule values (before anything is written).
-        TypeError: the agent's builder returned something that is not a Trainable.
-    """
-
-    def __init__(self, cfg: DictConfig, run_dir: str | os.PathLike, *, resume_from: ckpt.FoundCheckpoint | None = None,
-                 on_log: Callable[[int, dict[str, float]], None] | None = None):
-        self.cfg = cfg
-        self.config_yaml = to_yaml(cfg)  # the config is read-only: serialise it once
-        self.on_log = on_log
-        self.run_dir = Path(run_dir)
-        self.dist = dist_rt.dist_info()
-        self.rank, self.world_size = self.dist.rank, self.dist.world_size
-        t = cfg.train
-        self.total_steps = int(t.steps)
-        self.device = dist_rt.rank_device(resolve_device(cfg.device), self.dist)
-        check_world_size(cfg, self.world_size)
-        self.amp = str(t.amp.value if hasattr(t.amp, "value") else t.amp)
-        autocast(self.device, self.amp)  # validates amp
-        seed_everything(int(cfg.seed), deterministic=bool(t.deterministic))
-
-        # the builder may read the checkpoint it will be resumed from (agents.resume_state)
-        self.agent: Trainable = build_agent(cfg, self.run_dir, self.device,
-                                            resume_from=resume_from.state if resume_from is not None else None)
-        self.model = self.agent.model.to(self.device)
-        if self.device.type == "cpu":  # float32 nn.Linear products in the library the config resolved
-            apply_cpu_matmul(self.model, str(cfg.get("cpu_matmul", "mkl")))
-        groups_fn = getattr(self.agent, "param_groups", None)
-        groups = groups_fn() if callable(groups_fn) else default_param_groups(self.model, float(t.weight_decay))
-        self.optimizer = build_optimizer(groups, lr=float(t.lr), weight_decay=float(t.weight_decay),
-                                         betas=tuple(t.betas), eps=float(t.eps))
-        schedule = str(t.schedule.value if hasattr(t.schedule, "value") else t.schedule)
-        self.scheduler = build_scheduler(
-            self.optimizer, LRSchedule(schedule, self.total_steps, int(t.warmup_steps), float(t.min_lr_ratio))
-        )
-        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
-
-        #: attention modules with random features (Performer, RFA, LSH) redrawn on their schedule
-        self._random_feature_modules = random_feature_modules(self.model)
-        #: logged keys that keep their latest value in a logging window (the agent's ``latest_logs``)
-        latest = getattr(self.agent, "latest_logs", ()) or ()
-        latest = (latest,) if isinstance(latest, str) else tuple(latest)
-        self.window = MetricWindow(latest=[k if "/" in k else f"train/{k}" for k in latest])
-        self.step = 0
-        self.elapsed_s = 0.0
-        self._rng_to_restore: dict[str, Any] | None = None
-        self._resumed_from: Path | None = None
-        #: whether the loss of a new run's first update (before any parameter changed) was finite
-        self._first_loss_finite: bool | None = None
-        if self.rank > 0:  # different dropout masks on different shards (checkpoints keep each rank's RNG)
-            seed_everything(derive_seed(int(cfg.seed), "rank", self.rank), deterministic=bool(t.deterministic))
-        if resume_from is not None:
-            self._load(resume_from)
-        #: DistributedDataParallel around the agent's loss (multi-process runs), else None
-        self.ddp: torch.nn.Module | None = None
-        if self.dist.distributed:
-            if not dist_rt.is_active():
-                raise RuntimeError(
-                    f"WORLD_SIZE={self.world_size} (torchrun) but no process group: start runs with "
-                    f"rl_tformers.runtime.trainer.train/resume (or `rl-tformers train`), which join it"
-                )
-            # the agent asks for it when it knows some updates leave parameters without a gradient
-            # (PPO's critic warm-up trains the value head alone)
-            find_unused = bool(t.get("ddp_find_unused", False)) or bool(getattr(self.agent, "ddp_find_unused", False))
-            self.ddp = dist_rt.wrap_ddp(self.agent, self.device, find_unused)
-
-    # -- rank awareness -------------------------------------------------------------------------
     @property
     def is_main(self) -> bool:
         """True on the process that logs and checkpoints (rank 0; always True without DDP)."""
         return self.rank == 0
 
-    def resolved_values(self) -> dict[str, Any]:
-        """The effective values of what this start resolved (dotted key -> value): ``device``
-        (the torch device of this rank), ``cpu_matmul``, ``processes``, ``torch.num_threads``,
-        ``torch.num_interop_threads`` and the agent's own (``resolved_options()``, e.g.
-        ``agent.reward_scale``). Recorded in ``config.yaml``, the first log line and the
-        TensorBoard hparams (:mod:`rl_tformers.runtime.resolved`)."""
-        values: dict[str, Any] = {
-            "device": str(self.device), "processes": int(self.world_size),
-            "torch.num_threads": int(torch.get_num_threads()),
-            "torch.num_interop_threads": int(torch.get_num_interop_threads()),
-        }
-        if self.device.type == "cpu":
-            values["cpu_matmul"] = str(self.cfg.get("cpu_matmul", "mkl"))
-        own = getattr(self.agent, "resolved_options", None)
-        if callable(own):
-            values.update({str(k): v for k, v in dict(own()).items()})
-        return values
 
-    # -- checkpoints ----------------------------------------------------------------------------
+class _TrainerCheckpoints(_TrainerState):
+    """The checkpoint side of :class:`Trainer`: what a checkpoint holds, writing it (every rank's
+    share gathered under DDP) and restoring a run from one, exactly."""
+
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint content at the current step (see :mod:`rl_tformers.runtime.checkpoint`)."""
         extra_fn = getattr(self.agent, "extra_state", None)
@@ -628,7 +567,21 @@ class Trainer:
             if text:
                 log.warning("warning: %s", text)
 
-    # -- evaluation -----------------------------------------------------------------------------
+    def _divergence_hint(self) -> str:
+        """What a non-finite loss or gradient norm asks the user to try: the optimiser's options,
+        unless the loss of the run's first update, computed before any parameter changed, was
+        already not finite (then the data's scale or the initial model is the cause)."""
+        if self._first_loss_finite is False:
+            return ("(the loss of the first update, computed before any parameter changed, is not finite, so the "
+                    "learning rate is not the cause: the data or the initial model overflow float32; check the "
+                    "scale of the observations, rewards and actions, e.g. agent.normalize_obs=true)")
+        return "(try a lower train.lr, train.grad_clip, or train.amp=none)"
+
+
+class _TrainerEvaluation(_TrainerState):
+    """The evaluation side of :class:`Trainer`: the agent's ``evaluate(step)`` on its schedule,
+    a failing evaluation left resumable, and an evaluation a resumed run still owes."""
+
     def evaluate(self, logger: RunLogger) -> dict[str, float]:
         """Run the agent's ``evaluate(step)`` (if any; rank 0 only) and log its scalars and figures."""
         fn = getattr(self.agent, "evaluate", None)
@@ -694,32 +647,44 @@ class Trainer:
         try:
             raise failure
         except Exception as exc:
-            if not saved and not dist_rt.is_active():
-                try:
-                    checkpoint = self.save()
-                except Exception as save_exc:  # noqa: BLE001 - report both, raise the evaluation's
-                    log.error("evaluation at step %d failed, and saving a checkpoint then failed too: %s",
-                              self.step, save_exc)
-                    raise exc from None
-            where = f"checkpoint {checkpoint}" if checkpoint is not None else "the last checkpoint"
-            if isinstance(exc, ValueError) and not isinstance(exc, EvaluationInputError):
-                if self.step >= self.total_steps:
-                    then = (f"nothing is lost: the trained model is in {where}; `rl-tformers eval {self.run_dir}` "
-                            f"as it is would fail the same way: evaluate it with the fix named above")
-                else:
-                    then = (f"nothing is lost: the run is saved ({where}); resuming would meet the same "
-                            f"evaluation: fix the option named above, or finish training without evaluating "
-                            f"({resume_command(self.run_dir, self.world_size)} eval.every=0 eval.at_end=false) "
-                            f"and evaluate the model with the fix")
-                raise EvaluationInputError(f"evaluation at step {self.step} failed: {exc}; {then}") from exc
-            if self.step >= self.total_steps:
-                then = f"the trained model is in {where}; evaluate it with: rl-tformers eval {self.run_dir}"
-            else:
-                then = f"the run is saved ({where}); continue with: {resume_command(self.run_dir, self.world_size)}"
-            note = f"evaluation at step {self.step} failed ({type(exc).__name__}: {exc}); {then}"
-            log.error("%s", note)
-            exc.add_note(note)
+            checkpoint = self._save_after_failed_evaluation(exc, saved=saved, checkpoint=checkpoint)
+            self._explain_failed_evaluation(exc, checkpoint)
             raise
+
+    def _save_after_failed_evaluation(self, exc: Exception, *, saved: bool, checkpoint: Path | None) -> Path | None:
+        """Save the current step after the evaluation raised ``exc`` unless it is ``saved`` (one
+        process; under DDP :meth:`_evaluate_or_save` saves with every rank); returns the
+        checkpoint the run continues from. A save that fails too is logged and ``exc`` re-raised."""
+        if not saved and not dist_rt.is_active():
+            try:
+                checkpoint = self.save()
+            except Exception as save_exc:  # noqa: BLE001 - report both, raise the evaluation's
+                log.error("evaluation at step %d failed, and saving a checkpoint then failed too: %s",
+                          self.step, save_exc)
+                raise exc from None
+        return checkpoint
+
+    def _explain_failed_evaluation(self, exc: Exception, checkpoint: Path | None) -> None:
+        """Raise :class:`EvaluationInputError` for a ``ValueError`` of the evaluation, else add
+        (and log) the note to ``exc`` naming the checkpoint and how to continue or evaluate."""
+        where = f"checkpoint {checkpoint}" if checkpoint is not None else "the last checkpoint"
+        if isinstance(exc, ValueError) and not isinstance(exc, EvaluationInputError):
+            if self.step >= self.total_steps:
+                then = (f"nothing is lost: the trained model is in {where}; `rl-tformers eval {self.run_dir}` "
+                        f"as it is would fail the same way: evaluate it with the fix named above")
+            else:
+                then = (f"nothing is lost: the run is saved ({where}); resuming would meet the same "
+                        f"evaluation: fix the option named above, or finish training without evaluating "
+                        f"({resume_command(self.run_dir, self.world_size)} eval.every=0 eval.at_end=false) "
+                        f"and evaluate the model with the fix")
+            raise EvaluationInputError(f"evaluation at step {self.step} failed: {exc}; {then}") from exc
+        if self.step >= self.total_steps:
+            then = f"the trained model is in {where}; evaluate it with: rl-tformers eval {self.run_dir}"
+        else:
+            then = f"the run is saved ({where}); continue with: {resume_command(self.run_dir, self.world_size)}"
+        note = f"evaluation at step {self.step} failed ({type(exc).__name__}: {exc}); {then}"
+        log.error("%s", note)
+        exc.add_note(note)
 
     def evaluate_final(self, checkpoint: Path) -> TrainResult:
         """Run and log the final evaluation of a run trained to ``train.steps`` whose evaluation
@@ -736,53 +701,119 @@ class Trainer:
         return TrainResult(run_dir=self.run_dir, step=self.step, checkpoint=checkpoint, total_steps=self.total_steps,
                            last_eval=last_eval)
 
-    # -- the loop -------------------------------------------------------------------------------
-    def _prepare_run_dir(self, logger: RunLogger, resolved: Mapping[str, Any]) -> None:
-        yaml_text = self.config_yaml
-        text = resolved_block(resolved) + yaml_text
-        ckpt.atomic_write(self.run_dir / CONFIG_FILE, lambda f: f.write(text.encode()))
-        if self._resumed_from is None:
-            flat = flatten(to_container(self.cfg))
-            logger.config(yaml_text, {**flat, **{f"resolved.{k}": v for k, v in resolved.items()}})
-        else:
-            logger.text("resume", f"resumed at step {self.step} from `{self._resumed_from.name}`", self.step)
+    def _evaluate_unlogged(self, logger: RunLogger, interrupt: GracefulInterrupt, result: TrainResult,
+                           eval_every: int) -> None:
+        """Before the first update of a resumed run: if the checkpoint resumed from is an
+        evaluation step whose evaluation was never logged (it failed, or a second signal cut it
+        short, after the step was saved), run it now, so the continued run logs what an
+        uninterrupted one logs (it changes no training state). Rank 0 decides (it reads its own
+        logs); under DDP every rank joins the evaluation's vote."""
+        pending = (self._resumed_from is not None and self.is_main and bool(eval_every)
+                   and 0 < self.step < self.total_steps and self.step % eval_every == 0
+                   and not final_eval_logged(self.run_dir, self.step))
+        if dist_rt.is_active():
+            pending = bool(dist_rt.broadcast_object(pending))
+        if pending:
+            log.info("the evaluation of step %d (eval.every=%d) was not logged: evaluating it now", self.step,
+                     eval_every)
+            interrupt.evaluating = (self.step, False)
+            result.last_eval = self._evaluate_or_save(logger, saved=True, checkpoint=self._resumed_from)
+            interrupt.evaluating = None
 
-    def fit(self, stop_at: int | None = None, interrupt: GracefulInterrupt | None = None) -> TrainResult:
-        """Train from the current step to ``train.steps``; stops early (after saving) on SIGINT/SIGTERM.
 
-        Args:
-            stop_at: stop after this many updates (with a checkpoint) even if ``train.steps``
-                is larger; ``--resume`` continues exactly as if the run had never stopped
-                (for time-limited jobs). None: run to ``train.steps``.
-            interrupt: this process's signal handling, already entered (``rl-tformers train``
-                runs its whole start-up under one in start-up mode, see
-                :class:`GracefulInterrupt`); None: a graceful one is installed for the call.
+class _TrainerUpdates(_TrainerState):
+    """The update side of :class:`Trainer`: one optimiser update, the per-update step around it
+    (random features, batch, metrics window) and the random-feature redraw schedule."""
 
-        Before anything is written to the run directory every rank leaves start-up mode and
-        the ranks agree that training starts (:meth:`_agree_to_start`); a signal before that
-        point leaves the run directory as it was.
+    def update(self, batch: Any) -> tuple[Tensor, Tensor, Mapping[str, Any]]:
+        """One optimiser update on ``batch`` (already on the device; this rank's shard under DDP).
+
+        autocast(train.amp) forward + loss, backward (DDP all-reduces gradients inside it),
+        global-norm clipping to ``train.grad_clip``, AdamW step, scheduler step. No host sync.
+
+        Returns:
+            (loss, grad_norm, logs): 0-dim tensors on the device and the agent's extra scalars.
 
         Raises:
-            Interrupted: a signal reached this or another rank before the first update (every
-                rank raises it); nothing was trained or written.
-            KeyboardInterrupt: a second signal aborted the run (logged, with where the run
-                stands, when :attr:`GracefulInterrupt.announce`).
-            NonFiniteLossError: the loss or gradient norm became NaN/inf (no checkpoint of it).
-            Exception: whatever the agent's ``evaluate`` raises, after the step it evaluated is
-                saved (see :meth:`_evaluate_or_save`).
+            TypeError: the agent's ``loss`` did not return a 0-dim tensor first.
         """
-        own = interrupt is None
-        interrupt = GracefulInterrupt(announce=self.is_main) if interrupt is None else interrupt
-        with interrupt if own else contextlib.nullcontext():
-            with agent_build_errors():  # the agent's data checks, before the run directory is written
-                batches = self.agent.batches(self.step)
-            self._agree_to_start(interrupt)
-            try:
-                return self._train(batches, interrupt, stop_at)
-            except KeyboardInterrupt:
-                if interrupt.aborted is not None and interrupt.announce:
-                    log.warning("%s", self._abort_note(interrupt.aborted, interrupt.evaluating))
-                raise
+        with autocast(self.device, self.amp):
+            loss, logs = (self.ddp if self.ddp is not None else self.agent.loss)(batch)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError(f"agent {self.cfg.agent.kind!r}: loss() must return a 0-dim tensor first, got {loss!r}")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self._clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss, grad_norm, logs
+
+    def _train_step(self, batches: Iterator[Any]) -> float:
+        """Update ``step`` -> ``step + 1``: redraw the random features due after ``step``, take the
+        next batch to the device, :meth:`update`, add its scalars to the window. Returns the
+        learning rate of the update (before the scheduler stepped).
+
+        Raises:
+            RuntimeError: the agent's ``batches()`` ran out before ``train.steps``.
+        """
+        # features due after update `step` are redrawn only now, before the next batch: the
+        # checkpoint and evaluation of `step` keep the features its weights were trained with
+        self._redraw_features()
+        try:
+            batch = next(batches)
+        except StopIteration:
+            raise RuntimeError(
+                f"agent {self.cfg.agent.kind!r}: batches() ran out at step {self.step} of {self.total_steps}"
+            ) from None
+        batch = move_to(batch, self.device)
+        lr = float(self.optimizer.param_groups[0]["lr"])  # of this update (before the scheduler steps)
+        loss, grad_norm, logs = self.update(batch)
+        if self.step == 0:  # a new run's first loss, computed before any parameter changed (one sync)
+            self._first_loss_finite = bool(torch.isfinite(loss.detach()).all())
+        self.step += 1
+        self.window.add({"train/loss": loss, "train/grad_norm": grad_norm,
+                         **{(k if "/" in k else f"train/{k}"): v for k, v in dict(logs).items()}},
+                        samples=batch_size_of(batch) or 0)
+        return lr
+
+    def _redraw_features(self) -> int:
+        """Redraw the random features that are due after update ``self.step`` (the attention
+        kinds' ``redraw_every``); returns the number of modules redrawn.
+
+        Called before the batch of the next update is drawn (after the checkpoint and the
+        evaluation of update ``self.step``, so a saved or evaluated model holds the features its
+        weights were trained with), so the function changes *between* updates only. An agent with an optional ``updates_per_rollout`` attribute
+        U (on-policy: one rollout feeds U updates) gets its redraws only at rollout boundaries
+        (steps that are multiples of U, catching up any schedule step since the previous one),
+        never between a rollout and the updates that learn from it. The draw comes from a
+        generator seeded with ``derive_seed(seed, "redraw", step)`` (the global RNGs are not
+        touched) and the features are buffers in the checkpoint: resuming is exact.
+        """
+        if not self._random_feature_modules:
+            return 0
+        unit = max(1, int(getattr(self.agent, "updates_per_rollout", 1) or 1))
+        if self.step % unit:
+            return 0
+
+        gen = torch.Generator().manual_seed(derive_seed(int(self.cfg.seed), "redraw", self.step))
+        return maybe_redraw_random_features(self.model, self.step, gen, since=self.step - unit)
+
+    @property
+    def _clip(self) -> float:
+        return float(self.cfg.train.grad_clip) if self.cfg.train.grad_clip else math.inf
+
+
+class _TrainerStops(_TrainerState):
+    """The stop side of :class:`Trainer`: the ranks' agreement to start and to stop after the
+    same update, and what a stop or an abort by a signal leaves."""
+
+    def _stop_signal(self, interrupt: GracefulInterrupt) -> int | None:
+        """The signal that stops the run after this update, or None. Under DDP every rank gets
+        the same answer (one all-reduce: the largest signal number any rank received), so all
+        of them stop, and save together, after the same update."""
+        if not dist_rt.is_active():
+            return interrupt.signum
+        return dist_rt.max_over_ranks(interrupt.signum or 0, self.device) or None
 
     def _agree_to_start(self, interrupt: GracefulInterrupt) -> None:
         """Leave start-up mode, then agree with every rank that training starts.
@@ -825,6 +856,229 @@ class Trainer:
         return (f"{what}; the run continues from its last checkpoint, step {step} ({path}): "
                 f"{resume_command(self.run_dir, self.world_size)}")
 
+    def _announce_stop(self, signum: int, bar: Any, checkpoint: Path | None) -> None:
+        """Log where a run stopped by ``signum`` stands and the command that continues it."""
+        if bar is not None:  # its last line first: the "continue with" line must end the output
+            bar.close()
+        # stopped right after a resume, before any update: the checkpoint resumed from holds this step
+        log.warning("stopped at step %d by %s; checkpoint %s; continue with: %s",
+                    self.step, signal.Signals(signum).name, checkpoint or self._resumed_from,
+                    resume_command(self.run_dir, self.world_size))
+
+
+class _WindowTimer:
+    """The throughput clock of a log window: the updates this process made since the window's
+    timing started (after a resume the restored window also counts updates made before it) and
+    the time spent on them, checkpoint and evaluation time excluded (:meth:`pause` and
+    :meth:`resume` around them)."""
+
+    def __init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        self.t0, self.elapsed, self.updates = time.perf_counter(), 0.0, 0
+
+    def pause(self) -> None:
+        self.elapsed += time.perf_counter() - self.t0
+
+    def resume(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def seconds(self) -> float:
+        """Seconds timed so far (at least 1e-9)."""
+        return max(self.elapsed + time.perf_counter() - self.t0, 1e-9)
+
+
+class _TrainerRecords(_TrainerState):
+    """The record side of :class:`Trainer`: the resolved values, ``config.yaml`` and the run's
+    first log lines, and each logging window's scalars."""
+
+    def resolved_values(self) -> dict[str, Any]:
+        """The effective values of what this start resolved (dotted key -> value): ``device``
+        (the torch device of this rank), ``cpu_matmul``, ``processes``, ``torch.num_threads``,
+        ``torch.num_interop_threads`` and the agent's own (``resolved_options()``, e.g.
+        ``agent.reward_scale``). Recorded in ``config.yaml``, the first log line and the
+        TensorBoard hparams (:mod:`rl_tformers.runtime.resolved`)."""
+        values: dict[str, Any] = {
+            "device": str(self.device), "processes": int(self.world_size),
+            "torch.num_threads": int(torch.get_num_threads()),
+            "torch.num_interop_threads": int(torch.get_num_interop_threads()),
+        }
+        if self.device.type == "cpu":
+            values["cpu_matmul"] = str(self.cfg.get("cpu_matmul", "mkl"))
+        own = getattr(self.agent, "resolved_options", None)
+        if callable(own):
+            values.update({str(k): v for k, v in dict(own()).items()})
+        return values
+
+    def _prepare_run_dir(self, logger: RunLogger, resolved: Mapping[str, Any]) -> None:
+        yaml_text = self.config_yaml
+        text = resolved_block(resolved) + yaml_text
+        ckpt.atomic_write(self.run_dir / CONFIG_FILE, lambda f: f.write(text.encode()))
+        if self._resumed_from is None:
+            flat = flatten(to_container(self.cfg))
+            logger.config(yaml_text, {**flat, **{f"resolved.{k}": v for k, v in resolved.items()}})
+        else:
+            logger.text("resume", f"resumed at step {self.step} from `{self._resumed_from.name}`", self.step)
+
+    def _log_start(self, resolved: Mapping[str, Any]) -> None:
+        """The run's first console lines (main rank): what trains where, and :func:`config_warnings`."""
+        n_params = sum(p.numel() for p in self.params)
+        if self.is_main:
+            procs = f" x {self.world_size} processes" if self.world_size > 1 else ""
+            log.info("run %s | agent %s | %d trainable parameters | device %s%s | steps %d -> %d | resolved: %s",
+                     self.run_dir, self.cfg.agent.kind, n_params, self.device, procs, self.step, self.total_steps,
+                     resolved_line(resolved))
+            for message in config_warnings(self.cfg):
+                log.warning("warning: %s", message)
+
+    def _log_window(self, logger: RunLogger, bar: Any, result: TrainResult, lr: float, timer: _WindowTimer) -> None:
+        """Log the window's means over every rank (:meth:`MetricWindow.reduce`), the learning rate
+        ``lr`` of the last update and the window's throughput, then start the next window.
+
+        Raises:
+            NonFiniteLossError: a scalar of the window is NaN/inf (nothing is logged).
+        """
+        scalars, samples = self.window.reduce(self.device)
+        bad = [k for k, v in scalars.items() if not math.isfinite(v)]
+        if bad:
+            raise NonFiniteLossError(
+                f"non-finite {', '.join(bad)} in updates {self.step - self.window.count + 1}..{self.step} "
+                f"{self._divergence_hint()}"
+            )
+        scalars["train/lr"] = lr  # of the last update
+        dt = timer.seconds()
+        scalars["perf/steps_per_s"] = timer.updates / dt
+        scalars["perf/samples_per_s"] = samples * timer.updates / max(self.window.count, 1) / dt
+        logger.scalars(self.step, scalars)
+        result.last_train = scalars
+        if self.on_log is not None and self.is_main:
+            self.on_log(self.step, scalars)
+        if bar is not None:
+            bar.set_postfix(loss=f"{scalars['train/loss']:.4g}", lr=f"{lr:.2e}", refresh=False)
+        self.window.reset()
+        timer.restart()
+
+
+class Trainer(_TrainerCheckpoints, _TrainerEvaluation, _TrainerUpdates, _TrainerStops, _TrainerRecords):
+    """Runs one training run of any registered agent.
+
+    This class sets the run up (:meth:`__init__`) and drives it (:meth:`fit`, the update loop);
+    its parts are split by responsibility: checkpoints and exact resume
+    (:class:`_TrainerCheckpoints`), evaluation (:class:`_TrainerEvaluation`), one update
+    (:class:`_TrainerUpdates`), stop signals (:class:`_TrainerStops`) and the run's records
+    (:class:`_TrainerRecords`).
+
+    Args:
+        cfg: a resolved config from :func:`rl_tformers.runtime.run_config.compose`.
+        run_dir: the run directory (created if needed).
+        resume_from: a verified checkpoint of this run to continue from (see :func:`resume`).
+        on_log: called as ``on_log(step, scalars)`` (main rank) each time training scalars are
+            logged (every ``train.log_every`` updates), e.g. for progress lines without a terminal.
+
+    Raises:
+        ConfigError / ValueError: bad device or schedule values (before anything is written).
+        TypeError: the agent's builder returned something that is not a Trainable.
+    """
+
+    def __init__(self, cfg: DictConfig, run_dir: str | os.PathLike, *, resume_from: ckpt.FoundCheckpoint | None = None,
+                 on_log: Callable[[int, dict[str, float]], None] | None = None):
+        self.cfg = cfg
+        self.config_yaml = to_yaml(cfg)  # the config is read-only: serialise it once
+        self.on_log = on_log
+        self.run_dir = Path(run_dir)
+        self.dist = dist_rt.dist_info()
+        self.rank, self.world_size = self.dist.rank, self.dist.world_size
+        t = cfg.train
+        self.total_steps = int(t.steps)
+        self.device = dist_rt.rank_device(resolve_device(cfg.device), self.dist)
+        check_world_size(cfg, self.world_size)
+        self.amp = str(t.amp.value if hasattr(t.amp, "value") else t.amp)
+        autocast(self.device, self.amp)  # validates amp
+        seed_everything(int(cfg.seed), deterministic=bool(t.deterministic))
+
+        # the builder may read the checkpoint it will be resumed from (agents.resume_state)
+        self.agent: Trainable = build_agent(cfg, self.run_dir, self.device,
+                                            resume_from=resume_from.state if resume_from is not None else None)
+        self.model = self.agent.model.to(self.device)
+        if self.device.type == "cpu":  # float32 nn.Linear products in the library the config resolved
+            apply_cpu_matmul(self.model, str(cfg.get("cpu_matmul", "mkl")))
+        groups_fn = getattr(self.agent, "param_groups", None)
+        groups = groups_fn() if callable(groups_fn) else default_param_groups(self.model, float(t.weight_decay))
+        self.optimizer = build_optimizer(groups, lr=float(t.lr), weight_decay=float(t.weight_decay),
+                                         betas=tuple(t.betas), eps=float(t.eps))
+        schedule = str(t.schedule.value if hasattr(t.schedule, "value") else t.schedule)
+        self.scheduler = build_scheduler(
+            self.optimizer, LRSchedule(schedule, self.total_steps, int(t.warmup_steps), float(t.min_lr_ratio))
+        )
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+
+        #: attention modules with random features (Performer, RFA, LSH) redrawn on their schedule
+        self._random_feature_modules = random_feature_modules(self.model)
+        #: logged keys that keep their latest value in a logging window (the agent's ``latest_logs``)
+        latest = getattr(self.agent, "latest_logs", ()) or ()
+        latest = (latest,) if isinstance(latest, str) else tuple(latest)
+        self.window = MetricWindow(latest=[k if "/" in k else f"train/{k}" for k in latest])
+        self.step = 0
+        self.elapsed_s = 0.0
+        self._rng_to_restore: dict[str, Any] | None = None
+        self._resumed_from: Path | None = None
+        #: whether the loss of a new run's first update (before any parameter changed) was finite
+        self._first_loss_finite: bool | None = None
+        if self.rank > 0:  # different dropout masks on different shards (checkpoints keep each rank's RNG)
+            seed_everything(derive_seed(int(cfg.seed), "rank", self.rank), deterministic=bool(t.deterministic))
+        if resume_from is not None:
+            self._load(resume_from)
+        #: DistributedDataParallel around the agent's loss (multi-process runs), else None
+        self.ddp: torch.nn.Module | None = None
+        if self.dist.distributed:
+            if not dist_rt.is_active():
+                raise RuntimeError(
+                    f"WORLD_SIZE={self.world_size} (torchrun) but no process group: start runs with "
+                    f"rl_tformers.runtime.trainer.train/resume (or `rl-tformers train`), which join it"
+                )
+            # the agent asks for it when it knows some updates leave parameters without a gradient
+            # (PPO's critic warm-up trains the value head alone)
+            find_unused = bool(t.get("ddp_find_unused", False)) or bool(getattr(self.agent, "ddp_find_unused", False))
+            self.ddp = dist_rt.wrap_ddp(self.agent, self.device, find_unused)
+
+    def fit(self, stop_at: int | None = None, interrupt: GracefulInterrupt | None = None) -> TrainResult:
+        """Train from the current step to ``train.steps``; stops early (after saving) on SIGINT/SIGTERM.
+
+        Args:
+            stop_at: stop after this many updates (with a checkpoint) even if ``train.steps``
+                is larger; ``--resume`` continues exactly as if the run had never stopped
+                (for time-limited jobs). None: run to ``train.steps``.
+            interrupt: this process's signal handling, already entered (``rl-tformers train``
+                runs its whole start-up under one in start-up mode, see
+                :class:`GracefulInterrupt`); None: a graceful one is installed for the call.
+
+        Before anything is written to the run directory every rank leaves start-up mode and
+        the ranks agree that training starts (:meth:`_agree_to_start`); a signal before that
+        point leaves the run directory as it was.
+
+        Raises:
+            Interrupted: a signal reached this or another rank before the first update (every
+                rank raises it); nothing was trained or written.
+            KeyboardInterrupt: a second signal aborted the run (logged, with where the run
+                stands, when :attr:`GracefulInterrupt.announce`).
+            NonFiniteLossError: the loss or gradient norm became NaN/inf (no checkpoint of it).
+            Exception: whatever the agent's ``evaluate`` raises, after the step it evaluated is
+                saved (see :meth:`_evaluate_or_save`).
+        """
+        own = interrupt is None
+        interrupt = GracefulInterrupt(announce=self.is_main) if interrupt is None else interrupt
+        with interrupt if own else contextlib.nullcontext():
+            with agent_build_errors():  # the agent's data checks, before the run directory is written
+                batches = self.agent.batches(self.step)
+            self._agree_to_start(interrupt)
+            try:
+                return self._train(batches, interrupt, stop_at)
+            except KeyboardInterrupt:
+                if interrupt.aborted is not None and interrupt.announce:
+                    log.warning("%s", self._abort_note(interrupt.aborted, interrupt.evaluating))
+                raise
+
     def _train(self, batches: Any, interrupt: GracefulInterrupt, stop_at: int | None) -> TrainResult:
         """The part of :meth:`fit` after the ranks agreed to start: prepare the run directory,
         then the training loop."""
@@ -841,14 +1095,7 @@ class Trainer:
             resolved = self.resolved_values() if self.is_main else {}
             if self.is_main:
                 self._prepare_run_dir(logger, resolved)
-            n_params = sum(p.numel() for p in self.params)
-            if self.is_main:
-                procs = f" x {self.world_size} processes" if self.world_size > 1 else ""
-                log.info("run %s | agent %s | %d trainable parameters | device %s%s | steps %d -> %d | resolved: %s",
-                         self.run_dir, self.cfg.agent.kind, n_params, self.device, procs, self.step, self.total_steps,
-                         resolved_line(resolved))
-                for message in config_warnings(self.cfg):
-                    log.warning("warning: %s", message)
+            self._log_start(resolved)
             if t.compile:
                 self.model.compile()
             if getattr(self.agent, "local_batches", False):  # each rank's batches are its own share already
@@ -870,97 +1117,17 @@ class Trainer:
             logger.close()
         return result
 
-    def _divergence_hint(self) -> str:
-        """What a non-finite loss or gradient norm asks the user to try: the optimiser's options,
-        unless the loss of the run's first update, computed before any parameter changed, was
-        already not finite (then the data's scale or the initial model is the cause)."""
-        if self._first_loss_finite is False:
-            return ("(the loss of the first update, computed before any parameter changed, is not finite, so the "
-                    "learning rate is not the cause: the data or the initial model overflow float32; check the "
-                    "scale of the observations, rewards and actions, e.g. agent.normalize_obs=true)")
-        return "(try a lower train.lr, train.grad_clip, or train.amp=none)"
-
-    def update(self, batch: Any) -> tuple[Tensor, Tensor, Mapping[str, Any]]:
-        """One optimiser update on ``batch`` (already on the device; this rank's shard under DDP).
-
-        autocast(train.amp) forward + loss, backward (DDP all-reduces gradients inside it),
-        global-norm clipping to ``train.grad_clip``, AdamW step, scheduler step. No host sync.
-
-        Returns:
-            (loss, grad_norm, logs): 0-dim tensors on the device and the agent's extra scalars.
-
-        Raises:
-            TypeError: the agent's ``loss`` did not return a 0-dim tensor first.
-        """
-        with autocast(self.device, self.amp):
-            loss, logs = (self.ddp if self.ddp is not None else self.agent.loss)(batch)
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise TypeError(f"agent {self.cfg.agent.kind!r}: loss() must return a 0-dim tensor first, got {loss!r}")
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self._clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        return loss, grad_norm, logs
-
-    def _redraw_features(self) -> int:
-        """Redraw the random features that are due after update ``self.step`` (the attention
-        kinds' ``redraw_every``); returns the number of modules redrawn.
-
-        Called before the batch of the next update is drawn (after the checkpoint and the
-        evaluation of update ``self.step``, so a saved or evaluated model holds the features its
-        weights were trained with), so the function changes *between* updates only. An agent with an optional ``updates_per_rollout`` attribute
-        U (on-policy: one rollout feeds U updates) gets its redraws only at rollout boundaries
-        (steps that are multiples of U, catching up any schedule step since the previous one),
-        never between a rollout and the updates that learn from it. The draw comes from a
-        generator seeded with ``derive_seed(seed, "redraw", step)`` (the global RNGs are not
-        touched) and the features are buffers in the checkpoint: resuming is exact.
-        """
-        if not self._random_feature_modules:
-            return 0
-        unit = max(1, int(getattr(self.agent, "updates_per_rollout", 1) or 1))
-        if self.step % unit:
-            return 0
-
-        gen = torch.Generator().manual_seed(derive_seed(int(self.cfg.seed), "redraw", self.step))
-        return maybe_redraw_random_features(self.model, self.step, gen, since=self.step - unit)
-
-    @property
-    def _clip(self) -> float:
-        return float(self.cfg.train.grad_clip) if self.cfg.train.grad_clip else math.inf
-
-    def _stop_signal(self, interrupt: GracefulInterrupt) -> int | None:
-        """The signal that stops the run after this update, or None. Under DDP every rank gets
-        the same answer (one all-reduce: the largest signal number any rank received), so all
-        of them stop, and save together, after the same update."""
-        if not dist_rt.is_active():
-            return interrupt.signum
-        return dist_rt.max_over_ranks(interrupt.signum or 0, self.device) or None
-
     def _loop(self, batches: Iterator[Any], logger: RunLogger, bar: Any, interrupt: GracefulInterrupt,
               result: TrainResult, stop_at: int | None) -> TrainResult:
+        """The updates from the current step to ``stop_at`` (or ``train.steps``): per update the
+        ranks' stop vote and :meth:`_train_step`, then on their schedules the log window, the
+        checkpoint and the evaluation; the last step is saved, and a stop announced."""
         t, ev = self.cfg.train, self.cfg.eval
         log_every, ckpt_every, eval_every = int(t.log_every), int(t.checkpoint_every), int(ev.every)
         last_saved = self.step if self._resumed_from is not None else -1
         self.model.train()
-        pending = (self._resumed_from is not None and self.is_main and bool(eval_every)
-                   and 0 < self.step < self.total_steps and self.step % eval_every == 0
-                   and not final_eval_logged(self.run_dir, self.step))
-        if dist_rt.is_active():  # rank 0 decides (it reads its own logs), every rank joins the evaluation's vote
-            pending = bool(dist_rt.broadcast_object(pending))
-        if pending:
-            # the checkpoint resumed from is an evaluation step whose evaluation was never logged
-            # (it failed, or a second signal cut it short, after the step was saved): run it now, so
-            # the continued run logs what an uninterrupted one logs (it changes no training state)
-            log.info("the evaluation of step %d (eval.every=%d) was not logged: evaluating it now", self.step,
-                     eval_every)
-            interrupt.evaluating = (self.step, False)
-            result.last_eval = self._evaluate_or_save(logger, saved=True, checkpoint=self._resumed_from)
-            interrupt.evaluating = None
-        # throughput of the log window: updates made by this process since the window's timing
-        # started (after a resume the restored window also counts updates made before it) over
-        # the time spent on them (checkpoint and evaluation time excluded)
-        window_t0, window_elapsed, window_timed = time.perf_counter(), 0.0, 0
+        self._evaluate_unlogged(logger, interrupt, result, eval_every)
+        timer = _WindowTimer()
         end = self.total_steps if stop_at is None else min(int(stop_at), self.total_steps)
         stopped_by: int | None = None
         while self.step < end:
@@ -968,81 +1135,43 @@ class Trainer:
             if stopped_by is not None:
                 break
             t0 = time.perf_counter()
-            # features due after update `step` are redrawn only now, before the next batch: the
-            # checkpoint and evaluation of `step` keep the features its weights were trained with
-            self._redraw_features()
-            try:
-                batch = next(batches)
-            except StopIteration:
-                raise RuntimeError(
-                    f"agent {self.cfg.agent.kind!r}: batches() ran out at step {self.step} of {self.total_steps}"
-                ) from None
-            batch = move_to(batch, self.device)
-            lr = float(self.optimizer.param_groups[0]["lr"])  # of this update (before the scheduler steps)
-            loss, grad_norm, logs = self.update(batch)
-            if self.step == 0:  # a new run's first loss, computed before any parameter changed (one sync)
-                self._first_loss_finite = bool(torch.isfinite(loss.detach()).all())
-            self.step += 1
-            self.window.add({"train/loss": loss, "train/grad_norm": grad_norm,
-                             **{(k if "/" in k else f"train/{k}"): v for k, v in dict(logs).items()}},
-                            samples=batch_size_of(batch) or 0)
+            lr = self._train_step(batches)
             self.elapsed_s += time.perf_counter() - t0
-            window_timed += 1
+            timer.updates += 1
             if bar is not None:
                 bar.update(1)
 
             if self.step % log_every == 0 or self.step == self.total_steps:
-                scalars, samples = self.window.reduce(self.device)
-                bad = [k for k, v in scalars.items() if not math.isfinite(v)]
-                if bad:
-                    raise NonFiniteLossError(
-                        f"non-finite {', '.join(bad)} in updates {self.step - self.window.count + 1}..{self.step} "
-                        f"{self._divergence_hint()}"
-                    )
-                scalars["train/lr"] = lr  # of the last update
-                dt = max(window_elapsed + time.perf_counter() - window_t0, 1e-9)
-                scalars["perf/steps_per_s"] = window_timed / dt
-                scalars["perf/samples_per_s"] = samples * window_timed / max(self.window.count, 1) / dt
-                logger.scalars(self.step, scalars)
-                result.last_train = scalars
-                if self.on_log is not None and self.is_main:
-                    self.on_log(self.step, scalars)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{scalars['train/loss']:.4g}", lr=f"{lr:.2e}", refresh=False)
-                self.window.reset()
-                window_t0, window_elapsed, window_timed = time.perf_counter(), 0.0, 0
+                self._log_window(logger, bar, result, lr, timer)
             # checkpoint first, then evaluate: a failing evaluation (a broken environment, a bug in
             # the agent's evaluate) must not cost the updates before it
             if (ckpt_every and self.step % ckpt_every == 0) or self.step == self.total_steps:
-                window_elapsed += time.perf_counter() - window_t0
+                timer.pause()
                 result.checkpoint = self.save()
                 last_saved = self.step
-                window_t0 = time.perf_counter()
+                timer.resume()
             if (eval_every and self.step % eval_every == 0) or (self.step == self.total_steps and ev.at_end):
-                window_elapsed += time.perf_counter() - window_t0
+                timer.pause()
                 if self.step == self.total_steps and bar is not None:
                     bar.close()  # the last progress line shows the training rate, not the evaluation's time
                 interrupt.evaluating = (self.step, self.step == self.total_steps)
                 result.last_eval = self._evaluate_or_save(logger, saved=last_saved == self.step,
                                                           checkpoint=result.checkpoint)
                 interrupt.evaluating = None
-                window_t0 = time.perf_counter()
+                timer.resume()
 
         if self.step >= end:
             stopped_by = None  # a signal during the final save is moot
         if last_saved != self.step and (stopped_by is not None or self.step == end):
             result.checkpoint = self.save()
         if stopped_by is not None and interrupt.announce:
-            if bar is not None:  # its last line first: the "continue with" line must end the output
-                bar.close()
-            # stopped right after a resume, before any update: the checkpoint resumed from holds this step
-            log.warning("stopped at step %d by %s; checkpoint %s; continue with: %s",
-                        self.step, signal.Signals(stopped_by).name, result.checkpoint or self._resumed_from,
-                        resume_command(self.run_dir, self.world_size))
+            self._announce_stop(stopped_by, bar, result.checkpoint)
         result.step = self.step
         result.interrupted = stopped_by
         logger.flush()
         return result
+
+
 
 
 def _processes(n: int) -> str:
