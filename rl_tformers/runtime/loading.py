@@ -58,6 +58,11 @@ def register_inference_loader(kind: str):
     return deco
 
 
+class NotEvaluableError(ConfigError):
+    """A run whose agent kind has no ``policy``/``make_env``/``default_targets`` (bad input of a
+    command that evaluates it: exit 2)."""
+
+
 @dataclass
 class LoadedRun:
     """A run ready to evaluate.
@@ -136,7 +141,7 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
         ConfigError: a module of the run's ``plugins`` is not named in ``plugins`` (nor installed),
             is not found or fails to import, or the run's backbone names a kind that is not
             registered here (named).
-        TypeError: the rebuilt agent lacks ``policy``/``make_env``/``default_targets``.
+        NotEvaluableError: the rebuilt agent lacks ``policy``/``make_env``/``default_targets``.
     """
 
 
@@ -183,7 +188,7 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
                 load_extra(state["extra"])
     missing = [m for m in EVALUABLE_METHODS if not callable(getattr(agent, m, None))]
     if missing:
-        raise TypeError(f"agent {kind!r} cannot be evaluated: it lacks {', '.join(m + '()' for m in missing)}")
+        raise NotEvaluableError(f"agent {kind!r} cannot be evaluated: it lacks {', '.join(m + '()' for m in missing)}")
     agent.model.to(dev).eval()
     if dev.type == "cpu":
         apply_cpu_matmul(agent.model, _run_cpu_matmul(cfg))

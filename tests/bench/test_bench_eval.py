@@ -107,3 +107,15 @@ def test_bench_eval_refuses_a_memory_length_that_cannot_fit(monkeypatch):
     assert r.exit_code == 2 and r.stderr == (
         "error: --mem-steps 1000000000000: part 2 keeps all M + 1000000000000 input tokens of --mem-envs 10 "
         "environments in memory, more than the 16.00 GiB of this machine; lower --mem-steps\n")
+
+
+def test_bench_eval_of_a_run_whose_agent_cannot_be_evaluated_exits_2_in_one_line(tmp_path) -> None:
+    run = tmp_path / "toy"
+    r = runner.invoke(app, ["train", "-c", "toy", "--device", "cpu", "train.steps=2", "train.progress=false",
+                            "--run-dir", str(run)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["bench", "eval", "--run", str(run), "--memory-kinds", ""])
+    assert r.exit_code == 2, r.output
+    assert r.stderr == (f"error: --run {run}: agent 'toy' cannot be evaluated: it lacks policy(), make_env(), "
+                        f"default_targets()\n")
+    assert "Traceback" not in r.output
