@@ -54,7 +54,6 @@ ALLOWED = frozenset({
     "rl_tformers/runtime/loading.py::load_run",
     "rl_tformers/runtime/run_config.py::compose",
     "rl_tformers/runtime/sweep.py::_sweep_locked",
-    "rl_tformers/runtime/trainer.py::resume",
 })
 
 

@@ -1512,47 +1512,13 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
         Interrupted / KeyboardInterrupt: see :meth:`Trainer.fit`.
     """
     with dist_rt.process_group(_resume_device_spec(run_dir, overrides)) as info, contextlib.ExitStack() as lock:
-        problem = None
-        if info.is_main and Path(run_dir).is_dir():  # a missing directory: load_resume_config says so
-            try:
-                lock.enter_context(hold_run(run_dir))
-            except RunBusyError as exc:
-                problem = str(exc)
-            if problem is None:
-                problem = write_paths_problem(run_dir, "--resume")
-        problem = dist_rt.broadcast_object(problem)
-        if problem is not None:
-            raise RunDirError(problem)
-        failure: Exception | None = None
-        if info.is_main:  # repairs the run directory before the other ranks read it
-            try:
-                cfg, found, changes = load_resume_config(run_dir, overrides, plugins=plugins)
-            except (ckpt.CheckpointError, ConfigError) as exc:
-                failure = exc
-        # every rank learns of rank 0's failure (instead of waiting for it in a barrier, then dying
-        # with a traceback when rank 0 exits) and raises the same error
-        failure = dist_rt.broadcast_object(failure)
-        if failure is not None:
-            raise failure
-        if not info.is_main:
-            cfg, found, changes = load_resume_config(run_dir, overrides, repair=False, plugins=plugins)
+        _lock_for_resume(run_dir, info, lock)
+        cfg, found, changes = _resume_config(run_dir, overrides, plugins, info)
         for line in changes:
             if not line.startswith("run_dir:") and info.is_main:
                 log.info("resume: %s", line)
         if found.state["step"] >= int(cfg.train.steps):
-            if info.is_main and found.state["step"] > int(cfg.train.steps):
-                log.warning("train.steps=%d is below the step of %s's newest checkpoint (%d): nothing was "
-                            "trained, and a run is never shortened (evaluate an earlier checkpoint with "
-                            "rl-tformers eval --checkpoint instead)", cfg.train.steps, run_dir, found.state["step"])
-            elif cfg.eval.at_end and not final_eval_logged(run_dir, int(found.state["step"])):
-                # trained to the end, but its final evaluation was cut short (a second Ctrl-C) or failed
-                trainer = Trainer(cfg, run_dir, resume_from=found)
-                return trainer.evaluate_final(found.path)
-            elif info.is_main:
-                log.info("%s is complete (step %d of train.steps=%d); pass train.steps=N to train longer",
-                         run_dir, found.state["step"], cfg.train.steps)
-            return TrainResult(run_dir=Path(run_dir), step=int(found.state["step"]), checkpoint=found.path,
-                               total_steps=int(cfg.train.steps))
+            return _resume_trained(run_dir, cfg, found, info)
         try:
             trainer = Trainer(cfg, run_dir, resume_from=found)
         except AgentBuildError as exc:
@@ -1566,6 +1532,65 @@ def resume(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str] = 
             if jump is not None:
                 log.warning("resume: %s", jump)
         return trainer.fit(stop_at, interrupt)
+
+
+def _lock_for_resume(run_dir: str | os.PathLike, info: dist_rt.DistInfo, lock: contextlib.ExitStack) -> None:
+    """Rank 0 takes the run's training lock into ``lock`` and checks that the run can write its
+    files; every rank learns the outcome.
+
+    Raises:
+        RunDirError: another process is training ``run_dir``, or a path the run writes is taken.
+    """
+    problem = None
+    if info.is_main and Path(run_dir).is_dir():  # a missing directory: load_resume_config says so
+        try:
+            lock.enter_context(hold_run(run_dir))
+        except RunBusyError as exc:
+            problem = str(exc)
+        if problem is None:
+            problem = write_paths_problem(run_dir, "--resume")
+    problem = dist_rt.broadcast_object(problem)
+    if problem is not None:
+        raise RunDirError(problem)
+
+
+def _resume_config(run_dir: str | os.PathLike, overrides: tuple[str, ...] | list[str], plugins: Iterable[str],
+                   info: dist_rt.DistInfo) -> tuple[DictConfig, ckpt.FoundCheckpoint, list[str]]:
+    """:func:`load_resume_config` on every rank: rank 0 first (it repairs the run directory
+    before the other ranks read it), then the others, which raise rank 0's error if it failed."""
+    failure: Exception | None = None
+    if info.is_main:
+        try:
+            loaded = load_resume_config(run_dir, overrides, plugins=plugins)
+        except (ckpt.CheckpointError, ConfigError) as exc:
+            failure = exc
+    # every rank learns of rank 0's failure (instead of waiting for it in a barrier, then dying
+    # with a traceback when rank 0 exits) and raises the same error
+    failure = dist_rt.broadcast_object(failure)
+    if failure is not None:
+        raise failure
+    if not info.is_main:
+        loaded = load_resume_config(run_dir, overrides, repair=False, plugins=plugins)
+    return loaded
+
+
+def _resume_trained(run_dir: str | os.PathLike, cfg: DictConfig, found: ckpt.FoundCheckpoint,
+                    info: dist_rt.DistInfo) -> TrainResult:
+    """A resume of a run whose newest checkpoint is at or past ``train.steps``: trains nothing;
+    runs the final evaluation if it was never logged (cut short by a second Ctrl-C, or failed),
+    else says the run is complete (or that a run is never shortened)."""
+    if info.is_main and found.state["step"] > int(cfg.train.steps):
+        log.warning("train.steps=%d is below the step of %s's newest checkpoint (%d): nothing was "
+                    "trained, and a run is never shortened (evaluate an earlier checkpoint with "
+                    "rl-tformers eval --checkpoint instead)", cfg.train.steps, run_dir, found.state["step"])
+    elif cfg.eval.at_end and not final_eval_logged(run_dir, int(found.state["step"])):
+        trainer = Trainer(cfg, run_dir, resume_from=found)
+        return trainer.evaluate_final(found.path)
+    elif info.is_main:
+        log.info("%s is complete (step %d of train.steps=%d); pass train.steps=N to train longer",
+                 run_dir, found.state["step"], cfg.train.steps)
+    return TrainResult(run_dir=Path(run_dir), step=int(found.state["step"]), checkpoint=found.path,
+                       total_steps=int(cfg.train.steps))
 
 
 def _relative_data_hint(cfg: DictConfig) -> str:
