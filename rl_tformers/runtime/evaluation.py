@@ -386,35 +386,10 @@ def evaluate(
             episode, seed and step.
         RuntimeError: the raw reward is missing from ``info`` (a wrapper dropped it).
     """
-    if episodes < 1 or n_envs < 1:
-        raise ValueError(f"evaluate: episodes and n_envs must be >= 1, got {episodes}, {n_envs}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) <= MAX_EVAL_SEED:
-        raise ValueError(f"evaluate: seed {seed!r} is not an integer in [0, 2**64 - 1] (--seed: the base reset "
-                         f"seed, also torch's generator seed)")
-    seed = int(seed)
-    if len(targets) == 0:
-        raise ValueError("evaluate: give at least one target return (None for unconditioned agents)")
-    bad = [t for t in targets if t is not None and not math.isfinite(float(t))]
-    if bad:
-        raise ValueError(f"evaluate: target returns must be finite numbers, got {bad} (agent.targets / --targets)")
+    seed = _checked_eval_args(episodes, n_envs, seed, targets)
     t0 = time.perf_counter()
     n = min(n_envs, episodes)
-    built: list[gym.Env] = []
-
-    def build() -> gym.Env:
-        env = with_raw_reward(make_env())
-        built.append(env)
-        return env
-
-    try:
-        envs = gym.vector.SyncVectorEnv([build for _ in range(n)], autoreset_mode=gym.vector.AutoresetMode.DISABLED)
-    except (gym.error.Error, ImportError, TypeError) as exc:
-        for env in built:  # the ones made before the failure
-            env.close()
-        what = f"the evaluation environment {env_id!r}" if env_id else "the evaluation environment"
-        raise EnvironmentBuildError(f"evaluate: cannot build {what} here ({type(exc).__name__}: {exc}); the run "
-                                    f"was trained with it: install what it needs or register it, then "
-                                    f"evaluate again") from exc
+    envs = _vector_env(make_env, n, env_id)
     try:
         results = []
         for target in targets:
@@ -427,6 +402,51 @@ def evaluate(
             scores = normalize(np.asarray(r.returns, dtype=np.float64))
             r.normalized = None if scores is None else [float(s) for s in scores]
     return EvalReport(results, env_id=env_id, episodes=episodes, n_envs=n, seed=seed, seconds=time.perf_counter() - t0)
+
+
+def _checked_eval_args(episodes: int, n_envs: int, seed: Any, targets: Sequence[float | None]) -> int:
+    """The checks of :func:`evaluate`'s arguments; returns ``seed`` as an ``int``.
+
+    Raises:
+        ValueError: as :func:`evaluate`.
+    """
+    if episodes < 1 or n_envs < 1:
+        raise ValueError(f"evaluate: episodes and n_envs must be >= 1, got {episodes}, {n_envs}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) <= MAX_EVAL_SEED:
+        raise ValueError(f"evaluate: seed {seed!r} is not an integer in [0, 2**64 - 1] (--seed: the base reset "
+                         f"seed, also torch's generator seed)")
+    seed = int(seed)
+    if len(targets) == 0:
+        raise ValueError("evaluate: give at least one target return (None for unconditioned agents)")
+    bad = [t for t in targets if t is not None and not math.isfinite(float(t))]
+    if bad:
+        raise ValueError(f"evaluate: target returns must be finite numbers, got {bad} (agent.targets / --targets)")
+    return seed
+
+
+def _vector_env(make_env: EnvFactory, n: int, env_id: str | None) -> gym.vector.SyncVectorEnv:
+    """``n`` environments of ``make_env`` (each :func:`with_raw_reward`) in one vector
+    environment with autoreset disabled.
+
+    Raises:
+        EnvironmentBuildError: an environment cannot be built (those built already are closed).
+    """
+    built: list[gym.Env] = []
+
+    def build() -> gym.Env:
+        env = with_raw_reward(make_env())
+        built.append(env)
+        return env
+
+    try:
+        return gym.vector.SyncVectorEnv([build for _ in range(n)], autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+    except (gym.error.Error, ImportError, TypeError) as exc:
+        for env in built:  # the ones made before the failure
+            env.close()
+        what = f"the evaluation environment {env_id!r}" if env_id else "the evaluation environment"
+        raise EnvironmentBuildError(f"evaluate: cannot build {what} here ({type(exc).__name__}: {exc}); the run "
+                                    f"was trained with it: install what it needs or register it, then "
+                                    f"evaluate again") from exc
 
 
 @contextlib.contextmanager
@@ -512,103 +532,140 @@ def run_episodes(
             episode, seed and step.
         RuntimeError: the raw reward is missing from ``info`` (a wrapper dropped it).
     """
-    n = envs.num_envs
-    rows = np.arange(n)
-    # quota: episode j -> env j % n; job[i] is the index j of the episode env i is running
-    job = rows.copy()
-    active = job < episodes
-    returns = np.zeros(episodes, dtype=np.float64)
-    lengths = np.zeros(episodes, dtype=np.int64)
-    ended = np.zeros(episodes, dtype=bool)
-    record_rewards = record_rewards or record_trajectories
-    rewards: list[np.ndarray] | None = [None] * episodes if record_rewards else None  # type: ignore[list-item]
-    observations: list[np.ndarray] | None = [None] * episodes if record_trajectories else None  # type: ignore[list-item]
-    actions_out: list[np.ndarray] | None = [None] * episodes if record_trajectories else None  # type: ignore[list-item]
-    ep_ret = np.zeros(n, dtype=np.float64)
-    ep_len = np.zeros(n, dtype=np.int64)
-    cap = 1024 if max_steps is None else min(1024, int(max_steps))
-    rew_buf = np.zeros((n, cap), dtype=np.float64) if record_rewards else None  # (N, cap) rewards of running episodes
-    obs_buf: np.ndarray | None = None  # (N, cap, *obs_shape) observations before each action
-    act_buf: np.ndarray | None = None  # (N, cap, *act_shape), allocated at the first action
+    return _EpisodeRun(envs.num_envs, episodes, record_rewards or record_trajectories, record_trajectories,
+                       max_steps).run(policy, envs, target, seed, who, on_finished)
 
-    obs, _ = envs.reset(seed=[seed + int(j) for j in job])
-    obs = np.asarray(obs)
-    if record_trajectories:
-        obs_buf = np.zeros((n, cap, *obs.shape[1:]), obs.dtype)
-    state = policy.initial_state(n, target)
-    episode_start = np.ones(n, dtype=bool)
-    last_reward: np.ndarray | None = None
-    remaining = episodes
-    # a policy that keeps per-decision statistics (DTPolicy: exit layers, kNN hits) is told which
-    # rows run counted episodes, so the filler rows' discarded decisions do not enter them
-    count_rows = getattr(policy, "count_rows", None)
-    try:
-        while remaining > 0:
-            # a row past its quota restarts its (discarded) context at every step: its unseeded filler
-            # episodes, which may outlast every counted one, never reach a policy limit (a DT's
-            # max_ep_len) that no counted episode reaches
+
+class _EpisodeRun:
+    """The loop of :func:`run_episodes` and its bookkeeping: which episode each of the N
+    environments runs (``job``; episode j -> env j % N), the running episodes' returns and
+    lengths, the step buffers of the recorded ones, and the finished episodes' records."""
+
+    def __init__(self, n: int, episodes: int, record_rewards: bool, record_trajectories: bool,
+                 max_steps: int | None) -> None:
+        self.n, self.episodes, self.max_steps = n, episodes, max_steps
+        self.record_rewards, self.record_trajectories = record_rewards, record_trajectories
+        self.rows = np.arange(n)
+        # quota: episode j -> env j % n; job[i] is the index j of the episode env i is running
+        self.job = self.rows.copy()
+        self.active = self.job < episodes
+        self.remaining = episodes
+        self.returns = np.zeros(episodes, dtype=np.float64)
+        self.lengths = np.zeros(episodes, dtype=np.int64)
+        self.ended = np.zeros(episodes, dtype=bool)
+        # per episode j, filled as it finishes
+        self.rewards: list[Any] | None = [None] * episodes if record_rewards else None
+        self.observations: list[Any] | None = [None] * episodes if record_trajectories else None
+        self.actions: list[Any] | None = [None] * episodes if record_trajectories else None
+        self.ep_ret = np.zeros(n, dtype=np.float64)
+        self.ep_len = np.zeros(n, dtype=np.int64)
+        cap = 1024 if max_steps is None else min(1024, int(max_steps))
+        # (N, cap) rewards of the running episodes
+        self.rew_buf = np.zeros((n, cap), dtype=np.float64) if record_rewards else None
+        self.obs_buf: np.ndarray | None = None  # (N, cap, *obs_shape) observations before each action
+        self.act_buf: np.ndarray | None = None  # (N, cap, *act_shape), allocated at the first action
+
+    def run(self, policy: Policy, envs: gym.vector.VectorEnv, target: float | None, seed: int, who: str,
+            on_finished: Callable[[int], None] | None) -> EpisodeRecord:
+        """Step every environment until each counted episode has finished; see :func:`run_episodes`."""
+        n, episodes = self.n, self.episodes
+        obs, _ = envs.reset(seed=[seed + int(j) for j in self.job])
+        obs = np.asarray(obs)
+        if self.record_trajectories:
+            self.obs_buf = np.zeros((n, self.rew_buf.shape[1], *obs.shape[1:]), obs.dtype)
+        state = policy.initial_state(n, target)
+        episode_start = np.ones(n, dtype=bool)
+        last_reward: np.ndarray | None = None
+        # a policy that keeps per-decision statistics (DTPolicy: exit layers, kNN hits) is told which
+        # rows run counted episodes, so the filler rows' discarded decisions do not enter them
+        count_rows = getattr(policy, "count_rows", None)
+        try:
+            while self.remaining > 0:
+                # a row past its quota restarts its (discarded) context at every step: its unseeded filler
+                # episodes, which may outlast every counted one, never reach a policy limit (a DT's
+                # max_ep_len) that no counted episode reaches
+                if count_rows is not None:
+                    count_rows(self.active.copy())
+                actions, state = policy.act(obs, state, episode_start | ~self.active, last_reward)
+                actions = np.asarray(actions)
+                _check_finite(actions, "the policy returned a non-finite action",
+                              "it was not sent to the environment", target, self.job, self.ep_len, seed, episodes, who)
+                self._store_step(obs, actions)
+                obs, _, terminated, truncated, info = envs.step(actions)
+                obs = np.asarray(obs)
+                last_reward = self._add_rewards(info, target, seed, who)
+                terminated = np.asarray(terminated, dtype=bool)
+                done = terminated | np.asarray(truncated, dtype=bool)
+                if self.max_steps is not None:
+                    done |= self.ep_len >= self.max_steps
+                episode_start = done
+                if not done.any():
+                    continue
+                finished = self._finish(done, terminated)
+                if on_finished is not None and finished:
+                    on_finished(finished)
+                if self.remaining > 0:
+                    # envs past their quota are reset too (a disabled-autoreset vector env must be)
+                    seeds = [seed + int(self.job[i]) if done[i] and self.active[i] else None for i in range(n)]
+                    new_obs, _ = envs.reset(seed=seeds, options={"reset_mask": done.copy()})
+                    obs = np.where(done.reshape((n,) + (1,) * (obs.ndim - 1)), np.asarray(new_obs), obs)
+        finally:  # also when an error stops the loop: later calls count every row again
             if count_rows is not None:
-                count_rows(active.copy())
-            actions, state = policy.act(obs, state, episode_start | ~active, last_reward)
-            actions = np.asarray(actions)
-            _check_finite(actions, "the policy returned a non-finite action",
-                          "it was not sent to the environment", target, job, ep_len, seed, episodes, who)
-            if record_rewards and int(ep_len.max()) >= rew_buf.shape[1]:  # grow the buffers (doubling)
-                rew_buf = _grow(rew_buf)
-                if record_trajectories:
-                    obs_buf, act_buf = _grow(obs_buf), _grow(act_buf)
-            if record_trajectories:
-                if act_buf is None:
-                    act_buf = np.zeros((n, rew_buf.shape[1], *actions.shape[1:]), actions.dtype)
-                obs_buf[rows, ep_len] = obs
-                act_buf[rows, ep_len] = actions
-            obs, _, terminated, truncated, info = envs.step(actions)
-            obs = np.asarray(obs)
-            if RAW_REWARD_KEY not in info:
-                raise RuntimeError(
-                    f"{who}: info has no {RAW_REWARD_KEY!r}: a wrapper of the environment drops info keys "
-                    f"(wrap the innermost environment with with_raw_reward)"
-                )
-            raw = np.asarray(info[RAW_REWARD_KEY], dtype=np.float64)  # (N,)
-            _check_finite(raw, "the environment returned a non-finite reward", "", target, job, ep_len, seed,
-                          episodes, who)
-            if record_rewards:
-                rew_buf[rows, ep_len] = raw
-            ep_ret += raw
-            ep_len += 1
-            last_reward = raw
-            terminated = np.asarray(terminated, dtype=bool)
-            done = terminated | np.asarray(truncated, dtype=bool)
-            if max_steps is not None:
-                done |= ep_len >= max_steps
-            episode_start = done
-            if not done.any():
-                continue
-            finished = np.flatnonzero(done & active)  # per finished episode, not per step
-            for i in finished:
-                j, length = int(job[i]), int(ep_len[i])
-                returns[j], lengths[j], ended[j] = ep_ret[i], length, terminated[i]
-                if record_rewards:
-                    rewards[j] = rew_buf[i, :length].copy()
-                if record_trajectories:
-                    observations[j] = obs_buf[i, :length].copy()
-                    actions_out[j] = act_buf[i, :length].copy()
-            remaining -= len(finished)
-            if on_finished is not None and len(finished):
-                on_finished(len(finished))
-            job[done] += n
-            active = job < episodes
-            ep_ret[done] = 0.0
-            ep_len[done] = 0
-            if remaining > 0:
-                # envs past their quota are reset too (a disabled-autoreset vector env must be)
-                seeds = [seed + int(job[i]) if done[i] and active[i] else None for i in range(n)]
-                new_obs, _ = envs.reset(seed=seeds, options={"reset_mask": done.copy()})
-                obs = np.where(done.reshape((n,) + (1,) * (obs.ndim - 1)), np.asarray(new_obs), obs)
-    finally:  # also when an error stops the loop: later calls count every row again
-        if count_rows is not None:
-            count_rows(None)
-    return EpisodeRecord(returns, lengths, ended, rewards, observations, actions_out)
+                count_rows(None)
+        return EpisodeRecord(self.returns, self.lengths, self.ended, self.rewards, self.observations, self.actions)
+
+    def _store_step(self, obs: np.ndarray, actions: np.ndarray) -> None:
+        """Record the observations (N, ...) before this step's actions (N, ...) (trajectories
+        only), growing the buffers when an episode outgrows them."""
+        if self.record_rewards and int(self.ep_len.max()) >= self.rew_buf.shape[1]:  # grow the buffers (doubling)
+            self.rew_buf = _grow(self.rew_buf)
+            if self.record_trajectories:
+                self.obs_buf, self.act_buf = _grow(self.obs_buf), _grow(self.act_buf)
+        if self.record_trajectories:
+            if self.act_buf is None:
+                self.act_buf = np.zeros((self.n, self.rew_buf.shape[1], *actions.shape[1:]), actions.dtype)
+            self.obs_buf[self.rows, self.ep_len] = obs
+            self.act_buf[self.rows, self.ep_len] = actions
+
+    def _add_rewards(self, info: Mapping[str, Any], target: float | None, seed: int, who: str) -> np.ndarray:
+        """Add the step's raw rewards (N,) from ``info`` to the running episodes; returns them.
+
+        Raises:
+            RuntimeError: the raw reward is missing from ``info``.
+            NonFiniteError: a reward is NaN/inf.
+        """
+        if RAW_REWARD_KEY not in info:
+            raise RuntimeError(
+                f"{who}: info has no {RAW_REWARD_KEY!r}: a wrapper of the environment drops info keys "
+                f"(wrap the innermost environment with with_raw_reward)"
+            )
+        raw = np.asarray(info[RAW_REWARD_KEY], dtype=np.float64)  # (N,)
+        _check_finite(raw, "the environment returned a non-finite reward", "", target, self.job, self.ep_len, seed,
+                      self.episodes, who)
+        if self.record_rewards:
+            self.rew_buf[self.rows, self.ep_len] = raw
+        self.ep_ret += raw
+        self.ep_len += 1
+        return raw
+
+    def _finish(self, done: np.ndarray, terminated: np.ndarray) -> int:
+        """Record the counted episodes that ended at this step (``done``, (N,) bool) and move
+        every ended environment to its next episode; returns the number of counted episodes."""
+        finished = np.flatnonzero(done & self.active)  # per finished episode, not per step
+        for i in finished:
+            j, length = int(self.job[i]), int(self.ep_len[i])
+            self.returns[j], self.lengths[j], self.ended[j] = self.ep_ret[i], length, terminated[i]
+            if self.record_rewards:
+                self.rewards[j] = self.rew_buf[i, :length].copy()
+            if self.record_trajectories:
+                self.observations[j] = self.obs_buf[i, :length].copy()
+                self.actions[j] = self.act_buf[i, :length].copy()
+        self.remaining -= len(finished)
+        self.job[done] += self.n
+        self.active = self.job < self.episodes
+        self.ep_ret[done] = 0.0
+        self.ep_len[done] = 0
+        return len(finished)
 
 
 def _grow(buf: np.ndarray | None) -> np.ndarray | None:
