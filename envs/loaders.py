@@ -516,7 +516,7 @@ def load_d4rl_hdf5(
         action_space = _env_action_space(env_id, act, path)
     if action_space is None and "action_space" in attrs:
         action_space = _attr_space(attrs, "action_space", path)
-    env_id = env_id or (_attr_str(attrs["env_id"]) if "env_id" in attrs else None)
+    env_id = env_id or (_attr_str(attrs, "env_id", path) if "env_id" in attrs else None)
     if env_id is None:
         fam = task_family(path.stem)
         env_id = D4RL_ENV_IDS.get(fam) if fam else None
@@ -566,8 +566,9 @@ def _own_metadata(attrs: dict, path: Path) -> dict:
     """
     if "rl_tformers_metadata" not in attrs:
         return {}
+    text = _attr_str(attrs, "rl_tformers_metadata", path)
     try:
-        own = json.loads(_attr_str(attrs["rl_tformers_metadata"]))
+        own = json.loads(text)
     except ValueError as exc:
         raise DatasetError(f"{path}: attribute rl_tformers_metadata is not valid JSON ({exc}); delete the attribute "
                            "or rewrite it", field="rl_tformers_metadata") from exc
@@ -585,8 +586,9 @@ def _attr_space(attrs: dict, key: str, path: Path) -> gym.Space:
     """
     from minari.serialization import deserialize_space
 
+    text = _attr_str(attrs, key, path)
     try:
-        return deserialize_space(_attr_str(attrs[key]))
+        return deserialize_space(text)
     except Exception as exc:  # json errors, unknown space types, missing fields
         raise DatasetError(f"{path}: attribute {key} is not a serialised gymnasium space ({type(exc).__name__}: "
                            f"{exc}); delete the attribute or pass {key}= explicitly", field=key) from exc
@@ -627,8 +629,23 @@ def _check_h5_datasets(f, path: Path, keys: set[str]) -> None:
                                field=key)
 
 
-def _attr_str(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+def _attr_str(attrs: dict, key: str, path: Path) -> str:
+    """The text of the file's attribute ``key``: a string, or bytes in UTF-8.
+
+    Raises:
+        DatasetError: any other value (a number, an array, opaque bytes), field ``key``.
+    """
+    value = attrs[key]
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode()
+        except UnicodeDecodeError as exc:
+            raise DatasetError(f"{path}: attribute {key} is bytes that are not UTF-8 text ({exc})", field=key) from exc
+    if isinstance(value, str):
+        return str(value)
+    shape = f" of shape {value.shape}" if isinstance(value, np.ndarray) else ""
+    raise DatasetError(f"{path}: attribute {key} is a {type(value).__name__}{shape} ({value!r:.60}), expected a "
+                       f"string; delete the attribute or rewrite it", field=key)
 
 
 def names_unimported_module(env_id: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -474,6 +475,24 @@ def test_unreadable_file_attributes_raise_dataset_errors_naming_them(tmp_path, a
         load_dataset(path)
     assert err.value.field == field and (attr in str(err.value) or field in str(err.value))
 
+
+
+@pytest.mark.parametrize(("attr", "value", "said"), [
+    ("env_id", 5, "attribute env_id is a int64 (np.int64(5)), expected a string"),
+    ("env_id", np.array(["Hopper-v5", "Walker2d-v5"], dtype=h5py.string_dtype()),
+     "attribute env_id is a ndarray of shape (2,)"),
+    ("env_id", np.void(b"\x00\xff"), "attribute env_id is a void"),
+    ("env_id", np.bytes_(b"\xff\xfe"), "attribute env_id is bytes that are not UTF-8 text"),
+    ("rl_tformers_metadata", 7, "attribute rl_tformers_metadata is a int64"),
+    ("action_space", np.arange(3), "attribute action_space is a ndarray of shape (3,)"),
+])
+def test_file_attributes_that_are_not_text_are_refused_naming_them(tmp_path, attr, value, said):
+    path = _h5(tmp_path / "a.hdf5")
+    with h5py.File(path, "a") as f:
+        f.attrs[attr] = value
+    with pytest.raises(DatasetError, match=re.escape(f"{path}: {said}")) as err:
+        load_dataset(path)
+    assert err.value.field == attr
 
 def test_dataset_info_prints_an_attribute_error_without_a_traceback(tmp_path):
     path = _h5(tmp_path / "a.hdf5")
