@@ -607,6 +607,10 @@ def _check_h5_datasets(f, path: Path, keys: set[str]) -> None:
     compound types are refused); ``terminals``/``timeouts`` are checked
     by :func:`~rl_tformers.envs.dataset.binary_flags` (boolean or numeric 0/1).
 
+    Every key's data must be stored in the file itself: an external link, a virtual dataset
+    (its sources are other files) or external raw storage (any file of the reader's machine, read
+    as numbers) is refused, so a file received from someone else reads nothing else.
+
     Raises:
         DatasetError: naming the file and the key (also when its object header cannot be read).
     """
@@ -616,7 +620,15 @@ def _check_h5_datasets(f, path: Path, keys: set[str]) -> None:
         if key not in keys:
             continue
         with reading_hdf5(path, key):
-            node = f[key]
+            link = f.get(key, getlink=True)
+            node = None if isinstance(link, h5py.ExternalLink) else f[key]
+        outside = (f"an external link to {link.filename}:{link.path}" if node is None
+                   else "a virtual dataset (its data is read from other files)" if getattr(node, "is_virtual", False)
+                   else f"stored in external raw files ({', '.join(str(e[0]) for e in node.external)})"
+                   if getattr(node, "external", None) else None)
+        if outside is not None:
+            raise DatasetError(f"{path}: {key!r} is {outside}; a dataset file must hold its own arrays (copy them "
+                               f"into the file)", field=key)
         if not isinstance(node, h5py.Dataset):
             raise DatasetError(f"{path}: {key!r} is an HDF5 {type(node).__name__.lower()}, not a dataset; the D4RL "
                                f"layout stores each of {', '.join(_H5_KEYS)} as one array (dataset)", field=key)

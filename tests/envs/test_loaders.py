@@ -494,6 +494,42 @@ def test_file_attributes_that_are_not_text_are_refused_naming_them(tmp_path, att
         load_dataset(path)
     assert err.value.field == attr
 
+
+def _external_link(f, tmp_path):
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as g:
+        g["secret"] = np.arange(6, dtype=np.float32)
+    f["rewards"] = h5py.ExternalLink(str(other), "secret")
+    return f"an external link to {other}:secret"
+
+
+def _virtual(f, tmp_path):
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as g:
+        g["secret"] = np.arange(6, dtype=np.float32)
+    layout = h5py.VirtualLayout(shape=(6,), dtype=np.float32)
+    layout[:] = h5py.VirtualSource(str(other), "secret", shape=(6,))
+    f.create_virtual_dataset("rewards", layout)
+    return "a virtual dataset (its data is read from other files)"
+
+
+def _external_raw(f, tmp_path):
+    raw = tmp_path / "raw.bin"
+    raw.write_bytes(np.arange(6, dtype=np.float32).tobytes())
+    f.create_dataset("rewards", shape=(6,), dtype=np.float32, external=[(str(raw), 0, 24)])
+    return f"stored in external raw files ({raw})"
+
+
+@pytest.mark.parametrize("store", [_external_link, _virtual, _external_raw])
+def test_a_file_whose_arrays_are_read_from_other_files_is_refused(tmp_path, store):
+    path = _h5(tmp_path / "a.hdf5", rewards=None)
+    with h5py.File(path, "a") as f:
+        said = store(f, tmp_path)
+    with pytest.raises(DatasetError, match=re.escape(f"{path}: 'rewards' is {said}; a dataset file must hold its "
+                                                     f"own arrays")) as err:
+        load_dataset(path)
+    assert err.value.field == "rewards"
+
 def test_dataset_info_prints_an_attribute_error_without_a_traceback(tmp_path):
     path = _h5(tmp_path / "a.hdf5")
     with h5py.File(path, "a") as f:
