@@ -62,7 +62,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from rl_tformers.backbone import check_compatible
 from rl_tformers.backbone_config import BackboneConfig
 from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError
-from rl_tformers.runtime.agent_registry import available_agents, get_agent
+from rl_tformers.runtime.agent_registry import AgentEntry, available_agents, get_agent
 from rl_tformers.runtime.cpu_matmul import resolve_cpu_matmul
 from rl_tformers.runtime.device import resolve_device
 from rl_tformers.runtime.errors import ConfigError
@@ -658,6 +658,43 @@ def compose(
             out of range (e.g. ``train.steps``, ``eval.episodes`` or ``eval.n_envs`` < 1; named),
             a ``plugins`` module that is not found or fails to import (named).
     """
+    user_layers = _user_layers(config, overrides, start)
+    user = OmegaConf.merge(*(layer for layer, _ in user_layers)) if user_layers else OmegaConf.create({})
+
+    plugin_names = _plugins_of(user)  # null counts as empty, repeats are dropped (what is recorded)
+    load_plugins(plugin_names, "plugins")  # before the agent and the backbone kinds are looked up
+    for layer, _ in user_layers:
+        if "plugins" in layer and layer.plugins is None:  # `plugins:` left empty in a YAML file, plugins=null
+            layer.plugins = []
+    kind = _agent_kind(user)
+    entry = get_agent(kind)  # raises UnknownAgentError (a ConfigError) listing registered kinds
+
+    cfg = _defaults_of(kind, entry)
+    for layer, source in user_layers:
+        if source != "saved config":  # a saved run's config was checked when the run started
+            _check_dataset_layer(layer, source)
+        _drop_replaced_slots(cfg, layer, source)
+        cfg = _merge_checked(cfg, layer, source)
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as exc:
+        raise _translate(exc, cfg, "interpolation") from exc
+    if "plugins" in user:
+        cfg.plugins = plugin_names
+    _validate_values(cfg, entry)
+    _check_agent_section(cfg, entry)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def _user_layers(config: str | os.PathLike | None, overrides: Sequence[str],
+                 start: Mapping[str, Any] | DictConfig | None) -> list[tuple[Any, str]]:
+    """The user's layers of :func:`compose` with their sources, in merge order: the config file
+    (or the starting config, ``"saved config"``), then the overrides (``"command line"``).
+
+    Raises:
+        ConfigError: both ``config`` and ``start`` given, a config not found, bad overrides.
+    """
     if config is not None and start is not None:
         raise ConfigError("give either a config file or a starting config, not both")
     user_layers: list[tuple[Any, str]] = []
@@ -669,16 +706,13 @@ def compose(
         user_layers.append((saved, "saved config"))
     if overrides:
         user_layers.append((parse_overrides(overrides), "command line"))
-    user = OmegaConf.merge(*(layer for layer, _ in user_layers)) if user_layers else OmegaConf.create({})
+    return user_layers
 
-    plugin_names = _plugins_of(user)  # null counts as empty, repeats are dropped (what is recorded)
-    load_plugins(plugin_names, "plugins")  # before the agent and the backbone kinds are looked up
-    for layer, _ in user_layers:
-        if "plugins" in layer and layer.plugins is None:  # `plugins:` left empty in a YAML file, plugins=null
-            layer.plugins = []
-    kind = _agent_kind(user)
-    entry = get_agent(kind)  # raises UnknownAgentError (a ConfigError) listing registered kinds
 
+def _defaults_of(kind: str, entry: AgentEntry) -> DictConfig:
+    """The layers below the user's: the schema, ``defaults.yaml`` and the agent kind's registered
+    defaults, with the sections the user may add keys to left open (``agent`` only when the
+    kind checks it with a typed config or declares no keys)."""
     cfg = OmegaConf.structured(RunConfig)
     cfg = _merge_checked(cfg, _defaults_layer(), str(configs_root() / DEFAULTS_NAME))
     if entry.defaults:
@@ -692,18 +726,16 @@ def compose(
             OmegaConf.set_struct(cfg.agent[key], False)
     OmegaConf.set_struct(cfg.dataset, False)
     OmegaConf.set_struct(cfg.backbone, False)
-    for layer, source in user_layers:
-        if source != "saved config":  # a saved run's config was checked when the run started
-            _check_dataset_layer(layer, source)
-        _drop_replaced_slots(cfg, layer, source)
-        cfg = _merge_checked(cfg, layer, source)
-    try:
-        OmegaConf.resolve(cfg)
-    except OmegaConfBaseException as exc:
-        raise _translate(exc, cfg, "interpolation") from exc
-    if "plugins" in user:
-        cfg.plugins = plugin_names
-    _validate_values(cfg, entry)
+    return cfg
+
+
+def _check_agent_section(cfg: DictConfig, entry: AgentEntry) -> None:
+    """Check the resolved ``agent`` section with the kind's typed config, or else against the
+    types of its registered defaults.
+
+    Raises:
+        ConfigError: the typed config refuses a value (its message names the option).
+    """
     if entry.config_cls is not None:
         try:
             entry.agent_options(OmegaConf.to_container(cfg.agent, resolve=True))
@@ -711,8 +743,6 @@ def compose(
             raise ConfigError(str(exc)) from exc
     elif entry.defaults and isinstance(entry.defaults.get("agent"), Mapping):
         _check_agent_types(OmegaConf.to_container(cfg.agent, resolve=True), entry.defaults["agent"], "agent")
-    OmegaConf.set_readonly(cfg, True)
-    return cfg
 
 
 def _check_agent_types(values: Mapping[str, Any], defaults: Mapping[str, Any], where: str) -> None:
