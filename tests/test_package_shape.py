@@ -49,7 +49,6 @@ ALLOWED = frozenset({
     "rl_tformers/cli/train.py::_run_torchrun",
     "rl_tformers/cli/train.py::train",
     # runtime: evaluation loop, run loading, config composition, sweeps, the trainer
-    "rl_tformers/runtime/loading.py::load_run",
     "rl_tformers/runtime/sweep.py::_sweep_locked",
 })
 

@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from rl_tformers.backbone_config import ConfigAdviceWarning
 from rl_tformers.runtime import checkpoint as ckpt
-from rl_tformers.runtime.agent_registry import get_agent
+from rl_tformers.runtime.agent_registry import AgentEntry, get_agent
 from rl_tformers.runtime.cpu_matmul import apply_cpu_matmul, resolve_cpu_matmul
 from rl_tformers.runtime.errors import ConfigError
 from rl_tformers.runtime.plugins import (
@@ -143,9 +143,31 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
             registered here (named).
         NotEvaluableError: the rebuilt agent lacks ``policy``/``make_env``/``default_targets``.
     """
-
-
     run_dir = Path(run_dir)
+    path, state = _read_checkpoint(run_dir, checkpoint)
+    cfg = OmegaConf.create(state["config"])
+    OmegaConf.set_readonly(cfg, True)
+    kind = str(cfg.agent.kind)
+    _check_rebuildable(run_dir, cfg, state, plugins)
+    entry = get_agent(kind)  # also imports every agent module (registers inference loaders)
+    dev = torch.device(device)
+    agent = _rebuild_agent(run_dir, cfg, state, entry, dev)
+    missing = [m for m in EVALUABLE_METHODS if not callable(getattr(agent, m, None))]
+    if missing:
+        raise NotEvaluableError(f"agent {kind!r} cannot be evaluated: it lacks {', '.join(m + '()' for m in missing)}")
+    agent.model.to(dev).eval()
+    if dev.type == "cpu":
+        apply_cpu_matmul(agent.model, _run_cpu_matmul(cfg))
+    return LoadedRun(agent=agent, cfg=cfg, kind=kind, step=int(state["step"]), checkpoint=path,
+                     extra=dict(state.get("extra") or {}))
+
+
+def _read_checkpoint(run_dir: Path, checkpoint: str | os.PathLike | None) -> tuple[Path, dict[str, Any]]:
+    """``(path, state)`` of ``checkpoint``, or of the newest valid checkpoint of ``run_dir``.
+
+    Raises:
+        CheckpointError: as :func:`load_run`.
+    """
     if checkpoint is None and not run_dir.is_dir():
         what = "is not a directory" if run_dir.exists() else "does not exist"
         hint = ""
@@ -155,13 +177,18 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
         raise ckpt.CheckpointError(f"{run_dir} {what} (expected a run directory written by rl-tformers train){hint}")
     if checkpoint is not None:
         path = Path(checkpoint)
-        state = ckpt.load_checkpoint(path)
-    else:
-        found = ckpt.find_latest_valid(run_dir)
-        path, state = found.path, found.state
-    cfg = OmegaConf.create(state["config"])
-    OmegaConf.set_readonly(cfg, True)
-    kind = str(cfg.agent.kind)
+        return path, ckpt.load_checkpoint(path)
+    found = ckpt.find_latest_valid(run_dir)
+    return found.path, found.state
+
+
+def _check_rebuildable(run_dir: Path, cfg: DictConfig, state: Mapping[str, Any], plugins: Iterable[str]) -> None:
+    """Import the run's plugins that the caller named, and check that the environment modules and
+    backbone kinds the run names are available here.
+
+    Raises:
+        ConfigError: as :func:`load_run`.
+    """
     with named_plugins_only(plugins, "--plugin"):  # its own kinds first, if the caller named them
         load_plugins(cfg.get("plugins") or [], "plugins (of the checkpoint's config)")
     check_env_modules(OmegaConf.to_container(cfg, resolve=False), "")
@@ -171,26 +198,22 @@ def load_run(run_dir: str | os.PathLike, device: str | torch.device = "cpu",
         check_backbone_kinds(OmegaConf.to_container(backbone, resolve=True) if OmegaConf.is_config(backbone) else {})
     except ConfigError as exc:
         raise ConfigError(f"the run {run_dir} cannot be rebuilt here: {exc}") from None
-    entry = get_agent(kind)  # also imports every agent module (registers inference loaders)
-    dev = torch.device(device)
-    loader = _INFERENCE_LOADERS.get(kind)
+
+
+def _rebuild_agent(run_dir: Path, cfg: DictConfig, state: Mapping[str, Any], entry: AgentEntry,
+                   dev: torch.device) -> Any:
+    """The agent of the checkpoint ``state``: built by the kind's inference loader when it has one,
+    else by its builder with the checkpoint's weights and extra state loaded."""
+    loader = _INFERENCE_LOADERS.get(str(cfg.agent.kind))
     with warnings.catch_warnings():
         # advice about the run's settings (attn_dropout unused by the kernel...) was given when the
         # run was trained; its config is fixed now, so it is not repeated at every eval / plot
         warnings.simplefilter("ignore", ConfigAdviceWarning)
         if loader is not None:
-            agent = loader(cfg, state, dev)
-        else:
-            agent = entry.builder(cfg, run_dir, dev)
-            agent.model.load_state_dict(state["model"])
-            load_extra = getattr(agent, "load_extra_state", None)
-            if callable(load_extra):
-                load_extra(state["extra"])
-    missing = [m for m in EVALUABLE_METHODS if not callable(getattr(agent, m, None))]
-    if missing:
-        raise NotEvaluableError(f"agent {kind!r} cannot be evaluated: it lacks {', '.join(m + '()' for m in missing)}")
-    agent.model.to(dev).eval()
-    if dev.type == "cpu":
-        apply_cpu_matmul(agent.model, _run_cpu_matmul(cfg))
-    return LoadedRun(agent=agent, cfg=cfg, kind=kind, step=int(state["step"]), checkpoint=path,
-                     extra=dict(state.get("extra") or {}))
+            return loader(cfg, state, dev)
+        agent = entry.builder(cfg, run_dir, dev)
+        agent.model.load_state_dict(state["model"])
+        load_extra = getattr(agent, "load_extra_state", None)
+        if callable(load_extra):
+            load_extra(state["extra"])
+    return agent
