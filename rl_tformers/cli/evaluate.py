@@ -188,12 +188,14 @@ def _random_return(run) -> float | None:
 
 
 def outside_data_note(targets: list, best: float | None, worst: float | None) -> str | None:
-    """A one-line note on the targets far above the training data's returns: above its best by
-    more than the data's own range (``best - worst``; any target above the best when every
-    episode has the same return), or None. The agent has seen no episode near such a target."""
+    """A one-line note on the targets far outside the training data's returns: above its best
+    or below its worst by more than the data's own range (``best - worst``; any target above the
+    best or below the worst when every episode has the same return), or None. The agent has seen
+    no episode near such a target."""
     if best is None or worst is None:
         return None
-    far = [t for t in targets if t is not None and t > best + max(best - worst, 0.0)]
+    spread = max(best - worst, 0.0)
+    far = [t for t in targets if t is not None and (t > best + spread or t < worst - spread)]
     if not far:
         return None
     which = ", ".join(f"{t:g}" for t in far)

@@ -363,6 +363,16 @@ def test_eval_notes_a_target_far_above_the_datasets_best(tiny_dt_run: Path) -> N
     assert res.exit_code == 0 and "note:" not in res.output, res.output
 
 
+
+def test_outside_data_note_counts_a_target_far_below_by_the_datas_range() -> None:
+    from rl_tformers.cli.evaluate import outside_data_note
+
+    assert outside_data_note([1027.0, 1074.0], 1121.0, 1074.0) is None  # down to worst - range (47): near the data
+    assert outside_data_note([1026.0, -3600.0, 1100.0], 1121.0, 1074.0) == (
+        "note: targets 1026, -3600 lie outside the training data (its best episode return is 1121, its worst 1074)")
+    assert outside_data_note([9.0], 10.0, 10.0) == (
+        "note: target 9 lies outside the training data (its best episode return is 10, its worst 10)")
+
 def test_outside_data_note_counts_a_target_far_above_by_the_datas_range() -> None:
     from rl_tformers.cli.evaluate import outside_data_note
 
