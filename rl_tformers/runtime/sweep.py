@@ -1310,6 +1310,121 @@ def _echo_config_warnings(runs: Sequence[SweepRun], requested: dict[str, dict[st
         echo(f"warning: {message} ({where})")
 
 
+@dataclass
+class _SweepPlan:
+    """What a sweep does with each of its runs (:func:`_plan_runs`).
+
+    Attributes:
+        outcomes: the outcomes known without running (complete runs skipped, unevaluated ones).
+        said: those outcomes in run order, to print.
+        todo: ``(run, train command)`` of every run to start or resume.
+        fresh: the runs that start anew; ``restart``: those of them that stopped before their
+            first checkpoint (their directory is cleared first).
+        problems: why run directories cannot hold their requested runs (one line each).
+    """
+
+    outcomes: dict[str, RunOutcome] = field(default_factory=dict)
+    said: list[tuple[str, RunOutcome]] = field(default_factory=list)
+    todo: list[tuple[SweepRun, list[str]]] = field(default_factory=list)
+    fresh: list[SweepRun] = field(default_factory=list)
+    restart: list[SweepRun] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def _plan_runs(config: str | None, runs: Sequence[SweepRun], requested: dict[str, dict[str, Any]], out: Path,
+               device: str | None) -> _SweepPlan:
+    """Sort the runs whose grid point composes by the state of their run directory
+    (:func:`run_state`): complete, unevaluated, to start or resume, or a problem (being trained
+    by another process, or holding a run with another config). Starts and changes nothing."""
+    plan = _SweepPlan()
+    for run in runs:
+        if run.name not in requested:  # its grid point does not compose: refused below
+            continue
+        state = run_state(run.run_dir)
+        pid = lock_holder(run.run_dir)
+        if pid is not None:
+            plan.problems.append(f"{run.run_dir} is being trained by {f'pid {pid}' if pid else 'another process'}")
+            continue
+        if state != "new":
+            stored = stored_config(run.run_dir)
+            diffs = (config_differences(stored, requested[run.name]) if stored is not None
+                     else ["(no readable config.yaml or checkpoint)"])
+            if diffs:
+                article = "an" if state[0] in "aeiou" else "a"
+                plan.problems.append(f"{run.run_dir} holds {article} {state} run with another config:\n    "
+                                     + "\n    ".join(diffs))
+                continue
+        if state == "complete":
+            plan.outcomes[run.name] = RunOutcome("skipped", 0)
+            plan.said.append((run.name, plan.outcomes[run.name]))
+        elif state == "unevaluated":
+            plan.outcomes[run.name] = RunOutcome(
+                "incomplete", None, 0.0,
+                f"error: {run.run_dir} trained to the end but has no final evaluation (it failed: see "
+                f"{out / 'logs' / (_slug(run.name) + '.log')}); evaluate it with `rl-tformers eval {run.run_dir}` "
+                f"or log it in the run with `rl-tformers train --resume {run.run_dir}`, or delete the directory to "
+                f"train it again")
+            plan.said.append((run.name, plan.outcomes[run.name]))
+        else:
+            if state in ("new", "uncheckpointed"):
+                plan.fresh.append(run)
+            if state == "uncheckpointed":
+                plan.restart.append(run)
+            plan.todo.append((run, train_command(run, config, state, device,
+                                                 plugins=requested[run.name].get("plugins") or ())))
+    return plan
+
+
+def _refuse_problems(plan: _SweepPlan, runs: Sequence[SweepRun], composed: Mapping[str, Any] | None,
+                     bad: dict[str, str], launcher: str, out: Path) -> dict[str, list[str]]:
+    """Refuse the sweep if a run directory cannot hold its run, or a grid point does not compose
+    (``bad``) or (local launcher) its agent does not build (:func:`check_points`, added to
+    ``bad``); returns the warnings of building the agents, by message.
+
+    Raises:
+        SweepError: naming every such run directory and grid point.
+    """
+    if plan.problems:
+        text = ("cannot rerun the sweep in " + str(out) + ": its run directories must hold the requested runs\n  "
+                + "\n  ".join(plan.problems) + "\nuse another --out, rerun with the values those runs were started "
+                "with, or delete those run directories")
+        if bad:
+            text += "\n" + str(points_error(bad, runs))
+        raise SweepError(text)
+    agent_warnings: dict[str, list[str]] = {}
+    if launcher == "local" and composed:
+        # points with a run to start: a run to resume is rebuilt from its own checkpoint by
+        # `train --resume` (a resumed ODT or fine-tuning run does not read agent.init_from /
+        # init_checkpoint, which may since have been moved or deleted), so it is not built here
+        to_check = {run.point_label: composed[run.point_label] for run in plan.fresh if run.point_label in composed}
+        refused, agent_warnings = check_points(to_check)
+        bad.update(refused)
+    if bad:
+        raise points_error(bad, runs)
+    return agent_warnings
+
+
+def _announce_and_clear(plan: _SweepPlan, out: Path, echo: Callable[[str], None]) -> None:
+    """Print the outcomes known without running; clear the directories of the runs that stopped
+    before their first checkpoint and the time records of every run that starts anew."""
+    for name, outcome in plan.said:
+        if outcome.status == "skipped":
+            echo(f"skipped {name} (complete)")
+        else:
+            _echo_outcome(echo, name, outcome)
+    for run in plan.restart:  # stopped before its first checkpoint: nothing to resume, it starts again
+        log_path = out / "logs" / f"{_slug(run.name)}.log"
+        try:
+            cause = _last_error_line(log_path.read_text(errors="replace"))
+        except OSError:
+            cause = ""
+        echo(f"restart {run.name}: it stopped before its first checkpoint"
+             + (f" ({cause})" if cause else "") + "; training it again from the start")
+        clear_uncheckpointed(run.run_dir)
+    for run in plan.fresh:  # a run that starts anew (e.g. its directory was deleted to train it again): so does its time
+        parts_path(out / "logs" / f"{_slug(run.name)}.log").unlink(missing_ok=True)
+
+
 def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[str, dict[str, Any]],
                   seeds: Sequence[int], out: Path, *, jobs: int, threads: int, launcher: str, gpus_per_run: float,
                   device: str | None, metric: str | None, echo: Callable[[str], None],
@@ -1323,77 +1438,10 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
     """
 
     bad = dict(bad or {})
-    outcomes: dict[str, RunOutcome] = {}
-    todo, problems, fresh, restart = [], [], [], []
-    said: list[tuple[str, RunOutcome]] = []
-    for run in runs:
-        if run.name not in requested:  # its grid point does not compose: refused below
-            continue
-        state = run_state(run.run_dir)
-        pid = lock_holder(run.run_dir)
-        if pid is not None:
-            problems.append(f"{run.run_dir} is being trained by {f'pid {pid}' if pid else 'another process'}")
-            continue
-        if state != "new":
-            stored = stored_config(run.run_dir)
-            diffs = (config_differences(stored, requested[run.name]) if stored is not None
-                     else ["(no readable config.yaml or checkpoint)"])
-            if diffs:
-                article = "an" if state[0] in "aeiou" else "a"
-                problems.append(f"{run.run_dir} holds {article} {state} run with another config:\n    "
-                                + "\n    ".join(diffs))
-                continue
-        if state == "complete":
-            outcomes[run.name] = RunOutcome("skipped", 0)
-            said.append((run.name, outcomes[run.name]))
-        elif state == "unevaluated":
-            outcomes[run.name] = RunOutcome(
-                "incomplete", None, 0.0,
-                f"error: {run.run_dir} trained to the end but has no final evaluation (it failed: see "
-                f"{out / 'logs' / (_slug(run.name) + '.log')}); evaluate it with `rl-tformers eval {run.run_dir}` "
-                f"or log it in the run with `rl-tformers train --resume {run.run_dir}`, or delete the directory to "
-                f"train it again")
-            said.append((run.name, outcomes[run.name]))
-        else:
-            if state in ("new", "uncheckpointed"):
-                fresh.append(run)
-            if state == "uncheckpointed":
-                restart.append(run)
-            todo.append((run, train_command(run, config, state, device,
-                                            plugins=requested[run.name].get("plugins") or ())))
-    if problems:
-        text = ("cannot rerun the sweep in " + str(out) + ": its run directories must hold the requested runs\n  "
-                + "\n  ".join(problems) + "\nuse another --out, rerun with the values those runs were started with, "
-                "or delete those run directories")
-        if bad:
-            text += "\n" + str(points_error(bad, runs))
-        raise SweepError(text)
-    agent_warnings: dict[str, list[str]] = {}
-    if launcher == "local" and composed:
-        # points with a run to start: a run to resume is rebuilt from its own checkpoint by
-        # `train --resume` (a resumed ODT or fine-tuning run does not read agent.init_from /
-        # init_checkpoint, which may since have been moved or deleted), so it is not built here
-        to_check = {run.point_label: composed[run.point_label] for run in fresh if run.point_label in composed}
-        refused, agent_warnings = check_points(to_check)
-        bad.update(refused)
-    if bad:
-        raise points_error(bad, runs)
-    for name, outcome in said:
-        if outcome.status == "skipped":
-            echo(f"skipped {name} (complete)")
-        else:
-            _echo_outcome(echo, name, outcome)
-    for run in restart:  # stopped before its first checkpoint: nothing to resume, it starts again
-        log_path = out / "logs" / f"{_slug(run.name)}.log"
-        try:
-            cause = _last_error_line(log_path.read_text(errors="replace"))
-        except OSError:
-            cause = ""
-        echo(f"restart {run.name}: it stopped before its first checkpoint"
-             + (f" ({cause})" if cause else "") + "; training it again from the start")
-        clear_uncheckpointed(run.run_dir)
-    for run in fresh:  # a run that starts anew (e.g. its directory was deleted to train it again): so does its time
-        parts_path(out / "logs" / f"{_slug(run.name)}.log").unlink(missing_ok=True)
+    plan = _plan_runs(config, runs, requested, out, device)
+    todo, outcomes = plan.todo, plan.outcomes
+    agent_warnings = _refuse_problems(plan, runs, composed, bad, launcher, out)
+    _announce_and_clear(plan, out, echo)
     echo(f"sweep: {len(runs)} runs ({len(todo)} to run) over {len(runs) // max(1, len(seeds))} grid points x "
          f"{len(seeds)} seed{'' if len(seeds) == 1 else 's'} -> {out}")
     _echo_config_warnings(runs, requested, echo, agent_warnings)
