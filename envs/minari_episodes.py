@@ -96,9 +96,12 @@ class MinariEpisodes:
         of its ``main_data.hdf5`` that h5py cannot read (a damaged object header or compressed
         chunk), each read again on its own; else ``exc`` itself, with the dataset's folder."""
         path = Path(self.minari_dataset.storage.data_path) / "main_data.hdf5"
-        fallback = DatasetError(f"{self._where}: cannot read the episodes ({type(exc).__name__}: {exc})")
+        reason = " ".join(str(exc).split())  # one line: h5py's read errors hold a ctime() with its newline
+        fallback = DatasetError(f"{self._where}: cannot read the episodes ({type(exc).__name__}: {reason})")
         if not path.is_file():
-            return fallback
+            what = "a directory" if path.is_dir() else "not a file" if path.exists() else "missing"
+            return DatasetError(f"{path}: {what}; a Minari dataset keeps its episodes in this HDF5 file",
+                                field="main_data.hdf5")
         import h5py  # noqa: PLC0415 - Minari's own dependency, needed only to name a damaged field
 
         try:

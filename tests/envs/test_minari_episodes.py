@@ -121,6 +121,18 @@ def test_open_minari_refuses_metadata_counts_that_are_not_whole_numbers(tmp_path
         open_minari("test/many-v0", root=tmp_path)
     assert info.value.field == key
 
+
+def test_a_main_data_file_that_is_a_directory_is_named_in_one_line(tmp_path):
+    md = make_minari(tmp_path, "test/many-v0", buffers([4, 2, 5]))
+    data = md.storage.data_path / "main_data.hdf5"
+    data.unlink()
+    data.mkdir()
+    episodes = open_minari("test/many-v0", root=tmp_path)
+    with pytest.raises(DatasetError) as info:
+        episodes.episodes([0])
+    assert str(info.value) == f"{data}: a directory; a Minari dataset keeps its episodes in this HDF5 file"
+    assert info.value.field == "main_data.hdf5"
+
 def _minari_eager(path) -> EpisodeDataset:
     """Every episode through Minari's own ``iterate_episodes``, built as one dataset."""
     md = minari.MinariDataset(path)
