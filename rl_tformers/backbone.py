@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from rl_tformers.backbone_config import BackboneConfig, BuildContext, IncompatibleConfig
+from rl_tformers.depth.base import DepthOutput
 from rl_tformers.memory.base import SegmentRecord
 from rl_tformers.position.base import check_position_dtype
 from rl_tformers.registry import REGISTRIES, SLOTS, Capabilities
@@ -240,6 +241,18 @@ class Backbone(nn.Module):
                 take (the message names both dtypes and how to convert).
             TypeError: ``output_tokens`` is not a slice.
         """
+        positions = self._checked_inputs(x, positions, mask, state, episode_start, output_tokens)
+        return self._run(x, positions, mask, state, episode_start, need_weights, output_hidden_states, output_tokens,
+                         depth_kwargs)
+
+    def _checked_inputs(self, x: Tensor, positions: Tensor | None, mask: Tensor | None, state: BackboneState | None,
+                        episode_start: Tensor | None, output_tokens: slice | None) -> Tensor:
+        """Check the shapes and types of :meth:`forward`'s inputs; returns the (B, T) int64
+        positions (the given ones, or the default ones).
+
+        Raises:
+            ValueError / TypeError: as :meth:`forward`.
+        """
         if x.dim() != 3 or x.shape[-1] != self.config.d_model:
             raise ValueError(f"backbone: x must be (B, T, {self.config.d_model}), got {tuple(x.shape)}")
         b, t, _ = x.shape
@@ -260,7 +273,15 @@ class Backbone(nn.Module):
             raise ValueError(f"backbone: episode_start must be ({b}, {t}), got {tuple(episode_start.shape)}")
         if state is not None and state.batch_size != b:  # before anything broadcasts one against the other
             raise ValueError(f"backbone: state is for batch {state.batch_size}, x has batch {b}")
+        return positions
 
+    def _run(self, x: Tensor, positions: Tensor, mask: Tensor | None, state: BackboneState | None,
+             episode_start: Tensor | None, need_weights: bool, output_hidden_states: bool,
+             output_tokens: slice | None, depth_kwargs: dict[str, Any]) -> BackboneOutput:
+        """:meth:`forward` on checked inputs: the attention context, the depth module's call over
+        the blocks and, with a ``state``, the memory update."""
+        b, t, _ = x.shape
+        dev = x.device
         if t == 0:  # an empty segment: no token to compute, the state (memory, cache) is unchanged
             hidden = x if output_tokens is None else x[:, output_tokens]  # (B, 0, D)
             return BackboneOutput(
@@ -276,39 +297,13 @@ class Backbone(nn.Module):
             base_ep = state.episode[:, None] if state is not None else torch.zeros(b, 1, dtype=torch.long, device=dev)
             seg_q = base_ep + starts.cumsum(1)  # (B, T)
         valid_q = mask.bool() if mask is not None else None
-
-        if state is not None:
-            vq = valid_q if valid_q is not None else torch.ones(b, t, dtype=torch.bool, device=dev)
-            ctx = AttnContext(
-                pos_q=positions,
-                pos_k=torch.cat([state.pos, positions], 1),
-                key_valid=torch.cat([state.valid, vq], 1),
-                seg_q=seg_q,
-                seg_k=torch.cat([state.seg, seg_q], 1),
-                causal=self.config.causal,
-                need_weights=need_weights,
-                key_offset=state.key_offset,
-            )
-        else:
-            ctx = AttnContext(
-                pos_q=positions, pos_k=positions, key_valid=valid_q, seg_q=seg_q, seg_k=seg_q,
-                causal=self.config.causal, need_weights=need_weights,
-            )
+        ctx = self._attn_context(positions, valid_q, seg_q, state, need_weights, dev)
 
         subset = (output_tokens is not None and self.query_subset and state is None and not need_weights
                   and not output_hidden_states and not depth_kwargs)
         if subset:
             depth_kwargs["queries"] = output_tokens
-        if state is not None and not torch.is_autocast_enabled(x.device.type) and self._holds_float64(state):
-            raise ValueError(self._dtype_mismatch(x, state))
-        try:
-            dout = self.depth(x, ctx, None if state is None else state.layers, output_hidden_states, **depth_kwargs)
-        except RuntimeError as exc:  # torch's "mixed dtype" / "expected ... same dtype": say which input
-            text = str(exc).lower()
-            why = self._dtype_mismatch(x, state) if "dtype" in text or "scalar type" in text else None
-            if why is None:
-                raise
-            raise ValueError(why) from exc
+        dout = self._call_depth(x, ctx, state, output_hidden_states, depth_kwargs)
         hidden = dout.hidden if subset or output_tokens is None else dout.hidden[:, output_tokens]  # (B, T', D)
         aux, metrics = dict(dout.aux), dict(dout.metrics)
         new_state = None
@@ -336,6 +331,44 @@ class Backbone(nn.Module):
             hidden_states=dout.hidden_states,
             attentions=tuple(dout.weights) if need_weights else None,
         )
+
+    def _attn_context(self, positions: Tensor, valid_q: Tensor | None, seg_q: Tensor | None,
+                      state: BackboneState | None, need_weights: bool, dev: torch.device) -> AttnContext:
+        """The attention context of a segment: its (B, T) positions, validity and episode
+        segments as queries; as keys, the state's (memory or cache) followed by the segment's
+        (``dev``: the device of the segment's inputs)."""
+        if state is not None:
+            b, t = positions.shape
+            vq = valid_q if valid_q is not None else torch.ones(b, t, dtype=torch.bool, device=dev)
+            return AttnContext(
+                pos_q=positions,
+                pos_k=torch.cat([state.pos, positions], 1),
+                key_valid=torch.cat([state.valid, vq], 1),
+                seg_q=seg_q,
+                seg_k=torch.cat([state.seg, seg_q], 1),
+                causal=self.config.causal,
+                need_weights=need_weights,
+                key_offset=state.key_offset,
+            )
+        return AttnContext(
+            pos_q=positions, pos_k=positions, key_valid=valid_q, seg_q=seg_q, seg_k=seg_q,
+            causal=self.config.causal, need_weights=need_weights,
+        )
+
+    def _call_depth(self, x: Tensor, ctx: AttnContext, state: BackboneState | None, output_hidden_states: bool,
+                    depth_kwargs: dict[str, Any]) -> DepthOutput:
+        """The depth module over the blocks; a dtype mismatch of ``x`` or ``state`` with the
+        parameters is reported as a ``ValueError`` naming both (outside autocast)."""
+        if state is not None and not torch.is_autocast_enabled(x.device.type) and self._holds_float64(state):
+            raise ValueError(self._dtype_mismatch(x, state))
+        try:
+            return self.depth(x, ctx, None if state is None else state.layers, output_hidden_states, **depth_kwargs)
+        except RuntimeError as exc:  # torch's "mixed dtype" / "expected ... same dtype": say which input
+            text = str(exc).lower()
+            why = self._dtype_mismatch(x, state) if "dtype" in text or "scalar type" in text else None
+            if why is None:
+                raise
+            raise ValueError(why) from exc
 
     def _holds_float64(self, state: BackboneState) -> bool:
         """True if ``state`` holds float64 tensors and the parameters are not float64 (a float64
