@@ -33,8 +33,6 @@ ALLOWED = frozenset({
     "envs/loaders.py::load_d4rl_hdf5",
     "envs/loaders.py::open_minari",
     "envs/memory_tasks.py::collect_episodes",
-    # benchmarks (the peer script runs alone in another library's environment)
-    "rl_tformers/bench/_peer_crosscheck.py::main",
     # CLI commands: option declarations plus their checks
     "rl_tformers/cli/data.py::_collect_one",
     "rl_tformers/cli/data.py::_run_collect",

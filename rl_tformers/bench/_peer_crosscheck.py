@@ -150,11 +150,11 @@ def recorded_settings(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k not in ("out", "data")}
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-
+def fit(args: argparse.Namespace):
+    """Train ``args.algo`` with d3rlpy on ``args.data``: returns ``(config, algo, dataset,
+    train seconds, final learning rate)``."""
+    # the peers' environment's libraries (this script runs there only)
     import d3rlpy
-    import gymnasium as gym
     import numpy as np
     import torch
 
@@ -175,6 +175,15 @@ def main(argv=None) -> int:
     final_lr = float(optim.param_groups[0]["lr"])
     print(f"[{args.algo} seed {args.seed}] {args.steps} updates in {train_s:.1f} s (final lr {final_lr:.2e})",
           file=sys.stderr, flush=True)
+    return cfg, algo, dataset, train_s, final_lr
+
+
+def evaluate(args: argparse.Namespace, algo) -> tuple[list[dict], float]:
+    """``args.episodes`` episodes (reset seeds 0..) of ``algo`` in ``args.env`` per target (DT)
+    or once (BC): returns ``(results, eval seconds)``, one result per target."""
+    # the peers' environment's libraries (this script runs there only)
+    import gymnasium as gym
+    import numpy as np
 
     env = gym.make(args.env)
     results = []
@@ -204,12 +213,23 @@ def main(argv=None) -> int:
             rets.append(r)
             lens.append(n)
         results.append({"target": None, "returns": rets, "lengths": lens})
-    eval_s = time.perf_counter() - t1
+    return results, time.perf_counter() - t1
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+
+    # the peers' environment's libraries (this script runs there only)
+    import d3rlpy
+    import gymnasium
+    import numpy as np
+    import torch
+
+    cfg, algo, dataset, train_s, final_lr = fit(args)
+    results, eval_s = evaluate(args, algo)
     for r in results:
         print(f"[{args.algo} seed {args.seed}] target {r['target']}: return {np.mean(r['returns']):.1f} "
               f"± {np.std(r['returns']):.1f} (eval {eval_s:.1f} s)", file=sys.stderr, flush=True)
-    import gymnasium
-
     out = {
         "algo": args.algo, "seed": args.seed, "env": args.env, "episodes": args.episodes,
         "reset_seeds": list(range(args.episodes)), "results": results, "train_seconds": train_s,
