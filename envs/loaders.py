@@ -61,18 +61,45 @@ def data_root(root: str | os.PathLike | None = None) -> Path:
 
     ``root`` if given, else ``$RL_TFORMERS_DATA``, else Minari's own root
     (:func:`minari_default_root`), where ``minari`` and other tools of the ecosystem find them.
+
+    Raises:
+        DatasetError: the root is a file or lies under one, or ``$MINARI_DATASETS_PATH`` is set
+            but empty (field: the option or variable; an empty ``$RL_TFORMERS_DATA`` is unset).
     """
     if root is not None:
-        return Path(root).expanduser()
+        return check_root(root, "data root (--root, dataset.root)")
     env = os.environ.get(DATA_ROOT_ENV)
-    return Path(env).expanduser() if env else minari_default_root()
+    return check_root(env, f"${DATA_ROOT_ENV}") if env else minari_default_root()
+
+
+def check_root(root: str | os.PathLike, source: str) -> Path:
+    """``root`` (expanded) when it can be a folder of datasets: not empty, not a file, under no file.
+
+    Raises:
+        DatasetError: naming ``source`` (``root``, ``$RL_TFORMERS_DATA``, ``$MINARI_DATASETS_PATH``).
+    """
+    if not str(root).strip():
+        raise DatasetError(f"{source} is set but empty; give a folder for the datasets, or unset it", field=source)
+    path = Path(root).expanduser()
+    for p in (path, *path.parents):
+        if p.exists() and not p.is_dir():
+            where = "is a file" if p == path else f"lies under {p}, which is a file"
+            raise DatasetError(f"{source} {root}: a folder of datasets, but it {where}", field=source)
+    return path
 
 
 def minari_default_root() -> Path:
     """Minari's own dataset root as Minari computes it (``minari.storage.get_dataset_path``):
-    ``$MINARI_DATASETS_PATH``, else ``~/.minari/datasets`` (Minari creates the folder)."""
+    ``$MINARI_DATASETS_PATH``, else ``~/.minari/datasets`` (Minari creates the folder).
+
+    Raises:
+        DatasetError: as :func:`check_root`, for ``$MINARI_DATASETS_PATH``.
+    """
     from minari.storage import get_dataset_path  # minari loads h5py and its storage backends
 
+    env = os.environ.get("MINARI_DATASETS_PATH")
+    if env is not None:
+        check_root(env, "$MINARI_DATASETS_PATH")
     return Path(get_dataset_path()).expanduser()
 
 
@@ -96,7 +123,7 @@ def _close_local_ids(spec: str, root: str | os.PathLike | None) -> list[str]:
 def minari_root(root: str | os.PathLike) -> Iterator[Path]:
     """Point Minari (``MINARI_DATASETS_PATH``) at ``root`` inside the block, then restore it."""
     old = os.environ.get("MINARI_DATASETS_PATH")
-    path = Path(root).expanduser().resolve()
+    path = check_root(root, "data root (--root, dataset.root)").resolve()
     path.mkdir(parents=True, exist_ok=True)
     os.environ["MINARI_DATASETS_PATH"] = str(path)
     try:

@@ -1083,3 +1083,35 @@ def test_reading_a_file_whose_env_id_names_a_module_imports_nothing(tmp_path, mo
     r = CliRunner().invoke(app, ["dataset", "info", str(path)])
     assert r.exit_code == 0, r.output
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(("variable", "under"), [("MINARI_DATASETS_PATH", ""), ("MINARI_DATASETS_PATH", "sub"),
+                                                 ("RL_TFORMERS_DATA", ""), ("RL_TFORMERS_DATA", "sub")])
+def test_a_data_root_that_is_a_file_or_under_one_is_refused_naming_its_variable(tmp_path, monkeypatch, variable,
+                                                                                under):
+    from rl_tformers.envs.loaders import data_root
+
+    monkeypatch.delenv("RL_TFORMERS_DATA", raising=False)
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    root = blocker / under if under else blocker
+    monkeypatch.setenv(variable, str(root))
+    said = "is a file" if not under else f"lies under {blocker}, which is a file"
+    with pytest.raises(DatasetError, match=re.escape(f"${variable} {root}: a folder of datasets, but it {said}")):
+        data_root()
+    r = runner.invoke(app, ["collect", "--env", "CartPole-v1", "--episodes", "1", "--dataset-id", "test/cp-v0"])
+    assert r.exit_code == 2 and r.stderr == f"error: ${variable} {root}: a folder of datasets, but it {said}\n"
+    assert blocker.read_text() == ""
+
+
+def test_an_empty_minari_datasets_path_is_refused_and_a_root_under_a_file_names_the_option(tmp_path, monkeypatch):
+    from rl_tformers.envs.loaders import data_root
+
+    monkeypatch.setenv("MINARI_DATASETS_PATH", "")
+    monkeypatch.delenv("RL_TFORMERS_DATA", raising=False)
+    with pytest.raises(DatasetError, match=r"^\$MINARI_DATASETS_PATH is set but empty; give a folder"):
+        data_root()
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(DatasetError, match=r"^data root \(--root, dataset.root\) .*afile/x: a folder of datasets, but "
+                                           r"it lies under .*afile, which is a file"):
+        data_root(tmp_path / "afile" / "x")
