@@ -22,6 +22,7 @@ Command: ``rl-tformers bench minari --episodes 10000 --out bench_minari.json``.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import statistics
 import tempfile
@@ -42,6 +43,16 @@ from rl_tformers.bench.train import machine_info
 from rl_tformers.envs.loaders import load_minari, minari_root, open_minari
 
 DATASET_ID = "bench/synthetic-v0"
+#: bytes of one synthetic step: 11 float64 observations, 3 float32 actions, a float64 reward, 2 flags
+STEP_BYTES = 11 * 8 + 3 * 4 + 8 + 2
+#: copies of the dataset the command holds at once at most (the episodes written, Minari's read
+#: and the full read's arrays)
+COPIES_HELD = 3
+
+
+def _physical_memory_bytes() -> int:
+    """The machine's physical memory in bytes."""
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
 
 
 @dataclass
@@ -60,7 +71,9 @@ class Settings:
         """Refuse settings that cannot give a measurement, naming the CLI option.
 
         Raises:
-            ValueError: a count below 1, ``--sample`` above ``--episodes``, or ``--keep`` naming a file.
+            ValueError: a count below 1, a negative ``--seed``, ``--sample`` above ``--episodes``,
+                an empty ``--keep`` or one naming a file, or a dataset whose copies the command holds
+                (:data:`COPIES_HELD` of :meth:`data_bytes`) exceed the machine's physical memory.
         """
         for option, value in (("--episodes", self.episodes), ("--episode-len", self.episode_len),
                               ("--sample", self.sample), ("--repeats", self.repeats),
@@ -69,8 +82,23 @@ class Settings:
                 raise ValueError(f"{option} must be >= 1, got {value}")
         if self.sample > self.episodes:
             raise ValueError(f"--sample {self.sample} is more than --episodes {self.episodes}")
+        if self.seed < 0:
+            raise ValueError(f"--seed must be >= 0 (it seeds numpy's generator), got {self.seed}")
+        if self.keep is not None and not str(self.keep).strip():
+            raise ValueError("--keep is empty; give a folder to keep the synthetic dataset in, or leave the option out")
         if self.keep and Path(self.keep).exists() and not Path(self.keep).is_dir():
             raise ValueError(f"--keep {self.keep} is a file; give a folder to keep the synthetic dataset in")
+        need, have = COPIES_HELD * self.data_bytes(), _physical_memory_bytes()
+        if need > have:
+            raise ValueError(f"--episodes {self.episodes} x --episode-len {self.episode_len}: the synthetic dataset "
+                             f"holds {self.data_bytes() / 2**30:.3g} GiB ({STEP_BYTES} bytes a step) and the command "
+                             f"holds about {COPIES_HELD} copies of it, more than the {have / 2**30:.3g} GiB of this "
+                             f"machine; lower --episodes or --episode-len")
+
+    def data_bytes(self) -> int:
+        """Bytes of the synthetic dataset's arrays: :data:`STEP_BYTES` a step, plus one 11-dim
+        float64 observation an episode (its last)."""
+        return self.episodes * (self.episode_len * STEP_BYTES + 11 * 8)
 
 
 @dataclass

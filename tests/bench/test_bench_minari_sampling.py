@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from rl_tformers.envs.loaders import open_minari
 from typer.testing import CliRunner
 
 from rl_tformers.bench import minari_sampling as bm
 from rl_tformers.cli import app
+from tests.runs import tripwire
 
 
 def test_synthetic_dataset_holds_the_episodes_asked_for(tmp_path):
@@ -43,3 +45,19 @@ def test_bench_minari_refuses_a_sample_larger_than_the_dataset():
     res = CliRunner().invoke(app, ["bench", "minari", "--episodes", "3", "--sample", "4"])
     assert res.exit_code == 2
     assert "error: --sample 4 is more than --episodes 3" in res.output
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--seed", "-1"], "error: --seed must be >= 0 (it seeds numpy's generator), got -1\n"),
+    (["--keep", ""], "error: --keep is empty; give a folder to keep the synthetic dataset in, or leave the option "
+                     "out\n"),
+    (["--episodes", "1000000000", "--episode-len", "1000000000", "--sample", "1"],
+     "error: --episodes 1000000000 x --episode-len 1000000000: the synthetic dataset holds 1.02e+11 GiB (110 bytes "
+     "a step) and the command holds about 3 copies of it, more than the 16 GiB of this machine; lower --episodes "
+     "or --episode-len\n"),
+])
+def test_bench_minari_refuses_settings_that_cannot_run_before_writing_anything(monkeypatch, args, said):
+    monkeypatch.setattr(bm, "_physical_memory_bytes", lambda: 16 * 2**30)
+    monkeypatch.setattr(bm, "write_synthetic_minari", tripwire)
+    res = CliRunner().invoke(app, ["bench", "minari", *args])
+    assert res.exit_code == 2 and res.stderr == said, res.output
