@@ -54,6 +54,15 @@ def copy_leaves(value: Any) -> Any:
     return value.copy() if isinstance(value, np.ndarray) else value
 
 
+def _layout(value: Any) -> Any:
+    """The structure of a step's value: dict keys and tuple items down to each leaf's shape."""
+    if isinstance(value, dict):
+        return {k: _layout(v) for k, v in sorted(value.items())}
+    if isinstance(value, tuple):
+        return tuple(_layout(v) for v in value)
+    return np.shape(value)
+
+
 class EpisodeRecorder(gym.Wrapper):
     """Records the episodes stepped through ``env`` and writes them as a Minari dataset.
 
@@ -84,10 +93,28 @@ class EpisodeRecorder(gym.Wrapper):
         if self._rewards:
             self.episodes.append(EpisodeBuffer(
                 id=len(self.episodes), seed=self._seed, options=self._options,
-                observations=stack_steps(self._obs), actions=stack_steps(self._actions),
+                observations=self._stacked("observation", self._obs), actions=self._stacked("action", self._actions),
                 rewards=np.asarray(self._rewards), terminations=np.asarray(self._terms),
                 truncations=np.asarray(self._truncs), infos={}))
         self._start(None, None, None)
+
+    def _stacked(self, what: str, steps: list) -> Any:
+        """:func:`stack_steps` of the episode's ``steps``.
+
+        Raises:
+            ValueError: a step whose value has another structure or shape than the episode's first
+                (naming the episode and the step; observations count from the reset's, step 0).
+        """
+        try:
+            return stack_steps(steps)
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            first = _layout(steps[0])
+            t = next((i for i, v in enumerate(steps) if _layout(v) != first), None)
+            if t is None:
+                raise
+            raise ValueError(f"EpisodeRecorder: episode {len(self.episodes)}: the {what} of step {t} has layout "
+                             f"{_layout(steps[t])}, the episode's first {first}; every {what} of an episode must "
+                             f"have one shape") from exc
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         """End the episode in progress (truncated unless it terminated) and start one; a

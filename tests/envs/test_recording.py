@@ -209,3 +209,20 @@ def test_recording_imports_no_jax(tmp_path):
             "print('jax' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_an_observation_of_another_shape_within_an_episode_is_named_by_episode_and_step():
+    calls = []
+
+    def grow_once(o):
+        calls.append(1)
+        return np.zeros(5, np.float32) if len(calls) == 3 else o
+
+    env = EpisodeRecorder(gym.make("CartPole-v1"), observation=grow_once)
+    env.reset(seed=0)
+    env.step(0)
+    env.step(0)
+    with pytest.raises(ValueError, match=r"^EpisodeRecorder: episode 0: the observation of step 2 has layout \(5,\), "
+                                         r"the episode's first \(4,\); every observation of an episode must have one "
+                                         r"shape$"):
+        env.reset(seed=1)
