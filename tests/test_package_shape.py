@@ -39,9 +39,6 @@ ALLOWED = frozenset({
     "rl_tformers/cli/data.py::collect",
     "rl_tformers/cli/evaluate.py::eval_cmd",
     "rl_tformers/cli/evaluate.py::plot_cmd",
-    "rl_tformers/cli/train.py::_launch_torchrun",
-    "rl_tformers/cli/train.py::_run_torchrun",
-    "rl_tformers/cli/train.py::train",
 })
 
 

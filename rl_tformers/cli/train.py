@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -158,44 +159,36 @@ def train(
              "names them). UNSAFE: unpickling runs any code the checkpoint holds; only for runs you made or trust."),
 ) -> None:
     _setup_logging()
-    from rl_tformers.envs.dataset import DatasetError
-    from rl_tformers.registry import RegistryError
-    from rl_tformers.runtime import agent_registry as agent_registry
-    from rl_tformers.runtime.checkpoint import CheckpointError
-    from rl_tformers.runtime.distributed import (
-        LAUNCHER_ENV,
-        PeerFailure,
-        dist_info,
-        peer_failed,
-        wait_for_teardown,
-    )
-    from rl_tformers.runtime.run_config import (
-        ConfigError,
-        compose,
-        config_display_name,
-        display_yaml,
-        resolve_config_path,
-    )
-    from rl_tformers.runtime.trainer import (
-        EvaluationInputError,
-        GracefulInterrupt,
-        Interrupted,
-        NonFiniteLossError,
-        RunDirError,
-        load_resume_config,
-    )
-    from rl_tformers.runtime.trainer import resume as resume_run
-    from rl_tformers.runtime.trainer import train as train_run
-
     if list_agents:
-        from rl_tformers.runtime.plugins import load_entry_point_plugins
-
-        load_entry_point_plugins()  # the agents of installed rl_tformers.plugins packages are listed too
-        for kind in agent_registry.available_agents():
-            typer.echo(f"{kind:16s} {agent_registry.get_agent(kind).description}")
-        for mod, err in agent_registry.import_failures().items():
-            typer.echo(f"(failed to import {mod}: {err})", err=True)
+        _list_agents()
         return
+    overrides = _checked_overrides(overrides, device, nproc, print_config, resume, plugin, unsafe_unpickle_envs)
+    trusted = TrustedInputs(plugin, unsafe_unpickle_envs)
+    if nproc > 1 and not print_config:
+        raise typer.Exit(_launch_torchrun(nproc, overrides, config, resume, run_dir, stop_at, trusted))
+    result, world_size = _train_here(overrides, config, resume, run_dir, stop_at, print_config, trusted)
+    if result is not None:
+        _report_result(result, world_size)
+
+
+def _list_agents() -> None:
+    """``--list-agents``: every registered agent kind with its description (installed plugins' too)."""
+    # the command's imports, inside it so that `rl-tformers --help` stays fast
+    from rl_tformers.runtime import agent_registry as agent_registry
+    from rl_tformers.runtime.plugins import load_entry_point_plugins
+
+    load_entry_point_plugins()  # the agents of installed rl_tformers.plugins packages are listed too
+    for kind in agent_registry.available_agents():
+        typer.echo(f"{kind:16s} {agent_registry.get_agent(kind).description}")
+    for mod, err in agent_registry.import_failures().items():
+        typer.echo(f"(failed to import {mod}: {err})", err=True)
+
+
+def _checked_overrides(overrides: list[str] | None, device: str | None, nproc: int, print_config: bool,
+                       resume: Path | None, plugin: list[str], unsafe_unpickle_envs: bool) -> list[str]:
+    """The overrides with ``--device`` as ``device=...``, after the checks of the options that need
+    no config: ``--nproc`` under torchrun, ``--plugin`` / ``--unsafe-unpickle-envs`` without
+    ``--resume`` (``error:`` line, exit 2)."""
     overrides = list(overrides or [])
     if device is not None:
         overrides.append(f"device={device}")
@@ -211,9 +204,29 @@ def train(
         given = "--plugin" if plugin else "--unsafe-unpickle-envs"
         raise _fail(f"{given} is for --resume RUN_DIR (a new run lists its modules in plugins=[...], which records "
                     f"them)")
-    trusted = TrustedInputs(plugin, unsafe_unpickle_envs)
-    if nproc > 1 and not print_config:
-        raise typer.Exit(_launch_torchrun(nproc, overrides, config, resume, run_dir, stop_at, trusted))
+    return overrides
+
+
+def _train_here(overrides: list[str], config: str | None, resume: Path | None, run_dir: Path | None,
+                stop_at: int | None, print_config: bool, trusted: TrustedInputs) -> tuple[Any, int]:
+    """Train, resume or print the config in this process (alone, or as a rank under torchrun);
+    returns ``(TrainResult or None after --print-config, number of processes)``. A failure
+    exits: bad input 2 (one ``error:`` line from rank 0), divergence 1, a signal 128 + its
+    number; an unexpected error propagates (a traceback)."""
+    # the command's imports, inside it so that `rl-tformers --help` stays fast
+    from rl_tformers.envs.dataset import DatasetError
+    from rl_tformers.registry import RegistryError
+    from rl_tformers.runtime.checkpoint import CheckpointError
+    from rl_tformers.runtime.distributed import LAUNCHER_ENV, dist_info
+    from rl_tformers.runtime.run_config import ConfigError
+    from rl_tformers.runtime.trainer import (
+        EvaluationInputError,
+        GracefulInterrupt,
+        Interrupted,
+        NonFiniteLossError,
+        RunDirError,
+    )
+
     info = dist_info()
     # who reports a stop by SIGINT/SIGTERM: rank 0, unless `train --nproc` started this rank (it reports)
     report = info.is_main and not (info.distributed and LAUNCHER_ENV in os.environ)
@@ -222,22 +235,7 @@ def train(
     stop = GracefulInterrupt(announce=report, startup="default" if info.distributed else "raise")
     try:
         with stop, trusted.entered() if resume is not None else contextlib.nullcontext():
-            if resume is not None:
-                if config is not None or run_dir is not None:
-                    raise _fail("--resume takes its config and run directory from RUN_DIR; drop --config/--run-dir")
-                if print_config:
-                    cfg, found, changes = load_resume_config(resume, overrides)
-                    typer.echo(f"# resuming {found.path}" + "".join(f"\n# changed: {c}" for c in changes))
-                    typer.echo(display_yaml(cfg), nl=False)
-                    return
-                result = resume_run(resume, overrides, stop_at=stop_at, interrupt=stop)
-            else:
-                name = config_display_name(resolve_config_path(config)) if config is not None else None
-                cfg = compose(config, overrides)
-                if print_config:
-                    typer.echo(display_yaml(cfg), nl=False)
-                    return
-                result = train_run(cfg, run_dir, config_name=name, stop_at=stop_at, interrupt=stop)
+            return _start(overrides, config, resume, run_dir, stop_at, print_config, stop), info.world_size
     except typer.Exit:
         raise
     except (ConfigError, RegistryError, CheckpointError, RunDirError, EvaluationInputError) as exc:
@@ -260,21 +258,64 @@ def train(
     except KeyboardInterrupt:  # aborted by a second signal; the trainer said where the run stands
         raise typer.Exit(128 + int(stop.aborted or stop.signum or signal.SIGINT)) from None
     except Exception as exc:
-        if stop.signum is None and info.distributed and peer_failed(exc):
-            # another rank failed first: it printed why and the launcher names it; this rank says
-            # one line (nothing for rank 0's failed evaluation, which rank 0 reports) instead of
-            # a traceback of the collective, and waits for torchrun to end it, so that torchrun
-            # records the rank that failed first
-            if not isinstance(exc, PeerFailure):
-                typer.echo(f"rank {info.rank}: stopped: another process of the run failed or was killed "
-                           f"({_first_line(exc)})", err=True)
-            wait_for_teardown()
-            raise typer.Exit(1) from None
-        if stop.signum is None or info.is_main:
+        status = _exit_after_failure(exc, stop, info)
+        if status is None:
             raise
-        # a rank > 0 after a stop signal: the collective it was in failed because another rank
-        # stopped or was killed; rank 0 (or the launcher) reports the stop, this rank only exits
-        raise typer.Exit(128 + int(stop.signum)) from None
+        raise status from None
+
+
+def _start(overrides: list[str], config: str | None, resume: Path | None, run_dir: Path | None,
+           stop_at: int | None, print_config: bool, stop: Any) -> Any:
+    """Resume ``resume`` or start a run of ``config``, or print its config (returns None then)."""
+    # the command's imports, inside it so that `rl-tformers --help` stays fast
+    from rl_tformers.runtime.run_config import compose, config_display_name, display_yaml, resolve_config_path
+    from rl_tformers.runtime.trainer import load_resume_config
+    from rl_tformers.runtime.trainer import resume as resume_run
+    from rl_tformers.runtime.trainer import train as train_run
+
+    if resume is not None:
+        if config is not None or run_dir is not None:
+            raise _fail("--resume takes its config and run directory from RUN_DIR; drop --config/--run-dir")
+        if print_config:
+            cfg, found, changes = load_resume_config(resume, overrides)
+            typer.echo(f"# resuming {found.path}" + "".join(f"\n# changed: {c}" for c in changes))
+            typer.echo(display_yaml(cfg), nl=False)
+            return None
+        return resume_run(resume, overrides, stop_at=stop_at, interrupt=stop)
+    name = config_display_name(resolve_config_path(config)) if config is not None else None
+    cfg = compose(config, overrides)
+    if print_config:
+        typer.echo(display_yaml(cfg), nl=False)
+        return None
+    return train_run(cfg, run_dir, config_name=name, stop_at=stop_at, interrupt=stop)
+
+
+def _exit_after_failure(exc: Exception, stop: Any, info: Any) -> typer.Exit | None:
+    """How a rank ends after an unexpected ``exc``: the exit to raise, or None to let ``exc``
+    propagate (a traceback: one process, or rank 0 without a stop signal)."""
+    from rl_tformers.runtime.distributed import PeerFailure, peer_failed, wait_for_teardown
+
+    if stop.signum is None and info.distributed and peer_failed(exc):
+        # another rank failed first: it printed why and the launcher names it; this rank says
+        # one line (nothing for rank 0's failed evaluation, which rank 0 reports) instead of
+        # a traceback of the collective, and waits for torchrun to end it, so that torchrun
+        # records the rank that failed first
+        if not isinstance(exc, PeerFailure):
+            typer.echo(f"rank {info.rank}: stopped: another process of the run failed or was killed "
+                       f"({_first_line(exc)})", err=True)
+        wait_for_teardown()
+        return typer.Exit(1)
+    if stop.signum is None or info.is_main:
+        return None
+    # a rank > 0 after a stop signal: the collective it was in failed because another rank
+    # stopped or was killed; rank 0 (or the launcher) reports the stop, this rank only exits
+    return typer.Exit(128 + int(stop.signum))
+
+
+def _report_result(result: Any, world_size: int) -> None:
+    """What ``rl-tformers train`` says when the run ended (rank 0 only): the run directory and
+    final evaluation of a complete run, or how to continue a stopped one; a run stopped by a
+    signal exits with 128 + its number."""
     if result.interrupted is not None:
         raise typer.Exit(128 + int(result.interrupted))
     if os.environ.get("RANK", "0") != "0":
@@ -294,7 +335,7 @@ def train(
         from rl_tformers.runtime.trainer import resume_command
 
         typer.echo(f"stopped at step {result.step} of {result.total_steps}; continue with: "
-                   f"{resume_command(result.run_dir, info.world_size)}", err=True)
+                   f"{resume_command(result.run_dir, world_size)}", err=True)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -402,9 +443,28 @@ def _launch_torchrun(nproc: int, overrides: list[str], config: str | None, resum
     Ctrl-C during the checks ``typer.Exit(130)`` after one line. A new run's directory is
     decided here (so every rank writes to the same place). Then :func:`_run_torchrun`.
     """
+    from rl_tformers.runtime.distributed import gpu_count_problem, torchrun_command
+
+    cfg, args, run_dir = _torchrun_args(nproc, overrides, config, resume, run_dir, trusted)
+    gpus = gpu_count_problem(str(cfg.device), nproc)
+    if gpus is not None:
+        raise _fail(gpus)
+    if stop_at is not None:
+        args += ["--stop-at", str(stop_at)]
+    steps = int(cfg.train.steps)
+    end = steps if stop_at is None else min(int(stop_at), steps)
+    return _run_torchrun(torchrun_command(nproc, [*args, *overrides]), nproc, Path(run_dir), steps, end,
+                         new_dir=resume is None and not Path(run_dir).exists())
+
+
+def _torchrun_args(nproc: int, overrides: list[str], config: str | None, resume: Path | None,
+                   run_dir: Path | None, trusted: TrustedInputs | None) -> tuple[Any, list[str], Path]:
+    """The checks of :func:`_launch_torchrun` that read the config and the run directory:
+    returns ``(config, the ranks' arguments naming the config and run directory, run
+    directory)``; a problem exits 2 after one ``error:`` line, a Ctrl-C 130."""
+    # the command's imports, inside it so that `rl-tformers --help` stays fast
     from rl_tformers.registry import RegistryError
     from rl_tformers.runtime.checkpoint import CheckpointError
-    from rl_tformers.runtime.distributed import gpu_count_problem, torchrun_command
     from rl_tformers.runtime.run_config import (
         ConfigError,
         compose,
@@ -444,15 +504,7 @@ def _launch_torchrun(nproc: int, overrides: list[str], config: str | None, resum
     except KeyboardInterrupt:
         typer.echo("interrupted by SIGINT before any process started: nothing was written", err=True)
         raise typer.Exit(128 + signal.SIGINT) from None
-    gpus = gpu_count_problem(str(cfg.device), nproc)
-    if gpus is not None:
-        raise _fail(gpus)
-    if stop_at is not None:
-        args += ["--stop-at", str(stop_at)]
-    steps = int(cfg.train.steps)
-    end = steps if stop_at is None else min(int(stop_at), steps)
-    return _run_torchrun(torchrun_command(nproc, [*args, *overrides]), nproc, Path(run_dir), steps, end,
-                         new_dir=resume is None and not Path(run_dir).exists())
+    return cfg, args, run_dir
 
 
 def _run_torchrun(cmd: list[str], nproc: int, run_dir: Path, total_steps: int, end: int,
@@ -477,6 +529,21 @@ def _run_torchrun(cmd: list[str], nproc: int, run_dir: Path, total_steps: int, e
         torchrun's exit status without a signal; with one: 0 if the run reached ``end`` anyway
         (rank 0 said so), else 128 + the first signal's number.
     """
+    rc, received = _run_forwarding_signals(cmd, nproc)
+    if not received:
+        return rc
+    if new_dir:
+        _remove_if_only_the_lock(run_dir)
+    line, status = stop_report(run_dir, nproc, received, total_steps, end)
+    if line:
+        typer.echo(line, err=True)
+    return status
+
+
+def _run_forwarding_signals(cmd: list[str], nproc: int) -> tuple[int, list[int]]:
+    """Run torchrun's ``cmd`` in a session of its own, forwarding every SIGINT/SIGTERM this
+    process receives (blocked until torchrun runs, see :func:`_run_torchrun`); returns
+    ``(torchrun's exit status, the signals received)``."""
     import subprocess
 
     from rl_tformers.runtime.distributed import LAUNCHER_ENV
@@ -513,14 +580,7 @@ def _run_torchrun(cmd: list[str], nproc: int, run_dir: Path, total_steps: int, e
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    if not received:
-        return rc
-    if new_dir:
-        _remove_if_only_the_lock(run_dir)
-    line, status = stop_report(run_dir, nproc, received, total_steps, end)
-    if line:
-        typer.echo(line, err=True)
-    return status
+    return rc, received
 
 
 def _remove_if_only_the_lock(run_dir: Path) -> None:
