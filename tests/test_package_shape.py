@@ -37,8 +37,6 @@ ALLOWED = frozenset({
     "rl_tformers/cli/data.py::_collect_one",
     "rl_tformers/cli/data.py::_run_collect",
     "rl_tformers/cli/data.py::collect",
-    "rl_tformers/cli/evaluate.py::eval_cmd",
-    "rl_tformers/cli/evaluate.py::plot_cmd",
 })
 
 

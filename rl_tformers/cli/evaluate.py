@@ -232,9 +232,7 @@ def eval_cmd(
     plugin: list[str] = typer.Option([], "--plugin", metavar="MODULE", help=PLUGIN_HELP),
 ) -> None:
     """``rl-tformers eval``; its help text is :data:`EVAL_HELP`."""
-    from rl_tformers.runtime.evaluation import evaluate, parse_targets, strict_json
-    from rl_tformers.runtime.plots import summary_lines
-    from rl_tformers.runtime.timing import TimedPolicy
+    from rl_tformers.runtime.evaluation import parse_targets, strict_json
 
     try:
         tlist = parse_targets(targets)
@@ -247,6 +245,26 @@ def eval_cmd(
     _threads(threads)
     run = _load(run_dir, device, checkpoint, plugin)
     _set_context_len(run, context_len)
+    tlist = _eval_targets(run, tlist)
+    options = {"early_exit": early_exit, "knn_lambda": knn_lambda, "knn_k": knn_k, "knn_max_entries": knn_max_entries}
+    report = _evaluate_run(run, run_dir, tlist, options, timestep_overflow, episodes=episodes, envs=envs, seed=seed,
+                           record_rewards=out is not None, progress=not as_json)
+    note = outside_data_note(tlist, run.dataset_return_max, run.dataset_return_min)
+    if note is not None and not as_json:  # with the results (a failed evaluation ends with its error alone)
+        typer.echo(note, err=True)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(strict_json(report.to_dict(with_rewards=True), indent=1))
+    if as_json:
+        typer.echo(strict_json(report.to_dict(), indent=2))
+        return
+    _print_eval(run, run_dir, report, episodes, seed)
+
+
+def _eval_targets(run, tlist: list[float] | None) -> list:
+    """The targets ``eval`` evaluates: ``--targets`` (``tlist``) or the run's default ones,
+    checked against the run (:func:`_check_targets`); a run that is not return-conditioned
+    takes no ``--targets``."""
     conditioned = run.agent.default_targets() != [None]
     if tlist is None:
         tlist = run.agent.default_targets()
@@ -257,24 +275,32 @@ def eval_cmd(
         raise _fail(f"agent {run.kind!r} is not return-conditioned; drop --targets")
     else:
         _check_targets(run, tlist, "--targets")
-    options = {"early_exit": early_exit, "knn_lambda": knn_lambda, "knn_k": knn_k, "knn_max_entries": knn_max_entries}
+    return tlist
+
+
+def _evaluate_run(run, run_dir: Path, tlist: list, options: dict, timestep_overflow: str | None, *, episodes: int,
+                  envs: int, seed: int, record_rewards: bool, progress: bool):
+    """Evaluate the run's policy (with the inference ``options`` of ``--early-exit`` /
+    ``--knn-*``) on ``tlist``; returns the :class:`~rl_tformers.runtime.evaluation.EvalReport`
+    with ``extra``: the run, checkpoint, step, kind, the policy's timing and the inference
+    setup. A ``ValueError`` of the evaluation exits 2 after one ``error:`` line."""
+    from rl_tformers.runtime.evaluation import evaluate
+    from rl_tformers.runtime.timing import TimedPolicy
+
     setup = getattr(run.agent, "inference_setup", None)
     if setup is None and any(v is not None for v in options.values()):
         raise _fail(f"agent {run.kind!r} has no --early-exit / --knn-* options")
     try:
         inference = setup(**options) if setup is not None else {}
         policy = TimedPolicy(_policy(run, timestep_overflow))
-        with _episodes_progress("eval", len(tlist) * episodes, enabled=not as_json) as bar:
+        with _episodes_progress("eval", len(tlist) * episodes, enabled=progress) as bar:
             report = evaluate(
                 policy, run.agent.make_env(), tlist, episodes=episodes, n_envs=envs,
-                seed=seed, record_rewards=out is not None, normalize=_normalizer(run), env_id=run.env_id,
+                seed=seed, record_rewards=record_rewards, normalize=_normalizer(run), env_id=run.env_id,
                 progress=bar,
             )
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    note = outside_data_note(tlist, run.dataset_return_max, run.dataset_return_min)
-    if note is not None and not as_json:  # with the results (a failed evaluation ends with its error alone)
-        typer.echo(note, err=True)
     # absolute paths: `plot --from-json` run from another folder must find the same run
     report.extra = {"run_dir": str(Path(run_dir).resolve()), "checkpoint": str(Path(run.checkpoint).resolve()),
                     "step": run.step, "kind": run.kind,
@@ -282,12 +308,14 @@ def eval_cmd(
     acting = getattr(run.agent, "eval_context_len", None)  # --context-len or the run's agent.eval_context_len
     if acting is not None:
         report.extra["context_len"] = acting
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(strict_json(report.to_dict(with_rewards=True), indent=1))
-    if as_json:
-        typer.echo(strict_json(report.to_dict(), indent=2))
-        return
+    return report
+
+
+def _print_eval(run, run_dir: Path, report, episodes: int, seed: int) -> None:
+    """``eval``'s console output: the run and settings, one line per target, the acting cost."""
+    from rl_tformers.runtime.plots import summary_lines
+
+    acting = getattr(run.agent, "eval_context_len", None)
     typer.echo(f"{run.kind} run {run_dir} (step {run.step}) on {run.env_id}: {_count(episodes, 'episode')} per "
                f"target, {_count(report.n_envs, 'env')}, seeds {seed}..{seed + episodes - 1}"
                + (f", acting on the last {_count(acting, 'step')} of the context" if acting else "")
@@ -434,16 +462,22 @@ def plot_cmd(
     plugin: list[str] = typer.Option([], "--plugin", metavar="MODULE", help=PLUGIN_HELP),
 ) -> None:
     """``rl-tformers plot``; its help text is :data:`PLOT_HELP`."""
-    from rl_tformers.runtime.evaluation import evaluate, parse_targets
-    from rl_tformers.runtime.plots import (
-        default_sweep,
-        figure_path,
-        log_figure,
-        plot_return_conditioning,
-        repeated_target,
-        save_figure,
-        summary_lines,
-    )
+    out_path = _check_plot_options(ctx, run_dir, out, checkpoint, tensorboard, from_json)
+    saved = _read_eval_json(from_json) if from_json is not None else None  # before the run is loaded
+    _threads(threads)
+    run = _load(run_dir, device, checkpoint, plugin)
+    if saved is not None:  # the evaluation's checkpoint step, not the run's newest
+        results, step = _saved_results(from_json, saved, run, run_dir)
+    else:
+        _set_context_len(run, context_len)
+        results, step = _plot_evaluation(run, targets, n_targets, episodes=episodes, envs=envs, seed=seed), run.step
+    _write_plot(run, run_dir, results, step, out_path, tensorboard)
+
+
+def _check_plot_options(ctx: typer.Context, run_dir: Path, out: str, checkpoint: Path | None, tensorboard: bool,
+                        from_json: Path | None) -> Path:
+    """``plot``'s checks before anything is read or evaluated; returns the image path of ``--out``."""
+    from rl_tformers.runtime.plots import figure_path
 
     try:  # before anything is evaluated; a str, not a Path, which would drop a trailing '/'
         out_path = figure_path(out)
@@ -465,58 +499,74 @@ def plot_cmd(
         if unused:
             raise _fail(f"--from-json {from_json} plots a saved evaluation: {', '.join(unused)} would be ignored; "
                         f"drop {'them' if len(unused) > 1 else 'it'}, or drop --from-json to evaluate")
-    saved = _read_eval_json(from_json) if from_json is not None else None  # before the run is loaded
-    _threads(threads)
-    run = _load(run_dir, device, checkpoint, plugin)
-    if saved is None:
-        _set_context_len(run, context_len)
-    dmax, dmean = run.dataset_return_max, run.dataset_return_mean
-    step: int | None = run.step
-    if saved is not None:  # the evaluation's checkpoint step, not the run's newest
-        results, meta = saved
-        _check_saved_matches(from_json, meta, run, run_dir)
-        step = _saved_step(meta)
-        twice = repeated_target([r.target_return for r in results if r.target_return is not None])
-        if twice is not None:
-            with_target = [k for k, r in enumerate(results) if r.target_return is not None]
-            i, j = with_target[twice[0]], with_target[twice[1]]
-            raise _fail(f"--from-json {from_json}: results[{i}] and results[{j}] both have target_return "
-                        f"{results[i].target_return:g}; a plot has one point per target (evaluate each target "
-                        f"once: `rl-tformers eval RUN_DIR --targets ...` with distinct targets)")
-    else:
-        if run.agent.default_targets() == [None]:
-            raise _fail(f"agent {run.kind!r} is not return-conditioned: there is nothing to sweep")
-        try:
-            tlist = parse_targets(targets)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc).removeprefix("--targets: "), param_hint="--targets") from None
-        if tlist is None:
-            dmin = run.dataset_return_min
-            if dmax is None or dmin is None:
-                raise _fail("the run stores no dataset_return_max/min; give --targets")
-            tlist = default_sweep(dmax, dmin, n_targets, random_return=_random_return(run))
-            _check_targets(run, tlist, "the default sweep (from the run's dataset returns; give --targets)")
-        else:
-            _refuse_repeated_targets(targets, tlist, "each is one point of the plot")
-            _check_targets(run, tlist, "--targets")
-        try:
-            # the run's own evaluation options (agent.early_exit.threshold, agent.knn.*), as
-            # `rl-tformers eval RUN` without --early-exit / --knn-*: the same policy is plotted
-            setup = getattr(run.agent, "inference_setup", None)
-            if setup is not None:
-                setup()
-            with _episodes_progress("plot", len(tlist) * episodes) as bar:
-                report = evaluate(
-                    run.agent.policy(), run.agent.make_env(), tlist, episodes=episodes, n_envs=envs, seed=seed,
-                    record_rewards=True, normalize=_normalizer(run), env_id=run.env_id, progress=bar,
-                )
-        except ValueError as exc:
-            raise _fail(str(exc)) from None
-        results = report.results
-        for line in summary_lines(results):
-            typer.echo("  " + line)
+    return out_path
+
+
+def _saved_results(from_json: Path, saved: tuple[list, dict], run, run_dir: Path) -> tuple[list, int | None]:
+    """The per-target results of a saved evaluation (``--from-json``) and the checkpoint step it
+    records, after checking that it is an evaluation of this run with each target once."""
+    from rl_tformers.runtime.plots import repeated_target
+
+    results, meta = saved
+    _check_saved_matches(from_json, meta, run, run_dir)
+    step = _saved_step(meta)
+    twice = repeated_target([r.target_return for r in results if r.target_return is not None])
+    if twice is not None:
+        with_target = [k for k, r in enumerate(results) if r.target_return is not None]
+        i, j = with_target[twice[0]], with_target[twice[1]]
+        raise _fail(f"--from-json {from_json}: results[{i}] and results[{j}] both have target_return "
+                    f"{results[i].target_return:g}; a plot has one point per target (evaluate each target "
+                    f"once: `rl-tformers eval RUN_DIR --targets ...` with distinct targets)")
+    return results, step
+
+
+def _plot_evaluation(run, targets: str | None, n_targets: int, *, episodes: int, envs: int, seed: int) -> list:
+    """Evaluate the run on ``--targets`` or the default sweep of ``n_targets`` (from its dataset's
+    returns) with its own evaluation options; prints one line per target; returns the results."""
+    from rl_tformers.runtime.evaluation import evaluate, parse_targets
+    from rl_tformers.runtime.plots import default_sweep, summary_lines
+
+    if run.agent.default_targets() == [None]:
+        raise _fail(f"agent {run.kind!r} is not return-conditioned: there is nothing to sweep")
     try:
-        fig = plot_return_conditioning(results, dataset_max=dmax, dataset_mean=dmean, dataset_min=run.dataset_return_min,
+        tlist = parse_targets(targets)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc).removeprefix("--targets: "), param_hint="--targets") from None
+    if tlist is None:
+        dmax, dmin = run.dataset_return_max, run.dataset_return_min
+        if dmax is None or dmin is None:
+            raise _fail("the run stores no dataset_return_max/min; give --targets")
+        tlist = default_sweep(dmax, dmin, n_targets, random_return=_random_return(run))
+        _check_targets(run, tlist, "the default sweep (from the run's dataset returns; give --targets)")
+    else:
+        _refuse_repeated_targets(targets, tlist, "each is one point of the plot")
+        _check_targets(run, tlist, "--targets")
+    try:
+        # the run's own evaluation options (agent.early_exit.threshold, agent.knn.*), as
+        # `rl-tformers eval RUN` without --early-exit / --knn-*: the same policy is plotted
+        setup = getattr(run.agent, "inference_setup", None)
+        if setup is not None:
+            setup()
+        with _episodes_progress("plot", len(tlist) * episodes) as bar:
+            report = evaluate(
+                run.agent.policy(), run.agent.make_env(), tlist, episodes=episodes, n_envs=envs, seed=seed,
+                record_rewards=True, normalize=_normalizer(run), env_id=run.env_id, progress=bar,
+            )
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    for line in summary_lines(report.results):
+        typer.echo("  " + line)
+    return report.results
+
+
+def _write_plot(run, run_dir: Path, results: list, step: int | None, out_path: Path, tensorboard: bool) -> None:
+    """Draw the return-conditioning figure of ``results``, log it to the run's TensorBoard files
+    (``tensorboard``) and write it to ``out_path``."""
+    from rl_tformers.runtime.plots import log_figure, plot_return_conditioning, save_figure
+
+    try:
+        fig = plot_return_conditioning(results, dataset_max=run.dataset_return_max,
+                                       dataset_mean=run.dataset_return_mean, dataset_min=run.dataset_return_min,
                                        title=f"{run.kind} on {run.env_id}"
                                              + ("" if step is None else f" (step {step})"))
     except ValueError as exc:
