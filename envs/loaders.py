@@ -521,7 +521,7 @@ def load_d4rl_hdf5(
         timeouts = per_step_column("timeouts", _read(f, "timeouts", path)) if "timeouts" in keys else None
         for key in ("observations", "actions", "terminals", "timeouts", "next_observations"):
             if key in keys and f[key].shape[0] != n:
-                raise DatasetError(f"{key}: {f[key].shape[0]} rows but rewards has {n}", field=key)
+                raise DatasetError(f"{path}: {key}: {f[key].shape[0]} rows but rewards has {n}", field=key)
         with reading_hdf5(path, "the file's attributes"):
             attrs = dict(f.attrs)
         has_next = "next_observations" in keys
@@ -559,14 +559,18 @@ def load_d4rl_hdf5(
         **_ref_scores(own, where),
         pomdp=check_pomdp_record(own.get("pomdp"), tuple(observation_space.shape or ()), where),
         extra={k: v for k, v in own.items() if k not in ("dataset_id", "ref_min_score", "ref_max_score", "pomdp")})
-    ds = EpisodeDataset.from_flags(obs, act, rewards, terminals, timeouts, next_observations=nxt,
-                                   observation_space=observation_space, action_space=action_space,
-                                   metadata=metadata, validate=False)
     try:
+        ds = EpisodeDataset.from_flags(obs, act, rewards, terminals, timeouts, next_observations=nxt,
+                                       observation_space=observation_space, action_space=action_space,
+                                       metadata=metadata, validate=False)
         if validate:
             ds.validate(max_ep_len=max_ep_len)
             if nxt is not None:
                 check_next_observations(ds, nxt)
+    except DatasetError as exc:
+        if str(exc).startswith(str(path)):
+            raise
+        raise DatasetError(f"{path}: {exc}", field=exc.field, episode=exc.episode, step=exc.step) from exc
     finally:
         for arr in (obs, act, nxt):
             if isinstance(arr, LazyH5Array):

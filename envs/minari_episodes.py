@@ -139,7 +139,12 @@ class MinariEpisodes:
                 :meth:`EpisodeDataset.from_episodes` and :meth:`EpisodeDataset.validate`), or
                 an episode table that disagrees with the metadata's ``total_steps``.
         """
-        ds = self._build(self._read_all(range(self.num_episodes)), validate, max_ep_len)
+        try:
+            ds = self._build(self._read_all(range(self.num_episodes)), validate, max_ep_len)
+        except DatasetError as exc:
+            if str(exc).startswith(str(Path(self._where).parent)):
+                raise
+            raise DatasetError(f"{self._where}: {exc}", field=exc.field, episode=exc.episode, step=exc.step) from exc
         if validate and ds.num_steps != self.num_steps:
             raise DatasetError(f"{self._where}: metadata.json says total_steps={self.num_steps} but the "
                                f"{ds.num_episodes} episodes hold {ds.num_steps} steps", field="total_steps")

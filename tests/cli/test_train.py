@@ -180,7 +180,7 @@ def test_train_bad_dataset_is_a_clean_error(tmp_path: Path) -> None:
     r = train_dt(f"dataset.path={h5}", "--run-dir", str(tmp_path / "run"))
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     assert r.exit_code == 2
-    assert "error: observations: episode 1, step 2" in r.output
+    assert f"error: {h5}: observations: episode 1, step 2" in r.output
 
 
 def test_train_missing_dataset_is_a_clean_error(tmp_path: Path) -> None:

@@ -765,7 +765,7 @@ def test_integer_actions_of_shape_n_k_say_multi_dimensional_discrete_actions_are
     with pytest.raises(DatasetError) as exc:
         load_dataset(str(path))
     assert exc.value.field == "actions"
-    assert str(exc.value) == (
+    assert str(exc.value) == f"{path}: " + (
         "actions: integer actions of shape (8, 3) and no action space: one Discrete action per step is an integer "
         "array of shape (N,); (3,) integers per step are multi-dimensional discrete actions (MultiDiscrete/"
         f"MultiBinary), which are not supported; {FIXES}")
@@ -1115,3 +1115,15 @@ def test_an_empty_minari_datasets_path_is_refused_and_a_root_under_a_file_names_
     with pytest.raises(DatasetError, match=r"^data root \(--root, dataset.root\) .*afile/x: a folder of datasets, but "
                                            r"it lies under .*afile, which is a file"):
         data_root(tmp_path / "afile" / "x")
+
+
+def test_a_malformed_d4rl_file_is_named_in_the_error(tmp_path):
+    path = _h5(tmp_path / "a.hdf5")
+    with h5py.File(path, "a") as f:
+        del f["terminals"]
+        f["terminals"] = np.full(6, 0.5)
+    with pytest.raises(DatasetError, match=re.escape(f"{path}: terminals: dataset row 0 (episode 0, step 0")):
+        load_dataset(path)
+    path = _h5(tmp_path / "b.hdf5", rewards=np.ones(3, np.float32))
+    with pytest.raises(DatasetError, match=re.escape(f"{path}: observations: 6 rows but rewards has 3")):
+        load_dataset(path)

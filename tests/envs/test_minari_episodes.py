@@ -7,6 +7,7 @@ import json
 import re
 import warnings
 
+import h5py
 import minari
 import numpy as np
 import pytest
@@ -172,3 +173,15 @@ def test_open_minari_flattens_dict_observations_of_the_episodes_it_reads(tmp_pat
     ds = open_minari("test/dict-v0", root=tmp_path, flatten_observations=True).episodes([0])
     assert ds.observations.tolist() == [[0, 0, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 0, 1]]
     assert ds.final_observations.tolist() == [[0, 0, 0, 1, 0]]
+
+
+def test_load_names_the_dataset_folder_of_a_malformed_episode(tmp_path):
+    md = make_minari(tmp_path, "test/many-v0", buffers([4, 2, 5]))
+    with h5py.File(md.storage.data_path / "main_data.hdf5", "a") as f:
+        rewards = f["episode_1/rewards"][()]
+        rewards[1] = np.nan
+        del f["episode_1/rewards"]
+        f["episode_1/rewards"] = rewards
+    with pytest.raises(DatasetError, match=re.escape(f"{md.storage.data_path}: ")) as info:
+        load_minari("test/many-v0", root=tmp_path)
+    assert info.value.episode == 1 and info.value.field == "rewards"
