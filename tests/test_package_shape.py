@@ -34,8 +34,6 @@ ALLOWED = frozenset({
     "envs/loaders.py::open_minari",
     "envs/memory_tasks.py::collect_episodes",
     # CLI commands: option declarations plus their checks
-    "rl_tformers/cli/data.py::_collect_one",
-    "rl_tformers/cli/data.py::_run_collect",
     "rl_tformers/cli/data.py::collect",
 })
 

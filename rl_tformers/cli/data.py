@@ -149,18 +149,7 @@ def collect(
 def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
                  pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe, recipe_steps, policies, overwrite,
                  skip_existing, progress, as_json) -> None:
-    from rl_tformers.envs import collect as C
-    from rl_tformers.envs import recipes as R
     from rl_tformers.envs.dataset import DatasetError
-
-    def report(res) -> None:
-        s = res.summary()
-        if as_json:
-            typer.echo(json.dumps(s))
-        else:
-            typer.echo(f"{s['dataset_id']}: {s['episodes']} episodes, {s['steps']} steps, return "
-                       f"{s['return_mean']:.1f} ± {s['return_std']:.1f} -> {s['path']}"
-                       + (f" (+ {s['hdf5']})" if s["hdf5"] else ""))
 
     try:
         if skip_existing and not recipe:
@@ -168,8 +157,6 @@ def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset
         if seed < 0:
             _fail(f"--seed must be >= 0 (it seeds the episode resets), got {seed}")
         if recipe:
-            from rl_tformers.envs.collect import dataset_folder
-
             # options of a single collection: a recipe sets them itself, they would be ignored
             ignored = [name for name, given in (
                 ("--env", env is not None), ("--policy", policy != "random"), ("--algo", algo is not None),
@@ -182,50 +169,73 @@ def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset
                 _fail(f"{', '.join(ignored)}: not used with --recipe (each recipe sets its environment, policies, "
                       "noise, size and dataset id; see --list-recipes); use --recipe-steps for the size, or leave "
                       "--recipe out to collect with these options")
-            _check_recipe_steps(recipe_steps)
-            if overwrite and skip_existing:
-                _fail("--overwrite and --skip-existing exclude each other: choose one")
-            if hdf5 is not None and Path(hdf5).expanduser().exists() and not Path(hdf5).expanduser().is_dir():
-                _fail(f"--hdf5 {hdf5} is a file; with --recipe it is the folder that receives <recipe>.hdf5")
-            todo = R.match_recipes(list(recipe), recipe_steps or R.DEFAULT_STEPS)
-            # an existing dataset is compared with the build asked (recipe, size, seed, policies):
-            # --skip-existing keeps only the same build, never a small --recipe-steps set in place of the full one
-            existing = {r.name: R.existing_build(r, dataset_folder(r.dataset_id, root),
-                                                 steps=recipe_steps or R.DEFAULT_STEPS, seed=seed)
-                        for r in todo if dataset_folder(r.dataset_id, root).exists()}
-            if existing and not (overwrite or skip_existing):
-                ids = ", ".join(r.dataset_id + (f" [{existing[r.name].explain()}]" if existing[r.name].explain() else "")
-                                for r in todo if r.name in existing)
-                _fail(f"{len(existing)} of the {len(todo)} recipe datasets already "
-                      f"{'exists' if len(existing) == 1 else 'exist'} under "
-                      f"{dataset_folder('', root)}: {ids}; nothing was built. Pass --skip-existing to build only the "
-                      f"missing ones (it keeps only a dataset built as asked), or --overwrite to rebuild them")
-            if skip_existing:
-                _check_skipped_builds([e for e in existing.values() if e.recorded and not e.same])
-            if hdf5 is not None and not overwrite:
-                clash = [str(Path(hdf5).expanduser() / f"{r.name}.hdf5") for r in todo
-                         if not (skip_existing and r.name in existing)
-                         and (Path(hdf5).expanduser() / f"{r.name}.hdf5").exists()]
-                if clash:
-                    _fail(f"--hdf5 {hdf5}: {', '.join(clash)} already "
-                          f"{'exists' if len(clash) == 1 else 'exist'}; nothing was built. Pass --overwrite to "
-                          "replace them, or choose another --hdf5 folder")
-            for r in todo:
-                if skip_existing and r.name in existing:
-                    typer.echo(_skipped_line(existing[r.name], as_json))
-                    continue
-                h = None if hdf5 is None else Path(hdf5) / f"{r.name}.hdf5"
-                report(C.build_recipe(r, seed=seed, root=root, policies=policies, hdf5=h, overwrite=overwrite,
-                                      progress=progress))
+            _build_recipes(recipe, recipe_steps, seed, root, policies, hdf5, overwrite, skip_existing, progress,
+                           as_json)
         else:
             if recipe_steps is not None:
                 _fail("--recipe-steps needs --recipe (use --steps or --episodes for a single collection)")
             for res in _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes,
                                     noise, epsilon, pomdp, obs_indices, seed, dataset_id, root, hdf5, overwrite,
                                     progress):
-                report(res)
+                _report_collected(res, as_json)
     except (DatasetError, FileExistsError, FileNotFoundError, ValueError) as exc:
         _fail(str(exc))
+
+
+def _report_collected(res, as_json: bool) -> None:
+    """One line (or JSON object) per dataset written: its id, size, returns and path."""
+    s = res.summary()
+    if as_json:
+        typer.echo(json.dumps(s))
+    else:
+        typer.echo(f"{s['dataset_id']}: {s['episodes']} episodes, {s['steps']} steps, return "
+                   f"{s['return_mean']:.1f} ± {s['return_std']:.1f} -> {s['path']}"
+                   + (f" (+ {s['hdf5']})" if s["hdf5"] else ""))
+
+
+def _build_recipes(recipe, recipe_steps, seed, root, policies, hdf5, overwrite, skip_existing, progress,
+                   as_json) -> None:
+    """``collect --recipe``: check every matching recipe's dataset (and ``--hdf5`` file) against
+    what exists before anything is built, then build them in order, reporting each."""
+    from rl_tformers.envs import collect as C
+    from rl_tformers.envs import recipes as R
+    from rl_tformers.envs.collect import dataset_folder
+
+    _check_recipe_steps(recipe_steps)
+    if overwrite and skip_existing:
+        _fail("--overwrite and --skip-existing exclude each other: choose one")
+    if hdf5 is not None and Path(hdf5).expanduser().exists() and not Path(hdf5).expanduser().is_dir():
+        _fail(f"--hdf5 {hdf5} is a file; with --recipe it is the folder that receives <recipe>.hdf5")
+    todo = R.match_recipes(list(recipe), recipe_steps or R.DEFAULT_STEPS)
+    # an existing dataset is compared with the build asked (recipe, size, seed, policies):
+    # --skip-existing keeps only the same build, never a small --recipe-steps set in place of the full one
+    existing = {r.name: R.existing_build(r, dataset_folder(r.dataset_id, root),
+                                         steps=recipe_steps or R.DEFAULT_STEPS, seed=seed)
+                for r in todo if dataset_folder(r.dataset_id, root).exists()}
+    if existing and not (overwrite or skip_existing):
+        ids = ", ".join(r.dataset_id + (f" [{existing[r.name].explain()}]" if existing[r.name].explain() else "")
+                        for r in todo if r.name in existing)
+        _fail(f"{len(existing)} of the {len(todo)} recipe datasets already "
+              f"{'exists' if len(existing) == 1 else 'exist'} under "
+              f"{dataset_folder('', root)}: {ids}; nothing was built. Pass --skip-existing to build only the "
+              f"missing ones (it keeps only a dataset built as asked), or --overwrite to rebuild them")
+    if skip_existing:
+        _check_skipped_builds([e for e in existing.values() if e.recorded and not e.same])
+    if hdf5 is not None and not overwrite:
+        clash = [str(Path(hdf5).expanduser() / f"{r.name}.hdf5") for r in todo
+                 if not (skip_existing and r.name in existing)
+                 and (Path(hdf5).expanduser() / f"{r.name}.hdf5").exists()]
+        if clash:
+            _fail(f"--hdf5 {hdf5}: {', '.join(clash)} already "
+                  f"{'exists' if len(clash) == 1 else 'exist'}; nothing was built. Pass --overwrite to "
+                  "replace them, or choose another --hdf5 folder")
+    for r in todo:
+        if skip_existing and r.name in existing:
+            typer.echo(_skipped_line(existing[r.name], as_json))
+            continue
+        h = None if hdf5 is None else Path(hdf5) / f"{r.name}.hdf5"
+        _report_collected(C.build_recipe(r, seed=seed, root=root, policies=policies, hdf5=h, overwrite=overwrite,
+                                         progress=progress), as_json)
 
 
 def _collect_memory_task(task: str | None, delay: int | None, episodes: int | None, epsilon: float | None,
@@ -314,18 +324,47 @@ def _skipped_line(e, as_json: bool) -> str:
 
 def _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
                  pomdp, obs_indices, seed, dataset_id, root, hdf5, overwrite, progress):
+    """A single collection (no ``--recipe``): check the options, then roll out the behaviour
+    policy (after ``--train`` trains it); returns the collection results (the training replay
+    set first, when asked for)."""
     import gymnasium as gym
 
-    from rl_tformers.envs.collect import (
-        Behaviour,
-        check_hdf5_target,
-        check_recordable,
-        collect,
-        train_and_record,
-    )
-    from rl_tformers.envs.policies import NoisyPolicy, RandomPolicy, load_sb3_policy
-    from rl_tformers.envs.pomdp import pomdp_record
+    from rl_tformers.envs.collect import Behaviour, check_hdf5_target, check_recordable, collect
 
+    steps = _checked_collect_options(env, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
+                                     dataset_id)
+    check_hdf5_target(hdf5, overwrite)  # before the (long) rollouts, not after them
+    if train and replay_dataset_id and hdf5 is not None:
+        check_hdf5_target(Path(hdf5).with_name(Path(hdf5).stem + "-replay.hdf5"), overwrite)
+    try:
+        genv = gym.make(env)
+    except (gym.error.Error, ModuleNotFoundError) as exc:  # unknown id or module:, missing dependency, deprecated
+        raise typer.BadParameter(f"cannot make environment {env!r}: {exc}", param_hint="--env") from None
+    try:
+        check_recordable(genv)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--env") from None
+    record = _record_option(genv, pomdp, obs_indices)
+    results = []
+    info: dict = {"noise": noise, "epsilon": epsilon}
+    pol, label = _behaviour_policy(genv, env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, seed,
+                                   record, root, hdf5, overwrite, progress, info, results)
+    if (steps or 0) == 0 and (episodes or 0) == 0:
+        return results  # only the training replay was asked for
+    suffix = "" if record is None else f"-{record['kind'] if record['kind'] == 'positions' else 'masked'}"
+    # "module:EnvId" (gymnasium's form for a user's own env): ':' is not allowed in a Minari id
+    dataset_id = dataset_id or f"rlt/{env.rpartition(':')[2].lower()}/{label}{suffix}-v0"
+    results.append(collect(env, [Behaviour(pol, steps=steps, episodes=episodes, label=info["policy"], info=info)],
+                           dataset_id=dataset_id, seed=seed, pomdp=record, root=root, hdf5=hdf5, overwrite=overwrite,
+                           progress=progress, description=f"rl-tformers collect: {info['policy']} on {env}",
+                           record={"algorithm": info["policy"]}))
+    return results
+
+
+def _checked_collect_options(env, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
+                             dataset_id) -> int | None:
+    """The checks of a single collection's options (``typer.BadParameter`` naming the option);
+    returns ``--steps`` with its default (10000, or 0 for a replay set only)."""
     if env is None:
         raise typer.BadParameter("give --env (or --recipe)", param_hint="--env")
     if steps is not None and episodes is not None:
@@ -357,29 +396,34 @@ def _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset
         raise typer.BadParameter(f"{'--steps' if steps is not None else '--episodes'} 0 collects nothing; give a "
                                  "positive number (0 is meant for --train with --replay-dataset-id only)",
                                  param_hint="--steps/--episodes")
-    check_hdf5_target(hdf5, overwrite)  # before the (long) rollouts, not after them
-    if train and replay_dataset_id and hdf5 is not None:
-        check_hdf5_target(Path(hdf5).with_name(Path(hdf5).stem + "-replay.hdf5"), overwrite)
-    try:
-        genv = gym.make(env)
-    except (gym.error.Error, ModuleNotFoundError) as exc:  # unknown id or module:, missing dependency, deprecated
-        raise typer.BadParameter(f"cannot make environment {env!r}: {exc}", param_hint="--env") from None
-    try:
-        check_recordable(genv)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--env") from None
-    record = None
+    return steps
+
+
+def _record_option(genv, pomdp: str, obs_indices: str | None):
+    """What is recorded of the observations: None (all), ``--obs-indices`` or ``--pomdp positions``
+    (:func:`rl_tformers.envs.pomdp.pomdp_record`)."""
+    from rl_tformers.envs.pomdp import pomdp_record
+
     if obs_indices is not None:
         if pomdp not in ("none", "mask"):
             raise typer.BadParameter("--obs-indices and --pomdp positions exclude each other", param_hint="--obs-indices")
-        record = pomdp_record(genv, "mask", _parse_indices(obs_indices))
-    elif pomdp == "positions":
-        record = pomdp_record(genv, "positions")
-    elif pomdp != "none":
+        return pomdp_record(genv, "mask", _parse_indices(obs_indices))
+    if pomdp == "positions":
+        return pomdp_record(genv, "positions")
+    if pomdp != "none":
         raise typer.BadParameter(f"unknown --pomdp {pomdp!r}; choose none or positions (or use --obs-indices)",
                                  param_hint="--pomdp")
-    results = []
-    info: dict = {"noise": noise, "epsilon": epsilon}
+    return None
+
+
+def _behaviour_policy(genv, env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, seed, record, root,
+                      hdf5, overwrite, progress, info: dict, results: list):
+    """The behaviour policy and its label in the dataset id: trained on the spot (``--train``;
+    its replay set, when asked for, is appended to ``results``), random, or an SB3 file; with
+    ``--noise`` / ``--epsilon`` applied. ``info["policy"]`` records which."""
+    from rl_tformers.envs.collect import train_and_record
+    from rl_tformers.envs.policies import NoisyPolicy, RandomPolicy, load_sb3_policy
+
     if train:
         pol, replay = train_and_record(train, env, train_steps, seed=seed, replay_dataset_id=replay_dataset_id,
                                        pomdp=record, root=root, overwrite=overwrite, progress=progress,
@@ -397,18 +441,9 @@ def _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset
         pol = load_sb3_policy(policy, genv, algo=algo, obs_norm=norm)
         label = pol.name.split(":", 1)[0]
         info["policy"] = str(policy)
-    if noise > 0 or epsilon > 0:
-        pol = NoisyPolicy(pol, genv.action_space, noise_std=noise, epsilon=epsilon, seed=seed + 1)
-    if (steps or 0) == 0 and (episodes or 0) == 0:
-        return results  # only the training replay was asked for
-    suffix = "" if record is None else f"-{record['kind'] if record['kind'] == 'positions' else 'masked'}"
-    # "module:EnvId" (gymnasium's form for a user's own env): ':' is not allowed in a Minari id
-    dataset_id = dataset_id or f"rlt/{env.rpartition(':')[2].lower()}/{label}{suffix}-v0"
-    results.append(collect(env, [Behaviour(pol, steps=steps, episodes=episodes, label=info["policy"], info=info)],
-                           dataset_id=dataset_id, seed=seed, pomdp=record, root=root, hdf5=hdf5, overwrite=overwrite,
-                           progress=progress, description=f"rl-tformers collect: {info['policy']} on {env}",
-                           record={"algorithm": info["policy"]}))
-    return results
+    if info["noise"] > 0 or info["epsilon"] > 0:
+        pol = NoisyPolicy(pol, genv.action_space, noise_std=info["noise"], epsilon=info["epsilon"], seed=seed + 1)
+    return pol, label
 
 
 @dataset_app.command("info")
