@@ -22,6 +22,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -199,7 +200,8 @@ def check_hdf5_target(path: str | Path | None, overwrite: bool = False) -> None:
     dataset has been written (leaving it behind, and a rerun refused as "already exists").
 
     Raises:
-        ValueError: ``path`` is a directory, or a path component above it is an existing file.
+        ValueError: ``path`` is a directory, a path component above it is an existing file, or
+            no file can be created in its nearest existing folder.
         FileExistsError: ``path`` is an existing file and ``overwrite`` is False.
     """
     if path is None:
@@ -213,6 +215,12 @@ def check_hdf5_target(path: str | Path | None, overwrite: bool = False) -> None:
     parent = blocking_file(p)
     if parent is not None:
         raise ValueError(f"--hdf5 {p}: {parent} is a file, not a directory")
+    folder = next(d for d in (p.parent, *p.parent.parents) if d.exists())  # the folders below it are created
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:  # read-only, no permission, a pseudo file system
+        raise ValueError(f"--hdf5 {p}: cannot write in {folder} ({exc.strerror or exc})") from exc
 
 
 def _make_collector(env: gym.Env, pomdp: dict | None) -> EpisodeRecorder:

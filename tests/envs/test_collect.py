@@ -24,6 +24,7 @@ from rl_tformers.envs.recipes import policies_dir
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
+from tests.runs import tripwire
 
 
 class Recorder:
@@ -489,3 +490,15 @@ def test_train_sb3_leaves_no_sb3_folder_in_the_temp_dir(tmp_path, monkeypatch):
     model = train_sb3("a2c", gym.make("CartPole-v1"), 10, seed=0)
     assert model.num_timesteps >= 10
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("SB3-")] == []  # (torch may add its own)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc (a folder where no file can be created)")
+def test_an_hdf5_target_in_a_folder_that_takes_no_file_is_refused_before_collecting(monkeypatch):
+    from rl_tformers.envs import memory_tasks
+
+    monkeypatch.setattr(memory_tasks, "scripted_dataset", tripwire)
+    r = CliRunner().invoke(app, ["collect", "--memory-task", "recall", "--delay", "1", "--episodes", "2",
+                                 "--hdf5", "/proc/rlt-target/m.hdf5"])
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith("error: --hdf5 /proc/rlt-target/m.hdf5: cannot write in /proc (")
+    assert r.stderr.count("\n") == 1
