@@ -415,14 +415,40 @@ def format_problem(st: Mapping[str, Any], n_envs: int) -> str | None:
     return None
 
 
-def saved_rollout(st: Mapping[str, Any], device: torch.device) -> tuple[dict[str, Any] | None, int]:
+#: the (S, N, ...) tensors of a rollout besides its FIFO memories (RolloutCollector.collect)
+_ROLLOUT_KEYS = ("x", "pos", "episode", "actions", "logp", "values", "rewards", "dones", "adv", "returns")
+
+
+def saved_rollout(st: Mapping[str, Any], device: torch.device, *, steps: int, n_envs: int,
+                  updates: int) -> tuple[dict[str, Any] | None, int]:
     """The rollout in progress of a :func:`process_state` on ``device`` and its served minibatches
-    ((None, 0) when it stopped at a rollout boundary)."""
+    ((None, 0) when it stopped at a rollout boundary).
+
+    Args:
+        steps, n_envs: S and N of this run's rollouts; updates: its updates per rollout U.
+
+    Raises:
+        ValueError: the saved rollout lacks a tensor or a FIFO memory, holds one whose first two
+            dimensions are not (S, N), statistics that are not numbers, or a served count outside
+            [1, U) (naming the value).
+    """
     ro = st.get("rollout")
     if ro is None:
         return None, 0
-    tensors = {**ro["tensors"], **{k: fifo_decode(enc, _FIFO_KEYS[k]) for k, enc in ro["fifo"].items()}}
-    return {**{k: v.to(device) for k, v in tensors.items()}, "stats": dict(ro["stats"])}, int(ro["served"])
+    served = ro.get("served") if isinstance(ro, Mapping) else None
+    if isinstance(served, bool) or not isinstance(served, int) or not 1 <= served < updates:
+        raise ValueError(f"rollout.served={served!r} is not a count in [1, {updates})")
+    try:
+        stats = {str(k): float(v) for k, v in dict(ro["stats"]).items()}
+        fifo = {k: fifo_decode(ro["fifo"][k], dim) for k, dim in _FIFO_KEYS.items()}
+        tensors = {**{k: ro["tensors"][k] for k in _ROLLOUT_KEYS}, **fifo}
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, IndexError) as exc:
+        raise ValueError(f"the saved rollout is incomplete or malformed ({type(exc).__name__}: {exc})") from exc
+    for k, v in tensors.items():
+        if not isinstance(v, Tensor) or tuple(v.shape[:2]) != (steps, n_envs):
+            shape = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
+            raise ValueError(f"rollout.{k}: {shape}, expected ({steps}, {n_envs}, ...)")
+    return {**{k: v.to(device) for k, v in tensors.items()}, "stats": stats}, served
 
 
 def restore_process_state(col: RolloutCollector, st: Mapping[str, Any]) -> str | None:

@@ -519,8 +519,9 @@ class GTrXLPPO:
 
         Sets :attr:`_resume_problem` (None: the continuation is exact) when the environments
         cannot come back: no state in the checkpoint, another number of processes, another
-        format, or environments that could not be restored (or only by unpickling, not allowed). The checkpointed
-        rollout, if any, is served by :meth:`batches` either way.
+        format, a malformed rollout in progress (nothing of the state is restored then), or
+        environments that could not be restored (or only by unpickling, not allowed). A
+        well-formed checkpointed rollout is served by :meth:`batches` either way.
         """
         if states is None:
             return  # (load_extra_state set the problem)
@@ -532,7 +533,12 @@ class GTrXLPPO:
         self._resume_problem = env_state.format_problem(st, self.n_envs)
         if self._resume_problem is not None:
             return
-        rollout, served = env_state.saved_rollout(st, self.device)
+        try:
+            rollout, served = env_state.saved_rollout(st, self.device, steps=self.collector.n_steps,
+                                                      n_envs=self.n_envs, updates=self.updates_per_rollout)
+        except ValueError as exc:
+            self._resume_problem = f"the checkpoint's rollout in progress does not fit this run ({exc})"
+            return
         if rollout is not None:
             self._rollout, self._served = rollout, served
         self._resume_problem = env_state.restore_process_state(self.collector, st)

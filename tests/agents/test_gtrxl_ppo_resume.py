@@ -410,3 +410,23 @@ def test_a_snapshot_of_another_layout_restarts_the_environments_naming_the_value
     note = b.resume_note(4)
     assert b.collector.envs is None and said in note
     b.collector.collect()  # the environments restart
+
+
+@pytest.mark.parametrize(("spoil", "said"), [
+    (lambda ro: ro["tensors"].pop("adv"), "the saved rollout is incomplete or malformed (KeyError: 'adv')"),
+    (lambda ro: ro["tensors"].__setitem__("x", torch.zeros(3, 2, 4)), "rollout.x: (3, 2, 4), expected (16, 2, ...)"),
+    (lambda ro: ro["fifo"].pop("mem"), "the saved rollout is incomplete or malformed (KeyError: 'mem')"),
+    (lambda ro: ro.__setitem__("served", 10**9), "rollout.served=1000000000 is not a count in [1, 4)"),
+    (lambda ro: ro["stats"].__setitem__("env_steps", "x"), "the saved rollout is incomplete or malformed"),
+])
+def test_a_malformed_rollout_in_progress_restarts_the_run_naming_it(spoil, said) -> None:
+    a = GTrXLPPO.for_training(_cfg(), None, "cpu")
+    next(a.batches(0))  # one minibatch of the first rollout served: the checkpoint holds that rollout
+    st = a.process_state()
+    spoil(st["rollout"])
+    b = GTrXLPPO.for_training(_cfg(), None, "cpu")
+    b.load_extra_state(a.extra_state())
+    b.load_process_state([st])
+    note = b.resume_note(1)
+    assert b.collector.envs is None and b._rollout is None
+    assert f"the checkpoint's rollout in progress does not fit this run ({said}" in note
