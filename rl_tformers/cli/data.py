@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -16,6 +17,20 @@ MEMORY_TASKS = ("recall", "cartpole")
 #: Delays of the registered recall variants (``rl_tformers.envs.memory_tasks.RECALL_DELAYS``,
 #: checked equal in tests; repeated here so that ``--help`` imports no gymnasium).
 RECALL_DELAYS = (1, 2, 4, 8, 16, 32, 64)
+
+#: ``rl-tformers collect --help``.
+COLLECT_HELP = """Roll out a behaviour policy and write a Minari dataset.
+
+\b
+Examples:
+  rl-tformers collect --env Hopper-v5 --policy random --steps 10000
+  rl-tformers collect --env Hopper-v5 --policy ../shared/policies/sac/Hopper-v3/model.zip --episodes 10 --noise 0.1
+  rl-tformers collect --env Hopper-v5 --train sac --train-steps 50000 --steps 10000 --replay-dataset-id rlt/hopper-v5/sac-replay-v0
+  rl-tformers collect --recipe 'hopper-*'
+  rl-tformers collect --recipe 'hopper-*' --skip-existing     (finish an interrupted suite)
+  rl-tformers collect --memory-task recall --delay 8 --hdf5 data/memory/recall-d8.hdf5
+
+With several recipes, existing datasets are checked before anything is built: without --overwrite or --skip-existing the command stops at once, naming them; --skip-existing keeps only a dataset built as asked (same recipe, --recipe-steps, --seed), and refuses the others."""
 
 dataset_app = typer.Typer(help="Inspect offline datasets (Minari ids, Minari folders, D4RL .hdf5 files).",
                           no_args_is_help=True)
@@ -94,49 +109,41 @@ def collect(
                                   help="Show progress on stderr: a bar on a terminal, else a plain line every 30 s."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Roll out a behaviour policy and write a Minari dataset.
-
-    \b
-    Examples:
-      rl-tformers collect --env Hopper-v5 --policy random --steps 10000
-      rl-tformers collect --env Hopper-v5 --policy ../shared/policies/sac/Hopper-v3/model.zip --episodes 10 --noise 0.1
-      rl-tformers collect --env Hopper-v5 --train sac --train-steps 50000 --steps 10000 --replay-dataset-id rlt/hopper-v5/sac-replay-v0
-      rl-tformers collect --recipe 'hopper-*'
-      rl-tformers collect --recipe 'hopper-*' --skip-existing     (finish an interrupted suite)
-      rl-tformers collect --memory-task recall --delay 8 --hdf5 data/memory/recall-d8.hdf5
-
-    With several recipes, existing datasets are checked before anything is built: without --overwrite or --skip-existing the command stops at once, naming them; --skip-existing keeps only a dataset built as asked (same recipe, --recipe-steps, --seed), and refuses the others.
-    """
-    from rl_tformers.envs import recipes as R
-    from rl_tformers.envs.stopping import stop_signals
-
+    """``rl-tformers collect``; its help text is :data:`COLLECT_HELP`."""
     if list_recipes:
-        _check_recipe_steps(recipe_steps)
-        recipes = list(R.all_recipes(recipe_steps or R.DEFAULT_STEPS).values())
-        w_name, w_id = max(len(r.name) for r in recipes), max(len(r.dataset_id) for r in recipes)
-        for r in recipes:  # columns as wide as the longest name and id
-            typer.echo(f"{r.name:{w_name}s}  {r.dataset_id:{w_id}s}  {r.describe()}")
-        return
+        return _list_recipes(recipe_steps)
+    with _collect_session():
+        _collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
+                 pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe, recipe_steps, policies, memory_task, delay,
+                 overwrite, skip_existing, progress, as_json)
+
+
+def _list_recipes(recipe_steps: int | None) -> None:
+    """``collect --list-recipes``: one line per recipe (name, dataset id, description)."""
+    from rl_tformers.envs import recipes as R
+
+    _check_recipe_steps(recipe_steps)
+    recipes = list(R.all_recipes(recipe_steps or R.DEFAULT_STEPS).values())
+    w_name, w_id = max(len(r.name) for r in recipes), max(len(r.dataset_id) for r in recipes)
+    for r in recipes:  # columns as wide as the longest name and id
+        typer.echo(f"{r.name:{w_name}s}  {r.dataset_id:{w_id}s}  {r.describe()}")
+
+
+@contextlib.contextmanager
+def _collect_session():
+    """The block of a collection: torch on one thread (restored after), and SIGINT/SIGTERM
+    (:func:`rl_tformers.envs.stopping.stop_signals`) end it with one line and exit status
+    128 + the signal's number, leaving no half-written dataset."""
     import torch
+
+    from rl_tformers.envs.stopping import stop_signals
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one small MLP per step: threads only add overhead (and nondeterminism)
     received: list[int] = []
     try:
         with stop_signals() as received:
-            if memory_task is not None or delay is not None:
-                _collect_memory_task(memory_task, delay, episodes, epsilon, seed, hdf5, overwrite, as_json, {
-                    "--env": env is not None, "--policy": policy != "random", "--algo": algo is not None,
-                    "--obs-norm": obs_norm != "auto", "--train": train is not None,
-                    "--train-steps": train_steps != 100_000, "--replay-dataset-id": replay_dataset_id is not None,
-                    "--steps": steps is not None, "--noise": noise != 0.0, "--pomdp": pomdp != "none",
-                    "--obs-indices": obs_indices is not None, "--dataset-id": dataset_id is not None,
-                    "--root": root is not None, "--recipe": bool(recipe), "--recipe-steps": recipe_steps is not None,
-                    "--policies": policies is not None, "--skip-existing": skip_existing})
-                return
-            _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise,
-                         0.0 if epsilon is None else epsilon, pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe,
-                         recipe_steps, policies, overwrite, skip_existing, progress, as_json)
+            yield
     except KeyboardInterrupt:
         signum = received[0] if received else signal.SIGINT
         typer.echo(f"interrupted ({signal.Signals(signum).name}): no half-written dataset is left; datasets reported "
@@ -144,6 +151,25 @@ def collect(
         raise typer.Exit(128 + int(signum)) from None
     finally:
         torch.set_num_threads(threads)
+
+
+def _collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
+             pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe, recipe_steps, policies, memory_task, delay,
+             overwrite, skip_existing, progress, as_json) -> None:
+    """A memory task's dataset (``--memory-task`` / ``--delay``), else recipes or a single collection."""
+    if memory_task is not None or delay is not None:
+        _collect_memory_task(memory_task, delay, episodes, epsilon, seed, hdf5, overwrite, as_json, {
+            "--env": env is not None, "--policy": policy != "random", "--algo": algo is not None,
+            "--obs-norm": obs_norm != "auto", "--train": train is not None,
+            "--train-steps": train_steps != 100_000, "--replay-dataset-id": replay_dataset_id is not None,
+            "--steps": steps is not None, "--noise": noise != 0.0, "--pomdp": pomdp != "none",
+            "--obs-indices": obs_indices is not None, "--dataset-id": dataset_id is not None,
+            "--root": root is not None, "--recipe": bool(recipe), "--recipe-steps": recipe_steps is not None,
+            "--policies": policies is not None, "--skip-existing": skip_existing})
+        return
+    _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise,
+                 0.0 if epsilon is None else epsilon, pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe,
+                 recipe_steps, policies, overwrite, skip_existing, progress, as_json)
 
 
 def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
@@ -559,5 +585,5 @@ def export(
 
 def register(app: typer.Typer) -> None:
     """Add ``collect`` and the ``dataset`` command group to the ``rl-tformers`` app."""
-    app.command("collect")(collect)
+    app.command("collect", help=COLLECT_HELP)(collect)
     app.add_typer(dataset_app, name="dataset")
