@@ -451,6 +451,17 @@ def saved_rollout(st: Mapping[str, Any], device: torch.device, *, steps: int, n_
     return {**{k: v.to(device) for k, v in tensors.items()}, "stats": stats}, served
 
 
+def checked_rollout(st: Mapping[str, Any], col: RolloutCollector,
+                    updates: int) -> tuple[dict[str, Any] | None, int, str | None]:
+    """:func:`saved_rollout` for ``col``'s run (S steps, N environments, on its device) with
+    ``updates`` updates per rollout: ``(rollout, served, None)``, or ``(None, 0, why)`` when the
+    saved rollout does not fit."""
+    try:
+        return (*saved_rollout(st, col.device, steps=col.n_steps, n_envs=col.n_envs, updates=updates), None)
+    except ValueError as exc:
+        return None, 0, f"the checkpoint's rollout in progress does not fit this run ({exc})"
+
+
 def restore_process_state(col: RolloutCollector, st: Mapping[str, Any]) -> str | None:
     """Put a :func:`process_state`'s recent episodes, environments and running episodes into ``col``.
 

@@ -518,10 +518,9 @@ class GTrXLPPO:
         """Restore this rank's :meth:`process_state` from a checkpoint's list of every rank's.
 
         Sets :attr:`_resume_problem` (None: the continuation is exact) when the environments
-        cannot come back: no state in the checkpoint, another number of processes, another
-        format, a malformed rollout in progress (nothing of the state is restored then), or
-        environments that could not be restored (or only by unpickling, not allowed). A
-        well-formed checkpointed rollout is served by :meth:`batches` either way.
+        cannot come back: no state in the checkpoint, another number of processes or format, a malformed
+        rollout in progress (nothing restored), or environments that could not be restored (or only by
+        unpickling, not allowed). A well-formed checkpointed rollout is served by :meth:`batches` either way.
         """
         if states is None:
             return  # (load_extra_state set the problem)
@@ -533,11 +532,8 @@ class GTrXLPPO:
         self._resume_problem = env_state.format_problem(st, self.n_envs)
         if self._resume_problem is not None:
             return
-        try:
-            rollout, served = env_state.saved_rollout(st, self.device, steps=self.collector.n_steps,
-                                                      n_envs=self.n_envs, updates=self.updates_per_rollout)
-        except ValueError as exc:
-            self._resume_problem = f"the checkpoint's rollout in progress does not fit this run ({exc})"
+        rollout, served, self._resume_problem = env_state.checked_rollout(st, self.collector, self.updates_per_rollout)
+        if self._resume_problem is not None:
             return
         if rollout is not None:
             self._rollout, self._served = rollout, served
