@@ -184,6 +184,28 @@ def _new_dirs(target: Path, root: Path) -> Path | None:
     return top
 
 
+@contextmanager
+def _dataset_build(dataset_id: str, root: Path, overwrite: bool) -> Iterator[None]:
+    """The block that writes dataset ``dataset_id`` under ``root``: an existing dataset of that id
+    is refused, or with ``overwrite`` kept aside (:func:`_prepare_target`) and removed once the
+    block completes. A block that fails or is interrupted removes its half-written folder (a
+    rerun would be refused as existing) and puts the dataset it was to replace back.
+
+    Raises:
+        FileExistsError: the dataset exists and ``overwrite`` is False.
+    """
+    backup = _prepare_target(dataset_id, root, overwrite)
+    created = _new_dirs(root / dataset_id, root)
+    try:
+        yield
+    except BaseException:  # never leave a half-written dataset behind
+        _remove_partial(root / dataset_id, created)
+        _restore(backup, root / dataset_id)  # --overwrite: the dataset it was to replace is back
+        raise
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
+
+
 def _remove_partial(target: Path, created: Path | None) -> None:
     """After a failed build: remove the half-written dataset folder ``target`` and the namespace
     folders created for it (``created``) when they hold nothing but Minari's namespace metadata."""
@@ -331,17 +353,9 @@ def collect(
     root_path = data_root(root)
     check_hdf5_target(hdf5, overwrite)
     check_stop()  # before an existing dataset is replaced
-    backup = _prepare_target(dataset_id, root_path, overwrite)
-    created = _new_dirs(root_path / dataset_id, root_path)
-    try:
+    with _dataset_build(dataset_id, root_path, overwrite):
         result = _collect(env_id, behaviours, dataset_id, seed, pomdp, root_path, progress, description, record,
                           env_kwargs)
-    except BaseException:  # never leave a half-written dataset behind (a rerun would be refused as existing)
-        _remove_partial(root_path / dataset_id, created)
-        _restore(backup, root_path / dataset_id)  # --overwrite: the dataset it was to replace is back
-        raise
-    if backup is not None:
-        shutil.rmtree(backup, ignore_errors=True)
     if hdf5 is not None:
         result.hdf5_path = save_d4rl_hdf5(load_minari(result.path), hdf5)
     return result
@@ -462,28 +476,19 @@ def train_and_record(
         with _training_progress(env, algo, steps, progress) as (counted, sb3_bar):
             model = train_sb3(algo, counted, steps, seed=seed, progress=sb3_bar)
         return SB3Policy(model, None, name=f"{algo}-trained-{steps}"), None
-    backup = _prepare_target(replay_dataset_id, root_path, overwrite)
-    created = _new_dirs(root_path / replay_dataset_id, root_path)
-    try:
-        with minari_root(root_path):
-            env = gym.make(env_id)
-            check_recordable(env)
-            collector = _make_collector(env, pomdp)
-            try:
-                with _training_progress(SeededResets(collector, seed), algo, steps, progress) as (counted, sb3_bar):
-                    model = train_sb3(algo, counted, steps, seed=seed, progress=sb3_bar)
-                rec = {"env_id": env_id, "seed": int(seed), "algorithm": f"{algo} training ({steps} steps)",
-                       "behaviours": [{"label": f"{algo} training replay", "train_steps": int(steps)}]}
-                _create(collector, replay_dataset_id, env_id, pomdp, description or
-                        f"{algo.upper()} training replay data ({steps} steps) on {env_id}", rec)
-            finally:
-                collector.close()
-    except BaseException:  # never leave a half-written dataset behind
-        _remove_partial(root_path / replay_dataset_id, created)
-        _restore(backup, root_path / replay_dataset_id)
-        raise
-    if backup is not None:
-        shutil.rmtree(backup, ignore_errors=True)
+    with _dataset_build(replay_dataset_id, root_path, overwrite), minari_root(root_path):
+        env = gym.make(env_id)
+        check_recordable(env)
+        collector = _make_collector(env, pomdp)
+        try:
+            with _training_progress(SeededResets(collector, seed), algo, steps, progress) as (counted, sb3_bar):
+                model = train_sb3(algo, counted, steps, seed=seed, progress=sb3_bar)
+            rec = {"env_id": env_id, "seed": int(seed), "algorithm": f"{algo} training ({steps} steps)",
+                   "behaviours": [{"label": f"{algo} training replay", "train_steps": int(steps)}]}
+            _create(collector, replay_dataset_id, env_id, pomdp, description or
+                    f"{algo.upper()} training replay data ({steps} steps) on {env_id}", rec)
+        finally:
+            collector.close()
     ds = load_minari(root_path / replay_dataset_id)
     result = CollectResult(replay_dataset_id, root_path / replay_dataset_id, ds.episode_returns, ds.lengths.copy(),
                            [(0, ds.num_episodes)])

@@ -25,8 +25,6 @@ _spec.loader.exec_module(oversize)
 #: test says which).
 ALLOWED = frozenset({
     # data layer: dataset construction and validation, loaders, collection
-    "envs/collect.py::collect",
-    "envs/collect.py::train_and_record",
     "envs/dataset.py::EpisodeDataset",
     "envs/dataset.py::EpisodeDataset.from_episodes",
     "envs/dataset.py::EpisodeDataset.from_flags",
