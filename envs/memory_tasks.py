@@ -261,6 +261,18 @@ def collect_episodes(
     else:
         raise ValueError(f"unknown scripted task {task!r}; use 'recall' or 'cartpole'")
     env = gym.vector.SyncVectorEnv(fns, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
+    c = _scripted_steps(env, task, n_episodes, n_envs, epsilon, seed)
+    if keep is not None:
+        c["o"], c["final"] = c["o"][..., keep], c["final"][..., keep]  # next-step autoreset: nobs is final
+    return _split_episodes(c, n_episodes, n_envs)
+
+
+def _scripted_steps(env: gym.vector.VectorEnv, task: str, n_episodes: int, n_envs: int, epsilon: float,
+                    seed: int) -> dict[str, np.ndarray]:
+    """Step the scripted policy in ``env`` (closed after) until ``n_episodes`` episodes have
+    finished; returns every step's fields stacked as (S, N, ...) arrays: ``o`` observations,
+    ``a`` actions, ``r`` rewards, ``te`` / ``tr`` terminations / truncations, ``final`` the next
+    observations and ``real`` (False at an autoreset step, which holds no data)."""
     rng = np.random.default_rng(seed)
     obs, info = env.reset(seed=seed)
     cols: dict[str, list[np.ndarray]] = {k: [] for k in ("o", "a", "r", "te", "tr", "final", "real")}
@@ -275,9 +287,12 @@ def collect_episodes(
         skip = term | trunc
         obs, info = nobs, ninfo
     env.close()
-    c = {k: np.stack(v) for k, v in cols.items()}  # (S, N, ...) per field
-    if keep is not None:
-        c["o"], c["final"] = c["o"][..., keep], c["final"][..., keep]  # next-step autoreset: nobs is final
+    return {k: np.stack(v) for k, v in cols.items()}  # (S, N, ...) per field
+
+
+def _split_episodes(c: dict[str, np.ndarray], n_episodes: int, n_envs: int) -> list[dict[str, np.ndarray]]:
+    """The first ``n_episodes`` episodes to finish in the steps ``c`` of :func:`_scripted_steps`,
+    as :func:`collect_episodes` returns them."""
     done = (c["te"] | c["tr"]) & c["real"]  # (S, N)
     # episodes in order of completion (step, then environment), each a run of real steps of one env
     ends_t, ends_i = np.nonzero(done)

@@ -31,7 +31,6 @@ ALLOWED = frozenset({
     "envs/dataset.py::EpisodeDataset.validate",
     "envs/loaders.py::load_d4rl_hdf5",
     "envs/loaders.py::open_minari",
-    "envs/memory_tasks.py::collect_episodes",
 })
 
 
