@@ -262,7 +262,227 @@ def space_to_str(space: gym.Space) -> str:
     return repr(space)
 
 
-class EpisodeDataset:
+class _EpisodeChecks:
+    """The validation side of :class:`EpisodeDataset`: :meth:`validate`, the checks it runs in
+    order, and :meth:`check_max_ep_len`. Reads the dataset's arrays, episode table and spaces."""
+
+    def _where(self, flat_index: int) -> tuple[int, int]:
+        """(episode, step) of a flat index (searches the episode table)."""
+        hit = np.flatnonzero((self.starts <= flat_index) & (flat_index < self.starts + self.lengths))
+        if hit.size == 0:
+            return -1, -1
+        e = int(hit[0])
+        return e, int(flat_index - self.starts[e])
+
+    def _fail(self, fieldname: str, flat_index: int, what: str) -> DatasetError:
+        e, s = self._where(flat_index)
+        return DatasetError(f"{fieldname}: episode {e}, step {s} (dataset row {flat_index}): {what}",
+                            field=fieldname, episode=e, step=s)
+
+    def validate(self, *, max_ep_len: int | None = None) -> None:
+        """Check everything a sampler or agent relies on; raise on the first problem.
+
+        Checks, in order: supported spaces; no empty episode; episodes inside the flat arrays;
+        observation shape matches the observation space, with at least one value per step (a
+        scalar per step, observations of shape ``(N,)``, is refused: store ``(N, 1)``) and Box
+        actions with at least one value; finite observations, actions, rewards and final
+        observations (no NaN/inf; observations, actions and final observations of a wider float
+        dtype also inside float32's range, ``|x| <= F32_MAX``, since the agents compute in
+        float32), and no episode whose sum of ``|rewards|`` overflows float64
+        (its returns-to-go would be inf); flags only on an episode's last step and every last
+        step flagged (terminated or truncated); actions inside the action space (``Box`` bounds
+        inclusive; ``Discrete`` integers in ``[start, start + n)``); episode length <=
+        ``max_ep_len`` when given.
+
+        Raises:
+            DatasetError: naming the field, the episode and the step (0-based inside the episode).
+        """
+        self._check_spaces()
+        n = self.rewards.shape[0]
+        self._check_episode_table(n)
+        self._check_shapes()
+        self._check_finite("observations", self.observations, float32=True)
+        self._check_finite("actions", self.actions, float32=True)
+        self._check_finite("rewards", self.rewards)
+        self._check_return_overflow()
+        self._check_final_observations()
+        self._check_flags(n)
+        self._check_actions()
+        if max_ep_len is not None:
+            self.check_max_ep_len(max_ep_len)
+
+    def _check_spaces(self) -> None:
+        """Supported spaces: a Box or Discrete action space, a Box observation space."""
+        if not isinstance(self.action_space, (gym.spaces.Box, gym.spaces.Discrete)):
+            raise DatasetError(unsupported_action_space(self.action_space), field="actions")
+        if not isinstance(self.observation_space, gym.spaces.Box):
+            raise DatasetError(f"observations: unsupported observation space {self.observation_space!r}; "
+                               "flatten it when loading (dataset.flatten_observations=true, "
+                               "--flatten-observations, flatten_observations=True)", field="observations")
+
+    def _check_episode_table(self, n: int) -> None:
+        """At least one episode, none empty, every one inside the ``n`` rows of data."""
+        if self.num_episodes == 0:
+            raise DatasetError("dataset has no episodes", field="lengths")
+        empty = np.flatnonzero(self.lengths <= 0)
+        if empty.size:
+            e = int(empty[0])
+            raise DatasetError(f"episode {e}: empty episode (length {int(self.lengths[e])})", field="lengths", episode=e)
+        bad = np.flatnonzero((self.starts < 0) | (self.starts + self.lengths > n))
+        if bad.size:
+            e = int(bad[0])
+            raise DatasetError(f"episode {e}: steps [{self.starts[e]}, {self.starts[e] + self.lengths[e]}) "
+                               f"outside the {n} rows of data", field="lengths", episode=e)
+
+    def _check_shapes(self) -> None:
+        """Observations of the observation space's shape, with at least one value per step (and
+        Box actions with at least one)."""
+        if tuple(self.observations.shape[1:]) != tuple(self.observation_space.shape):
+            raise DatasetError(f"observations: shape {tuple(self.observations.shape[1:])} per step does not match "
+                               f"the observation space {self.observation_space!r}", field="observations")
+        if len(self.observation_space.shape) == 0:
+            raise DatasetError(
+                f"observations: one scalar per step (array of shape {tuple(self.observations.shape)}, space "
+                f"{self.observation_space!r}); agents read observations as (N, *obs_shape) vectors: store a scalar "
+                "observation as shape (N, 1)", field="observations")
+        if int(np.prod(self.observation_space.shape)) == 0:
+            raise DatasetError(f"observations: {self.observation_space!r} holds no value per step", field="observations")
+        if isinstance(self.action_space, gym.spaces.Box) and int(np.prod(self.action_space.shape)) == 0:
+            raise DatasetError(f"actions: {self.action_space!r} holds no value per step", field="actions")
+
+    def _check_final_observations(self) -> None:
+        """Final observations (when stored) finite and inside float32's range."""
+        if self.final_observations is not None:
+            fin = self.final_observations.reshape(self.final_observations.shape[0], -1)
+            rows = np.flatnonzero(~_in_float32_range(fin).all(axis=1))
+            if rows.size:
+                e = int(rows[0])
+                what = ("is not finite" if not np.isfinite(fin[e]).all() else
+                        f"has a value outside float32's range (|x| <= {F32_MAX:g}), inf in the agents' float32")
+                raise DatasetError(f"final_observations: episode {e}, step {int(self.lengths[e])} (the observation "
+                                   f"after the last action) {what}", field="final_observations",
+                                   episode=e, step=int(self.lengths[e]))
+
+    def _check_flags(self, n: int) -> None:
+        """Termination/truncation flags only on an episode's last step, and every last step flagged."""
+        last = self.starts + self.lengths - 1  # (E,) flat index of each episode's last step
+        is_last = np.zeros(n, bool)
+        is_last[last] = True
+        edges = np.zeros(n + 1, np.int64)  # +1 at each episode start, -1 one past its end
+        np.add.at(edges, self.starts, 1)
+        np.add.at(edges, self.starts + self.lengths, -1)
+        covered = np.cumsum(edges)[:n] > 0  # (N,) row belongs to an episode of the table
+        for name, flags in (("terminations", self.terminations), ("truncations", self.truncations)):
+            mid = np.flatnonzero(flags & ~is_last & covered)
+            if mid.size:
+                raise self._fail(name, int(mid[0]), "flag set before the episode's last step")
+        unflagged = np.flatnonzero(~(self.terminations[last] | self.truncations[last]))
+        if unflagged.size:
+            e = int(unflagged[0])
+            raise DatasetError(f"terminations/truncations: episode {e}, step {int(self.lengths[e]) - 1} "
+                               "(its last step) is neither terminated nor truncated", field="terminations",
+                               episode=e, step=int(self.lengths[e]) - 1)
+
+    def _check_finite(self, name: str, arr: ArrayLike, *, float32: bool = False) -> None:
+        """Refuse NaN/inf in a floating-point field (streamed over chunks of :data:`SCAN_CHUNK` rows).
+
+        With ``float32`` (observations and actions, which every agent casts to float32), a finite
+        value of a wider dtype outside float32's range (``|x| > F32_MAX``, e.g. a float64 1e300,
+        which becomes inf in float32 and NaN once normalised) is refused too: nothing is clipped.
+
+        Raises:
+            DatasetError: naming the field, the episode, the step and the component at fault.
+        """
+        dtype = np.dtype(arr.dtype)
+        if not np.issubdtype(dtype, np.floating):
+            return
+        wide = float32 and dtype.itemsize > 4  # float64 (or wider) can hold finite values float32 cannot
+        for off, chunk in iter_chunks(arr):
+            if chunk.size == 0:
+                continue
+            lo, hi = chunk.min(), chunk.max()  # NaN propagates; no temporary array (the common case)
+            if (-F32_MAX <= lo and hi <= F32_MAX) if wide else (np.isfinite(lo) and np.isfinite(hi)):
+                continue
+            flat = chunk.reshape(chunk.shape[0], -1)
+            ok = (_in_float32_range(flat) if wide else np.isfinite(flat)).all(axis=1)
+            if not ok.all():
+                row = off + int(np.flatnonzero(~ok)[0])
+                value = np.asarray(arr[row]).reshape(-1)
+                if not np.isfinite(value).all():
+                    raise self._fail(name, row, f"value {value[~np.isfinite(value)][0]} is not finite")
+                j = int(np.flatnonzero(~_in_float32_range(value))[0])
+                raise self._fail(
+                    name, row, f"component {j} = {value[j].item()!r} is outside float32's range (|x| <= {F32_MAX:g}): "
+                    f"the agents compute in float32, where it is inf; rescale {name} (nothing is clipped)")
+
+    def _check_return_overflow(self) -> None:
+        """Refuse episodes whose sum of ``|rewards|`` is not finite in float64 (every reward finite).
+
+        That sum bounds every return and return-to-go (any ``gamma <= 1``), so past this check
+        none of them is ``inf`` and :attr:`episode_returns` (``math.fsum``) cannot overflow.
+        """
+        absr = np.abs(self.rewards)
+        with np.errstate(over="ignore"):
+            if np.isfinite(absr.sum()):
+                return
+            sums = np.array([absr[s:s + n].sum() for s, n in zip(self.starts.tolist(), self.lengths.tolist())])
+        bad = np.flatnonzero(~np.isfinite(sums))
+        if bad.size:
+            e = int(bad[0])
+            raise DatasetError(f"rewards: episode {e}: the sum of |rewards| over its {int(self.lengths[e])} steps "
+                               "overflows float64 (its return and returns-to-go would be inf)",
+                               field="rewards", episode=e)
+
+    def _check_actions(self) -> None:
+        space = self.action_space
+        if isinstance(space, gym.spaces.Discrete):
+            if self.actions.ndim != 1:
+                raise DatasetError(f"actions: Discrete actions must have shape (N,), got {self.actions.shape}",
+                                   field="actions")
+            lo, hi = int(space.start), int(space.start + space.n)
+            for off, chunk in iter_chunks(self.actions):
+                bad = (chunk != np.round(chunk)) | (chunk < lo) | (chunk >= hi)
+                if bad.any():
+                    row = off + int(np.flatnonzero(bad)[0])
+                    raise self._fail("actions", row, f"action {chunk[row - off]} outside {space!r}")
+            return
+        if tuple(self.actions.shape[1:]) != tuple(space.shape):
+            raise DatasetError(f"actions: shape {tuple(self.actions.shape[1:])} per step does not match "
+                               f"the action space {space!r}", field="actions")
+        low = np.asarray(space.low, np.float64).reshape(-1)
+        high = np.asarray(space.high, np.float64).reshape(-1)
+        for off, chunk in iter_chunks(self.actions):
+            c = chunk.reshape(chunk.shape[0], -1).astype(np.float64)
+            bad = ((c < low) | (c > high)).any(axis=1)
+            if bad.any():
+                row = off + int(np.flatnonzero(bad)[0])
+                a = c[row - off]
+                j = int(np.flatnonzero((a < low) | (a > high))[0])
+                raise self._fail("actions", row, f"component {j} = {float(a[j])!r} outside the action space bounds "
+                                 f"[{float(low[j])!r}, {float(high[j])!r}]")
+
+    def check_max_ep_len(self, max_ep_len: int, option: str = "max_ep_len") -> None:
+        """Refuse episodes longer than a model's ``max_ep_len`` (timestep embedding size).
+
+        ``option``: how the limit is named in the message (``"agent.max_ep_len"`` for a run's
+        config option).
+
+        Raises:
+            ValueError: ``max_ep_len`` < 1.
+            DatasetError: naming the first episode with ``length > max_ep_len`` and its length.
+        """
+        if max_ep_len < 1:
+            raise ValueError(f"{option} must be >= 1, got {max_ep_len}")
+        too_long = np.flatnonzero(self.lengths > max_ep_len)
+        if too_long.size:
+            e = int(too_long[0])
+            raise DatasetError(
+                f"lengths: episode {e} has {int(self.lengths[e])} steps, more than the model's {option}="
+                f"{max_ep_len} (step {max_ep_len} has no timestep embedding); raise {option}",
+                field="lengths", episode=e, step=max_ep_len)
+
+
+class EpisodeDataset(_EpisodeChecks):
     """Offline episodes as flat step arrays plus an episode table (see the module docstring).
 
     Args:
@@ -600,201 +820,6 @@ class EpisodeDataset:
                              observation_space=self.observation_space, action_space=self.action_space,
                              metadata=self.metadata, validate=False)
         return out
-
-    # ------------------------------------------------------------------ validation
-    def _where(self, flat_index: int) -> tuple[int, int]:
-        """(episode, step) of a flat index (searches the episode table)."""
-        hit = np.flatnonzero((self.starts <= flat_index) & (flat_index < self.starts + self.lengths))
-        if hit.size == 0:
-            return -1, -1
-        e = int(hit[0])
-        return e, int(flat_index - self.starts[e])
-
-    def _fail(self, fieldname: str, flat_index: int, what: str) -> DatasetError:
-        e, s = self._where(flat_index)
-        return DatasetError(f"{fieldname}: episode {e}, step {s} (dataset row {flat_index}): {what}",
-                            field=fieldname, episode=e, step=s)
-
-    def validate(self, *, max_ep_len: int | None = None) -> None:
-        """Check everything a sampler or agent relies on; raise on the first problem.
-
-        Checks, in order: supported spaces; no empty episode; episodes inside the flat arrays;
-        observation shape matches the observation space, with at least one value per step (a
-        scalar per step, observations of shape ``(N,)``, is refused: store ``(N, 1)``) and Box
-        actions with at least one value; finite observations, actions, rewards and final
-        observations (no NaN/inf; observations, actions and final observations of a wider float
-        dtype also inside float32's range, ``|x| <= F32_MAX``, since the agents compute in
-        float32), and no episode whose sum of ``|rewards|`` overflows float64
-        (its returns-to-go would be inf); flags only on an episode's last step and every last
-        step flagged (terminated or truncated); actions inside the action space (``Box`` bounds
-        inclusive; ``Discrete`` integers in ``[start, start + n)``); episode length <=
-        ``max_ep_len`` when given.
-
-        Raises:
-            DatasetError: naming the field, the episode and the step (0-based inside the episode).
-        """
-        if not isinstance(self.action_space, (gym.spaces.Box, gym.spaces.Discrete)):
-            raise DatasetError(unsupported_action_space(self.action_space), field="actions")
-        if not isinstance(self.observation_space, gym.spaces.Box):
-            raise DatasetError(f"observations: unsupported observation space {self.observation_space!r}; "
-                               "flatten it when loading (dataset.flatten_observations=true, "
-                               "--flatten-observations, flatten_observations=True)", field="observations")
-        n = self.rewards.shape[0]
-        if self.num_episodes == 0:
-            raise DatasetError("dataset has no episodes", field="lengths")
-        empty = np.flatnonzero(self.lengths <= 0)
-        if empty.size:
-            e = int(empty[0])
-            raise DatasetError(f"episode {e}: empty episode (length {int(self.lengths[e])})", field="lengths", episode=e)
-        bad = np.flatnonzero((self.starts < 0) | (self.starts + self.lengths > n))
-        if bad.size:
-            e = int(bad[0])
-            raise DatasetError(f"episode {e}: steps [{self.starts[e]}, {self.starts[e] + self.lengths[e]}) "
-                               f"outside the {n} rows of data", field="lengths", episode=e)
-        if tuple(self.observations.shape[1:]) != tuple(self.observation_space.shape):
-            raise DatasetError(f"observations: shape {tuple(self.observations.shape[1:])} per step does not match "
-                               f"the observation space {self.observation_space!r}", field="observations")
-        if len(self.observation_space.shape) == 0:
-            raise DatasetError(
-                f"observations: one scalar per step (array of shape {tuple(self.observations.shape)}, space "
-                f"{self.observation_space!r}); agents read observations as (N, *obs_shape) vectors: store a scalar "
-                "observation as shape (N, 1)", field="observations")
-        if int(np.prod(self.observation_space.shape)) == 0:
-            raise DatasetError(f"observations: {self.observation_space!r} holds no value per step", field="observations")
-        if isinstance(self.action_space, gym.spaces.Box) and int(np.prod(self.action_space.shape)) == 0:
-            raise DatasetError(f"actions: {self.action_space!r} holds no value per step", field="actions")
-        self._check_finite("observations", self.observations, float32=True)
-        self._check_finite("actions", self.actions, float32=True)
-        self._check_finite("rewards", self.rewards)
-        self._check_return_overflow()
-        if self.final_observations is not None:
-            fin = self.final_observations.reshape(self.final_observations.shape[0], -1)
-            rows = np.flatnonzero(~_in_float32_range(fin).all(axis=1))
-            if rows.size:
-                e = int(rows[0])
-                what = ("is not finite" if not np.isfinite(fin[e]).all() else
-                        f"has a value outside float32's range (|x| <= {F32_MAX:g}), inf in the agents' float32")
-                raise DatasetError(f"final_observations: episode {e}, step {int(self.lengths[e])} (the observation "
-                                   f"after the last action) {what}", field="final_observations",
-                                   episode=e, step=int(self.lengths[e]))
-        last = self.starts + self.lengths - 1  # (E,) flat index of each episode's last step
-        is_last = np.zeros(n, bool)
-        is_last[last] = True
-        edges = np.zeros(n + 1, np.int64)  # +1 at each episode start, -1 one past its end
-        np.add.at(edges, self.starts, 1)
-        np.add.at(edges, self.starts + self.lengths, -1)
-        covered = np.cumsum(edges)[:n] > 0  # (N,) row belongs to an episode of the table
-        for name, flags in (("terminations", self.terminations), ("truncations", self.truncations)):
-            mid = np.flatnonzero(flags & ~is_last & covered)
-            if mid.size:
-                raise self._fail(name, int(mid[0]), "flag set before the episode's last step")
-        unflagged = np.flatnonzero(~(self.terminations[last] | self.truncations[last]))
-        if unflagged.size:
-            e = int(unflagged[0])
-            raise DatasetError(f"terminations/truncations: episode {e}, step {int(self.lengths[e]) - 1} "
-                               "(its last step) is neither terminated nor truncated", field="terminations",
-                               episode=e, step=int(self.lengths[e]) - 1)
-        self._check_actions()
-        if max_ep_len is not None:
-            self.check_max_ep_len(max_ep_len)
-
-    def _check_finite(self, name: str, arr: ArrayLike, *, float32: bool = False) -> None:
-        """Refuse NaN/inf in a floating-point field (streamed over chunks of :data:`SCAN_CHUNK` rows).
-
-        With ``float32`` (observations and actions, which every agent casts to float32), a finite
-        value of a wider dtype outside float32's range (``|x| > F32_MAX``, e.g. a float64 1e300,
-        which becomes inf in float32 and NaN once normalised) is refused too: nothing is clipped.
-
-        Raises:
-            DatasetError: naming the field, the episode, the step and the component at fault.
-        """
-        dtype = np.dtype(arr.dtype)
-        if not np.issubdtype(dtype, np.floating):
-            return
-        wide = float32 and dtype.itemsize > 4  # float64 (or wider) can hold finite values float32 cannot
-        for off, chunk in iter_chunks(arr):
-            if chunk.size == 0:
-                continue
-            lo, hi = chunk.min(), chunk.max()  # NaN propagates; no temporary array (the common case)
-            if (-F32_MAX <= lo and hi <= F32_MAX) if wide else (np.isfinite(lo) and np.isfinite(hi)):
-                continue
-            flat = chunk.reshape(chunk.shape[0], -1)
-            ok = (_in_float32_range(flat) if wide else np.isfinite(flat)).all(axis=1)
-            if not ok.all():
-                row = off + int(np.flatnonzero(~ok)[0])
-                value = np.asarray(arr[row]).reshape(-1)
-                if not np.isfinite(value).all():
-                    raise self._fail(name, row, f"value {value[~np.isfinite(value)][0]} is not finite")
-                j = int(np.flatnonzero(~_in_float32_range(value))[0])
-                raise self._fail(
-                    name, row, f"component {j} = {value[j].item()!r} is outside float32's range (|x| <= {F32_MAX:g}): "
-                    f"the agents compute in float32, where it is inf; rescale {name} (nothing is clipped)")
-
-    def _check_return_overflow(self) -> None:
-        """Refuse episodes whose sum of ``|rewards|`` is not finite in float64 (every reward finite).
-
-        That sum bounds every return and return-to-go (any ``gamma <= 1``), so past this check
-        none of them is ``inf`` and :attr:`episode_returns` (``math.fsum``) cannot overflow.
-        """
-        absr = np.abs(self.rewards)
-        with np.errstate(over="ignore"):
-            if np.isfinite(absr.sum()):
-                return
-            sums = np.array([absr[s:s + n].sum() for s, n in zip(self.starts.tolist(), self.lengths.tolist())])
-        bad = np.flatnonzero(~np.isfinite(sums))
-        if bad.size:
-            e = int(bad[0])
-            raise DatasetError(f"rewards: episode {e}: the sum of |rewards| over its {int(self.lengths[e])} steps "
-                               "overflows float64 (its return and returns-to-go would be inf)",
-                               field="rewards", episode=e)
-
-    def _check_actions(self) -> None:
-        space = self.action_space
-        if isinstance(space, gym.spaces.Discrete):
-            if self.actions.ndim != 1:
-                raise DatasetError(f"actions: Discrete actions must have shape (N,), got {self.actions.shape}",
-                                   field="actions")
-            lo, hi = int(space.start), int(space.start + space.n)
-            for off, chunk in iter_chunks(self.actions):
-                bad = (chunk != np.round(chunk)) | (chunk < lo) | (chunk >= hi)
-                if bad.any():
-                    row = off + int(np.flatnonzero(bad)[0])
-                    raise self._fail("actions", row, f"action {chunk[row - off]} outside {space!r}")
-            return
-        if tuple(self.actions.shape[1:]) != tuple(space.shape):
-            raise DatasetError(f"actions: shape {tuple(self.actions.shape[1:])} per step does not match "
-                               f"the action space {space!r}", field="actions")
-        low = np.asarray(space.low, np.float64).reshape(-1)
-        high = np.asarray(space.high, np.float64).reshape(-1)
-        for off, chunk in iter_chunks(self.actions):
-            c = chunk.reshape(chunk.shape[0], -1).astype(np.float64)
-            bad = ((c < low) | (c > high)).any(axis=1)
-            if bad.any():
-                row = off + int(np.flatnonzero(bad)[0])
-                a = c[row - off]
-                j = int(np.flatnonzero((a < low) | (a > high))[0])
-                raise self._fail("actions", row, f"component {j} = {float(a[j])!r} outside the action space bounds "
-                                 f"[{float(low[j])!r}, {float(high[j])!r}]")
-
-    def check_max_ep_len(self, max_ep_len: int, option: str = "max_ep_len") -> None:
-        """Refuse episodes longer than a model's ``max_ep_len`` (timestep embedding size).
-
-        ``option``: how the limit is named in the message (``"agent.max_ep_len"`` for a run's
-        config option).
-
-        Raises:
-            ValueError: ``max_ep_len`` < 1.
-            DatasetError: naming the first episode with ``length > max_ep_len`` and its length.
-        """
-        if max_ep_len < 1:
-            raise ValueError(f"{option} must be >= 1, got {max_ep_len}")
-        too_long = np.flatnonzero(self.lengths > max_ep_len)
-        if too_long.size:
-            e = int(too_long[0])
-            raise DatasetError(
-                f"lengths: episode {e} has {int(self.lengths[e])} steps, more than the model's {option}="
-                f"{max_ep_len} (step {max_ep_len} has no timestep embedding); raise {option}",
-                field="lengths", episode=e, step=max_ep_len)
 
     # ------------------------------------------------------------------ summaries
     def summary(self) -> dict:

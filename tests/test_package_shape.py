@@ -28,7 +28,6 @@ ALLOWED = frozenset({
     "envs/dataset.py::EpisodeDataset",
     "envs/dataset.py::EpisodeDataset.from_episodes",
     "envs/dataset.py::EpisodeDataset.from_flags",
-    "envs/dataset.py::EpisodeDataset.validate",
     "envs/loaders.py::load_d4rl_hdf5",
     "envs/loaders.py::open_minari",
 })
