@@ -262,6 +262,178 @@ def space_to_str(space: gym.Space) -> str:
     return repr(space)
 
 
+def _flag_columns(observations: ArrayLike, rewards: np.ndarray, terminals: np.ndarray, timeouts: np.ndarray | None,
+                  next_observations: ArrayLike | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The checks of :meth:`EpisodeDataset.from_flags`' per-step columns; returns ``(rewards,
+    terminals, timeouts)`` as (N,) columns (the flags as bool; no ``timeouts``: all False).
+
+    Raises:
+        DatasetError: as :meth:`EpisodeDataset.from_flags`.
+    """
+    rewards = per_step_column("rewards", rewards)
+    n = rewards.shape[0]
+    terminals = per_step_column("terminals", terminals)
+    timeouts = np.zeros(n, bool) if timeouts is None else per_step_column("timeouts", timeouts)
+    if terminals.shape[0] != n or timeouts.shape[0] != n:
+        raise DatasetError(f"terminals/timeouts have {terminals.shape[0]}/{timeouts.shape[0]} rows, rewards {n}",
+                           field="terminals")
+    terminals, timeouts = (binary_flags("terminals", terminals, other_ends=timeouts),
+                           binary_flags("timeouts", timeouts, other_ends=terminals))
+    if next_observations is not None:
+        nxt_shape, obs_shape = tuple(next_observations.shape), tuple(observations.shape)
+        if nxt_shape[0] != n:
+            raise DatasetError(f"next_observations: {nxt_shape[0]} rows but rewards has {n}",
+                               field="next_observations")
+        if nxt_shape[1:] != obs_shape[1:]:
+            raise DatasetError(f"next_observations: shape {nxt_shape[1:]} per step, but observations have "
+                               f"{obs_shape[1:]}", field="next_observations")
+    return rewards, terminals, timeouts
+
+
+def _checked_episode(i: int, ep: dict, step_shapes: dict[str, tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray, int]:
+    """The checks of episode ``i`` of :meth:`EpisodeDataset.from_episodes` (``step_shapes``: the
+    per-step shapes of episode 0, filled by it); returns ``(observations, actions, length)``.
+
+    Raises:
+        DatasetError: as :meth:`EpisodeDataset.from_episodes`.
+    """
+    obs = np.asarray(ep["observations"])
+    act = np.asarray(ep["actions"])
+    for key, arr in (("observations", obs), ("actions", act), ("rewards", np.asarray(ep["rewards"]))):
+        _check_numeric(key, arr, episode=i)
+    for key, arr in (("observations", obs), ("actions", act)):
+        if arr.ndim == 0:
+            raise DatasetError(f"{key}: episode {i}: a scalar (shape ()), expected one row per step",
+                               field=key, episode=i)
+        first = step_shapes.setdefault(key, tuple(arr.shape[1:]))
+        if tuple(arr.shape[1:]) != first:
+            raise DatasetError(f"{key}: episode {i} has shape {tuple(arr.shape[1:])} per step but episode 0 "
+                               f"has {first}", field=key, episode=i)
+    n_obs, n_act = obs.shape[0], act.shape[0]
+    if n_obs != n_act + 1:
+        raise DatasetError(
+            f"episode {i}: observations has {n_obs} entries and actions has {n_act}; a Minari "
+            f"episode must have len(observations) == len(actions) + 1 (the final observation)",
+            field="observations", episode=i)
+    for key in ("rewards", "terminations", "truncations"):
+        k = np.asarray(ep[key]).shape[0]
+        if k != n_act:
+            raise DatasetError(f"episode {i}: {key} has {k} entries and actions has {n_act}",
+                               field=key, episode=i)
+    return obs, act, n_act
+
+
+class _EpisodeConstructors:
+    """The constructors of :class:`EpisodeDataset` from other layouts: D4RL-style flat data with
+    episode-end flags (:meth:`from_flags`) and Minari-style episodes (:meth:`from_episodes`)."""
+
+    @classmethod
+    def from_flags(
+        cls,
+        observations: ArrayLike,
+        actions: ArrayLike,
+        rewards: np.ndarray,
+        terminals: np.ndarray,
+        timeouts: np.ndarray | None = None,
+        *,
+        next_observations: ArrayLike | None = None,
+        observation_space: gym.Space | None = None,
+        action_space: gym.Space | None = None,
+        metadata: DatasetMetadata | None = None,
+        validate: bool = True,
+    ) -> EpisodeDataset:
+        """Split D4RL-style flat data into episodes: an episode ends where ``terminals OR timeouts``.
+
+        A last episode with neither flag (data stopped mid-episode) is kept and its last step
+        is marked truncated; ``metadata.extra["unfinished_last_episode"]`` records it.
+
+        Args:
+            observations: (N, *obs_shape); actions: (N, *act_shape); rewards: (N,).
+            terminals: (N,) 0/1 or bool; timeouts: (N,) 0/1 or bool, or ``None`` (all False).
+            next_observations: (N, *obs_shape) or ``None``; when given, the final observation
+                of each episode is ``next_observations[last step]``, and (``validate=True``) it
+                is checked by :func:`check_next_observations`: finite everywhere and equal to
+                ``observations[t + 1]`` inside episodes.
+
+        Example: terminals ``[0,1,1,0,0,1]`` gives 3 episodes of lengths 2, 1, 3.
+
+        Raises:
+            DatasetError: ``rewards``/``terminals``/``timeouts`` not one value per step (shape
+                ``(N,)`` or ``(N, 1)``); a flag other than 0/1 (NaN, 0.5, 2: naming the field,
+                the episode and the dataset row); ``next_observations`` with another row count or
+                per-step shape than ``observations``, or (``validate=True``) not finite or not
+                equal to the next observation inside an episode; and everything :meth:`validate`
+                checks.
+        """
+        rewards, terminals, timeouts = _flag_columns(observations, rewards, terminals, timeouts, next_observations)
+        n = rewards.shape[0]
+        ends = np.flatnonzero(terminals | timeouts)  # last step of each finished episode
+        truncations = timeouts.copy()
+        meta = metadata if metadata is not None else DatasetMetadata()
+        if n > 0 and (ends.size == 0 or ends[-1] != n - 1):
+            ends = np.append(ends, n - 1)
+            truncations[n - 1] = True
+            meta = meta.replace(extra={**meta.extra, "unfinished_last_episode": True})
+        starts = np.concatenate(([0], ends[:-1] + 1)).astype(np.int64) if ends.size else np.zeros(0, np.int64)
+        lengths = (ends + 1 - starts).astype(np.int64)
+        final = None
+        if next_observations is not None:
+            final = np.asarray(next_observations[ends]) if ends.size else None
+        if action_space is None:
+            action_space = infer_action_space(actions, lengths)
+        ds = cls(observations, actions, rewards, terminals, truncations, starts, lengths,
+                 final_observations=final, observation_space=observation_space,
+                 action_space=action_space, metadata=meta, validate=validate)
+        if validate and next_observations is not None:
+            check_next_observations(ds, next_observations)
+        return ds
+
+    @classmethod
+    def from_episodes(
+        cls,
+        episodes: list[dict],
+        *,
+        observation_space: gym.Space | None = None,
+        action_space: gym.Space | None = None,
+        metadata: DatasetMetadata | None = None,
+        validate: bool = True,
+    ) -> EpisodeDataset:
+        """Build from Minari-style episodes: dicts with ``observations`` (L+1, ...), ``actions``
+        (L, ...), ``rewards`` (L,), ``terminations`` (L,), ``truncations`` (L,).
+
+        Raises:
+            DatasetError: an episode whose observation count is not its action count + 1
+                (the message names the episode and both counts), whose per-step arrays
+                disagree in length, whose observations/actions have another per-step shape than
+                episode 0's, or whose observations/actions/rewards are not integers or floating
+                point (strings, booleans, objects).
+        """
+        obs_parts, act_parts, rew_parts, term_parts, trunc_parts, finals, lengths = [], [], [], [], [], [], []
+        step_shapes: dict[str, tuple[int, ...]] = {}  # per-step shape of episode 0
+        for i, ep in enumerate(episodes):
+            obs, act, n_act = _checked_episode(i, ep, step_shapes)
+            obs_parts.append(obs[:-1])
+            finals.append(obs[-1])
+            act_parts.append(act)
+            rew_parts.append(per_step_column("rewards", ep["rewards"], episode=i).astype(np.float64))
+            term_parts.append(binary_flags("terminations", per_step_column("terminations", ep["terminations"], episode=i),
+                                           episode=i))
+            trunc_parts.append(binary_flags("truncations", per_step_column("truncations", ep["truncations"], episode=i),
+                                            episode=i))
+            lengths.append(n_act)
+        if not obs_parts:
+            raise DatasetError("dataset has no episodes", field="episodes")
+        lengths_arr = np.asarray(lengths, dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(lengths_arr)[:-1])).astype(np.int64)
+        actions = np.concatenate(act_parts, axis=0)
+        if action_space is None:
+            action_space = infer_action_space(actions, lengths_arr)
+        return cls(np.concatenate(obs_parts, axis=0), actions, np.concatenate(rew_parts),
+                   np.concatenate(term_parts), np.concatenate(trunc_parts), starts, lengths_arr,
+                   final_observations=np.stack(finals, axis=0), observation_space=observation_space,
+                   action_space=action_space, metadata=metadata, validate=validate)
+
+
 class _EpisodeChecks:
     """The validation side of :class:`EpisodeDataset`: :meth:`validate`, the checks it runs in
     order, and :meth:`check_max_ep_len`. Reads the dataset's arrays, episode table and spaces."""
@@ -482,7 +654,7 @@ class _EpisodeChecks:
                 field="lengths", episode=e, step=max_ep_len)
 
 
-class EpisodeDataset(_EpisodeChecks):
+class EpisodeDataset(_EpisodeConstructors, _EpisodeChecks):
     """Offline episodes as flat step arrays plus an episode table (see the module docstring).
 
     Args:
@@ -566,150 +738,6 @@ class EpisodeDataset(_EpisodeChecks):
         self._returns: np.ndarray | None = None
         if validate:
             self.validate()
-
-    # ------------------------------------------------------------------ construction helpers
-    @classmethod
-    def from_flags(
-        cls,
-        observations: ArrayLike,
-        actions: ArrayLike,
-        rewards: np.ndarray,
-        terminals: np.ndarray,
-        timeouts: np.ndarray | None = None,
-        *,
-        next_observations: ArrayLike | None = None,
-        observation_space: gym.Space | None = None,
-        action_space: gym.Space | None = None,
-        metadata: DatasetMetadata | None = None,
-        validate: bool = True,
-    ) -> EpisodeDataset:
-        """Split D4RL-style flat data into episodes: an episode ends where ``terminals OR timeouts``.
-
-        A last episode with neither flag (data stopped mid-episode) is kept and its last step
-        is marked truncated; ``metadata.extra["unfinished_last_episode"]`` records it.
-
-        Args:
-            observations: (N, *obs_shape); actions: (N, *act_shape); rewards: (N,).
-            terminals: (N,) 0/1 or bool; timeouts: (N,) 0/1 or bool, or ``None`` (all False).
-            next_observations: (N, *obs_shape) or ``None``; when given, the final observation
-                of each episode is ``next_observations[last step]``, and (``validate=True``) it
-                is checked by :func:`check_next_observations`: finite everywhere and equal to
-                ``observations[t + 1]`` inside episodes.
-
-        Example: terminals ``[0,1,1,0,0,1]`` gives 3 episodes of lengths 2, 1, 3.
-
-        Raises:
-            DatasetError: ``rewards``/``terminals``/``timeouts`` not one value per step (shape
-                ``(N,)`` or ``(N, 1)``); a flag other than 0/1 (NaN, 0.5, 2: naming the field,
-                the episode and the dataset row); ``next_observations`` with another row count or
-                per-step shape than ``observations``, or (``validate=True``) not finite or not
-                equal to the next observation inside an episode; and everything :meth:`validate`
-                checks.
-        """
-        rewards = per_step_column("rewards", rewards)
-        n = rewards.shape[0]
-        terminals = per_step_column("terminals", terminals)
-        timeouts = np.zeros(n, bool) if timeouts is None else per_step_column("timeouts", timeouts)
-        if terminals.shape[0] != n or timeouts.shape[0] != n:
-            raise DatasetError(f"terminals/timeouts have {terminals.shape[0]}/{timeouts.shape[0]} rows, rewards {n}",
-                               field="terminals")
-        terminals, timeouts = (binary_flags("terminals", terminals, other_ends=timeouts),
-                               binary_flags("timeouts", timeouts, other_ends=terminals))
-        if next_observations is not None:
-            nxt_shape, obs_shape = tuple(next_observations.shape), tuple(observations.shape)
-            if nxt_shape[0] != n:
-                raise DatasetError(f"next_observations: {nxt_shape[0]} rows but rewards has {n}",
-                                   field="next_observations")
-            if nxt_shape[1:] != obs_shape[1:]:
-                raise DatasetError(f"next_observations: shape {nxt_shape[1:]} per step, but observations have "
-                                   f"{obs_shape[1:]}", field="next_observations")
-        ends = np.flatnonzero(terminals | timeouts)  # last step of each finished episode
-        truncations = timeouts.copy()
-        meta = metadata if metadata is not None else DatasetMetadata()
-        if n > 0 and (ends.size == 0 or ends[-1] != n - 1):
-            ends = np.append(ends, n - 1)
-            truncations[n - 1] = True
-            meta = meta.replace(extra={**meta.extra, "unfinished_last_episode": True})
-        starts = np.concatenate(([0], ends[:-1] + 1)).astype(np.int64) if ends.size else np.zeros(0, np.int64)
-        lengths = (ends + 1 - starts).astype(np.int64)
-        final = None
-        if next_observations is not None:
-            final = np.asarray(next_observations[ends]) if ends.size else None
-        if action_space is None:
-            action_space = infer_action_space(actions, lengths)
-        ds = cls(observations, actions, rewards, terminals, truncations, starts, lengths,
-                 final_observations=final, observation_space=observation_space,
-                 action_space=action_space, metadata=meta, validate=validate)
-        if validate and next_observations is not None:
-            check_next_observations(ds, next_observations)
-        return ds
-
-    @classmethod
-    def from_episodes(
-        cls,
-        episodes: list[dict],
-        *,
-        observation_space: gym.Space | None = None,
-        action_space: gym.Space | None = None,
-        metadata: DatasetMetadata | None = None,
-        validate: bool = True,
-    ) -> EpisodeDataset:
-        """Build from Minari-style episodes: dicts with ``observations`` (L+1, ...), ``actions``
-        (L, ...), ``rewards`` (L,), ``terminations`` (L,), ``truncations`` (L,).
-
-        Raises:
-            DatasetError: an episode whose observation count is not its action count + 1
-                (the message names the episode and both counts), whose per-step arrays
-                disagree in length, whose observations/actions have another per-step shape than
-                episode 0's, or whose observations/actions/rewards are not integers or floating
-                point (strings, booleans, objects).
-        """
-        obs_parts, act_parts, rew_parts, term_parts, trunc_parts, finals, lengths = [], [], [], [], [], [], []
-        step_shapes: dict[str, tuple[int, ...]] = {}  # per-step shape of episode 0
-        for i, ep in enumerate(episodes):
-            obs = np.asarray(ep["observations"])
-            act = np.asarray(ep["actions"])
-            for key, arr in (("observations", obs), ("actions", act), ("rewards", np.asarray(ep["rewards"]))):
-                _check_numeric(key, arr, episode=i)
-            for key, arr in (("observations", obs), ("actions", act)):
-                if arr.ndim == 0:
-                    raise DatasetError(f"{key}: episode {i}: a scalar (shape ()), expected one row per step",
-                                       field=key, episode=i)
-                first = step_shapes.setdefault(key, tuple(arr.shape[1:]))
-                if tuple(arr.shape[1:]) != first:
-                    raise DatasetError(f"{key}: episode {i} has shape {tuple(arr.shape[1:])} per step but episode 0 "
-                                       f"has {first}", field=key, episode=i)
-            n_obs, n_act = obs.shape[0], act.shape[0]
-            if n_obs != n_act + 1:
-                raise DatasetError(
-                    f"episode {i}: observations has {n_obs} entries and actions has {n_act}; a Minari "
-                    f"episode must have len(observations) == len(actions) + 1 (the final observation)",
-                    field="observations", episode=i)
-            for key in ("rewards", "terminations", "truncations"):
-                k = np.asarray(ep[key]).shape[0]
-                if k != n_act:
-                    raise DatasetError(f"episode {i}: {key} has {k} entries and actions has {n_act}",
-                                       field=key, episode=i)
-            obs_parts.append(obs[:-1])
-            finals.append(obs[-1])
-            act_parts.append(act)
-            rew_parts.append(per_step_column("rewards", ep["rewards"], episode=i).astype(np.float64))
-            term_parts.append(binary_flags("terminations", per_step_column("terminations", ep["terminations"], episode=i),
-                                           episode=i))
-            trunc_parts.append(binary_flags("truncations", per_step_column("truncations", ep["truncations"], episode=i),
-                                            episode=i))
-            lengths.append(n_act)
-        if not obs_parts:
-            raise DatasetError("dataset has no episodes", field="episodes")
-        lengths_arr = np.asarray(lengths, dtype=np.int64)
-        starts = np.concatenate(([0], np.cumsum(lengths_arr)[:-1])).astype(np.int64)
-        actions = np.concatenate(act_parts, axis=0)
-        if action_space is None:
-            action_space = infer_action_space(actions, lengths_arr)
-        return cls(np.concatenate(obs_parts, axis=0), actions, np.concatenate(rew_parts),
-                   np.concatenate(term_parts), np.concatenate(trunc_parts), starts, lengths_arr,
-                   final_observations=np.stack(finals, axis=0), observation_space=observation_space,
-                   action_space=action_space, metadata=metadata, validate=validate)
 
     # ------------------------------------------------------------------ basic properties
     @property

@@ -25,9 +25,6 @@ _spec.loader.exec_module(oversize)
 #: test says which).
 ALLOWED = frozenset({
     # data layer: dataset construction and validation, loaders, collection
-    "envs/dataset.py::EpisodeDataset",
-    "envs/dataset.py::EpisodeDataset.from_episodes",
-    "envs/dataset.py::EpisodeDataset.from_flags",
     "envs/loaders.py::load_d4rl_hdf5",
     "envs/loaders.py::open_minari",
 })
