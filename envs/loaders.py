@@ -310,6 +310,10 @@ def open_minari(
                 raise FileNotFoundError(
                     f"{where}; build it (`rl-tformers collect --recipe {recipe}{_policies_hint()}`), or pass a folder "
                     f"or an .hdf5 file (this package's own recipe: built locally, on no server)")
+            if str(spec).startswith("rlt/"):  # this package's namespace, but no recipe of it: a typo
+                raise FileNotFoundError(
+                    f"{where}{hint}; no recipe builds this id (`rl-tformers collect --list-recipes` lists them), "
+                    "and the rlt/ namespace is on no server")
             raise FileNotFoundError(
                 f"{where}{hint}; build it (`rl-tformers collect --recipe {recipe}{_policies_hint()}`), pass a folder or "
                 "an .hdf5 file, or fetch it from the Minari server: dataset.download=true in a run config "
