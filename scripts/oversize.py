@@ -4,7 +4,7 @@ Usage: ``python scripts/oversize.py [--max-class 300] [--max-function 60]`` from
 root. Reads the sources of ``rl_tformers/``, ``agents/`` and ``envs/`` with ``ast`` (nothing is
 imported) and prints one line per piece over its limit, longest first::
 
-    class     579  rl_tformers/runtime/trainer.py:426  Trainer
+    function   127  envs/loaders.py:456  load_d4rl_hdf5
 
 A piece's length is its lines from the ``def``/``class`` line to its last line, docstring and
 comments included (decorators excluded); a method counts for itself and inside its class.
