@@ -338,7 +338,9 @@ def wrap_ddp(agent: Any, device: torch.device, find_unused_parameters: bool = Fa
 
     ``find_unused_parameters`` (``train.ddp_find_unused``): needed when some parameters get no
     gradient in some updates (adaptive depth, heads unused by the loss); costs one graph
-    traversal per update.
+    traversal per update. A script of your own that calls this ends each rank with
+    :func:`exit_rank` (as ``rl-tformers train --nproc`` does): its gloo group outlives
+    ``destroy_process_group`` and can abort the interpreter's shutdown.
     """
 
     ids = [device.index] if device.type == "cuda" else None

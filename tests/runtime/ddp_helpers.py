@@ -45,7 +45,10 @@ def two_ranks(tmp_path: Path, body: str, timeout: float = 180) -> list[dict]:
                       "torch.set_num_threads(1)\ndist.init_process_group('gloo')\nrank = dist.get_rank()\nout = {}\n"
                       + textwrap.dedent(body)
                       + "\ndist.barrier()\ndist.destroy_process_group()\n"
-                      "open(sys.argv[1] + f'/{rank}.json', 'w').write(json.dumps(out))\n")
+                      "with open(sys.argv[1] + f'/{rank}.json', 'w') as f:\n    f.write(json.dumps(out))\n"
+                      # a process that built a DDP must not meet gloo's threads in the interpreter's
+                      # shutdown (SIGABRT): ranks end as the console script ends them
+                      "from rl_tformers.runtime.distributed import exit_rank\nexit_rank(0)\n")
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
