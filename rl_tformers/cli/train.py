@@ -386,25 +386,11 @@ def repeat_eval_command(run_dir: Path, step: int) -> str:
 
 
 def eval_summary(scalars: dict[str, float]) -> str:
-    """One line of the headline evaluation scalars, '' when there are none.
+    """One line of the headline evaluation scalars, '' when there are none: the per-target text
+    of :func:`~rl_tformers.runtime.evaluation.targets_text` with ``±``."""
+    from rl_tformers.runtime.evaluation import targets_text
 
-    Reads ``eval/return_mean[SUFFIX]`` with its ``return_std``, ``normalized_score`` and
-    ``target`` of the same suffix (the DT logs one suffix per target: ``""``, ``"_target1"``...).
-    """
-    parts = []
-    for key, value in scalars.items():
-        if not key.startswith("eval/return_mean"):
-            continue
-        sfx = key[len("eval/return_mean"):]
-        text = f"return {value:.1f}"
-        if f"eval/return_std{sfx}" in scalars:
-            text += f" ± {scalars[f'eval/return_std{sfx}']:.1f}"
-        if f"eval/normalized_score{sfx}" in scalars:
-            text += f", normalised score {scalars[f'eval/normalized_score{sfx}']:.1f}"
-        if f"eval/target{sfx}" in scalars:
-            text = f"target {scalars[f'eval/target{sfx}']:.6g}: {text}"
-        parts.append(text)
-    return "; ".join(parts)
+    return targets_text(scalars, pm="±")
 
 
 class TrustedInputs:

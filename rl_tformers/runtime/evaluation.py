@@ -311,25 +311,33 @@ def report_logs(report: EvalReport) -> dict[str, float]:
     return out
 
 
-def logs_line(step: int, logs: Mapping[str, float]) -> str:
-    """One console line for the evaluation logged at ``step`` (the keys of :func:`report_logs`):
-    ``eval at step 1000: target 3600: return 1234.5 +- 20.1, normalised score 38.2; target 1800:
-    ...``, then ``(4.2 s)`` when ``eval/time_s`` is there. An evaluation without
-    ``eval/return_mean`` (an agent's own scalars) lists its ``eval/`` scalars (``name=value``)."""
+def targets_text(logs: Mapping[str, float], pm: str = "+-") -> str:
+    """The per-target part of an evaluation's console line, '' when ``logs`` hold no
+    ``eval/return_mean``: ``target 3600: return 1234.5 +- 20.1, normalised score 38.2; target
+    1800: ...`` (one entry per suffix of :func:`target_suffix`, in order; ``pm`` joins mean and
+    standard deviation)."""
     parts: list[str] = []
     k = 0
     while f"{EVAL_PREFIX}return_mean{target_suffix(k)}" in logs:
         sfx = target_suffix(k)
         text = f"return {logs[f'{EVAL_PREFIX}return_mean{sfx}']:.1f}"
         if f"{EVAL_PREFIX}return_std{sfx}" in logs:
-            text += f" +- {logs[f'{EVAL_PREFIX}return_std{sfx}']:.1f}"
+            text += f" {pm} {logs[f'{EVAL_PREFIX}return_std{sfx}']:.1f}"
         if f"{EVAL_PREFIX}normalized_score{sfx}" in logs:
             text += f", normalised score {logs[f'{EVAL_PREFIX}normalized_score{sfx}']:.1f}"
         if f"{EVAL_PREFIX}target{sfx}" in logs:
             text = f"target {logs[f'{EVAL_PREFIX}target{sfx}']:g}: {text}"
         parts.append(text)
         k += 1
-    text = "; ".join(parts) or ", ".join(f"{key.removeprefix(EVAL_PREFIX)}={value:.4g}" for key, value in logs.items()
+    return "; ".join(parts)
+
+
+def logs_line(step: int, logs: Mapping[str, float]) -> str:
+    """One console line for the evaluation logged at ``step`` (the keys of :func:`report_logs`):
+    ``eval at step 1000: target 3600: return 1234.5 +- 20.1, normalised score 38.2; target 1800:
+    ...``, then ``(4.2 s)`` when ``eval/time_s`` is there. An evaluation without
+    ``eval/return_mean`` (an agent's own scalars) lists its ``eval/`` scalars (``name=value``)."""
+    text = targets_text(logs) or ", ".join(f"{key.removeprefix(EVAL_PREFIX)}={value:.4g}" for key, value in logs.items()
                                          if key.startswith(EVAL_PREFIX) and key != f"{EVAL_PREFIX}time_s")
     line = f"eval at step {step}: {text or 'no scalars'}"
     seconds = logs.get(f"{EVAL_PREFIX}time_s")
