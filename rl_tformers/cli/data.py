@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from rl_tformers.cli.errors import fail
 from rl_tformers.runtime.paths import blocking_file
 
 #: ``collect --memory-task`` choices (:func:`rl_tformers.envs.memory_tasks.scripted_dataset`).
@@ -38,8 +39,7 @@ dataset_app = typer.Typer(help="Inspect offline datasets (Minari ids, Minari fol
 
 def _fail(message: str) -> None:
     """Bad input (an option, a dataset, a file): one ``error: message`` line, exit status 2."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
+    raise fail(message)
 
 
 def _check_recipe_steps(recipe_steps: int | None) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import typer
 
+from rl_tformers.cli.errors import fail
 from rl_tformers.runtime.paths import SEPARATORS, blocking_file, directory_ending
 from rl_tformers.runtime.protocol import policy_options
 
@@ -42,9 +43,7 @@ Examples:
 """
 
 
-def _fail(msg: str) -> typer.Exit:
-    typer.echo(f"error: {msg}", err=True)
-    return typer.Exit(2)
+_fail = fail
 
 
 #: help of ``--plugin`` on the commands that open a run

@@ -17,6 +17,8 @@ from typing import Any
 
 import typer
 
+from rl_tformers.cli.errors import fail
+
 #: set once a ``train`` command of this process has saved a complete run: the console script
 #: (:func:`rl_tformers.cli.main`) then ignores SIGINT while the interpreter shuts down
 _FINISHED_RUN = False
@@ -117,9 +119,7 @@ def _setup_logging() -> None:
     logging.captureWarnings(True)
 
 
-def _fail(msg: str) -> typer.Exit:
-    typer.echo(f"error: {msg}", err=True)
-    return typer.Exit(2)
+_fail = fail
 
 
 def train(
