@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from rl_tformers.runtime.loading import load_run
 from rl_tformers.envs.loaders import save_d4rl_hdf5
 from rl_tformers.envs.memory_tasks import scripted_dataset
 
+from rl_tformers.runtime.loading import load_run
 from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import train
 

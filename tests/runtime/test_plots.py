@@ -484,6 +484,7 @@ def test_the_default_sweep_starts_at_the_random_policys_return_when_it_is_lower(
     """A one-policy Hopper set (returns 1074 .. 1121) with D4RL's random return -20.27: the sweep
     runs from -20 to 1349, not 1074 to 1130 (one blob on the diagonal)."""
     from rl_tformers.envs.scores import D4RL_REF_SCORES
+
     from rl_tformers.runtime.plots import default_sweep
 
     random_hopper = D4RL_REF_SCORES["hopper"][0]
