@@ -48,9 +48,9 @@ def _check_memory(cfg: BackboneConfig, att: Capabilities) -> None:
     """Refuse a stateful memory kind with a kernel that takes no memory keys, or with a block or
     depth kind that keeps no per-layer state (naming the kinds that would work)."""
     a = cfg.attention.kind
-    mem = REGISTRIES["memory"].get(cfg.memory.kind).capabilities
-    blk = REGISTRIES["block"].get(cfg.block.kind).capabilities
-    dep = REGISTRIES["depth"].get(cfg.depth.kind).capabilities
+    mem = cfg.memory.config_capabilities()
+    blk = cfg.block.config_capabilities()
+    dep = cfg.depth.config_capabilities()
     if mem.stateful and not att.memory:
         fits = [
             e.kind for e in REGISTRIES["attention"]
@@ -90,7 +90,7 @@ def check_compatible(cfg: BackboneConfig) -> None:
             whatever a slot config's own ``check(backbone_cfg)`` hook refuses (every slot's
             hook is called, attention first).
     """
-    att = REGISTRIES["attention"].get(cfg.attention.kind).capabilities
+    att = cfg.attention.config_capabilities()
     a = cfg.attention.kind
     _check_direction(cfg, att)
     _check_memory(cfg, att)

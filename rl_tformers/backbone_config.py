@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl_tformers.registry import REGISTRIES, SLOTS, RegistryError, config_to_dict
+from rl_tformers.registry import REGISTRIES, SLOTS, Capabilities, RegistryError, config_to_dict
 from rl_tformers.typed_config import plain_number
 
 
@@ -61,6 +61,13 @@ class SlotConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form ``{"kind": ..., <fields>}`` (what the slot's ``from_dict`` reads)."""
         return config_to_dict(self)
+
+    def config_capabilities(self) -> Capabilities:
+        """The capabilities of this configuration: the kind's declared ones (``capabilities``,
+        set by ``Registry.register``), unless a field changes one, e.g. ``blockwise`` is
+        subquadratic only with a fixed block length (``block > 0``). The construction checks
+        and the contract suite read these."""
+        return type(self).capabilities  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ blockwise attention to self-attention only).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -116,10 +117,13 @@ class BlockwiseAttention(BlockSparseAttention):
 
 @ATTENTION.register(
     "blockwise",
-    description="BlockBERT: n x n block-sparse attention, head h attends block pi_h(i) = (i + k_h) mod n; bidirectional only",
+    description="BlockBERT: n x n block-sparse attention, head h attends block pi_h(i) = (i + k_h) mod n; bidirectional only; "
+                "subquadratic only with a fixed block length (block > 0; fixed n_blocks costs L^2 / n)",
     paper="Qiu et al. 2020, Blockwise Self-Attention for Long Document Understanding (sec. 3)",
     capabilities=Capabilities(
-        causal=False, bidirectional=True, key_padding=True, memory=True, incremental=False, exact=True, subquadratic=True,
+        # subquadratic only with a fixed block length (block > 0): the paper's fixed n_blocks costs
+        # O(S^2 / n) (BlockwiseConfig.config_capabilities)
+        causal=False, bidirectional=True, key_padding=True, memory=True, incremental=False, exact=True, subquadratic=False,
         # query block i reads key block pi(i) of the same sequence: cross-attention has no such correspondence
         # (query i sits at key S - T + i, blocks are cut over the padded source length), so the source a
         # target reads would depend on the number of pad tokens; see the module docstring
@@ -145,12 +149,29 @@ class BlockwiseConfig(AttentionConfig):
                 f"attention.heads_per_shift needs at most n_blocks={self.n_blocks} counts >= 0, got {self.heads_per_shift}"
             )
 
-    def check(self, cfg) -> None:
+    def config_capabilities(self) -> Capabilities:
+        """The kind's capabilities with ``subquadratic`` true only for a fixed block length
+        (``block > 0``: cost O(S b)); with ``n_blocks`` fixed (the paper) the n blocks grow with S
+        and the cost is O(S^2 / n), a quadratic growth."""
+        return dataclasses.replace(type(self).capabilities, subquadratic=self.block > 0)  # type: ignore[attr-defined]
 
+    def check(self, cfg) -> None:
+        """Refuse head assignments that do not add up to ``backbone.n_heads``, and a default
+        split (no ``heads_per_shift``) that leaves a shift k >= 1 without a head: with fewer heads
+        than ``n_blocks`` (one head, say) the block permutations would silently disappear and
+        every query block read only its own block, which is kind ``local``. An explicit
+        ``heads_per_shift`` may leave shifts out."""
         if self.heads_per_shift and sum(self.heads_per_shift) != cfg.n_heads:
             raise IncompatibleConfig(
                 f"backbone.attention.heads_per_shift={list(self.heads_per_shift)} sums to "
                 f"{sum(self.heads_per_shift)}, not backbone.n_heads={cfg.n_heads}"
+            )
+        if not self.heads_per_shift and cfg.n_heads < self.n_blocks:
+            raise IncompatibleConfig(
+                f"backbone.n_heads={cfg.n_heads} leaves the shifts 1..{self.n_blocks - 1} of "
+                f"backbone.attention.n_blocks={self.n_blocks} without a head (blockwise gives each block "
+                f"permutation its own heads: n_heads >= n_blocks); raise backbone.n_heads, lower "
+                f"backbone.attention.n_blocks, or set backbone.attention.heads_per_shift explicitly"
             )
 
     @classmethod
@@ -163,6 +184,11 @@ class BlockwiseConfig(AttentionConfig):
     def contract_config(cls, seq_len: int) -> dict:
         """Test values: 3 blocks at the suite's short length, blocks of 64 at long ones (O(L b))."""
         return {"n_blocks": 3} if seq_len < 256 else {"n_blocks": 2, "block": 64}
+
+    @classmethod
+    def contract_backbone(cls, seq_len: int) -> dict:
+        """4 heads: every shift of the 3 blocks has a head (shifts 0, 0, 1, 2)."""
+        return {"n_heads": 4}
 
     def build(self, ctx, position) -> AttentionModule:
         shifts = head_shifts(self.n_blocks, tuple(self.heads_per_shift), ctx.n_heads)

@@ -183,8 +183,8 @@ def dense_bytes_estimate(kind: str, length: int, s: Settings, prev: tuple[int, f
     (B, H, L, L) float32 scores and probabilities.
     """
 
-    if ATTENTION.get(kind).capabilities.subquadratic:
-        return 0
+    if ATTENTION.get(kind).config_cls(**kind_fields(kind, length)).config_capabilities().subquadratic:
+        return 0  # what its benchmark configuration declares (blockwise: only with a fixed block length)
     if prev is not None and prev[1]:
         return int(prev[1] * (length / prev[0]) ** 2)
     if kind == BASELINE:

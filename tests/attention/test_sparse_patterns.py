@@ -389,7 +389,7 @@ CAUSAL_KINDS = {
     "adaptive_span": {"max_span": 6, "ramp": 2, "init": 0.5},
 }
 BIDIRECTIONAL_ONLY = {
-    "blockwise": {"n_blocks": 3},
+    "blockwise": {"n_blocks": 3, "heads_per_shift": (0, 1, 1)},  # the backbones here have 2 heads
     "etc": {"radius": 2},
     "longformer": {"window": 4},
     "bigbird": {"block": 2, "random_blocks": 1},

@@ -222,7 +222,8 @@ def test_blockwise_is_refused_as_cross_attention() -> None:
     assert str(err.value).startswith("cross_attention.kind='blockwise' cannot attend to another sequence: ")
     assert str(err.value).endswith("use one of linformer, performer, reference, rfa, sdpa")
     stack = {"d_model": 16, "n_heads": 2, "n_layers": 1}
-    model = EncoderDecoder({"encoder": {**stack, "attention": {"kind": "blockwise", "n_blocks": 3}}, "decoder": stack})
+    model = EncoderDecoder({"encoder": {**stack, "n_heads": 4, "attention": {"kind": "blockwise", "n_blocks": 3}},
+                            "decoder": stack})
     assert model(torch.randn(1, 6, 16), torch.randn(1, 9, 16)).hidden.shape == (1, 9, 16)
 
 

@@ -6,14 +6,16 @@
   that take memory) prefix keys;
 - every ``approximate`` kind that declares ``contract_convergence`` gets closer to dense
   attention as its budget grows;
-- every ``subquadratic`` kind never materialises an L x L tensor (PeakNumel at L = 2048, 4096).
+- every kind's peak tensor size at L = 2048 and 4096 (PeakNumel) against the capabilities its
+  configuration declares: a ``subquadratic`` one never materialises an L x L tensor and grows
+  sub-quadratically, every one at most quadratically.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from contract_checks import assert_subquadratic
+from contract_checks import assert_subquadratic, peak_numel
 from contract_variants import BASE, B, D, T, caps_of, config_cls, kind_backbone, kind_fields, position_for
 
 from rl_tformers.backbone_config import BackboneConfig, BuildContext
@@ -150,17 +152,29 @@ def test_approximate_kernel_converges_to_dense(kind: str):
     assert errs[-1] < 0.5 * errs[0], f"error to dense attention does not shrink with the budget: {errs}"
 
 
-def _subquadratic_params():
-    return [pytest.param(e.kind, id=e.kind) for e in ATTENTION if e.capabilities.subquadratic]
+#: configurations measured besides each kind's contract_config: (kind, fields at every length)
+EXTRA_CONFIGS = [
+    ("blockwise", {"n_blocks": 2, "block": 0}),  # the paper's fixed n: L^2 / 2 per head, declared not subquadratic
+]
 
 
-@pytest.mark.parametrize("kind", _subquadratic_params())
-def test_subquadratic_kernel_never_materialises_l_by_l(kind: str):
+def _complexity_params():
+    params = [pytest.param(e.kind, None, id=e.kind) for e in ATTENTION]
+    return params + [pytest.param(k, f, id=f"{k}-" + "-".join(f"{a}{b}" for a, b in f.items())) for k, f in EXTRA_CONFIGS]
+
+
+def _peaks(kind: str, fields: dict | None, lengths: tuple[int, int]):
+    """(whether the configuration declares ``subquadratic``, run_at(L)) for ``kind`` with its
+    contract_config at each length updated by ``fields``; run_at is one forward pass at batch 1
+    with 5 padded keys."""
     caps = caps_of("attention", kind)
+    position = "none" if caps.positions is None or "none" in caps.positions else position_for(caps)
+
+    def build(n: int):
+        return _module(kind, position, seq_len=n, causal=caps.causal, **(fields or {}))
 
     def run_at(n: int) -> None:
-        mod, _ = _module(kind, "none" if caps.positions is None or "none" in caps.positions else position_for(caps),
-                         seq_len=n, causal=caps.causal)
+        mod, _ = build(n)
         x = torch.randn(1, n, D)
         pos = torch.arange(n)[None]
         valid = torch.ones(1, n, dtype=torch.bool)
@@ -169,16 +183,52 @@ def test_subquadratic_kernel_never_materialises_l_by_l(kind: str):
         with torch.no_grad():
             mod(x, x, ctx)
 
+    declared = {build(n)[1].attention.config_capabilities().subquadratic for n in lengths}
+    assert len(declared) == 1, f"{kind}: the configuration declares subquadratic differently at L = {lengths}"
+    return declared.pop(), run_at
+
+
+@pytest.mark.parametrize(("kind", "fields"), _complexity_params())
+def test_peak_tensor_growth_matches_the_declared_capability(kind: str, fields: dict | None):
+    """Every attention kind (its contract configuration, and the EXTRA_CONFIGS): the largest
+    tensor any op produces in a forward pass (PeakNumel) at L = 2048 and 4096. A configuration
+    whose ``config_capabilities()`` declare ``subquadratic`` never builds an L x L tensor and
+    grows at most 3.2x (L log L ~2.2x, L^1.5 ~2.8x); every kind grows at most quadratically
+    (4x, with a margin for the linear terms)."""
+    lengths = (2048, 4096)
     try:
-        assert_subquadratic(run_at)
+        subquadratic, run_at = _peaks(kind, fields, lengths)
+        if subquadratic:
+            assert_subquadratic(run_at, lengths)
+            return
+        p1, _ = peak_numel(lambda: run_at(lengths[0]))
+        p2, op2 = peak_numel(lambda: run_at(lengths[1]))
     except AssertionError:
         raise
     except Exception as exc:  # the message is the point
         pytest.fail(
-            f"subquadratic attention kind {kind!r} cannot run at L = 2048 / 4096 with fields "
-            f"{kind_fields('attention', kind, 4096)} ({type(exc).__name__}: {exc}); size it for the test "
+            f"attention kind {kind!r} cannot run at L = 2048 / 4096 with fields "
+            f"{fields or kind_fields('attention', kind, 4096)} ({type(exc).__name__}: {exc}); size it for the test "
             f"length in its config's contract_config(seq_len)"
         )
+    assert p2 <= 4.2 * p1, f"{kind}: peak tensor grows {p2 / p1:.2f}x from L = 2048 to 4096 (op {op2}): beyond quadratic"
+
+
+def test_blockwise_with_fixed_n_blocks_is_declared_and_measured_quadratic():
+    """BlockBERT with the paper's fixed n_blocks: blocks of L / n keys, so the score blocks grow
+    as L^2 / n (4x from L to 2L); its configuration does not declare subquadratic, while a
+    fixed block length does (and grows 2x)."""
+    lengths = (2048, 4096)
+    subquadratic, run_at = _peaks("blockwise", {"n_blocks": 2, "block": 0}, lengths)
+    assert not subquadratic
+    p1, _ = peak_numel(lambda: run_at(lengths[0]))
+    p2, _ = peak_numel(lambda: run_at(lengths[1]))
+    assert p2 >= 3.9 * p1 and p2 >= lengths[1] ** 2 // 2
+    subquadratic, run_at = _peaks("blockwise", {"n_blocks": 2, "block": 64}, lengths)
+    assert subquadratic
+    p1, _ = peak_numel(lambda: run_at(lengths[0]))
+    p2, _ = peak_numel(lambda: run_at(lengths[1]))
+    assert p2 <= 2.05 * p1
 
 
 def test_cases_cover_every_registered_exact_kind():
