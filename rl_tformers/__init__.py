@@ -58,4 +58,17 @@ from rl_tformers.backbone import Backbone, IncompatibleConfig  # noqa: E402
 from rl_tformers.backbone_config import BackboneConfig  # noqa: E402
 from rl_tformers.types import BackboneOutput, BackboneState  # noqa: E402
 
+
+def __getattr__(name: str):
+    """``rl_tformers.Policy``: the deployed policy of a policy folder
+    (:class:`rl_tformers.agents.export.Policy`, docs/deployment.md), imported on first use. It
+    rebuilds the agents' models, so the backbone library finds it by package name at run time,
+    as the runtime finds the agents."""
+    if name == "Policy":
+        import importlib  # standard library, at the one place it is needed (a lazy attribute)
+
+        return importlib.import_module("rl_tformers.agents.export").Policy
+    raise AttributeError(f"module 'rl_tformers' has no attribute {name!r}")
+
+
 __all__ = ["Backbone", "BackboneConfig", "BackboneOutput", "BackboneState", "IncompatibleConfig", "__version__"]
