@@ -91,6 +91,7 @@ COMMAND_MODULES = (
     "rl_tformers.cli.agents",  # agents
     "rl_tformers.cli.configs",  # configs
     "rl_tformers.cli.bench",  # bench
+    "rl_tformers.cli.export",  # export
 )
 
 
