@@ -46,6 +46,7 @@ def _bad_inputs(tmp: Path) -> dict[str, list[str]]:
         "configs": ["configs", "no_such_group/*"],
         "bench": ["bench", "attention", "--lengths", "x"],
         "demo": ["demo", "--episodes", "0"],
+        "export": ["export", str(tmp / "no_run"), "--format", "onnx", "--out", str(tmp / "policy")],
     }
 
 
