@@ -17,7 +17,7 @@ from rl_tformers.attention._grouped import (
 )
 from rl_tformers.attention.base import AttentionConfig, AttentionModule
 from rl_tformers.registry import ATTENTION, Capabilities
-from rl_tformers.types import AttnContext, AttnOutput
+from rl_tformers.types import AttnContext, AttnOutput, acc_dtype, to_acc
 
 
 class LSHAttention(AttentionModule):
@@ -39,12 +39,14 @@ class LSHAttention(AttentionModule):
       (episode ids, or a Transformer-XL memory of an earlier episode) every episode has buckets
       of its own (:meth:`groups`), so no episode's tokens change another's outputs. Cross-bucket
       pairs are masked as in the paper's P_i.
-    * **No attention to self** (sec. 2, "causal masking for shared-QK attention"): a token does
-      not attend to itself unless it has no other allowed key.
-    * **Multi-round** (sec. 2 eq. 6, appendix A): ``n_hashes`` independent rounds, combined by
-      their log-sum-exps, with the duplicate correction ``-log N_ij`` (N_ij = number of rounds in
-      which i and j share a bucket), so the result is one softmax over the union of the rounds'
-      key sets.
+    * **Multi-round** (sec. 2 eq. 6, appendix A): ``n_hashes`` independent rounds give query i
+      the key sets P_i^(r) (its bucket, its own and the previous chunk, the masks); the output is
+      one softmax over their union P_i = U_r P_i^(r). Each round attends its P_i^(r) with the
+      duplicate correction ``-log N_ij`` (N_ij = number of rounds whose P_i^(r) holds j: same
+      bucket *and* own or previous chunk in that round) and the rounds merge by their
+      log-sum-exps, so a key found by several rounds counts once.
+    * **No attention to self** (sec. 2, "causal masking for shared-QK attention"): a token
+      attends itself only when the union P_i holds no other key.
 
     Masks: causal (key index), key padding, episode ids, inside every chunk. Prefix keys
     (Transformer-XL memory) are hashed with the segment; only the last T items are queries.
@@ -133,7 +135,7 @@ class LSHAttention(AttentionModule):
         """Queries qk (B, H, S, Dh) (rotated), unit keys (B, H, S, Dh), values (B, H, S, Dh)."""
         qk = self.position.rotate(self.split_heads(self.q_proj(x_kv)), ctx.pos_k)  # (B, H, S, Dh)
         v = self.split_heads(self.v_proj(x_kv))
-        return qk, F.normalize(qk.float(), dim=-1).to(qk.dtype), v
+        return qk, F.normalize(to_acc(qk), dim=-1).to(qk.dtype), v
 
     def _chunk_layout(self, groups: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
         """Sort the S items of every hash round by (group, position) and lay each group out from
@@ -160,9 +162,10 @@ class LSHAttention(AttentionModule):
     @staticmethod
     def _allowed(i_s: Tensor, i_w: Tensor, same_bucket: Tensor, valid: Tensor, ctx: AttnContext) -> Tensor:
         """(B, H, R, nC, m, 2m) bool: which of its chunk's and the previous chunk's 2m keys (items
-        ``i_w``) each query slot (items ``i_s`` (B, H, R, nC, m); S = empty) attends to: a real
-        query, a ``valid`` (B, S) key of the ``same_bucket``, not later (causal), of its episode;
-        itself only when nothing else is allowed."""
+        ``i_w``) each query slot (items ``i_s`` (B, H, R, nC, m); S = empty) may attend to in its
+        round: a real query, a ``valid`` (B, S) key of the ``same_bucket``, not later (causal), of
+        its episode; itself included (the no-self rule is applied to the union of the rounds,
+        :meth:`_no_self_unless_alone`)."""
         b, h, s = i_s.shape[0], i_s.shape[1], valid.shape[1]
         key_ok = gather_rows(F.pad(valid, (0, 1), value=False)[:, None], i_w.flatten(2)).view(i_w.shape)
         allowed = (i_s[..., :, None] < s) & key_ok[..., None, :]  # real query slot, valid key
@@ -174,9 +177,41 @@ class LSHAttention(AttentionModule):
             seg_q = seg[:, None].expand(b, h, -1).gather(2, i_s.flatten(2)).view(i_s.shape)
             seg_k = seg[:, None].expand(b, h, -1).gather(2, i_w.flatten(2)).view(i_w.shape)
             allowed &= seg_q[..., :, None] == seg_k[..., None, :]
-        is_self = i_w[..., None, :] == i_s[..., :, None]  # (B, H, R, nC, m, 2m)
+        return allowed
+
+    @staticmethod
+    def _no_self_unless_alone(allowed: Tensor, is_self: Tensor, item_at: Tensor, slot_of_item: Tensor) -> Tensor:
+        """Reformer's rule on the union of the rounds (sec. 2): a token attends itself only when
+        no round gives it another key. ``allowed``, ``is_self`` (B, H, R, nC, m, 2m); ``item_at``
+        (B, H, R, slots) and ``slot_of_item`` (B, H, R, S) from :meth:`_chunk_layout`."""
         others = allowed & ~is_self
-        return torch.where(others.any(-1, keepdim=True), others, allowed)  # self only if alone
+        has_other = others.any(-1).flatten(3).gather(3, slot_of_item).any(2)  # (B, H, S): in some round
+        alone = ~F.pad(has_other, (0, 1), value=True).gather(2, item_at.flatten(2)).view(allowed.shape[:-1])
+        return others | (allowed & is_self & alone[..., None])  # (B, H, R, nC, m, 2m)
+
+    def _slot_views(self, qk: Tensor, keys: Tensor, v: Tensor, buckets: Tensor, item_at: Tensor, slot_of_item: Tensor):
+        """Gather per slot (index S = an empty slot): queries (B, H, R, nC, m, Dh), keys and values
+        of the own and previous chunk (B, H, R, nC, 2m, Dh), the items of the query slots (.., m)
+        and key slots (.., 2m), and every round's (bucket, chunk) of the query items
+        (B, H, R, nC, m, R, 2) and key items (B, H, R, nC, 2m, R, 2)."""
+        b, h, r, n_slots = item_at.shape
+        s, m, dh = qk.shape[2], self.cfg.bucket_size, self.head_dim
+        n_c = n_slots // m
+
+        def pad_row(x: Tensor, value: float = 0.0) -> Tensor:
+            return F.pad(x, (0, 0, 0, 1), value=value) if x.dim() == 4 else F.pad(x, (0, 1), value=value)
+
+        def look_back(x: Tensor, fill: float) -> Tensor:  # (B, H, R, nC, m, ...) -> (.., 2m, ..)
+            prev = F.pad(x[:, :, :, :-1], (0, 0) * (x.dim() - 4) + (1, 0), value=fill)
+            return torch.cat([prev, x], dim=4)
+
+        q_s = gather_rows(pad_row(qk), item_at).view(b, h, r, n_c, m, dh)
+        k_s = gather_rows(pad_row(keys), item_at).view(b, h, r, n_c, m, dh)
+        v_s = gather_rows(pad_row(v), item_at).view(b, h, r, n_c, m, dh)
+        i_s = item_at.view(b, h, r, n_c, m)
+        place = torch.stack([buckets, slot_of_item // m], -1).transpose(2, 3).flatten(-2).float()  # (B, H, S, 2R)
+        pl_s = gather_rows(pad_row(place, -1.0), item_at).view(b, h, r, n_c, m, r, 2)
+        return q_s, look_back(k_s, 0.0), look_back(v_s, 0.0), i_s, look_back(i_s, s), pl_s, look_back(pl_s, -1.0)
 
     def forward(self, x_q: Tensor, x_kv: Tensor, ctx: AttnContext, cache=None) -> AttnOutput:
         if cache is not None:
@@ -186,47 +221,24 @@ class LSHAttention(AttentionModule):
         if s != ctx.k_len:
             raise ValueError(f"attention: {s} keys but the context describes {ctx.k_len}")
         qk, keys, v = self._shared_qk(x_kv, ctx)
-        h, dh, m, r = self.n_heads, self.head_dim, self.cfg.bucket_size, self.cfg.n_hashes
-        dev = x_kv.device
+        h, dh, r = self.n_heads, self.head_dim, self.cfg.n_hashes
         nb = self.n_buckets_for(s)
-        valid = torch.ones(b, s, dtype=torch.bool, device=dev) if ctx.key_valid is None else ctx.key_valid
+        valid = torch.ones(b, s, dtype=torch.bool, device=x_kv.device) if ctx.key_valid is None else ctx.key_valid
         buckets = self.hash(keys, nb)  # (B, H, R, S)
         buckets = torch.where(valid[:, None, None, :], buckets, nb)  # padding: bucket nb of its own
         groups, n_groups = self.groups(buckets, nb, valid, ctx.seg_k)  # (B, H, R, S)
-
         item_at, slot_of_item = self._chunk_layout(groups, n_groups)  # (B, H, R, slots), (B, H, R, S)
         n_slots = item_at.shape[-1]
+        q_s, k_w, v_w, i_s, i_w, pl_s, pl_w = self._slot_views(qk, keys, v, groups, item_at, slot_of_item)
 
-        # gather per slot; index s is a padding row (invalid, bucket -1)
-        def pad_row(x: Tensor, value: float = 0.0) -> Tensor:
-            return F.pad(x, (0, 0, 0, 1), value=value) if x.dim() == 4 else F.pad(x, (0, 1), value=value)
-
-        n_c = n_slots // m
-        q_s = gather_rows(pad_row(qk), item_at).view(b, h, r, n_c, m, dh)  # (B, H, R, nC, m, Dh)
-        k_s = gather_rows(pad_row(keys), item_at).view(b, h, r, n_c, m, dh)
-        v_s = gather_rows(pad_row(v), item_at).view(b, h, r, n_c, m, dh)
-        i_s = item_at.view(b, h, r, n_c, m)  # key index of each slot (s = empty)
-        bk_all = pad_row(buckets.transpose(2, 3).float(), -1.0)  # (B, H, S + 1, R)
-        bk_s = gather_rows(bk_all, item_at).view(b, h, r, n_c, m, r)  # buckets of every round
-
-        def look_back(x: Tensor, fill: float) -> Tensor:  # (B, H, R, nC, m, ...) -> (.., 2m, ..)
-            prev = F.pad(x[:, :, :, :-1], (0, 0) * (x.dim() - 4) + (1, 0), value=fill)
-            return torch.cat([prev, x], dim=4)
-
-        k_w = look_back(k_s, 0.0)  # (B, H, R, nC, 2m, Dh)
-        v_w = look_back(v_s, 0.0)
-        i_w = look_back(i_s, s)  # (B, H, R, nC, 2m)
-        bk_w = look_back(bk_s, -1.0)  # (B, H, R, nC, 2m, R)
-        rnd = torch.arange(r, device=dev).view(1, 1, r, 1, 1, 1)
-        own_b = bk_s.gather(-1, rnd.expand(b, h, r, n_c, m, 1)).squeeze(-1)  # (B, H, R, nC, m)
-        key_b = bk_w.gather(-1, rnd.expand(b, h, r, n_c, 2 * m, 1)).squeeze(-1)  # (B, H, R, nC, 2m)
-
-        same_bucket = own_b[..., :, None] == key_b[..., None, :]  # (B, H, R, nC, m, 2m): in this round
+        # P_i^(r') membership of every window key, in every round r': same group, own or previous chunk
+        d_chunk = pl_s[..., :, None, :, 1] - pl_w[..., None, :, :, 1]  # (B, H, R, nC, m, 2m, R)
+        member = (pl_s[..., :, None, :, 0] == pl_w[..., None, :, :, 0]) & (d_chunk >= 0) & (d_chunk <= 1)
+        same_bucket = torch.diagonal(member, dim1=2, dim2=6).movedim(-1, 2)  # (B, H, R, nC, m, 2m): round r's
         allowed = self._allowed(i_s, i_w, same_bucket, valid, ctx)  # (B, H, R, nC, m, 2m)
-        bias = None
-        if r > 1:  # duplicate correction of appendix A: -log N_ij
-            n_ij = (bk_s[..., :, None, :] == bk_w[..., None, :, :]).sum(-1).clamp_min(1)  # (.., m, 2m)
-            bias = -torch.log(n_ij.float())
+        allowed = self._no_self_unless_alone(allowed, i_w[..., None, :] == i_s[..., :, None], item_at, slot_of_item)
+        # one softmax over the union of the rounds (appendix A): a key in N_ij rounds' sets counts once
+        bias = -torch.log(member.sum(-1).clamp_min(1).to(acc_dtype(qk.dtype))) if r > 1 else None
         out, lse = group_attention(q_s, k_w, v_w, allowed, scale=self.scale, bias=bias, dropout_p=self.dropout_p)
         out = out.view(b, h, r, n_slots, dh)  # (B, H, R, slots, Dh)
         lse = lse.view(b, h, r, n_slots)
