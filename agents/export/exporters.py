@@ -39,7 +39,7 @@ from rl_tformers.agents.export.folder import (
     write_folder,
     write_spec,
 )
-from rl_tformers.agents.export.policy import Policy, onnx_runner, torch_runner
+from rl_tformers.agents.export.policy import Policy, onnx_runner, torch_runner, torchscript_runner
 from torch import nn
 
 from rl_tformers.registry import SLOTS
@@ -114,7 +114,7 @@ def export_model(family: str, model: nn.Module, model_cfg: dict[str, Any], actin
     path = out / GRAPH_FILES[fmt]
     try:
         _save(graph, probe[0], fmt, path, spec)
-        run = torch_runner(torch.jit.load(str(path))) if fmt == "torchscript" else onnx_runner(path, spec["inputs"], 1)
+        run = torchscript_runner(path) if fmt == "torchscript" else onnx_runner(path, spec["inputs"], 1)
         bad = _first_difference(torch_runner(graph), run, probe, spec["outputs"])
     except Exception as exc:  # noqa: BLE001 - any failure of the exporter or the saved graph is a refusal
         bad = f"the exporter failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"

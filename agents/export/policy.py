@@ -16,6 +16,7 @@ backend: the DT's context window, the GTrXL's memory tensors, ``None`` for BC.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,13 @@ def torch_runner(module: Callable[..., Any]) -> Runner:
         return [o.numpy() for o in out]
 
     return run
+
+
+def torchscript_runner(path: Path) -> Runner:
+    """A runner of a TorchScript graph file (``torch.jit.load`` on the CPU)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript is in maintenance; it still loads
+        return torch_runner(torch.jit.load(str(path), map_location="cpu"))
 
 
 def onnx_runner(path: Path, input_names: Sequence[str], threads: int | None = None) -> Runner:
@@ -108,8 +116,7 @@ class Policy:
             if not graph.is_file():
                 raise PolicyFolderError(f"{path}: no {GRAPH_FILES[backend]} (export it with rl-tformers export "
                                         f"--format {backend})")
-            run = (torch_runner(torch.jit.load(str(graph), map_location="cpu")) if backend == "torchscript"
-                   else onnx_runner(graph, spec["inputs"], threads))
+            run = torchscript_runner(graph) if backend == "torchscript" else onnx_runner(graph, spec["inputs"], threads)
         return cls(spec, run, backend, [m.numpy() for m in memory])
 
     def initial_state(self, n_envs: int, target_return: float | None = None) -> Any:
