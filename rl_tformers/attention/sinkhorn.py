@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from rl_tformers.attention._grouped import GATHERED_POSITIONS, group_attention, require_scoreless_position
 from rl_tformers.attention.base import AttentionConfig, AttentionModule
+from rl_tformers.backbone_config import IncompatibleConfig
 from rl_tformers.registry import ATTENTION, Capabilities
 from rl_tformers.types import AttnContext, AttnOutput, acc_dtype, to_acc
 
@@ -69,6 +70,9 @@ class SinkhornAttention(AttentionModule):
     * Attention (sec. 3.4, eq. 11): query block i attends its local block i and the sorted
       block ``sum_j P_ij K_j`` (values alike): 2b keys per query, O(S b Dh + N^2 b Dh) time,
       O(S b + N^2) memory.
+    * SortCut (sec. 3.5, ``sortcut`` n_c > 0): the sorted sequence is cut after its first n_c
+      blocks and every query attends those n_c b keys only (no local block): O(S n_c b) time
+      and memory; bidirectional only.
     * Causal form (sec. 3.3): block i's summary is the mean of the blocks before it, R is masked
       to the blocks strictly before i and balanced causally (:func:`sinkhorn`), and the local
       block is causally masked: no output depends on a future token.
@@ -118,15 +122,13 @@ class SinkhornAttention(AttentionModule):
             mask = mask & torch.ones(n, n, dtype=torch.bool, device=x.device).tril(-1)
         return sinkhorn(r, mask, self.cfg.sinkhorn_iters, causal)
 
-    def forward(self, x_q: Tensor, x_kv: Tensor, ctx: AttnContext, cache=None) -> AttnOutput:
-        if cache is not None:
-            raise NotImplementedError("attention kind 'sinkhorn' has no incremental (cached) form")
+    def _check_inputs(self, q: Tensor, ctx: AttnContext) -> tuple[int, Tensor]:
+        """(number of blocks N, (B, S) key validity) of queries q (B, H, S, Dh); raises for
+        prefix keys, more than ``max_len`` keys, or several episodes in one row."""
         if ctx.prefix_len:
             raise ValueError("attention kind 'sinkhorn' takes no prefix keys (memory); queries must be all keys")
-        q, k, v = self.project(x_q, x_kv)  # (B, H, S, Dh) each
-        bsz, h, s, dh = q.shape
-        b_sz = self.cfg.block_size
-        n = -(-s // b_sz)
+        bsz, _, s, _ = q.shape
+        n = -(-s // self.cfg.block_size)
         if n > self.n_max:
             raise ValueError(f"attention kind 'sinkhorn': {s} tokens exceed attention.max_len={self.cfg.max_len}")
         valid = torch.ones(bsz, s, dtype=torch.bool, device=q.device) if ctx.key_valid is None else ctx.key_valid
@@ -139,45 +141,80 @@ class SinkhornAttention(AttentionModule):
                     "attention kind 'sinkhorn' mixes whole blocks and cannot keep several episodes of one row "
                     "apart; feed one episode per row"
                 )
-        q = self.position.rotate(q, ctx.pos_q)
-        k = self.position.rotate(k, ctx.pos_k)
+        return n, valid
+
+    def sorted_blocks(self, x_kv: Tensor, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, n: int, causal: bool):
+        """Blocks and their soft-sorted mixtures (sec. 3.2, 3.4), in float32 (float64 for a float64
+        model). q, k, v (B, H, S, Dh) rotated, valid (B, S).
+
+        Returns:
+            qb, kb, vb (B, H, N, b, Dh) (padded keys and values zeroed), vf (B, N, b) validity,
+            ks, vs (B, H, N, b, Dh): sorted block i = sum_j P_ij K_j over valid keys only,
+            renormalised by w (B, H, N, b), the valid mass of each sorted slot.
+        """
+        bsz, h, s, dh = q.shape
+        b_sz = self.cfg.block_size
         pad = n * b_sz - s
         valid_p = F.pad(valid, (0, pad), value=False)  # (B, N*b)
-        acc = acc_dtype(q.dtype)  # float32 sorting and mixing (float64 for a float64 model)
-        with torch.autocast(q.device.type, enabled=False):
-            p_mat = self.sort_matrix(F.pad(x_kv, (0, 0, 0, pad)), valid_p, ctx.causal)  # (B, H, N, N)
-            vm = valid_p[:, None, :, None].to(k.dtype)
-            kb = (F.pad(k, (0, 0, 0, pad)) * vm).view(bsz, h, n, b_sz, dh)  # (B, H, N, b, Dh)
-            vb = (F.pad(v, (0, 0, 0, pad)) * vm).view(bsz, h, n, b_sz, dh)
-            qb = F.pad(q, (0, 0, 0, pad)).view(bsz, h, n, b_sz, dh)
-            vf = valid_p.view(bsz, n, b_sz).to(acc)  # (B, N, b)
-            w = torch.einsum("bhij,bjs->bhis", p_mat, vf)  # (B, H, N, b) valid mass of each sorted slot
-            norm = w.clamp_min(_EPS)[..., None]
-            ks = torch.einsum("bhij,bhjsd->bhisd", p_mat, kb.to(acc)) / norm  # (B, H, N, b, Dh)
-            vs = torch.einsum("bhij,bhjsd->bhisd", p_mat, vb.to(acc)) / norm
-            keys = torch.cat([kb.to(acc), ks], dim=3)  # (B, H, N, 2b, Dh): local block, sorted block
-            vals = torch.cat([vb.to(acc), vs], dim=3)
+        acc = acc_dtype(q.dtype)
+        p_mat = self.sort_matrix(F.pad(x_kv, (0, 0, 0, pad)), valid_p, causal)  # (B, H, N, N)
+        vm = valid_p[:, None, :, None].to(k.dtype)
+        kb = (F.pad(k, (0, 0, 0, pad)) * vm).view(bsz, h, n, b_sz, dh).to(acc)  # (B, H, N, b, Dh)
+        vb = (F.pad(v, (0, 0, 0, pad)) * vm).view(bsz, h, n, b_sz, dh).to(acc)
+        qb = F.pad(q, (0, 0, 0, pad)).view(bsz, h, n, b_sz, dh)
+        vf = valid_p.view(bsz, n, b_sz).to(acc)  # (B, N, b)
+        w = torch.einsum("bhij,bjs->bhis", p_mat, vf)  # (B, H, N, b) valid mass of each sorted slot
+        norm = w.clamp_min(_EPS)[..., None]
+        ks = torch.einsum("bhij,bhjsd->bhisd", p_mat, kb) / norm  # (B, H, N, b, Dh)
+        vs = torch.einsum("bhij,bhjsd->bhisd", p_mat, vb) / norm
+        return qb, kb, vb, vf, ks, vs, w
+
+    def forward(self, x_q: Tensor, x_kv: Tensor, ctx: AttnContext, cache=None) -> AttnOutput:
+        if cache is not None:
+            raise NotImplementedError("attention kind 'sinkhorn' has no incremental (cached) form")
+        q, k, v = self.project(x_q, x_kv)  # (B, H, S, Dh) each
+        bsz, h, s, dh = q.shape
+        n, valid = self._check_inputs(q, ctx)
+        q = self.position.rotate(q, ctx.pos_q)
+        k = self.position.rotate(k, ctx.pos_k)
+        with torch.autocast(q.device.type, enabled=False):  # float32 sorting and mixing (float64 model: float64)
+            qb, kb, vb, vf, ks, vs, w = self.sorted_blocks(x_kv, q, k, v, valid, n, ctx.causal)
+            if self.cfg.sortcut:
+                return AttnOutput(self.o_proj(self.merge_heads(self._sortcut(qb, ks, vs, w, s).to(v.dtype))))
+            keys = torch.cat([kb, ks], dim=3)  # (B, H, N, 2b, Dh): local block, sorted block
+            vals = torch.cat([vb, vs], dim=3)
+            b_sz = self.cfg.block_size
             local_ok = vf.bool()[:, None, :, None, :].expand(bsz, 1, n, b_sz, b_sz)  # (B, 1, N, b, b)
             if ctx.causal:
                 local_ok = local_ok & torch.ones(b_sz, b_sz, dtype=torch.bool, device=q.device).tril()
             sorted_ok = (w > _EPS)[:, :, :, None, :].expand(bsz, h, n, b_sz, b_sz)  # (B, H, N, b, b)
             allowed = torch.cat([local_ok.expand(bsz, h, n, b_sz, b_sz), sorted_ok], dim=-1)  # (B, H, N, b, 2b)
-            bias = torch.cat(
-                [
-                    torch.zeros(bsz, h, n, 1, b_sz, device=q.device, dtype=acc),
-                    w.clamp_min(_EPS).log()[:, :, :, None, :],
-                ],
-                dim=-1,
-            )  # (B, H, N, 1, 2b)
+            zeros = torch.zeros(bsz, h, n, 1, b_sz, device=q.device, dtype=w.dtype)
+            bias = torch.cat([zeros, w.clamp_min(_EPS).log()[:, :, :, None, :]], dim=-1)  # (B, H, N, 1, 2b)
         out, _ = group_attention(qb, keys, vals, allowed, scale=self.scale, bias=bias, dropout_p=self.dropout_p)
         y = out.reshape(bsz, h, n * b_sz, dh)[:, :, :s].to(v.dtype)  # (B, H, S, Dh)
         return AttnOutput(self.o_proj(self.merge_heads(y)))
 
+    def _sortcut(self, qb: Tensor, ks: Tensor, vs: Tensor, w: Tensor, s: int) -> Tensor:
+        """SortCut (sec. 3.5): every query attends the first n_c = ``sortcut`` blocks of the sorted
+        sequence only, ``softmax(Q psi_S(K)[:n_c b]^T / sqrt(Dh)) psi_S(V)[:n_c b]``: O(S n_c b).
+        qb (B, H, N, b, Dh), ks, vs (B, H, N, b, Dh), w (B, H, N, b) -> (B, H, S, Dh)."""
+        bsz, h, n, b_sz, dh = qb.shape
+        cut = min(self.cfg.sortcut, n)
+        keys = ks[:, :, :cut].reshape(bsz, h, cut * b_sz, dh)  # (B, H, n_c b, Dh)
+        vals = vs[:, :, :cut].reshape(bsz, h, cut * b_sz, dh)
+        mass = w[:, :, :cut].reshape(bsz, h, 1, cut * b_sz)  # (B, H, 1, n_c b)
+        q = qb.reshape(bsz, h, n * b_sz, dh)[:, :, :s]  # (B, H, S, Dh)
+        allowed = (mass > _EPS).expand(bsz, h, s, cut * b_sz)
+        out, _ = group_attention(q, keys, vals, allowed, scale=self.scale, bias=mass.clamp_min(_EPS).log(),
+                                 dropout_p=self.dropout_p)
+        return out  # (B, H, S, Dh)
+
 
 @ATTENTION.register(
     "sinkhorn",
-    description="Sparse Sinkhorn attention: learned soft block sorting (Sinkhorn balancing) + local block",
-    paper="Tay et al. 2020, Sparse Sinkhorn Attention (sec. 3, causal Sinkhorn balancing sec. 3.3)",
+    description="Sparse Sinkhorn attention: learned soft block sorting (Sinkhorn balancing) + local block; SortCut (sortcut)",
+    paper="Tay et al. 2020, Sparse Sinkhorn Attention (sec. 3, causal Sinkhorn balancing sec. 3.3, SortCut sec. 3.5)",
     capabilities=Capabilities(exact=False, subquadratic=True, positions=GATHERED_POSITIONS,
                               cross_attention=False),  # its queries are its keys (S == T: no prefix keys)
 )
@@ -192,6 +229,14 @@ class SinkhornConfig(AttentionConfig):
         temperature: tau dividing the sorting logits (lower = closer to a hard permutation).
         gumbel_noise: Gumbel-Sinkhorn noise in training mode (eval is deterministic).
         sort_hidden: SortNet hidden width (None: d_model).
+        sortcut: SortCut budget n_c (sec. 3.5): > 0 makes every query attend only the first n_c
+            blocks of the soft-sorted sequence (n_c b keys, no local block): O(S n_c b);
+            bidirectional only (the truncated sort mixes every block, the future included);
+            0 = the local block plus the sorted block of each block.
+
+    Raises:
+        ValueError: a field out of range (``sortcut`` < 0 included).
+        IncompatibleConfig: (:meth:`check`) ``sortcut`` with ``backbone.causal``.
     """
 
     block_size: int = 16
@@ -200,12 +245,24 @@ class SinkhornConfig(AttentionConfig):
     temperature: float = 0.75
     gumbel_noise: bool = False
     sort_hidden: int | None = None
+    sortcut: int = 0
 
     def __post_init__(self) -> None:
+        if self.sortcut < 0:
+            raise ValueError(f"attention.sortcut must be >= 0 (0 = off), got {self.sortcut}")
         if self.block_size < 1 or self.max_len < 1 or self.sinkhorn_iters < 1 or self.temperature <= 0:
             raise ValueError("attention: sinkhorn needs block_size, max_len, sinkhorn_iters >= 1 and temperature > 0")
         if self.sort_hidden is not None and self.sort_hidden < 1:
             raise ValueError(f"attention.sort_hidden must be >= 1 or null (d_model), got {self.sort_hidden}")
+
+    def check(self, cfg) -> None:
+        """Refuse SortCut in a causal backbone: its first n_c sorted blocks mix every block."""
+        if self.sortcut and cfg.causal:
+            raise IncompatibleConfig(
+                f"backbone.attention.sortcut={self.sortcut} has no causal form (the first sorted blocks mix "
+                f"every block, later ones included; SortCut is for encoding, Tay et al. 2020 sec. 3.5); set "
+                f"backbone.causal=false or attention.sortcut=0"
+            )
 
     @property
     def max_keys(self) -> int:
