@@ -152,9 +152,13 @@ def test_approximate_kernel_converges_to_dense(kind: str):
     assert errs[-1] < 0.5 * errs[0], f"error to dense attention does not shrink with the budget: {errs}"
 
 
-#: configurations measured besides each kind's contract_config: (kind, fields at every length)
+#: configurations measured besides each kind's contract_config: (kind, fields at every length);
+#: a ``causal`` entry sets the mode (default: causal when the kind has a causal form)
 EXTRA_CONFIGS = [
     ("blockwise", {"n_blocks": 2, "block": 0}),  # the paper's fixed n: L^2 / 2 per head, declared not subquadratic
+    ("sinkhorn", {"sortcut": 2, "causal": False}),  # SortCut: S x 2b scores
+    ("linformer", {"projection": "max_pool"}),
+    ("linformer", {"projection": "conv"}),
 ]
 
 
@@ -169,9 +173,11 @@ def _peaks(kind: str, fields: dict | None, lengths: tuple[int, int]):
     with 5 padded keys."""
     caps = caps_of("attention", kind)
     position = "none" if caps.positions is None or "none" in caps.positions else position_for(caps)
+    fields = dict(fields or {})
+    causal = fields.pop("causal", caps.causal)
 
     def build(n: int):
-        return _module(kind, position, seq_len=n, causal=caps.causal, **(fields or {}))
+        return _module(kind, position, seq_len=n, causal=causal, **fields)
 
     def run_at(n: int) -> None:
         mod, _ = build(n)
@@ -179,7 +185,7 @@ def _peaks(kind: str, fields: dict | None, lengths: tuple[int, int]):
         pos = torch.arange(n)[None]
         valid = torch.ones(1, n, dtype=torch.bool)
         valid[0, -5:] = False
-        ctx = AttnContext(pos_q=pos, pos_k=pos, key_valid=valid, causal=caps.causal)
+        ctx = AttnContext(pos_q=pos, pos_k=pos, key_valid=valid, causal=causal)
         with torch.no_grad():
             mod(x, x, ctx)
 
