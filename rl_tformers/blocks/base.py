@@ -88,6 +88,12 @@ class BlockModule(nn.Module):
         self.ffn = build_ffn(ctx)
         self.dropout = nn.Dropout(ctx.config.dropout)
 
+    def transition(self, x: Tensor, ctx: AttnContext) -> Tensor:
+        """The feed-forward sub-layer on x (B, T, D) -> (B, T, D): ``self.ffn(x)``, or
+        ``self.ffn(x, ctx)`` for a transition that reads its neighbours (``takes_context``: the
+        Universal Transformer's separable convolution, :mod:`rl_tformers.blocks.transition`)."""
+        return self.ffn(x, ctx) if getattr(self.ffn, "takes_context", False) else self.ffn(x)
+
     def attend(self, h: Tensor, mem: Tensor | None, ctx: AttnContext, state: LayerState | None,
                queries: slice | None = None):
         """Run attention with queries ``h`` (B, T, D) and keys ``[mem; h]`` (B, M + T, D);

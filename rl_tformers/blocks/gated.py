@@ -112,7 +112,7 @@ class GatedBlock(BlockModule):
         mem = None if state is None or state.memory is None else self.norm1(state.memory)
         a = self.attend(self.norm1(x), mem, ctx, state)
         e, g1 = self.gate_attn(x, self._act(a.out))
-        out, g2 = self.gate_ffn(e, self._act(self.ffn(self.norm2(e))))
+        out, g2 = self.gate_ffn(e, self._act(self.transition(self.norm2(e), ctx)))
         metrics = dict(a.metrics)
         metrics["gate_attn"] = g1
         metrics["gate_ffn"] = g2

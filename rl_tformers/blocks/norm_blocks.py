@@ -32,7 +32,7 @@ class PostNormBlock(BlockModule):
         if queries is not None:
             x = x[:, queries]  # (B, T', D)
         x = self.norm1(x + self.dropout(a.out))
-        x = self.norm2(x + self.dropout(self.ffn(x)))
+        x = self.norm2(x + self.dropout(self.transition(x, ctx)))
         return BlockOutput(x, a.cache, a.aux, a.metrics, a.weights)
 
 
@@ -56,7 +56,7 @@ class PreNormBlock(BlockModule):
         if queries is not None:
             x = x[:, queries]  # (B, T', D)
         x = x + self.dropout(a.out)
-        x = x + self.dropout(self.ffn(self.norm2(x)))
+        x = x + self.dropout(self.transition(self.norm2(x), ctx))
         return BlockOutput(x, a.cache, a.aux, a.metrics, a.weights)
 
 

@@ -1,7 +1,8 @@
 """Universal Transformer with per-position ACT halting (depth kind ``universal``).
 
 Dehghani et al. 2019, "Universal Transformers" (sec. 2.1-2.2): one block (self-attention and
-a transition function, here the block's position-wise feed-forward network) is applied
+a transition function: the block's position-wise feed-forward network, or with ``transition:
+sepconv`` the paper's separable convolution) is applied
 recurrently with shared weights. Before every step t the coordinate embedding
 
     P^t_{i, 2k} = sin(i / 10000^{2k/D}) + sin(t / 10000^{2k/D})
@@ -41,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from rl_tformers.backbone_config import IncompatibleConfig
+from rl_tformers.blocks.transition import SepConvTransition
 from rl_tformers.depth.base import DepthConfig, DepthModule, DepthOutput
 from rl_tformers.depth.fixed import build_blocks
 from rl_tformers.position.absolute import sinusoid
@@ -157,6 +159,11 @@ class UniversalDepth(DepthModule):
             raise IncompatibleConfig(
                 f"depth.kind='universal' cannot run backbone.block.kind={ctx.config.block.kind!r} (a reversible stack)"
             )
+        if cfg.transition == "sepconv":  # the block's feed-forward network becomes the separable convolution
+            bcfg = ctx.config
+            dropout = bcfg.dropout if bcfg.ffn_dropout is None else bcfg.ffn_dropout
+            self.blocks[0].ffn = SepConvTransition(bcfg.d_model, bcfg.ff_dim, cfg.transition_kernel, bcfg.activation,
+                                                   dropout)
         self.max_steps = cfg.max_steps or ctx.n_layers
         self.act, self.threshold = cfg.act, 1.0 - cfg.epsilon
         self.ponder_weight, self.coordinate = cfg.ponder_weight, cfg.coordinate
@@ -252,7 +259,8 @@ class UniversalDepth(DepthModule):
 
 @DEPTH.register(
     "universal",
-    description="One block applied recurrently with shared weights; per-position ACT halting or fixed steps",
+    description="One block applied recurrently with shared weights; per-position ACT halting or fixed steps; "
+                "feed-forward or separable-convolution transition",
     paper="Dehghani et al. 2019, Universal Transformers (sec. 2); Graves 2016, Adaptive Computation Time (sec. 2)",
     capabilities=Capabilities(memory=False, incremental=False, exact_chunking=False),
 )
@@ -267,10 +275,17 @@ class UniversalConfig(DepthConfig):
         ponder_weight: tau, weight of the ponder cost in ``aux["ponder"]``.
         halt_bias_init: initial bias of the halting unit (1.0 as in the reference code).
         coordinate: add the position-and-step coordinate embedding before every step.
+        transition: the transition function after the self-attention (sec. 2.1): ``ffn`` (the
+            block's position-wise feed-forward network) or ``sepconv`` (two depthwise-separable
+            convolutions along the sequence, D -> d_ff -> D, :mod:`rl_tformers.blocks.transition`;
+            causal in a causal backbone, never across padding or episodes).
+        transition_kernel: w, the width of the separable convolutions (``sepconv``).
 
     Raises:
-        ValueError: ``max_steps`` < 1, ``epsilon`` outside [0, 1), ``ponder_weight`` < 0.
-        IncompatibleConfig: (:meth:`check`) ``coordinate`` with an odd ``backbone.d_model``.
+        ValueError: ``max_steps`` < 1, ``epsilon`` outside [0, 1), ``ponder_weight`` < 0, an
+            unknown ``transition``, ``transition_kernel`` < 1.
+        IncompatibleConfig: (:meth:`check`) ``coordinate`` with an odd ``backbone.d_model``;
+            ``transition: sepconv`` with ``backbone.ffn_chunks`` > 1.
     """
 
     act: bool = True
@@ -279,8 +294,14 @@ class UniversalConfig(DepthConfig):
     ponder_weight: float = 0.01
     halt_bias_init: float = 1.0
     coordinate: bool = True
+    transition: str = "ffn"
+    transition_kernel: int = 3
 
     def __post_init__(self) -> None:
+        if self.transition not in ("ffn", "sepconv"):
+            raise ValueError(f"depth.transition must be ffn or sepconv, got {self.transition!r}")
+        if self.transition_kernel < 1:
+            raise ValueError(f"depth.transition_kernel must be >= 1, got {self.transition_kernel}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"depth.max_steps must be >= 1, got {self.max_steps}")
         if not 0.0 <= self.epsilon < 1.0:
@@ -289,9 +310,14 @@ class UniversalConfig(DepthConfig):
             raise ValueError(f"depth.ponder_weight must be >= 0, got {self.ponder_weight}")
 
     def check(self, cfg) -> None:
-        """Refuse an odd width with the coordinate embedding."""
+        """Refuse an odd width with the coordinate embedding, and chunks with ``sepconv``."""
         if self.coordinate and cfg.d_model % 2:
             raise IncompatibleConfig(f"depth.coordinate needs an even backbone.d_model, got {cfg.d_model}")
+        if self.transition == "sepconv" and cfg.ffn_chunks > 1:
+            raise IncompatibleConfig(
+                f"depth.transition='sepconv' convolves the whole sequence; backbone.ffn_chunks={cfg.ffn_chunks} "
+                f"chunks only the feed-forward network: set backbone.ffn_chunks=1"
+            )
 
     def build(self, ctx) -> DepthModule:
         return UniversalDepth(ctx, self)

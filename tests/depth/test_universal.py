@@ -207,3 +207,63 @@ def test_act_halting_with_many_steps_counts_beyond_bfloat16_integers():
         res = bb.to(torch.bfloat16).depth.run(torch.randn(1, 2, d).bfloat16(), AttnContext(pos_q=pos, pos_k=pos))
     assert res.steps == 300 and res.n_updates.float().tolist() == [[300.0, 300.0]]
     torch.testing.assert_close(res.weights.float().sum(-1), torch.ones(1, 2), atol=1e-5, rtol=0)
+
+
+# -- separable-convolution transition (Dehghani et al. 2019, sec. 2.1; Chollet 2017) -------------
+def _sepconv_reference(conv, x: torch.Tensor, causal: bool) -> torch.Tensor:
+    """A depthwise-separable convolution of one unpadded single-episode sequence, from its
+    definition with torch's own convolution: per channel a width-w kernel (groups = channels),
+    zero-padded on the left (causal) or both sides (centred), then the pointwise linear map."""
+    w = conv.depthwise.shape[1]
+    left = w - 1 if causal else w // 2
+    z = torch.nn.functional.conv1d(torch.nn.functional.pad(x.transpose(1, 2), (left, w - 1 - left)),
+                                   conv.depthwise[:, None, :], groups=x.shape[-1])  # (B, C, T)
+    return conv.pointwise(z.transpose(1, 2))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("width", [1, 3, 4])
+def test_sepconv_transition_equals_two_separable_convolutions(causal, width):
+    bb = Backbone({"d_model": D, "n_heads": 2, "dropout": 0.0, "attn_dropout": 0.0, "causal": causal, "activation": "relu",
+                   "depth": {"kind": "universal", "transition": "sepconv", "transition_kernel": width}}).double().eval()
+    tr = bb.blocks[0].ffn
+    x = torch.randn(2, 9, D, dtype=torch.float64)
+    pos = torch.arange(9).expand(2, 9)
+    with torch.no_grad():
+        got = bb.blocks[0].transition(x, AttnContext(pos_q=pos, pos_k=pos, causal=causal))
+        hidden = torch.relu(_sepconv_reference(tr.conv1, x, causal))
+        want = _sepconv_reference(tr.conv2, hidden, causal)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    assert tr.conv1.pointwise.out_features == 4 * D  # d_ff: the feed-forward network's shape
+
+
+def test_sepconv_transition_is_causal_and_keeps_padding_and_episodes_apart():
+    bb = Backbone({"d_model": D, "n_heads": 2, "dropout": 0.0, "attn_dropout": 0.0, "causal": True,
+                   "depth": {"kind": "universal", "transition": "sepconv", "transition_kernel": 3, "max_steps": 3}})
+    bb.eval()
+    x = torch.randn(2, 10, D, requires_grad=True)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, :2] = False  # left padding
+    starts = torch.zeros(2, 10, dtype=torch.bool)
+    starts[0, 6] = True  # a new episode at step 6 of row 0
+    out = bb(x, mask=mask, episode_start=starts).hidden
+    for t in range(9):  # the Jacobian to later tokens is exactly zero
+        (g,) = torch.autograd.grad(out[:, t].sum(), x, retain_graph=True)
+        assert torch.count_nonzero(g[:, t + 1:]) == 0, t
+    (g,) = torch.autograd.grad(out[0, 6:].sum(), x, retain_graph=True)
+    assert torch.count_nonzero(g[0, :6]) == 0  # the new episode reads nothing of the old one
+    garbage = x.detach().clone()
+    garbage[1, :2] = 1e3
+    with torch.no_grad():
+        a, b = bb(x.detach(), mask=mask).hidden, bb(garbage, mask=mask).hidden
+    torch.testing.assert_close(a[mask], b[mask], atol=1e-5, rtol=0)
+
+
+def test_sepconv_transition_fields_are_checked():
+    with pytest.raises(Exception, match=r"depth.transition must be ffn or sepconv, got 'conv'"):
+        _bb(transition="conv")
+    with pytest.raises(Exception, match=r"depth.transition_kernel must be >= 1"):
+        _bb(transition="sepconv", transition_kernel=0)
+    with pytest.raises(IncompatibleConfig, match=r"^depth.transition='sepconv' convolves the whole sequence"):
+        Backbone({"d_model": D, "n_heads": 2, "ffn_chunks": 2, "depth": {"kind": "universal", "transition": "sepconv"}})
+    assert _bb(transition="sepconv").blocks[0].ffn.width == 3
