@@ -148,13 +148,18 @@ class BackboneConfig:
         max_position: largest position index learned tables must cover (positions are
             caller units, e.g. token index); larger positions raise.
         final_norm: apply a LayerNorm to the output (pre-norm/gated stacks).
+        checkpoint: gradient checkpointing of every block (Chen et al. 2016; the Sparse
+            Transformer's recomputation, Child et al. 2019 sec. 5.4): while gradients are
+            recorded a block keeps only its input and runs its forward again in the backward
+            pass (the same gradients, less activation memory, one more forward per block).
+            Reversible blocks recompute by construction and refuse it.
         attention, position, memory, block, depth: the five slots.
 
     Raises:
         ValueError: naming ``backbone.<field>``: ``d_model``, ``n_layers``, ``n_heads``,
             ``d_ff``, ``ffn_chunks`` or ``max_position`` not an integer >= 1 (``16.0`` and
-            ``"2"`` included), a dropout outside [0, 1) or not a number, ``causal`` /
-            ``final_norm`` not a bool, ``d_model`` not divisible by ``n_heads``, an unknown
+            ``"2"`` included), a dropout outside [0, 1) or not a number, ``causal``,
+            ``final_norm`` or ``checkpoint`` not a bool, ``d_model`` not divisible by ``n_heads``, an unknown
             activation. RegistryError: a bad slot config.
 
     Numbers of other types (NumPy ``int64`` / ``float32`` scalars from a sweep) are stored as
@@ -174,6 +179,7 @@ class BackboneConfig:
     causal: bool = True
     max_position: int = 4096
     final_norm: bool = True
+    checkpoint: bool = False
     attention: Any = _default("attention", "sdpa")
     position: Any = _default("position", "none")
     memory: Any = _default("memory", "none")
@@ -197,7 +203,7 @@ class BackboneConfig:
                 default = " or null (= backbone.dropout)" if name == "ffn_dropout" else ""
                 raise ValueError(f"backbone.{name} must be a probability in [0, 1){default}, got {value!r}")
             object.__setattr__(self, name, plain_number(value))  # NumPy floats -> float
-        for name in ("causal", "final_norm"):
+        for name in ("causal", "final_norm", "checkpoint"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"backbone.{name} must be true or false, got {getattr(self, name)!r}")
         if self.d_model % self.n_heads:

@@ -79,6 +79,7 @@ class BlockModule(nn.Module):
     def __init__(self, ctx, position) -> None:
         super().__init__()
         self.layer_idx = ctx.layer_idx
+        self.checkpoint = ctx.config.checkpoint  # recomputed in backward (rl_tformers.depth.base.call_block)
         self.attn = ctx.config.attention.build(ctx, position)
         # A memory kind may wrap one layer's attention (memory kind ``knn``: the kNN-augmented
         # layer of the Memorizing Transformer); ``wrap_attention(ctx, attn) -> AttentionModule``.

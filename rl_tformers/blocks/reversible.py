@@ -314,7 +314,8 @@ class ReversibleConfig(BlockConfig):
     recompute: bool = True
 
     def check(self, cfg) -> None:
-        """Refuse memory kinds and depth kinds other than ``fixed`` (raises IncompatibleConfig)."""
+        """Refuse memory kinds, depth kinds other than ``fixed`` and ``backbone.checkpoint``
+        (raises IncompatibleConfig)."""
         if REGISTRIES["memory"].get(cfg.memory.kind).capabilities.stateful:
             raise IncompatibleConfig(
                 f"backbone.memory.kind={cfg.memory.kind!r} is not supported by backbone.block.kind='reversible' "
@@ -325,6 +326,11 @@ class ReversibleConfig(BlockConfig):
             raise IncompatibleConfig(
                 f"backbone.block.kind='reversible' needs backbone.depth.kind='fixed' (it runs the whole stack "
                 f"as one reversible function), got {cfg.depth.kind!r}"
+            )
+        if cfg.checkpoint:
+            raise IncompatibleConfig(
+                "backbone.checkpoint=true with backbone.block.kind='reversible': reversible blocks recompute "
+                "their activations in backward already (block.recompute); set backbone.checkpoint=false"
             )
 
     def build(self, ctx, position) -> BlockModule:

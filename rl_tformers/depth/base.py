@@ -13,13 +13,16 @@ steps, exit layer) in ``metrics``.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from rl_tformers.backbone_config import SlotConfig
-from rl_tformers.types import AttnContext, LayerState, merge_into
+from rl_tformers.types import AttnContext, BlockOutput, LayerState, merge_into
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,24 @@ class DepthOutput:
     extras: list[Any] = field(default_factory=list)
 
 
+def call_block(block: nn.Module, x: Tensor, ctx: AttnContext, state: LayerState | None,
+               queries: slice | None = None) -> BlockOutput:
+    """``block(x, ctx, state)`` (with ``queries`` when given) -> :class:`BlockOutput`.
+
+    A block built with ``backbone.checkpoint`` runs under activation checkpointing while
+    gradients are recorded (Chen et al. 2016; the Sparse Transformer's recomputation, Child et
+    al. 2019 sec. 5.4): only its inputs are kept, and its forward runs again in the backward
+    pass (non-reentrant ``torch.utils.checkpoint``, random state replayed, so dropout draws and
+    gradients equal the ordinary pass's). ``ctx`` is copied with its ``layer_idx``, so the
+    recomputation sees this layer's index.
+    """
+    kwargs = {} if queries is None else {"queries": queries}
+    if not (getattr(block, "checkpoint", False) and torch.is_grad_enabled()):
+        return block(x, ctx, state, **kwargs)
+    own = copy.copy(ctx)  # the depth loop sets ctx.layer_idx of the next layer before backward runs
+    return checkpoint(lambda h: block(h, own, state, **kwargs), x, use_reentrant=False)
+
+
 class DepthModule(nn.Module):
     """Base depth module: ``self.blocks`` is the ModuleList of blocks it runs."""
 
@@ -78,7 +99,7 @@ class DepthModule(nn.Module):
         x = block.attn.position.embed(x, ctx.pos_q)
         out.layer_inputs.append(x)
         st = None if layer_states is None else layer_states[i]
-        bo = block(x, ctx, st) if queries is None else block(x, ctx, st, queries=queries)
+        bo = call_block(block, x, ctx, st, queries)
         out.caches.append(bo.cache)
         out.weights.append(bo.weights)
         out.extras.append(getattr(bo, "extra", None))

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from rl_tformers.backbone_config import IncompatibleConfig
 from rl_tformers.blocks.transition import SepConvTransition
-from rl_tformers.depth.base import DepthConfig, DepthModule, DepthOutput
+from rl_tformers.depth.base import DepthConfig, DepthModule, DepthOutput, call_block
 from rl_tformers.depth.fixed import build_blocks
 from rl_tformers.position.absolute import sinusoid
 from rl_tformers.registry import DEPTH, Capabilities
@@ -191,7 +191,7 @@ class UniversalDepth(DepthModule):
             s = state + coord.to(state.dtype) if coord is not None else state
             if out is not None:
                 out.layer_inputs.append(s)
-            bo = block(s, ctx, None)
+            bo = call_block(block, s, ctx, None)
             h = bo.hidden  # (B, T, D)
             if out is not None:
                 out.caches.append(bo.cache)
