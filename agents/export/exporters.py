@@ -51,8 +51,23 @@ OPSET = 17
 #: largest difference of a float output of an exported graph from the eager graph's
 ATOL = 1e-5
 
+_UNFOLD = ("its blocks of keys are cut with Tensor.unfold, which PyTorch's ONNX exporter does not export with a "
+           "dynamic batch size")
 #: (slot, kind) -> {format: why it cannot be exported}; the kinds not named export to both
-REFUSED: dict[tuple[str, str], dict[str, str]] = {}
+#: (docs/deployment.md lists them; tests/export/test_export_kinds.py checks both against export)
+REFUSED: dict[tuple[str, str], dict[str, str]] = {
+    **{("attention", k): {"onnx": _UNFOLD} for k in ("adaptive_span", "blockwise", "etc", "fixed", "local",
+                                                     "longformer", "sliding_window", "strided")},
+    ("attention", "bigbird"): dict.fromkeys(FORMATS, "its random block pattern is held in an unsigned integer "
+                                                     "tensor, which the TorchScript tracer cannot hold"),
+    ("attention", "lsh"): {"onnx": "its bucket sort uses aten::cummax, which has no ONNX operator at opset 17"},
+    ("attention", "routing"): {"onnx": "its cluster assignment uses aten::searchsorted, which has no ONNX operator "
+                                       "at opset 17"},
+    ("memory", "compressive"): dict.fromkeys(FORMATS, "its memory grows until its compressed part is full, so the "
+                                                      "memory tensors change shape between steps"),
+    ("depth", "early_exit"): dict.fromkeys(FORMATS, "its layer loop stops once the deciding tokens are confident "
+                                                    "(data-dependent), which a traced graph cannot follow"),
+}
 
 
 class ExportRefused(ValueError):
@@ -100,11 +115,13 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path, plugins: Iterable
 
 
 def export_model(family: str, model: nn.Module, model_cfg: dict[str, Any], acting: dict[str, Any], fmt: str,
-                 out: Path, *, kind: str = "", env_id: str | None = None) -> Path:
+                 out: Path, *, kind: str = "", env_id: str | None = None, known_refusals: bool = True) -> Path:
     """:func:`export_run` from a trained model and its acting parameters (those of
-    :func:`~rl_tformers.agents.export.folder.acting_spec`). Raises as :func:`export_run`."""
+    :func:`~rl_tformers.agents.export.folder.acting_spec`). ``known_refusals=False`` tries the
+    kinds of :data:`REFUSED` too (how that table is checked). Raises as :func:`export_run`."""
     kinds = backbone_kinds(model_cfg)
-    check_exportable(kinds, fmt)
+    if known_refusals:
+        check_exportable(kinds, fmt)
     m = acting_model(family, model, model_cfg)
     previous = _previous_graphs(out)
     spec = write_folder(out, kind, family, m, model_cfg, acting, env_id)
