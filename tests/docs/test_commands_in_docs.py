@@ -17,6 +17,7 @@ import shutil
 import pytest
 import typer
 
+from rl_tformers.backbone_config import BackboneConfig
 from rl_tformers.cli import app
 from rl_tformers.runtime.agent_registry import available_agents
 from rl_tformers.runtime.run_config import (
@@ -239,7 +240,8 @@ NOT_KEYS = {"train.lrr", "backbone.block.gat", "backbone.reset_state", "eval.jso
 def test_config_keys_named_in_prose_exist() -> None:
     known = _composed_keys()
     # sections whose keys a config may leave out (checked against their schemas) or that depend on the kind
-    known |= {f"dataset.{k}" for k in DatasetConfig.__dataclass_fields__} | {"backbone.ffn_chunks"}
+    known |= {f"dataset.{k}" for k in DatasetConfig.__dataclass_fields__}
+    known |= {f"backbone.{k}" for k in BackboneConfig.__dataclass_fields__}  # scalars a config may leave out
     known |= {f"backbone.{slot}.kind" for slot in ("attention", "position", "memory", "block", "depth")}
     known |= {f"backbone.{slot}" for slot in ("attention", "position", "memory", "block", "depth")}
     from rl_tformers.registry import REGISTRIES, SLOTS
