@@ -211,7 +211,8 @@ class LinformerAttention(AttentionModule):
 
 @ATTENTION.register(
     "linformer",
-    description="Linformer: keys/values projected along the sequence to k rows (E, F), sharing options, per-layer k",
+    description="Linformer: keys/values projected along the sequence to k rows (E, F; or mean/max pooling, a strided "
+                "convolution), sharing options, per-layer k",
     paper="Wang et al. 2020, Linformer: Self-Attention with Linear Complexity (sec. 4, eq. 7)",
     capabilities=Capabilities(
         causal=False, exact=False, approximate=True, subquadratic=True,
