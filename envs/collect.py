@@ -35,7 +35,14 @@ import numpy as np
 from rl_tformers.envs import recipes as R
 from rl_tformers.envs.dataset import META_KEY
 from rl_tformers.envs.loaders import data_root, load_minari, minari_root, save_d4rl_hdf5
-from rl_tformers.envs.policies import NoisyPolicy, RandomPolicy, SB3Policy, load_sb3_policy, train_sb3
+from rl_tformers.envs.policies import (
+    NoisyPolicy,
+    RandomPolicy,
+    SB3Policy,
+    load_sb3_policy,
+    train_sb3,
+    until_return_callback,
+)
 from rl_tformers.envs.pomdp import ObservationMaskWrapper, pomdp_record
 from rl_tformers.envs.recording import EpisodeRecorder
 from rl_tformers.envs.scores import D4RL_REF_SCORES, task_family
@@ -440,6 +447,28 @@ def _training_progress(env: gym.Env, algo: str, steps: int, progress: bool) -> I
         bar.close()
 
 
+def _train_recording(algo, env_id, steps, seed, replay_dataset_id, pomdp, progress, description, stop, record):
+    """:func:`train_and_record`'s training with every transition recorded; writes the replay
+    dataset (with ``stopped``: the step and evaluation return an early stop happened at)."""
+    env = gym.make(env_id)
+    check_recordable(env)
+    collector = _make_collector(env, pomdp)
+    try:
+        with _training_progress(SeededResets(collector, seed), algo, steps, progress) as (counted, sb3_bar):
+            model = train_sb3(algo, counted, steps, seed=seed, progress=sb3_bar, callbacks=stop)
+        rec = {"env_id": env_id, "seed": int(seed), "algorithm": f"{algo} training ({steps} steps)",
+               "behaviours": [{"label": f"{algo} training replay", "train_steps": int(steps)}], **(record or {})}
+        if stop:
+            last = float(stop[0].last_mean_reward)  # -inf until the first evaluation
+            rec["stopped"] = {"step": int(model.num_timesteps), "eval_return": last if math.isfinite(last) else None,
+                              "until_return": float(stop[0].callback_on_new_best.reward_threshold)}
+        _create(collector, replay_dataset_id, env_id, pomdp, description or
+                f"{algo.upper()} training replay data ({steps} steps) on {env_id}", rec)
+    finally:
+        collector.close()
+    return model
+
+
 def train_and_record(
     algo: str,
     env_id: str,
@@ -453,6 +482,8 @@ def train_and_record(
     overwrite: bool = False,
     progress: bool = True,
     description: str = "",
+    until_return: float | None = None,
+    record: dict | None = None,
 ):
     """Train an SB3 agent for ``steps`` environment steps; optionally record its training data.
 
@@ -461,6 +492,10 @@ def train_and_record(
     so the dataset holds every transition the agent experienced while learning, in order:
     for SAC this is exactly its replay buffer (buffer size 1M >= steps), i.e. a D4RL-style
     *medium-replay* set. The episode running when training stops is kept, marked truncated.
+    With ``until_return`` training stops early once the agent's deterministic evaluation return
+    reaches it (:func:`~rl_tformers.envs.policies.until_return_callback`); the dataset's metadata
+    records the step and the return it stopped at (``stopped``). ``record`` adds JSON facts to
+    the metadata (a recipe's name and shards).
 
     Returns:
         ``(policy, replay_result)``: the trained agent as a deterministic
@@ -468,49 +503,64 @@ def train_and_record(
     """
 
     root_path = data_root(root)
-    result = None
     check_hdf5_target(hdf5, overwrite)
     check_stop()
+    stop = [] if until_return is None else [until_return_callback(
+        env_id, until_return, seed=seed, every=R.REPLAY_EVAL_EVERY, episodes=R.REPLAY_EVAL_EPISODES)]
     if replay_dataset_id is None:
         env = SeededResets(gym.make(env_id), seed)
         with _training_progress(env, algo, steps, progress) as (counted, sb3_bar):
-            model = train_sb3(algo, counted, steps, seed=seed, progress=sb3_bar)
-        return SB3Policy(model, None, name=f"{algo}-trained-{steps}"), None
+            model = train_sb3(algo, counted, steps, seed=seed, progress=sb3_bar, callbacks=stop)
+        return SB3Policy(model, None, name=f"{algo}-trained-{model.num_timesteps}"), None
     with _dataset_build(replay_dataset_id, root_path, overwrite), minari_root(root_path):
-        env = gym.make(env_id)
-        check_recordable(env)
-        collector = _make_collector(env, pomdp)
-        try:
-            with _training_progress(SeededResets(collector, seed), algo, steps, progress) as (counted, sb3_bar):
-                model = train_sb3(algo, counted, steps, seed=seed, progress=sb3_bar)
-            rec = {"env_id": env_id, "seed": int(seed), "algorithm": f"{algo} training ({steps} steps)",
-                   "behaviours": [{"label": f"{algo} training replay", "train_steps": int(steps)}]}
-            _create(collector, replay_dataset_id, env_id, pomdp, description or
-                    f"{algo.upper()} training replay data ({steps} steps) on {env_id}", rec)
-        finally:
-            collector.close()
+        model = _train_recording(algo, env_id, steps, seed, replay_dataset_id, pomdp, progress, description, stop,
+                                 record)
     ds = load_minari(root_path / replay_dataset_id)
     result = CollectResult(replay_dataset_id, root_path / replay_dataset_id, ds.episode_returns, ds.lengths.copy(),
                            [(0, ds.num_episodes)])
     if hdf5 is not None:
         result.hdf5_path = save_d4rl_hdf5(ds, hdf5)
-    return SB3Policy(model, None, name=f"{algo}-trained-{steps}"), result
+    return SB3Policy(model, None, name=f"{algo}-trained-{model.num_timesteps}"), result
+
+
+def _recipe_record(recipe: R.Recipe) -> dict:
+    """What a recipe build records in the dataset's metadata besides the rollout itself."""
+    return {"recipe": recipe.name, "recipe_steps": recipe.base_steps, "recipe_version": recipe.version,
+            "algorithm": f"recipe {recipe.name} v{recipe.version}"}
+
+
+def _build_replay_recipe(recipe: R.Recipe, seed: int, root, hdf5, overwrite: bool, progress: bool):
+    """A recipe whose one shard is a training replay (version 1 medium-replay)."""
+    (s,) = recipe.shards
+    env = gym.make(recipe.env_id)
+    pomdp = pomdp_record(env, "positions") if recipe.positions else None
+    env.close()
+    record = {**_recipe_record(recipe), "behaviours": [{"label": f"{s.policy} training replay",
+                                                        **R.shard_record(recipe, s)}]}
+    _, result = train_and_record(s.policy, recipe.env_id, s.steps, seed=seed, replay_dataset_id=recipe.dataset_id,
+                                 pomdp=pomdp, root=root, hdf5=hdf5, overwrite=overwrite, progress=progress,
+                                 description=f"rl-tformers recipe {recipe.name} v{recipe.version}: {recipe.describe()}",
+                                 until_return=s.until_return, record=record)
+    return result
 
 
 def build_recipe(recipe: R.Recipe, *, seed: int = 0, root=None, policies=None, hdf5=None, overwrite: bool = False,
                  progress: bool = True):
-    """Collect one recipe into ``<root>/<recipe.dataset_id>``; returns a :class:`CollectResult`."""
+    """Collect one recipe into ``<root>/<recipe.dataset_id>``; returns a :class:`CollectResult`.
+
+    Shard ``i`` draws its random actions, corruption and action samples from seed
+    ``1000 * seed + i + 1``; a training shard trains with ``seed``."""
+    if any(s.train for s in recipe.shards):
+        return _build_replay_recipe(recipe, seed, root, hdf5, overwrite, progress)
     env = gym.make(recipe.env_id)
-    loaded: dict[str, object] = {}
     behaviours = []
     for i, s in enumerate(recipe.shards):
         shard_seed = seed * 1000 + i + 1
         if s.policy == "random":
             pol = RandomPolicy(env.action_space, seed=shard_seed)
         else:
-            if s.policy not in loaded:
-                loaded[s.policy] = load_sb3_policy(R.policy_path(s.policy, recipe.env_id, policies), env, algo=s.policy)
-            pol = loaded[s.policy]
+            pol = load_sb3_policy(R.policy_path(s.policy, recipe.env_id, policies), env, algo=s.policy,
+                                  deterministic=not s.stochastic, seed=shard_seed)
             if s.epsilon > 0 or s.noise > 0:
                 pol = NoisyPolicy(pol, env.action_space, noise_std=s.noise, epsilon=s.epsilon, seed=shard_seed)
         info = R.shard_record(recipe, s)
@@ -518,6 +568,5 @@ def build_recipe(recipe: R.Recipe, *, seed: int = 0, root=None, policies=None, h
     pomdp = pomdp_record(env, "positions") if recipe.positions else None
     return collect(recipe.env_id, behaviours, dataset_id=recipe.dataset_id, seed=seed, pomdp=pomdp, root=root,
                    hdf5=hdf5, overwrite=overwrite, progress=progress,
-                   description=f"rl-tformers recipe {recipe.name}: {recipe.describe()}",
-                   record={"recipe": recipe.name, "recipe_steps": recipe.base_steps,
-                           "algorithm": f"recipe {recipe.name}"})
+                   description=f"rl-tformers recipe {recipe.name} v{recipe.version}: {recipe.describe()}",
+                   record=_recipe_record(recipe))

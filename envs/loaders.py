@@ -45,7 +45,7 @@ from rl_tformers.envs.dataset import (
 )
 from rl_tformers.envs.minari_episodes import MinariEpisodes, check_counts
 from rl_tformers.envs.pomdp import POMDP_KINDS
-from rl_tformers.envs.recipes import all_recipes, policies_dir
+from rl_tformers.envs.recipes import DEFAULT_VERSION, policies_dir, recipe_of_dataset
 from rl_tformers.envs.scores import task_family
 
 #: Environment variable naming another data root than Minari's own.
@@ -224,8 +224,12 @@ def _policies_hint() -> str:
 
 
 def _recipe_of(dataset_id: str) -> str:
-    """The name of the recipe that builds ``dataset_id`` (``...`` when no recipe does)."""
-    return next((r.name for r in all_recipes().values() if r.dataset_id == dataset_id), "...")
+    """The ``collect`` options of the recipe that builds ``dataset_id`` (``...`` when no recipe does):
+    its name, with ``--recipe-version`` when it is not the default version."""
+    r = recipe_of_dataset(dataset_id)
+    if r is None:
+        return "..."
+    return r.name if r.version == DEFAULT_VERSION else f"{r.name} --recipe-version {r.version}"
 
 
 def load_minari(

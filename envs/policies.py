@@ -21,11 +21,13 @@ import copy
 import importlib
 import json
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import torch
 from rl_tformers.envs.stopping import check_stop
 
 #: algorithm name -> (module, class) for SB3 and sb3-contrib.
@@ -120,18 +122,30 @@ class RandomPolicy:
 
 
 class SB3Policy:
-    """Deterministic actions of a loaded SB3 model, with optional observation normalisation.
+    """Actions of a loaded SB3 model, with optional observation normalisation.
 
     Args:
         model: a loaded SB3 / sb3-contrib ``BaseAlgorithm``.
         obs_norm: ``{"mean", "var", "clip_obs", "epsilon"}`` or ``None``.
         name: label stored in dataset metadata.
+        deterministic: take the mode of the policy's action distribution (``True``) or sample
+            from it (SAC's squashed Gaussian, PPO's Gaussian; ARS has no distribution and
+            acts the same either way).
+        seed: with ``deterministic=False``, seed of the policy's own torch random stream (kept
+            apart from the global one, so a rollout draws the same actions whatever else runs).
     """
 
-    def __init__(self, model, obs_norm: dict | None = None, name: str = "sb3"):
+    def __init__(self, model, obs_norm: dict | None = None, name: str = "sb3", *, deterministic: bool = True,
+                 seed: int = 0):
         self.model = model
         self.obs_norm = obs_norm
         self.name = name
+        self.deterministic = bool(deterministic)
+        self._rng_state = None
+        if not self.deterministic:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(seed))
+                self._rng_state = torch.get_rng_state()
         self._state = None
         self._start = True
 
@@ -149,9 +163,20 @@ class SB3Policy:
         return np.clip((obs - n["mean"]) / np.sqrt(n["var"] + n["epsilon"]), -n["clip_obs"], n["clip_obs"])
 
     def __call__(self, obs: np.ndarray) -> Any:
-        """The model's deterministic action for one raw observation (normalised here)."""
+        """The model's action for one raw observation (normalised here): the mode, or a sample
+        from the policy's own random stream."""
+        if self.deterministic:
+            return self._predict(obs)
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self._rng_state)
+            action = self._predict(obs)
+            self._rng_state = torch.get_rng_state()
+        return action
+
+    def _predict(self, obs: np.ndarray) -> Any:
         action, self._state = self.model.predict(self.normalize(np.asarray(obs)), state=self._state,
-                                                 episode_start=np.array([self._start]), deterministic=True)
+                                                 episode_start=np.array([self._start]),
+                                                 deterministic=self.deterministic)
         self._start = False
         return action
 
@@ -172,8 +197,10 @@ def load_sb3_policy(
     algo: str | None = None,
     obs_norm: str | Path | bool | None = "auto",
     device: str = "cpu",
+    deterministic: bool = True,
+    seed: int = 0,
 ) -> SB3Policy:
-    """Load an SB3 / sb3-contrib save file as a deterministic behaviour policy for ``env``.
+    """Load an SB3 / sb3-contrib save file as a behaviour policy for ``env``.
 
     Args:
         path: the ``model.zip`` (a folder holding one is accepted).
@@ -182,6 +209,8 @@ def load_sb3_policy(
         obs_norm: ``"auto"`` uses ``obs_norm.npz`` next to the zip when present; a path uses
             that file; ``None``/``False`` disables normalisation.
         device: torch device for the policy network.
+        deterministic, seed: act by the mode or by sampling, from a stream seeded with ``seed``
+            (:class:`SB3Policy`).
 
     Raises:
         FileNotFoundError: no such file. ValueError: unknown algorithm, a file that is not an
@@ -208,7 +237,7 @@ def load_sb3_policy(
         norm = load_obs_norm(cand) if cand.is_file() else None
     elif obs_norm:
         norm = load_obs_norm(obs_norm)
-    return SB3Policy(model, norm, name=f"{name}:{path}")
+    return SB3Policy(model, norm, name=f"{name}:{path}", deterministic=deterministic, seed=seed)
 
 
 def _saved_shape(data: dict, key: str) -> tuple[int, ...] | None:
@@ -293,16 +322,17 @@ class NoisyPolicy:
 
 
 def train_sb3(algo: str, env: gym.Env, steps: int, *, seed: int = 0, device: str = "cpu", progress: bool = False,
-              **kwargs):
+              callbacks: Sequence[Any] = (), **kwargs):
     """Train an SB3 agent (``"sac"``, ``"ppo"``, ... with ``MlpPolicy`` and SB3 defaults) on ``env``.
 
     Every transition the agent experiences passes through ``env``; wrap it in an
     :class:`~rl_tformers.envs.recording.EpisodeRecorder` to record the replay data (what SAC's
-    replay buffer holds).
+    replay buffer holds). ``callbacks`` are SB3 callbacks run with the stop check (one that
+    returns ``False`` ends training early, e.g. :func:`until_return_callback`).
     Returns the trained model. Nothing is logged: the model gets a logger without outputs (SB3's
     default one would create an empty ``$TMPDIR/SB3-<date>`` folder on every call).
     """
-    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.callbacks import BaseCallback, CallbackList
     from stable_baselines3.common.logger import Logger
 
     class StopCheck(BaseCallback):  # rl-tformers collect: a stop signal ends training at the next step
@@ -316,5 +346,26 @@ def train_sb3(algo: str, env: gym.Env, steps: int, *, seed: int = 0, device: str
     except AssertionError as exc:  # SB3 asserts the spaces it supports (SAC on Discrete actions, ...)
         raise ValueError(f"--train {algo}: cannot train on {getattr(env.spec, 'id', None) or env}: {exc}") from None
     model.set_logger(Logger(folder=None, output_formats=[]))
-    model.learn(total_timesteps=int(steps), progress_bar=progress, callback=StopCheck())
+    model.learn(total_timesteps=int(steps), progress_bar=progress, callback=CallbackList([StopCheck(), *callbacks]))
     return model
+
+
+def until_return_callback(env_id: str, threshold: float, *, seed: int = 0, every: int = 5_000, episodes: int = 5):
+    """An SB3 callback that evaluates the training agent and stops training once it is good enough.
+
+    Every ``every`` training steps it runs ``episodes`` episodes of a separate ``gym.make(env_id)``
+    with the agent's deterministic actions (SB3's ``EvalCallback``; reset seeds drawn from
+    ``seed + 1``) and ends training when the mean undiscounted return reaches ``threshold``
+    (``StopTrainingOnRewardThreshold``). Evaluation steps are not training transitions: a
+    recorder around the training environment never sees them. After training, the callback's
+    ``last_mean_reward`` is the last evaluation's mean return and ``n_calls`` the training steps.
+    """
+    from stable_baselines3.common.callbacks import EvalCallback, StopTrainingOnRewardThreshold
+    from stable_baselines3.common.monitor import Monitor
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    eval_env = DummyVecEnv([lambda: Monitor(gym.make(env_id))])
+    eval_env.seed(int(seed) + 1)
+    return EvalCallback(eval_env, callback_on_new_best=StopTrainingOnRewardThreshold(float(threshold), verbose=0),
+                        n_eval_episodes=int(episodes), eval_freq=int(every), deterministic=True, verbose=0,
+                        log_path=None, best_model_save_path=None, warn=False)

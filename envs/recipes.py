@@ -14,18 +14,27 @@ HalfCheetah ars (4922, 42)  sac (9431, 78)    ars scores what D4RL's halfcheetah
                                               scores (~42 normalised); sac is the best
 ========== ================ ================= =========================================
 
-(return, D4RL-normalised score). Levels, each ``steps`` = whole episodes until at least that
-many steps (D4RL used 1M; the defaults here are sized for a 2-core machine):
+(return, D4RL-normalised score). Each ``steps`` = whole episodes until at least that many
+steps. Two versions of every recipe, the version being the ``-vN`` of its dataset id:
 
-* ``random``: uniform random actions, 100k steps.
-* ``medium``: the medium agent, deterministic, 100k steps.
-* ``expert``: the expert agent, deterministic, 100k steps.
-* ``medium-expert``: the medium shard followed by the expert shard (200k steps), as in D4RL.
-* ``medium-replay``: *not* a replay buffer (training SAC to medium level takes ~20 min per 100k
-  steps here): a curriculum of the medium agent under decreasing corruption that spans the
-  returns a training run passes through: random actions 10k, then epsilon/noise
-  (0.5/0.5) 20k, (0.3/0.3) 20k, (0.1/0.2) 25k, (0/0.1) 25k. A true replay set comes from
-  ``rl-tformers collect --train sac --train-steps N --replay-dataset-id ...``.
+**Version 1** (the default; D4RL's construction, Fu et al. 2020, section 5):
+
+* ``random``: uniform random actions, 1M steps.
+* ``medium``: the medium agent *sampling* its actions (a SAC agent draws from its squashed
+  Gaussian, as D4RL's datasets do; ARS's linear policy has no distribution and acts as it is:
+  :data:`SAMPLING_ALGOS`), 1M steps.
+* ``expert``: the expert agent, sampling likewise, 1M steps.
+* ``medium-expert``: the medium shard followed by the expert shard, 2M steps.
+* ``medium-replay``: the replay buffer of a SAC agent trained from scratch until its
+  deterministic evaluation return (5 episodes every 5k steps) reaches the medium agent's
+  return (:data:`MEDIUM_RETURNS`), at most ``steps`` environment steps.
+
+**Version 0** (100k steps per shard, every agent deterministic):
+
+* ``random``, ``medium``, ``expert``: 100k steps each; ``medium-expert`` 200k.
+* ``medium-replay``: *not* a replay buffer, a curriculum of the medium agent under decreasing
+  corruption that spans the returns a training run passes through: random actions 10k, then
+  epsilon/noise (0.5/0.5) 20k, (0.3/0.3) 20k, (0.1/0.2) 25k, (0/0.1) 25k.
 
 Each level has a ``-positions`` variant (``pomdp positions``): the same rollouts (same seeds,
 same returns) with only joint positions recorded, the memory benchmark for GTrXL.
@@ -51,7 +60,20 @@ LEVEL_POLICIES = {
     "halfcheetah": ("ars", "sac"),
 }
 LEVELS = ("random", "medium", "expert", "medium-replay", "medium-expert")
-DEFAULT_STEPS = 100_000
+#: recipe versions (the ``-vN`` of the dataset ids); :data:`DEFAULT_VERSION` is D4RL's construction
+VERSIONS = (0, 1)
+DEFAULT_VERSION = 1
+#: base size (``--recipe-steps``) of each version: D4RL's 1M steps per policy; 100k in version 0
+VERSION_STEPS = {0: 100_000, 1: 1_000_000}
+DEFAULT_STEPS = VERSION_STEPS[DEFAULT_VERSION]
+#: task -> the medium agent's return (deterministic, 3 episodes of the ``*-v5`` task, measured in
+#: ``../shared/policies/README.md``): version 1's medium-replay trains SAC until it reaches this
+MEDIUM_RETURNS = {"hopper": 1096.0, "walker2d": 986.0, "halfcheetah": 4922.0}
+#: algorithms whose policy is a distribution to sample from (ARS's linear policy is not)
+SAMPLING_ALGOS = frozenset({"sac", "ppo", "a2c", "td3", "tqc"})
+#: version 1 medium-replay: evaluate the training agent every this many steps, over this many episodes
+REPLAY_EVAL_EVERY = 5_000
+REPLAY_EVAL_EPISODES = 5
 #: medium-replay curriculum: (fraction of the steps, epsilon, noise std); fraction of random shard first.
 MEDIUM_REPLAY_SCHEDULE = ((0.10, 1.0, 0.0), (0.20, 0.5, 0.5), (0.20, 0.3, 0.3), (0.25, 0.1, 0.2), (0.25, 0.0, 0.1))
 
@@ -76,12 +98,27 @@ MIN_STEPS = _min_steps()
 
 @dataclass(frozen=True)
 class Shard:
-    """One behaviour of a recipe: ``policy`` is ``"random"`` or an algorithm folder name."""
+    """One behaviour of a recipe.
+
+    Attributes:
+        policy: ``"random"`` or an algorithm folder name of the behaviour policies (``sac``...);
+            with ``train`` the algorithm trained from scratch.
+        steps: environment steps (whole episodes until at least this many); with ``train`` the
+            most training steps.
+        epsilon, noise: corruption of the agent's actions (:class:`~rl_tformers.envs.policies.NoisyPolicy`).
+        stochastic: the agent samples its actions from its distribution instead of taking the mode.
+        train: record the training transitions of ``policy`` (its replay buffer) instead of
+            rolling out a pretrained agent.
+        until_return: with ``train``, stop once the deterministic evaluation return reaches this.
+    """
 
     policy: str
     steps: int
     epsilon: float = 0.0
     noise: float = 0.0
+    stochastic: bool = False
+    train: bool = False
+    until_return: float | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +139,8 @@ class Recipe:
     shards: tuple[Shard, ...]
     #: the base size it was made with (``--recipe-steps``; recorded in the dataset's metadata)
     base_steps: int = DEFAULT_STEPS
+    #: the recipe version (:data:`VERSIONS`), the ``-vN`` of :attr:`dataset_id`
+    version: int = DEFAULT_VERSION
 
     @property
     def env_id(self) -> str:
@@ -110,9 +149,9 @@ class Recipe:
 
     @property
     def dataset_id(self) -> str:
-        """Minari id: ``rlt/<task>-v5/<level>[-positions]-v0``."""
+        """Minari id: ``rlt/<task>-v5/<level>[-positions]-v<version>``."""
         suffix = "-positions" if self.positions else ""
-        return f"rlt/{self.task}-v5/{self.level}{suffix}-v0"
+        return f"rlt/{self.task}-v5/{self.level}{suffix}-v{self.version}"
 
     @property
     def steps(self) -> int:
@@ -123,20 +162,45 @@ class Recipe:
         """One line: each shard's behaviour, modifiers and size, joined by `` + ``."""
         parts = []
         for s in self.shards:
+            if s.train:
+                parts.append(f"{s.policy} training replay until return {s.until_return:g} "
+                             f"(at most {steps_text(s.steps)})")
+                continue
             p = "random actions" if s.policy == "random" else f"{s.policy}"
-            mods = [f"eps {s.epsilon:g}"] * (s.epsilon > 0 and s.policy != "random") + [f"noise {s.noise:g}"] * (s.noise > 0)
+            mods = ([f"eps {s.epsilon:g}"] * (s.epsilon > 0 and s.policy != "random") + [f"noise {s.noise:g}"] * (s.noise > 0)
+                    + ["sampled"] * (s.stochastic and s.policy != "random"))
             parts.append(f"{p}{' (' + ', '.join(mods) + ')' if mods else ''} {steps_text(s.steps)}")
         return " + ".join(parts) + (", positions only" if self.positions else "")
 
 
 def steps_text(n: int) -> str:
-    """``100k``, ``1.25k`` or ``6``: a size as :meth:`Recipe.describe` and the CLI write it."""
+    """``2M``, ``100k``, ``1.25k`` or ``6``: a size as :meth:`Recipe.describe` and the CLI write it."""
+    if n >= 1_000_000 and n % 1_000_000 == 0:
+        return f"{n // 1_000_000}M"
     if n >= 1000:
         return f"{n // 1000}k" if n % 1000 == 0 else f"{n / 1000:g}k"
     return str(n)
 
 
-def _level_shards(task: str, level: str, steps: int) -> tuple[Shard, ...]:
+def _level_shards_v1(task: str, level: str, steps: int) -> tuple[Shard, ...]:
+    medium, expert = LEVEL_POLICIES[task]
+    if level == "random":
+        return (Shard("random", steps),)
+    if level == "medium":
+        return (Shard(medium, steps, stochastic=medium in SAMPLING_ALGOS),)
+    if level == "expert":
+        return (Shard(expert, steps, stochastic=expert in SAMPLING_ALGOS),)
+    if level == "medium-expert":
+        return (Shard(medium, steps, stochastic=medium in SAMPLING_ALGOS),
+                Shard(expert, steps, stochastic=expert in SAMPLING_ALGOS))
+    if level == "medium-replay":
+        return (Shard("sac", steps, train=True, until_return=MEDIUM_RETURNS[task]),)
+    raise ValueError(f"unknown level {level!r}; levels: {', '.join(LEVELS)}")
+
+
+def _level_shards(task: str, level: str, steps: int, version: int = DEFAULT_VERSION) -> tuple[Shard, ...]:
+    if version == 1:
+        return _level_shards_v1(task, level, steps)
     medium, expert = LEVEL_POLICIES[task]
     if level == "random":
         return (Shard("random", steps),)
@@ -158,38 +222,49 @@ def _level_shards(task: str, level: str, steps: int) -> tuple[Shard, ...]:
     raise ValueError(f"unknown level {level!r}; levels: {', '.join(LEVELS)}")
 
 
-def make_recipe(task: str, level: str, *, positions: bool = False, steps: int = DEFAULT_STEPS) -> Recipe:
-    """A recipe for ``task`` (hopper, walker2d, halfcheetah) and ``level`` (see :data:`LEVELS`),
-    ``steps`` environment steps in all.
+def make_recipe(task: str, level: str, *, positions: bool = False, steps: int | None = None,
+                version: int = DEFAULT_VERSION) -> Recipe:
+    """A recipe for ``task`` (hopper, walker2d, halfcheetah) and ``level`` (see :data:`LEVELS`)
+    in ``version`` (:data:`VERSIONS`), with base size ``steps`` (default :data:`VERSION_STEPS`).
 
     Raises:
-        ValueError: an unknown task or level, or (medium-replay) ``steps`` < :data:`MIN_STEPS`.
+        ValueError: an unknown task, level or version, or (version 0 medium-replay) ``steps`` <
+            :data:`MIN_STEPS`.
     """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
+    if version not in VERSIONS:
+        raise ValueError(f"unknown recipe version {version!r}; versions: {', '.join(map(str, VERSIONS))}")
+    steps = VERSION_STEPS[version] if steps is None else int(steps)
     suffix = "-positions" if positions else ""
-    return Recipe(f"{task}-{level}{suffix}", task, level, positions, _level_shards(task, level, steps), steps)
+    return Recipe(f"{task}-{level}{suffix}", task, level, positions, _level_shards(task, level, steps, version), steps,
+                  version)
 
 
-def all_recipes(steps: int = DEFAULT_STEPS) -> dict[str, Recipe]:
-    """Every recipe by name: ``<task>-<level>[-positions]``, 30 in all."""
+def all_recipes(steps: int | None = None, version: int = DEFAULT_VERSION) -> dict[str, Recipe]:
+    """Every recipe of ``version`` by name: ``<task>-<level>[-positions]``, 30 in all."""
     out = {}
     for task in TASKS:
         for level in LEVELS:
             for pos in (False, True):
-                r = make_recipe(task, level, positions=pos, steps=steps)
+                r = make_recipe(task, level, positions=pos, steps=steps, version=version)
                 out[r.name] = r
     return out
 
 
-def match_recipes(patterns: list[str], steps: int = DEFAULT_STEPS) -> list[Recipe]:
+def recipe_of_dataset(dataset_id: str) -> Recipe | None:
+    """The recipe (of any version, at its default size) whose dataset id is ``dataset_id``, or ``None``."""
+    return next((r for v in VERSIONS for r in all_recipes(version=v).values() if r.dataset_id == dataset_id), None)
+
+
+def match_recipes(patterns: list[str], steps: int | None = None, version: int = DEFAULT_VERSION) -> list[Recipe]:
     """Recipes whose names match any of ``patterns`` (exact names or shell globs, e.g. ``hopper-*``).
 
     Raises:
         ValueError: a pattern matches nothing (the message names the closest recipe name, if
             any, and lists the recipes).
     """
-    recipes = all_recipes(steps)
+    recipes = all_recipes(steps, version)
     out: list[Recipe] = []
     for pat in patterns:
         hits = [r for name, r in recipes.items() if fnmatch.fnmatchcase(name, pat)]
@@ -239,8 +314,12 @@ def policy_path(algo: str, env_id: str, policies: str | os.PathLike | None = Non
 
 def shard_record(recipe: Recipe, s: Shard) -> dict:
     """What a build of ``recipe`` records of shard ``s`` in its metadata (its ``behaviours``)."""
+    if s.train:
+        return {"policy": f"{s.policy} training", "epsilon": 0.0, "noise": 0.0, "steps": s.steps,
+                "until_return": s.until_return}
     policy = "random" if s.policy == "random" else f"{s.policy}/{recipe.env_id.rsplit('-v', 1)[0]}-v3"
-    return {"policy": policy, "epsilon": s.epsilon, "noise": s.noise, "steps": s.steps}
+    out = {"policy": policy, "epsilon": s.epsilon, "noise": s.noise, "steps": s.steps}
+    return {**out, "stochastic": True} if s.stochastic else out
 
 
 def build_record(folder: str | os.PathLike) -> dict | None:
@@ -259,13 +338,17 @@ def _shard_keys(behaviours) -> list[tuple] | None:
     """``(policy, epsilon, noise, steps)`` of recorded behaviours (``None`` when malformed)."""
     if not isinstance(behaviours, list) or not all(isinstance(b, dict) for b in behaviours):
         return None
-    return [tuple(b.get(k) for k in ("policy", "epsilon", "noise", "steps")) for b in behaviours]
+    return [(*(b.get(k) for k in ("policy", "epsilon", "noise", "steps")), bool(b.get("stochastic", False)),
+             b.get("until_return")) for b in behaviours]
 
 
 def _shards_text(keys: list[tuple]) -> str:
     parts = []
-    for policy, eps, noise, steps in keys:
-        p = "random actions" if policy == "random" else str(policy)
+    for policy, eps, noise, steps, stochastic, until in keys:
+        if until is not None:
+            parts.append(f"{policy} replay until return {until:g} (at most {steps_text(steps) if isinstance(steps, int) else '?'})")
+            continue
+        p = "random actions" if policy == "random" else str(policy) + (" sampled" if stochastic else "")
         mods = [f"eps {eps:g}"] * bool(isinstance(eps, (int, float)) and eps > 0 and policy != "random") \
             + [f"noise {noise:g}"] * bool(isinstance(noise, (int, float)) and noise > 0)
         size = steps_text(steps) if isinstance(steps, int) else "? steps"
@@ -295,7 +378,8 @@ class ExistingBuild:
 
     def _asked_keys(self, steps: int | None = None) -> list[tuple]:
         r = self.recipe if steps is None else make_recipe(self.recipe.task, self.recipe.level,
-                                                          positions=self.recipe.positions, steps=steps)
+                                                          positions=self.recipe.positions, steps=steps,
+                                                          version=self.recipe.version)
         return _shard_keys([shard_record(r, s) for s in r.shards])
 
     def built_steps(self) -> int | None:
@@ -326,6 +410,9 @@ class ExistingBuild:
                      else f"no recipe ({rec.get('algorithm') or 'rl-tformers collect'})")
             return [(built, f"recipe {self.recipe.name}")]
         out = []
+        built_version = rec.get("recipe_version", 0)  # a build that records no version is a version 0 one
+        if built_version != self.recipe.version:
+            out.append((f"--recipe-version {built_version}", f"--recipe-version {self.recipe.version}"))
         keys = _shard_keys(rec.get("behaviours"))
         if keys != self._asked_keys():
             n = self.built_steps()
@@ -351,7 +438,7 @@ class ExistingBuild:
         """Options (``--recipe-steps N``, ``--seed S``) under which the asked build is this one's,
         or ``None`` when none can (another recipe, other policies or noise)."""
         rec = self.record or {}
-        if rec.get("recipe") != self.recipe.name:
+        if rec.get("recipe") != self.recipe.name or rec.get("recipe_version", 0) != self.recipe.version:
             return None
         opts = []
         if _shard_keys(rec.get("behaviours")) != self._asked_keys():

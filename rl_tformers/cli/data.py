@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import signal
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import typer
@@ -64,14 +65,84 @@ def _parse_indices(text: str) -> list[int]:
         raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint="--obs-indices") from None
 
 
+@dataclass(frozen=True)
+class CollectArgs:
+    """The options of one ``rl-tformers collect`` call (each field is the option of its name)."""
+
+    env: str | None = None
+    policy: str = "random"
+    algo: str | None = None
+    stochastic: bool = False
+    obs_norm: str = "auto"
+    train: str | None = None
+    train_steps: int = 100_000
+    train_until_return: float | None = None
+    replay_dataset_id: str | None = None
+    steps: int | None = None
+    episodes: int | None = None
+    noise: float = 0.0
+    epsilon: float | None = None
+    pomdp: str = "none"
+    obs_indices: str | None = None
+    seed: int = 0
+    dataset_id: str | None = None
+    root: Path | None = None
+    hdf5: Path | None = None
+    recipe: tuple[str, ...] = ()
+    recipe_steps: int | None = None
+    recipe_version: int = 1
+    policies: Path | None = None
+    memory_task: str | None = None
+    delay: int | None = None
+    overwrite: bool = False
+    skip_existing: bool = False
+    progress: bool = True
+    as_json: bool = False
+
+    def given(self, *names: str) -> list[str]:
+        """The options among ``names`` (field names) given a value other than their default, as ``--option``."""
+        defaults = CollectArgs()
+        return ["--" + n.replace("_", "-") for n in names if getattr(self, n) != getattr(defaults, n)]
+
+
+#: options of a single collection, which a recipe sets itself
+SINGLE_OPTIONS = ("env", "policy", "algo", "stochastic", "obs_norm", "train", "train_steps", "train_until_return",
+                  "replay_dataset_id", "steps", "episodes", "noise", "epsilon", "pomdp", "obs_indices", "dataset_id")
+
+
+# the longer option declarations of `collect`
+_TRAIN_UNTIL_RETURN = typer.Option(None, "--train-until-return",
+                                             help="With --train: stop once the agent's deterministic evaluation return "
+                                                  "(5 episodes every 5000 steps) reaches this (D4RL's medium-replay: "
+                                                  "training up to the medium agent's return).")
+_RECIPE_VERSION = typer.Option(1, "--recipe-version",
+                                       help="1: D4RL's construction (sampled actions, 1M steps per policy, a real "
+                                            "SAC replay buffer for medium-replay); 0: deterministic agents, 100k "
+                                            "steps, a corruption curriculum for medium-replay. The -vN of the ids.")
+_MEMORY_TASK = typer.Option(None, "--memory-task",
+                                    help="Write a memory task's dataset to --hdf5 FILE instead: recall (repeat the "
+                                         "symbol shown --delay steps ago; oracle answers) or cartpole (position-only "
+                                         "CartPole; a linear controller on the full state), with --epsilon random "
+                                         "actions; --episodes (default 2000), --seed.")
+_POLICIES = typer.Option(None, "--policies", help="Folder of pretrained policies for recipes (default: $RL_TFORMERS_POLICIES "
+                                                                "else policies/ in $RL_TFORMERS_SHARED else ../shared/policies next "
+                                                                "to the current folder or to the repository).")
+_STOCHASTIC = typer.Option(False, "--stochastic",
+                                    help="--policy samples its actions from its distribution (as D4RL's datasets do) "
+                                         "instead of taking the most likely one.")
+
+
 def collect(
     env: str = typer.Option(None, "--env", help="gymnasium id, e.g. Hopper-v5 (not needed with --recipe)."),
     policy: str = typer.Option("random", "--policy", help="'random' or an SB3/sb3-contrib save file (model.zip)."),
     algo: str = typer.Option(None, "--algo", help="Algorithm of --policy (sac, ppo, ars, ...); detected when omitted."),
+    stochastic: bool = _STOCHASTIC,
     obs_norm: str = typer.Option("auto", "--obs-norm",
                                  help="'auto' (obs_norm.npz next to the zip if present), 'none', or a .npz path."),
     train: str = typer.Option(None, "--train", help="Train an SB3 agent on the spot (sac, ppo, ...) and roll it out."),
-    train_steps: int = typer.Option(100_000, "--train-steps", help="Environment steps of --train."),
+    train_steps: int = typer.Option(100_000, "--train-steps",
+                                    help="Environment steps of --train (the most, with --train-until-return)."),
+    train_until_return: float = _TRAIN_UNTIL_RETURN,
     replay_dataset_id: str = typer.Option(None, "--replay-dataset-id",
                                           help="With --train: also write every training transition (SAC: its "
                                                "replay buffer) as this Minari dataset (a medium-replay set)."),
@@ -88,16 +159,12 @@ def collect(
     root: Path = typer.Option(None, "--root", help="Data root (default $RL_TFORMERS_DATA, else Minari's own root: $MINARI_DATASETS_PATH or ~/.minari/datasets)."),
     hdf5: Path = typer.Option(None, "--hdf5", help="Also write a D4RL-layout HDF5 file (a folder with --recipe)."),
     recipe: list[str] = typer.Option(None, "--recipe", help="Build recipe(s) by name or glob (hopper-medium, 'hopper-*')."),
-    recipe_steps: int = typer.Option(None, "--recipe-steps", help="Override the recipes' base size (default 100000, at least 6)."),
-    policies: Path = typer.Option(None, "--policies", help="Folder of pretrained policies for recipes (default: $RL_TFORMERS_POLICIES "
-                                                                "else policies/ in $RL_TFORMERS_SHARED else ../shared/policies next "
-                                                                "to the current folder or to the repository)."),
+    recipe_steps: int = typer.Option(None, "--recipe-steps", help="Override the recipes' base size (default 1000000 in "
+                                                                   "version 1, 100000 in version 0; at least 6)."),
+    recipe_version: int = _RECIPE_VERSION,
+    policies: Path = _POLICIES,
     list_recipes: bool = typer.Option(False, "--list-recipes", help="List the recipes and exit."),
-    memory_task: str = typer.Option(None, "--memory-task",
-                                    help="Write a memory task's dataset to --hdf5 FILE instead: recall (repeat the "
-                                         "symbol shown --delay steps ago; oracle answers) or cartpole (position-only "
-                                         "CartPole; a linear controller on the full state), with --epsilon random "
-                                         "actions; --episodes (default 2000), --seed."),
+    memory_task: str = _MEMORY_TASK,
     delay: int = typer.Option(None, "--delay", help=f"With --memory-task recall: the delay d, one of "
                                                      f"{', '.join(map(str, RECALL_DELAYS))} (default 8)."),
     overwrite: bool = typer.Option(False, "--overwrite",
@@ -106,24 +173,35 @@ def collect(
                                        help="With --recipe: build only the recipes whose dataset does not exist yet (an "
                                             "existing one built with another size, seed or policies is refused)."),
     progress: bool = typer.Option(True, "--progress/--no-progress",
-                                  help="Show progress on stderr: a bar on a terminal, else a plain line every 30 s."),
+                                  help="Show progress on stderr: a bar on a terminal, else a plain line every 10 s "
+                                       "or 5% of the steps."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """``rl-tformers collect``; its help text is :data:`COLLECT_HELP`."""
+    a = CollectArgs(env, policy, algo, stochastic, obs_norm, train, train_steps, train_until_return, replay_dataset_id,
+                    steps, episodes, noise, epsilon, pomdp, obs_indices, seed, dataset_id, root, hdf5,
+                    tuple(recipe or ()), recipe_steps, recipe_version, policies, memory_task, delay, overwrite,
+                    skip_existing, progress, as_json)
+    _check_recipe_version(a)
     if list_recipes:
-        return _list_recipes(recipe_steps)
+        return _list_recipes(recipe_steps, recipe_version)
     with _collect_session():
-        _collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
-                 pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe, recipe_steps, policies, memory_task, delay,
-                 overwrite, skip_existing, progress, as_json)
+        _collect(a)
 
 
-def _list_recipes(recipe_steps: int | None) -> None:
+def _check_recipe_version(a: CollectArgs) -> None:
+    from rl_tformers.envs import recipes as R
+
+    if a.recipe_version not in R.VERSIONS:
+        _fail(f"--recipe-version {a.recipe_version}: the recipe versions are {', '.join(map(str, R.VERSIONS))}")
+
+
+def _list_recipes(recipe_steps: int | None, version: int) -> None:
     """``collect --list-recipes``: one line per recipe (name, dataset id, description)."""
     from rl_tformers.envs import recipes as R
 
     _check_recipe_steps(recipe_steps)
-    recipes = list(R.all_recipes(recipe_steps or R.DEFAULT_STEPS).values())
+    recipes = list(R.all_recipes(recipe_steps, version).values())
     w_name, w_id = max(len(r.name) for r in recipes), max(len(r.dataset_id) for r in recipes)
     for r in recipes:  # columns as wide as the longest name and id
         typer.echo(f"{r.name:{w_name}s}  {r.dataset_id:{w_id}s}  {r.describe()}")
@@ -153,57 +231,38 @@ def _collect_session():
         torch.set_num_threads(threads)
 
 
-def _collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
-             pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe, recipe_steps, policies, memory_task, delay,
-             overwrite, skip_existing, progress, as_json) -> None:
+def _collect(a: CollectArgs) -> None:
     """A memory task's dataset (``--memory-task`` / ``--delay``), else recipes or a single collection."""
-    if memory_task is not None or delay is not None:
-        _collect_memory_task(memory_task, delay, episodes, epsilon, seed, hdf5, overwrite, as_json, {
-            "--env": env is not None, "--policy": policy != "random", "--algo": algo is not None,
-            "--obs-norm": obs_norm != "auto", "--train": train is not None,
-            "--train-steps": train_steps != 100_000, "--replay-dataset-id": replay_dataset_id is not None,
-            "--steps": steps is not None, "--noise": noise != 0.0, "--pomdp": pomdp != "none",
-            "--obs-indices": obs_indices is not None, "--dataset-id": dataset_id is not None,
-            "--root": root is not None, "--recipe": bool(recipe), "--recipe-steps": recipe_steps is not None,
-            "--policies": policies is not None, "--skip-existing": skip_existing})
+    if a.memory_task is not None or a.delay is not None:
+        unused = a.given(*(n for n in SINGLE_OPTIONS if n not in ("episodes", "epsilon")), "root", "recipe",
+                         "recipe_steps", "recipe_version", "policies", "skip_existing")
+        _collect_memory_task(a.memory_task, a.delay, a.episodes, a.epsilon, a.seed, a.hdf5, a.overwrite, a.as_json,
+                             unused)
         return
-    _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise,
-                 0.0 if epsilon is None else epsilon, pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe,
-                 recipe_steps, policies, overwrite, skip_existing, progress, as_json)
+    _run_collect(a)
 
 
-def _run_collect(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
-                 pomdp, obs_indices, seed, dataset_id, root, hdf5, recipe, recipe_steps, policies, overwrite,
-                 skip_existing, progress, as_json) -> None:
+def _run_collect(a: CollectArgs) -> None:
     from rl_tformers.envs.dataset import DatasetError
 
     try:
-        if skip_existing and not recipe:
+        if a.skip_existing and not a.recipe:
             _fail("--skip-existing works with --recipe only")
-        if seed < 0:
-            _fail(f"--seed must be >= 0 (it seeds the episode resets), got {seed}")
-        if recipe:
+        if a.seed < 0:
+            _fail(f"--seed must be >= 0 (it seeds the episode resets), got {a.seed}")
+        if a.recipe:
             # options of a single collection: a recipe sets them itself, they would be ignored
-            ignored = [name for name, given in (
-                ("--env", env is not None), ("--policy", policy != "random"), ("--algo", algo is not None),
-                ("--obs-norm", obs_norm != "auto"), ("--train", train is not None),
-                ("--train-steps", train_steps != 100_000), ("--replay-dataset-id", replay_dataset_id is not None),
-                ("--steps", steps is not None), ("--episodes", episodes is not None), ("--noise", noise != 0.0),
-                ("--epsilon", epsilon != 0.0), ("--pomdp", pomdp != "none"), ("--obs-indices", obs_indices is not None),
-                ("--dataset-id", dataset_id is not None)) if given]
+            ignored = a.given(*SINGLE_OPTIONS)
             if ignored:
                 _fail(f"{', '.join(ignored)}: not used with --recipe (each recipe sets its environment, policies, "
-                      "noise, size and dataset id; see --list-recipes); use --recipe-steps for the size, or leave "
-                      "--recipe out to collect with these options")
-            _build_recipes(recipe, recipe_steps, seed, root, policies, hdf5, overwrite, skip_existing, progress,
-                           as_json)
+                      "how they act, noise, size and dataset id; see --list-recipes); use --recipe-steps for the "
+                      "size, or leave --recipe out to collect with these options")
+            _build_recipes(a)
         else:
-            if recipe_steps is not None:
-                _fail("--recipe-steps needs --recipe (use --steps or --episodes for a single collection)")
-            for res in _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes,
-                                    noise, epsilon, pomdp, obs_indices, seed, dataset_id, root, hdf5, overwrite,
-                                    progress):
-                _report_collected(res, as_json)
+            for name in a.given("recipe_steps", "recipe_version"):
+                _fail(f"{name} needs --recipe (use --steps or --episodes for a single collection)")
+            for res in _collect_one(replace(a, epsilon=0.0 if a.epsilon is None else a.epsilon)):
+                _report_collected(res, a.as_json)
     except (DatasetError, FileExistsError, FileNotFoundError, ValueError) as exc:
         _fail(str(exc))
 
@@ -219,58 +278,57 @@ def _report_collected(res, as_json: bool) -> None:
                    + (f" (+ {s['hdf5']})" if s["hdf5"] else ""))
 
 
-def _build_recipes(recipe, recipe_steps, seed, root, policies, hdf5, overwrite, skip_existing, progress,
-                   as_json) -> None:
+def _build_recipes(a: CollectArgs) -> None:
     """``collect --recipe``: check every matching recipe's dataset (and ``--hdf5`` file) against
     what exists before anything is built, then build them in order, reporting each."""
     from rl_tformers.envs import collect as C
     from rl_tformers.envs import recipes as R
     from rl_tformers.envs.collect import dataset_folder
 
-    _check_recipe_steps(recipe_steps)
-    if overwrite and skip_existing:
+    _check_recipe_steps(a.recipe_steps)
+    if a.overwrite and a.skip_existing:
         _fail("--overwrite and --skip-existing exclude each other: choose one")
+    hdf5 = a.hdf5
     if hdf5 is not None and Path(hdf5).expanduser().exists() and not Path(hdf5).expanduser().is_dir():
         _fail(f"--hdf5 {hdf5} is a file; with --recipe it is the folder that receives <recipe>.hdf5")
-    todo = R.match_recipes(list(recipe), recipe_steps or R.DEFAULT_STEPS)
-    # an existing dataset is compared with the build asked (recipe, size, seed, policies):
+    todo = R.match_recipes(list(a.recipe), a.recipe_steps, a.recipe_version)
+    # an existing dataset is compared with the build asked (recipe, version, size, seed, policies):
     # --skip-existing keeps only the same build, never a small --recipe-steps set in place of the full one
-    existing = {r.name: R.existing_build(r, dataset_folder(r.dataset_id, root),
-                                         steps=recipe_steps or R.DEFAULT_STEPS, seed=seed)
-                for r in todo if dataset_folder(r.dataset_id, root).exists()}
-    if existing and not (overwrite or skip_existing):
+    existing = {r.name: R.existing_build(r, dataset_folder(r.dataset_id, a.root), steps=r.base_steps, seed=a.seed)
+                for r in todo if dataset_folder(r.dataset_id, a.root).exists()}
+    if existing and not (a.overwrite or a.skip_existing):
         ids = ", ".join(r.dataset_id + (f" [{existing[r.name].explain()}]" if existing[r.name].explain() else "")
                         for r in todo if r.name in existing)
         _fail(f"{len(existing)} of the {len(todo)} recipe datasets already "
               f"{'exists' if len(existing) == 1 else 'exist'} under "
-              f"{dataset_folder('', root)}: {ids}; nothing was built. Pass --skip-existing to build only the "
+              f"{dataset_folder('', a.root)}: {ids}; nothing was built. Pass --skip-existing to build only the "
               f"missing ones (it keeps only a dataset built as asked), or --overwrite to rebuild them")
-    if skip_existing:
+    if a.skip_existing:
         _check_skipped_builds([e for e in existing.values() if e.recorded and not e.same])
-    if hdf5 is not None and not overwrite:
+    if hdf5 is not None and not a.overwrite:
         clash = [str(Path(hdf5).expanduser() / f"{r.name}.hdf5") for r in todo
-                 if not (skip_existing and r.name in existing)
+                 if not (a.skip_existing and r.name in existing)
                  and (Path(hdf5).expanduser() / f"{r.name}.hdf5").exists()]
         if clash:
             _fail(f"--hdf5 {hdf5}: {', '.join(clash)} already "
                   f"{'exists' if len(clash) == 1 else 'exist'}; nothing was built. Pass --overwrite to "
                   "replace them, or choose another --hdf5 folder")
     for r in todo:
-        if skip_existing and r.name in existing:
-            typer.echo(_skipped_line(existing[r.name], as_json))
+        if a.skip_existing and r.name in existing:
+            typer.echo(_skipped_line(existing[r.name], a.as_json))
             continue
         h = None if hdf5 is None else Path(hdf5) / f"{r.name}.hdf5"
-        _report_collected(C.build_recipe(r, seed=seed, root=root, policies=policies, hdf5=h, overwrite=overwrite,
-                                         progress=progress), as_json)
+        _report_collected(C.build_recipe(r, seed=a.seed, root=a.root, policies=a.policies, hdf5=h,
+                                         overwrite=a.overwrite, progress=a.progress), a.as_json)
 
 
 def _collect_memory_task(task: str | None, delay: int | None, episodes: int | None, epsilon: float | None,
-                         seed: int, hdf5: Path | None, overwrite: bool, as_json: bool, given: dict[str, bool]) -> None:
+                         seed: int, hdf5: Path | None, overwrite: bool, as_json: bool, unused: list[str]) -> None:
     """``collect --memory-task TASK``: a scripted dataset of a memory task
     (:func:`rl_tformers.envs.memory_tasks.scripted_dataset`) written as one D4RL-layout file.
 
-    ``given`` maps the options a memory task does not use to whether they were given; any given
-    one is refused, as are a missing ``--hdf5``, an unknown task, ``--delay`` without recall or
+    ``unused`` lists the options given that a memory task does not use; any is refused, as are
+    a missing ``--hdf5``, an unknown task, ``--delay`` without recall or
     outside :data:`~rl_tformers.envs.memory_tasks.RECALL_DELAYS`, and counts out of range.
     """
     from rl_tformers.envs.collect import check_hdf5_target
@@ -281,7 +339,6 @@ def _collect_memory_task(task: str | None, delay: int | None, episodes: int | No
         _fail("--delay needs --memory-task recall")
     if task not in MEMORY_TASKS:
         _fail(f"--memory-task {task!r} is not a memory task; choose {' or '.join(MEMORY_TASKS)}")
-    unused = [name for name, was_given in given.items() if was_given]
     if unused:
         _fail(f"{', '.join(unused)}: not used with --memory-task (it writes the scripted behaviour's episodes to "
               f"--hdf5 FILE; its options are --episodes, --epsilon, --seed, --delay for recall and --overwrite)")
@@ -348,8 +405,7 @@ def _skipped_line(e, as_json: bool) -> str:
     return f"{e.recipe.dataset_id}: exists at {e.path}, {built}, skipped"
 
 
-def _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
-                 pomdp, obs_indices, seed, dataset_id, root, hdf5, overwrite, progress):
+def _collect_one(a: CollectArgs):
     """A single collection (no ``--recipe``): check the options, then roll out the behaviour
     policy (after ``--train`` trains it); returns the collection results (the training replay
     set first, when asked for)."""
@@ -357,72 +413,85 @@ def _collect_one(env, policy, algo, obs_norm, train, train_steps, replay_dataset
 
     from rl_tformers.envs.collect import Behaviour, check_hdf5_target, check_recordable, collect
 
-    steps = _checked_collect_options(env, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
-                                     dataset_id)
-    check_hdf5_target(hdf5, overwrite)  # before the (long) rollouts, not after them
-    if train and replay_dataset_id and hdf5 is not None:
-        check_hdf5_target(Path(hdf5).with_name(Path(hdf5).stem + "-replay.hdf5"), overwrite)
+    steps = _checked_collect_options(a)
+    check_hdf5_target(a.hdf5, a.overwrite)  # before the (long) rollouts, not after them
+    if a.train and a.replay_dataset_id and a.hdf5 is not None:
+        check_hdf5_target(Path(a.hdf5).with_name(Path(a.hdf5).stem + "-replay.hdf5"), a.overwrite)
     try:
-        genv = gym.make(env)
+        genv = gym.make(a.env)
     except (gym.error.Error, ModuleNotFoundError) as exc:  # unknown id or module:, missing dependency, deprecated
-        raise typer.BadParameter(f"cannot make environment {env!r}: {exc}", param_hint="--env") from None
+        raise typer.BadParameter(f"cannot make environment {a.env!r}: {exc}", param_hint="--env") from None
     try:
         check_recordable(genv)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--env") from None
-    record = _record_option(genv, pomdp, obs_indices)
+    record = _record_option(genv, a.pomdp, a.obs_indices)
     results = []
-    info: dict = {"noise": noise, "epsilon": epsilon}
-    pol, label = _behaviour_policy(genv, env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, seed,
-                                   record, root, hdf5, overwrite, progress, info, results)
-    if (steps or 0) == 0 and (episodes or 0) == 0:
+    info: dict = {"noise": a.noise, "epsilon": a.epsilon, **({"stochastic": True} if a.stochastic else {})}
+    pol, label = _behaviour_policy(genv, a, record, info, results)
+    if (steps or 0) == 0 and (a.episodes or 0) == 0:
         return results  # only the training replay was asked for
     suffix = "" if record is None else f"-{record['kind'] if record['kind'] == 'positions' else 'masked'}"
     # "module:EnvId" (gymnasium's form for a user's own env): ':' is not allowed in a Minari id
-    dataset_id = dataset_id or f"rlt/{env.rpartition(':')[2].lower()}/{label}{suffix}-v0"
-    results.append(collect(env, [Behaviour(pol, steps=steps, episodes=episodes, label=info["policy"], info=info)],
-                           dataset_id=dataset_id, seed=seed, pomdp=record, root=root, hdf5=hdf5, overwrite=overwrite,
-                           progress=progress, description=f"rl-tformers collect: {info['policy']} on {env}",
+    dataset_id = a.dataset_id or f"rlt/{a.env.rpartition(':')[2].lower()}/{label}{suffix}-v0"
+    results.append(collect(a.env, [Behaviour(pol, steps=steps, episodes=a.episodes, label=info["policy"], info=info)],
+                           dataset_id=dataset_id, seed=a.seed, pomdp=record, root=a.root, hdf5=a.hdf5,
+                           overwrite=a.overwrite, progress=a.progress,
+                           description=f"rl-tformers collect: {info['policy']} on {a.env}",
                            record={"algorithm": info["policy"]}))
     return results
 
 
-def _checked_collect_options(env, train, train_steps, replay_dataset_id, steps, episodes, noise, epsilon,
-                             dataset_id) -> int | None:
+def _checked_collect_options(a: CollectArgs) -> int | None:
     """The checks of a single collection's options (``typer.BadParameter`` naming the option);
     returns ``--steps`` with its default (10000, or 0 for a replay set only)."""
-    if env is None:
+    steps, episodes, train = a.steps, a.episodes, a.train
+    if a.env is None:
         raise typer.BadParameter("give --env (or --recipe)", param_hint="--env")
     if steps is not None and episodes is not None:
         raise typer.BadParameter("give --steps or --episodes, not both", param_hint="--steps")
     if steps is None and episodes is None:
-        steps = 0 if (train and replay_dataset_id) else 10_000
-    if replay_dataset_id and not train:
-        raise typer.BadParameter("--replay-dataset-id needs --train", param_hint="--replay-dataset-id")
+        steps = 0 if (train and a.replay_dataset_id) else 10_000
+    for option, needs in (("replay_dataset_id", "train"), ("train_until_return", "train")):
+        if getattr(a, option) is not None and not getattr(a, needs):
+            name = "--" + option.replace("_", "-")
+            raise typer.BadParameter(f"{name} needs --train", param_hint=name)
+    if a.stochastic and (train or a.policy == "random"):
+        raise typer.BadParameter("--stochastic samples the actions of a --policy save file (random actions and "
+                                 "--train have no mode to replace)", param_hint="--stochastic")
+    if a.train_until_return is not None and not math.isfinite(a.train_until_return):
+        raise typer.BadParameter(f"--train-until-return must be a finite return, got {a.train_until_return}",
+                                 param_hint="--train-until-return")
     if steps is not None and steps < 0 or episodes is not None and episodes < 0:
         name, value = ("--steps", steps) if steps is not None else ("--episodes", episodes)
         raise typer.BadParameter(f"{name} must be >= 0, got {value}", param_hint=name)
-    if not (math.isfinite(noise) and noise >= 0):
+    if not (math.isfinite(a.noise) and a.noise >= 0):
         raise typer.BadParameter(f"--noise must be a finite number >= 0 (a std in units of half the action range), "
-                                 f"got {noise}", param_hint="--noise")
-    if not 0.0 <= epsilon <= 1.0:  # NaN fails too
-        raise typer.BadParameter(f"--epsilon must be a probability in [0, 1], got {epsilon}", param_hint="--epsilon")
-    if train and train_steps < 1:
-        raise typer.BadParameter(f"--train-steps must be >= 1, got {train_steps}", param_hint="--train-steps")
-    if dataset_id is not None or replay_dataset_id:
-        from rl_tformers.envs.collect import check_dataset_id
-
-        for option, value in (("--dataset-id", dataset_id), ("--replay-dataset-id", replay_dataset_id)):
-            if value is not None:
-                try:
-                    check_dataset_id(value, option)
-                except ValueError as exc:
-                    raise typer.BadParameter(str(exc), param_hint=option) from None
-    if (steps or 0) == 0 and (episodes or 0) == 0 and not (train and replay_dataset_id):
+                                 f"got {a.noise}", param_hint="--noise")
+    if not 0.0 <= a.epsilon <= 1.0:  # NaN fails too
+        raise typer.BadParameter(f"--epsilon must be a probability in [0, 1], got {a.epsilon}", param_hint="--epsilon")
+    if train and a.train_steps < 1:
+        raise typer.BadParameter(f"--train-steps must be >= 1, got {a.train_steps}", param_hint="--train-steps")
+    _check_collect_ids(a)
+    if (steps or 0) == 0 and (episodes or 0) == 0 and not (train and a.replay_dataset_id):
         raise typer.BadParameter(f"{'--steps' if steps is not None else '--episodes'} 0 collects nothing; give a "
                                  "positive number (0 is meant for --train with --replay-dataset-id only)",
                                  param_hint="--steps/--episodes")
     return steps
+
+
+def _check_collect_ids(a: CollectArgs) -> None:
+    """``--dataset-id`` and ``--replay-dataset-id`` are well-formed Minari ids."""
+    if a.dataset_id is None and not a.replay_dataset_id:
+        return
+    from rl_tformers.envs.collect import check_dataset_id
+
+    for option, value in (("--dataset-id", a.dataset_id), ("--replay-dataset-id", a.replay_dataset_id)):
+        if value is not None:
+            try:
+                check_dataset_id(value, option)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint=option) from None
 
 
 def _record_option(genv, pomdp: str, obs_indices: str | None):
@@ -442,33 +511,36 @@ def _record_option(genv, pomdp: str, obs_indices: str | None):
     return None
 
 
-def _behaviour_policy(genv, env, policy, algo, obs_norm, train, train_steps, replay_dataset_id, seed, record, root,
-                      hdf5, overwrite, progress, info: dict, results: list):
+def _behaviour_policy(genv, a: CollectArgs, record, info: dict, results: list):
     """The behaviour policy and its label in the dataset id: trained on the spot (``--train``;
-    its replay set, when asked for, is appended to ``results``), random, or an SB3 file; with
-    ``--noise`` / ``--epsilon`` applied. ``info["policy"]`` records which."""
+    its replay set, when asked for, is appended to ``results``), random, or an SB3 file
+    (sampling with ``--stochastic``); with ``--noise`` / ``--epsilon`` applied. ``info["policy"]``
+    records which."""
     from rl_tformers.envs.collect import train_and_record
     from rl_tformers.envs.policies import NoisyPolicy, RandomPolicy, load_sb3_policy
 
-    if train:
-        pol, replay = train_and_record(train, env, train_steps, seed=seed, replay_dataset_id=replay_dataset_id,
-                                       pomdp=record, root=root, overwrite=overwrite, progress=progress,
-                                       hdf5=None if (hdf5 is None or not replay_dataset_id) else
-                                       Path(hdf5).with_name(Path(hdf5).stem + "-replay.hdf5"))
+    if a.train:
+        hdf5 = None if (a.hdf5 is None or not a.replay_dataset_id) else \
+            Path(a.hdf5).with_name(Path(a.hdf5).stem + "-replay.hdf5")
+        pol, replay = train_and_record(a.train, a.env, a.train_steps, seed=a.seed,
+                                       replay_dataset_id=a.replay_dataset_id, pomdp=record, root=a.root,
+                                       overwrite=a.overwrite, progress=a.progress, hdf5=hdf5,
+                                       until_return=a.train_until_return)
         if replay is not None:
             results.append(replay)
-        label = f"{train}-trained"
-        info["policy"] = f"{train} trained {train_steps} steps"
-    elif policy == "random":
-        pol, label = RandomPolicy(genv.action_space, seed=seed), "random"
+        label = f"{a.train}-trained"
+        info["policy"] = f"{a.train} trained {pol.model.num_timesteps} steps"
+    elif a.policy == "random":
+        pol, label = RandomPolicy(genv.action_space, seed=a.seed), "random"
         info["policy"] = "random"
     else:
-        norm = None if obs_norm.lower() in ("none", "false", "off") else obs_norm
-        pol = load_sb3_policy(policy, genv, algo=algo, obs_norm=norm)
+        norm = None if a.obs_norm.lower() in ("none", "false", "off") else a.obs_norm
+        pol = load_sb3_policy(a.policy, genv, algo=a.algo, obs_norm=norm, deterministic=not a.stochastic,
+                              seed=a.seed + 2)
         label = pol.name.split(":", 1)[0]
-        info["policy"] = str(policy)
+        info["policy"] = str(a.policy)
     if info["noise"] > 0 or info["epsilon"] > 0:
-        pol = NoisyPolicy(pol, genv.action_space, noise_std=info["noise"], epsilon=info["epsilon"], seed=seed + 1)
+        pol = NoisyPolicy(pol, genv.action_space, noise_std=info["noise"], epsilon=info["epsilon"], seed=a.seed + 1)
     return pol, label
 
 

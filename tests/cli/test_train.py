@@ -444,17 +444,17 @@ def test_config_yaml_keeps_the_fields_set_and_resume_prints_the_built_backbone(t
 
 def test_a_recipe_dataset_not_built_yet_gets_its_recipe_not_a_typo_hint(tmp_path, monkeypatch) -> None:
     """Training on the not-yet-built position-only Hopper set names its recipe and a collect
-    command that works from a clone, not a typo hint ("did you mean 'rlt/hopper-v5/medium-v0'?"
+    command that works from a clone, not a typo hint ("did you mean 'rlt/hopper-v5/medium-v1'?"
     would point at the full-observation set, the wrong one)."""
     from rl_tformers.envs.loaders import load_minari
     from rl_tformers.envs.recipes import all_recipes
 
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari_home"))
     monkeypatch.setenv("RL_TFORMERS_POLICIES", str(tmp_path / "no_policies_here"))
-    built = tmp_path / "root" / "rlt/hopper-v5/medium-v0" / "data"
+    built = tmp_path / "root" / "rlt/hopper-v5/medium-v1" / "data"
     built.mkdir(parents=True)
     (built / "metadata.json").write_text("{}")
-    recipe = next(r for r in all_recipes().values() if r.dataset_id == "rlt/hopper-v5/medium-positions-v0")
+    recipe = next(r for r in all_recipes().values() if r.dataset_id == "rlt/hopper-v5/medium-positions-v1")
     with pytest.raises(FileNotFoundError) as exc:
         load_minari(recipe.dataset_id, root=tmp_path / "root")
     msg = str(exc.value)

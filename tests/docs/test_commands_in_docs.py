@@ -289,7 +289,7 @@ def test_medium_rows_config_equals_the_task_config() -> None:
     """docs/results.md: `-c dt/hopper_medium dataset.path=rlt/$t-v5/medium-v0` resolves to the same config."""
     for algo, task in itertools.product(("dt", "bc"), ("walker2d", "halfcheetah")):
         a = to_container(compose(f"{algo}/{task}_medium"))
-        b = to_container(compose(f"{algo}/hopper_medium", [f"dataset.path=rlt/{task}-v5/medium-v0"]))
+        b = to_container(compose(f"{algo}/hopper_medium", [f"dataset.path=rlt/{task}-v5/medium-v1"]))
         assert a == b, (algo, task)
 
 

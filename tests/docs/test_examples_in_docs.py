@@ -27,10 +27,10 @@ def test_data_md_recipe_steps_minimum_and_hopper_suite_size_are_the_recipes() ->
 
     text = flat((DOCS_DIR / "data.md").read_text())
     assert f"`--recipe-steps N` builds any recipe with N steps instead (N >= {R.MIN_STEPS}:" in text
-    hopper = [r for name, r in R.all_recipes(R.DEFAULT_STEPS).items() if name.startswith("hopper-")]
+    hopper = [r for name, r in R.all_recipes(version=0).items() if name.startswith("hopper-")]
     total = sum(r.steps for r in hopper)
-    assert R.DEFAULT_STEPS == 100_000 and total == 1_200_000
-    assert "The full Hopper suite (100k steps per policy, 1.2M steps in all)" in text
+    assert R.VERSION_STEPS[0] == 100_000 and total == 1_200_000
+    assert "The full version 0 Hopper suite (100k steps per policy, 1.2M steps in all)" in text
 
 
 def test_runtime_md_plain_progress_line_is_what_the_trainer_prints() -> None:

@@ -344,24 +344,24 @@ def _fake_existing(root: Path, dataset_id: str) -> Path:
 
 
 def test_recipe_suite_with_an_existing_dataset_stops_before_building_anything(tmp_path: Path) -> None:
-    _fake_existing(tmp_path, "rlt/hopper-v5/medium-v0")
+    _fake_existing(tmp_path, "rlt/hopper-v5/medium-v1")
     r = runner.invoke(app, ["collect", "--recipe", "hopper-random", "--recipe", "hopper-medium", "--root",
                             str(tmp_path), "--recipe-steps", "100", "--no-progress"])
     assert r.exit_code == 2
-    assert "rlt/hopper-v5/medium-v0" in r.output and "--skip-existing" in r.output and "--overwrite" in r.output
+    assert "rlt/hopper-v5/medium-v1" in r.output and "--skip-existing" in r.output and "--overwrite" in r.output
     assert "nothing was built" in r.output
-    assert not (tmp_path / "rlt/hopper-v5/random-v0").exists()
+    assert not (tmp_path / "rlt/hopper-v5/random-v1").exists()
 
 
 def test_skip_existing_builds_only_the_missing_recipes(tmp_path: Path) -> None:
-    kept = _fake_existing(tmp_path, "rlt/hopper-v5/medium-v0")
+    kept = _fake_existing(tmp_path, "rlt/hopper-v5/medium-v1")
     r = runner.invoke(app, ["collect", "--recipe", "hopper-random", "--recipe", "hopper-medium", "--root",
                             str(tmp_path), "--recipe-steps", "100", "--no-progress", "--json", "--skip-existing"])
     assert r.exit_code == 0, r.output
     lines = [json.loads(x) for x in r.stdout.strip().splitlines() if x.startswith("{")]
     by_id = {x["dataset_id"]: x for x in lines}
-    assert by_id["rlt/hopper-v5/medium-v0"]["skipped"] == "exists"
-    assert by_id["rlt/hopper-v5/random-v0"]["steps"] >= 100
+    assert by_id["rlt/hopper-v5/medium-v1"]["skipped"] == "exists"
+    assert by_id["rlt/hopper-v5/random-v1"]["steps"] >= 100
     assert (kept / "keep.txt").read_text() == "not touched"
 
 
@@ -502,3 +502,18 @@ def test_an_hdf5_target_in_a_folder_that_takes_no_file_is_refused_before_collect
     assert r.exit_code == 2, r.output
     assert r.stderr.startswith("error: --hdf5 /proc/rlt-target/m.hdf5: cannot write in /proc (")
     assert r.stderr.count("\n") == 1
+
+
+def test_training_until_a_return_stops_at_the_first_evaluation_that_reaches_it(tmp_path, monkeypatch) -> None:
+    """D4RL's medium-replay: the replay of training up to a return. With a threshold every
+    evaluation reaches, training stops at the first one, and the metadata records where."""
+    from rl_tformers.envs import recipes as R
+    from rl_tformers.envs.recipes import build_record
+
+    monkeypatch.setattr(R, "REPLAY_EVAL_EVERY", 150)
+    monkeypatch.setattr(R, "REPLAY_EVAL_EPISODES", 1)
+    policy, replay = train_and_record("sac", "Pendulum-v1", 10_000, seed=0, replay_dataset_id="t/pend/replay-v0",
+                                      root=tmp_path, progress=False, until_return=-1e9)
+    assert policy.model.num_timesteps == 150 and replay.num_steps == 150
+    stopped = build_record(replay.path)["stopped"]
+    assert stopped["step"] == 150 and stopped["until_return"] == -1e9 and stopped["eval_return"] < 0

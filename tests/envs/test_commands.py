@@ -156,6 +156,14 @@ def test_a_completed_overwrite_replaces_and_leaves_no_backup(tmp_path: Path) -> 
     (["--recipe", "hopper-random", "--env", "Hopper-v5", "--steps", "5", "--noise", "0.1"],
      "--env, --steps, --noise: not used with --recipe"),
     (["--recipe", "hopper-random", "--dataset-id", "rlt/x-v0"], "--dataset-id: not used with --recipe"),
+    (["--recipe", "hopper-random", "--recipe-version", "2"], "--recipe-version 2: the recipe versions are 0, 1"),
+    (["--env", "CartPole-v1", "--recipe-version", "0"], "--recipe-version needs --recipe"),
+    (["--recipe", "hopper-medium", "--stochastic"], "--stochastic: not used with --recipe"),
+    (["--env", "CartPole-v1", "--stochastic"], "--stochastic samples the actions of a --policy save file"),
+    (["--env", "CartPole-v1", "--train-until-return", "100"], "--train-until-return needs --train"),
+    (["--env", "CartPole-v1", "--train", "ppo", "--train-until-return", "nan"],
+     "--train-until-return must be a finite return, got nan"),
+    (["--memory-task", "recall", "--hdf5", "x.hdf5", "--recipe-version", "0"], "--recipe-version: not used with --memory-task"),
 ])
 def test_collect_refuses_bad_values_by_name_before_collecting(tmp_path: Path, monkeypatch, args, says) -> None:
     monkeypatch.setattr(C, "_collect", tripwire)
@@ -397,8 +405,8 @@ def test_collect_refuses_recipe_steps_that_leave_a_shard_empty(tmp_path, monkeyp
     assert R.MIN_STEPS == 6
     with pytest.raises(ValueError, match=r"^hopper-medium-replay: steps must be >= 6 \(its 5 shards take 10-25 % "
                                           r"of them each, and none may be empty\), got 5$"):
-        R.make_recipe("hopper", "medium-replay", steps=5)
-    assert [s.steps for s in R.make_recipe("hopper", "medium-replay", steps=6).shards] == [1, 1, 1, 2, 2]
+        R.make_recipe("hopper", "medium-replay", steps=5, version=0)
+    assert [s.steps for s in R.make_recipe("hopper", "medium-replay", steps=6, version=0).shards] == [1, 1, 1, 2, 2]
     assert [s.steps for s in R.make_recipe("hopper", "random", steps=6).shards] == [6]
 
 

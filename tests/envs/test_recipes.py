@@ -7,7 +7,15 @@ import re
 from pathlib import Path
 
 import pytest
-from rl_tformers.envs.recipes import LEVEL_POLICIES, all_recipes, make_recipe, match_recipes
+from rl_tformers.envs.recipes import (
+    LEVEL_POLICIES,
+    Shard,
+    all_recipes,
+    build_record,
+    make_recipe,
+    match_recipes,
+    recipe_of_dataset,
+)
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
@@ -21,13 +29,44 @@ def test_recipe_catalogue():
     recipes = all_recipes()
     assert len(recipes) == 30
     me = make_recipe("hopper", "medium-expert")
-    assert [(s.policy, s.steps) for s in me.shards] == [("sac", 100_000), ("ars", 100_000)]
+    assert [(s.policy, s.steps, s.stochastic) for s in me.shards] == [("sac", 1_000_000, True), ("ars", 1_000_000, False)]
+    assert me.dataset_id == "rlt/hopper-v5/medium-expert-v1" and me.describe() == "sac (sampled) 1M + ars 1M"
     mr = make_recipe("walker2d", "medium-replay", positions=True)
+    assert mr.shards == (Shard("sac", 1_000_000, train=True, until_return=986.0),) and mr.positions
+    assert mr.dataset_id == "rlt/walker2d-v5/medium-replay-positions-v1"
+    assert mr.describe() == "sac training replay until return 986 (at most 1M), positions only"
+    assert [r.name for r in match_recipes(["hopper-medium", "hopper-medium*"])][:2] == [
+        "hopper-medium", "hopper-medium-positions"]
+
+
+def test_version_0_recipes_are_the_deterministic_100k_sets():
+    me = make_recipe("hopper", "medium-expert", version=0)
+    assert [(s.policy, s.steps, s.stochastic) for s in me.shards] == [("sac", 100_000, False), ("ars", 100_000, False)]
+    assert me.dataset_id == "rlt/hopper-v5/medium-expert-v0"
+    mr = make_recipe("walker2d", "medium-replay", positions=True, version=0)
     assert mr.steps == 100_000 and mr.shards[0].policy == "random" and mr.positions
     assert {s.policy for s in mr.shards[1:]} == {LEVEL_POLICIES["walker2d"][0]}
     assert mr.dataset_id == "rlt/walker2d-v5/medium-replay-positions-v0"
-    assert [r.name for r in match_recipes(["hopper-medium", "hopper-medium*"])][:2] == [
-        "hopper-medium", "hopper-medium-positions"]
+    assert recipe_of_dataset("rlt/walker2d-v5/medium-replay-positions-v0") == mr
+    assert recipe_of_dataset("rlt/hopper-v5/medium-v1") == make_recipe("hopper", "medium")
+    assert recipe_of_dataset("rlt/hopper-v5/medium-v7") is None
+    with pytest.raises(ValueError, match="unknown recipe version 2; versions: 0, 1"):
+        make_recipe("hopper", "medium", version=2)
+
+
+def test_a_sampling_shard_draws_the_same_actions_on_every_build_and_differs_from_the_mode(shared_dir, tmp_path):
+    """Version 1's medium shard samples SAC's actions from a stream seeded by the shard: two builds
+    are identical, and the sampled episodes differ from the deterministic (version 0) ones."""
+    from rl_tformers.envs.collect import build_recipe
+
+    runs = [build_recipe(make_recipe("hopper", "medium", steps=300), root=tmp_path / str(i), progress=False,
+                         policies=shared_dir / "policies") for i in range(2)]
+    mode = build_recipe(make_recipe("hopper", "medium", steps=300, version=0), root=tmp_path / "v0", progress=False,
+                        policies=shared_dir / "policies")
+    assert runs[0].episode_returns.tolist() == runs[1].episode_returns.tolist()
+    assert runs[0].episode_returns.tolist() != mode.episode_returns.tolist()
+    record = build_record(runs[0].path)
+    assert record["recipe_version"] == 1 and record["behaviours"][0]["stochastic"] is True
 
 
 def test_a_misspelt_recipe_name_is_refused_naming_the_closest_recipe():
@@ -43,34 +82,38 @@ def documented_rows():
     """Rows of the recipe table in docs/data.md that carry measured numbers."""
     rows = []
     for line in DOC.read_text().splitlines():
-        m = re.match(r"\|\s*`([a-z0-9-]+)`\s*\|.*\|\s*([\d,]+)\s*\|\s*([\d,]+)\s*\|\s*(-?[\d.]+) ± ([\d.]+)\s*\|", line)
+        m = re.match(r"\|\s*`([a-z0-9-]+)`\s*\|\s*`rlt/[^`]*-v(\d+)`\s*\|\s*([\d,]+)\s*\|\s*([\d,]+)\s*\|"
+                     r"\s*(-?[\d.]+) ± ([\d.]+)\s*\|", line)
         if m:
-            rows.append((m.group(1), int(m.group(2).replace(",", "")), int(m.group(3).replace(",", "")),
-                         float(m.group(4)), float(m.group(5))))
+            rows.append((m.group(1), int(m.group(2)), int(m.group(3).replace(",", "")), int(m.group(4).replace(",", "")),
+                         float(m.group(5)), float(m.group(6))))
     return rows
 
 
 def test_docs_have_measured_recipe_rows():
     rows = documented_rows()
-    assert len(rows) >= 10 and {r[0] for r in rows} >= {r.name for r in match_recipes(["hopper-*"])}
+    for version in (0, 1):
+        names = {r[0] for r in rows if r[1] == version}
+        assert names >= {r.name for r in match_recipes(["hopper-*"], version=0)} if version == 0 else names, version
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("row", documented_rows(), ids=lambda r: r[0])
+@pytest.mark.parametrize("row", documented_rows(), ids=lambda r: f"{r[0]}-v{r[1]}")
 def test_every_documented_recipe_line_is_reproduced_by_its_command(row, shared_dir, tmp_path):
     """One measured line of docs/data.md (select one with ``-k hopper-medium-replay``).
 
     Rows of recipes that run a pretrained SB3 agent reproduce only on the kind of CPU that
     measured them (docs/data.md, "Which host": the agent's float32 products round differently
     elsewhere); random-action rows reproduce on any CPU."""
-    name, episodes, steps, mean, std = row
+    name, version, episodes, steps, mean, std = row
     from rl_tformers.runtime.cpu_matmul import cpu_vendor
 
-    uses_agent = any(shard.policy != "random" for shard in all_recipes()[name].shards)
+    uses_agent = any(shard.policy != "random" for shard in all_recipes(version=version)[name].shards)
     if uses_agent and cpu_vendor() != MEASURED_ON:
         pytest.skip(f"{name}: measured on a {MEASURED_ON} CPU; an SB3 agent's rollout rounds differently on "
                     f"{cpu_vendor() or 'this CPU'} (docs/data.md, 'Which host')")
-    r = CliRunner().invoke(app, ["collect", "--recipe", name, "--root", str(tmp_path), "--json", "--no-progress",
+    r = CliRunner().invoke(app, ["collect", "--recipe", name, "--recipe-version", str(version), "--root", str(tmp_path),
+                                 "--json", "--no-progress",
                                  "--policies", str(shared_dir / "policies")])
     assert r.exit_code == 0, r.output
     got = json.loads(r.stdout.strip().splitlines()[-1])
@@ -90,6 +133,6 @@ def test_skip_existing_does_not_silently_keep_a_recipe_built_with_another_size(t
     args = ["collect", "--recipe", "hopper-random", "--root", str(tmp_path), "--no-progress"]
     r = runner.invoke(app, [*args, "--recipe-steps", "6"])
     assert r.exit_code == 0, r.output
-    r = runner.invoke(app, [*args, "--skip-existing"])  # the recipe's own 100k steps
-    line = next((ln for ln in r.output.splitlines() if "random-v0" in ln), r.output)
-    assert any(s in line for s in ("--recipe-steps", "--overwrite", "100k", "100000")), r.output
+    r = runner.invoke(app, [*args, "--skip-existing"])  # the recipe's own 1M steps
+    line = next((ln for ln in r.output.splitlines() if "random-v1" in ln), r.output)
+    assert any(s in line for s in ("--recipe-steps", "--overwrite", "1M", "1000000")), r.output
