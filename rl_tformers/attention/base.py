@@ -15,6 +15,9 @@ them (the backbone builds it from the state's bookkeeping).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +27,26 @@ from torch import Tensor, nn
 from rl_tformers.backbone_config import SlotConfig
 from rl_tformers.position.base import PositionModule
 from rl_tformers.types import AttnContext, AttnOutput, neg_inf, state_type, to_acc
+
+_BUFFER_UPDATES: ContextVar[bool] = ContextVar("rl_tformers_buffer_updates", default=True)
+
+
+def buffer_updates_enabled() -> bool:
+    """Whether a training-mode forward may update a module's buffers (the routing centroids'
+    EMA step); False inside :func:`deferred_buffer_updates`."""
+    return _BUFFER_UPDATES.get()
+
+
+@contextmanager
+def deferred_buffer_updates() -> Iterator[None]:
+    """Forwards inside this context update no buffers: the first forward of a checkpointed block
+    (``backbone.checkpoint``), whose recomputation in backward then updates them once, with the
+    values the forward used (as a reversible block's recomputation does)."""
+    token = _BUFFER_UPDATES.set(False)
+    try:
+        yield
+    finally:
+        _BUFFER_UPDATES.reset(token)
 
 
 @dataclass(frozen=True)

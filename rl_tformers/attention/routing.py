@@ -19,7 +19,7 @@ from rl_tformers.attention._grouped import (
     require_scoreless_position,
     scatter_merge,
 )
-from rl_tformers.attention.base import AttentionConfig, AttentionModule
+from rl_tformers.attention.base import AttentionConfig, AttentionModule, buffer_updates_enabled
 from rl_tformers.backbone_config import IncompatibleConfig
 from rl_tformers.registry import ATTENTION, Capabilities
 from rl_tformers.types import AttnContext, AttnOutput
@@ -73,7 +73,8 @@ class RoutingAttention(AttentionModule):
       the unit queries and keys assigned to it), ``lambda = ema_decay``, computed without
       gradient **only in training mode and only when autograd is recording** (so a reversible
       block's no-grad forward and its recomputation in backward update once, with the same
-      centroids). Eval-mode forwards (rollouts) never change the module. Under the trainer's
+      centroids; so does a checkpointed block, ``backbone.checkpoint``, whose first forward
+      defers the update to its recomputation: :func:`deferred_buffer_updates`). Eval-mode forwards (rollouts) never change the module. Under the trainer's
       DDP the statistics are summed over the ranks (:func:`_sum_over_ddp_ranks`): the centroids
       follow the global batch and stay identical on every rank (a reversible block, which
       updates them during backward, keeps rank 0's, which DDP broadcasts). The paper sums the
@@ -272,7 +273,7 @@ class RoutingAttention(AttentionModule):
                 lq = ((qn - nearest_q) ** 2).sum(-1).mul(q_ok[:, None]).sum() / (nq * h)
                 lk = ((kn - nearest_k) ** 2).sum(-1).mul(k_ok[:, None]).sum() / (nk * h)
                 aux["routing_commitment"] = self.cfg.commitment_weight * (lq + lk)
-            if self.training and torch.is_grad_enabled() and self.cfg.ema_decay < 1:
+            if self.training and torch.is_grad_enabled() and self.cfg.ema_decay < 1 and buffer_updates_enabled():
                 self.ema_step(qn, kn, cq, ck, q_ok, k_ok)
         y = torch.cat(parts, dim=1).to(v.dtype)  # (B, H, T, Dh): local heads first
         return AttnOutput(self.o_proj(self.merge_heads(y)), aux=aux, metrics=metrics)

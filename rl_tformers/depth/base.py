@@ -13,6 +13,7 @@ steps, exit layer) in ``metrics``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from rl_tformers.attention.base import deferred_buffer_updates
 from rl_tformers.backbone_config import SlotConfig
 from rl_tformers.types import AttnContext, BlockOutput, LayerState, merge_into
 
@@ -66,13 +68,15 @@ def call_block(block: nn.Module, x: Tensor, ctx: AttnContext, state: LayerState 
     al. 2019 sec. 5.4): only its inputs are kept, and its forward runs again in the backward
     pass (non-reentrant ``torch.utils.checkpoint``, random state replayed, so dropout draws and
     gradients equal the ordinary pass's). ``ctx`` is copied with its ``layer_idx``, so the
-    recomputation sees this layer's index.
+    recomputation sees this layer's index; buffers a training forward updates (the routing
+    centroids) are updated by the recomputation only, from the values the first forward used.
     """
     kwargs = {} if queries is None else {"queries": queries}
     if not (getattr(block, "checkpoint", False) and torch.is_grad_enabled()):
         return block(x, ctx, state, **kwargs)
     own = copy.copy(ctx)  # the depth loop sets ctx.layer_idx of the next layer before backward runs
-    return checkpoint(lambda h: block(h, own, state, **kwargs), x, use_reentrant=False)
+    return checkpoint(lambda h: block(h, own, state, **kwargs), x, use_reentrant=False,
+                      context_fn=lambda: (deferred_buffer_updates(), contextlib.nullcontext()))
 
 
 class DepthModule(nn.Module):

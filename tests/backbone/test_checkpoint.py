@@ -1,6 +1,7 @@
-"""Gradient checkpointing of ordinary blocks (``backbone.checkpoint``): the same outputs and
-exactly the same gradients as the ordinary pass (dropout included), in every depth kind that
-runs blocks one by one, with memory and episodes; and lower peak memory in training."""
+"""Gradient checkpointing of ordinary blocks (``backbone.checkpoint``): the same outputs,
+exactly the same gradients and buffers as the ordinary pass (dropout and the routing centroids'
+EMA step included), in every depth kind that runs blocks one by one, with memory and episodes;
+and lower peak memory in training."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def _grads(cfg: dict, checkpoint: bool, with_state: bool = False):
     out = bb(x, **kw)
     loss = out.hidden[mask].square().mean() + sum(out.aux.values(), torch.zeros(()))
     loss.backward()
-    return out.hidden.detach(), x.grad, {n: p.grad for n, p in bb.named_parameters()}
+    grads = {n: p.grad for n, p in bb.named_parameters()}
+    return out.hidden.detach(), x.grad, grads, {n: b.clone() for n, b in bb.named_buffers()}
 
 
 CASES = {
@@ -42,6 +44,9 @@ CASES = {
     "universal_sepconv": ({"depth": {"kind": "universal", "max_steps": 2, "transition": "sepconv"}}, False),
     "lsh": ({"attention": {"kind": "lsh", "bucket_size": 2, "n_hashes": 2, "seed": 0}, "position": {"kind": "rotary"}},
             False),
+    # the centroids' EMA step runs once (in the recomputation), from the centroids the forward used
+    "routing_ema": ({"attention": {"kind": "routing", "n_clusters": 3, "local_window": 4, "cluster_window": 4,
+                                   "seed": 0, "ema_decay": 0.5}, "position": {"kind": "rotary"}}, False),
 }
 
 
@@ -49,10 +54,11 @@ CASES = {
 def test_checkpointed_gradients_equal_the_ordinary_ones_exactly(case):
     fields, with_state = CASES[case]
     cfg = {"d_model": D, "n_layers": 3, "n_heads": 2, "dropout": 0.2, "attn_dropout": 0.1, **fields}
-    h0, gx0, gp0 = _grads(cfg, False, with_state)
-    h1, gx1, gp1 = _grads(cfg, True, with_state)
+    h0, gx0, gp0, buf0 = _grads(cfg, False, with_state)
+    h1, gx1, gp1, buf1 = _grads(cfg, True, with_state)
     assert torch.equal(h0, h1)
     assert torch.equal(gx0, gx1)
+    assert buf0.keys() == buf1.keys() and all(torch.equal(buf0[n], buf1[n]) for n in buf0)
     assert gp0.keys() == gp1.keys()
     for name in gp0:
         assert (gp0[name] is None) == (gp1[name] is None), name
