@@ -51,8 +51,8 @@ OPSET = 17
 #: largest difference of a float output of an exported graph from the eager graph's
 ATOL = 1e-5
 
-_UNFOLD = ("its blocks of keys are cut with Tensor.unfold, which PyTorch's ONNX exporter does not export with a "
-           "dynamic batch size")
+_UNFOLD = ("its blocks of keys are cut with Tensor.unfold, which PyTorch's ONNX exporter does not export here "
+           "(the size of the unfolded tensor is not known to it)")
 #: (slot, kind) -> {format: why it cannot be exported}; the kinds not named export to both
 #: (docs/deployment.md lists them; tests/export/test_export_kinds.py checks both against export)
 REFUSED: dict[tuple[str, str], dict[str, str]] = {
