@@ -40,6 +40,7 @@ CASES = {
     "post_norm": ({"block": {"kind": "post_norm"}, "attention": {"kind": "local", "block": 4, "memory": 4}}, False),
     "gated_xl_memory": ({"block": {"kind": "gated"}, "position": {"kind": "xl_relative"},
                          "memory": {"kind": "xl", "mem_len": 6}}, True),
+    "early_exit": ({"depth": {"kind": "early_exit"}}, False),
     "universal_act": ({"depth": {"kind": "universal", "max_steps": 3}}, False),
     "universal_sepconv": ({"depth": {"kind": "universal", "max_steps": 2, "transition": "sepconv"}}, False),
     "lsh": ({"attention": {"kind": "lsh", "bucket_size": 2, "n_hashes": 2, "seed": 0}, "position": {"kind": "rotary"}},
