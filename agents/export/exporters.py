@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from rl_tformers.agents.export.folder import (
     GRAPH_FILES,
     SPEC_FILE,
@@ -108,6 +109,8 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path, plugins: Iterable
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}; use one of {', '.join(FORMATS)}")
     run = load_run(run_dir, plugins=plugins)
+    backbone = OmegaConf.to_container(run.cfg.backbone, resolve=True) if run.cfg.get("backbone") else {}
+    check_exportable(backbone_kinds({"backbone": backbone}), fmt)  # before the policy: early exit wraps it
     agent = run.agent
     policy = agent.policy(deterministic=True) if "deterministic" in policy_options(agent) else agent.policy()
     family, model, model_cfg, acting = acting_spec(policy, agent)
