@@ -107,11 +107,12 @@ class LinformerAttention(AttentionModule):
         = ceil(n / k) over x zero-padded to k ceil(n / k) rows (Wang et al. 2020, sec. 4,
         "general projections"); ``weight`` (Dh, Dh, kw) shared by the heads or (H, Dh, Dh, kw)."""
         b, h, s, dh = x.shape
-        xs = F.pad(x, (0, 0, 0, self.k * self.kernel - s)).transpose(-1, -2)  # (B, H, Dh, k kw)
+        n = self.k * self.kernel
+        xs = F.pad(x, (0, 0, 0, n - s)).transpose(-1, -2)  # (B, H, Dh, k kw)
         if weight.dim() == 3:
-            y = F.conv1d(xs.reshape(b * h, dh, -1), weight, stride=self.kernel)  # (B H, Dh, k)
+            y = F.conv1d(xs.reshape(b * h, dh, n), weight, stride=self.kernel)  # (B H, Dh, k)
         else:  # one convolution per head: grouped over the heads
-            y = F.conv1d(xs.reshape(b, h * dh, -1), weight.reshape(h * dh, dh, self.kernel), stride=self.kernel,
+            y = F.conv1d(xs.reshape(b, h * dh, n), weight.reshape(h * dh, dh, self.kernel), stride=self.kernel,
                          groups=h)  # (B, H Dh, k)
         return y.reshape(b, h, dh, self.k).transpose(-1, -2)  # (B, H, k, Dh)
 

@@ -136,3 +136,15 @@ def test_padding_content_never_changes_valid_outputs():
         with torch.no_grad():
             a, b = mod(x, x, ctx).out, mod(garbage, garbage, ctx).out
         torch.testing.assert_close(a[valid], b[valid], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("fields", [{"projection": "max_pool", "k": 3},
+                                    {"projection": "conv", "k": 4, "max_len": 16, "sharing": "none"},
+                                    {"projection": "conv", "k": 4, "max_len": 16}])
+def test_an_empty_batch_and_a_row_without_valid_keys_run(fields):
+    bb = Backbone({"d_model": D, "n_heads": H, "causal": False, "attention": {"kind": "linformer", **fields}})
+    assert bb(torch.randn(0, 7, D)).hidden.shape == (0, 7, D)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[0] = False  # every key of row 0 padded
+    out = bb(torch.randn(2, 9, D), mask=mask).hidden
+    assert out.shape == (2, 9, D) and torch.isfinite(out).all()

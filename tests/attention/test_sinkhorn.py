@@ -86,3 +86,13 @@ def test_sortcut_zero_keeps_the_local_and_sorted_blocks():
         a = sinkhorn_module()(x, x, ctx).out
         b = sinkhorn_module(sortcut=4)(x, x, ctx).out
     assert (a - b).abs().max() > 1e-3
+
+
+def test_sortcut_runs_an_empty_batch_and_a_row_without_valid_keys():
+    bb = Backbone({"d_model": D, "n_heads": H, "causal": False,
+                   "attention": {"kind": "sinkhorn", "sortcut": 2, "block_size": BLOCK, "max_len": 64}})
+    assert bb(torch.randn(0, 7, D)).hidden.shape == (0, 7, D)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[0] = False
+    out = bb(torch.randn(2, 9, D), mask=mask).hidden
+    assert out.shape == (2, 9, D) and torch.isfinite(out).all()
