@@ -54,6 +54,8 @@ run's ``metrics.jsonl``:
   completed: status ``ok`` or ``skipped``; a failed, stopped, incomplete or not-run run's last
   values are in its row but not in the summary or plot: ``seeds`` reads e.g. ``1/2``);
 - ``OUT/results.png``: ``--metric`` per grid point, mean with one standard deviation over seeds.
+- ``OUT/curves.json`` / ``curves.png``: with periodic evaluations, ``--metric`` against updates
+  per grid point, mean ± std over seeds (:mod:`rl_tformers.runtime.curves`).
 
 Why not a scheduler of our own: locally a ``concurrent.futures.ThreadPoolExecutor`` of
 ``--jobs`` workers, each waiting on one training subprocess (process isolation, a crash fails
@@ -96,6 +98,7 @@ from omegaconf import OmegaConf
 
 from rl_tformers.registry import RegistryError
 from rl_tformers.runtime import checkpoint as ckpt
+from rl_tformers.runtime.curves import plot_curve_panels, point_curves, run_curve, write_curves
 from rl_tformers.runtime.errors import ConfigError
 from rl_tformers.runtime.progress import PlainProgress
 from rl_tformers.runtime.run_config import compose, config_name_hint, flatten, to_container
@@ -1226,7 +1229,26 @@ def write_results(out_dir: Path, runs: Sequence[SweepRun], outcomes: dict[str, R
         res.files.append(str(png))
     else:
         png.unlink(missing_ok=True)  # a plot of an earlier metric would look like this one's
+    res.files += _write_learning_curves(out_dir, runs, metric)
     return res
+
+
+def _write_learning_curves(out_dir: Path, runs: Sequence[SweepRun], metric: str | None) -> list[str]:
+    """``curves.json`` and ``curves.png``: ``metric`` against updates per grid point, mean ± std
+    over its seeds (:mod:`rl_tformers.runtime.curves`), when some run logged it at two steps or
+    more (periodic evaluations); otherwise earlier ones are removed."""
+    groups: dict[str, list] = {}
+    for run in runs:
+        groups.setdefault(run.point_label, []).append(run_curve(metrics_records(run.run_dir), metric) if metric else [])
+    points = point_curves(groups)
+    files = [out_dir / "curves.json", out_dir / "curves.png"]
+    if not metric or not any(len(c["steps"]) >= 2 for c in points.values()):
+        for f in files:
+            f.unlink(missing_ok=True)
+        return []
+    write_curves(points, metric, files[0])
+    plot_curve_panels({out_dir.name: points}, metric, files[1])
+    return [str(f) for f in files]
 
 
 def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], out_dir: str | os.PathLike,
@@ -1463,7 +1485,7 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
 
 SWEEP_HELP = """Run a grid of training runs (config values x seeds) in parallel and collect one results table and plot.
 
-Every grid point x seed is an ordinary `rl-tformers train` run in OUT/<point>/seed<k> (<point>: each grid key by its shortest dotted suffix no other grid key shares, e.g. attention.kind=sdpa__position.kind=none). Every grid point is checked before any run starts, and all bad points are named in one error: its config must compose and (local launcher) its agent must build as `rl-tformers train` checks it (dataset, agent options, backbone); two grid values giving the same config, and an override that a run's own seed, folder or grid value would replace, are refused; so is a second sweep in the same OUT while one runs. Running the same command again skips complete runs (trained to train.steps and, with eval.at_end, evaluated), resumes unfinished ones and starts again those that stopped before their first checkpoint; a run directory holding a run with another config (e.g. other train.steps) is refused, naming the differing keys. SIGINT/SIGTERM/SIGHUP stop every run with a checkpoint. Results: OUT/results.csv, results.json, results.md (per run, and mean/std over the seeds whose run completed per grid point) and results.png.
+Every grid point x seed is an ordinary `rl-tformers train` run in OUT/<point>/seed<k> (<point>: each grid key by its shortest dotted suffix no other grid key shares, e.g. attention.kind=sdpa__position.kind=none). Every grid point is checked before any run starts, and all bad points are named in one error: its config must compose and (local launcher) its agent must build as `rl-tformers train` checks it (dataset, agent options, backbone); two grid values giving the same config, and an override that a run's own seed, folder or grid value would replace, are refused; so is a second sweep in the same OUT while one runs. Running the same command again skips complete runs (trained to train.steps and, with eval.at_end, evaluated), resumes unfinished ones and starts again those that stopped before their first checkpoint; a run directory holding a run with another config (e.g. other train.steps) is refused, naming the differing keys. SIGINT/SIGTERM/SIGHUP stop every run with a checkpoint. Results: OUT/results.csv, results.json, results.md (per run, and mean/std over the seeds whose run completed per grid point) and results.png; with periodic evaluations (eval.every) also curves.json and curves.png (the metric against updates, mean ± std over seeds).
 
 Examples:
 
