@@ -3,11 +3,12 @@
 The same policy acts through three paths on the same observations: the in-package policy
 (``agent.policy()``, eager PyTorch), the exported TorchScript graph and the exported ONNX graph
 under onnxruntime (both through :class:`rl_tformers.agents.export.Policy`, whose state between
-steps is NumPy). Per batch size N in ``--batches``: milliseconds per ``act()`` call (one step of
-N environments: the DT's window written, one forward pass, the actions mapped to the space) over
-``--steps`` timed steps after ``--warmup`` steps (episodes of ``--steps + --warmup`` steps, so
-the DT's window fills up and then slides), and each path's time over the in-package one's,
-measured in the same run.
+steps is NumPy). Per batch size N in ``--batches``: the median milliseconds of an ``act()`` call
+(one step of N environments: the DT's window written, one forward pass, the actions mapped to
+the space) over ``--steps`` timed steps after ``--warmup`` steps (one episode of ``--steps +
+--warmup`` steps, so the DT's window fills up and then slides), the three paths taking turns
+step by step so that a change of the machine's load reaches them alike, and each path's median
+over the in-package one's, measured in the same run.
 
 The policy: a trained run given with ``--run``, or an untrained Decision Transformer of the
 paper's size (128 dims, 3 layers, 1 head, K = 20) on Hopper's sizes (11 observations, 3
@@ -39,8 +40,6 @@ from rl_tformers.runtime.agent_registry import UnknownAgentError
 from rl_tformers.runtime.checkpoint import CheckpointError
 from rl_tformers.runtime.errors import ConfigError
 from rl_tformers.runtime.loading import load_run
-
-PATHS = ("in-package", "torchscript", "onnx")
 
 
 @dataclass
@@ -81,7 +80,7 @@ class Result:
         m = self.machine
         lines = [f"*{m.get('cpu', 'CPU')}, {self.settings['threads']} thread(s), {m['date']}, load average "
                  f"{' '.join(map(str, m.get('loadavg_1_5_15', [])))}; {self.policy}.*", "",
-                 "| batch | path | ms per act() | / in-package |", "|---|---|---|---|"]
+                 "| batch | path | median ms per act() | / in-package |", "|---|---|---|---|"]
         for r in self.rows:
             lines.append(f"| {r['batch']} | {r['path']} | {r['ms_per_step']:.3f} | {r['ratio']:.2f}x |")
         return "\n".join(lines)
@@ -94,24 +93,24 @@ def untrained_dt() -> tuple[DTPolicy, Any]:
     return DTPolicy(model, np.zeros(11), np.ones(11), 1000.0, -np.ones(3), np.ones(3), default_target=3600.0), None
 
 
-def _time(policy: Any, n: int, s: Settings, target: float | None) -> float:
-    """Milliseconds per ``act()`` of ``policy`` for ``n`` rows (module docstring)."""
+def _time(paths: dict[str, Any], n: int, s: Settings, target: float | None) -> dict[str, list[float]]:
+    """Milliseconds of every timed ``act()`` call of each path for ``n`` rows: the paths take turns
+    step by step on the same observations (so a change of the machine's load reaches all of them
+    alike); ``--warmup`` untimed steps first."""
     rng = np.random.default_rng(s.seed)
-    obs_dim = int(policy.acting["obs_dim"]) if isinstance(policy, Policy) else _obs_dim(policy)
+    obs_dim = int(paths["onnx"].acting["obs_dim"])
     obs = rng.normal(size=(s.warmup + s.steps, n, obs_dim)).astype(np.float32)
-    state, reward = policy.initial_state(n, target), np.zeros(n)
-    start, cont = np.ones(n, bool), np.zeros(n, bool)
-    for t in range(s.warmup):
-        _, state = policy.act(obs[t], state, start if t == 0 else cont, reward)
-    t0 = time.perf_counter()
-    for t in range(s.warmup, s.warmup + s.steps):
-        _, state = policy.act(obs[t], state, start if t == 0 else cont, reward)
-    return 1000.0 * (time.perf_counter() - t0) / s.steps
-
-
-def _obs_dim(policy: Any) -> int:
-    model = policy.model
-    return int(model.cfg.obs_dim)
+    states = {k: p.initial_state(n, target) for k, p in paths.items()}
+    reward, cont = np.zeros(n), np.zeros(n, bool)
+    ms: dict[str, list[float]] = {k: [] for k in paths}
+    for t in range(s.warmup + s.steps):
+        start = np.ones(n, bool) if t == 0 else cont
+        for k, p in paths.items():
+            t0 = time.perf_counter()
+            _, states[k] = p.act(obs[t], states[k], start, reward)
+            if t >= s.warmup:
+                ms[k].append(1000.0 * (time.perf_counter() - t0))
+    return ms
 
 
 def run_bench(s: Settings, log=lambda message: None) -> Result:
@@ -138,7 +137,7 @@ def run_bench(s: Settings, log=lambda message: None) -> Result:
                                                   "date": time.strftime("%d %b %Y", time.gmtime())}, policy=name)
         for n in s.batches:
             log(f"batch {n}: timing {', '.join(paths)}")
-            ms = {k: _time(p, n, s, target) for k, p in paths.items()}
+            ms = {k: float(np.median(v)) for k, v in _time(paths, n, s, target).items()}
             res.rows += [{"batch": n, "path": k, "ms_per_step": v, "ratio": v / ms["in-package"]} for k, v in ms.items()]
     return res
 

@@ -27,3 +27,16 @@ def test_bench_act_times_the_three_paths_at_each_batch_size(tmp_path: Path) -> N
 def test_bench_act_refuses_a_repeated_batch_size_before_measuring() -> None:
     r = runner.invoke(app, ["bench", "act", "--batches", "32,32"])
     assert r.exit_code == 2 and r.stderr == "error: --batches: 32 is given twice\n"
+
+
+def test_the_act_latency_table_of_docs_performance_is_its_json() -> None:
+    """Every row of the ``act()`` latency table in docs/performance.md is the measured JSON's."""
+    root = Path(__file__).resolve().parents[2]
+    data = json.loads((root / "docs" / "performance" / "bench_act.json").read_text())
+    text = (root / "docs" / "performance.md").read_text()
+    section = text[text.index("### act() latency of exported policies"):text.index("### Attention scaling")]
+    rows = [f"| {r['batch']} | {r['path']} | {r['ms_per_step']:.3f} | {r['ratio']:.2f}x |" for r in data["rows"]]
+    assert [line for line in section.splitlines() if line.startswith("| ") and "x |" in line] == rows
+    load = " ".join(map(str, data["machine"]["loadavg_1_5_15"]))
+    assert f"{data['settings']['threads']} thread, {data['machine']['date']}, load average {load}" in section
+    assert f"--steps {data['settings']['steps']}" in section
