@@ -1,10 +1,10 @@
-"""Peer worker of :mod:`rl_tformers.bench.crosscheck`: trains d3rlpy's own ``DecisionTransformer``
-or ``BC`` on an exported dataset and evaluates it in gymnasium's ``Hopper-v5``.
+"""Peer worker of :mod:`rl_tformers.bench.crosscheck`: trains d3rlpy's own ``DecisionTransformer``,
+``BC``, ``IQL`` or ``CQL`` on an exported dataset and evaluates it in gymnasium's ``Hopper-v5``.
 
 A standalone script (it must not import rl_tformers: it runs in the peers' own virtual
 environment, ``.bench-venvs/peers``, because d3rlpy 2.8 pins gymnasium 1.0.0). Started as::
 
-    python _peer_crosscheck.py --algo dt|bc --data crosscheck_data.npz --seed 0 \\
+    python _peer_crosscheck.py --algo dt|bc|iql|cql --data crosscheck_data.npz --seed 0 \\
         --targets 3559,3300 --steps 4000 --episodes 10 --out result.json
 
 ``crosscheck_data.npz`` holds the dataset in D4RL layout (``observations, actions, rewards,
@@ -23,7 +23,15 @@ Settings (the shortened ones of our Hopper table, as far as d3rlpy allows):
 - BC: ``BCConfig`` deterministic policy, 256-256 ReLU MLP with dropout 0.1, ``AdamWFactory``
   weight decay 1e-4 (d3rlpy's AdamW decays every parameter), grad clip 0.25, standard
   observation scaler.
-- both: batch 64, lr 6e-4, ``--steps`` updates, linear warmup over 400 updates then cosine decay
+- IQL and CQL: the settings of d3rlpy's own reproduction scripts (``reproductions/offline/iql.py``
+  and ``cql.py``), which this worker follows rather than ours, with ``--steps`` updates:
+  IQL (Kostrikov et al. 2022): actor and critic lr 3e-4, batch 256, expectile 0.7, inverse
+  temperature 3.0, weights clipped at 100, rewards scaled by 1000 / (max - min episode return),
+  cosine decay of the actor's lr over the ``--steps`` updates; CQL (Kumar et al. 2020): 256-256
+  encoders, actor lr 1e-4, critic lr 3e-4, temperature lr 1e-4, alpha lr 3e-4 from e with
+  threshold 10, batch 256, 10 action samples, ``--conservative-weight`` (the script's 10 for
+  medium sets, 5 otherwise). Both evaluate through ``algo.predict`` (the policy's mean).
+- DT and BC: batch 64, lr 6e-4, ``--steps`` updates, linear warmup over 400 updates then cosine decay
   to 0.1 x lr. d3rlpy has warmup and cosine schedules only separately, so the schedule is a
   small ``LRSchedulerFactory`` subclass registered with d3rlpy (``warmup_cosine_rlt``): factor
   ``(s + 1) / W`` for update ``s < W``, then ``m + (1 - m) (1 + cos(pi p)) / 2`` with
@@ -81,7 +89,28 @@ def _warmup_cosine_factory():
     return WarmupCosineFactory
 
 
+def build_q_learning(algo: str, args, d3rlpy):
+    """IQL or CQL with the settings of d3rlpy's reproduction scripts (module docstring)."""
+    if algo == "iql":
+        cfg = d3rlpy.algos.IQLConfig(
+            actor_learning_rate=3e-4, critic_learning_rate=3e-4, batch_size=256, weight_temp=3.0, max_weight=100.0,
+            expectile=0.7, reward_scaler=d3rlpy.preprocessing.ReturnBasedRewardScaler(multiplier=1000.0),
+            actor_optim_factory=d3rlpy.optimizers.AdamFactory(
+                lr_scheduler_factory=d3rlpy.optimizers.CosineAnnealingLRFactory(T_max=args.steps)),
+        )
+    else:
+        encoder = d3rlpy.models.VectorEncoderFactory([256, 256])
+        cfg = d3rlpy.algos.CQLConfig(
+            actor_learning_rate=1e-4, critic_learning_rate=3e-4, temp_learning_rate=1e-4, alpha_learning_rate=3e-4,
+            initial_alpha=math.e, actor_encoder_factory=encoder, critic_encoder_factory=encoder, batch_size=256,
+            n_action_samples=10, alpha_threshold=10, conservative_weight=args.conservative_weight,
+        )
+    return cfg, cfg.create(device=False)
+
+
 def build(algo: str, args, d3rlpy):
+    if algo in ("iql", "cql"):
+        return build_q_learning(algo, args, d3rlpy)
     sched = _warmup_cosine_factory()(warmup_steps=args.warmup, total_steps=args.steps, min_lr_ratio=args.min_lr_ratio)
     scaler = d3rlpy.preprocessing.StandardObservationScaler()
     if algo == "dt":
@@ -120,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The worker's options (the driver also reads them: a per-run JSON is reused only when the
     settings it records equal :func:`recorded_settings` of the command the driver would run)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--algo", choices=("dt", "bc"), required=True)
+    ap.add_argument("--algo", choices=("dt", "bc", "iql", "cql"), required=True)
     ap.add_argument("--data", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
@@ -142,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--reward-scale", type=float, default=0.001)
     ap.add_argument("--max-timestep", type=int, default=1001, help="timesteps run 1..1000 in d3rlpy")
+    ap.add_argument("--conservative-weight", type=float, default=5.0, help="CQL's alpha (its script: 10 on medium sets)")
     return ap
 
 
@@ -170,8 +200,9 @@ def fit(args: argparse.Namespace):
     algo.fit(dataset, n_steps=args.steps, n_steps_per_epoch=args.steps, show_progress=False, with_timestamp=False,
              logger_adapter=d3rlpy.logging.NoopAdapterFactory(), save_interval=10**9)
     train_s = time.perf_counter() - t0
-    # the last update's learning rate (checks the schedule ran to its end)
-    optim = algo.impl.modules.optim.optim
+    # the last update's learning rate (checks the schedule ran to its end): the policy's optimiser
+    modules = algo.impl.modules
+    optim = (modules.optim if hasattr(modules, "optim") else modules.actor_optim).optim
     final_lr = float(optim.param_groups[0]["lr"])
     print(f"[{args.algo} seed {args.seed}] {args.steps} updates in {train_s:.1f} s (final lr {final_lr:.2e})",
           file=sys.stderr, flush=True)

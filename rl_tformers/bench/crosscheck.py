@@ -102,8 +102,12 @@ def _seed(item: str) -> int:
     return v
 
 
+#: the peers' algorithms the cross-check runs (d3rlpy's DecisionTransformer, BC, IQL, CQL)
+ALGOS = ("dt", "bc", "iql", "cql")
+
+
 def _algo(item: str) -> str:
-    if item not in ("dt", "bc"):
+    if item not in ALGOS:
         raise ValueError(item)
     return item
 
@@ -124,9 +128,9 @@ def parse_options(args: argparse.Namespace) -> tuple[list[int], list[str], list[
     seeds = _parse_list(args.seeds, "--seeds", _seed, "a seed (an integer >= 0)")
     if not seeds:
         raise CrosscheckError("--seeds is empty; give e.g. --seeds 0,1,2")
-    algos = _parse_list(args.algos, "--algos", _algo, "an algorithm (dt or bc)")
+    algos = _parse_list(args.algos, "--algos", _algo, f"an algorithm ({', '.join(ALGOS)})")
     if not algos:
-        raise CrosscheckError("--algos is empty; give dt, bc or dt,bc")
+        raise CrosscheckError(f"--algos is empty; give some of {','.join(ALGOS)}")
     extra = _parse_list(args.extra_targets, "--extra-targets", _target, "a finite number")
     if extra and "dt" not in algos:
         raise CrosscheckError(f"--extra-targets {args.extra_targets!r}: targets are for dt, which --algos "
@@ -181,11 +185,12 @@ def check_dataset_env(ds, env: str | None, spec: str) -> str:
 
 
 def worker_argv(algo: str, seed: int, data: Path, out: Path, steps: int, episodes: int, env: str,
-                targets: list[float]) -> list[str]:
+                targets: list[float], conservative_weight: float = 5.0) -> list[str]:
     """The worker's command-line options for one run."""
     return ["--algo", algo, "--data", str(data), "--seed", str(seed), "--steps", str(steps),
             "--episodes", str(episodes), "--env", env, "--out", str(out),
-            "--targets", ",".join(repr(t) for t in targets) if algo == "dt" else ""]
+            "--targets", ",".join(repr(t) for t in targets) if algo == "dt" else "",
+            *(["--conservative-weight", repr(conservative_weight)] if algo == "cql" else [])]
 
 
 def reuse_problem(path: Path, settings: dict[str, Any], sha256: str) -> str | None:
@@ -236,13 +241,15 @@ def _fail(msg: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="d3rlpy DT / BC cross-check on one of our datasets")
+    ap = argparse.ArgumentParser(description="d3rlpy DT / BC / IQL / CQL cross-check on one of our datasets")
     ap.add_argument("--dataset", default="rlt/hopper-v5/medium-expert-v0")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--algos", default="dt,bc")
     ap.add_argument("--extra-targets", default="", help="DT targets besides the dataset's top return, e.g. 3300")
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--episodes", type=int, default=10)
+    ap.add_argument("--conservative-weight", type=float, default=5.0,
+                    help="CQL's alpha (d3rlpy's reproduction script: 10 on medium sets, 5 otherwise)")
     ap.add_argument("--env", default=None, help="evaluation environment (default: the dataset's; must match it)")
     ap.add_argument("--python", default=None, help="the peers' python (default: .bench-venvs/peers/bin/python)")
     ap.add_argument("--work", default="runs/crosscheck/work", help="exported data, per-run JSON and logs")
@@ -282,7 +289,7 @@ def _plan(args: argparse.Namespace, seeds: list[int], algos: list[str], work: Pa
         for algo in algos:
             out = work / f"{algo}-s{seed}.json"
             wargs = worker_argv(algo, seed, data_path, out.resolve().with_name(out.name + ".tmp"), args.steps,
-                                args.episodes, env_id, targets)
+                                args.episodes, env_id, targets, args.conservative_weight)
             settings = worker.recorded_settings(worker.build_parser().parse_args(wargs))
             reuse = out.exists()
             if reuse:

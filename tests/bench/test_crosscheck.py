@@ -195,7 +195,7 @@ def test_crosscheck_refuses_a_run_json_without_a_data_record(tmp_path, hopper_h5
     (["--seeds", "-1"], "error: --seeds '-1': '-1' is not a seed"),
     (["--extra-targets", "x"], "error: --extra-targets 'x': 'x' is not a finite number"),
     (["--extra-targets", "nan"], "error: --extra-targets 'nan': 'nan' is not a finite number"),
-    (["--algos", "dt,cql"], "error: --algos 'dt,cql': 'cql' is not an algorithm (dt or bc)"),
+    (["--algos", "dt,sac"], "error: --algos 'dt,sac': 'sac' is not an algorithm (dt, bc, iql, cql)"),
     (["--algos", "bc", "--extra-targets", "3300"], "error: --extra-targets '3300': targets are for dt"),
     (["--steps", "0"], "error: --steps must be >= 1, got 0"),
     (["--episodes", "0"], "error: --episodes must be >= 1, got 0"),
@@ -236,3 +236,14 @@ def test_crosscheck_checks_the_dataset_and_its_environment_up_front(tmp_path, ho
     anon = write_d4rl_h5(tmp_path / "data.hdf5", obs_dim=3, env_id=None, discrete=False)
     assert "records no environment; name the one it came from with --env" in refused(anon)
     assert "has observations of shape (3,) and actions of shape (1,)" in refused(anon, "--env", "Hopper-v5")
+
+
+def test_the_worker_command_of_each_peer_algorithm_parses_to_its_recorded_settings(tmp_path: Path) -> None:
+    """IQL and CQL run with d3rlpy's reproduction settings: the driver passes CQL's conservative
+    weight and no DT targets to them, and the worker records what it was asked."""
+    for algo in cc.ALGOS:
+        argv = cc.worker_argv(algo, 1, tmp_path / "d.npz", tmp_path / "o.json", 500, 3, "Hopper-v5", [3300.0], 10.0)
+        settings = worker.recorded_settings(worker.build_parser().parse_args(argv))
+        assert settings["algo"] == algo and settings["steps"] == 500 and settings["seed"] == 1
+        assert settings["targets"] == ("3300.0" if algo == "dt" else "")
+        assert settings["conservative_weight"] == (10.0 if algo == "cql" else 5.0)
