@@ -49,7 +49,7 @@ class ShiftedChoiceEnv(gym.Env):
 
 
 if SHIFTED not in gym.registry:
-    gym.register(SHIFTED, entry_point=f"{__name__}:ShiftedChoiceEnv")
+    gym.register(SHIFTED, entry_point=ShiftedChoiceEnv)  # the class itself: conftest modules share one name
 
 TINY = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=2", "train.progress=false",
         "eval.every=0", "eval.at_end=false", "device=cpu"]
