@@ -299,12 +299,18 @@ class DecisionTransformer(nn.Module):
         Returns:
             (B, K) long.
         Raises:
-            ValueError: a real timestep outside ``[0, max_ep_len)`` (names ``agent.max_ep_len``).
+            ValueError: outside training mode, a real timestep outside ``[0, max_ep_len)`` (names
+                ``agent.max_ep_len``).
+
+        In training mode the range is not checked here: that would cost a host-device sync per
+        update, and the window samplers refuse a dataset with an episode longer than
+        ``max_ep_len`` when they are built (``WindowSampler(max_ep_len=...)``); the embedding
+        lookup itself still rejects an out-of-range index.
         """
         t = torch.where(mask, timesteps.long(), torch.zeros_like(timesteps, dtype=torch.long))
-        if torch.compiler.is_compiling():
-            # no host sync under torch.compile (a graph break, and a recompilation for every new
-            # max timestep); the embedding lookup itself still rejects out-of-range indices
+        if self.training or torch.compiler.is_compiling():
+            # no host sync in an update, nor under torch.compile (a graph break, and a
+            # recompilation for every new max timestep)
             return torch.where(mask, t + 1, t.new_zeros(()))
         hi, lo = torch.stack((t.max(), t.min())).tolist()  # one device sync
         if hi >= self.cfg.max_ep_len or lo < 0:

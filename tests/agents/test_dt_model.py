@@ -117,6 +117,9 @@ def test_timestep_past_max_ep_len_raises_clear_error():
     batch["timesteps"][0, -1] = 50
     with pytest.raises(ValueError, match=r"timestep 50 is outside \[0, agent.max_ep_len=50\)"):
         _fwd(m, batch)
+    m.train()  # an update checks no range (no host sync); the embedding lookup still refuses it
+    with pytest.raises(IndexError):
+        _fwd(m, batch)
 
 
 def test_last_action_mode_predicts_one_action_and_ignores_last_action_input():

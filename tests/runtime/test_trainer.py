@@ -704,3 +704,52 @@ def test_resolved_values_are_in_config_yaml_the_hparams_and_the_first_log_line(
     assert {k: hp[f"resolved.{k}"] for k in want} == want
     first = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("run "))
     assert first.endswith(" | resolved: " + ", ".join(f"{k}={want[k]}" for k in sorted(want)))
+
+
+# ------------------------------------------------------- no host-device sync inside an update
+class _HostSyncs(torch.overrides.TorchFunctionMode):
+    """Counts the tensor calls that wait for the device (a value read on the host): ``item``,
+    ``tolist``, ``numpy``, ``cpu``, and ``bool``/``float``/``int`` of a tensor (a Python branch
+    on a tensor's value)."""
+
+    NAMES = frozenset({"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.NAMES:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _host_syncs(config: str, overrides: list[str], steps: int, run_dir: Path) -> int:
+    from rl_tformers.runtime.run_config import compose
+    from rl_tformers.runtime.trainer import train
+
+    cfg = compose(config, [*overrides, f"train.steps={steps}", "train.log_every=1000", "train.checkpoint_every=1000",
+                           "eval.every=0", "eval.at_end=false", "train.progress=false", "device=cpu"])
+    with _HostSyncs() as mode:
+        train(cfg, run_dir)
+    return mode.count
+
+
+@pytest.mark.parametrize("agent", ["dt", "bc"])
+def test_updates_between_log_and_checkpoint_steps_make_no_host_device_sync(agent: str, tmp_path: Path) -> None:
+    """A GPU-ready loop: the host reads device values only at log and checkpoint steps (and when a
+    run starts and ends). Runs of 20 and 40 updates with the same log and checkpoint steps (the
+    last one only) make exactly as many host syncs: none of them is per update.
+
+    GTrXL is not listed: its XL relative position bias reads the span of the allowed distances
+    once per forward to size its table (``position/xl_relative.py``, ``_span``)."""
+    from rl_tformers.agents.common.scripted import collect_delayed_expert
+    from rl_tformers.envs.loaders import save_d4rl_hdf5
+
+    tiny = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=2", "train.batch_size=4",
+            "train.warmup_steps=2"]
+    data = save_d4rl_hdf5(collect_delayed_expert(20, seed=0, n_envs=10), tmp_path / "cp.hdf5")
+    config, over = ("dt/cartpole_demo", [f"dataset.path={data}", *tiny, "agent.context_len=4"]) if agent == "dt" \
+        else (None, [f"dataset.path={data}", "agent.kind=bc", "train.batch_size=4"])
+    counts = [_host_syncs(config, over, n, tmp_path / f"run{n}") for n in (20, 40)]
+    assert counts[0] == counts[1], counts
