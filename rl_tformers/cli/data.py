@@ -76,7 +76,7 @@ class CollectArgs:
     obs_norm: str = "auto"
     train: str | None = None
     train_steps: int = 100_000
-    train_until_return: float | None = None
+    until_return: float | None = None
     replay_dataset_id: str | None = None
     steps: int | None = None
     episodes: int | None = None
@@ -106,12 +106,12 @@ class CollectArgs:
 
 
 #: options of a single collection, which a recipe sets itself
-SINGLE_OPTIONS = ("env", "policy", "algo", "stochastic", "obs_norm", "train", "train_steps", "train_until_return",
+SINGLE_OPTIONS = ("env", "policy", "algo", "stochastic", "obs_norm", "train", "train_steps", "until_return",
                   "replay_dataset_id", "steps", "episodes", "noise", "epsilon", "pomdp", "obs_indices", "dataset_id")
 
 
 # the longer option declarations of `collect`
-_TRAIN_UNTIL_RETURN = typer.Option(None, "--train-until-return",
+_UNTIL_RETURN = typer.Option(None, "--until-return",
                                              help="With --train: stop once the agent's deterministic evaluation return "
                                                   "(5 episodes every 5000 steps) reaches this (D4RL's medium-replay: "
                                                   "training up to the medium agent's return).")
@@ -141,8 +141,8 @@ def collect(
                                  help="'auto' (obs_norm.npz next to the zip if present), 'none', or a .npz path."),
     train: str = typer.Option(None, "--train", help="Train an SB3 agent on the spot (sac, ppo, ...) and roll it out."),
     train_steps: int = typer.Option(100_000, "--train-steps",
-                                    help="Environment steps of --train (the most, with --train-until-return)."),
-    train_until_return: float = _TRAIN_UNTIL_RETURN,
+                                    help="Environment steps of --train (the most, with --until-return)."),
+    until_return: float = _UNTIL_RETURN,
     replay_dataset_id: str = typer.Option(None, "--replay-dataset-id",
                                           help="With --train: also write every training transition (SAC: its "
                                                "replay buffer) as this Minari dataset (a medium-replay set)."),
@@ -178,7 +178,7 @@ def collect(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """``rl-tformers collect``; its help text is :data:`COLLECT_HELP`."""
-    a = CollectArgs(env, policy, algo, stochastic, obs_norm, train, train_steps, train_until_return, replay_dataset_id,
+    a = CollectArgs(env, policy, algo, stochastic, obs_norm, train, train_steps, until_return, replay_dataset_id,
                     steps, episodes, noise, epsilon, pomdp, obs_indices, seed, dataset_id, root, hdf5,
                     tuple(recipe or ()), recipe_steps, recipe_version, policies, memory_task, delay, overwrite,
                     skip_existing, progress, as_json)
@@ -452,16 +452,16 @@ def _checked_collect_options(a: CollectArgs) -> int | None:
         raise typer.BadParameter("give --steps or --episodes, not both", param_hint="--steps")
     if steps is None and episodes is None:
         steps = 0 if (train and a.replay_dataset_id) else 10_000
-    for option, needs in (("replay_dataset_id", "train"), ("train_until_return", "train")):
+    for option, needs in (("replay_dataset_id", "train"), ("until_return", "train")):
         if getattr(a, option) is not None and not getattr(a, needs):
             name = "--" + option.replace("_", "-")
             raise typer.BadParameter(f"{name} needs --train", param_hint=name)
     if a.stochastic and (train or a.policy == "random"):
         raise typer.BadParameter("--stochastic samples the actions of a --policy save file (random actions and "
                                  "--train have no mode to replace)", param_hint="--stochastic")
-    if a.train_until_return is not None and not math.isfinite(a.train_until_return):
-        raise typer.BadParameter(f"--train-until-return must be a finite return, got {a.train_until_return}",
-                                 param_hint="--train-until-return")
+    if a.until_return is not None and not math.isfinite(a.until_return):
+        raise typer.BadParameter(f"--until-return must be a finite return, got {a.until_return}",
+                                 param_hint="--until-return")
     if steps is not None and steps < 0 or episodes is not None and episodes < 0:
         name, value = ("--steps", steps) if steps is not None else ("--episodes", episodes)
         raise typer.BadParameter(f"{name} must be >= 0, got {value}", param_hint=name)
@@ -525,7 +525,7 @@ def _behaviour_policy(genv, a: CollectArgs, record, info: dict, results: list):
         pol, replay = train_and_record(a.train, a.env, a.train_steps, seed=a.seed,
                                        replay_dataset_id=a.replay_dataset_id, pomdp=record, root=a.root,
                                        overwrite=a.overwrite, progress=a.progress, hdf5=hdf5,
-                                       until_return=a.train_until_return)
+                                       until_return=a.until_return)
         if replay is not None:
             results.append(replay)
         label = f"{a.train}-trained"

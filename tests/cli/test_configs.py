@@ -26,7 +26,7 @@ def test_every_shipped_config_is_one_line_with_agent_data_and_description() -> N
 
 def test_a_config_line_reads_its_base_files_and_its_own_header() -> None:
     r = runner.invoke(app, ["configs", "dt/hopper_medium"])
-    assert r.stdout == ("dt/hopper_medium  dt  rlt/hopper-v5/medium-v0  Decision Transformer on the data layer's "
+    assert r.stdout == ("dt/hopper_medium  dt  rlt/hopper-v5/medium-v1  Decision Transformer on the data layer's "
                         "Hopper-v5 medium recipe (rl-tformers collect --recipe hopper-medium): the paper's settings "
                         "(Chen et al. 2021, table 8).\n")
     ppo = config_summary("gtrxl/ppo_cartpole")

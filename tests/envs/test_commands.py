@@ -160,9 +160,9 @@ def test_a_completed_overwrite_replaces_and_leaves_no_backup(tmp_path: Path) -> 
     (["--env", "CartPole-v1", "--recipe-version", "0"], "--recipe-version needs --recipe"),
     (["--recipe", "hopper-medium", "--stochastic"], "--stochastic: not used with --recipe"),
     (["--env", "CartPole-v1", "--stochastic"], "--stochastic samples the actions of a --policy save file"),
-    (["--env", "CartPole-v1", "--train-until-return", "100"], "--train-until-return needs --train"),
-    (["--env", "CartPole-v1", "--train", "ppo", "--train-until-return", "nan"],
-     "--train-until-return must be a finite return, got nan"),
+    (["--env", "CartPole-v1", "--until-return", "100"], "--until-return needs --train"),
+    (["--env", "CartPole-v1", "--train", "ppo", "--until-return", "nan"],
+     "--until-return must be a finite return, got nan"),
     (["--memory-task", "recall", "--hdf5", "x.hdf5", "--recipe-version", "0"], "--recipe-version: not used with --memory-task"),
 ])
 def test_collect_refuses_bad_values_by_name_before_collecting(tmp_path: Path, monkeypatch, args, says) -> None:

@@ -877,6 +877,8 @@ def test_a_missing_recipe_dataset_names_its_recipe(tmp_path, monkeypatch):
     monkeypatch.setenv("RL_TFORMERS_POLICIES", str(tmp_path / "policies"))
 
     with pytest.raises(FileNotFoundError, match=r"`rl-tformers collect --recipe walker2d-medium`"):
+        load_minari("rlt/walker2d-v5/medium-v1", root=tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"`rl-tformers collect --recipe walker2d-medium --recipe-version 0`"):
         load_minari("rlt/walker2d-v5/medium-v0", root=tmp_path)
     with pytest.raises(FileNotFoundError, match=r"no recipe builds this id \(`rl-tformers collect --list-recipes`"):
         load_minari("rlt/none-v5/nothing-v0", root=tmp_path)
