@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The converged Hopper results (docs/results.md, "Converged Hopper"): the paper's DT (128 dims,
+# 3 layers, 1 head, K = 20, its optimiser and warmup), BC and %BC, 3 seeds each, 20k updates,
+# evaluated every 2k updates (10 episodes, 10 vector environments) so every run's learning
+# curve is in its metrics.jsonl; bf16 autocast on the CPU (train.amp=bf16), one thread per run.
+#
+#   scripts/results_hopper.sh                       # every row, most telling first
+#   scripts/results_hopper.sh medium-expert         # one dataset
+#
+# Each row is one `rl-tformers sweep` over seeds 0-2: running the script again skips finished
+# runs and resumes interrupted ones from their last checkpoint (every 2k updates), so it can be
+# stopped and restarted at will. The datasets are the version 1 recipes (docs/data.md):
+#   rl-tformers collect --recipe hopper-medium --recipe hopper-expert --recipe hopper-medium-expert --recipe hopper-medium-replay
+# Results: runs/results-v1/<algo>-hopper-<dataset>/ (results.json, curves.json, curves.png);
+# the per-run JSON and the curves are copied to docs/results/hopper-v1/, and the figure of
+# every row's curves is docs/results/hopper-v1/curves.png.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RLT=${RLT:-.venv/bin/rl-tformers}
+[ -x "$RLT" ] || RLT=rl-tformers
+PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+OUT=${OUT:-runs/results-v1}
+DOC=docs/results/hopper-v1
+B="train.steps=20000 eval.every=2000 eval.episodes=10 eval.n_envs=10 train.checkpoint_every=2000 train.amp=bf16 device=cpu"
+if [ $# -eq 0 ]; then set -- medium-expert medium-replay medium; fi
+mkdir -p "$DOC"
+for l in "$@"; do
+  L=${l//-/_}
+  for a in dt bc bc10; do
+    case $a in
+      dt) cfg=dt/hopper_$L ;;
+      bc) cfg=bc/hopper_$L ;;
+      bc10) cfg=bc/hopper_${L}_top10 ;;
+    esac
+    d=$OUT/$a-hopper-$l
+    # shellcheck disable=SC2086
+    OMP_NUM_THREADS=1 "$RLT" sweep -c "$cfg" --seeds 0-2 --jobs 1 --threads 1 --out "$d" $B
+    cp "$d/results.json" "$DOC/$a-hopper-$l.json"
+    [ -f "$d/curves.json" ] && cp "$d/curves.json" "$DOC/$a-hopper-$l.curves.json"
+  done
+done
+"$PY" scripts/results_curves.py "$DOC" --out "$DOC/curves.png"
