@@ -6,6 +6,7 @@
 #
 #   scripts/results_hopper.sh                       # every row, most telling first
 #   scripts/results_hopper.sh medium-expert         # one dataset
+#   OUT=/tmp/r DOC=/tmp/d SEEDS=0 BUDGET="train.steps=40 eval.every=20" scripts/results_hopper.sh medium   # a dry run
 #
 # Each row is one `rl-tformers sweep` over seeds 0-2: running the script again skips finished
 # runs and resumes interrupted ones from their last checkpoint (every 2k updates), so it can be
@@ -21,8 +22,10 @@ RLT=${RLT:-.venv/bin/rl-tformers}
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 OUT=${OUT:-runs/results-v1}
-DOC=docs/results/hopper-v1
-B="train.steps=20000 eval.every=2000 eval.episodes=10 eval.n_envs=10 train.checkpoint_every=2000 train.amp=bf16 device=cpu"
+DOC=${DOC:-docs/results/hopper-v1}
+SEEDS=${SEEDS:-0-2}
+B=${BUDGET:-"train.steps=20000 eval.every=2000 eval.episodes=10 eval.n_envs=10 train.checkpoint_every=2000 train.amp=bf16 device=cpu"}
+# $EXTRA: more overrides for every run (dataset.root=DIR when the datasets are elsewhere)
 if [ $# -eq 0 ]; then set -- medium-expert medium-replay medium; fi
 mkdir -p "$DOC"
 for l in "$@"; do
@@ -35,7 +38,7 @@ for l in "$@"; do
     esac
     d=$OUT/$a-hopper-$l
     # shellcheck disable=SC2086
-    OMP_NUM_THREADS=1 "$RLT" sweep -c "$cfg" --seeds 0-2 --jobs 1 --threads 1 --out "$d" $B
+    OMP_NUM_THREADS=1 "$RLT" sweep -c "$cfg" --seeds "$SEEDS" --jobs 1 --threads 1 --out "$d" $B ${EXTRA:-}
     cp "$d/results.json" "$DOC/$a-hopper-$l.json"
     [ -f "$d/curves.json" ] && cp "$d/curves.json" "$DOC/$a-hopper-$l.curves.json"
   done
