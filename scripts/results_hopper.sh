@@ -12,6 +12,7 @@
 # runs and resumes interrupted ones from their last checkpoint (every 2k updates), so it can be
 # stopped and restarted at will. The datasets are the version 1 recipes (docs/data.md):
 #   rl-tformers collect --recipe hopper-medium --recipe hopper-expert --recipe hopper-medium-expert --recipe hopper-medium-replay
+# Then d3rlpy's IQL and CQL on the same data (the peers' environment, PEERS=0 to leave them out).
 # Results: runs/results-v1/<algo>-hopper-<dataset>/ (results.json, curves.json, curves.png);
 # the per-run JSON and the curves are copied to docs/results/hopper-v1/, and the figure of
 # every row's curves is docs/results/hopper-v1/curves.png.
@@ -23,7 +24,7 @@ PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 OUT=${OUT:-runs/results-v1}
 DOC=${DOC:-docs/results/hopper-v1}
-SEEDS=${SEEDS:-0-2}
+SEEDS=${SEEDS:-0,1,2}
 B=${BUDGET:-"train.steps=20000 eval.every=2000 eval.episodes=10 eval.n_envs=10 train.checkpoint_every=2000 train.amp=bf16 device=cpu"}
 # $EXTRA: more overrides for every run (dataset.root=DIR when the datasets are elsewhere)
 if [ $# -eq 0 ]; then set -- medium-expert medium-replay medium; fi
@@ -42,5 +43,19 @@ for l in "$@"; do
     cp "$d/results.json" "$DOC/$a-hopper-$l.json"
     [ -f "$d/curves.json" ] && cp "$d/curves.json" "$DOC/$a-hopper-$l.curves.json"
   done
+  # the peers' offline-RL baselines on the same data, budget and evaluation episodes: d3rlpy's
+  # IQL and CQL with its reproduction settings (CQL's conservative weight: 10 on medium, else 5)
+  if [ "${PEERS:-1}" = 1 ]; then
+    if [ -x .bench-venvs/peers/bin/python ]; then
+      w=5; [ "$l" = medium ] && w=10
+      steps=$(sed -n 's/.*train.steps=\([0-9]*\).*/\1/p' <<< "$B")
+      OMP_NUM_THREADS=1 "$PY" -m rl_tformers.bench.crosscheck --dataset "rlt/hopper-v5/$l-v1" --algos iql,cql \
+          --seeds "$SEEDS" \
+          --steps "$steps" --episodes 10 --conservative-weight "$w" --work "$OUT/peers-hopper-$l" \
+          --out "$DOC/peers-hopper-$l.json" ${PEER_ARGS:-}
+    else
+      echo "peers: no .bench-venvs/peers (rl-tformers bench train --build-peers); IQL and CQL not run" >&2
+    fi
+  fi
 done
 "$PY" scripts/results_curves.py "$DOC" --out "$DOC/curves.png"

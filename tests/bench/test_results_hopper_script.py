@@ -26,7 +26,7 @@ def test_one_short_results_row_runs_from_the_recipe_to_the_json_and_the_figure(s
     r = CliRunner().invoke(app, ["collect", "--recipe", "hopper-medium-expert", "--recipe-steps", "600", "--root",
                                  str(root), "--no-progress", "--policies", str(shared_dir / "policies")])
     assert r.exit_code == 0, r.output
-    env = {**os.environ, "OUT": str(tmp_path / "runs"), "DOC": str(tmp_path / "doc"), "SEEDS": "0",
+    env = {**os.environ, "OUT": str(tmp_path / "runs"), "DOC": str(tmp_path / "doc"), "SEEDS": "0", "PEERS": "0",
            "RLT": str(Path(sys.executable).parent / "rl-tformers"), "PY": sys.executable,
            "BUDGET": "train.steps=30 eval.every=15 eval.episodes=2 eval.n_envs=2 train.checkpoint_every=15 device=cpu",
            "EXTRA": f"dataset.root={root} backbone.d_model=16 backbone.n_layers=1 train.warmup_steps=2"}
