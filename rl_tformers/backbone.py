@@ -81,8 +81,34 @@ def _check_memory(cfg: BackboneConfig, att: Capabilities) -> None:
         )
 
 
+def _check_stack(cfg: BackboneConfig) -> None:
+    """Refuse what a per-layer stack (``backbone.layers``) cannot be as a whole: a depth kind
+    that runs one shared block (its layers cannot differ), or a stack of reversible blocks
+    (run as one reversible function) mixed with other block kinds."""
+    if not getattr(cfg.depth, "block_per_layer", True):
+        fits = [e.kind for e in REGISTRIES["depth"] if getattr(e.config_cls, "block_per_layer", True)]
+        raise IncompatibleConfig(
+            f"backbone.layers: backbone.depth.kind={cfg.depth.kind!r} runs one shared block at every step, so its "
+            f"layers cannot differ; remove backbone.layers, or use a depth kind with a block per layer: {', '.join(fits)}"
+        )
+    blocks = cfg.per_layer("block")
+    whole = [bool(getattr(b, "runs_stack", False)) for _, b in blocks]
+    if any(whole) and not all(whole):
+        i = whole.index(not whole[0])
+        (where0, b0), (where, b) = blocks[0], blocks[i]
+        one = b0.kind if whole[0] else b.kind
+        raise IncompatibleConfig(
+            f"{where}.kind={b.kind!r} at layer {i} and {where0}.kind={b0.kind!r} at layer 0: a stack of {one!r} "
+            f"blocks runs as one function of its input, so either every layer or none uses it"
+        )
+
+
 def check_compatible(cfg: BackboneConfig) -> None:
     """Refuse combinations a component declares it cannot do, naming the option at fault.
+
+    A per-layer stack (``backbone.layers``) is checked layer by layer
+    (:meth:`BackboneConfig.layer_config`), each message naming the layer's entry
+    (``backbone.layers[2].attention.kind='routing' ...``), and as a whole (:func:`_check_stack`).
 
     Raises:
         IncompatibleConfig: e.g. a kernel without a causal form used causally, a memory kind
@@ -90,6 +116,14 @@ def check_compatible(cfg: BackboneConfig) -> None:
             whatever a slot config's own ``check(backbone_cfg)`` hook refuses (every slot's
             hook is called, attention first).
     """
+    if cfg.layers:
+        _check_stack(cfg)
+        for i in range(cfg.n_layers):
+            try:
+                check_compatible(cfg.layer_config(i))
+            except IncompatibleConfig as exc:
+                raise IncompatibleConfig(cfg.at_layer_message(i, str(exc))) from exc
+        return
     att = cfg.attention.config_capabilities()
     a = cfg.attention.kind
     _check_direction(cfg, att)
@@ -105,6 +139,24 @@ def check_compatible(cfg: BackboneConfig) -> None:
         hook = getattr(getattr(cfg, slot), "check", None)
         if hook is not None:
             hook(cfg)
+
+
+def _check_layer_positions(cfg: BackboneConfig, blocks: nn.ModuleList) -> None:
+    """Refuse a per-layer positional kind that would do nothing at its layer: an absolute kind
+    (``sinusoidal``, ``learned``) adds its encoding to the first layer's input only, so set at
+    layer i > 0 by ``backbone.layers`` it adds nothing (found by calling its ``embed`` hook)."""
+    for i, block in enumerate(blocks):
+        entry = cfg.layer_entry(i)
+        pos = block.attn.position
+        if i == 0 or entry is None or entry.position is None or not pos.absolute:
+            continue
+        x = torch.zeros(1, 1, cfg.d_model)
+        if pos.embed(x, torch.zeros(1, 1, dtype=torch.long)) is x and not (pos.additive_bias or pos.rotates
+                                                                            or pos.transforms_scores or pos.value_bias):
+            raise IncompatibleConfig(cfg.at_layer_message(i, (
+                f"{cfg.layer_path(i, 'position')}.kind={entry.position.kind!r} adds its encoding to the first "
+                f"layer's input only, so at layer {i} it adds nothing; set it backbone-wide or in the entry of "
+                f"layer 0 (learned: per_layer: true adds a table at every layer)")))
 
 
 class Backbone(nn.Module):
@@ -128,6 +180,8 @@ class Backbone(nn.Module):
         ctx = BuildContext(cfg)
         self.depth = cfg.depth.build(ctx)
         self.memory = cfg.memory.build(ctx)
+        if cfg.layers:
+            _check_layer_positions(cfg, self.blocks)
         self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.final_norm else nn.Identity()
         # output_tokens can skip work in the last layer: depth, blocks and kernels all support it
         self.query_subset = bool(getattr(self.depth, "query_subset", False)) and all(
@@ -169,9 +223,14 @@ class Backbone(nn.Module):
             if cfg.memory.kind != "none":
                 raise
             fits = kinds_with("attention", "incremental")
+            layers = cfg.per_layer("attention")
+            at = next((i for i, (_, a) in enumerate(layers) if not a.config_capabilities().incremental), 0)
+            where, att = layers[at]
+            which = f" (layer {at} of {cfg.n_layers}: a stack decodes incrementally only if every layer can)" \
+                if cfg.layers else ""
             raise NotImplementedError(
                 f"Backbone.initial_state: with backbone.memory.kind='none' the state is a key/value cache for "
-                f"incremental decoding, which backbone.attention.kind={cfg.attention.kind!r} cannot keep here "
+                f"incremental decoding, which {where}.kind={att.kind!r}{which} cannot keep here "
                 f"({exc}); call the backbone without a state (re-run the context window), or use a kernel with "
                 f"an incremental form: {', '.join(fits)}"
             ) from exc

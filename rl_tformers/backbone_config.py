@@ -12,6 +12,9 @@ config whose kind is its tag in YAML::
       position: {kind: rotary}
       block: {kind: gated, gate: gru}
 
+``layers`` sets the attention, position and block slots per layer (a list of partial overrides
+merged over the backbone-wide slots: :mod:`rl_tformers.backbone_layers`).
+
 :meth:`BackboneConfig.from_dict` / :meth:`BackboneConfig.to_dict` round-trip through plain
 dicts (and so through YAML/OmegaConf). Unknown fields raise with the dotted path at fault.
 """
@@ -21,10 +24,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import numbers
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl_tformers.backbone_layers import LAYER_SLOTS, LayerOverride, entry_index, resolve_layers
 from rl_tformers.registry import REGISTRIES, SLOTS, Capabilities, RegistryError, config_to_dict
 from rl_tformers.typed_config import plain_number
 
@@ -107,8 +112,10 @@ class BuildContext:
         return self.config.n_layers
 
     def at_layer(self, i: int) -> BuildContext:
-        """This context for layer ``i`` (same config and ``shared`` dict)."""
-        return dataclasses.replace(self, layer_idx=i)
+        """This context for layer ``i``: its config is layer ``i``'s
+        (:meth:`BackboneConfig.layer_config`: the backbone-wide one with that layer's attention,
+        position and block), with the same ``shared`` dict."""
+        return dataclasses.replace(self, config=self.config.layer_config(i), layer_idx=i)
 
 
 def _default(slot: str, kind: str) -> Any:
@@ -154,13 +161,22 @@ class BackboneConfig:
             pass (the same gradients, less activation memory, one more forward per block).
             Reversible blocks recompute by construction and refuse it.
         attention, position, memory, block, depth: the five slots.
+        layers: per-layer overrides of the ``attention``, ``position`` and ``block`` slots: a
+            list of ``n_layers`` entries, or a pattern whose length divides ``n_layers``,
+            repeated up the stack; each entry a partial ``{attention: ..., position: ...,
+            block: ...}`` merged over the backbone-wide slot (same kind: its fields over the
+            backbone's; another kind: that kind's defaults). Empty (the default): every layer
+            uses the backbone-wide slots. Stored resolved (:class:`LayerOverride`);
+            :meth:`layer_config` gives one layer's config. See :mod:`rl_tformers.backbone_layers`.
 
     Raises:
         ValueError: naming ``backbone.<field>``: ``d_model``, ``n_layers``, ``n_heads``,
             ``d_ff``, ``ffn_chunks`` or ``max_position`` not an integer >= 1 (``16.0`` and
             ``"2"`` included), a dropout outside [0, 1) or not a number, ``causal``,
             ``final_norm`` or ``checkpoint`` not a bool, ``d_model`` not divisible by ``n_heads``, an unknown
-            activation. RegistryError: a bad slot config.
+            activation; ``layers`` of a length that neither equals nor divides ``n_layers``.
+            RegistryError: a bad slot config, or a bad ``layers`` entry (the message names
+            ``backbone.layers[i]`` and the key at fault).
 
     Numbers of other types (NumPy ``int64`` / ``float32`` scalars from a sweep) are stored as
     built-in ``int`` / ``float``, in slot configs too, so :meth:`to_dict` always dumps to
@@ -185,6 +201,7 @@ class BackboneConfig:
     memory: Any = _default("memory", "none")
     block: Any = _default("block", "pre_norm")
     depth: Any = _default("depth", "fixed")
+    layers: tuple[LayerOverride, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "d_ff", "ffn_chunks", "max_position"):
@@ -217,6 +234,8 @@ class BackboneConfig:
                 object.__setattr__(self, slot, REGISTRIES[slot].from_dict(value, where=f"backbone.{slot}"))
             elif getattr(value, "slot", None) != slot:
                 raise RegistryError(f"backbone.{slot}: expected a {slot} config, got {value!r}")
+        base = {slot: getattr(self, slot) for slot in LAYER_SLOTS}
+        object.__setattr__(self, "layers", resolve_layers(self.layers, base, self.n_layers))
 
     @property
     def ff_dim(self) -> int:
@@ -233,8 +252,63 @@ class BackboneConfig:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            out[f.name] = config_to_dict(v) if f.name in SLOTS else v
+            if f.name in SLOTS:
+                v = config_to_dict(v)
+            elif f.name == "layers":
+                v = [entry.to_dict() for entry in v]
+            out[f.name] = v
         return out
+
+    # -- per-layer stacks ------------------------------------------------------------------------
+    def layer_entry(self, i: int) -> LayerOverride | None:
+        """The entry of ``layers`` that layer ``i`` (0-based) uses; None without ``layers``."""
+        return self.layers[entry_index(len(self.layers), i)] if self.layers else None
+
+    def layer_config(self, i: int) -> BackboneConfig:
+        """Layer ``i``'s config: this one with the attention, position and block its entry of
+        ``layers`` sets, and no ``layers`` (this config itself when there are none).
+
+        Raises:
+            IndexError: ``i`` outside [0, n_layers).
+        """
+        if not 0 <= i < self.n_layers:
+            raise IndexError(f"layer {i} of a backbone with n_layers={self.n_layers}")
+        entry = self.layer_entry(i)
+        if entry is None:
+            return self
+        return dataclasses.replace(self, layers=(), **{s: getattr(entry, s) for s in entry.slots()})
+
+    def per_layer(self, slot: str) -> list[tuple[str, Any]]:
+        """``(where, config)`` of ``slot`` for every layer, bottom first: ``where`` is the
+        dotted path that sets it (``backbone.attention`` or ``backbone.layers[k].attention``),
+        for messages; what agents and checks read when every layer's kind matters."""
+        out = []
+        for i in range(self.n_layers):
+            entry = self.layer_entry(i)
+            own = entry is not None and slot in LAYER_SLOTS and getattr(entry, slot) is not None
+            out.append((self.layer_path(i, slot) if own else f"backbone.{slot}", getattr(self.layer_config(i), slot)))
+        return out
+
+    def layer_path(self, i: int, slot: str) -> str:
+        """The dotted path of layer ``i``'s entry for ``slot``: ``backbone.layers[k].<slot>``,
+        k = i, or i mod (number of entries) when a pattern repeats."""
+        return f"backbone.layers[{entry_index(len(self.layers), i)}].{slot}"
+
+    def at_layer_message(self, i: int, message: str) -> str:
+        """``message`` (about layer ``i``'s config) with each ``backbone.<slot>`` that layer
+        ``i``'s entry sets written as its entry's path (``backbone.layers[2].attention``), and
+        ``layer i: `` in front when the message names no entry or a pattern repeats."""
+        entry = self.layer_entry(i)
+        out = message
+        for slot in entry.slots() if entry is not None else ():
+            out = re.sub(rf"\bbackbone\.{slot}\b", self.layer_path(i, slot), out)
+        named = entry is not None and out != message or "backbone.layers[" in message
+        return out if named and not self.layers_repeat else f"layer {i}: {out}"
+
+    @property
+    def layers_repeat(self) -> bool:
+        """True when ``layers`` is a pattern shorter than the stack (repeated up it)."""
+        return bool(self.layers) and len(self.layers) != self.n_layers
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | BackboneConfig | None, where: str = "backbone") -> BackboneConfig:

@@ -190,15 +190,15 @@ class DTConfig:
                 f"agent.context_len={self.context_len} needs {3 * self.context_len} token positions; "
                 f"backbone.max_position={self.backbone.max_position}"
             )
-        att = self.backbone.attention
-        max_keys = getattr(att, "max_keys", None)  # attention kinds with a fixed maximum length
-        if max_keys is not None and self.n_tokens > max_keys:
-            raise ValueError(
-                f"agent.context_len={self.context_len} makes windows of {self.n_tokens} tokens "
-                f"({'3K' if self.mode == 'causal' else '3K-1'} in agent.mode={self.mode}), more than attention kind "
-                f"{att.kind!r} takes: backbone.attention.max_len={att.max_len}; lower agent.context_len or raise "
-                f"backbone.attention.max_len"
-            )
+        for where, att in self.backbone.per_layer("attention"):  # every layer's kernel (backbone.layers)
+            max_keys = getattr(att, "max_keys", None)  # attention kinds with a fixed maximum length
+            if max_keys is not None and self.n_tokens > max_keys:
+                raise ValueError(
+                    f"agent.context_len={self.context_len} makes windows of {self.n_tokens} tokens "
+                    f"({'3K' if self.mode == 'causal' else '3K-1'} in agent.mode={self.mode}), more than attention "
+                    f"kind {att.kind!r} takes: {where}.max_len={att.max_len}; lower agent.context_len or raise "
+                    f"{where}.max_len"
+                )
         if not 0.0 <= self.embed_dropout < 1.0:
             raise ValueError(f"agent.embed_dropout must be in [0, 1), got {self.embed_dropout}")
 

@@ -24,7 +24,13 @@ from rl_tformers.types import AttnContext, BlockOutput, LayerState
 
 @dataclass(frozen=True)
 class BlockConfig(SlotConfig):
-    """Base class of block configs (``build(ctx, position) -> BlockModule``)."""
+    """Base class of block configs (``build(ctx, position) -> BlockModule``).
+
+    ``runs_stack`` (class attribute): True for kinds whose blocks run the whole stack as one
+    function (reversible layers), which a per-layer stack cannot mix with other block kinds.
+    """
+
+    runs_stack = False
 
     def build(self, ctx, position) -> BlockModule:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -311,6 +311,8 @@ def run_reversible(
 class ReversibleConfig(BlockConfig):
     """``recompute``: memory-saving backward (default); false = ordinary autograd (baseline)."""
 
+    runs_stack = True  # the stack is one reversible function: every layer of it is reversible
+
     recompute: bool = True
 
     def check(self, cfg) -> None:

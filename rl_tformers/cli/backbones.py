@@ -17,7 +17,10 @@ def backbones(
     plugin: list[str] = typer.Option([], "--plugin", metavar="MODULE",
                                      help="Import this module first (repeatable): its kinds are listed too."),
 ) -> None:
-    """List registered backbone components: slot, kind, description, paper, capabilities, fields (with their defaults)."""
+    """List registered backbone components: slot, kind, description, paper, capabilities, fields (with their defaults).
+
+    Any kind of the attention, position and block slots may also be set per layer (backbone.layers).
+    """
     from rl_tformers.registry import SLOTS, all_entries
     from rl_tformers.runtime.plugins import load_plugins
     from rl_tformers.runtime.run_config import ConfigError
@@ -38,6 +41,15 @@ def backbones(
         _print_table(entries, width)
     else:
         typer.echo("\n".join(component_lines(entries, width)))
+    typer.echo("\n" + "\n".join(textwrap.wrap(LAYERS_NOTE, min(width, 100), break_on_hyphens=False)))
+
+
+#: The closing note of the listing: per-layer stacks (rl_tformers.backbone_layers).
+LAYERS_NOTE = ("Per-layer stacks: backbone.layers sets the attention, position and block kinds, and their fields, "
+               "per layer (a list of n_layers entries, or a pattern repeated up the stack, each merged over the "
+               "backbone-wide slots); memory and depth stay backbone-wide. See docs/backbone.md, "
+               "'Per-layer stacks', and the configs dt/hopper_medium_sparse_interleaved, "
+               "dt/hopper_medium_longformer_windows, gtrxl/recall_routing_top2 and gtrxl/recall_local_dense_top.")
 
 
 #: Fewest columns the six-column table is drawn in; narrower output lists each component as a block.

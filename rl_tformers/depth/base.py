@@ -29,7 +29,14 @@ from rl_tformers.types import AttnContext, BlockOutput, LayerState, merge_into
 
 @dataclass(frozen=True)
 class DepthConfig(SlotConfig):
-    """Base class of depth configs (``build(ctx) -> DepthModule``)."""
+    """Base class of depth configs (``build(ctx) -> DepthModule``).
+
+    ``block_per_layer`` (class attribute): True for kinds that build a block per layer
+    (``BuildContext.at_layer(i)``), so that ``backbone.layers`` may set each layer's kinds;
+    False for kinds that run one shared block (``universal``).
+    """
+
+    block_per_layer = True
 
     def build(self, ctx) -> DepthModule:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -12,12 +12,22 @@ from rl_tformers.types import AttnContext, LayerState
 
 
 def build_blocks(ctx, n: int) -> nn.ModuleList:
-    """N blocks from the backbone config, each with its own positional module."""
-    cfg = ctx.config
+    """N blocks from the backbone config, each with its own positional module, block i from
+    layer i's config (``ctx.at_layer(i)``: the kinds ``backbone.layers`` sets for it).
+
+    Raises:
+        IncompatibleConfig / ValueError: what a layer's kinds refuse when built; in a per-layer
+            stack the message names the layer's entry (``backbone.layers[i]...``).
+    """
     blocks = []
     for i in range(n):
         lctx = ctx.at_layer(i)
-        blocks.append(cfg.block.build(lctx, cfg.position.build(lctx)))
+        try:
+            blocks.append(lctx.config.block.build(lctx, lctx.config.position.build(lctx)))
+        except ValueError as exc:  # IncompatibleConfig included
+            if not ctx.config.layers:
+                raise
+            raise type(exc)(ctx.config.at_layer_message(i, str(exc))) from exc
     return nn.ModuleList(blocks)
 
 

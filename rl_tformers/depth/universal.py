@@ -297,6 +297,8 @@ class UniversalConfig(DepthConfig):
     transition: str = "ffn"
     transition_kernel: int = 3
 
+    block_per_layer = False  # one shared block at every step: backbone.layers cannot vary it
+
     def __post_init__(self) -> None:
         if self.transition not in ("ffn", "sepconv"):
             raise ValueError(f"depth.transition must be ffn or sepconv, got {self.transition!r}")
