@@ -184,12 +184,15 @@ def check_causal(cfg: BackboneConfig) -> None:
             "of its segment (the future), which acting one step at a time never sees; GTrXL is causal: "
             "leave backbone.causal=true"
         )
-    if not REGISTRIES["attention"].get(cfg.attention.kind).capabilities.causal:
-        raise IncompatibleConfig(
-            f"gtrxl: backbone.attention.kind={cfg.attention.kind!r} has no causal form, and GTrXL acts one step "
-            f"at a time on the past only; causal kernels that attend over its memory (with "
-            f"backbone.position.kind={cfg.position.kind!r}): {', '.join(memory_kernels(cfg.position.kind))}"
-        )
+    for i, (where, att) in enumerate(cfg.per_layer("attention")):  # every layer's kernel (backbone.layers)
+        if not REGISTRIES["attention"].get(att.kind).capabilities.causal:
+            pos = cfg.layer_config(i).position.kind
+            at, pos_where = (f" (layer {i})", f"layer {i}'s position") if cfg.layers else ("", "backbone.position")
+            raise IncompatibleConfig(
+                f"gtrxl: {where}.kind={att.kind!r}{at} has no causal form, and GTrXL acts one step "
+                f"at a time on the past only; causal kernels that attend over its memory (with "
+                f"{pos_where}.kind={pos!r}): {', '.join(memory_kernels(pos))}"
+            )
 
 
 def needs_find_unused(cfg: BackboneConfig) -> bool:
@@ -247,12 +250,15 @@ def build_backbone(cfg: Mapping[str, Any] | BackboneConfig, window: int = 0) -> 
             f"{', '.join(e.kind for e in REGISTRIES['memory'] if e.capabilities.stateful)}), or a plain context "
             f"window: {window_recipe('W')}"
         )
-    elif not REGISTRIES["attention"].get(bb_cfg.attention.kind).capabilities.memory:
-        raise IncompatibleConfig(
-            f"gtrxl: backbone.attention.kind={bb_cfg.attention.kind!r} takes no memory keys, but GTrXL attends "
-            f"over its memory; kernels that can (with backbone.position.kind={bb_cfg.position.kind!r}): "
-            f"{', '.join(memory_kernels(bb_cfg.position.kind))}"
-        )
+    else:
+        for i, (where, att) in enumerate(bb_cfg.per_layer("attention")):  # every layer's kernel (backbone.layers)
+            if not REGISTRIES["attention"].get(att.kind).capabilities.memory:
+                pos = bb_cfg.layer_config(i).position.kind
+                at, pos_where = (f" (layer {i})", f"layer {i}'s position") if bb_cfg.layers else ("", "backbone.position")
+                raise IncompatibleConfig(
+                    f"gtrxl: {where}.kind={att.kind!r}{at} takes no memory keys, but GTrXL attends over its memory; "
+                    f"kernels that can (with {pos_where}.kind={pos!r}): {', '.join(memory_kernels(pos))}"
+                )
     threshold = getattr(bb_cfg.depth, "threshold", None)
     if threshold is not None:
         # GTrXL passes no exit head and trains no exit: the threshold would exit every step where an
