@@ -34,10 +34,10 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import rl_tformers.envs.memory_tasks  # noqa: F401  (registers the memory tasks with gymnasium)
@@ -52,6 +52,7 @@ from rl_tformers.agents.common.offline import (
 from rl_tformers.agents.common.policy import check_return_targets, embedding_target_limit
 from rl_tformers.agents.decision_transformer.model import from_env_action, to_env_action
 from rl_tformers.agents.gtrxl.config import GTrXLAgentConfig
+from rl_tformers.agents.gtrxl.inference import GTrXLInference
 from rl_tformers.agents.gtrxl.loss import SegmentBatch, bc_loss, iql_loss, polyak_update
 from rl_tformers.agents.gtrxl.model import (
     GTrXLConfig,
@@ -207,6 +208,24 @@ class GTrXLState:
     window_valid: Tensor | None = None
 
 
+class GTrXLDecision(NamedTuple):
+    """The decision of N environments at their new step (model units).
+
+    Attributes:
+        action: (N, A) float in [-1, 1] (continuous) or (N,) long class index (discrete).
+        features: (N, D) the features the actor read.
+        out: (N, A) the actor's output there: logits (discrete) or tanh mean (continuous).
+        memory: the next backbone memory (None in the plain-window mode).
+        window: the plain window's next tensors (empty with memory; :class:`GTrXLState`).
+    """
+
+    action: Tensor
+    features: Tensor
+    out: Tensor
+    memory: Any
+    window: dict[str, Tensor]
+
+
 class GTrXLPolicy:
     """Step-wise GTrXL inference for N environments (the :class:`Policy` protocol).
 
@@ -271,6 +290,8 @@ class GTrXLPolicy:
         self.high = None if action_high is None else torch.as_tensor(np.asarray(action_high, np.float32), device=self.device)
         self.rtg_scale, self.reward_mult = float(rtg_scale), float(reward_mult)
         self.deterministic = deterministic
+        self.counted: np.ndarray | None = None  # count_rows: rows whose decisions the wrappers count
+        self.last_metrics: dict[str, Any] = {}  # the backbone's metrics of the latest step
         self.action_shape = None if action_shape is None else tuple(int(k) for k in action_shape)
         if self.action_shape is not None and not self.discrete and math.prod(self.action_shape) != model.cfg.act_dim:
             raise ValueError(f"gtrxl: action_shape={self.action_shape} does not hold the model's "
@@ -344,7 +365,51 @@ class GTrXLPolicy:
         episode_start: np.ndarray,
         last_reward: np.ndarray | None = None,
     ) -> tuple[np.ndarray, GTrXLState]:
-        """One step for N environments: reset the rows that start an episode, then one token each.
+        """One step for N environments: reset the rows that start an episode, then one token each
+        (:meth:`step` with :meth:`decide`); arguments and returns as :meth:`step`."""
+        return self.step(obs, state, episode_start, last_reward, self.decide)
+
+    def count_rows(self, rows: np.ndarray | None) -> None:
+        """Rows (N,) bool whose decisions the wrappers' statistics count (environments still in
+        an episode; ``None``: every row). The actions do not depend on it."""
+        self.counted = None if rows is None else np.asarray(rows, dtype=bool).copy()
+
+    def stats(self) -> dict[str, float | int]:
+        """Counters of the plain policy: none (wrappers add theirs)."""
+        return {}
+
+    def reset_stats(self) -> None:
+        """Nothing to zero in the plain policy."""
+
+    def decide(self, x: Tensor, t: Tensor, memory: Any, start: Tensor, state: GTrXLState) -> GTrXLDecision:
+        """The plain decision: the features of the new tokens ``x`` (N, 1, input_dim) at steps
+        ``t`` (N,) (:meth:`features`), the actor's output and its mode or a draw."""
+        h, new_memory, win = self.features(x, t, memory, start, state)
+        return self.choose(h, new_memory, win)
+
+    def choose(self, h: Tensor, memory: Any, win: dict[str, Tensor]) -> GTrXLDecision:
+        """The actor's decision at features ``h`` (N, D): the mode (argmax, or the tanh mean) or a
+        draw, clamped to [-1, 1] when continuous."""
+        out = self.model.actor(h)  # (N, A): logits or tanh mean
+        if self.deterministic:
+            a = out.argmax(-1) if self.discrete else out
+        else:
+            a = self.model.actor.dist(h).sample()
+        if not self.discrete:
+            a = a.clamp(-1.0, 1.0)
+        return GTrXLDecision(a, h, out, memory, win)
+
+    @torch.no_grad()
+    def step(
+        self,
+        obs: np.ndarray,
+        state: GTrXLState,
+        episode_start: np.ndarray,
+        last_reward: np.ndarray | None,
+        decide: Callable[[Tensor, Tensor, Any, Tensor, GTrXLState], GTrXLDecision],
+    ) -> tuple[np.ndarray, GTrXLState]:
+        """One step for N environments whose action comes from ``decide`` (the plain
+        :meth:`decide`, or a wrapper's): reset the rows that start an episode, build the tokens.
 
         Args:
             obs: (N, O) raw observations.
@@ -387,21 +452,22 @@ class GTrXLPolicy:
             prev_a[:, None],  # (N, 1, A) or (N, 1)
             (r * self.reward_mult)[:, None],  # (N, 1)
         )
-        h, new_memory, win = self._features(x, t, memory, start, state)
-        a = self.model.actor.mode(h) if self.deterministic else self.model.actor.dist(h).sample()
-        if not self.discrete:
-            a = a.clamp(-1.0, 1.0)
-        return self._to_env(a), GTrXLState(memory=new_memory, prev_action=a, rtg=rtg, t=t + 1, target=state.target,
-                                           **win)
+        d = decide(x, t, memory, start, state)
+        a = d.action
+        return self._to_env(a), GTrXLState(memory=d.memory, prev_action=a, rtg=rtg, t=t + 1, target=state.target,
+                                           **d.window)
 
-    def _features(self, x: Tensor, t: Tensor, memory: Any, start: Tensor,
-                  state: GTrXLState) -> tuple[Tensor, Any, dict[str, Tensor]]:
+    def features(self, x: Tensor, t: Tensor, memory: Any, start: Tensor, state: GTrXLState,
+                 **depth_kwargs: Any) -> tuple[Tensor, Any, dict[str, Tensor]]:
         """(N, D) features of the new step's tokens ``x`` (N, 1, input_dim) at steps ``t`` (N,):
         with the backbone memory, or (plain window) over the shifted window of the last W steps.
-        Returns the features, the next memory and the new window tensors (empty with memory)."""
+        ``depth_kwargs`` go to the depth module (early exit). Returns the features, the next
+        memory and the new window tensors (empty with memory); the backbone's metrics of the call
+        are kept in :attr:`last_metrics`."""
         enc = self.model.encoder
         if enc.stateful:
-            out = enc(x, t[:, None], state=memory)
+            out = enc(x, t[:, None], state=memory, **depth_kwargs)
+            self.last_metrics = out.metrics
             return out.features[:, 0], out.state, {}
         # plain window: shift left, write the new step at slot W-1, re-encode the W steps
         keep_w = (~start)[:, None]  # (N, 1): a starting row forgets its window
@@ -410,7 +476,8 @@ class GTrXLPolicy:
             "window_pos": torch.cat([state.window_pos[:, 1:], t[:, None]], 1),  # (N, W)
             "window_valid": torch.cat([state.window_valid[:, 1:] & keep_w, torch.ones_like(keep_w)], 1),
         }
-        out = enc(win["window_x"], win["window_pos"], mask=win["window_valid"])
+        out = enc(win["window_x"], win["window_pos"], mask=win["window_valid"], **depth_kwargs)
+        self.last_metrics = out.metrics
         return out.features[:, -1], out.state, win
 
     def _to_env(self, a: Tensor) -> np.ndarray:
@@ -600,6 +667,8 @@ class GTrXLAgent:
             self.info = info
             self.extra = {**info.to_extra(), "reward_mult": float(reward_mult), "model": model_config_dict(self.model_cfg)}
         self.model = GTrXLModel(self.model_cfg).to(self.device)
+        #: early exit and the kNN-LM datastore at evaluation (inference_setup)
+        self.inference = GTrXLInference(self, lambda: load_gtrxl_dataset(_plain(cfg.dataset), self.seed))
         #: parameters some updates leave without a gradient: DDP must look for them (needs_find_unused)
         self.ddp_find_unused = needs_find_unused(self.model.encoder.backbone.config)
         limit = position_limit(self.model)
@@ -616,7 +685,7 @@ class GTrXLAgent:
         if extra is None and self.model_cfg.rtg_input and a.target_return is not None:
             # before training, not at the first evaluation: a target the float32 token embedding
             # cannot take (GTrXLPolicy.target_limit; rechecked at every evaluation)
-            self.policy().check_targets([a.target_return], "agent.target_return")
+            self.plain_policy().check_targets([a.target_return], "agent.target_return")
             self.model.train()
 
     # -- Trainable ---------------------------------------------------------------------------
@@ -627,18 +696,20 @@ class GTrXLAgent:
             raise RuntimeError("this GTrXL agent was loaded for inference only (no dataset)")
         shape = self.dataset.observation_shape
         stats = ObsStats(self.info.obs_mean.reshape(shape), self.info.obs_std.reshape(shape))
+        held = self.inference.heldout_mask(self.dataset.num_episodes)  # early exit: calibration episodes
         sampler = SegmentSampler(
-            self.dataset, self.seq_len, burn_in=self.burn_in + 1, reward_scale=self.info.reward_scale, obs_stats=stats
+            self.dataset.select(~held) if held.any() else self.dataset, self.seq_len, burn_in=self.burn_in + 1, reward_scale=self.info.reward_scale, obs_stats=stats
         )
         return StepBatchDataset(sampler, int(self.cfg.train.batch_size), seed=self.seed, num_steps=int(self.cfg.train.steps))
 
-    def to_segments(self, batch: Mapping[str, Tensor]) -> SegmentBatch:
-        """Sampler batch -> :class:`SegmentBatch` on the model's device."""
+    def to_segments(self, batch: Mapping[str, Tensor], burn_in: int | None = None) -> SegmentBatch:
+        """Sampler batch -> :class:`SegmentBatch` on the model's device (``burn_in``: default
+        ``agent.burn_in``; the batch holds ``1 + burn_in + T`` steps)."""
         dev = next(self.model.parameters()).device
         info = self.info
         return segment_batch(
             {k: v.to(dev) for k, v in batch.items()},
-            burn_in=self.burn_in,
+            burn_in=self.burn_in if burn_in is None else burn_in,
             discrete=info.discrete,
             action_low=None if info.discrete else torch.as_tensor(info.action_low),
             action_high=None if info.discrete else torch.as_tensor(info.action_high),
@@ -656,10 +727,20 @@ class GTrXLAgent:
                 self.model, self.model.target, seg, gamma=float(a.gamma), expectile=float(a.expectile),
                 beta=float(a.beta), max_weight=float(a.max_weight),
             )
-        return bc_loss(self.model, seg)
+        ee = self.options.early_exit
+        return bc_loss(self.model, seg, exit_scheme=ee.scheme, exit_tol=float(ee.tol))
 
-    def policy(self, deterministic: bool | None = None) -> GTrXLPolicy:
-        """The :class:`GTrXLPolicy` of the current weights."""
+    def policy(self, deterministic: bool | None = None) -> Any:
+        """The :class:`GTrXLPolicy` of the current weights, wrapped with the inference options in
+        use (early exit, kNN-LM: :meth:`GTrXLInference.wrap`)."""
+        return self.inference.wrap(self.plain_policy(deterministic))
+
+    def inference_setup(self, **options: Any) -> dict[str, Any]:
+        """Evaluation options (``rl-tformers eval --early-exit / --knn-*``): :meth:`GTrXLInference.setup`."""
+        return self.inference.setup(**options)
+
+    def plain_policy(self, deterministic: bool | None = None) -> GTrXLPolicy:
+        """The :class:`GTrXLPolicy` of the current weights, without inference options."""
         info = self.info
         det = self.options.deterministic if deterministic is None else deterministic
         return GTrXLPolicy(
@@ -682,14 +763,23 @@ class GTrXLAgent:
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Mean/std return (and D4RL-normalised score when references exist) over ``eval.episodes``;
-        ``rcbc`` also reports the ``target`` return it conditioned on (raw units)."""
+        ``rcbc`` also reports the ``target`` return it conditioned on (raw units).
+
+        The policy is the one ``rl-tformers eval RUN`` evaluates without options:
+        ``agent.early_exit.threshold`` (calibrated on the current weights for ``calibrate``) and
+        ``agent.knn.*`` apply; both are dropped again afterwards."""
         was_training = self.model.training
-        report = evaluate(
-            self.policy(), self.make_env(), self.default_targets(), episodes=int(self.cfg.eval.episodes),
-            n_envs=int(self.cfg.eval.n_envs), seed=eval_seed(self.seed, step), normalize=self.info.normalizer(),
-            env_id=self.info.env_id,
-        )
-        self.model.train(was_training)
+        saved = self.inference.snapshot()
+        try:
+            self.inference.setup()
+            report = evaluate(
+                self.policy(), self.make_env(), self.default_targets(), episodes=int(self.cfg.eval.episodes),
+                n_envs=int(self.cfg.eval.n_envs), seed=eval_seed(self.seed, step), normalize=self.info.normalizer(),
+                env_id=self.info.env_id,
+            )
+        finally:
+            self.inference.restore(saved)
+            self.model.train(was_training)
         return report_logs(report)
 
     def extra_state(self) -> dict[str, Any]:

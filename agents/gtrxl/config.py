@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rl_tformers.agents.decision_transformer.config import EarlyExitOptions, KNNOptions
+
 from rl_tformers.typed_config import ConfigFieldError, TypedConfig, option
 
 OBJECTIVES = ("bc", "rcbc", "iql")
@@ -43,12 +45,27 @@ class GTrXLAgentConfig(TypedConfig):
     critic_hidden: int = option(256, "iql: critic MLP width", ge=1)
     share_critic_encoder: bool = option(False, "iql: the critic reads the actor's GTrXL features")
     iql_reward_norm: bool = option(True, "iql: rewards * 1000 / (max return - min return), as IQL does")
+    early_exit: EarlyExitOptions = option(factory=EarlyExitOptions, doc="early exit when acting "
+                                          "(backbone.depth.kind=early_exit; objectives bc and rcbc)")
+    knn: KNNOptions = option(factory=KNNOptions, doc="kNN-LM action memory at evaluation (objectives bc and rcbc)")
 
     def __post_init__(self) -> None:
         if self.objective == "iql" and self.seq_len < 2:
             raise ConfigFieldError(
                 "seq_len", f"={self.seq_len}: IQL learns Q from (t, t+1) pairs inside the gradient window, and a "
                            f"window of one step has none (the Q loss would stay 0); use agent.seq_len >= 2", sep="")
+        if self.objective == "iql" and self.early_exit.threshold is not None:
+            raise ConfigFieldError("early_exit.threshold", f"={self.early_exit.threshold}: {IQL_NO_EXIT}", sep="")
+        if self.objective == "iql" and self.knn.lam > 0:
+            raise ConfigFieldError("knn.lam", f"={self.knn.lam}: {IQL_NO_KNN}", sep="")
+
+
+#: why IQL refuses early exit: its actor is trained at full depth only
+IQL_NO_EXIT = ("early exit needs an actor trained on every layer's output, which agent.objective=bc and rcbc train "
+               "(with backbone.depth.kind=early_exit); IQL's advantage-weighted actor is trained at full depth only")
+#: why IQL refuses the kNN-LM memory: the datastore holds the behaviour policy's actions
+IQL_NO_KNN = ("the kNN-LM memory interpolates the actor with the dataset's next actions, which the actor of "
+              "agent.objective=bc and rcbc predicts; IQL's actor is advantage-weighted away from them")
 
 
 @dataclass(frozen=True)

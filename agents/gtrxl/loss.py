@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from rl_tformers.agents.gtrxl.model import EncoderOutput, GTrXLEncoder, GTrXLModel, gate_logs
 from torch import Tensor, nn
 
+from rl_tformers.depth.early_exit import consistency_labels, exit_loss
 from rl_tformers.runtime.distributed import shard_mean_total
 
 
@@ -86,13 +87,15 @@ class SegmentBatch:
         return SegmentBatch(**{n: v[:, k:] if isinstance(v, Tensor) else v for n, v in kw.items()} | {"burn_in": 0})
 
 
-def encode_segment(encoder: GTrXLEncoder | nn.Module, batch: SegmentBatch, *, need_weights: bool = False) -> EncoderOutput:
+def encode_segment(encoder: GTrXLEncoder | nn.Module, batch: SegmentBatch, *, need_weights: bool = False,
+                   output_hidden_states: bool = False) -> EncoderOutput:
     """Burn-in without gradient, then the gradient window (R2D2-style stored-state recovery).
 
     Args:
         encoder: a :class:`GTrXLEncoder` (or its Polyak target copy).
         batch: rows of ``burn_in + T`` steps.
         need_weights: request attention probabilities on the gradient window.
+        output_hidden_states: also return every layer's output on the gradient window.
 
     Returns:
         :class:`EncoderOutput` of the gradient window: features (B, T, D) and the memory after it.
@@ -102,7 +105,7 @@ def encode_segment(encoder: GTrXLEncoder | nn.Module, batch: SegmentBatch, *, ne
     if not getattr(encoder, "stateful", True):  # plain window (agent.window): no memory to rebuild
         return encoder(
             x[:, k:], batch.timesteps[:, k:], episode_start=batch.episode_start[:, k:], mask=batch.mask[:, k:],
-            need_weights=need_weights,
+            need_weights=need_weights, **({"output_hidden_states": True} if output_hidden_states else {}),
         )
     state = encoder.initial_state(x.shape[0], x.device)
     if k > 0:
@@ -115,6 +118,7 @@ def encode_segment(encoder: GTrXLEncoder | nn.Module, batch: SegmentBatch, *, ne
     return encoder(
         x[:, k:], batch.timesteps[:, k:], state=state,
         episode_start=batch.episode_start[:, k:], mask=batch.mask[:, k:], need_weights=need_weights,
+        **({"output_hidden_states": True} if output_hidden_states else {}),
     )
 
 
@@ -139,15 +143,18 @@ def _global_total(mask: Tensor) -> Tensor | None:
     return shard_mean_total(mask.sum())
 
 
-def bc_loss(model: GTrXLModel, batch: SegmentBatch) -> tuple[Tensor, dict[str, Tensor | float]]:
+def bc_loss(model: GTrXLModel, batch: SegmentBatch, *, exit_scheme: str = "sampled",
+            exit_tol: float = 0.1) -> tuple[Tensor, dict[str, Tensor | float]]:
     """Behaviour cloning on the gradient window (``bc`` and ``rcbc``).
 
     Continuous: mean over real steps (``mask`` True) and action dims of (tanh mean - a)^2.
-    Discrete: mean cross-entropy over real steps.
+    Discrete: mean cross-entropy over real steps. With depth kind ``early_exit`` the actor is
+    trained on every layer's output and the exit classifier on its oracle (:func:`exit_terms`).
 
     Args:
         model: a :class:`GTrXLModel`.
         batch: B rows of ``burn_in + T`` steps; the loss is on the last T (the gradient window).
+        exit_scheme, exit_tol: ``agent.early_exit.scheme`` and ``.tol`` (early exit only).
 
     Returns:
         (scalar loss, metrics) with ``loss_bc``, mean gate values ``gate/layer{i}_{attn|ffn}`` and,
@@ -159,24 +166,71 @@ def bc_loss(model: GTrXLModel, batch: SegmentBatch) -> tuple[Tensor, dict[str, T
     so W processes train like one process on the same global batch (the per-rank metrics then
     average to the global-batch values). The backbone's auxiliary losses stay per-shard means.
     """
-    out = encode_segment(model.encoder, batch)
+    early = model.encoder.early_exit
+    out = encode_segment(model.encoder, batch, output_hidden_states=early)
     w = batch.window()
     pred = model.actor(out.features)  # (B, T, A): tanh mean or logits
     metrics: dict[str, Tensor | float] = {}
     total = _global_total(w.mask)  # None with one process
     if model.cfg.discrete:
-        ce = F.cross_entropy(pred.flatten(0, 1), w.actions.long().flatten(), reduction="none").view_as(w.mask.float())
-        loss = _masked_mean(ce, w.mask, total)
+        loss = _masked_mean(_token_loss(pred, w.actions, True), w.mask, total)
         metrics["accuracy"] = _masked_mean((pred.argmax(-1) == w.actions).float(), w.mask, total).detach()
     else:
-        se = (pred - w.actions).pow(2).mean(-1)  # (B, T)
-        loss = _masked_mean(se, w.mask, total)
+        loss = _masked_mean(_token_loss(pred, w.actions, False), w.mask, total)
     aux = sum(out.aux.values()) if out.aux else 0.0
     metrics["loss_bc"] = loss.detach()
+    if early:
+        loss = exit_terms(model, out, w, metrics, scheme=exit_scheme, tol=exit_tol)
     metrics.update(gate_logs(out.metrics))
     metrics.update({f"aux/{k}": v.detach() for k, v in out.aux.items()})  # weighted, already in the loss
     metrics.update(memory_logs(out.metrics))
     return loss + aux, metrics
+
+
+def _token_loss(pred: Tensor, actions: Tensor, discrete: bool) -> Tensor:
+    """Per-step BC loss (B, T): cross-entropy of logits (B, T, A) at class indices (B, T), or the
+    squared error of tanh means (B, T, A) averaged over A."""
+    if discrete:
+        return F.cross_entropy(pred.flatten(0, 1), actions.long().flatten(), reduction="none").view(actions.shape)
+    return (pred - actions).pow(2).mean(-1)
+
+
+def exit_terms(model: GTrXLModel, out: EncoderOutput, w: SegmentBatch, metrics: dict[str, Any], *,
+               scheme: str, tol: float) -> Tensor:
+    """Early-exit training of GTrXL (depth kind ``early_exit``): the actor on every layer, the exit classifier.
+
+    As the Decision Transformer's (Elbayad et al. 2020, sec. 2.2, 3.3; CALM, Schuster et al.
+    2022, sec. 4): the actor reads ``final_norm(h^n)`` after every layer n, the per-step losses
+    (N, B, T) are combined by ``scheme`` (:func:`~rl_tformers.depth.early_exit.exit_loss`), and
+    the exit classifier is trained on detached states against its oracle (agreement with the last
+    layer: same argmax, or ``max |a^n - a^N| <= tol`` in normalised units). Logs
+    ``exit/loss_layer{n}``, ``exit/agree_layer{n}`` and ``exit/classifier_loss`` into ``metrics``.
+
+    Args:
+        model: the GTrXL model; out: :func:`encode_segment` with ``output_hidden_states``;
+        w: the gradient window (actions, mask (B, T)).
+
+    Returns:
+        0-d tensor: the combined action loss plus the classifier loss (replaces the BC loss).
+    """
+    bb = model.encoder.backbone
+    discrete = model.cfg.discrete
+    preds = [model.actor(bb.final_norm(h)) for h in out.hidden_states]  # N x (B, T, A)
+    token_losses = torch.stack([_token_loss(p, w.actions, discrete) for p in preds])  # (N, B, T)
+    loss = exit_loss(token_losses, w.mask, scheme=scheme)
+    consistent = consistency_labels([p.detach() for p in preds], discrete, tol)  # (N, B, T)
+    correct = None
+    if bb.depth.cfg.oracle == "correctness":
+        correct = torch.stack([(p.argmax(-1) == w.actions.long()) if discrete
+                               else (p - w.actions).abs().amax(-1) <= tol for p in preds])
+    clf = bb.depth.exit_classifier_loss(out.hidden_states, token_loss=token_losses.detach(), mask=w.mask,
+                                        consistent=consistent, correct=correct)
+    metrics["exit/classifier_loss"] = clf.detach()
+    m = w.mask.float()
+    for n in range(token_losses.shape[0]):
+        metrics[f"exit/loss_layer{n + 1}"] = ((token_losses[n] * m).sum() / m.sum().clamp_min(1)).detach()
+        metrics[f"exit/agree_layer{n + 1}"] = ((consistent[n].float() * m).sum() / m.sum().clamp_min(1)).detach()
+    return loss + clf
 
 
 def memory_logs(metrics: Mapping[str, Any]) -> dict[str, Tensor | float]:

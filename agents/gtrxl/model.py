@@ -199,8 +199,8 @@ def needs_find_unused(cfg: BackboneConfig) -> bool:
     """Whether some GTrXL updates leave trainable backbone parameters without a gradient, so that
     DistributedDataParallel must look for them (the agent's ``ddp_find_unused``, docs/runtime.md).
 
-    - ``depth.kind=early_exit``: GTrXL trains at full depth and passes no exit head, so the exit
-      classifier never gets a gradient;
+    - ``depth.kind=early_exit``: IQL trains its actor and critics at full depth, so the exit
+      classifier gets no gradient there;
     - ``memory.kind=compressive``: the compression function runs only in updates where some row
       forms a group of old memories (an episode boundary or a full FIFO in its window), which
       depends on the data each process drew; without this, one rank reduces gradients the other
@@ -261,11 +261,12 @@ def build_backbone(cfg: Mapping[str, Any] | BackboneConfig, window: int = 0) -> 
                 )
     threshold = getattr(bb_cfg.depth, "threshold", None)
     if threshold is not None:
-        # GTrXL passes no exit head and trains no exit: the threshold would exit every step where an
-        # untrained confidence reaches it (threshold 0: all of them after layer 1, in training too)
+        # a stored threshold would exit in training too (the loss trains the actor on every layer
+        # at full depth); acting takes its threshold from the agent's options
         raise IncompatibleConfig(
-            f"gtrxl: backbone.depth.threshold={threshold}: GTrXL trains and acts at full depth with "
-            f"backbone.depth.kind=early_exit (exit heads and calibrated exits are DT-only); leave the threshold unset"
+            f"gtrxl: backbone.depth.threshold={threshold}: GTrXL trains at full depth; the acting threshold is "
+            f"agent.early_exit.threshold (a number or 'calibrate') or rl-tformers eval --early-exit; leave "
+            f"backbone.depth.threshold unset"
         )
     try:
         return Backbone(bb_cfg)
@@ -282,12 +283,15 @@ class EncoderOutput:
         state: next :class:`BackboneState` (``None`` when called without a state).
         metrics: backbone metrics (gate values, ...), floats or 0-d tensors.
         aux: weighted auxiliary losses from the backbone (usually empty for GTrXL).
+        hidden_states: N x (B, T, D) every layer's output before the final norm
+            (``output_hidden_states=True``), else None.
     """
 
     features: Tensor
     state: BackboneState | None
     metrics: dict[str, Any]
     aux: dict[str, Tensor]
+    hidden_states: tuple[Tensor, ...] | None = None
 
 
 class GTrXLEncoder(nn.Module):
@@ -318,6 +322,11 @@ class GTrXLEncoder(nn.Module):
     def mem_len(self) -> int:
         """Memory slots per layer (``backbone.memory.mem_len``; 0 for memory kinds without one)."""
         return int(getattr(self.backbone.config.memory, "mem_len", 0))
+
+    @property
+    def early_exit(self) -> bool:
+        """True when the backbone's depth kind is ``early_exit`` (exit options apply)."""
+        return hasattr(self.backbone.depth, "exit_classifier_loss")
 
     def initial_state(self, batch: int, device: torch.device | str | None = None) -> BackboneState:
         """Empty memory for ``batch`` streams (every slot invalid)."""
@@ -372,6 +381,8 @@ class GTrXLEncoder(nn.Module):
         episode_start: Tensor | None = None,
         mask: Tensor | None = None,
         need_weights: bool = False,
+        output_hidden_states: bool = False,
+        **depth_kwargs: Any,
     ) -> EncoderOutput:
         """Encode a segment of steps.
 
@@ -383,14 +394,19 @@ class GTrXLEncoder(nn.Module):
             episode_start: (B, T) bool, True where a token starts a new episode.
             mask: (B, T) bool, False for padding.
             need_weights: compute attention probabilities (for attention-entropy logging).
+            output_hidden_states: also return every layer's output (N x (B, T, D), before the
+                final norm; depth kind ``early_exit`` trains the actor on each).
+            depth_kwargs: passed to the depth module (``early_exit``: ``exit_threshold``,
+                ``exit_head``, ``exit_mask``, ``exit_layers``; :mod:`rl_tformers.depth.early_exit`).
 
         Returns:
             :class:`EncoderOutput` with features (B, T, D) and the next state.
         """
         out = self.backbone(
-            self.embed(x), positions, mask=mask, state=state, episode_start=episode_start, need_weights=need_weights
+            self.embed(x), positions, mask=mask, state=state, episode_start=episode_start, need_weights=need_weights,
+            output_hidden_states=output_hidden_states, **depth_kwargs,
         )
-        return EncoderOutput(out.hidden, out.state, out.metrics, out.aux)
+        return EncoderOutput(out.hidden, out.state, out.metrics, out.aux, out.hidden_states)
 
 
 def _mlp(d_in: int, hidden: int, d_out: int) -> nn.Module:

@@ -407,12 +407,11 @@ def test_dt_refuses_a_backbone_exit_threshold():
 
 
 def test_gtrxl_refuses_a_backbone_exit_threshold():
-    # GTrXL passes no exit head: threshold 0 trained and acted at layer 1 only (the doc: "full
-    # depth"); confidence softmax with a threshold died at the first update with a traceback
+    # a stored threshold would exit in training too; the acting threshold is agent.early_exit.threshold
     for depth in ({"kind": "early_exit", "confidence": "classifier", "threshold": 0.0},
                   {"kind": "early_exit", "confidence": "softmax", "threshold": 0.5}):
         bb = {**gtrxl_backbone(d_model=16, n_layers=2, n_heads=2, mem_len=4), "depth": depth}
-        with pytest.raises(IncompatibleConfig, match=r"^gtrxl: backbone\.depth\.threshold=0\.[05]: GTrXL trains and acts at full"):
+        with pytest.raises(IncompatibleConfig, match=r"^gtrxl: backbone\.depth\.threshold=0\.[05]: GTrXL trains at full depth; the acting threshold is agent\.early_exit\.threshold"):
             GTrXLModel(GTrXLConfig(obs_dim=3, act_dim=2, backbone=bb))
     bb = {**gtrxl_backbone(d_model=16, n_layers=2, n_heads=2, mem_len=4), "depth": {"kind": "early_exit"}}
     GTrXLModel(GTrXLConfig(obs_dim=3, act_dim=2, backbone=bb))  # full depth: accepted
