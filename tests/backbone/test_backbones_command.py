@@ -97,3 +97,15 @@ def test_listing_fits_the_terminal_width_it_is_given():
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()
     assert max(len(ln) for ln in lines) <= 160 and "┃ slot" in res.output
+
+
+def test_listing_ends_with_the_per_layer_stacks_note_naming_the_example_configs():
+    from rl_tformers.runtime.run_config import available_configs
+
+    res = CliRunner().invoke(_app(), ["backbones", "--slot", "depth"], env={"COLUMNS": None})
+    assert res.exit_code == 0, res.output
+    tail = " ".join(res.output.split("\n\n")[-1].split())
+    assert tail.startswith("Per-layer stacks: backbone.layers sets the attention, position and block kinds")
+    named = [w.strip(",.") for w in tail.split() if w.startswith(("dt/", "gtrxl/"))]
+    assert len(named) == 4 and set(named) <= set(available_configs())
+    assert "Per-layer" not in CliRunner().invoke(_app(), ["backbones", "--json"]).output
