@@ -142,6 +142,14 @@ def replay_features(model: GTrXLModel, seg: SegmentBatch, threshold: float | Non
     Raises:
         ValueError: the model runs a plain window (``agent.window``), which this replay does not follow.
     """
+    h, _ = replay(model, seg, threshold, early_exit)
+    return h, model.actor(h)
+
+
+@torch.no_grad()
+def replay(model: GTrXLModel, seg: SegmentBatch, threshold: float | None = None,
+           early_exit: bool = False) -> tuple[Tensor, Any]:
+    """:func:`replay_features`' loop: the features (B, L, D) and the memory after the last step."""
     enc = model.encoder
     if not enc.stateful:
         raise ValueError("replaying acting step by step needs GTrXL's memory mode (agent.window=0)")
@@ -159,6 +167,5 @@ def replay_features(model: GTrXLModel, seg: SegmentBatch, threshold: float | Non
         state = out.state
         feats.append(out.features[:, 0])
     model.train(was)
-    h = torch.stack(feats, 1)  # (B, L, D)
-    return h, model.actor(h)
+    return torch.stack(feats, 1), state  # (B, L, D)
 
