@@ -209,6 +209,23 @@ def needs_find_unused(cfg: BackboneConfig) -> bool:
     return cfg.depth.kind == "early_exit" or cfg.memory.kind == "compressive"
 
 
+def check_memory_keys(cfg: BackboneConfig) -> None:
+    """Refuse a layer whose attention kind takes no memory keys (GTrXL attends over its memory).
+
+    Raises:
+        IncompatibleConfig: naming the layer's kind, where it is set (``backbone.attention`` or
+            ``backbone.layers[i].attention``) and the kernels that can.
+    """
+    for i, (where, att) in enumerate(cfg.per_layer("attention")):  # every layer's kernel (backbone.layers)
+        if not REGISTRIES["attention"].get(att.kind).capabilities.memory:
+            pos = cfg.layer_config(i).position.kind
+            at, pos_where = (f" (layer {i})", f"layer {i}'s position") if cfg.layers else ("", "backbone.position")
+            raise IncompatibleConfig(
+                f"gtrxl: {where}.kind={att.kind!r}{at} takes no memory keys, but GTrXL attends over its memory; "
+                f"kernels that can (with {pos_where}.kind={pos!r}): {', '.join(memory_kernels(pos))}"
+            )
+
+
 def build_backbone(cfg: Mapping[str, Any] | BackboneConfig, window: int = 0) -> Backbone:
     """Build the backbone, refusing what GTrXL cannot use with messages naming the option.
 
@@ -251,14 +268,7 @@ def build_backbone(cfg: Mapping[str, Any] | BackboneConfig, window: int = 0) -> 
             f"window: {window_recipe('W')}"
         )
     else:
-        for i, (where, att) in enumerate(bb_cfg.per_layer("attention")):  # every layer's kernel (backbone.layers)
-            if not REGISTRIES["attention"].get(att.kind).capabilities.memory:
-                pos = bb_cfg.layer_config(i).position.kind
-                at, pos_where = (f" (layer {i})", f"layer {i}'s position") if bb_cfg.layers else ("", "backbone.position")
-                raise IncompatibleConfig(
-                    f"gtrxl: {where}.kind={att.kind!r}{at} takes no memory keys, but GTrXL attends over its memory; "
-                    f"kernels that can (with {pos_where}.kind={pos!r}): {', '.join(memory_kernels(pos))}"
-                )
+        check_memory_keys(bb_cfg)
     threshold = getattr(bb_cfg.depth, "threshold", None)
     if threshold is not None:
         # a stored threshold would exit in training too (the loss trains the actor on every layer
