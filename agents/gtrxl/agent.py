@@ -369,6 +369,11 @@ class GTrXLPolicy:
         (:meth:`step` with :meth:`decide`); arguments and returns as :meth:`step`."""
         return self.step(obs, state, episode_start, last_reward, self.decide)
 
+    @property
+    def base(self) -> GTrXLPolicy:
+        """The plain policy (itself; a wrapper's ``base`` is the policy it wraps at the bottom)."""
+        return self
+
     def count_rows(self, rows: np.ndarray | None) -> None:
         """Rows (N,) bool whose decisions the wrappers' statistics count (environments still in
         an episode; ``None``: every row). The actions do not depend on it."""

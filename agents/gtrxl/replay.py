@@ -42,7 +42,7 @@ class GTrXLPolicyWrapper(ABC):
     @property
     def base(self) -> Any:
         """The plain GTrXL policy under every wrapper."""
-        return getattr(self.inner, "base", self.inner)
+        return self.inner.base
 
     @torch.no_grad()
     def act(self, obs: np.ndarray, state: Any, episode_start: np.ndarray,
