@@ -217,14 +217,14 @@ def eval_cmd(
                                           help="DT: error | clamp for episode steps >= agent.max_ep_len."),
     threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's choice)."),
     early_exit: str = typer.Option(None, "--early-exit",
-                                   help="DT whose backbone.depth.kind is early_exit: 'calibrate' (held-out episodes), "
+                                   help="DT or offline GTrXL whose backbone.depth.kind is early_exit: 'calibrate' (held-out episodes), "
                                         "a threshold, or 'none' (default: the threshold in agent.early_exit)."),
     knn_lambda: float = typer.Option(None, "--knn-lambda", min=0.0, max=1.0,
-                                     help="DT: kNN-LM weight of a datastore built from the training dataset "
+                                     help="DT, offline GTrXL: kNN-LM weight of a datastore built from the training dataset "
                                           "(default: agent.knn.lam; 0 = off)."),
-    knn_k: int = typer.Option(None, "--knn-k", min=1, help="DT: neighbours per decision (default agent.knn.k)."),
+    knn_k: int = typer.Option(None, "--knn-k", min=1, help="DT, offline GTrXL: neighbours per decision (default agent.knn.k)."),
     knn_max_entries: int = typer.Option(None, "--knn-max-entries", min=1,
-                                        help="DT: datastore size cap (default agent.knn.max_entries)."),
+                                        help="DT, offline GTrXL: datastore size cap (default agent.knn.max_entries)."),
     context_len: int = typer.Option(None, "--context-len", min=1,
                                     help="DT: act on the last N steps of the context, at most its K (default: "
                                          "the run's agent.eval_context_len, else K; Online DT uses 5 on Hopper)."),
