@@ -116,6 +116,9 @@ class EncoderDecoderConfig:
             raise IncompatibleConfig(
                 f"encoder.d_model={enc.d_model} and decoder.d_model={dec.d_model} must be equal"
             )
+        if dec.layers:  # DecoderLayer builds from the decoder-wide slots (Backbone builds the encoder's per layer)
+            raise IncompatibleConfig("decoder.layers: the decoder's layers use the decoder-wide attention, position "
+                                     "and block; per-layer kinds (layers) are for the encoder; remove decoder.layers")
         if dec.block.kind not in ("post_norm", "pre_norm"):
             raise IncompatibleConfig(f"decoder.block.kind={dec.block.kind!r}; the decoder supports post_norm, pre_norm")
         if dec.memory.kind != "none" or dec.depth.kind != "fixed":

@@ -14,6 +14,7 @@ from rl_tformers.attention.routing import RoutingConfig
 from rl_tformers.backbone import IncompatibleConfig
 from rl_tformers.backbone_config import BuildContext
 from rl_tformers.backbone_layers import LayerOverride
+from rl_tformers.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
 from rl_tformers.registry import RegistryError
 
 SMALL = {"d_model": 16, "n_heads": 2, "dropout": 0.0, "attn_dropout": 0.0}
@@ -152,3 +153,12 @@ def test_a_layer_without_incremental_form_refuses_a_cache_naming_it():
     with pytest.raises(NotImplementedError, match=r"backbone\.layers\[1\]\.attention\.kind='routing' \(layer 1 of 3: a "
                                                   r"stack decodes incrementally only if every layer can\) cannot keep"):
         bb.initial_state(2)
+
+
+def test_the_encoder_takes_per_layer_kinds_and_the_decoder_refuses_them():
+    m = EncoderDecoder({"encoder": {**SMALL, "n_layers": 2, "layers": [{"attention": {"kind": "sliding_window"}}, {}]},
+                        "decoder": SMALL})
+    assert [type(b.attn).__name__ for b in m.encoder.blocks] == ["SlidingWindowAttention", "DenseAttention"]
+    with pytest.raises(IncompatibleConfig, match=r"^decoder\.layers: the decoder's layers use the decoder-wide "
+                                                 r"attention, position and block; .* remove decoder\.layers$"):
+        EncoderDecoderConfig.from_dict({"decoder": {"n_layers": 2, "layers": [{}, {}]}})

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from rl_tformers.cli.backbones import register
 from rl_tformers.registry import SLOTS, all_entries
+from rl_tformers.runtime.run_config import available_configs
 
 
 def _app() -> typer.Typer:
@@ -100,8 +101,6 @@ def test_listing_fits_the_terminal_width_it_is_given():
 
 
 def test_listing_ends_with_the_per_layer_stacks_note_naming_the_example_configs():
-    from rl_tformers.runtime.run_config import available_configs
-
     res = CliRunner().invoke(_app(), ["backbones", "--slot", "depth"], env={"COLUMNS": None})
     assert res.exit_code == 0, res.output
     tail = " ".join(res.output.split("\n\n")[-1].split())
