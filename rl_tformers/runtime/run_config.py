@@ -659,7 +659,9 @@ def compose(
             a ``plugins`` module that is not found or fails to import (named).
     """
     user_layers = _user_layers(config, overrides, start)
-    user = OmegaConf.merge(*(layer for layer, _ in user_layers)) if user_layers else OmegaConf.create({})
+    user = OmegaConf.create({})
+    for layer, source in user_layers:  # a list meeting a mapping is named (backbone.layers.1.x=... over a list)
+        user = _merge_checked(user, layer, source)
 
     plugin_names = _plugins_of(user)  # null counts as empty, repeats are dropped (what is recorded)
     load_plugins(plugin_names, "plugins")  # before the agent and the backbone kinds are looked up

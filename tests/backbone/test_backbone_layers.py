@@ -16,6 +16,8 @@ from rl_tformers.backbone_config import BuildContext
 from rl_tformers.backbone_layers import LayerOverride
 from rl_tformers.encoder_decoder import EncoderDecoder, EncoderDecoderConfig
 from rl_tformers.registry import RegistryError
+from rl_tformers.runtime.errors import ConfigError
+from rl_tformers.runtime.run_config import compose
 
 SMALL = {"d_model": 16, "n_heads": 2, "dropout": 0.0, "attn_dropout": 0.0}
 
@@ -162,3 +164,11 @@ def test_the_encoder_takes_per_layer_kinds_and_the_decoder_refuses_them():
     with pytest.raises(IncompatibleConfig, match=r"^decoder\.layers: the decoder's layers use the decoder-wide "
                                                  r"attention, position and block; .* remove decoder\.layers$"):
         EncoderDecoderConfig.from_dict({"decoder": {"n_layers": 2, "layers": [{}, {}]}})
+
+
+def test_a_run_config_sets_layers_as_a_list_and_an_index_override_is_refused_naming_the_key():
+    cfg = compose("dt/hopper_medium_sparse_interleaved", ["backbone.layers=[{attention: {kind: local}}]"])
+    assert OmegaConf.to_container(cfg.backbone.layers) == [{"attention": {"kind": "local"}}]
+    with pytest.raises(ConfigError, match=r"^backbone\.layers must be a list, got \{'1': \{'attention': \{'kind': "
+                                          r"'longformer'\}\}\} \[command line\]$"):
+        compose("dt/hopper_medium_sparse_interleaved", ["backbone.layers.1.attention.kind=longformer"])
