@@ -6,7 +6,9 @@ return embedding takes, and the check that refuses larger ones. The acting proto
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -81,3 +83,48 @@ def check_return_targets(
                 f"{bound:.3g}, or the return-to-go (target / reward scale {rtg_scale:g}) times "
                 f"{embedding} and give NaN actions"
             )
+
+
+class PolicyWrapper(ABC):
+    """A policy (or another wrapper) whose next action is produced differently: what the agents'
+    inference wrappers share (the DT's :class:`~rl_tformers.agents.decision_transformer.policy.DTPolicyWrapper`,
+    GTrXL's :class:`~rl_tformers.agents.gtrxl.replay.GTrXLPolicyWrapper`).
+
+    Every member of the policy protocol the wrapper does not define (``initial_state``,
+    ``count_rows``, ``check_targets``, ...) is the wrapped policy's; :meth:`stats` adds the
+    wrapper's counters (:meth:`own_stats`) to the wrapped policy's. Subclasses implement ``act``,
+    :meth:`own_stats` and :meth:`reset_own_stats`.
+
+    Args:
+        policy: the wrapped policy (:attr:`inner`), which has a ``base`` (the plain policy).
+    """
+
+    def __init__(self, policy: Any) -> None:
+        self.inner = policy
+
+    @property
+    def base(self) -> Any:
+        """The plain policy under every wrapper."""
+        return self.inner.base
+
+    @abstractmethod
+    def own_stats(self) -> dict[str, float | int]:
+        """This wrapper's counters (merged into :meth:`stats`)."""
+
+    @abstractmethod
+    def reset_own_stats(self) -> None:
+        """Zero this wrapper's counters."""
+
+    def stats(self) -> dict[str, float | int]:
+        """The wrapped policy's counters, then this wrapper's."""
+        return {**self.inner.stats(), **self.own_stats()}
+
+    def reset_stats(self) -> None:
+        """Zero the counters of :meth:`stats`, the wrapped policy's included."""
+        self.inner.reset_stats()
+        self.reset_own_stats()
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the policy protocol: the wrapped policy's
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)

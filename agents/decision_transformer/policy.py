@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import math
 import time
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from rl_tformers.agents.common.policy import check_return_targets, embedding_target_limit
+from rl_tformers.agents.common.policy import PolicyWrapper, check_return_targets, embedding_target_limit
 from rl_tformers.agents.decision_transformer.context import (
     OVERFLOW_POLICIES,
     ContextWindow,
@@ -369,26 +369,18 @@ class DTPolicy:
         )
 
 
-class DTPolicyWrapper(ABC):
+class DTPolicyWrapper(PolicyWrapper):
     """A :class:`DTPolicy` (or another wrapper) whose next action is produced differently.
 
     :meth:`act` runs the plain policy's :meth:`DTPolicy.step` (the context, the timing, the
     action mapping) with this wrapper's :meth:`decide`; every other member of the policy
-    protocol (``initial_state``, ``count_rows``, ``check_targets``, ...) is the wrapped policy's.
-    :meth:`stats` adds the wrapper's counters (:meth:`own_stats`) to the wrapped policy's.
+    protocol (``initial_state``, ``count_rows``, ``check_targets``, ...) is the wrapped policy's
+    (:class:`~rl_tformers.agents.common.policy.PolicyWrapper`).
     Subclasses implement :meth:`decide`, :meth:`own_stats` and :meth:`reset_own_stats`.
 
     Args:
         policy: the wrapped policy (:attr:`inner`).
     """
-
-    def __init__(self, policy: DTPolicy | DTPolicyWrapper) -> None:
-        self.inner = policy
-
-    @property
-    def base(self) -> DTPolicy:
-        """The plain DT policy under every wrapper."""
-        return self.inner.base
 
     @torch.no_grad()
     def act(
@@ -400,25 +392,3 @@ class DTPolicyWrapper(ABC):
     @abstractmethod
     def decide(self, state: DTState, rows: Tensor, slot: Tensor, counted: np.ndarray) -> Decision:
         """The decision of this step (arguments as :meth:`DTPolicy.decide`)."""
-
-    @abstractmethod
-    def own_stats(self) -> dict[str, float | int]:
-        """This wrapper's counters (merged into :meth:`stats`)."""
-
-    @abstractmethod
-    def reset_own_stats(self) -> None:
-        """Zero this wrapper's counters."""
-
-    def stats(self) -> dict[str, float | int]:
-        """The wrapped policy's counters, then this wrapper's."""
-        return {**self.inner.stats(), **self.own_stats()}
-
-    def reset_stats(self) -> None:
-        """Zero the counters of :meth:`stats`, the wrapped policy's included."""
-        self.inner.reset_stats()
-        self.reset_own_stats()
-
-    def __getattr__(self, name: str) -> Any:  # the rest of the policy protocol: the wrapped policy's
-        if name == "inner":  # not set yet (copy, unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)

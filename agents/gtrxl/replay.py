@@ -10,11 +10,12 @@ layers above it, so later steps depend on the threshold): :func:`replay_features
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from typing import Any
 
 import numpy as np
 import torch
+from rl_tformers.agents.common.policy import PolicyWrapper
 from rl_tformers.agents.gtrxl.loss import SegmentBatch
 from rl_tformers.agents.gtrxl.model import GTrXLModel
 from rl_tformers.envs.samplers import SegmentSampler
@@ -23,26 +24,19 @@ from torch import Tensor
 from rl_tformers.depth.early_exit import with_final_norm
 
 
-class GTrXLPolicyWrapper(ABC):
+class GTrXLPolicyWrapper(PolicyWrapper):
     """A :class:`~rl_tformers.agents.gtrxl.agent.GTrXLPolicy` (or another wrapper) whose next action
     is produced differently.
 
     :meth:`act` runs the plain policy's ``step`` (resets, inputs, action mapping) with this
     wrapper's :meth:`decide`; every other member of the policy protocol (``initial_state``,
-    ``count_rows``, ``check_targets``, ...) is the wrapped policy's. :meth:`stats` adds the
-    wrapper's counters (:meth:`own_stats`).
+    ``count_rows``, ``check_targets``, ...) is the wrapped policy's
+    (:class:`~rl_tformers.agents.common.policy.PolicyWrapper`). Subclasses implement
+    :meth:`decide`, ``own_stats`` and ``reset_own_stats``.
 
     Args:
         policy: the wrapped policy (:attr:`inner`).
     """
-
-    def __init__(self, policy: Any) -> None:
-        self.inner = policy
-
-    @property
-    def base(self) -> Any:
-        """The plain GTrXL policy under every wrapper."""
-        return self.inner.base
 
     @torch.no_grad()
     def act(self, obs: np.ndarray, state: Any, episode_start: np.ndarray,
@@ -54,32 +48,10 @@ class GTrXLPolicyWrapper(ABC):
     def decide(self, x: Tensor, t: Tensor, memory: Any, start: Tensor, state: Any) -> Any:
         """The decision of this step (arguments as ``GTrXLPolicy.decide``)."""
 
-    @abstractmethod
-    def own_stats(self) -> dict[str, float | int]:
-        """This wrapper's counters."""
-
-    @abstractmethod
-    def reset_own_stats(self) -> None:
-        """Zero this wrapper's counters."""
-
     def counted(self, n: int) -> np.ndarray:
         """(n,) bool: the rows whose decisions count (``count_rows``; all when not set)."""
         c = self.base.counted
         return np.ones(n, dtype=bool) if c is None else c
-
-    def stats(self) -> dict[str, float | int]:
-        """The wrapped policy's counters, then this wrapper's."""
-        return {**self.inner.stats(), **self.own_stats()}
-
-    def reset_stats(self) -> None:
-        """Zero the counters of :meth:`stats`, the wrapped policy's included."""
-        self.inner.reset_stats()
-        self.reset_own_stats()
-
-    def __getattr__(self, name: str) -> Any:  # the rest of the policy protocol: the wrapped policy's
-        if name == "inner":  # not set yet (copy, unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 def exit_kwargs(model: GTrXLModel, threshold: float | None, deciding: Tensor) -> dict[str, Any]:
