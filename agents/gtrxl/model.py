@@ -184,15 +184,25 @@ def check_causal(cfg: BackboneConfig) -> None:
             "of its segment (the future), which acting one step at a time never sees; GTrXL is causal: "
             "leave backbone.causal=true"
         )
-    for i, (where, att) in enumerate(cfg.per_layer("attention")):  # every layer's kernel (backbone.layers)
-        if not REGISTRIES["attention"].get(att.kind).capabilities.causal:
-            pos = cfg.layer_config(i).position.kind
+    bad = _first_layer_without(cfg, "causal")
+    if bad is not None:
+        where, kind, at, pos_where, pos = bad
+        raise IncompatibleConfig(
+            f"gtrxl: {where}.kind={kind!r}{at} has no causal form, and GTrXL acts one step "
+            f"at a time on the past only; causal kernels that attend over its memory (with "
+            f"{pos_where}.kind={pos!r}): {', '.join(memory_kernels(pos))}"
+        )
+
+
+def _first_layer_without(cfg: BackboneConfig, capability: str) -> tuple[str, str, str, str, str] | None:
+    """The first layer whose attention kind lacks ``capability`` (every layer's kernel, with
+    ``backbone.layers``): ``(where it is set, kind, " (layer i)" or "", where its position is set,
+    position kind)``, or None."""
+    for i, (where, att) in enumerate(cfg.per_layer("attention")):
+        if not getattr(REGISTRIES["attention"].get(att.kind).capabilities, capability):
             at, pos_where = (f" (layer {i})", f"layer {i}'s position") if cfg.layers else ("", "backbone.position")
-            raise IncompatibleConfig(
-                f"gtrxl: {where}.kind={att.kind!r}{at} has no causal form, and GTrXL acts one step "
-                f"at a time on the past only; causal kernels that attend over its memory (with "
-                f"{pos_where}.kind={pos!r}): {', '.join(memory_kernels(pos))}"
-            )
+            return where, att.kind, at, pos_where, cfg.layer_config(i).position.kind
+    return None
 
 
 def needs_find_unused(cfg: BackboneConfig) -> bool:
@@ -216,14 +226,13 @@ def check_memory_keys(cfg: BackboneConfig) -> None:
         IncompatibleConfig: naming the layer's kind, where it is set (``backbone.attention`` or
             ``backbone.layers[i].attention``) and the kernels that can.
     """
-    for i, (where, att) in enumerate(cfg.per_layer("attention")):  # every layer's kernel (backbone.layers)
-        if not REGISTRIES["attention"].get(att.kind).capabilities.memory:
-            pos = cfg.layer_config(i).position.kind
-            at, pos_where = (f" (layer {i})", f"layer {i}'s position") if cfg.layers else ("", "backbone.position")
-            raise IncompatibleConfig(
-                f"gtrxl: {where}.kind={att.kind!r}{at} takes no memory keys, but GTrXL attends over its memory; "
-                f"kernels that can (with {pos_where}.kind={pos!r}): {', '.join(memory_kernels(pos))}"
-            )
+    bad = _first_layer_without(cfg, "memory")
+    if bad is not None:
+        where, kind, at, pos_where, pos = bad
+        raise IncompatibleConfig(
+            f"gtrxl: {where}.kind={kind!r}{at} takes no memory keys, but GTrXL attends over its memory; "
+            f"kernels that can (with {pos_where}.kind={pos!r}): {', '.join(memory_kernels(pos))}"
+        )
 
 
 def build_backbone(cfg: Mapping[str, Any] | BackboneConfig, window: int = 0) -> Backbone:
