@@ -61,3 +61,12 @@ def test_source_checkout_maps_agents_envs_configs() -> None:
         "configs_files": str(REPO / "configs"),
         "others": {"tests": False, "setup": False, "scripts": False, "docs": False},
     }
+
+
+def test_test_file_names_are_unique_across_folders() -> None:
+    """The test folders are not packages, so pytest imports each file under its base name: two
+    files of one name in different folders stop the whole suite at collection."""
+    from collections import Counter
+
+    names = Counter(p.name for p in Path(__file__).resolve().parent.rglob("test_*.py"))
+    assert not [n for n, c in names.items() if c > 1]
