@@ -12,11 +12,7 @@ from rl_tformers.cli.errors import fail
 
 EXPORT_HELP = """Export a trained run's policy to a standalone policy folder.
 
-The folder holds policy.json (spaces, observation normalisation, action scaling, context
-length, target return, versions), model.safetensors and the graph (policy.pt or policy.onnx);
-rl_tformers.Policy.load(DIR).act(obs, state) acts from it without the training config or the
-dataset, and nothing is unpickled. Export the other format into the same folder to add its
-graph. A backbone kind that cannot be exported to the format is refused, naming both.
+The folder holds policy.json (spaces, observation normalisation, action scaling, context length, target return, versions), model.safetensors and the graph (policy.pt or policy.onnx); rl_tformers.Policy.load(DIR).act(obs, state) acts from it without the training config or the dataset, and nothing is unpickled. Export the other format into the same folder to add its graph. A backbone kind that cannot be exported to the format is refused, naming both.
 
 Examples:
 

@@ -248,7 +248,7 @@ def test_shipped_mujoco_configs_are_the_papers_setting():
     for task, level in MUJOCO_LEVELS:
         name = f"dt/{task}_{level}"
         cfg = compose(name, [])
-        assert cfg.dataset.path == f"rlt/{task}-v5/{level.replace('_', '-')}-v0", name
+        assert cfg.dataset.path == f"rlt/{task}-v5/{level.replace('_', '-')}-v1", name
         bb, tr, ag = cfg.backbone, cfg.train, cfg.agent
         assert (bb.d_model, bb.n_layers, bb.n_heads, bb.activation) == (128, 3, 1, "relu"), name
         assert (bb.dropout, bb.attn_dropout, bb.ffn_dropout, ag.embed_dropout) == (0.1, 0.1, 0.0, 0.1), name
