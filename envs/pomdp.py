@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import gymnasium as gym
 import numpy as np
+from rl_tformers.envs.environments import make_task
 
 POMDP_KINDS = ("positions", "mask")
 
@@ -124,5 +125,11 @@ def apply_pomdp(env: gym.Env, pomdp: dict | None) -> gym.Env:
 
 
 def make_env(env_id: str, pomdp: dict | None = None, **kwargs) -> gym.Env:
-    """``gym.make(env_id, **kwargs)`` masked as the ``pomdp`` record says (see :func:`pomdp_record`)."""
-    return apply_pomdp(gym.make(env_id, **kwargs), pomdp)
+    """``gym.make(env_id, **kwargs)`` as the agents see it (POPGym's ids resolved, non-Box
+    observations one-hot: :func:`~rl_tformers.envs.environments.make_task`), masked as the
+    ``pomdp`` record says (see :func:`pomdp_record`).
+
+    Raises:
+        MissingExtraError: a POPGym id without the ``popgym`` extra (a ValueError).
+    """
+    return apply_pomdp(make_task(env_id, **kwargs), pomdp)

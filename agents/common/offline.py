@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from rl_tformers.envs.dataset import EpisodeDataset
+from rl_tformers.envs.environments import register_env_id
 from rl_tformers.envs.loaders import HDF5_SUFFIXES, load_dataset
 from rl_tformers.envs.pomdp import make_env
 from rl_tformers.envs.scores import D4RL_REF_SCORES, _last_component, reference_scores, task_family
@@ -697,11 +698,13 @@ def _eval_env_spaces(info: DatasetInfo, where: str, source: str) -> tuple[gym.Sp
     closed); None, with a warning, when its dependencies are not installed.
 
     Raises:
-        ValueError: the id is not registered, or the environment cannot be made with its kwargs.
+        ValueError: the id is not registered, or the environment cannot be made with its kwargs;
+            MissingExtraError (a ValueError): a POPGym id without the ``popgym`` extra.
     """
     from rl_tformers.envs import memory_tasks  # noqa: F401 - registers the project's tasks
 
     name = str(info.env_id)
+    register_env_id(name)  # POPGym's ids: registered by importing popgym (the popgym extra)
     fix = "set agent.env_id to the environment the data came from"
     try:
         if ":" in name:

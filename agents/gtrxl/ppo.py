@@ -116,7 +116,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import gymnasium as gym
 import numpy as np
 import torch
 from rl_tformers.agents.gtrxl import env_state, ppo_update
@@ -464,9 +463,8 @@ class GTrXLPPO:
         )
 
     def make_env(self):
-        """Zero-argument factory ``gym.make(env_id, **env_kwargs)`` of the training environment."""
-        env_id, kwargs = self.env_id, self.env_kwargs
-        return lambda: gym.make(env_id, **kwargs)
+        """Zero-argument factory of the training environment (:meth:`EnvSpec.make`)."""
+        return self.spec.make
 
     def default_targets(self) -> list[float | None]:
         """``[None]``: PPO is not return-conditioned."""

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from rl_tformers.agents.decision_transformer.model import to_env_action
 from rl_tformers.agents.gtrxl.model import GTrXLModel, record_attention
 from rl_tformers.agents.gtrxl.ppo_update import compute_gae
+from rl_tformers.envs.environments import make_task
 from torch import Tensor
 
 from rl_tformers.attention.base import attention_entropy
@@ -75,7 +76,8 @@ class EnvSpec:
     """The spaces of one training environment, as PPO-GTrXL reads and writes them.
 
     Attributes:
-        env_id, env_kwargs: ``gym.make(env_id, **env_kwargs)``.
+        env_id, env_kwargs: ``make_task(env_id, **env_kwargs)`` (:mod:`~rl_tformers.envs.environments`:
+            POPGym's ids resolved, non-Box observations one-hot, MultiDiscrete actions one Discrete).
         obs_dim: flat observation size O.
         act_dim: number of discrete actions, or the flat size A of a Box action.
         discrete: Discrete actions (class index + ``action_start`` is the environment's action).
@@ -101,9 +103,11 @@ class EnvSpec:
         """Make the environment once and read its spaces.
 
         Raises:
-            ValueError: not a Box observation space, or actions neither Discrete nor a bounded Box.
+            ValueError: an observation space that cannot be encoded as a vector, or actions neither
+                Discrete (MultiDiscrete) nor a bounded Box.
+            MissingExtraError: a POPGym id without the ``popgym`` extra (a ValueError).
         """
-        probe = gym.make(env_id, **env_kwargs)
+        probe = make_task(env_id, **env_kwargs)
         obs_space, act_space = probe.observation_space, probe.action_space
         time_limit = None if probe.spec is None else probe.spec.max_episode_steps
         probe.close()
@@ -125,8 +129,8 @@ class EnvSpec:
                    low=low, high=high, time_limit=time_limit)
 
     def make(self) -> gym.Env:
-        """A new environment ``gym.make(env_id, **env_kwargs)``."""
-        return gym.make(self.env_id, **self.env_kwargs)
+        """A new environment ``make_task(env_id, **env_kwargs)``."""
+        return make_task(self.env_id, **self.env_kwargs)
 
     def to_env(self, a: Tensor) -> np.ndarray:
         """(N,) class indices or (N, A) normalised actions -> the environments' actions: (N,) int64
