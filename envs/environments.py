@@ -66,9 +66,10 @@ class OneHotObservation(gym.ObservationWrapper, gym.utils.RecordConstructorArgs)
         self.source_space = env.observation_space
         try:
             flat = gym.spaces.flatten_space(self.source_space)
-        except NotImplementedError as exc:
-            raise ValueError(f"the observation space {self.source_space} cannot be encoded as a vector "
-                             f"({exc})") from None
+        except NotImplementedError:
+            flat = None
+        if not isinstance(flat, gym.spaces.Box):  # Sequence and Graph flatten to themselves, Text not at all
+            raise ValueError(f"the observation space {self.source_space} cannot be encoded as one vector")
         self.observation_space = gym.spaces.Box(np.asarray(flat.low, np.float32), np.asarray(flat.high, np.float32),
                                                 dtype=np.float32)
 
