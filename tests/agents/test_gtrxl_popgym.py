@@ -10,10 +10,14 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import typer
+from rl_tformers.agents.gtrxl.recurrent_peer import PeerPlan
+from rl_tformers.agents.gtrxl.recurrent_peer import main as peer_main
 from rl_tformers.envs.environments import POPGYM_INSTALL, make_task
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
+from rl_tformers.runtime.run_config import compose
 from tests.runs import assert_clean_exit
 
 runner = CliRunner()
@@ -25,10 +29,18 @@ TINY_PPO = ["agent.n_envs=4", "agent.n_steps=32", "agent.n_epochs=1", "agent.n_m
             *TINY_BACKBONE, "--device", "cpu"]
 
 
+#: the keys of `rl-tformers eval --json` (and of the recurrent peer's eval.json), and of each target's result
+REPORT_KEYS = {"env_id", "episodes", "n_envs", "seed", "seconds", "extra", "results"}
+RESULT_KEYS = {"target_return", "returns", "return_mean", "return_std", "normalized_score", "normalized_score_std",
+               "lengths", "seeds"}
+
+
 def _eval_json(run: Path) -> dict:
     r = runner.invoke(app, ["eval", str(run), "--episodes", "2", "--envs", "2", "--json"])
     assert r.exit_code == 0, r.output
-    return json.loads(r.stdout)
+    report = json.loads(r.stdout)
+    assert set(report) == REPORT_KEYS and set(report["results"][0]) == RESULT_KEYS
+    return report
 
 
 def _episode_returns_are_the_task_s(report: dict) -> None:
@@ -98,3 +110,51 @@ def test_a_popgym_id_without_the_extra_is_refused_in_one_line_naming_it(tmp_path
     assert r.stderr.strip().splitlines()[-1].startswith(
         f"error: {TASK} is a POPGym task and popgym is not installed: {POPGYM_INSTALL} ("), r.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ------------------------------------------------- the recurrent peer (sb3-contrib RecurrentPPO)
+peer_app = typer.Typer()
+peer_app.command()(peer_main)
+
+
+def test_the_recurrent_peer_takes_the_task_budget_and_ppo_settings_of_the_gtrxl_config() -> None:
+    plan = PeerPlan.from_config(compose("gtrxl/popgym_ppo"))
+    assert (plan.env_id, plan.n_envs, plan.rollouts, plan.env_steps) == (TASK, 16, 488, 999_424)  # 7808 updates / 16
+    assert plan.algo == {"n_steps": 128, "batch_size": 512, "n_epochs": 4, "gamma": 0.99, "gae_lambda": 0.95,
+                         "clip_range": 0.2, "ent_coef": 0.01, "vf_coef": 0.5, "normalize_advantage": True,
+                         "learning_rate": 3.0e-4, "max_grad_norm": 0.5}
+    assert (plan.obs_norm, plan.deterministic, plan.eval_every, plan.eval_episodes) == (False, True, 976, 20)
+    assert PeerPlan.from_config(compose("gtrxl/popgym_ppo", ["train.steps=17"])).rollouts == 2  # rounded up
+
+
+def test_the_recurrent_peer_trains_logs_and_writes_the_eval_json_of_rl_tformers_eval(tmp_path: Path) -> None:
+    pytest.importorskip("popgym")
+    run = tmp_path / "lstm"
+    r = runner.invoke(peer_app, ["-c", "gtrxl/popgym_ppo", f"run_dir={run}", "agent.n_envs=4", "agent.n_steps=32",
+                                 "agent.n_epochs=1", "agent.n_minibatches=1", "agent.obs_norm=true", "train.steps=2",
+                                 "eval.every=1", "eval.episodes=2", "eval.n_envs=2", "--lstm-hidden", "16"])
+    assert r.exit_code == 0, r.output
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["train/env_steps"]) for x in lines] == [(1, 128.0), (2, 256.0)]
+    assert all("eval/return_mean" in x and "train/episodic_return" in x for x in lines)
+    report = json.loads((run / "eval.json").read_text())
+    assert report == json.loads(r.stdout)
+    assert set(report) == REPORT_KEYS and set(report["results"][0]) == RESULT_KEYS
+    assert {k: report["extra"][k] for k in ("kind", "step", "env_steps")} == {
+        "kind": "sb3_recurrent_ppo", "step": 2, "env_steps": 256}
+    assert report["results"][0]["seeds"] == [0, 1]
+    _episode_returns_are_the_task_s(report)
+    norm = np.load(run / "obs_norm.npz")
+    assert norm["mean"].shape == (4,) and float(norm["clip_obs"]) == 10.0 and (run / "model.zip").is_file()
+
+    r = runner.invoke(peer_app, ["-c", "gtrxl/popgym_ppo", f"run_dir={run}"])  # never over a trained peer
+    assert_clean_exit(r, 2)
+    assert r.stderr == f"error: run_dir={run} already holds a trained peer (model.zip); name another run_dir\n"
+
+
+def test_the_recurrent_peer_refuses_a_config_of_another_agent(tmp_path: Path) -> None:
+    r = runner.invoke(peer_app, ["-c", "gtrxl/recall_bc", f"run_dir={tmp_path / 'x'}"])
+    assert_clean_exit(r, 2)
+    assert r.stderr == ("error: agent.kind=gtrxl: the recurrent peer reads a gtrxl_ppo config "
+                        "(e.g. -c gtrxl/popgym_ppo)\n")
+    assert not (tmp_path / "x").exists()
