@@ -13,6 +13,8 @@ Modules (import them directly; this package imports nothing heavy):
   (recurrent agents); :mod:`~rl_tformers.envs.torch_data`: ``StepBatchDataset``, ``make_dataloader``.
 * :mod:`~rl_tformers.envs.scores`: ``normalized_score``, ``reference_scores``.
 * :mod:`~rl_tformers.envs.pomdp`: ``ObservationMaskWrapper``, ``position_indices``, ``make_env``.
+* :mod:`~rl_tformers.envs.environments`: ``make_task`` (POPGym's ids with the ``popgym`` extra,
+  ``OneHotObservation``, ``FlatDiscreteAction``), the environments every agent acts in.
 * :mod:`~rl_tformers.envs.policies`, :mod:`~rl_tformers.envs.collect`,
   :mod:`~rl_tformers.envs.recipes`: behaviour policies, dataset collection, D4RL-style recipes.
 * :mod:`~rl_tformers.cli.data`: ``rl-tformers collect`` and ``rl-tformers dataset``.
