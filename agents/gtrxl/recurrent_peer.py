@@ -39,7 +39,7 @@ import gymnasium as gym
 import numpy as np
 import typer
 from omegaconf import OmegaConf
-from rl_tformers.agents.gtrxl.ppo import _agent_config
+from rl_tformers.agents.gtrxl.config import PPOAgentConfig
 from rl_tformers.envs.environments import make_task
 from sb3_contrib import RecurrentPPO
 from stable_baselines3.common.callbacks import BaseCallback
@@ -95,7 +95,8 @@ class PeerPlan:
         if str(cfg.agent.kind) != "gtrxl_ppo":
             raise ConfigError(f"agent.kind={cfg.agent.kind}: the recurrent peer reads a gtrxl_ppo config "
                               f"(e.g. -c gtrxl/popgym_ppo)")
-        a = _agent_config(cfg)
+        a = PPOAgentConfig.from_dict({k: v for k, v in OmegaConf.to_container(cfg.agent).items() if k != "kind"},
+                                     where="agent")
         if a.init_checkpoint:
             raise ConfigError(f"agent.init_checkpoint={a.init_checkpoint}: the recurrent peer trains from scratch; "
                               f"drop agent.init_checkpoint")
