@@ -128,3 +128,20 @@ class PolicyWrapper(ABC):
         if name == "inner":  # not set yet (copy, unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+class InferenceOptions:
+    """What an agent's inference options (early exit, kNN-LM datastore) share: the exit threshold
+    in use, the datastore and the threshold it was built for, saved and put back as one."""
+
+    exit_threshold: float | None
+    knn_memory: Any
+    _knn_for: Any
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """The current options (for :meth:`restore`)."""
+        return self.exit_threshold, self.knn_memory, self._knn_for
+
+    def restore(self, saved: tuple[Any, ...]) -> None:
+        """Put back the options of a :meth:`snapshot`."""
+        self.exit_threshold, self.knn_memory, self._knn_for = saved

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from rl_tformers.agents.common.knn_memory import KNNPolicyMemory
 from rl_tformers.agents.common.offline import load_offline_dataset, plain
+from rl_tformers.agents.common.policy import InferenceOptions
 from rl_tformers.agents.decision_transformer.config import exit_threshold
 from rl_tformers.agents.decision_transformer.early_exit import (
     EarlyExitPolicy,
@@ -32,7 +33,7 @@ from rl_tformers.envs.trajectory import ObsStats
 from torch import Tensor
 
 
-class DTInference:
+class DTInference(InferenceOptions):
     """The inference options of a DT agent: early exit at a threshold and a kNN-LM datastore.
 
     Args:
@@ -77,14 +78,6 @@ class DTInference:
         if self.knn_memory is not None:
             out = KNNLMPolicy(out, self.knn_memory)
         return out
-
-    def snapshot(self) -> tuple[Any, ...]:
-        """The current options (for :meth:`restore`)."""
-        return self.exit_threshold, self.knn_memory, self._knn_for
-
-    def restore(self, saved: tuple[Any, ...]) -> None:
-        """Put back the options of a :meth:`snapshot`."""
-        self.exit_threshold, self.knn_memory, self._knn_for = saved
 
     def heldout_mask(self, dataset: EpisodeDataset) -> np.ndarray:
         """(episodes,) bool: the calibration episodes of an ``early_exit`` run.

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from rl_tformers.agents.common.knn_memory import KNNPolicyMemory
+from rl_tformers.agents.common.policy import InferenceOptions
 from rl_tformers.agents.decision_transformer.config import exit_threshold
 from rl_tformers.agents.decision_transformer.early_exit import heldout_mask
 from rl_tformers.agents.gtrxl.config import IQL_NO_EXIT, IQL_NO_KNN
@@ -27,7 +28,7 @@ from rl_tformers.envs.samplers import SegmentSampler
 from rl_tformers.envs.trajectory import ObsStats
 
 
-class GTrXLInference:
+class GTrXLInference(InferenceOptions):
     """The inference options of an offline GTrXL agent: early exit at a threshold and a kNN-LM datastore.
 
     Args:
@@ -70,14 +71,6 @@ class GTrXLInference:
         if self.knn_memory is not None:
             out = KNNLMPolicy(out, self.knn_memory)
         return out
-
-    def snapshot(self) -> tuple[Any, ...]:
-        """The current options (for :meth:`restore`)."""
-        return self.exit_threshold, self.knn_memory, self._knn_for
-
-    def restore(self, saved: tuple[Any, ...]) -> None:
-        """Put back the options of a :meth:`snapshot`."""
-        self.exit_threshold, self.knn_memory, self._knn_for = saved
 
     def heldout_mask(self, num_episodes: int) -> np.ndarray:
         """(episodes,) bool: the calibration episodes, never trained on (every
