@@ -59,20 +59,29 @@ def cell(scores: list[float]) -> str:
     return f"{m:.1f} ± {s:.1f} (n={len(scores)}: {', '.join(f'{x:.1f}' for x in scores)})"
 
 
+def minutes(seconds: list[float]) -> str:
+    """Mean training minutes per run of the runs that recorded their time, or ``-``."""
+    known = [s for s in seconds if s > 0]
+    return f"{math.fsum(known) / len(known) / 60:.0f}" if known else "-"
+
+
 def table(folder: Path) -> str:
-    """The markdown table of every dataset with at least one score."""
-    head = "| dataset | " + " | ".join(name for _, name in ALGOS) + " | d3rlpy IQL | d3rlpy CQL |"
-    lines = [head, "|" + "---|" * (len(ALGOS) + 3)]
+    """The markdown table of every dataset with at least one score; the last column is each
+    algorithm's mean training time per run in minutes (DT / BC / %BC, from the sweeps' records)."""
+    head = ("| dataset | " + " | ".join(name for _, name in ALGOS)
+            + " | d3rlpy IQL | d3rlpy CQL | minutes per run (" + " / ".join(n.split(" (")[0] for _, n in ALGOS) + ") |")
+    lines = [head, "|" + "---|" * (len(ALGOS) + 4)]
     for dataset in DATASETS:
-        cells = []
+        cells, times = [], []
         for algo, _ in ALGOS:
             sweep = folder / f"{algo}-hopper-{dataset}.json"
-            scores = _sweep_scores(sweep)[0] if sweep.exists() else _eval_scores(folder, f"{algo}-hopper-{dataset}")
+            scores, seconds = _sweep_scores(sweep) if sweep.exists() else (_eval_scores(folder, f"{algo}-hopper-{dataset}"), [])
             cells.append(cell(scores))
+            times.append(minutes(seconds))
         peers = _peer_scores(folder, dataset)
         cells += [cell(peers.get("iql", [])), cell(peers.get("cql", []))]
         if any(c != "-" for c in cells):
-            lines.append(f"| hopper-{dataset} | " + " | ".join(cells) + " |")
+            lines.append(f"| hopper-{dataset} | " + " | ".join(cells) + " | " + " / ".join(times) + " |")
     return "\n".join(lines)
 
 

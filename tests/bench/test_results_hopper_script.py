@@ -50,18 +50,19 @@ def test_one_short_results_row_runs_from_the_recipe_to_the_json_and_the_figure(s
 
 def test_the_results_table_reads_sweeps_evaluations_and_peers(tmp_path: Path) -> None:
     """scripts/results_table.py: a sweep's completed runs, else per-run evaluations, and the
-    d3rlpy cross-check, as mean ± std (ddof 0) with each seed's score."""
+    d3rlpy cross-check, as mean ± std (ddof 0) with each seed's score, and the mean training
+    minutes per run of the runs that recorded their time."""
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import results_table
     finally:
         sys.path.pop(0)
-    runs = [{"seed": 1, "status": "ok", "eval/normalized_score": 30.0},
-            {"seed": 0, "status": "skipped", "eval/normalized_score": 10.0},
+    runs = [{"seed": 1, "status": "ok", "eval/normalized_score": 30.0, "seconds": 150.0},
+            {"seed": 0, "status": "skipped", "eval/normalized_score": 10.0, "seconds": 90.0},
             {"seed": 2, "status": "failed", "eval/normalized_score": 99.0}]
     (tmp_path / "bc-hopper-medium.json").write_text(json.dumps({"runs": runs}))
     (tmp_path / "dt-hopper-medium-s0.eval.json").write_text(json.dumps({"results": [{"normalized_score": 68.25}]}))
     (tmp_path / "peers-hopper-medium.json").write_text(json.dumps(
         {"rows": [{"algo": "iql", "per_seed_normalised": [50.0, 52.0]}]}))
     assert results_table.table(tmp_path).splitlines()[2] == (
-        "| hopper-medium | 68.2 ± 0.0 (n=1: 68.2) | 20.0 ± 10.0 (n=2: 10.0, 30.0) | - | 51.0 ± 1.0 (n=2: 50.0, 52.0) | - |")
+        "| hopper-medium | 68.2 ± 0.0 (n=1: 68.2) | 20.0 ± 10.0 (n=2: 10.0, 30.0) | - | 51.0 ± 1.0 (n=2: 50.0, 52.0) | - | - / 2 / - |")
