@@ -22,9 +22,30 @@ step). Padded slots hold zeros everywhere.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.trajectory import ObsStats, dataset_returns_to_go
+
+
+@dataclass(frozen=True)
+class SampleIndex:
+    """Which dataset rows a batch reads: everything a sampler draws from its generator.
+
+    Attributes:
+        flat: ``(B, L)`` int64, flat dataset row of each slot (some row of the same episode on
+            padded slots: the gather reads it and zeroes it).
+        mask: ``(B, L)`` bool, True on real steps.
+        steps: ``(B, L)`` int64, step index inside the episode of each slot.
+        episode: ``(B,)`` (window) or ``(B, L)`` (segment) int64, episode index of each row or
+            slot (any episode on padded slots; the sampler's ``episode`` key holds -1 there).
+    """
+
+    flat: np.ndarray
+    mask: np.ndarray
+    steps: np.ndarray
+    episode: np.ndarray
 
 
 class _BaseSampler:
@@ -113,8 +134,9 @@ class WindowSampler(_BaseSampler):
         self.context_len = int(context_len)
         self.align = align
 
-    def sample(self, batch_size: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        """One batch of ``batch_size`` windows drawn from ``rng`` (see the class docstring)."""
+    def indices(self, batch_size: int, rng: np.random.Generator) -> SampleIndex:
+        """The rows of one batch of ``batch_size`` windows drawn from ``rng``: everything
+        :meth:`sample` draws (``flat``/``mask``/``steps`` of shape ``(B, K)``, ``episode (B,)``)."""
         d, k = self.dataset, self.context_len
         v = rng.integers(0, d.num_steps, size=batch_size)  # (B,) uniform virtual step
         ep, t = d.locate(v)  # episode ~ length; t uniform inside it
@@ -135,8 +157,13 @@ class WindowSampler(_BaseSampler):
             mask = slot >= pad  # (B, K)
             local = np.where(mask, start[:, None] + slot - pad, start[:, None])  # (B, K) step in episode
         flat = d.starts[ep][:, None] + local  # (B, K) flat row
-        out = self._gather(flat, mask, local)
-        out["episode"] = ep.astype(np.int64)
+        return SampleIndex(flat, mask, local, ep.astype(np.int64))
+
+    def sample(self, batch_size: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """One batch of ``batch_size`` windows drawn from ``rng`` (see the class docstring)."""
+        idx = self.indices(batch_size, rng)
+        out = self._gather(idx.flat, idx.mask, idx.steps)
+        out["episode"] = idx.episode
         return out
 
 
@@ -183,18 +210,25 @@ class SegmentSampler(_BaseSampler):
         """L = burn_in + seq_len."""
         return self.burn_in + self.seq_len
 
-    def sample(self, batch_size: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        """One batch of ``batch_size`` segments drawn from ``rng`` (see the class docstring)."""
+    def indices(self, batch_size: int, rng: np.random.Generator) -> SampleIndex:
+        """The rows of one batch of ``batch_size`` segments drawn from ``rng``: everything
+        :meth:`sample` draws (``flat``/``mask``/``steps``/``episode`` of shape ``(B, L)``)."""
         d, n = self.dataset, self.dataset.num_steps
         v0 = rng.integers(0, n, size=batch_size)  # (B,) first virtual step
         v = v0[:, None] + np.arange(self.length)[None, :]  # (B, L)
         mask = v < n
         ep, t = d.locate(np.minimum(v, n - 1))  # (B, L) episode and step inside it
         flat = d.starts[ep] + t  # (B, L)
+        return SampleIndex(flat, mask, t, ep.astype(np.int64))
+
+    def sample(self, batch_size: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """One batch of ``batch_size`` segments drawn from ``rng`` (see the class docstring)."""
+        idx = self.indices(batch_size, rng)
+        d, flat, mask, t = self.dataset, idx.flat, idx.mask, idx.steps
         out = self._gather(flat, mask, t)
         out["episode_start"] = (t == 0) & mask
         out["terminations"] = d.terminations[flat] & mask
         out["truncations"] = d.truncations[flat] & mask
         out["loss_mask"] = mask & (np.arange(self.length)[None, :] >= self.burn_in)
-        out["episode"] = np.where(mask, ep, -1).astype(np.int64)
+        out["episode"] = np.where(mask, idx.episode, -1).astype(np.int64)
         return out
