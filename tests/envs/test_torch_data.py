@@ -9,7 +9,7 @@ import torch
 from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.loaders import load_d4rl_hdf5, save_d4rl_hdf5
 from rl_tformers.envs.samplers import SegmentSampler, WindowSampler
-from rl_tformers.envs.torch_data import StepBatchDataset, make_dataloader
+from rl_tformers.envs.torch_data import DeviceSampler, DeviceStepBatches, StepBatchDataset, make_dataloader
 
 
 def small_dataset(n=400, seed=0):
@@ -69,3 +69,68 @@ def test_lazy_hdf5_dataset_with_two_workers_matches_in_memory(tmp_path):
     mem_batches = collect(make_dataloader(WindowSampler(mem, 8), 4, seed=2, num_steps=5))
     lazy_batches = collect(make_dataloader(WindowSampler(lazy, 8), 4, seed=2, num_steps=5, num_workers=2))
     assert_same(mem_batches, lazy_batches)
+
+
+# ------------------------------------------------------- the dataset on the device
+def _pixel_dataset(n=300, seed=1):
+    """uint8 (N, 3, 4, 4) observations, Discrete(4) actions, episodes of varying length."""
+    rng = np.random.default_rng(seed)
+    term = np.zeros(n)
+    term[np.sort(rng.choice(n - 1, size=9, replace=False))] = 1
+    term[-1] = 1
+    obs = rng.integers(0, 256, size=(n, 3, 4, 4), dtype=np.uint8)
+    return EpisodeDataset.from_flags(obs, rng.integers(0, 4, size=n), rng.normal(size=n), term,
+                                     action_space=gym.spaces.Discrete(4))
+
+
+def _assert_batches_equal(want: dict, got: dict) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == torch.from_numpy(np.ascontiguousarray(v)).dtype, k
+        assert got[k].shape == v.shape, k
+        assert torch.equal(got[k], torch.from_numpy(np.ascontiguousarray(v))), k
+
+
+@pytest.mark.parametrize("make_sampler", [
+    lambda: WindowSampler(small_dataset(), 8, reward_scale=7.0),
+    lambda: WindowSampler(small_dataset(), 40, align="end", gamma=0.9),  # longer than most episodes: padding
+    lambda: WindowSampler(small_dataset(), 1),  # BC: single steps
+    lambda: SegmentSampler(small_dataset(), 12, burn_in=5, reward_scale=3.0),
+    lambda: WindowSampler(_pixel_dataset(), 30),
+    lambda: SegmentSampler(_pixel_dataset(), 50, burn_in=2),  # runs past the end of the data: padding
+], ids=["window", "window-end-padded", "window-k1", "segment", "pixels-window", "pixels-segment-padded"])
+def test_device_sampler_batches_equal_the_numpy_batches_of_the_same_generator(make_sampler):
+    from rl_tformers.envs.trajectory import observation_stats
+
+    sampler = make_sampler()
+    sampler.obs_stats = observation_stats(sampler.dataset)  # the agents' normalisation
+    dev = DeviceSampler(sampler, "cpu")
+    for seed in range(5):
+        want = sampler.sample(16, np.random.default_rng([4, seed]))
+        _assert_batches_equal(want, dev.sample(16, np.random.default_rng([4, seed])))
+
+
+def test_device_step_batches_are_the_dataset_batches_from_any_start_step():
+    sampler = SegmentSampler(small_dataset(), 6, burn_in=2)
+    steps = StepBatchDataset(sampler, 3, seed=9, num_steps=8)
+    on_device = steps.on_device("cpu")
+    assert isinstance(on_device, DeviceStepBatches) and len(on_device) == 8
+    full = collect(on_device.iter_from(0))
+    assert_same([steps[s] for s in range(8)], full)
+    assert_same(full[5:], collect(on_device.iter_from(5)))
+    with pytest.raises(IndexError):
+        on_device[8]
+
+
+def test_pixel_observations_stay_uint8_on_the_device():
+    dev = DeviceSampler(WindowSampler(_pixel_dataset(), 4), "cpu")
+    assert dev.observations.dtype == torch.uint8 and dev.actions.dtype == torch.int64
+
+
+def test_a_device_sampler_refuses_other_samplers():
+    class Other:
+        def sample(self, batch_size, rng):
+            return {}
+
+    with pytest.raises(TypeError, match="not batches of a Other"):
+        DeviceSampler(Other(), "cpu")
