@@ -184,7 +184,7 @@ class Backbone(nn.Module):
             _check_layer_positions(cfg, self.blocks)
         self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.final_norm else nn.Identity()
         # output_tokens can skip work in the last layer: depth, blocks and kernels all support it
-        self.query_subset = bool(getattr(self.depth, "query_subset", False)) and all(
+        self.query_subset = bool(getattr(self.depth, "query_subset", False)) and not self.memory.reads_output and all(
             getattr(b, "query_subset", False) and getattr(b.attn, "query_subset", False) for b in self.blocks
         )
 
@@ -363,8 +363,16 @@ class Backbone(nn.Module):
         if subset:
             depth_kwargs["queries"] = output_tokens
         dout = self._call_depth(x, ctx, state, output_hidden_states, depth_kwargs)
-        hidden = dout.hidden if subset or output_tokens is None else dout.hidden[:, output_tokens]  # (B, T', D)
         aux, metrics = dict(dout.aux), dict(dout.metrics)
+        hidden, readout = dout.hidden, None  # (B, T, D), or (B, T', D) with subset
+        if self.memory.reads_output:  # every token's output is read (SPALM's long-term memory)
+            vq = valid_q if valid_q is not None else torch.ones(b, t, dtype=torch.bool, device=dev)
+            sq = seg_q if seg_q is not None else torch.zeros(b, t, dtype=torch.long, device=dev)
+            hidden, readout, r_metrics = self.memory.read(self.final_norm(hidden), x, vq, sq, state)
+            merge_into(metrics, r_metrics)
+        hidden = hidden if subset or output_tokens is None else hidden[:, output_tokens]  # (B, T', D)
+        if not self.memory.reads_output:
+            hidden = self.final_norm(hidden)
         new_state = None
         if state is not None:
             rec = SegmentRecord(
@@ -376,6 +384,7 @@ class Backbone(nn.Module):
                 weights=dout.weights,
                 extras=dout.extras,
                 blocks=list(self.blocks),
+                readout=readout,
             )
             new_state, m_aux, m_metrics = self.memory.update(state, rec)
             new_state.episode = seg_q[:, -1] if t > 0 else state.episode
@@ -383,7 +392,7 @@ class Backbone(nn.Module):
             merge_into(aux, m_aux)
             merge_into(metrics, m_metrics)
         return BackboneOutput(
-            hidden=self.final_norm(hidden),
+            hidden=hidden,
             state=new_state,
             aux=aux,
             metrics=metrics,

@@ -31,7 +31,8 @@ and aggregated with the local hidden state ``h`` as the query, then gated::
 
     m = sum_i softmax_i(y_i . h) y_i,    g = sigmoid(w_g . h + b_g),    z = (1 - g) m + g h
 
-(Yogatama et al. 2021, eq. 1-3; the neighbour distances are not used, as in the paper). The agent
+(Yogatama et al. 2021, sec. 2; :func:`rl_tformers.memory.spalm.spalm_combine`, the combination
+the backbone's memory kind ``spalm`` reads with; the neighbour distances are not used, as in the paper). The agent
 feeds ``z`` instead of ``h`` to its action head. With no retrievable neighbour, ``z = h``.
 When training the gate on the datastore's own dataset, pass the query's episode as
 ``exclude_groups`` so a context never retrieves itself (its own next action).
@@ -49,6 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from rl_tformers.memory._search import faiss_available
+from rl_tformers.memory.spalm import spalm_combine
 
 METRICS = ("l2", "ip")
 BACKENDS = ("auto", "torch", "faiss")
@@ -364,13 +366,7 @@ class SpalmGate(nn.Module):
     def forward(self, h: Tensor, nb: Neighbours) -> tuple[Tensor, Tensor]:
         acts = nb.actions.long().clamp_min(0) if self.discrete else nb.actions.to(h.dtype)
         y = self.embed(acts.to(h.device))  # (B, k, D) embedded neighbour actions
-        valid = nb.valid.to(h.device)
-        scores = torch.einsum("bkd,bd->bk", y, h).masked_fill(~valid, float("-inf"))
-        a = torch.nan_to_num(torch.softmax(scores.float(), -1), nan=0.0).to(h.dtype) * valid
-        m = torch.einsum("bk,bkd->bd", a, y)  # (B, D) retrieved memory
-        g = torch.sigmoid(self.gate(h))  # (B, 1) weight of the local state
-        g = torch.where(valid.any(-1, keepdim=True), g, torch.ones_like(g))
-        return (1 - g) * m + g * h, g
+        return spalm_combine(h, y, nb.valid.to(h.device), self.gate)  # the backbone's SPALM read, eq. (1)-(3)
 
 
 class KNNPolicyMemory:

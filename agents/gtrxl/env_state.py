@@ -32,9 +32,11 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
+from rl_tformers.agents.gtrxl.ppo_update import STORE_KEYS, store_rows
 from rl_tformers.agents.gtrxl.rollout import RolloutCollector
 from torch import Tensor
 
+from rl_tformers.memory.spalm import SpalmStore
 from rl_tformers.runtime.checkpoint import unpickling_allowed
 from rl_tformers.types import BackboneState, LayerState
 
@@ -345,18 +347,27 @@ def fifo_decode(enc: Mapping[str, Tensor], dim: int) -> Tensor:
 
 
 def _state_dict_of(state: BackboneState) -> dict[str, Any]:
-    """A :class:`BackboneState` of the ``xl`` memory as plain tensors (CPU)."""
-    if any(ls.cache is not None or ls.extra is not None for ls in state.layers):
-        raise TypeError("gtrxl_ppo: only the xl memory's LayerState(memory=...) can be checkpointed")
-    return {"memory": [None if ls.memory is None else ls.memory.cpu() for ls in state.layers],
-            **{k: getattr(state, k).cpu() for k in ("pos", "valid", "seg", "episode", "next_pos")}}
+    """A :class:`BackboneState` of the ``xl`` or ``spalm`` memory as plain tensors (CPU); the
+    SPALM long-term store under ``store`` (:func:`store_rows`' keys)."""
+    store = store_rows(state)
+    if any(ls.cache is not None for ls in state.layers) or any(ls.extra is not None for ls in state.layers[:-1]) \
+            or (state.layers[-1].extra is not None and not store):
+        raise TypeError("gtrxl_ppo: only the xl memory's LayerState(memory=...) and the spalm store can be checkpointed")
+    out = {"memory": [None if ls.memory is None else ls.memory.cpu() for ls in state.layers],
+           **{k: getattr(state, k).cpu() for k in ("pos", "valid", "seg", "episode", "next_pos")}}
+    if store:
+        out["store"] = {k: v.cpu() for k, v in store.items()}
+    return out
 
 
 def _state_from_dict(d: Mapping[str, Any], device: torch.device) -> BackboneState:
-    return BackboneState(
+    st = BackboneState(
         layers=[LayerState(memory=None if m is None else m.to(device)) for m in d["memory"]],
         **{k: d[k].to(device) for k in ("pos", "valid", "seg", "episode", "next_pos")},
     )
+    if "store" in d:  # ltm_keys -> SpalmStore.keys, ...
+        st.layers[-1].extra = SpalmStore(**{k.removeprefix("ltm_"): v.to(device) for k, v in d["store"].items()})
+    return st
 
 
 def process_state(col: RolloutCollector, rollout: Mapping[str, Any] | None, served: int) -> dict[str, Any]:
@@ -441,7 +452,8 @@ def saved_rollout(st: Mapping[str, Any], device: torch.device, *, steps: int, n_
     try:
         stats = {str(k): float(v) for k, v in dict(ro["stats"]).items()}
         fifo = {k: fifo_decode(ro["fifo"][k], dim) for k, dim in _FIFO_KEYS.items()}
-        tensors = {**{k: ro["tensors"][k] for k in _ROLLOUT_KEYS}, **fifo}
+        tensors = {**{k: ro["tensors"][k] for k in _ROLLOUT_KEYS}, **fifo,
+                   **{k: ro["tensors"][k] for k in STORE_KEYS if k in ro["tensors"]}}
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, IndexError) as exc:
         raise ValueError(f"the saved rollout is incomplete or malformed ({type(exc).__name__}: {exc})") from exc
     for k, v in tensors.items():

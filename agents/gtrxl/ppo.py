@@ -34,8 +34,11 @@ mismatch between the acting network and the recomputed one. Huang et al. 2024 ("
 implementation details of RLHF with PPO") disable dropout for this reason; CleanRL's PPO
 networks have none.
 
-Memory kind: ``xl`` only (a fixed-size FIFO, so the stored per-step memories stack); the
-offline agent takes any stateful kind.
+Memory kind: ``xl`` or ``spalm`` (fixed-size FIFOs, so the stored per-step memories stack);
+the offline agent takes any stateful kind. With ``spalm`` each step also stores the long-term
+store it acted with (per environment, reset at its episode starts): S x N x K x (2 D + 3)
+values per rollout for a store of K records, kept as plain tensors (not FIFO-encoded) in a
+checkpoint taken inside a rollout.
 
 Rows whose episode ended are reset before the next step (the backbone state of only those rows
 is cleared). Time-limit truncations are bootstrapped with V(final observation), computed with
@@ -149,6 +152,9 @@ from rl_tformers.runtime.loading import register_inference_loader
 log = logging.getLogger(__name__)
 
 #: Registered defaults of ``agent.kind=gtrxl_ppo`` (its ``agent`` section: :class:`PPOAgentConfig`'s)
+#: memory kinds PPO can store per rollout step
+PPO_MEMORY_KINDS = ("xl", "spalm")
+
 PPO_DEFAULTS: dict[str, Any] = {
     "agent": PPOAgentConfig().to_dict(),
     "backbone": gtrxl_backbone(d_model=64, n_layers=2, n_heads=4, mem_len=16),
@@ -201,20 +207,25 @@ def ppo_backbone(backbone: Mapping[str, Any], init_checkpoint: str | None) -> di
     without dropout.
 
     Raises:
-        ValueError: a memory kind other than ``xl`` (PPO stores the memory of every rollout step).
+        ValueError: a memory kind other than ``xl`` or ``spalm`` (PPO stores the memory of every
+            rollout step), or ``spalm`` with ``mem_len`` 0.
 
     Warns:
         ConfigAdviceWarning: a dropout probability set (turned off: :func:`without_dropout`);
             ``memory.detach=false`` (no effect).
     """
-    mem_kind = dict(backbone.get("memory") or {}).get("kind", "none")
-    if mem_kind != "xl":
+    memory = dict(backbone.get("memory") or {})
+    mem_kind = memory.get("kind", "none")
+    if mem_kind not in PPO_MEMORY_KINDS:
         src = (f"agent.init_checkpoint={init_checkpoint} was trained with backbone.memory.kind="
                f"{mem_kind!r}" if init_checkpoint else f"backbone.memory.kind={mem_kind!r}")
         raise ValueError(
-            f"gtrxl_ppo: {src}; PPO stores the memory of every rollout step and needs the fixed-size "
-            f"'xl' memory (offline agent.kind=gtrxl takes any stateful memory kind)"
+            f"gtrxl_ppo: {src}; PPO stores the memory of every rollout step and needs a fixed-size one: "
+            f"{' or '.join(repr(k) for k in PPO_MEMORY_KINDS)} (offline agent.kind=gtrxl takes any stateful memory kind)"
         )
+    if mem_kind == "spalm" and memory.get("mem_len", 64) == 0:
+        raise ValueError("gtrxl_ppo: backbone.memory.mem_len=0; PPO stores each step's XL memory, so the spalm "
+                         "memory needs mem_len >= 1")
     backbone, turned_off = without_dropout(backbone)
     src = f" (the backbone of agent.init_checkpoint={init_checkpoint})" if init_checkpoint else ""
     if turned_off:

@@ -18,8 +18,13 @@ import torch.distributed as dist
 from rl_tformers.agents.gtrxl.model import GTrXLModel, gate_logs
 from torch import Tensor
 
+from rl_tformers.memory.spalm import SpalmStore
 from rl_tformers.runtime.distributed import is_active, shard_mean_total
 from rl_tformers.types import BackboneState, LayerState
+
+#: rollout keys of the SPALM long-term store each step acted with (memory kind ``spalm``), each
+#: (S, N, K, ...): :class:`~rl_tformers.memory.spalm.SpalmStore`'s fields with this prefix
+STORE_KEYS = ("ltm_keys", "ltm_inputs", "ltm_pos", "ltm_valid", "ltm_seg")
 
 
 def compute_gae(
@@ -49,16 +54,30 @@ def compute_gae(
     return adv, adv + values
 
 
-def state_from_rows(mem: Tensor, pos: Tensor, valid: Tensor, seg: Tensor, episode: Tensor, next_pos: Tensor) -> BackboneState:
+def store_rows(state: BackboneState) -> dict[str, Tensor]:
+    """The SPALM long-term store a state holds (last layer's ``extra``) as :data:`STORE_KEYS`
+    tensors, (N, K, ...) each; ``{}`` for a state without one (memory kind ``xl``)."""
+    store = state.layers[-1].extra
+    if not isinstance(store, SpalmStore):
+        return {}
+    return {"ltm_keys": store.keys, "ltm_inputs": store.inputs, "ltm_pos": store.pos, "ltm_valid": store.valid,
+            "ltm_seg": store.seg}
+
+
+def state_from_rows(mem: Tensor, pos: Tensor, valid: Tensor, seg: Tensor, episode: Tensor, next_pos: Tensor,
+                    store: Mapping[str, Tensor] | None = None) -> BackboneState:
     """Rebuild a :class:`BackboneState` from stored per-sample tensors.
 
     Args:
         mem: (B, L, M, D) per-layer memory; pos, valid, seg: (B, M); episode, next_pos: (B,).
+        store: the SPALM store's :data:`STORE_KEYS` tensors ((B, K, D) keys and inputs, (B, K)
+            bookkeeping), put in the last layer's ``extra``; None or empty: no store.
     """
-    return BackboneState(
-        layers=[LayerState(memory=m) for m in mem.unbind(1)],
-        pos=pos, valid=valid, seg=seg, episode=episode, next_pos=next_pos,
-    )
+    layers = [LayerState(memory=m) for m in mem.unbind(1)]
+    if store:
+        layers[-1].extra = SpalmStore(keys=store["ltm_keys"], inputs=store["ltm_inputs"], pos=store["ltm_pos"],
+                                      valid=store["ltm_valid"], seg=store["ltm_seg"])
+    return BackboneState(layers=layers, pos=pos, valid=valid, seg=seg, episode=episode, next_pos=next_pos)
 
 
 def normalize_advantages(adv: Tensor, eps: float = 1e-8) -> Tensor:
@@ -109,7 +128,8 @@ def ppo_loss(
         model: :class:`GTrXLModel` with ``critic="value"``.
         mb: ``x (B, input_dim)``, ``pos (B,)``, ``mem (B, L, M, D)``, ``mem_pos/mem_valid/mem_seg
             (B, M)``, ``episode (B,)``, ``actions (B, A) or (B,)``, ``logp (B,)``, ``adv (B,)``,
-            ``returns (B,)``.
+            ``returns (B,)``; with memory kind ``spalm`` also the long-term store each step acted
+            with (:data:`STORE_KEYS`).
         critic_only: train only the value head, on detached features (the critic warm-up of
             fine-tuning: encoder and actor keep their offline weights).
 
@@ -124,7 +144,8 @@ def ppo_loss(
     the gradient one process computes on the whole minibatch.
     """
     enc = model.encoder
-    state = state_from_rows(mb["mem"], mb["mem_pos"], mb["mem_valid"], mb["mem_seg"], mb["episode"], mb["pos"])
+    state = state_from_rows(mb["mem"], mb["mem_pos"], mb["mem_valid"], mb["mem_seg"], mb["episode"], mb["pos"],
+                            {k: mb[k] for k in STORE_KEYS if k in mb})
     out = enc(mb["x"][:, None], mb["pos"][:, None], state=state)
     h = out.features[:, 0]  # (B, D)
     logp = model.actor.log_prob(h, mb["actions"])

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from rl_tformers.agents.decision_transformer.model import to_env_action
 from rl_tformers.agents.gtrxl.model import GTrXLModel, record_attention
-from rl_tformers.agents.gtrxl.ppo_update import compute_gae
+from rl_tformers.agents.gtrxl.ppo_update import STORE_KEYS, compute_gae, store_rows
 from rl_tformers.envs.environments import make_task
 from torch import Tensor
 
@@ -149,9 +149,13 @@ class RolloutBuffer:
         self.steps: dict[str, list[Tensor]] = {k: [] for k in ROLLOUT_KEYS}
 
     def add(self, **step: Tensor) -> None:
-        """Append one step: every key of :data:`ROLLOUT_KEYS`, (N, ...) each."""
+        """Append one step: every key of :data:`ROLLOUT_KEYS`, and the SPALM store's
+        (:data:`~rl_tformers.agents.gtrxl.ppo_update.STORE_KEYS`) when given, (N, ...) each."""
         for k in ROLLOUT_KEYS:
             self.steps[k].append(step[k])
+        for k in STORE_KEYS:
+            if k in step:
+                self.steps.setdefault(k, []).append(step[k])
 
     def stacked(self) -> dict[str, Tensor]:
         """Every key as one (S, N, ...) tensor."""
@@ -385,7 +389,7 @@ class RolloutCollector:
         self.obs = obs
         return {"x": x, "pos": t, "mem": torch.stack([ls.memory for ls in memory.layers], 1),  # (N, L, M, D)
                 "mem_pos": memory.pos, "mem_valid": memory.valid, "mem_seg": memory.seg, "episode": memory.episode,
-                "actions": action, "logp": logp, "values": value, "rewards": r, "dones": done}
+                "actions": action, "logp": logp, "values": value, "rewards": r, "dones": done, **store_rows(memory)}
 
     def _count_episodes(self, reward: np.ndarray, done: np.ndarray) -> None:
         """Episode returns and lengths (numpy, vectorised over environments); finished ones go to the windows."""

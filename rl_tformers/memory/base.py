@@ -48,6 +48,8 @@ class SegmentRecord:
         extras: per layer, anything a layer returned for its memory (kNN keys/values...).
         blocks: per layer, the block modules that ran (read-only: for memory losses that reuse
             a layer's projections, e.g. the compressive attention-reconstruction loss).
+        readout: what the memory's :meth:`MemoryModule.read` returned for its update (memories
+            that read at the output, ``reads_output``; None otherwise).
     """
 
     layer_inputs: list[Tensor]
@@ -58,10 +60,24 @@ class SegmentRecord:
     weights: list[Tensor | None] = field(default_factory=list)
     extras: list[Any] = field(default_factory=list)
     blocks: list[nn.Module] = field(default_factory=list)
+    readout: Any = None
 
 
 class MemoryModule(nn.Module):
     """Base memory: stateless (no state unless the caller asks for incremental decoding)."""
+
+    #: True for memories that also act on the backbone's output (:meth:`read`, memory kind
+    #: ``spalm``): the backbone then computes every token's output, never a subset.
+    reads_output = False
+
+    def read(self, h: Tensor, x: Tensor, valid: Tensor, seg: Tensor, state: BackboneState | None
+             ) -> tuple[Tensor, Any, dict[str, Tensor]]:
+        """Act on the backbone's output ``h`` (B, T, D, after the final norm), given its input
+        ``x`` (B, T, D), validity and episode ids (B, T) and the state the segment runs with
+        (None without one). Returns the new output (B, T, D), what :meth:`update` receives as
+        ``SegmentRecord.readout``, and metrics. Called only when :attr:`reads_output`; the base
+        returns ``h`` unchanged."""
+        return h, None, {}
 
     def initial_state(self, blocks, batch: int, device: torch.device, dtype: torch.dtype) -> BackboneState:
         """Empty state for ``batch`` streams (B) over the layers ``blocks``: every prefix slot
