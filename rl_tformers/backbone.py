@@ -364,15 +364,8 @@ class Backbone(nn.Module):
             depth_kwargs["queries"] = output_tokens
         dout = self._call_depth(x, ctx, state, output_hidden_states, depth_kwargs)
         aux, metrics = dict(dout.aux), dict(dout.metrics)
-        hidden, readout = dout.hidden, None  # (B, T, D), or (B, T', D) with subset
-        if self.memory.reads_output:  # every token's output is read (SPALM's long-term memory)
-            vq = valid_q if valid_q is not None else torch.ones(b, t, dtype=torch.bool, device=dev)
-            sq = seg_q if seg_q is not None else torch.zeros(b, t, dtype=torch.long, device=dev)
-            hidden, readout, r_metrics = self.memory.read(self.final_norm(hidden), x, vq, sq, state)
-            merge_into(metrics, r_metrics)
-        hidden = hidden if subset or output_tokens is None else hidden[:, output_tokens]  # (B, T', D)
-        if not self.memory.reads_output:
-            hidden = self.final_norm(hidden)
+        hidden, readout = _final_output(self.memory, self.final_norm, dout.hidden, x, valid_q, seg_q, state,
+                                        None if subset else output_tokens, metrics)  # (B, T', D)
         new_state = None
         if state is not None:
             rec = SegmentRecord(
@@ -463,6 +456,23 @@ class Backbone(nn.Module):
                         f"are {p} (a state from initial_state(..., dtype=...) or from before the model was "
                         f"converted); make a new one with initial_state(batch) or convert it: {fix}")
         return None
+
+
+def _final_output(memory: nn.Module, norm: nn.Module, h: Tensor, x: Tensor, valid_q: Tensor | None,
+                  seg_q: Tensor | None, state: BackboneState | None, tokens: slice | None,
+                  metrics: dict[str, Any]) -> tuple[Tensor, Any]:
+    """The backbone's output from the last layer's ``h`` (B, T, D): the final norm, then the
+    memory's :meth:`~rl_tformers.memory.base.MemoryModule.read` when it ``reads_output`` (SPALM's
+    long-term read, over every token; its metrics merged into ``metrics``), then the ``tokens``
+    kept (None: all). Returns (hidden (B, T', D), what the read hands to the memory update)."""
+    if not memory.reads_output:
+        return norm(h if tokens is None else h[:, tokens]), None
+    b, t, _ = x.shape
+    valid = valid_q if valid_q is not None else torch.ones(b, t, dtype=torch.bool, device=x.device)
+    seg = seg_q if seg_q is not None else torch.zeros(b, t, dtype=torch.long, device=x.device)
+    z, readout, read_metrics = memory.read(norm(h), x, valid, seg, state)
+    merge_into(metrics, read_metrics)
+    return (z if tokens is None else z[:, tokens]), readout
 
 
 def _float_dtypes(state: BackboneState) -> set[torch.dtype]:
