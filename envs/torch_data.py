@@ -89,7 +89,9 @@ class DeviceSampler:
 
     At construction the dataset's columns are copied to ``device`` once (every flat row, also
     those of episodes the sampler does not draw): observations as float32 when they are floating
-    point, else in their stored dtype (uint8 pixels stay uint8 and become float32 per batch),
+    point, else in their stored dtype (a pixel dataset's uint8 frames stay uint8, stacked per
+    sampled step as :func:`~rl_tformers.envs.frames.stack_frames` stacks them; other integer
+    observations become float32 per batch),
     actions as float32 (Box) or int64 (Discrete), rewards and returns-to-go already divided by
     ``reward_scale`` in float32, and for segments the termination and truncation flags. Per batch,
     :meth:`sample` draws the rows with the sampler's ``indices(batch_size, rng)`` on the host, sends
@@ -111,9 +113,13 @@ class DeviceSampler:
         self.device = torch.device(device)
         d = sampler.dataset
         obs = np.asarray(d.observations[:])  # (N, *obs_shape) every flat row (an HDF5 column is read)
+        #: a pixel dataset's frames stay uint8 and are stacked per step (frame_stack k) per batch
+        self.pixel = bool(getattr(d, "is_pixel", False))
+        self.frame_stack = int(getattr(d, "frame_stack", 1))
         if np.issubdtype(obs.dtype, np.floating):
             obs = obs.astype(np.float32, copy=False)
         self.observations = self._put(obs)
+        self.back = torch.arange(self.frame_stack - 1, -1, -1, device=self.device)  # (k,) oldest slot first
         stats = sampler.obs_stats
         self.obs_mean = None if stats is None else self._put(np.asarray(stats.mean, np.float32))
         self.obs_std = None if stats is None else self._put(np.asarray(stats.std, np.float32))
@@ -146,10 +152,13 @@ class DeviceSampler:
         flat, steps, ep = rows[0], rows[1], rows[2]  # (B, L) each
         mask = steps >= 0  # (B, L)
         m = mask.to(torch.float32)
-        obs = self.observations[flat].to(torch.float32)  # (B, L, *obs_shape)
-        if self.obs_mean is not None:
-            obs = (obs - self.obs_mean) / self.obs_std
-        obs = obs * m.view(*m.shape, *(1,) * (obs.dim() - 2))
+        if self.pixel:
+            obs = self._frames(flat, steps)  # (B, L, k*C, H, W) uint8
+        else:
+            obs = self.observations[flat].to(torch.float32)  # (B, L, *obs_shape)
+            if self.obs_mean is not None:
+                obs = (obs - self.obs_mean) / self.obs_std
+            obs = obs * m.view(*m.shape, *(1,) * (obs.dim() - 2))
         act = self.actions[flat]  # (B, L) int64 or (B, L, *act_shape) float32
         act = act * mask if self.sampler.discrete else act * m.view(*m.shape, *(1,) * (act.dim() - 2))
         out = {
@@ -169,6 +178,17 @@ class DeviceSampler:
         out["loss_mask"] = mask & self.after_burn_in
         out["episode"] = torch.where(mask, ep, -1)
         return out
+
+
+    def _frames(self, flat: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """:func:`~rl_tformers.envs.frames.stack_frames` on the device: flat, steps ``(B, L)``
+        (steps -1 on padding) -> ``(B, L, k * C, H, W)`` uint8, zeros before the episode start
+        and on padding."""
+        valid = steps[..., None] >= self.back  # (B, L, k); False on padding (step -1)
+        rows = torch.where(valid, flat[..., None] - self.back, flat[..., None])  # (B, L, k)
+        frames = self.observations[rows]  # (B, L, k, C, H, W)
+        frames = frames * valid.view(*valid.shape, *(1,) * (frames.dim() - 3)).to(frames.dtype)
+        return frames.reshape(*rows.shape[:2], -1, *frames.shape[4:])  # (B, L, k*C, H, W)
 
 
 class DeviceStepBatches:

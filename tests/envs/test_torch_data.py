@@ -72,15 +72,18 @@ def test_lazy_hdf5_dataset_with_two_workers_matches_in_memory(tmp_path):
 
 
 # ------------------------------------------------------- the dataset on the device
-def _pixel_dataset(n=300, seed=1):
-    """uint8 (N, 3, 4, 4) observations, Discrete(4) actions, episodes of varying length."""
+def _pixel_dataset(n=300, seed=1, frame_stack=1):
+    """uint8 (N, 3, 4, 4) frames (``frame_stack`` of them per observation), Discrete(4) actions,
+    episodes of varying length."""
     rng = np.random.default_rng(seed)
     term = np.zeros(n)
     term[np.sort(rng.choice(n - 1, size=9, replace=False))] = 1
     term[-1] = 1
     obs = rng.integers(0, 256, size=(n, 3, 4, 4), dtype=np.uint8)
-    return EpisodeDataset.from_flags(obs, rng.integers(0, 4, size=n), rng.normal(size=n), term,
-                                     action_space=gym.spaces.Discrete(4))
+    ds = EpisodeDataset.from_flags(obs, rng.integers(0, 4, size=n), rng.normal(size=n), term,
+                                   action_space=gym.spaces.Discrete(4))
+    ds.metadata.extra["frame_stack"] = frame_stack  # the samplers stack frames per drawn step
+    return ds
 
 
 def _assert_batches_equal(want: dict, got: dict) -> None:
@@ -98,12 +101,16 @@ def _assert_batches_equal(want: dict, got: dict) -> None:
     lambda: SegmentSampler(small_dataset(), 12, burn_in=5, reward_scale=3.0),
     lambda: WindowSampler(_pixel_dataset(), 30),
     lambda: SegmentSampler(_pixel_dataset(), 50, burn_in=2),  # runs past the end of the data: padding
-], ids=["window", "window-end-padded", "window-k1", "segment", "pixels-window", "pixels-segment-padded"])
+    lambda: WindowSampler(_pixel_dataset(frame_stack=4), 12, align="end"),
+    lambda: SegmentSampler(_pixel_dataset(frame_stack=4), 20, burn_in=3),
+], ids=["window", "window-end-padded", "window-k1", "segment", "pixels-window", "pixels-segment-padded",
+        "stacked-pixels-window", "stacked-pixels-segment"])
 def test_device_sampler_batches_equal_the_numpy_batches_of_the_same_generator(make_sampler):
     from rl_tformers.envs.trajectory import observation_stats
 
     sampler = make_sampler()
-    sampler.obs_stats = observation_stats(sampler.dataset)  # the agents' normalisation
+    if sampler.dataset.observations.dtype != np.uint8:
+        sampler.obs_stats = observation_stats(sampler.dataset)  # the agents' normalisation (not of frames)
     dev = DeviceSampler(sampler, "cpu")
     for seed in range(5):
         want = sampler.sample(16, np.random.default_rng([4, seed]))
