@@ -456,10 +456,11 @@ class Actor(nn.Module):
     def dist(self, h: Tensor) -> Distribution:
         """Action distribution at features (..., D); Normal's log_prob must be summed over A."""
         out = self(h)
+        # no argument validation: it reads every value on the host (a device sync per update)
         if self.discrete:
-            return Categorical(logits=out)
+            return Categorical(logits=out, validate_args=False)
         std = self.log_std.clamp(LOG_STD_MIN, LOG_STD_MAX).exp().expand_as(out)
-        return Normal(out, std)
+        return Normal(out, std, validate_args=False)
 
     def log_prob(self, h: Tensor, action: Tensor) -> Tensor:
         """log pi(a | h): h (..., D), action (..., A) float or (...) long -> (...)."""
