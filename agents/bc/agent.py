@@ -23,6 +23,7 @@ import torch
 from rl_tformers.agents.bc.config import BCAgentConfig
 from rl_tformers.agents.bc.loss import bc_loss
 from rl_tformers.agents.bc.model import BCConfig, BCModel
+from rl_tformers.agents.common.encoders import check_observations, observation_layout
 from rl_tformers.agents.common.offline import (
     DatasetInfo,
     flattens_observations,
@@ -119,6 +120,8 @@ class BCAgent:
         if info is None:
             if self.dataset is None:
                 self.dataset = load_offline_dataset(plain(cfg.dataset))
+            check_observations(a.encoder, *observation_layout(self.dataset),
+                               f"the dataset {plain(cfg.dataset).get('path') or self.dataset.metadata.location}")
             if frac != 1.0:
                 full = self.dataset
                 self.dataset = top_fraction(full, frac)
@@ -132,7 +135,8 @@ class BCAgent:
             )
         self.info = info
         self.model_cfg = BCConfig(obs_dim=info.obs_dim, act_dim=info.act_dim, discrete=info.discrete,
-                                  hidden=a.hidden, dropout=float(a.dropout))
+                                  hidden=a.hidden, dropout=float(a.dropout), obs_shape=info.obs_shape,
+                                  encoder=a.encoder)
         self.model = BCModel(self.model_cfg).to(self.device)
 
     def batches(self, start_step: int):
@@ -141,13 +145,16 @@ class BCAgent:
         if self.dataset is None:
             raise RuntimeError("this BC agent was loaded for inference only (no dataset)")
         shape = self.dataset.observation_shape
-        stats = ObsStats(self.info.obs_mean.reshape(shape), self.info.obs_std.reshape(shape))
+        stats = None if self.info.image_obs else ObsStats(  # images: scaled in the encoder, not standardised
+            self.info.obs_mean.reshape(shape), self.info.obs_std.reshape(shape))
         sampler = WindowSampler(self.dataset, 1, obs_stats=stats)
         return StepBatchDataset(sampler, int(self.cfg.train.batch_size), seed=self.seed, num_steps=int(self.cfg.train.steps))
 
     def loss(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Any]]:
         """:func:`bc_loss` on one sampler batch (windows of one step)."""
-        obs = batch["observations"][:, 0].reshape(batch["observations"].shape[0], -1).float()  # (B, obs_dim)
+        obs = batch["observations"][:, 0]  # (B, *obs_shape): images go to the encoder as they come (uint8)
+        if not self.info.image_obs:
+            obs = obs.reshape(obs.shape[0], -1).float()  # (B, obs_dim)
         act = batch["actions"][:, 0]  # (B, *action_shape) or (B,)
         if self.info.discrete:  # class indices in [0, n)
             act = torch.where(batch["mask"][:, 0].bool(), act.long() - self.info.action_start, 0)

@@ -15,17 +15,22 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from rl_tformers.agents.common.encoders import EncoderConfig, ObservationEncoder
+
 
 @dataclass(frozen=True)
 class BCConfig:
     """Configuration of :class:`BCModel`.
 
     Attributes:
-        obs_dim: observation size (flat).
+        obs_dim: observation size (flat), O = prod(obs_shape).
         act_dim: action size (continuous) or number of actions (discrete).
         discrete: discrete action space (logits, cross-entropy).
         hidden: widths of the hidden layers (default two layers of 256).
         dropout: dropout after each hidden activation.
+        obs_shape: shape of one observation (``(C, H, W)`` for images); None: ``(obs_dim,)``.
+        encoder: the observation encoder (``agent.encoder``, a config or its dict); None:
+            ``linear`` (the MLP reads the flat observation).
 
     Raises:
         ValueError: ``hidden`` not a non-empty list/tuple of integers >= 1, ``dropout`` outside
@@ -37,8 +42,13 @@ class BCConfig:
     discrete: bool = False
     hidden: tuple[int, ...] = (256, 256)
     dropout: float = 0.1
+    obs_shape: tuple[int, ...] | None = None
+    encoder: EncoderConfig | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        shape = (int(self.obs_dim),) if self.obs_shape is None else tuple(int(k) for k in self.obs_shape)
+        object.__setattr__(self, "obs_shape", shape)
+        object.__setattr__(self, "encoder", EncoderConfig.from_dict(self.encoder, "agent.encoder"))
         hidden = self.hidden
         if (not isinstance(hidden, (list, tuple)) or not hidden
                 or not all(isinstance(h, numbers.Integral) and not isinstance(h, bool) and h >= 1 for h in hidden)):
@@ -50,8 +60,10 @@ class BCConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the fields (``hidden`` as a list); inverse of :meth:`from_dict`."""
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["hidden"] = list(self.hidden)
+        d["obs_shape"] = list(self.obs_shape)
+        d["encoder"] = self.encoder.to_dict()
         return d
 
     @classmethod
@@ -70,13 +82,16 @@ class BCConfig:
 
 
 class BCModel(nn.Module):
-    """MLP policy: obs (B, obs_dim) -> normalised action (B, A) in [-1, 1] or logits (B, n)."""
+    """MLP policy on the encoded observation: obs (B, obs_dim) or (B, *obs_shape) -> normalised
+    action (B, A) in [-1, 1] or logits (B, n)."""
 
     def __init__(self, cfg: BCConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        #: (..., *obs_shape) -> (..., F) (``linear``: the flat observation itself)
+        self.encode_obs: ObservationEncoder = cfg.encoder.build(cfg.obs_shape)
         layers: list[nn.Module] = []
-        width = cfg.obs_dim
+        width = self.encode_obs.out_features
         for h in cfg.hidden:
             layers += [nn.Linear(width, h), nn.ReLU(), nn.Dropout(cfg.dropout)]
             width = h
@@ -86,5 +101,6 @@ class BCModel(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, obs: Tensor) -> Tensor:
-        """obs (..., obs_dim) normalised -> (..., A) action in [-1, 1] or (..., n) logits."""
-        return self.net(obs)
+        """obs (..., obs_dim) normalised, or (..., *obs_shape) (image kinds: uint8 pixels) -> (..., A)
+        action in [-1, 1] or (..., n) logits."""
+        return self.net(self.encode_obs(obs))

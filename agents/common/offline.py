@@ -35,6 +35,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from rl_tformers.agents.common.encoders import is_image, observation_layout
 from rl_tformers.envs.dataset import EpisodeDataset
 from rl_tformers.envs.environments import register_env_id
 from rl_tformers.envs.loaders import HDF5_SUFFIXES, load_dataset
@@ -244,6 +245,11 @@ class DatasetInfo:
             work with flat ``(..., act_dim)`` actions; the policies hand the environments
             ``(N, *action_shape)``. ``None`` (checkpoints from before the field, when only 1-D
             Box actions could be trained) reads as the flat ``(act_dim,)`` (``()`` if discrete).
+        obs_shape: shape of one observation as the model reads it (``(C, H, W)`` for images);
+            ``None`` (checkpoints from before the field) reads as the flat ``(obs_dim,)``.
+        image_obs: the observations are uint8 ``(C, H, W)`` images: never standardised (mean 0,
+            std 1 stored), scaled by 1/255 inside the image encoder
+            (:mod:`rl_tformers.agents.common.encoders`).
 
     Raises:
         ValueError: an ``action_shape`` that does not fit the action kind and ``act_dim``
@@ -273,8 +279,11 @@ class DatasetInfo:
     action_shape: tuple[int, ...] | None = None
     num_steps: int | None = None
     action_mean: np.ndarray | None = None
+    obs_shape: tuple[int, ...] | None = None
+    image_obs: bool = False
 
     def __post_init__(self) -> None:
+        self.obs_shape = (int(self.obs_dim),) if self.obs_shape is None else tuple(int(k) for k in self.obs_shape)
         if self.action_shape is None:  # checkpoints from before the field: flat (only 1-D Boxes trained then)
             self.action_shape = () if self.discrete else (int(self.act_dim),)
         self.action_shape = tuple(int(k) for k in self.action_shape)
@@ -295,9 +304,8 @@ class DatasetInfo:
 
         Args:
             reward_scale: ``"auto"`` (the data layer's power of ten at or below the largest |return|,
-                at most 1000)
-                or a positive number (divisor).
-            normalize_obs: False stores mean 0 and std 1.
+                at most 1000) or a positive number (divisor).
+            normalize_obs: False stores mean 0 and std 1 (as image observations always do).
             env_id, env_kwargs: override the dataset's environment.
             spec: the dataset spec string (``dataset.path``), for the record and messages.
             flatten_observations: ``ds`` was loaded with ``dataset.flatten_observations=true``
@@ -316,8 +324,9 @@ class DatasetInfo:
         env_kwargs = check_env_kwargs(env_kwargs)
         scale = parse_reward_scale(reward_scale)
         discrete, act_dim, low, high, action_start = _action_space(ds)
-        obs_dim = int(np.prod(ds.observation_shape))
-        if normalize_obs:
+        obs_shape, obs_dtype = observation_layout(ds)
+        obs_dim, image = int(np.prod(obs_shape)), is_image(obs_shape, obs_dtype)
+        if normalize_obs and not image:  # images: scaled by 1/255 in the encoder, never standardised
             st = observation_stats(ds)
             mean, std = st.mean.reshape(-1), st.std.reshape(-1)
         else:
@@ -341,6 +350,7 @@ class DatasetInfo:
             dataset=spec, action_start=action_start, flatten_observations=bool(flatten_observations),
             action_shape=() if discrete else tuple(int(k) for k in ds.action_space.shape),
             num_steps=int(ds.num_steps), action_mean=action_summary(ds, act_dim, action_start),
+            obs_shape=obs_shape, image_obs=image,
         )
         info.check_env(ds, "agent.env_id" if env_id else "the dataset's env_id")
         return info
@@ -413,6 +423,7 @@ class DatasetInfo:
             "action_start": self.action_start, "flatten_observations": self.flatten_observations,
             "action_shape": list(self.action_shape),
             "num_steps": self.num_steps, "action_mean": t(self.action_mean),
+            "obs_shape": list(self.obs_shape), "image_obs": bool(self.image_obs),
         }
 
     @classmethod
@@ -431,6 +442,8 @@ class DatasetInfo:
             action_start=int(d["action_start"]), flatten_observations=bool(d["flatten_observations"]),
             action_shape=tuple(int(k) for k in d["action_shape"]),
             num_steps=None if d["num_steps"] is None else int(d["num_steps"]), action_mean=a(d["action_mean"]),
+            obs_shape=None if d.get("obs_shape") is None else tuple(int(k) for k in d["obs_shape"]),
+            image_obs=bool(d.get("image_obs", False)),
         )
 
     def time_limit(self) -> int | None:

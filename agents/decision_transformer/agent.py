@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rl_tformers.agents.common.encoders import check_observations, observation_layout
 from rl_tformers.agents.common.offline import (
     DatasetInfo,
     flattens_observations,
@@ -118,7 +119,9 @@ def warn_time_limit(info: DatasetInfo, max_ep_len: int, offline_run: str | None 
 def to_model_batch(batch: Mapping[str, Tensor], info: DatasetInfo) -> dict[str, Tensor]:
     """Sampler batch (:class:`rl_tformers.envs.samplers.WindowSampler` keys) -> :func:`dt_loss` inputs.
 
-    Observations and returns-to-go arrive normalised / divided by the reward scale; continuous
+    Observations and returns-to-go arrive normalised / divided by the reward scale (image
+    observations, :attr:`DatasetInfo.image_obs`, arrive as the sampler gives them, uint8
+    ``(B, K, C, H, W)``, and go to the model so: its encoder scales them); continuous
     actions ``(B, K, *action_shape)`` are flattened to ``(B, K, A)`` (C order, like the bounds)
     and mapped to [-1, 1] with the action bounds, discrete ones ``(B, K)`` to class indices
     ``action - info.action_start`` in ``[0, n)`` (0 on padding). Outputs: ``obs (B, K, obs_dim)``,
@@ -133,8 +136,10 @@ def to_model_batch(batch: Mapping[str, Tensor], info: DatasetInfo) -> dict[str, 
         flat = actions.reshape(actions.shape[0], actions.shape[1], info.act_dim)  # a (2, 2) Box step -> 4 values
         actions = from_env_action(flat.float(), low, high)
     obs = batch["observations"]
+    if not info.image_obs:
+        obs = obs.reshape(obs.shape[0], obs.shape[1], -1).float()  # (B, K, obs_dim)
     return {
-        "obs": obs.reshape(obs.shape[0], obs.shape[1], -1).float(),  # (B, K, obs_dim)
+        "obs": obs,  # (B, K, obs_dim), or (B, K, C, H, W) pixels
         "actions": actions,
         "rtg": batch["returns_to_go"].float(),
         "timesteps": batch["timesteps"].long(),
@@ -185,6 +190,8 @@ class DTAgent:
         if info is None:
             if self.dataset is None:
                 self.dataset = load_offline_dataset(plain(cfg.dataset))
+            check_observations(a.encoder, *observation_layout(self.dataset),
+                               f"the dataset {plain(cfg.dataset).get('path') or self.dataset.metadata.location}")
             info = DatasetInfo.from_dataset(
                 self.dataset, reward_scale=a.reward_scale, normalize_obs=a.normalize_obs,
                 env_id=a.env_id, env_kwargs=a.env_kwargs, spec=plain(cfg.dataset).get("path"),
@@ -203,12 +210,13 @@ class DTAgent:
             target_entropy=None if a.target_entropy is None else float(a.target_entropy),
             backbone=plain(cfg.backbone),
             exit_scheme=a.early_exit.scheme, exit_tol=float(a.early_exit.tol),
+            obs_shape=info.obs_shape, encoder=a.encoder,
         )
         self.model = DecisionTransformer(self.model_cfg).to(self.device)
         self.align = ("start" if self.model_cfg.mode == "causal" else "end") if a.align == "auto" else a.align
         if self.dataset is not None:
             self._check_data_returns()
-            if not a.normalize_obs:
+            if not a.normalize_obs and a.encoder.capabilities.passthrough:  # raw observations into embed_state
                 self._check_raw_observations()
         if self.info is not None and self.config_targets is not None:
             # before training, not at the first evaluation: agent.targets the float32 return
@@ -289,8 +297,9 @@ class DTAgent:
         held = self.inference.heldout_mask(data)
         if held.any():
             data = data.select(~held)  # calibration episodes never trained on
-        stats = ObsStats(self.info.obs_mean.reshape(self.dataset.observation_shape),
-                         self.info.obs_std.reshape(self.dataset.observation_shape))
+        stats = None if self.info.image_obs else ObsStats(  # images: scaled in the encoder, not standardised
+            self.info.obs_mean.reshape(self.dataset.observation_shape),
+            self.info.obs_std.reshape(self.dataset.observation_shape))
         sampler = WindowSampler(
             data, self.model_cfg.context_len, align=self.align,
             reward_scale=self.info.reward_scale, obs_stats=stats, max_ep_len=self.model_cfg.max_ep_len,

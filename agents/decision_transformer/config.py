@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rl_tformers.agents.common.encoders import EncoderConfig
+from rl_tformers.agents.common.encoders.flat import LinearEncoderConfig
 from rl_tformers.agents.common.knn_memory import METRICS
 from rl_tformers.agents.decision_transformer.model import EMBED_INITS, MODES
 from rl_tformers.agents.decision_transformer.policy import OVERFLOW_POLICIES
@@ -105,7 +107,9 @@ class DTAgentConfig(TypedConfig):
     target_entropy: float | None = option(None, "gaussian head: target entropy; null = -act_dim")
     reward_scale: str | float = option("auto", "divisor of returns-to-go: auto = power of ten at or below the "
                                        "largest |episode return|, at most 1000 (the paper's MuJoCo scale)", gt=0, choices=("auto",))
-    normalize_obs: bool = option(True, "standardise observations with the dataset's mean/std")
+    normalize_obs: bool = option(True, "standardise flat observations with the dataset's mean/std (image "
+                                 "observations are scaled by 1/255 in the encoder instead)")
+    encoder: EncoderConfig = option(factory=LinearEncoderConfig, doc="observation encoder")
     targets: tuple[float, ...] | float | None = option(None, "evaluation target returns, raw units; null = "
                                                        "[dataset best]")
     timestep_overflow: str = option("error", "evaluation episode steps >= max_ep_len: error or clamp",

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rl_tformers.agents.common.encoders import EncoderConfig, ObservationEncoder
 from rl_tformers.backbone import Backbone
 from rl_tformers.backbone_config import BackboneConfig
 from rl_tformers.depth.early_exit import SCHEMES, with_final_norm
@@ -67,9 +68,13 @@ class DTConfig:
     """Configuration of :class:`DecisionTransformer`.
 
     Attributes:
-        obs_dim: observation size (flat).
+        obs_dim: observation size (flat), O = prod(obs_shape).
         act_dim: action size (continuous) or number of actions (discrete).
         discrete: discrete action space (categorical head, cross-entropy loss).
+        obs_shape: shape of one observation (``(C, H, W)`` for images); None: ``(obs_dim,)``.
+        encoder: the observation encoder (``agent.encoder``: a config of
+            :mod:`rl_tformers.agents.common.encoders` or its dict); None: ``linear``, the flat
+            observation read by the linear state embedding (the paper's).
         context_len: K, number of environment steps in a window (paper: 20).
         max_ep_len: largest episode length; timesteps must lie in ``[0, max_ep_len)``.
         mode: ``causal`` or ``last_action`` (see the module docstring).
@@ -124,10 +129,15 @@ class DTConfig:
     backbone: BackboneConfig = field(default_factory=paper_backbone)
     exit_scheme: str = "sampled"
     exit_tol: float = 0.1
+    obs_shape: tuple[int, ...] | None = None
+    encoder: EncoderConfig | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.backbone, Mapping):
             object.__setattr__(self, "backbone", BackboneConfig.from_dict(self.backbone))
+        shape = (int(self.obs_dim),) if self.obs_shape is None else tuple(int(k) for k in self.obs_shape)
+        object.__setattr__(self, "obs_shape", shape)
+        object.__setattr__(self, "encoder", EncoderConfig.from_dict(self.encoder, "agent.encoder"))
         self._check_backbone_slots()
         self._check_mode_and_head()
         self._check_window()
@@ -211,6 +221,8 @@ class DTConfig:
         """Plain dict of the fields (``backbone`` as its dict); inverse of :meth:`from_dict`."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["backbone"] = self.backbone.to_dict()
+        out["obs_shape"] = list(self.obs_shape)
+        out["encoder"] = self.encoder.to_dict()
         return out
 
     @classmethod
@@ -267,7 +279,9 @@ class DecisionTransformer(nn.Module):
         d = cfg.backbone.d_model
         self.embed_timestep = embedding_table(cfg.max_ep_len + 1, d, "agent.max_ep_len")  # index 0 = padding, t -> t + 1
         self.embed_return = nn.Linear(1, d)
-        self.embed_state = nn.Linear(cfg.obs_dim, d)
+        #: (B, K, *obs_shape) -> (B, K, F) features of each state (``linear``: the flat observation)
+        self.encode_obs: ObservationEncoder = cfg.encoder.build(cfg.obs_shape)
+        self.embed_state = nn.Linear(self.encode_obs.out_features, d)
         self.embed_action = nn.Embedding(cfg.act_dim, d) if cfg.discrete else nn.Linear(cfg.act_dim, d)
         self.embed_ln = nn.LayerNorm(d)
         self.embed_drop = nn.Dropout(cfg.embed_dropout)
@@ -328,7 +342,8 @@ class DecisionTransformer(nn.Module):
         """Predict actions from a window of K steps (Chen et al. 2021, Algorithm 1).
 
         Args:
-            obs: (B, K, obs_dim) normalised observations.
+            obs: (B, K, obs_dim) normalised observations, or (B, K, *obs_shape) for the encoder
+                (image kinds: uint8 pixels, or floats in 0..255, of (B, K, C, H, W) or flat).
             actions: (B, K, A) normalised continuous actions in [-1, 1], or (B, K) long discrete
                 actions. In ``causal`` mode a_t is never seen by the prediction of a_t (pass
                 anything, e.g. zeros, for the step being decided); in ``last_action`` mode the
@@ -399,18 +414,20 @@ class DecisionTransformer(nn.Module):
         """
         cfg = self.cfg
         b, k = obs.shape[:2]
-        if obs.shape != (b, k, cfg.obs_dim):
-            raise ValueError(f"DT: obs must be (B, K, {cfg.obs_dim}), got {tuple(obs.shape)}")
+        if obs.shape[2:] != (cfg.obs_dim,) and obs.shape[2:] != cfg.obs_shape:
+            shape = ", ".join(map(str, cfg.obs_shape))
+            raise ValueError(f"DT: obs must be (B, K, {cfg.obs_dim}) or (B, K, {shape}), got {tuple(obs.shape)}")
         if k > cfg.context_len:
             raise ValueError(f"DT: window of {k} steps exceeds agent.context_len={cfg.context_len}")
         if mask.shape != (b, k) or timesteps.shape != (b, k):
             raise ValueError(f"DT: mask and timesteps must be ({b}, {k}), got {tuple(mask.shape)}, {tuple(timesteps.shape)}")
         mask = mask.bool()
-        rtg = rtg.reshape(b, k, 1).to(obs.dtype)
+        state = self.encode_obs(obs)  # (B, K, F)
+        rtg = rtg.reshape(b, k, 1).to(state.dtype)
         time_emb = self.embed_timestep(self.timestep_index(timesteps, mask))  # (B, K, D)
-        act_emb = self.embed_action(actions.long() if cfg.discrete else actions.to(obs.dtype))  # (B, K, D)
+        act_emb = self.embed_action(actions.long() if cfg.discrete else actions.to(state.dtype))  # (B, K, D)
         tokens = torch.stack(
-            (self.embed_return(rtg) + time_emb, self.embed_state(obs) + time_emb, act_emb + time_emb), dim=2
+            (self.embed_return(rtg) + time_emb, self.embed_state(state) + time_emb, act_emb + time_emb), dim=2
         )  # (B, K, 3, D)
         tokens = tokens.reshape(b, 3 * k, tokens.shape[-1])  # (B, 3K, D): R_0, s_0, a_0, R_1, ...
         tok_mask = mask.repeat_interleave(3, dim=1)  # (B, 3K)

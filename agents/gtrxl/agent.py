@@ -43,6 +43,7 @@ import numpy as np
 import rl_tformers.envs.memory_tasks  # noqa: F401  (registers the memory tasks with gymnasium)
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from rl_tformers.agents.common.encoders import check_observations, observation_layout
 from rl_tformers.agents.common.offline import (
     DatasetInfo,
     data_differences,
@@ -100,8 +101,7 @@ def segment_batch(
     discrete: bool,
     action_low: Tensor | None = None,
     action_high: Tensor | None = None,
-    reward_factor: float = 1.0,
-    action_start: int = 0,
+    reward_factor: float = 1.0, action_start: int = 0, image_obs: bool = False,
 ) -> SegmentBatch:
     """Sampler batch of ``1 + burn_in + T`` steps -> :class:`SegmentBatch` of ``burn_in + T``.
 
@@ -124,6 +124,7 @@ def segment_batch(
             units (IQL targets and the r_{t-1} input).
         action_start: discrete actions: ``start`` of the ``Discrete`` space; the model sees
             class indices ``action - action_start`` in ``[0, n)``.
+        image_obs: images ``(B, L+1, C, H, W)`` (uint8), kept as they come for the image encoder.
     """
     mask = batch["mask"].bool()
     start = batch["episode_start"].bool()
@@ -136,12 +137,12 @@ def segment_batch(
         act = act * mask.unsqueeze(-1)
     rew = batch["rewards"].float() * reward_factor * mask
     keep = (~start[:, 1:]).to(rew.dtype)  # (B, L): previous step belongs to the same episode
-    if discrete:  # -1 at an episode start: no action (zeros with GTrXLConfig.prev_action_zero_at_start)
-        prev_a = torch.where(keep.bool(), act[:, :-1], torch.full_like(act[:, :-1], -1))
-    else:
-        prev_a = act[:, :-1] * keep.unsqueeze(-1)
+    # a_{t-1}: -1 at an episode start when discrete (no action: zeros with prev_action_zero_at_start)
+    prev_a = (torch.where(keep.bool(), act[:, :-1], torch.full_like(act[:, :-1], -1)) if discrete
+              else act[:, :-1] * keep.unsqueeze(-1))
+    obs = batch["observations"][:, 1:]  # (B, L, C, H, W) pixels as they come, else (B, L, O) floats
     return SegmentBatch(
-        obs=batch["observations"][:, 1:].flatten(2).float(),  # (B, L, O): a (2, 3) Box step -> 6 features
+        obs=obs if image_obs else obs.flatten(2).float(),  # a (2, 3) Box step -> 6 features
         actions=act[:, 1:],
         rewards=rew[:, 1:],
         rtg=batch["returns_to_go"][:, 1:].float(),
@@ -308,7 +309,7 @@ class GTrXLPolicy:
         enc = self.model.encoder
         if not self.model.cfg.rtg_input:
             return math.inf
-        w = enc.embed.weight[:, self.model.cfg.obs_dim]  # (d,): columns [obs (O) ; rtg ; a_{t-1} ; r_{t-1}]
+        w = enc.embed.weight[:, self.model.cfg.obs_features]  # (d,): columns [enc(obs) (F) ; rtg ; a_{t-1} ; r_{t-1}]
         bias = enc.embed.bias
         c = 0.0 if bias is None else float(bias.detach().float().abs().max())
         return embedding_target_limit(w, c, self.rtg_scale, share=0.5)
@@ -586,6 +587,8 @@ def offline_model_config(a: GTrXLAgentConfig, info: DatasetInfo, backbone: Mappi
         share_critic_encoder=a.share_critic_encoder,
         window=a.window,
         prev_action_zero_at_start=True,  # discrete a_{t-1} at an episode start: zeros, not action 0
+        obs_shape=info.obs_shape,
+        encoder=a.encoder.to_dict(),
     )
     return model_cfg, reward_mult
 
@@ -662,6 +665,8 @@ class GTrXLAgent:
         else:
             if self.dataset is None:
                 self.dataset = load_gtrxl_dataset(_plain(cfg.dataset), self.seed)
+            check_observations(a.encoder, *observation_layout(self.dataset),
+                               f"the dataset {_plain(cfg.dataset).get('path') or self.dataset.metadata.location}")
             info = DatasetInfo.from_dataset(
                 self.dataset, env_id=a.env_id, env_kwargs=a.env_kwargs, spec=_plain(cfg.dataset).get("path"),
                 flatten_observations=flattens_observations(_plain(cfg.dataset)),
@@ -700,7 +705,8 @@ class GTrXLAgent:
         if self.dataset is None:
             raise RuntimeError("this GTrXL agent was loaded for inference only (no dataset)")
         shape = self.dataset.observation_shape
-        stats = ObsStats(self.info.obs_mean.reshape(shape), self.info.obs_std.reshape(shape))
+        stats = None if self.info.image_obs else ObsStats(  # images: scaled in the encoder, not standardised
+            self.info.obs_mean.reshape(shape), self.info.obs_std.reshape(shape))
         held = self.inference.heldout_mask(self.dataset.num_episodes)  # early exit: calibration episodes
         sampler = SegmentSampler(
             self.dataset.select(~held) if held.any() else self.dataset, self.seq_len, burn_in=self.burn_in + 1, reward_scale=self.info.reward_scale, obs_stats=stats
@@ -720,6 +726,7 @@ class GTrXLAgent:
             action_high=None if info.discrete else torch.as_tensor(info.action_high),
             reward_factor=info.reward_scale * float(self.extra["reward_mult"]),
             action_start=info.action_start,
+            image_obs=info.image_obs,
         )
 
     def loss(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor | float]]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rl_tformers.agents.common.encoders import EncoderConfig
+from rl_tformers.agents.common.encoders.flat import LinearEncoderConfig
 from rl_tformers.agents.decision_transformer.config import EarlyExitOptions, KNNOptions
 
 from rl_tformers.typed_config import ConfigFieldError, TypedConfig, option
@@ -31,6 +33,8 @@ class GTrXLAgentConfig(TypedConfig):
     burn_in: int = option(32, "steps that rebuild the memory without gradient before the window", ge=0)
     prev_action: bool = option(False, "feed a_{t-1} as an input")
     prev_reward: bool = option(False, "feed r_{t-1} as an input")
+    encoder: EncoderConfig = option(factory=LinearEncoderConfig, doc="observation encoder (its features are "
+                                    "the observation part of each step's token)")
     head_hidden: int = option(0, "actor head MLP width (0 = linear)", ge=0)
     deterministic: bool = option(True, "evaluate with the mode of the actor")
     target_return: float | None = option(None, "rcbc: evaluation target in raw units (null: best dataset return)")
@@ -91,10 +95,12 @@ class PPOAgentConfig(TypedConfig):
     vf_coef: float = option(0.5, "value loss coefficient", ge=0)
     norm_adv: bool = option(True, "normalise the advantages of each minibatch")
     reward_scale: float = option(1.0, "rewards are multiplied by it for learning", gt=0)
-    obs_norm: bool = option(True, "running mean/std of observations (frozen within a rollout); false: raw "
-                            "observations")
+    obs_norm: bool = option(True, "running mean/std of flat observations (frozen within a rollout); false: raw "
+                            "observations (image observations: scaled by 1/255 in the encoder instead)")
     prev_action: bool = option(False, "feed a_{t-1} as an input")
     prev_reward: bool = option(False, "feed r_{t-1} as an input")
+    encoder: EncoderConfig = option(factory=LinearEncoderConfig, doc="observation encoder (its features are "
+                                    "the observation part of each step's token)")
     head_hidden: int = option(64, "actor and critic head MLP width (0: linear heads)", ge=0)
     deterministic: bool = option(True, "evaluation acts with the mode")
     init_checkpoint: str | None = option(None, "fine-tune: an offline gtrxl run directory or checkpoint file")

@@ -1,7 +1,8 @@
 """GTrXL policy and value networks on the shared backbone (Parisotto et al. 2019).
 
 One token per environment step. The token is a linear embedding of the step's inputs
-``[obs_t ; rtg_t ; a_{t-1} ; r_{t-1}]`` (the last three optional), run through a
+``[enc(obs_t) ; rtg_t ; a_{t-1} ; r_{t-1}]`` (the last three optional; ``enc`` the observation
+encoder, ``agent.encoder``: the flat observation itself by default, a CNN for pixels), run through a
 :class:`~rl_tformers.backbone.Backbone` configured as a gated Transformer-XL:
 
     backbone:
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributions import Categorical, Distribution, Normal
 
+from rl_tformers.agents.common.encoders import EncoderConfig, ObservationEncoder
 from rl_tformers.backbone import Backbone, IncompatibleConfig
 from rl_tformers.backbone_config import BackboneConfig
 from rl_tformers.position.absolute import LearnedPosition
@@ -84,7 +86,7 @@ class GTrXLConfig:
     """Hyper-parameters of :class:`GTrXLModel`.
 
     Attributes:
-        obs_dim: O, flat observation size.
+        obs_dim: O, flat observation size (prod(obs_shape)).
         act_dim: A, action dimension (continuous) or number of actions (discrete).
         discrete: categorical actor (True) or tanh-Gaussian/deterministic actor (False).
         backbone: backbone config dict (default :func:`gtrxl_backbone`); its memory kind must
@@ -110,6 +112,9 @@ class GTrXLConfig:
             policy keeps the inputs of the last W steps and re-encodes them at every step
             (O(W) tokens per step instead of one token over the memory); train with
             ``agent.seq_len = W`` and ``agent.burn_in = 0``. 0 (default): recurrent memory.
+        obs_shape: shape of one observation (``(C, H, W)`` for images); None: ``(obs_dim,)``.
+        encoder: the observation encoder as a dict (``agent.encoder``: ``{"kind": ..., ...}``,
+            :mod:`rl_tformers.agents.common.encoders`); None: ``linear`` (the flat observation).
     """
 
     obs_dim: int
@@ -126,8 +131,13 @@ class GTrXLConfig:
     log_std_init: float = -0.5
     window: int = 0
     prev_action_zero_at_start: bool = False
+    obs_shape: tuple[int, ...] | None = None
+    encoder: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        shape = (int(self.obs_dim),) if self.obs_shape is None else tuple(int(k) for k in self.obs_shape)
+        object.__setattr__(self, "obs_shape", shape)
+        object.__setattr__(self, "encoder", self.encoder_config.to_dict())  # plain data (checkpoints)
         if self.window < 0:
             raise ValueError(f"agent.window must be >= 0, got {self.window}")
         if self.obs_dim < 1 or self.act_dim < 1:
@@ -139,10 +149,25 @@ class GTrXLConfig:
             raise ValueError(f"agent.critic={self.critic!r}; use none, value or iql")
 
     @property
+    def encoder_config(self) -> EncoderConfig:
+        """The typed observation-encoder config of :attr:`encoder`."""
+        return EncoderConfig.from_dict(self.encoder, "agent.encoder")
+
+    @property
+    def obs_features(self) -> int:
+        """F, the observation encoder's feature size (O for ``linear``)."""
+        return self.encoder_config.out_features(self.obs_shape)
+
+    @property
+    def extra_dim(self) -> int:
+        """E, the size of the inputs besides the observation: rtg, a_{t-1}, r_{t-1} (when configured)."""
+        return int(self.rtg_input) + (self.act_dim if self.prev_action_input else 0) + int(self.prev_reward_input)
+
+    @property
     def input_dim(self) -> int:
-        """Size of the per-step input vector fed to the token embedding."""
+        """Size of the per-step input vector fed to the token embedding: F + E."""
         return (
-            self.obs_dim
+            self.obs_features
             + int(self.rtg_input)
             + (self.act_dim if self.prev_action_input else 0)
             + int(self.prev_reward_input)
@@ -325,6 +350,8 @@ class GTrXLEncoder(nn.Module):
         self.cfg = cfg
         self.backbone = build_backbone(cfg.backbone, cfg.window)
         d = self.backbone.config.d_model
+        #: (B, T, *obs_shape) -> (B, T, F) (``linear``: the flat observation itself)
+        self.encode_obs: ObservationEncoder = cfg.encoder_config.build(cfg.obs_shape)
         self.embed = nn.Linear(cfg.input_dim, d)
 
     @property
@@ -355,6 +382,12 @@ class GTrXLEncoder(nn.Module):
         """Clear the rows where ``episode_start`` (B,) bool is True; other rows unchanged, bit for bit."""
         return self.backbone.reset_state(state, episode_start)
 
+    @property
+    def pixels(self) -> bool:
+        """True when the observation encoder takes uint8 images (PPO keeps them in its rollouts
+        and encodes them again in each update)."""
+        return self.cfg.encoder_config.capabilities.image
+
     def inputs(
         self,
         obs: Tensor,
@@ -362,14 +395,33 @@ class GTrXLEncoder(nn.Module):
         prev_action: Tensor | None = None,
         prev_reward: Tensor | None = None,
     ) -> Tensor:
-        """Concatenate the configured inputs: (B, T, O), (B, T), (B, T, A) or (B, T) long, (B, T) -> (B, T, input_dim).
+        """Concatenate the configured inputs: the encoded observation and :meth:`extra_inputs`.
+
+        Shapes: obs (B, T, O) or (B, T, *obs_shape) (image kinds: uint8 pixels), rtg (B, T),
+        prev_action (B, T, A) or (B, T) long, prev_reward (B, T) -> (B, T, input_dim).
+
+        Raises:
+            ValueError: when a configured input is missing, or observations of another shape.
+        """
+        return self.extra_inputs(self.encode_obs(obs), rtg, prev_action, prev_reward)
+
+    def extra_inputs(
+        self,
+        features: Tensor,
+        rtg: Tensor | None = None,
+        prev_action: Tensor | None = None,
+        prev_reward: Tensor | None = None,
+    ) -> Tensor:
+        """``[features ; rtg ; a_{t-1} ; r_{t-1}]`` (the configured ones): features (B, T, F) -> (B, T, F + E).
 
         A discrete ``prev_action`` (B, T) long is one-hot encoded; ``-1`` (no previous action: an
         episode start) gives zeros when the model was built with ``prev_action_zero_at_start``.
+        ``features`` may have F = 0 (PPO's stored inputs besides the pixels).
 
         Raises:
             ValueError: when a configured input is missing.
         """
+        obs = features
         parts = [obs]
         if self.cfg.rtg_input:
             if rtg is None:

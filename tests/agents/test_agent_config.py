@@ -31,7 +31,7 @@ def _refused(*overrides: str) -> str:
 def test_unknown_key_is_refused_with_did_you_mean() -> None:
     assert _refused("agent.kind=bc", "agent.top_fracton=0.5") == (
         "agent.top_fracton: unknown key; did you mean agent.top_fraction? "
-        "(keys of agent: hidden, dropout, top_fraction, normalize_obs, env_id, env_kwargs)")
+        "(keys of agent: hidden, dropout, top_fraction, normalize_obs, encoder, env_id, env_kwargs)")
 
 
 def test_wrong_type_is_refused_naming_the_key() -> None:
@@ -137,7 +137,10 @@ def test_agents_command_lists_each_field_with_default_and_doc() -> None:
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     assert lines[0] == "dt: Decision Transformer (Chen et al. 2021) on any backbone"
-    assert "  agent.knn.k = 16                      neighbours per query (an integer >= 1)" in lines
+    assert "  agent.knn.k = 16                       neighbours per query (an integer >= 1)" in lines
+    assert "  agent.encoder.features = 512           kind nature_cnn: units of the last fully connected layer (the " \
+           "feature size F) (an integer >= 1)" in lines
+    assert [ln.split(" = ")[0].strip() for ln in lines if "agent.encoder.kind" in ln] == ["agent.encoder.kind"]
     assert len(lines) == 1 + len(format_fields(DTAgentConfig))
 
 
