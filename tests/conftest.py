@@ -35,6 +35,16 @@ def _seed_everything():
     yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _cache_dir_per_session(tmp_path_factory):
+    """rl-tformers' cache folder (the ``cpu_matmul: auto`` measurements) is a temporary folder
+    of the session, shared with the processes the tests start: no test reads or writes the
+    user's ~/.cache/rl-tformers."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RL_TFORMERS_CACHE_DIR", str(tmp_path_factory.mktemp("rlt_cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _minari_root_per_test(tmp_path_factory, monkeypatch):
     """Minari's own root (where `rl-tformers collect` writes by default) is a fresh temporary

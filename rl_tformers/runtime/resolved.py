@@ -17,14 +17,30 @@ as a block of YAML comments::
 Comments, so that ``config.yaml`` stays a config that composes as it did (``--config
 RUN/config.yaml``, ``--resume``, sweeps) and the recorded values are never applied to another
 run or machine. :func:`read_resolved` reads the block back.
+
+``cpu_matmul: auto`` is resolved into the config itself (``cpu_matmul: onednn``: a resume
+computes with the library the run was trained with); the block records why
+(:func:`cpu_matmul_values`): the GFLOP/s of each library measured on the run's shapes, the
+thread count they were measured at and whether the measurement ran in this process or came
+from the cache (:mod:`rl_tformers.runtime.cpu_matmul`)::
+
+    #   cpu_matmul: mkl
+    #   cpu_matmul.gflops_mkl: 131.2
+    #   cpu_matmul.gflops_onednn: 128.9
+    #   cpu_matmul.source: measured
+    #   cpu_matmul.threads: 1
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import yaml
+
+from rl_tformers.runtime.cpu_matmul import recorded_choice
 
 #: The first line of the block in ``config.yaml``.
 HEADER = ("# resolved at start (the values this run uses where its config leaves the choice to it;\n"
@@ -66,4 +82,37 @@ def resolved_line(values: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={_scalar(values[k])}" for k in sorted(values))
 
 
-__all__ = ["HEADER", "read_resolved", "resolved_block", "resolved_line", "split_resolved"]
+def read_resolved_file(path: str | os.PathLike) -> dict[str, Any]:
+    """:func:`read_resolved` of the file ``path`` ({} when it cannot be read or has no block)."""
+    try:
+        return read_resolved(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+
+
+#: the ``cpu_matmul.*`` entries of the block (after ``cpu_matmul`` itself)
+CPU_MATMUL_KEYS = ("cpu_matmul.gflops_mkl", "cpu_matmul.gflops_onednn", "cpu_matmul.source", "cpu_matmul.threads")
+
+
+def cpu_matmul_values(cfg: Any, previous: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The block's record of ``cfg.cpu_matmul`` (:data:`CPU_MATMUL_KEYS`): the ``auto`` choice
+    this process made for ``cfg``'s shapes at its thread count
+    (:func:`~rl_tformers.runtime.cpu_matmul.recorded_choice`) when it picked ``cfg.cpu_matmul``;
+    else those entries of ``previous`` (the run's earlier block: a resume keeps the record of
+    the measurement its library came from) when it names the same library; else {} (a library
+    given by name in a process that resolved no ``auto`` for the same shapes, a build without
+    oneDNN)."""
+    library = str(cfg.get("cpu_matmul", "mkl"))
+    choice = recorded_choice(cfg)
+    if choice is not None and choice.library == library and choice.gflops:
+        return {"cpu_matmul.gflops_mkl": round(choice.gflops["mkl"], 1),
+                "cpu_matmul.gflops_onednn": round(choice.gflops["onednn"], 1),
+                "cpu_matmul.source": choice.source, "cpu_matmul.threads": choice.threads}
+    previous = previous or {}
+    if previous.get("cpu_matmul") == library and all(k in previous for k in CPU_MATMUL_KEYS):
+        return {k: previous[k] for k in CPU_MATMUL_KEYS}
+    return {}
+
+
+__all__ = ["CPU_MATMUL_KEYS", "HEADER", "cpu_matmul_values", "read_resolved", "read_resolved_file", "resolved_block",
+           "resolved_line", "split_resolved"]

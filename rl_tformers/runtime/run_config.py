@@ -807,7 +807,7 @@ def _validate_values(cfg: DictConfig, entry=None) -> None:
         raise ConfigError(str(exc)) from exc
 
     try:  # auto -> the library this machine runs, recorded in the run's config (resume keeps it)
-        cfg.cpu_matmul = resolve_cpu_matmul(cfg.cpu_matmul)
+        cfg.cpu_matmul = resolve_cpu_matmul(cfg.cpu_matmul, cfg)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     backbone = OmegaConf.to_container(cfg.backbone, resolve=True)

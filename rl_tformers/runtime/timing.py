@@ -59,16 +59,22 @@ class TimedPolicy:
         return getattr(self.policy, name)
 
 
-def interleaved_timing(fns: dict[str, Any], repeats: int = 50, warmup: int = 5) -> dict[str, dict[str, float]]:
+def interleaved_timing(fns: dict[str, Any], repeats: int = 50, warmup: int = 5, *, budget_s: float | None = None,
+                       min_repeats: int = 1) -> dict[str, dict[str, float]]:
     """Wall time of zero-argument callables, measured round-robin so load changes hit all alike.
 
     Each round calls every function once (order rotated per round); after ``warmup`` rounds,
-    ``repeats`` rounds are timed. Returns ``{name: {"median_ms", "mean_ms", "p10_ms", "p90_ms"}}``.
-    CUDA is synchronised after each call when initialised.
+    ``repeats`` rounds are timed. With ``budget_s``, no round starts once ``budget_s`` seconds
+    have passed since the first and ``min_repeats`` rounds are timed. Returns
+    ``{name: {"median_ms", "mean_ms", "p10_ms", "p90_ms"}}``. CUDA is synchronised after each
+    call when initialised.
     """
     names = list(fns)
     times: dict[str, list[float]] = {n: [] for n in names}
+    start = time.perf_counter()
     for r in range(warmup + repeats):
+        if budget_s is not None and r >= warmup + min_repeats and time.perf_counter() - start > budget_s:
+            break
         order = names[r % len(names):] + names[: r % len(names)]
         for n in order:
             t0 = time.perf_counter()

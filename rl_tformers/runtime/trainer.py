@@ -79,7 +79,13 @@ from rl_tformers.runtime.optim import (
 )
 from rl_tformers.runtime.plugins import check_env_modules, named_plugins_only, plugins_named_in
 from rl_tformers.runtime.progress import PlainProgress, progress_bar
-from rl_tformers.runtime.resolved import resolved_block, resolved_line, split_resolved
+from rl_tformers.runtime.resolved import (
+    cpu_matmul_values,
+    read_resolved_file,
+    resolved_block,
+    resolved_line,
+    split_resolved,
+)
 from rl_tformers.runtime.run_config import (
     RESUMABLE_KEYS,
     ConfigError,
@@ -895,7 +901,8 @@ class _TrainerRecords(_TrainerState):
 
     def resolved_values(self) -> dict[str, Any]:
         """The effective values of what this start resolved (dotted key -> value): ``device``
-        (the torch device of this rank), ``cpu_matmul``, ``processes``, ``torch.num_threads``,
+        (the torch device of this rank), ``cpu_matmul`` (and the measurement ``auto`` chose it by:
+        :func:`~rl_tformers.runtime.resolved.cpu_matmul_values`), ``processes``, ``torch.num_threads``,
         ``torch.num_interop_threads`` and the agent's own (``resolved_options()``, e.g.
         ``agent.reward_scale``). Recorded in ``config.yaml``, the first log line and the
         TensorBoard hparams (:mod:`rl_tformers.runtime.resolved`)."""
@@ -904,8 +911,9 @@ class _TrainerRecords(_TrainerState):
             "torch.num_threads": int(torch.get_num_threads()),
             "torch.num_interop_threads": int(torch.get_num_interop_threads()),
         }
-        if self.device.type == "cpu":
+        if self.device.type == "cpu":  # the library, and the measurement auto chose it by
             values["cpu_matmul"] = str(self.cfg.get("cpu_matmul", "mkl"))
+            values.update(cpu_matmul_values(self.cfg, read_resolved_file(self.run_dir / CONFIG_FILE)))
         own = getattr(self.agent, "resolved_options", None)
         if callable(own):
             values.update({str(k): v for k, v in dict(own()).items()})

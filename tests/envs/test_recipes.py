@@ -106,7 +106,7 @@ def test_every_documented_recipe_line_is_reproduced_by_its_command(row, shared_d
     measured them (docs/data.md, "Which host": the agent's float32 products round differently
     elsewhere); random-action rows reproduce on any CPU."""
     name, version, episodes, steps, mean, std = row
-    from rl_tformers.runtime.cpu_matmul import cpu_vendor
+    from rl_tformers.runtime.host import cpu_vendor
 
     uses_agent = any(shard.policy != "random" for shard in all_recipes(version=version)[name].shards)
     if uses_agent and cpu_vendor() != MEASURED_ON:

@@ -3,7 +3,9 @@
 The oneDNN path must be the same function as ``F.linear`` (forward and every gradient, up to
 float rounding), keep the module's parameters and state dict, fall back to ``F.linear`` where
 it does not apply, be resolved once into the run's config (a resume keeps the library), and
-reach the trainer and ``load_run``.
+reach the trainer and ``load_run``. ``auto`` is decided by a measurement of both libraries on
+the run's shapes (the rule on injected rates; the cache per CPU, threads and shapes: hit, miss,
+corrupted file or entry) and recorded in the run's resolved block.
 """
 
 from __future__ import annotations
@@ -99,26 +101,200 @@ def test_the_swap_keeps_parameters_and_state_dict_and_goes_back() -> None:
         cm.apply_cpu_matmul(model, "auto")
 
 
-def test_auto_resolves_by_the_cpu_vendor(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cm.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(cm, "onednn_linear_available", lambda: True)
-    for vendor, lib in [("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), ("HygonGenuine", "onednn"), ("", "mkl")]:
-        monkeypatch.setattr(cm, "cpu_vendor", lambda v=vendor: v)
-        assert cm.resolve_cpu_matmul("auto") == lib, vendor
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache folder of the test's own; no choice of an earlier test in this process."""
+    monkeypatch.setenv("RL_TFORMERS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cm, "_CHOSEN", {})
+    return tmp_path / "cache" / "cpu_matmul.json"
+
+
+class _Measure:
+    """An injected measurement: returns ``rates`` and counts its calls."""
+
+    def __init__(self, mkl: float, onednn: float) -> None:
+        self.rates, self.calls = {"mkl": mkl, "onednn": onednn}, []
+
+    def __call__(self, shapes):
+        self.calls.append(tuple(shapes))
+        return dict(self.rates)
+
+
+def test_auto_keeps_mkl_unless_onednn_is_more_than_5_percent_faster() -> None:
+    assert cm.AUTO_MARGIN == 0.05
+    cases = [((100.0, 100.0), "mkl"), ((100.0, 104.9), "mkl"), ((100.0, 105.0), "mkl"), ((100.0, 105.1), "onednn"),
+             ((100.0, 210.0), "onednn"), ((100.0, 60.0), "mkl"), ((96.0, 228.0), "onednn"), ((106.0, 110.0), "mkl"),
+             ((float("nan"), 200.0), "mkl"), ((100.0, float("inf")), "mkl"), ((0.0, 10.0), "mkl")]
+    assert [cm.choose_library(m, o) for (m, o), _ in cases] == [want for _, want in cases]
+    assert cm.choose_library(100.0, 104.0, margin=0.03) == "onednn"
+
+
+def test_linear_shapes_are_the_run_s_products_with_rows_capped() -> None:
+    dt = OmegaConf.create({"agent": {"kind": "dt", "context_len": 20}, "backbone": {"d_model": 128, "d_ff": None},
+                           "train": {"batch_size": 64}})
+    assert cm.linear_shapes(dt) == ((3840, 128, 512), (3840, 512, 128), (3840, 128, 128)) == cm.DEFAULT_SHAPES
+    assert cm.linear_shapes(None) == cm.DEFAULT_SHAPES
+    toy = compose(None, TOY)  # batch 4 x seq_len 8 rows, the toy agent's d_model 16
+    assert cm.linear_shapes(toy) == ((32, 16, 64), (32, 64, 16), (32, 16, 16))
+    square = OmegaConf.create({"agent": {}, "backbone": {"d_model": 16, "d_ff": 16}, "train": {"batch_size": 2}})
+    assert cm.linear_shapes(square) == ((120, 16, 16),)  # 60 tokens without a context; one shape
+    wide = OmegaConf.create({"agent": {"context_len": 20}, "backbone": {"d_model": 512}, "train": {"batch_size": 256}})
+    assert cm.linear_shapes(wide) == ((247, 512, 2048), (247, 2048, 512), (247, 512, 512))  # 3.5e9 // (6 x 2359296)
+    assert 6 * sum(m * k * n for m, k, n in cm.linear_shapes(wide)) <= cm.MAX_ROUND_FLOPS
+
+
+def test_library_gflops_is_all_products_flops_over_their_summed_medians() -> None:
+    ms = {(10, 20, 30, "forward", "mkl"): 1.0, (10, 20, 30, "grad_input", "mkl"): 3.0,
+          (10, 20, 30, "forward", "onednn"): 0.5, (10, 20, 30, "grad_input", "onednn"): 0.5}
+    assert cm.library_gflops(ms) == {"mkl": pytest.approx(2 * 2 * 6000 / 4e-3 / 1e9, rel=1e-12),
+                                     "onednn": pytest.approx(2 * 2 * 6000 / 1e-3 / 1e9, rel=1e-12)}
+
+
+@needs_onednn
+def test_the_measurement_runs_the_same_products_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+    real = cm.interleaved_timing
+
+    def spy(fns, **kw):
+        seen.append((sorted(fns), kw))
+        return real(fns, **kw)
+
+    monkeypatch.setattr(cm, "interleaved_timing", spy)
+    shapes = ((8, 4, 6), (8, 6, 4))
+    a, b = cm.measure_gflops(shapes), cm.measure_gflops(shapes)
+    assert seen[0] == seen[1] and len(seen[0][0]) == 12
+    assert seen[0][0] == sorted((m, k, n, p, lib) for m, k, n in shapes for p in cm.PRODUCTS for lib in ("mkl", "onednn"))
+    assert seen[0][1] == {"repeats": 8, "warmup": 1, "budget_s": 1.0, "min_repeats": 3}
+    assert set(a) == set(b) == {"mkl", "onednn"} and all(v > 0 for v in (*a.values(), *b.values()))
+
+
+@needs_onednn
+def test_auto_measures_once_per_cpu_threads_and_shapes_then_reads_the_cache(cache: Path) -> None:
+    import json
+
+    measure = _Measure(100.0, 120.0)
+    first = cm.choose_cpu_matmul(cm.DEFAULT_SHAPES, 1, measure=measure)
+    assert (first.library, first.source, first.gflops) == ("onednn", "measured", {"mkl": 100.0, "onednn": 120.0})
+    again = cm.choose_cpu_matmul(cm.DEFAULT_SHAPES, 1, measure=_Measure(100.0, 50.0))
+    assert (again.library, again.source, again.gflops) == ("onednn", "cache", {"mkl": 100.0, "onednn": 120.0})
+    assert measure.calls == [cm.DEFAULT_SHAPES]
+    other = cm.choose_cpu_matmul(cm.DEFAULT_SHAPES, 2, measure=_Measure(100.0, 103.0))  # another thread count
+    assert (other.library, other.source) == ("mkl", "measured")
+    entries = json.loads(cache.read_text())["entries"]
+    key1, key2 = cm.cache_key(cm.DEFAULT_SHAPES, 1), cm.cache_key(cm.DEFAULT_SHAPES, 2)
+    assert set(entries) == {key1, key2}
+    assert {k: (v["gflops"], v["library"]) for k, v in entries.items()} == {
+        key1: ({"mkl": 100.0, "onednn": 120.0}, "onednn"), key2: ({"mkl": 100.0, "onednn": 103.0}, "mkl")}
+    ident = cm.cpu_identity()
+    for part in (ident["vendor"], ident["family"], ident["model"], ident["model_name"], "threads=1",
+                 f"avx512_bf16={int(ident['avx512_bf16'])},amx={int(ident['amx'])}", f"torch={torch.__version__}",
+                 "3840x128x512,3840x512x128,3840x128x128"):
+        assert part in key1
+
+
+@needs_onednn
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"version": 1, "entries": 3}',
+                                     "__import__('pathlib').Path('EXECUTED').touch()"])
+def test_a_corrupted_cache_file_is_ignored_with_a_warning_and_measured_again(
+        cache: Path, content: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    cache.parent.mkdir(parents=True)
+    cache.write_text(content)
+    measure = _Measure(100.0, 200.0)
+    with pytest.warns(UserWarning, match=r"corrupted cpu_matmul cache .*measuring again"):
+        choice = cm.choose_cpu_matmul(cm.DEFAULT_SHAPES, 1, measure=measure)
+    assert (choice.library, choice.source, len(measure.calls)) == ("onednn", "measured", 1)
+    assert not (tmp_path / "EXECUTED").exists()
+    data = json.loads(cache.read_text())  # rewritten whole
+    assert data["version"] == 1 and list(data["entries"]) == [cm.cache_key(cm.DEFAULT_SHAPES, 1)]
+
+
+@needs_onednn
+def test_a_corrupted_cache_entry_is_measured_again_and_the_others_kept(cache: Path) -> None:
+    import json
+
+    good, bad = cm.cache_key(((4, 4, 4),), 1), cm.cache_key(cm.DEFAULT_SHAPES, 1)
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({"version": 1, "entries": {
+        good: {"gflops": {"mkl": 10.0, "onednn": 9.0}}, bad: {"gflops": {"mkl": "fast", "onednn": -1}}}}))
+    with pytest.warns(UserWarning, match=r"corrupted cpu_matmul cache entry"):
+        choice = cm.choose_cpu_matmul(cm.DEFAULT_SHAPES, 1, measure=_Measure(50.0, 40.0))
+    assert (choice.library, choice.source) == ("mkl", "measured")
+    entries = json.loads(cache.read_text())["entries"]
+    assert entries[good] == {"gflops": {"mkl": 10.0, "onednn": 9.0}} and entries[bad]["gflops"] == {"mkl": 50.0, "onednn": 40.0}
+    assert cm.choose_cpu_matmul(((4, 4, 4),), 1, measure=_Measure(1.0, 1.0)).source == "cache"
+
+
+def test_a_build_without_onednn_resolves_auto_to_mkl_without_measuring(cache: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cm, "onednn_linear_available", lambda: False)
-    assert cm.resolve_cpu_matmul("auto") == "mkl"
+    measure = _Measure(1.0, 100.0)
+    choice = cm.choose_cpu_matmul(cm.DEFAULT_SHAPES, 1, measure=measure)
+    assert (choice.library, choice.source, choice.gflops, measure.calls) == ("mkl", "no-onednn", {}, [])
+    assert cm.resolve_cpu_matmul("auto") == "mkl" and not cache.exists()
     with pytest.raises(ValueError, match=r"^cpu_matmul=onednn, but this PyTorch build has no oneDNN linear operator"):
         cm.resolve_cpu_matmul("onednn")
     monkeypatch.setattr(cm, "onednn_linear_available", lambda: True)
-    monkeypatch.setattr(cm.platform, "machine", lambda: "aarch64")
-    monkeypatch.setattr(cm, "cpu_vendor", lambda: "")
-    assert cm.resolve_cpu_matmul("auto") == "mkl"
     assert cm.resolve_cpu_matmul(" OneDNN ") == "onednn"
+
+
+@needs_onednn
+@pytest.mark.parametrize(("rates", "library"), [((100.0, 130.0), "onednn"), ((100.0, 103.0), "mkl")])
+def test_compose_resolves_auto_by_the_measurement_on_the_run_s_shapes(
+        cache: Path, monkeypatch: pytest.MonkeyPatch, rates, library) -> None:
+    measure = _Measure(*rates)
+    monkeypatch.setattr(cm, "measure_gflops", measure)
+    cfg = compose(None, [*TOY, "train.batch_size=6"])
+    assert cfg.cpu_matmul == library and measure.calls == [((48, 16, 64), (48, 64, 16), (48, 16, 16))]
+    assert cm.recorded_choice(cfg).gflops == {"mkl": rates[0], "onednn": rates[1]}
+    assert compose(None, [*TOY, "train.batch_size=6"]).cpu_matmul == library and len(measure.calls) == 1
+    assert compose(None, [*TOY, "train.batch_size=6", "cpu_matmul=mkl"]).cpu_matmul == "mkl"
+
+
+def _resolved(run: Path) -> dict:
+    from rl_tformers.runtime.resolved import read_resolved
+
+    return read_resolved((run / "config.yaml").read_text())
+
+
+@needs_onednn
+def test_the_run_records_the_measured_choice_and_resume_keeps_it(cache: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto chose oneDNN (120 vs 100 GFLOP/s); the host then measures MKL faster: the
+    interrupted run resumes with oneDNN and its record, and ends bit for bit as the run trained
+    through with oneDNN."""
+    from rl_tformers.runtime.trainer import resume, train
+    from tests.bitwise import same_bits
+
+    monkeypatch.setattr(cm, "measure_gflops", _Measure(100.0, 120.0))
+    train(compose(None, [*TOY, "train.steps=3"]), tmp_path / "half")
+    record = {"cpu_matmul": "onednn", "cpu_matmul.gflops_mkl": 100.0, "cpu_matmul.gflops_onednn": 120.0,
+              "cpu_matmul.source": "measured", "cpu_matmul.threads": torch.get_num_threads()}
+    assert {k: v for k, v in _resolved(tmp_path / "half").items() if k.startswith("cpu_matmul")} == record
+    assert OmegaConf.load(tmp_path / "half" / "config.yaml").cpu_matmul == "onednn"
+    monkeypatch.setattr(cm, "_CHOSEN", {})  # another process
+    train(compose(None, [*TOY, "cpu_matmul=onednn"]), tmp_path / "full")
+    assert "cpu_matmul.source" not in _resolved(tmp_path / "full")  # given by name: nothing measured
+
+    cache.unlink()  # another process, and now MKL measures faster here
+    monkeypatch.setattr(cm, "_CHOSEN", {})
+    monkeypatch.setattr(cm, "measure_gflops", _Measure(100.0, 50.0))
+    assert compose(None, TOY).cpu_matmul == "mkl"
+    monkeypatch.setattr(cm, "_CHOSEN", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert resume(tmp_path / "half", ["train.steps=6"]).step == 6
+    assert {k: v for k, v in _resolved(tmp_path / "half").items() if k.startswith("cpu_matmul")} == record
+    a = torch.load(tmp_path / "full" / "checkpoints" / "step_000000006.pt", weights_only=True)
+    b = torch.load(tmp_path / "half" / "checkpoints" / "step_000000006.pt", weights_only=True)
+    assert same_bits(a["model"], b["model"]) and same_bits(a["optimizer"], b["optimizer"])
 
 
 def test_compose_records_the_resolved_library_and_a_saved_run_keeps_its_own() -> None:
     cfg = compose(None, TOY)
-    assert cfg.cpu_matmul == cm.resolve_cpu_matmul("auto") and cfg.cpu_matmul in ("mkl", "onednn")
+    assert cfg.cpu_matmul == cm.resolve_cpu_matmul("auto", cfg) and cfg.cpu_matmul in ("mkl", "onednn")
     assert compose(None, [*TOY, "cpu_matmul=mkl"]).cpu_matmul == "mkl"
     with pytest.raises(ConfigError, match=r"^cpu_matmul='blas'; use one of auto, mkl, onednn$"):
         compose(None, [*TOY, "cpu_matmul=blas"])

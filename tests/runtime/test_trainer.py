@@ -24,6 +24,7 @@ from rl_tformers.runtime import toy
 from rl_tformers.runtime import trainer as trainer_mod
 from rl_tformers.runtime.agent_registry import register_agent
 from rl_tformers.runtime.checkpoint import list_checkpoints, load_checkpoint
+from rl_tformers.runtime.cpu_matmul import recorded_choice
 from rl_tformers.runtime.resolved import read_resolved, resolved_block, split_resolved
 from rl_tformers.runtime.run_config import compose, to_yaml
 from rl_tformers.runtime.trainer import (
@@ -696,6 +697,11 @@ def test_resolved_values_are_in_config_yaml_the_hparams_and_the_first_log_line(
     want = {"cpu_matmul": str(cfg.cpu_matmul), "device": "cpu", "processes": 1,
             "torch.num_interop_threads": torch.get_num_interop_threads(), "torch.num_threads": torch.get_num_threads()}
     assert cfg.cpu_matmul in ("mkl", "onednn")  # auto is resolved when the config is composed
+    choice = recorded_choice(cfg)  # the measurement auto was resolved by, recorded with the library
+    if choice.gflops:
+        want.update({"cpu_matmul.gflops_mkl": round(choice.gflops["mkl"], 1),
+                     "cpu_matmul.gflops_onednn": round(choice.gflops["onednn"], 1),
+                     "cpu_matmul.source": choice.source, "cpu_matmul.threads": torch.get_num_threads()})
     text = (run_dir / "config.yaml").read_text()
     assert read_resolved(text) == want
     assert text.startswith("# resolved at start (the values this run uses where its config leaves the choice to "
