@@ -105,10 +105,19 @@ class TrainConfig:
         schedule: ``constant`` | ``linear_warmup`` | ``warmup_cosine``.
         warmup_steps: linear warmup length W, in updates.
         min_lr_ratio: final lr / peak lr of ``warmup_cosine``.
-        amp: ``none`` | ``bf16`` (autocast of forward and loss).
-        compile: ``torch.compile`` the model (in place; checkpoints are unaffected).
+        amp: ``none`` | ``bf16`` (autocast of forward and loss, on CPU and CUDA alike).
+        compile: ``torch.compile`` the model (in place; checkpoints are unaffected; on CPU and
+            CUDA alike).
+        cuda_graphs: capture the model's forward and backward in CUDA graphs
+            (``torch.compile(mode="reduce-overhead")``: replays cut the per-kernel launch cost of
+            small models; implies ``compile``). CUDA only: refused on another device.
         deterministic: ask torch for deterministic kernels (slower on GPU).
         num_workers: DataLoader worker processes for step-indexed datasets (0: main process).
+        data_on_device: hold the dataset as tensors on the run's device and draw each DT window /
+            GTrXL segment batch there by indexing them (only the batch's row indices cross from
+            the host; the same batches as the host path, bit for bit). For agents whose batches
+            come from a window or segment sampler (the offline agents); excludes
+            ``num_workers`` > 0. On CPU it runs the same code on host tensors.
         log_every: write scalars (means over the window) every this many updates.
         checkpoint_every: save a checkpoint every this many updates (0: only at the end and on
             interruption).
@@ -131,8 +140,10 @@ class TrainConfig:
     min_lr_ratio: float = option(0.1, ge=0, le=1)
     amp: Amp = Amp.none
     compile: bool = False
+    cuda_graphs: bool = False
     deterministic: bool = False
     num_workers: int = option(0, ge=0)
+    data_on_device: bool = False
     log_every: int = option(10, ge=1)
     checkpoint_every: int = option(1000, ge=0)
     keep_last: int = option(3, ge=1)
@@ -248,7 +259,9 @@ RESUMABLE_KEYS = (
     "train.keep_last",
     "train.progress",
     "train.num_workers",
+    "train.data_on_device",  # the same batches either way
     "train.compile",
+    "train.cuda_graphs",
     "train.ddp_find_unused",
     "eval",
     "device",
@@ -781,6 +794,17 @@ def _check_agent_types(values: Mapping[str, Any], defaults: Mapping[str, Any], w
                 raise ConfigError(f"{name} must be a finite number, got {value!r} ({type(value).__name__})")
 
 
+def _check_device_options(t: DictConfig, device_type: str, device: str) -> None:
+    """Refuse the ``train`` options that do not apply to the run's device or to each other."""
+    if t.cuda_graphs and device_type != "cuda":
+        raise ConfigError(f"train.cuda_graphs=true captures the update in CUDA graphs and needs a CUDA device, "
+                          f"but device={device} is {device_type}; set train.cuda_graphs=false")
+    if t.data_on_device and t.num_workers > 0:
+        raise ConfigError(f"train.data_on_device=true draws batches on the device in the training process; "
+                          f"train.num_workers={t.num_workers} would start DataLoader workers for nothing: "
+                          f"set train.num_workers=0")
+
+
 #: Agent options whose value is a free-form mapping passed on to another library (keyword
 #: arguments of ``gymnasium.make``): any key is accepted inside them, even in a closed section.
 FREE_FORM_AGENT_KEYS = ("env_kwargs",)
@@ -802,9 +826,10 @@ def _validate_values(cfg: DictConfig, entry=None) -> None:
                           f"decayed weights by 1 - lr * weight_decay = {1.0 - t.lr * t.weight_decay:g} every update, "
                           f"which zeroes or flips them; lr * weight_decay must be < 1")
     try:
-        resolve_device(cfg.device)
+        device = resolve_device(cfg.device)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    _check_device_options(t, device.type, str(cfg.device))
 
     try:  # auto -> the library this machine runs, recorded in the run's config (resume keeps it)
         cfg.cpu_matmul = resolve_cpu_matmul(cfg.cpu_matmul, cfg)

@@ -54,6 +54,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from rl_tformers.attention._linear import maybe_redraw_random_features, random_feature_modules
 from rl_tformers.envs.loaders import HDF5_SUFFIXES, data_root
+from rl_tformers.envs.samplers import SegmentSampler, WindowSampler
+from rl_tformers.envs.torch_data import DeviceStepBatches, StepBatchDataset
 from rl_tformers.runtime import checkpoint as ckpt
 from rl_tformers.runtime import distributed as dist_rt
 from rl_tformers.runtime.agent_registry import (
@@ -206,7 +208,8 @@ class MetricWindow:
         self.count += 1
         self.samples += samples
         for k, v in values.items():
-            v = v.detach().float().reshape(()) if isinstance(v, Tensor) else float(v)
+            # a copy: the value may be a buffer the next update overwrites (a CUDA graph's output)
+            v = v.detach().float().reshape(()).clone() if isinstance(v, Tensor) else float(v)
             if k in self.latest:  # a counter: its latest value, not the window's mean
                 self.sums[k], self.counts[k] = v, 1
                 continue
@@ -773,6 +776,8 @@ class _TrainerUpdates(_TrainerState):
             ) from None
         batch = move_to(batch, self.device)
         lr = float(self.optimizer.param_groups[0]["lr"])  # of this update (before the scheduler steps)
+        if self.cfg.train.cuda_graphs:  # a new iteration: the previous replay's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         loss, grad_norm, logs = self.update(batch)
         if self.step == 0:  # a new run's first loss, computed before any parameter changed (one sync)
             self._first_loss_finite = bool(torch.isfinite(loss.detach()).all())
@@ -1079,6 +1084,8 @@ class Trainer(_TrainerCheckpoints, _TrainerEvaluation, _TrainerUpdates, _Trainer
         with interrupt if own else contextlib.nullcontext():
             with agent_build_errors():  # the agent's data checks, before the run directory is written
                 batches = self.agent.batches(self.step)
+                if self.cfg.train.data_on_device:
+                    batches = on_device(batches, self.device, str(self.cfg.agent.kind))
             self._agree_to_start(interrupt)
             try:
                 return self._train(batches, interrupt, stop_at)
@@ -1104,8 +1111,10 @@ class Trainer(_TrainerCheckpoints, _TrainerEvaluation, _TrainerUpdates, _Trainer
             if self.is_main:
                 self._prepare_run_dir(logger, resolved)
             self._log_start(resolved)
-            if t.compile:
-                self.model.compile()
+            if t.compile or t.cuda_graphs:  # reduce-overhead: CUDA graphs of the forward and backward
+                self.model.compile(**({"mode": "reduce-overhead"} if t.cuda_graphs else {}))
+            if isinstance(batches, DeviceStepBatches):  # drawn on the device, no DataLoader
+                batches = batches.iter_from(self.step)
             if getattr(self.agent, "local_batches", False):  # each rank's batches are its own share already
                 source = batches
             else:
@@ -1180,6 +1189,20 @@ class Trainer(_TrainerCheckpoints, _TrainerEvaluation, _TrainerUpdates, _Trainer
         return result
 
 
+
+
+def on_device(batches: Any, device: torch.device, kind: str) -> DeviceStepBatches:
+    """``train.data_on_device``: the agent's step-indexed batches drawn on ``device``.
+
+    Raises:
+        ValueError: the agent's ``batches()`` is not a :class:`StepBatchDataset` of a window or
+            segment sampler (an on-policy or online agent's own stream), naming the option.
+    """
+    sampler = getattr(batches, "sampler", None)
+    if not isinstance(batches, StepBatchDataset) or not isinstance(sampler, (WindowSampler, SegmentSampler)):
+        raise ValueError(f"train.data_on_device=true: agent {kind!r} does not draw its batches from a dataset with "
+                         f"a window or segment sampler ({type(batches).__name__}); set train.data_on_device=false")
+    return batches.on_device(device)
 
 
 def _processes(n: int) -> str:

@@ -713,49 +713,153 @@ def test_resolved_values_are_in_config_yaml_the_hparams_and_the_first_log_line(
 
 
 # ------------------------------------------------------- no host-device sync inside an update
+def _in_xl_span(frame) -> bool:
+    """Whether the call comes from ``position/xl_relative.py``'s ``_span`` (the XL relative
+    bias's read of the range of allowed distances, once per forward)."""
+    while frame is not None:
+        if frame.f_code.co_name == "_span" and frame.f_code.co_filename.endswith("xl_relative.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _HostSyncs(torch.overrides.TorchFunctionMode):
     """Counts the tensor calls that wait for the device (a value read on the host): ``item``,
     ``tolist``, ``numpy``, ``cpu``, and ``bool``/``float``/``int`` of a tensor (a Python branch
-    on a tensor's value)."""
+    on a tensor's value); with ``skip_xl_span``, not those of the XL relative bias's ``_span``.
+    While ``only_in_update`` is set, only inside :meth:`Trainer.update` (``counting`` True)."""
 
     NAMES = frozenset({"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"})
 
-    def __init__(self) -> None:
+    def __init__(self, skip_xl_span: bool = False, only_in_update: bool = False) -> None:
         super().__init__()
         self.count = 0
+        self.skip_xl_span = skip_xl_span
+        self.counting = not only_in_update
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.NAMES:
-            self.count += 1
+        if self.counting and getattr(func, "__name__", "") in self.NAMES:
+            if not (self.skip_xl_span and _in_xl_span(sys._getframe(1))):
+                self.count += 1
         return func(*args, **(kwargs or {}))
 
 
-def _host_syncs(config: str, overrides: list[str], steps: int, run_dir: Path) -> int:
-    from rl_tformers.runtime.run_config import compose
-    from rl_tformers.runtime.trainer import train
-
+def _host_syncs(config: str | None, overrides: list[str], steps: int, run_dir: Path, *, skip_xl_span: bool = False,
+                only_in_update: bool = False, monkeypatch: pytest.MonkeyPatch | None = None) -> int:
     cfg = compose(config, [*overrides, f"train.steps={steps}", "train.log_every=1000", "train.checkpoint_every=1000",
                            "eval.every=0", "eval.at_end=false", "train.progress=false", "device=cpu"])
-    with _HostSyncs() as mode:
+    mode = _HostSyncs(skip_xl_span, only_in_update)
+    if only_in_update:
+        update = Trainer.update
+
+        def counted(self, batch):
+            mode.counting = True
+            try:
+                return update(self, batch)
+            finally:
+                mode.counting = False
+
+        monkeypatch.setattr(Trainer, "update", counted)
+    with mode:
         train(cfg, run_dir)
     return mode.count
 
 
-@pytest.mark.parametrize("agent", ["dt", "bc"])
-def test_updates_between_log_and_checkpoint_steps_make_no_host_device_sync(agent: str, tmp_path: Path) -> None:
+_TINY_GTRXL = ["backbone.d_model=16", "backbone.n_layers=2", "backbone.n_heads=2", "agent.seq_len=8",
+               "agent.burn_in=4", "backbone.memory={kind: xl, mem_len: 4}", "dataset.path=null",
+               "dataset.scripted={task: recall, episodes: 12, delay: 2}", "train.batch_size=8", "train.warmup_steps=2"]
+
+
+@pytest.mark.parametrize("agent", ["dt", "bc", "dt-data-on-device", "gtrxl-bc", "gtrxl-iql", "gtrxl-bc-data-on-device",
+                                   "gtrxl-ppo"])
+def test_updates_between_log_and_checkpoint_steps_make_no_host_device_sync(agent: str, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU-ready loop: the host reads device values only at log and checkpoint steps (and when a
     run starts and ends). Runs of 20 and 40 updates with the same log and checkpoint steps (the
-    last one only) make exactly as many host syncs: none of them is per update.
+    last one only) make exactly as many host syncs: none of them is per update. The offline
+    agents are counted over the whole run (batches drawn on the host, or on the device with
+    ``train.data_on_device``); PPO-GTrXL inside its updates only (its rollouts step environments
+    on the host, one action transfer per environment step).
 
-    GTrXL is not listed: its XL relative position bias reads the span of the allowed distances
-    once per forward to size its table (``position/xl_relative.py``, ``_span``)."""
+    GTrXL's XL relative position bias still reads the span of the allowed distances once per
+    forward to size its table (``position/xl_relative.py``, ``_span``): those reads are not
+    counted; every other part of the GTrXL updates (segments, losses, IQL targets, PPO) is."""
     from rl_tformers.agents.common.scripted import collect_delayed_expert
     from rl_tformers.envs.loaders import save_d4rl_hdf5
 
     tiny = ["backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=2", "train.batch_size=4",
             "train.warmup_steps=2"]
-    data = save_d4rl_hdf5(collect_delayed_expert(20, seed=0, n_envs=10), tmp_path / "cp.hdf5")
-    config, over = ("dt/cartpole_demo", [f"dataset.path={data}", *tiny, "agent.context_len=4"]) if agent == "dt" \
-        else (None, [f"dataset.path={data}", "agent.kind=bc", "train.batch_size=4"])
-    counts = [_host_syncs(config, over, n, tmp_path / f"run{n}") for n in (20, 40)]
+    on_device = ["train.data_on_device=true"] if agent.endswith("data-on-device") else []
+    if agent.startswith("gtrxl"):
+        config, over = ("gtrxl/ppo_cartpole", ["agent.n_envs=2", "agent.n_steps=8", "agent.n_epochs=1",
+                                               "agent.n_minibatches=2", *tiny[:3], "backbone.memory.mem_len=4"]) \
+            if agent == "gtrxl-ppo" else ("gtrxl/recall_bc", [*_TINY_GTRXL, *on_device])
+        if agent == "gtrxl-iql":
+            over.append("agent.objective=iql")
+    else:
+        data = save_d4rl_hdf5(collect_delayed_expert(20, seed=0, n_envs=10), tmp_path / "cp.hdf5")
+        config, over = ("dt/cartpole_demo", [f"dataset.path={data}", *tiny, "agent.context_len=4", *on_device]) \
+            if agent.startswith("dt") else (None, [f"dataset.path={data}", "agent.kind=bc", "train.batch_size=4"])
+    counts = [_host_syncs(config, over, n, tmp_path / f"run{n}", skip_xl_span=agent.startswith("gtrxl"),
+                          only_in_update=agent == "gtrxl-ppo", monkeypatch=monkeypatch) for n in (20, 40)]
     assert counts[0] == counts[1], counts
+
+
+# ------------------------------------------------------- device options
+@pytest.mark.parametrize("agent", ["dt", "gtrxl"])
+def test_a_dataset_on_the_device_trains_the_same_weights_as_host_batches(agent: str, tmp_path: Path) -> None:
+    """``train.data_on_device``: batches drawn from the dataset held as tensors (here on the CPU)
+    equal the NumPy sampler's, so the weights after 6 updates are bit-identical."""
+    from rl_tformers.agents.common.scripted import collect_delayed_expert
+    from rl_tformers.envs.loaders import save_d4rl_hdf5
+
+    if agent == "dt":
+        data = save_d4rl_hdf5(collect_delayed_expert(20, seed=0, n_envs=10), tmp_path / "cp.hdf5")
+        config, over = "dt/cartpole_demo", [f"dataset.path={data}", "train.batch_size=4", "backbone.d_model=16",
+                                            "backbone.n_layers=1", "agent.context_len=4"]
+    else:
+        config, over = "gtrxl/recall_bc", list(_TINY_GTRXL)
+    quiet = ["train.steps=6", "train.checkpoint_every=0", "eval.every=0", "eval.at_end=false",
+             "train.progress=false", "device=cpu"]
+    for on in ("false", "true"):
+        train(compose(config, [*over, *quiet, f"train.data_on_device={on}"]), tmp_path / on)
+    assert_same_weights(model_state(tmp_path / "false", 6), model_state(tmp_path / "true", 6))
+    assert "data_on_device: true" in (tmp_path / "true" / "config.yaml").read_text()
+
+
+def test_cuda_graphs_are_refused_off_cuda_naming_the_option(tmp_path: Path) -> None:
+    from rl_tformers.runtime.run_config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        compose("toy", ["train.cuda_graphs=true", "device=cpu"])
+    assert str(err.value) == ("train.cuda_graphs=true captures the update in CUDA graphs and needs a CUDA device, "
+                              "but device=cpu is cpu; set train.cuda_graphs=false")
+    r = CliRunner().invoke(app, ["train", "-c", "toy", "train.cuda_graphs=true", "device=cpu",
+                                 f"run_dir={tmp_path / 'run'}"])
+    assert r.exit_code == 2 and r.output.strip().splitlines()[-1].startswith("error: train.cuda_graphs=true "), r.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_bf16_and_compile_apply_on_cpu_too() -> None:
+    """``train.amp=bf16`` and ``train.compile`` are not CUDA-only: the CPU runs them (native bf16
+    where the CPU has it), so a CPU config keeps them."""
+    cfg = compose("toy", ["train.amp=bf16", "train.compile=true", "device=cpu"])
+    assert cfg.train.compile and str(cfg.train.amp.value) == "bf16" and not cfg.train.cuda_graphs
+
+
+def test_a_dataset_on_the_device_with_dataloader_workers_is_refused() -> None:
+    from rl_tformers.runtime.run_config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^train.data_on_device=true .* train.num_workers=2 .* set "
+                                          r"train.num_workers=0$"):
+        compose("toy", ["train.data_on_device=true", "train.num_workers=2", "device=cpu"])
+
+
+def test_a_dataset_on_the_device_is_refused_for_an_agent_without_a_window_or_segment_sampler(run_dir: Path) -> None:
+    from rl_tformers.runtime.agent_registry import AgentBuildError
+
+    with pytest.raises(AgentBuildError, match=r"^train.data_on_device=true: agent 'toy' does not draw its batches "
+                                              r"from a dataset with a window or segment sampler \(ToyBatches\); "
+                                              r"set train.data_on_device=false$"):
+        train(toy_cfg("train.data_on_device=true"), run_dir)
+    assert not run_dir.exists()
