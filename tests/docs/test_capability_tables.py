@@ -71,7 +71,7 @@ def test_attention_capability_tables_equal_the_registry(doc: str, header: str, c
 def test_memory_adaptive_capability_table_equals_the_registry() -> None:
     rows = table((DOCS_DIR / "memory_adaptive.md").read_text(), "| kind | stateful | memory keys |")
     caps = {**_caps("memory"), **_caps("depth")}
-    assert {r[0].strip("`") for r in rows} == {"xl", "compressive", "knn", "universal", "early_exit"}
+    assert {r[0].strip("`") for r in rows} == {"xl", "compressive", "knn", "spalm", "universal", "early_exit"}
     for row in rows:
         c = caps[row[0].strip("`")]
         shown = (_yes(row[1]), _yes(row[2]), _yes(row[3]), _yes(row[4]))
