@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,12 @@ from tests.runs import cartpole_dt_run, no_evaluation, pendulum_dt_run, tiny_dt_
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("RL_TFORMERS_SHARED", REPO.parent / "shared"))
+
+# rl-tformers' cache folder (the cpu_matmul: auto measurements) is a temporary folder of the
+# session, set before collection (test modules resolve auto when imported) and inherited by the
+# processes the tests start: no test reads or writes the user's ~/.cache/rl-tformers.
+_CACHE_DIR = tempfile.TemporaryDirectory(prefix="rlt-cache-")
+os.environ["RL_TFORMERS_CACHE_DIR"] = _CACHE_DIR.name
 
 # Tiny test tensors run fastest on one thread (no pool overhead, no contention on 2-core CI).
 torch.set_num_threads(1)
@@ -33,16 +40,6 @@ def _seed_everything():
     np.random.seed(0)
     torch.manual_seed(0)
     yield
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _cache_dir_per_session(tmp_path_factory):
-    """rl-tformers' cache folder (the ``cpu_matmul: auto`` measurements) is a temporary folder
-    of the session, shared with the processes the tests start: no test reads or writes the
-    user's ~/.cache/rl-tformers."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RL_TFORMERS_CACHE_DIR", str(tmp_path_factory.mktemp("rlt_cache")))
-        yield
 
 
 @pytest.fixture(autouse=True)

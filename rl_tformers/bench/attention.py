@@ -46,6 +46,7 @@ from rl_tformers import Backbone
 from rl_tformers.bench.memory import peak_bytes
 from rl_tformers.bench.options import check_counts, check_device, check_out, fail, first_repeat
 from rl_tformers.registry import ATTENTION, all_entries
+from rl_tformers.runtime.host import host_description
 from rl_tformers.runtime.paths import blocking_file
 from rl_tformers.types import AttnContext
 
@@ -128,10 +129,13 @@ class Result:
     crossover: dict[str, dict[str, Any]] = field(default_factory=dict)
     rl_scale: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: :func:`~rl_tformers.runtime.host.host_description` of the host, at the start
+    machine: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "settings": dataclasses.asdict(self.settings),
+            "machine": self.machine,
             "rows": self.rows,
             "crossover": self.crossover,
             "rl_scale": self.rl_scale,
@@ -255,7 +259,7 @@ def run(kinds: Sequence[str] | None = None, settings: Settings | None = None, lo
     kinds = list(kinds) if kinds else all_kinds()
     if BASELINE not in kinds:
         kinds = [BASELINE, *kinds]
-    res = Result(settings=s)
+    res = Result(settings=s, machine=host_description(s.device))
     budget = s.memory_budget_gb * 2**30
     modes = {k: mode_for(k, s.causal) for k in kinds}
     needed_modes = {m for m in modes.values() if m is not None}

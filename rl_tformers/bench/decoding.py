@@ -27,6 +27,7 @@ import typer
 from rl_tformers import Backbone
 from rl_tformers.bench.options import check_out, emit_result, fail
 from rl_tformers.memory import none as none_memory
+from rl_tformers.runtime.host import host_description
 from rl_tformers.runtime.timing import interleaved_timing
 
 #: the benchmarked kinds: attention config and the position kind it runs with
@@ -88,7 +89,8 @@ def run(kinds: Sequence[str] = tuple(KINDS), steps: Sequence[int] = (100, 20000)
     Returns:
         ``{"steps": [...], "rows": [{"kind", "mode" ("trimmed" | "untrimmed"), "slots" {n: key
         slots the state holds}, "ms" {n: median ms per step}, "ratio" (last n / first n),
-        "max_abs_diff" (trimmed vs untrimmed output of the timed step, trimmed rows only)}]}``.
+        "max_abs_diff" (trimmed vs untrimmed output of the timed step, trimmed rows only)}],
+        "machine"}`` (:func:`~rl_tformers.runtime.host.host_description`).
 
     Raises:
         ValueError: bad options (:func:`check_options`).
@@ -128,7 +130,7 @@ def run(kinds: Sequence[str] = tuple(KINDS), steps: Sequence[int] = (100, 20000)
         if log:
             log(f"{name}: done")
     return {"steps": list(steps), "repeats": repeats, "d_model": d_model, "n_heads": n_heads,
-            "threads": torch.get_num_threads(), "rows": rows}
+            "threads": torch.get_num_threads(), "rows": rows, "machine": host_description("cpu")}
 
 
 def markdown(res: dict) -> str:

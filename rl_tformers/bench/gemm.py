@@ -7,23 +7,33 @@ step, forward ``x W^T + b``, input gradient ``g W`` and weight gradient ``g^T x`
 :class:`~rl_tformers.runtime.cpu_matmul.OneDNNLinear` calls, including the contiguous copies of
 ``W^T``, ``g^T`` and ``x^T`` it needs: :func:`~rl_tformers.runtime.cpu_matmul.weight_grad`), timed round-robin in one process
 (:func:`~rl_tformers.runtime.timing.interleaved_timing`) so load changes hit both alike;
-plus the n x n x n matmul rate of each library (the peak ``bench train`` divides by). Default
-shapes: the DT paper's model at batch 64 and K = 20 (M = 64 x 60 tokens = 3840; the FFN's two
-layers and the attention projections).
+the same products ``cpu_matmul: auto`` measures (:func:`~rl_tformers.runtime.cpu_matmul.product_fns`),
+each library's GFLOP/s over all of them and the library ``auto`` picks from those rates by its
+rule (:func:`~rl_tformers.runtime.cpu_matmul.choose_library`: oneDNN only when more than 5%
+faster); plus the n x n x n matmul rate of each library (the peak ``bench train`` divides by).
+Default shapes: the DT paper's model at batch 64 and K = 20 (M = 64 x 60 tokens = 3840; the
+FFN's two layers and the attention projections), the shapes ``auto`` measures for
+``dt/hopper_medium``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import typer
-from torch.nn import functional as F
 
 from rl_tformers.bench.options import check_out, emit_result, fail
 from rl_tformers.bench.train import matmul_gflops
-from rl_tformers.runtime.cpu_matmul import _lin, onednn_linear_available, weight_grad
+from rl_tformers.runtime.cpu_matmul import (
+    AUTO_MARGIN,
+    PRODUCTS,
+    choose_library,
+    library_gflops,
+    onednn_linear_available,
+    product_fns,
+)
+from rl_tformers.runtime.host import host_description
 from rl_tformers.runtime.timing import interleaved_timing
 
 #: (K, N) of the default products: first FFN layer, second FFN layer, q/k/v/output projections
@@ -48,22 +58,6 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def _products(m: int, k: int, n: int) -> dict[tuple[str, str], Callable[[], Any]]:
-    """The six timed callables of one shape: (product, library) -> f()."""
-
-    g = torch.Generator().manual_seed(0)
-    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-    grad = torch.randn(m, n, generator=g)
-    return {
-        ("forward", "mkl"): lambda: F.linear(x, w, b),
-        ("forward", "onednn"): lambda: _lin(x, w, b),
-        ("grad_input", "mkl"): lambda: grad @ w,
-        ("grad_input", "onednn"): lambda: _lin(grad, w.t().contiguous(), None),
-        ("grad_weight", "mkl"): lambda: grad.t() @ x,
-        ("grad_weight", "onednn"): lambda: weight_grad(grad, x),
-    }
-
-
 def run(m: int = 3840, shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES, repeats: int = 50,
         sizes: Sequence[int] = (512, 1024, 2048), log: Callable[[str], None] | None = None) -> dict:
     """Time every product of every shape with both libraries (module docstring).
@@ -76,9 +70,13 @@ def run(m: int = 3840, shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES, repea
         log: progress lines.
 
     Returns:
-        ``{"m", "threads", "rows": [{"k", "n", "product", "mkl_ms", "onednn_ms", "onednn_over_mkl"}],
-        "peak_gflops": {"mkl": {n: GFLOP/s}, "onednn": {n: GFLOP/s}}}``; times are median
-        milliseconds per call (wall clock).
+        ``{"m", "threads", "repeats", "rows": [{"k", "n", "product", "mkl_ms", "onednn_ms",
+        "onednn_over_mkl"}], "gflops": {"mkl", "onednn"}, "auto_choice", "peak_gflops": {"mkl":
+        {n: GFLOP/s}, "onednn": {n: GFLOP/s}}, "machine"}``; times are median milliseconds per
+        call (wall clock); ``gflops`` is each library's rate over all the products and
+        ``auto_choice`` the library ``cpu_matmul: auto`` picks from those rates
+        (:func:`~rl_tformers.runtime.cpu_matmul.choose_library`; ``auto`` itself measures
+        fewer rounds, on the run's shapes); ``machine``: :func:`~rl_tformers.runtime.host.host_description`.
 
     Raises:
         RuntimeError: this PyTorch build has no oneDNN linear operator.
@@ -89,18 +87,22 @@ def run(m: int = 3840, shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES, repea
         raise RuntimeError("this PyTorch build has no oneDNN linear operator (torch.ops.mkldnn._linear_pointwise)")
     if m < 1 or repeats < 1 or any(s < 1 for s in sizes):
         raise ValueError(f"--m, --repeats and --sizes must be >= 1, got {m}, {repeats}, {list(sizes)}")
-    rows = []
+    rows, medians = [], {}
     for k, n in shapes:
-        t = interleaved_timing(_products(m, k, n), repeats=repeats)
-        for product in ("forward", "grad_input", "grad_weight"):
+        t = interleaved_timing(product_fns(m, k, n), repeats=repeats)
+        for product in PRODUCTS:
             a, b = t[(product, "mkl")]["median_ms"], t[(product, "onednn")]["median_ms"]
             rows.append({"k": k, "n": n, "product": product, "mkl_ms": a, "onednn_ms": b, "onednn_over_mkl": b / a})
+            medians.update({(m, k, n, product, "mkl"): a, (m, k, n, product, "onednn"): b})
         if log:
             log(f"{m} x {k} . {n} x {k}: done")
+    gflops = library_gflops(medians)
     cpu = torch.device("cpu")
     peak = {lib: {s: matmul_gflops(cpu, torch.float32, s, reps=3, library="onednn" if lib == "onednn" else "torch")
                   for s in sizes} for lib in ("mkl", "onednn")}
-    return {"m": m, "threads": torch.get_num_threads(), "repeats": repeats, "rows": rows, "peak_gflops": peak}
+    return {"m": m, "threads": torch.get_num_threads(), "repeats": repeats, "rows": rows,
+            "gflops": gflops, "auto_choice": choose_library(gflops["mkl"], gflops["onednn"]),
+            "peak_gflops": peak, "machine": host_description("cpu")}
 
 
 def markdown(res: dict) -> str:
@@ -113,6 +115,9 @@ def markdown(res: dict) -> str:
                  for p in ("forward", "grad_input", "grad_weight")]
         lines.append(f"| {m} x {k} · {n} x {k} | " + " | ".join(cells) + " |")
     lines.append("")
+    g = res["gflops"]
+    lines.append(f"all products: MKL {g['mkl']:.1f} GFLOP/s, oneDNN {g['onednn']:.1f} GFLOP/s: cpu_matmul: auto "
+                 f"picks {res['auto_choice']} (oneDNN only when more than {AUTO_MARGIN:.0%} faster)")
     lines.append("ms per call, MKL vs oneDNN (median); n x n x n peak, GFLOP/s: " + "; ".join(
         f"{lib} " + ", ".join(f"n={s}: {g:.0f}" for s, g in by_n.items()) for lib, by_n in res["peak_gflops"].items()))
     return "\n".join(lines)

@@ -45,7 +45,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import venv
@@ -64,6 +63,7 @@ from rl_tformers.bench.options import emit_result
 from rl_tformers.runtime.cpu_matmul import onednn_linear_available, resolve_cpu_matmul
 from rl_tformers.runtime.data import batch_stream
 from rl_tformers.runtime.device import move_to
+from rl_tformers.runtime.host import host_description
 from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import Trainer, _with_run_dir
 
@@ -127,20 +127,10 @@ class Result:
 
 # -- machine / peak ---------------------------------------------------------------------------------
 
-def machine_info(device: torch.device) -> dict[str, Any]:
-    """CPU model, cores, load average, torch version and threads (and the GPU name on CUDA)."""
-    info: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                            "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
-    with contextlib.suppress(OSError):
-        info["loadavg_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
+#: the host description every benchmark JSON records under ``machine`` (CPU vendor, family, model
+#: and name, the avx512_bf16 / amx flags, threads, torch version, date, load average, GPU):
+#: :func:`rl_tformers.runtime.host.host_description`
+machine_info = host_description
 
 
 def sync(device: torch.device) -> None:

@@ -402,7 +402,7 @@ def test_weight_gradient_equals_g_transposed_x_in_either_operand_order(k: int, n
 
 
 @needs_onednn
-def test_bench_gemm_times_every_product_of_each_shape() -> None:
+def test_bench_gemm_times_every_product_of_each_shape_and_applies_auto_s_rule() -> None:
     from rl_tformers.bench import gemm
 
     res = gemm.run(m=64, shapes=[(8, 16), (16, 8)], repeats=2, sizes=(32,))
@@ -411,12 +411,18 @@ def test_bench_gemm_times_every_product_of_each_shape() -> None:
     for r in res["rows"]:
         assert r["mkl_ms"] > 0 and r["onednn_ms"] > 0 and r["onednn_over_mkl"] == pytest.approx(r["onednn_ms"] / r["mkl_ms"])
     assert set(res["peak_gflops"]) == {"mkl", "onednn"} and all(v[32] > 0 for v in res["peak_gflops"].values())
+    # each library's rate over all products, and what auto's rule picks from them
+    medians = {(64, r["k"], r["n"], r["product"], lib): r[f"{lib}_ms"] for r in res["rows"] for lib in ("mkl", "onednn")}
+    assert res["gflops"] == cm.library_gflops(medians)
+    assert res["auto_choice"] == cm.choose_library(res["gflops"]["mkl"], res["gflops"]["onednn"])
+    assert res["machine"]["threads"] == res["threads"] and res["machine"]["cpu_model"] == cm.cpu_identity()["model"]
     md = gemm.markdown(res)
     assert "| 64 x 8 · 16 x 8 |" in md and "n x n x n peak" in md
+    assert f"cpu_matmul: auto picks {res['auto_choice']} (oneDNN only when more than 5% faster)" in md
     with pytest.raises(ValueError, match=r"^--shapes: '8by16' is not KxN"):
         gemm.parse_shapes("8by16")
-    # the timed oneDNN products compute what MKL computes
-    fns = gemm._products(64, 8, 16)
+    # the timed oneDNN products (those auto measures) compute what MKL computes
+    fns = cm.product_fns(64, 8, 16)
     for product in ("forward", "grad_input", "grad_weight"):
         torch.testing.assert_close(fns[(product, "onednn")](), fns[(product, "mkl")](), rtol=1e-5, atol=1e-5)
 

@@ -1,0 +1,98 @@
+"""The host description: the CPU's identity read from /proc/cpuinfo, the cache folder, and the
+``machine`` record every benchmark JSON carries."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_tformers.runtime import host
+
+ZEN4 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC 9R14 96-Core Processor
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 99
+"""
+SAPPHIRE_RAPIDS = """vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 143
+model name\t: Intel(R) Xeon(R) Platinum 8488C
+flags\t\t: avx512f avx512_bf16 amx_bf16 amx_tile amx_int8
+"""
+GRAVITON = """processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd sve bf16
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU part\t: 0xd40
+"""
+
+
+def test_cpuinfo_gives_vendor_family_model_name_and_the_bf16_and_amx_flags() -> None:
+    assert host.parse_cpuinfo(ZEN4) == {"vendor": "AuthenticAMD", "family": "25", "model": "17",
+                                        "model_name": "AMD EPYC 9R14 96-Core Processor", "avx512_bf16": True,
+                                        "amx": False}
+    assert host.parse_cpuinfo(SAPPHIRE_RAPIDS) == {"vendor": "GenuineIntel", "family": "6", "model": "143",
+                                                   "model_name": "Intel(R) Xeon(R) Platinum 8488C",
+                                                   "avx512_bf16": True, "amx": True}
+    assert host.parse_cpuinfo(GRAVITON) == {"vendor": "0x41", "family": "8", "model": "0xd40", "model_name": "",
+                                            "avx512_bf16": False, "amx": False}
+    assert host.parse_cpuinfo("") == {"vendor": "", "family": "", "model": "", "model_name": "",
+                                      "avx512_bf16": False, "amx": False}
+
+
+def test_cpu_identity_of_this_machine_is_its_cpuinfo_and_architecture() -> None:
+    ident = host.cpu_identity()
+    if Path("/proc/cpuinfo").is_file():
+        assert {k: v for k, v in ident.items() if k != "machine"} == host.parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+    assert ident["machine"] == __import__("platform").machine()
+    assert host.cpu_vendor() == ident["vendor"]
+
+
+def test_cache_dir_is_relocated_by_its_variable_else_xdg_else_home(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    monkeypatch.setenv("RL_TFORMERS_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert host.cache_dir() == tmp_path / "mine"
+    monkeypatch.setenv("RL_TFORMERS_CACHE_DIR", "  ")
+    assert host.cache_dir() == tmp_path / "xdg" / "rl-tformers"
+    monkeypatch.delenv("RL_TFORMERS_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert host.cache_dir() == tmp_path / "home" / ".cache" / "rl-tformers"
+
+
+def test_host_description_names_the_cpu_threads_torch_and_date(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host, "cpu_identity", lambda: {**host.parse_cpuinfo(ZEN4), "machine": "x86_64"})
+    monkeypatch.setattr(host.time, "gmtime", lambda *a: time.struct_time((2026, 12, 7, 5, 6, 7, 0, 341, 0)))
+    d = host.host_description()
+    loadavg = d.pop("loadavg_1_5_15", None)
+    assert d == {"cpu": "AMD EPYC 9R14 96-Core Processor", "cpu_vendor": "AuthenticAMD", "cpu_family": "25",
+                 "cpu_model": "17", "avx512_bf16": True, "amx": False, "threads": torch.get_num_threads(),
+                 "cpu_count": __import__("os").cpu_count(), "torch": torch.__version__,
+                 "python": sys.version.split()[0], "date": "2026-12-07T05:06:07Z"}
+    assert loadavg is None or (len(loadavg) == 3 and all(v >= 0 for v in loadavg))
+    assert "gpu" not in host.host_description("cpu")
+
+
+def test_every_benchmark_records_the_one_host_description() -> None:
+    from rl_tformers.bench import attention, decoding, train
+
+    assert train.machine_info is host.host_description  # bench train, profile, eval, act, data, minari
+    keys = {"cpu", "cpu_vendor", "cpu_family", "cpu_model", "avx512_bf16", "amx", "threads", "torch", "date"}
+    records = [decoding.run(kinds=["performer"], steps=(2, 5), repeats=1)["machine"],
+               attention.run(["sdpa"], attention.Settings(lengths=(8,), d_model=8, n_heads=1, repeats=1)).as_dict()["machine"]]
+    for machine in records:
+        assert set(machine) >= keys and machine["cpu_model"] == host.cpu_identity()["model"]
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", machine["date"])
