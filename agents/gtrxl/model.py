@@ -239,9 +239,11 @@ def needs_find_unused(cfg: BackboneConfig) -> bool:
     - ``memory.kind=compressive``: the compression function runs only in updates where some row
       forms a group of old memories (an episode boundary or a full FIFO in its window), which
       depends on the data each process drew; without this, one rank reduces gradients the other
-      does not have and gloo aborts on the mismatch.
+      does not have and gloo aborts on the mismatch;
+    - ``memory.kind=spalm``: its gate gets a gradient only from steps that retrieved something
+      from the long-term store, which a rank's batch may lack (episode starts, PPO samples).
     """
-    return cfg.depth.kind == "early_exit" or cfg.memory.kind == "compressive"
+    return cfg.depth.kind == "early_exit" or cfg.memory.kind in ("compressive", "spalm")
 
 
 def check_memory_keys(cfg: BackboneConfig) -> None:

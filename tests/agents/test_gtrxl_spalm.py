@@ -12,6 +12,8 @@ import pytest
 import torch
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 from rl_tformers.agents.gtrxl.agent import GTrXLPolicy
+from rl_tformers.agents.gtrxl.loss import SegmentBatch, encode_segment
+from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel, gtrxl_backbone
 from rl_tformers.agents.gtrxl.ppo import GTrXLPPO
 from rl_tformers.agents.gtrxl.ppo_update import STORE_KEYS
 from rl_tformers.envs.loaders import save_d4rl_hdf5
@@ -62,6 +64,43 @@ def test_shipped_spalm_config_trains_and_acts_with_per_environment_stores(tmp_pa
     assert isinstance(stores[-1], SpalmStore)
     assert stores[-1].valid[0].sum() == 7 and stores[-1].valid[1].sum() == 3
     assert torch.equal(stores[-1].pos[0, -7:], torch.arange(7)) and torch.equal(stores[-1].pos[1, -3:], torch.arange(3))
+
+
+def test_acting_step_by_step_equals_the_burn_in_training_forward():
+    """One episode of 16 steps acted one step at a time gives the actions of the training forward
+    (7 burn-in steps, then the window), with XL memory covering the episode and the long-term
+    store reading every earlier step (min_age 1)."""
+    n, burn_in, length = 2, 7, 16
+    bb = gtrxl_backbone(d_model=32, n_layers=2, n_heads=2, mem_len=length)
+    bb["memory"] = {"kind": "spalm", "mem_len": length, "store_len": 12, "knn_k": 3, "min_age": 1, "gate_init": -1.0}
+    torch.manual_seed(3)
+    model = GTrXLModel(GTrXLConfig(obs_dim=3, act_dim=2, backbone=bb, prev_action_input=True,
+                                   prev_reward_input=True)).eval()
+    pol = GTrXLPolicy(model, obs_mean=np.zeros(3, np.float32), obs_std=np.ones(3, np.float32),
+                      action_low=-np.ones(2, np.float32), action_high=np.ones(2, np.float32))
+    rng = np.random.default_rng(0)
+    obs = rng.normal(size=(length, n, 3)).astype(np.float32)
+    rew = rng.normal(size=(length, n)).astype(np.float32)
+    state, acts = pol.initial_state(n), []
+    for t in range(length):
+        a, state = pol.act(obs[t], state, np.full(n, t == 0), None if t == 0 else rew[t - 1])
+        acts.append(torch.as_tensor(a))
+    actions = torch.stack(acts, 1)  # (N, L, A)
+    prev_r = torch.as_tensor(np.concatenate([np.zeros((1, n), np.float32), rew[:-1]], 0)).T
+    start = torch.zeros(n, length, dtype=torch.bool)
+    start[:, 0] = True
+    batch = SegmentBatch(
+        obs=torch.as_tensor(obs).transpose(0, 1), actions=actions, rewards=torch.as_tensor(rew).T,
+        rtg=torch.zeros(n, length), prev_action=torch.cat([torch.zeros(n, 1, 2), actions[:, :-1]], 1),
+        prev_reward=prev_r, terminals=torch.zeros(n, length, dtype=torch.bool), episode_start=start,
+        timesteps=torch.arange(length).expand(n, length), mask=torch.ones(n, length, dtype=torch.bool),
+        burn_in=burn_in,
+    )
+    with torch.no_grad():
+        out = encode_segment(model.encoder, batch)
+        window = model.actor.mode(out.features)  # (N, L - burn_in, A)
+    assert float(out.metrics["memory/spalm_hit_rate"]) == 1.0  # every window step read the store
+    assert (window - actions[:, burn_in:]).abs().max().item() < 1e-5
 
 
 def test_ppo_stores_each_step_s_store_and_recomputes_the_rollout_exactly():
