@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import typer
 
+from rl_tformers.bench import data_device
 from rl_tformers.bench.options import run_checked
 from rl_tformers.bench.train import DEFAULT_DATASET, machine_info
 from rl_tformers.envs.loaders import load_dataset
@@ -258,9 +259,17 @@ def register(bench_app) -> None:
         skip_load: bool = typer.Option(False, "--skip-load", help="Skip part 2."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
         out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
+        device_sampling: str = typer.Option(
+            None, "--device-sampling", metavar="DEVICE",
+            help="Only time the DT window and GTrXL segment samplers on the --steps file with the dataset held "
+                 "on DEVICE (cpu, cuda; train.data_on_device) against the host samplers."),
     ) -> None:
         """Sampler samples/s vs what training consumes; load time of a 1M-step D4RL HDF5 file."""
 
+        if device_sampling:  # the on-device mode (bench/data_device.py) alone
+            return data_device.command(device_sampling, write_synthetic_d4rl, out=out, as_json=as_json, steps=steps,
+                                       keep=keep, batch_size=batch_size, batches=batches, repeats=repeats,
+                                       threads=threads)
         run_checked(lambda: Settings(dataset=dataset, batch_size=batch_size, batches=batches, repeats=repeats,
                                      train_steps=train_steps, threads=threads, steps=steps, keep=keep,
                                      skip_training=skip_training, skip_load=skip_load),

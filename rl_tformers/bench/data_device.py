@@ -1,4 +1,4 @@
-"""Benchmark: batches drawn with the dataset on the device (``rl-tformers bench data --device-sampling``).
+"""Benchmark: batches drawn with the dataset on the device (``rl-tformers bench data --device-sampling DEVICE``).
 
 Samples per second of the DT window sampler (K = ``context_len``) and the GTrXL segment sampler
 (``burn_in`` + ``seq_len`` steps) on a D4RL-size file (the synthetic Hopper-shaped file of
@@ -14,23 +14,33 @@ Both are normalised as the agents normalise (observation mean/std, ``reward_scal
 timed runs alternate (host, device, host, ...) so both see the same load; the median of
 ``repeats`` runs of ``batches`` batches is reported, each run ending with a device
 synchronisation. The first batches of both ways are compared value for value (``equal``).
+
+Command: ``rl-tformers bench data --device-sampling cpu --out bench_data_device.json`` (``cuda``
+on a GPU; ``--steps``, ``--keep``, ``--batch-size``, ``--batches``, ``--repeats``, ``--threads``
+as in ``bench data``; the other parts of ``bench data`` do not run in this mode).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rl_tformers.bench.options import check_counts, check_device, run_checked
 from rl_tformers.envs.loaders import load_dataset
 from rl_tformers.envs.samplers import SegmentSampler, WindowSampler
 from rl_tformers.envs.torch_data import StepBatchDataset
 from rl_tformers.envs.trajectory import observation_stats
 from rl_tformers.runtime.device import move_to
+from rl_tformers.runtime.host import host_description
 
 
 def _sync(device: torch.device) -> None:
@@ -114,3 +124,84 @@ def markdown_rows(rows: list[dict[str, Any]]) -> list[str]:
               f"{r['device_mib']:.0f} |" for r in rows]
     return lines
 
+
+
+@dataclass
+class Settings:
+    """Settings of the mode (the ``bench data`` options it reads)."""
+
+    device: str = "cpu"
+    steps: int = 1_000_000
+    keep: str | None = None
+    batch_size: int = 64
+    context_len: int = 20
+    seq_len: int = 16
+    burn_in: int = 16
+    batches: int = 200
+    repeats: int = 3
+    threads: int = 1
+    seed: int = 0
+
+    def check(self) -> None:
+        """Refuse settings that cannot give a measurement, naming the CLI option.
+
+        Raises:
+            ValueError: a count below 1, ``--keep`` naming a file, a ``--device-sampling`` that
+                is not cpu or an available CUDA device.
+        """
+        check_counts(("--steps", self.steps), ("--batch-size", self.batch_size), ("--batches", self.batches),
+                     ("--repeats", self.repeats), ("--threads", self.threads))
+        if self.keep and Path(self.keep).exists() and not Path(self.keep).is_dir():
+            raise ValueError(f"--keep {self.keep} is a file; give a folder to keep the synthetic file in")
+        check_device(self.device, "--device-sampling")
+
+
+@dataclass
+class Result:
+    settings: Settings
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    machine: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"settings": dataclasses.asdict(self.settings), "machine": self.machine, "device_sampling": self.rows,
+                "notes": self.notes}
+
+
+def run(s: Settings, write: Callable[..., Path], log: Callable[[str], None] | None = None) -> Result:
+    """The mode: write (or reuse, ``keep``) the synthetic file of ``steps`` steps with ``write``
+    (``bench.data.write_synthetic_d4rl``), then :func:`device_sampling` on it.
+
+    Raises:
+        ValueError: bad settings (:meth:`Settings.check`), before anything is measured.
+    """
+    s.check()
+    log = log or (lambda m: None)
+    torch.set_num_threads(s.threads)
+    res = Result(settings=s, machine=host_description(torch.device(s.device)))
+    folder = Path(s.keep) if s.keep else Path(tempfile.mkdtemp(prefix="rlt-bench-data-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"synthetic-hopper-{s.steps}.hdf5"
+    try:
+        if not path.exists():
+            log(f"writing {path} ({s.steps} steps)")
+            write(path, s.steps, seed=s.seed)
+        res.rows = device_sampling(path, s.device, batch_size=s.batch_size, context_len=s.context_len,
+                                   seq_len=s.seq_len, burn_in=s.burn_in, batches=s.batches, repeats=s.repeats,
+                                   seed=s.seed, log=log)
+    finally:
+        if not s.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    res.machine["loadavg_end"] = host_description().get("loadavg_1_5_15")
+    return res
+
+
+def markdown(res: Result) -> str:
+    return "\n".join(markdown_rows(res.rows))
+
+
+def command(device: str, write: Callable[..., Path], *, out: str | None, as_json: bool, **options: Any) -> None:
+    """``bench data --device-sampling DEVICE``: the mode's command body (``options``: the
+    :class:`Settings` fields given on the command line)."""
+    run_checked(lambda: Settings(device=device, **options), lambda s, log: run(s, write, log), markdown, out=out,
+                as_json=as_json)

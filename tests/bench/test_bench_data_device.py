@@ -31,3 +31,34 @@ def test_device_sampling_refuses_counts_below_one(tmp_path: Path):
     with pytest.raises(ValueError, match="batches=0"):
         bdd.device_sampling(tmp_path / "none.hdf5", "cpu", batch_size=8, context_len=20, seq_len=8, burn_in=4,
                             batches=0, repeats=1)
+
+
+def test_the_device_sampling_mode_of_bench_data_writes_its_json(tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from rl_tformers.cli import app
+
+    out = tmp_path / "d.json"
+    r = CliRunner().invoke(app, ["bench", "data", "--device-sampling", "cpu", "--steps", "3000", "--batches", "2",
+                                 "--repeats", "1", "--batch-size", "4", "--keep", str(tmp_path / "k"), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["settings"]["device"] == "cpu" and data["settings"]["steps"] == 3000
+    assert [row["equal"] for row in data["device_sampling"]] == [True, True]
+    assert "loadavg_end" in data["machine"] and (tmp_path / "k" / "synthetic-hopper-3000.hdf5").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device-sampling", "tpu"], "--device-sampling 'tpu': use cpu or cuda"),
+    (["--device-sampling", "cpu", "--repeats", "0"], None),  # Typer's own range check (min=1)
+])
+def test_the_device_sampling_mode_refuses_bad_options_before_any_work(args, message, monkeypatch):
+    from typer.testing import CliRunner
+
+    from rl_tformers.cli import app
+
+    monkeypatch.setattr(bdd, "device_sampling", lambda *a, **k: pytest.fail("measured despite a bad option"))
+    r = CliRunner().invoke(app, ["bench", "data", *args])
+    assert r.exit_code == 2, r.output
+    if message:
+        assert r.output.strip().splitlines()[-1].startswith(f"error: {message}"), r.output
