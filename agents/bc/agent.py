@@ -39,6 +39,7 @@ from torch import Tensor
 
 from rl_tformers.registry import SLOTS
 from rl_tformers.runtime.agent_registry import register_agent
+from rl_tformers.runtime.eval_profile import span
 from rl_tformers.runtime.evaluation import eval_seed, evaluate, report_logs
 from rl_tformers.runtime.loading import register_inference_loader
 
@@ -78,11 +79,15 @@ class BCPolicy:
         (N, A) in the environment's shape, :attr:`DatasetInfo.action_shape`), or (N,) int64 in
         ``[action_start, action_start + n)``."""
         n = len(episode_start)
-        x = torch.as_tensor(np.asarray(obs, np.float32), device=self.device).reshape(n, -1)
-        y = self.model((x - self.mean) / self.std)  # (N, A) or (N, n_actions)
-        if self.info.discrete:  # class index -> environment action
-            return y.argmax(-1).cpu().numpy().astype(np.int64) + self.info.action_start, None
-        env_a = to_env_action(y, self.low, self.high).cpu().numpy().astype(np.float32)  # (N, A)
+        with span("context"):
+            x = torch.as_tensor(np.asarray(obs, np.float32), device=self.device).reshape(n, -1)
+            x = (x - self.mean) / self.std
+        with span("forward"):
+            y = self.model(x)  # (N, A) or (N, n_actions)
+        with span("decode"):
+            if self.info.discrete:  # class index -> environment action
+                return y.argmax(-1).cpu().numpy().astype(np.int64) + self.info.action_start, None
+            env_a = to_env_action(y, self.low, self.high).cpu().numpy().astype(np.float32)  # (N, A)
         return env_a.reshape(n, *self.info.action_shape), None
 
 

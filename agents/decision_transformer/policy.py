@@ -41,9 +41,10 @@ from rl_tformers.agents.decision_transformer.context import (
     DTState,
     acting_context_mask,
 )
-from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTOutput, to_env_action
+from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTOutput
 from torch import Tensor
 
+from rl_tformers.runtime.eval_profile import span
 from rl_tformers.runtime.evaluation import NonFiniteError
 
 
@@ -197,6 +198,10 @@ class DTPolicy:
                 raise ValueError("DTPolicy: a continuous action space needs action_low and action_high")
             self.low = torch.as_tensor(np.asarray(action_low, dtype=np.float32), **f32)
             self.high = torch.as_tensor(np.asarray(action_high, dtype=np.float32), **f32)
+            self._low_np, self._high_np = self.low.cpu().numpy(), self.high.cpu().numpy()
+            with np.errstate(over="ignore"):  # an infinite width: the convex combination of _to_env
+                self._span_np = self._high_np - self._low_np  # float32, as to_env_action's high - low
+            self._wide_np = ~np.isfinite(self._span_np)
         self.action_shape = None if action_shape is None else tuple(int(k) for k in action_shape)
         if self.action_shape is not None and not self.cfg.discrete and math.prod(self.action_shape) != self.cfg.act_dim:
             raise ValueError(f"DTPolicy: action_shape={self.action_shape} does not hold the model's "
@@ -300,24 +305,38 @@ class DTPolicy:
         space. Arguments, returns and errors as :meth:`act`."""
         start = np.asarray(episode_start, dtype=bool)
         n = start.shape[0]
-        t = self.window.advance(state, start, last_reward)
-        rows, slot = self.window.write(state, obs, start, t)
+        with span("context"):
+            t = self.window.advance(state, start, last_reward)
+            rows, slot = self.window.write(state, obs, start, t)
         if self._counted is not None and self._counted.shape != (n,):
             raise ValueError(f"DTPolicy.act: count_rows was given {self._counted.shape[0]} rows but act got {n}; "
                              f"call count_rows(None) to count every row")
         counted = np.ones(n, bool) if self._counted is None else self._counted
-        t0 = time.perf_counter()
-        a = decide(state, rows, slot, counted).action
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.counters.add(time.perf_counter() - t0, int(counted.sum()))
-        state.actions[rows, slot] = a
-        if self.cfg.discrete:  # class index -> environment action
-            return a.cpu().numpy().astype(np.int64) + self.action_start, state
-        env_a = to_env_action(a, self.low, self.high).cpu().numpy().astype(np.float32)  # (N, A)
+        with span("forward"):
+            t0 = time.perf_counter()
+            a = decide(state, rows, slot, counted).action
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.counters.add(time.perf_counter() - t0, int(counted.sum()))
+            self.window.write_action(state, rows, slot, a)
+        with span("decode"):
+            a_np = a.cpu().numpy()
+            if self.cfg.discrete:  # class index -> environment action
+                return a_np.astype(np.int64) + self.action_start, state
+            env_a = self._to_env(a_np)  # (N, A) float32
         if self.action_shape is not None:
             env_a = env_a.reshape(n, *self.action_shape)
         return env_a, state
+
+    def _to_env(self, a: np.ndarray) -> np.ndarray:
+        """:func:`~rl_tformers.agents.decision_transformer.model.to_env_action` on the host: (N, A)
+        float32 in [-1, 1] -> the box, the same float32 operations in the same order (the same values)."""
+        low, high, width = self._low_np, self._high_np, self._span_np
+        with np.errstate(all="ignore"):  # a dimension of infinite width takes the convex combination below
+            x = low + 0.5 * (a + 1.0) * width
+            if self._wide_np.any():
+                x = np.where(self._wide_np, 0.5 * (1.0 - a) * low + 0.5 * (1.0 + a) * high, x)
+        return np.minimum(np.maximum(x, low), high).astype(np.float32, copy=False)
 
     def decide(self, state: DTState, rows: Tensor, slot: Tensor, counted: np.ndarray) -> Decision:
         """The plain DT's decision: :meth:`forward` on the context, then :meth:`choose`.
@@ -358,9 +377,9 @@ class DTPolicy:
         """Raise (:class:`~rl_tformers.runtime.evaluation.NonFiniteError`) if the model's
         prediction (N, ...) of some row is NaN/inf: no action (a discrete argmax of NaN logits is
         an arbitrary class) is returned from it."""
-        bad = ~torch.isfinite(pred.reshape(pred.shape[0], -1)).all(dim=1)
-        if not bool(bad.any()):
+        if bool(torch.isfinite(pred).all()):  # one reduction and one read on the host per step
             return
+        bad = ~torch.isfinite(pred.reshape(pred.shape[0], -1)).all(dim=1)
         i = int(torch.nonzero(bad)[0, 0])
         raise NonFiniteError(
             f"Decision Transformer: the model's prediction is not finite (NaN/inf) for target return "

@@ -72,6 +72,7 @@ from rl_tformers.envs.trajectory import ObsStats, next_return_to_go
 from torch import Tensor
 
 from rl_tformers.runtime.agent_registry import AgentBuildError, register_agent
+from rl_tformers.runtime.eval_profile import span
 from rl_tformers.runtime.evaluation import eval_seed, evaluate, report_logs
 from rl_tformers.runtime.loading import register_inference_loader
 from rl_tformers.types import BackboneState
@@ -428,6 +429,20 @@ class GTrXLPolicy:
             (N,) int64 in ``[action_start, action_start + n)``; and the next state (which keeps
             the class index).
         """
+        with span("context"):
+            x, t, memory, start, rtg = self._tokens(obs, state, episode_start, last_reward)
+        with span("forward"):
+            d = decide(x, t, memory, start, state)
+        with span("decode"):
+            env_a = self._to_env(d.action)
+        return env_a, GTrXLState(memory=d.memory, prev_action=d.action, rtg=rtg, t=t + 1, target=state.target,
+                                 **d.window)
+
+    def _tokens(self, obs: np.ndarray, state: GTrXLState, episode_start: np.ndarray,
+                last_reward: np.ndarray | None) -> tuple[Tensor, Tensor, Any, Tensor, np.ndarray]:
+        """The new step's tokens of :meth:`step`: ``(x (N, 1, input_dim), t (N,), memory, start (N,)
+        bool, rtg (N,) float64)``, the rows that start an episode reset (memory, step, previous
+        action) and the return-to-go moved on."""
         dev = self.device
         n = state.t.shape[0]
         start_np = np.asarray(episode_start, dtype=bool).reshape(n)
@@ -458,10 +473,7 @@ class GTrXLPolicy:
             prev_a[:, None],  # (N, 1, A) or (N, 1)
             (r * self.reward_mult)[:, None],  # (N, 1)
         )
-        d = decide(x, t, memory, start, state)
-        a = d.action
-        return self._to_env(a), GTrXLState(memory=d.memory, prev_action=a, rtg=rtg, t=t + 1, target=state.target,
-                                           **d.window)
+        return x, t, memory, start, rtg
 
     def features(self, x: Tensor, t: Tensor, memory: Any, start: Tensor, state: GTrXLState,
                  **depth_kwargs: Any) -> tuple[Tensor, Any, dict[str, Tensor]]:

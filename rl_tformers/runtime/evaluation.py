@@ -7,12 +7,19 @@ the model is paid once per step, not once per environment.
 Counting without bias. Taking "the first ``episodes`` episodes that finish" over-represents
 short episodes (they finish first). Instead episode ``j`` (0 <= j < episodes) is assigned in
 advance to environment ``j % N`` and reset with seed ``seed + j``; an environment that has
-finished its quota keeps stepping (its results are discarded) until the others are done, and the
-policy is told ``episode_start`` for it at every such step (its context restarts), so a filler
-episode longer than every counted one cannot stop the evaluation at a policy's limit (a
-Decision Transformer's ``max_ep_len``). The
-result is the same set of (seed, episode) pairs whatever the episode lengths, and the same
-seeds are used for every target return, so targets are compared on the same initial states.
+finished its quota is not stepped any more (its row of the policy's batch is still acted on, with
+``episode_start`` at every step, and its actions are discarded). A vector environment that can
+only step all its environments at once (:class:`gymnasium.vector.AsyncVectorEnv`) keeps stepping
+it through unseeded filler episodes, whose context restarts at every step, so a filler episode
+longer than every counted one cannot stop the evaluation at a policy's limit (a Decision
+Transformer's ``max_ep_len``). The result is the same set of (seed, episode) pairs whatever the
+episode lengths, and the same seeds are used for every target return, so targets are compared on
+the same initial states.
+
+Profiling. The loop wraps environment stepping in the ``env`` span of
+:mod:`rl_tformers.runtime.eval_profile` (the policies wrap their parts); inside a
+:func:`~rl_tformers.runtime.eval_profile.profiling` block the wall time of an evaluation is split
+into them, and outside one the spans cost nothing.
 
 Stochastic policies. A policy that samples its actions with torch's global random number
 generator (GTrXL with ``agent.deterministic=false``) draws them, for every target, from that
@@ -47,6 +54,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from rl_tformers.runtime.eval_profile import span
 from rl_tformers.runtime.protocol import Policy
 from rl_tformers.runtime.seeding import derive_seed
 
@@ -506,15 +514,21 @@ def run_episodes(
     max_steps: int | None = None,
     who: str = "evaluate",
     on_finished: Callable[[int], None] | None = None,
+    step_finished: bool = False,
 ) -> EpisodeRecord:
     """Run exactly ``episodes`` episodes of ``policy`` on the N environments of ``envs``.
 
     The loop behind :func:`evaluate` and the Online DT's exploration rounds
     (:func:`~rl_tformers.agents.decision_transformer.online.collect_episodes`): one
     ``policy.act`` call (one batched forward pass) per step for all N environments; episode j
-    runs in environment j mod N with reset seed ``seed + j``; an environment past its quota
-    keeps stepping with its context restarted at every step, results discarded (see the module
-    docstring). Torch's generators are not touched here (:func:`evaluate` seeds them).
+    runs in environment j mod N with reset seed ``seed + j``; an environment past its quota is
+    not stepped any more (a :class:`gymnasium.vector.SyncVectorEnv`'s environments are stepped
+    one by one, only those still running a counted episode), and the policy is told
+    ``episode_start`` for its row at every step (its context restarts; its actions are
+    discarded). Another vector environment (:class:`gymnasium.vector.AsyncVectorEnv`) steps all
+    N environments at every step, those past their quota running unseeded filler episodes (see
+    the module docstring). Either way the counted episodes, their returns and lengths are the
+    same. Torch's generators are not touched here (:func:`evaluate` seeds them).
 
     Args:
         policy: any :class:`Policy`; ``initial_state(N, target)`` is called once.
@@ -530,6 +544,9 @@ def run_episodes(
         who: the prefix of error messages (``evaluate``, ``online rollout``).
         on_finished: called with the number of counted episodes that ended at a step (a
             progress report's ``update``).
+        step_finished: step the environments past their quota too (filler episodes), as any
+            vector environment other than a ``SyncVectorEnv`` does; the counted episodes are the
+            same either way.
 
     Returns:
         :class:`EpisodeRecord`.
@@ -541,7 +558,7 @@ def run_episodes(
         RuntimeError: the raw reward is missing from ``info`` (a wrapper dropped it).
     """
     return _EpisodeRun(envs.num_envs, episodes, record_rewards or record_trajectories, record_trajectories,
-                       max_steps).run(policy, envs, target, seed, who, on_finished)
+                       max_steps).run(policy, envs, target, seed, who, on_finished, step_finished)
 
 
 class _EpisodeRun:
@@ -574,38 +591,39 @@ class _EpisodeRun:
         self.act_buf: np.ndarray | None = None  # (N, cap, *act_shape), allocated at the first action
 
     def run(self, policy: Policy, envs: gym.vector.VectorEnv, target: float | None, seed: int, who: str,
-            on_finished: Callable[[int], None] | None) -> EpisodeRecord:
-        """Step every environment until each counted episode has finished; see :func:`run_episodes`."""
-        n, episodes = self.n, self.episodes
-        obs, _ = envs.reset(seed=[seed + int(j) for j in self.job])
-        obs = np.asarray(obs)
+            on_finished: Callable[[int], None] | None, step_finished: bool = False) -> EpisodeRecord:
+        """Step the environments until each counted episode has finished; see :func:`run_episodes`."""
+        n = self.n
+        with span("env"):
+            obs, _ = envs.reset(seed=[seed + int(j) for j in self.job])
+        obs = np.array(obs)  # (N, *obs_shape), owned: the rows of stepped environments are overwritten
+        stepper = _Stepper(envs, obs, full=step_finished, who=who)
         if self.record_trajectories:
             self.obs_buf = np.zeros((n, self.rew_buf.shape[1], *obs.shape[1:]), obs.dtype)
         state = policy.initial_state(n, target)
         episode_start = np.ones(n, dtype=bool)
         last_reward: np.ndarray | None = None
         # a policy that keeps per-decision statistics (DTPolicy: exit layers, kNN hits) is told which
-        # rows run counted episodes, so the filler rows' discarded decisions do not enter them
+        # rows run counted episodes, so the rows past their quota, whose decisions are discarded, do not enter them
         count_rows = getattr(policy, "count_rows", None)
         try:
             while self.remaining > 0:
-                # a row past its quota restarts its (discarded) context at every step: its unseeded filler
-                # episodes, which may outlast every counted one, never reach a policy limit (a DT's
-                # max_ep_len) that no counted episode reaches
+                # a row past its quota restarts its (discarded) context at every step: when its environment
+                # still steps (filler episodes, which may outlast every counted one), it never reaches a policy
+                # limit (a DT's max_ep_len) that no counted episode reaches
                 if count_rows is not None:
                     count_rows(self.active.copy())
                 actions, state = policy.act(obs, state, episode_start | ~self.active, last_reward)
                 actions = np.asarray(actions)
                 _check_finite(actions, "the policy returned a non-finite action",
-                              "it was not sent to the environment", target, self.job, self.ep_len, seed, episodes, who)
+                              "it was not sent to the environment", target, self.job, self.ep_len, seed, self.episodes, who)
                 self._store_step(obs, actions)
-                obs, _, terminated, truncated, info = envs.step(actions)
-                obs = np.asarray(obs)
-                last_reward = self._add_rewards(info, target, seed, who)
-                terminated = np.asarray(terminated, dtype=bool)
-                done = terminated | np.asarray(truncated, dtype=bool)
+                with span("env"):
+                    stepped, terminated, truncated, raw = stepper.step(actions, self.active)
+                last_reward = self._add_rewards(raw, stepped, target, seed, who)
+                done = terminated | truncated
                 if self.max_steps is not None:
-                    done |= self.ep_len >= self.max_steps
+                    done |= stepped & (self.ep_len >= self.max_steps)
                 episode_start = done
                 if not done.any():
                     continue
@@ -613,10 +631,8 @@ class _EpisodeRun:
                 if on_finished is not None and finished:
                     on_finished(finished)
                 if self.remaining > 0:
-                    # envs past their quota are reset too (a disabled-autoreset vector env must be)
-                    seeds = [seed + int(self.job[i]) if done[i] and self.active[i] else None for i in range(n)]
-                    new_obs, _ = envs.reset(seed=seeds, options={"reset_mask": done.copy()})
-                    obs = np.where(done.reshape((n,) + (1,) * (obs.ndim - 1)), np.asarray(new_obs), obs)
+                    with span("env"):
+                        stepper.reset(done, self.active, [seed + int(j) for j in self.job])
         finally:  # also when an error stops the loop: later calls count every row again
             if count_rows is not None:
                 count_rows(None)
@@ -635,25 +651,20 @@ class _EpisodeRun:
             self.obs_buf[self.rows, self.ep_len] = obs
             self.act_buf[self.rows, self.ep_len] = actions
 
-    def _add_rewards(self, info: Mapping[str, Any], target: float | None, seed: int, who: str) -> np.ndarray:
-        """Add the step's raw rewards (N,) from ``info`` to the running episodes; returns them.
+    def _add_rewards(self, raw: np.ndarray, stepped: np.ndarray, target: float | None, seed: int,
+                     who: str) -> np.ndarray:
+        """Add the step's raw rewards (N,) float64 (0 where an environment was not stepped,
+        ``stepped`` (N,) bool) to the running episodes; returns them.
 
         Raises:
-            RuntimeError: the raw reward is missing from ``info``.
             NonFiniteError: a reward is NaN/inf.
         """
-        if RAW_REWARD_KEY not in info:
-            raise RuntimeError(
-                f"{who}: info has no {RAW_REWARD_KEY!r}: a wrapper of the environment drops info keys "
-                f"(wrap the innermost environment with with_raw_reward)"
-            )
-        raw = np.asarray(info[RAW_REWARD_KEY], dtype=np.float64)  # (N,)
         _check_finite(raw, "the environment returned a non-finite reward", "", target, self.job, self.ep_len, seed,
                       self.episodes, who)
         if self.record_rewards:
             self.rew_buf[self.rows, self.ep_len] = raw
         self.ep_ret += raw
-        self.ep_len += 1
+        self.ep_len += stepped
         return raw
 
     def _finish(self, done: np.ndarray, terminated: np.ndarray) -> int:
@@ -674,6 +685,78 @@ class _EpisodeRun:
         self.ep_ret[done] = 0.0
         self.ep_len[done] = 0
         return len(finished)
+
+
+class _Stepper:
+    """Steps and resets the environments of a vector environment with autoreset disabled.
+
+    A :class:`gymnasium.vector.SyncVectorEnv` whose observations are one array (N, ...) is driven
+    environment by environment, only the rows asked for: the same calls its own ``step`` and
+    ``reset`` make for each environment, without stepping the others. Any other vector
+    environment (or ``full``) is stepped as a whole, every row at every step.
+
+    Args:
+        envs: the vector environment (its sub-environments carry the raw reward in ``info``).
+        obs: (N, ...) the observations after the first reset, updated in place by :meth:`step`
+            and :meth:`reset` in the per-environment mode.
+        full: step every environment at every step.
+        who: the prefix of error messages.
+    """
+
+    def __init__(self, envs: gym.vector.VectorEnv, obs: np.ndarray, *, full: bool, who: str) -> None:
+        self.vec, self.obs, self.who = envs, obs, who
+        subs = getattr(envs, "envs", None)
+        self.subs = None if full or not isinstance(envs, gym.vector.SyncVectorEnv) or subs is None else list(subs)
+        n = envs.num_envs
+        self.all_rows = np.ones(n, dtype=bool)
+
+    def step(self, actions: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Step the environments with ``actions`` (N, ...): only the ``active`` (N,) bool rows in
+        the per-environment mode, all of them otherwise.
+
+        Returns:
+            ``(stepped, terminated, truncated, raw_reward)``: (N,) bool, bool, bool, float64;
+            rows not stepped are False / False / False / 0.0 and keep their observation.
+
+        Raises:
+            RuntimeError: the raw reward is missing from ``info`` (a wrapper dropped it).
+        """
+        n = actions.shape[0]
+        if self.subs is None:
+            obs, _, terminated, truncated, info = self.vec.step(actions)
+            self.obs[...] = np.asarray(obs)
+            if RAW_REWARD_KEY not in info:
+                raise self._missing()
+            raw = np.asarray(info[RAW_REWARD_KEY], dtype=np.float64)  # (N,)
+            return self.all_rows, np.asarray(terminated, dtype=bool), np.asarray(truncated, dtype=bool), raw
+        terminated, truncated = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+        raw = np.zeros(n, dtype=np.float64)
+        for i in np.flatnonzero(active):
+            self.obs[i], _, terminated[i], truncated[i], info = self.subs[i].step(actions[i])
+            if RAW_REWARD_KEY not in info:
+                raise self._missing()
+            raw[i] = info[RAW_REWARD_KEY]
+        return active.copy(), terminated, truncated, raw
+
+    def reset(self, done: np.ndarray, active: np.ndarray, seeds: list[int]) -> None:
+        """Reset the environments whose episode ended (``done``, (N,) bool): with ``seeds[i]``
+        where row i runs a counted episode next (``active``), unseeded otherwise (a filler
+        episode; the per-environment mode resets only the active ones)."""
+        if self.subs is None:
+            mask = done.copy()
+            new_obs, _ = self.vec.reset(seed=[seeds[i] if done[i] and active[i] else None for i in range(len(done))],
+                                        options={"reset_mask": mask})
+            self.obs[done] = np.asarray(new_obs)[done]
+            return
+        for i in np.flatnonzero(done & active):
+            # the options SyncVectorEnv.reset passes on with a reset mask: the dict it popped the mask from
+            self.obs[i], _ = self.subs[i].reset(seed=seeds[i], options={})
+
+    def _missing(self) -> RuntimeError:
+        return RuntimeError(
+            f"{self.who}: info has no {RAW_REWARD_KEY!r}: a wrapper of the environment drops info keys "
+            f"(wrap the innermost environment with with_raw_reward)"
+        )
 
 
 def _grow(buf: np.ndarray | None) -> np.ndarray | None:
