@@ -11,6 +11,12 @@ the recorder records the masked one, with the masked space as the
 dataset's observation space and the masked environment as its evaluation environment
 (``MinariDataset.recover_environment(eval_env=True)`` rebuilds it).
 
+Pixel environments (:mod:`rl_tformers.envs.pixels`, built by
+:func:`~rl_tformers.envs.environments.make_task` like every environment here): of a frame-stacked
+observation ``(k * C, H, W)`` only its newest frame ``(C, H, W)`` is recorded, and the dataset's
+metadata says ``frame_stack: k``; the samplers rebuild the stacks (:mod:`rl_tformers.envs.frames`),
+so the data holds every frame once, as uint8.
+
 Sizes: a behaviour with ``steps=N`` runs whole episodes until it has at least N steps (the last
 episode is finished, not cut), so datasets hold complete episodes only.
 """
@@ -34,7 +40,10 @@ import gymnasium as gym
 import numpy as np
 from rl_tformers.envs import recipes as R
 from rl_tformers.envs.dataset import META_KEY
+from rl_tformers.envs.environments import make_task
+from rl_tformers.envs.frames import FRAME_STACK_KEY
 from rl_tformers.envs.loaders import data_root, load_minari, minari_root, save_d4rl_hdf5
+from rl_tformers.envs.pixels import frame_stack_of, is_pixel_id
 from rl_tformers.envs.policies import (
     NoisyPolicy,
     RandomPolicy,
@@ -45,7 +54,7 @@ from rl_tformers.envs.policies import (
 )
 from rl_tformers.envs.pomdp import ObservationMaskWrapper, pomdp_record
 from rl_tformers.envs.recording import EpisodeRecorder
-from rl_tformers.envs.scores import D4RL_REF_SCORES, task_family
+from rl_tformers.envs.scores import reference_scores
 from rl_tformers.envs.stopping import check_stop
 
 from rl_tformers.runtime.paths import blocking_file
@@ -253,7 +262,15 @@ def check_hdf5_target(path: str | Path | None, overwrite: bool = False) -> None:
 
 
 def _make_collector(env: gym.Env, pomdp: dict | None) -> EpisodeRecorder:
-    """A recorder of ``env``'s steps; with ``pomdp`` it records the masked observations."""
+    """A recorder of ``env``'s steps; with ``pomdp`` it records the masked observations, of a
+    frame-stacked environment (``FrameStackObservation``, k frames of C channels) the newest
+    frame of each observation (its last C channels)."""
+    k = frame_stack_of(env)
+    if k > 1:
+        space = env.observation_space
+        c = space.shape[0] // k
+        frame = gym.spaces.Box(space.low[-c:], space.high[-c:], dtype=space.dtype)
+        return EpisodeRecorder(env, observation=lambda o: np.asarray(o)[-c:], observation_space=frame)
     if pomdp is None:
         return EpisodeRecorder(env)
     masked = ObservationMaskWrapper(gym.make(env.spec.id), pomdp["indices"])
@@ -293,14 +310,18 @@ def check_recordable(env: gym.Env) -> None:
 
 
 def _eval_env(env_id: str, pomdp: dict | None):
+    if is_pixel_id(env_id):  # the preprocessed environment (its wrappers are part of the spec)
+        env = make_task(env_id)
+        env.close()
+        return env.spec
     if pomdp is None:
         return registered_spec(env_id)
     return ObservationMaskWrapper(gym.make(env_id), pomdp["indices"]).spec
 
 
 def _create(collector, dataset_id: str, env_id: str, pomdp: dict | None, description: str, record: dict):
-    fam = task_family(env_id)
-    refs = D4RL_REF_SCORES.get(fam) if fam else None
+    refs = reference_scores(env_id)
+    k = frame_stack_of(collector.env)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*is set to None.*", category=UserWarning)
         md = collector.create_dataset(
@@ -308,7 +329,7 @@ def _create(collector, dataset_id: str, env_id: str, pomdp: dict | None, descrip
             author="rl-tformers", description=description,
             ref_min_score=None if refs is None else refs[0], ref_max_score=None if refs is None else refs[1],
             num_episodes_average_score=0)
-    md.storage.update_metadata({META_KEY: {**record, "pomdp": pomdp}})
+    md.storage.update_metadata({META_KEY: {**record, "pomdp": pomdp, **({FRAME_STACK_KEY: k} if k > 1 else {})}})
     return md
 
 
@@ -327,7 +348,7 @@ def collect(
     record: dict | None = None,
     env_kwargs: dict | None = None,
 ) -> CollectResult:
-    """Roll out ``behaviours`` in ``gym.make(env_id)`` and write Minari dataset ``dataset_id``.
+    """Roll out ``behaviours`` in ``make_task(env_id)`` and write Minari dataset ``dataset_id``.
 
     Args:
         env_id: gymnasium id (e.g. ``"Hopper-v5"``).
@@ -342,7 +363,7 @@ def collect(
             10 s or 5% of the steps and at the end (:func:`~rl_tformers.runtime.progress.progress_bar`).
         description: stored in the Minari metadata.
         record: extra JSON facts for the metadata (recipe name, policies...).
-        env_kwargs: passed to ``gym.make``.
+        env_kwargs: passed to :func:`~rl_tformers.envs.environments.make_task` (``gym.make``).
 
     Returns:
         :class:`CollectResult` with the returns and lengths the rollout saw.
@@ -376,7 +397,7 @@ def _collect(env_id, behaviours, dataset_id, seed, pomdp, root_path, progress, d
     slices: list[tuple[int, int]] = []
     total = sum(b.steps or 0 for b in behaviours)
     with minari_root(root_path):
-        env = gym.make(env_id, **(env_kwargs or {}))
+        env = make_task(env_id, **(env_kwargs or {}))
         try:
             check_recordable(env)
             collector = _make_collector(env, pomdp)
@@ -447,15 +468,16 @@ def _training_progress(env: gym.Env, algo: str, steps: int, progress: bool) -> I
         bar.close()
 
 
-def _train_recording(algo, env_id, steps, seed, replay_dataset_id, pomdp, progress, description, stop, record):
+def _train_recording(algo, env_id, steps, seed, replay_dataset_id, pomdp, progress, description, stop, record,
+                     train_kwargs):
     """:func:`train_and_record`'s training with every transition recorded; writes the replay
     dataset (with ``stopped``: the step and evaluation return an early stop happened at)."""
-    env = gym.make(env_id)
+    env = make_task(env_id)
     check_recordable(env)
     collector = _make_collector(env, pomdp)
     try:
         with _training_progress(SeededResets(collector, seed), algo, steps, progress) as (counted, sb3_bar):
-            model = train_sb3(algo, counted, steps, seed=seed, progress=sb3_bar, callbacks=stop)
+            model = train_sb3(algo, counted, steps, seed=seed, progress=sb3_bar, callbacks=stop, **train_kwargs)
         rec = {"env_id": env_id, "seed": int(seed), "algorithm": f"{algo} training ({steps} steps)",
                "behaviours": [{"label": f"{algo} training replay", "train_steps": int(steps)}], **(record or {})}
         if stop:
@@ -484,6 +506,7 @@ def train_and_record(
     description: str = "",
     until_return: float | None = None,
     record: dict | None = None,
+    train_kwargs: dict | None = None,
 ):
     """Train an SB3 agent for ``steps`` environment steps; optionally record its training data.
 
@@ -495,7 +518,10 @@ def train_and_record(
     With ``until_return`` training stops early once the agent's deterministic evaluation return
     reaches it (:func:`~rl_tformers.envs.policies.until_return_callback`); the dataset's metadata
     records the step and the return it stopped at (``stopped``). ``record`` adds JSON facts to
-    the metadata (a recipe's name and shards).
+    the metadata (a recipe's name and shards). ``train_kwargs`` go to the SB3 algorithm
+    (:func:`~rl_tformers.envs.policies.train_sb3`: a pixel recipe's DQN settings). The
+    environment is :func:`~rl_tformers.envs.environments.make_task`'s, so a DQN trained on a
+    pixel task records its exploration (epsilon-greedy) transitions as the DQN-replay data do.
 
     Returns:
         ``(policy, replay_result)``: the trained agent as a deterministic
@@ -508,13 +534,13 @@ def train_and_record(
     stop = [] if until_return is None else [until_return_callback(
         env_id, until_return, seed=seed, every=R.REPLAY_EVAL_EVERY, episodes=R.REPLAY_EVAL_EPISODES)]
     if replay_dataset_id is None:
-        env = SeededResets(gym.make(env_id), seed)
+        env = SeededResets(make_task(env_id), seed)
         with _training_progress(env, algo, steps, progress) as (counted, sb3_bar):
-            model = train_sb3(algo, counted, steps, seed=seed, progress=sb3_bar, callbacks=stop)
+            model = train_sb3(algo, counted, steps, seed=seed, progress=sb3_bar, callbacks=stop, **(train_kwargs or {}))
         return SB3Policy(model, None, name=f"{algo}-trained-{model.num_timesteps}"), None
     with _dataset_build(replay_dataset_id, root_path, overwrite), minari_root(root_path):
         model = _train_recording(algo, env_id, steps, seed, replay_dataset_id, pomdp, progress, description, stop,
-                                 record)
+                                 record, dict(train_kwargs or {}))
     ds = load_minari(root_path / replay_dataset_id)
     result = CollectResult(replay_dataset_id, root_path / replay_dataset_id, ds.episode_returns, ds.lengths.copy(),
                            [(0, ds.num_episodes)])
@@ -532,15 +558,19 @@ def _recipe_record(recipe: R.Recipe) -> dict:
 def _build_replay_recipe(recipe: R.Recipe, seed: int, root, hdf5, overwrite: bool, progress: bool):
     """A recipe whose one shard is a training replay (version 1 medium-replay)."""
     (s,) = recipe.shards
-    env = gym.make(recipe.env_id)
-    pomdp = pomdp_record(env, "positions") if recipe.positions else None
-    env.close()
+    pomdp = None
+    if recipe.positions:
+        env = gym.make(recipe.env_id)
+        pomdp = pomdp_record(env, "positions")
+        env.close()
+    train_kwargs = R.train_kwargs(recipe, s)
     record = {**_recipe_record(recipe), "behaviours": [{"label": f"{s.policy} training replay",
-                                                        **R.shard_record(recipe, s)}]}
+                                                        **R.shard_record(recipe, s)}],
+              **({"train_kwargs": train_kwargs} if train_kwargs else {})}
     _, result = train_and_record(s.policy, recipe.env_id, s.steps, seed=seed, replay_dataset_id=recipe.dataset_id,
                                  pomdp=pomdp, root=root, hdf5=hdf5, overwrite=overwrite, progress=progress,
                                  description=f"rl-tformers recipe {recipe.name} v{recipe.version}: {recipe.describe()}",
-                                 until_return=s.until_return, record=record)
+                                 until_return=s.until_return, record=record, train_kwargs=train_kwargs)
     return result
 
 

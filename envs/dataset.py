@@ -21,6 +21,12 @@ The flat ``observations`` / ``actions`` may be numpy arrays or :class:`LazyH5Arr
 dataset opened lazily in each process, see :mod:`rl_tformers.envs.loaders`); rewards, flags and
 the episode table are always numpy arrays in memory (a few MB per million steps).
 
+Pixel datasets store one ``(C, H, W)`` uint8 frame per step and say in their metadata how many
+frames make an observation (``metadata.extra["frame_stack"]``, k); the observation space is the
+stacked one the agents act on, ``Box(0, 255, (k * C, H, W), uint8)``, and the samplers stack the
+frames when they draw a batch (:mod:`rl_tformers.envs.frames`), so no stacked or float copy of
+the frames is ever stored.
+
 Validation (:meth:`EpisodeDataset.validate`, run by every loader) raises :class:`DatasetError`
 naming the field, the episode and the step of the first problem. Nothing is ever fixed silently.
 """
@@ -37,6 +43,7 @@ from typing import Any, NamedTuple
 
 import gymnasium as gym
 import numpy as np
+from rl_tformers.envs.frames import FRAME_STACK_KEY, is_image_shape
 from rl_tformers.envs.scores import normalized_score, reference_scores
 
 ArrayLike = Any  # np.ndarray or LazyH5Array (indexable, has .shape/.dtype)
@@ -472,6 +479,7 @@ class _EpisodeChecks:
         self._check_spaces()
         n = self.rewards.shape[0]
         self._check_episode_table(n)
+        self._check_images()
         self._check_shapes()
         self._check_finite("observations", self.observations, float32=True)
         self._check_finite("actions", self.actions, float32=True)
@@ -506,10 +514,34 @@ class _EpisodeChecks:
             raise DatasetError(f"episode {e}: steps [{self.starts[e]}, {self.starts[e] + self.lengths[e]}) "
                                f"outside the {n} rows of data", field="lengths", episode=e)
 
+    def _check_images(self) -> None:
+        """Pixel observations: uint8 ``(C, H, W)`` frames; ``frame_stack`` an integer >= 1, and
+        above 1 only on such frames. A float image, a frame of another rank (a grey frame
+        without its channel axis, an RGB frame with a time axis) is refused, never converted."""
+        k = self.metadata.extra.get(FRAME_STACK_KEY, 1)
+        first = int(self.starts[0]) if self.num_episodes else 0
+        if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
+            raise DatasetError(f"{FRAME_STACK_KEY}: {k!r} in the metadata is not an integer >= 1 (frames per "
+                               "observation)", field=FRAME_STACK_KEY)
+        shape, dtype = self.frame_shape, np.dtype(self.observations.dtype)
+        where = f"observations: episode 0, step 0 (dataset row {first})"
+        if len(shape) > 3:
+            raise DatasetError(f"{where}: rank {len(shape)} per step {shape}; image observations are stored as "
+                               f"one (C, H, W) uint8 frame per step (stack frames with {FRAME_STACK_KEY}, "
+                               "channels first)", field="observations", episode=0, step=0)
+        if len(shape) == 3 and dtype != np.uint8:
+            raise DatasetError(f"{where}: {dtype} images of shape {shape}; image observations are stored as "
+                               "uint8 frames (0..255), not converted (a float copy is 4x the memory)",
+                               field="observations", episode=0, step=0)
+        if k > 1 and not (len(shape) == 3 and dtype == np.uint8):
+            raise DatasetError(f"{where}: {FRAME_STACK_KEY}={k} needs uint8 (C, H, W) frames, got {dtype} of "
+                               f"shape {shape} per step (rank {len(shape)})", field="observations", episode=0, step=0)
+
     def _check_shapes(self) -> None:
-        """Observations of the observation space's shape, with at least one value per step (and
+        """Observations of the observation space's shape (a pixel dataset: its frames of the
+        space's shape with the channels of one frame), with at least one value per step (and
         Box actions with at least one)."""
-        if tuple(self.observations.shape[1:]) != tuple(self.observation_space.shape):
+        if tuple(self.observations.shape[1:]) != frame_shape_of(self.observation_space, self.frame_stack):
             raise DatasetError(f"observations: shape {tuple(self.observations.shape[1:])} per step does not match "
                                f"the observation space {self.observation_space!r}", field="observations")
         if len(self.observation_space.shape) == 0:
@@ -671,7 +703,9 @@ class EpisodeDataset(_EpisodeConstructors, _EpisodeChecks):
         starts: (E,) flat index of each episode's first step.
         lengths: (E,) number of steps (actions) per episode, all > 0.
         final_observations: (E, *obs_shape) observation after the last action, or ``None``.
-        observation_space: a ``gym.spaces.Box`` (Dict/Tuple are flattened by the loaders).
+        observation_space: a ``gym.spaces.Box`` (Dict/Tuple are flattened by the loaders); for a
+            pixel dataset (``metadata.extra["frame_stack"]`` = k > 1) the space of one stored
+            frame ``(C, H, W)`` or the stacked one ``(k * C, H, W)`` (kept as the stacked one).
         action_space: ``gym.spaces.Box`` or ``gym.spaces.Discrete``.
         metadata: :class:`DatasetMetadata`.
         validate: run :meth:`validate` now (loaders do; views created by ``select`` skip it).
@@ -729,8 +763,11 @@ class EpisodeDataset(_EpisodeConstructors, _EpisodeChecks):
             raise DatasetError(
                 f"final_observations: {self.final_observations.shape[0]} rows for {self.starts.size} episodes",
                 field="final_observations")
-        self.observation_space = observation_space if observation_space is not None else unbounded_box(
+        space = observation_space if observation_space is not None else unbounded_box(
             tuple(observations.shape[1:]), observations.dtype)
+        if tuple(space.shape) == tuple(observations.shape[1:]):  # a frame's space: the observation stacks k
+            space = stacked_space(space, self.frame_stack)
+        self.observation_space = space
         if action_space is None:
             raise DatasetError("action_space is required", field="actions")
         self.action_space = action_space
@@ -755,8 +792,27 @@ class EpisodeDataset(_EpisodeConstructors, _EpisodeChecks):
 
     @property
     def observation_shape(self) -> tuple[int, ...]:
-        """Shape of one observation (the step axis dropped)."""
+        """Shape of one observation as the samplers hand it to an agent (the step axis dropped;
+        a pixel dataset's stacked ``(k * C, H, W)``): the observation space's shape."""
+        return tuple(self.observation_space.shape)
+
+    @property
+    def frame_shape(self) -> tuple[int, ...]:
+        """Shape of one stored step, ``observations.shape[1:]`` (a pixel dataset's ``(C, H, W)``
+        frame; the observation itself when ``frame_stack`` is 1)."""
         return tuple(self.observations.shape[1:])
+
+    @property
+    def frame_stack(self) -> int:
+        """Frames per observation (``metadata.extra["frame_stack"]``, 1 when absent). Not
+        checked here: :meth:`validate` refuses a value that is not an integer >= 1."""
+        k = self.metadata.extra.get(FRAME_STACK_KEY, 1)
+        return k if isinstance(k, int) and not isinstance(k, bool) and k >= 1 else 1
+
+    @property
+    def is_pixel(self) -> bool:
+        """uint8 ``(C, H, W)`` frames (:mod:`rl_tformers.envs.frames`)."""
+        return is_image_shape(self.frame_shape) and np.dtype(self.observations.dtype) == np.uint8
 
     @property
     def action_shape(self) -> tuple[int, ...]:
@@ -880,6 +936,8 @@ class EpisodeDataset(_EpisodeConstructors, _EpisodeChecks):
             "unfinished_last_episode": bool(self.metadata.extra.get("unfinished_last_episode", False)),
             "observation_shape": list(self.observation_shape),
             "observation_dtype": str(np.dtype(self.observations.dtype)),
+            "frame_stack": self.frame_stack,
+            "observation_bytes": int(np.dtype(self.observations.dtype).itemsize * math.prod(self.observations.shape)),
             "observation_space": space_to_str(self.observation_space),
             "action_shape": list(self.action_shape),
             "action_space": space_to_str(self.action_space),
@@ -956,6 +1014,26 @@ def check_next_observations(dataset: EpisodeDataset, next_observations: ArrayLik
                 f"component {k} = {a[j][k].item()!r} but the next step's observation has {b[j][k].item()!r}; inside "
                 "an episode next_observations[t] must equal observations[t + 1]: the terminals/timeouts flags miss "
                 "an episode end here (old D4RL files have no timeouts), or the columns are misaligned")
+
+
+def frame_shape_of(space: gym.Space, frame_stack: int) -> tuple[int, ...]:
+    """The shape of one stored frame of observations in ``space`` stacked ``frame_stack`` times on
+    the channel axis: ``(k * C, H, W)`` -> ``(C, H, W)``; the space's shape when ``k`` is 1."""
+    shape = tuple(space.shape)
+    if frame_stack == 1 or len(shape) != 3 or shape[0] % frame_stack:
+        return shape
+    return (shape[0] // frame_stack, *shape[1:])
+
+
+def stacked_space(space: gym.Space, frame_stack: int) -> gym.Space:
+    """The observation space of ``frame_stack`` frames of ``space`` stacked on the channel axis:
+    ``Box(0, 255, (C, H, W), uint8)`` -> ``Box(0, 255, (k * C, H, W), uint8)``; ``space`` itself
+    when ``k`` is 1 or ``space`` is not a ``(C, H, W)`` Box."""
+    if frame_stack == 1 or not isinstance(space, gym.spaces.Box) or len(space.shape) != 3:
+        return space
+    low = np.concatenate([space.low] * frame_stack, axis=0)
+    high = np.concatenate([space.high] * frame_stack, axis=0)
+    return gym.spaces.Box(low, high, dtype=space.dtype)
 
 
 def _in_float32_range(a: np.ndarray) -> np.ndarray:

@@ -1,7 +1,12 @@
 """Environments as the agents see them: ids resolved (POPGym's included) and spaces encoded.
 
-Every agent acts on a flat float observation vector and on a Box or a single Discrete action.
-:func:`make_task` builds any registered gymnasium id that way, without per-task code:
+Every agent acts on a flat float observation vector (or a ``(C, H, W)`` uint8 image of a pixel
+task) and on a Box or a single Discrete action. :func:`make_task` builds any registered gymnasium
+id that way, without per-task code:
+
+* Atari (``ALE/Breakout-v5``, ``BreakoutNoFrameskip-v4``) and MinAtar (``MinAtar/Breakout-v1``)
+  ids with the ``atari`` extra (``pip install 'rl-tformers[atari]'``), preprocessed as the field
+  does (:mod:`rl_tformers.envs.pixels`); refused with :class:`MissingExtraError` without it.
 
 * :func:`register_env_id`: POPGym's tasks (Morad et al., ICLR 2023, package ``popgym``, the
   ``popgym`` extra: ``pip install 'rl-tformers[popgym]'``) register their ids
@@ -23,24 +28,26 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from rl_tformers.envs.extras import ATARI_INSTALL, POPGYM_INSTALL, MissingExtraError
+from rl_tformers.envs.pixels import is_pixel_id, make_pixel_env, register_pixel_id
+
+__all__ = ["ATARI_INSTALL", "POPGYM_INSTALL", "MissingExtraError", "encode_spaces", "make_task", "register_env_id"]
 
 POPGYM_PREFIX = "popgym-"
-#: the command that installs POPGym with the package
-POPGYM_INSTALL = "pip install 'rl-tformers[popgym]'"
-
-
-class MissingExtraError(ValueError):
-    """An environment id needs an optional dependency (an extra of the package) that is not installed."""
 
 
 def register_env_id(env_id: str) -> None:
     """Make sure gymnasium knows ``env_id``: an id starting with ``popgym-`` imports ``popgym``
-    (which registers its 42 tasks); any other id is left to gymnasium.
+    (which registers its 42 tasks), an Atari or MinAtar id ``ale_py`` or ``minatar``
+    (:func:`~rl_tformers.envs.pixels.register_pixel_id`); any other id is left to gymnasium.
 
     Raises:
-        MissingExtraError: a ``popgym-`` id and ``popgym`` cannot be imported (the message names the
-            extra to install).
+        MissingExtraError: a ``popgym-``, Atari or MinAtar id whose package cannot be imported (the
+            message names the extra to install).
     """
+    if is_pixel_id(env_id):
+        register_pixel_id(env_id)
+        return
     if not str(env_id).startswith(POPGYM_PREFIX):
         return
     try:
@@ -117,11 +124,16 @@ def encode_spaces(env: gym.Env) -> gym.Env:
 
 def make_task(env_id: str, **kwargs: Any) -> gym.Env:
     """``gym.make(env_id, **kwargs)`` with its id resolved (:func:`register_env_id`) and its spaces
-    encoded (:func:`encode_spaces`).
+    encoded (:func:`encode_spaces`). An Atari or MinAtar id is built with its standard
+    preprocessing (:func:`~rl_tformers.envs.pixels.make_pixel_env`: ``ALE/Breakout-v5`` gives
+    ``Box(0, 255, (4, 84, 84), uint8)`` observations), kept as uint8 images.
 
     Raises:
-        MissingExtraError: a POPGym id without ``popgym`` installed.
+        MissingExtraError: a POPGym id without ``popgym`` installed, an Atari or MinAtar id without
+            the ``atari`` extra.
         gymnasium.error.Error: an id gymnasium does not know (from ``gym.make``).
     """
+    if is_pixel_id(env_id):
+        return make_pixel_env(env_id, **kwargs)
     register_env_id(env_id)
     return encode_spaces(gym.make(env_id, **kwargs))

@@ -741,8 +741,10 @@ def save_d4rl_hdf5(dataset: EpisodeDataset, path: str | os.PathLike, *, compress
     Datasets: ``observations (N, *obs)``, ``actions``, ``rewards (N,)`` float64 (D4RL's own
     files use float32; float64 keeps collected rewards exact), ``terminals (N,)`` and ``timeouts (N,)``
     bool (from terminations / truncations), ``next_observations`` when final observations are
-    known. Attributes: ``env_id``, serialised ``observation_space``/``action_space`` (Minari's
-    serialisation) and ``rl_tformers_metadata`` (JSON: dataset id, reference scores, POMDP mask).
+    known (not for a pixel dataset: a second copy of every frame; its ``(N, C, H, W)`` uint8
+    frames are written once). Attributes: ``env_id``, serialised ``observation_space``/``action_space``
+    (Minari's serialisation) and ``rl_tformers_metadata`` (JSON: dataset id, reference scores, POMDP
+    mask, the other metadata such as a pixel dataset's ``frame_stack``).
     """
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -771,7 +773,7 @@ def _write_d4rl(path: Path, ds: EpisodeDataset, obs: np.ndarray, s0: int, n: int
         f.create_dataset("rewards", data=ds.rewards[s0:s0 + n])
         f.create_dataset("terminals", data=ds.terminations[s0:s0 + n])
         f.create_dataset("timeouts", data=ds.truncations[s0:s0 + n])
-        if ds.final_observations is not None:
+        if ds.final_observations is not None and not ds.is_pixel:  # frames: no second copy of every frame
             nxt = np.empty_like(obs)
             nxt[:-1] = obs[1:]
             ends = ds.starts - s0 + ds.lengths - 1  # (E,) last step of each episode

@@ -28,6 +28,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
+from rl_tformers.envs.environments import make_task
 from rl_tformers.envs.stopping import check_stop
 
 #: algorithm name -> (module, class) for SB3 and sb3-contrib.
@@ -321,9 +322,55 @@ class NoisyPolicy:
         return action
 
 
+#: smallest image side SB3's ``NatureCNN`` takes (8x8 stride 4, 4x4 stride 2, 3x3 stride 1)
+NATURE_CNN_MIN_SIDE = 36
+#: replay buffer of an off-policy agent on pixels when none is given: 100k transitions (Young and
+#: Tian 2019's MinAtar DQN), not SB3's 1M (a million 4x84x84 frame pairs is 56 GB)
+PIXEL_BUFFER_SIZE = 100_000
+
+
+def minatar_extractor_class():
+    """The feature extractor of Young and Tian 2019's MinAtar DQN as an SB3
+    ``BaseFeaturesExtractor`` subclass: one 3x3 convolution of 16 channels (stride 1, ReLU) on the
+    ``(C, 10, 10)`` maps, flattened to 1600 features, then a 128-unit ReLU layer (the DQN's own
+    head adds the action values). Input: ``(B, C, H, W)`` float in [0, 1] (SB3 divides uint8
+    images by 255)."""
+    from stable_baselines3.common.torch_layers import BaseFeaturesExtractor  # heavy: SB3's torch layers
+
+    class MinAtarCNN(BaseFeaturesExtractor):
+        def __init__(self, observation_space: gym.spaces.Box, features_dim: int = 128) -> None:
+            super().__init__(observation_space, features_dim)
+            c, h, w = observation_space.shape
+            self.net = torch.nn.Sequential(
+                torch.nn.Conv2d(c, 16, kernel_size=3, stride=1), torch.nn.ReLU(), torch.nn.Flatten(),  # (B, 16*(H-2)*(W-2))
+                torch.nn.Linear(16 * (h - 2) * (w - 2), features_dim), torch.nn.ReLU())
+
+        def forward(self, observations: torch.Tensor) -> torch.Tensor:
+            return self.net(observations)
+
+    return MinAtarCNN
+
+
+def sb3_policy_for(env: gym.Env, algo: str, kwargs: dict) -> tuple[str, dict]:
+    """SB3's policy name and keyword arguments for ``env``: ``MlpPolicy`` on vectors;
+    ``CnnPolicy`` on uint8 ``(C, H, W)`` images (Nature CNN; :func:`minatar_extractor_class` below
+    :data:`NATURE_CNN_MIN_SIDE` pixels), off-policy agents with a :data:`PIXEL_BUFFER_SIZE` replay
+    buffer unless ``kwargs`` gives one. ``kwargs`` is returned with those defaults added."""
+    space = env.observation_space
+    if not (isinstance(space, gym.spaces.Box) and len(space.shape) == 3 and space.dtype == np.uint8):
+        return "MlpPolicy", dict(kwargs)
+    out = dict(kwargs)
+    if min(space.shape[1:]) < NATURE_CNN_MIN_SIDE:
+        out["policy_kwargs"] = {"features_extractor_class": minatar_extractor_class(), **out.get("policy_kwargs", {})}
+    if algo in ("dqn", "qrdqn", "sac", "td3", "ddpg", "tqc", "crossq"):
+        out.setdefault("buffer_size", PIXEL_BUFFER_SIZE)
+    return "CnnPolicy", out
+
+
 def train_sb3(algo: str, env: gym.Env, steps: int, *, seed: int = 0, device: str = "cpu", progress: bool = False,
               callbacks: Sequence[Any] = (), **kwargs):
-    """Train an SB3 agent (``"sac"``, ``"ppo"``, ... with ``MlpPolicy`` and SB3 defaults) on ``env``.
+    """Train an SB3 agent (``"sac"``, ``"ppo"``, ``"dqn"``, ... with SB3's defaults) on ``env``:
+    ``MlpPolicy`` on vector observations, ``CnnPolicy`` on pixels (:func:`sb3_policy_for`).
 
     Every transition the agent experiences passes through ``env``; wrap it in an
     :class:`~rl_tformers.envs.recording.EpisodeRecorder` to record the replay data (what SAC's
@@ -341,8 +388,9 @@ def train_sb3(algo: str, env: gym.Env, steps: int, *, seed: int = 0, device: str
             return True
 
     cls = algorithm_class(algo)
+    policy, kwargs = sb3_policy_for(env, algo, kwargs)
     try:
-        model = cls("MlpPolicy", env, seed=seed, device=device, verbose=0, **kwargs)
+        model = cls(policy, env, seed=seed, device=device, verbose=0, **kwargs)
     except AssertionError as exc:  # SB3 asserts the spaces it supports (SAC on Discrete actions, ...)
         raise ValueError(f"--train {algo}: cannot train on {getattr(env.spec, 'id', None) or env}: {exc}") from None
     model.set_logger(Logger(folder=None, output_formats=[]))
@@ -353,7 +401,7 @@ def train_sb3(algo: str, env: gym.Env, steps: int, *, seed: int = 0, device: str
 def until_return_callback(env_id: str, threshold: float, *, seed: int = 0, every: int = 5_000, episodes: int = 5):
     """An SB3 callback that evaluates the training agent and stops training once it is good enough.
 
-    Every ``every`` training steps it runs ``episodes`` episodes of a separate ``gym.make(env_id)``
+    Every ``every`` training steps it runs ``episodes`` episodes of a separate ``make_task(env_id)``
     with the agent's deterministic actions (SB3's ``EvalCallback``; reset seeds drawn from
     ``seed + 1``) and ends training when the mean undiscounted return reaches ``threshold``
     (``StopTrainingOnRewardThreshold``). Evaluation steps are not training transitions: a
@@ -364,7 +412,7 @@ def until_return_callback(env_id: str, threshold: float, *, seed: int = 0, every
     from stable_baselines3.common.monitor import Monitor
     from stable_baselines3.common.vec_env import DummyVecEnv
 
-    eval_env = DummyVecEnv([lambda: Monitor(gym.make(env_id))])
+    eval_env = DummyVecEnv([lambda: Monitor(make_task(env_id))])
     eval_env.seed(int(seed) + 1)
     return EvalCallback(eval_env, callback_on_new_best=StopTrainingOnRewardThreshold(float(threshold), verbose=0),
                         n_eval_episodes=int(episodes), eval_freq=int(every), deterministic=True, verbose=0,

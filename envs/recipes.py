@@ -38,6 +38,14 @@ steps. Two versions of every recipe, the version being the ``-vN`` of its datase
 
 Each level has a ``-positions`` variant (``pomdp positions``): the same rollouts (same seeds,
 same returns) with only joint positions recorded, the memory benchmark for GTrXL.
+
+**Pixel recipes** (version 1 only; the ``atari`` extra): the DQN-replay analogue (Agarwal et al.
+2020 recorded every transition a DQN saw while it trained, with its epsilon-greedy
+exploration; the Decision Transformer's Atari data is a slice of it). ``minatar-breakout-dqn-replay``
+trains SB3's DQN on MinAtar Breakout (Young and Tian 2019) with MinAtar's own DQN settings
+(:data:`MINATAR_DQN`: a 3x3 convolution of 16 channels, a 100k replay buffer, epsilon 1 -> 0.1
+over the first 100k steps, one update every 4 steps) for :data:`PIXEL_STEPS` steps and records every
+training transition, frames as uint8 (``rlt/minatar-breakout/dqn-replay-v1``).
 """
 
 from __future__ import annotations
@@ -60,6 +68,24 @@ LEVEL_POLICIES = {
     "halfcheetah": ("ars", "sac"),
 }
 LEVELS = ("random", "medium", "expert", "medium-replay", "medium-expert")
+#: pixel recipe task -> gymnasium id (:mod:`rl_tformers.envs.pixels`)
+PIXEL_TASKS = {"minatar-breakout": "MinAtar/Breakout-v1"}
+#: the levels of a pixel task: the training replay of a DQN
+PIXEL_LEVELS = ("dqn-replay",)
+#: base size of a pixel recipe (its DQN's training steps) when ``--recipe-steps`` is not given
+PIXEL_STEPS = 250_000
+#: the DQN settings of Young and Tian 2019 (MinAtar, section 4 and their ``dqn.py``), in SB3's
+#: names: replay 100k, batch 32, discount 0.99, target network every 1000 steps, learning
+#: starts after 5000 steps, epsilon 1.0 -> 0.1 over the first 100k steps (``exploration_fraction``
+#: = 100k / steps, :func:`train_kwargs`); Adam at 2.5e-4 (their RMSProp's rate). One update every 4
+#: steps (Mnih et al. 2015's rate; MinAtar's DQN updates every step, 4x the compute: an update
+#: costs about 20 ms on a loaded 2-core CPU, 2 hours for 300k steps). The network is
+#: :func:`~rl_tformers.envs.policies.minatar_extractor_class`'s.
+MINATAR_DQN = {"buffer_size": 100_000, "batch_size": 32, "gamma": 0.99, "target_update_interval": 1_000,
+               "learning_starts": 5_000, "train_freq": 4, "gradient_steps": 1, "exploration_initial_eps": 1.0,
+               "exploration_final_eps": 0.1, "learning_rate": 2.5e-4}
+#: steps over which MINATAR_DQN's epsilon decays
+MINATAR_EPS_STEPS = 100_000
 #: recipe versions (the ``-vN`` of the dataset ids); :data:`DEFAULT_VERSION` is D4RL's construction
 VERSIONS = (0, 1)
 DEFAULT_VERSION = 1
@@ -144,12 +170,20 @@ class Recipe:
 
     @property
     def env_id(self) -> str:
-        """Gymnasium id of the task (e.g. ``Hopper-v5``)."""
-        return TASKS[self.task]
+        """Gymnasium id of the task (e.g. ``Hopper-v5``, ``MinAtar/Breakout-v1``)."""
+        return TASKS[self.task] if self.task in TASKS else PIXEL_TASKS[self.task]
+
+    @property
+    def pixels(self) -> bool:
+        """A pixel task (:data:`PIXEL_TASKS`)."""
+        return self.task in PIXEL_TASKS
 
     @property
     def dataset_id(self) -> str:
-        """Minari id: ``rlt/<task>-v5/<level>[-positions]-v<version>``."""
+        """Minari id: ``rlt/<task>-v5/<level>[-positions]-v<version>``; a pixel task's
+        ``rlt/<task>/<level>-v<version>``."""
+        if self.pixels:
+            return f"rlt/{self.task}/{self.level}-v{self.version}"
         suffix = "-positions" if self.positions else ""
         return f"rlt/{self.task}-v5/{self.level}{suffix}-v{self.version}"
 
@@ -162,6 +196,9 @@ class Recipe:
         """One line: each shard's behaviour, modifiers and size, joined by `` + ``."""
         parts = []
         for s in self.shards:
+            if s.train and s.until_return is None:
+                parts.append(f"{s.policy} training replay with its exploration ({steps_text(s.steps)})")
+                continue
             if s.train:
                 parts.append(f"{s.policy} training replay until return {s.until_return:g} "
                              f"(at most {steps_text(s.steps)})")
@@ -231,23 +268,54 @@ def make_recipe(task: str, level: str, *, positions: bool = False, steps: int | 
         ValueError: an unknown task, level or version, or (version 0 medium-replay) ``steps`` <
             :data:`MIN_STEPS`.
     """
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
+    if task not in TASKS and task not in PIXEL_TASKS:
+        raise ValueError(f"unknown task {task!r}; tasks: {', '.join([*TASKS, *PIXEL_TASKS])}")
     if version not in VERSIONS:
         raise ValueError(f"unknown recipe version {version!r}; versions: {', '.join(map(str, VERSIONS))}")
+    if task in PIXEL_TASKS:
+        return _pixel_recipe(task, level, positions=positions, steps=steps, version=version)
     steps = VERSION_STEPS[version] if steps is None else int(steps)
     suffix = "-positions" if positions else ""
     return Recipe(f"{task}-{level}{suffix}", task, level, positions, _level_shards(task, level, steps, version), steps,
                   version)
 
 
+def _pixel_recipe(task: str, level: str, *, positions: bool, steps: int | None, version: int) -> Recipe:
+    """A pixel task's recipe (version 1): the training replay of a DQN, :data:`PIXEL_STEPS` steps by default.
+
+    Raises:
+        ValueError: an unknown level, ``positions``, or version 0.
+    """
+    if level not in PIXEL_LEVELS:
+        raise ValueError(f"unknown level {level!r} of the pixel task {task}; levels: {', '.join(PIXEL_LEVELS)}")
+    if positions or version != 1:
+        raise ValueError(f"the pixel task {task} has no -positions variant and only recipe version 1")
+    steps = PIXEL_STEPS if steps is None else int(steps)
+    return Recipe(f"{task}-{level}", task, level, False, (Shard("dqn", steps, train=True),), steps, version)
+
+
+def train_kwargs(recipe: Recipe, shard: Shard) -> dict:
+    """The SB3 settings of a recipe's training shard: :data:`MINATAR_DQN` for a pixel task (its
+    epsilon decaying over the first :data:`MINATAR_EPS_STEPS` steps of ``shard.steps``), else none
+    (SB3's defaults)."""
+    if not (recipe.pixels and shard.train):
+        return {}
+    return {**MINATAR_DQN, "exploration_fraction": min(1.0, MINATAR_EPS_STEPS / max(shard.steps, 1))}
+
+
 def all_recipes(steps: int | None = None, version: int = DEFAULT_VERSION) -> dict[str, Recipe]:
-    """Every recipe of ``version`` by name: ``<task>-<level>[-positions]``, 30 in all."""
+    """Every recipe of ``version`` by name: ``<task>-<level>[-positions]``, 30 MuJoCo ones, and in
+    version 1 the pixel ones (:data:`PIXEL_TASKS` x :data:`PIXEL_LEVELS`)."""
     out = {}
     for task in TASKS:
         for level in LEVELS:
             for pos in (False, True):
                 r = make_recipe(task, level, positions=pos, steps=steps, version=version)
+                out[r.name] = r
+    if version == 1:
+        for task in PIXEL_TASKS:
+            for level in PIXEL_LEVELS:
+                r = make_recipe(task, level, steps=steps, version=version)
                 out[r.name] = r
     return out
 

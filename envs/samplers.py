@@ -14,7 +14,9 @@ precomputed cumulative lengths: it never touches every episode.
   ``episode_start`` flags, with an optional burn-in prefix excluded from the loss.
 
 Batch arrays (numpy; :mod:`~rl_tformers.envs.torch_data` turns them into tensors):
-``observations (B, K, *obs_shape)`` float32, ``actions (B, K, *act_shape)`` float32 for Box or
+``observations (B, K, *obs_shape)`` float32 (a pixel dataset: ``(B, K, k * C, H, W)`` uint8, each
+step's ``k = frame_stack`` frames stacked when drawn, zeros before its episode's first frame:
+:func:`~rl_tformers.envs.frames.stack_frames`), ``actions (B, K, *act_shape)`` float32 for Box or
 ``(B, K)`` int64 for Discrete, ``rewards (B, K)`` float32, ``returns_to_go (B, K)`` float32,
 ``timesteps (B, K)`` int64 (step index inside the episode), ``mask (B, K)`` bool (True = real
 step). Padded slots hold zeros everywhere.
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from rl_tformers.envs.dataset import EpisodeDataset
+from rl_tformers.envs.frames import stack_frames
 from rl_tformers.envs.trajectory import ObsStats, dataset_returns_to_go
 
 
@@ -55,6 +58,10 @@ class _BaseSampler:
             raise ValueError("cannot sample from a dataset with no episodes")
         if not (0 < reward_scale < float("inf")):  # NaN and inf too: they would make every batch NaN / 0
             raise ValueError(f"reward_scale must be a finite number > 0, got {reward_scale}")
+        if obs_stats is not None and dataset.is_pixel and not (
+                np.all(obs_stats.mean == 0) and np.all(obs_stats.std == 1)):
+            raise ValueError("obs_stats: observation statistics are not applied to pixel frames (uint8 (C, H, W) "
+                             "observations reach the encoder as they are); pass None or mean 0 and std 1")
         self.dataset = dataset
         self.gamma = float(gamma)
         self.reward_scale = float(reward_scale)
@@ -66,10 +73,13 @@ class _BaseSampler:
         """Read rows ``flat (B, L)`` and zero the padded slots (``mask`` False)."""
         d = self.dataset
         m = mask.astype(np.float32)  # (B, L)
-        obs = np.asarray(d.observations[flat], dtype=np.float32)  # (B, L, *obs_shape)
-        if self.obs_stats is not None:
-            obs = self.obs_stats.normalize(obs)
-        obs *= m.reshape(m.shape + (1,) * (obs.ndim - 2))
+        if d.is_pixel:  # uint8 frames stacked per step, zero on padding; never converted to float
+            obs = stack_frames(d.observations, flat, timesteps, d.frame_stack, mask)  # (B, L, k*C, H, W)
+        else:
+            obs = np.asarray(d.observations[flat], dtype=np.float32)  # (B, L, *obs_shape)
+            if self.obs_stats is not None:
+                obs = self.obs_stats.normalize(obs)
+            obs *= m.reshape(m.shape + (1,) * (obs.ndim - 2))
         if self.discrete:
             act = np.asarray(d.actions[flat]).astype(np.int64) * mask  # (B, L)
         else:
@@ -113,13 +123,15 @@ class WindowSampler(_BaseSampler):
         gamma: discount of the returns-to-go (1.0 = DT).
         reward_scale: rewards and returns-to-go are divided by it (see
             :func:`~rl_tformers.envs.trajectory.reward_scale`).
-        obs_stats: normalise observations with it when given.
+        obs_stats: normalise observations with it when given (a pixel dataset takes none, or
+            mean 0 and std 1: frames reach the encoder as uint8).
         max_ep_len: refuse datasets with longer episodes (the model's timestep table size).
 
     Raises:
         DatasetError: an episode longer than ``max_ep_len``.
         ValueError: bad ``context_len`` / ``align``; ``reward_scale`` not a finite number > 0
-            (0, negative, NaN, inf); ``gamma`` outside (0, 1].
+            (0, negative, NaN, inf); ``gamma`` outside (0, 1]; ``obs_stats`` other than mean 0
+            and std 1 on a pixel dataset.
     """
 
     def __init__(self, dataset: EpisodeDataset, context_len: int, *, align: str = "start", gamma: float = 1.0,

@@ -7,8 +7,11 @@ Reference returns, in order of precedence:
    paper's MuJoCo tasks), matched from an env id or dataset id: ``Hopper-v5``, ``Hopper-v3``,
    ``hopper-medium-v2``, ``mujoco/hopper/medium-v0`` and ``rlt/hopper-v5/medium-v0`` all map to
    ``hopper``;
-3. nothing: :func:`reference_scores` returns ``None`` and :func:`normalized_score` returns
-   ``None`` instead of inventing a number.
+3. for an Atari game (``ALE/Breakout-v5``, ``BreakoutNoFrameskip-v4``): the random and human
+   scores of :data:`ATARI_REF_SCORES`, so the normalised score is the human- (DT: "gamer-")
+   normalised score of the Atari literature;
+4. nothing: :func:`reference_scores` returns ``None`` and :func:`normalized_score` returns
+   ``None`` instead of inventing a number (MinAtar has no agreed references).
 
 Note the scale: Minari's own ``get_normalized_score`` returns fractions (0..1); this module
 returns D4RL's percentages (0..100), the unit every offline-RL table reports.
@@ -29,6 +32,44 @@ D4RL_REF_SCORES: dict[str, tuple[float, float]] = {
     "halfcheetah": (-280.178953, 12135.0),
     "walker2d": (1.629008, 4592.3),
 }
+
+
+#: Atari reference returns (random policy, human), raw game score per episode, per game. Random:
+#: Mnih et al. 2015 (Nature DQN, Extended Data Table 2); human: the professional tester's score of
+#: Nair et al. 2015, as tabulated by Wang et al. 2016 (dueling DQN) and used for the
+#: human-normalised scores of Agarwal et al. 2020 (An Optimistic Perspective on Offline RL, the
+#: DQN-replay data) and the "gamer-normalised" scores of Hafner et al. 2020 that the Decision
+#: Transformer (Chen et al. 2021, Table 1) reports: 100 = the human score, 0 = random play.
+ATARI_REF_SCORES: dict[str, tuple[float, float]] = {
+    "breakout": (1.7, 30.5),
+    "pong": (-20.7, 14.6),
+    "qbert": (163.9, 13455.0),
+    "seaquest": (68.4, 42054.7),
+    "asterix": (210.0, 8503.3),
+    "spaceinvaders": (148.0, 1668.7),
+    "freeway": (0.0, 29.6),
+}
+
+
+def atari_game(name: str | None) -> str | None:
+    """The :data:`ATARI_REF_SCORES` game of an Atari env id or dataset id, or ``None``.
+
+    ``"ALE/Breakout-v5"`` -> ``"breakout"``, ``"SpaceInvadersNoFrameskip-v4"`` ->
+    ``"spaceinvaders"``, ``"rlt/ale-pong/dqn-replay-v1"`` -> ``"pong"``; a MinAtar id
+    (``"MinAtar/Breakout-v1"``, whose scores are on another scale) -> ``None``.
+    """
+    if not name:
+        return None
+    parts = re.split(r"[/\\]", str(name).lower())
+    if "minatar" in parts or any(p.startswith("minatar-") for p in parts):
+        return None
+    for part in parts:
+        game = re.split(r"[-_.:]", re.sub(r"^ale-", "", part), maxsplit=1)[0]
+        game = re.sub(r"(noframeskip|deterministic)$", "", game)
+        atari_like = "ale" in parts or part.startswith("ale-") or re.search(r"noframeskip|deterministic|-v[45]$", part)
+        if game in ATARI_REF_SCORES and atari_like:
+            return game
+    return None
 
 
 def task_family(name: str | None) -> str | None:
@@ -90,6 +131,9 @@ def reference_scores(x: Any) -> tuple[float, float] | None:
         fam = task_family(name)
         if fam is not None:
             return D4RL_REF_SCORES[fam]
+        game = atari_game(name)
+        if game is not None:
+            return ATARI_REF_SCORES[game]
     return None
 
 

@@ -120,9 +120,16 @@ def observation_stats(dataset: EpisodeDataset, eps: float = 1e-6) -> ObsStats:
     float rounding); final observations are not included (the DT convention). ``std`` is
     floored at ``eps``.
 
+    A pixel dataset (uint8 ``(C, H, W)`` frames, :attr:`EpisodeDataset.is_pixel`) gets mean 0 and
+    std 1 without reading a frame: statistics are not computed over frames (an encoder scales
+    pixels by 1/255; per-pixel statistics would also cost a float pass over every frame), and
+    the samplers refuse any other statistics on frames.
+
     Returns:
         :class:`ObsStats` with ``mean`` and ``std`` of shape ``observation_shape``, float32.
     """
+    if dataset.is_pixel:
+        return ObsStats(np.zeros(dataset.observation_shape, np.float32), np.ones(dataset.observation_shape, np.float32))
     if dataset.is_contiguous() and not dataset.is_lazy:
         s0 = int(dataset.starts[0])
         x = np.asarray(dataset.observations[s0: s0 + dataset.num_steps], np.float64)

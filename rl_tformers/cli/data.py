@@ -417,8 +417,12 @@ def _collect_one(a: CollectArgs):
     check_hdf5_target(a.hdf5, a.overwrite)  # before the (long) rollouts, not after them
     if a.train and a.replay_dataset_id and a.hdf5 is not None:
         check_hdf5_target(Path(a.hdf5).with_name(Path(a.hdf5).stem + "-replay.hdf5"), a.overwrite)
+    from rl_tformers.envs.environments import MissingExtraError, make_task
+
     try:
-        genv = gym.make(a.env)
+        genv = make_task(a.env)  # pixel ids with their preprocessing, as collected
+    except MissingExtraError as exc:  # an Atari, MinAtar or POPGym id without its extra
+        raise fail(f"--env: {exc}") from None
     except (gym.error.Error, ModuleNotFoundError) as exc:  # unknown id or module:, missing dependency, deprecated
         raise typer.BadParameter(f"cannot make environment {a.env!r}: {exc}", param_hint="--env") from None
     try:

@@ -87,7 +87,7 @@ def test_list_recipes_and_unknown_recipe():
     r = runner.invoke(app, ["collect", "--list-recipes"])
     assert r.exit_code == 0
     names = [line.split()[0] for line in r.stdout.splitlines()]
-    assert len(names) == 30 and "hopper-medium-replay-positions" in names
+    assert len(names) == 31 and "hopper-medium-replay-positions" in names and "minatar-breakout-dqn-replay" in names
     r = runner.invoke(app, ["collect", "--recipe", "pong-*"])
     assert r.exit_code == 2 and "no recipe matches 'pong-*'" in r.stderr
 

@@ -6,15 +6,19 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from rl_tformers.envs.recipes import (
     LEVEL_POLICIES,
+    MINATAR_DQN,
+    PIXEL_STEPS,
     Shard,
     all_recipes,
     build_record,
     make_recipe,
     match_recipes,
     recipe_of_dataset,
+    train_kwargs,
 )
 from typer.testing import CliRunner
 
@@ -27,7 +31,7 @@ MEASURED_ON = "GenuineIntel"
 
 def test_recipe_catalogue():
     recipes = all_recipes()
-    assert len(recipes) == 30
+    assert len(recipes) == 31 and len(all_recipes(version=0)) == 30  # 30 MuJoCo recipes, a pixel one in version 1
     me = make_recipe("hopper", "medium-expert")
     assert [(s.policy, s.steps, s.stochastic) for s in me.shards] == [("sac", 1_000_000, True), ("ars", 1_000_000, False)]
     assert me.dataset_id == "rlt/hopper-v5/medium-expert-v1" and me.describe() == "sac (sampled) 1M + ars 1M"
@@ -37,6 +41,35 @@ def test_recipe_catalogue():
     assert mr.describe() == "sac training replay until return 986 (at most 1M), positions only"
     assert [r.name for r in match_recipes(["hopper-medium", "hopper-medium*"])][:2] == [
         "hopper-medium", "hopper-medium-positions"]
+
+
+def test_the_pixel_recipe_is_a_dqn_training_replay_with_minatar_settings():
+    r = make_recipe("minatar-breakout", "dqn-replay")
+    assert r.env_id == "MinAtar/Breakout-v1" and r.dataset_id == "rlt/minatar-breakout/dqn-replay-v1"
+    assert r.shards == (Shard("dqn", PIXEL_STEPS, train=True),) and PIXEL_STEPS == 250_000
+    assert r.describe() == "dqn training replay with its exploration (250k)"
+    kw = train_kwargs(r, r.shards[0])
+    assert kw == {**MINATAR_DQN, "exploration_fraction": 0.4}  # epsilon 1 -> 0.1 over the first 100k steps
+    assert train_kwargs(make_recipe("hopper", "medium-replay"), make_recipe("hopper", "medium-replay").shards[0]) == {}
+    assert recipe_of_dataset("rlt/minatar-breakout/dqn-replay-v1") == r
+    with pytest.raises(ValueError, match="only recipe version 1"):
+        make_recipe("minatar-breakout", "dqn-replay", version=0)
+
+
+def test_the_pixel_recipe_records_its_dqn_transitions_as_uint8_frames(tmp_path):
+    """A 300-step build (before the DQN's first update at 5000 steps: all epsilon-greedy at
+    epsilon near 1): every transition recorded, frames (4, 10, 10) uint8, the DQN settings in the metadata."""
+    pytest.importorskip("minatar")
+    from rl_tformers.envs.collect import build_recipe
+    from rl_tformers.envs.loaders import load_dataset
+
+    r = make_recipe("minatar-breakout", "dqn-replay", steps=300)
+    build_recipe(r, root=tmp_path, progress=False)
+    ds = load_dataset(r.dataset_id, root=tmp_path)
+    assert ds.num_steps == 300 and ds.observations.dtype == np.uint8 and ds.observations.shape == (300, 4, 10, 10)
+    assert ds.frame_stack == 1 and ds.metadata.env_id == "MinAtar/Breakout-v1"
+    assert ds.metadata.extra["train_kwargs"] == {**MINATAR_DQN, "exploration_fraction": 1.0}
+    assert build_record(tmp_path / r.dataset_id)["recipe"] == "minatar-breakout-dqn-replay"
 
 
 def test_version_0_recipes_are_the_deterministic_100k_sets():
