@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# GPU check: on a machine with one CUDA GPU, in under 8 minutes (per-step limits: 420 s in all),
+# GPU check: on a machine with one CUDA GPU, in under 8 minutes (per-step limits: 445 s in all),
 #   1. the CUDA tests (pytest -m cuda),
 #   2. the training-throughput benchmark (rl-tformers bench train --device cuda): updates/s of
 #      ours (the shipped DT config, the peers' exact model), + bf16 autocast, + torch.compile,
 #      + dropout also on the FFN hidden layer, against d3rlpy's DecisionTransformer on the same
-#      GPU when a peer interpreter imports it (and Hugging Face's when it imports transformers);
-#      the bench has no CUDA-graph variant,
-#   3. the attention-scaling benchmark (rl-tformers bench attention --device cuda),
+#      GPU when a peer interpreter imports it (and Hugging Face's when it imports transformers),
+#   3. sampling with the dataset on the GPU (rl-tformers bench data --device-sampling cuda):
+#      DT windows and GTrXL segments of a synthetic 1M-step Hopper-shaped file gathered on the
+#      GPU against the host samplers plus the batch copy, batches compared,
+#   4. short trainings of the shipped DT config with the trainer's GPU options
+#      (scripts/gpu_train_options.py): fp32 with host batches, train.data_on_device=true,
+#      + train.amp=bf16, + train.compile=true, + train.cuda_graphs=true (the last two need Triton),
+#   5. the attention-scaling benchmark (rl-tformers bench attention --device cuda),
 # each under its own time limit.
 #
 # Runs from the source checkout: the repository root is put first on PYTHONPATH (rl_tformers
@@ -22,10 +27,11 @@
 #
 # Usage: scripts/gpu_check.sh OUT_DIR     (PYTHON=... to choose the interpreter, WHEELS=... the
 #        wheel folder, default .whl). Exit code: 0 when every step succeeded, 1 otherwise.
-# OUT_DIR gets at most five files: summary.txt (environment, each step's exit code and time, the
-# benchmark tables), bench_train.json, bench_attention.json, bench_attention.png, and
-# gpu_check.tar.gz with every log (pip, pytest + its JUnit XML, both benchmarks' stdout/stderr,
-# nvidia-smi, environment.json), rewritten after every step so a run cut short still has them.
+# OUT_DIR gets at most seven files: summary.txt (environment, each step's exit code and time, the
+# benchmark tables), bench_train.json, bench_data_device.json, train_options.json,
+# bench_attention.json, bench_attention.png, and gpu_check.tar.gz with every log (pip, pytest +
+# its JUnit XML, every step's stdout/stderr, nvidia-smi, environment.json), rewritten after every
+# step so a run cut short still has them.
 set -uo pipefail
 
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
@@ -138,7 +144,7 @@ fi
 
 # 1. CUDA tests (the addopts' "-m 'not slow'" is replaced by "-m cuda"; a module that fails to
 #    collect fails the step but does not stop the others' CUDA tests)
-run_step cuda-tests 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors \
+run_step cuda-tests 90 "$PY" -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors \
   --junitxml "$LOGS/cuda-tests.xml"
 tail -n 3 "$LOGS/cuda-tests.log" >> "$SUMMARY"
 
@@ -153,19 +159,31 @@ else
 write_synthetic_d4rl(Path('$DATASET'), 200_000)"
 fi
 COMPILE=(--compile)  # torch.compile on CUDA needs Triton (installed with CUDA torch, too big to carry)
+NO_COMPILE=()
 if ! "$PY" -c "import triton" > /dev/null 2>&1; then
   COMPILE=()
-  echo "bench-train: no ours+compile row (triton does not import)" | tee -a "$SUMMARY"
+  NO_COMPILE=(--no-compile)
+  echo "bench-train, train-options: no compile / CUDA-graph rows (triton does not import)" | tee -a "$SUMMARY"
 fi
-run_step bench-train 180 "$PY" -m rl_tformers.cli bench train --device cuda --dataset "$DATASET" \
-  "${PEER_ARGS[@]}" --bf16 "${COMPILE[@]}" --ffn-dropout-row --repeats 5 --steps 50 --warmup 20 \
+run_step bench-train 150 "$PY" -m rl_tformers.cli bench train --device cuda --dataset "$DATASET" \
+  "${PEER_ARGS[@]}" --bf16 "${COMPILE[@]}" --ffn-dropout-row --repeats 3 --steps 50 --warmup 20 \
   --matmul-sizes 2048,4096,8192 --out "$OUT/bench_train.json"
 { echo "-- bench train (peers: ${PEER_LIST:-none})"; tail -n 40 "$LOGS/bench-train.log"; } >> "$SUMMARY"
 
-# 3. attention scaling: dense SDPA against the efficient kernels
-run_step bench-attention 120 "$PY" -m rl_tformers.cli bench attention --device cuda \
+# 3. the dataset on the GPU: host vs on-device sampling of a 1M-step file (written, not timed)
+run_step bench-data-device 40 "$PY" -m rl_tformers.cli bench data --device-sampling cuda --steps 1000000 \
+  --out "$OUT/bench_data_device.json"
+{ echo "-- bench data --device-sampling cuda"; tail -n 6 "$LOGS/bench-data-device.log"; } >> "$SUMMARY"
+
+# 4. the trainer's GPU options, 300 updates each (variants past 70 s are skipped and listed)
+run_step train-options 90 "$PY" scripts/gpu_train_options.py --dataset "$DATASET" --device cuda --steps 300 \
+  --log-every 50 --budget-s 70 "${NO_COMPILE[@]}" --out "$OUT/train_options.json"
+{ echo "-- train options (updates/s)"; grep -v "^warning" "$LOGS/train-options.log" | tail -n 8; } >> "$SUMMARY"
+
+# 5. attention scaling: dense SDPA against the efficient kernels
+run_step bench-attention 75 "$PY" -m rl_tformers.cli bench attention --device cuda \
   --kinds sdpa,local,sliding_window,longformer,bigbird,performer,linformer,lsh,rfa \
-  --lengths 1024,4096,16384 --repeats 3 --time-budget-s 3 --memory-budget-gb 60 --threads 0 \
+  --lengths 1024,4096,16384 --repeats 2 --time-budget-s 2 --memory-budget-gb 60 --threads 0 \
   --out "$OUT/bench_attention.json" --plot "$OUT/bench_attention.png"
 { echo "-- bench attention"; tail -n 40 "$LOGS/bench-attention.log"; } >> "$SUMMARY"
 

@@ -141,3 +141,23 @@ def test_a_device_sampler_refuses_other_samplers():
 
     with pytest.raises(TypeError, match="not batches of a Other"):
         DeviceSampler(Other(), "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("make_sampler", [
+    lambda: WindowSampler(small_dataset(), 8, reward_scale=7.0),
+    lambda: SegmentSampler(small_dataset(), 12, burn_in=5, reward_scale=3.0),
+    lambda: SegmentSampler(_pixel_dataset(frame_stack=4), 20, burn_in=3),
+], ids=["window", "segment", "stacked-pixels-segment"])
+def test_device_sampler_on_cuda_equals_the_numpy_batches(make_sampler):
+    from rl_tformers.envs.trajectory import observation_stats
+
+    sampler = make_sampler()
+    if sampler.dataset.observations.dtype != np.uint8:
+        sampler.obs_stats = observation_stats(sampler.dataset)
+    dev = DeviceSampler(sampler, "cuda")
+    for seed in range(3):
+        got = dev.sample(16, np.random.default_rng([4, seed]))
+        assert all(v.device.type == "cuda" for v in got.values())
+        _assert_batches_equal(sampler.sample(16, np.random.default_rng([4, seed])),
+                              {k: v.cpu() for k, v in got.items()})

@@ -863,3 +863,12 @@ def test_a_dataset_on_the_device_is_refused_for_an_agent_without_a_window_or_seg
                                               r"set train.data_on_device=false$"):
         train(toy_cfg("train.data_on_device=true"), run_dir)
     assert not run_dir.exists()
+
+
+@pytest.mark.cuda
+def test_a_dataset_on_the_gpu_trains_in_bf16(tmp_path: Path) -> None:
+    cfg = compose("gtrxl/recall_bc", [*_TINY_GTRXL, "train.steps=4", "train.checkpoint_every=0", "eval.every=0",
+                                      "eval.at_end=false", "train.progress=false", "device=cuda",
+                                      "train.data_on_device=true", "train.amp=bf16"])
+    assert train(cfg, tmp_path / "run").complete
+    assert all(torch.isfinite(v).all() for v in model_state(tmp_path / "run", 4).values())
