@@ -11,10 +11,13 @@ Modules (import them directly; this package imports nothing heavy):
   ``observation_stats``, ``reward_scale``, ``top_fraction``.
 * :mod:`~rl_tformers.envs.samplers`: ``WindowSampler`` (Decision Transformer), ``SegmentSampler``
   (recurrent agents); :mod:`~rl_tformers.envs.torch_data`: ``StepBatchDataset``, ``make_dataloader``.
-* :mod:`~rl_tformers.envs.scores`: ``normalized_score``, ``reference_scores``.
+* :mod:`~rl_tformers.envs.scores`: ``normalized_score``, ``reference_scores`` (D4RL's and Atari's).
 * :mod:`~rl_tformers.envs.pomdp`: ``ObservationMaskWrapper``, ``position_indices``, ``make_env``.
 * :mod:`~rl_tformers.envs.environments`: ``make_task`` (POPGym's ids with the ``popgym`` extra,
-  ``OneHotObservation``, ``FlatDiscreteAction``), the environments every agent acts in.
+  Atari and MinAtar ids with the ``atari`` extra, ``OneHotObservation``, ``FlatDiscreteAction``),
+  the environments every agent acts in; :mod:`~rl_tformers.envs.pixels`: the Atari preprocessing
+  and MinAtar's maps as ``(C, H, W)`` uint8; :mod:`~rl_tformers.envs.extras`: ``MissingExtraError``.
+* :mod:`~rl_tformers.envs.frames`: ``stack_frames``, pixel datasets' frames stacked per sample.
 * :mod:`~rl_tformers.envs.policies`, :mod:`~rl_tformers.envs.collect`,
   :mod:`~rl_tformers.envs.recipes`: behaviour policies, dataset collection, D4RL-style recipes.
 * :mod:`~rl_tformers.cli.data`: ``rl-tformers collect`` and ``rl-tformers dataset``.

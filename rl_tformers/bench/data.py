@@ -80,6 +80,7 @@ class Settings:
     pixel_steps: int = 200_000
     pixel_context: int = 30
     skip_pixels: bool = False
+    pixels_only: bool = False
     seed: int = 0
 
     def check(self) -> None:
@@ -321,7 +322,8 @@ def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
     torch.set_num_threads(s.threads)
     res = Result(settings=s, machine=machine_info(torch.device("cpu")))
     common = [f"dataset.path={s.dataset}", f"train.batch_size={s.batch_size}", f"seed={s.seed}"]
-    for name, config in (("window (DT)", "dt/hopper_medium"), ("segment (GTrXL)", "gtrxl/hopper_positions_bc")):
+    parts_1_2 = () if s.pixels_only else (("window (DT)", "dt/hopper_medium"), ("segment (GTrXL)", "gtrxl/hopper_positions_bc"))
+    for name, config in parts_1_2:
         tr = build_trainer(config, common)
         a = tr.cfg.agent
         shape = f"K={a.context_len}" if "context_len" in a else f"burn-in {a.burn_in} + {a.seq_len}"
@@ -335,7 +337,7 @@ def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
         log(f"{row['sampler']}: {rate:.0f} samples/s" + (
             f", training consumes {row['training_samples_per_s']:.0f}/s ({row['headroom']:.0f}x headroom)"
             if "headroom" in row else ""))
-    if not s.skip_load:
+    if not (s.skip_load or s.pixels_only):
         folder = Path(s.keep) if s.keep else Path(tempfile.mkdtemp(prefix="rlt-bench-data-"))
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"synthetic-hopper-{s.steps}.hdf5"
@@ -366,32 +368,36 @@ def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
 
 
 def markdown(res: Result) -> str:
-    lines = ["| sampler | batch | sampler samples/s | trainer | training samples/s | headroom |",
-             "|---|---|---|---|---|---|"]
-    for r in res.samplers:
-        tr = r.get("training_samples_per_s")
-        lines.append(f"| {r['sampler']} | {r['batch_size']} | {r['sampler_samples_per_s']:.0f} | {r['config']} | "
-                     f"{'-' if tr is None else f'{tr:.0f}'} | "
-                     f"{'-' if tr is None else format(r['headroom'], '.0f') + 'x'} |")
+    """The measured parts as Markdown tables (one per part, blank lines between)."""
+    tables = []
+    if res.samplers:
+        rows = ["| sampler | batch | sampler samples/s | trainer | training samples/s | headroom |", "|---|---|---|---|---|---|"]
+        for r in res.samplers:
+            tr = r.get("training_samples_per_s")
+            rows.append(f"| {r['sampler']} | {r['batch_size']} | {r['sampler_samples_per_s']:.0f} | {r['config']} | "
+                        f"{'-' if tr is None else f'{tr:.0f}'} | "
+                        f"{'-' if tr is None else format(r['headroom'], '.0f') + 'x'} |")
+        tables.append(rows)
     if res.load:
-        lines += ["", "| load | steps | episodes | file MiB | load s | first batch s |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['mode']} | {r['steps']} | {r['episodes']} | {r['file_mib']:.0f} | {r['load_s']:.2f} | "
-                  f"{r['first_batch_s']:.2f} |" for r in res.load]
+        tables.append(["| load | steps | episodes | file MiB | load s | first batch s |", "|---|---|---|---|---|---|"] + [
+            f"| {r['mode']} | {r['steps']} | {r['episodes']} | {r['file_mib']:.0f} | {r['load_s']:.2f} | "
+            f"{r['first_batch_s']:.2f} |" for r in res.load])
     if res.pixels:
         p = res.pixels
-        lines += ["", "| frames | frame | stack | frames MiB | in memory MiB | ratio | load peak MiB | peak ratio |",
-                  "|---|---|---|---|---|---|---|---|",
-                  f"| {p['steps']} | {tuple(p['frame_shape'])} {p['observation_dtype']} | {p['frame_stack']} | "
-                  f"{p['frames_mib']:.0f} | {p['observations_mib']:.0f} | {p['memory_ratio']:.2f}x | "
-                  f"{p['load_peak_mib']:.0f} | {p['load_peak_ratio']:.2f}x |",
-                  "", "| pixel sampler | batch | batch observations | sampler samples/s | Nature CNN samples/s | headroom |",
-                  "|---|---|---|---|---|---|"]
+        tables.append(["| frames | frame | stack | frames MiB | in memory MiB | ratio | load peak MiB | peak ratio |",
+                       "|---|---|---|---|---|---|---|---|",
+                       f"| {p['steps']} | {tuple(p['frame_shape'])} {p['observation_dtype']} | {p['frame_stack']} | "
+                       f"{p['frames_mib']:.0f} | {p['observations_mib']:.0f} | {p['memory_ratio']:.2f}x | "
+                       f"{p['load_peak_mib']:.0f} | {p['load_peak_ratio']:.2f}x |"])
+        rows = ["| pixel sampler | batch | batch observations | sampler samples/s | Nature CNN samples/s | headroom |",
+                "|---|---|---|---|---|---|"]
         for r in p["samplers"]:
             enc = r.get("encoder_samples_per_s")
-            lines.append(f"| {r['sampler']} | {r['batch_size']} | {tuple(r['batch_observations'])} {r['batch_dtype']} | "
-                         f"{r['sampler_samples_per_s']:.0f} | {'-' if enc is None else f'{enc:.1f}'} | "
-                         f"{'-' if enc is None else format(r['headroom'], '.0f') + 'x'} |")
-    return "\n".join(lines)
+            rows.append(f"| {r['sampler']} | {r['batch_size']} | {tuple(r['batch_observations'])} {r['batch_dtype']} | "
+                        f"{r['sampler_samples_per_s']:.0f} | {'-' if enc is None else f'{enc:.1f}'} | "
+                        f"{'-' if enc is None else format(r['headroom'], '.0f') + 'x'} |")
+        tables.append(rows)
+    return "\n\n".join("\n".join(t) for t in tables)
 
 
 def register(bench_app) -> None:
@@ -411,6 +417,7 @@ def register(bench_app) -> None:
         pixel_steps: int = typer.Option(200_000, min=1, help="Frames of the synthetic pixel file of part 3."),
         pixel_context: int = typer.Option(30, min=1, help="DT context K of the pixel window sampler (part 3)."),
         skip_pixels: bool = typer.Option(False, "--skip-pixels", help="Skip part 3."),
+        pixels_only: bool = typer.Option(False, "--pixels-only", help="Run part 3 alone."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
         out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
         device_sampling: str = typer.Option(
@@ -428,7 +435,7 @@ def register(bench_app) -> None:
         run_checked(lambda: Settings(dataset=dataset, batch_size=batch_size, batches=batches, repeats=repeats,
                                      train_steps=train_steps, threads=threads, steps=steps, keep=keep,
                                      skip_training=skip_training, skip_load=skip_load, pixel_steps=pixel_steps,
-                                     pixel_context=pixel_context, skip_pixels=skip_pixels),
+                                     pixel_context=pixel_context, skip_pixels=skip_pixels, pixels_only=pixels_only),
                     run, markdown, out=out, as_json=as_json,
                     # the dataset: part 1 starts by building the agents on it
                     load_errors=(AgentBuildError,), source=f"--dataset {dataset}")

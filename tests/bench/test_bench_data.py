@@ -3,6 +3,7 @@ synthetic D4RL file and its load timings."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import h5py
@@ -30,7 +31,7 @@ def test_synthetic_d4rl_file_loads_with_its_episodes(tmp_path):
 
 
 def test_samplers_against_their_trainers(tiny_hdf5):
-    s = bd.Settings(dataset=str(tiny_hdf5), batches=3, repeats=1, train_steps=1, skip_load=True)
+    s = bd.Settings(dataset=str(tiny_hdf5), batches=3, repeats=1, train_steps=1, skip_load=True, skip_pixels=True)
     res = bd.run(s)
     assert [r["config"] for r in res.samplers] == ["dt/hopper_medium", "gtrxl/hopper_positions_bc"]
     assert res.samplers[0]["sampler"] == "window (DT), K=20"
@@ -42,6 +43,27 @@ def test_samplers_against_their_trainers(tiny_hdf5):
 
 
 runner = CliRunner()
+
+
+def test_the_pixel_part_holds_each_frame_once_and_samples_uint8_stacks(tmp_path, monkeypatch) -> None:
+    """Part 3 alone (``--pixels-only``) on 3000 synthetic frames: the frames' bytes once in
+    memory, (B, K, 4, 84, 84) uint8 batches, a headroom over the Nature CNN's rate."""
+    monkeypatch.setattr(bd, "build_trainer", tripwire)  # parts 1 and 2 do not run
+    r = runner.invoke(app, ["bench", "data", "--pixels-only", "--pixel-steps", "3000", "--pixel-context", "5",
+                            "--batch-size", "4", "--batches", "2", "--repeats", "1", "--train-steps", "1",
+                            "--keep", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    p = json.loads(r.stdout)["pixels"]
+    assert (p["steps"], p["frame_shape"], p["observation_shape"], p["frame_stack"]) == (3000, [1, 84, 84], [4, 84, 84], 4)
+    assert p["observation_dtype"] == "uint8" and p["memory_ratio"] == 1.0 and p["frames_mib"] == 3000 * 84 * 84 / 2**20
+    assert p["load_peak_ratio"] < 1.5  # no stacked, float or second copy while loading
+    window, segment = p["samplers"]
+    assert window["batch_observations"] == [4, 5, 4, 84, 84] and segment["batch_observations"] == [4, 64, 4, 84, 84]
+    for row in (window, segment):
+        assert row["batch_dtype"] == "uint8" and row["headroom"] == pytest.approx(
+            row["sampler_samples_per_s"] / row["encoder_samples_per_s"])
+    with h5py.File(tmp_path / "synthetic-frames-3000.hdf5") as f:
+        assert f["observations"].dtype == np.uint8 and f["observations"].shape == (3000, 1, 84, 84)
 
 
 # ------------------------------------------------------------- bench data / bench eval options
