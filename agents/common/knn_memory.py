@@ -2,7 +2,7 @@
 
 Khandelwal et al. 2020, "Generalization through Memorization: Nearest Neighbor Language
 Models" (sec. 2) and Yogatama et al. 2021, "Adaptive Semiparametric Language Models"
-(SPALM, sec. 3), with the next token replaced by the next action.
+(SPALM), with the next token replaced by the next action.
 
 Datastore (:class:`ActionDatastore`): (key, value) = (context embedding ``f(x)``, next action),
 built once from the training dataset with the trained policy (``f(x)`` is the policy's hidden
@@ -338,7 +338,8 @@ def interpolate_continuous(action: Tensor, nb: Neighbours, lam: float, temperatu
 
 
 class SpalmGate(nn.Module):
-    """SPALM gate mixing the local hidden state with retrieved actions (Yogatama et al. 2021, eq. 1-3).
+    """SPALM gate mixing the local hidden state with retrieved actions (Yogatama et al. 2021; equations (1)-(3) of
+    :mod:`rl_tformers.memory.spalm`).
 
     Args:
         d_model: D, width of the hidden state.

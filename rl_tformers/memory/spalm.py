@@ -1,6 +1,6 @@
 """SPALM memory (memory kind ``spalm``): Transformer-XL short-term memory plus a kNN long-term store.
 
-Yogatama et al. 2021, "Adaptive Semiparametric Language Models" (TACL 9), sec. 2. The model
+Yogatama et al. 2021, "Adaptive Semiparametric Language Models" (TACL 9), its model section. The model
 keeps two memories besides its current segment:
 
 - **short-term memory**: Transformer-XL's cache of the previous segments' hidden states in
@@ -15,8 +15,8 @@ keeps two memories besides its current segment:
   (2) ``g_t = sigmoid(w_g . h_t + b_g)``           (context-dependent gate)
   (3) ``z_t = (1 - g_t) * m_t + g_t * h_t``        (what the output layer reads)
 
-  The equation numbers are this module's; the paper states them in its sec. 2 (long-term
-  memory and gating), with ``g_t = sigmoid(w_g^T h_t)``: the bias ``b_g`` is added here
+  The equation numbers are this module's; the paper states them where it describes its long-term
+  memory and gating (Weng's survey writes the same three lines), with ``g_t = sigmoid(w_g^T h_t)``: the bias ``b_g`` is added here
   (initialised to ``gate_init``, trained), and ``b_g = 0`` gives the paper's gate exactly.
 
 What key and value are for a policy (one token per environment step, no vocabulary):
@@ -296,7 +296,7 @@ class SpalmMemory(MemoryModule):
 @MEMORY.register(
     "spalm",
     description="SPALM: XL short-term memory plus a per-episode kNN long-term store read at the output through a learned gate",
-    paper="Yogatama et al. 2021, Adaptive Semiparametric Language Models (sec. 2)",
+    paper="Yogatama et al. 2021, Adaptive Semiparametric Language Models",
     capabilities=Capabilities(stateful=True, memory=True, exact_chunking=True),
 )
 @dataclass(frozen=True)
