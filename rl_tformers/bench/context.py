@@ -5,9 +5,9 @@ length K (20, 50, 100, 200, 500 steps: 3K tokens of return, state and action), o
 Decision Transformer (``dt/hopper_medium`` with the kind and K set, a small model by default) is
 built through the trainer on a synthetic Hopper-shaped dataset and timed on whole updates
 (:meth:`~rl_tformers.runtime.trainer.Trainer.update`: forward, loss, backward, clipping, AdamW):
-``warmup`` updates, then ``steps`` timed ones (device synchronised around each), of which the
-fastest is the figure (the least disturbed by other processes on a shared host; the median is
-recorded too).
+``warmup`` updates, then ``steps`` timed rounds of one update per (kind, K) in turn (device
+synchronised around each), of which the fastest is the figure (the least disturbed by other
+processes on a shared host; the median is recorded too).
 The kinds' own defaults apply (``local``: query blocks of 32 with a 32-key flange; ``performer``:
 its default random features) and no attention-probability dropout for any kind (Performer forms
 no probabilities; the residual and feed-forward dropout of the config stay), so dense attention's cost grows as (3K)^2 and the other two's as
@@ -129,30 +129,54 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def update_seconds(data: Path, kind: str, k: int, s: Settings) -> list[float]:
-    """Seconds of each timed DT update with attention ``kind`` at context ``k`` (see the module docstring)."""
-    run_dir = Path(tempfile.mkdtemp(prefix="rlt-bench-context-"))
-    try:
+class Cell:
+    """One (kind, K) DT trainer with two batches on its device, ready to time (see the module docstring)."""
+
+    def __init__(self, data: Path, kind: str, k: int, s: Settings) -> None:
+        self.run_dir = Path(tempfile.mkdtemp(prefix="rlt-bench-context-"))
         cfg = compose("dt/hopper_medium", [
             f"dataset.path={data}", f"device={s.device}", f"seed={s.seed}", "train.steps=1000000",
             f"train.batch_size={s.batch_size}", f"agent.context_len={k}", f"backbone.d_model={s.d_model}",
             f"backbone.n_layers={s.n_layers}", f"backbone.n_heads={s.n_heads}", f"backbone.attention={{kind: {kind}}}",
             "backbone.attn_dropout=0", "eval.every=0", "eval.at_end=false", "train.progress=false"])
-        tr = Trainer(_with_run_dir(cfg, run_dir), run_dir)
-        src = tr.agent.batches(0)
-        batches = [move_to(src[i], tr.device) for i in range(2)]
-        tr.model.train()
-        times = []
-        for i in range(s.warmup + s.steps):
-            _sync(tr.device)
-            t0 = time.perf_counter()
-            tr.update(batches[i % 2])
-            _sync(tr.device)
-            if i >= s.warmup:
-                times.append(time.perf_counter() - t0)
+        self.trainer = Trainer(_with_run_dir(cfg, self.run_dir), self.run_dir)
+        src = self.trainer.agent.batches(0)
+        self.batches = [move_to(src[i], self.trainer.device) for i in range(2)]
+        self.trainer.model.train()
+        self.done = 0
+
+    def update(self) -> float:
+        """Seconds of one whole update (device synchronised before and after)."""
+        dev = self.trainer.device
+        _sync(dev)
+        t0 = time.perf_counter()
+        self.trainer.update(self.batches[self.done % 2])
+        _sync(dev)
+        self.done += 1
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def measure(data: Path, s: Settings, log: Callable[[str], None]) -> dict[tuple[str, int], list[float]]:
+    """Seconds of the timed updates of every (kind, K): ``warmup`` updates each, then ``steps``
+    rounds of one update per (kind, K) in turn, so a burst of load on a shared host falls on
+    every cell alike."""
+    cells = {(kind, k): Cell(data, kind, k, s) for kind in s.kinds for k in s.lengths}
+    try:
+        for cell in cells.values():
+            for _ in range(s.warmup):
+                cell.update()
+        times: dict[tuple[str, int], list[float]] = {key: [] for key in cells}
+        for r in range(s.steps):
+            for key, cell in cells.items():
+                times[key].append(cell.update())
+            log(f"round {r + 1}/{s.steps} done")
         return times
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        for cell in cells.values():
+            cell.close()
 
 
 def run(s: Settings, log: Callable[[str], None] | None = None, plot: str | None = None) -> Result:
@@ -169,14 +193,12 @@ def run(s: Settings, log: Callable[[str], None] | None = None, plot: str | None 
     try:
         # 1000-step episodes (a few shorter) hold every K; the name gives Hopper-v5's bounds
         data = write_synthetic_d4rl(folder / "hopper-synthetic.hdf5", 20_000, seed=s.seed)
-        for kind in s.kinds:
-            for k in s.lengths:
-                times = update_seconds(data, kind, k, s)
-                sec = min(times)
-                res.rows.append({"kind": kind, "context_len": k, "tokens": 3 * k, "seconds_per_update": sec,
-                                 "median_seconds": statistics.median(times), "seconds": times})
-                log(f"{kind} K={k} ({3 * k} tokens): {sec * 1e3:.1f} ms per update (median "
-                    f"{statistics.median(times) * 1e3:.1f})")
+        for (kind, k), times in measure(data, s, log).items():
+            sec = min(times)
+            res.rows.append({"kind": kind, "context_len": k, "tokens": 3 * k, "seconds_per_update": sec,
+                             "median_seconds": statistics.median(times), "seconds": times})
+            log(f"{kind} K={k} ({3 * k} tokens): {sec * 1e3:.1f} ms per update (median "
+                f"{statistics.median(times) * 1e3:.1f})")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     res.machine["loadavg_end"] = host_description()["loadavg_1_5_15"] if "loadavg_1_5_15" in res.machine else None
@@ -268,8 +290,8 @@ def register(bench_app) -> None:
         d_model: int = typer.Option(64, help="Model width."),
         layers: int = typer.Option(2, help="Transformer layers."),
         heads: int = typer.Option(4, help="Attention heads."),
-        steps: int = typer.Option(5, help="Timed updates per (kind, K) (median)."),
-        warmup: int = typer.Option(2, help="Untimed updates first."),
+        steps: int = typer.Option(5, help="Timed rounds of one update per (kind, K) (the fastest is shown)."),
+        warmup: int = typer.Option(2, help="Untimed updates of each (kind, K) first."),
         threads: int = typer.Option(1, help="torch intra-op threads."),
         device: str = typer.Option("cpu", help="cpu or cuda."),
         plot: str = typer.Option(None, "--plot", help="Write a log-log plot (PNG) here."),

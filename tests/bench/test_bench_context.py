@@ -54,7 +54,7 @@ def test_every_kind_and_length_is_timed_and_fitted(tmp_path: Path):
     (["--device", "tpu"], "--device 'tpu': use cpu or cuda"),
 ])
 def test_bad_options_are_one_error_line_before_any_work(args: list[str], message: str, monkeypatch) -> None:
-    monkeypatch.setattr(bc, "update_seconds", lambda *a: pytest.fail("measured despite a bad option"))
+    monkeypatch.setattr(bc, "measure", lambda *a: pytest.fail("measured despite a bad option"))
     r = CliRunner().invoke(app, ["bench", "context", *args])
     assert r.exit_code == 2, r.output
     assert r.output.strip().splitlines()[-1].startswith(f"error: {message}"), r.output
