@@ -1,14 +1,19 @@
 """Benchmark: evaluation throughput (``rl-tformers bench eval``).
 
-1. **Batched vs one-environment-at-a-time.** The same policy (a checkpoint given with
-   ``--run``, or, without one, an untrained Decision Transformer built from ``dt/hopper_medium``
-   on ``--dataset``; the cost per step does not depend on the weights) plays the same episodes
-   (episode j is reset with seed ``seed + j``) twice through
-   :func:`rl_tformers.runtime.evaluation.evaluate`: with N gymnasium vector environments
-   (one batched forward pass per step for all N) and with one environment (one forward pass
-   per environment step, which is how the reference DT code evaluates: one episode after the
-   other). Reported: environment steps per second of each and their ratio, plus the mean
-   return of each (a check that the episodes are the same).
+1. **Batched vs one-environment-at-a-time** (:mod:`rl_tformers.bench._eval_rollouts`). The same
+   policy (a checkpoint given with ``--run``, or, without one, a small DT, 64 dims and 2 layers,
+   trained ``--train-updates`` updates on ``--dataset`` inside the benchmark, so that its
+   episodes run long) plays the same episodes (episode j is reset with seed ``seed + j``) with
+   one environment (one forward pass per environment step, which is how the reference DT code
+   evaluates) and with each N of ``--n-envs`` vector environments (one batched forward pass per
+   step; environments past their quota are not stepped). Reported per N: environment steps per
+   second, their ratio to one at a time, milliseconds per loop step, the mean return; the run
+   fails (exit 1) when an N played other episodes (lengths, or returns beyond 1e-6 relative).
+   With three or more N the milliseconds per loop step are fitted against N (``--plot`` draws
+   them). ``--profile`` splits each evaluation's wall time into the policy forward, building the
+   context tensors, environment stepping, action decoding and bookkeeping
+   (:mod:`rl_tformers.runtime.eval_profile`), and profiles an untrained DT, BC and GTrXL on
+   Hopper and CartPole the same way.
 2. **Memory backbones: per-step cost.** For a Transformer-XL stack (pre-norm blocks) and GTrXL
    (gated blocks), both with XL memory of M slots and relative positions, the forward cost of
    one environment step for N environments: (a) *with memory*: one new token per environment
@@ -18,36 +23,36 @@
    O(M) feed-forward per step). Reported per M in ``--mem-lens``: milliseconds per step of
    each and their ratio.
 
-Command: ``rl-tformers bench eval --episodes 10 --n-envs 10 --out bench_eval.json``.
+Command: ``rl-tformers bench eval --episodes 100 --n-envs 10,50 --profile --out bench_eval.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import gymnasium as gym
 import torch
 import typer
 
 from rl_tformers import Backbone
 from rl_tformers.agents.gtrxl.model import gtrxl_backbone
+from rl_tformers.bench._eval_policies import PROFILE_AGENTS, PROFILE_ENVS, BenchPolicy, train_small_dt, untrained
+from rl_tformers.bench._eval_rollouts import DifferentEpisodes, compare, growth, plot_growth, rollout
 from rl_tformers.bench.options import check_device, first_repeat, run_checked
 from rl_tformers.bench.train import DEFAULT_DATASET, machine_info
-from rl_tformers.runtime import evaluation as ev
-from rl_tformers.runtime.agent_registry import AgentBuildError, UnknownAgentError, build_agent
+from rl_tformers.runtime.agent_registry import AgentBuildError, UnknownAgentError
 from rl_tformers.runtime.checkpoint import CheckpointError
 from rl_tformers.runtime.errors import ConfigError
 from rl_tformers.runtime.loading import load_run
-from rl_tformers.runtime.run_config import compose
 
 MEMORY_KINDS = ("xl", "gtrxl")
+#: vector environments of part 1: gymnasium's SyncVectorEnv (stepped environment by environment,
+#: only the running ones) or AsyncVectorEnv (one process per environment, every one stepped)
+VECTORS = ("sync", "async")
 #: float32 (N, heads, M + 1, M + 1) score-sized tensors counted at the peak of part 2 (measured on
 #: CPU, both kinds, N = 10, 4 heads: the peak grew by 8.5-9.4 of them at M = 1024 and 2048):
 #: :func:`part2_bytes` estimates the peak with it, and an M whose estimate exceeds the device's
@@ -63,7 +68,11 @@ class Settings:
     plugins: tuple[str, ...] = ()  # modules of the run's plugins the user names (--plugin)
     dataset: str = DEFAULT_DATASET
     episodes: int = 10
-    n_envs: int = 10
+    n_envs: tuple[int, ...] | int = (10,)
+    train_updates: int = 300
+    profile: bool = False
+    vector: str = "sync"
+    plot: str | None = None
     max_episode_steps: int | None = None
     seed: int = 0
     threads: int = 1
@@ -88,11 +97,17 @@ class Settings:
                 skipped, an unavailable ``--device``, or a ``--mem-lens`` entry (or ``--mem-steps``)
                 whose part 2 would not fit in the device's memory (:meth:`check_memory`).
         """
-        for option, value, lo in (("--episodes", self.episodes, 1), ("--n-envs", self.n_envs, 2),
+        if isinstance(self.n_envs, int):
+            self.n_envs = (self.n_envs,)
+        if not self.n_envs:
+            raise ValueError("--n-envs: give at least one number of environments, e.g. 10 or 1,10,50,100")
+        for option, value, lo in (("--episodes", self.episodes, 1), ("--n-envs", min(self.n_envs), 1),
                                   ("--threads", self.threads, 1), ("--mem-envs", self.mem_envs, 1),
-                                  ("--mem-steps", self.mem_steps, 1)):
+                                  ("--mem-steps", self.mem_steps, 1), ("--train-updates", self.train_updates, 0)):
             if int(value) < lo:
                 raise ValueError(f"{option} must be >= {lo}, got {value}")
+        if self.vector not in VECTORS:
+            raise ValueError(f"--vector: unknown kind {self.vector!r}; use {' or '.join(VECTORS)}")
         if self.max_episode_steps is not None and int(self.max_episode_steps) < 1:
             raise ValueError(f"--max-episode-steps must be >= 1, got {self.max_episode_steps} "
                              f"(leave the option out to keep the environment's own limit)")
@@ -109,7 +124,8 @@ class Settings:
         if self.skip_rollouts and not self.memory_kinds:
             raise ValueError("nothing to measure: --skip-rollouts skips part 1 and --memory-kinds '' skips part 2")
 
-        for option, values in (("--memory-kinds", self.memory_kinds), ("--mem-lens", self.mem_lens)):
+        for option, values in (("--memory-kinds", self.memory_kinds), ("--mem-lens", self.mem_lens),
+                               ("--n-envs", self.n_envs)):
             if (twice := first_repeat(values)) is not None:
                 raise ValueError(f"{option}: {twice!r} is given twice")
         check_device(self.device)
@@ -171,62 +187,45 @@ class Result:
     settings: Settings
     rollouts: list[dict[str, Any]] = field(default_factory=list)
     rollout_ratio: float | None = None
+    growth: dict[str, Any] | None = None
+    profile: list[dict[str, Any]] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {"settings": dataclasses.asdict(self.settings), "machine": self.machine, "rollouts": self.rollouts,
-                "batched_over_sequential": self.rollout_ratio, "memory": self.memory, "notes": self.notes}
+                "batched_over_sequential": self.rollout_ratio, "growth": self.growth, "profile": self.profile,
+                "memory": self.memory, "notes": self.notes}
 
 
 # -- 1. batched vs sequential ---------------------------------------------------------------------
 
-def load_agent(s: Settings) -> tuple[Any, str]:
-    """The agent to evaluate and a description: ``--run`` (any agent kind) or an untrained DT."""
+def load_agent(s: Settings, log: Callable[[str], None] = lambda m: None) -> BenchPolicy:
+    """The policy of part 1: ``--run`` (any agent kind), else a small DT trained
+    ``--train-updates`` updates on ``--dataset`` (:func:`train_small_dt`; 0: untrained)."""
     if s.run:
         loaded = load_run(s.run, device=s.device, plugins=s.plugins)
-        return loaded.agent, f"{loaded.kind} checkpoint {loaded.checkpoint} (step {loaded.step})"
-
-    cfg = compose("dt/hopper_medium", [f"dataset.path={s.dataset}", f"device={s.device}", f"seed={s.seed}"])
-    torch.manual_seed(s.seed)
-    agent = build_agent(cfg, Path(tempfile.mkdtemp(prefix="rlt-bench-eval-")), torch.device(s.device))
-    agent.model.eval()
-    return agent, f"untrained dt (dt/hopper_medium on {s.dataset}, seed {s.seed})"
+        agent = loaded.agent
+        return BenchPolicy(agent.policy(), agent.make_env(), agent.default_targets()[0],
+                           f"{loaded.kind} checkpoint {loaded.checkpoint} (step {loaded.step})")
+    return train_small_dt(s.dataset, s.train_updates, s.seed, s.device, log)
 
 
-def rollout_throughput(agent: Any, s: Settings, n_envs: int) -> dict[str, Any]:
-    """Environment steps/s of the evaluation loop with ``n_envs`` vector environments.
-
-    Runs the loop of :func:`rl_tformers.runtime.evaluation.evaluate` (its per-target
-    routine, on a vector env built the same way) and times the loop only: building and closing
-    the MuJoCo environments (~50 ms each) is left out, it is not per-step work.
-    """
-
-
-    make = agent.make_env()
-    if s.max_episode_steps is not None:
-        base = make
-
-        def make() -> gym.Env:
-            return gym.wrappers.TimeLimit(base(), s.max_episode_steps)
-
-    n = min(n_envs, s.episodes)
-    envs = gym.vector.SyncVectorEnv([lambda: ev.with_raw_reward(make()) for _ in range(n)],
-                                    autoreset_mode=gym.vector.AutoresetMode.DISABLED)
-    try:
-        policy = agent.policy()
-        target = agent.default_targets()[0]
-        with torch.no_grad():
-            t0 = time.perf_counter()
-            r = ev._run_target(policy, envs, target, s.episodes, s.seed, False)
-            seconds = time.perf_counter() - t0
-    finally:
-        envs.close()
-    steps = int(sum(r.lengths))
-    return {"mode": "batched" if n > 1 else "sequential", "n_envs": n, "episodes": s.episodes,
-            "env_steps": steps, "seconds": seconds, "env_steps_per_s": steps / seconds,
-            "return_mean": r.return_mean, "lengths": list(r.lengths)}
+def profile_cases(s: Settings, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The profile of one evaluation (``--episodes`` episodes on the first ``--n-envs``) of an
+    untrained DT, BC and GTrXL on Hopper and on CartPole (:func:`untrained`)."""
+    rows = []
+    for env_id in PROFILE_ENVS:
+        for kind in PROFILE_AGENTS:
+            bp = untrained(kind, env_id, s.seed, s.device)
+            row = rollout(bp, s.n_envs[0], s.episodes, s.seed, profile=True)
+            row.update(agent=kind, env=env_id, policy=bp.what)
+            rows.append(row)
+            sp = row["split"]
+            log(f"profile {kind} on {env_id}: forward {sp['forward_frac']:.0%}, context {sp['context_frac']:.0%}, "
+                f"env {sp['env_frac']:.0%}, decode {sp['decode_frac']:.0%}, bookkeeping {sp['bookkeeping_frac']:.0%}")
+    return rows
 
 
 # -- 2. memory vs re-encoding ---------------------------------------------------------------------
@@ -296,18 +295,19 @@ def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
         torch.set_num_threads(s.threads)
     res = Result(settings=s, machine=machine_info(torch.device(s.device)))
     if not s.skip_rollouts:
-        agent, what = load_agent(s)
-        res.notes.append(f"policy: {what}")
-        for n in (s.n_envs, 1):
-            row = rollout_throughput(agent, s, n)
-            res.rollouts.append(row)
-            log(f"{row['mode']} (N={row['n_envs']}): {row['env_steps']} steps in {row['seconds']:.1f} s = "
-                f"{row['env_steps_per_s']:.0f} steps/s, return {row['return_mean']:.1f}")
-        b, q = res.rollouts
-        res.rollout_ratio = b["env_steps_per_s"] / q["env_steps_per_s"]
-        if b["env_steps"] != q["env_steps"]:
-            res.notes.append(f"the two modes played different numbers of steps ({b['env_steps']} vs {q['env_steps']}): "
-                             f"float differences between batch sizes changed some episodes")
+        res.machine["loadavg_start"] = list(os.getloadavg())
+        bp = load_agent(s, log)
+        res.notes.append(f"policy: {bp.what}")
+        res.rollouts = compare(bp, s.n_envs, s.episodes, s.seed, max_episode_steps=s.max_episode_steps,
+                               vector=s.vector, profile=s.profile, log=log)
+        if len(res.rollouts) > 1:
+            res.rollout_ratio = res.rollouts[0]["over_sequential"]
+        res.growth = growth(res.rollouts)
+        if res.growth is not None and s.plot:
+            plot_growth(res.growth, res.rollouts, s.plot, f"bench eval: {bp.what}; {s.episodes} episodes")
+        if s.profile:
+            res.profile = profile_cases(s, log)
+        res.machine["loadavg_end"] = list(os.getloadavg())
     for kind in s.memory_kinds:
         for m in s.mem_lens:
             row = memory_step_cost(kind, m, s)
@@ -320,17 +320,46 @@ def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
 def markdown(res: Result) -> str:
     lines = []
     if res.rollouts:
-        lines += ["| evaluation | envs | episodes | env steps | seconds | env steps/s | mean return |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['mode']} | {r['n_envs']} | {r['episodes']} | {r['env_steps']} | {r['seconds']:.1f} | "
-                  f"{r['env_steps_per_s']:.0f} | {r['return_mean']:.1f} |" for r in res.rollouts]
-        lines += ["", f"batched / sequential: {res.rollout_ratio:.2f}x", ""]
+        m = res.machine
+        lines += [f"*load average at start {_load(m.get('loadavg_start'))}, at end {_load(m.get('loadavg_end'))}; "
+                  f"{res.notes[0] if res.notes else ''}*", ""]
+        prof = "split" in res.rollouts[0]
+        lines += ["| evaluation | envs | episodes | env steps | seconds | env steps/s | / sequential | ms per loop step "
+                  "| mean return |" + (" policy share |" if prof else ""),
+                  "|---|---|---|---|---|---|---|---|---|" + ("---|" if prof else "")]
+        for r in res.rollouts:
+            share = (f" {r['split']['forward_frac'] + r['split']['context_frac'] + r['split']['decode_frac']:.0%} |"
+                     if prof else "")
+            lines.append(f"| {r['mode']} | {r['n_envs']} | {r['episodes']} | {r['env_steps']} | {r['seconds']:.1f} | "
+                         f"{r['env_steps_per_s']:.0f} | {r['over_sequential']:.2f}x | {r['ms_per_loop_step']:.2f} | "
+                         f"{r['return_mean']:.1f} |" + share)
+        lines.append("")
+        if res.rollout_ratio is not None:
+            lines += [f"batched / sequential: {res.rollout_ratio:.2f}x", ""]
+        if res.growth is not None:
+            g = res.growth
+            lines += [f"ms per loop step ~ {g['a_ms']:.2f} + {g['b_ms_per_env']:.3f} N (R^2 {g['r2']:.3f}); log-log "
+                      f"slope between N = {g['n'][-2]} and {g['n'][-1]}: {g['loglog_slope']:.2f}", ""]
+    if res.profile:
+        lines += ["| agent | env | envs | episodes | env steps | seconds | forward | context | env step | decode | "
+                  "bookkeeping |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in res.profile:
+            sp = r["split"]
+            lines.append(f"| {r['agent']} | {r['env']} | {r['n_envs']} | {r['episodes']} | {r['env_steps']} | "
+                         f"{r['seconds']:.2f} | " + " | ".join(f"{sp[f'{k}_frac']:.0%}" for k in
+                                                             ("forward", "context", "env", "decode", "bookkeeping"))
+                         + " |")
+        lines.append("")
     if res.memory:
         lines += ["| backbone | M | envs | with memory (ms/step) | re-encode M+1 (ms/step) | re-encode / memory |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {r['kind']} | {r['mem_len']} | {r['n_envs']} | {r['memory_ms_per_step']:.2f} | "
                   f"{r['reencode_ms_per_step']:.2f} | {r['reencode_over_memory']:.1f}x |" for r in res.memory]
     return "\n".join(lines)
+
+
+def _load(values: Any) -> str:
+    return " ".join(f"{v:.2f}" for v in values) if values else "?"
 
 
 def _ints(text: str, option: str = "--mem-lens") -> tuple[int, ...]:
@@ -350,14 +379,35 @@ def _ints(text: str, option: str = "--mem-lens") -> tuple[int, ...]:
     return tuple(out)
 
 
+def _run_or_exit_1(s: Settings, log: Callable[[str], None]) -> Result:
+    """:func:`run`; other episodes in the batched mode than one at a time are a failure of the
+    computation: one ``error:`` line and exit 1."""
+    try:
+        return run(s, log)
+    except DifferentEpisodes as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
 def register(bench_app) -> None:
     """Add the ``eval`` command to the ``bench`` Typer group."""
 
     def eval_(
-        run_dir: str = typer.Option(None, "--run", help="Run directory of a trained agent (default: untrained DT)."),
-        dataset: str = typer.Option(DEFAULT_DATASET, help="Dataset of the untrained DT (its env and statistics)."),
-        episodes: int = typer.Option(10, min=1, help="Episodes (the same seeds in both modes)."),
-        n_envs: int = typer.Option(10, min=2, help="Vector environments of the batched mode."),
+        run_dir: str = typer.Option(None, "--run", help="Run directory of a trained agent (default: a small DT "
+                                                        "trained --train-updates updates on --dataset)."),
+        dataset: str = typer.Option(DEFAULT_DATASET, help="Dataset the default DT trains on (its env and statistics)."),
+        train_updates: int = typer.Option(300, help="Updates of the default DT (64 dims, 2 layers), >= 0 (0: "
+                                                    "untrained, short episodes)."),
+        episodes: int = typer.Option(10, min=1, help="Episodes (the same seeds in every mode)."),
+        n_envs: str = typer.Option("10", help="Vector environments of the batched mode, comma-separated (e.g. "
+                                              "1,10,50,100: with 3 or more, the growth with N is fitted)."),
+        profile: bool = typer.Option(False, "--profile", help="Split each evaluation's wall time (forward, context, "
+                                                             "env step, decode, bookkeeping), and profile an "
+                                                             "untrained DT, BC and GTrXL on Hopper and CartPole."),
+        vector: str = typer.Option("sync", help="Vector environment of the batched mode: sync (running envs "
+                                                "stepped one by one) or async (a process per env)."),
+        plot: str = typer.Option(None, "--plot", help="Write the growth plot (ms per loop step and env steps/s "
+                                                     "against N) to this file."),
         max_episode_steps: int = typer.Option(None, min=1, help="Cap episode length at this many steps, >= 1 "
                                                                "(shorter runs; default: the environment's own "
                                                                "limit)."),
@@ -379,12 +429,14 @@ def register(bench_app) -> None:
     ) -> None:
         """Env steps/s of batched vs one-env-at-a-time evaluation; memory vs re-encoding cost per step."""
 
-        run_checked(lambda: Settings(run=run_dir, plugins=tuple(plugin), dataset=dataset, episodes=episodes, n_envs=n_envs,
+        run_checked(lambda: Settings(run=run_dir, plugins=tuple(plugin), dataset=dataset, episodes=episodes,
+                                     n_envs=_ints(n_envs, "--n-envs"), train_updates=train_updates, profile=profile,
+                                     vector=vector, plot=plot,
                                      max_episode_steps=max_episode_steps, threads=threads, device=device,
                                      memory_kinds=tuple(k.strip() for k in memory_kinds.split(",") if k.strip()),
                                      mem_lens=_ints(mem_lens), mem_envs=mem_envs, mem_steps=mem_steps,
                                      skip_rollouts=skip_rollouts),
-                    run, markdown, out=out, as_json=as_json,
+                    _run_or_exit_1, markdown, out=out, as_json=as_json,
                     # loading the policy, before any timing
                     load_errors=(AgentBuildError, CheckpointError, UnknownAgentError, ConfigError),
                     source=f"{'--run' if run_dir else '--dataset'} {run_dir or dataset}")

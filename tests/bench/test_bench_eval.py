@@ -12,15 +12,64 @@ from tests.runs import tripwire
 
 
 def test_batched_and_sequential_play_the_same_episodes(tiny_hdf5):
-    s = be.Settings(dataset=str(tiny_hdf5), episodes=3, n_envs=3, max_episode_steps=12, memory_kinds=())
+    s = be.Settings(dataset=str(tiny_hdf5), episodes=3, n_envs=3, max_episode_steps=12, memory_kinds=(),
+                    train_updates=0)
     res = be.run(s)
     batched, seq = res.rollouts
     assert (batched["mode"], batched["n_envs"], seq["mode"], seq["n_envs"]) == ("batched", 3, "sequential", 1)
     assert batched["lengths"] == seq["lengths"] and max(seq["lengths"]) <= 12  # same seeds, same episodes
-    assert batched["return_mean"] == pytest.approx(seq["return_mean"], rel=1e-5)
+    assert batched["return_mean"] == pytest.approx(seq["return_mean"], rel=1e-6)
     assert res.rollout_ratio == pytest.approx(batched["env_steps_per_s"] / seq["env_steps_per_s"])
-    assert "untrained dt" in res.notes[0]
+    assert batched["loop_steps"] == max(batched["lengths"]) and seq["loop_steps"] == sum(seq["lengths"])
+    assert "untrained DT" in res.notes[0]
     assert "batched / sequential" in be.markdown(res)
+
+
+def test_the_default_policy_is_trained_inside_the_benchmark_and_profiled(tiny_hdf5, tmp_path):
+    """--train-updates trains the small DT first; --profile splits every evaluation into parts that
+    add up to its wall time, and profiles DT, BC and GTrXL on Hopper and CartPole; three N fit the growth."""
+    plot = tmp_path / "growth.png"
+    s = be.Settings(dataset=str(tiny_hdf5), episodes=4, n_envs=(2, 4), max_episode_steps=6, memory_kinds=(),
+                    train_updates=2, profile=True, plot=str(plot))
+    res = be.run(s)
+    assert "trained 2 updates" in res.notes[0]
+    assert [(r["mode"], r["n_envs"]) for r in res.rollouts] == [("batched", 2), ("batched", 4), ("sequential", 1)]
+    for r in res.rollouts + res.profile:
+        sp = r["split"]
+        parts = sum(sp[f"{k}_s"] for k in ("forward", "context", "env", "decode", "bookkeeping"))
+        assert parts == pytest.approx(sp["total_s"]) and sp["forward_s"] > 0 and sp["env_s"] > 0
+    assert [(r["agent"], r["env"]) for r in res.profile] == [
+        (a, e) for e in ("Hopper-v5", "CartPole-v1") for a in ("dt", "bc", "gtrxl")]
+    assert res.growth["n"] == [1, 2, 4] and plot.stat().st_size > 0
+    text = be.markdown(res)
+    assert "| gtrxl | CartPole-v1 |" in text and "policy share" in text and "load average at start" in text
+
+
+def test_an_evaluation_that_plays_other_episodes_with_n_envs_fails_with_exit_1(tiny_hdf5, monkeypatch):
+    """The benchmark asserts that every N plays the episodes of one at a time: a policy whose
+    action depends on the batch size makes it stop with one error line, exit 1."""
+    from rl_tformers.bench import _eval_policies
+
+    real = _eval_policies.train_small_dt
+
+    def batch_dependent(*args, **kwargs):
+        bp = real(*args, **kwargs)
+        inner = bp.policy.act
+
+        def act(obs, state, start, reward=None):
+            a, state = inner(obs, state, start, reward)
+            return a * (0.5 if len(start) > 1 else 1.0), state
+
+        bp.policy.act = act
+        return bp
+
+    monkeypatch.setattr(be, "train_small_dt", batch_dependent)
+    r = runner.invoke(app, ["bench", "eval", "--dataset", str(tiny_hdf5), "--train-updates", "0", "--episodes", "2",
+                            "--n-envs", "2", "--max-episode-steps", "30", "--memory-kinds", ""])
+    assert r.exit_code == 1, r.output
+    assert r.stderr.splitlines()[-1].startswith(
+        "error: bench eval: 2 environments played other episodes than one at a time (lengths [30, 30] vs [30, 30], "
+        "largest relative return difference")
 
 
 def test_memory_vs_reencoding_rows():
@@ -59,6 +108,10 @@ runner = CliRunner()
     (["--mem-lens", "0"], "error: --mem-lens: every memory length must be >= 1, got 0"),
     (["--mem-lens", "4,abc"], "error: --mem-lens: 'abc' is not an integer"),
     (["--mem-lens", ","], "error: --mem-lens: give at least one memory length"),
+    (["--n-envs", "10,x"], "error: --n-envs: 'x' is not an integer"),
+    (["--n-envs", "0"], "--n-envs must be >= 1"), (["--n-envs", "10,10"], "error: --n-envs: 10 is given twice"),
+    (["--train-updates", "-1"], "--train-updates must be >= 0"),
+    (["--vector", "threads"], "error: --vector: unknown kind 'threads'; use sync or async"),
     (["--memory-kinds", "xl,bogus"], "error: --memory-kinds: unknown kind 'bogus'; use a comma-separated subset "
                                      "of xl,gtrxl"),
 ])
