@@ -891,8 +891,9 @@ def check_resume_changes(saved: DictConfig, new: DictConfig) -> list[str]:
 
     Values are compared as the run uses them: a backbone slot field set on one side only
     (``backbone.attention.orthogonal=true`` over a Performer run that left it unset) takes the
-    default of the slot's kind on the other side, so setting a field to the value the run
-    already used is no change.
+    default of the slot's kind on the other side, and any other key missing on one side (a run
+    saved before the option existed) takes the value composing that side gives it
+    (:func:`with_defaults`), so setting a field to the value the run already used is no change.
 
     Returns:
         ``["train.steps: 1000 -> 2000", ...]`` for keys in :data:`RESUMABLE_KEYS`.
@@ -901,18 +902,8 @@ def check_resume_changes(saved: DictConfig, new: DictConfig) -> list[str]:
         ConfigError: if any other key differs (the run would not continue the same trajectory);
             the message names every such key.
     """
-    a, b = flatten(to_container(saved)), flatten(to_container(new))
     changes, refused = [], []
-    for key in sorted(set(a) | set(b)):
-        before, after = a.get(key, "<unset>"), b.get(key, "<unset>")
-        if before == after:
-            continue
-        if (key in a) != (key in b):
-            default = _slot_field_default(key, a, b)
-            if default is not _NO_DEFAULT:
-                before, after = a.get(key, default), b.get(key, default)
-                if before == after:
-                    continue
+    for key, before, after in config_value_differences(to_container(saved), to_container(new)):
         line = f"{key}: {before} -> {after}"
         if any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS):
             changes.append(line)
@@ -927,6 +918,44 @@ def check_resume_changes(saved: DictConfig, new: DictConfig) -> list[str]:
 
 
 _NO_DEFAULT = object()
+
+
+def with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` (a run's saved config, as a plain dict) with every key it lacks set as
+    :func:`compose` sets it today: the defaults of options added after the run was saved. A new
+    option's default keeps the behaviour the code had before the option existed, so the filled
+    config describes what the saved run ran. A config that no longer composes is returned as it is.
+    """
+    try:
+        return to_container(compose(start=config))
+    except ConfigError:
+        return dict(config)
+
+
+def config_value_differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``[(dotted key, value in a, value in b), ...]`` for every key whose value differs, as the
+    runs use them: a backbone slot field set on one side only takes its kind's default on the
+    other; any other key missing on one side takes the value :func:`with_defaults` gives it
+    there; a key still missing shows as ``<unset>``. ``a`` and ``b`` are plain nested dicts."""
+    fa, fb = flatten(a), flatten(b)
+    filled: dict[str, dict[str, Any]] = {}
+
+    def value(flat: dict[str, Any], side: str, source: Mapping[str, Any], key: str) -> Any:
+        if key in flat:
+            return flat[key]
+        default = _slot_field_default(key, fa, fb)
+        if default is not _NO_DEFAULT:
+            return default
+        if side not in filled:
+            filled[side] = flatten(with_defaults(source))
+        return filled[side].get(key, "<unset>")
+
+    out = []
+    for key in sorted(set(fa) | set(fb)):
+        before, after = value(fa, "a", a, key), value(fb, "b", b, key)
+        if before != after:
+            out.append((key, before, after))
+    return out
 
 
 def _slot_field_default(key: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> Any:

@@ -16,6 +16,7 @@ from rl_tformers.runtime.run_config import (
     available_configs,
     check_resume_changes,
     compose,
+    config_value_differences,
     configs_root,
     flatten,
     parse_overrides,
@@ -187,6 +188,21 @@ def test_resume_changes_whitelist() -> None:
     c = compose(None, ["agent.kind=toy", "backbone.n_layers=2", "train.lr=1"])
     with pytest.raises(ConfigError, match=r"(?s)backbone\.n_layers: 1 -> 2.*train\.lr: 0\.0001 -> 1"):
         check_resume_changes(a, c)
+
+
+def test_a_key_the_saved_config_lacks_compares_at_its_default_on_resume() -> None:
+    """A run saved before an option existed resumes: the missing key takes the value composing
+    gives it (the option's default); a non-default value for it is still refused."""
+    a = to_container(compose(None, ["agent.kind=toy"]))
+    del a["train"]["lr"], a["train"]["amp"]
+    saved = OmegaConf.create(a)
+    assert check_resume_changes(saved, compose(start=a)) == []
+    assert check_resume_changes(saved, compose(None, ["agent.kind=toy", "train.steps=2000"])) == \
+        ["train.steps: 1000 -> 2000"]
+    with pytest.raises(ConfigError, match=r"train\.lr: 0\.0001 -> 1\.0"):
+        check_resume_changes(saved, compose(None, ["agent.kind=toy", "train.lr=1"]))
+    assert config_value_differences({"train": {"lr": 1.0}}, {"train": {"lr": 1.0, "unknown": 3}}) == \
+        [("train.unknown", "<unset>", 3)]
 
 
 def test_flatten() -> None:
