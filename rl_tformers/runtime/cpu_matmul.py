@@ -435,6 +435,15 @@ def _cache_lock(path: Path) -> Iterator[None]:
         yield
 
 
+def _load() -> float | None:
+    """The 1-minute load average (None where the system has none): a cache entry measured on a
+    busy host says so (delete the file to measure again on a quiet one)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
 #: the choices ``auto`` resolved in this process, by :func:`cache_key`
 _CHOSEN: dict[str, MatmulChoice] = {}
 
@@ -465,7 +474,7 @@ def choose_cpu_matmul(shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES, t
             source = "measured"
             entries = {k: v for k, v in entries.items() if _valid_rates(v)}
             entries[key] = {"gflops": rates, "library": choose_library(rates["mkl"], rates["onednn"]),
-                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg_1": _load()}
             _write_cache(path, entries)
     choice = MatmulChoice(choose_library(rates["mkl"], rates["onednn"]), rates, source, threads, shapes)
     _CHOSEN[key] = choice

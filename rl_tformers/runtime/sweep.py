@@ -61,9 +61,12 @@ Why not a scheduler of our own: locally a ``concurrent.futures.ThreadPoolExecuto
 ``--jobs`` workers, each waiting on one training subprocess (process isolation, a crash fails
 one run only, each process gets ``--threads`` intra-op threads); on a cluster ``--launcher ray``
 turns every run into a Ray task (``num_cpus=--threads``, ``num_gpus=--gpus-per-run``) and Ray
-does the placement, queueing and retries (``ray.init()`` joins the cluster named by
-``RAY_ADDRESS``, or starts a local one). The run directories must then be on a file system
-every node sees (the usual NFS/Lustre home of a cluster).
+does the placement, queueing and retries (``ray.init`` joins the cluster whose head is
+``--ray-address HOST:PORT``, else ``RAY_ADDRESS``, else starts a local one). Each task runs its
+``train`` in the sweep's working folder with the sweep's ``RL_TFORMERS_*`` and
+``MINARI_DATASETS_PATH`` variables (:func:`run_ray`), so the run directories, configs,
+datasets and the Python interpreter must be at the same paths on every node (the usual
+NFS/Lustre home of a cluster).
 """
 
 from __future__ import annotations
@@ -101,7 +104,13 @@ from rl_tformers.runtime import checkpoint as ckpt
 from rl_tformers.runtime.curves import plot_curve_panels, point_curves, run_curve, write_curves
 from rl_tformers.runtime.errors import ConfigError
 from rl_tformers.runtime.progress import PlainProgress
-from rl_tformers.runtime.run_config import compose, config_name_hint, flatten, to_container
+from rl_tformers.runtime.run_config import (
+    compose,
+    config_name_hint,
+    config_value_differences,
+    flatten,
+    to_container,
+)
 from rl_tformers.runtime.runlock import directory_problem, lock_holder
 from rl_tformers.runtime.seeding import MAX_SEED
 from rl_tformers.runtime.tracking import METRICS_FILE, event_files
@@ -552,15 +561,10 @@ def stored_config(run_dir: Path) -> dict[str, Any] | None:
 
 def config_differences(stored: dict[str, Any], requested: dict[str, Any]) -> list[str]:
     """``["train.steps: 300 (stored) -> 320 (requested)", ...]`` over every key but
-    :data:`RERUN_IGNORED_KEYS`."""
-
-    a, b = flatten(stored), flatten(requested)
-    out = []
-    for key in sorted(set(a) | set(b)):
-        if key in RERUN_IGNORED_KEYS or a.get(key, "<unset>") == b.get(key, "<unset>"):
-            continue
-        out.append(f"{key}: {a.get(key, '<unset>')} (stored) -> {b.get(key, '<unset>')} (requested)")
-    return out
+    :data:`RERUN_IGNORED_KEYS`; a key that one side lacks (an option added after the stored run
+    started) compares at the value composing that side gives it (``config_value_differences``)."""
+    return [f"{key}: {a} (stored) -> {b} (requested)"
+            for key, a, b in config_value_differences(stored, requested) if key not in RERUN_IGNORED_KEYS]
 
 
 def run_state(run_dir: Path) -> str:
@@ -798,15 +802,21 @@ def part_seconds(log_path: str | os.PathLike) -> list[float]:
     return out
 
 
-def _run_subprocess(cmd: list[str], env_updates: dict[str, str], log_path: str) -> tuple[int | None, float, str]:
+def _run_subprocess(cmd: list[str], env_updates: dict[str, str], log_path: str,
+                    cwd: str | None = None) -> tuple[int | None, float, str]:
     """Run ``cmd`` with its output in ``log_path``; returns (exit code, seconds, last lines of the log).
 
+    ``cwd``: the working folder of the child (and of a relative ``log_path``): the sweep's own,
+    so that the relative paths of its command (``--out``, ``--config``, overrides) mean what
+    they meant to the sweep when a Ray worker, started in another folder, runs it.
     The child runs in its own session (a terminal's Ctrl-C reaches the sweep only, which
     forwards it: see :func:`run_local`). Exit code None: not started, the sweep was stopped.
     A started process's wall time and exit code are appended to the run's ledger
     (:func:`parts_path`; also from a Ray worker, which writes the log on the shared file system),
     so the results report the run's time over all its parts (:func:`part_seconds`).
     """
+    if cwd is not None:
+        log_path = str(Path(cwd) / log_path)
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log_path, "a") as fh:  # a resumed run's log follows its first part
@@ -816,7 +826,7 @@ def _run_subprocess(cmd: list[str], env_updates: dict[str, str], log_path: str) 
             if _CHILDREN.stopped is not None:
                 return None, 0.0, ""
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **env_updates},
-                                    start_new_session=True)
+                                    start_new_session=True, cwd=cwd)
             _CHILDREN.procs.add(proc)
         try:
             rc = proc.wait()
@@ -844,6 +854,17 @@ def thread_env(threads: int) -> dict[str, str]:
     """Environment giving a training process ``threads`` intra-op threads (OpenMP/MKL/PyTorch)."""
     n = str(max(1, int(threads)))
     return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "PYTHONUNBUFFERED": "1"}
+
+
+#: environment variables of the sweep that a Ray task's ``train`` gets too (a Ray worker has the
+#: environment of the node's Ray, not the sweep's): rl-tformers' own and Minari's dataset root
+FORWARDED_ENV_PREFIXES = ("RL_TFORMERS_", "MINARI_DATASETS_PATH")
+
+
+def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of ``environ`` (default: this process's) named by :data:`FORWARDED_ENV_PREFIXES`."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
 
 
 def _last_error_line(tail: str) -> str:
@@ -977,26 +998,32 @@ def import_ray() -> Any:
         raise SweepError(
             "--launcher ray needs Ray: pip install 'ray[default]' (and start or join a cluster: "
             "`ray start --head` on one node, `ray start --address HEAD:6379` on the others, then run the "
-            "sweep with RAY_ADDRESS=HEAD:6379 or on the head node); --launcher local runs here without it"
+            "sweep with --ray-address HEAD:6379 or on the head node); --launcher local runs here without it"
         ) from None
     return ray
 
 
 def run_ray(commands: Sequence[tuple[SweepRun, list[str]]], threads: int, gpus_per_run: float, log_dir: Path,
             echo: Callable[[str], None] = print, *, clock: Callable[[], float] = time.monotonic,
-            poll_s: float = 0.5) -> dict[str, RunOutcome]:
+            poll_s: float = 0.5, address: str | None = None) -> dict[str, RunOutcome]:
     """Run every command as a Ray task (``num_cpus=threads``, ``num_gpus=gpus_per_run``); Ray
-    schedules them on the cluster. ``ray.init()`` joins ``RAY_ADDRESS`` or starts a local Ray.
+    schedules them on the cluster. ``ray.init`` joins the cluster at ``address`` (``HOST:PORT``
+    of its head), else at ``RAY_ADDRESS``, else starts a local Ray.
+
+    Each task runs its ``train`` in this process's working folder with the variables of
+    :func:`forwarded_env` and :func:`thread_env` (a worker's own environment is its node's), so
+    the run directories, the config and dataset paths must be the same paths on every node (a
+    shared file system), and so must this Python (``sys.executable``).
 
     One line per run as it ends, in the order the runs end (``ray.wait``), and a progress line
     (``sweep: 1/4 runs (25%), ...``) at least every
     :data:`~rl_tformers.runtime.progress.PLAIN_INTERVAL_S` seconds of ``clock`` until the last ends."""
     ray = import_ray()
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None)
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or None)
     task = ray.remote(num_cpus=max(1, threads), num_gpus=gpus_per_run)(_run_subprocess)
-    refs = {run.name: task.remote(cmd, thread_env(threads), str(log_dir / f"{_slug(run.name)}.log"))
-            for run, cmd in commands}
+    env, cwd = {**forwarded_env(), **thread_env(threads)}, os.getcwd()
+    refs = {run.name: task.remote(cmd, env, str(log_dir / f"{_slug(run.name)}.log"), cwd) for run, cmd in commands}
     names = {ref: name for name, ref in refs.items()}  # (ObjectRefs hash by their id)
     bar = PlainProgress(len(refs), desc="sweep", unit="run", fraction=0.0, clock=clock, echo=echo)
     outcomes: dict[str, RunOutcome] = {}
@@ -1251,10 +1278,29 @@ def _write_learning_curves(out_dir: Path, runs: Sequence[SweepRun], metric: str 
     return [str(f) for f in files]
 
 
+def check_launcher(launcher: str, gpus_per_run: float = 0.0, ray_address: str | None = None) -> None:
+    """Refuse launcher options that cannot be used, or that the launcher would ignore.
+
+    Raises:
+        SweepError: an unknown ``launcher``; ``gpus_per_run`` not finite and >= 0; above 0, or
+            a ``ray_address``, with the local launcher.
+    """
+    if launcher not in LAUNCHERS:
+        raise SweepError(f"--launcher {launcher!r}; use one of {', '.join(LAUNCHERS)}")
+    if not (math.isfinite(gpus_per_run) and gpus_per_run >= 0):
+        raise SweepError(f"--gpus-per-run {gpus_per_run}: give a finite number >= 0 (GPUs per Ray task)")
+    if launcher == "local" and gpus_per_run > 0:  # it would be ignored
+        raise SweepError(f"--gpus-per-run {gpus_per_run:g} is for --launcher ray (Ray's num_gpus per run); "
+                         f"local runs take their device from --device (e.g. --device cuda, shared by the --jobs "
+                         f"runs); drop --gpus-per-run, or add --launcher ray")
+    if launcher == "local" and ray_address:
+        raise SweepError(f"--ray-address {ray_address} is for --launcher ray; add --launcher ray, or drop --ray-address")
+
+
 def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], out_dir: str | os.PathLike,
           overrides: Sequence[str] = (), *, jobs: int = 1, threads: int = 1, launcher: str = "local",
           gpus_per_run: float = 0.0, device: str | None = None, metric: str | None = None,
-          echo: Callable[[str], None] = print) -> SweepResult:
+          echo: Callable[[str], None] = print, ray_address: str | None = None) -> SweepResult:
     """Run (or finish) a sweep and write its results; see the module docstring.
 
     Args:
@@ -1268,12 +1314,13 @@ def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], 
         launcher: ``local`` or ``ray``.
         gpus_per_run: Ray ``num_gpus`` of each run (fractions share a GPU).
         device: ``--device`` of every run.
+        ray_address: ``HOST:PORT`` of a running Ray cluster's head (``launcher="ray"``; default
+            ``RAY_ADDRESS``, else a local Ray is started).
         metric: the summary/plot metric (default: first of :data:`DEFAULT_METRICS` logged).
 
     Raises:
-        SweepError: (before any run starts) unknown launcher, a ``metric`` that is no logged
-            scalar (:func:`check_metric`), ``gpus_per_run`` not finite and >= 0, or above 0
-            with the local launcher (which would ignore it), ``out_dir`` (or a folder above
+        SweepError: (before any run starts) launcher options (:func:`check_launcher`), a
+            ``metric`` that is no logged scalar (:func:`check_metric`), ``out_dir`` (or a folder above
             it) is a file or a name too long, Ray missing with ``launcher="ray"``, duplicate run directories (:func:`expand`), an override the sweep
             would replace (:func:`check_overrides`), grid points whose config does not compose
             (:func:`compose_points`) or, with the local launcher, whose agent does not build
@@ -1284,15 +1331,8 @@ def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], 
             another process.
     """
 
-    if launcher not in LAUNCHERS:
-        raise SweepError(f"--launcher {launcher!r}; use one of {', '.join(LAUNCHERS)}")
+    check_launcher(launcher, gpus_per_run, ray_address)
     check_metric(metric, grid)
-    if not (math.isfinite(gpus_per_run) and gpus_per_run >= 0):
-        raise SweepError(f"--gpus-per-run {gpus_per_run}: give a finite number >= 0 (GPUs per Ray task)")
-    if launcher == "local" and gpus_per_run > 0:  # it would be ignored
-        raise SweepError(f"--gpus-per-run {gpus_per_run:g} is for --launcher ray (Ray's num_gpus per run); "
-                         f"local runs take their device from --device (e.g. --device cuda, shared by the --jobs "
-                         f"runs); drop --gpus-per-run, or add --launcher ray")
     out = Path(out_dir)
     try:
         problem = directory_problem(out, "--out")
@@ -1309,7 +1349,7 @@ def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], 
     with _SweepLock(out):  # from the state checks to the results: no other sweep in between
         return _sweep_locked(config, runs, requested, seeds, out, jobs=jobs, threads=threads, launcher=launcher,
                              gpus_per_run=gpus_per_run, device=device, metric=metric, echo=echo,
-                             bad=bad, composed=composed)
+                             bad=bad, composed=composed, ray_address=ray_address)
 
 
 def _echo_config_warnings(runs: Sequence[SweepRun], requested: dict[str, dict[str, Any]],
@@ -1450,7 +1490,8 @@ def _announce_and_clear(plan: _SweepPlan, out: Path, echo: Callable[[str], None]
 def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[str, dict[str, Any]],
                   seeds: Sequence[int], out: Path, *, jobs: int, threads: int, launcher: str, gpus_per_run: float,
                   device: str | None, metric: str | None, echo: Callable[[str], None],
-                  bad: Mapping[str, str] | None = None, composed: Mapping[str, Any] | None = None) -> SweepResult:
+                  bad: Mapping[str, str] | None = None, composed: Mapping[str, Any] | None = None,
+                  ray_address: str | None = None) -> SweepResult:
     """The part of :func:`sweep` that runs under the sweep folder's lock.
 
     ``bad``: the grid points whose config does not compose (:func:`compose_points`), refused
@@ -1474,7 +1515,7 @@ def _sweep_locked(config: str | None, runs: Sequence[SweepRun], requested: dict[
             outcomes.update(run_local(todo, jobs, threads, log_dir, echo))
             stopped = stop_signal()
         else:
-            outcomes.update(run_ray(todo, threads, gpus_per_run, log_dir, echo))
+            outcomes.update(run_ray(todo, threads, gpus_per_run, log_dir, echo, address=ray_address))
     if stopped is not None:
         echo(f"sweep stopped by {signal.Signals(stopped).name}: the stopped runs saved a checkpoint; "
              f"run the same command again to continue")
@@ -1493,7 +1534,9 @@ Examples:
 
   rl-tformers sweep -c toy --grid backbone.n_layers=1,2 --grid train.lr=1e-3,3e-3 --seeds 0-1 --out runs/sweep-toy
 
-On a Ray cluster (run directories on a shared file system): add --launcher ray (RAY_ADDRESS=head:6379 to join a running cluster; --gpus-per-run 1 to give each run a GPU).
+On a Ray cluster (run directories, configs, datasets and this Python at the same paths on every node): add --launcher ray --ray-address HEAD:6379 to run on the cluster whose head is HEAD (without --ray-address: $RAY_ADDRESS, else a local Ray on this machine); --gpus-per-run 1 gives each run a GPU.
+
+  rl-tformers sweep -c toy --grid train.lr=1e-3,3e-3 --seeds 0-1 --launcher ray --ray-address HEAD:6379 --threads 1 --out runs/sweep-ray
 """
 
 
@@ -1513,6 +1556,9 @@ def register(app) -> None:
                                          "cores / jobs, at least 1)."),
         launcher: str = typer.Option("local", "--launcher", help="local (subprocesses here) or ray (a Ray cluster)."),
         gpus_per_run: float = typer.Option(0.0, "--gpus-per-run", min=0.0, help="Ray only: GPUs per run."),
+        ray_address: str = typer.Option(None, "--ray-address", metavar="HOST:PORT",
+                                        help="Ray only: the head of a running cluster (default: $RAY_ADDRESS, "
+                                             "else a local Ray)."),
         device: str = typer.Option(None, "--device", help="Device of every run (auto | cpu | cuda...)."),
         metric: str = typer.Option(None, "--metric", help="Summary/plot metric (default: eval score, else train/loss)."),
     ) -> None:
@@ -1527,7 +1573,7 @@ def register(app) -> None:
             n_threads = threads or default_threads(jobs)
             res = sweep(config, g, s, folder, list(overrides or []), jobs=jobs, threads=n_threads, launcher=launcher,
                         gpus_per_run=gpus_per_run, device=device, metric=metric,
-                        echo=lambda m: typer.echo(m, err=True))
+                        echo=lambda m: typer.echo(m, err=True), ray_address=ray_address)
         except SweepError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None

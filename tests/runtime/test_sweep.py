@@ -1,5 +1,6 @@
 """``rl-tformers sweep``: grid parsing and expansion, local parallel runs, skip/resume on re-run,
-results table and plot, failed runs, and the Ray launcher (through a stand-in module)."""
+results table and plot, failed runs, and the Ray launcher (through a stand-in module, and on a
+real local Ray instance in the slow suite)."""
 
 from __future__ import annotations
 
@@ -140,33 +141,74 @@ def test_ray_launcher_submits_one_task_per_run(tmp_path: Path, monkeypatch: pyte
                                  remote=remote, get=lambda ref: ref.value, wait=wait)
     monkeypatch.setitem(sys.modules, "ray", fake)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    runs = sw.expand({"x": ["1", "2"]}, [0], tmp_path)
-    cmds = [(r, [sys.executable, "-c", f"print({i})"]) for i, r in enumerate(runs)]
-    out = sw.run_ray(cmds, threads=2, gpus_per_run=0.5, log_dir=tmp_path / "logs", echo=lambda m: None)
+    monkeypatch.setenv("RL_TFORMERS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    runs = sw.expand({"x": ["1", "2"]}, [0], Path("sweep"))  # relative, as --out sweep
+    show = "import os; print(os.getcwd(), os.environ['RL_TFORMERS_CACHE_DIR'], os.environ['OMP_NUM_THREADS'])"
+    cmds = [(r, [sys.executable, "-c", f"{show}; print({i})"]) for i, r in enumerate(runs)]
+    out = sw.run_ray(cmds, threads=2, gpus_per_run=0.5, log_dir=Path("sweep/logs"), echo=lambda m: None)
     assert calls["init"] == [{"address": None}] and calls["remote"] == [{"num_cpus": 2, "num_gpus": 0.5}]
     assert [o.status for o in out.values()] == ["ok", "ok"] and "1" in out[runs[1].name].log
+    assert f"{tmp_path} {tmp_path / 'cache'} 2\n" in out[runs[0].name].log  # the sweep's folder and variables
+    assert (tmp_path / "sweep" / "logs" / "x=1_seed0.log").is_file()
     assert calls["wait"] == [(2, 2, 0.5)]
+    calls["init"].clear()
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    sw.run_ray(cmds[:1], threads=1, gpus_per_run=0, log_dir=Path("sweep/logs"), echo=lambda m: None,
+               address="10.0.0.1:6379")
+    sw.run_ray(cmds[:1], threads=1, gpus_per_run=0, log_dir=Path("sweep/logs"), echo=lambda m: None)
+    assert calls["init"] == [{"address": "10.0.0.1:6379"}, {"address": "10.0.0.2:6379"}]
 
 
 @pytest.mark.slow
-def test_a_real_local_ray_sweep_gives_the_local_launcher_s_results(tmp_path: Path) -> None:
-    """With Ray installed (``pip install 'rl-tformers[ray]'``): the same sweep through a local Ray
-    (``ray.init()`` starts one) and through local processes gives identical runs."""
-    pytest.importorskip("ray")
+def test_a_sweep_on_a_real_ray_instance_gives_the_local_launcher_s_results(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 configs x 2 seeds through ``--launcher ray --ray-address`` on a Ray instance this test
+    starts on the loopback address (and stops) give the runs of the local launcher, final
+    metrics equal to the last digit. The sweep runs in another folder than Ray's workers, with
+    a relative ``--out``: each run's ``train`` runs in the sweep's folder."""
+    import importlib.util
     import subprocess
 
-    cli = Path(sys.executable).parent / "rl-tformers"
-    got = {}
-    for launcher in ("local", "ray"):
-        out = tmp_path / launcher
-        r = subprocess.run([str(cli), "sweep", "-c", "toy", "--grid", "train.lr=1e-3,3e-3", "--seeds", "0-1",
-                            "--jobs", "2", "--launcher", launcher, "--out", str(out), "train.steps=20"],
-                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-        rows = json.loads((out / "results.json").read_text())["runs"]
-        got[launcher] = {row["run"]: (row["status"], row["step"], row["train/loss"], row["eval/return"]) for row in rows}
-    assert len(got["ray"]) == 4 and all(v[0] == "ok" and v[1] == 20 for v in got["ray"].values())
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("needs Ray: pip install 'rl-tformers[ray]'")
+    # Ray binds the loopback address only with its multi-node mode off (else it resolves
+    # 127.0.0.1 to the node's reachable address); set before ray is imported, and on the module
+    # where an earlier test imported it
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+    import ray._private.ray_constants as ray_constants
+
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "ray")  # the folder of Ray's workers
+    ctx = ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                   _node_ip_address="127.0.0.1")
+    try:
+        address = ctx.address_info["gcs_address"]
+        assert address.startswith("127.0.0.1:")
+        cli = Path(sys.executable).parent / "rl-tformers"
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        got = {}
+        for launcher, how in (("local", ["--jobs", "2"]), ("ray", ["--launcher", "ray", "--ray-address", address])):
+            r = subprocess.run([str(cli), "sweep", "-c", "toy", "--grid", "train.lr=1e-3,3e-3", "--seeds", "0-1",
+                                "--threads", "1", *how, "--out", f"sweep-{launcher}", "train.steps=20",
+                                "train.warmup_steps=5"],
+                               capture_output=True, text=True, timeout=900, cwd=tmp_path / "work", env=env)
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+            rows = json.loads((tmp_path / "work" / f"sweep-{launcher}" / "results.json").read_text())["runs"]
+            got[launcher] = {row["run"]: (row["status"], row["step"], row["train/loss"], row["eval/return"])
+                             for row in rows}
+        assert address in r.stderr  # the ray sweep joined this instance (Ray's "Connecting to ... at ADDRESS")
+    finally:
+        ray.shutdown()
+    assert sorted(got["ray"]) == ["lr=1e-3/seed0", "lr=1e-3/seed1", "lr=3e-3/seed0", "lr=3e-3/seed1"]
+    assert all(v[:2] == ("ok", 20) for v in got["ray"].values())
     assert got["ray"] == got["local"]
+    logs = tmp_path / "work" / "sweep-ray" / "logs"
+    assert len(list(logs.glob("*.parts.jsonl"))) == 4 and not (tmp_path / "ray" / "sweep-ray").exists()
 
 
 # ------------------------------------------------- sweep: a diverged run's final NaN is not hidden
@@ -405,6 +447,15 @@ def test_sweep_refuses_gpus_per_run_that_would_be_ignored(tmp_path: Path) -> Non
 
     with pytest.raises(SweepError, match=r"^--gpus-per-run inf: give a finite number >= 0"):
         sweep("toy", {}, [0], out, launcher="ray", gpus_per_run=float("inf"))
+    assert not out.exists()
+
+
+def test_sweep_refuses_a_ray_address_with_the_local_launcher(tmp_path: Path) -> None:
+    out = tmp_path / "sw"
+    res = _sweep("--grid", "train.lr=1e-3", "--out", str(out), "--ray-address", "127.0.0.1:6379", "train.steps=2")
+    assert res.exit_code == 2, res.output
+    assert res.output == ("error: --ray-address 127.0.0.1:6379 is for --launcher ray; add --launcher ray, or drop "
+                          "--ray-address\n")
     assert not out.exists()
 
 
