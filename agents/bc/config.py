@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from rl_tformers.agents.common.encoders import EncoderConfig
 from rl_tformers.agents.common.encoders.flat import LinearEncoderConfig
+
 from rl_tformers.typed_config import ConfigFieldError, TypedConfig, option
 
 

@@ -13,9 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from torch import Tensor, nn
-
 from rl_tformers.agents.common.encoders import EncoderConfig, ObservationEncoder
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)

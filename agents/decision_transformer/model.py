@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from rl_tformers.agents.common.encoders import EncoderConfig, ObservationEncoder
 from torch import Tensor, nn
 
-from rl_tformers.agents.common.encoders import EncoderConfig, ObservationEncoder
 from rl_tformers.backbone import Backbone
 from rl_tformers.backbone_config import BackboneConfig
 from rl_tformers.depth.early_exit import SCHEMES, with_final_norm

@@ -32,7 +32,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
-from rl_tformers.agents.gtrxl.ppo_update import STORE_KEYS, store_rows
+from rl_tformers.agents.gtrxl.ppo_update import PIXEL_KEY, STORE_KEYS, store_rows
 from rl_tformers.agents.gtrxl.rollout import RolloutCollector
 from torch import Tensor
 
@@ -453,7 +453,7 @@ def saved_rollout(st: Mapping[str, Any], device: torch.device, *, steps: int, n_
         stats = {str(k): float(v) for k, v in dict(ro["stats"]).items()}
         fifo = {k: fifo_decode(ro["fifo"][k], dim) for k, dim in _FIFO_KEYS.items()}
         tensors = {**{k: ro["tensors"][k] for k in _ROLLOUT_KEYS}, **fifo,
-                   **{k: ro["tensors"][k] for k in STORE_KEYS if k in ro["tensors"]}}
+                   **{k: ro["tensors"][k] for k in (*STORE_KEYS, PIXEL_KEY) if k in ro["tensors"]}}
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, IndexError) as exc:
         raise ValueError(f"the saved rollout is incomplete or malformed ({type(exc).__name__}: {exc})") from exc
     for k, v in tensors.items():

@@ -173,7 +173,9 @@ def read_offline(path: str, plugins: Any) -> tuple[dict, dict, dict]:
               # how its encoder read a discrete a_{t-1} at an episode start (zeros, or action 0 before
               # the field existed): the fine-tuned rollouts feed it the same way
               "prev_action_zero_at_start": bool(dict(state.get("extra") or {}).get("model", {})
-                                                .get("prev_action_zero_at_start", False))}
+                                                .get("prev_action_zero_at_start", False)),
+              # its observation encoder (linear before the field existed), fine-tuned as it is
+              "encoder": dict(state.get("extra") or {}).get("model", {}).get("encoder")}
     return state, saved["backbone"], inputs
 
 

@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from rl_tformers.agents.common.encoders import EncoderConfig, ObservationEncoder
 from torch import Tensor, nn
 from torch.distributions import Categorical, Distribution, Normal
 
-from rl_tformers.agents.common.encoders import EncoderConfig, ObservationEncoder
 from rl_tformers.backbone import Backbone, IncompatibleConfig
 from rl_tformers.backbone_config import BackboneConfig
 from rl_tformers.position.absolute import LearnedPosition

@@ -121,6 +121,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from rl_tformers.agents.common.encoders import EncoderConfig, check_observations
 from rl_tformers.agents.gtrxl import env_state, ppo_update
 from rl_tformers.agents.gtrxl.agent import GTrXLPolicy, _plain, model_config_dict
 from rl_tformers.agents.gtrxl.config import PPOAgentConfig
@@ -244,6 +245,20 @@ def ppo_backbone(backbone: Mapping[str, Any], init_checkpoint: str | None) -> di
     return backbone
 
 
+def with_encoder(a: PPOAgentConfig, spec: EnvSpec, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The model inputs ``inputs`` with the observation encoder (``agent.encoder``, or the offline run's
+    when fine-tuning) and the environment's observation shape.
+
+    Raises:
+        ConfigFieldError: the encoder does not take the environment's observations (a flat kind on
+            uint8 (C, H, W) images or the reverse; :func:`check_observations`).
+    """
+    encoder = inputs.get("encoder") or a.encoder.to_dict()
+    check_observations(EncoderConfig.from_dict(encoder, "agent.encoder"), spec.obs_shape, spec.obs_dtype,
+                       f"the environment {spec.env_id}")
+    return {**inputs, "encoder": encoder, "obs_shape": spec.obs_shape}
+
+
 def _agent_config(cfg: Any) -> PPOAgentConfig:
     """The typed ``agent`` section of a run config."""
     return PPOAgentConfig.from_dict({k: v for k, v in _plain(cfg.agent).items() if k != "kind"}, where="agent")
@@ -285,14 +300,15 @@ class GTrXLPPO:
         info = dist_info()  # under DDP (torchrun) every process collects its own rollouts
         self.rank, self.world_size = info.rank, info.world_size
         self.n_envs, self.n_steps = int(a.n_envs), int(a.n_steps)
-        # normalise (and clip to +-OBS_CLIP) the inputs: with running statistics (obs_norm), or with the
-        # offline run's when fine-tuning; otherwise the raw observations, never clipped
+        # normalise (and clip to +-OBS_CLIP) the inputs: with running statistics (obs_norm), or with the offline
+        # run's when fine-tuning; otherwise the raw observations, never clipped; pixels never (uint8, scaled in the CNN)
+        norm = (bool(a.obs_norm) or bool(a.init_checkpoint)) and not self.model.encoder.pixels
         self.collector = RolloutCollector(
             self.model, spec, self.device, n_envs=self.n_envs, n_steps=self.n_steps, seed=self.seed,
             gamma=float(a.gamma), gae_lambda=float(a.gae_lambda), reward_scale=float(a.reward_scale),
-            normalize_obs=bool(a.obs_norm) or bool(a.init_checkpoint), obs_rms=self.obs_rms, rank=self.rank,
-            world_size=self.world_size, position_limit=position_limit(self.model))
-        self.collector.update_obs_stats = bool(a.obs_norm)
+            normalize_obs=norm, obs_rms=self.obs_rms, rank=self.rank, world_size=self.world_size,
+            position_limit=position_limit(self.model))
+        self.collector.update_obs_stats = bool(a.obs_norm) and not self.model.encoder.pixels
         #: critic-only updates (agent.critic_warmup) leave the encoder and actor without a gradient, as
         #: some backbones leave parts of theirs (needs_find_unused): under DDP the trainer must let
         #: DistributedDataParallel find them (else the next update fails)
@@ -359,8 +375,8 @@ class GTrXLPPO:
             check_offline_spaces(offline.get("extra") or {}, str(a.init_checkpoint), spec.env_id, spec.obs_dim,
                                  spec.act_dim, spec.discrete, spec.low, spec.high, spec.action_start)
             warn_ignored_settings(a, configured, backbone, inputs)
-        model_cfg = GTrXLConfig(obs_dim=spec.obs_dim, act_dim=spec.act_dim, discrete=spec.discrete,
-                                backbone=ppo_backbone(backbone, a.init_checkpoint), critic="value", **inputs)
+        model_cfg = GTrXLConfig(obs_dim=spec.obs_dim, act_dim=spec.act_dim, discrete=spec.discrete, critic="value",
+                                backbone=ppo_backbone(backbone, a.init_checkpoint), **with_encoder(a, spec, inputs))
         agent = cls(cfg, a, spec, model_cfg, device)
         agent.collector.check_time_limit(a.init_checkpoint)
         if offline is not None:

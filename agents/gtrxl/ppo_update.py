@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from rl_tformers.agents.gtrxl.model import GTrXLModel, gate_logs
+from rl_tformers.agents.gtrxl.model import GTrXLEncoder, GTrXLModel, gate_logs
 from torch import Tensor
 
 from rl_tformers.memory.spalm import SpalmStore
@@ -25,6 +25,10 @@ from rl_tformers.types import BackboneState, LayerState
 #: rollout keys of the SPALM long-term store each step acted with (memory kind ``spalm``), each
 #: (S, N, K, ...): :class:`~rl_tformers.memory.spalm.SpalmStore`'s fields with this prefix
 STORE_KEYS = ("ltm_keys", "ltm_inputs", "ltm_pos", "ltm_valid", "ltm_seg")
+#: the rollout key of the uint8 pixel observations (N, C, H, W) per step, kept when the model's
+#: observation encoder takes images: ``x`` then holds the other inputs only (a_{t-1}, r_{t-1}), and
+#: each update encodes the pixels again with the weights it trains (:func:`ppo_loss`)
+PIXEL_KEY = "obs"
 
 
 def compute_gae(
@@ -112,6 +116,17 @@ def normalize_advantages(adv: Tensor, eps: float = 1e-8) -> Tensor:
     return (adv - mean.to(adv.dtype)) / (std.to(adv.dtype) + eps)
 
 
+def minibatch_inputs(enc: GTrXLEncoder, mb: Mapping[str, Tensor]) -> Tensor:
+    """The step inputs (B, input_dim) of a minibatch: ``mb["x"]``, or, when the rollout kept the
+    uint8 pixels (:data:`PIXEL_KEY`, (B, C, H, W)), their features (encoded now, with the weights
+    being trained) before ``mb["x"]`` (B, E), the inputs besides them."""
+    x = mb["x"]
+    if PIXEL_KEY not in mb:
+        return x
+    feat = enc.encode_obs(mb[PIXEL_KEY])  # (B, F)
+    return torch.cat([feat, x.to(feat.dtype)], dim=-1)  # (B, F + E)
+
+
 def ppo_loss(
     model: GTrXLModel,
     mb: Mapping[str, Tensor],
@@ -129,7 +144,7 @@ def ppo_loss(
         mb: ``x (B, input_dim)``, ``pos (B,)``, ``mem (B, L, M, D)``, ``mem_pos/mem_valid/mem_seg
             (B, M)``, ``episode (B,)``, ``actions (B, A) or (B,)``, ``logp (B,)``, ``adv (B,)``,
             ``returns (B,)``; with memory kind ``spalm`` also the long-term store each step acted
-            with (:data:`STORE_KEYS`).
+            with (:data:`STORE_KEYS`); with an image encoder the pixels (:func:`minibatch_inputs`).
         critic_only: train only the value head, on detached features (the critic warm-up of
             fine-tuning: encoder and actor keep their offline weights).
 
@@ -146,7 +161,7 @@ def ppo_loss(
     enc = model.encoder
     state = state_from_rows(mb["mem"], mb["mem_pos"], mb["mem_valid"], mb["mem_seg"], mb["episode"], mb["pos"],
                             {k: mb[k] for k in STORE_KEYS if k in mb})
-    out = enc(mb["x"][:, None], mb["pos"][:, None], state=state)
+    out = enc(minibatch_inputs(enc, mb)[:, None], mb["pos"][:, None], state=state)
     h = out.features[:, 0]  # (B, D)
     logp = model.actor.log_prob(h, mb["actions"])
     entropy = model.actor.entropy(h).mean()

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from rl_tformers.agents.decision_transformer.model import to_env_action
 from rl_tformers.agents.gtrxl.model import GTrXLModel, record_attention
-from rl_tformers.agents.gtrxl.ppo_update import STORE_KEYS, compute_gae, store_rows
+from rl_tformers.agents.gtrxl.ppo_update import PIXEL_KEY, STORE_KEYS, compute_gae, store_rows
 from rl_tformers.envs.environments import make_task
 from torch import Tensor
 
@@ -79,6 +79,7 @@ class EnvSpec:
         env_id, env_kwargs: ``make_task(env_id, **env_kwargs)`` (:mod:`~rl_tformers.envs.environments`:
             POPGym's ids resolved, non-Box observations one-hot, MultiDiscrete actions one Discrete).
         obs_dim: flat observation size O.
+        obs_shape, obs_dtype: one observation's shape and dtype (uint8 ``(C, H, W)``: images).
         act_dim: number of discrete actions, or the flat size A of a Box action.
         discrete: Discrete actions (class index + ``action_start`` is the environment's action).
         action_start: the Discrete space's ``start`` (0 for Box actions).
@@ -97,6 +98,8 @@ class EnvSpec:
     low: np.ndarray | None
     high: np.ndarray | None
     time_limit: int | None
+    obs_shape: tuple[int, ...] = ()
+    obs_dtype: str = "float32"
 
     @classmethod
     def probe(cls, env_id: str, env_kwargs: dict[str, Any]) -> EnvSpec:
@@ -126,7 +129,8 @@ class EnvSpec:
             raise ValueError(f"gtrxl_ppo: needs Discrete or bounded Box actions, {env_id} has {act_space}")
         return cls(env_id=env_id, env_kwargs=env_kwargs, obs_dim=int(np.prod(obs_space.shape)), act_dim=act_dim,
                    discrete=discrete, action_start=int(act_space.start) if discrete else 0, action_shape=shape,
-                   low=low, high=high, time_limit=time_limit)
+                   low=low, high=high, time_limit=time_limit, obs_shape=tuple(int(k) for k in obs_space.shape),
+                   obs_dtype=np.dtype(obs_space.dtype).name)
 
     def make(self) -> gym.Env:
         """A new environment ``make_task(env_id, **env_kwargs)``."""
@@ -142,6 +146,16 @@ class EnvSpec:
         return env_a.reshape(len(env_a), *self.action_shape)
 
 
+def stored_inputs(model: GTrXLModel, obs: Tensor, x: Tensor) -> dict[str, Tensor]:
+    """What a rollout keeps of a step's inputs ``x`` (N, input_dim) made from ``obs``: ``x`` itself,
+    or, with an image encoder, the uint8 pixels ``obs`` (N, C, H, W) and the inputs besides the
+    observation's features ``x[:, F:]`` (N, E): each update encodes the pixels again with the
+    weights it trains (:func:`~rl_tformers.agents.gtrxl.ppo_update.minibatch_inputs`)."""
+    if not model.encoder.pixels:
+        return {"x": x}
+    return {"x": x[:, model.cfg.obs_features:], PIXEL_KEY: obs}
+
+
 class RolloutBuffer:
     """The per-step tensors of one rollout (:data:`ROLLOUT_KEYS`), each (N, ...) per step."""
 
@@ -150,10 +164,11 @@ class RolloutBuffer:
 
     def add(self, **step: Tensor) -> None:
         """Append one step: every key of :data:`ROLLOUT_KEYS`, and the SPALM store's
-        (:data:`~rl_tformers.agents.gtrxl.ppo_update.STORE_KEYS`) when given, (N, ...) each."""
+        (:data:`~rl_tformers.agents.gtrxl.ppo_update.STORE_KEYS`) and the uint8 pixels
+        (:data:`~rl_tformers.agents.gtrxl.ppo_update.PIXEL_KEY`) when given, (N, ...) each."""
         for k in ROLLOUT_KEYS:
             self.steps[k].append(step[k])
-        for k in STORE_KEYS:
+        for k in (*STORE_KEYS, PIXEL_KEY):
             if k in step:
                 self.steps.setdefault(k, []).append(step[k])
 
@@ -260,7 +275,9 @@ class RolloutCollector:
     # -- model inputs -----------------------------------------------------------------------------
     def norm_obs(self, obs: np.ndarray) -> Tensor:
         """(N, *obs_shape) raw -> (N, O) float32 inputs: normalised and clipped to +-OBS_CLIP
-        (:attr:`normalize_obs`), else the raw values."""
+        (:attr:`normalize_obs`), else the raw values; pixels stay uint8 (N, C, H, W)."""
+        if self.model.encoder.pixels:
+            return torch.as_tensor(np.asarray(obs, np.uint8), device=self.device)  # (N, C, H, W)
         o = np.asarray(obs, np.float64).reshape(len(obs), -1)
         if self.normalize_obs:
             o = np.clip((o - self.obs_rms.mean) / self.obs_rms.std, -OBS_CLIP, OBS_CLIP)
@@ -274,9 +291,10 @@ class RolloutCollector:
             return torch.where(keep, prev_a, torch.full_like(prev_a, -1))
         return prev_a * keep.to(prev_a.dtype)
 
-    def step_inputs(self, obs: np.ndarray, prev_a: Tensor, prev_r: Tensor) -> Tensor:
-        """(N, input_dim) encoder inputs of one step."""
-        return self.model.encoder.inputs(self.norm_obs(obs)[:, None], None, prev_a[:, None], prev_r[:, None])[:, 0]
+    def step_inputs(self, obs: Tensor, prev_a: Tensor, prev_r: Tensor) -> Tensor:
+        """(N, input_dim) encoder inputs of one step from :meth:`norm_obs`'s ``obs`` (N, O) or (N, C, H, W)."""
+        return self.model.encoder.inputs(obs[:, None], None, prev_a[:, None], prev_r[:, None])[:, 0]
+
 
     def check_positions(self, pos: Tensor, rows: Tensor | None = None, final: bool = False) -> None:
         """Refuse episode steps past the learned position table, before the forward that would need them.
@@ -337,7 +355,7 @@ class RolloutCollector:
             self.start_envs()
         buf, raw_obs = RolloutBuffer(), []
         for _ in range(self.n_steps):  # one batched forward per step for all N environments
-            raw_obs.append(self.obs)
+            raw_obs += [self.obs] if self.update_obs_stats else []  # no copy of pixel rollouts
             buf.add(**self._step())
         last_value, weights = self._last_value()
         ro: dict[str, Any] = buf.stacked()
@@ -360,7 +378,8 @@ class RolloutCollector:
         prev_r = self.prev_r * (~start)
         t = self.t * (~start)
         self.check_positions(t)
-        x = self.step_inputs(self.obs, prev_a, prev_r)  # (N, input_dim)
+        obs_in = self.norm_obs(self.obs)  # (N, O) float32, or (N, C, H, W) uint8 pixels
+        x = self.step_inputs(obs_in, prev_a, prev_r)  # (N, input_dim)
         out = enc(x[:, None], t[:, None], state=memory)
         h = out.features[:, 0]
         dist_ = model.actor.dist(h)
@@ -380,14 +399,15 @@ class RolloutCollector:
             final[idx] = np.stack(info["final_obs"][idx])
             self.check_positions(t + 1, trunc_t, final=True)
             a_in = taken.view(n, *self.prev_a.shape[1:]).to(self.prev_a.dtype)
-            xf = self.step_inputs(final, a_in, r_in)
+            xf = self.step_inputs(self.norm_obs(final), a_in, r_in)
             hf = enc(xf[:, None], (t + 1)[:, None], state=out.state).features[:, 0]
             r = r + self.gamma * model.state_value(hf) * trunc_t
         done = torch.as_tensor(term | trunc, device=dev)
         self._count_episodes(reward, np.asarray(term | trunc))
         self.memory, self.prev_a, self.prev_r, self.t, self.start = out.state, taken, r_in, t + 1, done
         self.obs = obs
-        return {"x": x, "pos": t, "mem": torch.stack([ls.memory for ls in memory.layers], 1),  # (N, L, M, D)
+        return {**stored_inputs(model, obs_in, x), "pos": t,
+                "mem": torch.stack([ls.memory for ls in memory.layers], 1),  # (N, L, M, D)
                 "mem_pos": memory.pos, "mem_valid": memory.valid, "mem_seg": memory.seg, "episode": memory.episode,
                 "actions": action, "logp": logp, "values": value, "rewards": r, "dones": done, **store_rows(memory)}
 
@@ -406,7 +426,7 @@ class RolloutCollector:
         self.check_positions(self.t * (~self.start))
         memory = enc.reset_state(self.memory, self.start)
         keep = (~self.start).view(-1, *([1] * (self.prev_a.dim() - 1)))
-        x = self.step_inputs(self.obs, self.start_prev_a(self.prev_a, keep), self.prev_r * (~self.start))
+        x = self.step_inputs(self.norm_obs(self.obs), self.start_prev_a(self.prev_a, keep), self.prev_r * (~self.start))
         with record_attention(enc) as weights:
             last = enc(x[:, None], (self.t * (~self.start))[:, None], state=memory, need_weights=True)
         return self.model.state_value(last.features[:, 0]), weights

@@ -24,7 +24,6 @@ typed fields (:mod:`rl_tformers.typed_config`) are the backbone's, reused.
 Importing this package registers every kind (each module registers itself on import).
 """
 
-from rl_tformers._discover import import_submodules
 from rl_tformers.agents.common.encoders.base import (
     ENCODERS,
     EncoderCapabilities,
@@ -34,6 +33,8 @@ from rl_tformers.agents.common.encoders.base import (
     is_image,
     observation_layout,
 )
+
+from rl_tformers._discover import import_submodules
 
 import_submodules(__name__)
 

@@ -10,8 +10,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
-
 from rl_tformers.agents.common.encoders.base import (
     ENCODERS,
     EncoderCapabilities,
@@ -19,6 +17,8 @@ from rl_tformers.agents.common.encoders.base import (
     ObservationEncoder,
     param_dtype,
 )
+from torch import Tensor, nn
+
 from rl_tformers.typed_config import ConfigFieldError, option
 
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
-
 from rl_tformers.agents.common.encoders.base import (
     ENCODERS,
     EncoderCapabilities,
@@ -31,6 +29,8 @@ from rl_tformers.agents.common.encoders.base import (
     pixels_to_float,
 )
 from rl_tformers.agents.common.encoders.nature_cnn import conv_out
+from torch import Tensor, nn
+
 from rl_tformers.typed_config import ConfigFieldError, option
 
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
-
 from rl_tformers.agents.common.encoders.base import (
     ENCODERS,
     EncoderCapabilities,
@@ -31,6 +29,8 @@ from rl_tformers.agents.common.encoders.base import (
     param_dtype,
     pixels_to_float,
 )
+from torch import Tensor, nn
+
 from rl_tformers.typed_config import option
 
 #: smallest H and W the three convolutions take: (36 - 8) / 4 + 1 = 8, (8 - 4) / 2 + 1 = 3, 3 - 3 + 1 = 1
