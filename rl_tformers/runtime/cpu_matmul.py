@@ -19,7 +19,7 @@ backward ones (``rl-tformers bench gemm``, ``rl-tformers bench train`` and docs/
   the three products of each of the run's ``nn.Linear`` shapes (:func:`linear_shapes`) with
   both libraries, round-robin, at the process's thread count; oneDNN only when its GFLOP/s
   exceed MKL's by more than :data:`AUTO_MARGIN` (5%), else PyTorch's default, MKL. The
-  measurement (under a second) is cached per CPU model, thread count, torch version and shapes
+  measurement (about a second; up to 2 on a loaded host) is cached per CPU model, thread count, torch version and shapes
   in ``cpu_matmul.json`` of the cache folder (:func:`rl_tformers.runtime.host.cache_dir`). No
   vendor name enters the choice: on one AMD EPYC host oneDNN ran the DT's products at twice
   MKL's rate; on another (Zen 4) its peak was 106-110 GFLOP/s against MKL's 93-99, and a run
@@ -234,10 +234,10 @@ def apply_cpu_matmul(model: nn.Module, library: str) -> int:
 
 # -- cpu_matmul: auto ------------------------------------------------------------------------------
 
-#: oneDNN is chosen only when its GFLOP/s exceed MKL's by more than this fraction. Two
-#: measurements of the same products on one host differ by a few percent (another process's
-#: load, clock changes: docs/performance.md gives the spread); a smaller gap is noise, and
-#: PyTorch's default (MKL) is kept.
+#: oneDNN is chosen only when its GFLOP/s exceed MKL's by more than this fraction. Two runs of
+#: the same products on one host gave rates 4-6% apart (``bench gemm`` on a Zen 4 host: oneDNN
+#: 106-110, MKL 93-99 GFLOP/s; a loaded host drifts far more: docs/performance.md); a smaller
+#: gap is noise, and PyTorch's default (MKL) is kept.
 AUTO_MARGIN = 0.05
 #: most float32 FLOPs of one library's products in one measurement round: a wider or larger
 #: batch model is measured on fewer rows M (:func:`linear_shapes`), so the measurement stays
