@@ -872,3 +872,24 @@ def test_a_dataset_on_the_gpu_trains_in_bf16(tmp_path: Path) -> None:
                                       "train.data_on_device=true", "train.amp=bf16"])
     assert train(cfg, tmp_path / "run").complete
     assert all(torch.isfinite(v).all() for v in model_state(tmp_path / "run", 4).values())
+
+
+def test_cuda_graphs_compile_in_reduce_overhead_mode_and_mark_every_update(run_dir: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plumbing of ``train.cuda_graphs`` (CUDA only, so the config is edited past the refusal
+    and the compilation recorded instead of run): the model is compiled with
+    ``mode="reduce-overhead"`` and each update starts a new CUDA-graph step."""
+    from omegaconf import OmegaConf
+
+    compiled, marks = [], []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append(kw))
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    cfg = toy_cfg("train.steps=6", "train.checkpoint_every=0")
+    OmegaConf.set_readonly(cfg, False)
+    cfg.train.cuda_graphs = True
+    OmegaConf.set_readonly(cfg, True)
+    assert train(cfg, run_dir).complete
+    assert compiled == [{"mode": "reduce-overhead"}] and len(marks) == 6
+    compiled.clear()
+    assert train(toy_cfg("train.steps=2", "train.compile=true", "train.checkpoint_every=0"), run_dir.parent / "c").complete
+    assert compiled == [{}]
