@@ -10,7 +10,8 @@ Modules (import them directly; this package imports nothing heavy):
 * :mod:`~rl_tformers.envs.trajectory`: ``returns_to_go``, ``next_return_to_go``,
   ``observation_stats``, ``reward_scale``, ``top_fraction``.
 * :mod:`~rl_tformers.envs.samplers`: ``WindowSampler`` (Decision Transformer), ``SegmentSampler``
-  (recurrent agents); :mod:`~rl_tformers.envs.torch_data`: ``StepBatchDataset``, ``make_dataloader``.
+  (recurrent agents); :mod:`~rl_tformers.envs.torch_data`: ``StepBatchDataset``, ``make_dataloader``,
+  ``DeviceSampler`` (the dataset held on the training device, ``train.data_on_device``).
 * :mod:`~rl_tformers.envs.scores`: ``normalized_score``, ``reference_scores`` (D4RL's and Atari's).
 * :mod:`~rl_tformers.envs.pomdp`: ``ObservationMaskWrapper``, ``position_indices``, ``make_env``.
 * :mod:`~rl_tformers.envs.environments`: ``make_task`` (POPGym's ids with the ``popgym`` extra,
