@@ -26,9 +26,8 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
-
 from rl_tformers.envs.samplers import SampleIndex, SegmentSampler, WindowSampler
+from torch.utils.data import DataLoader, Dataset
 
 
 class BatchSampler(Protocol):

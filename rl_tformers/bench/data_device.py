@@ -101,8 +101,8 @@ def device_sampling(path: Path, device: str, *, batch_size: int, context_len: in
         times: dict[str, list[float]] = {"host": [], "device": []}
         for r in range(repeats):  # alternating, batches 1.. (batch 0 warmed both up above)
             first = 1 + r * batches
-            times["host"].append(_timed(lambda s: move_to(host[s], dev), first, batches, dev))
-            times["device"].append(_timed(lambda s: on_device[s], first, batches, dev))
+            times["host"].append(_timed(lambda s, h=host: move_to(h[s], dev), first, batches, dev))
+            times["device"].append(_timed(lambda s, d=on_device: d[s], first, batches, dev))
         host_rate = batches * batch_size / statistics.median(times["host"])
         dev_rate = batches * batch_size / statistics.median(times["device"])
         row = {"sampler": f"{name}, {shape}", "batch_size": batch_size, "steps": ds.num_steps,
