@@ -999,3 +999,16 @@ def test_a_local_sweep_prints_progress_while_its_runs_go(tmp_path: Path) -> None
     assert [o.status for o in out.values()] == ["ok", "ok"]
     assert said[:2] == [f"sweep: 0/2 runs (0%), elapsed {s}s, running: {runs[0].name} at step 7" for s in (10, 20)]
     assert [ln.split(" (")[0] for ln in said[2:]] == [f"ok      {runs[0].name}", f"ok      {runs[1].name}"]
+
+
+def test_a_stored_run_without_a_newer_option_is_the_same_config() -> None:
+    """A run stored before an option existed matches a request that leaves the option at its
+    default, and differs from one that sets it to something else."""
+    from rl_tformers.runtime.run_config import to_container
+
+    requested = to_container(compose(None, ["agent.kind=toy"]))
+    stored = to_container(compose(None, ["agent.kind=toy"]))
+    del stored["train"]["amp"]
+    assert sw.config_differences(stored, requested) == []
+    other = to_container(compose(None, ["agent.kind=toy", "train.amp=bf16"]))
+    assert sw.config_differences(stored, other) == ["train.amp: none (stored) -> bf16 (requested)"]
