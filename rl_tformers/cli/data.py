@@ -436,8 +436,9 @@ def _collect_one(a: CollectArgs):
     if (steps or 0) == 0 and (a.episodes or 0) == 0:
         return results  # only the training replay was asked for
     suffix = "" if record is None else f"-{record['kind'] if record['kind'] == 'positions' else 'masked'}"
-    # "module:EnvId" (gymnasium's form for a user's own env): ':' is not allowed in a Minari id
-    dataset_id = a.dataset_id or f"rlt/{a.env.rpartition(':')[2].lower()}/{label}{suffix}-v0"
+    # "module:EnvId" (gymnasium's form for a user's own env): ':' is not allowed in a Minari id; a
+    # namespaced id's '/' (ALE/Breakout-v5) becomes '-': rlt/ale-breakout-v5/random-v0
+    dataset_id = a.dataset_id or f"rlt/{a.env.rpartition(':')[2].lower().replace('/', '-')}/{label}{suffix}-v0"
     results.append(collect(a.env, [Behaviour(pol, steps=steps, episodes=a.episodes, label=info["policy"], info=info)],
                            dataset_id=dataset_id, seed=a.seed, pomdp=record, root=a.root, hdf5=a.hdf5,
                            overwrite=a.overwrite, progress=a.progress,

@@ -125,3 +125,13 @@ def test_an_atari_id_without_the_extra_is_refused_in_one_line_naming_it(tmp_path
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         f"error: --env: {BREAKOUT} needs the atari extra, which is not installed: {ATARI_INSTALL} ("), r.stderr
+
+
+def test_collect_on_an_atari_id_writes_one_frame_per_step_under_a_dashed_id(tmp_path) -> None:
+    pytest.importorskip("ale_py")
+    r = CliRunner().invoke(app, ["collect", "--env", BREAKOUT, "--policy", "random", "--episodes", "1",
+                                 "--root", str(tmp_path), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    ds = load_dataset("rlt/ale-breakout-v5/random-v0", root=tmp_path)
+    assert ds.observations.dtype == np.uint8 and ds.frame_shape == (1, 84, 84) and ds.frame_stack == 4
+    assert ds.summary()["observation_bytes"] == ds.num_steps * 84 * 84
