@@ -248,6 +248,9 @@ def test_config_keys_named_in_prose_exist() -> None:
 
     # any registered kind's field (a doc may name the field of a kind no shipped config uses)
     known |= {f"backbone.{slot}.{name}" for slot in SLOTS for e in REGISTRIES[slot] for name in e.fields()}
+    from rl_tformers.agents.common.encoders import ENCODERS
+
+    known |= {f"agent.encoder.{name}" for e in ENCODERS for name in e.fields()}  # any observation encoder's field
     bad = []
     for path in DOCS:
         for key in re.findall(
