@@ -72,7 +72,7 @@ def train_small_dt(dataset: str, updates: int, seed: int, device: str,
             torch.nn.utils.clip_grad_norm_(agent.model.parameters(), 0.25)
             opt.step()
             if (step + 1) % 100 == 0:
-                log(f"train: update {step + 1}/{updates}, loss {float(loss):.4f}")
+                log(f"train: update {step + 1}/{updates}, loss {float(loss.detach()):.4f}")
     agent.model.eval()
     what = (f"a DT of 64 dims, 2 layers, K = 20 trained {updates} updates on {dataset} (seed {seed})" if updates
             else f"an untrained DT of 64 dims, 2 layers, K = 20 (dt/hopper_medium on {dataset}, seed {seed})")
