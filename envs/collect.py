@@ -17,6 +17,16 @@ observation ``(k * C, H, W)`` only its newest frame ``(C, H, W)`` is recorded, a
 metadata says ``frame_stack: k``; the samplers rebuild the stacks (:mod:`rl_tformers.envs.frames`),
 so the data holds every frame once, as uint8.
 
+Encoded observations (POPGym's tasks: :func:`~rl_tformers.envs.environments.make_task` one-hot
+encodes a Discrete, MultiDiscrete or Tuple observation as one float32 vector,
+:class:`~rl_tformers.envs.environments.OneHotObservation`): the encoded vector is recorded, the
+dataset's metadata says how (``observation_encoding``: ``gymnasium.spaces.flatten`` of the
+``source_space``), and its evaluation environment is the encoded one.
+
+Trained runs as behaviour policies (:class:`RunPolicy`): a runtime policy (``initial_state`` /
+``act`` on batches, state held by the caller) acts on one environment; the reward of each step
+reaches it as its ``last_reward`` (a return-conditioned policy counts its return down).
+
 Sizes: a behaviour with ``steps=N`` runs whole episodes until it has at least N steps (the last
 episode is finished, not cut), so datasets hold complete episodes only.
 """
@@ -40,7 +50,7 @@ import gymnasium as gym
 import numpy as np
 from rl_tformers.envs import recipes as R
 from rl_tformers.envs.dataset import META_KEY
-from rl_tformers.envs.environments import make_task
+from rl_tformers.envs.environments import OneHotObservation, make_task
 from rl_tformers.envs.frames import FRAME_STACK_KEY
 from rl_tformers.envs.loaders import data_root, load_minari, minari_root, save_d4rl_hdf5
 from rl_tformers.envs.pixels import frame_stack_of, is_pixel_id
@@ -261,6 +271,63 @@ def check_hdf5_target(path: str | Path | None, overwrite: bool = False) -> None:
         raise ValueError(f"--hdf5 {p}: cannot write in {folder} ({exc.strerror or exc})") from exc
 
 
+class RunPolicy:
+    """A runtime policy (``initial_state(n, target_return)``, ``act(obs, state, episode_start,
+    last_reward) -> (action, state)`` on batches; :mod:`rl_tformers.runtime.protocol`) as a
+    behaviour policy of one environment: ``policy(obs) -> action``, ``reset()`` at each episode
+    start and :meth:`observe_reward` after each step.
+
+    Args:
+        policy: the runtime policy (e.g. ``load_run(run_dir).agent.policy()``).
+        target_return: the return a return-conditioned policy is asked for (None otherwise).
+        name: stored in the dataset metadata.
+    """
+
+    def __init__(self, policy: Any, target_return: float | None = None, name: str = "run") -> None:
+        self.policy, self.target_return, self.name = policy, target_return, name
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new episode: a fresh state, the next call marked as the episode's first step."""
+        self._state = self.policy.initial_state(1, self.target_return)
+        self._start, self._reward = True, 0.0
+
+    def observe_reward(self, reward: float) -> None:
+        """The reward of the step just taken (the next call's ``last_reward``)."""
+        self._reward = float(reward)
+
+    def __call__(self, obs: Any) -> Any:
+        """One observation -> one action of the environment's action space (the batch of one removed)."""
+        action, self._state = self.policy.act(np.asarray(obs)[None], self._state, np.array([self._start]),
+                                              np.array([self._reward], np.float32))
+        self._start = False
+        return np.asarray(action)[0]
+
+
+def _reward_hook(policy: Any) -> Any:
+    """The ``observe_reward`` of ``policy`` or of the policy it wraps (``.policy``), else None."""
+    while policy is not None:
+        hook = getattr(policy, "observe_reward", None)
+        if callable(hook):
+            return hook
+        policy = getattr(policy, "policy", None)
+    return None
+
+
+def observation_encoding(env: gym.Env) -> dict | None:
+    """How ``env`` encodes its observations, for the dataset metadata: ``{"kind": "flatten",
+    "by": "gymnasium.spaces.flatten", "source_space": repr of the task's own space, "dim": F}``
+    when a :class:`~rl_tformers.envs.environments.OneHotObservation` is among its wrappers (one-hot
+    per Discrete, concatenated over MultiDiscrete and Tuple components), else None."""
+    e = env
+    while isinstance(e, gym.Wrapper):
+        if isinstance(e, OneHotObservation):
+            return {"kind": "flatten", "by": "gymnasium.spaces.flatten", "source_space": repr(e.source_space),
+                    "dim": int(e.observation_space.shape[0])}
+        e = e.env
+    return None
+
+
 def _make_collector(env: gym.Env, pomdp: dict | None) -> EpisodeRecorder:
     """A recorder of ``env``'s steps; with ``pomdp`` it records the masked observations, of a
     frame-stacked environment (``FrameStackObservation``, k frames of C channels) the newest
@@ -309,8 +376,8 @@ def check_recordable(env: gym.Env) -> None:
                          "(gym.register(id, entry_point='module:Class')) and JSON-compatible kwargs") from None
 
 
-def _eval_env(env_id: str, pomdp: dict | None):
-    if is_pixel_id(env_id):  # the preprocessed environment (its wrappers are part of the spec)
+def _eval_env(env_id: str, pomdp: dict | None, encoded: bool = False):
+    if is_pixel_id(env_id) or encoded:  # the preprocessed or encoded environment (its wrappers are in the spec)
         env = make_task(env_id)
         env.close()
         return env.spec
@@ -322,14 +389,16 @@ def _eval_env(env_id: str, pomdp: dict | None):
 def _create(collector, dataset_id: str, env_id: str, pomdp: dict | None, description: str, record: dict):
     refs = reference_scores(env_id)
     k = frame_stack_of(collector.env)
+    encoding = observation_encoding(collector.env)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*is set to None.*", category=UserWarning)
         md = collector.create_dataset(
-            dataset_id=dataset_id, eval_env=_eval_env(env_id, pomdp), algorithm_name=record.get("algorithm", "rl-tformers collect"),
+            dataset_id=dataset_id, eval_env=_eval_env(env_id, pomdp, encoding is not None), algorithm_name=record.get("algorithm", "rl-tformers collect"),
             author="rl-tformers", description=description,
             ref_min_score=None if refs is None else refs[0], ref_max_score=None if refs is None else refs[1],
             num_episodes_average_score=0)
-    md.storage.update_metadata({META_KEY: {**record, "pomdp": pomdp, **({FRAME_STACK_KEY: k} if k > 1 else {})}})
+    md.storage.update_metadata({META_KEY: {**record, "pomdp": pomdp, **({FRAME_STACK_KEY: k} if k > 1 else {}),
+                                           **({"observation_encoding": encoding} if encoding else {})}})
     return md
 
 
@@ -413,11 +482,14 @@ def _collect(env_id, behaviours, dataset_id, seed, pomdp, root_path, progress, d
                 while (b.steps is not None and done_steps < b.steps) or (b.episodes is not None and done_eps < b.episodes):
                     obs, _ = collector.reset(seed=int(seeds.integers(2**31 - 1)))
                     b.policy.reset()
+                    observe = _reward_hook(b.policy)
                     ep_rewards: list[float] = []
                     while True:
                         check_stop()
                         obs, rew, terminated, truncated, _ = collector.step(b.policy(obs))
                         ep_rewards.append(float(rew))
+                        if observe is not None:
+                            observe(rew)
                         bar.update(1)
                         if terminated or truncated:
                             break

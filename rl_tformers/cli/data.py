@@ -134,7 +134,9 @@ _STOCHASTIC = typer.Option(False, "--stochastic",
 
 def collect(
     env: str = typer.Option(None, "--env", help="gymnasium id, e.g. Hopper-v5 (not needed with --recipe)."),
-    policy: str = typer.Option("random", "--policy", help="'random' or an SB3/sb3-contrib save file (model.zip)."),
+    policy: str = typer.Option("random", "--policy", help="'random', an SB3/sb3-contrib save file (model.zip), or "
+                                                          "the run directory of an rl-tformers train run (its newest "
+                                                          "checkpoint acts, as in rl-tformers eval)."),
     algo: str = typer.Option(None, "--algo", help="Algorithm of --policy (sac, ppo, ars, ...); detected when omitted."),
     stochastic: bool = _STOCHASTIC,
     obs_norm: str = typer.Option("auto", "--obs-norm",
@@ -538,6 +540,9 @@ def _behaviour_policy(genv, a: CollectArgs, record, info: dict, results: list):
     elif a.policy == "random":
         pol, label = RandomPolicy(genv.action_space, seed=a.seed), "random"
         info["policy"] = "random"
+    elif Path(a.policy).is_dir():
+        pol, label = _run_policy(a)
+        info["policy"] = pol.name
     else:
         norm = None if a.obs_norm.lower() in ("none", "false", "off") else a.obs_norm
         pol = load_sb3_policy(a.policy, genv, algo=a.algo, obs_norm=norm, deterministic=not a.stochastic,
@@ -547,6 +552,39 @@ def _behaviour_policy(genv, a: CollectArgs, record, info: dict, results: list):
     if info["noise"] > 0 or info["epsilon"] > 0:
         pol = NoisyPolicy(pol, genv.action_space, noise_std=info["noise"], epsilon=info["epsilon"], seed=a.seed + 1)
     return pol, label
+
+
+def _run_policy(a: CollectArgs):
+    """The newest checkpoint of the run directory ``--policy`` as a behaviour policy (the mode of
+    its actions, sampled with ``--stochastic``; a return-conditioned run asks for its default
+    target) and its label in the dataset id (the run's agent kind). Refused (exit 2) when it is no
+    loadable run or trained on another task than ``--env``."""
+    import torch  # the run's model acts (heavy: imported by this branch only)
+
+    from rl_tformers.envs.collect import RunPolicy
+    from rl_tformers.runtime.agent_registry import UnknownAgentError
+    from rl_tformers.runtime.checkpoint import CheckpointError
+    from rl_tformers.runtime.loading import load_run
+
+    for option, value in (("--algo", a.algo), ("--obs-norm", None if a.obs_norm == "auto" else a.obs_norm)):
+        if value is not None:
+            raise fail(f"{option} {value}: applies to an SB3 save file; the run directory --policy {a.policy} "
+                       f"holds its agent kind and observation statistics in its checkpoint")
+    try:
+        run = load_run(a.policy, "cpu")
+    except (CheckpointError, UnknownAgentError, TypeError, ValueError) as exc:
+        raise fail(f"--policy {a.policy}: {' '.join(str(exc).split())}") from None
+    run_env = run.extra.get("env_id") or run.cfg.agent.get("env_id")
+    if run_env is not None and str(run_env) != a.env:
+        raise fail(f"--policy {a.policy} was trained on {run_env}, not on --env {a.env}")
+    try:
+        policy = run.agent.policy(deterministic=not a.stochastic) if a.stochastic else run.agent.policy()
+    except TypeError:
+        raise fail(f"--stochastic: the {run.kind} run {a.policy} has no sampled policy") from None
+    torch.manual_seed(a.seed + 2)  # a sampled policy draws from torch's generator
+    target = run.agent.default_targets()[0]
+    name = f"{run.kind} run {a.policy} (step {run.step})"
+    return RunPolicy(policy, target, name=name), run.kind.replace("_", "-")
 
 
 @dataset_app.command("info")
