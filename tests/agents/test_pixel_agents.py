@@ -22,7 +22,8 @@ from rl_tformers.cli import app
 from rl_tformers.runtime.agent_registry import build_agent
 from rl_tformers.runtime.loading import load_run
 from rl_tformers.runtime.run_config import compose
-from rl_tformers.runtime.trainer import train
+from rl_tformers.runtime.trainer import resume, train
+from tests.bitwise import same_bits
 from tests.datafiles import write_d4rl_h5
 from tests.pixel_env import FULL_ID, pixel_dataset_arrays
 
@@ -151,6 +152,21 @@ def test_ppo_gtrxl_keeps_uint8_pixels_in_its_rollout_and_trains_the_cnn(tmp_path
     train(cfg, run)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["eval/return_mean"] for r in rows if "eval/return_mean" in r][0] in range(9)
+
+
+def test_a_pixel_ppo_run_stopped_inside_a_rollout_resumes_bit_identically(tmp_path: Path) -> None:
+    """The checkpoint of a stop inside a rollout holds the rollout's uint8 frames; the resumed run
+    ends with the uninterrupted run's weights (2 updates per rollout, stopped after update 3)."""
+    cfg = compose("gtrxl/ppo_cartpole", [*PPO, "agent.encoder.kind=nature_cnn", "eval.at_end=false"])
+    full, split = tmp_path / "full", tmp_path / "split"
+    train(cfg, full)
+    assert train(cfg, split, stop_at=3).step == 3
+    saved = torch.load(split / "checkpoints" / "step_000000003.pt", weights_only=True)
+    frames = saved["trainer"]["process_ranks"][0]["rollout"]["tensors"][PIXEL_KEY]
+    assert frames.dtype == torch.uint8 and tuple(frames.shape) == (8, 2, 2, 36, 36)
+    assert resume(split).step == 4
+    a, b = (torch.load(r / "checkpoints" / "step_000000004.pt", weights_only=True) for r in (full, split))
+    assert same_bits(a["model"], b["model"]) and same_bits(a["optimizer"], b["optimizer"])
 
 
 def test_the_flat_path_adds_no_parameter_or_state_key(tmp_path: Path) -> None:
