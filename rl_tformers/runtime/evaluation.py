@@ -596,7 +596,7 @@ class _EpisodeRun:
         n = self.n
         with span("env"):
             obs, _ = envs.reset(seed=[seed + int(j) for j in self.job])
-        obs = np.array(obs)  # (N, *obs_shape), owned: the rows of stepped environments are overwritten
+        obs = np.array(obs)  # (N, *obs_shape)
         stepper = _Stepper(envs, obs, full=step_finished, who=who)
         if self.record_trajectories:
             self.obs_buf = np.zeros((n, self.rew_buf.shape[1], *obs.shape[1:]), obs.dtype)
@@ -620,6 +620,7 @@ class _EpisodeRun:
                 self._store_step(obs, actions)
                 with span("env"):
                     stepped, terminated, truncated, raw = stepper.step(actions, self.active)
+                obs = stepper.obs
                 last_reward = self._add_rewards(raw, stepped, target, seed, who)
                 done = terminated | truncated
                 if self.max_steps is not None:
@@ -633,6 +634,7 @@ class _EpisodeRun:
                 if self.remaining > 0:
                     with span("env"):
                         stepper.reset(done, self.active, [seed + int(j) for j in self.job])
+                    obs = stepper.obs
         finally:  # also when an error stops the loop: later calls count every row again
             if count_rows is not None:
                 count_rows(None)
@@ -697,8 +699,8 @@ class _Stepper:
 
     Args:
         envs: the vector environment (its sub-environments carry the raw reward in ``info``).
-        obs: (N, ...) the observations after the first reset, updated in place by :meth:`step`
-            and :meth:`reset` in the per-environment mode.
+        obs: (N, ...) the observations after the first reset; :meth:`step` and :meth:`reset` leave
+            the next ones in :attr:`obs` (a new array each time, the rows not stepped copied over).
         full: step every environment at every step.
         who: the prefix of error messages.
     """
@@ -722,6 +724,7 @@ class _Stepper:
             RuntimeError: the raw reward is missing from ``info`` (a wrapper dropped it).
         """
         n = actions.shape[0]
+        self.obs = self.obs.copy()  # a new array per step: the caller's (and a policy's) earlier ones stay as they were
         if self.subs is None:
             obs, _, terminated, truncated, info = self.vec.step(actions)
             self.obs[...] = np.asarray(obs)
@@ -742,6 +745,7 @@ class _Stepper:
         """Reset the environments whose episode ended (``done``, (N,) bool): with ``seeds[i]``
         where row i runs a counted episode next (``active``), unseeded otherwise (a filler
         episode; the per-environment mode resets only the active ones)."""
+        self.obs = self.obs.copy()
         if self.subs is None:
             mask = done.copy()
             new_obs, _ = self.vec.reset(seed=[seeds[i] if done[i] and active[i] else None for i in range(len(done))],
