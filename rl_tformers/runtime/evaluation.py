@@ -409,7 +409,8 @@ def evaluate(
     try:
         results = []
         for target in targets:
-            with seeded_torch_rng(seed):  # a sampling policy's draws (see the module docstring)
+            # a sampling policy's draws (see the module docstring); no autograd bookkeeping in the loop
+            with seeded_torch_rng(seed), torch.inference_mode():
                 results.append(_run_target(policy, envs, target, episodes, seed, record_rewards, progress))
     finally:
         envs.close()
