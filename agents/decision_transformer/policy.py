@@ -318,6 +318,7 @@ class DTPolicy:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.counters.add(time.perf_counter() - t0, int(counted.sum()))
+        with span("context"):
             self.window.write_action(state, rows, slot, a)
         with span("decode"):
             a_np = a.cpu().numpy()
