@@ -28,6 +28,7 @@ Examples:
   rl-tformers collect --env Hopper-v5 --policy random --steps 10000
   rl-tformers collect --env Hopper-v5 --policy ../shared/policies/sac/Hopper-v3/model.zip --episodes 10 --noise 0.1
   rl-tformers collect --env Hopper-v5 --train sac --train-steps 50000 --steps 10000 --replay-dataset-id rlt/hopper-v5/sac-replay-v0
+  rl-tformers collect --env popgym-RepeatPreviousEasy-v0 --policy runs/gtrxl/popgym_repeat_previous --episodes 500
   rl-tformers collect --recipe 'hopper-*'
   rl-tformers collect --recipe 'hopper-*' --skip-existing     (finish an interrupted suite)
   rl-tformers collect --memory-task recall --delay 8 --hdf5 data/memory/recall-d8.hdf5
