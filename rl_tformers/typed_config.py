@@ -351,8 +351,14 @@ class TypedConfig:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init}  # type: ignore[arg-type]
 
     def replace(self, where: str = "", **changes: Any) -> Any:
-        """A copy with ``changes`` (checked as :meth:`from_dict` checks, errors under ``where``)."""
+        """A copy with ``changes`` (checked as :meth:`from_dict` checks, errors under ``where``); a
+        nested section may be given as its mapping (read by the section's ``from_dict``)."""
+        hints = _hints(type(self))
         try:
+            for name, value in changes.items():
+                section = _section_cls(hints.get(name))
+                if section is not None and isinstance(value, Mapping):
+                    changes[name] = section.from_dict(value, name)
             return dataclasses.replace(self, **changes)  # type: ignore[type-var]
         except ConfigFieldError as exc:
             raise exc.under(where) from None

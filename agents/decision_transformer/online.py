@@ -129,11 +129,19 @@ ODT_DEFAULTS["eval"] = {"episodes": 10, "n_envs": 10}
 OFFLINE_AGENT_KEYS = (
     "context_len", "max_ep_len", "mode", "align", "head", "embed_dropout", "embed_init", "log_std_min",
     "log_std_max", "init_temperature", "target_entropy", "reward_scale", "normalize_obs", "env_id", "env_kwargs",
+    "encoder",
 )
 
 
 #: the DT's default options (a saved run's config without one of the offline keys takes it)
 DT_OPTIONS = DTAgentConfig()
+
+
+def offline_default(key: str) -> Any:
+    """The DT's default of offline option ``key`` as a saved config holds it (a typed sub-config,
+    such as ``encoder``, as its ``{"kind": ..., **fields}`` dict)."""
+    value = getattr(DT_OPTIONS, key)
+    return value.to_dict() if hasattr(value, "to_dict") else value
 
 
 def default_online_target(t: float) -> float:
@@ -219,7 +227,7 @@ def fine_tune_changes(configured: Mapping[str, Any], saved: Mapping[str, Any]) -
     ca, sa = configured.get("agent") or {}, saved.get("agent") or {}
     out = []
     for k in OFFLINE_AGENT_KEYS:
-        want, have = ca.get(k), sa.get(k, getattr(DT_OPTIONS, k))
+        want, have = ca.get(k), sa.get(k, offline_default(k))
         if want != have:
             out.append(f"agent.{k}={want!r} (the checkpoint's: {have!r})")
     want_b = _flat(BackboneConfig.from_dict(configured.get("backbone") or {}, where="backbone").to_dict(), "backbone")
@@ -623,7 +631,7 @@ class ODTAgent(DTAgent):
             # its backbone may name kinds of its plugins: this run lists them too (eval, resume)
             check_source_plugins(saved, cfg.get("plugins"), f"agent.init_from={self.init_from}")
             sa = saved.get("agent") or {}
-            self.offline_agent = {k: copy.deepcopy(sa.get(k, getattr(DT_OPTIONS, k))) for k in OFFLINE_AGENT_KEYS}
+            self.offline_agent = {k: copy.deepcopy(sa.get(k, offline_default(k))) for k in OFFLINE_AGENT_KEYS}
             self.offline_backbone = dict(saved.get("backbone") or {})
             src = f"agent.init_from={self.init_from}: Online DT fine-tunes that run's model"
         else:  # --resume: this run's own checkpoint holds everything (agent.init_from is not read)
@@ -633,7 +641,7 @@ class ODTAgent(DTAgent):
                     or not isinstance(odt.get("backbone"), Mapping):
                 raise ValueError("--resume: the checkpoint holds no Online DT model options (extra.odt.agent / "
                                  "extra.odt.backbone); it was not written by agent.kind=odt and cannot be resumed as one")
-            self.offline_agent = {k: copy.deepcopy(odt["agent"].get(k, getattr(DT_OPTIONS, k)))
+            self.offline_agent = {k: copy.deepcopy(odt["agent"].get(k, offline_default(k)))
                                   for k in OFFLINE_AGENT_KEYS}
             self.offline_backbone = copy.deepcopy(dict(odt["backbone"]))
             saved = {"agent": self.offline_agent, "backbone": self.offline_backbone}

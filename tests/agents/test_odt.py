@@ -24,6 +24,8 @@ from rl_tformers.agents.decision_transformer.online import (
     ODTAgent,
     TrajectoryBuffer,
     default_online_target,
+    fine_tune_changes,
+    offline_default,
     top_episodes,
 )
 from rl_tformers.agents.decision_transformer.policy import DTPolicy
@@ -513,3 +515,14 @@ def test_time_limit_beyond_max_ep_len_is_warned_up_front(pendulum_odt, tmp_path,
 def test_online_null_is_refused_naming_the_option(pendulum_odt, offline_run_odt):
     with pytest.raises(ValueError, match=r"agent\.online"):
         ODTAgent(_cfg_odt(offline_run_odt, pendulum_odt, "agent.online=null"), None, "cpu")
+
+
+def test_fine_tuning_takes_the_offline_run_s_observation_encoder() -> None:
+    """agent.encoder is a model option of the offline run: a config that sets another is named
+    as ignored, and a saved run without the key had the DT's default (linear)."""
+    assert offline_default("encoder") == {"kind": "linear"}
+    saved = {"agent": {"encoder": {"kind": "nature_cnn", "features": 512}}, "backbone": {}}
+    configured = {"agent": {"encoder": {"kind": "linear"}}, "backbone": {}}
+    changes = fine_tune_changes(configured, saved)
+    assert "agent.encoder={'kind': 'linear'} (the checkpoint's: {'kind': 'nature_cnn', 'features': 512})" in changes
+    assert not [c for c in fine_tune_changes(configured, {"agent": {}, "backbone": {}}) if c.startswith("agent.encoder")]
