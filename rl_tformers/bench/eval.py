@@ -327,12 +327,7 @@ def markdown(res: Result) -> str:
         lines += ["| evaluation | envs | episodes | env steps | seconds | env steps/s | / sequential | ms per loop step "
                   "| mean return |" + (" policy share |" if prof else ""),
                   "|---|---|---|---|---|---|---|---|---|" + ("---|" if prof else "")]
-        for r in res.rollouts:
-            share = (f" {r['split']['forward_frac'] + r['split']['context_frac'] + r['split']['decode_frac']:.0%} |"
-                     if prof else "")
-            lines.append(f"| {r['mode']} | {r['n_envs']} | {r['episodes']} | {r['env_steps']} | {r['seconds']:.1f} | "
-                         f"{r['env_steps_per_s']:.0f} | {r['over_sequential']:.2f}x | {r['ms_per_loop_step']:.2f} | "
-                         f"{r['return_mean']:.1f} |" + share)
+        lines += [rollout_line(r) for r in res.rollouts]
         lines.append("")
         if res.rollout_ratio is not None:
             lines += [f"batched / sequential: {res.rollout_ratio:.2f}x", ""]
@@ -343,12 +338,7 @@ def markdown(res: Result) -> str:
     if res.profile:
         lines += ["| agent | env | envs | episodes | env steps | seconds | forward | context | env step | decode | "
                   "bookkeeping |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in res.profile:
-            sp = r["split"]
-            lines.append(f"| {r['agent']} | {r['env']} | {r['n_envs']} | {r['episodes']} | {r['env_steps']} | "
-                         f"{r['seconds']:.2f} | " + " | ".join(f"{sp[f'{k}_frac']:.0%}" for k in
-                                                             ("forward", "context", "env", "decode", "bookkeeping"))
-                         + " |")
+        lines += [profile_line(r) for r in res.profile]
         lines.append("")
     if res.memory:
         lines += ["| backbone | M | envs | with memory (ms/step) | re-encode M+1 (ms/step) | re-encode / memory |",
@@ -356,6 +346,23 @@ def markdown(res: Result) -> str:
         lines += [f"| {r['kind']} | {r['mem_len']} | {r['n_envs']} | {r['memory_ms_per_step']:.2f} | "
                   f"{r['reencode_ms_per_step']:.2f} | {r['reencode_over_memory']:.1f}x |" for r in res.memory]
     return "\n".join(lines)
+
+
+def rollout_line(r: dict[str, Any]) -> str:
+    """One row of the throughput table (with the policy's share of the wall time when profiled)."""
+    share = (f" {r['split']['forward_frac'] + r['split']['context_frac'] + r['split']['decode_frac']:.0%} |"
+             if "split" in r else "")
+    return (f"| {r['mode']} | {r['n_envs']} | {r['episodes']} | {r['env_steps']} | {r['seconds']:.1f} | "
+            f"{r['env_steps_per_s']:.0f} | {r['over_sequential']:.2f}x | {r['ms_per_loop_step']:.2f} | "
+            f"{r['return_mean']:.1f} |" + share)
+
+
+def profile_line(r: dict[str, Any]) -> str:
+    """One row of the profile table: each part's share of the evaluation's wall time."""
+    sp = r["split"]
+    parts = " | ".join(f"{sp[f'{k}_frac']:.0%}" for k in ("forward", "context", "env", "decode", "bookkeeping"))
+    return (f"| {r['agent']} | {r['env']} | {r['n_envs']} | {r['episodes']} | {r['env_steps']} | {r['seconds']:.2f} | "
+            f"{parts} |")
 
 
 def _load(values: Any) -> str:

@@ -172,3 +172,21 @@ def test_bench_eval_of_a_run_whose_agent_cannot_be_evaluated_exits_2_in_one_line
     assert r.stderr == (f"error: --run {run}: agent 'toy' cannot be evaluated: it lacks policy(), make_env(), "
                         f"default_targets()\n")
     assert "Traceback" not in r.output
+
+
+def test_the_evaluation_tables_of_docs_performance_are_its_json() -> None:
+    """The throughput and profile rows of docs/performance.md's evaluation section are the measured JSON's."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    data = json.loads((root / "docs" / "performance" / "bench_eval_throughput.json").read_text())
+    text = (root / "docs" / "performance.md").read_text()
+    section = text[text.index("### Evaluation throughput"):text.index("**Memory backbones, per-step cost**")]
+    rows = [be.rollout_line(r) for r in data["rollouts"]] + [be.profile_line(r) for r in data["profile"]]
+    assert [line for line in section.splitlines()
+            if line.startswith(("| batched", "| sequential", "| dt |", "| bc |", "| gtrxl |"))] == rows
+    for key in ("loadavg_start", "loadavg_end"):
+        assert " ".join(f"{v:.2f}" for v in data["machine"][key]) in section
+    g = data["growth"]
+    assert f"{g['a_ms']:.2f} + {g['b_ms_per_env']:.3f} N" in section

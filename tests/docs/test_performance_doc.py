@@ -69,7 +69,6 @@ def intel_host_claims() -> list[str]:
         f"| **ours / d3rlpy** | **{_ratio(t1, 'e2e', 'ours', 'd3rlpy'):.2f}x** | **{_ratio(t1, 'model', 'ours', 'd3rlpy'):.2f}x** |",
         f"| ours + bf16 / d3rlpy | **{_ratio(t1, 'e2e', 'ours+bf16', 'd3rlpy'):.2f}x** | {_ratio(t1, 'model', 'ours+bf16', 'd3rlpy'):.2f}x |",
         f"Load average {t1['machine']['loadavg_1_5_15'][0]:.1f} at the start",
-        f"**{ev['batched_over_sequential']:.2f}x** env\nsteps/s",
         f"**{mem[('xl', 32)]:.1f}x at M = 32 to {min(mem[('xl', 512)], mem[('gtrxl', 512)]):.0f}-"
         f"{max(mem[('xl', 512)], mem[('gtrxl', 512)]):.0f}x at M = 512**",
         f"the window sampler delivers {win['sampler_samples_per_s']:,.0f} samples/s and the segment sampler "
@@ -187,10 +186,7 @@ def performance_md_claims() -> list[str]:
         _, m, gf = row("hf")
         out.append(f"| Hugging Face 5.24 | – | {m['steps_per_s']:.2f} | {gf} | {m['mfu']:.0%}{hf_note} |")
     ev, data, ddp = _load("bench_eval.json"), _load("bench_data.json"), _load("ddp_throughput_quiet.json")
-    for r in ev["rollouts"]:
-        out.append(
-            f"| {r['n_envs']} | {r['env_steps']} | {r['seconds']:.1f} | {r['env_steps_per_s']:.0f} | {r['return_mean']:.1f} |"
-        )
+    # the evaluation throughput rows come from bench_eval_throughput.json (tests/bench/test_bench_eval.py)
     names = {"xl": "Transformer-XL (pre-norm)", "gtrxl": "GTrXL (gated)"}
     for m in ev["memory"]:
         out.append(
