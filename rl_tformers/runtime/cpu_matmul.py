@@ -254,6 +254,8 @@ MEASURE_BUDGET_S = 1.0
 DEFAULT_SHAPES = ((3840, 128, 512), (3840, 512, 128), (3840, 128, 128))
 CACHE_FILE = "cpu_matmul.json"
 CACHE_VERSION = 1
+#: the largest cache file read (an entry is about 400 bytes): a larger one is ignored as corrupted
+CACHE_MAX_BYTES = 4 << 20
 PRODUCTS = ("forward", "grad_input", "grad_weight")
 
 
@@ -384,19 +386,30 @@ def _valid_rates(entry: Any) -> bool:
 
 def read_cache(path: Path) -> dict[str, Any]:
     """The entries of the cache file ``path`` (``{key: {"gflops": {...}, ...}}``; ``{}`` when it
-    does not exist). A file that is not JSON of this layout is ignored with a warning (the caller
+    does not exist). A file that is not UTF-8 JSON of this layout, not a regular file (a link to a
+    device or a pipe) or over :data:`CACHE_MAX_BYTES` is ignored with a warning (the caller
     measures again and rewrites it); it is parsed as JSON only, never run."""
     try:
-        text = path.read_text()
+        if not path.is_file():
+            if path.exists():
+                raise OSError("not a regular file")
+            return {}
+        with open(path, "rb") as fh:
+            raw = fh.read(CACHE_MAX_BYTES + 1)
     except FileNotFoundError:
         return {}
     except OSError as exc:
         warnings.warn(f"{path}: cannot read the cpu_matmul cache ({exc.strerror or exc}); measuring again", stacklevel=3)
         return {}
+    if len(raw) > CACHE_MAX_BYTES:
+        warnings.warn(f"{path}: corrupted cpu_matmul cache (over {CACHE_MAX_BYTES} bytes); ignored, measuring again",
+                      stacklevel=3)
+        return {}
     try:
-        data = json.loads(text)
-    except ValueError as exc:
-        warnings.warn(f"{path}: corrupted cpu_matmul cache ({exc}); ignored, measuring again", stacklevel=3)
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError; deep nesting recurses
+        warnings.warn(f"{path}: corrupted cpu_matmul cache ({type(exc).__name__}: {str(exc)[:200]}); ignored, "
+                      f"measuring again", stacklevel=3)
         return {}
     if not (isinstance(data, dict) and data.get("version") == CACHE_VERSION and isinstance(data.get("entries"), dict)):
         warnings.warn(f"{path}: corrupted cpu_matmul cache (not a version {CACHE_VERSION} cache); ignored, "

@@ -212,6 +212,30 @@ def test_a_corrupted_cache_file_is_ignored_with_a_warning_and_measured_again(
 
 
 @needs_onednn
+@pytest.mark.parametrize("kind", ["deeply nested", "not utf-8", "over the size limit", "link to a device"])
+def test_an_unreadable_cache_file_is_ignored_with_a_warning_and_replaced(
+        cache: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    cache.parent.mkdir(parents=True)
+    if kind == "deeply nested":
+        cache.write_text("[" * 100_000)
+    elif kind == "not utf-8":
+        cache.write_bytes(b"\xff\xfe\x00{")
+    elif kind == "over the size limit":
+        monkeypatch.setattr(cm, "CACHE_MAX_BYTES", 64)
+        cache.write_text(json.dumps({"version": 1, "entries": {"k" * 100: {}}}))
+    else:
+        cache.symlink_to("/dev/zero")
+    measure = _Measure(100.0, 200.0)
+    with pytest.warns(UserWarning, match=r"cpu_matmul cache .*measuring again"):
+        choice = cm.choose_cpu_matmul(cm.DEFAULT_SHAPES, 1, measure=measure)
+    assert (choice.library, choice.source, len(measure.calls)) == ("onednn", "measured", 1)
+    assert not cache.is_symlink() and Path("/dev/zero").is_char_device()
+    assert list(json.loads(cache.read_text())["entries"]) == [cm.cache_key(cm.DEFAULT_SHAPES, 1)]
+
+
+@needs_onednn
 def test_a_corrupted_cache_entry_is_measured_again_and_the_others_kept(cache: Path) -> None:
     import json
 
