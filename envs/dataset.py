@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 import gymnasium as gym
 import numpy as np
-from rl_tformers.envs.frames import FRAME_STACK_KEY, is_image_shape
+from rl_tformers.envs.frames import FRAME_STACK_KEY, MAX_FRAME_STACK, is_image_shape
 from rl_tformers.envs.scores import normalized_score, reference_scores
 
 ArrayLike = Any  # np.ndarray or LazyH5Array (indexable, has .shape/.dtype)
@@ -518,11 +518,8 @@ class _EpisodeChecks:
         """Pixel observations: uint8 ``(C, H, W)`` frames; ``frame_stack`` an integer >= 1, and
         above 1 only on such frames. A float image, a frame of another rank (a grey frame
         without its channel axis, an RGB frame with a time axis) is refused, never converted."""
-        k = self.metadata.extra.get(FRAME_STACK_KEY, 1)
+        k = _checked_frame_stack(self.metadata)
         first = int(self.starts[0]) if self.num_episodes else 0
-        if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
-            raise DatasetError(f"{FRAME_STACK_KEY}: {k!r} in the metadata is not an integer >= 1 (frames per "
-                               "observation)", field=FRAME_STACK_KEY)
         shape, dtype = self.frame_shape, np.dtype(self.observations.dtype)
         where = f"observations: episode 0, step 0 (dataset row {first})"
         if len(shape) > 3:
@@ -766,7 +763,7 @@ class EpisodeDataset(_EpisodeConstructors, _EpisodeChecks):
         space = observation_space if observation_space is not None else unbounded_box(
             tuple(observations.shape[1:]), observations.dtype)
         if tuple(space.shape) == tuple(observations.shape[1:]):  # a frame's space: the observation stacks k
-            space = stacked_space(space, self.frame_stack)
+            space = stacked_space(space, _checked_frame_stack(self.metadata))
         self.observation_space = space
         if action_space is None:
             raise DatasetError("action_space is required", field="actions")
@@ -805,7 +802,7 @@ class EpisodeDataset(_EpisodeConstructors, _EpisodeChecks):
     @property
     def frame_stack(self) -> int:
         """Frames per observation (``metadata.extra["frame_stack"]``, 1 when absent). Not
-        checked here: :meth:`validate` refuses a value that is not an integer >= 1."""
+        checked here: the constructor refuses a value that is not an integer in ``[1, MAX_FRAME_STACK]``."""
         k = self.metadata.extra.get(FRAME_STACK_KEY, 1)
         return k if isinstance(k, int) and not isinstance(k, bool) and k >= 1 else 1
 
@@ -1014,6 +1011,20 @@ def check_next_observations(dataset: EpisodeDataset, next_observations: ArrayLik
                 f"component {k} = {a[j][k].item()!r} but the next step's observation has {b[j][k].item()!r}; inside "
                 "an episode next_observations[t] must equal observations[t + 1]: the terminals/timeouts flags miss "
                 "an episode end here (old D4RL files have no timeouts), or the columns are misaligned")
+
+
+def _checked_frame_stack(metadata: DatasetMetadata) -> int:
+    """``metadata.extra["frame_stack"]`` (1 when absent).
+
+    Raises:
+        DatasetError: (field ``frame_stack``) a value that is not an integer in
+            ``[1, MAX_FRAME_STACK]``.
+    """
+    k = metadata.extra.get(FRAME_STACK_KEY, 1)
+    if not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_FRAME_STACK):
+        raise DatasetError(f"{FRAME_STACK_KEY}: {k!r} in the metadata is not an integer in [1, {MAX_FRAME_STACK}] "
+                           "(frames per observation)", field=FRAME_STACK_KEY)
+    return k
 
 
 def frame_shape_of(space: gym.Space, frame_stack: int) -> tuple[int, ...]:

@@ -24,6 +24,9 @@ import numpy as np
 #: the metadata key (``DatasetMetadata.extra``, the rl_tformers record of a Minari dataset, an
 #: attribute of a D4RL file) holding the frames per observation of a pixel dataset
 FRAME_STACK_KEY = "frame_stack"
+#: the most frames one observation stacks (Atari stacks 4): a larger ``frame_stack`` in a received
+#: file is refused, as each sampled step would hold that many frames
+MAX_FRAME_STACK = 64
 
 
 def is_image_shape(shape: tuple[int, ...]) -> bool:

@@ -122,13 +122,24 @@ def _one_episode(obs: np.ndarray, extra: dict | None = None) -> EpisodeDataset:
      "observations: episode 0, step 0 (dataset row 0): frame_stack=4 needs uint8 (C, H, W) frames, got uint8 of "
      "shape (4, 4) per step (rank 2)"),
     (np.zeros((3, 1, 4, 4), np.uint8), {"frame_stack": 0},
-     "frame_stack: 0 in the metadata is not an integer >= 1 (frames per observation)"),
+     "frame_stack: 0 in the metadata is not an integer in [1, 64] (frames per observation)"),
 ], ids=["float-images", "rank-4", "frame-stack-on-rank-2", "frame-stack-0"])
 def test_other_image_layouts_are_refused_in_one_line(obs, extra, message) -> None:
     with pytest.raises(DatasetError) as exc:
         _one_episode(obs, extra)
     assert str(exc.value) == message and "\n" not in str(exc.value)
     assert exc.value.field in ("observations", "frame_stack")
+
+
+@pytest.mark.parametrize("k", [65, 10**9])
+def test_dataset_info_refuses_a_frame_stack_above_the_limit_before_stacking_anything(tmp_path, k) -> None:
+    path = save_d4rl_hdf5(frames_dataset(), tmp_path / "frames.hdf5")
+    with h5py.File(path, "a") as f:
+        f.attrs["rl_tformers_metadata"] = json.dumps({"frame_stack": k})
+    r = CliRunner().invoke(app, ["dataset", "info", str(path)])
+    assert r.exit_code == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        f"error: {path}: frame_stack: {k} in the metadata is not an integer in [1, 64] (frames per observation)"]
 
 
 def test_dataset_info_refuses_a_file_of_float_frames_naming_field_and_episode(tmp_path) -> None:
