@@ -344,7 +344,7 @@ def open_minari(
     if isinstance(own, str):
         try:
             own = json.loads(own)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # deep nesting recurses
             raise DatasetError(f"{path}: metadata {META_KEY!r} is not valid JSON ({exc})", field=META_KEY) from exc
     if not isinstance(own, dict):
         raise DatasetError(f"{path}: metadata {META_KEY!r} is a {type(own).__name__}, expected an object",
@@ -608,7 +608,7 @@ def _own_metadata(attrs: dict, path: Path) -> dict:
     text = _attr_str(attrs, "rl_tformers_metadata", path)
     try:
         own = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # deep nesting recurses
         raise DatasetError(f"{path}: attribute rl_tformers_metadata is not valid JSON ({exc}); delete the attribute "
                            "or rewrite it", field="rl_tformers_metadata") from exc
     if not isinstance(own, dict):

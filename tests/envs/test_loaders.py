@@ -530,12 +530,15 @@ def test_a_file_whose_arrays_are_read_from_other_files_is_refused(tmp_path, stor
         load_dataset(path)
     assert err.value.field == "rewards"
 
-def test_dataset_info_prints_an_attribute_error_without_a_traceback(tmp_path):
+@pytest.mark.parametrize("text", ["{not json", "[" * 100_000], ids=["garbage", "deeply-nested"])
+def test_dataset_info_prints_an_attribute_error_without_a_traceback(tmp_path, text):
     path = _h5(tmp_path / "a.hdf5")
     with h5py.File(path, "a") as f:
-        f.attrs["rl_tformers_metadata"] = "{not json"
+        f.attrs["rl_tformers_metadata"] = text
     r = CliRunner().invoke(app, ["dataset", "info", str(path), "--json"])
-    assert r.exit_code == 2 and "rl_tformers_metadata is not valid JSON" in r.output
+    assert r.exit_code == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: attribute rl_tformers_metadata is not valid JSON")
     assert not isinstance(r.exception, json.JSONDecodeError)
 
 
