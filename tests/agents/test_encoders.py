@@ -10,6 +10,7 @@ import pytest
 import torch
 from rl_tformers.agents.common.encoders import ENCODERS, EncoderConfig, check_observations, is_image
 from rl_tformers.agents.common.encoders.impala_cnn import ImpalaCNN
+from rl_tformers.agents.common.encoders.minatar_cnn import MinAtarCNN
 from rl_tformers.agents.common.encoders.nature_cnn import NatureCNN
 
 from rl_tformers.typed_config import ConfigFieldError
@@ -47,11 +48,12 @@ def _build(kind: str, seed: int = 0) -> torch.nn.Module:
     return _small(kind).build(_shape(kind)).eval()
 
 
-def test_the_registry_holds_the_four_kinds_with_their_capabilities() -> None:
-    assert ALL == ["impala_cnn", "linear", "mlp", "nature_cnn"]
-    assert IMAGE_KINDS == ["impala_cnn", "nature_cnn"] and FLAT_KINDS == ["linear", "mlp"]
+def test_the_registry_holds_the_five_kinds_with_their_capabilities() -> None:
+    assert ALL == ["impala_cnn", "linear", "minatar_cnn", "mlp", "nature_cnn"]
+    assert IMAGE_KINDS == ["impala_cnn", "minatar_cnn", "nature_cnn"] and FLAT_KINDS == ["linear", "mlp"]
     assert [e.kind for e in ENCODERS if e.capabilities.passthrough] == ["linear"]
     assert ENCODERS.get("nature_cnn").capabilities.min_size == 36
+    assert ENCODERS.get("minatar_cnn").capabilities.min_size == 3
 
 
 @pytest.mark.parametrize("kind", ALL)
@@ -163,6 +165,22 @@ def test_the_papers_shapes_at_84_by_84() -> None:
     assert tuple(nature(x).shape) == (1, 512) and tuple(impala(x).shape) == (1, 256)
 
 
+def test_the_minatar_network_on_its_10_by_10_frames() -> None:
+    """Young and Tian 2019: 16 filters 3x3 stride 1, then 128 units, on (C, 10, 10) frames of 0 or
+    255; one filter's output at a position is exactly its weighted sum over the 3x3 window."""
+    net = MinAtarCNN((4, 10, 10))
+    conv = net.conv[0]
+    assert (conv.out_channels, conv.kernel_size, conv.stride) == (16, (3, 3), (1, 1))
+    assert net.fc[0].in_features == 16 * 8 * 8 and net.out_features == 128
+    x = torch.zeros(1, 4, 10, 10, dtype=torch.uint8)
+    x[0, 1, 2, 3] = 255
+    h = net.conv(x.float() / 255)
+    w, b = conv.weight.detach(), conv.bias.detach()
+    assert torch.equal(h[0, :, 1, 2], torch.relu(w[:, 1, 1, 1] + b))  # the set pixel at the window's centre
+    assert torch.equal(h[0, :, 5, 5], torch.relu(b))  # a window of zeros
+    assert tuple(net(x).shape) == (1, 128)
+
+
 @pytest.mark.parametrize("kind", ALL)
 def test_the_config_round_trips_through_its_dict(kind: str) -> None:
     cfg = _small(kind)
@@ -178,12 +196,12 @@ def test_config_errors_name_the_option() -> None:
         return str(exc.value)
 
     assert refused({"kind": "nature"}) == (
-        "agent.encoder: unknown encoder kind 'nature'; registered kinds: impala_cnn, linear, mlp, nature_cnn")
+        "agent.encoder: unknown encoder kind 'nature'; registered kinds: impala_cnn, linear, minatar_cnn, mlp, nature_cnn")
     assert refused({"kind": "nature_cnn", "features": 0}) == "agent.encoder.features must be an integer >= 1, got 0"
     assert refused({"features": 64}).startswith(
         "agent.encoder.features: unknown key: encoder kind 'linear' (the default: agent.encoder.kind is not set) "
         "has no field 'features'; set agent.encoder.kind to a kind that has it (encoder kinds with a 'features' "
-        "field: impala_cnn, nature_cnn)")
+        "field: impala_cnn, minatar_cnn, nature_cnn)")
     assert refused({"kind": "mlp", "hidden": []}) == (
         "agent.encoder: hidden must be a non-empty list of integers >= 1 (e.g. [256]), got []")
     assert EncoderConfig.from_dict(None).kind == "linear"
@@ -195,7 +213,7 @@ def test_observations_an_encoder_cannot_take_are_refused_in_one_line() -> None:
         check_observations(linear, (4, 84, 84), np.uint8, "the dataset px.hdf5")
     assert str(exc.value) == (
         "agent.encoder.kind=linear takes flat observations, but the dataset px.hdf5 has image observations of shape "
-        "(4, 84, 84) uint8 (uint8 (C, H, W)); use an image encoder: agent.encoder.kind=impala_cnn or nature_cnn")
+        "(4, 84, 84) uint8 (uint8 (C, H, W)); use an image encoder: agent.encoder.kind=impala_cnn or minatar_cnn or nature_cnn")
     with pytest.raises(ConfigFieldError) as exc:
         check_observations(nature, (4,), np.float32, "the environment CartPole-v1")
     assert str(exc.value) == (
@@ -204,5 +222,16 @@ def test_observations_an_encoder_cannot_take_are_refused_in_one_line() -> None:
     with pytest.raises(ConfigFieldError, match=r"needs frames of at least 36x36 pixels, but x has observations of "
                                                r"shape \(4, 35, 84\) uint8"):
         check_observations(nature, (4, 35, 84), np.uint8, "x")
+    with pytest.raises(ConfigFieldError) as exc:
+        check_observations(nature, (4, 10, 10), np.uint8, "MinAtar/Breakout-v1")
+    assert str(exc.value) == (
+        "agent.encoder.kind=nature_cnn needs frames of at least 36x36 pixels, but MinAtar/Breakout-v1 has observations "
+        "of shape (4, 10, 10) uint8; use agent.encoder.kind=impala_cnn or minatar_cnn (which take these frames) or "
+        "larger frames")
+    minatar = EncoderConfig.from_dict({"kind": "minatar_cnn"})
+    with pytest.raises(ConfigFieldError, match=r"at least 3x3 pixels, but x has .*; use agent\.encoder\.kind=impala_cnn "
+                                               r"\(which take these frames\) or larger frames$"):
+        check_observations(minatar, (4, 2, 9), np.uint8, "x")
     check_observations(EncoderConfig.from_dict({"kind": "impala_cnn"}), (1, 10, 10), np.uint8, "x")
+    check_observations(minatar, (4, 10, 10), np.uint8, "x")
     assert is_image((3, 8, 8), np.uint8) and not is_image((3, 8, 8), np.float32) and not is_image((8, 8), np.uint8)

@@ -106,7 +106,7 @@ def test_a_flat_encoder_on_pixels_exits_2_naming_the_option(pixel_h5: Path, tmp_
     assert r.output.strip().splitlines()[-1] == (
         f"error: agent.encoder.kind=linear takes flat observations, but the dataset {pixel_h5} has image "
         f"observations of shape (2, 36, 36) uint8 (uint8 (C, H, W)); use an image encoder: "
-        f"agent.encoder.kind=impala_cnn or nature_cnn")
+        f"agent.encoder.kind=impala_cnn or minatar_cnn or nature_cnn")
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -131,7 +131,7 @@ def test_an_unknown_encoder_kind_is_refused_at_compose(pixel_h5: Path) -> None:
                                  "agent.encoder.kind=resnet", "--print-config"])
     assert r.exit_code == 2, r.output
     assert r.output.strip().splitlines()[-1] == (
-        "error: agent.encoder: unknown encoder kind 'resnet'; registered kinds: impala_cnn, linear, mlp, nature_cnn")
+        "error: agent.encoder: unknown encoder kind 'resnet'; registered kinds: impala_cnn, linear, minatar_cnn, mlp, nature_cnn")
 
 
 @pytest.mark.parametrize("encoder", ["nature_cnn", "impala_cnn"])

@@ -120,9 +120,10 @@ def check_observations(encoder: EncoderConfig, shape: tuple[int, ...], dtype: An
         raise ConfigFieldError(key, f"={encoder.kind} takes image observations (uint8 (C, H, W)), but {source} has "
                                     f"{what}; use a flat encoder: {key}={fits.replace(', ', ' or ')}", sep="")
     if caps.image and min(shape[1:]) < caps.min_size:
+        fits = " or ".join(e.kind for e in ENCODERS if e.capabilities.image and e.capabilities.min_size <= min(shape[1:]))
+        other = f"{key}={fits} (which take these frames) or " if fits else ""
         raise ConfigFieldError(key, f"={encoder.kind} needs frames of at least {caps.min_size}x{caps.min_size} "
-                                    f"pixels, but {source} has {what}; use {key}=impala_cnn (any size) or larger "
-                                    f"frames", sep="")
+                                    f"pixels, but {source} has {what}; use {other}larger frames", sep="")
 
 
 class EncoderConfig(TypedConfig):
