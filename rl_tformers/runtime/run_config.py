@@ -698,6 +698,11 @@ def compose(
         cfg.plugins = plugin_names
     _validate_values(cfg, entry)
     _check_agent_section(cfg, entry)
+    try:  # auto -> the library this machine runs, measured on the checked config's shapes and
+        # recorded in the run's config (resume keeps it)
+        cfg.cpu_matmul = resolve_cpu_matmul(cfg.cpu_matmul, cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
@@ -831,10 +836,6 @@ def _validate_values(cfg: DictConfig, entry=None) -> None:
         raise ConfigError(str(exc)) from exc
     _check_device_options(t, device.type, str(cfg.device))
 
-    try:  # auto -> the library this machine runs, recorded in the run's config (resume keeps it)
-        cfg.cpu_matmul = resolve_cpu_matmul(cfg.cpu_matmul, cfg)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
     backbone = OmegaConf.to_container(cfg.backbone, resolve=True)
     check_backbone_kinds(backbone)
     try:
