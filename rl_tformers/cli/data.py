@@ -542,7 +542,7 @@ def _behaviour_policy(genv, a: CollectArgs, record, info: dict, results: list):
         pol, label = RandomPolicy(genv.action_space, seed=a.seed), "random"
         info["policy"] = "random"
     elif Path(a.policy).is_dir():
-        pol, label = _run_policy(a)
+        pol, label = _run_policy(a, genv)
         info["policy"] = pol.name
     else:
         norm = None if a.obs_norm.lower() in ("none", "false", "off") else a.obs_norm
@@ -555,11 +555,12 @@ def _behaviour_policy(genv, a: CollectArgs, record, info: dict, results: list):
     return pol, label
 
 
-def _run_policy(a: CollectArgs):
+def _run_policy(a: CollectArgs, genv):
     """The newest checkpoint of the run directory ``--policy`` as a behaviour policy (the mode of
     its actions, sampled with ``--stochastic``; a return-conditioned run asks for its default
     target) and its label in the dataset id (the run's agent kind). Refused (exit 2) when it is no
-    loadable run or trained on another task than ``--env``."""
+    loadable run, trained on another task than ``--env``, or (a run whose data named no task) on
+    observations or actions of another shape than ``genv``'s."""
     import torch  # the run's model acts (heavy: imported by this branch only)
 
     from rl_tformers.envs.collect import RunPolicy
@@ -578,6 +579,9 @@ def _run_policy(a: CollectArgs):
     run_env = run.extra.get("env_id") or run.cfg.agent.get("env_id")
     if run_env is not None and str(run_env) != a.env:
         raise fail(f"--policy {a.policy} was trained on {run_env}, not on --env {a.env}")
+    mismatch = _run_space_mismatch(run.extra, genv)
+    if mismatch:
+        raise fail(f"--policy {a.policy} was trained on {mismatch}; it cannot act in --env {a.env}")
     try:
         policy = run.agent.policy(deterministic=not a.stochastic) if a.stochastic else run.agent.policy()
     except TypeError:
@@ -586,6 +590,29 @@ def _run_policy(a: CollectArgs):
     target = run.agent.default_targets()[0]
     name = f"{run.kind} run {a.policy} (step {run.step})"
     return RunPolicy(policy, target, name=name), run.kind.replace("_", "-")
+
+
+def _run_space_mismatch(extra: dict, genv) -> str | None:
+    """How the observations and actions a run was trained on (its checkpoint's ``obs_shape``,
+    ``discrete`` and ``act_dim``, where recorded) differ from ``genv``'s spaces, or None."""
+    import gymnasium as gym
+
+    obs_shape = extra.get("obs_shape")
+    env_obs = tuple(genv.observation_space.shape or ())
+    if obs_shape is not None and tuple(int(v) for v in obs_shape) != env_obs:
+        return f"observations of shape {tuple(int(v) for v in obs_shape)}, the environment's are {env_obs}"
+    space, discrete, act_dim = genv.action_space, extra.get("discrete"), extra.get("act_dim")
+    if discrete is None or act_dim is None:
+        return None
+    if isinstance(space, gym.spaces.Discrete):
+        env_discrete, env_dim = True, int(space.n)
+    else:
+        env_discrete, env_dim = False, math.prod(space.shape or ())
+    if bool(discrete) != env_discrete or int(act_dim) != env_dim:
+        def kind(d: bool, n: int) -> str:
+            return f"{n} discrete actions" if d else f"{n} continuous action values"
+        return f"{kind(bool(discrete), int(act_dim))}, the environment has {kind(env_discrete, env_dim)}"
+    return None
 
 
 @dataset_app.command("info")

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from rl_tformers.cli import app
 from rl_tformers.runtime.loading import load_run
+from tests.datafiles import write_d4rl_h5
 from tests.runs import assert_clean_exit
 
 runner = CliRunner()
@@ -135,3 +136,23 @@ def test_a_run_of_another_task_or_sb3_options_with_a_run_directory_are_refused_i
         assert_clean_exit(r, 2)
         assert r.stderr.startswith(message) and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("obs_dim, n_actions, message", [
+    (3, 2, "observations of shape (3,), the environment's are (4,)"),
+    (4, 3, "3 discrete actions, the environment has 2 discrete actions"),
+], ids=["observations", "actions"])
+def test_a_run_on_data_naming_no_task_is_refused_when_its_spaces_differ_from_the_env(
+        tmp_path: Path, obs_dim: int, n_actions: int, message: str) -> None:
+    data = write_d4rl_h5(tmp_path / "d.hdf5", obs_dim=obs_dim, env_id=None, actions=np.arange(30) % n_actions)
+    run = tmp_path / "bc"
+    r = runner.invoke(app, ["train", "agent.kind=bc", "agent.hidden=[8]", f"dataset.path={data}", *OFFLINE[:6],
+                            "train.progress=false", "eval.at_end=false", "--device", "cpu", "--run-dir", str(run)])
+    assert r.exit_code == 0, r.output
+    root = tmp_path / "data"
+    r = runner.invoke(app, ["collect", "--env", "CartPole-v1", "--policy", str(run), "--episodes", "1",
+                            "--root", str(root), "--no-progress"])
+    assert_clean_exit(r, 2)
+    assert r.stderr.strip().splitlines() == [
+        f"error: --policy {run} was trained on {message}; it cannot act in --env CartPole-v1"]
+    assert not root.exists() or not any(root.iterdir())  # nothing written
