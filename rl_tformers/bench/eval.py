@@ -444,8 +444,9 @@ def register(bench_app) -> None:
                                      mem_lens=_ints(mem_lens), mem_envs=mem_envs, mem_steps=mem_steps,
                                      skip_rollouts=skip_rollouts),
                     _run_or_exit_1, markdown, out=out, as_json=as_json,
-                    # loading the policy, before any timing
-                    load_errors=(AgentBuildError, CheckpointError, UnknownAgentError, ConfigError),
+                    # loading the policy, before any timing; a ValueError: the run cannot play these
+                    # episodes (a DT's agent.max_ep_len below the environment's), as `eval` refuses it
+                    load_errors=(AgentBuildError, CheckpointError, UnknownAgentError, ConfigError, ValueError),
                     source=f"{'--run' if run_dir else '--dataset'} {run_dir or dataset}")
 
     bench_app.command("eval")(eval_)

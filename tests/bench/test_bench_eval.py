@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from rl_tformers.bench import eval as be
 from rl_tformers.cli import app
+from tests.datafiles import write_d4rl_h5
 from tests.runs import tripwire
 
 
@@ -172,6 +173,23 @@ def test_bench_eval_of_a_run_whose_agent_cannot_be_evaluated_exits_2_in_one_line
     assert r.stderr == (f"error: --run {run}: agent 'toy' cannot be evaluated: it lacks policy(), make_env(), "
                         f"default_targets()\n")
     assert "Traceback" not in r.output
+
+
+def test_bench_eval_of_a_dt_run_shorter_than_the_env_s_episodes_exits_2_in_one_line(tmp_path) -> None:
+    data = write_d4rl_h5(tmp_path / "cartpole.hdf5")  # 10-step episodes
+    run = tmp_path / "dt"
+    r = runner.invoke(app, ["train", "-c", "dt/cartpole_demo", f"dataset.path={data}", "backbone.d_model=16",
+                            "backbone.n_heads=1", "backbone.n_layers=1", "agent.context_len=4", "agent.max_ep_len=16",
+                            "agent.targets=[6]", "agent.eval_figure=false", "train.steps=1", "train.batch_size=4",
+                            "train.warmup_steps=1", "train.progress=false", "eval.every=0", "eval.at_end=false",
+                            "--device", "cpu", "--run-dir", str(run)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["bench", "eval", "--run", str(run), "--episodes", "2", "--n-envs", "2",
+                            "--memory-kinds", ""])
+    assert r.exit_code == 2, r.output
+    assert r.stderr.splitlines()[-1].startswith(
+        f"error: --run {run}: Decision Transformer: episode step 16 >= agent.max_ep_len=16 ")
+    assert "Traceback" not in r.output and r.stdout == ""
 
 
 def test_the_evaluation_tables_of_docs_performance_are_its_json() -> None:
