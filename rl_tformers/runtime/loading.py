@@ -109,10 +109,11 @@ class LoadedRun:
 
 def _run_cpu_matmul(cfg: Any) -> str:
     """The library of the run's float32 CPU ``nn.Linear`` products (``cpu_matmul``, resolved when
-    it was trained), or ``mkl`` with a warning where
-    this PyTorch build lacks oneDNN's operator (the same function, another float rounding)."""
+    it was trained; ``mkl``, PyTorch's default, for a run saved before the option existed), or
+    ``mkl`` with a warning where this PyTorch build lacks oneDNN's operator or does not know the
+    recorded value (the same function, another float rounding)."""
 
-    spec = str(cfg.cpu_matmul)
+    spec = str(cfg.get("cpu_matmul", "mkl"))
     try:
         return resolve_cpu_matmul(spec)
     except ValueError as exc:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from rl_tformers.cli import app
 from rl_tformers.runtime.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
@@ -166,3 +167,22 @@ def test_resume_refuses_an_environment_id_naming_a_module(received, tiny_dt_run:
     res = runner.invoke(app, ["train", "--resume", str(run)])
     assert_clean_exit(res, 2)
     assert not marker.exists()
+
+
+def test_a_run_saved_before_cpu_matmul_existed_loads_and_evaluates_with_mkl(tiny_dt_run: Path, tmp_path: Path) -> None:
+    """A run whose config has no ``cpu_matmul`` key (saved by a build without the option) loads
+    with PyTorch's default library, MKL, and ``eval`` plays its episodes."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_dt_run, run)
+    for _, path in list_checkpoints(run):
+        state = torch.load(path, weights_only=True)
+        cfg = yaml.safe_load(state["config"])
+        cfg.pop("cpu_matmul")
+        state["config"] = yaml.safe_dump(cfg)
+        save_checkpoint(run, {k: v for k, v in state.items() if k not in ("format", "version", "sha256")})
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    loaded = load_run(run)
+    assert "cpu_matmul" not in loaded.cfg
+    assert not any(type(m).__name__ == "OneDNNLinear" for m in loaded.agent.model.modules())
+    res = runner.invoke(app, ["eval", str(run), "--episodes", "1", "--envs", "1"])
+    assert_clean_exit(res, 0)
