@@ -210,7 +210,7 @@ class SpalmMemory(MemoryModule):
         _, idx, ok = masked_topk(score, allowed, self.knn_k)
         b, t, kk = idx.shape
         y = values.to(h.dtype).gather(1, idx.reshape(b, t * kk, 1).expand(-1, -1, values.shape[-1]))  # (B, T*K', D)
-        return idx, ok, y.view(b, t, kk, -1)  # (B, T*K', D) -> (B, T, K', D)
+        return idx, ok, y.view(b, t, kk, values.shape[-1])  # (B, T*K', D) -> (B, T, K', D); B = 0 too
 
     def read(self, h: Tensor, x: Tensor, valid: Tensor, seg: Tensor, state: BackboneState | None
              ) -> tuple[Tensor, Any, dict[str, Tensor]]:
