@@ -37,7 +37,7 @@ import torch
 import typer
 
 from rl_tformers.bench.data import write_synthetic_d4rl
-from rl_tformers.bench.options import check_counts, check_device, first_repeat, run_checked
+from rl_tformers.bench.options import check_counts, check_device, check_out, first_repeat, run_checked
 from rl_tformers.registry import ATTENTION
 from rl_tformers.runtime.device import move_to
 from rl_tformers.runtime.host import host_description
@@ -300,6 +300,7 @@ def register(bench_app) -> None:
     ) -> None:
         """DT training time per update against the context length K for dense vs local vs performer attention,
         with the log-log slope of each."""
+        check_out(plot, "--plot", "bench_context.png")
         run_checked(lambda: Settings(kinds=_csv(kinds, str, "--kinds"), lengths=_csv(lengths, int, "--lengths"),
                                      batch_size=batch_size, d_model=d_model, n_layers=layers, n_heads=heads,
                                      steps=steps, warmup=warmup, threads=threads, device=device),

@@ -42,7 +42,7 @@ from rl_tformers import Backbone
 from rl_tformers.agents.gtrxl.model import gtrxl_backbone
 from rl_tformers.bench._eval_policies import PROFILE_AGENTS, PROFILE_ENVS, BenchPolicy, train_small_dt, untrained
 from rl_tformers.bench._eval_rollouts import DifferentEpisodes, compare, growth, plot_growth, rollout
-from rl_tformers.bench.options import check_device, first_repeat, run_checked
+from rl_tformers.bench.options import check_device, check_out, first_repeat, run_checked
 from rl_tformers.bench.train import DEFAULT_DATASET, machine_info
 from rl_tformers.runtime.agent_registry import AgentBuildError, UnknownAgentError
 from rl_tformers.runtime.checkpoint import CheckpointError
@@ -435,7 +435,7 @@ def register(bench_app) -> None:
                                               "module's code) or installed as an entry point."),
     ) -> None:
         """Env steps/s of batched vs one-env-at-a-time evaluation; memory vs re-encoding cost per step."""
-
+        check_out(plot, "--plot", "bench_eval.png")
         run_checked(lambda: Settings(run=run_dir, plugins=tuple(plugin), dataset=dataset, episodes=episodes,
                                      n_envs=_ints(n_envs, "--n-envs"), train_updates=train_updates, profile=profile,
                                      vector=vector, plot=plot,

@@ -39,17 +39,17 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
-def check_out(out: str | None) -> None:
-    """``--out`` of a bench command: refuse (``error: ...``, exit 2) a directory or a path under a
-    file before anything is measured."""
+def check_out(out: str | None, option: str = "--out", example: str = "bench.json") -> None:
+    """A file a bench command writes (``--out``, ``--plot``): refuse (``error: ...`` naming
+    ``option``, exit 2) a directory or a path under a file before anything is measured."""
     if not out:
         return
     path = Path(out)
     if path.is_dir():
-        fail(f"--out {out} is a directory; give a file name, e.g. {path / 'bench.json'}")
+        fail(f"{option} {out} is a directory; give a file name, e.g. {path / example}")
     parent = blocking_file(path)
     if parent is not None:
-        fail(f"--out {out}: {parent} is a file, not a directory")
+        fail(f"{option} {out}: {parent} is a file, not a directory")
 
 
 def check_device(device: str, option: str = "--device") -> None:

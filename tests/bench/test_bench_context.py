@@ -58,3 +58,15 @@ def test_bad_options_are_one_error_line_before_any_work(args: list[str], message
     r = CliRunner().invoke(app, ["bench", "context", *args])
     assert r.exit_code == 2, r.output
     assert r.output.strip().splitlines()[-1].startswith(f"error: {message}"), r.output
+
+
+def test_a_plot_path_under_a_file_or_a_folder_is_refused_before_any_work(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(bc, "measure", lambda *a: pytest.fail("measured despite a bad --plot"))
+    (tmp_path / "afile").write_text("")
+    for plot, message in ((tmp_path / "afile" / "k.png", f"--plot {tmp_path / 'afile' / 'k.png'}: "
+                                                         f"{tmp_path / 'afile'} is a file, not a directory"),
+                          (tmp_path, f"--plot {tmp_path} is a directory; give a file name, e.g. "
+                                     f"{tmp_path / 'bench_context.png'}")):
+        r = CliRunner().invoke(app, ["bench", "context", "--plot", str(plot)])
+        assert r.exit_code == 2, r.output
+        assert r.stderr == f"error: {message}\n" and r.stdout == ""

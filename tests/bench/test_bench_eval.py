@@ -192,6 +192,15 @@ def test_bench_eval_of_a_dt_run_shorter_than_the_env_s_episodes_exits_2_in_one_l
     assert "Traceback" not in r.output and r.stdout == ""
 
 
+def test_bench_eval_refuses_a_plot_path_under_a_file_before_any_work(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(be, "run", lambda *a, **k: pytest.fail("ran despite a bad --plot"))
+    (tmp_path / "afile").write_text("")
+    plot = tmp_path / "afile" / "growth.png"
+    r = runner.invoke(app, ["bench", "eval", "--skip-rollouts", "--plot", str(plot)])
+    assert r.exit_code == 2, r.output
+    assert r.stderr == f"error: --plot {plot}: {tmp_path / 'afile'} is a file, not a directory\n"
+
+
 def test_the_evaluation_tables_of_docs_performance_are_its_json() -> None:
     """The throughput and profile rows of docs/performance.md's evaluation section are the measured JSON's."""
     import json
