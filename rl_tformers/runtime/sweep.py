@@ -1295,6 +1295,23 @@ def check_launcher(launcher: str, gpus_per_run: float = 0.0, ray_address: str | 
                          f"runs); drop --gpus-per-run, or add --launcher ray")
     if launcher == "local" and ray_address:
         raise SweepError(f"--ray-address {ray_address} is for --launcher ray; add --launcher ray, or drop --ray-address")
+    if ray_address:
+        check_ray_address(ray_address)
+
+
+def check_ray_address(address: str) -> None:
+    """``--ray-address``: ``HOST:PORT`` (or ``ray://HOST:PORT``, Ray's client) with a port in
+    1..65535, or Ray's words ``auto`` and ``local``; checked before Ray is started.
+
+    Raises:
+        SweepError: any other value, naming ``--ray-address``.
+    """
+    if address in ("auto", "local"):
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
+        raise SweepError(f"--ray-address {address!r}: give the cluster head as HOST:PORT (e.g. 10.0.0.1:6379, the "
+                         f"port from 1 to 65535), ray://HOST:PORT, or auto")
 
 
 def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], out_dir: str | os.PathLike,

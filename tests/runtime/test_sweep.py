@@ -1012,3 +1012,14 @@ def test_a_stored_run_without_a_newer_option_is_the_same_config() -> None:
     assert sw.config_differences(stored, requested) == []
     other = to_container(compose(None, ["agent.kind=toy", "train.amp=bf16"]))
     assert sw.config_differences(stored, other) == ["train.amp: none (stored) -> bf16 (requested)"]
+
+
+@pytest.mark.parametrize("address", ["notaport", "127.0.0.1:99999", "127.0.0.1:", ":6379", "10.0.0.1:63a"])
+def test_sweep_refuses_a_ray_address_that_is_not_host_and_port_before_starting_ray(tmp_path: Path,
+                                                                                  address: str) -> None:
+    out = tmp_path / "sw"
+    res = _sweep("--out", str(out), "--launcher", "ray", "--ray-address", address, "train.steps=2")
+    assert res.exit_code == 2, res.output
+    assert res.output == (f"error: --ray-address {address!r}: give the cluster head as HOST:PORT (e.g. "
+                          "10.0.0.1:6379, the port from 1 to 65535), ray://HOST:PORT, or auto\n")
+    assert not out.exists()
