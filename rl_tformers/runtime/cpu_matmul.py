@@ -426,7 +426,8 @@ def _write_cache(path: Path, entries: Mapping[str, Any]) -> None:
         tmp.write_text(json.dumps({"version": CACHE_VERSION, "entries": dict(entries)}, indent=1, sort_keys=True))
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # no temporary file, or none can exist (a file above the folder)
+            tmp.unlink()
         warnings.warn(f"{path}: cannot write the cpu_matmul cache ({exc.strerror or exc}); "
                       f"the next run measures again", stacklevel=3)
 

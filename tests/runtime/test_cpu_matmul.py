@@ -236,6 +236,20 @@ def test_an_unreadable_cache_file_is_ignored_with_a_warning_and_replaced(
 
 
 @needs_onednn
+def test_a_cache_folder_under_a_file_is_a_warning_and_the_measurement_is_used(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "afile").write_text("kept")
+    monkeypatch.setenv("RL_TFORMERS_CACHE_DIR", str(tmp_path / "afile" / "cache"))
+    monkeypatch.setattr(cm, "_CHOSEN", {})
+    measure = _Measure(100.0, 200.0)
+    with pytest.warns(UserWarning, match=r"cpu_matmul.json: cannot write the cpu_matmul cache \(Not a directory\); "
+                                         r"the next run measures again"):
+        choice = cm.choose_cpu_matmul(cm.DEFAULT_SHAPES, 1, measure=measure)
+    assert (choice.library, choice.source, len(measure.calls)) == ("onednn", "measured", 1)
+    assert (tmp_path / "afile").read_text() == "kept"
+
+
+@needs_onednn
 def test_a_corrupted_cache_entry_is_measured_again_and_the_others_kept(cache: Path) -> None:
     import json
 
