@@ -392,8 +392,7 @@ class RolloutCollector:
         obs, reward, term, trunc, info = self.envs.step(self.spec.to_env(action))
         r = torch.as_tensor(reward, dtype=torch.float32, device=dev) * self.reward_scale
         r_in = torch.as_tensor(reward, dtype=torch.float32, device=dev) * self.input_reward_mult  # r_t input
-        cut = np.asarray(trunc & ~term)
-        trunc_t = torch.as_tensor(cut, device=dev)
+        trunc_t = torch.as_tensor(cut := np.asarray(trunc & ~term), device=dev)
         if cut.any():  # bootstrap time-limit cuts with V(final obs) and the episode's memory (host flags: no sync)
             final = obs.copy()
             idx = np.flatnonzero(info["_final_obs"])
