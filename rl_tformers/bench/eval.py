@@ -40,7 +40,13 @@ import typer
 
 from rl_tformers import Backbone
 from rl_tformers.agents.gtrxl.model import gtrxl_backbone
-from rl_tformers.bench._eval_policies import PROFILE_AGENTS, PROFILE_ENVS, BenchPolicy, train_small_dt, untrained
+from rl_tformers.bench._eval_policies import (
+    PROFILE_AGENTS,
+    PROFILE_ENVS,
+    BenchPolicy,
+    train_small_dt,
+    untrained,
+)
 from rl_tformers.bench._eval_rollouts import DifferentEpisodes, compare, growth, plot_growth, rollout
 from rl_tformers.bench.options import check_device, check_out, first_repeat, run_checked
 from rl_tformers.bench.train import DEFAULT_DATASET, machine_info
