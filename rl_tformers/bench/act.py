@@ -53,7 +53,6 @@ from rl_tformers.runtime.checkpoint import CheckpointError
 from rl_tformers.runtime.errors import ConfigError
 from rl_tformers.runtime.loading import load_run
 
-
 #: the untrained policies timed without --run
 POLICIES = ("dt", "gtrxl")
 

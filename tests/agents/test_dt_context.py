@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from rl_tformers.agents.decision_transformer.context import ContextWindow
 from rl_tformers.agents.decision_transformer.model import DTConfig
 

@@ -34,8 +34,8 @@ def test_the_bare_forward_of_gtrxl_is_the_forward_that_act_runs() -> None:
     """The bare forward's action equals the in-package policy's (same tokens, same memory)."""
     import numpy as np
     import torch
-
     from rl_tformers.agents.decision_transformer.model import to_env_action
+
     from rl_tformers.bench.act import bare_forward, untrained_gtrxl
 
     policy, _ = untrained_gtrxl()
