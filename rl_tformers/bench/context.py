@@ -298,8 +298,7 @@ def register(bench_app) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
         out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
     ) -> None:
-        """DT training time per update against the context length K for dense vs local vs performer attention,
-        with the log-log slope of each."""
+        """DT time per update against the context length K: dense vs local vs performer, with log-log slopes."""
         check_out(plot, "--plot", "bench_context.png")
         run_checked(lambda: Settings(kinds=_csv(kinds, str, "--kinds"), lengths=_csv(lengths, int, "--lengths"),
                                      batch_size=batch_size, d_model=d_model, n_layers=layers, n_heads=heads,

@@ -425,8 +425,7 @@ def register(bench_app) -> None:
             help="Only time the DT window and GTrXL segment samplers on the --steps file with the dataset held "
                  "on DEVICE (cpu, cuda; train.data_on_device) against the host samplers."),
     ) -> None:
-        """Sampler samples/s vs what training consumes; load time of a 1M-step D4RL HDF5 file; memory and
-        sampler speed of a 200k-frame pixel dataset."""
+        """Sampler samples/s vs what training consumes; load time of a 1M-step D4RL file; a 200k-frame pixel set."""
 
         if device_sampling:  # the on-device mode (bench/data_device.py) alone
             return data_device.command(device_sampling, write_synthetic_d4rl, out=out, as_json=as_json, steps=steps,
