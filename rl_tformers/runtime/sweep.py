@@ -1256,17 +1256,24 @@ def write_results(out_dir: Path, runs: Sequence[SweepRun], outcomes: dict[str, R
         res.files.append(str(png))
     else:
         png.unlink(missing_ok=True)  # a plot of an earlier metric would look like this one's
-    res.files += _write_learning_curves(out_dir, runs, metric)
+    done = {r["run"] for r in rows if r.get("status") in COMPLETED}
+    res.files += _write_learning_curves(out_dir, runs, metric, done)
     return res
 
 
-def _write_learning_curves(out_dir: Path, runs: Sequence[SweepRun], metric: str | None) -> list[str]:
+def _write_learning_curves(out_dir: Path, runs: Sequence[SweepRun], metric: str | None,
+                           done: set[str] | None = None) -> list[str]:
     """``curves.json`` and ``curves.png``: ``metric`` against updates per grid point, mean ± std
     over its seeds (:mod:`rl_tformers.runtime.curves`), when some run logged it at two steps or
-    more (periodic evaluations); otherwise earlier ones are removed."""
+    more (periodic evaluations); otherwise earlier ones are removed. A grid point with completed
+    runs (``done``: their names) counts those only, as the summary does, so a stopped seed does
+    not cut its curve short; a point without one shows its runs so far."""
     groups: dict[str, list] = {}
     for run in runs:
-        groups.setdefault(run.point_label, []).append(run_curve(metrics_records(run.run_dir), metric) if metric else [])
+        groups.setdefault(run.point_label, []).append(
+            (run.name, run_curve(metrics_records(run.run_dir), metric) if metric else []))
+    groups = {label: [c for name, c in pairs if done is None or name in done or not any(n in done for n, _ in pairs)]
+              for label, pairs in groups.items()}
     points = point_curves(groups)
     files = [out_dir / "curves.json", out_dir / "curves.png"]
     if not metric or not any(len(c["steps"]) >= 2 for c in points.values()):

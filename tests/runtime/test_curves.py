@@ -47,6 +47,18 @@ def test_a_sweep_writes_the_curves_of_its_points(tmp_path: Path):
     assert not (tmp_path / "curves.json").exists() and not (tmp_path / "curves.png").exists()
 
 
+def test_a_stopped_seed_does_not_cut_the_curve_of_its_completed_seeds(tmp_path: Path):
+    """A grid point with completed runs counts those only (as the summary does); a point with
+    none shows its runs so far."""
+    runs = [_run(tmp_path, "a", 0, [10.0, 20.0, 30.0]), _run(tmp_path, "a", 1, [30.0, 40.0, 50.0]),
+            _run(tmp_path, "a", 2, [5.0]), _run(tmp_path, "b", 0, [1.0, 2.0]), _run(tmp_path, "b", 1, [3.0, 4.0])]
+    _write_learning_curves(tmp_path, runs, "eval/normalized_score", done={"a/seed0", "a/seed1"})
+    _, points = read_curves(tmp_path / "curves.json")
+    assert points["agent.x=a"] == {"steps": [1000, 2000, 3000], "mean": [20.0, 30.0, 40.0], "std": [10.0, 10.0, 10.0],
+                                   "n": 2}
+    assert points["agent.x=b"] == {"steps": [1000, 2000], "mean": [2.0, 3.0], "std": [1.0, 1.0], "n": 2}
+
+
 def test_a_file_that_is_not_a_curves_json_is_named_in_the_error(tmp_path: Path):
     bad = tmp_path / "curves.json"
     bad.write_text("[1, 2]")
