@@ -341,12 +341,16 @@ def d4rl_arrays(d) -> dict[str, np.ndarray]:
     """The flat steps of an :class:`~rl_tformers.envs.dataset.EpisodeDataset` in D4RL layout, in
     episode-table order, as the peers read them: ``observations (N, obs)`` and ``actions``
     float32, ``rewards (N,)`` float32, ``terminals`` / ``timeouts (N,)`` bool. Every episode ends
-    with a flag (a last step with neither becomes a timeout: d3rlpy splits episodes on them)."""
+    with a flag (a last step with neither becomes a timeout: d3rlpy splits episodes on them). A
+    step that is both terminated and truncated (a fall on the time limit's last step) is a
+    terminal only: the MDP ended there, so nothing is bootstrapped (Gymnasium's semantics), and
+    D4RL's layout, which d3rlpy checks, never sets both."""
     idx = d.flat_indices()
     terminals = d.terminations[idx].copy()
     timeouts = d.truncations[idx].copy()
     last = d.cum_lengths[1:] - 1
     timeouts[last] |= ~terminals[last]
+    timeouts &= ~terminals
     return {
         "observations": np.asarray(d.observations[idx], dtype=np.float32).reshape(len(idx), -1),
         "actions": np.asarray(d.actions[idx], dtype=np.float32), "rewards": d.rewards[idx].astype(np.float32),

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import pytest
 from rl_tformers.envs.dataset import EpisodeDataset
@@ -49,6 +50,18 @@ def test_export_matches_the_dataset(tiny_hdf5, tmp_path):
     sel = ds.select(np.array([3, 0, 2]))
     assert not sel.is_contiguous()
     _check_export(sel, tmp_path / "sel.npz")
+
+
+def test_export_a_fall_on_the_time_limit_step_is_a_terminal_only(tmp_path):
+    # episode 0 falls on the step the time limit also ends (terminated and truncated both set):
+    # D4RL's layout (d3rlpy asserts it) never sets both, and the MDP ended, so it is a terminal
+    obs, act, rew = np.zeros((5, 2)), np.zeros((5, 3)), np.ones(5)
+    box = gym.spaces.Box(-1.0, 1.0, shape=(3,), dtype=np.float32)
+    ds = EpisodeDataset(obs, act, rew, [0, 1, 0, 0, 0], [0, 1, 0, 0, 1], starts=[0, 2], lengths=[2, 3], action_space=box)
+    _check_export(ds, tmp_path / "both.npz")
+    data = np.load(tmp_path / "both.npz")
+    assert data["terminals"].tolist() == [False, True, False, False, False]
+    assert data["timeouts"].tolist() == [False, False, False, False, True]
 
 
 def test_summary_rows():
