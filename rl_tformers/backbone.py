@@ -13,7 +13,15 @@ from rl_tformers.depth.base import DepthOutput
 from rl_tformers.memory.base import SegmentRecord
 from rl_tformers.position.base import check_position_dtype
 from rl_tformers.registry import REGISTRIES, SLOTS, Capabilities
-from rl_tformers.types import AttnContext, BackboneOutput, BackboneState, _map, merge_into
+from rl_tformers.types import (
+    AttnContext,
+    BackboneOutput,
+    BackboneState,
+    TokenIndex,
+    _map,
+    merge_into,
+    take_tokens,
+)
 
 
 def kinds_with(slot: str, capability: str, position: str | None = None) -> list[str]:
@@ -260,7 +268,7 @@ class Backbone(nn.Module):
         *,
         need_weights: bool = False,
         output_hidden_states: bool = False,
-        output_tokens: slice | None = None,
+        output_tokens: TokenIndex | None = None,
         **depth_kwargs: Any,
     ) -> BackboneOutput:
         """Run the stack.
@@ -278,14 +286,15 @@ class Backbone(nn.Module):
             need_weights: ask kernels for attention probabilities (slower path); they come back
                 in ``BackboneOutput.attentions``, one (B, H, T, S) tensor per layer run.
             output_hidden_states: return every layer's output.
-            output_tokens: a slice along T (e.g. ``slice(1, None, 3)``): ``hidden`` is then
-                ``(B, T', D)``, those tokens only (``hidden_states``, the state and the
-                attention weights still cover every token). The same values as slicing the full
-                output; when nothing else needs the last layer's other outputs (no state,
-                weights, hidden states or depth arguments) and the depth kind, blocks and
-                kernel allow it (:attr:`query_subset`: fixed depth, pre/post-norm blocks, dense
-                attention), the last layer computes only those tokens' queries, feed-forward
-                and final norm: a Decision Transformer needs 1 token in 3.
+            output_tokens: a slice along T (e.g. ``slice(1, None, 3)``) or a (B, P) integer tensor
+                of per-row token indices in [0, T) (row b keeps ``output_tokens[b]``): ``hidden``
+                is then (B, T', D), those tokens only (``hidden_states``, the state and the weights
+                still cover every token), the values of the full output sliced (gathered). When
+                nothing else needs the last layer's other outputs (no state, weights, hidden states
+                or depth arguments), fewer than T tokens are asked for and the stack allows it
+                (:attr:`query_subset`: fixed depth, pre/post-norm blocks, dense attention), the
+                last layer computes only those tokens' queries, feed-forward and final norm (a
+                Decision Transformer trains on 1 token in 3 and acts on 1 in 3K).
             depth_kwargs: passed to the depth module (e.g. an exit head for early exit).
 
         Returns:
@@ -298,16 +307,18 @@ class Backbone(nn.Module):
                 (never truncated silently: the message names its dtype and the expected integer
                 dtype); outside autocast, an ``x`` or ``state`` whose dtype the parameters cannot
                 take (the message names both dtypes and how to convert).
-            TypeError: ``output_tokens`` is not a slice.
+            ValueError: an ``output_tokens`` tensor not (B, P), not integer or outside [0, T) (named).
+            TypeError: ``output_tokens`` is neither a slice nor a tensor.
         """
-        positions = self._checked_inputs(x, positions, mask, state, episode_start, output_tokens)
+        positions, output_tokens = self._checked_inputs(x, positions, mask, state, episode_start, output_tokens)
         return self._run(x, positions, mask, state, episode_start, need_weights, output_hidden_states, output_tokens,
                          depth_kwargs)
 
     def _checked_inputs(self, x: Tensor, positions: Tensor | None, mask: Tensor | None, state: BackboneState | None,
-                        episode_start: Tensor | None, output_tokens: slice | None) -> Tensor:
+                        episode_start: Tensor | None,
+                        output_tokens: TokenIndex | None) -> tuple[Tensor, TokenIndex | None]:
         """Check the shapes and types of :meth:`forward`'s inputs; returns the (B, T) int64
-        positions (the given ones, or the default ones).
+        positions (given or default) and ``output_tokens`` (a tensor: int64 on x's device).
 
         Raises:
             ValueError / TypeError: as :meth:`forward`.
@@ -326,23 +337,23 @@ class Backbone(nn.Module):
         positions = positions.long()  # any integer dtype: exact
         if mask is not None and mask.shape != (b, t):
             raise ValueError(f"backbone: mask must be ({b}, {t}), got {tuple(mask.shape)}")
-        if output_tokens is not None and not isinstance(output_tokens, slice):
-            raise TypeError(f"backbone: output_tokens must be a slice, got {type(output_tokens).__name__}")
+        if output_tokens is not None and _check_output_tokens(output_tokens, b, t):
+            output_tokens = output_tokens.to(device=dev, dtype=torch.long)
         if episode_start is not None and episode_start.shape != (b, t):
             raise ValueError(f"backbone: episode_start must be ({b}, {t}), got {tuple(episode_start.shape)}")
         if state is not None and state.batch_size != b:  # before anything broadcasts one against the other
             raise ValueError(f"backbone: state is for batch {state.batch_size}, x has batch {b}")
-        return positions
+        return positions, output_tokens
 
     def _run(self, x: Tensor, positions: Tensor, mask: Tensor | None, state: BackboneState | None,
              episode_start: Tensor | None, need_weights: bool, output_hidden_states: bool,
-             output_tokens: slice | None, depth_kwargs: dict[str, Any]) -> BackboneOutput:
+             output_tokens: TokenIndex | None, depth_kwargs: dict[str, Any]) -> BackboneOutput:
         """:meth:`forward` on checked inputs: the attention context, the depth module's call over
         the blocks and, with a ``state``, the memory update."""
         b, t, _ = x.shape
         dev = x.device
         if t == 0:  # an empty segment: no token to compute, the state (memory, cache) is unchanged
-            hidden = x if output_tokens is None else x[:, output_tokens]  # (B, 0, D)
+            hidden = x if output_tokens is None else take_tokens(x, output_tokens)  # (B, 0, D)
             return BackboneOutput(
                 hidden=self.final_norm(hidden),
                 state=state,
@@ -359,7 +370,7 @@ class Backbone(nn.Module):
         ctx = self._attn_context(positions, valid_q, seg_q, state, need_weights, dev)
 
         subset = (output_tokens is not None and self.query_subset and state is None and not need_weights
-                  and not output_hidden_states and not depth_kwargs)
+                  and not output_hidden_states and not depth_kwargs and _n_tokens(output_tokens, t) < t)
         if subset:
             depth_kwargs["queries"] = output_tokens
         dout = self._call_depth(x, ctx, state, output_hidden_states, depth_kwargs)
@@ -459,20 +470,53 @@ class Backbone(nn.Module):
 
 
 def _final_output(memory: nn.Module, norm: nn.Module, h: Tensor, x: Tensor, valid_q: Tensor | None,
-                  seg_q: Tensor | None, state: BackboneState | None, tokens: slice | None,
+                  seg_q: Tensor | None, state: BackboneState | None, tokens: TokenIndex | None,
                   metrics: dict[str, Any]) -> tuple[Tensor, Any]:
     """The backbone's output from the last layer's ``h`` (B, T, D): the final norm, then the
     memory's :meth:`~rl_tformers.memory.base.MemoryModule.read` when it ``reads_output`` (SPALM's
     long-term read, over every token; its metrics merged into ``metrics``), then the ``tokens``
-    kept (None: all). Returns (hidden (B, T', D), what the read hands to the memory update)."""
+    kept (None: all; :func:`~rl_tformers.types.take_tokens`). Returns (hidden (B, T', D), what
+    the read hands to the memory update)."""
     if not memory.reads_output:
-        return norm(h if tokens is None else h[:, tokens]), None
+        return norm(h if tokens is None else take_tokens(h, tokens)), None
     b, t, _ = x.shape
     valid = valid_q if valid_q is not None else torch.ones(b, t, dtype=torch.bool, device=x.device)
     seg = seg_q if seg_q is not None else torch.zeros(b, t, dtype=torch.long, device=x.device)
     z, readout, read_metrics = memory.read(norm(h), x, valid, seg, state)
     merge_into(metrics, read_metrics)
-    return (z if tokens is None else z[:, tokens]), readout
+    return (z if tokens is None else take_tokens(z, tokens)), readout
+
+
+def _n_tokens(tokens: TokenIndex, t: int) -> int:
+    """How many tokens of T ``tokens`` selects per row (a slice's length, a tensor's P)."""
+    return len(range(t)[tokens]) if isinstance(tokens, slice) else tokens.shape[1]
+
+
+def _check_output_tokens(tokens: Any, b: int, t: int) -> bool:
+    """Refuse an ``output_tokens`` that is neither a slice nor a (B, P) integer tensor of indices
+    in [0, T); True for a tensor.
+
+    Raises:
+        TypeError: neither a slice nor a tensor.
+        ValueError: a tensor of another shape or a non-integer dtype, or an index outside [0, T)
+            (one host read of its minimum and maximum; not checked under ``torch.compile``).
+    """
+    if isinstance(tokens, slice):
+        return False
+    if not isinstance(tokens, Tensor):
+        raise TypeError(f"backbone: output_tokens must be a slice or a ({b}, P) integer tensor, "
+                        f"got {type(tokens).__name__}")
+    if tokens.dim() != 2 or tokens.shape[0] != b:
+        raise ValueError(f"backbone: output_tokens must be a slice or a ({b}, P) tensor of token indices, "
+                         f"got shape {tuple(tokens.shape)}")
+    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise ValueError(f"backbone: output_tokens must hold integer token indices, got {tokens.dtype}")
+    if tokens.numel() and not torch.compiler.is_compiling():
+        lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one host read
+        if lo < 0 or hi >= t:
+            raise ValueError(f"backbone: output_tokens holds index {lo if lo < 0 else hi}, outside [0, {t}) "
+                             f"(T = {t} tokens)")
+    return True
 
 
 def _float_dtypes(state: BackboneState) -> set[torch.dtype]:

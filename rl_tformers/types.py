@@ -38,6 +38,32 @@ def state_type(cls: type) -> type:
     return cls
 
 
+#: tokens chosen along T: a slice (the same for every row) or a (B, P) long tensor of per-row indices
+TokenIndex = slice | Tensor
+
+
+def take_tokens(x: Tensor, index: TokenIndex, dim: int = 1) -> Tensor:
+    """The tokens ``index`` of ``x`` along its token axis ``dim`` (batch axis 0).
+
+    Args:
+        x: (B|1, ..., T, ...) with T at ``dim``; a batch axis of 1 is broadcast to B.
+        index: a slice along T (``x[:, ..., index]``, a view), or a (B, P) long tensor of
+            per-row token indices in [0, T) (gathered: row b keeps tokens ``index[b]``).
+
+    Returns:
+        ``x`` with P (or the slice's length) tokens at ``dim``.
+    """
+    if isinstance(index, slice):
+        return x[(slice(None),) * dim + (index,)]
+    b, p = index.shape
+    shape = list(x.shape)
+    shape[0] = b
+    idx_shape = [b] + [1] * (x.dim() - 1)
+    idx_shape[dim] = p
+    shape[dim] = p
+    return x.expand(b, *x.shape[1:]).gather(dim, index.reshape(idx_shape).expand(shape))
+
+
 def neg_inf(dtype: torch.dtype) -> float:
     """Most negative finite value of ``dtype``: the fill for disallowed attention scores."""
     return torch.finfo(dtype).min
@@ -151,18 +177,19 @@ class AttnContext:
             _allowed=None if self._allowed is None else self._allowed[:, :, start:end],
         )
 
-    def select_queries(self, index: slice) -> AttnContext:
-        """Context of the queries ``index`` (any slice along T, e.g. ``slice(1, None, 3)``) over
-        the same keys, carrying their rows of the dense mask: (B|1, 1, T', S).
+    def select_queries(self, index: TokenIndex) -> AttnContext:
+        """Context of the queries ``index`` (any slice along T, e.g. ``slice(1, None, 3)``, or
+        a (B, P) long tensor of per-row query indices, :func:`take_tokens`) over the same keys,
+        carrying their rows of the dense mask: (B|1, 1, T', S), (B, 1, P, S) for a tensor.
 
         The selected queries are no longer the last T' keys, so only kernels that read the
         mask from :meth:`allowed` (dense attention: ``query_subset = True``) may use it.
         """
         return dataclasses.replace(
             self,
-            pos_q=self.pos_q[:, index],
-            seg_q=None if self.seg_q is None else self.seg_q[:, index],
-            _allowed=self.allowed()[:, :, index],
+            pos_q=take_tokens(self.pos_q, index),
+            seg_q=None if self.seg_q is None else take_tokens(self.seg_q, index),
+            _allowed=take_tokens(self.allowed(), index, dim=2),
         )
 
 

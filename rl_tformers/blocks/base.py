@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rl_tformers.backbone_config import SlotConfig
-from rl_tformers.types import AttnContext, BlockOutput, LayerState
+from rl_tformers.types import AttnContext, BlockOutput, LayerState, TokenIndex, take_tokens
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,8 @@ class BlockModule(nn.Module):
 
     #: True for blocks whose stack must be run by a special runner (reversible layers).
     reversible = False
-    #: True for blocks whose ``forward(..., queries=slice)`` computes only those tokens' outputs.
+    #: True for blocks whose ``forward(..., queries=...)`` computes only those tokens' outputs
+    #: (a slice along T, or a (B, P) long tensor of per-row indices: :func:`~rl_tformers.types.take_tokens`).
     query_subset = False
 
     def __init__(self, ctx, position) -> None:
@@ -102,13 +103,14 @@ class BlockModule(nn.Module):
         return self.ffn(x, ctx) if getattr(self.ffn, "takes_context", False) else self.ffn(x)
 
     def attend(self, h: Tensor, mem: Tensor | None, ctx: AttnContext, state: LayerState | None,
-               queries: slice | None = None):
+               queries: TokenIndex | None = None):
         """Run attention with queries ``h`` (B, T, D) and keys ``[mem; h]`` (B, M + T, D);
-        with ``queries`` only the queries ``h[:, queries]`` (B, T', D) (dense kernels only)."""
+        with ``queries`` only those queries (B, T', D), :func:`~rl_tformers.types.take_tokens`
+        (dense kernels only)."""
         kv = h if mem is None else torch.cat([mem, h], dim=1)
         cache = None if state is None else state.cache
         if queries is not None:
-            return self.attn(h[:, queries], kv, ctx.select_queries(queries), cache)
+            return self.attn(take_tokens(h, queries), kv, ctx.select_queries(queries), cache)
         return self.attn(h, kv, ctx, cache)
 
     def forward(self, x: Tensor, ctx: AttnContext, state: LayerState | None = None) -> BlockOutput:  # pragma: no cover

@@ -8,13 +8,14 @@ from torch import Tensor, nn
 
 from rl_tformers.blocks.base import BlockConfig, BlockModule
 from rl_tformers.registry import BLOCK, Capabilities
-from rl_tformers.types import AttnContext, BlockOutput, LayerState
+from rl_tformers.types import AttnContext, BlockOutput, LayerState, TokenIndex, take_tokens
 
 
 class PostNormBlock(BlockModule):
     """x = LN(x + Attn(x)); x = LN(x + FFN(x))  (Vaswani et al. 2017, sec. 3.1).
 
-    ``queries``: a slice along T; only those tokens' outputs are computed (B, T', D), every
+    ``queries``: a slice along T or a (B, P) long tensor of per-row token indices
+    (:func:`~rl_tformers.types.take_tokens`); only those tokens' outputs are computed (B, T', D), every
     token still serving as a key (see :attr:`BlockModule.query_subset`).
     """
 
@@ -26,11 +27,11 @@ class PostNormBlock(BlockModule):
         self.norm2 = nn.LayerNorm(ctx.d_model)
 
     def forward(self, x: Tensor, ctx: AttnContext, state: LayerState | None = None,
-                queries: slice | None = None) -> BlockOutput:
+                queries: TokenIndex | None = None) -> BlockOutput:
         mem = None if state is None else state.memory
         a = self.attend(x, mem, ctx, state, queries)
         if queries is not None:
-            x = x[:, queries]  # (B, T', D)
+            x = take_tokens(x, queries)  # (B, T', D)
         x = self.norm1(x + self.dropout(a.out))
         x = self.norm2(x + self.dropout(self.transition(x, ctx)))
         return BlockOutput(x, a.cache, a.aux, a.metrics, a.weights)
@@ -50,11 +51,11 @@ class PreNormBlock(BlockModule):
         self.norm2 = nn.LayerNorm(ctx.d_model)
 
     def forward(self, x: Tensor, ctx: AttnContext, state: LayerState | None = None,
-                queries: slice | None = None) -> BlockOutput:
+                queries: TokenIndex | None = None) -> BlockOutput:
         mem = None if state is None or state.memory is None else self.norm1(state.memory)
         a = self.attend(self.norm1(x), mem, ctx, state, queries)
         if queries is not None:
-            x = x[:, queries]  # (B, T', D)
+            x = take_tokens(x, queries)  # (B, T', D)
         x = x + self.dropout(a.out)
         x = x + self.dropout(self.transition(self.norm2(x), ctx))
         return BlockOutput(x, a.cache, a.aux, a.metrics, a.weights)

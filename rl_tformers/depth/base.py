@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rl_tformers.attention.base import deferred_buffer_updates
 from rl_tformers.backbone_config import SlotConfig
-from rl_tformers.types import AttnContext, BlockOutput, LayerState, merge_into
+from rl_tformers.types import AttnContext, BlockOutput, LayerState, TokenIndex, merge_into
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class DepthOutput:
 
 
 def call_block(block: nn.Module, x: Tensor, ctx: AttnContext, state: LayerState | None,
-               queries: slice | None = None) -> BlockOutput:
+               queries: TokenIndex | None = None) -> BlockOutput:
     """``block(x, ctx, state)`` (with ``queries`` when given) -> :class:`BlockOutput`.
 
     A block built with ``backbone.checkpoint`` runs under activation checkpointing while
@@ -90,7 +90,8 @@ class DepthModule(nn.Module):
     """Base depth module: ``self.blocks`` is the ModuleList of blocks it runs."""
 
     blocks: nn.ModuleList
-    #: True for depth kinds whose ``forward(..., queries=slice)`` runs the last layer for those
+    #: True for depth kinds whose ``forward(..., queries=...)`` (a slice along T or a (B, P) long
+    #: tensor of per-row indices, :func:`~rl_tformers.types.take_tokens`) runs the last layer for those
     #: tokens only (hidden (B, T', D)); the backbone checks the blocks and kernels too.
     query_subset = False
 
@@ -102,7 +103,7 @@ class DepthModule(nn.Module):
         ctx: AttnContext,
         layer_states: list[LayerState] | None,
         out: DepthOutput,
-        queries: slice | None = None,
+        queries: TokenIndex | None = None,
     ) -> Tensor:
         """Run block ``i`` on x (B, T, D), recording its input, cache, weights, aux, metrics.
         With ``queries`` (a block with ``query_subset``) only those tokens' outputs (B, T', D)."""

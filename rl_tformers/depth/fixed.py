@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from rl_tformers.depth.base import DepthConfig, DepthModule, DepthOutput
 from rl_tformers.registry import DEPTH, Capabilities
-from rl_tformers.types import AttnContext, LayerState
+from rl_tformers.types import AttnContext, LayerState, TokenIndex
 
 
 def build_blocks(ctx, n: int) -> nn.ModuleList:
@@ -35,7 +35,7 @@ class FixedDepth(DepthModule):
     """``n_layers`` distinct blocks applied once each, in order (Vaswani et al. 2017); a stack of
     reversible blocks is handed whole to their ``run_stack`` (:func:`run_reversible`)."""
 
-    query_subset = True  # queries=slice: the last layer computes only those tokens
+    query_subset = True  # queries (slice or (B, P) indices): the last layer computes only those tokens
 
     def __init__(self, ctx) -> None:
         super().__init__()
@@ -43,7 +43,7 @@ class FixedDepth(DepthModule):
 
     def forward(
         self, x: Tensor, ctx: AttnContext, layer_states: list[LayerState] | None, need_hidden: bool = False,
-        queries: slice | None = None, **kw
+        queries: TokenIndex | None = None, **kw
     ) -> DepthOutput:
         """x (B, T, D) through every block -> :class:`DepthOutput` with hidden (B, T, D), or
         (B, T', D) with ``queries`` (only the last layer computes just those tokens).

@@ -1,6 +1,8 @@
 """``Backbone.forward(output_tokens=slice)``: the same values (and gradients) as slicing the full
 output, for every positional encoding, both norm blocks and both dense kernels, with padding and
-episode boundaries; the last layer then computes only the selected queries; other stacks fall back."""
+episode boundaries; the last layer then computes only the selected queries; other stacks fall back.
+``output_tokens`` as a (B, P) tensor of per-row indices: the same values as gathering the full
+output, on the same fast path; invalid indices are refused by name."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 
 from rl_tformers.backbone import Backbone
 from rl_tformers.backbone_config import BackboneConfig
+from rl_tformers.types import take_tokens
 
 POSITIONS = ["none", "sinusoidal", "learned", "alibi", "distance_aware", "rotary", "shaw", "xl_relative"]
 
@@ -29,20 +32,22 @@ def _inputs(b: int = 3, t: int = 12):
     return x, pos, mask
 
 
-def _check(bb: Backbone, sl: slice, subset: bool, **fw) -> None:
+def _check(bb: Backbone, tokens, subset: bool, **fw) -> None:
+    """``output_tokens=tokens`` (a slice or a (3, P) index tensor) against the full output sliced
+    (gathered): values and gradients; the last layer runs P queries (``subset``) or all 12."""
     x, pos, mask = _inputs()
-    real = mask[:, sl]  # outputs of padded tokens are unspecified
-    full = bb(x, positions=pos, mask=mask, **fw).hidden[:, sl]
+    real = take_tokens(mask, tokens)  # outputs of padded tokens are unspecified
+    full = take_tokens(bb(x, positions=pos, mask=mask, **fw).hidden, tokens)
     (g_full,) = torch.autograd.grad((full * real[..., None]).sum(), x)
     calls = []
     hook = bb.blocks[-1].attn.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[1]))
-    part = bb(x, positions=pos, mask=mask, output_tokens=sl, **fw).hidden
+    part = bb(x, positions=pos, mask=mask, output_tokens=tokens, **fw).hidden
     hook.remove()
     assert part.shape == full.shape
     torch.testing.assert_close(part[real], full[real], rtol=1e-5, atol=1e-6)
     (g_part,) = torch.autograd.grad((part * real[..., None]).sum(), x)
     torch.testing.assert_close(g_part, g_full, rtol=1e-5, atol=1e-6)
-    assert calls[-1] == (len(range(12)[sl]) if subset else 12)  # queries of the last layer run
+    assert calls[-1] == (full.shape[1] if subset else 12)  # queries of the last layer run
 
 
 @pytest.mark.parametrize("position", POSITIONS)
@@ -84,3 +89,72 @@ def test_fall_back_when_the_last_layer_is_needed_whole():
     assert out.hidden.shape == (3, 4, 16) and out.hidden_states[-1].shape == (3, 12, 16)
     with pytest.raises(TypeError, match="output_tokens must be a slice"):
         bb(x, output_tokens=[1, 4])
+
+
+#: per-row token indices of the 3 rows of _inputs(): a different P = 3 tokens in each row, out of
+#: order, one repeated, and in row 1 a real token after its left padding
+ROWS = torch.tensor([[1, 7, 4], [11, 4, 4], [0, 9, 5]])
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("block", ["pre_norm", "post_norm"])
+def test_per_row_indices_same_values_as_gathering_the_full_output(position, block):
+    bb = _backbone(position={"kind": position}, block={"kind": block})
+    for idx in (ROWS, ROWS[:, :1], torch.tensor([[11], [4], [0]], dtype=torch.int32)):
+        _check(bb, idx, subset=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_per_row_indices_reference_kernel_bidirectional_and_episodes(causal):
+    bb = _backbone(attention={"kind": "reference"}, causal=causal)
+    _check(bb, ROWS, subset=True)
+    x, pos, mask = _inputs()
+    starts = torch.zeros(3, 12, dtype=torch.bool)
+    starts[0, 5] = True  # a new episode inside row 0
+    rows = torch.arange(3)[:, None]
+    full = bb(x, positions=pos, mask=mask, episode_start=starts).hidden[rows, ROWS]
+    part = bb(x, positions=pos, mask=mask, episode_start=starts, output_tokens=ROWS).hidden
+    real = mask[rows, ROWS]
+    torch.testing.assert_close(part[real], full[real], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [{"attention": {"kind": "local", "block": 4}}, {"block": {"kind": "gated"}}])
+def test_per_row_indices_other_stacks_compute_everything_then_gather(kw):
+    bb = _backbone(**kw)
+    assert not bb.query_subset
+    _check(bb, ROWS, subset=False)
+
+
+def test_per_row_indices_of_every_token_run_the_whole_last_layer():
+    """T indices per row (a permutation): no fewer queries to compute, so the full layer runs
+    and its outputs are gathered in the asked order (a causal kernel's plain-causal fast path
+    never sees permuted queries)."""
+    bb = _backbone()
+    perm = torch.stack([torch.randperm(12, generator=torch.Generator().manual_seed(i)) for i in range(3)])
+    _check(bb, perm, subset=False)
+    x, pos, _ = _inputs()  # no padding: the kernel would take the plain causal mask
+    full = bb(x, positions=pos).hidden[torch.arange(3)[:, None], perm]
+    torch.testing.assert_close(bb(x, positions=pos, output_tokens=perm).hidden, full, rtol=0, atol=1e-6)
+
+
+def test_per_row_indices_with_empty_selection_and_empty_segment():
+    bb = _backbone()
+    x, pos, mask = _inputs()
+    assert bb(x, positions=pos, mask=mask, output_tokens=torch.zeros(3, 0, dtype=torch.long)).hidden.shape == (3, 0, 16)
+    empty = torch.zeros(3, 0, 16)
+    assert bb(empty, output_tokens=torch.zeros(3, 0, dtype=torch.long)).hidden.shape == (3, 0, 16)
+
+
+@pytest.mark.parametrize(("idx", "why"), [
+    (torch.tensor([[1, 12], [0, 0], [0, 0]]), r"output_tokens holds index 12, outside \[0, 12\)"),
+    (torch.tensor([[1, 2], [-1, 0], [0, 0]]), r"output_tokens holds index -1, outside \[0, 12\)"),
+    (torch.tensor([1, 2, 3]), r"output_tokens must be a slice or a \(3, P\) tensor of token indices, got shape \(3,\)"),
+    (torch.zeros(2, 1, dtype=torch.long), r"output_tokens must be a slice or a \(3, P\) tensor .* got shape \(2, 1\)"),
+    (torch.zeros(3, 1), r"output_tokens must hold integer token indices, got torch.float32"),
+    (torch.zeros(3, 1, dtype=torch.bool), r"output_tokens must hold integer token indices, got torch.bool"),
+])
+def test_invalid_per_row_indices_are_refused_by_name(idx, why):
+    bb = _backbone()
+    x, pos, mask = _inputs()
+    with pytest.raises(ValueError, match=why):
+        bb(x, positions=pos, mask=mask, output_tokens=idx)
