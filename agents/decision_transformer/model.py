@@ -47,7 +47,7 @@ from rl_tformers.backbone import Backbone
 from rl_tformers.backbone_config import BackboneConfig
 from rl_tformers.depth.early_exit import SCHEMES, with_final_norm
 from rl_tformers.position.base import embedding_table
-from rl_tformers.types import BackboneOutput
+from rl_tformers.types import BackboneOutput, TokenIndex, take_tokens
 
 MODES = ("causal", "last_action")
 HEADS = ("deterministic", "gaussian", "categorical")
@@ -241,7 +241,8 @@ class DTConfig:
 
 @dataclass
 class DTOutput:
-    """Result of :meth:`DecisionTransformer.forward`. P = K (causal) or 1 (last_action).
+    """Result of :meth:`DecisionTransformer.forward`. P = K (causal), or 1 (last_action, or
+    causal with ``predict_at``: the given step of each row).
 
     Attributes:
         action: (B, P, A) normalised action in [-1, 1] (continuous: tanh of the mean) or
@@ -337,7 +338,7 @@ class DecisionTransformer(nn.Module):
 
     def forward(
         self, obs: Tensor, actions: Tensor, rtg: Tensor, timesteps: Tensor, mask: Tensor, *,
-        output_hidden_states: bool = False,
+        output_hidden_states: bool = False, predict_at: Tensor | None = None,
     ) -> DTOutput:
         """Predict actions from a window of K steps (Chen et al. 2021, Algorithm 1).
 
@@ -353,22 +354,31 @@ class DecisionTransformer(nn.Module):
             mask: (B, K) bool, True = real step, False = padding (any place in the window).
             output_hidden_states: also return every layer's output at the predicting state
                 tokens (``DTOutput.hidden_states``).
+            predict_at: causal mode only: (B,) integer step slots in [0, K), one per row: predict
+                only the action of that step of each row (acting: the step being decided), P = 1.
+                The same values as the full output at those steps; with a backbone that allows it
+                (:attr:`~rl_tformers.backbone.Backbone.query_subset`) the last layer computes that
+                one state token per row instead of K.
 
         Returns:
-            :class:`DTOutput` with predictions for every step (causal) or the last one.
+            :class:`DTOutput` with predictions for every step (causal), the ``predict_at`` steps,
+            or the last one (last_action).
 
         Raises:
             ValueError: wrong shapes, a window of more than ``context_len`` steps, or a timestep
-                outside ``[0, max_ep_len)``.
+                outside ``[0, max_ep_len)``; a ``predict_at`` in last_action mode, not of shape
+                (B,), not of an integer dtype or (outside training) outside [0, K).
         """
         x, tok_mask, pos = self.embed(obs, actions, rtg, timesteps, mask)  # (B, n, D): R_t, s_t, a_t per step
+        tokens = self._predicting_tokens(x.shape[1], obs.shape[1], predict_at)
         out = self.backbone(x, positions=pos, mask=tok_mask, output_hidden_states=output_hidden_states,
-                            output_tokens=self._token_slice(x.shape[1]), **self.exit_kwargs(x, obs.shape[1]))
-        return self.predict_states(out)  # the action head at the state tokens s_t
+                            output_tokens=tokens, **self.exit_kwargs(x, obs.shape[1]))
+        return self.predict_states(out, tokens)  # the action head at the state tokens s_t
 
     def forward_early_exit(
         self, obs: Tensor, actions: Tensor, rtg: Tensor, timesteps: Tensor, mask: Tensor, *,
         exit_steps: Tensor | None = None, exit_threshold: float | None = None, output_hidden_states: bool = False,
+        predict_at: Tensor | None = None,
     ) -> DTOutput:
         """:meth:`forward` whose backbone runs layer by layer and stops early (depth kind ``early_exit``).
 
@@ -377,10 +387,11 @@ class DecisionTransformer(nn.Module):
         confident (:mod:`rl_tformers.depth.early_exit`; CALM, Schuster et al. 2022).
 
         Args:
-            obs, actions, rtg, timesteps, mask, output_hidden_states: as :meth:`forward`.
+            obs, actions, rtg, timesteps, mask, output_hidden_states, predict_at: as :meth:`forward`
+                (the exit loop still runs every token; only the output is gathered).
             exit_steps: (B, K) bool, the steps whose state token decides (the ones whose action is
                 used, e.g. the current step when acting); the exit loop stops once they all
-                exited. ``None``: every predicting state token.
+                exited. ``None``: every predicting state token (the ``predict_at`` steps with it).
             exit_threshold: confidence threshold for this call (``None``: the backbone's stored
                 one, +inf unless calibrated; +inf runs every layer).
 
@@ -393,10 +404,13 @@ class DecisionTransformer(nn.Module):
         if not self.early_exit:
             raise ValueError("DT: exit_steps / exit_threshold need backbone.depth.kind=early_exit")
         x, tok_mask, pos = self.embed(obs, actions, rtg, timesteps, mask)
+        tokens = self._predicting_tokens(x.shape[1], obs.shape[1], predict_at)
+        if exit_steps is None and predict_at is not None:  # the predicted steps decide
+            exit_steps = F.one_hot(predict_at.long(), obs.shape[1]).bool()  # (B, K)
         depth_kw = self.exit_kwargs(x, obs.shape[1], exit_steps, exit_threshold)
         out = self.backbone(x, positions=pos, mask=tok_mask, output_hidden_states=output_hidden_states,
-                            output_tokens=self._token_slice(x.shape[1]), **depth_kw)
-        return self.predict_states(out)
+                            output_tokens=tokens, **depth_kw)
+        return self.predict_states(out, tokens)
 
     def embed(self, obs: Tensor, actions: Tensor, rtg: Tensor, timesteps: Tensor,
               mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -437,13 +451,13 @@ class DecisionTransformer(nn.Module):
         n = x.shape[1]
         return x, tok_mask, self.token_pos[:n].expand(b, n)
 
-    def predict_states(self, out: BackboneOutput) -> DTOutput:
+    def predict_states(self, out: BackboneOutput, tokens: TokenIndex | None = None) -> DTOutput:
         """The action head at the predicting state tokens of the backbone's output (its last layer
-        computed only those: ``output_tokens``); their per-layer states, aux losses and metrics
-        ride along."""
+        computed only those: ``output_tokens``, ``tokens``; None: :meth:`_token_slice`); their
+        per-layer states, aux losses and metrics ride along."""
         hs = None
         if out.hidden_states is not None:
-            hs = tuple(self._select(hl) for hl in out.hidden_states)
+            hs = tuple(self._select(hl, tokens) for hl in out.hidden_states)
         res = self.predict(out.hidden)  # (B, P, D) state tokens
         res.aux, res.metrics, res.hidden_states = out.aux, out.metrics, hs
         return res
@@ -486,9 +500,32 @@ class DecisionTransformer(nn.Module):
         """The predicting state tokens among n: every third from s_0 (causal), the last (last_action)."""
         return slice(1, None, 3) if self.cfg.mode == "causal" else slice(n - 1, n)
 
-    def _select(self, h: Tensor) -> Tensor:
-        """(B, n, D) token states -> (B, P, D) the predicting state tokens."""
-        return h[:, self._token_slice(h.shape[1])]
+    def _predicting_tokens(self, n: int, k: int, predict_at: Tensor | None) -> TokenIndex:
+        """The state tokens whose actions are predicted among n tokens of a K-step window:
+        :meth:`_token_slice`, or with ``predict_at`` (B,) the (B, 1) token index 3 s + 1 of each
+        row's step s.
+
+        Raises:
+            ValueError: as :meth:`forward` says of ``predict_at``.
+        """
+        if predict_at is None:
+            return self._token_slice(n)
+        if self.cfg.mode != "causal":
+            raise ValueError("DT: predict_at needs agent.mode=causal (last_action predicts the last step only)")
+        if predict_at.dim() != 1 or (predict_at.is_floating_point() or predict_at.is_complex()
+                                     or predict_at.dtype == torch.bool):
+            raise ValueError(f"DT: predict_at must be a (B,) integer tensor of step slots, got {predict_at.dtype} "
+                             f"of shape {tuple(predict_at.shape)}")
+        if not (self.training or torch.compiler.is_compiling()) and predict_at.numel():
+            lo, hi = torch.stack(torch.aminmax(predict_at)).tolist()  # one host read
+            if lo < 0 or hi >= k:
+                raise ValueError(f"DT: predict_at holds step {lo if lo < 0 else hi}, outside the window's [0, {k})")
+        return (3 * predict_at.long() + 1)[:, None]  # (B, 1): s_t of each row
+
+    def _select(self, h: Tensor, tokens: TokenIndex | None = None) -> Tensor:
+        """(B, n, D) token states -> (B, P, D) the predicting state tokens (``tokens``, default
+        :meth:`_token_slice`)."""
+        return take_tokens(h, self._token_slice(h.shape[1]) if tokens is None else tokens)
 
     def predict(self, h: Tensor) -> DTOutput:
         """Apply the action head to normalised state-token features h (B, P, D)."""

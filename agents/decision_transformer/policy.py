@@ -352,19 +352,27 @@ class DTPolicy:
 
     def forward(self, state: DTState, slot: Tensor) -> DTOutput:
         """The model over the acting context (Chen et al. 2021, algorithm 1): the window cut to
-        ``context_steps`` (:func:`acting_context_mask`); predictions for every step (causal) or
-        the last one."""
+        ``context_steps`` (:func:`acting_context_mask`); predictions (N, 1, ...) at each row's
+        deciding step only: ``slot`` (N,) (causal, ``DecisionTransformer.forward(predict_at=slot)``,
+        whose last layer then computes one state token per row), or the last step (last_action)."""
         mask = acting_context_mask(state.mask, slot, self.context_steps)
-        return self.model(state.obs, state.actions, state.rtg, state.timesteps, mask)
+        at = slot if self.cfg.mode == "causal" else None
+        return self.model(state.obs, state.actions, state.rtg, state.timesteps, mask, predict_at=at)
 
     def choose(self, out: DTOutput, state: DTState, rows: Tensor, slot: Tensor) -> Decision:
         """The action at each row's deciding state token of ``out``: the head's mean (argmax
         for discrete) or, with ``sample``, a draw of the tanh-squashed Gaussian.
 
+        Args:
+            out: the model's predictions at the deciding step only (N, 1, ...: :meth:`forward`,
+                last_action mode), or for every step (N, K, ...), read at ``(rows, slot)``.
+            state: the context (named in errors).
+            rows, slot: (N,) long, where step t of each row sits.
+
         Raises:
             NonFiniteError: (a ValueError) the prediction of some row is NaN/inf.
         """
-        p = (rows, slot) if self.cfg.mode == "causal" else (slice(None), -1)  # the deciding state token
+        p = (rows, slot) if out.action.shape[1] > 1 else (slice(None), 0)  # the deciding state token
         a = out.action[p]  # (N, A) or (N,)
         if self.sample:  # a draw of the tanh-squashed Gaussian instead of its mean
             mean, log_std = out.mean[p], out.log_std[p]  # (N, A)

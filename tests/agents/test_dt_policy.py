@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gymnasium import spaces
+from rl_tformers.agents.decision_transformer.context import acting_context_mask
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTConfig, from_env_action
 from rl_tformers.agents.decision_transformer.policy import DTPolicy
 from rl_tformers.envs.dataset import EpisodeDataset
@@ -272,3 +273,66 @@ def test_dt_with_nan_predictions_raises_instead_of_acting(pendulum_dt_run: Path,
         with pytest.raises(NonFiniteError, match=r"not finite \(NaN/inf\) for target return 1e\+30 at episode "
                                                  r"step 0 \(env 0;"):
             evaluate(run.agent.policy(), run.agent.make_env(), [1e30], episodes=1, n_envs=1)
+
+
+class FullForwardPolicy(DTPolicy):
+    """The acting forward over every step of the window (K state tokens in the last layer),
+    the deciding step read at ``(rows, slot)`` by :meth:`DTPolicy.choose`."""
+
+    def forward(self, state, slot):
+        mask = acting_context_mask(state.mask, slot, self.context_steps)
+        return self.model(state.obs, state.actions, state.rtg, state.timesteps, mask)
+
+
+@pytest.mark.parametrize(("env_id", "head", "align", "context_steps"), [
+    ("Pendulum-v1", "deterministic", "start", None), ("Pendulum-v1", "deterministic", "start", 2),
+    ("Pendulum-v1", "gaussian", "start", None), ("Pendulum-v1", "deterministic", "end", None),
+    ("CartPole-v1", "deterministic", "start", None),
+])
+def test_acting_at_the_deciding_step_only_equals_the_full_forward(env_id, head, align, context_steps):
+    """A rollout of 3 environments over 4K steps (filling up, then sliding; rows restarting their
+    episodes at different steps, so their deciding steps sit at different slots): the policy,
+    whose last layer computes one state token per row, takes the actions of the full forward
+    over all K state tokens (continuous within 1e-6, discrete equal; a Gaussian head's draws
+    from equally seeded generators)."""
+    envs = [gym.make(env_id) for _ in range(3)]
+    discrete = isinstance(envs[0].action_space, spaces.Discrete)
+    obs_dim = envs[0].observation_space.shape[0]
+    bb = {"d_model": 16, "n_layers": 2, "n_heads": 2, "dropout": 0.0, "attn_dropout": 0.0}
+    torch.manual_seed(0)
+    model = DecisionTransformer(DTConfig(obs_dim=obs_dim, act_dim=2 if discrete else 1, discrete=discrete,
+                                         context_len=K, max_ep_len=50, head=head, embed_dropout=0.0,
+                                         backbone=bb)).eval()
+    space = envs[0].action_space
+    low, high = (None, None) if discrete else (space.low, space.high)
+    kw = dict(align=align, context_steps=context_steps, sample=head == "gaussian")
+    stats = (np.zeros(obs_dim, np.float32), np.ones(obs_dim, np.float32), 10.0, low, high)
+    fast = DTPolicy(model, *stats, generator=torch.Generator().manual_seed(1), **kw)
+    full = FullForwardPolicy(model, *stats, generator=torch.Generator().manual_seed(1), **kw)
+    queries = []
+    model.backbone.blocks[-1].attn.register_forward_hook(lambda m, a, o: queries.append(a[0].shape[1]))
+    s_fast, s_full = fast.initial_state(3, 30.0), full.initial_state(3, 30.0)
+    obs = np.stack([e.reset(seed=i)[0] for i, e in enumerate(envs)])
+    start, rew, slots = np.ones(3, bool), None, []
+    for step in range(4 * K):
+        restart = np.array([False, step in (3, 9), step in (6, 7)])  # episodes restarting mid-way
+        for i in np.flatnonzero(restart):
+            obs[i] = envs[i].reset(seed=10 + step)[0]
+        start = start | restart
+        queries.clear()
+        a_fast, s_fast = fast.act(obs, s_fast, start, rew)
+        a_full, s_full = full.act(obs, s_full, start, rew)
+        assert queries == [1, K]  # one state token per row, then all K
+        slots.append(np.minimum(s_fast.t, K - 1).tolist())  # the rows' slots (align start: the deciding ones)
+        if discrete:
+            np.testing.assert_array_equal(a_fast, a_full)
+        else:
+            np.testing.assert_allclose(a_fast, a_full, rtol=0, atol=1e-6)
+        steps = [e.step(a) for e, a in zip(envs, a_fast, strict=True)]
+        obs = np.stack([s[0] for s in steps]).astype(np.float32)
+        rew = np.array([s[1] for s in steps], np.float64)
+        start = np.array([s[2] or s[3] for s in steps])
+        for i in np.flatnonzero(start):  # an episode that ended restarts
+            obs[i] = envs[i].reset(seed=20 + step)[0]
+    assert any(len(set(sl)) == 3 for sl in slots)  # three rows at three different slots at once
+    assert any(max(sl) == K - 1 and min(sl) < K - 1 for sl in slots)  # one row sliding while another fills up
