@@ -16,6 +16,7 @@ libraries print goes to stderr)::
 
     -> {"cmd": "run", "mode": "e2e" | "model", "steps": n}   <- {"seconds": s, "steps": n, "loss": x}
     -> {"cmd": "flops"}                                      <- {"flops": f}   (one step, fwd + bwd)
+    -> {"cmd": "memory"}      <- {"rss_start", "rss_built", "peak_rss" (bytes), "observations_dtype", ...}
     -> {"cmd": "quit"}
 
 The first line written is ``{"ready": true, "impl": ..., "versions": {...}, "params": n, ...}``.
@@ -28,6 +29,12 @@ encoder, standard observation scaler, reward scale 0.001. Modes: ``e2e`` = what 
 per step (d3rlpy: ``sample_trajectory_batch`` + ``update``); ``model`` = pre-sampled batches,
 one ``update`` each. Hugging Face has no offline-RL data pipeline, so it runs ``model`` only
 (its ``e2e`` is refused): forward, masked MSE on actions, backward, clip, ``torch.optim.AdamW``.
+
+Discrete actions (``meta["discrete"]``, the pixel task): d3rlpy's ``DiscreteDecisionTransformer``
+with our config's sizes and optimiser settings from ``meta``; image observations (uint8
+``(N, C, H, W)`` frames, kept so in d3rlpy's episodes, each sampled batch cast to float32) go
+through d3rlpy's ``PixelEncoder`` with our ``minatar_cnn``'s layers plus the state embedding
+(:func:`_pixel_encoder_factory`).
 """
 
 from __future__ import annotations
@@ -50,30 +57,99 @@ def _reply(out, obj) -> None:
     out.flush()
 
 
+def _continuous_config(d3rlpy, meta):
+    """The Hopper setting: d3rlpy's reproduction-script DT (see the module docstring)."""
+    opt = d3rlpy.optimizers.GPTAdamWFactory(
+        weight_decay=1e-4, clip_grad_norm=0.25,
+        lr_scheduler_factory=d3rlpy.optimizers.WarmupSchedulerFactory(warmup_steps=10000),
+    )
+    return d3rlpy.algos.DecisionTransformerConfig(
+        batch_size=int(meta["batch_size"]), learning_rate=1e-4, optim_factory=opt,
+        encoder_factory=d3rlpy.models.VectorEncoderFactory([int(meta["d_model"])], exclude_last_activation=True),
+        observation_scaler=d3rlpy.preprocessing.StandardObservationScaler(),
+        reward_scaler=d3rlpy.preprocessing.MultiplyRewardScaler(1.0 / float(meta["reward_scale"])),
+        context_size=int(meta["context_len"]), num_heads=int(meta["n_heads"]), num_layers=int(meta["n_layers"]),
+        max_timestep=int(meta["max_ep_len"]), attn_dropout=0.1, resid_dropout=0.1, embed_dropout=0.1,
+        activation_type="relu",
+    )
+
+
+def _pixel_encoder_factory(d3rlpy, meta):
+    """An ``EncoderFactory`` of rl-tformers' ``minatar_cnn`` + state embedding: d3rlpy's own
+    ``PixelEncoder`` (conv ``filters``, ReLU, fc ``features``, ReLU) followed by a
+    ``Linear(features, d_model)``, the DT's state-embedding layer that d3rlpy otherwise folds into
+    the encoder's last layer."""
+    import dataclasses
+
+    import torch
+    from d3rlpy.models.torch.encoders import PixelEncoder
+
+    enc = meta["encoder"]
+
+    class StateEmbedding(torch.nn.Module):
+        def __init__(self, observation_shape) -> None:
+            super().__init__()
+            self.cnn = PixelEncoder(observation_shape, filters=enc["filters"], feature_size=int(enc["features"]),
+                                    dropout_rate=None)
+            self.embed = torch.nn.Linear(int(enc["features"]), int(meta["d_model"]))
+
+        def forward(self, x):  # (N, C, H, W) scaled by d3rlpy's PixelObservationScaler -> (N, d_model)
+            return self.embed(self.cnn(x))
+
+    @dataclasses.dataclass()
+    class MinAtarEncoderFactory(d3rlpy.models.EncoderFactory):
+        def create(self, observation_shape):
+            return StateEmbedding(observation_shape)
+
+        def create_with_action(self, observation_shape, action_size, discrete_action=False):
+            raise NotImplementedError("the Decision Transformer encodes observations only")
+
+        @staticmethod
+        def get_type() -> str:
+            return "rl_tformers_minatar_cnn"
+
+    return MinAtarEncoderFactory()
+
+
+def _discrete_config(d3rlpy, meta):
+    """The pixel setting: ``DiscreteDecisionTransformer`` with our model's sizes, encoder,
+    optimiser settings (AdamW, lr, weight decay, grad clip) and dropout; learned timestep
+    embedding (``SIMPLE``) and no activation on the embeddings, as ours; frames scaled by 1/255
+    (``PixelObservationScaler``) on each sampled batch."""
+    image = bool(meta["image_obs"])
+    opt = d3rlpy.optimizers.GPTAdamWFactory(weight_decay=float(meta["weight_decay"]),
+                                            clip_grad_norm=float(meta["grad_clip"]))
+    d = int(meta["d_model"])
+    return d3rlpy.algos.DiscreteDecisionTransformerConfig(
+        batch_size=int(meta["batch_size"]), learning_rate=float(meta["lr"]), optim_factory=opt,
+        encoder_factory=(_pixel_encoder_factory(d3rlpy, meta) if image
+                         else d3rlpy.models.VectorEncoderFactory([d], exclude_last_activation=True)),
+        observation_scaler=(d3rlpy.preprocessing.PixelObservationScaler() if image
+                            else d3rlpy.preprocessing.StandardObservationScaler()),
+        reward_scaler=d3rlpy.preprocessing.MultiplyRewardScaler(1.0 / float(meta["reward_scale"])),
+        context_size=int(meta["context_len"]), num_heads=int(meta["n_heads"]), num_layers=int(meta["n_layers"]),
+        max_timestep=int(meta["max_ep_len"]), attn_dropout=float(meta["attn_dropout"]),
+        resid_dropout=float(meta["dropout"]), embed_dropout=float(meta["dropout"]),
+        activation_type=str(meta["activation"]), embed_activation_type="none",
+        position_encoding_type=d3rlpy.PositionEncodingType.SIMPLE,
+    )
+
+
 class D3rlpyPeer:
     def __init__(self, data, meta, device: str, seed: int) -> None:
         import d3rlpy
 
         d3rlpy.seed(seed)
         self.d3rlpy = d3rlpy
+        discrete = bool(meta.get("discrete", False))
         self.dataset = d3rlpy.dataset.MDPDataset(
             observations=data["observations"], actions=data["actions"], rewards=data["rewards"],
             terminals=data["terminals"].astype(float), timeouts=data["timeouts"].astype(float),
+            **({"action_space": d3rlpy.ActionSpace.DISCRETE, "action_size": int(meta["act_dim"])} if discrete else {}),
         )
         k, b = int(meta["context_len"]), int(meta["batch_size"])
-        opt = d3rlpy.optimizers.GPTAdamWFactory(
-            weight_decay=1e-4, clip_grad_norm=0.25,
-            lr_scheduler_factory=d3rlpy.optimizers.WarmupSchedulerFactory(warmup_steps=10000),
-        )
-        self.algo = d3rlpy.algos.DecisionTransformerConfig(
-            batch_size=b, learning_rate=1e-4, optim_factory=opt,
-            encoder_factory=d3rlpy.models.VectorEncoderFactory([int(meta["d_model"])], exclude_last_activation=True),
-            observation_scaler=d3rlpy.preprocessing.StandardObservationScaler(),
-            reward_scaler=d3rlpy.preprocessing.MultiplyRewardScaler(1.0 / float(meta["reward_scale"])),
-            context_size=k, num_heads=int(meta["n_heads"]), num_layers=int(meta["n_layers"]),
-            max_timestep=int(meta["max_ep_len"]), attn_dropout=0.1, resid_dropout=0.1, embed_dropout=0.1,
-            activation_type="relu",
-        ).create(device=device if device != "cpu" else False)
+        config = _discrete_config(d3rlpy, meta) if discrete else _continuous_config(d3rlpy, meta)
+        self.algo = config.create(device=device if device != "cpu" else False)
         from d3rlpy.algos.utility import build_scalers_with_trajectory_slicer
 
         build_scalers_with_trajectory_slicer(self.algo, self.dataset)
@@ -85,6 +161,10 @@ class D3rlpyPeer:
     @property
     def model(self):
         return self.algo.impl.modules.transformer
+
+    def observation_arrays(self):
+        """The dataset's observations as d3rlpy holds them (one array per episode)."""
+        return [ep.observations for ep in self.dataset.episodes]
 
     def step(self, mode: str) -> float:
         if mode == "e2e":
@@ -171,6 +251,34 @@ class HFPeer:
         self.opt.zero_grad(set_to_none=True)
         return int(fc.get_total_flops())
 
+    def observation_arrays(self):
+        """Hugging Face holds no dataset: the pre-sampled batches' states."""
+        return [b["states"].numpy() for b in self.batches]
+
+
+def _rss_bytes():
+    """Resident memory now (``/proc/self/status`` VmRSS, bytes; None where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _memory(peer, rss_start, rss_built) -> dict:
+    """RSS after the imports, after data + model, the peak so far (``getrusage``, bytes), and the
+    observations as the library holds them."""
+    import resource
+
+    arrays = peer.observation_arrays()
+    return {"rss_start": rss_start, "rss_built": rss_built,
+            "peak_rss": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
+            "observations_dtype": str(arrays[0].dtype), "observations_bytes": int(sum(a.nbytes for a in arrays)),
+            "observations_held": f"{len(arrays)} arrays"}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -187,10 +295,13 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(max(1, args.threads))
+    __import__("d3rlpy" if args.impl == "d3rlpy" else "transformers")
+    rss_start = _rss_bytes()
     data = dict(np.load(args.data))
     meta = json.loads(str(data.pop("meta")))
     peer = D3rlpyPeer(data, meta, args.device, args.seed) if args.impl == "d3rlpy" else HFPeer(
         data, meta, args.device, args.seed)
+    rss_built = _rss_bytes()
     versions = {"torch": torch.__version__}
     for mod in ("d3rlpy", "transformers"):
         try:
@@ -213,6 +324,8 @@ def main() -> None:
                 break
             if req["cmd"] == "flops":
                 _reply(out, {"flops": peer.flops()})
+            elif req["cmd"] == "memory":
+                _reply(out, _memory(peer, rss_start, rss_built))
             elif req["cmd"] == "run":
                 sync()
                 t0 = time.perf_counter()

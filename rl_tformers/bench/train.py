@@ -42,9 +42,11 @@ import contextlib
 import dataclasses
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import venv
@@ -59,7 +61,7 @@ import typer
 from torch.utils.flop_counter import FlopCounterMode
 
 from rl_tformers.agents.decision_transformer.agent import to_model_batch
-from rl_tformers.bench.options import emit_result
+from rl_tformers.bench.options import emit_result, fail
 from rl_tformers.runtime.cpu_matmul import onednn_linear_available, resolve_cpu_matmul
 from rl_tformers.runtime.data import batch_stream
 from rl_tformers.runtime.device import move_to
@@ -89,17 +91,49 @@ def _peak_key(dtype: str, library: str) -> str:
 DEFAULT_DATASET = "rlt/hopper-v5/medium-v0"
 
 
+@dataclass(frozen=True)
+class Task:
+    """A measured setting: our config, its default dataset, the peers that have a path for its
+    observations, and the overrides every variant of ours starts from.
+
+    ``base`` makes the ``ours`` row full precision where the config ships ``train.amp=bf16``
+    (``ours+bf16`` sets it back), so ``ours`` is always the float32 like-for-like row.
+    """
+
+    config: str
+    dataset: str
+    peers: tuple[str, ...]
+    base: tuple[str, ...] = ()
+
+
+#: ``--task``: ``hopper`` (vector observations, continuous actions; the default) and
+#: ``minatar-breakout`` (uint8 (4, 10, 10) frames, Discrete(3) actions: the pixel DT)
+TASKS = {
+    "hopper": Task(CONFIG, DEFAULT_DATASET, PEERS),
+    "minatar-breakout": Task("dt/minatar_breakout", "rlt/minatar-breakout/dqn-replay-v1", ("d3rlpy",),
+                             ("train.amp=none",)),
+}
+#: why a peer is not measured on pixel observations
+NO_PIXEL_PATH = {
+    "hf": "transformers' DecisionTransformerModel embeds states with one Linear(state_dim, hidden) layer: no pixel encoder",
+}
+
+
 @dataclass
 class Settings:
-    """Benchmark settings (see the module docstring; times in seconds)."""
+    """Benchmark settings (see the module docstring; times in seconds).
 
-    dataset: str = DEFAULT_DATASET
+    ``dataset`` None: the task's dataset; ``peers`` None: the task's peers.
+    """
+
+    task: str = "hopper"
+    dataset: str | None = None
     device: str = "cpu"
     threads: int = 1
     repeats: int = 5
     steps: int = 20
     warmup: int = 5
-    peers: tuple[str, ...] = PEERS
+    peers: tuple[str, ...] | None = None
     peer_python: str | None = None
     bf16: bool = False
     compile: bool = False
@@ -107,6 +141,33 @@ class Settings:
     matmul_sizes: tuple[int, ...] = (512, 1024, 2048)
     seed: int = 0
     overrides: tuple[str, ...] = ()
+    memory: bool = False
+
+    @property
+    def spec(self) -> Task:
+        return TASKS[self.task]
+
+    @property
+    def dataset_path(self) -> str:
+        return self.dataset or self.spec.dataset
+
+    @property
+    def peer_list(self) -> tuple[str, ...]:
+        return self.spec.peers if self.peers is None else tuple(self.peers)
+
+    def check(self) -> None:
+        """Raises:
+            ValueError: an unknown task or peer, or a peer without a path for the task's observations.
+        """
+        if self.task not in TASKS:
+            raise ValueError(f"--task {self.task!r}: choose from {', '.join(TASKS)}")
+        unknown = [p for p in self.peer_list if p not in PEERS]
+        if unknown:
+            raise ValueError(f"--peers: unknown peers {unknown}; choose from {', '.join(PEERS)}")
+        for p in self.peer_list:
+            if p not in self.spec.peers:
+                raise ValueError(f"--peers {p}: not measured on --task {self.task} ({NO_PIXEL_PATH.get(p, 'no path')}); "
+                                 f"this task's peers: {', '.join(self.spec.peers)}")
 
 
 @dataclass
@@ -118,11 +179,15 @@ class Result:
     peak_by_size: dict[str, dict[int, float]] = field(default_factory=dict)
     machine: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: ``--memory``: implementation -> what its process holds (:func:`memory_probe`, the peers' ``memory``)
+    memory: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"settings": dataclasses.asdict(self.settings), "machine": self.machine, "rows": self.rows,
+        return {"settings": {**dataclasses.asdict(self.settings), "dataset": self.settings.dataset_path,
+                             "peers": list(self.settings.peer_list)},
+                "machine": self.machine, "rows": self.rows,
                 "ratios": self.ratios, "peak_gflops": self.peak_gflops, "peak_gflops_by_size": self.peak_by_size,
-                "notes": self.notes}
+                "memory": self.memory, "notes": self.notes}
 
 
 # -- machine / peak ---------------------------------------------------------------------------------
@@ -169,13 +234,14 @@ def matmul_gflops(device: torch.device, dtype: torch.dtype = torch.float32, n: i
 # -- ours -----------------------------------------------------------------------------------------
 
 class OursRunner:
-    """One of our variants: a Trainer from ``dt/hopper_medium`` plus overrides, driven step by step."""
+    """One of our variants: a Trainer from the task's config (:data:`TASKS`) plus the task's base
+    overrides, ``--`` overrides and the variant's, driven step by step."""
 
     def __init__(self, name: str, s: Settings, overrides: Sequence[str], run_dir: Path) -> None:
 
         self.name = name
-        cfg = compose(CONFIG, [f"dataset.path={s.dataset}", f"device={s.device}", f"seed={s.seed}",
-                               "train.steps=1000000", *s.overrides, *overrides])
+        cfg = compose(s.spec.config, [f"dataset.path={s.dataset_path}", f"device={s.device}", f"seed={s.seed}",
+                                      "train.steps=1000000", *s.spec.base, *s.overrides, *overrides])
         self.trainer = Trainer(_with_run_dir(cfg, run_dir), run_dir)
         tr = self.trainer
         if bool(cfg.train.compile):
@@ -337,25 +403,40 @@ class PeerProcess:
         self.log.close()
 
 
-def d4rl_arrays(d) -> dict[str, np.ndarray]:
+def d4rl_arrays(d, action_start: int | None = None) -> dict[str, np.ndarray]:
     """The flat steps of an :class:`~rl_tformers.envs.dataset.EpisodeDataset` in D4RL layout, in
-    episode-table order, as the peers read them: ``observations (N, obs)`` and ``actions``
-    float32, ``rewards (N,)`` float32, ``terminals`` / ``timeouts (N,)`` bool. Every episode ends
+    episode-table order, as the peers read them: ``observations (N, obs)`` float32, or a pixel
+    dataset's uint8 frames ``(N, C, H, W)`` as stored (no float copy); ``actions (N, A)`` float32,
+    or with ``action_start`` (a ``Discrete`` space) ``(N,)`` int64 class indices
+    ``action - action_start``; ``rewards (N,)`` float32, ``terminals`` / ``timeouts (N,)`` bool. Every episode ends
     with a flag (a last step with neither becomes a timeout: d3rlpy splits episodes on them). A
     step that is both terminated and truncated (a fall on the time limit's last step) is a
     terminal only: the MDP ended there, so nothing is bootstrapped (Gymnasium's semantics), and
-    D4RL's layout, which d3rlpy checks, never sets both."""
+    D4RL's layout, which d3rlpy checks, never sets both.
+
+    Raises:
+        ValueError: a pixel dataset whose observation stacks ``frame_stack`` > 1 stored frames
+            (the peers read one stored row as one observation).
+    """
+    if d.is_pixel and d.frame_stack > 1:
+        raise ValueError(f"the peers read one stored frame as one observation; this dataset stacks "
+                         f"{d.frame_stack} frames per observation (frame_stack)")
     idx = d.flat_indices()
     terminals = d.terminations[idx].copy()
     timeouts = d.truncations[idx].copy()
     last = d.cum_lengths[1:] - 1
     timeouts[last] |= ~terminals[last]
     timeouts &= ~terminals
-    return {
-        "observations": np.asarray(d.observations[idx], dtype=np.float32).reshape(len(idx), -1),
-        "actions": np.asarray(d.actions[idx], dtype=np.float32), "rewards": d.rewards[idx].astype(np.float32),
-        "terminals": terminals, "timeouts": timeouts,
-    }
+    if d.is_pixel:
+        obs = np.asarray(d.observations[idx])  # (N, C, H, W) uint8
+    else:
+        obs = np.asarray(d.observations[idx], dtype=np.float32).reshape(len(idx), -1)
+    if action_start is None:
+        actions = np.asarray(d.actions[idx], dtype=np.float32)
+    else:
+        actions = np.asarray(d.actions[idx]).astype(np.int64).reshape(len(idx)) - int(action_start)
+    return {"observations": obs, "actions": actions, "rewards": d.rewards[idx].astype(np.float32),
+            "terminals": terminals, "timeouts": timeouts}
 
 
 def export_peer_data(runner: OursRunner, path: Path, n_batches: int = 8) -> Path:
@@ -363,13 +444,25 @@ def export_peer_data(runner: OursRunner, path: Path, n_batches: int = 8) -> Path
     ``n_batches`` batches from our sampler, already in model units (see ``_peer_dt``)."""
 
     agent = runner.trainer.agent
-    batches = [to_model_batch({k: v for k, v in agent.batches(0)[i].items()}, agent.info) for i in range(n_batches)]
+    info = agent.info
+    batches = [to_model_batch({k: v for k, v in agent.batches(0)[i].items()}, info) for i in range(n_batches)]
     mc = agent.model_cfg
+    tc = runner.trainer.cfg.train
+    bb = mc.backbone
     meta = {"obs_dim": mc.obs_dim, "act_dim": mc.act_dim, "context_len": mc.context_len, "max_ep_len": mc.max_ep_len,
-            "d_model": mc.backbone.d_model, "n_layers": mc.backbone.n_layers, "n_heads": mc.backbone.n_heads,
-            "batch_size": int(runner.trainer.cfg.train.batch_size), "reward_scale": float(agent.info.reward_scale)}
+            "d_model": bb.d_model, "n_layers": bb.n_layers, "n_heads": bb.n_heads,
+            "batch_size": int(tc.batch_size), "reward_scale": float(info.reward_scale),
+            "discrete": bool(info.discrete), "image_obs": bool(info.image_obs), "obs_shape": list(info.obs_shape),
+            "lr": float(tc.lr), "weight_decay": float(tc.weight_decay), "grad_clip": float(tc.grad_clip),
+            "dropout": float(bb.dropout), "attn_dropout": float(bb.attn_dropout), "activation": str(bb.activation)}
+    if info.image_obs:  # the encoder the peer rebuilds (minatar_cnn: conv (out, kernel, stride) list, fc width)
+        enc = runner.trainer.cfg.agent.encoder
+        if enc.kind != "minatar_cnn":
+            raise ValueError(f"the d3rlpy peer rebuilds agent.encoder.kind=minatar_cnn only, not {enc.kind}")
+        meta["encoder"] = {"filters": [[16, 3, 1]], "features": int(enc.get("features", 128))}
+    arrays = d4rl_arrays(agent.dataset, info.action_start if info.discrete else None)
     np.savez(
-        path, **d4rl_arrays(agent.dataset), meta=json.dumps(meta),
+        path, **arrays, meta=json.dumps(meta),
         b_obs=np.stack([b["obs"].numpy() for b in batches]), b_actions=np.stack([b["actions"].numpy() for b in batches]),
         b_rtg=np.stack([b["rtg"].numpy() for b in batches]), b_timesteps=np.stack([b["timesteps"].numpy() for b in batches]),
         b_mask=np.stack([b["mask"].numpy() for b in batches]),
@@ -399,17 +492,88 @@ def _start_peers(s: Settings, first: Any, work: Path, impls: dict[str, Any], res
     """Start the peer libraries' processes on the data of ``first`` (our first implementation)
     into ``impls``; a peer that cannot start, or no peer environment, is a note in ``res``."""
     peer_python = s.peer_python or default_peer_python()
-    if s.peers and peer_python is None:
+    if s.peer_list and peer_python is None:
         res.notes.append("peers skipped: no peer environment (run with --build-peers, or give --peer-python)")
-    elif s.peers:
+    elif s.peer_list:
         data = export_peer_data(first, work / "bench_data.npz")
-        for peer in s.peers:
+        for peer in s.peer_list:
             log(f"starting peer {peer} ({peer_python})")
             try:
                 impls[peer] = PeerProcess(peer, peer_python, data, s, work / f"{peer}.log")
             except Exception as exc:  # a peer that cannot start is reported, not fatal
                 res.notes.append(f"peer {peer} skipped: {exc}")
                 log(res.notes[-1])
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory now (``/proc/self/status`` VmRSS, bytes; None where there is none)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (``getrusage`` ``ru_maxrss``: KiB on Linux), bytes."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def memory_probe(s: Settings) -> dict[str, Any]:
+    """What ``ours`` holds, measured in a process of its own (this one also holds our other
+    variants): ``rss_start`` (bytes resident after the imports), ``rss_built`` (after loading the
+    dataset and building the trainer), ``peak_rss`` (the process's peak after ``warmup + steps``
+    e2e updates), ``observations_dtype`` / ``observations_bytes`` (the dataset's observation array
+    as held in memory).
+
+    Raises:
+        RuntimeError: the probe process failed (the message has its last stderr lines).
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": str(s.threads), "MKL_NUM_THREADS": str(s.threads)}
+    with tempfile.TemporaryDirectory(prefix="rlt-bench-memory-") as d:
+        out = Path(d) / "memory.json"
+        proc = subprocess.run([sys.executable, "-m", "rl_tformers.bench.train", json.dumps(dataclasses.asdict(s)),
+                               str(out)], capture_output=True, text=True, env=env)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"memory probe exited {proc.returncode}: " + "\n".join(proc.stderr.splitlines()[-10:]))
+        return json.loads(out.read_text())
+
+
+def _memory_main(settings_json: str, out: str) -> None:
+    """The process of :func:`memory_probe`: build ``ours`` from ``settings_json``, train, write ``out``."""
+    d = json.loads(settings_json)
+    s = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+    torch.set_num_threads(max(1, s.threads))
+    start = rss_bytes()
+    with tempfile.TemporaryDirectory(prefix="rlt-bench-memory-run-") as run_dir:
+        runner = OursRunner("ours", s, [], Path(run_dir) / "ours")
+        built = rss_bytes()
+        runner.run("e2e", s.warmup + s.steps)
+        obs = runner.trainer.agent.dataset.observations
+        result = {"rss_start": start, "rss_built": built, "peak_rss": peak_rss_bytes(),
+                  "observations_dtype": str(obs.dtype),
+                  "observations_bytes": int(np.prod(obs.shape)) * np.dtype(obs.dtype).itemsize,
+                  "observations_held": "one array of the dataset's steps as stored"}
+        runner.close()
+    Path(out).write_text(json.dumps(result))
+
+
+def _measure_memory(res: Result, impls: dict[str, Any]) -> None:
+    """``--memory`` into ``res.memory``: with no ``impls``, ours (:func:`memory_probe`); else each
+    peer process of ``impls`` (its ``memory`` reply, after the rounds). A failure is a note."""
+    if not impls:
+        try:
+            res.memory["ours"] = memory_probe(res.settings)
+        except RuntimeError as exc:
+            res.notes.append(f"ours: memory probe failed: {exc}")
+    for name, impl in impls.items():
+        if isinstance(impl, PeerProcess):
+            try:
+                res.memory[name] = impl.ask(cmd="memory")
+            except RuntimeError as exc:
+                res.notes.append(f"{name}: memory not measured: {exc}")
 
 
 def _row(name: str, mode: str, ts: list[float], steps: int, f: float | None, impl: Any,
@@ -433,9 +597,13 @@ def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
     """Measure every implementation (see the module docstring); never raises for a peer that
     cannot run: it is left out with a note."""
     log = log or (lambda m: None)
+    s.check()
     if s.device == "cpu":
         torch.set_num_threads(max(1, s.threads))
     res = Result(settings=s)
+    if s.memory:
+        log("measuring the memory of ours in a process of its own")
+        _measure_memory(res, {})
     work = Path(tempfile.mkdtemp(prefix="rlt-bench-train-"))
     impls: dict[str, Any] = {}
     try:
@@ -477,6 +645,8 @@ def run(s: Settings, log: Callable[[str], None] | None = None) -> Result:
         res.rows.extend(_row(name, mode, ts, s.steps, flops.get(name), impls[name], res.peak_gflops)
                         for (name, mode), ts in times.items())
         res.ratios = ratios(res.rows)
+        if s.memory:
+            _measure_memory(res, impls)
         res.machine["loadavg_1_5_15_end"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     finally:
         for impl in impls.values():
@@ -514,6 +684,8 @@ def markdown(res: Result) -> str:
     peaks = "; ".join(f"{k} " + ", ".join(f"n={n}: {g:.0f}" for n, g in by.items()) for k, by in res.peak_by_size.items())
     peaks += " (peak: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in res.peak_gflops.items()) + ")"
     lines += ["", f"matmul peak (best n x n x n, {res.machine.get('threads')} threads): {peaks}", ""]
+    if res.memory:
+        lines += memory_lines(res.memory) + [""]
     if not res.ratios:  # --peers '' and no other variant: nothing to compare against
         lines.append("no ratios: no peer (--peers) and no other variant of ours was measured")
         return "\n".join(lines)
@@ -522,17 +694,31 @@ def markdown(res: Result) -> str:
     return "\n".join(lines)
 
 
+def memory_lines(memory: dict[str, dict[str, Any]]) -> list[str]:
+    """The ``--memory`` table: each implementation's observations in memory and its process's RSS."""
+    def mib(v: int | None) -> str:
+        return "-" if v is None else f"{v / 2**20:.1f} MiB" if v < 10 * 2**20 else f"{v / 2**20:.0f} MiB"
+
+    lines = ["| impl | observations held | RSS after imports | after data + model | peak (after training) |",
+             "|---|---|---|---|---|"]
+    for name, m in memory.items():
+        lines.append(f"| {name} | {m.get('observations_dtype')}, {mib(m.get('observations_bytes'))} | "
+                     f"{mib(m.get('rss_start'))} | {mib(m.get('rss_built'))} | {mib(m.get('peak_rss'))} |")
+    return lines
+
+
 def register(bench_app) -> None:
     """Add the ``train`` command to the ``bench`` Typer group."""
 
     def train(
-        dataset: str = typer.Option(DEFAULT_DATASET, help="Dataset spec (Minari id, folder or D4RL .hdf5)."),
+        task: str = typer.Option("hopper", help=f"Setting: {', '.join(TASKS)} (config, default dataset, peers)."),
+        dataset: str = typer.Option(None, help="Dataset spec (Minari id, folder or D4RL .hdf5); default: the task's."),
         device: str = typer.Option("cpu", help="cpu or cuda."),
         threads: int = typer.Option(1, help="Intra-op threads of every implementation (CPU)."),
         repeats: int = typer.Option(5, help="Timed rounds (median reported)."),
         steps: int = typer.Option(20, help="Updates per round and implementation."),
         warmup: int = typer.Option(5, help="Updates before the rounds (excluded)."),
-        peers: str = typer.Option(",".join(PEERS), help="Peers to measure: d3rlpy,hf (empty: none)."),
+        peers: str = typer.Option(None, help="Peers to measure: d3rlpy,hf (empty: none); default: the task's."),
         peer_python: str = typer.Option(None, help="Python of an environment with d3rlpy 2.8 and transformers."),
         build_peers: bool = typer.Option(False, "--build-peers", help=f"Create/update {PEER_VENV} first."),
         bf16: bool = typer.Option(False, "--bf16", help="Also measure ours with train.amp=bf16 (MFU vs a bf16 peak)."),
@@ -540,23 +726,35 @@ def register(bench_app) -> None:
         ffn_dropout_row: bool = typer.Option(
             False, "--ffn-dropout-row", help=f"Also measure {FFN_DROPOUT_ROW} (backbone.ffn_dropout=0.1)."),
         matmul_sizes: str = typer.Option("512,1024,2048", help="Sizes n of the n x n matmuls of the peak."),
+        memory: bool = typer.Option(
+            False, "--memory", help="Also measure each implementation's observations and process RSS."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
         out: str = typer.Option(None, "--out", help="Also write the JSON results to this file."),
         overrides: list[str] = typer.Argument(None, metavar="[KEY=VALUE]...", help="Extra overrides for ours."),
     ) -> None:
         """DT training updates/s vs d3rlpy and Hugging Face (same data, threads, model), and MFU."""
 
-        peer_list = tuple(p.strip() for p in peers.split(",") if p.strip())
-        unknown = [p for p in peer_list if p not in PEERS]
+        peer_list = None if peers is None else tuple(p.strip() for p in peers.split(",") if p.strip())
+        unknown = [p for p in peer_list or () if p not in PEERS]
         if unknown:
             raise typer.BadParameter(f"unknown peers {unknown}; choose from {', '.join(PEERS)}", param_hint="--peers")
+        s = Settings(task=task, dataset=dataset, device=device, threads=threads, repeats=repeats, steps=steps,
+                     warmup=warmup, peers=peer_list, peer_python=peer_python, bf16=bf16, compile=compile_,
+                     ffn_dropout_row=ffn_dropout_row,
+                     matmul_sizes=tuple(int(x) for x in matmul_sizes.split(",") if x.strip()),
+                     overrides=tuple(overrides or ()), memory=memory)
+        try:
+            s.check()
+        except ValueError as exc:
+            fail(str(exc))
         if build_peers:
             peer_python = build_peer_venv(echo=lambda m: typer.echo(m, err=True))
-        s = Settings(dataset=dataset, device=device, threads=threads, repeats=repeats, steps=steps, warmup=warmup,
-                     peers=peer_list, peer_python=peer_python, bf16=bf16, compile=compile_, ffn_dropout_row=ffn_dropout_row,
-                     matmul_sizes=tuple(int(x) for x in matmul_sizes.split(",") if x.strip()),
-                     overrides=tuple(overrides or ()))
+            s = dataclasses.replace(s, peer_python=peer_python)
         res = run(s, log=lambda m: typer.echo(m, err=True))
         emit_result(res.as_dict(), markdown(res), res.notes, out=out, as_json=as_json)
 
     bench_app.command("train")(train)
+
+
+if __name__ == "__main__":  # the process of memory_probe
+    _memory_main(sys.argv[1], sys.argv[2])

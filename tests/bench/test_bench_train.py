@@ -1,17 +1,22 @@
 """``rl-tformers bench train``: our variants through the Trainer, FLOP counts, MFU, ratios, the
-peer data export, a peer that cannot start, and (slow, when a peer environment exists) the peers."""
+peer data export, a peer that cannot start, the pixel task (MinAtar-shaped frames, discrete
+actions, ``--memory``), and (slow, when a peer environment exists) the peers."""
 
 from __future__ import annotations
 
 import json
 import sys
 
+import h5py
 import numpy as np
 import pytest
+import torch
 from bench_helpers import TINY
+from rl_tformers.envs.loaders import load_d4rl_hdf5
 from typer.testing import CliRunner
 
 from rl_tformers.bench import train as bt
+from rl_tformers.bench.data import write_synthetic_frames
 from rl_tformers.runtime.cpu_matmul import onednn_linear_available, resolve_cpu_matmul
 
 #: the extra row with PyTorch's own GEMMs where the shipped default runs oneDNN (this CPU)
@@ -121,3 +126,115 @@ def test_real_peers(tiny_hdf5):
     impls = {(r["impl"], r["mode"]) for r in res.rows}
     assert {("d3rlpy", "e2e"), ("d3rlpy", "model"), ("hf", "model")} <= impls, res.notes
     assert all(r["flops_per_step"] and r["flops_per_step"] > 0 for r in res.rows)
+
+
+# -- the pixel task (--task minatar-breakout) -------------------------------------------------------
+
+PIXEL_STEPS = 600
+
+
+@pytest.fixture(scope="module")
+def tiny_pixels(tmp_path_factory):
+    """600 MinAtar-shaped steps in D4RL layout: uint8 (4, 10, 10) frames of 0/255 pixels,
+    actions 0..2 (the loader infers Discrete(3)), 40-step episodes ending in a termination."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("pixels") / "minatar-synthetic.hdf5"
+    terminals = np.zeros(PIXEL_STEPS, dtype=bool)
+    terminals[39::40] = True
+    with h5py.File(path, "w") as f:
+        f["observations"] = (rng.random((PIXEL_STEPS, 4, 10, 10)) < 0.1).astype(np.uint8) * 255
+        f["actions"] = rng.integers(0, 3, PIXEL_STEPS).astype(np.int64)
+        f["rewards"] = (rng.random(PIXEL_STEPS) < 0.2).astype(np.float32)
+        f["terminals"] = terminals
+        f["timeouts"] = np.zeros(PIXEL_STEPS, dtype=bool)
+    return path
+
+
+def _pixel_settings(path, **kw):
+    return _settings(path, task="minatar-breakout", **kw)
+
+
+def test_hopper_stays_the_default_task():
+    s = bt.Settings()
+    assert (s.spec.config, s.dataset_path, s.peer_list, s.spec.base) == ("dt/hopper_medium", bt.DEFAULT_DATASET,
+                                                                          ("d3rlpy", "hf"), ())
+    px = bt.Settings(task="minatar-breakout")
+    assert (px.spec.config, px.dataset_path, px.peer_list) == (
+        "dt/minatar_breakout", "rlt/minatar-breakout/dqn-replay-v1", ("d3rlpy",))
+
+
+def test_pixel_ours_is_float32_and_bf16_its_own_row(tiny_pixels, tmp_path):
+    # dt/minatar_breakout ships train.amp=bf16: the task's base override makes the ours row float32
+    s = _pixel_settings(tiny_pixels)
+    ours = bt.OursRunner("ours", s, [], tmp_path / "a")
+    bf16 = bt.OursRunner("ours+bf16", s, ["train.amp=bf16"], tmp_path / "b")
+    assert (ours.amp, bf16.amp) == ("none", "bf16")
+    cfg = ours.trainer.cfg
+    assert (cfg.agent.context_len, cfg.agent.encoder.kind, cfg.train.batch_size) == (30, "minatar_cnn", 64)
+    assert ours.presampled[0]["observations"].dtype == torch.uint8
+
+
+def test_pixel_peer_data_keeps_frames_uint8_and_actions_as_classes(tiny_pixels, tmp_path):
+    runner = bt.OursRunner("ours", _pixel_settings(tiny_pixels), [], tmp_path / "run")
+    data = np.load(bt.export_peer_data(runner, tmp_path / "d.npz"))
+    meta = json.loads(str(data["meta"]))
+    with h5py.File(tiny_pixels) as f:
+        frames, actions = f["observations"][()], f["actions"][()]
+    assert data["observations"].dtype == np.uint8 and np.array_equal(data["observations"], frames)
+    assert data["actions"].dtype == np.int64 and np.array_equal(data["actions"], actions)
+    assert list(np.flatnonzero(data["terminals"])) == list(range(39, PIXEL_STEPS, 40))
+    assert not data["timeouts"].any()
+    assert (meta["discrete"], meta["image_obs"], meta["obs_shape"], meta["act_dim"]) == (True, True, [4, 10, 10], 3)
+    assert meta["encoder"] == {"filters": [[16, 3, 1]], "features": 128}
+    assert (meta["context_len"], meta["d_model"], meta["n_layers"], meta["n_heads"], meta["batch_size"]) == (
+        30, 16, 1, 1, 64)  # TINY's backbone
+    assert (meta["lr"], meta["weight_decay"], meta["grad_clip"]) == (6e-4, 0.1, 0.25)
+    assert data["b_obs"].shape == (8, 64, 30, 4, 10, 10) and data["b_obs"].dtype == np.uint8
+
+
+def test_stacked_frames_are_not_exported(tmp_path):
+    ds = load_d4rl_hdf5(write_synthetic_frames(tmp_path / "atari.hdf5", 100, frame_stack=4, side=36, ep_len=50))
+    with pytest.raises(ValueError, match="stacks 4 frames per observation"):
+        bt.d4rl_arrays(ds, 0)
+
+
+def test_pixel_task_rows_memory_and_json(tiny_pixels):
+    res = bt.run(_pixel_settings(tiny_pixels, repeats=1, steps=1, bf16=True, memory=True))
+    variants = ["ours", "ours+bf16", *MKL]
+    assert [(r["impl"], r["mode"]) for r in res.rows] == [(v, m) for v in variants for m in ("e2e", "model")]
+    assert all(r["flops_per_step"] > 0 for r in res.rows)
+    d = json.loads(json.dumps(res.as_dict()))
+    assert d["settings"]["task"] == "minatar-breakout" and d["settings"]["dataset"] == str(tiny_pixels)
+    assert d["settings"]["peers"] == [] and d["settings"]["memory"] is True
+    m = d["memory"]["ours"]
+    assert (m["observations_dtype"], m["observations_bytes"]) == ("uint8", PIXEL_STEPS * 4 * 10 * 10)
+    assert 0 < m["rss_start"] <= m["rss_built"] <= m["peak_rss"]
+    assert set(d["memory"]) == {"ours"} and not res.notes
+    md = bt.markdown(res)
+    assert "| ours | uint8, 0.2 MiB |" in md and "| e2e | ours+bf16 | ours |" in md
+
+
+def test_pixel_task_refuses_hugging_face():
+    with pytest.raises(ValueError, match="--peers hf: not measured on --task minatar-breakout"):
+        bt.Settings(task="minatar-breakout", peers=("hf",)).check()
+    with pytest.raises(ValueError, match="--task 'atari': choose from hopper, minatar-breakout"):
+        bt.Settings(task="atari").check()
+    from rl_tformers.cli import app  # as test_cli_refuses_unknown_peer does
+
+    r = CliRunner().invoke(app, ["bench", "train", "--task", "minatar-breakout", "--peers", "hf"])
+    assert r.exit_code == 2 and "error: --peers hf: not measured on --task minatar-breakout" in r.output
+
+
+@pytest.mark.slow
+def test_real_d3rlpy_on_pixels(tiny_pixels):
+    python = bt.default_peer_python()
+    if python is None:
+        pytest.skip("no peer environment (rl-tformers bench train --build-peers)")
+    res = bt.run(_pixel_settings(tiny_pixels, repeats=1, steps=1, peers=("d3rlpy",), peer_python=python, memory=True))
+    rows = {(r["impl"], r["mode"]): r for r in res.rows}
+    assert {("d3rlpy", "e2e"), ("d3rlpy", "model")} <= set(rows), res.notes
+    ours, peer = rows[("ours", "model")], rows[("d3rlpy", "model")]
+    assert peer["versions"]["d3rlpy"].startswith("2.8")
+    assert abs(peer["params"] - ours["params"]) < 0.01 * ours["params"]  # the same model: CNN, embeddings, GPT
+    assert res.memory["d3rlpy"]["observations_dtype"] == "uint8"  # d3rlpy keeps the frames as given
+    assert res.memory["d3rlpy"]["observations_bytes"] == PIXEL_STEPS * 4 * 10 * 10
