@@ -16,7 +16,7 @@ libraries print goes to stderr)::
 
     -> {"cmd": "run", "mode": "e2e" | "model", "steps": n}   <- {"seconds": s, "steps": n, "loss": x}
     -> {"cmd": "flops"}                                      <- {"flops": f}   (one step, fwd + bwd)
-    -> {"cmd": "memory"}      <- {"rss_start", "rss_built", "peak_rss" (bytes), "observations_dtype", ...}
+    -> {"cmd": "memory"}      <- {"rss_start", "rss_built", "peak_rss_built", "peak_rss" (bytes), ...}
     -> {"cmd": "quit"}
 
 The first line written is ``{"ready": true, "impl": ..., "versions": {...}, "params": n, ...}``.
@@ -268,14 +268,19 @@ def _rss_bytes():
     return None
 
 
-def _memory(peer, rss_start, rss_built) -> dict:
-    """RSS after the imports, after data + model, the peak so far (``getrusage``, bytes), and the
-    observations as the library holds them."""
+def _peak_rss_bytes() -> int:
+    """Peak resident memory so far (``getrusage`` ``ru_maxrss``: KiB on Linux), bytes."""
     import resource
 
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _memory(peer, rss_start, rss_built, peak_built) -> dict:
+    """RSS after the imports, after data + model, the peak by then and the peak now (bytes), and
+    the observations as the library holds them."""
     arrays = peer.observation_arrays()
-    return {"rss_start": rss_start, "rss_built": rss_built,
-            "peak_rss": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
+    return {"rss_start": rss_start, "rss_built": rss_built, "peak_rss_built": peak_built,
+            "peak_rss": _peak_rss_bytes(),
             "observations_dtype": str(arrays[0].dtype), "observations_bytes": int(sum(a.nbytes for a in arrays)),
             "observations_held": f"{len(arrays)} arrays"}
 
@@ -301,7 +306,7 @@ def main() -> None:
     meta = json.loads(str(data.pop("meta")))
     peer = D3rlpyPeer(data, meta, args.device, args.seed) if args.impl == "d3rlpy" else HFPeer(
         data, meta, args.device, args.seed)
-    rss_built = _rss_bytes()
+    rss_built, peak_built = _rss_bytes(), _peak_rss_bytes()
     versions = {"torch": torch.__version__}
     for mod in ("d3rlpy", "transformers"):
         try:
@@ -325,7 +330,7 @@ def main() -> None:
             if req["cmd"] == "flops":
                 _reply(out, {"flops": peer.flops()})
             elif req["cmd"] == "memory":
-                _reply(out, _memory(peer, rss_start, rss_built))
+                _reply(out, _memory(peer, rss_start, rss_built, peak_built))
             elif req["cmd"] == "run":
                 sync()
                 t0 = time.perf_counter()

@@ -34,6 +34,14 @@ the largest size alone would overstate MFU).
 
 Command: ``rl-tformers bench train --threads 1 --repeats 5 --out bench_train.json``
 (``--peer-python PATH`` to use another interpreter with d3rlpy + transformers).
+
+``--task minatar-breakout`` (:data:`TASKS`) measures the pixel DT instead: ``dt/minatar_breakout``
+(K = 30, 128 dims, 3 layers, 1 head, batch 64, the ``minatar_cnn`` encoder) on uint8
+``(4, 10, 10)`` frames with Discrete(3) actions (``rlt/minatar-breakout/dqn-replay-v1``), its
+``ours`` row in float32 (the config ships bf16 autocast: ``--bf16`` adds that row), against
+d3rlpy's ``DiscreteDecisionTransformer`` with the same layers (Hugging Face's model has no pixel
+path). ``--memory`` adds what each implementation holds: its observations' dtype and bytes and
+its process's resident memory (after the imports, after data + model, peak after training).
 """
 
 from __future__ import annotations
@@ -254,6 +262,8 @@ class OursRunner:
         self.i = 0
         self.params = sum(p.numel() for p in tr.params)
         self.amp = tr.amp
+        #: the GEMM library of the float32 CPU linear layers (``cpu_matmul``, ``auto`` resolved)
+        self.cpu_matmul = str(tr.cfg.get("cpu_matmul", "mkl"))
 
     @property
     def device(self) -> torch.device:
@@ -524,9 +534,10 @@ def peak_rss_bytes() -> int:
 def memory_probe(s: Settings) -> dict[str, Any]:
     """What ``ours`` holds, measured in a process of its own (this one also holds our other
     variants): ``rss_start`` (bytes resident after the imports), ``rss_built`` (after loading the
-    dataset and building the trainer), ``peak_rss`` (the process's peak after ``warmup + steps``
-    e2e updates), ``observations_dtype`` / ``observations_bytes`` (the dataset's observation array
-    as held in memory).
+    dataset and building the trainer), ``peak_rss_built`` (the process's peak RSS by then: loading
+    included), ``peak_rss`` (its peak after ``warmup + steps`` more e2e updates),
+    ``observations_dtype`` / ``observations_bytes`` (the dataset's observation array as held in
+    memory).
 
     Raises:
         RuntimeError: the probe process failed (the message has its last stderr lines).
@@ -549,10 +560,10 @@ def _memory_main(settings_json: str, out: str) -> None:
     start = rss_bytes()
     with tempfile.TemporaryDirectory(prefix="rlt-bench-memory-run-") as run_dir:
         runner = OursRunner("ours", s, [], Path(run_dir) / "ours")
-        built = rss_bytes()
+        built, peak_built = rss_bytes(), peak_rss_bytes()
         runner.run("e2e", s.warmup + s.steps)
         obs = runner.trainer.agent.dataset.observations
-        result = {"rss_start": start, "rss_built": built, "peak_rss": peak_rss_bytes(),
+        result = {"rss_start": start, "rss_built": built, "peak_rss_built": peak_built, "peak_rss": peak_rss_bytes(),
                   "observations_dtype": str(obs.dtype),
                   "observations_bytes": int(np.prod(obs.shape)) * np.dtype(obs.dtype).itemsize,
                   "observations_held": "one array of the dataset's steps as stored"}
@@ -590,6 +601,7 @@ def _row(name: str, mode: str, ts: list[float], steps: int, f: float | None, imp
         "mfu": None if f is None else f * med / 1e9 / peak_gflops[amp], "peak_dtype": amp,
         "params": info.get("params", getattr(impl, "params", None)),
         "versions": info.get("versions"), "attention": info.get("attn_implementation"),
+        "cpu_matmul": getattr(impl, "cpu_matmul", None),
     }
 
 
@@ -699,11 +711,12 @@ def memory_lines(memory: dict[str, dict[str, Any]]) -> list[str]:
     def mib(v: int | None) -> str:
         return "-" if v is None else f"{v / 2**20:.1f} MiB" if v < 10 * 2**20 else f"{v / 2**20:.0f} MiB"
 
-    lines = ["| impl | observations held | RSS after imports | after data + model | peak (after training) |",
-             "|---|---|---|---|---|"]
+    lines = ["| impl | observations held | RSS after imports | after data + model | peak by then | "
+             "peak after training |", "|---|---|---|---|---|---|"]
     for name, m in memory.items():
         lines.append(f"| {name} | {m.get('observations_dtype')}, {mib(m.get('observations_bytes'))} | "
-                     f"{mib(m.get('rss_start'))} | {mib(m.get('rss_built'))} | {mib(m.get('peak_rss'))} |")
+                     f"{mib(m.get('rss_start'))} | {mib(m.get('rss_built'))} | {mib(m.get('peak_rss_built'))} | "
+                     f"{mib(m.get('peak_rss'))} |")
     return lines
 
 

@@ -208,10 +208,11 @@ def test_pixel_task_rows_memory_and_json(tiny_pixels):
     assert d["settings"]["peers"] == [] and d["settings"]["memory"] is True
     m = d["memory"]["ours"]
     assert (m["observations_dtype"], m["observations_bytes"]) == ("uint8", PIXEL_STEPS * 4 * 10 * 10)
-    assert 0 < m["rss_start"] <= m["rss_built"] <= m["peak_rss"]
+    assert 0 < m["rss_start"] <= m["rss_built"] <= m["peak_rss_built"] <= m["peak_rss"]
+    assert {r["cpu_matmul"] for r in res.rows} <= {"mkl", "onednn"}
     assert set(d["memory"]) == {"ours"} and not res.notes
     md = bt.markdown(res)
-    assert "| ours | uint8, 0.2 MiB |" in md and "| e2e | ours+bf16 | ours |" in md
+    assert "| ours | uint8, 0.2 MiB |" in md and "peak after training" in md and "| e2e | ours+bf16 | ours |" in md
 
 
 def test_pixel_task_refuses_hugging_face():
@@ -238,3 +239,5 @@ def test_real_d3rlpy_on_pixels(tiny_pixels):
     assert abs(peer["params"] - ours["params"]) < 0.01 * ours["params"]  # the same model: CNN, embeddings, GPT
     assert res.memory["d3rlpy"]["observations_dtype"] == "uint8"  # d3rlpy keeps the frames as given
     assert res.memory["d3rlpy"]["observations_bytes"] == PIXEL_STEPS * 4 * 10 * 10
+    m = res.memory["d3rlpy"]
+    assert 0 < m["rss_start"] <= m["rss_built"] <= m["peak_rss_built"] <= m["peak_rss"]
