@@ -266,6 +266,16 @@ class DTOutput:
     features: Tensor | None = None
     hidden_states: tuple[Tensor, ...] | None = None
 
+    def take_rows(self, index: Tensor) -> DTOutput:
+        """The predictions of rows ``index`` ((B',) long, repeats allowed) of every per-row field;
+        ``aux`` and ``metrics`` (of the whole batch) unchanged."""
+        def take(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x[index]
+
+        hs = None if self.hidden_states is None else tuple(h[index] for h in self.hidden_states)
+        return DTOutput(take(self.action), take(self.logits), take(self.mean), take(self.log_std), self.aux,
+                        self.metrics, take(self.features), hs)
+
 
 class DecisionTransformer(nn.Module):
     """Return-conditioned sequence model over (R, s, a) tokens.

@@ -216,9 +216,10 @@ class DTPolicy:
         """Count only these rows' decisions in :meth:`stats` from the next :meth:`act` on.
 
         ``rows``: (N,) bool, False for rows whose actions the caller discards (the evaluation's
-        idle environments past their episode quota); ``None``: every row (the default). Those
-        rows' state tokens do not decide either (with early exit they never exit, so they do not
-        hold back the layer loop); the counted rows' actions are unchanged.
+        idle environments past their episode quota); ``None``: every row (the default). The
+        plain DT runs its model on the counted rows only (:meth:`decide`); with early exit the
+        other rows' state tokens do not decide (they never exit, so they do not hold back the
+        layer loop); the counted rows' actions are unchanged.
         """
         self._counted = None if rows is None else np.asarray(rows, dtype=bool).copy()
 
@@ -345,21 +346,35 @@ class DTPolicy:
         Args:
             state: the context with step t written (:meth:`step`).
             rows, slot: (N,) long, where step t of each row sits.
-            counted: (N,) bool, the rows whose decisions :meth:`stats` counts (unused here; a
-                wrapper's decision may depend on them).
+            counted: (N,) bool, the rows whose decisions :meth:`stats` counts. When only some
+                are (:meth:`count_rows`: the evaluation's rows past their quota, whose actions
+                are discarded), the model runs on those rows only and every other row gets a
+                copy of the first counted row's decision (finite, in the action space).
         """
-        return self.choose(self.forward(state, slot), state, rows, slot)
+        live = np.flatnonzero(counted) if 0 < int(counted.sum()) < counted.shape[0] else None
+        return self.choose(self.forward(state, slot, live), state, rows, slot, None if live is None else counted)
 
-    def forward(self, state: DTState, slot: Tensor) -> DTOutput:
+    def forward(self, state: DTState, slot: Tensor, live: np.ndarray | None = None) -> DTOutput:
         """The model over the acting context (Chen et al. 2021, algorithm 1): the window cut to
         ``context_steps`` (:func:`acting_context_mask`); predictions (N, 1, ...) at each row's
         deciding step only: ``slot`` (N,) (causal, ``DecisionTransformer.forward(predict_at=slot)``,
-        whose last layer then computes one state token per row), or the last step (last_action)."""
-        mask = acting_context_mask(state.mask, slot, self.context_steps)
-        at = slot if self.cfg.mode == "causal" else None
-        return self.model(state.obs, state.actions, state.rtg, state.timesteps, mask, predict_at=at)
+        whose last layer then computes one state token per row), or the last step (last_action).
 
-    def choose(self, out: DTOutput, state: DTState, rows: Tensor, slot: Tensor) -> Decision:
+        ``live``: (L,) indices of the rows to run the model on (None: all N); the output keeps N
+        rows, the others copies of row ``live[0]``'s."""
+        mask = acting_context_mask(state.mask, slot, self.context_steps)
+        args = (state.obs, state.actions, state.rtg, state.timesteps, mask)
+        at = slot if self.cfg.mode == "causal" else None
+        if live is None:
+            return self.model(*args, predict_at=at)
+        idx = torch.as_tensor(live, device=self.device)
+        out = self.model(*(x[idx] for x in args), predict_at=None if at is None else at[idx])
+        src = np.zeros(mask.shape[0], np.int64)  # row i's row of the L computed ones
+        src[live] = np.arange(len(live))
+        return out.take_rows(torch.as_tensor(src, device=self.device))
+
+    def choose(self, out: DTOutput, state: DTState, rows: Tensor, slot: Tensor,
+               counted: np.ndarray | None = None) -> Decision:
         """The action at each row's deciding state token of ``out``: the head's mean (argmax
         for discrete) or, with ``sample``, a draw of the tanh-squashed Gaussian.
 
@@ -368,6 +383,8 @@ class DTPolicy:
                 last_action mode), or for every step (N, K, ...), read at ``(rows, slot)``.
             state: the context (named in errors).
             rows, slot: (N,) long, where step t of each row sits.
+            counted: (N,) bool, the rows a non-finite prediction is looked for in (None: all;
+                the others are copies of counted rows, :meth:`forward` with ``live``).
 
         Raises:
             NonFiniteError: (a ValueError) the prediction of some row is NaN/inf.
@@ -379,16 +396,18 @@ class DTPolicy:
             eps = torch.randn(mean.shape, generator=self.generator, device=mean.device, dtype=mean.dtype)
             a = torch.tanh(mean + log_std.exp() * eps)
         logits = out.logits[p] if self.cfg.discrete else None
-        self._check_finite(a if logits is None else logits, state)
+        self._check_finite(a if logits is None else logits, state, counted)
         return Decision(a, out.features[p], logits)
 
-    def _check_finite(self, pred: Tensor, state: DTState) -> None:
+    def _check_finite(self, pred: Tensor, state: DTState, counted: np.ndarray | None = None) -> None:
         """Raise (:class:`~rl_tformers.runtime.evaluation.NonFiniteError`) if the model's
-        prediction (N, ...) of some row is NaN/inf: no action (a discrete argmax of NaN logits is
-        an arbitrary class) is returned from it."""
+        prediction (N, ...) of some row (of the ``counted`` ones, when given) is NaN/inf: no
+        action (a discrete argmax of NaN logits is an arbitrary class) is returned from it."""
         if bool(torch.isfinite(pred).all()):  # one reduction and one read on the host per step
             return
         bad = ~torch.isfinite(pred.reshape(pred.shape[0], -1)).all(dim=1)
+        if counted is not None:
+            bad &= torch.as_tensor(counted, device=bad.device)
         i = int(torch.nonzero(bad)[0, 0])
         raise NonFiniteError(
             f"Decision Transformer: the model's prediction is not finite (NaN/inf) for target return "

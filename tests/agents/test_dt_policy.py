@@ -279,7 +279,8 @@ class FullForwardPolicy(DTPolicy):
     """The acting forward over every step of the window (K state tokens in the last layer),
     the deciding step read at ``(rows, slot)`` by :meth:`DTPolicy.choose`."""
 
-    def forward(self, state, slot):
+    def forward(self, state, slot, live=None):
+        assert live is None  # every row counts here
         mask = acting_context_mask(state.mask, slot, self.context_steps)
         return self.model(state.obs, state.actions, state.rtg, state.timesteps, mask)
 
@@ -336,3 +337,42 @@ def test_acting_at_the_deciding_step_only_equals_the_full_forward(env_id, head, 
             obs[i] = envs[i].reset(seed=20 + step)[0]
     assert any(len(set(sl)) == 3 for sl in slots)  # three rows at three different slots at once
     assert any(max(sl) == K - 1 and min(sl) < K - 1 for sl in slots)  # one row sliding while another fills up
+
+
+class AllRowsPolicy(DTPolicy):
+    """Runs the model on every row, whether its decision is counted or not."""
+
+    def decide(self, state, rows, slot, counted):
+        return super().decide(state, rows, slot, np.ones_like(counted))
+
+
+@pytest.mark.parametrize(("env_id", "head"), [("Pendulum-v1", "deterministic"), ("Pendulum-v1", "gaussian"),
+                                              ("CartPole-v1", "deterministic")])
+def test_rows_past_their_quota_are_not_run_and_returns_are_unchanged(env_id, head):
+    """5 episodes on 3 environments: once an environment is past its quota (its actions are
+    discarded) the model runs on the rows of counted episodes only; the episodes, their returns
+    and lengths are those of a policy that runs every row (a Gaussian head's draws too)."""
+    env = gym.make(env_id)
+    discrete = isinstance(env.action_space, spaces.Discrete)
+    obs_dim = env.observation_space.shape[0]
+    bb = {"d_model": 16, "n_layers": 2, "n_heads": 2, "dropout": 0.0, "attn_dropout": 0.0}
+    torch.manual_seed(0)
+    model = DecisionTransformer(DTConfig(obs_dim=obs_dim, act_dim=2 if discrete else 1, discrete=discrete,
+                                         context_len=K, max_ep_len=500, head=head, embed_dropout=0.0,
+                                         backbone=bb)).eval()
+    low, high = (None, None) if discrete else (env.action_space.low, env.action_space.high)
+    args = (model, np.zeros(obs_dim, np.float32), np.ones(obs_dim, np.float32), 10.0, low, high)
+    kw = dict(sample=head == "gaussian")
+    batch = []
+    model.register_forward_hook(lambda m, inp, out: batch.append(inp[0].shape[0]))
+    reps = [evaluate(p, lambda: gym.make(env_id), [50.0], episodes=5, n_envs=3, seed=0, record_rewards=True)
+            for p in (DTPolicy(*args, **kw), AllRowsPolicy(*args, **kw))]
+    live, every = batch[: len(batch) // 2], batch[len(batch) // 2:]
+    assert set(every) == {3} and len(live) == len(every) and live[0] == 3 and min(live) < 3
+    if env_id == "Pendulum-v1":  # 200-step episodes: env 2 is past its quota for the second 200 steps
+        assert live == [3] * 200 + [2] * 200
+    (a,), (b,) = (r.results for r in reps)
+    assert a.lengths == b.lengths
+    for ra, rb in zip(a.rewards, b.rewards, strict=True):
+        np.testing.assert_allclose(ra, rb, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(a.returns, b.returns, rtol=1e-6, atol=0)
