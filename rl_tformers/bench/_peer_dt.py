@@ -256,23 +256,30 @@ class HFPeer:
         return [b["states"].numpy() for b in self.batches]
 
 
-def _rss_bytes():
-    """Resident memory now (``/proc/self/status`` VmRSS, bytes; None where there is none)."""
+def _status_bytes(key):
+    """A ``kB`` field of ``/proc/self/status`` in bytes (None where there is none)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
 
 
+def _rss_bytes():
+    """Resident memory now (VmRSS, bytes; None where there is none)."""
+    return _status_bytes("VmRSS")
+
+
 def _peak_rss_bytes() -> int:
-    """Peak resident memory so far (``getrusage`` ``ru_maxrss``: KiB on Linux), bytes."""
+    """Peak resident memory so far, bytes: VmHWM (never below the current RSS), else
+    ``getrusage``'s ``ru_maxrss`` (KiB on Linux)."""
     import resource
 
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    hwm = _status_bytes("VmHWM")
+    return hwm if hwm is not None else int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _memory(peer, rss_start, rss_built, peak_built) -> dict:

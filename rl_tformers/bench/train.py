@@ -515,20 +515,27 @@ def _start_peers(s: Settings, first: Any, work: Path, impls: dict[str, Any], res
                 log(res.notes[-1])
 
 
-def rss_bytes() -> int | None:
-    """This process's resident memory now (``/proc/self/status`` VmRSS, bytes; None where there is none)."""
+def _proc_status_bytes(key: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` in bytes (None where there is none)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
 
 
+def rss_bytes() -> int | None:
+    """This process's resident memory now (``/proc/self/status`` VmRSS, bytes; None where there is none)."""
+    return _proc_status_bytes("VmRSS")
+
+
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (``getrusage`` ``ru_maxrss``: KiB on Linux), bytes."""
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    """This process's peak resident memory so far, bytes: ``/proc/self/status`` VmHWM (never
+    below the current RSS), else ``getrusage``'s ``ru_maxrss`` (KiB on Linux)."""
+    hwm = _proc_status_bytes("VmHWM")
+    return hwm if hwm is not None else int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def memory_probe(s: Settings) -> dict[str, Any]:
