@@ -274,8 +274,8 @@ def _rss_bytes():
 
 
 def _peak_rss_bytes() -> int:
-    """Peak resident memory so far, bytes: VmHWM (never below the current RSS), else
-    ``getrusage``'s ``ru_maxrss`` (KiB on Linux)."""
+    """Peak resident memory so far, bytes: VmHWM (this process image's peak), else ``getrusage``'s
+    ``ru_maxrss`` (KiB on Linux; it keeps the benchmark process's peak across fork and exec)."""
     import resource
 
     hwm = _status_bytes("VmHWM")

@@ -532,8 +532,10 @@ def rss_bytes() -> int | None:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far, bytes: ``/proc/self/status`` VmHWM (never
-    below the current RSS), else ``getrusage``'s ``ru_maxrss`` (KiB on Linux)."""
+    """This process's peak resident memory so far, bytes: ``/proc/self/status`` VmHWM (the peak of
+    this process image, never below the current RSS), else ``getrusage``'s ``ru_maxrss`` (KiB on
+    Linux; it also keeps the parent's peak across fork and exec, so a subprocess of a large
+    process reads that)."""
     hwm = _proc_status_bytes("VmHWM")
     return hwm if hwm is not None else int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
