@@ -69,9 +69,8 @@ class EarlyExitPolicy(DTPolicyWrapper):
         decide = torch.zeros_like(state.mask)  # (N, K): the current step decides
         decide[rows, slot] = torch.as_tensor(counted, device=decide.device)  # (rows whose decisions count)
         mask = acting_context_mask(state.mask, slot, pol.context_steps)
-        at = slot if pol.cfg.mode == "causal" else None  # only the deciding step's prediction is read
         out = pol.model.forward_early_exit(state.obs, state.actions, state.rtg, state.timesteps, mask,
-                                           exit_steps=decide, exit_threshold=self.exit_threshold, predict_at=at)
+                                           exit_steps=decide, exit_threshold=self.exit_threshold)
         d = pol.choose(out, state, rows, slot)
         n = int(counted.sum())
         self.decisions += n

@@ -146,14 +146,13 @@ def build_datastore(
         # key is the feature the head reads when acting (the exited layer's, when it exits)
         mask = acting_context_mask(batch["mask"], sl, context_steps)
         args = (batch["obs"], batch["actions"], batch["rtg"], batch["timesteps"], mask)
-        at = sl if model.cfg.mode == "causal" else None  # the prediction at step t only, as DTPolicy.forward
         if model.early_exit:
             decide = torch.zeros_like(mask)
             decide[rows, sl] = True
-            out = model.forward_early_exit(*args, exit_steps=decide, exit_threshold=exit_threshold, predict_at=at)
+            out = model.forward_early_exit(*args, exit_steps=decide, exit_threshold=exit_threshold)
         else:
-            out = model(*args, predict_at=at)
-        keys.append(out.features[:, 0])  # (B, D): the deciding step's feature
+            out = model(*args)
+        keys.append(out.features[:, -1] if model.cfg.mode == "last_action" else out.features[rows, sl])
         acts.append(batch["actions"][rows, sl])
     model.train(was)
     return ActionDatastore(torch.cat(keys), torch.cat(acts), torch.as_tensor(ep), metric=metric)

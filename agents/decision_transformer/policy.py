@@ -141,6 +141,15 @@ class DTPolicy:
             window already predicts from every shorter prefix, so this stays within what the
             model was trained on. With slot-position backbones (``position.kind`` learned,
             sinusoidal, ...) the kept steps keep their slots (masked, not moved).
+        deciding_step_only: causal mode: predict only each row's deciding step
+            (``DecisionTransformer.forward(predict_at=slot)``): with a backbone that allows it
+            (dense attention, fixed depth, pre/post-norm blocks) the last layer computes one state
+            token per row instead of K (``docs/performance.md``, Evaluation). The actions equal
+            the full forward's to float rounding (1e-6), but that rounding then depends on the
+            number of rows acting together (BLAS libraries pick other GEMM kernels for products
+            of few rows, e.g. MKL at most 10), so over a long episode of a chaotic task (Hopper)
+            a batched and a one-at-a-time evaluation may part ways; off by default, so that they
+            play the same episodes (what ``rl-tformers bench eval`` checks).
 
     :meth:`stats` reports, since the last :meth:`reset_stats`, the forward passes and their
     milliseconds per step (one call for all N environments); a :class:`DTPolicyWrapper` adds its own.
@@ -174,9 +183,11 @@ class DTPolicy:
         sample: bool = False,
         generator: torch.Generator | None = None,
         context_steps: int | None = None,
+        deciding_step_only: bool = False,
     ) -> None:
         self.context_steps, self.align = _check_acting_options(model, sample, context_steps, align, timestep_overflow)
         self.sample = bool(sample)
+        self.deciding_step_only = bool(deciding_step_only) and model.cfg.mode == "causal"
         self.generator = generator
         self.action_start = int(action_start)
         self._counted: np.ndarray | None = None  # count_rows: rows whose decisions stats() counts
@@ -356,15 +367,16 @@ class DTPolicy:
 
     def forward(self, state: DTState, slot: Tensor, live: np.ndarray | None = None) -> DTOutput:
         """The model over the acting context (Chen et al. 2021, algorithm 1): the window cut to
-        ``context_steps`` (:func:`acting_context_mask`); predictions (N, 1, ...) at each row's
-        deciding step only: ``slot`` (N,) (causal, ``DecisionTransformer.forward(predict_at=slot)``,
-        whose last layer then computes one state token per row), or the last step (last_action).
+        ``context_steps`` (:func:`acting_context_mask`); predictions for every step (N, K, ...)
+        (causal), or (N, 1, ...) at each row's deciding step only: ``slot`` (N,) with
+        ``deciding_step_only`` (``DecisionTransformer.forward(predict_at=slot)``, whose last
+        layer then computes one state token per row), or the last step (last_action).
 
         ``live``: (L,) indices of the rows to run the model on (None: all N); the output keeps N
         rows, the others copies of row ``live[0]``'s."""
         mask = acting_context_mask(state.mask, slot, self.context_steps)
         args = (state.obs, state.actions, state.rtg, state.timesteps, mask)
-        at = slot if self.cfg.mode == "causal" else None
+        at = slot if self.deciding_step_only else None
         if live is None:
             return self.model(*args, predict_at=at)
         idx = torch.as_tensor(live, device=self.device)
@@ -379,8 +391,8 @@ class DTPolicy:
         for discrete) or, with ``sample``, a draw of the tanh-squashed Gaussian.
 
         Args:
-            out: the model's predictions at the deciding step only (N, 1, ...: :meth:`forward`,
-                last_action mode), or for every step (N, K, ...), read at ``(rows, slot)``.
+            out: the model's predictions for every step (N, K, ...), read at ``(rows, slot)``,
+                or at the deciding step only (N, 1, ...: ``deciding_step_only``, last_action mode).
             state: the context (named in errors).
             rows, slot: (N,) long, where step t of each row sits.
             counted: (N,) bool, the rows a non-finite prediction is looked for in (None: all;

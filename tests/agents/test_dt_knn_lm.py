@@ -112,6 +112,5 @@ def test_knn_lm_queries_with_the_feature_the_head_read():
     base = _plain(model)
     state = base.initial_state(2)
     KNNLMPolicy(base, mem).act(np.ones((2, 3), np.float32), state, np.ones(2, bool))
-    slot = torch.zeros(2, dtype=torch.long)  # step 0 decides at slot 0
-    out = model(state.obs, state.actions, state.rtg, state.timesteps, state.mask, predict_at=slot)
-    assert len(seen) == 1 and torch.equal(seen[0], out.features[:, 0])
+    out = model(state.obs, state.actions, state.rtg, state.timesteps, state.mask)
+    assert len(seen) == 1 and torch.equal(seen[0], out.features[:, 0])  # step 0 decides at slot 0

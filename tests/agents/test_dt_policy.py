@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from gymnasium import spaces
-from rl_tformers.agents.decision_transformer.context import acting_context_mask
 from rl_tformers.agents.decision_transformer.model import DecisionTransformer, DTConfig, from_env_action
 from rl_tformers.agents.decision_transformer.policy import DTPolicy
 from rl_tformers.envs.dataset import EpisodeDataset
@@ -275,16 +274,6 @@ def test_dt_with_nan_predictions_raises_instead_of_acting(pendulum_dt_run: Path,
             evaluate(run.agent.policy(), run.agent.make_env(), [1e30], episodes=1, n_envs=1)
 
 
-class FullForwardPolicy(DTPolicy):
-    """The acting forward over every step of the window (K state tokens in the last layer),
-    the deciding step read at ``(rows, slot)`` by :meth:`DTPolicy.choose`."""
-
-    def forward(self, state, slot, live=None):
-        assert live is None  # every row counts here
-        mask = acting_context_mask(state.mask, slot, self.context_steps)
-        return self.model(state.obs, state.actions, state.rtg, state.timesteps, mask)
-
-
 @pytest.mark.parametrize(("env_id", "head", "align", "context_steps"), [
     ("Pendulum-v1", "deterministic", "start", None), ("Pendulum-v1", "deterministic", "start", 2),
     ("Pendulum-v1", "gaussian", "start", None), ("Pendulum-v1", "deterministic", "end", None),
@@ -292,10 +281,10 @@ class FullForwardPolicy(DTPolicy):
 ])
 def test_acting_at_the_deciding_step_only_equals_the_full_forward(env_id, head, align, context_steps):
     """A rollout of 3 environments over 4K steps (filling up, then sliding; rows restarting their
-    episodes at different steps, so their deciding steps sit at different slots): the policy,
-    whose last layer computes one state token per row, takes the actions of the full forward
-    over all K state tokens (continuous within 1e-6, discrete equal; a Gaussian head's draws
-    from equally seeded generators)."""
+    episodes at different steps, so their deciding steps sit at different slots): the policy with
+    ``deciding_step_only``, whose last layer computes one state token per row, takes the actions
+    of the default full forward over all K state tokens (continuous within 1e-6, discrete equal;
+    a Gaussian head's draws from equally seeded generators)."""
     envs = [gym.make(env_id) for _ in range(3)]
     discrete = isinstance(envs[0].action_space, spaces.Discrete)
     obs_dim = envs[0].observation_space.shape[0]
@@ -308,8 +297,8 @@ def test_acting_at_the_deciding_step_only_equals_the_full_forward(env_id, head, 
     low, high = (None, None) if discrete else (space.low, space.high)
     kw = dict(align=align, context_steps=context_steps, sample=head == "gaussian")
     stats = (np.zeros(obs_dim, np.float32), np.ones(obs_dim, np.float32), 10.0, low, high)
-    fast = DTPolicy(model, *stats, generator=torch.Generator().manual_seed(1), **kw)
-    full = FullForwardPolicy(model, *stats, generator=torch.Generator().manual_seed(1), **kw)
+    fast = DTPolicy(model, *stats, generator=torch.Generator().manual_seed(1), deciding_step_only=True, **kw)
+    full = DTPolicy(model, *stats, generator=torch.Generator().manual_seed(1), **kw)
     queries = []
     model.backbone.blocks[-1].attn.register_forward_hook(lambda m, a, o: queries.append(a[0].shape[1]))
     s_fast, s_full = fast.initial_state(3, 30.0), full.initial_state(3, 30.0)
@@ -346,9 +335,10 @@ class AllRowsPolicy(DTPolicy):
         return super().decide(state, rows, slot, np.ones_like(counted))
 
 
-@pytest.mark.parametrize(("env_id", "head"), [("Pendulum-v1", "deterministic"), ("Pendulum-v1", "gaussian"),
-                                              ("CartPole-v1", "deterministic")])
-def test_rows_past_their_quota_are_not_run_and_returns_are_unchanged(env_id, head):
+@pytest.mark.parametrize(("env_id", "head", "deciding_step_only"), [
+    ("Pendulum-v1", "deterministic", False), ("Pendulum-v1", "gaussian", False), ("CartPole-v1", "deterministic", False),
+    ("Pendulum-v1", "deterministic", True)])
+def test_rows_past_their_quota_are_not_run_and_returns_are_unchanged(env_id, head, deciding_step_only):
     """5 episodes on 3 environments: once an environment is past its quota (its actions are
     discarded) the model runs on the rows of counted episodes only; the episodes, their returns
     and lengths are those of a policy that runs every row (a Gaussian head's draws too)."""
@@ -362,7 +352,7 @@ def test_rows_past_their_quota_are_not_run_and_returns_are_unchanged(env_id, hea
                                          backbone=bb)).eval()
     low, high = (None, None) if discrete else (env.action_space.low, env.action_space.high)
     args = (model, np.zeros(obs_dim, np.float32), np.ones(obs_dim, np.float32), 10.0, low, high)
-    kw = dict(sample=head == "gaussian")
+    kw = dict(sample=head == "gaussian", deciding_step_only=deciding_step_only)
     batch = []
     model.register_forward_hook(lambda m, inp, out: batch.append(inp[0].shape[0]))
     reps = [evaluate(p, lambda: gym.make(env_id), [50.0], episodes=5, n_envs=3, seed=0, record_rewards=True)
