@@ -155,13 +155,16 @@ class ContextWindow:
 
     def _expose(self, state: DTState, view: Tensor) -> None:
         """Point the five model inputs of ``state`` at ``view`` (N, K, F), the window in logical order."""
-        d = self.cfg.obs_dim
         state.view = view
-        state.obs = view[..., :d]
-        state.actions = view[..., d].long() if self.cfg.discrete else view[..., d:d + self.n_act]
-        state.rtg = view[..., self.c_rtg]
-        state.timesteps = view[..., self.c_time].long()
-        state.mask = view[..., self.c_mask].bool()
+        state.obs, state.actions, state.rtg, state.timesteps, state.mask = self.inputs(view)
+
+    def inputs(self, view: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The model inputs (obs, actions, rtg, timesteps, mask) of windows ``view`` (B, K, F) in
+        logical order: views of its columns (a sub-batch ``state.view[rows]`` gives its rows the
+        memory layout of the whole batch's inputs, so the same GEMM kernels and the same values)."""
+        d = self.cfg.obs_dim
+        actions = view[..., d].long() if self.cfg.discrete else view[..., d:d + self.n_act]
+        return view[..., :d], actions, view[..., self.c_rtg], view[..., self.c_time].long(), view[..., self.c_mask].bool()
 
     def advance(self, state: DTState, start: np.ndarray, last_reward: np.ndarray | None) -> np.ndarray:
         """Start rows at their target (step 0), move the others one step on (R_{t+1} = R_t - r_t).

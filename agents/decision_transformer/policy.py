@@ -374,14 +374,15 @@ class DTPolicy:
 
         ``live``: (L,) indices of the rows to run the model on (None: all N); the output keeps N
         rows, the others copies of row ``live[0]``'s."""
-        mask = acting_context_mask(state.mask, slot, self.context_steps)
-        args = (state.obs, state.actions, state.rtg, state.timesteps, mask)
         at = slot if self.deciding_step_only else None
         if live is None:
-            return self.model(*args, predict_at=at)
+            mask = acting_context_mask(state.mask, slot, self.context_steps)
+            return self.model(state.obs, state.actions, state.rtg, state.timesteps, mask, predict_at=at)
         idx = torch.as_tensor(live, device=self.device)
-        out = self.model(*(x[idx] for x in args), predict_at=None if at is None else at[idx])
-        src = np.zeros(mask.shape[0], np.int64)  # row i's row of the L computed ones
+        obs, actions, rtg, timesteps, mask = self.window.inputs(state.view[idx])  # laid out as the full batch's
+        mask = acting_context_mask(mask, slot[idx], self.context_steps)
+        out = self.model(obs, actions, rtg, timesteps, mask, predict_at=None if at is None else at[idx])
+        src = np.zeros(state.mask.shape[0], np.int64)  # row i's row of the L computed ones
         src[live] = np.arange(len(live))
         return out.take_rows(torch.as_tensor(src, device=self.device))
 
