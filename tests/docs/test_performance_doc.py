@@ -133,6 +133,46 @@ def test_readme_performance_table_rows_equal_their_json() -> None:
     assert not missing, f"README rows not found (numbers differ from docs/performance/bench_train_t1_amd.json):\n{missing}"
 
 
+def dt_acting_claims() -> list[str]:
+    """The numbers of the DT acting-forward paragraph of docs/performance.md
+    (docs/performance/dt_acting_forward.json)."""
+    d = _load("dt_acting_forward.json")
+    ds, lq = d["deciding_step_only"], d["rows_past_quota"]
+    p10, p50 = ds["paired"]
+    l10, l50 = lq["paired"]
+    full = [r for r in ds["rollouts"] if r["mode"] == "full"]
+    seq = {r["round"]: r["seconds"] for r in full if r["n_envs"] == 1}
+    over = {(r["round"], r["n_envs"]): seq[r["round"]] / r["seconds"] for r in full if r["n_envs"] > 1}
+    share = [r["split"]["forward_frac"] for r in full]
+    steps = {r["n_envs"]: r["env_steps"] for r in ds["rollouts"] if r["mode"] == "predict_at" and r["round"] == 0}
+    live = {r["n_envs"]: r["live_row_frac"] for r in lq["round_robin"]["rollouts"]
+            if r["round"] == 0 and r["mode"] == "all_rows"}
+    return [
+        f"under load {ds['loadavg_start'][0]:.2f} → {ds['loadavg_end'][0]:.2f} and {lq['loadavg_start'][0]:.2f} → "
+        f"{lq['loadavg_end'][0]:.2f}",
+        f"{d['episodes']} episodes ({full[0]['env_steps']:,} env steps)",
+        f"**{p10['ratio_of_means']:.2f}x at 10 environments** ({p10['predict_at_ms_mean']:.2f} vs "
+        f"{p10['full_ms_mean']:.2f} ms per call; median per-call ratio {p10['median_of_ratios']:.2f}x)",
+        f"**{p50['ratio_of_means']:.2f}x at 50** ({p50['predict_at_ms_mean']:.2f} vs {p50['full_ms_mean']:.2f} ms; "
+        f"{p50['median_of_ratios']:.2f}x)",
+        f"played {steps[1]:,}, {steps[10]:,} and {steps[50]:,} env steps (returns up to "
+        f"{max(r['max_return_rel_diff'] for r in ds['rollouts']):.1%} apart)",
+        f"their rows were {1 - live[10]:.0%} (10 environments) and {1 - live[50]:.0%} (50)",
+        f"**{l10['ratio_of_means']:.2f}x at 10 and {l50['ratio_of_means']:.2f}x at 50** "
+        f"({l10['ratio_of_means_on_calls_with_rows_past_quota']:.2f}x and "
+        f"{l50['ratio_of_means_on_calls_with_rows_past_quota']:.2f}x on the calls with idle rows)",
+        f"two rounds): {over[(0, 10)]:.2f}x and {over[(1, 10)]:.2f}x at 10 environments, {over[(0, 50)]:.2f}x and "
+        f"{over[(1, 50)]:.2f}x at 50",
+        f"forward is {min(share):.0%}-{max(share):.0%} of the loop at every N",
+    ]
+
+
+def test_dt_acting_forward_numbers_equal_their_json() -> None:
+    text = flat(PERF_MD.read_text())
+    missing = "\n".join(claim for claim in dt_acting_claims() if flat(claim) not in text)
+    assert not missing, f"docs/performance.md text not found (numbers differ from dt_acting_forward.json):\n{missing}"
+
+
 def test_intel_host_numbers_equal_their_json() -> None:
     text = flat(PERF_MD.read_text())
     missing = "\n".join(claim for claim in intel_host_claims() if flat(claim) not in text)
