@@ -111,6 +111,24 @@ class Decision(NamedTuple):
 Decide = Callable[[DTState, Tensor, Tensor, np.ndarray], Decision]
 
 
+def check_finite_prediction(pred: Tensor, state: DTState, rtg_scale: float, counted: np.ndarray | None = None) -> None:
+    """Raise (:class:`~rl_tformers.runtime.evaluation.NonFiniteError`) if the model's prediction
+    ``pred`` (N, ...) of some row (of the ``counted`` (N,) bool ones, when given) is NaN/inf, naming
+    its target, episode step and return-to-go: no action (a discrete argmax of NaN logits is an
+    arbitrary class) is returned from it."""
+    if bool(torch.isfinite(pred).all()):  # one reduction and one read on the host per step
+        return
+    bad = ~torch.isfinite(pred.reshape(pred.shape[0], -1)).all(dim=1)
+    if counted is not None:
+        bad &= torch.as_tensor(counted, device=bad.device)
+    i = int(torch.nonzero(bad)[0, 0])
+    raise NonFiniteError(
+        f"Decision Transformer: the model's prediction is not finite (NaN/inf) for target return "
+        f"{float(state.target[i]):g} at episode step {int(state.t[i])} (env {i}; return-to-go fed "
+        f"{float(state.rtg_raw[i]):g} / reward scale {rtg_scale:g}); no action is taken from it"
+    )
+
+
 class DTPolicy:
     """Acts with a trained :class:`DecisionTransformer` in N environments at once: the plain DT.
 
@@ -409,25 +427,8 @@ class DTPolicy:
             eps = torch.randn(mean.shape, generator=self.generator, device=mean.device, dtype=mean.dtype)
             a = torch.tanh(mean + log_std.exp() * eps)
         logits = out.logits[p] if self.cfg.discrete else None
-        self._check_finite(a if logits is None else logits, state, counted)
+        check_finite_prediction(a if logits is None else logits, state, self.rtg_scale, counted)
         return Decision(a, out.features[p], logits)
-
-    def _check_finite(self, pred: Tensor, state: DTState, counted: np.ndarray | None = None) -> None:
-        """Raise (:class:`~rl_tformers.runtime.evaluation.NonFiniteError`) if the model's
-        prediction (N, ...) of some row (of the ``counted`` ones, when given) is NaN/inf: no
-        action (a discrete argmax of NaN logits is an arbitrary class) is returned from it."""
-        if bool(torch.isfinite(pred).all()):  # one reduction and one read on the host per step
-            return
-        bad = ~torch.isfinite(pred.reshape(pred.shape[0], -1)).all(dim=1)
-        if counted is not None:
-            bad &= torch.as_tensor(counted, device=bad.device)
-        i = int(torch.nonzero(bad)[0, 0])
-        raise NonFiniteError(
-            f"Decision Transformer: the model's prediction is not finite (NaN/inf) for target return "
-            f"{float(state.target[i]):g} at episode step {int(state.t[i])} (env {i}; return-to-go fed "
-            f"{float(state.rtg_raw[i]):g} / reward scale {self.rtg_scale:g}); no action is taken from it"
-        )
-
 
 class DTPolicyWrapper(PolicyWrapper):
     """A :class:`DTPolicy` (or another wrapper) whose next action is produced differently.
