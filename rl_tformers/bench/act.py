@@ -51,6 +51,7 @@ from rl_tformers.bench.train import machine_info
 from rl_tformers.runtime.agent_registry import UnknownAgentError
 from rl_tformers.runtime.checkpoint import CheckpointError
 from rl_tformers.runtime.errors import ConfigError
+from rl_tformers.runtime.host import host_caption
 from rl_tformers.runtime.loading import load_run
 
 #: the untrained policies timed without --run
@@ -98,7 +99,7 @@ class Result:
 
     def table(self) -> str:
         m = self.machine
-        lines = [f"*{m.get('cpu', 'CPU')}, {self.settings['threads']} thread(s), {m['date']}, load average "
+        lines = [f"*{host_caption(m)}, {self.settings['threads']} thread(s), {m['date']}, load average "
                  f"{' '.join(map(str, m.get('loadavg_1_5_15', [])))} at the start, "
                  f"{' '.join(map(str, m.get('loadavg_end', [])))} at the end; {self.policy}.*", "",
                  "| policy | batch | path | median ms per act() | / in-package | bare forward ms | act / forward |",

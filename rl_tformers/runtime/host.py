@@ -107,4 +107,18 @@ def host_description(device: torch.device | str | None = None) -> dict[str, Any]
     return info
 
 
-__all__ = ["CACHE_DIR_ENV", "cache_dir", "cpu_identity", "cpu_vendor", "host_description", "parse_cpuinfo"]
+def host_caption(machine: dict[str, Any]) -> str:
+    """The CPU of a :func:`host_description` record as a table caption names it: the model name,
+    then family, model and the flags that decide the fast paths, e.g. ``Intel(R) Xeon(R)
+    Processor (family 6 model 167; avx512_bf16, amx)``. Flags the record lacks read as absent
+    (``no amx``); a record without family and model (an older JSON) gives the name alone."""
+    name = machine.get("cpu") or "CPU"
+    family, model = machine.get("cpu_family"), machine.get("cpu_model")
+    if not family and not model:
+        return str(name)
+    flags = ", ".join(f if machine.get(f) else f"no {f}" for f in ("avx512_bf16", "amx"))
+    return f"{name} (family {family} model {model}; {flags})"
+
+
+__all__ = ["CACHE_DIR_ENV", "cache_dir", "cpu_identity", "cpu_vendor", "host_caption", "host_description",
+           "parse_cpuinfo"]

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from rl_tformers.bench.act import row_line
 from rl_tformers.cli import app
+from rl_tformers.runtime.host import host_caption
 
 runner = CliRunner()
 
@@ -67,6 +68,7 @@ def test_the_act_latency_table_of_docs_performance_is_its_json() -> None:
     assert [line for line in section.splitlines() if line.startswith("| ") and "x |" in line] == rows
     load = " ".join(map(str, data["machine"]["loadavg_1_5_15"]))
     end = " ".join(map(str, data["machine"]["loadavg_end"]))
-    assert (f"{data['settings']['threads']} thread(s), {data['machine']['date']}, load average {load} at the start, "
+    assert (f"*{host_caption(data['machine'])}, {data['settings']['threads']} thread(s), {data['machine']['date']}, "
+            f"load average {load} at the start, "
             f"{end} at the end") in section
     assert f"--steps {data['settings']['steps']}" in section

@@ -96,3 +96,21 @@ def test_every_benchmark_records_the_one_host_description() -> None:
     for machine in records:
         assert set(machine) >= keys and machine["cpu_model"] == host.cpu_identity()["model"]
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", machine["date"])
+
+
+def test_host_caption_names_family_model_and_the_fast_path_flags() -> None:
+    intel = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_family": "6", "cpu_model": "167", "avx512_bf16": True,
+             "amx": True}
+    assert host.host_caption(intel) == "Intel(R) Xeon(R) Processor (family 6 model 167; avx512_bf16, amx)"
+    amd = {"cpu": "AMD EPYC", "cpu_family": "25", "cpu_model": "17", "avx512_bf16": True, "amx": False}
+    assert host.host_caption(amd) == "AMD EPYC (family 25 model 17; avx512_bf16, no amx)"
+    assert host.host_caption({"cpu": "Intel(R) Xeon(R) Processor"}) == "Intel(R) Xeon(R) Processor"  # an older JSON
+    assert host.host_caption({}) == "CPU"
+
+
+def test_host_caption_of_this_host_carries_its_description() -> None:
+    m = host.host_description()
+    caption = host.host_caption(m)
+    assert caption.startswith(str(m["cpu"]))
+    if m["cpu_family"] or m["cpu_model"]:
+        assert f"family {m['cpu_family']} model {m['cpu_model']}" in caption
