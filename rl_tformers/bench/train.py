@@ -69,8 +69,9 @@ import typer
 from torch.utils.flop_counter import FlopCounterMode
 
 from rl_tformers.agents.decision_transformer.agent import to_model_batch
-from rl_tformers.bench.options import emit_result, fail
+from rl_tformers.bench.options import check_counts, check_device, check_out, emit_result, fail
 from rl_tformers.runtime.cpu_matmul import onednn_linear_available, resolve_cpu_matmul
+from rl_tformers.runtime.errors import ConfigError
 from rl_tformers.runtime.data import batch_stream
 from rl_tformers.runtime.device import move_to
 from rl_tformers.runtime.host import host_description
@@ -165,8 +166,17 @@ class Settings:
 
     def check(self) -> None:
         """Raises:
-            ValueError: an unknown task or peer, or a peer without a path for the task's observations.
+            ValueError: an unknown task or peer, a peer without a path for the task's observations,
+                a device that is not cpu or an available cuda, or a count below its least
+                (``--steps``, ``--repeats``, ``--threads`` and every ``--matmul-sizes`` entry at
+                least 1, ``--warmup`` at least 0).
         """
+        check_counts(("--steps", self.steps), ("--repeats", self.repeats), ("--threads", self.threads),
+                     *(("--matmul-sizes", n) for n in self.matmul_sizes))
+        check_counts(("--warmup", self.warmup), lo=0)
+        if not self.matmul_sizes:
+            raise ValueError("--matmul-sizes is empty; give sizes like 512,1024,2048")
+        check_device(self.device)
         if self.task not in TASKS:
             raise ValueError(f"--task {self.task!r}: choose from {', '.join(TASKS)}")
         unknown = [p for p in self.peer_list if p not in PEERS]
@@ -413,6 +423,10 @@ class PeerProcess:
         self.log.close()
 
 
+class PeerDataError(ValueError):
+    """The dataset cannot be handed to the peers as they read it (e.g. stacked frames); bad input."""
+
+
 def d4rl_arrays(d, action_start: int | None = None) -> dict[str, np.ndarray]:
     """The flat steps of an :class:`~rl_tformers.envs.dataset.EpisodeDataset` in D4RL layout, in
     episode-table order, as the peers read them: ``observations (N, obs)`` float32, or a pixel
@@ -425,11 +439,11 @@ def d4rl_arrays(d, action_start: int | None = None) -> dict[str, np.ndarray]:
     D4RL's layout, which d3rlpy checks, never sets both.
 
     Raises:
-        ValueError: a pixel dataset whose observation stacks ``frame_stack`` > 1 stored frames
-            (the peers read one stored row as one observation).
+        PeerDataError: (a ValueError) a pixel dataset whose observation stacks ``frame_stack`` > 1
+            stored frames (the peers read one stored row as one observation).
     """
     if d.is_pixel and d.frame_stack > 1:
-        raise ValueError(f"the peers read one stored frame as one observation; this dataset stacks "
+        raise PeerDataError(f"the peers read one stored frame as one observation; this dataset stacks "
                          f"{d.frame_stack} frames per observation (frame_stack)")
     idx = d.flat_indices()
     terminals = d.terminations[idx].copy()
@@ -468,7 +482,7 @@ def export_peer_data(runner: OursRunner, path: Path, n_batches: int = 8) -> Path
     if info.image_obs:  # the encoder the peer rebuilds (minatar_cnn: conv (out, kernel, stride) list, fc width)
         enc = runner.trainer.cfg.agent.encoder
         if enc.kind != "minatar_cnn":
-            raise ValueError(f"the d3rlpy peer rebuilds agent.encoder.kind=minatar_cnn only, not {enc.kind}")
+            raise PeerDataError(f"the d3rlpy peer rebuilds agent.encoder.kind=minatar_cnn only, not {enc.kind}")
         meta["encoder"] = {"filters": [[16, 3, 1]], "features": int(enc.get("features", 128))}
     arrays = d4rl_arrays(agent.dataset, info.action_start if info.discrete else None)
     np.savez(
@@ -760,19 +774,28 @@ def register(bench_app) -> None:
         unknown = [p for p in peer_list or () if p not in PEERS]
         if unknown:
             raise typer.BadParameter(f"unknown peers {unknown}; choose from {', '.join(PEERS)}", param_hint="--peers")
+        sizes = [x.strip() for x in matmul_sizes.split(",") if x.strip()]
+        bad = [x for x in sizes if not x.isdigit()]
+        if bad:
+            fail(f"--matmul-sizes {matmul_sizes!r}: {bad[0]!r} is not a whole number (e.g. 512,1024,2048)")
         s = Settings(task=task, dataset=dataset, device=device, threads=threads, repeats=repeats, steps=steps,
                      warmup=warmup, peers=peer_list, peer_python=peer_python, bf16=bf16, compile=compile_,
-                     ffn_dropout_row=ffn_dropout_row,
-                     matmul_sizes=tuple(int(x) for x in matmul_sizes.split(",") if x.strip()),
+                     ffn_dropout_row=ffn_dropout_row, matmul_sizes=tuple(int(x) for x in sizes),
                      overrides=tuple(overrides or ()), memory=memory)
         try:
             s.check()
         except ValueError as exc:
             fail(str(exc))
+        check_out(out)
         if build_peers:
             peer_python = build_peer_venv(echo=lambda m: typer.echo(m, err=True))
             s = dataclasses.replace(s, peer_python=peer_python)
-        res = run(s, log=lambda m: typer.echo(m, err=True))
+        try:
+            res = run(s, log=lambda m: typer.echo(m, err=True))
+        except ConfigError as exc:  # an override, or the dataset our config cannot train on (AgentBuildError)
+            fail(str(exc))
+        except PeerDataError as exc:
+            fail(f"--dataset {s.dataset_path}: {exc}; measure ours alone with --peers ''")
         emit_result(res.as_dict(), markdown(res), res.notes, out=out, as_json=as_json)
 
     bench_app.command("train")(train)

@@ -241,3 +241,58 @@ def test_real_d3rlpy_on_pixels(tiny_pixels):
     assert res.memory["d3rlpy"]["observations_bytes"] == PIXEL_STEPS * 4 * 10 * 10
     m = res.memory["d3rlpy"]
     assert 0 < m["rss_start"] <= m["rss_built"] <= m["peak_rss_built"] <= m["peak_rss"]
+
+
+# -- bad input on the command line: one error line, exit 2, before anything is measured --------------
+
+def _cli(*args):
+    from rl_tformers.cli import app  # as test_cli_refuses_unknown_peer does
+
+    return CliRunner().invoke(app, ["bench", "train", *args])
+
+
+def _refused(r, message):
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), r.output
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error: ")]
+    assert lines == [f"error: {message}"] and "Traceback" not in r.output, r.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+    (["--matmul-sizes", "512,abc"], "--matmul-sizes '512,abc': 'abc' is not a whole number (e.g. 512,1024,2048)"),
+    (["--matmul-sizes", "0"], "--matmul-sizes must be >= 1, got 0"),
+    (["--matmul-sizes", ","], "--matmul-sizes is empty; give sizes like 512,1024,2048"),
+    (["--device", "gpu"], "--device 'gpu': use cpu or cuda (e.g. cuda:0)"),
+])
+def test_cli_refuses_bad_counts_sizes_and_device(args, message):
+    _refused(_cli("--task", "minatar-breakout", "--peers", "", *args), message)
+
+
+def test_cli_missing_dataset_is_an_error_line(tmp_path):
+    missing = tmp_path / "missing.hdf5"
+    r = _cli("--task", "minatar-breakout", "--peers", "", "--dataset", str(missing), "--steps", "1")
+    _refused(r, f"dataset.path: no such HDF5 file: {missing}")
+
+
+def test_cli_flat_dataset_on_the_pixel_task_names_the_encoder(tiny_hdf5):
+    r = _cli("--task", "minatar-breakout", "--peers", "", "--dataset", str(tiny_hdf5), "--steps", "1")
+    _refused(r, "agent.encoder.kind=minatar_cnn takes image observations (uint8 (C, H, W)), but the dataset "
+                f"{tiny_hdf5} has observations of shape (11,) float32; use a flat encoder: "
+                "agent.encoder.kind=linear or mlp")
+
+
+def test_cli_unknown_override_is_an_error_line(tiny_pixels):
+    r = _cli("--task", "minatar-breakout", "--peers", "", "--dataset", str(tiny_pixels), "--steps", "1",
+             "agent.frame_stack=4")
+    assert r.exit_code == 2 and "error: agent.frame_stack: unknown key" in r.output and "Traceback" not in r.output
+
+
+def test_cli_stacked_frames_with_peers_is_an_error_line(tmp_path):
+    path = write_synthetic_frames(tmp_path / "stacked.hdf5", 300, frame_stack=4, side=10, ep_len=50)
+    r = _cli("--task", "minatar-breakout", "--dataset", str(path), "--peer-python", sys.executable,
+             "--steps", "1", "--matmul-sizes", "64", *TINY)
+    _refused(r, f"--dataset {path}: the peers read one stored frame as one observation; this dataset stacks 4 "
+                "frames per observation (frame_stack); measure ours alone with --peers ''")
