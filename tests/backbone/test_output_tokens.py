@@ -6,6 +6,8 @@ output, on the same fast path; invalid indices are refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -158,3 +160,38 @@ def test_invalid_per_row_indices_are_refused_by_name(idx, why):
     x, pos, mask = _inputs()
     with pytest.raises(ValueError, match=why):
         bb(x, positions=pos, mask=mask, output_tokens=idx)
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor a state holds (dataclass fields, lists, tuples and dicts), in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj) for t in _tensors(obj[k])]
+    return []
+
+
+@pytest.mark.parametrize("memory", [{"kind": "xl", "mem_len": 8}, {"kind": "knn", "mem_len": 8},
+                                    {"kind": "compressive", "mem_len": 8, "compressed_len": 4, "rate": 2}])
+def test_per_row_indices_with_a_memory_state_gather_and_keep_the_whole_state(memory):
+    """With a ``state`` the whole last layer runs: ``hidden`` is the full output gathered over
+    two segments, and the next state (memory of every token) equals the one without
+    ``output_tokens``; invalid indices are refused by name as without a state."""
+    bb = _backbone(memory=memory).eval()
+    g = torch.Generator().manual_seed(2)
+    segments = [torch.randn(3, 12, 16, generator=g) for _ in range(2)]
+    full_state, part_state = bb.initial_state(3), bb.initial_state(3)
+    rows = torch.arange(3)[:, None]
+    for x in segments:
+        full = bb(x, state=full_state)
+        part = bb(x, state=part_state, output_tokens=ROWS)
+        torch.testing.assert_close(part.hidden, full.hidden[rows, ROWS], rtol=0, atol=0)
+        full_state, part_state = full.state, part.state
+        held, kept = _tensors(full_state), _tensors(part_state)
+        assert len(held) == len(kept) > 4 and all(torch.equal(a, b) for a, b in zip(held, kept))
+    with pytest.raises(ValueError, match=r"output_tokens holds index 12, outside \[0, 12\)"):
+        bb(segments[0], state=bb.initial_state(3), output_tokens=ROWS + 1)
