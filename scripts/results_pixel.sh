@@ -21,6 +21,12 @@ OUT=${OUT:-runs/results-pixel}
 DOC=${DOC:-docs/results/pixel}
 SEEDS=${SEEDS:-0,1,2}
 TARGETS=${TARGETS:-0,2,4,6,8,10,15,20,30}
+# the targets are checked here, before hours of training reach the evaluation that reads them
+num='[+-]?([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][+-]?[0-9]+)?'
+if ! [[ $TARGETS =~ ^$num(,$num)*$ ]]; then
+  echo "error: TARGETS='$TARGETS' is not a comma-separated list of numbers (target returns, e.g. 0,2,4)" >&2
+  exit 2
+fi
 # MinAtar has no reference scores: the metric is the raw return
 M=eval/return_mean
 mkdir -p "$DOC"
@@ -38,7 +44,7 @@ for a in dt bc bc10; do
   [ -f "$d/curves.json" ] && cp "$d/curves.json" "$DOC/$a-minatar-breakout.curves.json"
 done
 # return conditioning of the DT's first seed: targets from no return to above the data's best (20)
-s=${SEEDS%%,*}
+s=${SEEDS%%[,-]*}  # SEEDS as sweep --seeds takes it: 0,1,2 or 0-2
 R=$OUT/dt-minatar-breakout/base/seed$s
 OMP_NUM_THREADS=1 "$RLT" eval "$R" --targets "$TARGETS" --episodes 10 --envs 10 --seed 0 \
     --out "$DOC/dt-minatar-breakout-s$s.rtg.json"
