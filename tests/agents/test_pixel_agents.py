@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -20,6 +21,7 @@ from typer.testing import CliRunner
 
 from rl_tformers.cli import app
 from rl_tformers.runtime.agent_registry import build_agent
+from rl_tformers.runtime.evaluation import evaluate
 from rl_tformers.runtime.loading import load_run
 from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import resume, train
@@ -179,3 +181,22 @@ def test_the_flat_path_adds_no_parameter_or_state_key(tmp_path: Path) -> None:
         assert not [k for k in model.state_dict() if "encode_obs" in k], agent
     dt = build_agent(_config("dt", h5), tmp_path, torch.device("cpu")).model
     assert dt.embed_state.in_features == 4
+
+
+def test_a_pixel_dt_clamps_the_timestep_of_an_evaluation_episode_past_max_ep_len(pixel_h5: Path,
+                                                                                tmp_path: Path) -> None:
+    """agent.max_ep_len=8 (the data's longest episode) and 20-step evaluation episodes: with
+    timestep_overflow=clamp every step is acted on (steps 8.. reuse timestep 7); with error the
+    evaluation stops at step 8 naming agent.max_ep_len."""
+    cfg = _config("dt", pixel_h5, "agent.encoder.kind=nature_cnn", "agent.max_ep_len=8",
+                  "agent.timestep_overflow=clamp")
+    torch.manual_seed(0)
+    agent = build_agent(cfg, tmp_path, torch.device("cpu"))
+    fed = []
+    agent.model.register_forward_hook(lambda m, inp, out: fed.append(int(inp[3][0][inp[4][0]].max())))
+    long_episodes = lambda: gym.make(FULL_ID, max_episode_steps=20)  # noqa: E731
+    rep = evaluate(agent.policy(), long_episodes, [6.0], episodes=2, n_envs=2, seed=0)
+    assert rep.results[0].lengths == [20, 20]
+    assert fed == [*range(8), *[7] * 12]
+    with pytest.raises(ValueError, match=r"episode step 8 >= agent.max_ep_len=8"):
+        evaluate(agent.policy(timestep_overflow="error"), long_episodes, [6.0], episodes=1, n_envs=1)
