@@ -71,9 +71,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from rl_tformers.agents.decision_transformer.agent import to_model_batch
 from rl_tformers.bench.options import check_counts, check_device, check_out, emit_result, fail
 from rl_tformers.runtime.cpu_matmul import onednn_linear_available, resolve_cpu_matmul
-from rl_tformers.runtime.errors import ConfigError
 from rl_tformers.runtime.data import batch_stream
 from rl_tformers.runtime.device import move_to
+from rl_tformers.runtime.errors import ConfigError
 from rl_tformers.runtime.host import host_description
 from rl_tformers.runtime.run_config import compose
 from rl_tformers.runtime.trainer import Trainer, _with_run_dir
