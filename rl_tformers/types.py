@@ -52,6 +52,10 @@ def take_tokens(x: Tensor, index: TokenIndex, dim: int = 1) -> Tensor:
 
     Returns:
         ``x`` with P (or the slice's length) tokens at ``dim``.
+
+    The index is not checked here: :meth:`rl_tformers.backbone.Backbone.forward` refuses a bad
+    ``output_tokens`` (shape, dtype, range) with a ValueError before any layer calls this; an
+    unchecked out-of-range index raises torch's RuntimeError from ``gather``.
     """
     if isinstance(index, slice):
         return x[(slice(None),) * dim + (index,)]
