@@ -344,7 +344,6 @@ class GTrXLPolicy:
             self.check_targets([target_return])
         enc = self.model.encoder
         a_shape = (n_envs,) if self.discrete else (n_envs, self.model.cfg.act_dim)
-        w = self.model.cfg.window
         dev = self.device
         return GTrXLState(
             memory=enc.initial_state(n_envs, dev) if enc.stateful else None,
@@ -354,9 +353,7 @@ class GTrXLPolicy:
             rtg=np.full(n_envs, float(target_return or 0.0), dtype=np.float64),
             t=torch.zeros(n_envs, dtype=torch.long, device=dev),
             target=target_return,
-            window_x=None if enc.stateful else torch.zeros(n_envs, w, self.model.cfg.input_dim, device=dev),
-            window_pos=None if enc.stateful else torch.zeros(n_envs, w, dtype=torch.long, device=dev),
-            window_valid=None if enc.stateful else torch.zeros(n_envs, w, dtype=torch.bool, device=dev),
+            **({} if enc.stateful else enc.initial_window(n_envs, dev)),
         )
 
     @torch.no_grad()
@@ -488,13 +485,9 @@ class GTrXLPolicy:
             self.last_metrics = out.metrics
             return out.features[:, 0], out.state, {}
         # plain window: shift left, write the new step at slot W-1, re-encode the W steps
-        keep_w = (~start)[:, None]  # (N, 1): a starting row forgets its window
-        win = {
-            "window_x": torch.cat([state.window_x[:, 1:], x], 1),  # (N, W, input_dim)
-            "window_pos": torch.cat([state.window_pos[:, 1:], t[:, None]], 1),  # (N, W)
-            "window_valid": torch.cat([state.window_valid[:, 1:] & keep_w, torch.ones_like(keep_w)], 1),
-        }
-        out = enc(win["window_x"], win["window_pos"], mask=win["window_valid"], **depth_kwargs)
+        win = enc.shift_window({k: getattr(state, k) for k in ("window_x", "window_pos", "window_valid")},
+                               x, t, start)
+        out = enc.encode_window(win, **depth_kwargs)
         self.last_metrics = out.metrics
         return out.features[:, -1], out.state, win
 

@@ -102,6 +102,8 @@ class PPOAgentConfig(TypedConfig):
     encoder: EncoderConfig = option(factory=LinearEncoderConfig, doc="observation encoder (its features are "
                                     "the observation part of each step's token)")
     head_hidden: int = option(64, "actor and critic head MLP width (0: linear heads)", ge=0)
+    window: int = option(0, "W > 0: no memory (backbone.memory.kind=none); every step re-encodes its episode's "
+                            "last W steps, a plain context window (flat observations)", ge=0)
     deterministic: bool = option(True, "evaluation acts with the mode")
     init_checkpoint: str | None = option(None, "fine-tune: an offline gtrxl run directory or checkpoint file")
     critic_warmup: int = option(0, "first rollouts that train only the value head (fine-tuning)", ge=0)

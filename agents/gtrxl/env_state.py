@@ -288,6 +288,8 @@ def _check_same_kind(value: Any, current: Any, where: str) -> None:
 
 #: rollout keys that hold each step's FIFO memory, and their slot axis in the (S, N, ...) tensor
 _FIFO_KEYS = {"mem": 3, "mem_pos": 2, "mem_valid": 2, "mem_seg": 2}
+#: the same for the plain window of ``agent.window`` (it shifts by one slot per step too)
+_WINDOW_FIFO_KEYS = {"window_x": 2, "window_pos": 2, "window_valid": 2}
 
 
 def _bits(x: Tensor) -> Tensor:
@@ -346,9 +348,12 @@ def fifo_decode(enc: Mapping[str, Tensor], dim: int) -> Tensor:
     return out
 
 
-def _state_dict_of(state: BackboneState) -> dict[str, Any]:
+def _state_dict_of(state: BackboneState | Mapping[str, Tensor]) -> dict[str, Any]:
     """A :class:`BackboneState` of the ``xl`` or ``spalm`` memory as plain tensors (CPU); the
-    SPALM long-term store under ``store`` (:func:`store_rows`' keys)."""
+    SPALM long-term store under ``store`` (:func:`store_rows`' keys); a plain window (a dict of
+    :data:`_WINDOW_FIFO_KEYS` tensors) under ``window``."""
+    if isinstance(state, Mapping):
+        return {"window": {k: state[k].cpu() for k in _WINDOW_FIFO_KEYS}}
     store = store_rows(state)
     if any(ls.cache is not None for ls in state.layers) or any(ls.extra is not None for ls in state.layers[:-1]) \
             or (state.layers[-1].extra is not None and not store):
@@ -360,7 +365,9 @@ def _state_dict_of(state: BackboneState) -> dict[str, Any]:
     return out
 
 
-def _state_from_dict(d: Mapping[str, Any], device: torch.device) -> BackboneState:
+def _state_from_dict(d: Mapping[str, Any], device: torch.device) -> BackboneState | dict[str, Tensor]:
+    if "window" in d:
+        return {k: d["window"][k].to(device) for k in _WINDOW_FIFO_KEYS}
     st = BackboneState(
         layers=[LayerState(memory=None if m is None else m.to(device)) for m in d["memory"]],
         **{k: d[k].to(device) for k in ("pos", "valid", "seg", "episode", "next_pos")},
@@ -394,7 +401,7 @@ def process_state(col: RolloutCollector, rollout: Mapping[str, Any] | None, serv
     }
     if rollout is not None:
         ro = {k: v.cpu() for k, v in rollout.items() if isinstance(v, Tensor)}
-        fifo = {k: fifo_encode(ro.pop(k), dim) for k, dim in _FIFO_KEYS.items()}
+        fifo = {k: fifo_encode(ro.pop(k), dim) for k, dim in {**_FIFO_KEYS, **_WINDOW_FIFO_KEYS}.items() if k in ro}
         st["rollout"] = {"tensors": ro, "fifo": fifo, "stats": dict(rollout["stats"]), "served": int(served)}
     if col.envs is None:
         return st
@@ -426,17 +433,19 @@ def format_problem(st: Mapping[str, Any], n_envs: int) -> str | None:
     return None
 
 
-#: the (S, N, ...) tensors of a rollout besides its FIFO memories (RolloutCollector.collect)
-_ROLLOUT_KEYS = ("x", "pos", "episode", "actions", "logp", "values", "rewards", "dones", "adv", "returns")
+#: the (S, N, ...) tensors of a rollout besides its FIFO memories (RolloutCollector.collect);
+#: ``episode`` only with a backbone memory
+_ROLLOUT_KEYS = ("x", "pos", "actions", "logp", "values", "rewards", "dones", "adv", "returns")
 
 
 def saved_rollout(st: Mapping[str, Any], device: torch.device, *, steps: int, n_envs: int,
-                  updates: int) -> tuple[dict[str, Any] | None, int]:
+                  updates: int, window: bool = False) -> tuple[dict[str, Any] | None, int]:
     """The rollout in progress of a :func:`process_state` on ``device`` and its served minibatches
     ((None, 0) when it stopped at a rollout boundary).
 
     Args:
         steps, n_envs: S and N of this run's rollouts; updates: its updates per rollout U.
+        window: the run is in the plain-window mode (the rollout holds windows, not memories).
 
     Raises:
         ValueError: the saved rollout lacks a tensor or a FIFO memory, holds one whose first two
@@ -451,8 +460,9 @@ def saved_rollout(st: Mapping[str, Any], device: torch.device, *, steps: int, n_
         raise ValueError(f"rollout.served={served!r} is not a count in [1, {updates})")
     try:
         stats = {str(k): float(v) for k, v in dict(ro["stats"]).items()}
-        fifo = {k: fifo_decode(ro["fifo"][k], dim) for k, dim in _FIFO_KEYS.items()}
-        tensors = {**{k: ro["tensors"][k] for k in _ROLLOUT_KEYS}, **fifo,
+        fifo = {k: fifo_decode(ro["fifo"][k], dim) for k, dim in (_WINDOW_FIFO_KEYS if window else _FIFO_KEYS).items()}
+        keys = _ROLLOUT_KEYS if window else (*_ROLLOUT_KEYS, "episode")
+        tensors = {**{k: ro["tensors"][k] for k in keys}, **fifo,
                    **{k: ro["tensors"][k] for k in (*STORE_KEYS, PIXEL_KEY) if k in ro["tensors"]}}
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, IndexError) as exc:
         raise ValueError(f"the saved rollout is incomplete or malformed ({type(exc).__name__}: {exc})") from exc
@@ -469,7 +479,8 @@ def checked_rollout(st: Mapping[str, Any], col: RolloutCollector,
     ``updates`` updates per rollout: ``(rollout, served, None)``, or ``(None, 0, why)`` when the
     saved rollout does not fit."""
     try:
-        return (*saved_rollout(st, col.device, steps=col.n_steps, n_envs=col.n_envs, updates=updates), None)
+        return (*saved_rollout(st, col.device, steps=col.n_steps, n_envs=col.n_envs, updates=updates,
+                               window=not col.model.encoder.stateful), None)
     except ValueError as exc:
         return None, 0, f"the checkpoint's rollout in progress does not fit this run ({exc})"
 

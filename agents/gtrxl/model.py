@@ -384,6 +384,29 @@ class GTrXLEncoder(nn.Module):
         """Clear the rows where ``episode_start`` (B,) bool is True; other rows unchanged, bit for bit."""
         return self.backbone.reset_state(state, episode_start)
 
+    def initial_window(self, batch: int, device: torch.device | str | None = None) -> dict[str, Tensor]:
+        """The empty plain window of ``batch`` streams (``window > 0``): ``window_x`` (B, W,
+        input_dim) zeros, ``window_pos`` (B, W) long zeros, ``window_valid`` (B, W) bool False."""
+        w = self.cfg.window
+        return {"window_x": torch.zeros(batch, w, self.cfg.input_dim, device=device),
+                "window_pos": torch.zeros(batch, w, dtype=torch.long, device=device),
+                "window_valid": torch.zeros(batch, w, dtype=torch.bool, device=device)}
+
+    @staticmethod
+    def shift_window(window: Mapping[str, Tensor], x: Tensor, t: Tensor, start: Tensor) -> dict[str, Tensor]:
+        """The plain window after one step: shifted left by one slot, the new step's inputs ``x``
+        (B, 1, input_dim) at step ``t`` (B,) in slot W - 1; a row where ``start`` (B,) bool is
+        True forgets its older slots (invalid), so a window never holds two episodes."""
+        keep = (~start)[:, None]  # (B, 1)
+        return {"window_x": torch.cat([window["window_x"][:, 1:], x], 1),
+                "window_pos": torch.cat([window["window_pos"][:, 1:], t[:, None]], 1),
+                "window_valid": torch.cat([window["window_valid"][:, 1:] & keep, torch.ones_like(keep)], 1)}
+
+    def encode_window(self, window: Mapping[str, Tensor], **kwargs: Any) -> EncoderOutput:
+        """Encode a plain window (:meth:`shift_window`): its last token's features are the newest
+        step's, ``.features[:, -1]`` (B, D); invalid slots are masked out of attention."""
+        return self(window["window_x"], window["window_pos"], mask=window["window_valid"], **kwargs)
+
     @property
     def pixels(self) -> bool:
         """True when the observation encoder takes uint8 images (PPO keeps them in its rollouts

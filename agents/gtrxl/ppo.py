@@ -149,6 +149,7 @@ from rl_tformers.runtime.agent_registry import register_agent, resume_state
 from rl_tformers.runtime.distributed import dist_info
 from rl_tformers.runtime.evaluation import eval_seed, evaluate, report_logs
 from rl_tformers.runtime.loading import register_inference_loader
+from rl_tformers.typed_config import ConfigFieldError
 
 log = logging.getLogger(__name__)
 
@@ -203,13 +204,18 @@ def _warn_amp(cfg: Any) -> None:
             "train.amp=none for ratios that start at 1", ConfigAdviceWarning, stacklevel=3)
 
 
-def ppo_backbone(backbone: Mapping[str, Any], init_checkpoint: str | None) -> dict[str, Any]:
+def ppo_backbone(backbone: Mapping[str, Any], init_checkpoint: str | None, window: int = 0) -> dict[str, Any]:
     """The backbone PPO runs: ``backbone`` (the config's, or the offline run's when fine-tuning)
     without dropout.
 
+    Args:
+        window: ``agent.window`` W (> 0: the plain-window mode, memory kind ``none``).
+
     Raises:
         ValueError: a memory kind other than ``xl`` or ``spalm`` (PPO stores the memory of every
-            rollout step), or ``spalm`` with ``mem_len`` 0.
+            rollout step) without ``agent.window``, a memory kind other than ``none`` with it (or
+            with ``agent.init_checkpoint``: fine-tuning starts from a run with memory), or
+            ``spalm`` with ``mem_len`` 0.
 
     Warns:
         ConfigAdviceWarning: a dropout probability set (turned off: :func:`without_dropout`);
@@ -217,12 +223,19 @@ def ppo_backbone(backbone: Mapping[str, Any], init_checkpoint: str | None) -> di
     """
     memory = dict(backbone.get("memory") or {})
     mem_kind = memory.get("kind", "none")
-    if mem_kind not in PPO_MEMORY_KINDS:
+    if window and (mem_kind != "none" or init_checkpoint):
+        why = (f"agent.init_checkpoint={init_checkpoint} is fine-tuned with its own memory kind {mem_kind!r}"
+               if init_checkpoint else f"backbone.memory.kind={mem_kind!r} carries memory")
+        raise ValueError(f"gtrxl_ppo: agent.window={window} re-encodes a plain window of the last {window} steps at "
+                         f"every step, but {why}; use agent.window=0, or agent.window={window} with "
+                         f"backbone.memory.kind=none (and no agent.init_checkpoint)")
+    if not window and mem_kind not in PPO_MEMORY_KINDS:
         src = (f"agent.init_checkpoint={init_checkpoint} was trained with backbone.memory.kind="
                f"{mem_kind!r}" if init_checkpoint else f"backbone.memory.kind={mem_kind!r}")
         raise ValueError(
             f"gtrxl_ppo: {src}; PPO stores the memory of every rollout step and needs a fixed-size one: "
-            f"{' or '.join(repr(k) for k in PPO_MEMORY_KINDS)} (offline agent.kind=gtrxl takes any stateful memory kind)"
+            f"{' or '.join(repr(k) for k in PPO_MEMORY_KINDS)}, or 'none' with a plain window of W steps "
+            f"(agent.window=W; offline agent.kind=gtrxl takes any stateful memory kind)"
         )
     if mem_kind == "spalm" and memory.get("mem_len", 64) == 0:
         raise ValueError("gtrxl_ppo: backbone.memory.mem_len=0; PPO stores each step's XL memory, so the spalm "
@@ -251,11 +264,17 @@ def with_encoder(a: PPOAgentConfig, spec: EnvSpec, inputs: dict[str, Any]) -> di
 
     Raises:
         ConfigFieldError: the encoder does not take the environment's observations (a flat kind on
-            uint8 (C, H, W) images or the reverse; :func:`check_observations`).
+            uint8 (C, H, W) images or the reverse; :func:`check_observations`), or an image encoder
+            with ``agent.window`` (a rollout would keep W frames per step to encode them again).
     """
     encoder = inputs.get("encoder") or a.encoder.to_dict()
-    check_observations(EncoderConfig.from_dict(encoder, "agent.encoder"), spec.obs_shape, spec.obs_dtype,
-                       f"the environment {spec.env_id}")
+    enc_cfg = EncoderConfig.from_dict(encoder, "agent.encoder")
+    check_observations(enc_cfg, spec.obs_shape, spec.obs_dtype, f"the environment {spec.env_id}")
+    if a.window and enc_cfg.capabilities.image:
+        raise ConfigFieldError(
+            "agent.window", f"={a.window} with agent.encoder.kind={enc_cfg.kind}: each update encodes a step's "
+            f"pixels again with the weights it trains, and a plain window would need the rollout to keep the "
+            f"last {a.window} frames of every step; use backbone.memory.kind=xl (agent.window=0) for images", sep="")
     return {**inputs, "encoder": encoder, "obs_shape": spec.obs_shape}
 
 
@@ -376,7 +395,8 @@ class GTrXLPPO:
                                  spec.act_dim, spec.discrete, spec.low, spec.high, spec.action_start)
             warn_ignored_settings(a, configured, backbone, inputs)
         model_cfg = GTrXLConfig(obs_dim=spec.obs_dim, act_dim=spec.act_dim, discrete=spec.discrete, critic="value",
-                                backbone=ppo_backbone(backbone, a.init_checkpoint), **with_encoder(a, spec, inputs))
+                                backbone=ppo_backbone(backbone, a.init_checkpoint, a.window), window=a.window,
+                                **with_encoder(a, spec, inputs))
         agent = cls(cfg, a, spec, model_cfg, device)
         agent.collector.check_time_limit(a.init_checkpoint)
         if offline is not None:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from rl_tformers.agents.gtrxl.model import GTrXLEncoder, GTrXLModel, gate_logs
+from rl_tformers.agents.gtrxl.model import EncoderOutput, GTrXLEncoder, GTrXLModel, gate_logs
 from torch import Tensor
 
 from rl_tformers.memory.spalm import SpalmStore
@@ -127,6 +127,19 @@ def minibatch_inputs(enc: GTrXLEncoder, mb: Mapping[str, Tensor]) -> Tensor:
     return torch.cat([feat, x.to(feat.dtype)], dim=-1)  # (B, F + E)
 
 
+def minibatch_features(enc: GTrXLEncoder, mb: Mapping[str, Tensor]) -> tuple[Tensor, EncoderOutput]:
+    """Each sample of a minibatch recomputed as its rollout step acted: one query over the stored
+    memory (:func:`state_from_rows`), or, in the plain-window mode, its stored window re-encoded
+    (the step in its last slot). Returns the (B, D) features and the encoder's output."""
+    if not enc.stateful:
+        out = enc.encode_window(mb)
+        return out.features[:, -1], out
+    state = state_from_rows(mb["mem"], mb["mem_pos"], mb["mem_valid"], mb["mem_seg"], mb["episode"], mb["pos"],
+                            {k: mb[k] for k in STORE_KEYS if k in mb})
+    out = enc(minibatch_inputs(enc, mb)[:, None], mb["pos"][:, None], state=state)
+    return out.features[:, 0], out
+
+
 def ppo_loss(
     model: GTrXLModel,
     mb: Mapping[str, Tensor],
@@ -137,7 +150,7 @@ def ppo_loss(
     norm_adv: bool,
     critic_only: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor | float]]:
-    """Clipped-surrogate PPO loss on a minibatch of single steps, each with its stored memory.
+    """Clipped-surrogate PPO loss on a minibatch of single steps, each with its stored memory (or window).
 
     Args:
         model: :class:`GTrXLModel` with ``critic="value"``.
@@ -145,6 +158,9 @@ def ppo_loss(
             (B, M)``, ``episode (B,)``, ``actions (B, A) or (B,)``, ``logp (B,)``, ``adv (B,)``,
             ``returns (B,)``; with memory kind ``spalm`` also the long-term store each step acted
             with (:data:`STORE_KEYS`); with an image encoder the pixels (:func:`minibatch_inputs`).
+            In the plain-window mode (``agent.window`` W) ``window_x (B, W, input_dim)``,
+            ``window_pos, window_valid (B, W)`` instead of the memory: each sample is its window
+            re-encoded, the step in slot W - 1.
         critic_only: train only the value head, on detached features (the critic warm-up of
             fine-tuning: encoder and actor keep their offline weights).
 
@@ -158,11 +174,7 @@ def ppo_loss(
     advantages are normalised with the global minibatch's statistics, so W processes compute
     the gradient one process computes on the whole minibatch.
     """
-    enc = model.encoder
-    state = state_from_rows(mb["mem"], mb["mem_pos"], mb["mem_valid"], mb["mem_seg"], mb["episode"], mb["pos"],
-                            {k: mb[k] for k in STORE_KEYS if k in mb})
-    out = enc(minibatch_inputs(enc, mb)[:, None], mb["pos"][:, None], state=state)
-    h = out.features[:, 0]  # (B, D)
+    h, out = minibatch_features(model.encoder, mb)
     logp = model.actor.log_prob(h, mb["actions"])
     entropy = model.actor.entropy(h).mean()
     value = model.state_value(h.detach() if critic_only else h)

@@ -23,7 +23,7 @@ import rl_tformers.envs.memory_tasks  # noqa: F401  (registers the memory tasks 
 import torch
 import torch.distributed as dist
 from rl_tformers.agents.decision_transformer.model import to_env_action
-from rl_tformers.agents.gtrxl.model import GTrXLModel, record_attention
+from rl_tformers.agents.gtrxl.model import GTrXLEncoder, GTrXLModel, record_attention
 from rl_tformers.agents.gtrxl.ppo_update import PIXEL_KEY, STORE_KEYS, compute_gae, store_rows
 from rl_tformers.envs.environments import make_task
 from torch import Tensor
@@ -35,9 +35,14 @@ from rl_tformers.runtime.run_config import ConfigError
 log = logging.getLogger(__name__)
 
 OBS_CLIP = 10.0  # normalised observations are clipped to [-10, 10] (as SB3's VecNormalize)
-#: per-step tensors of a rollout, each stacked to (S, N, ...)
-ROLLOUT_KEYS = ("x", "pos", "mem", "mem_pos", "mem_valid", "mem_seg", "episode", "actions", "logp", "values",
-                "rewards", "dones")
+#: per-step tensors of every rollout, each stacked to (S, N, ...)
+ROLLOUT_KEYS = ("x", "pos", "actions", "logp", "values", "rewards", "dones")
+#: the backbone memory each step acted with (memory kinds xl and spalm): (S, N, L, M, D) slots,
+#: (S, N, M) slot positions, validity and episode ids, (S, N) episode id of the row
+MEMORY_KEYS = ("mem", "mem_pos", "mem_valid", "mem_seg", "episode")
+#: the plain window each step acted with (agent.window W > 0, this step in slot W - 1): (S, N, W,
+#: input_dim) inputs, (S, N, W) steps and validity (GTrXLEncoder.shift_window)
+WINDOW_KEYS = ("window_x", "window_pos", "window_valid")
 
 
 class RunningMeanStd:
@@ -156,6 +161,33 @@ def stored_inputs(model: GTrXLModel, obs: Tensor, x: Tensor) -> dict[str, Tensor
     return {"x": x[:, model.cfg.obs_features:], PIXEL_KEY: obs}
 
 
+def reset_memory(enc: GTrXLEncoder, memory: Any, start: Tensor) -> Any:
+    """The running memory with the rows where ``start`` (N,) bool is True cleared (the plain
+    window as it is: :func:`encode_step` clears those rows' older slots as it shifts)."""
+    return enc.reset_state(memory, start) if enc.stateful else memory
+
+
+def encode_step(enc: GTrXLEncoder, x: Tensor, t: Tensor, memory: Any, start: Tensor,
+                **kwargs: Any) -> tuple[Tensor, Any, dict[str, Tensor]]:
+    """One step of N rows through the encoder: inputs ``x`` (N, input_dim) at episode steps ``t``
+    (N,) with the running ``memory`` (after :func:`reset_memory`; ``start`` (N,) bool marks the
+    rows that begin an episode). ``kwargs`` go to the encoder (``need_weights``).
+
+    Returns:
+        features (N, D), the next running memory, and the rows a rollout keeps of what the step
+        acted with: the backbone memory (:data:`MEMORY_KEYS`, plus the SPALM store), or in the
+        plain-window mode the shifted window holding this step (:data:`WINDOW_KEYS`).
+    """
+    if not enc.stateful:
+        win = enc.shift_window(memory, x[:, None], t, start)
+        return enc.encode_window(win, **kwargs).features[:, -1], win, win
+    out = enc(x[:, None], t[:, None], state=memory, **kwargs)
+    rows = {"mem": torch.stack([ls.memory for ls in memory.layers], 1),  # (N, L, M, D)
+            "mem_pos": memory.pos, "mem_valid": memory.valid, "mem_seg": memory.seg, "episode": memory.episode,
+            **store_rows(memory)}
+    return out.features[:, 0], out.state, rows
+
+
 class RolloutBuffer:
     """The per-step tensors of one rollout (:data:`ROLLOUT_KEYS`), each (N, ...) per step."""
 
@@ -163,12 +195,13 @@ class RolloutBuffer:
         self.steps: dict[str, list[Tensor]] = {k: [] for k in ROLLOUT_KEYS}
 
     def add(self, **step: Tensor) -> None:
-        """Append one step: every key of :data:`ROLLOUT_KEYS`, and the SPALM store's
+        """Append one step: every key of :data:`ROLLOUT_KEYS`, those of :data:`MEMORY_KEYS` or of
+        :data:`WINDOW_KEYS`, and the SPALM store's
         (:data:`~rl_tformers.agents.gtrxl.ppo_update.STORE_KEYS`) and the uint8 pixels
         (:data:`~rl_tformers.agents.gtrxl.ppo_update.PIXEL_KEY`) when given, (N, ...) each."""
         for k in ROLLOUT_KEYS:
             self.steps[k].append(step[k])
-        for k in (*STORE_KEYS, PIXEL_KEY):
+        for k in (*MEMORY_KEYS, *WINDOW_KEYS, *STORE_KEYS, PIXEL_KEY):
             if k in step:
                 self.steps.setdefault(k, []).append(step[k])
 
@@ -233,12 +266,14 @@ class RolloutCollector:
 
     def blank_running(self, obs: np.ndarray, device: torch.device | str) -> dict[str, Any]:
         """The running episodes of N environments just reset to ``obs`` (N, ...): ``obs``,
-        ``memory`` (the encoder's initial state), ``prev_a`` ((N,) long, or (N, act_dim) float32),
+        ``memory`` (the encoder's initial state, or its empty plain window: :func:`encode_step`), ``prev_a`` ((N,) long, or (N, act_dim) float32),
         ``prev_r``, ``t``, ``start`` ((N,) float32, long, bool), ``ep_ret``, ``ep_len`` ((N,)
         float64 and int64 NumPy arrays)."""
         n, discrete = self.n_envs, self.spec.discrete
         a_shape = (n,) if discrete else (n, self.model.cfg.act_dim)
-        return {"obs": obs, "memory": self.model.encoder.initial_state(n, device),
+        enc = self.model.encoder
+        memory = enc.initial_state(n, device) if enc.stateful else enc.initial_window(n, device)
+        return {"obs": obs, "memory": memory,
                 "prev_a": torch.zeros(a_shape, dtype=torch.long if discrete else torch.float32, device=device),
                 "prev_r": torch.zeros(n, device=device), "t": torch.zeros(n, dtype=torch.long, device=device),
                 "start": torch.ones(n, dtype=torch.bool, device=device),
@@ -370,9 +405,9 @@ class RolloutCollector:
 
     def _step(self) -> dict[str, Tensor]:
         """Act in the N environments once; advance the running episodes. Returns the step's tensors."""
-        model, enc, dev, n = self.model, self.model.encoder, self.device, self.n_envs
+        model, dev, n = self.model, self.device, self.n_envs
         start = self.start
-        memory = enc.reset_state(self.memory, start)
+        memory = reset_memory(model.encoder, self.memory, start)
         keep = (~start).view(-1, *([1] * (self.prev_a.dim() - 1)))
         prev_a = self.start_prev_a(self.prev_a, keep)
         prev_r = self.prev_r * (~start)
@@ -380,8 +415,7 @@ class RolloutCollector:
         self.check_positions(t)
         obs_in = self.norm_obs(self.obs)  # (N, O) float32, or (N, C, H, W) uint8 pixels
         x = self.step_inputs(obs_in, prev_a, prev_r)  # (N, input_dim)
-        out = enc(x[:, None], t[:, None], state=memory)
-        h = out.features[:, 0]
+        h, after, rows = encode_step(model.encoder, x, t, memory, start)
         dist_ = model.actor.dist(h)
         action = dist_.sample()
         logp = dist_.log_prob(action) if self.spec.discrete else dist_.log_prob(action).sum(-1)
@@ -400,16 +434,14 @@ class RolloutCollector:
             self.check_positions(t + 1, trunc_t, final=True)
             a_in = taken.view(n, *self.prev_a.shape[1:]).to(self.prev_a.dtype)
             xf = self.step_inputs(self.norm_obs(final), a_in, r_in)
-            hf = enc(xf[:, None], (t + 1)[:, None], state=out.state).features[:, 0]
+            hf = encode_step(model.encoder, xf, t + 1, after, torch.zeros_like(start))[0]
             r = r + self.gamma * model.state_value(hf) * trunc_t
         done = torch.as_tensor(term | trunc, device=dev)
         self._count_episodes(reward, np.asarray(term | trunc))
-        self.memory, self.prev_a, self.prev_r, self.t, self.start = out.state, taken, r_in, t + 1, done
+        self.memory, self.prev_a, self.prev_r, self.t, self.start = after, taken, r_in, t + 1, done
         self.obs = obs
-        return {**stored_inputs(model, obs_in, x), "pos": t,
-                "mem": torch.stack([ls.memory for ls in memory.layers], 1),  # (N, L, M, D)
-                "mem_pos": memory.pos, "mem_valid": memory.valid, "mem_seg": memory.seg, "episode": memory.episode,
-                "actions": action, "logp": logp, "values": value, "rewards": r, "dones": done, **store_rows(memory)}
+        return {**stored_inputs(model, obs_in, x), "pos": t, **rows,
+                "actions": action, "logp": logp, "values": value, "rewards": r, "dones": done}
 
     def _count_episodes(self, reward: np.ndarray, done: np.ndarray) -> None:
         """Episode returns and lengths (numpy, vectorised over environments); finished ones go to the windows."""
@@ -422,14 +454,13 @@ class RolloutCollector:
 
     def _last_value(self) -> tuple[Tensor, list[Tensor]]:
         """(N,) bootstrap value of the observation after the rollout, and each layer's attention weights there."""
-        enc = self.model.encoder
         self.check_positions(self.t * (~self.start))
-        memory = enc.reset_state(self.memory, self.start)
+        memory = reset_memory(self.model.encoder, self.memory, self.start)
         keep = (~self.start).view(-1, *([1] * (self.prev_a.dim() - 1)))
         x = self.step_inputs(self.norm_obs(self.obs), self.start_prev_a(self.prev_a, keep), self.prev_r * (~self.start))
-        with record_attention(enc) as weights:
-            last = enc(x[:, None], (self.t * (~self.start))[:, None], state=memory, need_weights=True)
-        return self.model.state_value(last.features[:, 0]), weights
+        with record_attention(self.model.encoder) as weights:
+            h = encode_step(self.model.encoder, x, self.t * (~self.start), memory, self.start, need_weights=True)[0]
+        return self.model.state_value(h), weights
 
     def _stats(self, weights: list[Tensor]) -> dict[str, float]:
         """The rollout's logged statistics: environment steps (of every process), recent episodes,

@@ -730,3 +730,68 @@ def test_ppo_fine_tuning_says_which_agent_inputs_it_takes_from_the_checkpoint(tm
     assert ppo.model_cfg.head_hidden == 0  # the checkpoint's, as docs/gtrxl.md says
     said = " ".join(str(w.message) for w in caught)
     assert "agent.head_hidden" in said and "agent.prev_reward" in said, said
+
+
+# ------------------------------------------------- PPO: the plain window (agent.window, no memory)
+NO_MEM_LEN = [o for o in PPO_TINY if not o.startswith("backbone.memory.mem_len")]
+WINDOW_PPO = [*NO_MEM_LEN, "agent.window=4", "backbone.memory.kind=none"]
+
+
+def test_ppo_plain_window_stores_each_step_s_window_and_the_update_recomputes_its_log_probabilities() -> None:
+    """With ``agent.window=4`` a rollout keeps, per step, the window the step acted with: its own
+    inputs in slot 3 and, before them, the inputs of the same episode's previous steps (none
+    from before an episode start, in ShortCartPole's 10-step episodes); the update re-encodes
+    those windows and gets back the rollout's log-probabilities and values (ratio 1)."""
+    torch.manual_seed(0)
+    ppo = GTrXLPPO.for_training(compose(overrides=WINDOW_PPO), None, "cpu")
+    assert not ppo.model.encoder.stateful and ppo.model_cfg.window == 4
+    ro = ppo.collector.collect()
+    assert {"window_x", "window_pos", "window_valid"} <= set(ro) and not {"mem", "episode"} & set(ro)
+    x, pos, wx, wp, wv = ro["x"], ro["pos"], ro["window_x"], ro["window_pos"], ro["window_valid"]
+    assert tuple(wx.shape) == (12, 2, 4, x.shape[-1])
+    for s in range(12):
+        for n in range(2):
+            for k in range(4):  # slot 3 - k holds step s - k while it is in the same episode
+                same = s - k >= 0 and int(pos[s, n]) - k >= 0
+                assert bool(wv[s, n, 3 - k]) == same
+                if same:
+                    assert torch.equal(wx[s, n, 3 - k], x[s - k, n]) and int(wp[s, n, 3 - k]) == int(pos[s - k, n])
+    assert bool((pos[:, 0] == 0)[1:].any())  # an episode started inside the rollout (the check above saw it)
+    mb = next(ppo.minibatches(ro))
+    _, logs = ppo.loss(mb)
+    assert abs(float(logs["approx_kl"])) < 1e-7 and float(logs["clipfrac"]) == 0.0
+    h = ppo.model.encoder.encode_window(mb).features[:, -1]
+    torch.testing.assert_close(ppo.model.state_value(h), mb["values"], atol=1e-6, rtol=0)
+
+
+def test_ppo_plain_window_acts_as_its_policy_does() -> None:
+    """The rollout's features of a step equal the deterministic policy's over the same episode
+    (GTrXLPolicy's window, built the same way): the actions PPO learns are the ones it evaluates."""
+    torch.manual_seed(0)
+    ppo = GTrXLPPO.for_training(compose(overrides=WINDOW_PPO), None, "cpu")
+    policy = ppo.policy(deterministic=True)  # with the observation statistics the rollout acts with
+    ro = ppo.collector.collect()
+    state = policy.initial_state(2)
+    env = [ppo.spec.make() for _ in range(2)]
+    first = ppo.collector.seed * 10_000
+    obs = np.stack([e.reset(seed=first + i)[0] for i, e in enumerate(env)])
+    start = np.ones(2, bool)
+    for s in range(5):  # the first 5 steps, feeding the rollout's actions (episodes of 10 steps: no reset)
+        _, state = policy.act(obs, state, start)
+        torch.testing.assert_close(state.window_x, ro["window_x"][s], atol=1e-6, rtol=0)
+        assert torch.equal(state.window_valid, ro["window_valid"][s])
+        obs = np.stack([e.step(int(a))[0] for e, a in zip(env, ro["actions"][s])])
+        start[:] = False
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["agent.window=4"], r"agent\.window=4 re-encodes a plain window of the last 4 steps at every step, but "
+                         r"backbone\.memory\.kind='xl' carries memory; use agent\.window=0, or agent\.window=4 with "
+                         r"backbone\.memory\.kind=none"),
+    (["backbone.memory.kind=none"], r"backbone\.memory\.kind='none'; PPO stores the memory of every rollout step "
+                                    r"and needs a fixed-size one: 'xl' or 'spalm', or 'none' with a plain window of W "
+                                    r"steps \(agent\.window=W"),
+])
+def test_ppo_refuses_a_window_with_memory_and_no_memory_without_a_window(extra, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        GTrXLPPO.for_training(compose(overrides=[*NO_MEM_LEN, *extra]), None, "cpu")

@@ -127,6 +127,25 @@ def test_checkpoint_inside_a_rollout_holds_that_rollout(tmp_path: Path) -> None:
     assert st["rollout"]["tensors"]["actions"].shape == (16, 2)
 
 
+def test_a_plain_window_run_stopped_inside_a_rollout_resumes_bit_identically(tmp_path: Path) -> None:
+    """``agent.window=4`` (no memory): the checkpoint holds the running windows and the rollout's
+    per-step windows (FIFO-encoded like the memory); the resumed run ends as the uninterrupted one."""
+    window = [o for o in TINY if not o.startswith("backbone.memory")] + ["agent.window=4", "backbone.memory.kind=none"]
+    cfg = compose(overrides=[*window, f"agent.env_id={SHORT}"])
+    full, split = tmp_path / "full", tmp_path / "split"
+    train(cfg, full)
+    assert train(cfg, split, stop_at=6).step == 6
+    st = _final(split, 6)["trainer"]["process_ranks"][0]
+    assert set(st["rollout"]["fifo"]) == {"window_x", "window_pos", "window_valid"}
+    assert "episode" not in st["rollout"]["tensors"] and set(st["running"]["memory"]) == {"window"}
+    assert resume(split).step == 12
+    assert _metrics(split) == _metrics(full)
+    a, b = _final(full), _final(split)
+    for key in ("model", "optimizer", "extra", "rng"):
+        assert _same(a[key], b[key]), key
+    assert _same_process_states(a["trainer"]["process_ranks"], b["trainer"]["process_ranks"])
+
+
 @pytest.mark.parametrize("env_id", [
     "CartPole-v1", SHORT, "rl_tformers/PositionOnlyCartPole-v1", "rl_tformers/PositionOnlyPendulum-v1",
     "rl_tformers/Recall-d2-v0", "Hopper-v5", "rl_tformers/PositionOnlyHopper-v5",
