@@ -13,6 +13,14 @@ Final return: ``return_mean`` of the run's eval.json (``eval.episodes`` episodes
 
 Usage: ``python scripts/popgym_table.py TASK [--out-root runs/results-popgym] [--doc docs/results/popgym]``
 (TASK as in ``popgym-TASK-v0``). Exits 2 naming the folder when a task has no finished run.
+
+With ``--variants xl,window,...`` (scripts/results_popgym_backbones.sh) it compares PPO-GTrXL's
+backbone variants instead: the same MMER and final return per variant, plus its environment
+steps per second while training (``train/env_steps`` between the first and last logged update
+over the time between them, mean over runs) and its act() milliseconds per step at batch 1 and
+16 (``act.json`` of ``rl-tformers bench act``, in-package path, first seed), written to
+``DOC/backbones-<task>.json``, ``DOC/backbones-<task>.png`` and the task's rows of
+``DOC/backbones.md``.
 """
 
 from __future__ import annotations
@@ -102,6 +110,79 @@ def table_row(task: str, agent: str, s: dict, env_steps: int) -> str:
             f"{pm(s['final_mean'], s['final_std'])} | {wall} |")
 
 
+def variant_folder(variant: str, task: str) -> str:
+    """``gtrxl-<task>/base`` for ``xl`` (the PPO-GTrXL of results_popgym.sh), else ``gtrxl-<variant>-<task>/base``."""
+    return f"gtrxl-{task}/base" if variant == "xl" else f"gtrxl-{variant}-{task}/base"
+
+
+def env_steps_per_second(run: Path) -> float | None:
+    """Environment steps per second of a PPO-GTrXL run's training: ``train/env_steps`` between its
+    first and last logged update over the wall time between them (evaluations included); None
+    with fewer than two logged updates. A resumed run's repeated steps count once (the last)."""
+    points: dict[int, tuple[float, float]] = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        if "train/env_steps" in m:
+            points[int(m["step"])] = (float(m["train/env_steps"]), float(m["time"]))
+    if len(points) < 2:
+        return None
+    (e0, t0), (e1, t1) = points[min(points)], points[max(points)]
+    return (e1 - e0) / (t1 - t0) if t1 > t0 else None
+
+
+def act_ms(run: Path) -> dict[int, float]:
+    """act() milliseconds per step by batch size, in-package path, of ``run/act.json`` ({} without one)."""
+    path = run / "act.json"
+    if not path.exists():
+        return {}
+    return {int(r["batch"]): float(r["ms_per_step"]) for r in json.loads(path.read_text())["rows"]
+            if r["path"] == "in-package"}
+
+
+def variant_row(task: str, variant: str, res: dict) -> str:
+    """One row of backbones.md: task, variant, env steps, runs, MMER, final return, env steps/s,
+    act() ms at batch 1 and 16, wall time per run."""
+    base = table_row(task, variant, res, res["runs"][0]["env_steps"]).rsplit(" | ", 1)
+    rate = "-" if res["env_steps_per_s"] is None else f"{res['env_steps_per_s']:.0f}"
+    ms = [f"{res['act_ms'][b]:.2f}" if b in res["act_ms"] else "-" for b in (1, 16)]
+    return f"{base[0]} | {rate} | {ms[0]} | {ms[1]} | {base[1]}"
+
+
+def variants_main(args: argparse.Namespace) -> int:
+    """``--variants``: the backbone comparison of one task (see the module docstring)."""
+    res = {}
+    for v in [x for x in args.variants.split(",") if x]:
+        folder = args.out_root / variant_folder(v, args.task)
+        runs = agent_runs(folder, peer=False)
+        if not runs:
+            continue
+        rates = [r for r in (env_steps_per_second(Path(x["run_dir"])) for x in runs) if r is not None]
+        res[v] = {"folder": str(folder), **summary(runs),
+                  "env_steps_per_s": float(np.mean(rates)) if rates else None,
+                  "act_ms": act_ms(Path(runs[0]["run_dir"])), "runs": runs}
+    if not res:
+        print(f"error: {args.out_root}: no finished run of {args.task} (eval.json) for the variants "
+              f"{args.variants}", file=sys.stderr)
+        return 2
+    args.doc.mkdir(parents=True, exist_ok=True)
+    (args.doc / f"backbones-{args.task}.json").write_text(json.dumps(
+        {"task": args.task, "env_id": f"popgym-{args.task}-v0", "variants": res}, indent=1) + "\n")
+    plot(args.task, res, args.doc / f"backbones-{args.task}.png")
+    rows = [variant_row(args.task, v, r) for v, r in res.items()]
+    header = ["| task | variant | env steps | runs | MMER | final return | env steps/s | act() ms, 1 env | "
+              "act() ms, 16 envs | wall time per run |", "|---|---|--:|--:|---|---|--:|--:|--:|--:|"]
+    _write_rows(args.doc / "backbones.md", header, args.task, rows)
+    print("\n".join(rows))
+    return 0
+
+
+def _write_rows(table: Path, header: list[str], task: str, rows: list[str]) -> None:
+    """Replace ``task``'s rows of the markdown ``table`` (other tasks' rows kept, sorted)."""
+    kept = [line for line in (table.read_text().splitlines() if table.exists() else [])
+            if line.startswith("| ") and not line.startswith(f"| {task} |") and not line.startswith("| task")]
+    table.write_text("\n".join(header + sorted(kept + rows)) + "\n")
+
+
 def plot(task: str, agents: dict, path: Path) -> None:
     """Every run's evaluation curve, one colour per agent, to ``path``."""
     import matplotlib  # optional plotting dependency: only when a figure is written
@@ -110,7 +191,7 @@ def plot(task: str, agents: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for (name, res), colour in zip(agents.items(), ("tab:blue", "tab:orange")):
+    for (name, res), colour in zip(agents.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")):
         for i, r in enumerate(res["runs"]):
             ax.plot(r["curve"]["env_steps"], r["curve"]["return_mean"], color=colour, marker="o", markersize=3,
                     label=name if i == 0 else None)
@@ -127,7 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("task")
     p.add_argument("--out-root", type=Path, default=Path("runs/results-popgym"))
     p.add_argument("--doc", type=Path, default=Path("docs/results/popgym"))
+    p.add_argument("--variants", default=None, help="comma-separated PPO-GTrXL backbone variants to compare")
     args = p.parse_args(argv)
+    if args.variants is not None:
+        return variants_main(args)
     agents = {}
     for name, pattern in AGENTS.items():
         folder = args.out_root / pattern.format(task=args.task)
@@ -145,12 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     (args.doc / f"{args.task}.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(args.task, agents, args.doc / f"{args.task}.png")
     rows = [table_row(args.task, name, a, env_steps[name]) for name, a in agents.items()]
-    table = args.doc / "table.md"
-    kept = [line for line in (table.read_text().splitlines() if table.exists() else [])
-            if line.startswith("| ") and not line.startswith(f"| {args.task} |") and not line.startswith("| task")]
     header = ["| task | agent | env steps | runs | MMER | final return | wall time per run |",
               "|---|---|--:|--:|---|---|--:|"]
-    table.write_text("\n".join(header + sorted(kept + rows)) + "\n")
+    _write_rows(args.doc / "table.md", header, args.task, rows)
     print("\n".join(rows))
     return 0
 

@@ -63,6 +63,32 @@ def test_the_table_refuses_a_task_without_finished_runs(tmp_path: Path, capsys) 
     assert not (tmp_path / "doc").exists()
 
 
+def test_the_backbone_table_gives_each_variant_its_score_training_rate_and_act_latency(tmp_path: Path) -> None:
+    """``--variants xl,window``: xl reads gtrxl-<task>/base, window gtrxl-window-<task>/base; the
+    rate is the env steps between the first and last logged update over the seconds between
+    them (a resumed run's repeated step counted once), act() ms the in-package rows of act.json."""
+    t = _table_module()
+    config = {"agent": {"n_envs": 16, "n_steps": 128, "n_epochs": 4, "n_minibatches": 4}, "train": {"steps": 32}}
+    for variant, folder, secs in (("xl", f"gtrxl-{TASK}", 4.0), ("window", f"gtrxl-window-{TASK}", 8.0)):
+        run = _run(tmp_path / folder / "base" / "seed0", config, [(16, -0.5), (32, 0.5)], 0.25)
+        logged = [{"step": 16, "time": 100.0, "train/env_steps": 2048.0},
+                  {"step": 32, "time": 100.0 + 2 * secs, "train/env_steps": 5000.0},  # (cut, resumed:)
+                  {"step": 32, "time": 100.0 + secs, "train/env_steps": 4096.0}]
+        with (run / "metrics.jsonl").open("a") as f:
+            f.writelines(json.dumps(m) + "\n" for m in logged)
+        (run / "act.json").write_text(json.dumps({"rows": [
+            {"batch": 1, "path": "in-package", "ms_per_step": secs / 4},
+            {"batch": 1, "path": "onnx", "ms_per_step": 0.1},
+            {"batch": 16, "path": "in-package", "ms_per_step": secs / 2}]}))
+    doc = tmp_path / "doc"
+    assert t.main([TASK, "--out-root", str(tmp_path), "--doc", str(doc), "--variants", "xl,window,performer"]) == 0
+    assert (doc / "backbones.md").read_text().splitlines()[2:] == [
+        f"| {TASK} | window | 4,096 | 1 | 0.500 +- 0.000 | 0.250 +- 0.000 | 256 | 2.00 | 4.00 | - |",
+        f"| {TASK} | xl | 4,096 | 1 | 0.500 +- 0.000 | 0.250 +- 0.000 | 512 | 1.00 | 2.00 | - |"]
+    saved = json.loads((doc / f"backbones-{TASK}.json").read_text())
+    assert set(saved["variants"]) == {"xl", "window"} and saved["variants"]["xl"]["act_ms"] == {"1": 1.0, "16": 2.0}
+
+
 @pytest.mark.slow
 def test_one_short_popgym_row_trains_evaluates_and_tabulates_both_agents_and_resumes(tmp_path: Path) -> None:
     """RepeatPreviousEasy, seed 0, 2 rollouts of 16 x 128 (4,096 environment steps) per agent,
@@ -107,3 +133,35 @@ def test_one_short_popgym_row_trains_evaluates_and_tabulates_both_agents_and_res
     lines = [json.loads(x) for x in (peer / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [16, 32]  # trained again: one run's evaluations, not two
     assert third["agents"]["RecurrentPPO"]["runs"][0]["curve"] == first["agents"]["RecurrentPPO"]["runs"][0]["curve"]
+
+
+def test_the_backbone_script_refuses_an_unknown_variant_before_any_training(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path / "runs"), "DOC": str(tmp_path / "doc"), "VARIANTS": "xl,lstm",
+           "RLT": "/bin/false", "PY": "/bin/false"}
+    p = subprocess.run(["bash", str(REPO / "scripts/results_popgym_backbones.sh"), TASK], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr == "error: VARIANTS: unknown variant 'lstm' (xl, window, performer, spalm)\n"
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "doc").exists()
+
+
+@pytest.mark.slow
+def test_one_short_backbone_comparison_trains_evaluates_times_and_tabulates_each_variant(tmp_path: Path) -> None:
+    """RepeatPreviousEasy, seed 0, 2 rollouts per variant (xl and the plain window): eval.json,
+    act.json and one backbones.md row each."""
+    pytest.importorskip("popgym")
+    doc, out = tmp_path / "doc", tmp_path / "runs"
+    env = {**os.environ, "OUT": str(out), "DOC": str(doc), "SEEDS": "0", "EPISODES": "2", "VARIANTS": "xl,window",
+           "RLT": str(Path(sys.executable).parent / "rl-tformers"), "PY": sys.executable,
+           "BUDGET": "train.steps=32 eval.every=16 eval.n_envs=2 train.checkpoint_every=16",
+           "EXTRA": "backbone.d_model=32"}
+    p = subprocess.run(["bash", str(REPO / "scripts/results_popgym_backbones.sh"), TASK], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    saved = json.loads((doc / f"backbones-{TASK}.json").read_text())
+    assert set(saved["variants"]) == {"xl", "window"}
+    for v, res in saved["variants"].items():
+        assert res["runs"][0]["curve"]["env_steps"] == [2048, 4096] and res["env_steps_per_s"] > 0, v
+        assert set(res["act_ms"]) == {"1", "16"}, v
+    rows = (doc / "backbones.md").read_text().splitlines()[2:]
+    assert [r.split(" | ")[1] for r in rows] == ["window", "xl"]
