@@ -10,10 +10,8 @@
 # Extra options for `rl-tformers collect` go in $COLLECT_ARGS (e.g. "--overwrite --seed 1").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RLT=${RLT:-.venv/bin/rl-tformers}
-[ -x "$RLT" ] || RLT=rl-tformers
-PY=${PY:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
+# shellcheck source=scripts/tools.sh
+source scripts/tools.sh
 ROOT=$("$PY" -c 'from rl_tformers.envs.loaders import data_root; print(data_root())')
 if [ $# -eq 0 ]; then set -- 'hopper-*'; fi
 args=()

@@ -18,10 +18,8 @@
 # every row's curves is docs/results/hopper-v1/curves.png.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RLT=${RLT:-.venv/bin/rl-tformers}
-[ -x "$RLT" ] || RLT=rl-tformers
-PY=${PY:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
+# shellcheck source=scripts/tools.sh
+source scripts/tools.sh
 OUT=${OUT:-runs/results-v1}
 DOC=${DOC:-docs/results/hopper-v1}
 SEEDS=${SEEDS:-0,1,2}

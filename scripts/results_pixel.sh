@@ -13,10 +13,8 @@
 # JSON, the curves and the return-conditioning JSON and figure go to docs/results/pixel/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RLT=${RLT:-.venv/bin/rl-tformers}
-[ -x "$RLT" ] || RLT=rl-tformers
-PY=${PY:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
+# shellcheck source=scripts/tools.sh
+source scripts/tools.sh
 OUT=${OUT:-runs/results-pixel}
 DOC=${DOC:-docs/results/pixel}
 SEEDS=${SEEDS:-0,1,2}

@@ -21,10 +21,8 @@
 # $DOC/backbones-<task>.json and the rows of $DOC/backbones.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RLT=${RLT:-.venv/bin/rl-tformers}
-[ -x "$RLT" ] || RLT=rl-tformers
-PY=${PY:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
+# shellcheck source=scripts/tools.sh
+source scripts/tools.sh
 OUT=${OUT:-runs/results-popgym}
 DOC=${DOC:-docs/results/popgym}
 SEEDS=${SEEDS:-0,1,2}
