@@ -793,7 +793,8 @@ def register(bench_app) -> None:
         try:
             res = run(s, log=lambda m: typer.echo(m, err=True))
         except ConfigError as exc:  # an override, or the dataset our config cannot train on (AgentBuildError)
-            fail(str(exc))
+            msg = str(exc)  # the dataset is --dataset here, dataset.path only inside the composed config
+            fail(f"--dataset{msg.removeprefix('dataset.path')}" if dataset and msg.startswith("dataset.path:") else msg)
         except PeerDataError as exc:
             fail(f"--dataset {s.dataset_path}: {exc}; measure ours alone with --peers ''")
         emit_result(res.as_dict(), markdown(res), res.notes, out=out, as_json=as_json)

@@ -274,7 +274,7 @@ def test_cli_refuses_bad_counts_sizes_and_device(args, message):
 def test_cli_missing_dataset_is_an_error_line(tmp_path):
     missing = tmp_path / "missing.hdf5"
     r = _cli("--task", "minatar-breakout", "--peers", "", "--dataset", str(missing), "--steps", "1")
-    _refused(r, f"dataset.path: no such HDF5 file: {missing}")
+    _refused(r, f"--dataset: no such HDF5 file: {missing}")
 
 
 def test_cli_flat_dataset_on_the_pixel_task_names_the_encoder(tiny_hdf5):
