@@ -97,7 +97,8 @@ class Settings:
 
         Raises:
             ValueError: ``--episodes``, ``--threads``, ``--mem-envs``, ``--mem-steps`` or a
-                ``--mem-lens`` entry below 1, ``--n-envs`` below 2, ``--max-episode-steps``
+                ``--mem-lens`` entry below 1, ``--n-envs`` below 2 or above ``--episodes`` (with
+                part 1), ``--max-episode-steps``
                 below 1 (leave it out for no cap), an unknown or repeated ``--memory-kinds`` entry,
                 a repeated ``--mem-lens`` entry, no ``--mem-lens`` while part 2 runs, both parts
                 skipped, an unavailable ``--device``, or a ``--mem-lens`` entry (or ``--mem-steps``)
@@ -130,6 +131,10 @@ class Settings:
         if self.skip_rollouts and not self.memory_kinds:
             raise ValueError("nothing to measure: --skip-rollouts skips part 1 and --memory-kinds '' skips part 2")
 
+        if not self.skip_rollouts and max(self.n_envs) > int(self.episodes):
+            raise ValueError(f"--n-envs {max(self.n_envs)} is more than --episodes {self.episodes}: every environment "
+                             f"plays whole episodes, so at most {self.episodes} would run; use --n-envs <= "
+                             f"{self.episodes} or more --episodes")
         for option, values in (("--memory-kinds", self.memory_kinds), ("--mem-lens", self.mem_lens),
                                ("--n-envs", self.n_envs)):
             if (twice := first_repeat(values)) is not None:
@@ -225,7 +230,7 @@ def profile_cases(s: Settings, log: Callable[[str], None]) -> list[dict[str, Any
     for env_id in PROFILE_ENVS:
         for kind in PROFILE_AGENTS:
             bp = untrained(kind, env_id, s.seed, s.device)
-            row = rollout(bp, s.n_envs[0], s.episodes, s.seed, profile=True)
+            row = rollout(bp, s.n_envs[0], s.episodes, s.seed, max_episode_steps=s.max_episode_steps, profile=True)
             row.update(agent=kind, env=env_id, policy=bp.what)
             rows.append(row)
             sp = row["split"]

@@ -124,6 +124,29 @@ def test_bench_eval_options_are_checked_before_any_work(monkeypatch, args: list[
     assert r.exit_code == 2 and message in r.output, r.output
 
 
+def test_bench_eval_refuses_more_environments_than_episodes(monkeypatch) -> None:
+    from rl_tformers.bench import eval as be
+
+    monkeypatch.setattr(be, "run", tripwire)
+    r = runner.invoke(app, ["bench", "eval", "--episodes", "5", "--n-envs", "2,10", "--memory-kinds", ""])
+    assert r.exit_code == 2, r.output
+    assert [ln for ln in r.output.splitlines() if ln.startswith("error: ")] == [
+        "error: --n-envs 10 is more than --episodes 5: every environment plays whole episodes, so at most 5 would "
+        "run; use --n-envs <= 5 or more --episodes"]
+
+
+def test_bench_eval_profile_keeps_the_episode_cap(monkeypatch) -> None:
+    """``--profile --max-episode-steps 7``: every profiled evaluation caps its episodes at 7 steps."""
+    from rl_tformers.bench import eval as be
+
+    seen = []
+    monkeypatch.setattr(be, "untrained", lambda kind, env_id, seed, device: type("P", (), {"what": kind})())
+    monkeypatch.setattr(be, "rollout", lambda bp, n, episodes, seed, **kw: seen.append(kw) or {
+        "split": dict.fromkeys(("forward_frac", "context_frac", "env_frac", "decode_frac", "bookkeeping_frac"), 0.2)})
+    be.profile_cases(be.Settings(episodes=4, n_envs=(2,), max_episode_steps=7), lambda m: None)
+    assert seen and all(kw == {"max_episode_steps": 7, "profile": True} for kw in seen)
+
+
 def test_bench_eval_settings_are_checked_in_python_too(monkeypatch) -> None:
     from rl_tformers.bench import eval as be
 
