@@ -83,6 +83,7 @@ import math
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -1306,12 +1307,18 @@ def check_launcher(launcher: str, gpus_per_run: float = 0.0, ray_address: str | 
         check_ray_address(ray_address)
 
 
-def check_ray_address(address: str) -> None:
+#: seconds ``--ray-address`` gets to accept a TCP connection before the sweep gives up on it
+RAY_CONNECT_TIMEOUT_S = 10.0
+
+
+def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
     """``--ray-address``: ``HOST:PORT`` (or ``ray://HOST:PORT``, Ray's client) with a port in
-    1..65535, or Ray's words ``auto`` and ``local``; checked before Ray is started.
+    1..65535 that accepts a TCP connection within ``timeout_s`` seconds, or Ray's words ``auto``
+    and ``local``; checked before Ray is started (``ray.init`` on an address where nothing
+    listens keeps retrying for minutes).
 
     Raises:
-        SweepError: any other value, naming ``--ray-address``.
+        SweepError: any other value, or an address where nothing answers, naming ``--ray-address``.
     """
     if address in ("auto", "local"):
         return
@@ -1319,6 +1326,11 @@ def check_ray_address(address: str) -> None:
     if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
         raise SweepError(f"--ray-address {address!r}: give the cluster head as HOST:PORT (e.g. 10.0.0.1:6379, the "
                          f"port from 1 to 65535), ray://HOST:PORT, or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise SweepError(f"--ray-address {address}: nothing answers there within {timeout_s:g} s ({exc}); start the "
+                         f"cluster's head (ray start --head --port {port}) or give its address") from None
 
 
 def sweep(config: str | None, grid: dict[str, list[str]], seeds: Sequence[int], out_dir: str | os.PathLike,

@@ -1014,6 +1014,20 @@ def test_a_stored_run_without_a_newer_option_is_the_same_config() -> None:
     assert sw.config_differences(stored, other) == ["train.amp: none (stored) -> bf16 (requested)"]
 
 
+def test_sweep_refuses_a_ray_address_where_nothing_listens_before_starting_ray(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: the connection is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "sw"
+    res = _sweep("--out", str(out), "--launcher", "ray", "--ray-address", f"127.0.0.1:{port}", "train.steps=2")
+    assert res.exit_code == 2, res.output
+    assert res.output.startswith(f"error: --ray-address 127.0.0.1:{port}: nothing answers there within 10 s (")
+    assert res.output.endswith(f"); start the cluster's head (ray start --head --port {port}) or give its address\n")
+    assert res.output.count("\n") == 1 and not out.exists()
+
+
 @pytest.mark.parametrize("address", ["notaport", "127.0.0.1:99999", "127.0.0.1:", ":6379", "10.0.0.1:63a"])
 def test_sweep_refuses_a_ray_address_that_is_not_host_and_port_before_starting_ray(tmp_path: Path,
                                                                                   address: str) -> None:
