@@ -165,7 +165,12 @@ def _obs_norm(venv: Any) -> dict[str, Any] | None:
 
 class _Curve(BaseCallback):
     """Evaluates every ``plan.eval_every`` PPO-GTrXL-equivalent updates and appends one
-    ``metrics.jsonl`` line per evaluation (PPO-GTrXL's keys and reset seeds)."""
+    ``metrics.jsonl`` line per evaluation (PPO-GTrXL's keys and reset seeds).
+
+    The peer learns whole rollouts (``updates_per_rollout`` updates each), so it evaluates at the
+    first rollout end at or after each multiple of ``eval_every``: where PPO-GTrXL evaluates
+    inside a rollout's updates (``eval_every`` not a multiple of ``updates_per_rollout``), both
+    have collected the same rollouts and the peer has learnt the rest of the last one."""
 
     def __init__(self, plan: PeerPlan, path: Path) -> None:
         super().__init__()
@@ -177,8 +182,9 @@ class _Curve(BaseCallback):
 
     def _on_rollout_end(self) -> None:
         self.collected += 1  # SB3 calls this before it learns from the rollout: collected - 1 are learnt
-        step = (self.collected - 1) * self.plan.updates_per_rollout
-        if self.plan.eval_every > 0 and step > 0 and step % self.plan.eval_every == 0:
+        u, every = self.plan.updates_per_rollout, self.plan.eval_every
+        step = (self.collected - 1) * u
+        if every > 0 and step > 0 and step // every > (step - u) // every:  # passed a multiple of eval_every
             self.log_eval(step)
 
     def log_eval(self, step: int) -> None:

@@ -127,6 +127,23 @@ def test_the_recurrent_peer_takes_the_task_budget_and_ppo_settings_of_the_gtrxl_
     assert PeerPlan.from_config(compose("gtrxl/popgym_ppo", ["train.steps=17"])).rollouts == 2  # rounded up
 
 
+@pytest.mark.parametrize(("every", "evaluated"), [(32, list(range(32, 993, 32))), (244, [256, 496, 736, 976]),
+                                                  (48, list(range(48, 993, 48)))])
+def test_the_recurrent_peer_evaluates_after_each_rollout_that_reaches_a_multiple_of_eval_every(
+        tmp_path: Path, every: int, evaluated: list[int]) -> None:
+    """16 updates per rollout: eval.every=244 (inside a rollout) evaluates at the end of the rollouts
+    that reach 244, 488, 732 and 976 updates, as PPO-GTrXL's evaluations see the same rollouts."""
+    from rl_tformers.agents.gtrxl.recurrent_peer import _Curve
+
+    plan = PeerPlan.from_config(compose("gtrxl/popgym_ppo", [f"eval.every={every}"]))
+    curve = _Curve(plan, tmp_path / "metrics.jsonl")
+    seen: list[int] = []
+    curve.log_eval = seen.append
+    for _ in range(1 + 1000 // 16):  # rollouts collected until 992 updates are learnt
+        curve._on_rollout_end()
+    assert seen == evaluated
+
+
 def test_the_recurrent_peer_trains_logs_and_writes_the_eval_json_of_rl_tformers_eval(tmp_path: Path) -> None:
     pytest.importorskip("popgym")
     run = tmp_path / "lstm"
