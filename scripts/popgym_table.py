@@ -71,12 +71,13 @@ def run_record(run: Path, seed: int, wall_s: float | None) -> dict:
 
 
 def _sweep_seconds(folder: Path) -> dict[int, float]:
-    """Seconds per seed of a sweep's results.json (its runs that finished here, not skipped)."""
+    """Seconds per seed of a sweep's results.json: its finished runs' training wall time, also
+    when a later run of the sweep skipped them (the sweep keeps their time from its run logs)."""
     path = folder.parent / "results.json"
     if not path.exists():
         return {}
     return {int(r["seed"]): float(r["seconds"]) for r in json.loads(path.read_text())["runs"]
-            if r.get("status") == "ok" and r.get("seconds")}
+            if r.get("status") in ("ok", "skipped") and r.get("seconds")}
 
 
 def agent_runs(folder: Path, peer: bool) -> list[dict]:

@@ -127,6 +127,7 @@ def test_one_short_popgym_row_trains_evaluates_and_tabulates_both_agents_and_res
     assert [r["status"] for r in sweep["runs"]] == ["skipped"]
     for name in first["agents"]:
         assert second["agents"][name]["runs"][0]["curve"] == first["agents"][name]["runs"][0]["curve"], name
+        assert second["agents"][name]["runs"][0]["wall_s"] == first["agents"][name]["runs"][0]["wall_s"], name
 
     (peer / "eval.json").unlink()  # cut after training, before its final evaluation
     third = run_script()
