@@ -326,7 +326,7 @@ class DTAgent:
             timestep_overflow=timestep_overflow or self.options.timestep_overflow, align=self.align,
             action_start=i.action_start,
             action_shape=None if i.discrete else i.action_shape, sample=sample, generator=generator,
-            context_steps=self.eval_context_len,
+            context_steps=self.eval_context_len, deciding_step_only=self.options.deciding_step_only,
         ))
 
     def inference_setup(self, **options: Any) -> dict[str, Any]:

@@ -116,6 +116,10 @@ class DTAgentConfig(TypedConfig):
                                     choices=OVERFLOW_POLICIES)
     eval_context_len: int | None = option(None, "steps of context read when acting (the last min(t + 1, "
                                           "eval_context_len)); null = context_len", ge=1)
+    deciding_step_only: bool = option(False, "acting (causal mode): the last layer computes only each row's "
+                                      "deciding step, 1.17-1.18x per act() call (docs/performance.md); off: every "
+                                      "window step, whose actions do not depend on how many environments act "
+                                      "together (batched GEMM rounding does)")
     env_id: str | None = option(None, "evaluation environment; null = the dataset's")
     env_kwargs: dict | None = option(None, "gym.make keyword arguments of the evaluation environment")
     eval_figure: bool = option(True, "log the return-conditioning figure at each evaluation")

@@ -1240,3 +1240,16 @@ def test_raw_observations_that_overflow_the_embedding_are_refused_naming_normali
     small = train_dt(f"dataset.path={write_d4rl_h5(tmp_path / 'ok.hdf5')}", "agent.normalize_obs=false",
                      "--run-dir", str(tmp_path / "ok"))
     assert small.exit_code == 0, small.output
+
+
+def test_agent_deciding_step_only_reaches_the_policy_and_is_off_by_default(tmp_path) -> None:
+    """``agent.deciding_step_only=true`` gives the run's policy the deciding-step forward
+    (DTPolicy.deciding_step_only); without it the policy runs every window step."""
+    from rl_tformers.runtime.loading import load_run
+
+    h5 = _counter_h5(tmp_path / "c.hdf5")
+    for flag, want in (([], False), (["agent.deciding_step_only=true"], True)):
+        run = tmp_path / f"run-{want}"
+        r = _cli_train(f"dataset.path={h5}", *flag, "--run-dir", str(run))
+        assert r.exit_code == 0, r.output
+        assert load_run(run).agent.policy().base.deciding_step_only is want
