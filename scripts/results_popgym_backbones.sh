@@ -13,6 +13,8 @@
 #              the same runs as scripts/results_popgym.sh's PPO-GTrXL under the same $OUT and budget)
 #   window     no memory: a plain context window of the last 32 steps, re-encoded at every step
 #              (agent.window=32 backbone.memory.kind=none)
+#   compressive  Rae et al. 2019: a FIFO of 16 steps and 16 slots each the mean of 2 older steps
+#              (about XL's 32 keys per layer, reaching 48 steps back; mean: PPO trains no compressor)
 #   performer  XL memory with FAVOR+ attention (Choromanski et al. 2021), rotary positions
 #              (xl_relative applies to dot-product attention only)
 #   spalm      SPALM (Yogatama et al. 2021): the XL memory and a kNN long-term store behind a gate
@@ -27,16 +29,18 @@ OUT=${OUT:-runs/results-popgym}
 DOC=${DOC:-docs/results/popgym}
 SEEDS=${SEEDS:-0,1,2}
 EPISODES=${EPISODES:-20}
-VARIANTS=${VARIANTS:-xl,window,performer,spalm}
+VARIANTS=${VARIANTS:-xl,window,compressive,performer,spalm}
 B=${BUDGET:-"train.steps=1952 eval.every=244 train.checkpoint_every=244"}
 if [ $# -eq 0 ]; then set -- PositionOnlyCartPoleEasy RepeatPreviousEasy; fi
 overrides() {  # the backbone swap of variant $1
   case $1 in
     xl) echo "" ;;
     window) echo "agent.window=32 backbone.memory.kind=none" ;;
+    compressive) echo "backbone.memory.kind=compressive backbone.memory.mem_len=16 backbone.memory.compressed_len=16" \
+                      "backbone.memory.rate=2 backbone.memory.compression=mean" ;;
     performer) echo "backbone.attention.kind=performer backbone.position.kind=rotary" ;;
     spalm) echo "backbone.memory.kind=spalm backbone.memory.mem_len=32" ;;
-    *) echo "error: VARIANTS: unknown variant '$1' (xl, window, performer, spalm)" >&2; return 2 ;;
+    *) echo "error: VARIANTS: unknown variant '$1' (xl, window, compressive, performer, spalm)" >&2; return 2 ;;
   esac
 }
 for v in ${VARIANTS//,/ }; do overrides "$v" > /dev/null || exit 2; done

@@ -32,7 +32,14 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
-from rl_tformers.agents.gtrxl.ppo_update import PIXEL_KEY, STORE_KEYS, store_rows
+from rl_tformers.agents.gtrxl.ppo_update import (
+    PIXEL_KEY,
+    STORE_KEYS,
+    compressive_layout,
+    pad_memory,
+    store_rows,
+    unpad_memory,
+)
 from rl_tformers.agents.gtrxl.rollout import RolloutCollector
 from torch import Tensor
 
@@ -365,6 +372,16 @@ def _state_dict_of(state: BackboneState | Mapping[str, Tensor]) -> dict[str, Any
     return out
 
 
+def _running_memory(col: RolloutCollector, memory: Any) -> dict[str, Any]:
+    """The running memory of a checkpoint: ``memory`` (:func:`_state_dict_of`); a compressive
+    memory at its full width (:func:`pad_memory`: the same layout at every step) with the slots it
+    holds, ``memory_slots`` (a () long tensor), to cut it back exactly."""
+    enc = col.model.encoder
+    if not enc.stateful or compressive_layout(enc) is None:
+        return {"memory": _state_dict_of(memory)}
+    return {"memory": _state_dict_of(pad_memory(enc, memory)), "memory_slots": torch.tensor(memory.pos.shape[1])}
+
+
 def _state_from_dict(d: Mapping[str, Any], device: torch.device) -> BackboneState | dict[str, Tensor]:
     if "window" in d:
         return {k: d["window"][k].to(device) for k in _WINDOW_FIFO_KEYS}
@@ -418,7 +435,7 @@ def process_state(col: RolloutCollector, rollout: Mapping[str, Any] | None, serv
                                   f"({', '.join(missing)}) and cannot be pickled ({type(exc).__name__}: {exc})")
     st["vector"] = {k: torch.from_numpy(np.array(getattr(col.envs, k))) for k in _VECTOR_FIELDS}
     st["running"] = {
-        "obs": torch.from_numpy(np.array(col.obs)), "memory": _state_dict_of(col.memory),
+        "obs": torch.from_numpy(np.array(col.obs)), **_running_memory(col, col.memory),
         "prev_a": col.prev_a.cpu(), "prev_r": col.prev_r.cpu(), "t": col.t.cpu(), "start": col.start.cpu(),
         "ep_ret": torch.from_numpy(np.array(col.ep_ret)), "ep_len": torch.from_numpy(np.array(col.ep_len)),
     }
@@ -538,6 +555,8 @@ def restore_process_state(col: RolloutCollector, st: Mapping[str, Any]) -> str |
     col.envs = vec
     col.obs = run["obs"].numpy().copy()
     col.memory = _state_from_dict(run["memory"], dev)
+    if "memory_slots" in run:  # a compressive memory, saved at its full width
+        col.memory = unpad_memory(col.model.encoder, col.memory, int(run["memory_slots"]))
     col.prev_a, col.prev_r = run["prev_a"].to(dev), run["prev_r"].to(dev)
     col.t, col.start = run["t"].to(dev), run["start"].to(dev)
     col.ep_ret, col.ep_len = run["ep_ret"].numpy().copy(), run["ep_len"].numpy().copy()
@@ -555,8 +574,11 @@ def running_problem(col: RolloutCollector, vec: gym.vector.SyncVectorEnv, st: Ma
     blank = col.blank_running(np.zeros(space.shape, space.dtype), "cpu")
     want = {"vector": {k: torch.from_numpy(np.array(getattr(vec, k))) for k in _VECTOR_FIELDS},
             "running": {**{k: torch.as_tensor(v) for k, v in blank.items() if k != "memory"},
-                        "memory": _state_dict_of(blank["memory"])}}
+                        **_running_memory(col, blank["memory"])}}
     problem = _layout_problem(st, want, "")
+    layout = compressive_layout(col.model.encoder)
+    if problem is None and layout is not None and not layout[0] <= int(st["running"]["memory_slots"]) <= layout[1]:
+        return f"running.memory_slots={int(st['running']['memory_slots'])} is not in [{layout[0]}, {layout[1]}]"
     if problem is None:
         run = st["running"]
         for k in ("t", "ep_len"):

@@ -34,8 +34,14 @@ mismatch between the acting network and the recomputed one. Huang et al. 2024 ("
 implementation details of RLHF with PPO") disable dropout for this reason; CleanRL's PPO
 networks have none.
 
-Memory kind: ``xl`` or ``spalm`` (fixed-size FIFOs, so the stored per-step memories stack);
-the offline agent takes any stateful kind. With ``spalm`` each step also stores the long-term
+Memory kind: ``xl``, ``spalm`` or ``compressive``; the offline agent takes any stateful kind.
+The compressive memory (Rae et al. 2019) grows its FIFO to ``m_m + c - 1`` slots in a stream's
+first steps, so each step's memory is stored at that full width, invalid slots inserted after
+the compressed ones (:func:`~rl_tformers.agents.gtrxl.ppo_update.pad_memory`; masked, so the
+recomputation matches the rollout up to float rounding); only its parameter-free compressions
+(``max``, ``mean``) are taken: the rollout updates the memory without gradient, so a learned
+compressor would never train. ``agent.window`` W with memory kind ``none`` stores each step's
+plain window instead (W inputs re-encoded by the update). With ``spalm`` each step also stores the long-term
 store it acted with (per environment, reset at its episode starts): S x N x K x (2 D + 3)
 values per rollout for a store of K records, kept as plain tensors (not FIFO-encoded) in a
 checkpoint taken inside a rollout.
@@ -155,7 +161,9 @@ log = logging.getLogger(__name__)
 
 #: Registered defaults of ``agent.kind=gtrxl_ppo`` (its ``agent`` section: :class:`PPOAgentConfig`'s)
 #: memory kinds PPO can store per rollout step
-PPO_MEMORY_KINDS = ("xl", "spalm")
+PPO_MEMORY_KINDS = ("xl", "spalm", "compressive")
+#: compressions of the compressive memory PPO takes: the parameter-free ones (Rae et al. 2019, sec. 3.1)
+PPO_COMPRESSIONS = ("max", "mean")
 
 PPO_DEFAULTS: dict[str, Any] = {
     "agent": PPOAgentConfig().to_dict(),
@@ -204,24 +212,9 @@ def _warn_amp(cfg: Any) -> None:
             "train.amp=none for ratios that start at 1", ConfigAdviceWarning, stacklevel=3)
 
 
-def ppo_backbone(backbone: Mapping[str, Any], init_checkpoint: str | None, window: int = 0) -> dict[str, Any]:
-    """The backbone PPO runs: ``backbone`` (the config's, or the offline run's when fine-tuning)
-    without dropout.
-
-    Args:
-        window: ``agent.window`` W (> 0: the plain-window mode, memory kind ``none``).
-
-    Raises:
-        ValueError: a memory kind other than ``xl`` or ``spalm`` (PPO stores the memory of every
-            rollout step) without ``agent.window``, a memory kind other than ``none`` with it (or
-            with ``agent.init_checkpoint``: fine-tuning starts from a run with memory), or
-            ``spalm`` with ``mem_len`` 0.
-
-    Warns:
-        ConfigAdviceWarning: a dropout probability set (turned off: :func:`without_dropout`);
-            ``memory.detach=false`` (no effect).
-    """
-    memory = dict(backbone.get("memory") or {})
+def check_ppo_memory(memory: Mapping[str, Any], init_checkpoint: str | None, window: int) -> None:
+    """Refuse a ``backbone.memory`` section PPO cannot store per rollout step (the errors of
+    :func:`ppo_backbone`)."""
     mem_kind = memory.get("kind", "none")
     if window and (mem_kind != "none" or init_checkpoint):
         why = (f"agent.init_checkpoint={init_checkpoint} is fine-tuned with its own memory kind {mem_kind!r}"
@@ -233,13 +226,42 @@ def ppo_backbone(backbone: Mapping[str, Any], init_checkpoint: str | None, windo
         src = (f"agent.init_checkpoint={init_checkpoint} was trained with backbone.memory.kind="
                f"{mem_kind!r}" if init_checkpoint else f"backbone.memory.kind={mem_kind!r}")
         raise ValueError(
-            f"gtrxl_ppo: {src}; PPO stores the memory of every rollout step and needs a fixed-size one: "
-            f"{' or '.join(repr(k) for k in PPO_MEMORY_KINDS)}, or 'none' with a plain window of W steps "
+            f"gtrxl_ppo: {src}; PPO stores the memory of every rollout step, which it does for "
+            f"{', '.join(repr(k) for k in PPO_MEMORY_KINDS)}, or runs 'none' with a plain window of W steps "
             f"(agent.window=W; offline agent.kind=gtrxl takes any stateful memory kind)"
         )
+    if mem_kind == "compressive" and memory.get("compression", "conv") not in PPO_COMPRESSIONS:
+        comp = memory.get("compression", "conv")
+        src = f" (agent.init_checkpoint={init_checkpoint})" if init_checkpoint else ""
+        raise ValueError(
+            f"gtrxl_ppo: backbone.memory.compression={comp!r}{src}; PPO collects its rollouts without gradient and "
+            f"recomputes each step over the memory it stored, so a learned compressor (conv, dilated_conv: trained "
+            f"by the compression losses of the memory update) would never train, and most_used needs each slot's "
+            f"attention usage carried with it; use backbone.memory.compression=max or mean")
     if mem_kind == "spalm" and memory.get("mem_len", 64) == 0:
         raise ValueError("gtrxl_ppo: backbone.memory.mem_len=0; PPO stores each step's XL memory, so the spalm "
                          "memory needs mem_len >= 1")
+
+
+def ppo_backbone(backbone: Mapping[str, Any], init_checkpoint: str | None, window: int = 0) -> dict[str, Any]:
+    """The backbone PPO runs: ``backbone`` (the config's, or the offline run's when fine-tuning)
+    without dropout.
+
+    Args:
+        window: ``agent.window`` W (> 0: the plain-window mode, memory kind ``none``).
+
+    Raises:
+        ValueError (:func:`check_ppo_memory`): without ``agent.window``, a memory kind other than
+            ``xl``, ``spalm`` or ``compressive`` (PPO stores the memory of every rollout step);
+            with it, a memory kind other than ``none`` or an ``agent.init_checkpoint``
+            (fine-tuning starts from a run with memory); a learned or usage-based compression
+            of the compressive memory (:data:`PPO_COMPRESSIONS`); ``spalm`` with ``mem_len`` 0.
+
+    Warns:
+        ConfigAdviceWarning: a dropout probability set (turned off: :func:`without_dropout`);
+            ``memory.detach=false`` (no effect).
+    """
+    check_ppo_memory(dict(backbone.get("memory") or {}), init_checkpoint, window)
     backbone, turned_off = without_dropout(backbone)
     src = f" (the backbone of agent.init_checkpoint={init_checkpoint})" if init_checkpoint else ""
     if turned_off:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from rl_tformers.agents.gtrxl.model import EncoderOutput, GTrXLEncoder, GTrXLModel, gate_logs
 from torch import Tensor
 
+from rl_tformers.memory.compressive import CompressiveMemory
 from rl_tformers.memory.spalm import SpalmStore
 from rl_tformers.runtime.distributed import is_active, shard_mean_total
 from rl_tformers.types import BackboneState, LayerState
@@ -66,6 +67,54 @@ def store_rows(state: BackboneState) -> dict[str, Tensor]:
         return {}
     return {"ltm_keys": store.keys, "ltm_inputs": store.inputs, "ltm_pos": store.pos, "ltm_valid": store.valid,
             "ltm_seg": store.seg}
+
+
+def compressive_layout(enc: GTrXLEncoder) -> tuple[int, int] | None:
+    """``(m_cm, full)`` of a compressive memory: its compressed slots, which come first, and the
+    most slots it holds (``m_cm + m_m + c - 1``: its FIFO grows to that in a stream's first
+    steps); None for the memory kinds whose width never changes (xl, spalm)."""
+    mem = enc.backbone.memory
+    if not isinstance(mem, CompressiveMemory):
+        return None
+    return mem.m_cm, mem.m_cm + mem.m_m + mem.rate - 1
+
+
+def pad_memory(enc: GTrXLEncoder, state: BackboneState) -> BackboneState:
+    """``state`` at the memory's full width (:func:`compressive_layout`): invalid slots (zeros, step 0,
+    episode -1) inserted after the compressed ones, so every rollout step's memory stacks; attention
+    masks them, so a step recomputed over it gives what it acted with, up to float rounding.
+    Memory kinds of fixed width come back as they are."""
+    layout = compressive_layout(enc)
+    k = 0 if layout is None else layout[1] - state.pos.shape[1]
+    if k == 0:
+        return state
+    split = layout[0]
+
+    def ins(t: Tensor, fill: float | int | bool) -> Tensor:
+        return torch.cat([t[:, :split], t.new_full((t.shape[0], k, *t.shape[2:]), fill), t[:, split:]], 1)
+
+    return BackboneState(layers=[LayerState(memory=ins(ls.memory, 0), cache=ls.cache, extra=ls.extra)
+                                 for ls in state.layers],
+                         pos=ins(state.pos, 0), valid=ins(state.valid, False), seg=ins(state.seg, -1),
+                         episode=state.episode, next_pos=state.next_pos, key_offset=state.key_offset)
+
+
+def unpad_memory(enc: GTrXLEncoder, state: BackboneState, slots: int) -> BackboneState:
+    """Inverse of :func:`pad_memory` for a memory that held ``slots`` slots: the inserted ones
+    removed, bit for bit."""
+    layout = compressive_layout(enc)
+    k = 0 if layout is None else layout[1] - slots
+    if k == 0:
+        return state
+    split = layout[0]
+
+    def cut(t: Tensor) -> Tensor:
+        return torch.cat([t[:, :split], t[:, split + k:]], 1)
+
+    return BackboneState(layers=[LayerState(memory=cut(ls.memory), cache=ls.cache, extra=ls.extra)
+                                 for ls in state.layers],
+                         pos=cut(state.pos), valid=cut(state.valid), seg=cut(state.seg),
+                         episode=state.episode, next_pos=state.next_pos, key_offset=state.key_offset)
 
 
 def state_from_rows(mem: Tensor, pos: Tensor, valid: Tensor, seg: Tensor, episode: Tensor, next_pos: Tensor,

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from rl_tformers.agents.decision_transformer.model import to_env_action
 from rl_tformers.agents.gtrxl.model import GTrXLEncoder, GTrXLModel, record_attention
-from rl_tformers.agents.gtrxl.ppo_update import PIXEL_KEY, STORE_KEYS, compute_gae, store_rows
+from rl_tformers.agents.gtrxl.ppo_update import PIXEL_KEY, STORE_KEYS, compute_gae, pad_memory, store_rows
 from rl_tformers.envs.environments import make_task
 from torch import Tensor
 
@@ -182,9 +182,10 @@ def encode_step(enc: GTrXLEncoder, x: Tensor, t: Tensor, memory: Any, start: Ten
         win = enc.shift_window(memory, x[:, None], t, start)
         return enc.encode_window(win, **kwargs).features[:, -1], win, win
     out = enc(x[:, None], t[:, None], state=memory, **kwargs)
-    rows = {"mem": torch.stack([ls.memory for ls in memory.layers], 1),  # (N, L, M, D)
-            "mem_pos": memory.pos, "mem_valid": memory.valid, "mem_seg": memory.seg, "episode": memory.episode,
-            **store_rows(memory)}
+    full = pad_memory(enc, memory)  # (the compressive memory at its full width; others as they are)
+    rows = {"mem": torch.stack([ls.memory for ls in full.layers], 1),  # (N, L, M, D)
+            "mem_pos": full.pos, "mem_valid": full.valid, "mem_seg": full.seg, "episode": full.episode,
+            **store_rows(full)}
     return out.features[:, 0], out.state, rows
 
 

@@ -624,9 +624,9 @@ def test_ppo_without_observation_normalisation_feeds_the_raw_observations() -> N
 
 
 # ------------------------------------------------- fine-tuning an offline run whose memory PPO cannot store
-def test_ppo_fine_tuning_refuses_an_offline_run_without_xl_memory(tmp_path: Path) -> None:
-    """An offline run with compressive memory is refused up front (its first rollout would crash
-    with "stack expects each tensor to be equal size")."""
+def test_ppo_fine_tuning_refuses_an_offline_run_whose_memory_ppo_cannot_store(tmp_path: Path) -> None:
+    """An offline run with a learned compressive memory (conv, the default) is refused up front,
+    naming the checkpoint: PPO's rollouts would never train its compressor."""
     from rl_tformers.envs.loaders import save_d4rl_hdf5
     from rl_tformers.envs.memory_tasks import scripted_dataset
 
@@ -643,7 +643,8 @@ def test_ppo_fine_tuning_refuses_an_offline_run_without_xl_memory(tmp_path: Path
     cfg = compose(overrides=["agent.kind=gtrxl_ppo", "agent.env_id=rl_tformers/Recall-d2-v0",
                              f"agent.init_checkpoint={tmp_path / 'offline'}", "agent.n_envs=1", "agent.n_steps=4",
                              "agent.n_minibatches=1", "device=cpu"])
-    with pytest.raises(ValueError, match=r"was trained with backbone\.memory\.kind='compressive'; PPO stores"):
+    with pytest.raises(ValueError, match=rf"backbone\.memory\.compression='conv' \(agent\.init_checkpoint="
+                                         rf"{tmp_path / 'offline'}\); PPO collects its rollouts without gradient"):
         GTrXLPPO.for_training(cfg, None, "cpu")
 
 
@@ -788,10 +789,47 @@ def test_ppo_plain_window_acts_as_its_policy_does() -> None:
     (["agent.window=4"], r"agent\.window=4 re-encodes a plain window of the last 4 steps at every step, but "
                          r"backbone\.memory\.kind='xl' carries memory; use agent\.window=0, or agent\.window=4 with "
                          r"backbone\.memory\.kind=none"),
-    (["backbone.memory.kind=none"], r"backbone\.memory\.kind='none'; PPO stores the memory of every rollout step "
-                                    r"and needs a fixed-size one: 'xl' or 'spalm', or 'none' with a plain window of W "
-                                    r"steps \(agent\.window=W"),
+    (["backbone.memory.kind=none"], r"backbone\.memory\.kind='none'; PPO stores the memory of every rollout step, "
+                                    r"which it does for 'xl', 'spalm', 'compressive', or runs 'none' with a plain "
+                                    r"window of W steps \(agent\.window=W"),
 ])
 def test_ppo_refuses_a_window_with_memory_and_no_memory_without_a_window(extra, message) -> None:
     with pytest.raises(ValueError, match=message):
         GTrXLPPO.for_training(compose(overrides=[*NO_MEM_LEN, *extra]), None, "cpu")
+
+
+# ------------------------------------------------- PPO: the compressive memory (parameter-free compression)
+COMPRESSIVE_PPO = [*NO_MEM_LEN, "backbone.memory.kind=compressive", "backbone.memory.mem_len=4",
+                   "backbone.memory.compressed_len=2", "backbone.memory.rate=2", "backbone.memory.compression=mean"]
+
+
+def test_ppo_compressive_memory_is_stored_at_its_full_width_and_recomputed_as_it_acted() -> None:
+    """Rae et al.'s memory in PPO: its FIFO grows to m_m + c - 1 = 5 slots in an episode's first
+    steps, so each step's memory is stored at the full width 2 + 5 (invalid slots after the
+    compressed ones); compressed slots fill as ShortCartPole's episodes run, and the update's
+    log-probabilities and values over the stored memories are the rollout's (ratio 1)."""
+    from rl_tformers.agents.gtrxl.ppo_update import pad_memory, unpad_memory
+
+    torch.manual_seed(0)
+    ppo = GTrXLPPO.for_training(compose(overrides=COMPRESSIVE_PPO), None, "cpu")
+    ro = ppo.collector.collect()
+    assert tuple(ro["mem"].shape) == (12, 2, 1, 7, 16) and tuple(ro["mem_valid"].shape) == (12, 2, 7)
+    assert not ro["mem_valid"][0].any() and bool(ro["mem_valid"][:, :, :2].any())  # compressed slots filled
+    mb = next(ppo.minibatches(ro))
+    _, logs = ppo.loss(mb)
+    assert abs(float(logs["approx_kl"])) < 1e-6 and float(logs["clipfrac"]) == 0.0
+    running = ppo.collector.memory
+    assert running.pos.shape[1] == 7  # past the first steps: the full width itself
+    early = ppo.model.encoder.initial_state(2, "cpu")
+    padded = pad_memory(ppo.model.encoder, early)
+    assert padded.pos.shape[1] == 7 and not padded.valid.any()
+    back = unpad_memory(ppo.model.encoder, padded, early.pos.shape[1])
+    assert all(torch.equal(a, b) for a, b in zip((back.pos, back.valid, back.seg), (early.pos, early.valid, early.seg)))
+
+
+@pytest.mark.parametrize("compression", ["conv", "dilated_conv", "most_used"])
+def test_ppo_refuses_a_compressive_memory_whose_compressor_it_cannot_run(compression) -> None:
+    overrides = [o for o in COMPRESSIVE_PPO if "compression=" not in o] + [f"backbone.memory.compression={compression}"]
+    with pytest.raises(ValueError, match=rf"backbone\.memory\.compression='{compression}'; PPO collects its rollouts "
+                                         r"without gradient .* use backbone\.memory\.compression=max or mean"):
+        GTrXLPPO.for_training(compose(overrides=overrides), None, "cpu")

@@ -146,6 +146,26 @@ def test_a_plain_window_run_stopped_inside_a_rollout_resumes_bit_identically(tmp
     assert _same_process_states(a["trainer"]["process_ranks"], b["trainer"]["process_ranks"])
 
 
+def test_a_compressive_memory_run_stopped_inside_a_rollout_resumes_bit_identically(tmp_path: Path) -> None:
+    """The compressive memory (mean compression) grows its FIFO in a stream's first steps: the
+    checkpoint holds the running memory at full width with the slots it held, and the resumed
+    run ends as the uninterrupted one."""
+    mem = ["backbone.memory.kind=compressive", "backbone.memory.mem_len=4", "backbone.memory.compressed_len=2",
+           "backbone.memory.rate=2", "backbone.memory.compression=mean"]
+    cfg = compose(overrides=[*[o for o in TINY if not o.startswith("backbone.memory")], *mem, f"agent.env_id={SHORT}"])
+    full, split = tmp_path / "full", tmp_path / "split"
+    train(cfg, full)
+    assert train(cfg, split, stop_at=6).step == 6
+    st = _final(split, 6)["trainer"]["process_ranks"][0]
+    assert int(st["running"]["memory_slots"]) == 7 and st["running"]["memory"]["pos"].shape == (2, 7)
+    assert resume(split).step == 12
+    assert _metrics(split) == _metrics(full)
+    a, b = _final(full), _final(split)
+    for key in ("model", "optimizer", "extra", "rng"):
+        assert _same(a[key], b[key]), key
+    assert _same_process_states(a["trainer"]["process_ranks"], b["trainer"]["process_ranks"])
+
+
 @pytest.mark.parametrize("env_id", [
     "CartPole-v1", SHORT, "rl_tformers/PositionOnlyCartPole-v1", "rl_tformers/PositionOnlyPendulum-v1",
     "rl_tformers/Recall-d2-v0", "Hopper-v5", "rl_tformers/PositionOnlyHopper-v5",

@@ -142,7 +142,7 @@ def test_the_backbone_script_refuses_an_unknown_variant_before_any_training(tmp_
     p = subprocess.run(["bash", str(REPO / "scripts/results_popgym_backbones.sh"), TASK], env=env, cwd=REPO,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
-    assert p.stderr == "error: VARIANTS: unknown variant 'lstm' (xl, window, performer, spalm)\n"
+    assert p.stderr == "error: VARIANTS: unknown variant 'lstm' (xl, window, compressive, performer, spalm)\n"
     assert not (tmp_path / "runs").exists() and not (tmp_path / "doc").exists()
 
 
