@@ -3,9 +3,10 @@ FLOP utilisation (``rl-tformers bench train``).
 
 Setting (the paper's, Chen et al. 2021, table 8): context K = 20 (60 tokens), 3 layers, 1 head,
 128 dims, ReLU, dropout 0.1, batch 64, AdamW (lr 1e-4, weight decay 1e-4), grad clip 0.25,
-linear warmup; the same Hopper dataset for everyone (``--dataset``, default the data layer's
-``rlt/hopper-v5/medium-v0``). Measured, in one run and interleaved round by round (so a change of
-machine load hits every implementation alike):
+linear warmup; the same Hopper dataset for everyone (``--dataset``, default
+``rlt/hopper-v5/medium-v1``, which ``rl-tformers collect --recipe hopper-medium`` builds and
+``dt/hopper_medium`` trains on). Measured, in one run and interleaved round by round (so a
+change of machine load hits every implementation alike):
 
 - **ours**: :class:`~rl_tformers.runtime.trainer.Trainer` built from ``dt/hopper_medium`` and
   driven through its own :meth:`~rl_tformers.runtime.trainer.Trainer.update` (the code
@@ -97,7 +98,7 @@ MKL_ROW = "ours+mkl"
 def _peak_key(dtype: str, library: str) -> str:
     """``fp32`` for torch's own GEMM (MKL on the CPU), ``fp32/onednn`` for oneDNN's."""
     return dtype if library == "torch" else f"{dtype}/{library}"
-DEFAULT_DATASET = "rlt/hopper-v5/medium-v0"
+DEFAULT_DATASET = "rlt/hopper-v5/medium-v1"  # what `collect --recipe hopper-medium` builds, dt/hopper_medium's
 
 
 @dataclass(frozen=True)
