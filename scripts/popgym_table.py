@@ -17,8 +17,9 @@ Usage: ``python scripts/popgym_table.py TASK [--out-root runs/results-popgym] [-
 With ``--variants xl,window,...`` (scripts/results_popgym_backbones.sh) it compares PPO-GTrXL's
 backbone variants instead: the same MMER and final return per variant, plus its environment
 steps per second while training (``train/env_steps`` between the first and last logged update
-over the time between them, mean over runs) and its act() milliseconds per step at batch 1 and
-16 (``act.json`` of ``rl-tformers bench act``, in-package path, first seed), written to
+over the time between them: of the variant's short ``timing/`` run, measured back to back with
+the other variants', else the mean over its runs) and its act() milliseconds per step at batch
+1 and 16 (``act.json`` of ``rl-tformers bench act``, in-package path, first seed), written to
 ``DOC/backbones-<task>.json``, ``DOC/backbones-<task>.png`` and the task's rows of
 ``DOC/backbones.md``.
 """
@@ -157,9 +158,13 @@ def variants_main(args: argparse.Namespace) -> int:
         runs = agent_runs(folder, peer=False)
         if not runs:
             continue
-        rates = [r for r in (env_steps_per_second(Path(x["run_dir"])) for x in runs) if r is not None]
-        res[v] = {"folder": str(folder), **summary(runs),
-                  "env_steps_per_s": float(np.mean(rates)) if rates else None,
+        timing = folder.parent / "timing"
+        if (timing / "metrics.jsonl").exists():  # the short run of every variant, back to back
+            rate, source = env_steps_per_second(timing), str(timing)
+        else:  # the training runs' own logs (each under the load of its time)
+            rates = [r for r in (env_steps_per_second(Path(x["run_dir"])) for x in runs) if r is not None]
+            rate, source = (float(np.mean(rates)) if rates else None), "the runs' metrics.jsonl"
+        res[v] = {"folder": str(folder), **summary(runs), "env_steps_per_s": rate, "env_steps_per_s_from": source,
                   "act_ms": act_ms(Path(runs[0]["run_dir"])), "runs": runs}
     if not res:
         print(f"error: {args.out_root}: no finished run of {args.task} (eval.json) for the variants "

@@ -18,8 +18,12 @@
 #   performer  XL memory with FAVOR+ attention (Choromanski et al. 2021), rotary positions
 #              (xl_relative applies to dot-product attention only)
 #   spalm      SPALM (Yogatama et al. 2021): the XL memory and a kNN long-term store behind a gate
+# Speed, measured for every variant of $VARIANTS back to back once their runs are trained (so
+# under the same load): act() latency (rl-tformers bench act on the first seed's run: act.json)
+# and training throughput (a run of TIMING_STEPS updates without evaluation: timing/). Both are
+# kept; delete act.json and timing/ to measure again (rerunning skips the finished runs).
 # Results: $OUT/gtrxl-<task> (xl) and $OUT/gtrxl-<variant>-<task> (sweeps: base/seed<N>/ with
-# eval.json and, for the first seed, act.json); scripts/popgym_table.py --variants writes
+# eval.json, the first seed's act.json, timing/); scripts/popgym_table.py --variants writes
 # $DOC/backbones-<task>.json and the rows of $DOC/backbones.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +33,7 @@ OUT=${OUT:-runs/results-popgym}
 DOC=${DOC:-docs/results/popgym}
 SEEDS=${SEEDS:-0,1,2}
 EPISODES=${EPISODES:-20}
+TIMING_STEPS=${TIMING_STEPS:-64}
 VARIANTS=${VARIANTS:-xl,window,compressive,performer,spalm}
 B=${BUDGET:-"train.steps=1952 eval.every=244 train.checkpoint_every=244"}
 if [ $# -eq 0 ]; then set -- PositionOnlyCartPoleEasy RepeatPreviousEasy; fi
@@ -59,9 +64,17 @@ for task in "$@"; do
       [ -f "$run/eval.json" ] || OMP_NUM_THREADS=1 "$RLT" eval "$run" --episodes "$EPISODES" --json \
           --out "$run/eval.json" > /dev/null
     done
+  done
+  for v in ${VARIANTS//,/ }; do  # speed, every variant back to back
+    d=$OUT/gtrxl-$v-$task
+    [ "$v" = xl ] && d=$OUT/gtrxl-$task
     run=$d/base/seed$first
     [ -f "$run/act.json" ] || OMP_NUM_THREADS=1 "$RLT" bench act --run "$run" --batches 1,16 --threads 1 \
         --json --out "$run/act.json" > /dev/null
+    # shellcheck disable=SC2046,SC2086
+    [ -f "$d/timing/metrics.jsonl" ] || OMP_NUM_THREADS=1 "$RLT" train -c gtrxl/popgym_ppo --run-dir "$d/timing" \
+        device=cpu train.progress=false agent.env_id="popgym-$task-v0" seed="$first" train.steps="$TIMING_STEPS" \
+        train.log_every=16 eval.every=0 eval.at_end=false $(overrides "$v") ${EXTRA:-} > /dev/null
   done
   "$PY" scripts/popgym_table.py "$task" --out-root "$OUT" --doc "$DOC" --variants "$VARIANTS"
 done

@@ -69,7 +69,7 @@ def test_the_backbone_table_gives_each_variant_its_score_training_rate_and_act_l
     them (a resumed run's repeated step counted once), act() ms the in-package rows of act.json."""
     t = _table_module()
     config = {"agent": {"n_envs": 16, "n_steps": 128, "n_epochs": 4, "n_minibatches": 4}, "train": {"steps": 32}}
-    for variant, folder, secs in (("xl", f"gtrxl-{TASK}", 4.0), ("window", f"gtrxl-window-{TASK}", 8.0)):
+    for folder, secs in ((f"gtrxl-{TASK}", 4.0), (f"gtrxl-window-{TASK}", 8.0)):  # xl, window
         run = _run(tmp_path / folder / "base" / "seed0", config, [(16, -0.5), (32, 0.5)], 0.25)
         logged = [{"step": 16, "time": 100.0, "train/env_steps": 2048.0},
                   {"step": 32, "time": 100.0 + 2 * secs, "train/env_steps": 5000.0},  # (cut, resumed:)
@@ -80,11 +80,15 @@ def test_the_backbone_table_gives_each_variant_its_score_training_rate_and_act_l
             {"batch": 1, "path": "in-package", "ms_per_step": secs / 4},
             {"batch": 1, "path": "onnx", "ms_per_step": 0.1},
             {"batch": 16, "path": "in-package", "ms_per_step": secs / 2}]}))
+    timing = tmp_path / f"gtrxl-{TASK}" / "timing"  # xl's short run, back to back with the others': it counts
+    timing.mkdir()
+    (timing / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in [
+        {"step": 16, "time": 10.0, "train/env_steps": 2048.0}, {"step": 48, "time": 12.0, "train/env_steps": 6144.0}]))
     doc = tmp_path / "doc"
     assert t.main([TASK, "--out-root", str(tmp_path), "--doc", str(doc), "--variants", "xl,window,performer"]) == 0
     assert (doc / "backbones.md").read_text().splitlines()[2:] == [
         f"| {TASK} | window | 4,096 | 1 | 0.500 +- 0.000 | 0.250 +- 0.000 | 256 | 2.00 | 4.00 | - |",
-        f"| {TASK} | xl | 4,096 | 1 | 0.500 +- 0.000 | 0.250 +- 0.000 | 512 | 1.00 | 2.00 | - |"]
+        f"| {TASK} | xl | 4,096 | 1 | 0.500 +- 0.000 | 0.250 +- 0.000 | 2048 | 1.00 | 2.00 | - |"]
     saved = json.loads((doc / f"backbones-{TASK}.json").read_text())
     assert set(saved["variants"]) == {"xl", "window"} and saved["variants"]["xl"]["act_ms"] == {"1": 1.0, "16": 2.0}
 
@@ -153,6 +157,7 @@ def test_one_short_backbone_comparison_trains_evaluates_times_and_tabulates_each
     pytest.importorskip("popgym")
     doc, out = tmp_path / "doc", tmp_path / "runs"
     env = {**os.environ, "OUT": str(out), "DOC": str(doc), "SEEDS": "0", "EPISODES": "2", "VARIANTS": "xl,window",
+           "TIMING_STEPS": "32",
            "RLT": str(Path(sys.executable).parent / "rl-tformers"), "PY": sys.executable,
            "BUDGET": "train.steps=32 eval.every=16 eval.n_envs=2 train.checkpoint_every=16",
            "EXTRA": "backbone.d_model=32"}
@@ -163,6 +168,6 @@ def test_one_short_backbone_comparison_trains_evaluates_times_and_tabulates_each
     assert set(saved["variants"]) == {"xl", "window"}
     for v, res in saved["variants"].items():
         assert res["runs"][0]["curve"]["env_steps"] == [2048, 4096] and res["env_steps_per_s"] > 0, v
-        assert set(res["act_ms"]) == {"1", "16"}, v
+        assert set(res["act_ms"]) == {"1", "16"} and res["env_steps_per_s_from"].endswith("/timing"), v
     rows = (doc / "backbones.md").read_text().splitlines()[2:]
     assert [r.split(" | ")[1] for r in rows] == ["window", "xl"]
