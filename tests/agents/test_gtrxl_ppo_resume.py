@@ -131,19 +131,9 @@ def test_a_plain_window_run_stopped_inside_a_rollout_resumes_bit_identically(tmp
     """``agent.window=4`` (no memory): the checkpoint holds the running windows and the rollout's
     per-step windows (FIFO-encoded like the memory); the resumed run ends as the uninterrupted one."""
     window = [o for o in TINY if not o.startswith("backbone.memory")] + ["agent.window=4", "backbone.memory.kind=none"]
-    cfg = compose(overrides=[*window, f"agent.env_id={SHORT}"])
-    full, split = tmp_path / "full", tmp_path / "split"
-    train(cfg, full)
-    assert train(cfg, split, stop_at=6).step == 6
-    st = _final(split, 6)["trainer"]["process_ranks"][0]
+    st = _stopped_at_6_resumes_as_the_full_run(compose(overrides=[*window, f"agent.env_id={SHORT}"]), tmp_path)
     assert set(st["rollout"]["fifo"]) == {"window_x", "window_pos", "window_valid"}
     assert "episode" not in st["rollout"]["tensors"] and set(st["running"]["memory"]) == {"window"}
-    assert resume(split).step == 12
-    assert _metrics(split) == _metrics(full)
-    a, b = _final(full), _final(split)
-    for key in ("model", "optimizer", "extra", "rng"):
-        assert _same(a[key], b[key]), key
-    assert _same_process_states(a["trainer"]["process_ranks"], b["trainer"]["process_ranks"])
 
 
 def test_a_compressive_memory_run_stopped_inside_a_rollout_resumes_bit_identically(tmp_path: Path) -> None:
@@ -153,17 +143,25 @@ def test_a_compressive_memory_run_stopped_inside_a_rollout_resumes_bit_identical
     mem = ["backbone.memory.kind=compressive", "backbone.memory.mem_len=4", "backbone.memory.compressed_len=2",
            "backbone.memory.rate=2", "backbone.memory.compression=mean"]
     cfg = compose(overrides=[*[o for o in TINY if not o.startswith("backbone.memory")], *mem, f"agent.env_id={SHORT}"])
+    st = _stopped_at_6_resumes_as_the_full_run(cfg, tmp_path)
+    assert int(st["running"]["memory_slots"]) == 7 and st["running"]["memory"]["pos"].shape == (2, 7)
+
+
+def _stopped_at_6_resumes_as_the_full_run(cfg, tmp_path: Path) -> dict:
+    """Train ``cfg`` whole, and stopped after update 6 (inside the second rollout) then resumed:
+    the same metrics, weights, optimiser, RNG and process states. Returns the process state
+    the stop saved."""
     full, split = tmp_path / "full", tmp_path / "split"
     train(cfg, full)
     assert train(cfg, split, stop_at=6).step == 6
     st = _final(split, 6)["trainer"]["process_ranks"][0]
-    assert int(st["running"]["memory_slots"]) == 7 and st["running"]["memory"]["pos"].shape == (2, 7)
     assert resume(split).step == 12
     assert _metrics(split) == _metrics(full)
     a, b = _final(full), _final(split)
     for key in ("model", "optimizer", "extra", "rng"):
         assert _same(a[key], b[key]), key
     assert _same_process_states(a["trainer"]["process_ranks"], b["trainer"]["process_ranks"])
+    return st
 
 
 @pytest.mark.parametrize("env_id", [
