@@ -216,6 +216,12 @@ def check_ppo_memory(memory: Mapping[str, Any], init_checkpoint: str | None, win
     """Refuse a ``backbone.memory`` section PPO cannot store per rollout step (the errors of
     :func:`ppo_backbone`)."""
     mem_kind = memory.get("kind", "none")
+    if init_checkpoint and mem_kind == "none":
+        raise ValueError(
+            f"gtrxl_ppo: agent.init_checkpoint={init_checkpoint} is a plain-window run (backbone.memory.kind='none'); "
+            f"PPO fine-tunes offline runs with memory ({', '.join(repr(k) for k in PPO_MEMORY_KINDS)}) only: train "
+            f"the offline run with one of them, or start PPO's plain window without agent.init_checkpoint "
+            f"(agent.window=W backbone.memory.kind=none)")
     if window and (mem_kind != "none" or init_checkpoint):
         why = (f"agent.init_checkpoint={init_checkpoint} is fine-tuned with its own memory kind {mem_kind!r}"
                if init_checkpoint else f"backbone.memory.kind={mem_kind!r} carries memory")
@@ -225,19 +231,23 @@ def check_ppo_memory(memory: Mapping[str, Any], init_checkpoint: str | None, win
     if not window and mem_kind not in PPO_MEMORY_KINDS:
         src = (f"agent.init_checkpoint={init_checkpoint} was trained with backbone.memory.kind="
                f"{mem_kind!r}" if init_checkpoint else f"backbone.memory.kind={mem_kind!r}")
+        fix = ("; train the offline run with one of them" if init_checkpoint else
+               ", or runs 'none' with a plain window of W steps (agent.window=W; offline agent.kind=gtrxl takes any "
+               "stateful memory kind)")
         raise ValueError(
             f"gtrxl_ppo: {src}; PPO stores the memory of every rollout step, which it does for "
-            f"{', '.join(repr(k) for k in PPO_MEMORY_KINDS)}, or runs 'none' with a plain window of W steps "
-            f"(agent.window=W; offline agent.kind=gtrxl takes any stateful memory kind)"
+            f"{', '.join(repr(k) for k in PPO_MEMORY_KINDS)}{fix}"
         )
     if mem_kind == "compressive" and memory.get("compression", "conv") not in PPO_COMPRESSIONS:
         comp = memory.get("compression", "conv")
         src = f" (agent.init_checkpoint={init_checkpoint})" if init_checkpoint else ""
+        # fine-tuning runs the checkpoint's backbone: the config's compression would be ignored
+        fix = "train the offline run with" if init_checkpoint else "use"
         raise ValueError(
             f"gtrxl_ppo: backbone.memory.compression={comp!r}{src}; PPO collects its rollouts without gradient and "
             f"recomputes each step over the memory it stored, so a learned compressor (conv, dilated_conv: trained "
             f"by the compression losses of the memory update) would never train, and most_used needs each slot's "
-            f"attention usage carried with it; use backbone.memory.compression=max or mean")
+            f"attention usage carried with it; {fix} backbone.memory.compression=max or mean")
     if mem_kind == "spalm" and memory.get("mem_len", 64) == 0:
         raise ValueError("gtrxl_ppo: backbone.memory.mem_len=0; PPO stores each step's XL memory, so the spalm "
                          "memory needs mem_len >= 1")
@@ -254,7 +264,8 @@ def ppo_backbone(backbone: Mapping[str, Any], init_checkpoint: str | None, windo
         ValueError (:func:`check_ppo_memory`): without ``agent.window``, a memory kind other than
             ``xl``, ``spalm`` or ``compressive`` (PPO stores the memory of every rollout step);
             with it, a memory kind other than ``none`` or an ``agent.init_checkpoint``
-            (fine-tuning starts from a run with memory); a learned or usage-based compression
+            (fine-tuning starts from a run with memory); an ``agent.init_checkpoint`` of a
+            plain-window run (memory kind ``none``); a learned or usage-based compression
             of the compressive memory (:data:`PPO_COMPRESSIONS`); ``spalm`` with ``mem_len`` 0.
 
     Warns:

@@ -644,8 +644,36 @@ def test_ppo_fine_tuning_refuses_an_offline_run_whose_memory_ppo_cannot_store(tm
                              f"agent.init_checkpoint={tmp_path / 'offline'}", "agent.n_envs=1", "agent.n_steps=4",
                              "agent.n_minibatches=1", "device=cpu"])
     with pytest.raises(ValueError, match=rf"backbone\.memory\.compression='conv' \(agent\.init_checkpoint="
-                                         rf"{tmp_path / 'offline'}\); PPO collects its rollouts without gradient"):
+                                         rf"{tmp_path / 'offline'}\); PPO collects its rollouts without gradient "
+                                         r".*; train the offline run with backbone\.memory\.compression=max or mean$"):
         GTrXLPPO.for_training(cfg, None, "cpu")
+
+
+def test_ppo_fine_tuning_refuses_a_plain_window_offline_run_with_or_without_agent_window(tmp_path: Path) -> None:
+    """An offline run without memory (agent.window=2, memory kind none) cannot be fine-tuned: the
+    error names the checkpoint and says what to do, with agent.window set or not (no advice that
+    leads to the other refusal)."""
+    from rl_tformers.envs.loaders import save_d4rl_hdf5
+    from rl_tformers.envs.memory_tasks import scripted_dataset
+
+    data = tmp_path / "recall.hdf5"
+    save_d4rl_hdf5(scripted_dataset("recall", 6, delay=2, seed=0), data)
+    offline = tmp_path / "offline"
+    train(compose(overrides=[
+        "agent.kind=gtrxl", "agent.window=2", "agent.seq_len=2", "agent.burn_in=0", f"dataset.path={data}",
+        "train.steps=1", "train.batch_size=2", "train.warmup_steps=0", "train.progress=false", "eval.at_end=false",
+        "device=cpu", "backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=2", "backbone.memory.kind=none",
+    ]), offline)
+    ppo = ["agent.kind=gtrxl_ppo", "agent.env_id=rl_tformers/Recall-d2-v0", f"agent.init_checkpoint={offline}",
+           "agent.n_envs=1", "agent.n_steps=4", "agent.n_minibatches=1", "device=cpu"]
+    said = (rf"^gtrxl_ppo: agent\.init_checkpoint={offline} is a plain-window run \(backbone\.memory\.kind='none'\); "
+            r"PPO fine-tunes offline runs with memory \('xl', 'spalm', 'compressive'\) only: train the offline run "
+            r"with one of them, or start PPO's plain window without agent\.init_checkpoint")
+    for extra in ([], ["agent.window=2", "backbone.memory.kind=none"]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the ignored config settings of fine-tuning)
+            with pytest.raises(ValueError, match=said):
+                GTrXLPPO.for_training(compose(overrides=[*ppo, *extra]), None, "cpu")
 
 
 # ------------------------------------------------- fine-tuning: r_{t-1} in the offline run's units
