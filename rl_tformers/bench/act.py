@@ -189,7 +189,9 @@ def _paths(kind: str | None, s: Settings, folder: Path, log) -> tuple[dict[str, 
     if kind is None:
         agent = load_run(s.run).agent
         policy = agent.policy(deterministic=True) if agent.__class__.__name__.startswith("GTrXL") else agent.policy()
-        name = f"the run {s.run}"
+        cfg = policy.model.cfg
+        actions = f"{cfg.act_dim} discrete actions" if getattr(cfg, "discrete", False) else f"{cfg.act_dim} actions"
+        name = f"the run {s.run} ({cfg.obs_dim} observations, {actions})"
     else:
         make, name = UNTRAINED[kind]
         policy, agent = make()
@@ -230,7 +232,7 @@ def run_bench(s: Settings, log=lambda message: None) -> Result:
                     if k == "in-package":
                         row.update(forward_ms=ms["forward"], act_over_forward=ms[k] / ms["forward"])
                     res.rows.append(row)
-    res.policy = "; ".join(names) + " (11 observations, 3 actions)"
+    res.policy = "; ".join(names) + ("" if s.run else " (11 observations, 3 actions)")  # (a run: its own sizes)
     res.machine["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
     return res
 

@@ -51,6 +51,23 @@ def test_the_bare_forward_of_gtrxl_is_the_forward_that_act_runs() -> None:
         assert np.array_equal(to_env_action(out.clamp(-1, 1), policy.low, policy.high).numpy(), a)
 
 
+def test_bench_act_of_a_run_names_the_run_s_own_observation_and_action_sizes(tmp_path: Path) -> None:
+    """A PPO run on position-only CartPole (2 observations, 2 discrete actions): the caption says
+    so, not the sizes of the untrained policies (Hopper's 11 and 3)."""
+    from rl_tformers.runtime.run_config import compose
+    from rl_tformers.runtime.trainer import train
+
+    run = tmp_path / "ppo"
+    train(compose(overrides=[
+        "agent.kind=gtrxl_ppo", "agent.n_envs=2", "agent.n_steps=4", "agent.n_epochs=1", "agent.n_minibatches=1",
+        "train.steps=1", "train.progress=false", "eval.at_end=false", "eval.every=0", "device=cpu",
+        "backbone.d_model=16", "backbone.n_layers=1", "backbone.n_heads=2", "backbone.memory.mem_len=4"]), run)
+    r = runner.invoke(app, ["bench", "act", "--run", str(run), "--batches", "1", "--steps", "1", "--warmup", "1",
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["policy"] == f"the run {run} (2 observations, 2 discrete actions)"
+
+
 def test_bench_act_refuses_a_repeated_batch_size_before_measuring() -> None:
     r = runner.invoke(app, ["bench", "act", "--batches", "32,32"])
     assert r.exit_code == 2 and r.stderr == "error: --batches: 32 is given twice\n"
