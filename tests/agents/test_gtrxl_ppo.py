@@ -791,6 +791,7 @@ def test_ppo_plain_window_stores_each_step_s_window_and_the_update_recomputes_it
     assert abs(float(logs["approx_kl"])) < 1e-7 and float(logs["clipfrac"]) == 0.0
     h = ppo.model.encoder.encode_window(mb).features[:, -1]
     torch.testing.assert_close(ppo.model.state_value(h), mb["values"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(ppo.model.actor.log_prob(h, mb["actions"]), mb["logp"], atol=1e-6, rtol=0)
 
 
 def test_ppo_plain_window_acts_as_its_policy_does() -> None:
@@ -836,7 +837,7 @@ def test_ppo_compressive_memory_is_stored_at_its_full_width_and_recomputed_as_it
     steps, so each step's memory is stored at the full width 2 + 5 (invalid slots after the
     compressed ones); compressed slots fill as ShortCartPole's episodes run, and the update's
     log-probabilities and values over the stored memories are the rollout's (ratio 1)."""
-    from rl_tformers.agents.gtrxl.ppo_update import pad_memory, unpad_memory
+    from rl_tformers.agents.gtrxl.ppo_update import minibatch_features, pad_memory, unpad_memory
 
     torch.manual_seed(0)
     ppo = GTrXLPPO.for_training(compose(overrides=COMPRESSIVE_PPO), None, "cpu")
@@ -846,6 +847,10 @@ def test_ppo_compressive_memory_is_stored_at_its_full_width_and_recomputed_as_it
     mb = next(ppo.minibatches(ro))
     _, logs = ppo.loss(mb)
     assert abs(float(logs["approx_kl"])) < 1e-6 and float(logs["clipfrac"]) == 0.0
+    with torch.no_grad():
+        h, _ = minibatch_features(ppo.model.encoder, {k: v for k, v in mb.items() if isinstance(v, torch.Tensor)})
+    torch.testing.assert_close(ppo.model.actor.log_prob(h, mb["actions"]), mb["logp"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(ppo.model.state_value(h), mb["values"], atol=1e-6, rtol=0)
     running = ppo.collector.memory
     assert running.pos.shape[1] == 7  # past the first steps: the full width itself
     early = ppo.model.encoder.initial_state(2, "cpu")
