@@ -37,8 +37,10 @@ networks have none.
 Memory kind: ``xl``, ``spalm`` or ``compressive``; the offline agent takes any stateful kind.
 The compressive memory (Rae et al. 2019) grows its FIFO to ``m_m + c - 1`` slots in a stream's
 first steps, so each step's memory is stored at that full width, invalid slots inserted after
-the compressed ones (:func:`~rl_tformers.agents.gtrxl.ppo_update.pad_memory`; masked, so the
-recomputation matches the rollout up to float rounding); only its parameter-free compressions
+the compressed ones (:func:`~rl_tformers.agents.gtrxl.ppo_update.pad_memory`; masked), and the
+rollout acts over it at that width, so the recomputation matches the rollout up to float rounding
+with any attention kind (one that groups keys by slot, local or fixed, would see other blocks at
+another width); only its parameter-free compressions
 (``max``, ``mean``) are taken: the rollout updates the memory without gradient, so a learned
 compressor would never train. ``agent.window`` W with memory kind ``none`` stores each step's
 plain window instead (W inputs re-encoded by the update). With ``spalm`` each step also stores the long-term

@@ -81,8 +81,9 @@ def compressive_layout(enc: GTrXLEncoder) -> tuple[int, int] | None:
 
 def pad_memory(enc: GTrXLEncoder, state: BackboneState) -> BackboneState:
     """``state`` at the memory's full width (:func:`compressive_layout`): invalid slots (zeros, step 0,
-    episode -1) inserted after the compressed ones, so every rollout step's memory stacks; attention
-    masks them, so a step recomputed over it gives what it acted with, up to float rounding.
+    episode -1) inserted after the compressed ones, so every rollout step's memory stacks; a rollout
+    step acts over it at that width (:func:`~rl_tformers.agents.gtrxl.rollout.encode_step`), so its
+    recomputation gives what it acted with, up to float rounding, with any attention kind.
     Memory kinds of fixed width come back as they are."""
     layout = compressive_layout(enc)
     k = 0 if layout is None else layout[1] - state.pos.shape[1]

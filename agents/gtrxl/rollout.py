@@ -175,14 +175,18 @@ def encode_step(enc: GTrXLEncoder, x: Tensor, t: Tensor, memory: Any, start: Ten
 
     Returns:
         features (N, D), the next running memory, and the rows a rollout keeps of what the step
-        acted with: the backbone memory (:data:`MEMORY_KEYS`, plus the SPALM store), or in the
-        plain-window mode the shifted window holding this step (:data:`WINDOW_KEYS`).
+        acted with: the backbone memory (:data:`MEMORY_KEYS`, plus the SPALM store; a compressive
+        memory padded to its full width, :func:`~rl_tformers.agents.gtrxl.ppo_update.pad_memory`,
+        before the step, so the step acts over exactly what the update recomputes it over), or in
+        the plain-window mode the shifted window holding this step (:data:`WINDOW_KEYS`).
     """
     if not enc.stateful:
         win = enc.shift_window(memory, x[:, None], t, start)
         return enc.encode_window(win, **kwargs).features[:, -1], win, win
-    out = enc(x[:, None], t[:, None], state=memory, **kwargs)
-    full = pad_memory(enc, memory)  # (the compressive memory at its full width; others as they are)
+    # the compressive memory at its full width (others as they are), acted over as the update recomputes
+    # it: attention kinds that group keys by slot (local, fixed) would see other blocks at another width
+    full = pad_memory(enc, memory)
+    out = enc(x[:, None], t[:, None], state=full, **kwargs)
     rows = {"mem": torch.stack([ls.memory for ls in full.layers], 1),  # (N, L, M, D)
             "mem_pos": full.pos, "mem_valid": full.valid, "mem_seg": full.seg, "episode": full.episode,
             **store_rows(full)}

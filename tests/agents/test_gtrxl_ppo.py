@@ -860,6 +860,28 @@ def test_ppo_compressive_memory_is_stored_at_its_full_width_and_recomputed_as_it
     assert all(torch.equal(a, b) for a, b in zip((back.pos, back.valid, back.seg), (early.pos, early.valid, early.seg)))
 
 
+@pytest.mark.parametrize("attention", [["backbone.attention.kind=local", "backbone.attention.block=2",
+                                        "backbone.attention.memory=2"],
+                                       ["backbone.attention.kind=fixed", "backbone.attention.stride=2",
+                                        "backbone.attention.summary=1"]], ids=["local", "fixed"])
+def test_ppo_compressive_memory_acts_at_its_full_width_while_it_grows(attention) -> None:
+    """Attention that groups keys by slot (local blocks, fixed strides) sees other keys in one block at
+    another memory width: the first rollout's steps, while the FIFO grows to its full width, act over
+    the memory padded to that width, the one the update recomputes them over, so their log-probabilities
+    and values come back (acting over the unpadded memory, they differed by up to 2e-3 here)."""
+    from rl_tformers.agents.gtrxl.ppo_update import minibatch_features
+
+    torch.manual_seed(0)
+    ppo = GTrXLPPO.for_training(compose(overrides=[*COMPRESSIVE_PPO, *attention]), None, "cpu")
+    ro = ppo.collector.collect()
+    assert tuple(ro["mem_valid"].shape) == (12, 2, 7) and not ro["mem_valid"][0].any()  # from empty, full width
+    mb = {k: v for k, v in next(ppo.minibatches(ro)).items() if isinstance(v, torch.Tensor)}
+    with torch.no_grad():
+        h, _ = minibatch_features(ppo.model.encoder, mb)
+    torch.testing.assert_close(ppo.model.actor.log_prob(h, mb["actions"]), mb["logp"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(ppo.model.state_value(h), mb["values"], atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("compression", ["conv", "dilated_conv", "most_used"])
 def test_ppo_refuses_a_compressive_memory_whose_compressor_it_cannot_run(compression) -> None:
     overrides = [o for o in COMPRESSIVE_PPO if "compression=" not in o] + [f"backbone.memory.compression={compression}"]
