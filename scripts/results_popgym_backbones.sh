@@ -21,7 +21,9 @@
 # Speed, measured for every variant of $VARIANTS back to back once their runs are trained (so
 # under the same load): act() latency (rl-tformers bench act on the first seed's run: act.json)
 # and training throughput (a run of TIMING_STEPS updates without evaluation: timing/). Both are
-# kept; delete act.json and timing/ to measure again (rerunning skips the finished runs).
+# kept; delete act.json and timing/ to measure again. SPEED_ONLY=1 does only that (no sweep, no
+# evaluation: the variants' runs must be trained), e.g.
+#   SPEED_ONLY=1 SEEDS=0 VARIANTS=xl,window,compressive,performer scripts/results_popgym_backbones.sh TASK
 # Results: $OUT/gtrxl-<task> (xl) and $OUT/gtrxl-<variant>-<task> (sweeps: base/seed<N>/ with
 # eval.json, the first seed's act.json, timing/); scripts/popgym_table.py --variants writes
 # $DOC/backbones-<task>.json and the rows of $DOC/backbones.md.
@@ -53,6 +55,7 @@ first=${SEEDS%%[,-]*}
 mkdir -p "$DOC"
 for task in "$@"; do
   for v in ${VARIANTS//,/ }; do
+    [ -n "${SPEED_ONLY:-}" ] && break
     d=$OUT/gtrxl-$v-$task
     [ "$v" = xl ] && d=$OUT/gtrxl-$task
     # shellcheck disable=SC2046,SC2086

@@ -171,3 +171,25 @@ def test_one_short_backbone_comparison_trains_evaluates_times_and_tabulates_each
         assert set(res["act_ms"]) == {"1", "16"} and res["env_steps_per_s_from"].endswith("/timing"), v
     rows = (doc / "backbones.md").read_text().splitlines()[2:]
     assert [r.split(" | ")[1] for r in rows] == ["window", "xl"]
+
+
+def test_speed_only_measures_every_variant_back_to_back_without_training(tmp_path: Path) -> None:
+    """SPEED_ONLY=1: no sweep and no evaluation; per variant one ``bench act`` of the first seed's
+    run and one short ``train`` into timing/, in VARIANTS order; measured ones are kept."""
+    calls = tmp_path / "calls"
+    rlt = tmp_path / "rlt"
+    rlt.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    rlt.chmod(0o755)
+    out = tmp_path / "runs"
+    (out / f"gtrxl-window-{TASK}" / "base" / "seed0").mkdir(parents=True)
+    (out / f"gtrxl-window-{TASK}" / "base" / "seed0" / "act.json").write_text("{}")  # measured: kept
+    env = {**os.environ, "OUT": str(out), "DOC": str(tmp_path / "doc"), "SEEDS": "0", "SPEED_ONLY": "1",
+           "VARIANTS": "xl,window", "RLT": str(rlt), "PY": "/bin/true"}
+    p = subprocess.run(["bash", str(REPO / "scripts/results_popgym_backbones.sh"), TASK], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = calls.read_text().splitlines()
+    assert [ln.split(" --")[0].split(" -c")[0] for ln in lines] == ["bench act", "train", "train"]
+    assert f"--run {out}/gtrxl-{TASK}/base/seed0 " in lines[0]
+    assert f"--run-dir {out}/gtrxl-{TASK}/timing " in lines[1] and "train.steps=64" in lines[1]
+    assert f"--run-dir {out}/gtrxl-window-{TASK}/timing " in lines[2] and "agent.window=32" in lines[2]
