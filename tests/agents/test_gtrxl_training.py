@@ -340,10 +340,14 @@ def test_offline_loss_and_acting_work_with_every_stateful_memory_kind(memory):
         assert np.isfinite(actions).all()
 
 
-def test_ppo_refuses_memory_kinds_it_cannot_store_per_step():
+@pytest.mark.parametrize(("memory", "message"), [
+    ({"kind": "knn"}, r"backbone\.memory\.kind='knn'; PPO stores the memory of every rollout step"),
+    ({"kind": "compressive"}, r"backbone\.memory\.compression='conv'; PPO collects its rollouts without gradient"),
+])
+def test_ppo_refuses_memory_kinds_it_cannot_store_per_step(memory, message):
     cfg = OmegaConf.create({"seed": 0, **PPO_DEFAULTS})
-    cfg.backbone.memory = {"kind": "compressive"}
-    with pytest.raises(ValueError, match=r"backbone\.memory\.kind='compressive'"):
+    cfg.backbone.memory = memory
+    with pytest.raises(ValueError, match=message):
         GTrXLPPO.for_training(cfg, None, torch.device("cpu"))
 
 

@@ -72,7 +72,7 @@ def test_a_named_plugin_is_still_not_imported_from_the_current_directory(receive
     ["eval", "RUN", "--plugin", PAYLOAD],
     ["train", "--resume", "RUN"],
     ["train", "--resume", "RUN", "--plugin", PAYLOAD],
-    ["bench", "eval", "--run", "RUN", "--episodes", "1", "--memory-kinds", ""],
+    ["bench", "eval", "--run", "RUN", "--episodes", "1", "--n-envs", "1", "--memory-kinds", ""],
 ], ids=["eval", "plot", "eval --plugin", "train --resume", "train --resume --plugin", "bench eval"])
 def test_commands_opening_a_run_run_none_of_its_plugins(received, command: list[str]) -> None:
     run, marker = received
