@@ -84,7 +84,11 @@ def pad_memory(enc: GTrXLEncoder, state: BackboneState) -> BackboneState:
     episode -1) inserted after the compressed ones, so every rollout step's memory stacks; a rollout
     step acts over it at that width (:func:`~rl_tformers.agents.gtrxl.rollout.encode_step`), so its
     recomputation gives what it acted with, up to float rounding, with any attention kind.
-    Memory kinds of fixed width come back as they are."""
+    Memory kinds of fixed width come back as they are.
+
+    Shapes: per layer ``memory`` (B, P, D) -> (B, full, D); ``pos``, ``valid``, ``seg`` (B, P) ->
+    (B, full); ``episode``, ``next_pos`` (B,) unchanged. Source: the ``[compressed; FIFO]`` layout
+    of Rae et al. 2019 (:mod:`rl_tformers.memory.compressive`)."""
     layout = compressive_layout(enc)
     k = 0 if layout is None else layout[1] - state.pos.shape[1]
     if k == 0:
@@ -102,7 +106,8 @@ def pad_memory(enc: GTrXLEncoder, state: BackboneState) -> BackboneState:
 
 def unpad_memory(enc: GTrXLEncoder, state: BackboneState, slots: int) -> BackboneState:
     """Inverse of :func:`pad_memory` for a memory that held ``slots`` slots: the inserted ones
-    removed, bit for bit."""
+    removed, bit for bit ((B, full, ...) -> (B, slots, ...)); a ``slots`` outside [m_cm, full]
+    is the caller's to refuse (the checkpoint check does)."""
     layout = compressive_layout(enc)
     k = 0 if layout is None else layout[1] - slots
     if k == 0:
