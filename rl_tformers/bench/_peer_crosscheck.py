@@ -172,17 +172,26 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reward-scale", type=float, default=0.001)
     ap.add_argument("--max-timestep", type=int, default=1001, help="timesteps run 1..1000 in d3rlpy")
     ap.add_argument("--conservative-weight", type=float, default=5.0, help="CQL's alpha (its script: 10 on medium sets)")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="also evaluate every N updates (a learning curve; N divides --steps; 0: at the end only)")
     return ap
 
 
 def recorded_settings(args: argparse.Namespace) -> dict:
-    """The settings written into the result JSON: every option but the file paths."""
-    return {k: v for k, v in vars(args).items() if k not in ("out", "data")}
+    """The settings written into the result JSON: every option but the file paths, and
+    ``eval_every`` only when it is set (the evaluations in between do not change training: a
+    result without a curve records no ``eval_every``)."""
+    return {k: v for k, v in vars(args).items()
+            if k not in ("out", "data") and not (k == "eval_every" and not v)}
 
 
 def fit(args: argparse.Namespace):
     """Train ``args.algo`` with d3rlpy on ``args.data``: returns ``(config, algo, dataset,
-    train seconds, final learning rate)``."""
+    train seconds, final learning rate, curve)``. With ``--eval-every N`` the curve holds one
+    :func:`evaluate` after every N updates (``{"step", "results", "eval_seconds"}``; its time is
+    not counted in the train seconds); the evaluations read no random numbers of training (the
+    environment seeds its own generator; the policies act by their mean), so the trained model
+    is the one of a run without them."""
     # the peers' environment's libraries (this script runs there only)
     import d3rlpy
     import numpy as np
@@ -196,17 +205,26 @@ def fit(args: argparse.Namespace):
         terminals=data["terminals"].astype(np.float32), timeouts=data["timeouts"].astype(np.float32),
     )
     cfg, algo = build(args.algo, args, d3rlpy)
+    every = args.eval_every or args.steps
+    curve, eval_s = [], 0.0
     t0 = time.perf_counter()
-    algo.fit(dataset, n_steps=args.steps, n_steps_per_epoch=args.steps, show_progress=False, with_timestamp=False,
-             logger_adapter=d3rlpy.logging.NoopAdapterFactory(), save_interval=10**9)
-    train_s = time.perf_counter() - t0
+    for epoch, _ in algo.fitter(dataset, n_steps=args.steps, n_steps_per_epoch=every, show_progress=False,
+                                with_timestamp=False, logger_adapter=d3rlpy.logging.NoopAdapterFactory(),
+                                save_interval=10**9):
+        if args.eval_every and epoch * every < args.steps:
+            results, seconds = evaluate(args, algo)
+            curve.append({"step": epoch * every, "results": results, "eval_seconds": seconds})
+            eval_s += seconds
+            print(f"[{args.algo} seed {args.seed}] {epoch * every} updates: return "
+                  f"{np.mean(results[0]['returns']):.1f}", file=sys.stderr, flush=True)
+    train_s = time.perf_counter() - t0 - eval_s
     # the last update's learning rate (checks the schedule ran to its end): the policy's optimiser
     modules = algo.impl.modules
     optim = (modules.optim if hasattr(modules, "optim") else modules.actor_optim).optim
     final_lr = float(optim.param_groups[0]["lr"])
     print(f"[{args.algo} seed {args.seed}] {args.steps} updates in {train_s:.1f} s (final lr {final_lr:.2e})",
           file=sys.stderr, flush=True)
-    return cfg, algo, dataset, train_s, final_lr
+    return cfg, algo, dataset, train_s, final_lr, curve
 
 
 def evaluate(args: argparse.Namespace, algo) -> tuple[list[dict], float]:
@@ -256,14 +274,20 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    cfg, algo, dataset, train_s, final_lr = fit(args)
+    if args.eval_every < 0 or (args.eval_every and args.steps % args.eval_every):
+        print(f"error: --eval-every {args.eval_every} must be 0 or divide --steps {args.steps}", file=sys.stderr)
+        return 2
+    cfg, algo, dataset, train_s, final_lr, curve = fit(args)
     results, eval_s = evaluate(args, algo)
+    if args.eval_every:
+        curve.append({"step": args.steps, "results": results, "eval_seconds": eval_s})
     for r in results:
         print(f"[{args.algo} seed {args.seed}] target {r['target']}: return {np.mean(r['returns']):.1f} "
               f"± {np.std(r['returns']):.1f} (eval {eval_s:.1f} s)", file=sys.stderr, flush=True)
     out = {
         "algo": args.algo, "seed": args.seed, "env": args.env, "episodes": args.episodes,
         "reset_seeds": list(range(args.episodes)), "results": results, "train_seconds": train_s,
+        **({"curve": curve} if args.eval_every else {}),
         "eval_seconds": eval_s, "final_lr": final_lr, "n_episodes_in_dataset": len(dataset.episodes),
         "versions": {"d3rlpy": d3rlpy.__version__, "torch": torch.__version__, "gymnasium": gymnasium.__version__},
         "settings": recorded_settings(args),

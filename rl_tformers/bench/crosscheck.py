@@ -138,6 +138,9 @@ def parse_options(args: argparse.Namespace) -> tuple[list[int], list[str], list[
     for option, value in (("--steps", args.steps), ("--episodes", args.episodes)):
         if value < 1:
             raise CrosscheckError(f"{option} must be >= 1, got {value}")
+    if args.eval_every < 0 or (args.eval_every and args.steps % args.eval_every):
+        raise CrosscheckError(f"--eval-every {args.eval_every} must be 0 (evaluate at the end only) or divide "
+                              f"--steps {args.steps}")
     return seeds, algos, extra
 
 
@@ -185,20 +188,25 @@ def check_dataset_env(ds, env: str | None, spec: str) -> str:
 
 
 def worker_argv(algo: str, seed: int, data: Path, out: Path, steps: int, episodes: int, env: str,
-                targets: list[float], conservative_weight: float = 5.0) -> list[str]:
+                targets: list[float], conservative_weight: float = 5.0, eval_every: int = 0) -> list[str]:
     """The worker's command-line options for one run."""
     return ["--algo", algo, "--data", str(data), "--seed", str(seed), "--steps", str(steps),
             "--episodes", str(episodes), "--env", env, "--out", str(out),
             "--targets", ",".join(repr(t) for t in targets) if algo == "dt" else "",
-            *(["--conservative-weight", repr(conservative_weight)] if algo == "cql" else [])]
+            *(["--conservative-weight", repr(conservative_weight)] if algo == "cql" else []),
+            *(["--eval-every", str(eval_every)] if eval_every else [])]
 
 
 def reuse_problem(path: Path, settings: dict[str, Any], sha256: str) -> str | None:
     """Why the per-run JSON ``path`` cannot stand for a run with ``settings`` on data ``sha256``
-    (None: it can be reused). Differences read ``key: stored (stored) -> requested (requested)``."""
+    (None: it can be reused). Differences read ``key: stored (stored) -> requested (requested)``.
+    A run with a learning curve (``eval_every``) stands for the same run without one (the
+    evaluations in between do not change training); the reverse is a difference."""
     try:
         run = json.loads(path.read_text())
         stored, data = dict(run["settings"]), dict(run.get("data") or {})
+        if "eval_every" not in settings:
+            stored.pop("eval_every", None)
         if not isinstance(run["results"], list):
             raise TypeError("'results' is not a list")
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -250,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--episodes", type=int, default=10)
     ap.add_argument("--conservative-weight", type=float, default=5.0,
                     help="CQL's alpha (d3rlpy's reproduction script: 10 on medium sets, 5 otherwise)")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="also evaluate every N updates, a learning curve in each run's JSON (N divides --steps)")
     ap.add_argument("--env", default=None, help="evaluation environment (default: the dataset's; must match it)")
     ap.add_argument("--python", default=None, help="the peers' python (default: .bench-venvs/peers/bin/python)")
     ap.add_argument("--work", default="runs/crosscheck/work", help="exported data, per-run JSON and logs")
@@ -289,7 +299,7 @@ def _plan(args: argparse.Namespace, seeds: list[int], algos: list[str], work: Pa
         for algo in algos:
             out = work / f"{algo}-s{seed}.json"
             wargs = worker_argv(algo, seed, data_path, out.resolve().with_name(out.name + ".tmp"), args.steps,
-                                args.episodes, env_id, targets, args.conservative_weight)
+                                args.episodes, env_id, targets, args.conservative_weight, args.eval_every)
             settings = worker.recorded_settings(worker.build_parser().parse_args(wargs))
             reuse = out.exists()
             if reuse:

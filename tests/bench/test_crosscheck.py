@@ -260,3 +260,48 @@ def test_the_worker_command_of_each_peer_algorithm_parses_to_its_recorded_settin
         assert settings["algo"] == algo and settings["steps"] == 500 and settings["seed"] == 1
         assert settings["targets"] == ("3300.0" if algo == "dt" else "")
         assert settings["conservative_weight"] == (10.0 if algo == "cql" else 5.0)
+
+
+def test_a_run_with_a_learning_curve_stands_for_one_without_but_not_the_reverse(tmp_path, hopper_h5, fake_worker,
+                                                                                 capsys):
+    """``--eval-every`` evaluates in between without changing training: a stored run with a
+    curve is reused for the same command without one; a run without a curve is not reused
+    when a curve is asked for."""
+    assert cc.main(_cc(tmp_path, hopper_h5, "--algos", "bc", "--eval-every", "5")) == 0
+    assert fake_worker.calls == [("bc", 0)]
+    stored = json.loads((tmp_path / "work" / "bc-s0.json").read_text())
+    assert stored["settings"]["eval_every"] == 5
+    assert cc.main(_cc(tmp_path, hopper_h5, "--algos", "bc")) == 0
+    assert fake_worker.calls == [("bc", 0)] and "reusing" in capsys.readouterr().err
+    assert cc.main(_cc(tmp_path, hopper_h5, "--algos", "dt")) == 0
+    assert fake_worker.calls == [("bc", 0), ("dt", 0)]
+    capsys.readouterr()
+    assert cc.main(_cc(tmp_path, hopper_h5, "--algos", "dt", "--eval-every", "5")) == 2
+    assert "eval_every: <unset> (stored) -> 5 (requested)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("every", ["-1", "2"])
+def test_crosscheck_refuses_an_evaluation_interval_that_does_not_divide_the_steps(tmp_path, fake_worker, capsys,
+                                                                                  every):
+    assert cc.main(_cc(tmp_path, "rlt/hopper-v5/medium-expert-v0", "--eval-every", every)) == 2
+    assert capsys.readouterr().err.startswith(f"error: --eval-every {every} must be 0 (evaluate at the end only) "
+                                              f"or divide --steps 5")
+    assert fake_worker.calls == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_peers_with_mujoco() is None,
+                    reason="needs the peers' environment with d3rlpy and MuJoCo (rl-tformers bench train --build-peers)")
+def test_worker_learning_curve_leaves_training_unchanged(tiny_hdf5, tmp_path):
+    """IQL with ``--eval-every``: one evaluation per interval, the last one the run's result, and
+    the same returns as the run without a curve."""
+    def run(*extra: str) -> dict:
+        out = tmp_path / f"out{len(extra)}.json"
+        rc = cc.main(["--dataset", str(tiny_hdf5), "--algos", "iql", "--seeds", "0", "--steps", "4", "--episodes",
+                      "2", "--work", str(tmp_path / f"work{len(extra)}"), "--out", str(out), *extra])
+        assert rc == 0
+        return json.loads(out.read_text())["runs"][0]
+
+    plain, curved = run(), run("--eval-every", "2")
+    assert "curve" not in plain and [c["step"] for c in curved["curve"]] == [2, 4]
+    assert curved["curve"][-1]["results"] == curved["results"] == plain["results"]
