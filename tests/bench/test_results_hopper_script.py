@@ -66,3 +66,26 @@ def test_the_results_table_reads_sweeps_evaluations_and_peers(tmp_path: Path) ->
         {"rows": [{"algo": "iql", "per_seed_normalised": [50.0, 52.0]}]}))
     assert results_table.table(tmp_path).splitlines()[2] == (
         "| hopper-medium | 68.2 ± 0.0 (n=1: 68.2) | 20.0 ± 10.0 (n=2: 10.0, 30.0) | - | 51.0 ± 1.0 (n=2: 50.0, 52.0) | - | - / 2 / - |")
+
+
+def test_the_curves_figure_reads_the_peers_learning_curves(tmp_path: Path) -> None:
+    """scripts/results_curves.py: the cross-check runs that carry a curve, normalised with the
+    file's reference scores, mean and std (ddof 0) over seeds at the steps every seed has."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import results_curves
+    finally:
+        sys.path.pop(0)
+
+    def run(algo: str, seed: int, curve: dict[int, float] | None) -> dict:
+        out = {"algo": algo, "seed": seed, "results": [{"target": None, "returns": [0.0]}]}
+        if curve is not None:
+            out["curve"] = [{"step": s, "results": [{"target": None, "returns": [r, r + 2.0]}]}
+                            for s, r in curve.items()]
+        return out
+
+    path = tmp_path / "peers-hopper-medium.json"
+    path.write_text(json.dumps({"reference_scores": [-10.0, 90.0], "runs": [
+        run("iql", 0, None), run("cql", 0, {2: 9.0, 4: 29.0}), run("cql", 1, {2: 29.0, 4: 49.0, 6: 0.0})]}))
+    assert results_curves.peer_curves(path) == {
+        "d3rlpy CQL": {"steps": [2, 4], "mean": [30.0, 50.0], "std": [10.0, 10.0], "n": 2}}
