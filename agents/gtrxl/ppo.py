@@ -272,7 +272,8 @@ def ppo_backbone(backbone: Mapping[str, Any], init_checkpoint: str | None, windo
 
     Warns:
         ConfigAdviceWarning: a dropout probability set (turned off: :func:`without_dropout`);
-            ``memory.detach=false`` (no effect).
+            ``memory.detach=false`` (no effect); ``depth.kind=early_exit`` (trained and run at
+            full depth: no exit).
     """
     check_ppo_memory(dict(backbone.get("memory") or {}), init_checkpoint, window)
     backbone, turned_off = without_dropout(backbone)
@@ -289,6 +290,13 @@ def ppo_backbone(backbone: Mapping[str, Any], init_checkpoint: str | None, windo
             f"gtrxl_ppo: backbone.memory.detach=false{src} has no effect: the update recomputes each rollout "
             f"step as one query over the memory that step acted with, stored by the rollout (collected "
             f"without gradient), so no gradient reaches the memory, as with detach=true", ConfigAdviceWarning,
+            stacklevel=4)
+    if dict(backbone.get("depth") or {}).get("kind") == "early_exit":
+        fix = "" if init_checkpoint else "; use backbone.depth.kind=fixed to silence this"
+        warnings.warn(
+            f"gtrxl_ppo: backbone.depth.kind=early_exit{src} runs every layer here: PPO's loss trains the policy "
+            f"and value at full depth, so the exit classifier gets no gradient and the run acts and evaluates at "
+            f"full depth (early exit is trained by the offline objectives bc and rcbc){fix}", ConfigAdviceWarning,
             stacklevel=4)
     return backbone
 

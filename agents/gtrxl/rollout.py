@@ -286,7 +286,8 @@ class RolloutCollector:
 
     def check_time_limit(self, init_checkpoint: str | None = None) -> None:
         """Refuse a learned position table without a row for every step up to and including the
-        environment's time limit; warn on rank 0 when there is no time limit.
+        environment's time limit; warn on rank 0 when there is no time limit, and when a plain
+        window (``agent.window``) is longer than the time limit.
 
         Args:
             init_checkpoint: ``agent.init_checkpoint`` (named in the error: its table is the one used).
@@ -311,6 +312,12 @@ class RolloutCollector:
                         "episode steps 0..%d only (backbone.max_position=%d): an episode that runs longer stops "
                         "the run with an error; agent.env_kwargs.max_episode_steps=%d (or less) cuts the episodes "
                         "there (time-limit truncations, bootstrapped)", env_id, limit - 1, limit, limit - 1)
+        window = self.model.encoder.cfg.window
+        if time_limit is not None and window > time_limit and dist_info().is_main:
+            log.warning("gtrxl_ppo: agent.window=%d but %s episodes run at most %d steps, so the window never "
+                        "holds more than %d valid steps and the other %d slots are masked padding; "
+                        "agent.window=%d acts the same (up to rounding) re-encoding %d tokens per step instead of %d",
+                        window, env_id, time_limit, time_limit, window - time_limit, time_limit, time_limit, window)
 
     # -- model inputs -----------------------------------------------------------------------------
     def norm_obs(self, obs: np.ndarray) -> Tensor:

@@ -106,9 +106,21 @@ class _WarningFormatter(logging.Formatter):
         return text if text.startswith("warning: ") else f"warning: {text}"
 
 
+class _LogFormatter(logging.Formatter):
+    """A package log record as one line: INFO as it is, WARNING and above prefixed with its level
+    (``warning: MESSAGE``, as captured Python warnings read)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        if record.levelno < logging.WARNING:
+            return text
+        prefix = f"{record.levelname.lower()}: "
+        return text if text.startswith(prefix) else prefix + text
+
+
 def _setup_logging() -> None:
     """INFO messages of the ``rl_tformers`` loggers and Python warnings, one line each, on stderr."""
-    for name, formatter in (("rl_tformers", logging.Formatter("%(message)s")), ("py.warnings", _WarningFormatter())):
+    for name, formatter in (("rl_tformers", _LogFormatter()), ("py.warnings", _WarningFormatter())):
         logger = logging.getLogger(name)
         if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
             handler = _StderrHandler()

@@ -913,7 +913,7 @@ def check_resume_changes(saved: DictConfig, new: DictConfig) -> list[str]:
     if refused:
         raise ConfigError(
             "these keys cannot change when resuming (the run would no longer continue exactly; start a new "
-            "run instead):\n  " + "\n  ".join(refused) + f"\nkeys that may change: {', '.join(RESUMABLE_KEYS)}"
+            "run instead):\n  " + ";\n  ".join(refused) + f".\nKeys that may change: {', '.join(RESUMABLE_KEYS)}"
         )
     return changes
 

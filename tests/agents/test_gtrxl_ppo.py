@@ -474,6 +474,24 @@ def test_ppo_says_memory_detach_false_has_no_effect() -> None:
         GTrXLPPO.for_training(cfg, None, "cpu")
 
 
+def test_ppo_says_early_exit_runs_at_full_depth() -> None:
+    """PPO trains at full depth: an early-exit depth kind is accepted with a warning saying it
+    never exits, and the run's policy runs every layer."""
+    cfg = compose(
+        overrides=[
+            "agent.kind=gtrxl_ppo",
+            "backbone.depth.kind=early_exit",
+            "agent.n_envs=2",
+            "agent.n_steps=4",
+            "agent.n_minibatches=1",
+            "device=cpu",
+        ]
+    )
+    with pytest.warns(ConfigAdviceWarning, match=r"backbone\.depth\.kind=early_exit runs every layer here: PPO's "
+                      r"loss trains the policy and value at full depth.*use backbone\.depth\.kind=fixed"):
+        GTrXLPPO.for_training(cfg, None, "cpu")
+
+
 class MatrixActionEnv(gym.Env):
     """A Box(2, 2) action; the observation echoes the action it received (flattened)."""
 
@@ -764,6 +782,31 @@ def test_ppo_fine_tuning_says_which_agent_inputs_it_takes_from_the_checkpoint(tm
 # ------------------------------------------------- PPO: the plain window (agent.window, no memory)
 NO_MEM_LEN = [o for o in PPO_TINY if not o.startswith("backbone.memory.mem_len")]
 WINDOW_PPO = [*NO_MEM_LEN, "agent.window=4", "backbone.memory.kind=none"]
+
+
+def test_ppo_says_a_plain_window_longer_than_the_time_limit_is_padding(caplog) -> None:
+    """ShortCartPole's episodes run at most 10 steps: a window of 12 holds 2 slots of padding
+    forever, and the warning names the window that acts the same; a window of 4 says nothing."""
+    import logging
+
+    over = [o for o in WINDOW_PPO if not o.startswith("agent.window")]
+    lg = logging.getLogger("rl_tformers")  # the CLI sets propagate=False: listen on it directly, once
+    propagate, lg.propagate = lg.propagate, False
+    lg.addHandler(caplog.handler)
+    try:
+        GTrXLPPO.for_training(compose(overrides=[*over, "agent.window=12"]), None, "cpu")
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        caplog.clear()
+        GTrXLPPO.for_training(compose(overrides=WINDOW_PPO), None, "cpu")
+        quiet = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        lg.removeHandler(caplog.handler)
+        lg.propagate = propagate
+    assert said == [
+        f"gtrxl_ppo: agent.window=12 but {SHORT} episodes run at most 10 steps, so the window never holds more "
+        f"than 10 valid steps and the other 2 slots are masked padding; agent.window=10 acts the same (up to "
+        f"rounding) re-encoding 10 tokens per step instead of 12"]
+    assert quiet == []
 
 
 def test_ppo_plain_window_stores_each_step_s_window_and_the_update_recomputes_its_log_probabilities() -> None:

@@ -503,3 +503,19 @@ def test_a_chunk_damaged_while_training_lazily_is_one_error_line_and_exit_2(tmp_
         f"error: {path}: cannot read 'observations': the file is damaged (OSError: Can't synchronously read data "
         f"(filter returned failure during read)); re-create or re-download it")
     assert (tmp_path / "run" / "config.yaml").is_file()  # the run had started
+
+
+def test_package_log_warnings_read_as_captured_python_warnings() -> None:
+    """The CLI's one-line log format: INFO as it is, a warning of the package's loggers prefixed
+    ``warning: `` once, as a Python warning is."""
+    import logging
+
+    from rl_tformers.cli.train import _LogFormatter
+
+    def line(level: int, msg: str) -> str:
+        return _LogFormatter().format(logging.LogRecord("rl_tformers.x", level, __file__, 1, msg, None, None))
+
+    assert line(logging.INFO, "step 10") == "step 10"
+    assert line(logging.WARNING, "no time limit") == "warning: no time limit"
+    assert line(logging.WARNING, "warning: said once") == "warning: said once"
+    assert line(logging.ERROR, "broken") == "error: broken"

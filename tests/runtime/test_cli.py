@@ -56,8 +56,10 @@ def test_train_then_resume(tmp_path: Path) -> None:
     assert r.exit_code == 0 and "done: 9 steps" in r.output
     r = invoke("--resume", str(run), "-c", "toy")
     assert r.exit_code == 2 and "drop --config" in r.output
-    r = invoke("--resume", str(run), "train.lr=1")
+    r = invoke("--resume", str(run), "train.lr=1", "seed=5")
     assert r.exit_code == 2 and "cannot change when resuming" in r.output
+    # one line, each changed key and the list of keys that may change set apart
+    assert "run instead): seed: 0 -> 5; train.lr: 0.0001 -> 1.0. Keys that may change: " in r.output, r.output
     r = invoke("--resume", str(tmp_path / "missing"))
     assert r.exit_code == 2 and "not a directory" in r.output
 
