@@ -215,6 +215,16 @@ class RolloutBuffer:
         return {k: torch.stack(v) for k, v in self.steps.items()}
 
 
+def warn_window_past_time_limit(window: int, time_limit: int | None, env_id: str) -> None:
+    """Warn on rank 0 when a plain window (``agent.window``, > 0) is longer than the time limit:
+    its extra slots are always masked padding."""
+    if time_limit is not None and window > time_limit and dist_info().is_main:
+        log.warning("gtrxl_ppo: agent.window=%d but %s episodes run at most %d steps, so the window never "
+                    "holds more than %d valid steps and the other %d slots are masked padding; "
+                    "agent.window=%d acts the same (up to rounding) re-encoding %d tokens per step instead of %d",
+                    window, env_id, time_limit, time_limit, window - time_limit, time_limit, time_limit, window)
+
+
 class RolloutCollector:
     """The N environments of one process, their running episodes, and rollout collection.
 
@@ -312,12 +322,7 @@ class RolloutCollector:
                         "episode steps 0..%d only (backbone.max_position=%d): an episode that runs longer stops "
                         "the run with an error; agent.env_kwargs.max_episode_steps=%d (or less) cuts the episodes "
                         "there (time-limit truncations, bootstrapped)", env_id, limit - 1, limit, limit - 1)
-        window = self.model.encoder.cfg.window
-        if time_limit is not None and window > time_limit and dist_info().is_main:
-            log.warning("gtrxl_ppo: agent.window=%d but %s episodes run at most %d steps, so the window never "
-                        "holds more than %d valid steps and the other %d slots are masked padding; "
-                        "agent.window=%d acts the same (up to rounding) re-encoding %d tokens per step instead of %d",
-                        window, env_id, time_limit, time_limit, window - time_limit, time_limit, time_limit, window)
+        warn_window_past_time_limit(self.model.encoder.cfg.window, time_limit, env_id)
 
     # -- model inputs -----------------------------------------------------------------------------
     def norm_obs(self, obs: np.ndarray) -> Tensor:

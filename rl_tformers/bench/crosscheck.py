@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="CQL's alpha (d3rlpy's reproduction script: 10 on medium sets, 5 otherwise)")
     ap.add_argument("--eval-every", type=int, default=0,
                     help="also evaluate every N updates, a learning curve in each run's JSON (N divides --steps)")
+    ap.add_argument("--reuse-only", action="store_true",
+                    help="run nothing: summarise the requested runs that --work holds, naming the ones it lacks")
     ap.add_argument("--env", default=None, help="evaluation environment (default: the dataset's; must match it)")
     ap.add_argument("--python", default=None, help="the peers' python (default: .bench-venvs/peers/bin/python)")
     ap.add_argument("--work", default="runs/crosscheck/work", help="exported data, per-run JSON and logs")
@@ -344,6 +346,21 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
               f"{r['normalised_mean']:.1f} ± {r['normalised_std']:.1f} | {r['return_mean']:.0f} ± {r['return_std']:.0f} |")
 
 
+def _reusable(plan: list[tuple[str, int, Path, list[str], bool]], work: Path) -> list:
+    """``--reuse-only``: the runs of ``plan`` that ``work`` holds; the others named on stderr.
+
+    Raises:
+        CrosscheckError: ``work`` holds none of them.
+    """
+    missing = [f"{algo} seed {seed}" for algo, seed, *_, reuse in plan if not reuse]
+    kept = [p for p in plan if p[-1]]
+    if not kept:
+        raise CrosscheckError(f"--reuse-only: --work {work} holds none of the requested runs")
+    if missing:
+        print(f"--reuse-only: not run, left out of the summary: {', '.join(missing)}", file=sys.stderr)
+    return kept
+
+
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     # every option first, then the dataset, then the --work directory: nothing is exported or
     # started before all of them are known to be right
@@ -371,6 +388,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
 
     print(f"{args.dataset}: {info['steps']} steps, {info['episodes']} episodes, top return {info['top_return']:.1f}; "
           f"env {env_id}; DT targets {targets}; data sha256 {sha256[:12]}", file=sys.stderr)
+    if args.reuse_only:
+        plan = _reusable(plan, work)
     if not all(reuse for *_, reuse in plan):
         export_dataset(ds, data_path, arrays)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

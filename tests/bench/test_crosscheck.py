@@ -305,3 +305,16 @@ def test_worker_learning_curve_leaves_training_unchanged(tiny_hdf5, tmp_path):
     plain, curved = run(), run("--eval-every", "2")
     assert "curve" not in plain and [c["step"] for c in curved["curve"]] == [2, 4]
     assert curved["curve"][-1]["results"] == curved["results"] == plain["results"]
+
+
+def test_reuse_only_summarises_the_runs_the_work_folder_holds_and_runs_nothing(tmp_path, hopper_h5, fake_worker,
+                                                                               capsys):
+    assert cc.main(_cc(tmp_path, hopper_h5, "--algos", "bc")) == 0
+    assert cc.main(_cc(tmp_path, hopper_h5, "--algos", "bc,dt", "--seeds", "0,1", "--reuse-only")) == 0
+    assert fake_worker.calls == [("bc", 0)]
+    assert "--reuse-only: not run, left out of the summary: dt seed 0, bc seed 1, dt seed 1" in capsys.readouterr().err
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert [(r["algo"], r["seed"]) for r in out["runs"]] == [("bc", 0)]
+    assert [(r["algo"], r["seeds"]) for r in out["rows"]] == [("bc", [0])]
+    assert cc.main(_cc(tmp_path, hopper_h5, "--algos", "dt", "--reuse-only")) == 2
+    assert f"error: --reuse-only: --work {tmp_path / 'work'} holds none of the requested runs" in capsys.readouterr().err
