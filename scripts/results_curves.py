@@ -3,7 +3,7 @@
     python scripts/results_curves.py docs/results/hopper-v1 --out docs/results/hopper-v1/curves.png
 
 Reads every ``<algo>-<task>-<dataset>.curves.json`` in the folder (the ``curves.json`` of a
-``rl-tformers sweep``, copied by ``scripts/results_hopper.sh``), and the d3rlpy peers' runs in
+``rl-tformers sweep``, copied by ``scripts/results_mujoco.sh``), and the d3rlpy peers' runs in
 ``peers-<task>-<dataset>.json`` that carry a learning curve (``crosscheck --eval-every``),
 normalised with the reference scores that file records.
 """

@@ -1,10 +1,11 @@
-"""The converged Hopper table (docs/results.md) from the per-run JSON of scripts/results_hopper.sh.
+"""The converged MuJoCo tables (docs/results.md) from the per-run JSON of scripts/results_mujoco.sh.
 
     python scripts/results_table.py docs/results/hopper-v1
+    python scripts/results_table.py docs/results/walker2d-v1 --task walker2d
 
-Reads ``<algo>-hopper-<dataset>.json`` (a sweep's ``results.json``: its completed runs' final
-``eval/normalized_score``), else the runs' ``<algo>-hopper-<dataset>-s<seed>.eval.json``
-(``rl-tformers eval --out``), and ``peers-hopper-<dataset>.json`` (the d3rlpy cross-check), and
+Reads ``<algo>-<task>-<dataset>.json`` (a sweep's ``results.json``: its completed runs' final
+``eval/normalized_score``), else the runs' ``<algo>-<task>-<dataset>-s<seed>.eval.json``
+(``rl-tformers eval --out``), and ``peers-<task>-<dataset>.json`` (the d3rlpy cross-check), and
 prints one markdown row per dataset: mean ± std (ddof 0) over seeds, the seeds counted, and each
 seed's score.
 """
@@ -39,8 +40,9 @@ def _eval_scores(folder: Path, stem: str) -> list[float]:
 
 
 def _peer_scores(folder: Path, dataset: str) -> dict[str, list[float]]:
-    """d3rlpy's scores per algorithm in ``peers-hopper-<dataset>.json`` (empty when absent)."""
-    path = folder / f"peers-hopper-{dataset}.json"
+    """d3rlpy's scores per algorithm in ``peers-<dataset>.json`` (``dataset``: task and level,
+    e.g. ``hopper-medium``; empty when absent)."""
+    path = folder / f"peers-{dataset}.json"
     if not path.exists():
         return {}
     data = json.loads(path.read_text())
@@ -65,34 +67,36 @@ def minutes(seconds: list[float]) -> str:
     return f"{math.fsum(known) / len(known) / 60:.0f}" if known else "-"
 
 
-def table(folder: Path) -> str:
-    """The markdown table of every dataset with at least one score; the last column is each
-    algorithm's mean training time per run in minutes (DT / BC / %BC, from the sweeps' records)."""
+def table(folder: Path, task: str = "hopper") -> str:
+    """The markdown table of every dataset of ``task`` with at least one score; the last column is
+    each algorithm's mean training time per run in minutes (DT / BC / %BC, from the sweeps' records)."""
     head = ("| dataset | " + " | ".join(name for _, name in ALGOS)
             + " | d3rlpy IQL | d3rlpy CQL | minutes per run (" + " / ".join(n.split(" (")[0] for _, n in ALGOS) + ") |")
     lines = [head, "|" + "---|" * (len(ALGOS) + 4)]
-    for dataset in DATASETS:
+    for level in DATASETS:
+        dataset = f"{task}-{level}"
         cells, times = [], []
         for algo, _ in ALGOS:
-            sweep = folder / f"{algo}-hopper-{dataset}.json"
-            scores, seconds = _sweep_scores(sweep) if sweep.exists() else (_eval_scores(folder, f"{algo}-hopper-{dataset}"), [])
+            sweep = folder / f"{algo}-{dataset}.json"
+            scores, seconds = _sweep_scores(sweep) if sweep.exists() else (_eval_scores(folder, f"{algo}-{dataset}"), [])
             cells.append(cell(scores))
             times.append(minutes(seconds))
         peers = _peer_scores(folder, dataset)
         cells += [cell(peers.get("iql", [])), cell(peers.get("cql", []))]
         if any(c != "-" for c in cells):
-            lines.append(f"| hopper-{dataset} | " + " | ".join(cells) + " | " + " / ".join(times) + " |")
+            lines.append(f"| {dataset} | " + " | ".join(cells) + " | " + " / ".join(times) + " |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path)
+    ap.add_argument("--task", default="hopper", choices=("hopper", "walker2d", "halfcheetah"))
     args = ap.parse_args(argv)
     if not args.folder.is_dir():
         print(f"error: {args.folder}: not a folder", file=sys.stderr)
         return 2
-    print(table(args.folder))
+    print(table(args.folder, args.task))
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import gymnasium as gym
@@ -318,3 +319,55 @@ def test_reuse_only_summarises_the_runs_the_work_folder_holds_and_runs_nothing(t
     assert [(r["algo"], r["seeds"]) for r in out["rows"]] == [("bc", [0])]
     assert cc.main(_cc(tmp_path, hopper_h5, "--algos", "dt", "--reuse-only")) == 2
     assert f"error: --reuse-only: --work {tmp_path / 'work'} holds none of the requested runs" in capsys.readouterr().err
+
+
+class _TransformerLikeAlgo:
+    """Stands in for d3rlpy's DecisionTransformer: ``fit`` with a per-update callback, no
+    ``fitter``; each update adds one to ``updates``."""
+
+    def __init__(self) -> None:
+        self.updates = 0
+        self.fit_calls: list[dict] = []
+        optim = types.SimpleNamespace(optim=types.SimpleNamespace(param_groups=[{"lr": 6e-5}]))
+        self.impl = types.SimpleNamespace(modules=types.SimpleNamespace(optim=optim))
+
+    def fit(self, dataset, n_steps, n_steps_per_epoch, callback=None, **kwargs):
+        self.fit_calls.append({"n_steps": n_steps, "n_steps_per_epoch": n_steps_per_epoch})
+        for step in range(1, n_steps + 1):
+            self.updates += 1
+            if callback:
+                callback(self, 1 + (step - 1) // n_steps_per_epoch, step)
+
+
+def test_worker_curve_of_dt_evaluates_every_target_between_updates_through_fit_s_callback(tmp_path, monkeypatch):
+    """``--eval-every 2 --steps 6`` with two DT targets: evaluations after updates 2 and 4 (from
+    d3rlpy's ``fit`` callback: its DecisionTransformer has no ``fitter``) and the final one at 6,
+    each of both targets; the model is fitted once, over all 6 updates."""
+    algo = _TransformerLikeAlgo()
+    fake = types.ModuleType("d3rlpy")
+    fake.__version__ = "2.8.1"
+    fake.seed = lambda seed: None
+    fake.dataset = types.SimpleNamespace(MDPDataset=lambda **kw: types.SimpleNamespace(episodes=[0, 1]))
+    fake.logging = types.SimpleNamespace(NoopAdapterFactory=lambda: None)
+    monkeypatch.setitem(sys.modules, "d3rlpy", fake)
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)
+    monkeypatch.setattr(worker, "build", lambda name, args, d3rlpy: (types.SimpleNamespace(serialize=lambda: "{}"),
+                                                                     algo))
+
+    def evaluate(args, evaluated):
+        assert evaluated is algo
+        return [{"target": float(t), "returns": [float(algo.updates)], "lengths": [1]}
+                for t in args.targets.split(",")], 0.5
+
+    monkeypatch.setattr(worker, "evaluate", evaluate)
+    data = tmp_path / "d.npz"
+    np.savez(data, **{k: np.zeros(3) for k in ("observations", "actions", "rewards", "terminals", "timeouts")})
+    out = tmp_path / "o.json"
+    assert worker.main(["--algo", "dt", "--data", str(data), "--out", str(out), "--steps", "6", "--eval-every", "2",
+                        "--targets", "3559.0,3300.0"]) == 0
+    run = json.loads(out.read_text())
+    assert algo.fit_calls == [{"n_steps": 6, "n_steps_per_epoch": 6}]
+    assert [(c["step"], [(r["target"], r["returns"]) for r in c["results"]]) for c in run["curve"]] == [
+        (2, [(3559.0, [2.0]), (3300.0, [2.0])]), (4, [(3559.0, [4.0]), (3300.0, [4.0])]),
+        (6, [(3559.0, [6.0]), (3300.0, [6.0])])]
+    assert run["results"] == run["curve"][-1]["results"] and run["settings"]["eval_every"] == 2

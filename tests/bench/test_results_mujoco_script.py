@@ -1,4 +1,4 @@
-"""scripts/results_hopper.sh end to end on a tiny budget: recipe -> sweeps -> per-run JSON and curves."""
+"""scripts/results_mujoco.sh end to end on a tiny budget: recipe -> sweeps -> per-run JSON and curves; the table and the figure scripts."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_one_short_results_row_runs_from_the_recipe_to_the_json_and_the_figure(s
            "EXTRA": f"dataset.root={root} backbone.d_model=16 backbone.n_layers=1 train.warmup_steps=2"}
     runs = []
     for _ in range(2):
-        p = subprocess.run(["bash", str(REPO / "scripts/results_hopper.sh"), "medium-expert"], env=env, cwd=REPO,
+        p = subprocess.run(["bash", str(REPO / "scripts/results_mujoco.sh"), "medium-expert"], env=env, cwd=REPO,
                            capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, p.stderr[-3000:]
         runs.append({a: json.loads((tmp_path / "doc" / f"{a}-hopper-medium-expert.json").read_text())
@@ -89,3 +89,22 @@ def test_the_curves_figure_reads_the_peers_learning_curves(tmp_path: Path) -> No
         run("iql", 0, None), run("cql", 0, {2: 9.0, 4: 29.0}), run("cql", 1, {2: 29.0, 4: 49.0, 6: 0.0})]}))
     assert results_curves.peer_curves(path) == {
         "d3rlpy CQL": {"steps": [2, 4], "mean": [30.0, 50.0], "std": [10.0, 10.0], "n": 2}}
+
+
+def test_the_results_table_of_another_task_reads_its_own_files(tmp_path: Path) -> None:
+    """``--task walker2d``: the walker2d files make the rows; a Hopper file beside them does not."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import results_table
+    finally:
+        sys.path.pop(0)
+    (tmp_path / "dt-walker2d-medium-s0.eval.json").write_text(json.dumps({"results": [{"normalized_score": 74.5}]}))
+    (tmp_path / "dt-hopper-medium-s0.eval.json").write_text(json.dumps({"results": [{"normalized_score": 60.0}]}))
+    assert results_table.table(tmp_path, "walker2d").splitlines()[2:] == [
+        "| walker2d-medium | 74.5 ± 0.0 (n=1: 74.5) | - | - | - | - | - / - / - |"]
+
+
+def test_the_results_script_refuses_an_unknown_task(tmp_path: Path) -> None:
+    p = subprocess.run(["bash", str(REPO / "scripts/results_mujoco.sh")], env={**os.environ, "TASK": "ant"},
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip() == "error: TASK=ant: one of hopper, walker2d, halfcheetah"
