@@ -188,10 +188,11 @@ def recorded_settings(args: argparse.Namespace) -> dict:
 def fit(args: argparse.Namespace):
     """Train ``args.algo`` with d3rlpy on ``args.data``: returns ``(config, algo, dataset,
     train seconds, final learning rate, curve)``. With ``--eval-every N`` the curve holds one
-    :func:`evaluate` after every N updates (``{"step", "results", "eval_seconds"}``; its time is
-    not counted in the train seconds); the evaluations read no random numbers of training (the
-    environment seeds its own generator; the policies act by their mean), so the trained model
-    is the one of a run without them."""
+    :func:`evaluate` after every N updates before the last (``{"step", "results",
+    "eval_seconds"}``; its time is not counted in the train seconds), run by the callback d3rlpy's
+    ``fit`` calls after each update (its transformer algorithms, DT, have no ``fitter``); the
+    evaluations read no random numbers of training (the environment seeds its own generator; the
+    policies act deterministically), so the trained model is the one of a run without them."""
     # the peers' environment's libraries (this script runs there only)
     import d3rlpy
     import numpy as np
@@ -205,19 +206,19 @@ def fit(args: argparse.Namespace):
         terminals=data["terminals"].astype(np.float32), timeouts=data["timeouts"].astype(np.float32),
     )
     cfg, algo = build(args.algo, args, d3rlpy)
-    every = args.eval_every or args.steps
-    curve, eval_s = [], 0.0
-    t0 = time.perf_counter()
-    for epoch, _ in algo.fitter(dataset, n_steps=args.steps, n_steps_per_epoch=every, show_progress=False,
-                                with_timestamp=False, logger_adapter=d3rlpy.logging.NoopAdapterFactory(),
-                                save_interval=10**9):
-        if args.eval_every and epoch * every < args.steps:
+    curve: list[dict] = []
+
+    def evaluate_between(_algo, _epoch: int, step: int) -> None:
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             results, seconds = evaluate(args, algo)
-            curve.append({"step": epoch * every, "results": results, "eval_seconds": seconds})
-            eval_s += seconds
-            print(f"[{args.algo} seed {args.seed}] {epoch * every} updates: return "
-                  f"{np.mean(results[0]['returns']):.1f}", file=sys.stderr, flush=True)
-    train_s = time.perf_counter() - t0 - eval_s
+            curve.append({"step": step, "results": results, "eval_seconds": seconds})
+            returns = ", ".join(f"{np.mean(r['returns']):.1f}" for r in results)
+            print(f"[{args.algo} seed {args.seed}] {step} updates: return {returns}", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    algo.fit(dataset, n_steps=args.steps, n_steps_per_epoch=args.steps, show_progress=False, with_timestamp=False,
+             logger_adapter=d3rlpy.logging.NoopAdapterFactory(), save_interval=10**9, callback=evaluate_between)
+    train_s = time.perf_counter() - t0 - sum(c["eval_seconds"] for c in curve)
     # the last update's learning rate (checks the schedule ran to its end): the policy's optimiser
     modules = algo.impl.modules
     optim = (modules.optim if hasattr(modules, "optim") else modules.actor_optim).optim

@@ -294,18 +294,21 @@ def test_crosscheck_refuses_an_evaluation_interval_that_does_not_divide_the_step
 @pytest.mark.skipif(_peers_with_mujoco() is None,
                     reason="needs the peers' environment with d3rlpy and MuJoCo (rl-tformers bench train --build-peers)")
 def test_worker_learning_curve_leaves_training_unchanged(tiny_hdf5, tmp_path):
-    """IQL with ``--eval-every``: one evaluation per interval, the last one the run's result, and
-    the same returns as the run without a curve."""
-    def run(*extra: str) -> dict:
+    """IQL (d3rlpy's Q-learning base) and DT with two targets (its transformer base) with
+    ``--eval-every``: one evaluation per interval, the last one the run's result, and the same
+    returns as the run without a curve."""
+    def runs(*extra: str) -> list[dict]:
         out = tmp_path / f"out{len(extra)}.json"
-        rc = cc.main(["--dataset", str(tiny_hdf5), "--algos", "iql", "--seeds", "0", "--steps", "4", "--episodes",
-                      "2", "--work", str(tmp_path / f"work{len(extra)}"), "--out", str(out), *extra])
+        rc = cc.main(["--dataset", str(tiny_hdf5), "--algos", "iql,dt", "--extra-targets", "3300", "--seeds", "0",
+                      "--steps", "4", "--episodes", "2", "--work", str(tmp_path / f"work{len(extra)}"), "--out",
+                      str(out), *extra])
         assert rc == 0
-        return json.loads(out.read_text())["runs"][0]
+        return json.loads(out.read_text())["runs"]
 
-    plain, curved = run(), run("--eval-every", "2")
-    assert "curve" not in plain and [c["step"] for c in curved["curve"]] == [2, 4]
-    assert curved["curve"][-1]["results"] == curved["results"] == plain["results"]
+    for plain, curved in zip(runs(), runs("--eval-every", "2"), strict=True):
+        assert "curve" not in plain and [c["step"] for c in curved["curve"]] == [2, 4]
+        assert len(curved["results"]) == (2 if curved["algo"] == "dt" else 1)
+        assert curved["curve"][-1]["results"] == curved["results"] == plain["results"]
 
 
 def test_reuse_only_summarises_the_runs_the_work_folder_holds_and_runs_nothing(tmp_path, hopper_h5, fake_worker,
