@@ -13,9 +13,9 @@ writes one JSON with every run, the per-seed and across-seed means and D4RL-norm
         --out runs/crosscheck/d3rlpy-hopper-medium-expert.json
 
 Every option is checked before anything is loaded, exported or started (errors are one
-``error: ...`` line, exit code 2): the seeds, algorithms and targets, the peers' python, the
-dataset (continuous actions; its environment is ``--env``, which defaults to it; D4RL reference
-scores exist for it).
+``error: ...`` line, exit code 2): the seeds, algorithms and targets, the peers' python (which
+``--reuse-only`` does not need), the dataset (continuous actions; its environment is ``--env``,
+which defaults to it; D4RL reference scores exist for it).
 
 Runs are sequential, one thread each. A run already in ``--work`` (its per-run JSON) is reused,
 so an interrupted cross-check resumes, but only when it was made with the same settings: the
@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=0,
                     help="also evaluate every N updates, a learning curve in each run's JSON (N divides --steps)")
     ap.add_argument("--reuse-only", action="store_true",
-                    help="run nothing: summarise the requested runs that --work holds, naming the ones it lacks")
+                    help="run nothing (no peers' python needed): summarise the requested runs that --work holds, "
+                         "naming the ones it lacks")
     ap.add_argument("--env", default=None, help="evaluation environment (default: the dataset's; must match it)")
     ap.add_argument("--python", default=None, help="the peers' python (default: .bench-venvs/peers/bin/python)")
     ap.add_argument("--work", default="runs/crosscheck/work", help="exported data, per-run JSON and logs")
@@ -365,7 +366,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     # every option first, then the dataset, then the --work directory: nothing is exported or
     # started before all of them are known to be right
     seeds, algos, extra = parse_options(args)
-    python = _peer_python(args.python)
+    python = None if args.reuse_only else _peer_python(args.python)  # --reuse-only starts no worker
     try:
         ds = load_dataset(args.dataset)
     except (OSError, ValueError) as exc:  # FileNotFoundError, DatasetError, h5py's OSError

@@ -374,3 +374,13 @@ def test_worker_curve_of_dt_evaluates_every_target_between_updates_through_fit_s
         (2, [(3559.0, [2.0]), (3300.0, [2.0])]), (4, [(3559.0, [4.0]), (3300.0, [4.0])]),
         (6, [(3559.0, [6.0]), (3300.0, [6.0])])]
     assert run["results"] == run["curve"][-1]["results"] and run["settings"]["eval_every"] == 2
+
+
+def test_reuse_only_needs_no_peers_python(tmp_path, hopper_h5, fake_worker, capsys):
+    """``--reuse-only`` starts no worker: a missing peers' python does not stop the summary."""
+    assert cc.main(_cc(tmp_path, hopper_h5, "--algos", "bc")) == 0
+    assert cc.main(_cc(tmp_path, hopper_h5, "--algos", "bc", "--reuse-only", "--python", "/nonexistent/python")) == 0
+    assert fake_worker.calls == [("bc", 0)]
+    assert [(r["algo"], r["seeds"]) for r in json.loads((tmp_path / "out.json").read_text())["rows"]] == [("bc", [0])]
+    assert cc.main(_cc(tmp_path, hopper_h5, "--algos", "bc", "--python", "/nonexistent/python")) == 2
+    assert capsys.readouterr().err.endswith("error: --python /nonexistent/python: not an executable file\n")
