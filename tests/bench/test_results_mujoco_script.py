@@ -91,6 +91,66 @@ def test_the_curves_figure_reads_the_peers_learning_curves(tmp_path: Path) -> No
         "d3rlpy CQL": {"steps": [2, 4], "mean": [30.0, 50.0], "std": [10.0, 10.0], "n": 2}}
 
 
+def _results_curves():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import results_curves
+    finally:
+        sys.path.pop(0)
+    return results_curves
+
+
+def test_the_curves_figure_draws_a_peer_dt_curve_per_target_and_a_peer_bc_curve(tmp_path: Path) -> None:
+    """A cross-check of d3rlpy's DT with two targets and BC: one curve per DT target, labelled
+    with it, and BC's own label, none of them ours (DT, BC)."""
+    def run(algo: str, targets: list[float | None], returns: dict[int, list[float]]) -> dict:
+        return {"algo": algo, "seed": 0, "results": [],
+                "curve": [{"step": s, "results": [{"target": t, "returns": [r]} for t, r in zip(targets, rs)]}
+                          for s, rs in returns.items()]}
+
+    path = tmp_path / "peers-hopper-medium.json"
+    path.write_text(json.dumps({"reference_scores": [0.0, 200.0], "runs": [
+        run("dt", [3559.0, 3300.0], {2: [20.0, 40.0], 4: [60.0, 80.0]}), run("bc", [None], {2: [100.0], 4: [120.0]})]}))
+    assert _results_curves().peer_curves(path) == {
+        "d3rlpy DT (target 3559)": {"steps": [2, 4], "mean": [10.0, 30.0], "std": [0.0, 0.0], "n": 1},
+        "d3rlpy DT (target 3300)": {"steps": [2, 4], "mean": [20.0, 40.0], "std": [0.0, 0.0], "n": 1},
+        "d3rlpy BC": {"steps": [2, 4], "mean": [50.0, 60.0], "std": [0.0, 0.0], "n": 1}}
+
+
+@pytest.mark.parametrize("scores", [[50.0, 50.0], [90.0, -10.0]])
+def test_the_curves_figure_refuses_a_peers_file_whose_reference_scores_do_not_normalise(tmp_path: Path,
+                                                                                        capsys, scores) -> None:
+    (tmp_path / "dt-hopper-medium.curves.json").write_text(json.dumps({"metric": "eval/normalized_score", "points": {
+        "(base)": {"steps": [2], "mean": [1.0], "std": [0.0], "n": 1}}}))
+    path = tmp_path / "peers-hopper-medium.json"
+    path.write_text(json.dumps({"reference_scores": scores, "runs": [
+        {"algo": "iql", "seed": 0, "curve": [{"step": 2, "results": [{"target": None, "returns": [1.0]}]}]}]}))
+    assert _results_curves().main([str(tmp_path), "--out", str(tmp_path / "c.png")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {path}: not a cross-check JSON of python -m rl_tformers.bench.crosscheck (ValueError: "
+        f"reference_scores {scores}: random is not below expert)\n")
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_the_curves_figure_leaves_out_peers_curves_beside_sweeps_of_another_metric(tmp_path: Path, capsys,
+                                                                                    monkeypatch) -> None:
+    """The peers' curves are normalised scores: beside sweeps' curves of returns they are named
+    on stderr and not drawn."""
+    (tmp_path / "dt-breakout-x.curves.json").write_text(json.dumps({"metric": "eval/return", "points": {
+        "(base)": {"steps": [2], "mean": [1.0], "std": [0.0], "n": 1}}}))
+    path = tmp_path / "peers-breakout-x.json"
+    path.write_text(json.dumps({"reference_scores": [0.0, 1.0], "runs": [
+        {"algo": "iql", "seed": 0, "curve": [{"step": 2, "results": [{"target": None, "returns": [1.0]}]}]}]}))
+    results_curves = _results_curves()
+    drawn = []
+    monkeypatch.setattr(results_curves, "plot_curve_panels",
+                        lambda panels, metric, out: drawn.append((panels, metric)) or out)
+    assert results_curves.main([str(tmp_path), "--out", str(tmp_path / "c.png")]) == 0
+    assert drawn == [({"breakout-x": {"DT": {"steps": [2], "mean": [1.0], "std": [0.0], "n": 1}}}, "eval/return")]
+    assert capsys.readouterr().err == (
+        f"{path}: its curves are not drawn: the sweeps' curves are eval/return, not eval/normalized_score\n")
+
+
 def test_the_results_table_of_another_task_reads_its_own_files(tmp_path: Path) -> None:
     """``--task walker2d``: the walker2d files make the rows; a Hopper file beside them does not."""
     sys.path.insert(0, str(REPO / "scripts"))
