@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -489,7 +490,10 @@ def test_ppo_says_early_exit_runs_at_full_depth() -> None:
     )
     with pytest.warns(ConfigAdviceWarning, match=r"backbone\.depth\.kind=early_exit runs every layer here: PPO's "
                       r"loss trains the policy and value at full depth.*use backbone\.depth\.kind=fixed"):
-        GTrXLPPO.for_training(cfg, None, "cpu")
+        agent = GTrXLPPO.for_training(cfg, None, "cpu")
+    # the depth module's exit threshold stays +inf (GTrXL refuses backbone.depth.threshold), so
+    # no token ever exits: every layer runs
+    assert [float(m.exit_threshold) for m in agent.model.modules() if hasattr(m, "exit_threshold")] == [math.inf]
 
 
 class MatrixActionEnv(gym.Env):
