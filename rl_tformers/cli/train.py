@@ -112,10 +112,12 @@ class _LogFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         text = record.getMessage()
-        if record.levelno < logging.WARNING:
-            return text
-        prefix = f"{record.levelname.lower()}: "
-        return text if text.startswith(prefix) else prefix + text
+        if record.levelno >= logging.WARNING:
+            prefix = f"{record.levelname.lower()}: "
+            text = text if text.startswith(prefix) else prefix + text
+        if record.exc_info:  # log.exception: the traceback follows the line
+            text += "\n" + self.formatException(record.exc_info)
+        return text
 
 
 def _setup_logging() -> None:

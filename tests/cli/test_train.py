@@ -519,3 +519,11 @@ def test_package_log_warnings_read_as_captured_python_warnings() -> None:
     assert line(logging.WARNING, "no time limit") == "warning: no time limit"
     assert line(logging.WARNING, "warning: said once") == "warning: said once"
     assert line(logging.ERROR, "broken") == "error: broken"
+    try:
+        raise RuntimeError("inside")
+    except RuntimeError:
+        import sys
+
+        record = logging.LogRecord("rl_tformers.x", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
+    text = _LogFormatter().format(record)
+    assert text.startswith("error: failed\nTraceback (most recent call last):") and text.endswith("RuntimeError: inside")
