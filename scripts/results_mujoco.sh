@@ -8,6 +8,7 @@
 #   scripts/results_mujoco.sh                       # every Hopper row, most telling first
 #   scripts/results_mujoco.sh medium-expert         # one dataset
 #   TASK=walker2d scripts/results_mujoco.sh         # the Walker2d rows
+#   ALGOS="bc bc10" PEERS=0 scripts/results_mujoco.sh   # some of the algorithms (dt, bc, bc10), no peers
 #   OUT=/tmp/r DOC=/tmp/d SEEDS=0 BUDGET="train.steps=40 eval.every=20" scripts/results_mujoco.sh medium   # a dry run
 #
 # Each row is one `rl-tformers sweep` over seeds 0-2: running the script again skips finished
@@ -34,7 +35,7 @@ if [ $# -eq 0 ]; then set -- medium-expert medium-replay medium; fi
 mkdir -p "$DOC"
 for l in "$@"; do
   L=${l//-/_}
-  for a in dt bc bc10; do
+  for a in ${ALGOS:-dt bc bc10}; do
     case $a in
       dt) cfg=dt/${TASK}_$L ;;
       bc) cfg=bc/${TASK}_$L ;;
