@@ -81,7 +81,8 @@ def read_curves(path: str | os.PathLike) -> tuple[str, dict[str, dict[str, list[
 def plot_curve_panels(panels: Mapping[str, Mapping[str, Mapping[str, Any]]], metric: str,
                       path: str | os.PathLike, *, title: str | None = None) -> Path:
     """One panel per entry of ``panels`` (``{panel title: {label: curve}}``): each curve's mean
-    against updates with a ±1 std band; legends below the axes. Returns the written path."""
+    against updates with a ±1 std band, a label in the same colour in every panel; legends below
+    the axes. Returns the written path."""
     import matplotlib  # optional heavy dependency: only figures need it
 
     matplotlib.use("Agg")
@@ -89,13 +90,17 @@ def plot_curve_panels(panels: Mapping[str, Mapping[str, Mapping[str, Any]]], met
 
     n = max(1, len(panels))
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.8), squeeze=False, sharey=True)
+    labels = list(dict.fromkeys(label for curves in panels.values() for label in curves))
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colours = {label: cycle[i % len(cycle)] for i, label in enumerate(labels)}  # one colour per label in every panel
     for ax, (name, curves) in zip(axes[0], panels.items()):
         for label, c in curves.items():
             if not c.get("steps"):
                 continue
             lo = [m - s for m, s in zip(c["mean"], c["std"])]
             hi = [m + s for m, s in zip(c["mean"], c["std"])]
-            (line,) = ax.plot(c["steps"], c["mean"], marker="o", ms=3, label=f"{label} (n={c['n']})")
+            (line,) = ax.plot(c["steps"], c["mean"], marker="o", ms=3, label=f"{label} (n={c['n']})",
+                              color=colours[label])
             ax.fill_between(c["steps"], lo, hi, color=line.get_color(), alpha=0.15)
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("updates")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_tformers.runtime.curves import mean_curve, point_curves, read_curves, run_curve
+from rl_tformers.runtime.curves import mean_curve, plot_curve_panels, point_curves, read_curves, run_curve
 from rl_tformers.runtime.sweep import SweepRun, _write_learning_curves
 
 
@@ -64,3 +64,24 @@ def test_a_file_that_is_not_a_curves_json_is_named_in_the_error(tmp_path: Path):
     bad.write_text("[1, 2]")
     with pytest.raises(ValueError, match=rf"^{bad}: not a curves.json written by rl-tformers sweep"):
         read_curves(bad)
+
+
+def test_a_label_has_the_same_colour_in_every_panel(tmp_path: Path, monkeypatch):
+    """A label missing from the first panel still gets its own colour, the one it has elsewhere."""
+    import matplotlib.figure
+
+    curve = {"steps": [1, 2], "mean": [0.0, 1.0], "std": [0.0, 0.0], "n": 1}
+    seen: dict[str, set[str]] = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def record(fig, *args, **kwargs):
+        for ax in fig.axes:
+            for line in ax.get_lines():
+                seen.setdefault(line.get_label(), set()).add(line.get_color())
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    plot_curve_panels({"a": {"DT": curve, "CQL": curve}, "b": {"IQL": curve, "CQL": curve}}, "score",
+                      tmp_path / "c.png")
+    assert {k: len(v) for k, v in seen.items()} == {"DT (n=1)": 1, "CQL (n=1)": 1, "IQL (n=1)": 1}
+    assert len(set.union(*seen.values())) == 3
