@@ -109,6 +109,8 @@ def action_summary(ds: EpisodeDataset, act_dim: int, action_start: int = 0) -> n
     covered[ds.flat_indices()] = True
     for off, chunk in iter_chunks(ds.actions):
         c = np.asarray(chunk)[covered[off: off + chunk.shape[0]]]
+        if not len(c):  # a chunk of steps the selection leaves out (e.g. %BC's top episodes elsewhere)
+            continue
         if ds.discrete_actions:
             total += np.bincount(c.reshape(-1).astype(np.int64) - action_start, minlength=act_dim)[:act_dim]
         else:
