@@ -248,7 +248,8 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python -m rl_tformers.bench.crosscheck``."""
     ap = argparse.ArgumentParser(description="d3rlpy DT / BC / IQL / CQL cross-check on one of our datasets")
     ap.add_argument("--dataset", default="rlt/hopper-v5/medium-expert-v0")
     ap.add_argument("--seeds", default="0,1,2")
@@ -267,7 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", default=None, help="the peers' python (default: .bench-venvs/peers/bin/python)")
     ap.add_argument("--work", default="runs/crosscheck/work", help="exported data, per-run JSON and logs")
     ap.add_argument("--out", default="runs/crosscheck/d3rlpy-hopper-medium-expert.json")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return _run(args, argv)
     except CrosscheckError as exc:

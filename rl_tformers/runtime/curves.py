@@ -87,7 +87,6 @@ def plot_curve_panels(panels: Mapping[str, Mapping[str, Mapping[str, Any]]], met
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import FuncFormatter
 
     _thousands = FuncFormatter(lambda x, _: f"{x / 1000:g}k" if abs(x) >= 1000 else f"{x:g}")
