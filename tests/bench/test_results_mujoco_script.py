@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rl_tformers.cli import app
+from tests.scripts import script_module
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,11 +53,7 @@ def test_the_results_table_reads_sweeps_evaluations_and_peers(tmp_path: Path) ->
     """scripts/results_table.py: a sweep's completed runs, else per-run evaluations, and the
     d3rlpy cross-check, as mean ± std (ddof 0) with each seed's score, and the mean training
     minutes per run of the runs that recorded their time."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import results_table
-    finally:
-        sys.path.pop(0)
+    results_table = script_module("results_table")
     runs = [{"seed": 1, "status": "ok", "eval/normalized_score": 30.0, "seconds": 150.0},
             {"seed": 0, "status": "skipped", "eval/normalized_score": 10.0, "seconds": 90.0},
             {"seed": 2, "status": "failed", "eval/normalized_score": 99.0}]
@@ -71,11 +68,7 @@ def test_the_results_table_reads_sweeps_evaluations_and_peers(tmp_path: Path) ->
 def test_the_curves_figure_reads_the_peers_learning_curves(tmp_path: Path) -> None:
     """scripts/results_curves.py: the cross-check runs that carry a curve, normalised with the
     file's reference scores, mean and std (ddof 0) over seeds at the steps every seed has."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import results_curves
-    finally:
-        sys.path.pop(0)
+    results_curves = script_module("results_curves")
 
     def run(algo: str, seed: int, curve: dict[int, float] | None) -> dict:
         out = {"algo": algo, "seed": seed, "results": [{"target": None, "returns": [0.0]}]}
@@ -92,11 +85,7 @@ def test_the_curves_figure_reads_the_peers_learning_curves(tmp_path: Path) -> No
 
 
 def _results_curves():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import results_curves
-    finally:
-        sys.path.pop(0)
+    results_curves = script_module("results_curves")
     return results_curves
 
 
@@ -153,11 +142,7 @@ def test_the_curves_figure_leaves_out_peers_curves_beside_sweeps_of_another_metr
 
 def test_the_results_table_of_another_task_reads_its_own_files(tmp_path: Path) -> None:
     """``--task walker2d``: the walker2d files make the rows; a Hopper file beside them does not."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import results_table
-    finally:
-        sys.path.pop(0)
+    results_table = script_module("results_table")
     (tmp_path / "dt-walker2d-medium-s0.eval.json").write_text(json.dumps({"results": [{"normalized_score": 74.5}]}))
     (tmp_path / "dt-hopper-medium-s0.eval.json").write_text(json.dumps({"results": [{"normalized_score": 60.0}]}))
     assert results_table.table(tmp_path, "walker2d").splitlines()[2:] == [

@@ -11,17 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts import script_module
+
 REPO = Path(__file__).resolve().parents[2]
 TASK = "RepeatPreviousEasy"
 
 
 def _table_module():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import popgym_table
-    finally:
-        sys.path.pop(0)
-    return popgym_table
+    return script_module("popgym_table")
 
 
 def _run(tmp_path: Path, config: dict, evals: list[tuple[int, float]], final: float, repeat: int = 0) -> Path:
