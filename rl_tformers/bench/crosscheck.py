@@ -316,9 +316,12 @@ def _plan(args: argparse.Namespace, seeds: list[int], algos: list[str], work: Pa
                     problems.append(problem)
             plan.append((algo, seed, out, wargs, reuse))
     if problems:
+        # runs that differ only in lacking the curve asked for can be reused by not asking for it
+        curve_only = all(line.strip().startswith("eval_every:") for p in problems for line in p.splitlines()[1:])
         raise CrosscheckError(
             f"--work {work} holds runs that cannot be reused:\n  " + "\n  ".join(problems)
-            + "\nuse another --work directory, or delete those files to run them again")
+            + "\nuse another --work directory, or delete those files to run them again"
+            + (" (or drop --eval-every to reuse them as they are, without a learning curve)" if curve_only else ""))
     return plan
 
 

@@ -278,7 +278,13 @@ def test_a_run_with_a_learning_curve_stands_for_one_without_but_not_the_reverse(
     assert fake_worker.calls == [("bc", 0), ("dt", 0)]
     capsys.readouterr()
     assert cc.main(_cc(tmp_path, hopper_h5, "--algos", "dt", "--eval-every", "5")) == 2
-    assert "eval_every: <unset> (stored) -> 5 (requested)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "eval_every: <unset> (stored) -> 5 (requested)" in err
+    assert err.rstrip().endswith("delete those files to run them again (or drop --eval-every to reuse them as they "
+                                 "are, without a learning curve)")
+    # another difference besides the curve: no such advice
+    assert cc.main(_cc(tmp_path, hopper_h5, "--algos", "dt", "--eval-every", "5", "--episodes", "2")) == 2
+    assert capsys.readouterr().err.rstrip().endswith("delete those files to run them again")
 
 
 @pytest.mark.parametrize("every", ["-1", "2"])
