@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rl_tformers.runtime.curves import plot_curve_panels, read_curves
+from rl_tformers.runtime.curves import mean_curve, plot_curve_panels, read_curves
 
 ALGOS = {"dt": "DT", "bc": "BC", "bc10": "%BC (top 10%)"}
 NORMALISED = "eval/normalized_score"  # the sweeps' metric the peers' curves share an axis with
@@ -55,13 +55,7 @@ def peer_curves(path: Path) -> dict[str, dict]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: not a cross-check JSON of python -m rl_tformers.bench.crosscheck "
                          f"({type(exc).__name__}: {exc})") from None
-    curves = {}
-    for label, runs in by_label.items():
-        steps = sorted(set.intersection(*(set(r) for r in runs)))
-        vals = np.array([[r[s] for s in steps] for r in runs])
-        curves[label] = {"steps": steps, "mean": vals.mean(0).tolist(), "std": vals.std(0).tolist(),
-                         "n": len(runs)}
-    return curves
+    return {label: mean_curve([sorted(r.items()) for r in runs]) for label, runs in by_label.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -302,7 +302,7 @@ def _plan(args: argparse.Namespace, seeds: list[int], algos: list[str], work: Pa
     Raises:
         CrosscheckError: ``--work`` holds result files that cannot be reused (each named).
     """
-    plan, problems = [], []
+    plan, problems, curve_only = [], [], True
     for seed in seeds:
         for algo in algos:
             out = work / f"{algo}-s{seed}.json"
@@ -314,10 +314,11 @@ def _plan(args: argparse.Namespace, seeds: list[int], algos: list[str], work: Pa
                 problem = reuse_problem(out, settings, sha256)
                 if problem is not None:
                     problems.append(problem)
+                    # the same run without the curve asked for would be reused
+                    without_curve = {k: v for k, v in settings.items() if k != "eval_every"}
+                    curve_only = curve_only and reuse_problem(out, without_curve, sha256) is None
             plan.append((algo, seed, out, wargs, reuse))
     if problems:
-        # runs that differ only in lacking the curve asked for can be reused by not asking for it
-        curve_only = all(line.strip().startswith("eval_every:") for p in problems for line in p.splitlines()[1:])
         raise CrosscheckError(
             f"--work {work} holds runs that cannot be reused:\n  " + "\n  ".join(problems)
             + "\nuse another --work directory, or delete those files to run them again"
