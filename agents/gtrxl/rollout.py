@@ -216,8 +216,9 @@ class RolloutBuffer:
 
 
 def warn_window_past_time_limit(window: int, time_limit: int | None, env_id: str) -> None:
-    """Warn on rank 0 when a plain window (``agent.window``, > 0) is longer than the time limit:
-    its extra slots are always masked padding."""
+    """Warn on rank 0 when a plain window (``agent.window``, in steps; 0 = memory mode) is longer
+    than ``time_limit`` (the environment's ``max_episode_steps``; None: no limit): its extra slots
+    are always masked padding. Raises nothing."""
     if time_limit is not None and window > time_limit and dist_info().is_main:
         log.warning("gtrxl_ppo: agent.window=%d but %s episodes run at most %d steps, so the window never "
                     "holds more than %d valid steps and the other %d slots are masked padding; "

@@ -89,7 +89,7 @@ def plot_curve_panels(panels: Mapping[str, Mapping[str, Mapping[str, Any]]], met
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
-    _thousands = FuncFormatter(lambda x, _: f"{x / 1000:g}k" if abs(x) >= 1000 else f"{x:g}")
+    thousands = FuncFormatter(lambda x, _: f"{x / 1000:g}k" if abs(x) >= 1000 else f"{x:g}")
     n = max(1, len(panels))
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.8), squeeze=False, sharey=True)
     labels = list(dict.fromkeys(label for curves in panels.values() for label in curves))
@@ -106,7 +106,7 @@ def plot_curve_panels(panels: Mapping[str, Mapping[str, Mapping[str, Any]]], met
             ax.fill_between(c["steps"], lo, hi, color=line.get_color(), alpha=0.15)
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("updates")
-        ax.xaxis.set_major_formatter(_thousands)  # 20k, not 20000 (ticks of 5 digits run together)
+        ax.xaxis.set_major_formatter(thousands)  # 20k, not 20000 (ticks of 5 digits run together)
         ax.grid(True, alpha=0.3)
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), fontsize=8, ncol=2, frameon=False)
     axes[0][0].set_ylabel(metric)
