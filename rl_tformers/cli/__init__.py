@@ -21,6 +21,8 @@ from pathlib import Path
 import typer
 from typer.core import TyperGroup
 
+from rl_tformers.runtime.host import retain_freed_memory
+
 #: Exit status of bad input (arguments, configs, datasets, files): one ``error: ...`` line on
 #: stderr names what is at fault. A failure inside the computation exits 1.
 BAD_INPUT = 2
@@ -238,6 +240,7 @@ def main() -> None:
     import signal
 
     short_warnings()
+    retain_freed_memory()  # activations freed on every call are served again without page faults
     # installed before the command runs, so no moment exists between "the run is saved" and
     # "a Ctrl-C is ignored" in which the default handler could still end the process
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
