@@ -190,7 +190,10 @@ class OneDNNLinear(nn.Linear):
         b = self.bias
         if b is not None and not b.is_contiguous():  # oneDNN reads a strided bias as if packed
             b = b.contiguous()
-        y = _OneDNNLinearFunction.apply(x2, self.weight, b, relu)  # (M, N)
+        if torch.is_grad_enabled():
+            y = _OneDNNLinearFunction.apply(x2, self.weight, b, relu)  # (M, N)
+        else:  # no_grad / inference_mode (acting, evaluation): the product alone, without the
+            y = _lin(x2, self.weight, b, "relu" if relu else "none")  # autograd Function's ~0.1 ms a call
         return y.view(*x.shape[:-1], y.shape[-1])  # (..., N)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -55,6 +55,24 @@ def test_onednn_linear_equals_f_linear_forward_and_gradients(shape, bias) -> Non
 
 
 @needs_onednn
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("relu", [False, True])
+def test_without_gradients_the_product_runs_alone_with_the_same_values(grad_mode, relu) -> None:
+    """Acting and evaluation (no_grad, inference_mode) call oneDNN's product without the autograd
+    Function: the output has no graph and equals the training path's bit for bit."""
+    torch.manual_seed(2)
+    lin = nn.Linear(6, 9)
+    cm.apply_cpu_matmul(lin, "onednn")
+    x = torch.randn(4, 7, 6)
+    fn = lin.forward_relu if relu else lin
+    with_graph = fn(x)
+    with grad_mode():
+        y = fn(x)
+    assert with_graph.grad_fn is not None and y.grad_fn is None and not y.requires_grad
+    assert torch.equal(y, with_graph.detach())
+
+
+@needs_onednn
 def test_onednn_linear_on_a_non_contiguous_input_and_a_frozen_weight() -> None:
     torch.manual_seed(1)
     lin = nn.Linear(8, 3)
