@@ -27,6 +27,7 @@ from rl_tformers.agents.decision_transformer.policy import DTPolicy
 from rl_tformers.agents.gtrxl.agent import GTrXLPolicy
 from rl_tformers.agents.gtrxl.model import GTrXLConfig, GTrXLModel
 from rl_tformers.runtime.agent_registry import build_agent
+from rl_tformers.runtime.cpu_matmul import apply_cpu_matmul
 from rl_tformers.runtime.run_config import compose
 
 #: the profile's environments: gymnasium id -> the DT's default target return
@@ -51,7 +52,9 @@ class BenchPolicy:
 def train_small_dt(dataset: str, updates: int, seed: int, device: str,
                    log: Callable[[str], None] = lambda m: None) -> BenchPolicy:
     """A DT of 64 dims and 2 layers (``dt/hopper_medium`` otherwise) trained ``updates`` updates
-    (AdamW, lr 1e-3, no warm-up, no dropout) on ``dataset``; 0 updates: the untrained model.
+    (AdamW, lr 1e-3, no warm-up, no dropout) on ``dataset``; 0 updates: the untrained model. On
+    the CPU its ``nn.Linear`` products run in the library ``cpu_matmul: auto`` picks on this host,
+    as a run's do in training and evaluation (named in the description).
 
     Raises:
         ConfigError, AgentBuildError, OSError: the dataset cannot be read or the agent built.
@@ -61,6 +64,9 @@ def train_small_dt(dataset: str, updates: int, seed: int, device: str,
                                        "agent.embed_dropout=0.0"])
     torch.manual_seed(seed)
     agent = build_agent(cfg, Path(tempfile.mkdtemp(prefix="rlt-bench-eval-")), torch.device(device))
+    lib = str(cfg.cpu_matmul)  # cpu_matmul: auto, resolved by compose
+    if torch.device(device).type == "cpu":  # the GEMM library a run trains and is evaluated with (load_run)
+        apply_cpu_matmul(agent.model, lib)
     if updates > 0:
         agent.model.train()
         opt = torch.optim.AdamW(agent.model.parameters(), lr=TRAIN_LR, weight_decay=1e-4)
@@ -74,8 +80,9 @@ def train_small_dt(dataset: str, updates: int, seed: int, device: str,
             if (step + 1) % 100 == 0:
                 log(f"train: update {step + 1}/{updates}, loss {float(loss.detach()):.4f}")
     agent.model.eval()
-    what = (f"a DT of 64 dims, 2 layers, K = 20 trained {updates} updates on {dataset} (seed {seed})" if updates
-            else f"an untrained DT of 64 dims, 2 layers, K = 20 (dt/hopper_medium on {dataset}, seed {seed})")
+    what = (f"a DT of 64 dims, 2 layers, K = 20 trained {updates} updates on {dataset} (seed {seed}; cpu_matmul {lib})"
+            if updates else
+            f"an untrained DT of 64 dims, 2 layers, K = 20 (dt/hopper_medium on {dataset}, seed {seed}; cpu_matmul {lib})")
     return BenchPolicy(agent.policy(), agent.make_env(), agent.default_targets()[0], what, agent.model)
 
 

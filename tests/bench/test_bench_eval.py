@@ -46,6 +46,21 @@ def test_the_default_policy_is_trained_inside_the_benchmark_and_profiled(tiny_hd
     assert "| gtrxl | CartPole-v1 |" in text and "policy share" in text and "load average at start" in text
 
 
+def test_the_default_dt_computes_with_the_gemm_library_a_run_would(tiny_hdf5):
+    """The small DT's linear layers run in the library cpu_matmul: auto picks on this host (as a
+    trained run's do when evaluated), and its description names it."""
+    from torch import nn
+
+    from rl_tformers.bench._eval_policies import train_small_dt
+    from rl_tformers.runtime.cpu_matmul import OneDNNLinear, resolve_cpu_matmul
+
+    bp = train_small_dt(str(tiny_hdf5), 0, 0, "cpu")
+    lib = resolve_cpu_matmul("auto")
+    assert bp.what.endswith(f"; cpu_matmul {lib})")
+    linears = [m for m in bp.model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(isinstance(m, OneDNNLinear) == (lib == "onednn") for m in linears)
+
+
 def test_an_evaluation_that_plays_other_episodes_with_n_envs_fails_with_exit_1(tiny_hdf5, monkeypatch):
     """The benchmark asserts that every N plays the episodes of one at a time: a policy whose
     action depends on the batch size makes it stop with one error line, exit 1."""
