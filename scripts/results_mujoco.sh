@@ -11,7 +11,7 @@
 #   ALGOS="bc bc10" PEERS=0 scripts/results_mujoco.sh   # some of the algorithms (dt, bc, bc10), no peers
 #   OUT=/tmp/r DOC=/tmp/d SEEDS=0 BUDGET="train.steps=40 eval.every=20" scripts/results_mujoco.sh medium   # a dry run
 #
-# Each row is one `rl-tformers sweep` over seeds 0-2: running the script again skips finished
+# Each row is one `rl-tformers sweep` over seeds 0-2 (JOBS=2: two seeds at a time): running the script again skips finished
 # runs and resumes interrupted ones from their last checkpoint (every 2k updates), so it can be
 # stopped and restarted at will. The datasets are the version 1 recipes (docs/data.md):
 #   rl-tformers collect --recipe hopper-medium --recipe hopper-expert --recipe hopper-medium-expert --recipe hopper-medium-replay
@@ -43,7 +43,7 @@ for l in "$@"; do
     esac
     d=$OUT/$a-$TASK-$l
     # shellcheck disable=SC2086
-    OMP_NUM_THREADS=1 "$RLT" sweep -c "$cfg" --seeds "$SEEDS" --jobs 1 --threads 1 --out "$d" $B ${EXTRA:-}
+    OMP_NUM_THREADS=1 "$RLT" sweep -c "$cfg" --seeds "$SEEDS" --jobs "${JOBS:-1}" --threads 1 --out "$d" $B ${EXTRA:-}
     cp "$d/results.json" "$DOC/$a-$TASK-$l.json"
     [ -f "$d/curves.json" ] && cp "$d/curves.json" "$DOC/$a-$TASK-$l.curves.json"
   done
