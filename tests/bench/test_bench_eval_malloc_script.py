@@ -33,3 +33,18 @@ def test_each_process_records_the_allocator_setting_it_ran_with(tiny_hdf5, tmp_p
 def test_the_script_needs_an_output_folder():
     r = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=30)
     assert r.returncode != 0 and "usage: scripts/bench_eval_malloc.sh OUT_DIR" in r.stderr
+
+
+FORWARD_SCRIPT = SCRIPT.parent / "dt_forward_malloc.py"
+
+
+def test_the_forward_script_alternates_the_two_settings_process_by_process(tmp_path):
+    out = tmp_path / "f.json"
+    r = subprocess.run([sys.executable, str(FORWARD_SCRIPT), "--rounds", "1", "--reps", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [x["malloc"] for x in res["rounds"]] == ["glibc", "retained"] and res["library"] == "mkl"
+    assert all(set(x["ms_per_forward"]) == {"1", "10", "50"} and min(x["ms_per_forward"].values()) > 0
+               for x in res["rounds"])
+    assert r.stdout.splitlines()[0].startswith("round 1 glibc: N=1 ")
