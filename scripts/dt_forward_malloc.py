@@ -55,14 +55,19 @@ def child(library: str, reps: int) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The script's options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="pairs of processes (glibc, retained)")
     ap.add_argument("--library", choices=("mkl", "onednn"), default="mkl", help="cpu_matmul of the model")
     ap.add_argument("--reps", type=int, default=40, help="calls per timed block")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="JSON file to write")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     if a.child:
         print(json.dumps(child(a.library, a.reps)))
         return

@@ -42,6 +42,7 @@ from tests.docs.markdown import (
     prose,
     recorded_commands,
 )
+from tests.scripts import script_module
 
 ROOT_CMD = typer.main.get_command(app)
 
@@ -196,7 +197,10 @@ def test_every_long_flag_in_prose_belongs_to_some_command() -> None:
 
     # python -m rl_tformers.bench.crosscheck, a documented command outside the rl-tformers tree
     crosscheck = {o for a in crosscheck_parser()._actions for o in a.option_strings if o.startswith("--")}
-    known |= set(walk(ROOT_CMD)) | {"--help"} | crosscheck
+    # python scripts/dt_forward_malloc.py, the other documented argparse command
+    forward = {o for a in script_module("dt_forward_malloc").build_parser()._actions for o in a.option_strings
+               if o.startswith("--")}
+    known |= set(walk(ROOT_CMD)) | {"--help"} | crosscheck | forward
     bad = [
         f"{p.name}: {f}"
         for p in DOCS
