@@ -218,7 +218,7 @@ def reuse_problem(path: Path, settings: dict[str, Any], sha256: str) -> str | No
         was = (f"{data.get('sha256')} ({data.get('dataset')})" if data.get("sha256")
                else "not recorded (made by an older cross-check)")
         diffs.append(f"dataset sha256: {was} (stored) -> {sha256} (requested)")
-    return f"{path} was made with other settings:\n    " + "\n    ".join(diffs) if diffs else None
+    return f"{path} was made with other settings: " + ", ".join(diffs) if diffs else None
 
 
 def summarise(runs: list[dict[str, Any]], ref: tuple[float, float]) -> list[dict[str, Any]]:
@@ -320,8 +320,8 @@ def _plan(args: argparse.Namespace, seeds: list[int], algos: list[str], work: Pa
             plan.append((algo, seed, out, wargs, reuse))
     if problems:
         raise CrosscheckError(
-            f"--work {work} holds runs that cannot be reused:\n  " + "\n  ".join(problems)
-            + "\nuse another --work directory, or delete those files to run them again"
+            f"--work {work} holds runs that cannot be reused: " + "; ".join(problems)
+            + "; use another --work directory, or delete those files to run them again"
             + (" (or drop --eval-every to reuse them as they are, without a learning curve)" if curve_only else ""))
     return plan
 

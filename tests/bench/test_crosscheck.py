@@ -172,6 +172,7 @@ def test_crosscheck_reuses_a_run_only_with_the_same_settings_and_data(tmp_path, 
     assert f"{tmp_path / 'work' / 'bc-s0.json'} was made with other settings:" in err
     assert "steps: 5 (stored) -> 6 (requested)" in err
     assert "use another --work directory, or delete those files" in err
+    assert len(err.strip().splitlines()) == 1  # one line naming every file at fault
     # another DT target: only the DT run differs
     assert cc.main(_cc(tmp_path, hopper_h5, "--extra-targets", "3300")) == 2
     err = capsys.readouterr().err
