@@ -13,6 +13,8 @@ cd "$(dirname "$0")/.."
 # shellcheck source=scripts/tools.sh
 source scripts/tools.sh
 out=${1:?usage: scripts/bench_eval_malloc.sh OUT_DIR}
+# glibc's own variables would keep its settings in both processes (retain_freed_memory)
+unset MALLOC_MMAP_THRESHOLD_ MALLOC_TRIM_THRESHOLD_ MALLOC_TOP_PAD_ GLIBC_TUNABLES
 mkdir -p "$out"
 # shellcheck disable=SC2086
 for r in $(seq 1 "${ROUNDS:-2}"); do

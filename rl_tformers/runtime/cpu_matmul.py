@@ -172,7 +172,9 @@ class OneDNNLinear(nn.Linear):
     ``torch.compile`` traces (``train.compile=true``: the compiler picks its own kernels;
     inductor cannot lower this operator inside a training graph) or that runs under a
     ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``...: the custom autograd function
-    has no functorch rules).
+    has no functorch rules). Without gradients (``torch.no_grad``, ``torch.inference_mode``:
+    acting, evaluation) oneDNN's product is called directly, not through the autograd function
+    (the same values; about 0.1 ms less per call).
     """
 
     def _onednn(self, x: Tensor) -> bool:

@@ -103,8 +103,7 @@ def retain_freed_memory() -> dict[str, int] | None:
     their page faults every time. Measured on a 2-core AMD EPYC (family 26 model 2), 1 thread: the
     forward pass of a 64-dim, 2-layer DT (K = 20) over 50 rows took 11.5-12.4 ms with glibc's
     defaults and 8.1-8.4 ms with these settings (``scripts/dt_forward_malloc.py``, MKL's products;
-    its ReLU 677 -> 158 us and its copies 75 -> 17 us per call in the profile; ``docs/performance.md``,
-    Evaluation). Settings: ``M_MMAP_THRESHOLD`` 32 MiB (allocations
+    ``docs/performance.md``, Evaluation). Settings: ``M_MMAP_THRESHOLD`` 32 MiB (allocations
     below it come from the heap) and ``M_TRIM_THRESHOLD`` 256 MiB (up to that much free memory
     at the heap's top stays mapped), so a process's resident memory stays near its peak.
 
