@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from rl_tformers.backbone import Backbone, check_compatible
 from rl_tformers.backbone_config import BackboneConfig, BuildContext, IncompatibleConfig
 from rl_tformers.blocks.base import build_ffn
+from rl_tformers.dropout import Dropout
 from rl_tformers.position.base import PositionModule, check_position_dtype
 from rl_tformers.registry import ATTENTION, REGISTRIES, config_to_dict
 from rl_tformers.types import AttnContext, BackboneOutput, merge_into
@@ -201,7 +202,7 @@ class DecoderLayer(nn.Module):
         self.cross_attn = cross_cfg.build(ctx, PositionModule())
         self.ffn = build_ffn(ctx)
         self.norm1, self.norm2, self.norm3 = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
-        self.dropout = nn.Dropout(ctx.config.dropout)
+        self.dropout = Dropout(ctx.config.dropout)
         self.pre_norm = pre_norm
 
     def forward(self, y: Tensor, enc: Tensor, self_ctx: AttnContext, cross_ctx: AttnContext):

@@ -16,6 +16,8 @@ from typing import Any
 from rl_tformers.agents.common.encoders import EncoderConfig, ObservationEncoder
 from torch import Tensor, nn
 
+from rl_tformers.dropout import Dropout
+
 
 @dataclass(frozen=True)
 class BCConfig:
@@ -92,7 +94,7 @@ class BCModel(nn.Module):
         layers: list[nn.Module] = []
         width = self.encode_obs.out_features
         for h in cfg.hidden:
-            layers += [nn.Linear(width, h), nn.ReLU(), nn.Dropout(cfg.dropout)]
+            layers += [nn.Linear(width, h), nn.ReLU(), Dropout(cfg.dropout)]
             width = h
         layers.append(nn.Linear(width, cfg.act_dim))
         if not cfg.discrete:

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from rl_tformers.backbone import Backbone
 from rl_tformers.backbone_config import BackboneConfig
 from rl_tformers.depth.early_exit import SCHEMES, with_final_norm
+from rl_tformers.dropout import Dropout
 from rl_tformers.position.base import embedding_table
 from rl_tformers.types import BackboneOutput, TokenIndex, take_tokens
 
@@ -295,7 +296,7 @@ class DecisionTransformer(nn.Module):
         self.embed_state = nn.Linear(self.encode_obs.out_features, d)
         self.embed_action = nn.Embedding(cfg.act_dim, d) if cfg.discrete else nn.Linear(cfg.act_dim, d)
         self.embed_ln = nn.LayerNorm(d)
-        self.embed_drop = nn.Dropout(cfg.embed_dropout)
+        self.embed_drop = Dropout(cfg.embed_dropout)
         out = 2 * cfg.act_dim if cfg.head == "gaussian" else cfg.act_dim
         self.head = nn.Linear(d, out)
         if cfg.embed_init == "gpt2":  # "paper": keep PyTorch's defaults, as the official code does

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rl_tformers.attention.base import AttentionModule, KVCache
+from rl_tformers.dropout import dropout
 from rl_tformers.position.base import PositionModule
 from rl_tformers.types import AttnContext, AttnOutput, neg_inf, to_acc
 
@@ -433,7 +434,7 @@ def _scored_blocks(h: Heads, piece: Piece, position: PositionModule, qg: Tensor,
     if need_lse:
         lse = torch.logsumexp(scores, dim=-1)  # (B, h, N, bq)
         lse = lse.masked_fill(~row_ok, float("-inf"))
-    p = F.dropout(probs, dropout_p) if dropout_p > 0 else probs
+    p = dropout(probs, dropout_p) if dropout_p > 0 else probs
     p = p.to(vg.dtype)
     if position.value_bias:
         p = p * row_ok[..., None]  # the value term must not see an empty row's uniform probs

@@ -19,10 +19,10 @@ sits at key index M + i); ``ctx.allowed()`` is never called.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from rl_tformers.backbone_config import IncompatibleConfig
+from rl_tformers.dropout import dropout
 from rl_tformers.position.base import PositionModule
 from rl_tformers.types import to_acc
 
@@ -83,7 +83,7 @@ def group_attention(
         lse = torch.where(live, torch.logsumexp(scores, dim=-1), float("-inf"))  # (..., n)
         probs = torch.exp(scores - torch.where(live, lse, 0.0)[..., None])  # exp(min - .) = 0 where masked
         if dropout_p > 0:
-            probs = F.dropout(probs, dropout_p)
+            probs = dropout(probs, dropout_p)
         return probs @ to_acc(v).to(probs.dtype), lse
 
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rl_tformers.backbone_config import SlotConfig
+from rl_tformers.dropout import dropout
 from rl_tformers.position.base import PositionModule
 from rl_tformers.types import AttnContext, AttnOutput, neg_inf, state_type, to_acc
 
@@ -228,7 +229,7 @@ def attention_reference(
     if allowed is not None:
         probs = probs * allowed.any(dim=-1, keepdim=True)  # rows with no key -> 0
     probs = probs.to(q.dtype)
-    p = F.dropout(probs, dropout_p) if dropout_p > 0 else probs
+    p = dropout(probs, dropout_p) if dropout_p > 0 else probs
     out = torch.matmul(p, v)
     if value_term is not None:
         extra = value_term(p)
@@ -313,7 +314,7 @@ def _attention_dropout_cpu(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
         scores = torch.bmm(qf, kt) * scale  # (BH, T, S)
     else:
         scores = torch.baddbmm(mask.expand(b, h, t, s).reshape(b * h, t, s), qf, kt, alpha=scale)  # (BH, T, S)
-    p = F.dropout(torch.softmax(scores, dim=-1), dropout_p)
+    p = dropout(torch.softmax(scores, dim=-1), dropout_p)
     return torch.bmm(p, v.reshape(b * h, s, dh)).view(b, h, t, dh)  # (B, H, T, Dh)
 
 

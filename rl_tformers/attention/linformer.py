@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from rl_tformers.attention.base import AttentionConfig, AttentionModule
 from rl_tformers.backbone_config import IncompatibleConfig
+from rl_tformers.dropout import dropout
 from rl_tformers.registry import ATTENTION, Capabilities
 from rl_tformers.types import AttnContext, AttnOutput, to_acc
 
@@ -205,7 +206,7 @@ class LinformerAttention(AttentionModule):
             probs = torch.softmax(scores, dim=-1)
             probs = probs * valid.any(1).view(b, 1, 1, 1)  # a row without valid keys -> 0
             if self.dropout_p > 0:
-                probs = F.dropout(probs, self.dropout_p)
+                probs = dropout(probs, self.dropout_p)
             y = (probs @ to_acc(pv)).to(v.dtype)  # (B, H, T, Dh)
         return AttnOutput(self.o_proj(self.merge_heads(y)))
 

@@ -14,7 +14,9 @@ change of machine load hits every implementation alike):
   placement: exactly the peers' model, the like-for-like row), optionally ``ours+bf16``
   (``train.amp=bf16``), ``ours+compile`` (``train.compile=true``) and ``ours-ffn-dropout``
   (``backbone.ffn_dropout=0.1``: dropout also on the feed-forward hidden layer, the placement
-  the DT shipped before; ``--ffn-dropout-row``).
+  the DT shipped before; ``--ffn-dropout-row``) and ``ours+torch-dropout`` (every dropout through
+  ``F.dropout``, one Mersenne Twister draw per element, instead of the backbone library's four
+  16-bit lanes per 64-bit draw, :mod:`rl_tformers.dropout`; ``--torch-dropout-row``).
 - **d3rlpy** 2.8 ``DecisionTransformer`` (its reproduction-script settings) and **hf**
   ``transformers.DecisionTransformerModel`` (sdpa attention, ``torch.optim.AdamW``), each in a
   worker process of the peers' virtual environment (``--build-peers`` makes
@@ -71,6 +73,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rl_tformers.agents.decision_transformer.agent import to_model_batch
 from rl_tformers.bench.options import check_counts, check_device, check_out, emit_result, fail
+from rl_tformers.dropout import torch_draws
 from rl_tformers.runtime.cpu_matmul import onednn_linear_available, resolve_cpu_matmul
 from rl_tformers.runtime.data import batch_stream
 from rl_tformers.runtime.device import move_to
@@ -93,6 +96,8 @@ FFN_DROPOUT_ROW = "ours-ffn-dropout"
 #: the row with PyTorch's own float32 GEMMs (MKL), measured where the shipped ``cpu_matmul: auto``
 #: resolves to oneDNN (:mod:`rl_tformers.runtime.cpu_matmul`)
 MKL_ROW = "ours+mkl"
+#: the optional row whose dropouts draw from PyTorch's ``F.dropout`` (:func:`rl_tformers.dropout.torch_draws`)
+TORCH_DROPOUT_ROW = "ours+torch-dropout"
 
 
 def _peak_key(dtype: str, library: str) -> str:
@@ -148,6 +153,7 @@ class Settings:
     bf16: bool = False
     compile: bool = False
     ffn_dropout_row: bool = False
+    torch_dropout_row: bool = False
     matmul_sizes: tuple[int, ...] = (512, 1024, 2048)
     seed: int = 0
     overrides: tuple[str, ...] = ()
@@ -275,20 +281,29 @@ class OursRunner:
         self.amp = tr.amp
         #: the GEMM library of the float32 CPU linear layers (``cpu_matmul``, ``auto`` resolved)
         self.cpu_matmul = str(tr.cfg.get("cpu_matmul", "mkl"))
+        #: the dropout draws of its updates: PyTorch's (``TORCH_DROPOUT_ROW``) or the library's
+        self.draws = torch_draws if name == TORCH_DROPOUT_ROW else contextlib.nullcontext
 
     @property
     def device(self) -> torch.device:
         return self.trainer.device
 
-    def step(self, mode: str) -> None:
+    def step(self, mode: str) -> torch.Tensor:
+        """One update (``e2e``: on the next sampled batch; ``model``: on a pre-sampled one); its
+        loss, a 0-dim tensor on the device (not synchronised)."""
+        with self.draws():
+            return self._step(mode)
+
+    def _step(self, mode: str) -> torch.Tensor:
         tr = self.trainer
         if mode == "e2e":  # the body of Trainer._train_step: next batch, to device, update, window
             batch = self.move_to(next(self.stream), tr.device)
             loss, grad_norm, logs = tr.update(batch)
             tr.window.add({"train/loss": loss, "train/grad_norm": grad_norm, **dict(logs)}, samples=64)
-        else:
-            tr.update(self.presampled[self.i % len(self.presampled)])
-            self.i += 1
+            return loss
+        loss = tr.update(self.presampled[self.i % len(self.presampled)])[0]
+        self.i += 1
+        return loss
 
     def run(self, mode: str, steps: int) -> float:
         sync(self.device)
@@ -304,7 +319,7 @@ class OursRunner:
         """FLOPs of one update (forward + backward matmuls/attention; FlopCounterMode)."""
 
         fc = FlopCounterMode(display=False)
-        with fc:
+        with fc, self.draws():
             self.trainer.update(self.presampled[0])
         return int(fc.get_total_flops())
 
@@ -506,6 +521,8 @@ def our_variants(s: Settings) -> list[tuple[str, list[str]]]:
         out.append(("ours+compile", ["train.compile=true"]))
     if s.ffn_dropout_row:
         out.append((FFN_DROPOUT_ROW, ["backbone.ffn_dropout=0.1"]))
+    if s.torch_dropout_row:
+        out.append((TORCH_DROPOUT_ROW, []))
     if s.device == "cpu" and resolve_cpu_matmul("auto") != "mkl" and not any(
             o.startswith("cpu_matmul=") for o in s.overrides):
         out.append((MKL_ROW, ["cpu_matmul=mkl"]))  # the shipped default runs oneDNN here: show MKL's
@@ -762,6 +779,8 @@ def register(bench_app) -> None:
         compile_: bool = typer.Option(False, "--compile", help="Also measure ours with train.compile=true."),
         ffn_dropout_row: bool = typer.Option(
             False, "--ffn-dropout-row", help=f"Also measure {FFN_DROPOUT_ROW} (backbone.ffn_dropout=0.1)."),
+        torch_dropout_row: bool = typer.Option(
+            False, "--torch-dropout-row", help=f"Also measure {TORCH_DROPOUT_ROW} (every dropout through F.dropout)."),
         matmul_sizes: str = typer.Option("512,1024,2048", help="Sizes n of the n x n matmuls of the peak."),
         memory: bool = typer.Option(
             False, "--memory", help="Also measure each implementation's observations and process RSS."),
@@ -781,7 +800,7 @@ def register(bench_app) -> None:
             fail(f"--matmul-sizes {matmul_sizes!r}: {bad[0]!r} is not a whole number (e.g. 512,1024,2048)")
         s = Settings(task=task, dataset=dataset, device=device, threads=threads, repeats=repeats, steps=steps,
                      warmup=warmup, peers=peer_list, peer_python=peer_python, bf16=bf16, compile=compile_,
-                     ffn_dropout_row=ffn_dropout_row, matmul_sizes=tuple(int(x) for x in sizes),
+                     ffn_dropout_row=ffn_dropout_row, torch_dropout_row=torch_dropout_row, matmul_sizes=tuple(int(x) for x in sizes),
                      overrides=tuple(overrides or ()), memory=memory)
         try:
             s.check()

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rl_tformers.backbone_config import SlotConfig
+from rl_tformers.dropout import Dropout
 from rl_tformers.types import AttnContext, BlockOutput, LayerState, TokenIndex, take_tokens
 
 
@@ -52,7 +53,7 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(d_model, d_ff)
         self.fc2 = nn.Linear(d_ff, d_model)
         self.act = _ACT[activation]
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.chunks = chunks
 
     def _ff(self, x: Tensor) -> Tensor:
@@ -94,7 +95,7 @@ class BlockModule(nn.Module):
         if wrap is not None:
             self.attn = wrap(ctx, self.attn)
         self.ffn = build_ffn(ctx)
-        self.dropout = nn.Dropout(ctx.config.dropout)
+        self.dropout = Dropout(ctx.config.dropout)
 
     def transition(self, x: Tensor, ctx: AttnContext) -> Tensor:
         """The feed-forward sub-layer on x (B, T, D) -> (B, T, D): ``self.ffn(x)``, or

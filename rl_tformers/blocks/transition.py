@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rl_tformers.blocks.base import _ACT
+from rl_tformers.dropout import Dropout
 from rl_tformers.types import AttnContext
 
 
@@ -91,7 +92,7 @@ class SepConvTransition(nn.Module):
         self.conv1 = SeparableConv(d_model, d_ff, width)
         self.conv2 = SeparableConv(d_ff, d_model, width)
         self.act = _ACT[activation]
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor, ctx: AttnContext) -> Tensor:
         t = x.shape[1]

@@ -1,5 +1,6 @@
 """Dense attention on CPU with dropout (``attention_sdpa``'s explicit fp32 path) and the per-context
-additive mask: the same values as PyTorch's SDPA, dropout mask included (same seed, same draws)."""
+additive mask: the same values as PyTorch's SDPA with the dropout mask of
+:func:`rl_tformers.dropout.keep_mask` drawn under the same seed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from rl_tformers.attention.base import attention_reference, attention_sdpa
+from rl_tformers.dropout import keep_mask, quantised_p
 from rl_tformers.types import AttnContext
 
 
@@ -24,20 +26,23 @@ def _ctx(b=3, t=7):
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_explicit_cpu_path_is_torch_sdpa_with_the_same_dropout_draws(with_bias):
+def test_explicit_cpu_path_is_torch_sdpa_with_the_dropout_module_draws(with_bias):
     q, k, v = _qkv()
     ctx = _ctx()
     allowed = ctx.allowed()
     bias = torch.randn(1, 2, 7, 7) if with_bias else None
     torch.manual_seed(3)
     ours = attention_sdpa(q, k, v, allowed, scale=0.5, bias=bias, dropout_p=0.3)
-    # what PyTorch computes (its math path) for the same inputs and seed
+    # PyTorch's attention without dropout, its probabilities times the keep mask of the same seed
     row_ok = allowed.any(-1, keepdim=True)
     mask = allowed | ~row_ok
     if bias is not None:
         mask = bias.masked_fill(~mask, torch.finfo(torch.float32).min)
     torch.manual_seed(3)
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.3, scale=0.5) * row_ok
+    keep = keep_mask((3, 2, 7, 7), 0.3)
+    identity = torch.eye(7).expand(3, 2, 7, 7)  # SDPA's probabilities: attention over the identity as values
+    probs = F.scaled_dot_product_attention(q, k, identity, attn_mask=mask, scale=0.5)
+    ref = (probs * keep / (1 - quantised_p(0.3))) @ v * row_ok
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
     assert (ours[1, :, :3] == 0).all()  # rows without an allowed key return zeros
     if not with_bias:

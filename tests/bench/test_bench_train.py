@@ -63,6 +63,20 @@ def test_variants_are_the_shipped_config_plus_one_override():
     # with the library given as an override (or on a GPU) there is no extra MKL row
     assert bt.our_variants(bt.Settings(overrides=("cpu_matmul=onednn",))) == [("ours", [])]
     assert bt.our_variants(bt.Settings(device="cuda")) == [("ours", [])]
+    # the PyTorch-dropout row: the shipped config, its updates inside torch_draws()
+    assert ("ours+torch-dropout", []) in bt.our_variants(bt.Settings(torch_dropout_row=True))
+
+
+def test_the_torch_dropout_row_draws_its_dropouts_from_f_dropout(tiny_hdf5, tmp_path, monkeypatch):
+    calls = []
+    real = torch.nn.functional.dropout
+    monkeypatch.setattr(torch.nn.functional, "dropout", lambda *a, **k: calls.append(1) or real(*a, **k))
+    s = _settings(tiny_hdf5, torch_dropout_row=True)
+    ours = bt.OursRunner("ours", s, list(TINY), tmp_path / "a")
+    ours.step("model")
+    assert calls == []  # the library's lanes
+    bt.OursRunner(bt.TORCH_DROPOUT_ROW, s, list(TINY), tmp_path / "b").step("model")
+    assert calls  # every dropout of the update through F.dropout
 
 
 def test_ours_is_the_peers_dropout_placement(tiny_hdf5, tmp_path):
