@@ -73,3 +73,27 @@ def test_additive_mask_is_cached_per_context_and_dtype():
     sub = ctx.select_queries(slice(1, None, 3))
     assert sub.additive_mask(torch.float32)[0].shape == (3, 1, 2, 7)
     assert ctx.select(0, 2).additive_mask(torch.float32)[0].shape == (3, 1, 2, 7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_cpu_attention_with_dropout_is_the_float32_path_cast_back(dtype):
+    q, k, v = (x.to(dtype) for x in _qkv())
+    allowed = _ctx().allowed()
+    torch.manual_seed(3)
+    low = attention_sdpa(q, k, v, allowed, scale=0.5, dropout_p=0.3)
+    torch.manual_seed(3)
+    ref = attention_sdpa(q.float(), k.float(), v.float(), allowed, scale=0.5, dropout_p=0.3)
+    assert low.dtype == dtype and torch.equal(low, ref.to(dtype))  # the same draws, float32 inside
+
+
+def test_the_bf16_path_runs_in_float32_under_autocast_and_passes_gradients():
+    q, k, v = (x.bfloat16().requires_grad_() for x in _qkv())
+    allowed = _ctx().allowed()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(3)
+        out = attention_sdpa(q, k, v, allowed, scale=0.5, dropout_p=0.3)
+    torch.manual_seed(3)
+    ref = attention_sdpa(q.detach().float(), k.detach().float(), v.detach().float(), allowed, scale=0.5, dropout_p=0.3)
+    assert torch.equal(out, ref.bfloat16())  # autocast does not send the float32 products back to bf16
+    out.float().sum().backward()
+    assert all(x.grad is not None and x.grad.dtype == torch.bfloat16 and x.grad.isfinite().all() for x in (q, k, v))

@@ -7,6 +7,7 @@ import json
 import sys
 
 import pytest
+
 from scripts import script_module
 
 ab = script_module("dropout_loss_ab")
