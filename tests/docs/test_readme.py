@@ -94,7 +94,7 @@ def test_readme_headline_results_rows_are_docs_results_md_rows() -> None:
 
 
 def test_readme_headline_performance_rows_are_docs_performance_md_rows() -> None:
-    header = "| ratio (same run, updates/s) | sample + update | update only |"
+    header = "| ratio (same run, updates/s), 1 thread | sample + update | update only |"
     readme_rows = table(README, header)
     perf_rows = table((DOCS_DIR / "performance.md").read_text(), header)
     assert len(readme_rows) == 5 and readme_rows == perf_rows
