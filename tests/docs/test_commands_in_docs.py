@@ -197,8 +197,8 @@ def test_every_long_flag_in_prose_belongs_to_some_command() -> None:
 
     # python -m rl_tformers.bench.crosscheck, a documented command outside the rl-tformers tree
     crosscheck = {o for a in crosscheck_parser()._actions for o in a.option_strings if o.startswith("--")}
-    # python scripts/dt_forward_malloc.py and scripts/dropout_loss_ab.py, the other documented argparse commands
-    forward = {o for name in ("dt_forward_malloc", "dropout_loss_ab")
+    # python scripts/dt_forward_malloc.py and scripts/loss_ab.py, the other documented argparse commands
+    forward = {o for name in ("dt_forward_malloc", "loss_ab")
                for a in script_module(name).build_parser()._actions for o in a.option_strings if o.startswith("--")}
     known |= set(walk(ROOT_CMD)) | {"--help"} | crosscheck | forward
     bad = [
