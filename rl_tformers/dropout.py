@@ -19,6 +19,7 @@ own stream: ``rl-tformers bench train --torch-dropout-row`` times the two in one
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -43,10 +44,15 @@ def torch_draws() -> Iterator[None]:
         _torch_draws = before
 
 
+def _dropped_levels(p: float) -> int:
+    """m = round(p * 65536): how many of a lane's 65536 values drop an element."""
+    return round(p * _LEVELS)
+
+
 def quantised_p(p: float) -> float:
     """The drop probability this module applies on the CPU for a requested ``p``: ``p`` rounded to
     a multiple of 2^-16 (``m / 65536``)."""
-    return round(p * _LEVELS) / _LEVELS
+    return _dropped_levels(p) / _LEVELS
 
 
 def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.device | str = "cpu") -> Tensor:
@@ -56,12 +62,10 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.devic
     Raises:
         ValueError: ``p`` outside (0, 1) after rounding to 2^-16 (nothing, or everything, dropped).
     """
-    m = round(p * _LEVELS)
+    m = _dropped_levels(p)
     if not 0 < m < _LEVELS:
         raise ValueError(f"dropout p={p} rounds to {m}/65536: use F.dropout for p this close to 0 or 1")
-    n = 1
-    for size in shape:
-        n *= int(size)
+    n = math.prod(int(size) for size in shape)
     words = torch.empty(-(-n // _LANES), dtype=torch.int64, device=device).random_(-(1 << 63), None)
     lanes = words.view(torch.int16)[:n].view(shape)  # uniform over [-32768, 32767]
     return lanes >= m - _LEVELS // 2
@@ -79,7 +83,7 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
     if not training or p == 0.0:
         return x
-    m = round(p * _LEVELS)
+    m = _dropped_levels(p)
     if _torch_draws or x.device.type != "cpu" or not x.is_floating_point() or not 0 < m < _LEVELS:
         return F.dropout(x, p, training=True)
     keep = keep_mask(x.shape, p, x.device)
